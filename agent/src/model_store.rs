@@ -1,0 +1,1 @@
+//! Model file location and fetching of the default model.

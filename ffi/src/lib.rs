@@ -1,0 +1,1 @@
+//! npu-ffi: raw C API declarations (CANN/ACL and aclnn, CUDA), loaded at run time.

@@ -1,0 +1,144 @@
+//! The plain data that crosses the scheduler/agent boundary: a step plan in, a step result out,
+//! and the sampling parameters a request slot is admitted with. These are the in-process forms;
+//! `shm` lays the same data out in the shared-memory segment.
+
+use serde::{Deserialize, Serialize};
+
+/// Sampling parameters, sent once when a request is admitted to an agent slot.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// false: greedy (argmax), whatever the other settings say.
+    pub do_sample: bool,
+    /// Softmax temperature; 0 means greedy.
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 disables.
+    pub top_k: u32,
+    /// Nucleus sampling mass in (0, 1]; 1 disables.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below min_p times the top probability; 0 disables.
+    pub min_p: f32,
+    /// CTRL-style repetition penalty over prompt and generated tokens; 1 disables.
+    pub repetition_penalty: f32,
+    /// OpenAI-style presence penalty over generated tokens; 0 disables.
+    pub presence_penalty: f32,
+    /// OpenAI-style frequency penalty over generated tokens; 0 disables.
+    pub frequency_penalty: f32,
+    /// Seed of the request's random stream; the same seed gives the same tokens.
+    pub seed: u64,
+    /// Number of most likely alternatives to return with their log-probabilities (0..=MAX_TOP_N).
+    pub top_n: u32,
+}
+
+/// Most alternatives a step result can carry per sequence.
+pub const MAX_TOP_N: usize = 20;
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            do_sample: false,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+            top_n: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    /// True when the next token is the argmax of the (penalised) logits.
+    pub fn is_greedy(&self) -> bool {
+        !self.do_sample || self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SeqStep {
+    /// The request slot on the agent (0..max_seqs); its sampling params were sent on admission.
+    pub slot: u32,
+    /// New tokens to process this step: a prefill chunk, or the one last sampled token.
+    pub tokens: Vec<u32>,
+    /// Position of the first new token (= tokens already in the KV cache for this sequence).
+    pub start_pos: u32,
+    /// KV block ids of the sequence, in order; covers positions 0..start_pos+tokens.len().
+    pub block_table: Vec<u32>,
+    /// KV slot of each new token: block_table[pos / block_size] * block_size + pos % block_size.
+    pub slot_mapping: Vec<u32>,
+    /// Whether to sample a token after this chunk (false for a prefill chunk that is not the last).
+    pub sample: bool,
+    /// How many tokens of `tokens` are prompt (the rest were generated); lets the agent keep the
+    /// per-slot token history that repetition penalties need.
+    pub n_prompt_tokens: u32,
+}
+
+impl SeqStep {
+    pub fn context_len(&self) -> u32 {
+        self.start_pos + self.tokens.len() as u32
+    }
+}
+
+/// A request admitted to an agent slot this step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Admission {
+    pub slot: u32,
+    pub params: SamplingParams,
+}
+
+/// What the scheduler asks of an agent for one step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepPlan {
+    pub step_id: u64,
+    /// Slots to forget before this step (finished, aborted or preempted requests).
+    pub forget: Vec<u32>,
+    /// Slots admitted before this step.
+    pub admit: Vec<Admission>,
+    pub seqs: Vec<SeqStep>,
+}
+
+impl StepPlan {
+    pub fn n_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// A token and its log-probability.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    /// Natural-log softmax probability under the model's distribution (before sampling filters).
+    pub logprob: f32,
+}
+
+/// The outcome for one sequence that sampled this step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SeqResult {
+    pub slot: u32,
+    pub token: TokenLogprob,
+    /// The most likely alternatives, best first (up to the slot's top_n).
+    pub top: Vec<TokenLogprob>,
+}
+
+/// Timing of one step on the agent, in microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepTiming {
+    pub forward_us: u64,
+    pub sample_us: u64,
+    pub total_us: u64,
+}
+
+/// What an agent answers for one step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepResult {
+    pub step_id: u64,
+    pub seqs: Vec<SeqResult>,
+    pub timing: StepTiming,
+}
