@@ -1,1 +1,4 @@
-//! placeholder
+//! npu-server: the serving process. YAML config, HTTP front ends (llm-serving and OpenAI APIs),
+//! the engine loop (scheduler + paged block manager) and the agent processes it drives.
+
+pub mod engine;
