@@ -1,6 +1,7 @@
 //! npu-agent: the worker agent's engine. It loads a GGUF model, tokenizes, runs batched Llama
 //! steps with a paged KV cache on a `Backend`, and samples next tokens.
 
+pub mod engine;
 pub mod gguf;
 pub mod model_store;
 pub mod sampler;
