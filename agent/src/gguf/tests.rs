@@ -1,0 +1,1 @@
+//! (GGUF reader tests live in the main tree.)

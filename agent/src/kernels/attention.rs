@@ -1,0 +1,285 @@
+//! Paged KV cache writes and paged attention on the CPU. The cache of one layer is
+//! `[block][kv_head][head_dim][block_pos]` for K (so the scores of a whole block come from
+//! broadcasting one query value per dimension) and `[block][kv_head][block_pos][head_dim]` for V,
+//! both f16. Attention reads history through each sequence's block table, with causal masking
+//! inside the new chunk, grouped-query heads sharing each K/V block load.
+
+use std::cell::RefCell;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use super::{Isa, SharedOut};
+use crate::threadpool::ThreadPool;
+
+/// Shape of one layer's paged cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl KvLayout {
+    /// f16 elements of one block (all KV heads) in the K (or V) cache of one layer.
+    pub fn block_elems(&self) -> usize {
+        self.n_kv_heads * self.head_dim * self.block_size
+    }
+    #[inline]
+    fn k_at(&self, block: usize, kvh: usize, d: usize, t: usize) -> usize {
+        ((block * self.n_kv_heads + kvh) * self.head_dim + d) * self.block_size + t
+    }
+    #[inline]
+    fn v_at(&self, block: usize, kvh: usize, t: usize, d: usize) -> usize {
+        ((block * self.n_kv_heads + kvh) * self.block_size + t) * self.head_dim + d
+    }
+}
+
+/// Writes the K and V of `slots.len()` new tokens into their cache slots. Row `i` of `kv` holds the
+/// token's K at `k_col..k_col + n_kv*hd` and V at `v_col..`; rows are `ld` apart.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_write(
+    lay: &KvLayout,
+    kv: &[f32],
+    ld: usize,
+    k_col: usize,
+    v_col: usize,
+    slots: &[u32],
+    k_cache: &mut [f16],
+    v_cache: &mut [f16],
+) {
+    let hd = lay.head_dim;
+    for (i, &slot) in slots.iter().enumerate() {
+        let (block, t) = (slot as usize / lay.block_size, slot as usize % lay.block_size);
+        let row = &kv[i * ld..];
+        for kvh in 0..lay.n_kv_heads {
+            for d in 0..hd {
+                k_cache[lay.k_at(block, kvh, d, t)] = f16::from_f32(row[k_col + kvh * hd + d]);
+            }
+            let v0 = lay.v_at(block, kvh, t, 0);
+            v_cache[v0..v0 + hd].convert_from_f32_slice(&row[v_col + kvh * hd..v_col + (kvh + 1) * hd]);
+        }
+    }
+}
+
+/// One sequence's queries in a step: rows `q_row..q_row + n_q` of the query matrix, at positions
+/// `start_pos..start_pos + n_q`, attending to positions `0..=own position` through `block_table`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    pub q_row: usize,
+    pub n_q: usize,
+    pub start_pos: usize,
+    pub block_table: &'a [u32],
+}
+
+/// Attention parameters shared by all sequences of a step.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnParams {
+    pub lay: KvLayout,
+    pub n_heads: usize,
+    pub scale: f32,
+}
+
+/// Query tokens per task.
+const TOKENS_PER_TASK: usize = 8;
+
+#[derive(Default)]
+struct Scratch {
+    q: Vec<f32>,
+    scores: Vec<f32>,
+    kbuf: Vec<f32>,
+    vbuf: Vec<f32>,
+    o: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// `out[row][h*hd..]` = softmax(q . K^T * scale) V for every query row and head. `q` rows are `ldq`
+/// apart (queries in the first `n_heads * hd` columns), `out` rows `ldo` apart.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    pool: &ThreadPool,
+    isa: Isa,
+    p: &AttnParams,
+    q: &[f32],
+    ldq: usize,
+    seqs: &[AttnSeq],
+    k_cache: &[f16],
+    v_cache: &[f16],
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let mut tasks = Vec::new();
+    for (si, s) in seqs.iter().enumerate() {
+        for kvh in 0..p.lay.n_kv_heads {
+            let mut t0 = 0;
+            while t0 < s.n_q {
+                let t1 = (t0 + TOKENS_PER_TASK).min(s.n_q);
+                tasks.push((si, kvh, t0, t1));
+                t0 = t1;
+            }
+        }
+    }
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    pool.run(tasks.len(), |ti| {
+        let (si, kvh, t0, t1) = tasks[ti];
+        let task = Task {
+            p,
+            q,
+            ldq,
+            seq: &seqs[si],
+            kvh,
+            t0,
+            t1,
+            k_cache,
+            v_cache,
+            out: out_ptr,
+            ldo,
+        };
+        SCRATCH.with(|s| run_task(isa, &task, &mut s.borrow_mut()));
+    });
+}
+
+struct Task<'a> {
+    p: &'a AttnParams,
+    q: &'a [f32],
+    ldq: usize,
+    seq: &'a AttnSeq<'a>,
+    kvh: usize,
+    t0: usize,
+    t1: usize,
+    k_cache: &'a [f16],
+    v_cache: &'a [f16],
+    out: SharedOut,
+    ldo: usize,
+}
+
+fn run_task(isa: Isa, t: &Task, s: &mut Scratch) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: chosen only when the CPU has these features.
+        Isa::Avx512Vnni => unsafe { task_avx512(t, s) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: chosen only when the CPU has these features.
+        Isa::Avx2 => unsafe { task_avx2(t, s) },
+        _ => task_body(t, s),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma,f16c")]
+unsafe fn task_avx512(t: &Task, s: &mut Scratch) {
+    task_body(t, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn task_avx2(t: &Task, s: &mut Scratch) {
+    task_body(t, s)
+}
+
+#[inline(always)]
+fn task_body(t: &Task, s: &mut Scratch) {
+    let lay = t.p.lay;
+    let (hd, bs) = (lay.head_dim, lay.block_size);
+    let group = t.p.n_heads / lay.n_kv_heads;
+    let n_tok = t.t1 - t.t0;
+    let rows = n_tok * group;
+    let max_ctx = t.seq.start_pos + t.t1;
+    let n_blocks = max_ctx.div_ceil(bs);
+    let span = n_blocks * bs;
+    s.q.resize(rows * hd, 0.0);
+    s.scores.resize(rows * span, 0.0);
+    s.kbuf.resize(hd * bs, 0.0);
+    s.vbuf.resize(bs * hd, 0.0);
+    s.o.resize(rows * hd, 0.0);
+    // Queries rounded through f16, as ggml feeds them to its f16 K cache product.
+    for tok in 0..n_tok {
+        let qrow = &t.q[(t.seq.q_row + t.t0 + tok) * t.ldq..];
+        for g in 0..group {
+            let h = t.kvh * group + g;
+            let r = tok * group + g;
+            for d in 0..hd {
+                s.q[r * hd + d] = f16::from_f32(qrow[h * hd + d]).to_f32();
+            }
+        }
+    }
+    let ctx_of = |r: usize| t.seq.start_pos + t.t0 + r / group + 1;
+    // Scores, one K block at a time.
+    for bi in 0..n_blocks {
+        let blk = t.seq.block_table[bi] as usize;
+        let k0 = lay.k_at(blk, t.kvh, 0, 0);
+        t.k_cache[k0..k0 + hd * bs].convert_to_f32_slice(&mut s.kbuf);
+        for r in 0..rows {
+            if bi * bs >= ctx_of(r) {
+                continue;
+            }
+            let qr = &s.q[r * hd..(r + 1) * hd];
+            let sc = &mut s.scores[r * span + bi * bs..r * span + (bi + 1) * bs];
+            sc.fill(0.0);
+            for (d, &qd) in qr.iter().enumerate() {
+                let kd = &s.kbuf[d * bs..(d + 1) * bs];
+                for (o, &k) in sc.iter_mut().zip(kd) {
+                    *o = qd.mul_add(k, *o);
+                }
+            }
+        }
+    }
+    // Softmax per row over its own context; probabilities rounded through f16 for the V product.
+    for r in 0..rows {
+        let ctx = ctx_of(r);
+        let sc = &mut s.scores[r * span..r * span + ctx];
+        let mut max = f32::NEG_INFINITY;
+        for v in sc.iter_mut() {
+            *v *= t.p.scale;
+            max = max.max(*v);
+        }
+        let mut sum = 0f64;
+        for v in sc.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        for v in sc.iter_mut() {
+            *v = f16::from_f32(*v * inv).to_f32();
+        }
+    }
+    // Weighted sum of V, one block at a time.
+    s.o.fill(0.0);
+    for bi in 0..n_blocks {
+        let blk = t.seq.block_table[bi] as usize;
+        let v0 = lay.v_at(blk, t.kvh, 0, 0);
+        t.v_cache[v0..v0 + bs * hd].convert_to_f32_slice(&mut s.vbuf);
+        for r in 0..rows {
+            let ctx = ctx_of(r);
+            if bi * bs >= ctx {
+                continue;
+            }
+            let n_t = (ctx - bi * bs).min(bs);
+            let pr = &s.scores[r * span + bi * bs..r * span + bi * bs + n_t];
+            let or = &mut s.o[r * hd..(r + 1) * hd];
+            for (tt, &pt) in pr.iter().enumerate() {
+                let vr = &s.vbuf[tt * hd..(tt + 1) * hd];
+                for (o, &v) in or.iter_mut().zip(vr) {
+                    *o = pt.mul_add(v, *o);
+                }
+            }
+        }
+    }
+    for tok in 0..n_tok {
+        for g in 0..group {
+            let h = t.kvh * group + g;
+            let r = tok * group + g;
+            let dst = (t.seq.q_row + t.t0 + tok) * t.ldo + h * hd;
+            for d in 0..hd {
+                // SAFETY: each task writes its own (token, head) rows; out is sized by the caller.
+                unsafe { *t.out.0.add(dst + d) = s.o[r * hd + d] };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

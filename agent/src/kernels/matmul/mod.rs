@@ -1,0 +1,114 @@
+//! Matrix products `out[m][n] = sum_k x[m][k] * w[n][k]` for packed quantized weights against
+//! 8-bit quantized activations, and for f32 weights. The packed kernels unpack each weight block
+//! once and reuse it across up to `MR` activation rows, which is what makes prefill and batched
+//! decode fast. Work is split over output-row groups across the thread pool.
+
+mod f32mm;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(test)]
+mod tests;
+
+use std::ops::Range;
+
+use super::{Isa, SharedOut};
+use crate::quant::packed::{PackKind, PackedMatrix, WeightMatrix};
+use crate::quant::QuantizedActs;
+use crate::threadpool::ThreadPool;
+
+/// Activation rows processed together against one unpacked weight block.
+pub const MR: usize = 4;
+
+/// The arguments every packed kernel takes: a range of 16-row groups of `w`, all rows of `acts`,
+/// and the output (row stride `ldo`).
+pub struct PackedJob<'a> {
+    pub w: &'a PackedMatrix,
+    pub acts: &'a QuantizedActs,
+    pub groups: Range<usize>,
+    pub out: SharedOut,
+    pub ldo: usize,
+}
+
+/// Runs one packed job with the given instruction set (falls back to scalar when `isa` is not
+/// compiled for this target).
+pub fn packed_job(isa: Isa, job: &PackedJob) {
+    assert_eq!(job.acts.k, job.w.k, "activation and weight inner dimensions differ");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { avx512::packed(job) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::packed(job) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::NeonDot => unsafe { neon::packed(job) },
+        _ => scalar::packed(job),
+    }
+}
+
+/// `out[m * ldo + n] = x[m] . w[n]` for all rows of `acts` and all rows of `w`, in parallel.
+/// `x_f32` is the unquantized input (used by f32 weights); `acts` its quantized form (used by packed
+/// weights; may be stale/empty for f32 weights).
+pub fn matmul(
+    pool: &ThreadPool,
+    isa: Isa,
+    w: &WeightMatrix,
+    x_f32: &[f32],
+    acts: &QuantizedActs,
+    rows: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    assert!(out.len() >= (rows.max(1) - 1) * ldo + w.n());
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    match w {
+        WeightMatrix::Packed(p) => {
+            assert_eq!(acts.rows, rows);
+            let groups = p.groups();
+            let tasks = task_count(pool, groups, rows);
+            pool.run(tasks, |t| {
+                let r = crate::threadpool::split_range(groups, tasks, t);
+                packed_job(
+                    isa,
+                    &PackedJob {
+                        w: p,
+                        acts,
+                        groups: r,
+                        out: out_ptr,
+                        ldo,
+                    },
+                );
+            });
+        }
+        WeightMatrix::F32 { n, k, data } => {
+            let n = *n;
+            let k = *k;
+            assert!(x_f32.len() >= rows * k);
+            let cols = n.div_ceil(16);
+            let tasks = task_count(pool, cols, rows);
+            pool.run(tasks, |t| {
+                let r = crate::threadpool::split_range(cols, tasks, t);
+                let cr = r.start * 16..(r.end * 16).min(n);
+                f32mm::matmul_f32(isa, data, k, x_f32, rows, cr, out_ptr, ldo);
+            });
+        }
+    }
+}
+
+/// How many tasks to cut `units` independent column groups into.
+fn task_count(pool: &ThreadPool, units: usize, rows: usize) -> usize {
+    let threads = pool.threads();
+    if threads == 1 || units * rows.max(1) < 64 {
+        return 1;
+    }
+    // A few tasks per thread evens out uneven progress; more only adds dispatch cost.
+    units.min(threads * 4)
+}
+
+/// Whether a packed matrix's values are 4-bit.
+pub fn is_nibble(w: &PackedMatrix) -> bool {
+    w.format.kind == PackKind::Nibble
+}

@@ -1,0 +1,123 @@
+//! 8-bit activation quantization for the quantized matmuls: each row of activations is cut into
+//! blocks of 32, each block gets a scale `d = amax / 127` and int8 values, the integer sum of its
+//! values, and `s = d * sum` (both rounded through f16 as llama.cpp's Q8_1 does, so results agree
+//! with it).
+
+use half::f16;
+
+pub const QBLOCK: usize = 32;
+
+/// Quantized rows of activations (reused between calls; grows, never shrinks).
+#[derive(Default)]
+pub struct QuantizedActs {
+    pub rows: usize,
+    pub k: usize,
+    /// rows * k values.
+    pub qs: Vec<i8>,
+    /// Per block: scale (f16-rounded).
+    pub d: Vec<f32>,
+    /// Per block: scale times the sum of the block's values (f16-rounded).
+    pub s: Vec<f32>,
+    /// Per block: sum of the block's int8 values.
+    pub isum: Vec<i32>,
+}
+
+impl QuantizedActs {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn blocks_per_row(&self) -> usize {
+        self.k / QBLOCK
+    }
+
+    /// Sizes the buffers for `rows` rows of `k` values (k a multiple of 32).
+    pub fn resize(&mut self, rows: usize, k: usize) {
+        assert!(k % QBLOCK == 0, "activation row length {k} is not a multiple of 32");
+        self.rows = rows;
+        self.k = k;
+        let nb = rows * k / QBLOCK;
+        self.qs.resize(rows * k, 0);
+        self.d.resize(nb, 0.0);
+        self.s.resize(nb, 0.0);
+        self.isum.resize(nb, 0);
+    }
+
+    /// Quantizes `rows` rows of `k` values from `x` (row-major).
+    pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize) {
+        assert_eq!(x.len(), rows * k);
+        self.resize(rows, k);
+        let nb = k / QBLOCK;
+        for r in 0..rows {
+            self.quantize_row_into(r, &x[r * k..(r + 1) * k], nb);
+        }
+    }
+
+    /// Quantizes one row in place (rows must already be sized by `resize`).
+    pub fn quantize_row_into(&mut self, r: usize, x: &[f32], nb: usize) {
+        let qs = &mut self.qs[r * self.k..(r + 1) * self.k];
+        let d = &mut self.d[r * nb..(r + 1) * nb];
+        let s = &mut self.s[r * nb..(r + 1) * nb];
+        let isum = &mut self.isum[r * nb..(r + 1) * nb];
+        quantize_row(x, qs, d, s, isum);
+    }
+}
+
+/// The reference row quantizer.
+pub fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
+    for (b, (xb, qb)) in x
+        .chunks_exact(QBLOCK)
+        .zip(qs.chunks_exact_mut(QBLOCK))
+        .enumerate()
+    {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let dd = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in qb.iter_mut().zip(xb) {
+            let r = (v * id).round_ties_even();
+            // NaN becomes 0 and infinities saturate: a poisoned activation must not be UB.
+            let qi = if r.is_nan() { 0 } else { r.clamp(-127.0, 127.0) as i32 };
+            *q = qi as i8;
+            sum += qi;
+        }
+        d[b] = f16::from_f32(dd).to_f32();
+        s[b] = f16::from_f32(dd * sum as f32).to_f32();
+        isum[b] = sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dequantized_values_are_close() {
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
+        let mut a = QuantizedActs::new();
+        a.quantize(&x, 1, 64);
+        for b in 0..2 {
+            let amax = x[b * 32..b * 32 + 32]
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs()));
+            let mut sum = 0;
+            for j in 0..32 {
+                let back = a.qs[b * 32 + j] as f32 * a.d[b];
+                assert!((back - x[b * 32 + j]).abs() <= amax / 127.0 * 0.51 + 1e-3);
+                sum += a.qs[b * 32 + j] as i32;
+            }
+            assert_eq!(sum, a.isum[b]);
+        }
+    }
+
+    #[test]
+    fn zero_and_nan_rows_do_not_panic() {
+        let mut a = QuantizedActs::new();
+        a.quantize(&[0.0; 32], 1, 32);
+        assert!(a.qs.iter().all(|&q| q == 0));
+        assert_eq!(a.d[0], 0.0);
+        let mut x = [1.0f32; 32];
+        x[3] = f32::NAN;
+        a.quantize(&x, 1, 32);
+    }
+}
