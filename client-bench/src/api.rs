@@ -174,6 +174,18 @@ impl StreamParser {
             Some(obj @ Value::Object(_)) => obj,
             _ => v,
         };
+        let is_error_event = v.get("event").and_then(Value::as_str) == Some("error");
+        if let Some(err) = item
+            .get("error")
+            .filter(|e| !e.is_null())
+            .or(is_error_event.then_some(item))
+        {
+            let msg = err
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| err.to_string());
+            return Err(format!("server error in stream: {}", clip(&msg, 200)));
+        }
         let Some(text) = item.get("generated_text") else {
             if v.get("event").is_some() || item.is_null() {
                 return Ok(StreamItem::Skip);
@@ -328,6 +340,12 @@ mod tests {
             .parse_line(r#"{"error": "prompt too long", "type": "validation"}"#)
             .unwrap_err();
         assert!(e.contains("prompt too long"), "{e}");
+        let e = p
+            .parse_line(
+                r#"{"event": "error", "retry": 30000, "data": [{"error": "agent died", "error_type": "generation"}]}"#,
+            )
+            .unwrap_err();
+        assert!(e.contains("agent died"), "{e}");
         assert_eq!(p.parse_line(": ping").unwrap(), StreamItem::Skip);
         assert_eq!(p.parse_line("").unwrap(), StreamItem::Skip);
     }
