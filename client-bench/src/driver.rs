@@ -154,10 +154,11 @@ fn run_rates(
         };
         let mut log = RunLog::create(out_dir, x)?;
         println!(
-            "Sending {} requests at {} req/s ({:?} arrivals) to http://{}{}",
+            "Sending {} requests at {} req/s ({} arrivals) to http://{}{}",
             cfg.num_requests,
             x,
-            plan.arrival_kind,
+            clap::ValueEnum::to_possible_value(&plan.arrival_kind)
+                .map_or_else(String::new, |v| v.get_name().to_string()),
             target.authority(),
             api.path
         );

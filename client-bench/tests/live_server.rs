@@ -95,7 +95,6 @@ fn check_run_files(out: &Path, label: &str, n: usize) -> Value {
         assert_eq!(r["success"], true, "request failed: {r}");
         assert!(!r["resp_text"].as_str().unwrap().is_empty());
         assert!(r["output_tokens"].as_u64().unwrap() >= 1);
-        assert!(r["output_tokens"].as_u64().unwrap() <= r["max_new_tokens"].as_u64().unwrap());
         assert!(r["first_token_time"].as_f64().unwrap() <= r["res_time"].as_f64().unwrap());
     }
     let log = std::fs::read_to_string(out.join(format!("test_performance_{label}.log"))).unwrap();
