@@ -1,6 +1,8 @@
 //! npu-protocol: what the server and its agents must agree on. Step plans and step results
 //! (`step`), and later the shared-memory layout and the framed control messages.
 
+pub mod frame;
+pub mod shm;
 pub mod step;
 
 pub use step::{

@@ -630,3 +630,4 @@ impl GgufFile {
 
 #[cfg(test)]
 mod tests;
+pub mod writer;

@@ -1,1 +1,165 @@
-//! Sampler.
+//! Sampler: turns one sequence's logits into the next token, its log-probability and the top-n
+//! alternatives. Owns penalties (via `history`), greedy/temperature/top-k/top-p/min-p sampling
+//! and the seeded, batch-independent random draw; scratch buffers are reused across calls.
+
+mod history;
+mod rng;
+mod truncation;
+
+pub use history::{apply_penalties, TokenCounts, TokenHistory};
+pub use rng::{random_u64, uniform_f64};
+
+use npu_protocol::{SamplingParams, TokenLogprob, MAX_TOP_N};
+use thiserror::Error;
+
+use truncation::{draw_token, Truncation};
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SamplerError {
+    #[error("cannot sample from empty logits (vocabulary size 0)")]
+    EmptyLogits,
+    #[error("vocabulary of {0} tokens does not fit token ids in u32")]
+    VocabTooLarge(usize),
+}
+
+/// What one sampling call produces for a sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleOutput {
+    /// The chosen token and its log-probability under the raw (unpenalised) distribution.
+    pub token: TokenLogprob,
+    /// The `params.top_n` most likely raw tokens (at most `MAX_TOP_N`), best first.
+    pub top: Vec<TokenLogprob>,
+}
+
+/// A sampler with reusable scratch buffers; keep one per agent (or per thread).
+#[derive(Debug, Default)]
+pub struct Sampler {
+    /// Candidate token ids of the sampling path.
+    candidates: Vec<u32>,
+    /// Temperature weights, indexed by token id (valid for candidates only).
+    weights: Vec<f64>,
+    /// Raw logits of the tokens that penalties changed, to report raw log-probabilities.
+    saved_raw: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sample the next token of one sequence.
+    ///
+    /// `logits` (vocab-sized) is used as scratch and left penalised. `gen_index` is the index of
+    /// the token being generated (0 for the first generated token); together with
+    /// `params.seed` it alone determines the random draw, so recomputing a request gives the
+    /// same tokens whatever else is in the batch. NaN logits count as -inf, +inf as `f32::MAX`;
+    /// when no logit is finite the distribution is uniform.
+    pub fn sample(
+        &mut self,
+        logits: &mut [f32],
+        params: &SamplingParams,
+        history: &TokenHistory,
+        gen_index: u64,
+    ) -> Result<SampleOutput, SamplerError> {
+        let vocab = logits.len();
+        if vocab == 0 {
+            return Err(SamplerError::EmptyLogits);
+        }
+        if u32::try_from(vocab).is_err() {
+            return Err(SamplerError::VocabTooLarge(vocab));
+        }
+        sanitize(logits);
+        let log_norm = log_sum_exp(logits);
+        let top = top_n(logits, params.top_n as usize, log_norm);
+
+        self.saved_raw.clear();
+        let saved = &mut self.saved_raw;
+        history::penalize(logits, params, history, |t, old| saved.push((t, old)));
+
+        let token = match Truncation::from_params(params, vocab) {
+            None => argmax(logits),
+            Some(t) => {
+                let u = uniform_f64(params.seed, gen_index);
+                draw_token(logits, &t, u, &mut self.candidates, &mut self.weights)
+            }
+        };
+        let raw = self
+            .saved_raw
+            .iter()
+            .find(|&&(t, _)| t == token)
+            .map_or(logits[token as usize], |&(_, old)| old);
+        Ok(SampleOutput {
+            token: TokenLogprob {
+                token,
+                logprob: logprob(raw, log_norm),
+            },
+            top,
+        })
+    }
+}
+
+/// NaN -> -inf, +inf -> f32::MAX; if nothing is finite, make every logit 0 (uniform).
+fn sanitize(logits: &mut [f32]) {
+    let mut any_finite = false;
+    for x in logits.iter_mut() {
+        if x.is_nan() {
+            *x = f32::NEG_INFINITY;
+        } else if *x == f32::INFINITY {
+            *x = f32::MAX;
+        }
+        any_finite |= *x != f32::NEG_INFINITY;
+    }
+    if !any_finite {
+        logits.fill(0.0);
+    }
+}
+
+/// log(sum(exp(logits))), max-subtracted and summed in f64. Needs a finite maximum.
+fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| (x - max).exp() as f64).sum();
+    max as f64 + sum.ln()
+}
+
+fn logprob(logit: f32, log_norm: f64) -> f32 {
+    (logit as f64 - log_norm) as f32
+}
+
+/// The best token, lowest id on ties.
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The `n` (clamped to MAX_TOP_N) best tokens, best first, lowest id first on ties. One pass with
+/// a small sorted list: most tokens fail the comparison with its last entry.
+fn top_n(logits: &[f32], n: usize, log_norm: f64) -> Vec<TokenLogprob> {
+    let n = n.min(MAX_TOP_N).min(logits.len());
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n == 0 {
+        return Vec::new();
+    }
+    for (i, &x) in logits.iter().enumerate() {
+        if best.len() == n && x <= best[n - 1].1 {
+            continue;
+        }
+        // Ids arrive ascending, so an equal logit already in the list keeps its place ahead.
+        let pos = best.partition_point(|&(_, y)| y >= x);
+        best.insert(pos, (i as u32, x));
+        best.truncate(n);
+    }
+    best.into_iter()
+        .map(|(token, x)| TokenLogprob {
+            token,
+            logprob: logprob(x, log_norm),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

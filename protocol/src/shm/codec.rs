@@ -1,0 +1,466 @@
+//! Writes step plans and step results into a segment's regions and reads them back. Writing
+//! checks every capacity first and refuses what does not fit; reading copies the data out and
+//! validates every count, offset and slot, so a corrupt segment gives an error, never a panic.
+
+use bytemuck::Pod;
+
+use super::layout::{
+    PlanMeta, RawAdmission, RawSamplingParams, RawSeqResult, RawTokenLogprob, Region, ResultMeta,
+    SeqDesc, ShmLayout,
+};
+use super::ShmError;
+use crate::step::{
+    Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,
+};
+
+/// Byte-level access to one region of the segment.
+struct RegionBytes<'a> {
+    bytes: &'a [u8],
+    region: Region,
+}
+
+impl RegionBytes<'_> {
+    fn get<T: Pod>(&self, index: usize) -> Result<T, ShmError> {
+        let size = std::mem::size_of::<T>();
+        let start = index.checked_mul(size).ok_or_else(|| self.out_of_range())?;
+        let chunk = self
+            .bytes
+            .get(start..start + size)
+            .ok_or_else(|| self.out_of_range())?;
+        Ok(bytemuck::pod_read_unaligned(chunk))
+    }
+
+    fn u32s(&self, start: usize, count: usize) -> Result<Vec<u32>, ShmError> {
+        let end = start
+            .checked_add(count)
+            .and_then(|e| e.checked_mul(4))
+            .ok_or_else(|| self.out_of_range())?;
+        let chunk = self
+            .bytes
+            .get(start * 4..end)
+            .ok_or_else(|| self.out_of_range())?;
+        Ok(chunk
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    fn out_of_range(&self) -> ShmError {
+        ShmError::Corrupt(format!("read past the end of the {:?} region", self.region))
+    }
+}
+
+struct RegionBytesMut<'a> {
+    bytes: &'a mut [u8],
+    region: Region,
+}
+
+impl RegionBytesMut<'_> {
+    fn put<T: Pod>(&mut self, index: usize, value: &T) -> Result<(), ShmError> {
+        let size = std::mem::size_of::<T>();
+        let start = index * size;
+        let region = self.region;
+        self.bytes
+            .get_mut(start..start + size)
+            .ok_or(ShmError::Internal(region))?
+            .copy_from_slice(bytemuck::bytes_of(value));
+        Ok(())
+    }
+
+    fn put_u32s(&mut self, start: usize, values: &[u32]) -> Result<(), ShmError> {
+        let region = self.region;
+        let dst = self
+            .bytes
+            .get_mut(start * 4..(start + values.len()) * 4)
+            .ok_or(ShmError::Internal(region))?;
+        for (d, v) in dst.chunks_exact_mut(4).zip(values) {
+            d.copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
+fn region<'a>(
+    layout: &ShmLayout,
+    seg: &'a [u8],
+    which: Region,
+) -> Result<RegionBytes<'a>, ShmError> {
+    let r = layout.region(which);
+    let bytes = seg
+        .get(r.offset as usize..(r.offset + r.size) as usize)
+        .ok_or(ShmError::Internal(which))?;
+    Ok(RegionBytes {
+        bytes,
+        region: which,
+    })
+}
+
+/// Splits the segment into mutable views of the regions, in `Region::ALL` order.
+fn regions_mut<'a>(
+    layout: &ShmLayout,
+    seg: &'a mut [u8],
+) -> Result<Vec<RegionBytesMut<'a>>, ShmError> {
+    let mut out = Vec::with_capacity(Region::ALL.len());
+    let mut rest = seg;
+    let mut consumed = 0u64;
+    for which in Region::ALL {
+        let r = layout.region(which);
+        let skip = (r.offset - consumed) as usize;
+        if rest.len() < skip + r.size as usize {
+            return Err(ShmError::Internal(which));
+        }
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
+        let (bytes, tail) = tail.split_at_mut(r.size as usize);
+        rest = tail;
+        consumed = r.offset + r.size;
+        out.push(RegionBytesMut {
+            bytes,
+            region: which,
+        });
+    }
+    Ok(out)
+}
+
+fn exceeds(what: &'static str, got: usize, cap: u32) -> Result<(), ShmError> {
+    if got > cap as usize {
+        return Err(ShmError::CapacityExceeded { what, got, cap });
+    }
+    Ok(())
+}
+
+fn check_slot(what: &'static str, slot: u32, max_slots: u32) -> Result<(), ShmError> {
+    if slot >= max_slots {
+        return Err(ShmError::BadSlot {
+            what,
+            slot,
+            max_slots,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that `plan` fits the layout; nothing is written when it does not.
+pub(crate) fn check_plan(layout: &ShmLayout, plan: &StepPlan) -> Result<(), ShmError> {
+    let caps = layout.capacities();
+    exceeds(
+        "sequences per step",
+        plan.seqs.len(),
+        caps.max_seqs_per_step,
+    )?;
+    exceeds("tokens per step", plan.n_tokens(), caps.max_tokens_per_step)?;
+    exceeds("admissions per step", plan.admit.len(), caps.max_admissions)?;
+    exceeds(
+        "forgotten slots per step",
+        plan.forget.len(),
+        caps.max_forget,
+    )?;
+    for &slot in &plan.forget {
+        check_slot("forget", slot, caps.max_slots)?;
+    }
+    for adm in &plan.admit {
+        check_slot("admission", adm.slot, caps.max_slots)?;
+        exceeds(
+            "top_n of an admission",
+            adm.params.top_n as usize,
+            caps.max_top_n,
+        )?;
+    }
+    for seq in &plan.seqs {
+        check_slot("sequence", seq.slot, caps.max_slots)?;
+        exceeds(
+            "blocks per sequence",
+            seq.block_table.len(),
+            caps.max_blocks_per_seq,
+        )?;
+        if seq.slot_mapping.len() != seq.tokens.len() {
+            return Err(ShmError::BadPlan(format!(
+                "slot {}: {} slot-mapping entries for {} tokens",
+                seq.slot,
+                seq.slot_mapping.len(),
+                seq.tokens.len()
+            )));
+        }
+        if seq.n_prompt_tokens as usize > seq.tokens.len() {
+            return Err(ShmError::BadPlan(format!(
+                "slot {}: n_prompt_tokens {} exceeds its {} tokens",
+                seq.slot,
+                seq.n_prompt_tokens,
+                seq.tokens.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn write_plan(
+    layout: &ShmLayout,
+    seg: &mut [u8],
+    plan: &StepPlan,
+) -> Result<(), ShmError> {
+    check_plan(layout, plan)?;
+    let max_blocks = layout.capacities().max_blocks_per_seq as usize;
+    let mut regions = regions_mut(layout, seg)?;
+    let mut token_at = 0usize;
+    for (i, seq) in plan.seqs.iter().enumerate() {
+        let desc = SeqDesc {
+            slot: seq.slot,
+            n_tokens: seq.tokens.len() as u32,
+            start_pos: seq.start_pos,
+            n_prompt_tokens: seq.n_prompt_tokens,
+            sample: seq.sample as u32,
+            token_offset: token_at as u32,
+            n_blocks: seq.block_table.len() as u32,
+            block_offset: (i * max_blocks) as u32,
+        };
+        regions[Region::SeqDescs as usize].put(i, &desc)?;
+        regions[Region::Tokens as usize].put_u32s(token_at, &seq.tokens)?;
+        regions[Region::SlotMapping as usize].put_u32s(token_at, &seq.slot_mapping)?;
+        regions[Region::BlockTables as usize].put_u32s(i * max_blocks, &seq.block_table)?;
+        token_at += seq.tokens.len();
+    }
+    for (i, adm) in plan.admit.iter().enumerate() {
+        let raw = RawAdmission {
+            slot: adm.slot,
+            reserved: 0,
+            params: raw_params(&adm.params),
+        };
+        regions[Region::Admissions as usize].put(i, &raw)?;
+    }
+    regions[Region::Forget as usize].put_u32s(0, &plan.forget)?;
+    let meta = PlanMeta {
+        step_id: plan.step_id,
+        n_seqs: plan.seqs.len() as u32,
+        n_tokens: token_at as u32,
+        n_block_entries: plan.seqs.iter().map(|s| s.block_table.len() as u32).sum(),
+        n_admissions: plan.admit.len() as u32,
+        n_forget: plan.forget.len() as u32,
+        reserved: 0,
+    };
+    regions[Region::PlanMeta as usize].put(0, &meta)
+}
+
+pub(crate) fn read_plan(layout: &ShmLayout, seg: &[u8]) -> Result<StepPlan, ShmError> {
+    let caps = *layout.capacities();
+    let meta: PlanMeta = region(layout, seg, Region::PlanMeta)?.get(0)?;
+    let corrupt = |what: &'static str, got: u32, cap: u32| -> Result<(), ShmError> {
+        if got > cap {
+            return Err(ShmError::Corrupt(format!(
+                "plan header says {got} {what}, capacity is {cap}"
+            )));
+        }
+        Ok(())
+    };
+    corrupt("sequences", meta.n_seqs, caps.max_seqs_per_step)?;
+    corrupt("tokens", meta.n_tokens, caps.max_tokens_per_step)?;
+    corrupt("admissions", meta.n_admissions, caps.max_admissions)?;
+    corrupt("forgotten slots", meta.n_forget, caps.max_forget)?;
+    let descs = region(layout, seg, Region::SeqDescs)?;
+    let tokens = region(layout, seg, Region::Tokens)?.u32s(0, meta.n_tokens as usize)?;
+    let mapping = region(layout, seg, Region::SlotMapping)?.u32s(0, meta.n_tokens as usize)?;
+    let blocks = region(layout, seg, Region::BlockTables)?;
+    let mut seqs = Vec::with_capacity(meta.n_seqs as usize);
+    let mut token_at = 0u32;
+    let mut n_block_entries = 0u32;
+    for i in 0..meta.n_seqs as usize {
+        let d: SeqDesc = descs.get(i)?;
+        check_slot("sequence", d.slot, caps.max_slots).map_err(to_corrupt)?;
+        if d.token_offset != token_at
+            || d.n_tokens > meta.n_tokens - token_at
+            || d.n_prompt_tokens > d.n_tokens
+            || d.sample > 1
+        {
+            return Err(ShmError::Corrupt(format!(
+                "sequence {i}: token_offset {} n_tokens {} n_prompt_tokens {} sample {} \
+                 (next token offset {token_at}, {} tokens in the plan)",
+                d.token_offset, d.n_tokens, d.n_prompt_tokens, d.sample, meta.n_tokens
+            )));
+        }
+        if d.n_blocks > caps.max_blocks_per_seq
+            || d.block_offset as u64 != i as u64 * caps.max_blocks_per_seq as u64
+        {
+            return Err(ShmError::Corrupt(format!(
+                "sequence {i}: block_offset {} n_blocks {} (capacity {} per sequence)",
+                d.block_offset, d.n_blocks, caps.max_blocks_per_seq
+            )));
+        }
+        let range = token_at as usize..(token_at + d.n_tokens) as usize;
+        seqs.push(SeqStep {
+            slot: d.slot,
+            tokens: tokens[range.clone()].to_vec(),
+            start_pos: d.start_pos,
+            block_table: blocks.u32s(d.block_offset as usize, d.n_blocks as usize)?,
+            slot_mapping: mapping[range].to_vec(),
+            sample: d.sample == 1,
+            n_prompt_tokens: d.n_prompt_tokens,
+        });
+        token_at += d.n_tokens;
+        n_block_entries += d.n_blocks;
+    }
+    if token_at != meta.n_tokens || n_block_entries != meta.n_block_entries {
+        return Err(ShmError::Corrupt(format!(
+            "plan header says {} tokens and {} block entries, its sequences hold {token_at} and \
+             {n_block_entries}",
+            meta.n_tokens, meta.n_block_entries
+        )));
+    }
+    let adm_region = region(layout, seg, Region::Admissions)?;
+    let mut admit = Vec::with_capacity(meta.n_admissions as usize);
+    for i in 0..meta.n_admissions as usize {
+        let raw: RawAdmission = adm_region.get(i)?;
+        check_slot("admission", raw.slot, caps.max_slots).map_err(to_corrupt)?;
+        admit.push(Admission {
+            slot: raw.slot,
+            params: params_from_raw(&raw.params, caps.max_top_n)?,
+        });
+    }
+    let forget = region(layout, seg, Region::Forget)?.u32s(0, meta.n_forget as usize)?;
+    for &slot in &forget {
+        check_slot("forget", slot, caps.max_slots).map_err(to_corrupt)?;
+    }
+    Ok(StepPlan {
+        step_id: meta.step_id,
+        forget,
+        admit,
+        seqs,
+    })
+}
+
+/// Checks that `result` fits the layout; nothing is written when it does not.
+pub(crate) fn check_result(layout: &ShmLayout, result: &StepResult) -> Result<(), ShmError> {
+    let caps = layout.capacities();
+    exceeds(
+        "sequence results",
+        result.seqs.len(),
+        caps.max_seqs_per_step,
+    )?;
+    for seq in &result.seqs {
+        check_slot("result", seq.slot, caps.max_slots)?;
+        exceeds("top-n alternatives", seq.top.len(), caps.max_top_n)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn write_result(
+    layout: &ShmLayout,
+    seg: &mut [u8],
+    result: &StepResult,
+) -> Result<(), ShmError> {
+    check_result(layout, result)?;
+    let max_top_n = layout.capacities().max_top_n as usize;
+    let mut regions = regions_mut(layout, seg)?;
+    for (i, seq) in result.seqs.iter().enumerate() {
+        let raw = RawSeqResult {
+            slot: seq.slot,
+            token: seq.token.token,
+            logprob: seq.token.logprob,
+            n_top: seq.top.len() as u32,
+        };
+        regions[Region::SeqResults as usize].put(i, &raw)?;
+        for (j, alt) in seq.top.iter().enumerate() {
+            let raw = RawTokenLogprob {
+                token: alt.token,
+                logprob: alt.logprob,
+            };
+            regions[Region::TopLogprobs as usize].put(i * max_top_n + j, &raw)?;
+        }
+    }
+    let meta = ResultMeta {
+        step_id: result.step_id,
+        n_seqs: result.seqs.len() as u32,
+        reserved: 0,
+        forward_us: result.timing.forward_us,
+        sample_us: result.timing.sample_us,
+        total_us: result.timing.total_us,
+    };
+    regions[Region::ResultMeta as usize].put(0, &meta)
+}
+
+pub(crate) fn read_result(layout: &ShmLayout, seg: &[u8]) -> Result<StepResult, ShmError> {
+    let caps = *layout.capacities();
+    let meta: ResultMeta = region(layout, seg, Region::ResultMeta)?.get(0)?;
+    if meta.n_seqs > caps.max_seqs_per_step {
+        return Err(ShmError::Corrupt(format!(
+            "result header says {} sequences, capacity is {}",
+            meta.n_seqs, caps.max_seqs_per_step
+        )));
+    }
+    let results = region(layout, seg, Region::SeqResults)?;
+    let top = region(layout, seg, Region::TopLogprobs)?;
+    let mut seqs = Vec::with_capacity(meta.n_seqs as usize);
+    for i in 0..meta.n_seqs as usize {
+        let raw: RawSeqResult = results.get(i)?;
+        check_slot("result", raw.slot, caps.max_slots).map_err(to_corrupt)?;
+        if raw.n_top > caps.max_top_n {
+            return Err(ShmError::Corrupt(format!(
+                "result {i}: {} alternatives, capacity is {}",
+                raw.n_top, caps.max_top_n
+            )));
+        }
+        let mut alts = Vec::with_capacity(raw.n_top as usize);
+        for j in 0..raw.n_top as usize {
+            let t: RawTokenLogprob = top.get(i * caps.max_top_n as usize + j)?;
+            alts.push(TokenLogprob {
+                token: t.token,
+                logprob: t.logprob,
+            });
+        }
+        seqs.push(SeqResult {
+            slot: raw.slot,
+            token: TokenLogprob {
+                token: raw.token,
+                logprob: raw.logprob,
+            },
+            top: alts,
+        });
+    }
+    Ok(StepResult {
+        step_id: meta.step_id,
+        seqs,
+        timing: StepTiming {
+            forward_us: meta.forward_us,
+            sample_us: meta.sample_us,
+            total_us: meta.total_us,
+        },
+    })
+}
+
+fn to_corrupt(e: ShmError) -> ShmError {
+    ShmError::Corrupt(e.to_string())
+}
+
+fn raw_params(p: &SamplingParams) -> RawSamplingParams {
+    RawSamplingParams {
+        do_sample: p.do_sample as u32,
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        seed: p.seed,
+        top_n: p.top_n,
+        reserved: 0,
+    }
+}
+
+fn params_from_raw(raw: &RawSamplingParams, max_top_n: u32) -> Result<SamplingParams, ShmError> {
+    if raw.do_sample > 1 || raw.top_n > max_top_n {
+        return Err(ShmError::Corrupt(format!(
+            "admission parameters: do_sample {} top_n {} (capacity {max_top_n})",
+            raw.do_sample, raw.top_n
+        )));
+    }
+    Ok(SamplingParams {
+        do_sample: raw.do_sample == 1,
+        temperature: raw.temperature,
+        top_k: raw.top_k,
+        top_p: raw.top_p,
+        min_p: raw.min_p,
+        repetition_penalty: raw.repetition_penalty,
+        presence_penalty: raw.presence_penalty,
+        frequency_penalty: raw.frequency_penalty,
+        seed: raw.seed,
+        top_n: raw.top_n,
+    })
+}

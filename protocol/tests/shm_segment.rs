@@ -1,0 +1,544 @@
+//! Real POSIX shared-memory segments: creation rules, round trips of plans and results between
+//! two mappings, every capacity overflow refused, and corrupt segments refused without panics.
+
+use std::fs::OpenOptions;
+use std::io::{Seek, SeekFrom, Write};
+use std::os::unix::fs::PermissionsExt;
+
+use npu_protocol::shm::layout::RawAdmission;
+use npu_protocol::shm::{
+    segment_name, Region, ShmCapacities, ShmError, ShmHeader, ShmLayout, ShmSegment,
+};
+use npu_protocol::{
+    Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,
+};
+use proptest::prelude::*;
+
+type PlanEdit = fn(&mut StepPlan);
+type ResultEdit = fn(&mut StepResult);
+
+fn caps() -> ShmCapacities {
+    ShmCapacities {
+        max_slots: 8,
+        max_seqs_per_step: 4,
+        max_tokens_per_step: 64,
+        max_blocks_per_seq: 5,
+        max_admissions: 3,
+        max_forget: 4,
+        max_top_n: 3,
+    }
+}
+
+fn new_segment() -> ShmSegment {
+    let layout = ShmLayout::new(caps()).unwrap();
+    ShmSegment::create(&segment_name(7).unwrap(), &layout).unwrap()
+}
+
+fn shm_path(seg: &ShmSegment) -> String {
+    format!("/dev/shm{}", seg.name())
+}
+
+/// Overwrites bytes of the segment through its /dev/shm file, as a stray writer would.
+fn poke(seg: &ShmSegment, offset: u64, bytes: &[u8]) {
+    let mut f = OpenOptions::new().write(true).open(shm_path(seg)).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.write_all(bytes).unwrap();
+}
+
+fn seq(slot: u32, tokens: Vec<u32>, start_pos: u32, blocks: Vec<u32>) -> SeqStep {
+    let slot_mapping = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, _)| 100 + i as u32)
+        .collect();
+    SeqStep {
+        slot,
+        n_prompt_tokens: tokens.len() as u32,
+        tokens,
+        start_pos,
+        block_table: blocks,
+        slot_mapping,
+        sample: true,
+    }
+}
+
+fn sample_plan() -> StepPlan {
+    StepPlan {
+        step_id: 41,
+        forget: vec![5, 6],
+        admit: vec![Admission {
+            slot: 1,
+            params: SamplingParams {
+                do_sample: true,
+                temperature: 0.7,
+                top_k: 40,
+                top_p: 0.9,
+                min_p: 0.05,
+                repetition_penalty: 1.1,
+                presence_penalty: 0.2,
+                frequency_penalty: 0.3,
+                seed: u64::MAX - 3,
+                top_n: 3,
+            },
+        }],
+        seqs: vec![
+            seq(1, vec![10, 11, 12], 0, vec![4]),
+            seq(2, vec![99], 17, vec![0, 3]),
+        ],
+    }
+}
+
+fn sample_result() -> StepResult {
+    StepResult {
+        step_id: 41,
+        seqs: vec![SeqResult {
+            slot: 1,
+            token: TokenLogprob {
+                token: 77,
+                logprob: -0.25,
+            },
+            top: vec![
+                TokenLogprob {
+                    token: 77,
+                    logprob: -0.25,
+                },
+                TokenLogprob {
+                    token: 3,
+                    logprob: -2.5,
+                },
+            ],
+        }],
+        timing: StepTiming {
+            forward_us: 10,
+            sample_us: 2,
+            total_us: 13,
+        },
+    }
+}
+
+#[test]
+fn created_segment_is_private_exclusive_and_unlinked_on_drop() {
+    let seg = new_segment();
+    let path = shm_path(&seg);
+    let meta = std::fs::metadata(&path).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert_eq!(meta.len(), seg.layout().total_size());
+    let again = ShmSegment::create(seg.name(), seg.layout());
+    assert!(matches!(again, Err(ShmError::Os { .. })), "{again:?}");
+    drop(seg);
+    assert!(!std::path::Path::new(&path).exists());
+}
+
+#[test]
+fn explicit_unlink_removes_the_name_once() {
+    let mut seg = new_segment();
+    let path = shm_path(&seg);
+    seg.unlink().unwrap();
+    assert!(!std::path::Path::new(&path).exists());
+    seg.unlink().unwrap();
+    assert!(matches!(
+        ShmSegment::open(seg.name()),
+        Err(ShmError::Os { .. })
+    ));
+}
+
+#[test]
+fn names_are_checked() {
+    let layout = ShmLayout::new(caps()).unwrap();
+    for bad in ["no-slash", "/", "/a/b", "/nul\0byte"] {
+        assert!(
+            matches!(
+                ShmSegment::create(bad, &layout),
+                Err(ShmError::InvalidName { .. })
+            ),
+            "{bad:?}"
+        );
+    }
+    assert!(matches!(
+        ShmSegment::open("/npu-serving-test-never-created"),
+        Err(ShmError::Os { .. })
+    ));
+}
+
+#[test]
+fn plan_and_result_cross_between_two_mappings() {
+    let mut server = new_segment();
+    let mut agent = ShmSegment::open(server.name()).unwrap();
+    assert_eq!(agent.layout(), server.layout());
+
+    let plan = sample_plan();
+    assert_eq!(server.write_plan(&plan).unwrap(), 1);
+    assert_eq!(agent.plan_seq(), 1);
+    assert_eq!(agent.read_plan().unwrap(), plan);
+
+    // Before the agent answers, the result region holds nothing for this plan.
+    assert!(matches!(
+        server.read_result(),
+        Err(ShmError::StaleResult {
+            plan_seq: 1,
+            result_seq: 0
+        })
+    ));
+    agent.write_result(&sample_result()).unwrap();
+    assert_eq!(server.read_result().unwrap(), sample_result());
+
+    // The next plan makes the old result stale again.
+    let mut next = plan.clone();
+    next.step_id = 42;
+    next.admit.clear();
+    assert_eq!(server.write_plan(&next).unwrap(), 2);
+    assert_eq!(agent.read_plan().unwrap(), next);
+    assert!(matches!(
+        server.read_result(),
+        Err(ShmError::StaleResult { .. })
+    ));
+}
+
+#[test]
+fn an_empty_plan_round_trips() {
+    let mut seg = new_segment();
+    let plan = StepPlan {
+        step_id: 3,
+        ..Default::default()
+    };
+    seg.write_plan(&plan).unwrap();
+    assert_eq!(seg.read_plan().unwrap(), plan);
+}
+
+/// Each case breaks exactly one capacity or rule of `sample_plan`.
+#[test]
+fn every_plan_overflow_is_refused_and_leaves_the_previous_plan_intact() {
+    let mut seg = new_segment();
+    let good = sample_plan();
+    seg.write_plan(&good).unwrap();
+    let cases: Vec<(&str, PlanEdit)> = vec![
+        ("sequences", |p| {
+            p.seqs = (0..5).map(|s| seq(s, vec![1], 0, vec![0])).collect()
+        }),
+        ("tokens", |p| p.seqs[0] = seq(1, vec![1; 64], 0, vec![0])),
+        ("blocks", |p| p.seqs[1].block_table = vec![0; 6]),
+        ("admissions", |p| {
+            p.admit = vec![p.admit[0].clone(); 4];
+        }),
+        ("forget", |p| p.forget = vec![0; 5]),
+        ("sequence slot", |p| p.seqs[0].slot = 8),
+        ("admission slot", |p| p.admit[0].slot = 8),
+        ("forget slot", |p| p.forget[1] = 8),
+        ("admission top_n", |p| p.admit[0].params.top_n = 4),
+        ("slot mapping length", |p| {
+            p.seqs[0].slot_mapping.pop();
+        }),
+        ("prompt tokens", |p| p.seqs[1].n_prompt_tokens = 2),
+    ];
+    for (what, break_it) in cases {
+        let mut bad = good.clone();
+        break_it(&mut bad);
+        let err = seg.write_plan(&bad).expect_err(what);
+        assert!(
+            matches!(
+                err,
+                ShmError::CapacityExceeded { .. } | ShmError::BadSlot { .. } | ShmError::BadPlan(_)
+            ),
+            "{what}: {err:?}"
+        );
+        assert_eq!(
+            seg.plan_seq(),
+            1,
+            "{what}: a refused plan bumped the sequence"
+        );
+        assert_eq!(
+            seg.read_plan().unwrap(),
+            good,
+            "{what}: a refused plan wrote data"
+        );
+    }
+}
+
+#[test]
+fn every_result_overflow_is_refused() {
+    let mut seg = new_segment();
+    let good = sample_result();
+    let cases: Vec<(&str, ResultEdit)> = vec![
+        ("sequences", |r| r.seqs = vec![r.seqs[0].clone(); 5]),
+        ("top-n", |r| r.seqs[0].top = vec![r.seqs[0].token; 4]),
+        ("slot", |r| r.seqs[0].slot = 8),
+    ];
+    for (what, break_it) in cases {
+        let mut bad = good.clone();
+        break_it(&mut bad);
+        let err = seg.write_result(&bad).expect_err(what);
+        assert!(
+            matches!(
+                err,
+                ShmError::CapacityExceeded { .. } | ShmError::BadSlot { .. }
+            ),
+            "{what}: {err:?}"
+        );
+    }
+    // At full capacity everything still fits.
+    let mut full = good.clone();
+    full.seqs = vec![good.seqs[0].clone(); 4];
+    for s in &mut full.seqs {
+        s.top = vec![s.token; 3];
+    }
+    seg.write_result(&full).unwrap();
+    assert_eq!(seg.read_result().unwrap(), full);
+}
+
+#[test]
+fn corrupt_headers_are_refused_on_open() {
+    let header_field = |f: &str| -> u64 {
+        match f {
+            "magic" => std::mem::offset_of!(ShmHeader, magic) as u64,
+            "version" => std::mem::offset_of!(ShmHeader, version) as u64,
+            "hash" => std::mem::offset_of!(ShmHeader, layout_hash) as u64,
+            "caps" => std::mem::offset_of!(ShmHeader, caps) as u64,
+            _ => unreachable!(),
+        }
+    };
+    let seg = new_segment();
+    poke(&seg, header_field("magic"), b"GARBAGE!");
+    assert!(matches!(
+        ShmSegment::open(seg.name()),
+        Err(ShmError::BadMagic { .. })
+    ));
+
+    let seg = new_segment();
+    poke(&seg, header_field("version"), &99u32.to_le_bytes());
+    assert!(matches!(
+        ShmSegment::open(seg.name()),
+        Err(ShmError::VersionMismatch { found: 99, .. })
+    ));
+
+    let seg = new_segment();
+    poke(&seg, header_field("hash"), &1u64.to_le_bytes());
+    assert!(matches!(
+        ShmSegment::open(seg.name()),
+        Err(ShmError::LayoutMismatch(_))
+    ));
+
+    // Capacities grown in place: the recomputed hash no longer matches.
+    let seg = new_segment();
+    poke(&seg, header_field("caps"), &4096u32.to_le_bytes());
+    assert!(matches!(
+        ShmSegment::open(seg.name()),
+        Err(ShmError::LayoutMismatch(_))
+    ));
+
+    // A segment shorter than its layout.
+    let seg = new_segment();
+    let f = OpenOptions::new().write(true).open(shm_path(&seg)).unwrap();
+    f.set_len(seg.layout().total_size() - 64).unwrap();
+    assert!(matches!(
+        ShmSegment::open(seg.name()),
+        Err(ShmError::TooSmall { .. })
+    ));
+    f.set_len(16).unwrap();
+    assert!(matches!(
+        ShmSegment::open(seg.name()),
+        Err(ShmError::TooSmall { .. })
+    ));
+}
+
+/// Each case corrupts one u32 field of a valid plan or result in place:
+/// (what, region, byte offset inside the region, new value).
+#[test]
+fn corrupt_plans_and_results_are_refused_on_read() {
+    let desc = |i: u64, field: u64| i * 32 + field * 4;
+    let params_top_n = std::mem::offset_of!(RawAdmission, params) as u64 + 40;
+    let plan_cases = [
+        ("n_seqs over capacity", Region::PlanMeta, 8, 5),
+        ("n_seqs beyond data", Region::PlanMeta, 8, 3),
+        ("n_tokens over capacity", Region::PlanMeta, 12, 65),
+        ("n_block_entries", Region::PlanMeta, 16, 2),
+        ("n_admissions over", Region::PlanMeta, 20, 4),
+        ("n_forget over", Region::PlanMeta, 24, 9),
+        ("sequence slot", Region::SeqDescs, desc(0, 0), 8),
+        ("sequence tokens", Region::SeqDescs, desc(0, 1), 60),
+        ("prompt tokens", Region::SeqDescs, desc(1, 3), 2),
+        ("sample flag", Region::SeqDescs, desc(0, 4), 2),
+        ("token offset", Region::SeqDescs, desc(1, 5), 1),
+        ("n_blocks", Region::SeqDescs, desc(1, 6), 6),
+        ("block offset", Region::SeqDescs, desc(1, 7), 0),
+        ("admission slot", Region::Admissions, 0, 9),
+        ("admission do_sample", Region::Admissions, 8, 7),
+        ("admission top_n", Region::Admissions, params_top_n, 4),
+        ("forget slot", Region::Forget, 4, 100),
+    ];
+    for (what, region, at, value) in plan_cases {
+        let mut seg = new_segment();
+        seg.write_plan(&sample_plan()).unwrap();
+        let offset = seg.layout().region(region).offset + at;
+        poke(&seg, offset, &u32::to_le_bytes(value));
+        let err = seg.read_plan().expect_err(what);
+        assert!(matches!(err, ShmError::Corrupt(_)), "{what}: {err:?}");
+    }
+
+    let result_cases = [
+        ("n_seqs", Region::ResultMeta, 8, 5),
+        ("slot", Region::SeqResults, 0, 8),
+        ("n_top", Region::SeqResults, 12, 4),
+    ];
+    for (what, region, at, value) in result_cases {
+        let mut seg = new_segment();
+        seg.write_plan(&sample_plan()).unwrap();
+        seg.write_result(&sample_result()).unwrap();
+        let offset = seg.layout().region(region).offset + at;
+        poke(&seg, offset, &u32::to_le_bytes(value));
+        let err = seg.read_result().expect_err(what);
+        assert!(matches!(err, ShmError::Corrupt(_)), "{what}: {err:?}");
+    }
+}
+
+fn arb_params() -> impl Strategy<Value = SamplingParams> {
+    (
+        any::<bool>(),
+        (0.0f32..4.0, 0u32..100, 0.0f32..=1.0, 0.0f32..1.0),
+        (0.5f32..2.0, -2.0f32..2.0, -2.0f32..2.0),
+        any::<u64>(),
+        0u32..=3,
+    )
+        .prop_map(
+            |(do_sample, (t, k, p, m), (rep, pres, freq), seed, top_n)| SamplingParams {
+                do_sample,
+                temperature: t,
+                top_k: k,
+                top_p: p,
+                min_p: m,
+                repetition_penalty: rep,
+                presence_penalty: pres,
+                frequency_penalty: freq,
+                seed,
+                top_n,
+            },
+        )
+}
+
+fn arb_seq() -> impl Strategy<Value = SeqStep> {
+    (
+        0u32..8,
+        prop::collection::vec(any::<u32>(), 0..20),
+        any::<u32>(),
+        prop::collection::vec(any::<u32>(), 0..=5),
+        any::<bool>(),
+        any::<u32>(),
+    )
+        .prop_flat_map(|(slot, tokens, start_pos, blocks, sample, salt)| {
+            let n = tokens.len();
+            (
+                prop::collection::vec(any::<u32>(), n),
+                0..=n as u32,
+                Just((slot, tokens, start_pos, blocks, sample, salt)),
+            )
+        })
+        .prop_map(
+            |(slot_mapping, n_prompt_tokens, (slot, tokens, start_pos, blocks, sample, _))| {
+                SeqStep {
+                    slot,
+                    tokens,
+                    start_pos,
+                    block_table: blocks,
+                    slot_mapping,
+                    sample,
+                    n_prompt_tokens,
+                }
+            },
+        )
+}
+
+fn arb_plan() -> impl Strategy<Value = StepPlan> {
+    (
+        any::<u64>(),
+        prop::collection::vec(0u32..8, 0..=4),
+        prop::collection::vec((0u32..8, arb_params()), 0..=3),
+        prop::collection::vec(arb_seq(), 0..=4),
+    )
+        .prop_map(|(step_id, forget, admit, seqs)| StepPlan {
+            step_id,
+            forget,
+            admit: admit
+                .into_iter()
+                .map(|(slot, params)| Admission { slot, params })
+                .collect(),
+            seqs,
+        })
+}
+
+fn arb_token() -> impl Strategy<Value = TokenLogprob> {
+    (any::<u32>(), -30.0f32..=0.0).prop_map(|(token, logprob)| TokenLogprob { token, logprob })
+}
+
+fn arb_result() -> impl Strategy<Value = StepResult> {
+    (
+        any::<u64>(),
+        prop::collection::vec(
+            (
+                0u32..8,
+                arb_token(),
+                prop::collection::vec(arb_token(), 0..=3),
+            ),
+            0..=4,
+        ),
+        (any::<u64>(), any::<u64>(), any::<u64>()),
+    )
+        .prop_map(|(step_id, seqs, (f, s, t))| StepResult {
+            step_id,
+            seqs: seqs
+                .into_iter()
+                .map(|(slot, token, top)| SeqResult { slot, token, top })
+                .collect(),
+            timing: StepTiming {
+                forward_us: f,
+                sample_us: s,
+                total_us: t,
+            },
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn random_plans_and_results_round_trip(plan in arb_plan(), result in arb_result()) {
+        let mut server = new_segment();
+        let mut agent = ShmSegment::open(server.name()).unwrap();
+        if plan.n_tokens() > 64 {
+            prop_assert!(
+                matches!(
+                    server.write_plan(&plan),
+                    Err(ShmError::CapacityExceeded { what: "tokens per step", .. })
+                ),
+                "an over-long plan was not refused"
+            );
+        } else {
+            server.write_plan(&plan).unwrap();
+            prop_assert_eq!(agent.read_plan().unwrap(), plan);
+        }
+        agent.write_result(&result).unwrap();
+        prop_assert_eq!(server.read_result().unwrap(), result);
+    }
+
+    #[test]
+    fn garbage_in_the_regions_gives_errors_not_panics(
+        plan in arb_plan(),
+        junk in prop::collection::vec((0u64..1920, any::<u8>()), 1..64),
+    ) {
+        let mut seg = new_segment();
+        let _ = seg.write_plan(&plan);
+        seg.write_result(&StepResult::default()).unwrap();
+        let header = std::mem::size_of::<ShmHeader>() as u64;
+        let end = seg.layout().total_size();
+        for (at, byte) in junk {
+            let at = header + at % (end - header);
+            poke(&seg, at, &[byte]);
+        }
+        // Any outcome but a panic is fine; a successful read must respect the capacities.
+        if let Ok(p) = seg.read_plan() {
+            prop_assert!(p.seqs.len() <= 4 && p.n_tokens() <= 64 && p.admit.len() <= 3);
+            prop_assert!(p.seqs.iter().all(|s| s.slot < 8 && s.block_table.len() <= 5));
+        }
+        if let Ok(r) = seg.read_result() {
+            prop_assert!(r.seqs.len() <= 4 && r.seqs.iter().all(|s| s.top.len() <= 3));
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! The API front ends on top of the HTTP layer: routing, the llm-serving (TGI-style) routes, the
+//! OpenAI routes, /health, /metrics and llm-serving's /serving/* status routes. Handlers validate,
+//! tokenize and build a `GenerateRequest`, then turn its events into the response.
+
+mod error;
+mod fields;
+mod openai;
+mod openai_stream;
+mod pyjson;
+mod sampling;
+mod tgi;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use npu_agent::tokenizer::{ChatTemplate, Tokenizer};
+
+pub use error::{ApiError, ErrorShape};
+
+use crate::config::{DeviceKind, ServerConfig};
+use crate::engine::{EngineStats, RequestId};
+use crate::http::{Handler, Reply, Request, Response};
+use crate::metrics::Metrics;
+
+/// What the API layer needs from the config (typed, with defaults for tests).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiSettings {
+    /// Served model name (`/v1/models`, responses' `model`).
+    pub model_name: String,
+    /// Context limit: prompt + generated tokens.
+    pub max_model_len: u32,
+    /// max_new_tokens / max_tokens when a request does not say.
+    pub max_new_tokens_default: u32,
+    pub device: DeviceKind,
+    /// Reported by /serving/get_serverd_model_info.
+    pub decode_batch_size: u32,
+    pub model_dtype: String,
+}
+
+impl Default for ApiSettings {
+    fn default() -> Self {
+        Self {
+            model_name: "SmolLM2-135M-Instruct".into(),
+            max_model_len: 2048,
+            max_new_tokens_default: 256,
+            device: DeviceKind::Cpu,
+            decode_batch_size: 64,
+            model_dtype: "gguf".into(),
+        }
+    }
+}
+
+impl ApiSettings {
+    /// `model_context` is the loaded model's context length.
+    pub fn from_config(cfg: &ServerConfig, model_context: u32) -> Self {
+        Self {
+            model_name: cfg.model_name().to_string(),
+            max_model_len: cfg.max_model_len(model_context),
+            max_new_tokens_default: cfg.npu_serving.max_new_tokens_default,
+            device: cfg.npu_serving.device,
+            decode_batch_size: cfg.decode_batch_size(),
+            model_dtype: cfg
+                .model_config
+                .model_dtype
+                .clone()
+                .unwrap_or_else(|| "gguf".into()),
+        }
+    }
+}
+
+/// The API layer: implements the HTTP `Handler`.
+pub struct ApiContext {
+    pub settings: ApiSettings,
+    tokenizer: Tokenizer,
+    chat_template: Result<ChatTemplate, String>,
+    stats: Arc<EngineStats>,
+    metrics: Arc<Metrics>,
+    /// Unix time the server started (OpenAI `created` of the model).
+    started: u64,
+}
+
+/// A route and the methods it answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Health,
+    Metrics,
+    Models,
+    Completions,
+    ChatCompletions,
+    /// `/models/{name}` (stream from the body), `/generate` (false), `/generate_stream` (true).
+    TgiGenerate(Option<bool>),
+    ServingBatchSize,
+    ServingRequestNumbers,
+    ServingModelInfo,
+}
+
+fn route(path: &str) -> Option<(Route, &'static str)> {
+    let r = match path {
+        "/health" => (Route::Health, "GET"),
+        "/metrics" => (Route::Metrics, "GET"),
+        "/v1/models" => (Route::Models, "GET"),
+        "/v1/completions" => (Route::Completions, "POST"),
+        "/v1/chat/completions" => (Route::ChatCompletions, "POST"),
+        "/serving/get_bs" => (Route::ServingBatchSize, "GET"),
+        "/serving/get_request_numbers" => (Route::ServingRequestNumbers, "GET"),
+        "/serving/get_serverd_model_info" => (Route::ServingModelInfo, "GET"),
+        _ => {
+            let rest = path.strip_prefix("/models/")?;
+            let (name, tail) = match rest.split_once('/') {
+                Some((n, t)) => (n, Some(t)),
+                None => (rest, None),
+            };
+            if name.is_empty() {
+                return None;
+            }
+            let stream = match tail {
+                None | Some("") => None,
+                Some("generate") => Some(false),
+                Some("generate_stream") => Some(true),
+                Some(_) => return None,
+            };
+            (Route::TgiGenerate(stream), "POST")
+        }
+    };
+    Some(r)
+}
+
+fn shape_for(path: &str) -> ErrorShape {
+    if path.starts_with("/v1/") {
+        ErrorShape::OpenAi
+    } else {
+        ErrorShape::Plain
+    }
+}
+
+impl ApiContext {
+    pub fn new(
+        settings: ApiSettings,
+        tokenizer: Tokenizer,
+        stats: Arc<EngineStats>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let chat_template = tokenizer.chat_template().map_err(|e| {
+            tracing::warn!("the model's chat template is unusable, /v1/chat/completions will fail: {e}");
+            e.to_string()
+        });
+        let started = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Self {
+            settings,
+            tokenizer,
+            chat_template,
+            stats,
+            metrics,
+            started,
+        }
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    fn health(&self) -> Response {
+        let s = &self.stats;
+        let up = EngineStats::get(&s.agents_up);
+        let total = EngineStats::get(&s.agents_total);
+        if s.ready.load(Ordering::Relaxed) {
+            return Response::json(200, &serde_json::json!({"status": "ok"}));
+        }
+        let error = if total == 0 {
+            "the engine has not started its agents yet".to_string()
+        } else {
+            format!("{up} of {total} agents are up")
+        };
+        Response::json(
+            503,
+            &serde_json::json!({
+                "status": "unavailable",
+                "error": error,
+                "agents_up": up,
+                "agents_total": total,
+            }),
+        )
+    }
+
+    fn models(&self) -> Response {
+        Response::json(
+            200,
+            &serde_json::json!({
+                "object": "list",
+                "data": [{
+                    "id": self.settings.model_name,
+                    "object": "model",
+                    "created": self.started,
+                    "owned_by": "npu-serving",
+                    "root": self.settings.model_name,
+                    "max_model_len": self.settings.max_model_len,
+                }],
+            }),
+        )
+    }
+
+    fn serving_event(&self, data: serde_json::Value) -> Response {
+        // llm-serving answers these as one server-sent event.
+        let line = pyjson::to_python_json(&serde_json::json!({"event": "message", "retry": 30000, "data": data}));
+        Response::new(200, "text/event-stream; charset=utf-8", format!("data: {line}\r\n\r\n").into_bytes())
+            .with_header("Cache-Control", "no-cache")
+    }
+
+    fn serving_model_info(&self) -> Response {
+        #[derive(serde::Serialize)]
+        struct Info<'a> {
+            docker_label: &'a str,
+            max_batch_total_tokens: u64,
+            max_concurrent_requests: u64,
+            max_input_length: u32,
+            max_total_tokens: u32,
+            model_device_type: &'a str,
+            model_dtype: &'a str,
+            model_id: &'a str,
+            model_pipeline_tag: &'a str,
+            version: &'a str,
+        }
+        let s = &self.settings;
+        // Field meanings follow llm-serving's answer (max_total_tokens is its decode batch size,
+        // max_concurrent_requests its current queue length).
+        let info = Info {
+            docker_label: "",
+            max_batch_total_tokens: u64::from(s.max_model_len) * u64::from(s.decode_batch_size),
+            max_concurrent_requests: EngineStats::get(&self.stats.waiting),
+            max_input_length: s.max_model_len,
+            max_total_tokens: s.decode_batch_size,
+            model_device_type: match s.device {
+                DeviceKind::Cpu => "CPU",
+                DeviceKind::Cuda => "CUDA",
+                DeviceKind::Ascend => "CANN",
+            },
+            model_dtype: &s.model_dtype,
+            model_id: &s.model_name,
+            model_pipeline_tag: "text-generation",
+            version: env!("CARGO_PKG_VERSION"),
+        };
+        let line = pyjson::to_python_json(&info);
+        Response::new(200, "text/event-stream; charset=utf-8", format!("data: {line}\r\n\r\n").into_bytes())
+            .with_header("Cache-Control", "no-cache")
+    }
+}
+
+impl Handler for ApiContext {
+    fn handle(&self, req: &Request, id: RequestId) -> Reply {
+        let shape = shape_for(&req.path);
+        let Some((route, allow)) = route(&req.path) else {
+            let e = ApiError::new(404, "not_found", format!("no route for {} {}", req.method, req.path));
+            return Reply::Full(e.response(shape));
+        };
+        if req.method != allow {
+            let e = ApiError::new(
+                405,
+                "method_not_allowed",
+                format!("{} does not accept {}; allowed: {allow}", req.path, req.method),
+            );
+            return Reply::Full(e.response(shape).with_header("Allow", allow));
+        }
+        let result = match route {
+            Route::Health => return Reply::Full(self.health()),
+            Route::Metrics => {
+                let text = self.metrics.render(&self.stats);
+                return Reply::Full(Response::new(200, "text/plain; version=0.0.4; charset=utf-8", text.into_bytes()));
+            }
+            Route::Models => return Reply::Full(self.models()),
+            Route::ServingBatchSize => {
+                return Reply::Full(self.serving_event(EngineStats::get(&self.stats.running).into()))
+            }
+            Route::ServingRequestNumbers => {
+                return Reply::Full(self.serving_event(EngineStats::get(&self.stats.waiting).into()))
+            }
+            Route::ServingModelInfo => return Reply::Full(self.serving_model_info()),
+            Route::TgiGenerate(stream) => tgi::submission(self, req, id, stream),
+            Route::Completions => openai::completion_submission(self, req, id),
+            Route::ChatCompletions => openai::chat_submission(self, req, id),
+        };
+        match result {
+            Ok(sub) => Reply::Generate(sub),
+            Err(e) => Reply::Full(e.response(shape)),
+        }
+    }
+
+    fn error_response(&self, path: Option<&str>, status: u16, kind: &str, message: &str) -> Response {
+        let shape = path.map(shape_for).unwrap_or(ErrorShape::Plain);
+        error::render_error(shape, status, kind, message, None)
+    }
+}

@@ -1,0 +1,269 @@
+//! The OpenAI front end's requests: `POST /v1/completions` (prompt text or token ids) and
+//! `POST /v1/chat/completions` (messages rendered with the model's chat template), validated
+//! into a `GenerateRequest` with their response writer (openai_stream.rs).
+
+use npu_protocol::SamplingParams;
+use serde_json::Value;
+
+use super::error::ApiError;
+use super::fields::{parse_body, token_id_list, Fields};
+use super::openai_stream::{OpenAiKind, OpenAiWriter};
+use super::sampling;
+use super::ApiContext;
+use crate::engine::{GenerateRequest, RequestId};
+use crate::http::{Request, Submission};
+use npu_agent::tokenizer::ChatMessage;
+
+/// What both OpenAI routes share.
+struct Common {
+    params: SamplingParams,
+    max_tokens: u32,
+    stop: Vec<String>,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn common(ctx: &ApiContext, f: &Fields, id: RequestId, max_tokens_keys: &[&str]) -> Result<Common, ApiError> {
+    let s = &ctx.settings;
+    if let Some(n) = f.i64("n")? {
+        if n != 1 {
+            return Err(ApiError::invalid("n", format!("n must be 1 (one choice per request), got {n}")));
+        }
+    }
+    if let Some(b) = f.i64("best_of")? {
+        if b != 1 {
+            return Err(ApiError::invalid("best_of", format!("best_of must be 1, got {b}")));
+        }
+    }
+    match f.get("logit_bias") {
+        None => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(Value::Object(_)) => return Err(ApiError::invalid("logit_bias", "logit_bias is not supported")),
+        Some(v) => return Err(f.wrong("logit_bias", "an object", v)),
+    }
+    let temperature = sampling::temperature(f, "temperature")?.unwrap_or(1.0);
+    let top_p = sampling::top_p(f, "top_p")?.unwrap_or(1.0);
+    let top_k = sampling::top_k(f, "top_k", true)?.unwrap_or(0);
+    let min_p = sampling::min_p(f, "min_p")?.unwrap_or(0.0);
+    let presence_penalty = sampling::penalty(f, "presence_penalty")?.unwrap_or(0.0);
+    let frequency_penalty = sampling::penalty(f, "frequency_penalty")?.unwrap_or(0.0);
+    let repetition_penalty = sampling::repetition_penalty(f, "repetition_penalty")?.unwrap_or(1.0);
+    let key = max_tokens_keys
+        .iter()
+        .copied()
+        .find(|k| f.get(k).is_some())
+        .unwrap_or(max_tokens_keys[0]);
+    let max_tokens = sampling::max_new_tokens(f, key, s)?;
+    let stop = f.strings("stop")?;
+    if let Some(i) = stop.iter().position(String::is_empty) {
+        return Err(ApiError::invalid("stop", format!("stop[{i}] is empty")));
+    }
+    let stop_token_ids = f.token_ids("stop_token_ids")?;
+    sampling::check_token_ids(&stop_token_ids, "stop_token_ids", ctx.tokenizer.vocab_size())?;
+    let seed = f.u64("seed")?.unwrap_or_else(|| sampling::random_seed(id));
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let opts = f.object("stream_options", "stream_options.")?;
+    let include_usage = opts.bool("include_usage")?.unwrap_or(false);
+    if include_usage && !stream {
+        return Err(ApiError::invalid("stream_options", "stream_options is only allowed with stream: true"));
+    }
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    f.string("model")?; // any name serves the one loaded model
+    f.string("user")?;
+    Ok(Common {
+        params: SamplingParams {
+            do_sample: temperature > 0.0,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            seed,
+            top_n: 0,
+        },
+        max_tokens,
+        stop,
+        stop_token_ids,
+        ignore_eos,
+        stream,
+        include_usage,
+    })
+}
+
+fn finish(ctx: &ApiContext, id: RequestId, c: Common, prompt_ids: Vec<u32>, kind: OpenAiKind, logprobs: Option<u32>) -> Submission {
+    let mut params = c.params;
+    params.top_n = logprobs.unwrap_or(0);
+    let request = GenerateRequest {
+        id,
+        prompt_ids,
+        params,
+        max_new_tokens: c.max_tokens,
+        stop: c.stop,
+        stop_token_ids: c.stop_token_ids,
+        ignore_eos: c.ignore_eos,
+    };
+    let writer = OpenAiWriter::new(
+        kind,
+        id,
+        ctx.settings.model_name.clone(),
+        ctx.tokenizer.clone(),
+        c.stream,
+        c.include_usage,
+        logprobs,
+    );
+    Submission {
+        request,
+        writer: Box::new(writer),
+    }
+}
+
+pub(super) fn completion_submission(ctx: &ApiContext, req: &Request, id: RequestId) -> Result<Submission, ApiError> {
+    let body = parse_body(&req.body)?;
+    let f = Fields::new(&body, "");
+    let c = common(ctx, &f, id, &["max_tokens"])?;
+    if f.bool("echo")?.unwrap_or(false) {
+        return Err(ApiError::invalid("echo", "echo: only false is supported"));
+    }
+    if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix", "suffix is not supported"));
+    }
+    let logprobs = match f.int_in("logprobs", 0, npu_protocol::MAX_TOP_N as i64)? {
+        None => None,
+        Some(n) => Some(n as u32),
+    };
+    let prompt_ids = match f.get("prompt") {
+        None => return Err(ApiError::invalid("prompt", "prompt is missing")),
+        Some(Value::String(s)) => encode(ctx, s, "prompt")?,
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
+            let ids = token_id_list("prompt", items)?;
+            sampling::check_token_ids(&ids, "prompt", ctx.tokenizer.vocab_size())?;
+            ids
+        }
+        Some(Value::Array(items)) if items.len() == 1 => match &items[0] {
+            Value::String(s) => encode(ctx, s, "prompt")?,
+            Value::Array(ids) => {
+                let ids = token_id_list("prompt[0]", ids)?;
+                sampling::check_token_ids(&ids, "prompt", ctx.tokenizer.vocab_size())?;
+                ids
+            }
+            v => return Err(f.wrong("prompt", "a string, a list of token ids, or a list with one of them", v)),
+        },
+        Some(Value::Array(items)) if items.len() > 1 => {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("prompt has {} prompts; only one prompt per request is supported", items.len()),
+            ))
+        }
+        Some(v) => return Err(f.wrong("prompt", "a string or a list of token ids", v)),
+    };
+    sampling::check_prompt(&prompt_ids, "prompt", &ctx.settings)?;
+    Ok(finish(ctx, id, c, prompt_ids, OpenAiKind::Completion, logprobs))
+}
+
+fn encode(ctx: &ApiContext, text: &str, field: &str) -> Result<Vec<u32>, ApiError> {
+    ctx.tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::invalid(field, format!("{field} cannot be tokenized: {e}")))
+}
+
+/// A message's content: a string, or a list of `{"type": "text", "text": ...}` parts.
+fn message_content(i: usize, m: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
+    let field = format!("messages[{i}].content");
+    match m.get("content") {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let pf = format!("{field}[{j}]");
+                let Value::Object(p) = part else {
+                    return Err(ApiError::invalid(&pf, format!("{pf} must be an object")));
+                };
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    (Some("text"), _) => return Err(ApiError::invalid(&pf, format!("{pf}.text must be a string"))),
+                    (Some(other), _) => {
+                        return Err(ApiError::invalid(&pf, format!("{pf}: content parts of type {other:?} are not supported (text only)")))
+                    }
+                    (None, _) => return Err(ApiError::invalid(&pf, format!("{pf}.type is missing"))),
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(ApiError::invalid(&field, format!("{field} must be a string or a list of text parts"))),
+    }
+}
+
+pub(super) fn chat_submission(ctx: &ApiContext, req: &Request, id: RequestId) -> Result<Submission, ApiError> {
+    let body = parse_body(&req.body)?;
+    let f = Fields::new(&body, "");
+    let c = common(ctx, &f, id, &["max_completion_tokens", "max_tokens"])?;
+    let logprobs = f.bool("logprobs")?.unwrap_or(false);
+    let top_logprobs = sampling::top_n(&f, "top_logprobs")?;
+    if top_logprobs.is_some_and(|n| n > 0) && !logprobs {
+        return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true"));
+    }
+    match f.get("tools") {
+        None => {}
+        Some(Value::Array(t)) if t.is_empty() => {}
+        Some(_) => return Err(ApiError::invalid("tools", "tools are not supported")),
+    }
+    let rf = f.object("response_format", "response_format.")?;
+    match rf.string("type")? {
+        None | Some("text") => {}
+        Some(other) => {
+            return Err(ApiError::invalid("response_format", format!("response_format type {other:?} is not supported (text only)")))
+        }
+    }
+    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    let messages = match f.get("messages") {
+        None => return Err(ApiError::invalid("messages", "messages is missing")),
+        Some(Value::Array(m)) if m.is_empty() => return Err(ApiError::invalid("messages", "messages is empty")),
+        Some(Value::Array(m)) => m,
+        Some(v) => return Err(f.wrong("messages", "a list of messages", v)),
+    };
+    let mut chat = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let Value::Object(m) = m else {
+            let name = format!("messages[{i}]");
+            return Err(ApiError::invalid(&name, format!("{name} must be an object with role and content")));
+        };
+        let role = match m.get("role") {
+            Some(Value::String(r)) if matches!(r.as_str(), "system" | "user" | "assistant" | "tool" | "developer") => {
+                if r == "developer" {
+                    "system".to_string()
+                } else {
+                    r.clone()
+                }
+            }
+            Some(Value::String(r)) => {
+                let name = format!("messages[{i}].role");
+                return Err(ApiError::invalid(&name, format!("{name} {r:?} is not one of system, user, assistant, tool")));
+            }
+            _ => {
+                let name = format!("messages[{i}].role");
+                return Err(ApiError::invalid(&name, format!("{name} must be a string")));
+            }
+        };
+        chat.push(ChatMessage::new(role, message_content(i, m)?));
+    }
+    let template = ctx
+        .chat_template
+        .as_ref()
+        .map_err(|e| ApiError::new(500, "server_error", format!("the model's chat template is unusable: {e}")))?;
+    let text = template
+        .render(&chat, add_generation_prompt)
+        .map_err(|e| ApiError::invalid("messages", format!("messages cannot be rendered with the chat template: {e}")))?;
+    // The template writes any BOS itself; special tokens in it are recognised.
+    let prompt_ids = ctx
+        .tokenizer
+        .encode_with(&text, false, true)
+        .map_err(|e| ApiError::invalid("messages", format!("messages cannot be tokenized: {e}")))?;
+    sampling::check_prompt(&prompt_ids, "messages", &ctx.settings)?;
+    let lp = logprobs.then_some(top_logprobs.unwrap_or(0));
+    Ok(finish(ctx, id, c, prompt_ids, OpenAiKind::Chat, lp))
+}

@@ -1,0 +1,244 @@
+//! OpenAI responses: whole `text_completion` / `chat.completion` objects, or SSE streams of
+//! chunks (`data: {...}\n\n`, an optional usage chunk, then `data: [DONE]\n\n`), with log
+//! probabilities in each API's shape, usage counts and finish reasons.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use npu_agent::tokenizer::Tokenizer;
+use npu_protocol::TokenLogprob;
+use serde_json::{json, Map, Value};
+
+use super::error::{render_error, ErrorShape};
+use super::pyjson::{escape_line_breaks, f32_json};
+use super::sampling::token_text;
+use crate::engine::{FinishReason, GenEvent, RequestId, Usage};
+use crate::http::{EventWriter, Progress, Response};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OpenAiKind {
+    Completion,
+    Chat,
+}
+
+pub(crate) struct OpenAiWriter {
+    kind: OpenAiKind,
+    id: String,
+    created: u64,
+    model: String,
+    tokenizer: Tokenizer,
+    stream: bool,
+    include_usage: bool,
+    /// Some(n): report log-probabilities with n alternatives per token.
+    logprobs: Option<u32>,
+    text: String,
+    /// Non-streaming: the log-probability entries collected so far.
+    lp_entries: Vec<Value>,
+    /// Completions' `text_offset` of the next token.
+    offset: usize,
+}
+
+impl OpenAiWriter {
+    pub(crate) fn new(
+        kind: OpenAiKind,
+        id: RequestId,
+        model: String,
+        tokenizer: Tokenizer,
+        stream: bool,
+        include_usage: bool,
+        logprobs: Option<u32>,
+    ) -> Self {
+        let prefix = match kind {
+            OpenAiKind::Completion => "cmpl",
+            OpenAiKind::Chat => "chatcmpl",
+        };
+        Self {
+            kind,
+            id: format!("{prefix}-{id}"),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            model,
+            tokenizer,
+            stream,
+            include_usage,
+            logprobs,
+            text: String::new(),
+            lp_entries: Vec::new(),
+            offset: 0,
+        }
+    }
+
+    fn object(&self) -> &'static str {
+        match (self.kind, self.stream) {
+            (OpenAiKind::Completion, _) => "text_completion",
+            (OpenAiKind::Chat, false) => "chat.completion",
+            (OpenAiKind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn envelope(&self, choices: Value) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("id".into(), self.id.clone().into());
+        m.insert("object".into(), self.object().into());
+        m.insert("created".into(), self.created.into());
+        m.insert("model".into(), self.model.clone().into());
+        m.insert("choices".into(), choices);
+        m
+    }
+
+    /// One token's log-probability entry in this API's shape.
+    fn lp_entry(&self, token: &TokenLogprob, top: &[TokenLogprob], text: &str) -> Value {
+        match self.kind {
+            OpenAiKind::Chat => {
+                let item = |t: &TokenLogprob| {
+                    let bytes: Vec<u8> = self.tokenizer.token_bytes(t.token).map(<[u8]>::to_vec).unwrap_or_default();
+                    json!({
+                        "token": token_text(&self.tokenizer, t.token),
+                        "logprob": f32_json(t.logprob),
+                        "bytes": bytes,
+                    })
+                };
+                let mut e = item(token);
+                e["top_logprobs"] = Value::Array(top.iter().map(item).collect());
+                e
+            }
+            OpenAiKind::Completion => {
+                let mut alts = Map::new();
+                for t in top {
+                    alts.insert(token_text(&self.tokenizer, t.token), f32_json(t.logprob).into());
+                }
+                json!({
+                    "token": token_text(&self.tokenizer, token.token),
+                    "logprob": f32_json(token.logprob),
+                    "top": alts,
+                    "offset": self.offset,
+                    "text": text,
+                })
+            }
+        }
+    }
+
+    /// The `logprobs` value of a choice from entries.
+    fn lp_value(&self, entries: &[Value]) -> Value {
+        if self.logprobs.is_none() {
+            return Value::Null;
+        }
+        match self.kind {
+            OpenAiKind::Chat => json!({ "content": entries }),
+            OpenAiKind::Completion => json!({
+                "tokens": entries.iter().map(|e| e["token"].clone()).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| e["logprob"].clone()).collect::<Vec<_>>(),
+                "top_logprobs": entries.iter().map(|e| e["top"].clone()).collect::<Vec<_>>(),
+                "text_offset": entries.iter().map(|e| e["offset"].clone()).collect::<Vec<_>>(),
+            }),
+        }
+    }
+
+    fn usage(u: &Usage) -> Value {
+        json!({
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+        })
+    }
+
+    fn choice(&self, text: &str, logprobs: Value, finish: Option<&str>, first: bool) -> Value {
+        match (self.kind, self.stream) {
+            (OpenAiKind::Completion, _) => json!({
+                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+            }),
+            (OpenAiKind::Chat, false) => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }),
+            (OpenAiKind::Chat, true) => {
+                let mut delta = Map::new();
+                if first {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if first || !text.is_empty() {
+                    delta.insert("content".into(), text.into());
+                }
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+            }
+        }
+    }
+
+    fn sse(out: &mut Vec<u8>, v: &Value) {
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(escape_line_breaks(v.to_string()).as_bytes());
+        out.extend_from_slice(b"\n\n");
+    }
+}
+
+impl EventWriter for OpenAiWriter {
+    fn stream_start(&mut self) -> Option<Response> {
+        if !self.stream {
+            return None;
+        }
+        let mut body = Vec::new();
+        if self.kind == OpenAiKind::Chat {
+            let first = self.envelope(Value::Array(vec![self.choice("", Value::Null, None, true)]));
+            Self::sse(&mut body, &Value::Object(first));
+        }
+        Some(
+            Response::new(200, "text/event-stream; charset=utf-8", body)
+                .with_header("Cache-Control", "no-cache")
+                .with_header("X-Accel-Buffering", "no"),
+        )
+    }
+
+    fn on_event(&mut self, event: &GenEvent, body: &mut Vec<u8>) -> Progress {
+        match event {
+            GenEvent::Token { token, top, text } => {
+                let entry = self.logprobs.map(|_| self.lp_entry(token, top, text));
+                self.offset += text.len();
+                self.text.push_str(text);
+                if !self.stream {
+                    self.lp_entries.extend(entry);
+                    return Progress::More;
+                }
+                if text.is_empty() && entry.is_none() {
+                    return Progress::More; // nothing a client could see
+                }
+                let lp = self.lp_value(entry.as_slice());
+                let chunk = self.envelope(Value::Array(vec![self.choice(text, lp, None, false)]));
+                Self::sse(body, &Value::Object(chunk));
+                Progress::More
+            }
+            GenEvent::Finished { reason, usage, message } => {
+                if *reason == FinishReason::Error {
+                    let msg = message.as_deref().unwrap_or("generation failed");
+                    let resp = render_error(ErrorShape::OpenAi, 500, "server_error", msg, None);
+                    if !self.stream {
+                        return Progress::Complete(resp);
+                    }
+                    body.extend_from_slice(b"data: ");
+                    body.extend_from_slice(&resp.body);
+                    body.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+                    return Progress::StreamDone;
+                }
+                let finish = Some(reason.openai());
+                if !self.stream {
+                    let lp = self.lp_value(&self.lp_entries);
+                    let mut whole = self.envelope(Value::Array(vec![self.choice(&self.text, lp, finish, false)]));
+                    whole.insert("usage".into(), Self::usage(usage));
+                    let json = escape_line_breaks(Value::Object(whole).to_string());
+                    return Progress::Complete(Response::new(200, "application/json", json.into_bytes()));
+                }
+                let last = self.envelope(Value::Array(vec![self.choice("", Value::Null, finish, false)]));
+                Self::sse(body, &Value::Object(last));
+                if self.include_usage {
+                    let mut u = self.envelope(Value::Array(Vec::new()));
+                    u.insert("usage".into(), Self::usage(usage));
+                    Self::sse(body, &Value::Object(u));
+                }
+                body.extend_from_slice(b"data: [DONE]\n\n");
+                Progress::StreamDone
+            }
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! The server's YAML config: llm-serving's schema as users already write it (model_config,
+//! serving_config, pa_config, tokenizer, ...) plus our own `npu_serving:` section, loaded into
+//! typed structs with defaults, validated at load with errors that name the key.
+
+mod error;
+mod reader;
+mod sections;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub use error::{ConfigError, ConfigWarning};
+pub use reader::parse_bool_str;
+
+use crate::http::HttpLimits;
+
+/// llm-serving's `model_config` section (the keys that mean something here).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Served model name (`/v1/models`, `/serving/get_serverd_model_info`).
+    pub model_name: String,
+    /// Cap on prompt + generated tokens of one request, when set.
+    pub max_generate_length: Option<u32>,
+    /// Extra end-of-sequence token ids from the config (besides the model's own EOS ids).
+    pub end_token: Vec<u32>,
+    /// Sequence length buckets; the largest is the context limit from the config.
+    pub seq_length: Option<Vec<u32>>,
+    pub vocab_size: Option<u32>,
+    /// Prefill batch buckets; the largest caps new prompts admitted per step.
+    pub prefill_batch_size: Vec<u32>,
+    /// Decode batch buckets; the largest caps running sequences per agent.
+    pub decode_batch_size: Vec<u32>,
+    pub batching_strategy: BatchingStrategy,
+    /// Kept only to report it (`/serving/get_serverd_model_info`); weights' types come from the GGUF.
+    pub model_dtype: Option<String>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            model_name: "SmolLM2-135M-Instruct".into(),
+            max_generate_length: None,
+            end_token: Vec::new(),
+            seq_length: None,
+            vocab_size: None,
+            prefill_batch_size: vec![8],
+            decode_batch_size: vec![64],
+            batching_strategy: BatchingStrategy::Continuous,
+            model_dtype: None,
+        }
+    }
+}
+
+/// `model_config.batching_strategy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchingStrategy {
+    Continuous,
+    Static,
+}
+
+/// llm-serving's `serving_config` section.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServingConfig {
+    /// One control port per agent; the number of agents is the number of ports.
+    pub agent_ports: Vec<u16>,
+    pub agent_ip: String,
+    pub start_device_id: u32,
+    pub server_ip: String,
+    /// 0 lets the OS choose (tests).
+    pub server_port: u16,
+}
+
+impl Default for ServingConfig {
+    fn default() -> Self {
+        Self {
+            agent_ports: vec![16002],
+            agent_ip: "127.0.0.1".into(),
+            start_device_id: 0,
+            server_ip: "127.0.0.1".into(),
+            server_port: 8835,
+        }
+    }
+}
+
+/// llm-serving's `pa_config` section (paged attention KV pool, per agent).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PaConfig {
+    pub num_blocks: u32,
+    pub block_size: u32,
+    /// Longest sequence paged decoding serves, when set (another cap on the context length).
+    pub decode_seq_length: Option<u32>,
+}
+
+impl Default for PaConfig {
+    fn default() -> Self {
+        Self {
+            num_blocks: 2048,
+            block_size: 16,
+            decode_seq_length: None,
+        }
+    }
+}
+
+/// Which backend the agents run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+    Ascend,
+}
+
+impl DeviceKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Ascend => "ascend",
+        }
+    }
+}
+
+/// Our own settings: the `npu_serving:` section.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NpuServingConfig {
+    /// GGUF model file; None = the default model (`npu_agent::model_store::resolve_model(None)`).
+    pub model_file: Option<PathBuf>,
+    pub device: DeviceKind,
+    /// Threads each agent uses; 0 = all cores divided among the agents.
+    pub threads_per_agent: u32,
+    /// Token budget of one step (chunked prefill).
+    pub max_tokens_per_step: u32,
+    pub prefix_cache: bool,
+    /// Host memory for swapped-out KV blocks, per agent; 0 = preempt by recomputation only.
+    pub swap_space_mb: u64,
+    /// Waiting requests before new ones get 429.
+    pub max_queue: u32,
+    pub max_body_bytes: u64,
+    pub max_header_bytes: u32,
+    /// A request's head (and then its body) must arrive within this time, else 408.
+    pub header_timeout_ms: u64,
+    /// An agent step taking longer than this counts as a hung agent.
+    pub step_deadline_ms: u64,
+    /// max_new_tokens when a request does not say.
+    pub max_new_tokens_default: u32,
+    /// Context limit (prompt + generated); None = min(seq_length, model context).
+    pub max_model_len: Option<u32>,
+    /// On shutdown, how long running requests may take to finish before they are aborted.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for NpuServingConfig {
+    fn default() -> Self {
+        Self {
+            model_file: None,
+            device: DeviceKind::Cpu,
+            threads_per_agent: 0,
+            max_tokens_per_step: 512,
+            prefix_cache: true,
+            swap_space_mb: 0,
+            max_queue: 1024,
+            max_body_bytes: 1 << 20,
+            max_header_bytes: 16 * 1024,
+            header_timeout_ms: 10_000,
+            step_deadline_ms: 30_000,
+            max_new_tokens_default: 256,
+            max_model_len: None,
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+/// The whole config, with the warnings its loading produced (already logged).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ServerConfig {
+    pub model_config: ModelConfig,
+    pub serving_config: ServingConfig,
+    pub pa_config: PaConfig,
+    pub npu_serving: NpuServingConfig,
+    /// Keys accepted without effect and unknown keys, one entry each.
+    pub warnings: Vec<ConfigWarning>,
+}
+
+impl ServerConfig {
+    pub fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_yaml_str(&text)
+    }
+
+    /// Parses and validates; each warning is logged once with `tracing::warn!`.
+    pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
+        let cfg = sections::parse(text)?;
+        for w in &cfg.warnings {
+            tracing::warn!(key = %w.path, "config: {}", w.message);
+        }
+        Ok(cfg)
+    }
+
+    /// Running sequences per agent (the largest decode bucket).
+    pub fn decode_batch_size(&self) -> u32 {
+        largest(&self.model_config.decode_batch_size).unwrap_or(1)
+    }
+
+    /// New prompts admitted per step (the largest prefill bucket).
+    pub fn prefill_batch_size(&self) -> u32 {
+        largest(&self.model_config.prefill_batch_size).unwrap_or(1)
+    }
+
+    /// The largest `model_config.seq_length`, when given.
+    pub fn seq_length(&self) -> Option<u32> {
+        self.model_config.seq_length.as_deref().and_then(largest)
+    }
+
+    /// Context limit (prompt + generated tokens): the smallest of `npu_serving.max_model_len`,
+    /// `model_config.seq_length`, `pa_config.decode_seq_length` and the model's own context.
+    pub fn max_model_len(&self, model_context: u32) -> u32 {
+        [
+            self.npu_serving.max_model_len,
+            self.seq_length(),
+            self.pa_config.decode_seq_length,
+            Some(model_context),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(model_context)
+    }
+
+    pub fn max_generate_length(&self) -> Option<u32> {
+        self.model_config.max_generate_length
+    }
+
+    pub fn num_agents(&self) -> usize {
+        self.serving_config.agent_ports.len()
+    }
+
+    /// `server_ip:server_port`, ready for `TcpListener::bind`.
+    pub fn server_addr(&self) -> String {
+        let ip = &self.serving_config.server_ip;
+        if ip.contains(':') {
+            format!("[{ip}]:{}", self.serving_config.server_port)
+        } else {
+            format!("{ip}:{}", self.serving_config.server_port)
+        }
+    }
+
+    pub fn model_name(&self) -> &str {
+        &self.model_config.model_name
+    }
+
+    /// Token ids from `model_config.end_token` that end generation besides the model's EOS ids.
+    pub fn end_token_ids(&self) -> &[u32] {
+        &self.model_config.end_token
+    }
+
+    pub fn step_deadline(&self) -> Duration {
+        Duration::from_millis(self.npu_serving.step_deadline_ms)
+    }
+
+    /// Warnings about config values that the loaded model overrides: `model_config.vocab_size`
+    /// different from the model's, and context limits beyond the model's context. Logged too.
+    pub fn model_warnings(&self, model_vocab: u32, model_context: u32) -> Vec<ConfigWarning> {
+        let mut out = Vec::new();
+        if let Some(v) = self.model_config.vocab_size {
+            if v != model_vocab {
+                out.push(ConfigWarning {
+                    path: "model_config.vocab_size".into(),
+                    message: format!("ignored: {v} differs from the model's vocabulary ({model_vocab}); the model's is used"),
+                });
+            }
+        }
+        let limits = [
+            ("npu_serving.max_model_len", self.npu_serving.max_model_len),
+            ("model_config.seq_length", self.seq_length()),
+            ("pa_config.decode_seq_length", self.pa_config.decode_seq_length),
+        ];
+        for (path, v) in limits {
+            if let Some(v) = v.filter(|&v| v > model_context) {
+                out.push(ConfigWarning {
+                    path: path.into(),
+                    message: format!("{v} is beyond the model's context ({model_context}); using {model_context}"),
+                });
+            }
+        }
+        for w in &out {
+            tracing::warn!(key = %w.path, "config: {}", w.message);
+        }
+        out
+    }
+
+    /// The HTTP layer's limits.
+    pub fn http_limits(&self) -> HttpLimits {
+        let n = &self.npu_serving;
+        HttpLimits {
+            max_body_bytes: n.max_body_bytes,
+            max_header_bytes: n.max_header_bytes as usize,
+            header_timeout: Duration::from_millis(n.header_timeout_ms),
+            shutdown_grace: Duration::from_millis(n.shutdown_grace_ms),
+            max_queue: u64::from(n.max_queue),
+            ..HttpLimits::default()
+        }
+    }
+}
+
+fn largest(v: &[u32]) -> Option<u32> {
+    v.iter().copied().max()
+}

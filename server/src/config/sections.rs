@@ -1,0 +1,402 @@
+//! Reads each section of the YAML document into the typed config: llm-serving's keys that are
+//! used, those accepted with a warning saying why they mean nothing here, and our `npu_serving`.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use serde_yaml::Value;
+
+use super::error::{ConfigError, ConfigWarning};
+use super::reader::{describe, Section};
+use super::{
+    BatchingStrategy, DeviceKind, ModelConfig, NpuServingConfig, PaConfig, ServerConfig,
+    ServingConfig,
+};
+
+pub(super) fn parse(text: &str) -> Result<ServerConfig, ConfigError> {
+    let doc: Value = serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
+    let doc = match doc {
+        Value::Null => Value::Mapping(Default::default()),
+        Value::Mapping(_) => doc,
+        other => {
+            return Err(ConfigError::NotAMapping {
+                found: describe(&other),
+            })
+        }
+    };
+    let mut warnings = Vec::new();
+    let mut top = Section::new("", Some(&doc))?;
+
+    let mut s = top.section("model_config")?;
+    let model_config = model_config(&mut s, &mut warnings)?;
+    s.finish(&mut warnings);
+
+    let mut s = top.section("serving_config")?;
+    let serving_config = serving_config(&mut s, &mut warnings)?;
+    s.finish(&mut warnings);
+
+    let mut s = top.section("pa_config")?;
+    let pa_config = pa_config(&mut s)?;
+    s.finish(&mut warnings);
+
+    let mut s = top.section("tokenizer")?;
+    s.ignored(
+        "type",
+        "the tokenizer is built from the GGUF model's metadata",
+        &mut warnings,
+    );
+    s.ignored(
+        "vocab_file",
+        "the tokenizer is read from the GGUF file (or a tokenizer.json beside it)",
+        &mut warnings,
+    );
+    s.finish(&mut warnings);
+
+    for key in ["basic_inputs", "extra_inputs", "warmup_inputs"] {
+        top.ignored(
+            key,
+            "MindSpore model input classes; inputs are built by the model runner here",
+            &mut warnings,
+        );
+    }
+    top.ignored(
+        "model_path",
+        "MindSpore graph files; the model is one GGUF file (npu_serving.model_file)",
+        &mut warnings,
+    );
+
+    let mut s = top.section("npu_serving")?;
+    let npu_serving = npu_serving(&mut s)?;
+    s.finish(&mut warnings);
+
+    top.finish(&mut warnings);
+
+    Ok(ServerConfig {
+        model_config,
+        serving_config,
+        pa_config,
+        npu_serving,
+        warnings,
+    })
+}
+
+fn to_u32(path: &str, v: u64, min: u32) -> Result<u32, ConfigError> {
+    match u32::try_from(v) {
+        Ok(x) if x >= min => Ok(x),
+        _ => Err(ConfigError::not_allowed(path, v, format!("{min}..={}", u32::MAX))),
+    }
+}
+
+/// A bucket list: every entry >= min; warns when several buckets are given (we use the largest).
+fn buckets(
+    s: &mut Section,
+    key: &str,
+    min: u32,
+    warnings: &mut Vec<ConfigWarning>,
+) -> Result<Option<Vec<u32>>, ConfigError> {
+    let Some(list) = s.u64_list(key, "give at least one value")? else {
+        return Ok(None);
+    };
+    let path = s.key_path(key);
+    let mut out = Vec::with_capacity(list.len());
+    for (i, v) in list.iter().enumerate() {
+        let p = if list.len() > 1 { format!("{path}[{i}]") } else { path.clone() };
+        out.push(to_u32(&p, *v, min)?);
+    }
+    if out.len() > 1 {
+        let max = out.iter().max().copied().unwrap_or(min);
+        warnings.push(ConfigWarning {
+            path,
+            message: format!(
+                "{} buckets given; continuous batching needs no buckets, using the largest ({max})",
+                out.len()
+            ),
+        });
+    }
+    Ok(Some(out))
+}
+
+fn model_config(s: &mut Section, w: &mut Vec<ConfigWarning>) -> Result<ModelConfig, ConfigError> {
+    let mut m = ModelConfig::default();
+    if let Some(name) = s.string("model_name")? {
+        if name.trim().is_empty() {
+            return Err(ConfigError::Empty {
+                path: s.key_path("model_name"),
+                need: "name the served model",
+            });
+        }
+        m.model_name = name;
+    }
+    if let Some(v) = s.u64("max_generate_length")? {
+        m.max_generate_length = Some(to_u32(&s.key_path("max_generate_length"), v, 2)?);
+    }
+    if let Some(list) = s.u64_list("end_token", "give at least one token id")? {
+        let path = s.key_path("end_token");
+        m.end_token = list
+            .into_iter()
+            .map(|v| to_u32(&path, v, 0))
+            .collect::<Result<_, _>>()?;
+    }
+    m.seq_length = buckets(s, "seq_length", 2, w)?;
+    if let Some(v) = s.u64("vocab_size")? {
+        m.vocab_size = Some(to_u32(&s.key_path("vocab_size"), v, 1)?);
+    }
+    if let Some(b) = buckets(s, "prefill_batch_size", 1, w)? {
+        m.prefill_batch_size = b;
+    }
+    if let Some(b) = buckets(s, "decode_batch_size", 1, w)? {
+        m.decode_batch_size = b;
+    }
+    if let Some(v) = s.string("batching_strategy")? {
+        m.batching_strategy = match v.as_str() {
+            "continuous" => BatchingStrategy::Continuous,
+            "static" => BatchingStrategy::Static,
+            _ => {
+                return Err(ConfigError::not_allowed(
+                    &s.key_path("batching_strategy"),
+                    format!("{v:?}"),
+                    "'continuous' or 'static'",
+                ))
+            }
+        };
+    }
+    for key in ["batch_waiting_time", "decode_batch_waiting_time"] {
+        if let Some(t) = s.f64(key)? {
+            if t < 0.0 {
+                return Err(ConfigError::not_allowed(&s.key_path(key), t, ">= 0"));
+            }
+            if t > 0.0 {
+                w.push(ConfigWarning {
+                    path: s.key_path(key),
+                    message: "ignored: continuous batching schedules a step as soon as there is work"
+                        .into(),
+                });
+            }
+        }
+    }
+    if let Some(false) = s.bool("page_attention")? {
+        w.push(ConfigWarning {
+            path: s.key_path("page_attention"),
+            message: "ignored: the KV cache is always paged here (pa_config)".into(),
+        });
+    }
+    m.model_dtype = match s.raw("model_dtype") {
+        None => None,
+        Some(Value::String(v)) => Some(v.clone()),
+        Some(other) => Some(describe(other)),
+    };
+    if m.model_dtype.is_some() {
+        w.push(ConfigWarning {
+            path: s.key_path("model_dtype"),
+            message: "ignored: weight and compute types come from the GGUF file and the backend"
+                .into(),
+        });
+    }
+    let ignored: [(&str, &str); 7] = [
+        ("zactivate_len", "MindSpore activation-length buckets; no static shapes here"),
+        ("model_type", "MindSpore graph kind; shapes are always dynamic here"),
+        ("seq_type", "MindSpore static/dynamic sequence graphs; no static shapes here"),
+        ("current_index", "MindSpore graph input; positions are part of every step plan"),
+        ("pad_token_id", "no padding: steps pack tokens of all sequences"),
+        ("backend", "MindSpore graph mode ('kbk'/'ge'); the device is npu_serving.device"),
+        ("model_cfg_path", "MindFormers model yaml; the model comes from the GGUF file"),
+    ];
+    for (key, why) in ignored {
+        s.ignored(key, why, w);
+    }
+    Ok(m)
+}
+
+fn serving_config(
+    s: &mut Section,
+    w: &mut Vec<ConfigWarning>,
+) -> Result<ServingConfig, ConfigError> {
+    let mut c = ServingConfig::default();
+    if let Some(list) = s.u64_list("agent_ports", "need one port per agent")? {
+        let path = s.key_path("agent_ports");
+        let mut seen = BTreeSet::new();
+        c.agent_ports = Vec::with_capacity(list.len());
+        for v in list {
+            let port = match u16::try_from(v) {
+                Ok(p) if p >= 1 => p,
+                _ => return Err(ConfigError::not_allowed(&path, v, "a port in 1..=65535")),
+            };
+            if !seen.insert(port) {
+                return Err(ConfigError::not_allowed(
+                    &path,
+                    format!("port {port} twice"),
+                    "one distinct port per agent",
+                ));
+            }
+            c.agent_ports.push(port);
+        }
+    }
+    if c.agent_ports.is_empty() {
+        return Err(ConfigError::Empty {
+            path: s.key_path("agent_ports"),
+            need: "need one port per agent",
+        });
+    }
+    if let Some(ip) = s.string("agent_ip")? {
+        c.agent_ip = check_host(&s.key_path("agent_ip"), ip)?;
+    }
+    if let Some(v) = s.u64("start_device_id")? {
+        c.start_device_id = to_u32(&s.key_path("start_device_id"), v, 0)?;
+    }
+    if let Some(ip) = s.string("server_ip")? {
+        c.server_ip = check_host(&s.key_path("server_ip"), ip)?;
+    }
+    if let Some(v) = s.u64("server_port")? {
+        c.server_port = u16::try_from(v).map_err(|_| {
+            ConfigError::not_allowed(&s.key_path("server_port"), v, "0..=65535 (0 = any free port)")
+        })?;
+    }
+    if c.server_port != 0 && c.agent_ports.contains(&c.server_port) {
+        return Err(ConfigError::not_allowed(
+            &s.key_path("server_port"),
+            c.server_port,
+            "different from every serving_config.agent_ports entry",
+        ));
+    }
+    for key in ["prefill_batch_waiting_time", "decode_batch_waiting_time"] {
+        if let Some(t) = s.f64(key)? {
+            if t < 0.0 {
+                return Err(ConfigError::not_allowed(&s.key_path(key), t, ">= 0"));
+            }
+            if t > 0.0 {
+                w.push(ConfigWarning {
+                    path: s.key_path(key),
+                    message: "ignored: continuous batching schedules a step as soon as there is work"
+                        .into(),
+                });
+            }
+        }
+    }
+    s.ignored(
+        "enable_host_post_sampling",
+        "sampling always runs on the agent, next to the logits",
+        w,
+    );
+    Ok(c)
+}
+
+fn check_host(path: &str, ip: String) -> Result<String, ConfigError> {
+    if ip == "localhost" || ip.parse::<IpAddr>().is_ok() {
+        Ok(ip)
+    } else {
+        Err(ConfigError::not_allowed(
+            path,
+            format!("{ip:?}"),
+            "an IPv4/IPv6 address or \"localhost\"",
+        ))
+    }
+}
+
+fn pa_config(s: &mut Section) -> Result<PaConfig, ConfigError> {
+    let mut c = PaConfig::default();
+    if let Some(v) = s.u64("num_blocks")? {
+        c.num_blocks = to_u32(&s.key_path("num_blocks"), v, 1)?;
+    }
+    if let Some(v) = s.u64("block_size")? {
+        if !(1..=256).contains(&v) || !v.is_power_of_two() {
+            return Err(ConfigError::not_allowed(
+                &s.key_path("block_size"),
+                v,
+                "1..=256 and a power of two",
+            ));
+        }
+        c.block_size = v as u32;
+    }
+    if let Some(v) = s.u64("decode_seq_length")? {
+        c.decode_seq_length = Some(to_u32(&s.key_path("decode_seq_length"), v, 2)?);
+    }
+    Ok(c)
+}
+
+fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
+    let mut c = NpuServingConfig::default();
+    if let Some(p) = s.string("model_file")? {
+        if p.trim().is_empty() {
+            return Err(ConfigError::Empty {
+                path: s.key_path("model_file"),
+                need: "a GGUF path, or leave the key out for the default model",
+            });
+        }
+        c.model_file = Some(expand_home(&p));
+    }
+    if let Some(d) = s.string("device")? {
+        c.device = match d.to_ascii_lowercase().as_str() {
+            "cpu" => DeviceKind::Cpu,
+            "cuda" => DeviceKind::Cuda,
+            "ascend" | "npu" => DeviceKind::Ascend,
+            _ => {
+                return Err(ConfigError::not_allowed(
+                    &s.key_path("device"),
+                    format!("{d:?}"),
+                    "one of cpu, cuda, ascend",
+                ))
+            }
+        };
+    }
+    if let Some(v) = s.u64("threads_per_agent")? {
+        c.threads_per_agent = to_u32(&s.key_path("threads_per_agent"), v, 0)?;
+    }
+    if let Some(v) = s.u64("max_tokens_per_step")? {
+        c.max_tokens_per_step = to_u32(&s.key_path("max_tokens_per_step"), v, 1)?;
+    }
+    if let Some(v) = s.bool("prefix_cache")? {
+        c.prefix_cache = v;
+    }
+    if let Some(v) = s.u64("swap_space_mb")? {
+        c.swap_space_mb = v;
+    }
+    if let Some(v) = s.u64("max_queue")? {
+        c.max_queue = to_u32(&s.key_path("max_queue"), v, 1)?;
+    }
+    if let Some(v) = s.u64("max_body_bytes")? {
+        if v < 64 {
+            return Err(ConfigError::not_allowed(&s.key_path("max_body_bytes"), v, ">= 64"));
+        }
+        c.max_body_bytes = v;
+    }
+    if let Some(v) = s.u64("max_header_bytes")? {
+        if !(1024..=1 << 20).contains(&v) {
+            return Err(ConfigError::not_allowed(
+                &s.key_path("max_header_bytes"),
+                v,
+                "1024..=1048576",
+            ));
+        }
+        c.max_header_bytes = v as u32;
+    }
+    for (key, field) in [
+        ("header_timeout_ms", &mut c.header_timeout_ms),
+        ("step_deadline_ms", &mut c.step_deadline_ms),
+    ] {
+        if let Some(v) = s.u64(key)? {
+            if v == 0 {
+                return Err(ConfigError::not_allowed(&s.key_path(key), v, ">= 1 (milliseconds)"));
+            }
+            *field = v;
+        }
+    }
+    if let Some(v) = s.u64("shutdown_grace_ms")? {
+        c.shutdown_grace_ms = v;
+    }
+    if let Some(v) = s.u64("max_new_tokens_default")? {
+        c.max_new_tokens_default = to_u32(&s.key_path("max_new_tokens_default"), v, 1)?;
+    }
+    if let Some(v) = s.u64("max_model_len")? {
+        c.max_model_len = Some(to_u32(&s.key_path("max_model_len"), v, 2)?);
+    }
+    Ok(c)
+}
+
+/// `~/x` -> `$HOME/x` (configs are written by hand; the shell does not expand YAML values).
+fn expand_home(p: &str) -> PathBuf {
+    match (p.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => PathBuf::from(p),
+    }
+}

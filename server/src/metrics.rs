@@ -1,0 +1,233 @@
+//! Prometheus metrics: latency histograms measured in the HTTP layer (time to first token,
+//! inter-token latency, end-to-end) and by the engine (step time), lock-free counters, and the
+//! hand-written text exposition of `/metrics` (with the engine's live counters).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::engine::EngineStats;
+
+/// Upper bounds (seconds) of latency buckets: 1 ms .. 120 s.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+    10.0, 20.0, 30.0, 60.0, 120.0,
+];
+
+/// A fixed-bucket histogram that any thread can observe into without locks.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Per-bucket (not cumulative) counts; the last one is +Inf.
+    counts: Vec<AtomicU64>,
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_ns: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        let i = self.bounds.partition_point(|&b| b < secs);
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    pub fn sum(&self) -> Duration {
+        Duration::from_nanos(self.sum_ns.load(Ordering::Relaxed))
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let mut cumulative = 0u64;
+        for (i, c) in self.counts.iter().enumerate() {
+            cumulative += c.load(Ordering::Relaxed);
+            match self.bounds.get(i) {
+                Some(b) => {
+                    let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+                }
+                None => {
+                    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+                }
+            }
+        }
+        let _ = writeln!(out, "{name}_sum {}", self.sum().as_secs_f64());
+        let _ = writeln!(out, "{name}_count {cumulative}");
+    }
+}
+
+/// Everything the server measures itself; shared (`Arc`) by the HTTP loop, the API handlers
+/// and the engine (which observes `step_time`).
+#[derive(Debug)]
+pub struct Metrics {
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub e2e_latency: Histogram,
+    /// One engine step (plan sent to result received); the engine observes into it.
+    pub step_time: Histogram,
+    pub http_requests_total: AtomicU64,
+    pub http_responses_2xx: AtomicU64,
+    pub http_responses_4xx: AtomicU64,
+    pub http_responses_5xx: AtomicU64,
+    /// Generation requests refused with 429 because the queue was full.
+    pub rejected_queue_full_total: AtomicU64,
+    /// Requests aborted because their client went away.
+    pub client_aborts_total: AtomicU64,
+    /// Generation requests the HTTP side has submitted and not yet seen finish.
+    pub inflight: AtomicU64,
+    pub connections_open: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            time_to_first_token: Histogram::new(LATENCY_BUCKETS),
+            inter_token_latency: Histogram::new(LATENCY_BUCKETS),
+            e2e_latency: Histogram::new(LATENCY_BUCKETS),
+            step_time: Histogram::new(LATENCY_BUCKETS),
+            http_requests_total: AtomicU64::new(0),
+            http_responses_2xx: AtomicU64::new(0),
+            http_responses_4xx: AtomicU64::new(0),
+            http_responses_5xx: AtomicU64::new(0),
+            rejected_queue_full_total: AtomicU64::new(0),
+            client_aborts_total: AtomicU64::new(0),
+            inflight: AtomicU64::new(0),
+            connections_open: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Metrics {
+    /// Counts a response by its status class.
+    pub fn count_response(&self, status: u16) {
+        let c = match status {
+            200..=299 => &self.http_responses_2xx,
+            400..=499 => &self.http_responses_4xx,
+            500..=599 => &self.http_responses_5xx,
+            _ => return,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition (format 0.0.4).
+    pub fn render(&self, stats: &EngineStats) -> String {
+        let g = EngineStats::get;
+        let mut out = String::with_capacity(8 * 1024);
+        let gauges: [(&str, &str, u64); 9] = [
+            ("npu_serving_requests_running", "Requests being prefilled or decoded.", g(&stats.running)),
+            ("npu_serving_requests_waiting", "Requests waiting to be admitted.", g(&stats.waiting)),
+            ("npu_serving_requests_inflight", "Generation requests the HTTP side is serving.", self.inflight.load(Ordering::Relaxed)),
+            ("npu_serving_kv_blocks_used", "KV cache blocks in use (all agents).", g(&stats.kv_blocks_used)),
+            ("npu_serving_kv_blocks_total", "KV cache blocks in total (all agents).", g(&stats.kv_blocks_total)),
+            ("npu_serving_agents_up", "Agents that are up.", g(&stats.agents_up)),
+            ("npu_serving_agents_total", "Agents configured.", g(&stats.agents_total)),
+            ("npu_serving_ready", "1 when every agent is up and serving.", u64::from(stats.ready.load(Ordering::Relaxed))),
+            ("npu_serving_http_connections_open", "Open HTTP connections.", self.connections_open.load(Ordering::Relaxed)),
+        ];
+        for (name, help, v) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let counters: [(&str, &str, u64); 11] = [
+            ("npu_serving_prompt_tokens_total", "Prompt tokens processed.", g(&stats.prompt_tokens_total)),
+            ("npu_serving_generation_tokens_total", "Tokens generated.", g(&stats.generated_tokens_total)),
+            ("npu_serving_requests_finished_total", "Requests finished by the engine.", g(&stats.requests_finished_total)),
+            ("npu_serving_preemptions_total", "Sequences preempted for lack of KV blocks.", g(&stats.preemptions_total)),
+            ("npu_serving_agent_restarts_total", "Agents restarted after a crash or hang.", g(&stats.agent_restarts_total)),
+            ("npu_serving_steps_total", "Engine steps run.", g(&stats.steps_total)),
+            ("npu_serving_http_requests_total", "HTTP requests received.", r(&self.http_requests_total)),
+            ("npu_serving_http_responses_4xx_total", "HTTP responses with a 4xx status.", r(&self.http_responses_4xx)),
+            ("npu_serving_http_responses_5xx_total", "HTTP responses with a 5xx status.", r(&self.http_responses_5xx)),
+            ("npu_serving_rejected_queue_full_total", "Requests refused with 429 (queue full).", r(&self.rejected_queue_full_total)),
+            ("npu_serving_client_aborts_total", "Requests aborted because the client went away.", r(&self.client_aborts_total)),
+        ];
+        for (name, help, v) in counters {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP npu_serving_http_responses_2xx_total HTTP responses with a 2xx status.\n# TYPE npu_serving_http_responses_2xx_total counter\nnpu_serving_http_responses_2xx_total {}",
+            r(&self.http_responses_2xx)
+        );
+        self.time_to_first_token.render(
+            &mut out,
+            "npu_serving_time_to_first_token_seconds",
+            "From request arrival to its first generated token.",
+        );
+        self.inter_token_latency.render(
+            &mut out,
+            "npu_serving_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+        );
+        self.e2e_latency.render(
+            &mut out,
+            "npu_serving_e2e_request_latency_seconds",
+            "From request arrival to its last event.",
+        );
+        self.step_time.render(
+            &mut out,
+            "npu_serving_step_time_seconds",
+            "One engine step, plan sent to result received.",
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_sum_counts() {
+        let h = Histogram::new(&[0.01, 0.1, 1.0]);
+        h.observe(Duration::from_millis(5));
+        h.observe(Duration::from_millis(50));
+        h.observe(Duration::from_millis(50));
+        h.observe(Duration::from_secs(3));
+        let mut s = String::new();
+        h.render(&mut s, "x", "help");
+        assert!(s.contains("x_bucket{le=\"0.01\"} 1\n"), "{s}");
+        assert!(s.contains("x_bucket{le=\"0.1\"} 3\n"), "{s}");
+        assert!(s.contains("x_bucket{le=\"1\"} 3\n"), "{s}");
+        assert!(s.contains("x_bucket{le=\"+Inf\"} 4\n"), "{s}");
+        assert!(s.contains("x_count 4\n"), "{s}");
+        assert!(s.contains("x_sum 3.105\n"), "{s}");
+    }
+
+    #[test]
+    fn exposition_has_engine_counters_and_types() {
+        let m = Metrics::default();
+        let stats = EngineStats::default();
+        EngineStats::set(&stats.kv_blocks_total, 2048);
+        EngineStats::add(&stats.preemptions_total, 3);
+        m.step_time.observe(Duration::from_millis(20));
+        let text = m.render(&stats);
+        assert!(text.contains("# TYPE npu_serving_kv_blocks_total gauge\nnpu_serving_kv_blocks_total 2048\n"));
+        assert!(text.contains("npu_serving_preemptions_total 3\n"));
+        assert!(text.contains("npu_serving_step_time_seconds_count 1\n"));
+        // Every sample line belongs to a declared metric family.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let family = name
+                .trim_end_matches("_bucket")
+                .trim_end_matches("_sum")
+                .trim_end_matches("_count");
+            assert!(text.contains(&format!("# TYPE {family} ")) || text.contains(&format!("# TYPE {name} ")), "{line}");
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Config loading: the shipped configs load (with the warnings they should give), every
+//! validation error names its key, bucket lists accept a scalar or a list, unknown keys warn.
+
+use std::path::PathBuf;
+
+use npu_server::config::{BatchingStrategy, ConfigError, DeviceKind, ServerConfig};
+
+fn repo_file(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
+}
+
+fn warned(cfg: &ServerConfig, path: &str) -> bool {
+    cfg.warnings.iter().any(|w| w.path == path)
+}
+
+#[test]
+fn default_config_loads_without_warnings() {
+    let cfg = ServerConfig::from_yaml_file(repo_file("configs/smollm2-cpu.yaml")).unwrap();
+    assert!(cfg.warnings.is_empty(), "{:?}", cfg.warnings);
+    assert_eq!(cfg.num_agents(), 1);
+    assert_eq!(cfg.server_addr(), "127.0.0.1:8835");
+    assert_eq!(cfg.decode_batch_size(), 64);
+    assert_eq!(cfg.npu_serving.max_tokens_per_step, 512);
+    assert_eq!(cfg.npu_serving.model_file, None);
+    assert_eq!(cfg.npu_serving.device, DeviceKind::Cpu);
+    // 64 concurrent requests of 512 tokens fit the KV pool.
+    let blocks_needed = 64 * 512 / cfg.pa_config.block_size;
+    assert!(cfg.pa_config.num_blocks >= blocks_needed);
+    assert_eq!(cfg.max_model_len(8192), 2048);
+}
+
+#[test]
+fn llm_serving_config_loads_with_one_warning_per_ignored_key() {
+    let cfg = ServerConfig::from_yaml_file(repo_file("configs/llama_7b_kbk_pa_dyn.yaml")).unwrap();
+    for key in [
+        "model_config.zactivate_len",
+        "model_config.model_type",
+        "model_config.seq_type",
+        "model_config.current_index",
+        "model_config.model_dtype",
+        "model_config.pad_token_id",
+        "model_config.backend",
+        "model_config.model_cfg_path",
+        "serving_config.enable_host_post_sampling",
+        "tokenizer.type",
+        "tokenizer.vocab_file",
+        "basic_inputs",
+        "extra_inputs",
+        "warmup_inputs",
+        "model_path",
+    ] {
+        let n = cfg.warnings.iter().filter(|w| w.path == key).count();
+        assert_eq!(n, 1, "{key}: {:?}", cfg.warnings);
+    }
+    // Waiting times of 0 and page_attention: True are what we do anyway: no warning.
+    assert!(!warned(&cfg, "model_config.batch_waiting_time"));
+    assert!(!warned(&cfg, "model_config.page_attention"));
+    assert_eq!(cfg.model_name(), "llama_7b");
+    assert_eq!(cfg.end_token_ids(), &[2]);
+    assert_eq!(cfg.decode_batch_size(), 50);
+    assert_eq!(cfg.prefill_batch_size(), 10);
+    assert_eq!(cfg.max_generate_length(), Some(4096));
+    assert_eq!(cfg.model_config.batching_strategy, BatchingStrategy::Continuous);
+    assert_eq!(cfg.model_config.model_dtype.as_deref(), Some("DataType.FLOAT32"));
+    assert_eq!(cfg.pa_config.num_blocks, 1024);
+    assert_eq!(cfg.max_model_len(8192), 4096);
+    let model = cfg.npu_serving.model_file.clone().unwrap();
+    assert!(model.ends_with(".cache/npu-serving/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(!model.starts_with("~"), "home is expanded: {model:?}");
+    // Against the SmolLM2 model: vocab_size 32000 is overridden by the model's 49152.
+    let w = cfg.model_warnings(49152, 8192);
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert_eq!(w[0].path, "model_config.vocab_size");
+}
+
+#[test]
+fn empty_document_gives_defaults() {
+    let cfg = ServerConfig::from_yaml_str("").unwrap();
+    assert_eq!(cfg, ServerConfig::default());
+    assert_eq!(cfg.decode_batch_size(), 64);
+    assert_eq!(cfg.max_model_len(8192), 8192);
+    assert_eq!(cfg.http_limits().max_body_bytes, 1 << 20);
+}
+
+#[test]
+fn buckets_accept_scalar_or_list_and_use_the_largest() {
+    let cfg = ServerConfig::from_yaml_str(
+        "model_config:\n  seq_length: 1024\n  decode_batch_size: [8, 32, 16]\n  prefill_batch_size: [4]\n",
+    )
+    .unwrap();
+    assert_eq!(cfg.seq_length(), Some(1024));
+    assert_eq!(cfg.decode_batch_size(), 32);
+    assert_eq!(cfg.prefill_batch_size(), 4);
+    // Several buckets: one warning saying the largest is used; one bucket: none.
+    let w: Vec<_> = cfg.warnings.iter().map(|w| w.path.as_str()).collect();
+    assert_eq!(w, ["model_config.decode_batch_size"]);
+    assert!(cfg.warnings[0].message.contains("32"));
+}
+
+#[test]
+fn unknown_keys_warn_with_their_full_path() {
+    let cfg = ServerConfig::from_yaml_str(
+        "model_config:\n  model_name: x\n  fancy: 1\nserving_config:\n  agent_ports: [1]\n  agent_typo: 2\nnew_section: {a: 1}\nnpu_serving:\n  turbo: true\n",
+    )
+    .unwrap();
+    for key in [
+        "model_config.fancy",
+        "serving_config.agent_typo",
+        "new_section",
+        "npu_serving.turbo",
+    ] {
+        assert!(warned(&cfg, key), "{key}: {:?}", cfg.warnings);
+    }
+    assert_eq!(cfg.warnings.len(), 4);
+}
+
+#[test]
+fn booleans_may_be_python_style_or_strings() {
+    let cfg = ServerConfig::from_yaml_str("npu_serving:\n  prefix_cache: False\n").unwrap();
+    assert!(!cfg.npu_serving.prefix_cache);
+    let cfg = ServerConfig::from_yaml_str("npu_serving:\n  prefix_cache: 'True'\n").unwrap();
+    assert!(cfg.npu_serving.prefix_cache);
+}
+
+fn err(yaml: &str) -> ConfigError {
+    match ServerConfig::from_yaml_str(yaml) {
+        Ok(c) => panic!("accepted: {yaml}\n{c:?}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn every_validation_error_names_its_key_value_and_what_is_allowed() {
+    let cases: &[(&str, &str, &[&str])] = &[
+        ("pa_config:\n  block_size: 0\n", "pa_config.block_size", &["0 is not allowed", "1..=256", "power of two"]),
+        ("pa_config:\n  block_size: 24\n", "pa_config.block_size", &["24"]),
+        ("pa_config:\n  block_size: 512\n", "pa_config.block_size", &["512"]),
+        ("pa_config:\n  num_blocks: 0\n", "pa_config.num_blocks", &["0"]),
+        ("pa_config:\n  decode_seq_length: 1\n", "pa_config.decode_seq_length", &["1"]),
+        ("serving_config:\n  agent_ports: []\n", "serving_config.agent_ports", &["empty"]),
+        ("serving_config:\n  agent_ports: [70000]\n", "serving_config.agent_ports", &["70000", "1..=65535"]),
+        ("serving_config:\n  agent_ports: [5, 5]\n", "serving_config.agent_ports", &["5 twice"]),
+        ("serving_config:\n  server_port: 99999\n", "serving_config.server_port", &["99999"]),
+        ("serving_config:\n  agent_ports: [8835]\n  server_port: 8835\n", "serving_config.server_port", &["8835"]),
+        ("serving_config:\n  server_ip: 'not an ip'\n", "serving_config.server_ip", &["not an ip"]),
+        ("model_config:\n  seq_length: []\n", "model_config.seq_length", &["empty"]),
+        ("model_config:\n  decode_batch_size: [8, 0]\n", "model_config.decode_batch_size[1]", &["0"]),
+        ("model_config:\n  prefill_batch_size: 0\n", "model_config.prefill_batch_size", &["0"]),
+        ("model_config:\n  batching_strategy: 'greedy'\n", "model_config.batching_strategy", &["greedy", "continuous"]),
+        ("model_config:\n  model_name: ''\n", "model_config.model_name", &["empty"]),
+        ("model_config:\n  max_generate_length: 1\n", "model_config.max_generate_length", &["1"]),
+        ("model_config:\n  batch_waiting_time: -1.0\n", "model_config.batch_waiting_time", &["-1"]),
+        ("npu_serving:\n  device: tpu\n", "npu_serving.device", &["tpu", "cpu, cuda, ascend"]),
+        ("npu_serving:\n  max_tokens_per_step: 0\n", "npu_serving.max_tokens_per_step", &["0"]),
+        ("npu_serving:\n  max_queue: 0\n", "npu_serving.max_queue", &["0"]),
+        ("npu_serving:\n  max_body_bytes: 10\n", "npu_serving.max_body_bytes", &["10"]),
+        ("npu_serving:\n  header_timeout_ms: 0\n", "npu_serving.header_timeout_ms", &["0"]),
+        ("npu_serving:\n  step_deadline_ms: 0\n", "npu_serving.step_deadline_ms", &["0"]),
+        ("npu_serving:\n  max_new_tokens_default: 0\n", "npu_serving.max_new_tokens_default", &["0"]),
+        ("npu_serving:\n  max_model_len: 1\n", "npu_serving.max_model_len", &["1"]),
+        ("npu_serving:\n  model_file: ''\n", "npu_serving.model_file", &["empty"]),
+    ];
+    for (yaml, key, words) in cases {
+        let e = err(yaml);
+        assert_eq!(e.key_path(), Some(*key), "{yaml}: {e}");
+        let msg = e.to_string();
+        assert!(msg.starts_with(&format!("{key}: ")), "{msg}");
+        for w in *words {
+            assert!(msg.contains(w), "{yaml}: {msg:?} lacks {w:?}");
+        }
+    }
+    assert_eq!(
+        err("pa_config:\n  block_size: 0\n").to_string(),
+        "pa_config.block_size: 0 is not allowed (must be 1..=256 and a power of two)"
+    );
+    assert_eq!(
+        err("serving_config:\n  agent_ports: []\n").to_string(),
+        "serving_config.agent_ports: empty (need one port per agent)"
+    );
+}
+
+#[test]
+fn wrong_yaml_types_name_the_key() {
+    let cases: &[(&str, &str)] = &[
+        ("pa_config:\n  num_blocks: 'many'\n", "pa_config.num_blocks"),
+        ("pa_config:\n  block_size: 16.5\n", "pa_config.block_size"),
+        ("model_config:\n  seq_length: {a: 1}\n", "model_config.seq_length"),
+        ("model_config:\n  decode_batch_size: [8, 'x']\n", "model_config.decode_batch_size[1]"),
+        ("model_config:\n  model_name: [1]\n", "model_config.model_name"),
+        ("serving_config:\n  agent_ports: '16002'\n", "serving_config.agent_ports"),
+        ("npu_serving:\n  prefix_cache: 3\n", "npu_serving.prefix_cache"),
+        ("npu_serving: 5\n", "npu_serving"),
+        ("tokenizer: [a]\n", "tokenizer"),
+    ];
+    for (yaml, key) in cases {
+        let e = err(yaml);
+        assert!(matches!(e, ConfigError::WrongType { .. }), "{yaml}: {e}");
+        assert_eq!(e.key_path(), Some(*key), "{yaml}: {e}");
+        assert!(e.to_string().contains("expected"), "{e}");
+    }
+    assert!(matches!(err("- a\n- b\n"), ConfigError::NotAMapping { .. }));
+    assert!(matches!(err("a: [\n"), ConfigError::Yaml(_)));
+    assert!(matches!(
+        ServerConfig::from_yaml_file("/nonexistent/x.yaml"),
+        Err(ConfigError::Io { .. })
+    ));
+}
+
+#[test]
+fn nonzero_waiting_times_and_disabled_paging_are_warned_ignored() {
+    let cfg = ServerConfig::from_yaml_str(
+        "model_config:\n  batch_waiting_time: 0.5\n  page_attention: False\nserving_config:\n  decode_batch_waiting_time: 0.1\n",
+    )
+    .unwrap();
+    assert!(warned(&cfg, "model_config.batch_waiting_time"));
+    assert!(warned(&cfg, "model_config.page_attention"));
+    assert!(warned(&cfg, "serving_config.decode_batch_waiting_time"));
+}
