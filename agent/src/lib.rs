@@ -5,6 +5,7 @@ pub mod backend;
 pub mod engine;
 pub mod gguf;
 pub mod kernels;
+pub mod local;
 pub mod model;
 pub mod quant;
 pub mod threadpool;

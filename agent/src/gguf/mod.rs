@@ -164,7 +164,7 @@ impl GgmlType {
 
     /// Bytes taken by a row of `n` elements, or None when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_len() != 0 {
+        if !n.is_multiple_of(self.block_len()) {
             return None;
         }
         (n / self.block_len()).checked_mul(self.block_bytes())
@@ -311,7 +311,7 @@ struct Cursor<'a> {
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
         let start = self.pos as u64;
-        let end = start.checked_add(n).unwrap_or(u64::MAX);
+        let end = start.saturating_add(n);
         if end > self.buf.len() as u64 {
             return Err(GgufError::Truncated {
                 path: self.path.to_path_buf(),
@@ -513,8 +513,8 @@ impl GgufFile {
                     r.name, r.rel
                 )));
             }
-            let offset = data_start.checked_add(r.rel).unwrap_or(u64::MAX);
-            let end = offset.checked_add(n_bytes).unwrap_or(u64::MAX);
+            let offset = data_start.saturating_add(r.rel);
+            let end = offset.saturating_add(n_bytes);
             if end > file_len {
                 return Err(GgufError::Truncated {
                     path: path.clone(),

@@ -1,0 +1,64 @@
+//! Shared helpers of the agent's integration tests: the real default model, the llama.cpp
+//! reference file, and an engine sized for tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use npu_agent::engine::{AgentEngine, AgentEngineConfig};
+
+/// The default model (fetched on first use, as the product does).
+pub fn model_path() -> PathBuf {
+    npu_agent::model_store::resolve_model(None).expect("the default model is needed by this test")
+}
+
+pub struct Ref {
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    pub output_text: String,
+    pub gaps: Vec<f64>,
+    pub first_near_tie: Option<usize>,
+}
+
+pub fn refs() -> Vec<Ref> {
+    let text = include_str!("../data/greedy_smollm2_q4_1.jsonl");
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let ids = |k: &str| -> Vec<u32> {
+                v[k].as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as u32)
+                    .collect()
+            };
+            Ref {
+                prompt: v["prompt"].as_str().unwrap().to_string(),
+                prompt_ids: ids("prompt_ids"),
+                output_ids: ids("output_ids"),
+                output_text: v["output_text"].as_str().unwrap().to_string(),
+                gaps: v["top1_top2_logit_gap"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect(),
+                first_near_tie: v["first_step_gap_below_0.15"].as_u64().map(|x| x as usize),
+            }
+        })
+        .collect()
+}
+
+pub fn engine(max_slots: u32, num_blocks: u32) -> AgentEngine {
+    AgentEngine::load(&AgentEngineConfig {
+        model_path: model_path(),
+        num_blocks,
+        block_size: 16,
+        max_slots,
+        max_tokens_per_step: 256,
+        max_blocks_per_seq: 64,
+        threads: 0,
+    })
+    .expect("loading the default model")
+}
