@@ -2,6 +2,7 @@
 //! steps with a paged KV cache on a `Backend`, and samples next tokens.
 
 pub mod backend;
+pub mod cli;
 pub mod engine;
 pub mod gguf;
 pub mod kernels;

@@ -74,6 +74,15 @@ impl<'e> LocalRunner<'e> {
     /// Runs all requests to completion (every sequence is admitted at once: the caller keeps the
     /// batch within the engine's slots and blocks).
     pub fn run(&mut self, reqs: &[LocalRequest]) -> Result<(Vec<LocalOutput>, LocalTiming), EngineError> {
+        self.run_with(reqs, &mut |_, _| {})
+    }
+
+    /// Like `run`, calling `on_token(request index, token)` as each token is sampled.
+    pub fn run_with(
+        &mut self,
+        reqs: &[LocalRequest],
+        on_token: &mut dyn FnMut(usize, &TokenLogprob),
+    ) -> Result<(Vec<LocalOutput>, LocalTiming), EngineError> {
         let cfg = self.engine.config().clone();
         let bs = cfg.block_size as usize;
         if reqs.len() > cfg.max_slots as usize {
@@ -183,6 +192,7 @@ impl<'e> LocalRunner<'e> {
             for s in res.seqs {
                 let a = &mut act[s.slot as usize];
                 let r = &reqs[a.req];
+                on_token(a.req, &s.token);
                 a.out.tokens.push(s.token);
                 a.out.top.push(s.top);
                 if a.out.tokens.len() >= r.max_new_tokens || r.stop_ids.contains(&s.token.token) {

@@ -1,36 +1,39 @@
 //! A small fork-join pool for compute kernels: `run(n_tasks, f)` calls `f(i)` for every task index
-//! on the calling thread and the pool's workers, and returns when all are done. Workers spin briefly
-//! between jobs (a step issues hundreds of jobs back to back) and then sleep, so an idle agent
-//! costs no CPU.
+//! on the calling thread and the pool's workers, and returns when all are done. Tasks are claimed
+//! from one atomic word that holds the job's generation and next index, so the caller never waits
+//! for a worker that has not started (a busy machine may deschedule it): it does the work itself.
+//! Workers spin briefly between jobs (a step issues hundreds back to back) and then sleep, so an
+//! idle agent costs no CPU.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long an idle worker spins before it sleeps.
-const SPIN: Duration = Duration::from_micros(200);
+const SPIN: Duration = Duration::from_micros(300);
 
 type Job = dyn Fn(usize) + Sync;
 
+#[derive(Clone, Copy)]
+struct JobPtr(*const Job);
+// SAFETY: the pointee is Sync and outlives every use (see `run`).
+unsafe impl Send for JobPtr {}
+unsafe impl Sync for JobPtr {}
+
 struct Shared {
-    /// Incremented for every job; workers wait for it to change.
-    generation: AtomicUsize,
-    /// The current job (a fat pointer, valid while `run` is blocked).
-    job: Mutex<Option<JobPtr>>,
+    /// High 32 bits: job generation; low 32 bits: next task index.
+    state: AtomicU64,
+    /// Tasks of the current job.
     n_tasks: AtomicUsize,
-    next_task: AtomicUsize,
-    /// Workers still working on the current job.
-    active: AtomicUsize,
+    /// Tasks of the current job finished.
+    done: AtomicUsize,
+    /// The current job, valid while its generation is current and tasks remain.
+    job: Mutex<Option<JobPtr>>,
     sleeping: Mutex<usize>,
     wake: Condvar,
     shutdown: AtomicBool,
 }
-
-#[derive(Clone, Copy)]
-struct JobPtr(*const Job);
-// SAFETY: the pointee is Sync and outlives every use (run() waits for all workers).
-unsafe impl Send for JobPtr {}
 
 pub struct ThreadPool {
     shared: Arc<Shared>,
@@ -44,11 +47,10 @@ impl ThreadPool {
     pub fn new(threads: usize) -> Self {
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
-            generation: AtomicUsize::new(0),
-            job: Mutex::new(None),
+            state: AtomicU64::new(0),
             n_tasks: AtomicUsize::new(0),
-            next_task: AtomicUsize::new(0),
-            active: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            job: Mutex::new(None),
             sleeping: Mutex::new(0),
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -86,86 +88,114 @@ impl ThreadPool {
             return;
         }
         if n_tasks == 1 || self.workers.is_empty() {
-            for i in 0..n_tasks {
-                f(i);
-            }
+            (0..n_tasks).for_each(f);
             return;
         }
+        assert!(n_tasks < u32::MAX as usize);
         let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
         let job: &(dyn Fn(usize) + Sync + '_) = &f;
-        // SAFETY: erase the lifetime; we do not return before every worker has finished with it.
-        let job: &'static Job = unsafe {
-            std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static Job>(job)
-        };
-        *s.job.lock().unwrap() = Some(JobPtr(job as *const Job));
+        // SAFETY: the lifetime is erased only for the workers; a worker calls the job only after
+        // claiming a task of this generation, and we return only after every task is done.
+        let job: &'static Job =
+            unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static Job>(job) };
+        *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(job as *const Job));
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
-        s.next_task.store(0, Ordering::Relaxed);
-        s.active.store(self.workers.len(), Ordering::Relaxed);
-        s.generation.fetch_add(1, Ordering::Release);
+        s.done.store(0, Ordering::Relaxed);
+        let gen = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xFFFF_FFFF;
+        s.state.store(gen << 32, Ordering::Release);
         {
-            let sleeping = s.sleeping.lock().unwrap();
+            let sleeping = s.sleeping.lock().unwrap_or_else(|e| e.into_inner());
             if *sleeping > 0 {
                 s.wake.notify_all();
             }
         }
-        run_tasks(s, job);
-        while s.active.load(Ordering::Acquire) != 0 {
+        work(s, gen, job);
+        while s.done.load(Ordering::Acquire) != n_tasks {
             std::hint::spin_loop();
         }
-        *s.job.lock().unwrap() = None;
     }
 }
 
-fn run_tasks(s: &Shared, job: &Job) {
-    let n = s.n_tasks.load(Ordering::Relaxed);
+/// Claims and runs tasks of generation `gen` until none are left.
+fn work(s: &Shared, gen: u64, job: &Job) {
+    let n = s.n_tasks.load(Ordering::Relaxed) as u64;
+    let mut cur = s.state.load(Ordering::Acquire);
     loop {
-        let i = s.next_task.fetch_add(1, Ordering::Relaxed);
-        if i >= n {
-            break;
+        if cur >> 32 != gen || (cur & 0xFFFF_FFFF) >= n {
+            return;
         }
-        job(i);
+        match s
+            .state
+            .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => {
+                job((cur & 0xFFFF_FFFF) as usize);
+                s.done.fetch_add(1, Ordering::Release);
+                cur = s.state.load(Ordering::Acquire);
+            }
+            Err(now) => cur = now,
+        }
     }
 }
 
 fn worker(s: Arc<Shared>) {
-    let mut seen = 0usize;
+    let mut seen_gen = 0u64;
     loop {
-        // Wait for a new generation: spin, then sleep.
         let start = Instant::now();
         let mut spins = 0u32;
-        loop {
-            let g = s.generation.load(Ordering::Acquire);
-            if g != seen {
-                seen = g;
-                break;
+        let gen = loop {
+            let st = s.state.load(Ordering::Acquire);
+            let gen = st >> 32;
+            if gen != seen_gen {
+                break gen;
             }
             if s.shutdown.load(Ordering::Relaxed) {
                 return;
             }
-            spins += 1;
+            spins = spins.wrapping_add(1);
             if spins % 64 == 0 && start.elapsed() > SPIN {
-                let mut sleeping = s.sleeping.lock().unwrap();
+                let mut sleeping = s.sleeping.lock().unwrap_or_else(|e| e.into_inner());
                 *sleeping += 1;
-                while s.generation.load(Ordering::Acquire) == seen
+                while s.state.load(Ordering::Acquire) >> 32 == seen_gen
                     && !s.shutdown.load(Ordering::Relaxed)
                 {
-                    sleeping = s.wake.wait(sleeping).unwrap();
+                    sleeping = s.wake.wait(sleeping).unwrap_or_else(|e| e.into_inner());
                 }
                 *sleeping -= 1;
             } else {
                 std::hint::spin_loop();
             }
+        };
+        seen_gen = gen;
+        // Claim a first task before touching the job pointer: a claim of this generation means
+        // the job is still alive.
+        let n = s.n_tasks.load(Ordering::Acquire) as u64;
+        let mut cur = s.state.load(Ordering::Acquire);
+        loop {
+            if cur >> 32 != gen || (cur & 0xFFFF_FFFF) >= n {
+                break;
+            }
+            match s
+                .state
+                .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    let job = s
+                        .job
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .expect("a job is set while its tasks remain");
+                    // SAFETY: we hold an unfinished task of this job, so `run` has not returned.
+                    let job = unsafe { &*job.0 };
+                    job((cur & 0xFFFF_FFFF) as usize);
+                    s.done.fetch_add(1, Ordering::Release);
+                    work(&s, gen, job);
+                    break;
+                }
+                Err(now) => cur = now,
+            }
         }
-        if s.shutdown.load(Ordering::Relaxed) {
-            return;
-        }
-        let job = s.job.lock().unwrap().map(|p| p.0);
-        if let Some(job) = job {
-            // SAFETY: `run` keeps the job alive until `active` reaches zero.
-            run_tasks(&s, unsafe { &*job });
-        }
-        s.active.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -173,7 +203,7 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         {
-            let _sleeping = self.shared.sleeping.lock().unwrap();
+            let _sleeping = self.shared.sleeping.lock().unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
         }
         for w in self.workers.drain(..) {
@@ -207,6 +237,18 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
         }
+    }
+
+    #[test]
+    fn many_small_jobs_back_to_back() {
+        let pool = ThreadPool::new(4);
+        let total = AtomicU64::new(0);
+        for _ in 0..20_000 {
+            pool.run(3, |i| {
+                total.fetch_add(i as u64 + 1, Ordering::Relaxed);
+            });
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 20_000 * 6);
     }
 
     #[test]

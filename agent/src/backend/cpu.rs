@@ -11,6 +11,7 @@ use crate::gguf::GgmlType;
 use crate::kernels::attention::{self, AttnParams, AttnSeq, KvLayout};
 use crate::kernels::elementwise;
 use crate::kernels::matmul;
+use crate::kernels::quantize::quantize_acts;
 use crate::kernels::Isa;
 use crate::quant::ggml::dequantize_row;
 use crate::quant::{QuantizedActs, WeightMatrix};
@@ -235,7 +236,7 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let k = w.k();
         if let WeightMatrix::Packed(_) = w {
-            self.acts.quantize(&x[..rows * k], rows, k);
+            quantize_acts(&self.pool, self.isa, &x[..rows * k], rows, k, &mut self.acts);
         }
         matmul::matmul(
             &self.pool,

@@ -9,6 +9,7 @@ use std::cell::RefCell;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use super::vecmath::{exp_approx, round_through_f16};
 use super::{Isa, SharedOut};
 use crate::threadpool::ThreadPool;
 
@@ -126,6 +127,7 @@ pub fn paged_attention(
     pool.run(tasks.len(), |ti| {
         let (si, kvh, t0, t1) = tasks[ti];
         let task = Task {
+            isa,
             p,
             q,
             ldq,
@@ -143,6 +145,7 @@ pub fn paged_attention(
 }
 
 struct Task<'a> {
+    isa: Isa,
     p: &'a AttnParams,
     q: &'a [f32],
     ldq: usize,
@@ -180,6 +183,9 @@ unsafe fn task_avx2(t: &Task, s: &mut Scratch) {
     task_body(t, s)
 }
 
+/// Lanes of the fixed-width accumulators below (one AVX-512 register).
+const LANES: usize = 16;
+
 #[inline(always)]
 fn task_body(t: &Task, s: &mut Scratch) {
     let lay = t.p.lay;
@@ -201,13 +207,12 @@ fn task_body(t: &Task, s: &mut Scratch) {
         for g in 0..group {
             let h = t.kvh * group + g;
             let r = tok * group + g;
-            for d in 0..hd {
-                s.q[r * hd + d] = f16::from_f32(qrow[h * hd + d]).to_f32();
-            }
+            s.q[r * hd..(r + 1) * hd].copy_from_slice(&qrow[h * hd..(h + 1) * hd]);
         }
     }
+    round_through_f16(t.isa, &mut s.q);
     let ctx_of = |r: usize| t.seq.start_pos + t.t0 + r / group + 1;
-    // Scores, one K block at a time.
+    // Scores, one K block at a time; 16 tokens per register-held accumulator.
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let k0 = lay.k_at(blk, t.kvh, 0, 0);
@@ -218,11 +223,23 @@ fn task_body(t: &Task, s: &mut Scratch) {
             }
             let qr = &s.q[r * hd..(r + 1) * hd];
             let sc = &mut s.scores[r * span + bi * bs..r * span + (bi + 1) * bs];
-            sc.fill(0.0);
-            for (d, &qd) in qr.iter().enumerate() {
-                let kd = &s.kbuf[d * bs..(d + 1) * bs];
-                for (o, &k) in sc.iter_mut().zip(kd) {
-                    *o = qd.mul_add(k, *o);
+            if bs % LANES == 0 {
+                for t0 in (0..bs).step_by(LANES) {
+                    let mut acc = [0f32; LANES];
+                    for (d, &qd) in qr.iter().enumerate() {
+                        let kd = &s.kbuf[d * bs + t0..d * bs + t0 + LANES];
+                        for j in 0..LANES {
+                            acc[j] = qd.mul_add(kd[j], acc[j]);
+                        }
+                    }
+                    sc[t0..t0 + LANES].copy_from_slice(&acc);
+                }
+            } else {
+                sc.fill(0.0);
+                for (d, &qd) in qr.iter().enumerate() {
+                    for (o, &k) in sc.iter_mut().zip(&s.kbuf[d * bs..(d + 1) * bs]) {
+                        *o = qd.mul_add(k, *o);
+                    }
                 }
             }
         }
@@ -236,17 +253,26 @@ fn task_body(t: &Task, s: &mut Scratch) {
             *v *= t.p.scale;
             max = max.max(*v);
         }
-        let mut sum = 0f64;
-        for v in sc.iter_mut() {
-            *v = (*v - max).exp();
+        let mut lanes = [0f32; LANES];
+        let mut chunks = sc.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for j in 0..LANES {
+                c[j] = exp_approx(c[j] - max);
+                lanes[j] += c[j];
+            }
+        }
+        let mut sum: f64 = lanes.iter().map(|&v| v as f64).sum();
+        for v in chunks.into_remainder() {
+            *v = exp_approx(*v - max);
             sum += *v as f64;
         }
         let inv = (1.0 / sum) as f32;
         for v in sc.iter_mut() {
-            *v = f16::from_f32(*v * inv).to_f32();
+            *v *= inv;
         }
+        round_through_f16(t.isa, sc);
     }
-    // Weighted sum of V, one block at a time.
+    // Weighted sum of V, one block at a time; 16 dimensions per register-held accumulator.
     s.o.fill(0.0);
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
@@ -260,10 +286,23 @@ fn task_body(t: &Task, s: &mut Scratch) {
             let n_t = (ctx - bi * bs).min(bs);
             let pr = &s.scores[r * span + bi * bs..r * span + bi * bs + n_t];
             let or = &mut s.o[r * hd..(r + 1) * hd];
-            for (tt, &pt) in pr.iter().enumerate() {
-                let vr = &s.vbuf[tt * hd..(tt + 1) * hd];
-                for (o, &v) in or.iter_mut().zip(vr) {
-                    *o = pt.mul_add(v, *o);
+            if hd % LANES == 0 {
+                for d0 in (0..hd).step_by(LANES) {
+                    let mut acc = [0f32; LANES];
+                    acc.copy_from_slice(&or[d0..d0 + LANES]);
+                    for (tt, &pt) in pr.iter().enumerate() {
+                        let vr = &s.vbuf[tt * hd + d0..tt * hd + d0 + LANES];
+                        for j in 0..LANES {
+                            acc[j] = pt.mul_add(vr[j], acc[j]);
+                        }
+                    }
+                    or[d0..d0 + LANES].copy_from_slice(&acc);
+                }
+            } else {
+                for (tt, &pt) in pr.iter().enumerate() {
+                    for (o, &v) in or.iter_mut().zip(&s.vbuf[tt * hd..(tt + 1) * hd]) {
+                        *o = pt.mul_add(v, *o);
+                    }
                 }
             }
         }
@@ -273,9 +312,9 @@ fn task_body(t: &Task, s: &mut Scratch) {
             let h = t.kvh * group + g;
             let r = tok * group + g;
             let dst = (t.seq.q_row + t.t0 + tok) * t.ldo + h * hd;
-            for d in 0..hd {
-                // SAFETY: each task writes its own (token, head) rows; out is sized by the caller.
-                unsafe { *t.out.0.add(dst + d) = s.o[r * hd + d] };
+            // SAFETY: each task writes its own (token, head) rows; out is sized by the caller.
+            unsafe {
+                std::ptr::copy_nonoverlapping(s.o[r * hd..].as_ptr(), t.out.0.add(dst), hd);
             }
         }
     }

@@ -5,6 +5,8 @@
 pub mod attention;
 pub mod elementwise;
 pub mod matmul;
+pub mod quantize;
+pub mod vecmath;
 
 use std::sync::OnceLock;
 
@@ -88,3 +90,11 @@ pub struct SharedOut(pub *mut f32);
 // SAFETY: users guarantee tasks write disjoint elements and the buffer outlives the job.
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The pointer (a method, so closures capture the whole Sync wrapper).
+    #[inline]
+    pub fn ptr(&self) -> *mut f32 {
+        self.0
+    }
+}

@@ -1,0 +1,149 @@
+//! `npu-serving generate`: tokenize a prompt, generate on the in-process engine (greedy by default,
+//! or sampled), stream the text to stdout, or print one JSON object with the ids, the text and the
+//! measured prefill/decode speeds.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use npu_protocol::SamplingParams;
+use serde::Serialize;
+
+use crate::engine::{AgentEngine, AgentEngineConfig};
+use crate::gguf::GgufFile;
+use crate::local::{LocalRequest, LocalRunner};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// The prompt text (used as is: no chat template).
+    #[arg(long)]
+    pub prompt: String,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 (the default) is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed of the sampler's random stream.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep generating past the end-of-sequence token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// GGUF model file (default: the default model, fetched when absent).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Compute threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: u32,
+    /// Print one JSON object: prompt_ids, output_ids, output_text, prefill_tok_s, decode_tok_s.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct GenerateReport {
+    prompt_ids: Vec<u32>,
+    output_ids: Vec<u32>,
+    output_text: String,
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
+    anyhow::ensure!(
+        args.temperature >= 0.0 && args.temperature.is_finite(),
+        "--temperature must be >= 0 (got {})",
+        args.temperature
+    );
+    anyhow::ensure!(
+        args.top_p > 0.0 && args.top_p <= 1.0,
+        "--top-p must be in (0, 1] (got {})",
+        args.top_p
+    );
+    let model_path = crate::model_store::resolve_model(args.model.as_deref())?;
+    let gguf = GgufFile::open(&model_path)?;
+    let tok = Tokenizer::for_model(&gguf, &model_path).context("building the tokenizer")?;
+    let prompt_ids = tok.encode(&args.prompt)?;
+    anyhow::ensure!(!prompt_ids.is_empty(), "the prompt is empty");
+    drop(gguf);
+    let block_size = 16u32;
+    let total = prompt_ids.len() + args.max_tokens;
+    let blocks = total.div_ceil(block_size as usize) as u32;
+    let mut engine = AgentEngine::load(&AgentEngineConfig {
+        model_path,
+        num_blocks: blocks,
+        block_size,
+        max_slots: 1,
+        max_tokens_per_step: 512,
+        max_blocks_per_seq: blocks,
+        threads: args.threads,
+    })?;
+    let ctx = engine.facts().context_length as usize;
+    if total > ctx {
+        tracing::warn!("{total} tokens exceed the model's trained context of {ctx}");
+    }
+    let params = SamplingParams {
+        do_sample: args.temperature > 0.0,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    let req = LocalRequest {
+        prompt: prompt_ids.clone(),
+        params,
+        max_new_tokens: args.max_tokens,
+        stop_ids: if args.ignore_eos {
+            Vec::new()
+        } else {
+            tok.eos_ids().to_vec()
+        },
+        start_delay_steps: 0,
+    };
+    let mut stream = tok.decode_stream(true);
+    let mut stdout = std::io::stdout();
+    let json = args.json;
+    let mut runner = LocalRunner::new(&mut engine);
+    let (out, timing) = runner.run_with(&[req], &mut |_, t| {
+        if !json {
+            let piece = stream.push(t.token);
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+    })?;
+    let output_ids: Vec<u32> = out[0].tokens.iter().map(|t| t.token).collect();
+    let prefill_tok_s = timing.prefill_tokens as f64 / timing.prefill.as_secs_f64().max(1e-9);
+    let decode_tok_s = timing.decode_tokens as f64 / timing.decode.as_secs_f64().max(1e-9);
+    if json {
+        let report = GenerateReport {
+            output_text: tok.decode(&output_ids, true),
+            prompt_ids,
+            output_ids,
+            prefill_tok_s,
+            decode_tok_s,
+        };
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        let rest = stream.flush();
+        print!("{rest}");
+        println!();
+        eprintln!(
+            "[{} prompt tokens at {prefill_tok_s:.1} tok/s, {} generated at {decode_tok_s:.1} tok/s, {}]",
+            prompt_ids.len(),
+            output_ids.len(),
+            engine.facts().backend
+        );
+    }
+    Ok(())
+}
