@@ -6,3 +6,4 @@ pub mod gguf;
 pub mod model_store;
 pub mod sampler;
 pub mod tokenizer;
+pub mod worker;
