@@ -105,7 +105,13 @@ pub trait Handler: Send + Sync {
     fn handle(&self, request: &Request, id: RequestId) -> Reply;
     /// The response for an error the HTTP layer finds itself (413, 408, 431, 429, 503, ...);
     /// `path` is the request's path when known, so the API can pick its error shape.
-    fn error_response(&self, path: Option<&str>, status: u16, kind: &str, message: &str) -> Response {
+    fn error_response(
+        &self,
+        path: Option<&str>,
+        status: u16,
+        kind: &str,
+        message: &str,
+    ) -> Response {
         let _ = path;
         Response::error(status, kind, message)
     }
