@@ -444,3 +444,16 @@ fn shutdown_stops_accepting_and_lets_running_streams_finish() {
     assert!(is_closed(&mut idle));
     assert!(std::net::TcpStream::connect(addr).is_err());
 }
+
+#[test]
+fn sigterm_triggers_the_graceful_shutdown() {
+    let mut server = TestServer::quick();
+    server.shutdown.trigger_on_termination_signals().unwrap();
+    // signal-hook has replaced the default action (which would end the test process): the
+    // signal only triggers the shutdown, which wakes the server loop and makes it return.
+    // SAFETY: raise() has no preconditions.
+    assert_eq!(unsafe { libc::raise(libc::SIGTERM) }, 0);
+    let join = server.server.take().unwrap();
+    join.join().unwrap().unwrap();
+    assert!(server.shutdown.is_triggered());
+}

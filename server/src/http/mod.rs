@@ -146,6 +146,24 @@ impl ShutdownSignal {
         self.inner.flag.load(Ordering::SeqCst)
     }
 
+    /// Triggers this signal on SIGINT or SIGTERM (from a small watcher thread). A second
+    /// signal after the first is left to the default action by the caller's choice: this only
+    /// asks for the graceful drain.
+    pub fn trigger_on_termination_signals(&self) -> std::io::Result<()> {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name("shutdown-signals".into())
+            .spawn(move || {
+                if let Some(sig) = signals.forever().next() {
+                    tracing::info!(signal = sig, "shutting down: draining running requests");
+                    me.trigger();
+                }
+            })?;
+        Ok(())
+    }
+
     pub(crate) fn attach(&self, waker: Arc<mio::Waker>) {
         let _ = self.inner.waker.set(waker);
         // A trigger that came before the waker was attached is seen by the loop's first check.
