@@ -212,6 +212,49 @@ fn kill(pid: u32, signal: i32) {
     assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0);
 }
 
+/// SIGKILL, then waits until the process is dead (a zombie until the link reaps it).
+fn kill_9(pid: u32) {
+    kill(pid, libc::SIGKILL);
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if stat.is_empty()
+            || stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "agent {pid} did not die");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// SIGSTOP is delivered asynchronously: waits until every thread of `pid` is stopped.
+fn stop(pid: u32) {
+    kill(pid, libc::SIGSTOP);
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+        let all_stopped = tasks.filter_map(|t| t.ok()).all(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // The state follows the parenthesised command name.
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('T'))
+        });
+        if all_stopped {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "agent {pid} did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 const STEP_DEADLINE: Duration = Duration::from_secs(30);
 
 #[test]
@@ -300,7 +343,7 @@ fn a_killed_agent_is_detected_and_restarted() {
     link.step(&plan(1, &[1], &[(1, 5)]), STEP_DEADLINE).unwrap();
     let old_pid = link.pid().unwrap();
     let old_segment = link.segment_name().unwrap().to_string();
-    kill(old_pid, libc::SIGKILL);
+    kill_9(old_pid);
 
     let err = link
         .step(&plan(2, &[], &[(1, 5)]), STEP_DEADLINE)
@@ -335,7 +378,7 @@ fn a_killed_agent_is_detected_and_restarted() {
 fn a_hung_agent_is_killed_at_the_deadline() {
     let mut link = AgentLink::start(spec(12), launch("echo")).unwrap();
     let pid = link.pid().unwrap();
-    kill(pid, libc::SIGSTOP);
+    stop(pid);
     let err = link
         .step(&plan(1, &[1], &[(1, 5)]), Duration::from_millis(300))
         .unwrap_err();
@@ -352,7 +395,7 @@ fn a_hung_agent_is_killed_at_the_deadline() {
 fn polling_notices_an_agent_that_dies_mid_step() {
     let mut link = AgentLink::start(spec(13), launch("echo")).unwrap();
     let pid = link.pid().unwrap();
-    kill(pid, libc::SIGSTOP);
+    stop(pid);
     link.submit(&plan(1, &[1], &[(1, 5)])).unwrap();
     assert!(link.try_complete().unwrap().is_none());
     kill(pid, libc::SIGKILL);

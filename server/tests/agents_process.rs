@@ -171,6 +171,49 @@ fn kill(pid: u32, signal: i32) {
     assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0);
 }
 
+/// SIGKILL, then waits until the process is dead (a zombie until the link reaps it).
+fn kill_9(pid: u32) {
+    kill(pid, libc::SIGKILL);
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if stat.is_empty()
+            || stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "agent {pid} did not die");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// SIGSTOP is delivered asynchronously: waits until every thread of `pid` is stopped.
+fn stop(pid: u32) {
+    kill(pid, libc::SIGSTOP);
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+        let all_stopped = tasks.filter_map(|t| t.ok()).all(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // The state follows the parenthesised command name.
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('T'))
+        });
+        if all_stopped {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "agent {pid} did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 #[test]
 #[ignore = "needs the model runner"]
 fn end_to_end_with_the_real_model_step_kill_restart() {
@@ -205,7 +248,7 @@ fn end_to_end_with_the_real_model_step_kill_restart() {
 
     // kill -9: detected at the next step, the agent is down, its segment removed.
     let pid = link.pid().unwrap();
-    kill(pid, libc::SIGKILL);
+    kill_9(pid);
     let err = link.step(&prefill(10, 0, 0), deadline).unwrap_err();
     assert!(err.agent_is_down(), "{err}");
     assert!(!link.is_up());
@@ -219,7 +262,7 @@ fn end_to_end_with_the_real_model_step_kill_restart() {
 
     // A stopped (hung) agent is killed at the step deadline.
     let pid = link.pid().unwrap();
-    kill(pid, libc::SIGSTOP);
+    stop(pid);
     let err = link
         .step(
             &decode(12, 1, 1, GREEDY_IDS[0], PROMPT_IDS.len() as u32),
