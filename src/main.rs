@@ -3,7 +3,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "npu-serving", version, about = "LLM serving for Ascend NPUs, CUDA GPUs and CPUs")]
+#[command(
+    name = "npu-serving",
+    version,
+    about = "LLM serving for Ascend NPUs, CUDA GPUs and CPUs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -11,19 +15,31 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Generate text from a prompt on this machine (no server).
+    Generate(npu_agent::cli::generate::GenerateArgs),
+    /// Teacher-forced scoring of a given continuation (fidelity checks).
+    Score(npu_agent::cli::score::ScoreArgs),
     /// Measure the engine's prefill and decode speed on this machine.
     BenchModel(npu_agent::cli::bench_model::BenchModelArgs),
+    /// Load generator against a running server (performance_serving's interface).
+    Bench(client_bench::BenchArgs),
+    /// Run one worker agent (started by the server, not by hand).
+    Agent(npu_agent::worker::AgentArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Generate(a) => npu_agent::cli::generate::run(a),
+        Command::Score(a) => npu_agent::cli::score::run(a),
         Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),
+        Command::Bench(a) => client_bench::run(a),
+        Command::Agent(a) => npu_agent::worker::run(a),
     }
 }

@@ -13,3 +13,4 @@ pub mod threadpool;
 pub mod model_store;
 pub mod sampler;
 pub mod tokenizer;
+pub mod worker;

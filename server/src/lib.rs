@@ -1,6 +1,7 @@
 //! npu-server: the serving process. YAML config, HTTP front ends (llm-serving and OpenAI APIs),
 //! the engine loop (scheduler + paged block manager) and the agent processes it drives.
 
+pub mod agents;
 pub mod api;
 pub mod config;
 pub mod engine;

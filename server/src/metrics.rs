@@ -129,35 +129,118 @@ impl Metrics {
         let g = EngineStats::get;
         let mut out = String::with_capacity(8 * 1024);
         let gauges: [(&str, &str, u64); 9] = [
-            ("npu_serving_requests_running", "Requests being prefilled or decoded.", g(&stats.running)),
-            ("npu_serving_requests_waiting", "Requests waiting to be admitted.", g(&stats.waiting)),
-            ("npu_serving_requests_inflight", "Generation requests the HTTP side is serving.", self.inflight.load(Ordering::Relaxed)),
-            ("npu_serving_kv_blocks_used", "KV cache blocks in use (all agents).", g(&stats.kv_blocks_used)),
-            ("npu_serving_kv_blocks_total", "KV cache blocks in total (all agents).", g(&stats.kv_blocks_total)),
-            ("npu_serving_agents_up", "Agents that are up.", g(&stats.agents_up)),
-            ("npu_serving_agents_total", "Agents configured.", g(&stats.agents_total)),
-            ("npu_serving_ready", "1 when every agent is up and serving.", u64::from(stats.ready.load(Ordering::Relaxed))),
-            ("npu_serving_http_connections_open", "Open HTTP connections.", self.connections_open.load(Ordering::Relaxed)),
+            (
+                "npu_serving_requests_running",
+                "Requests being prefilled or decoded.",
+                g(&stats.running),
+            ),
+            (
+                "npu_serving_requests_waiting",
+                "Requests waiting to be admitted.",
+                g(&stats.waiting),
+            ),
+            (
+                "npu_serving_requests_inflight",
+                "Generation requests the HTTP side is serving.",
+                self.inflight.load(Ordering::Relaxed),
+            ),
+            (
+                "npu_serving_kv_blocks_used",
+                "KV cache blocks in use (all agents).",
+                g(&stats.kv_blocks_used),
+            ),
+            (
+                "npu_serving_kv_blocks_total",
+                "KV cache blocks in total (all agents).",
+                g(&stats.kv_blocks_total),
+            ),
+            (
+                "npu_serving_agents_up",
+                "Agents that are up.",
+                g(&stats.agents_up),
+            ),
+            (
+                "npu_serving_agents_total",
+                "Agents configured.",
+                g(&stats.agents_total),
+            ),
+            (
+                "npu_serving_ready",
+                "1 when every agent is up and serving.",
+                u64::from(stats.ready.load(Ordering::Relaxed)),
+            ),
+            (
+                "npu_serving_http_connections_open",
+                "Open HTTP connections.",
+                self.connections_open.load(Ordering::Relaxed),
+            ),
         ];
         for (name, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let counters: [(&str, &str, u64); 11] = [
-            ("npu_serving_prompt_tokens_total", "Prompt tokens processed.", g(&stats.prompt_tokens_total)),
-            ("npu_serving_generation_tokens_total", "Tokens generated.", g(&stats.generated_tokens_total)),
-            ("npu_serving_requests_finished_total", "Requests finished by the engine.", g(&stats.requests_finished_total)),
-            ("npu_serving_preemptions_total", "Sequences preempted for lack of KV blocks.", g(&stats.preemptions_total)),
-            ("npu_serving_agent_restarts_total", "Agents restarted after a crash or hang.", g(&stats.agent_restarts_total)),
-            ("npu_serving_steps_total", "Engine steps run.", g(&stats.steps_total)),
-            ("npu_serving_http_requests_total", "HTTP requests received.", r(&self.http_requests_total)),
-            ("npu_serving_http_responses_4xx_total", "HTTP responses with a 4xx status.", r(&self.http_responses_4xx)),
-            ("npu_serving_http_responses_5xx_total", "HTTP responses with a 5xx status.", r(&self.http_responses_5xx)),
-            ("npu_serving_rejected_queue_full_total", "Requests refused with 429 (queue full).", r(&self.rejected_queue_full_total)),
-            ("npu_serving_client_aborts_total", "Requests aborted because the client went away.", r(&self.client_aborts_total)),
+            (
+                "npu_serving_prompt_tokens_total",
+                "Prompt tokens processed.",
+                g(&stats.prompt_tokens_total),
+            ),
+            (
+                "npu_serving_generation_tokens_total",
+                "Tokens generated.",
+                g(&stats.generated_tokens_total),
+            ),
+            (
+                "npu_serving_requests_finished_total",
+                "Requests finished by the engine.",
+                g(&stats.requests_finished_total),
+            ),
+            (
+                "npu_serving_preemptions_total",
+                "Sequences preempted for lack of KV blocks.",
+                g(&stats.preemptions_total),
+            ),
+            (
+                "npu_serving_agent_restarts_total",
+                "Agents restarted after a crash or hang.",
+                g(&stats.agent_restarts_total),
+            ),
+            (
+                "npu_serving_steps_total",
+                "Engine steps run.",
+                g(&stats.steps_total),
+            ),
+            (
+                "npu_serving_http_requests_total",
+                "HTTP requests received.",
+                r(&self.http_requests_total),
+            ),
+            (
+                "npu_serving_http_responses_4xx_total",
+                "HTTP responses with a 4xx status.",
+                r(&self.http_responses_4xx),
+            ),
+            (
+                "npu_serving_http_responses_5xx_total",
+                "HTTP responses with a 5xx status.",
+                r(&self.http_responses_5xx),
+            ),
+            (
+                "npu_serving_rejected_queue_full_total",
+                "Requests refused with 429 (queue full).",
+                r(&self.rejected_queue_full_total),
+            ),
+            (
+                "npu_serving_client_aborts_total",
+                "Requests aborted because the client went away.",
+                r(&self.client_aborts_total),
+            ),
         ];
         for (name, help, v) in counters {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
         }
         let _ = writeln!(
             out,
@@ -217,7 +300,9 @@ mod tests {
         EngineStats::add(&stats.preemptions_total, 3);
         m.step_time.observe(Duration::from_millis(20));
         let text = m.render(&stats);
-        assert!(text.contains("# TYPE npu_serving_kv_blocks_total gauge\nnpu_serving_kv_blocks_total 2048\n"));
+        assert!(text.contains(
+            "# TYPE npu_serving_kv_blocks_total gauge\nnpu_serving_kv_blocks_total 2048\n"
+        ));
         assert!(text.contains("npu_serving_preemptions_total 3\n"));
         assert!(text.contains("npu_serving_step_time_seconds_count 1\n"));
         // Every sample line belongs to a declared metric family.
@@ -227,7 +312,11 @@ mod tests {
                 .trim_end_matches("_bucket")
                 .trim_end_matches("_sum")
                 .trim_end_matches("_count");
-            assert!(text.contains(&format!("# TYPE {family} ")) || text.contains(&format!("# TYPE {name} ")), "{line}");
+            assert!(
+                text.contains(&format!("# TYPE {family} "))
+                    || text.contains(&format!("# TYPE {name} ")),
+                "{line}"
+            );
         }
     }
 }

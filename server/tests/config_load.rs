@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use npu_server::config::{BatchingStrategy, ConfigError, DeviceKind, ServerConfig};
 
 fn repo_file(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(rel)
 }
 
 fn warned(cfg: &ServerConfig, path: &str) -> bool {
@@ -60,8 +62,14 @@ fn llm_serving_config_loads_with_one_warning_per_ignored_key() {
     assert_eq!(cfg.decode_batch_size(), 50);
     assert_eq!(cfg.prefill_batch_size(), 10);
     assert_eq!(cfg.max_generate_length(), Some(4096));
-    assert_eq!(cfg.model_config.batching_strategy, BatchingStrategy::Continuous);
-    assert_eq!(cfg.model_config.model_dtype.as_deref(), Some("DataType.FLOAT32"));
+    assert_eq!(
+        cfg.model_config.batching_strategy,
+        BatchingStrategy::Continuous
+    );
+    assert_eq!(
+        cfg.model_config.model_dtype.as_deref(),
+        Some("DataType.FLOAT32")
+    );
     assert_eq!(cfg.pa_config.num_blocks, 1024);
     assert_eq!(cfg.max_model_len(8192), 4096);
     let model = cfg.npu_serving.model_file.clone().unwrap();
@@ -132,33 +140,141 @@ fn err(yaml: &str) -> ConfigError {
 #[test]
 fn every_validation_error_names_its_key_value_and_what_is_allowed() {
     let cases: &[(&str, &str, &[&str])] = &[
-        ("pa_config:\n  block_size: 0\n", "pa_config.block_size", &["0 is not allowed", "1..=256", "power of two"]),
-        ("pa_config:\n  block_size: 24\n", "pa_config.block_size", &["24"]),
-        ("pa_config:\n  block_size: 512\n", "pa_config.block_size", &["512"]),
-        ("pa_config:\n  num_blocks: 0\n", "pa_config.num_blocks", &["0"]),
-        ("pa_config:\n  decode_seq_length: 1\n", "pa_config.decode_seq_length", &["1"]),
-        ("serving_config:\n  agent_ports: []\n", "serving_config.agent_ports", &["empty"]),
-        ("serving_config:\n  agent_ports: [70000]\n", "serving_config.agent_ports", &["70000", "1..=65535"]),
-        ("serving_config:\n  agent_ports: [5, 5]\n", "serving_config.agent_ports", &["5 twice"]),
-        ("serving_config:\n  server_port: 99999\n", "serving_config.server_port", &["99999"]),
-        ("serving_config:\n  agent_ports: [8835]\n  server_port: 8835\n", "serving_config.server_port", &["8835"]),
-        ("serving_config:\n  server_ip: 'not an ip'\n", "serving_config.server_ip", &["not an ip"]),
-        ("model_config:\n  seq_length: []\n", "model_config.seq_length", &["empty"]),
-        ("model_config:\n  decode_batch_size: [8, 0]\n", "model_config.decode_batch_size[1]", &["0"]),
-        ("model_config:\n  prefill_batch_size: 0\n", "model_config.prefill_batch_size", &["0"]),
-        ("model_config:\n  batching_strategy: 'greedy'\n", "model_config.batching_strategy", &["greedy", "continuous"]),
-        ("model_config:\n  model_name: ''\n", "model_config.model_name", &["empty"]),
-        ("model_config:\n  max_generate_length: 1\n", "model_config.max_generate_length", &["1"]),
-        ("model_config:\n  batch_waiting_time: -1.0\n", "model_config.batch_waiting_time", &["-1"]),
-        ("npu_serving:\n  device: tpu\n", "npu_serving.device", &["tpu", "cpu, cuda, ascend"]),
-        ("npu_serving:\n  max_tokens_per_step: 0\n", "npu_serving.max_tokens_per_step", &["0"]),
-        ("npu_serving:\n  max_queue: 0\n", "npu_serving.max_queue", &["0"]),
-        ("npu_serving:\n  max_body_bytes: 10\n", "npu_serving.max_body_bytes", &["10"]),
-        ("npu_serving:\n  header_timeout_ms: 0\n", "npu_serving.header_timeout_ms", &["0"]),
-        ("npu_serving:\n  step_deadline_ms: 0\n", "npu_serving.step_deadline_ms", &["0"]),
-        ("npu_serving:\n  max_new_tokens_default: 0\n", "npu_serving.max_new_tokens_default", &["0"]),
-        ("npu_serving:\n  max_model_len: 1\n", "npu_serving.max_model_len", &["1"]),
-        ("npu_serving:\n  model_file: ''\n", "npu_serving.model_file", &["empty"]),
+        (
+            "pa_config:\n  block_size: 0\n",
+            "pa_config.block_size",
+            &["0 is not allowed", "1..=256", "power of two"],
+        ),
+        (
+            "pa_config:\n  block_size: 24\n",
+            "pa_config.block_size",
+            &["24"],
+        ),
+        (
+            "pa_config:\n  block_size: 512\n",
+            "pa_config.block_size",
+            &["512"],
+        ),
+        (
+            "pa_config:\n  num_blocks: 0\n",
+            "pa_config.num_blocks",
+            &["0"],
+        ),
+        (
+            "pa_config:\n  decode_seq_length: 1\n",
+            "pa_config.decode_seq_length",
+            &["1"],
+        ),
+        (
+            "serving_config:\n  agent_ports: []\n",
+            "serving_config.agent_ports",
+            &["empty"],
+        ),
+        (
+            "serving_config:\n  agent_ports: [70000]\n",
+            "serving_config.agent_ports",
+            &["70000", "1..=65535"],
+        ),
+        (
+            "serving_config:\n  agent_ports: [5, 5]\n",
+            "serving_config.agent_ports",
+            &["5 twice"],
+        ),
+        (
+            "serving_config:\n  server_port: 99999\n",
+            "serving_config.server_port",
+            &["99999"],
+        ),
+        (
+            "serving_config:\n  agent_ports: [8835]\n  server_port: 8835\n",
+            "serving_config.server_port",
+            &["8835"],
+        ),
+        (
+            "serving_config:\n  server_ip: 'not an ip'\n",
+            "serving_config.server_ip",
+            &["not an ip"],
+        ),
+        (
+            "model_config:\n  seq_length: []\n",
+            "model_config.seq_length",
+            &["empty"],
+        ),
+        (
+            "model_config:\n  decode_batch_size: [8, 0]\n",
+            "model_config.decode_batch_size[1]",
+            &["0"],
+        ),
+        (
+            "model_config:\n  prefill_batch_size: 0\n",
+            "model_config.prefill_batch_size",
+            &["0"],
+        ),
+        (
+            "model_config:\n  batching_strategy: 'greedy'\n",
+            "model_config.batching_strategy",
+            &["greedy", "continuous"],
+        ),
+        (
+            "model_config:\n  model_name: ''\n",
+            "model_config.model_name",
+            &["empty"],
+        ),
+        (
+            "model_config:\n  max_generate_length: 1\n",
+            "model_config.max_generate_length",
+            &["1"],
+        ),
+        (
+            "model_config:\n  batch_waiting_time: -1.0\n",
+            "model_config.batch_waiting_time",
+            &["-1"],
+        ),
+        (
+            "npu_serving:\n  device: tpu\n",
+            "npu_serving.device",
+            &["tpu", "cpu, cuda, ascend"],
+        ),
+        (
+            "npu_serving:\n  max_tokens_per_step: 0\n",
+            "npu_serving.max_tokens_per_step",
+            &["0"],
+        ),
+        (
+            "npu_serving:\n  max_queue: 0\n",
+            "npu_serving.max_queue",
+            &["0"],
+        ),
+        (
+            "npu_serving:\n  max_body_bytes: 10\n",
+            "npu_serving.max_body_bytes",
+            &["10"],
+        ),
+        (
+            "npu_serving:\n  header_timeout_ms: 0\n",
+            "npu_serving.header_timeout_ms",
+            &["0"],
+        ),
+        (
+            "npu_serving:\n  step_deadline_ms: 0\n",
+            "npu_serving.step_deadline_ms",
+            &["0"],
+        ),
+        (
+            "npu_serving:\n  max_new_tokens_default: 0\n",
+            "npu_serving.max_new_tokens_default",
+            &["0"],
+        ),
+        (
+            "npu_serving:\n  max_model_len: 1\n",
+            "npu_serving.max_model_len",
+            &["1"],
+        ),
+        (
+            "npu_serving:\n  model_file: ''\n",
+            "npu_serving.model_file",
+            &["empty"],
+        ),
     ];
     for (yaml, key, words) in cases {
         let e = err(yaml);
@@ -184,11 +300,26 @@ fn wrong_yaml_types_name_the_key() {
     let cases: &[(&str, &str)] = &[
         ("pa_config:\n  num_blocks: 'many'\n", "pa_config.num_blocks"),
         ("pa_config:\n  block_size: 16.5\n", "pa_config.block_size"),
-        ("model_config:\n  seq_length: {a: 1}\n", "model_config.seq_length"),
-        ("model_config:\n  decode_batch_size: [8, 'x']\n", "model_config.decode_batch_size[1]"),
-        ("model_config:\n  model_name: [1]\n", "model_config.model_name"),
-        ("serving_config:\n  agent_ports: '16002'\n", "serving_config.agent_ports"),
-        ("npu_serving:\n  prefix_cache: 3\n", "npu_serving.prefix_cache"),
+        (
+            "model_config:\n  seq_length: {a: 1}\n",
+            "model_config.seq_length",
+        ),
+        (
+            "model_config:\n  decode_batch_size: [8, 'x']\n",
+            "model_config.decode_batch_size[1]",
+        ),
+        (
+            "model_config:\n  model_name: [1]\n",
+            "model_config.model_name",
+        ),
+        (
+            "serving_config:\n  agent_ports: '16002'\n",
+            "serving_config.agent_ports",
+        ),
+        (
+            "npu_serving:\n  prefix_cache: 3\n",
+            "npu_serving.prefix_cache",
+        ),
         ("npu_serving: 5\n", "npu_serving"),
         ("tokenizer: [a]\n", "tokenizer"),
     ];

@@ -43,7 +43,13 @@ impl ApiError {
     }
 
     pub fn response(&self, shape: ErrorShape) -> Response {
-        render_error(shape, self.status, self.kind, &self.message, self.param.as_deref())
+        render_error(
+            shape,
+            self.status,
+            self.kind,
+            &self.message,
+            self.param.as_deref(),
+        )
     }
 }
 

@@ -54,7 +54,10 @@ impl<'a> Fields<'a> {
 
     pub fn wrong(&self, key: &str, expected: &str, v: &Value) -> ApiError {
         let name = self.name(key);
-        ApiError::invalid(&name, format!("{name} must be {expected}, got {}", kind_of(v)))
+        ApiError::invalid(
+            &name,
+            format!("{name} must be {expected}, got {}", kind_of(v)),
+        )
     }
 
     pub fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
@@ -86,7 +89,10 @@ impl<'a> Fields<'a> {
             Some(x) if x.is_finite() => Ok(Some(x)),
             _ => {
                 let name = self.name(key);
-                Err(ApiError::invalid(&name, format!("{name} must be a finite number")))
+                Err(ApiError::invalid(
+                    &name,
+                    format!("{name} must be a finite number"),
+                ))
             }
         }
     }
@@ -102,9 +108,11 @@ impl<'a> Fields<'a> {
             return Ok(None);
         };
         let x = match v {
-            Value::Number(n) => n
-                .as_i64()
-                .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9e15).map(|f| f as i64)),
+            Value::Number(n) => n.as_i64().or_else(|| {
+                n.as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9e15)
+                    .map(|f| f as i64)
+            }),
             Value::String(s) => s.trim().parse::<i64>().ok(),
             _ => None,
         };
@@ -116,7 +124,10 @@ impl<'a> Fields<'a> {
         match self.i64(key)? {
             Some(x) if x < min || x > max => {
                 let name = self.name(key);
-                Err(ApiError::invalid(&name, format!("{name} must be in {min}..={max}, got {x}")))
+                Err(ApiError::invalid(
+                    &name,
+                    format!("{name} must be in {min}..={max}, got {x}"),
+                ))
             }
             other => Ok(other),
         }
@@ -128,11 +139,12 @@ impl<'a> Fields<'a> {
             return Ok(None);
         };
         let x = match v {
-            Value::Number(n) => n.as_u64().or_else(|| n.as_i64().map(|i| i as u64)),
+            Value::Number(n) => n.as_u64(),
             Value::String(s) => s.trim().parse::<u64>().ok(),
             _ => None,
         };
-        x.map(Some).ok_or_else(|| self.wrong(key, "a non-negative integer", v))
+        x.map(Some)
+            .ok_or_else(|| self.wrong(key, "a non-negative integer", v))
     }
 
     pub fn string(&self, key: &str) -> Result<Option<&'a str>, ApiError> {
@@ -184,7 +196,12 @@ pub(crate) fn token_id_list(name: &str, items: &[Value]) -> Result<Vec<u32>, Api
         .map(|(i, it)| {
             it.as_u64()
                 .and_then(|x| u32::try_from(x).ok())
-                .ok_or_else(|| ApiError::invalid(name, format!("{name}[{i}] must be a token id (a non-negative integer)")))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        name,
+                        format!("{name}[{i}] must be a token id (a non-negative integer)"),
+                    )
+                })
         })
         .collect()
 }
@@ -192,15 +209,26 @@ pub(crate) fn token_id_list(name: &str, items: &[Value]) -> Result<Vec<u32>, Api
 /// Parses a request body as a JSON object.
 pub(crate) fn parse_body(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     if body.is_empty() {
-        return Err(ApiError::new(400, "invalid_request_error", "request body is empty: send a JSON object"));
+        return Err(ApiError::new(
+            400,
+            "invalid_request_error",
+            "request body is empty: send a JSON object",
+        ));
     }
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(other) => Err(ApiError::new(
             400,
             "invalid_request_error",
-            format!("request body must be a JSON object, got {}", kind_of(&other)),
+            format!(
+                "request body must be a JSON object, got {}",
+                kind_of(&other)
+            ),
         )),
-        Err(e) => Err(ApiError::new(400, "invalid_request_error", format!("request body is not valid JSON: {e}"))),
+        Err(e) => Err(ApiError::new(
+            400,
+            "invalid_request_error",
+            format!("request body is not valid JSON: {e}"),
+        )),
     }
 }

@@ -142,7 +142,9 @@ impl ApiContext {
         metrics: Arc<Metrics>,
     ) -> Self {
         let chat_template = tokenizer.chat_template().map_err(|e| {
-            tracing::warn!("the model's chat template is unusable, /v1/chat/completions will fail: {e}");
+            tracing::warn!(
+                "the model's chat template is unusable, /v1/chat/completions will fail: {e}"
+            );
             e.to_string()
         });
         let started = SystemTime::now()
@@ -203,11 +205,25 @@ impl ApiContext {
         )
     }
 
-    fn serving_event(&self, data: serde_json::Value) -> Response {
+    fn serving_event(&self, data: u64) -> Response {
         // llm-serving answers these as one server-sent event.
-        let line = pyjson::to_python_json(&serde_json::json!({"event": "message", "retry": 30000, "data": data}));
-        Response::new(200, "text/event-stream; charset=utf-8", format!("data: {line}\r\n\r\n").into_bytes())
-            .with_header("Cache-Control", "no-cache")
+        #[derive(serde::Serialize)]
+        struct Event {
+            event: &'static str,
+            retry: u32,
+            data: u64,
+        }
+        let line = pyjson::to_python_json(&Event {
+            event: "message",
+            retry: 30000,
+            data,
+        });
+        Response::new(
+            200,
+            "text/event-stream; charset=utf-8",
+            format!("data: {line}\r\n\r\n").into_bytes(),
+        )
+        .with_header("Cache-Control", "no-cache")
     }
 
     fn serving_model_info(&self) -> Response {
@@ -244,8 +260,12 @@ impl ApiContext {
             version: env!("CARGO_PKG_VERSION"),
         };
         let line = pyjson::to_python_json(&info);
-        Response::new(200, "text/event-stream; charset=utf-8", format!("data: {line}\r\n\r\n").into_bytes())
-            .with_header("Cache-Control", "no-cache")
+        Response::new(
+            200,
+            "text/event-stream; charset=utf-8",
+            format!("data: {line}\r\n\r\n").into_bytes(),
+        )
+        .with_header("Cache-Control", "no-cache")
     }
 }
 
@@ -253,14 +273,21 @@ impl Handler for ApiContext {
     fn handle(&self, req: &Request, id: RequestId) -> Reply {
         let shape = shape_for(&req.path);
         let Some((route, allow)) = route(&req.path) else {
-            let e = ApiError::new(404, "not_found", format!("no route for {} {}", req.method, req.path));
+            let e = ApiError::new(
+                404,
+                "not_found",
+                format!("no route for {} {}", req.method, req.path),
+            );
             return Reply::Full(e.response(shape));
         };
         if req.method != allow {
             let e = ApiError::new(
                 405,
                 "method_not_allowed",
-                format!("{} does not accept {}; allowed: {allow}", req.path, req.method),
+                format!(
+                    "{} does not accept {}; allowed: {allow}",
+                    req.path, req.method
+                ),
             );
             return Reply::Full(e.response(shape).with_header("Allow", allow));
         }
@@ -268,14 +295,18 @@ impl Handler for ApiContext {
             Route::Health => return Reply::Full(self.health()),
             Route::Metrics => {
                 let text = self.metrics.render(&self.stats);
-                return Reply::Full(Response::new(200, "text/plain; version=0.0.4; charset=utf-8", text.into_bytes()));
+                return Reply::Full(Response::new(
+                    200,
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    text.into_bytes(),
+                ));
             }
             Route::Models => return Reply::Full(self.models()),
             Route::ServingBatchSize => {
-                return Reply::Full(self.serving_event(EngineStats::get(&self.stats.running).into()))
+                return Reply::Full(self.serving_event(EngineStats::get(&self.stats.running)))
             }
             Route::ServingRequestNumbers => {
-                return Reply::Full(self.serving_event(EngineStats::get(&self.stats.waiting).into()))
+                return Reply::Full(self.serving_event(EngineStats::get(&self.stats.waiting)))
             }
             Route::ServingModelInfo => return Reply::Full(self.serving_model_info()),
             Route::TgiGenerate(stream) => tgi::submission(self, req, id, stream),
@@ -288,7 +319,13 @@ impl Handler for ApiContext {
         }
     }
 
-    fn error_response(&self, path: Option<&str>, status: u16, kind: &str, message: &str) -> Response {
+    fn error_response(
+        &self,
+        path: Option<&str>,
+        status: u16,
+        kind: &str,
+        message: &str,
+    ) -> Response {
         let shape = path.map(shape_for).unwrap_or(ErrorShape::Plain);
         error::render_error(shape, status, kind, message, None)
     }

@@ -25,22 +25,38 @@ struct Common {
     include_usage: bool,
 }
 
-fn common(ctx: &ApiContext, f: &Fields, id: RequestId, max_tokens_keys: &[&str]) -> Result<Common, ApiError> {
+fn common(
+    ctx: &ApiContext,
+    f: &Fields,
+    id: RequestId,
+    max_tokens_keys: &[&str],
+) -> Result<Common, ApiError> {
     let s = &ctx.settings;
     if let Some(n) = f.i64("n")? {
         if n != 1 {
-            return Err(ApiError::invalid("n", format!("n must be 1 (one choice per request), got {n}")));
+            return Err(ApiError::invalid(
+                "n",
+                format!("n must be 1 (one choice per request), got {n}"),
+            ));
         }
     }
     if let Some(b) = f.i64("best_of")? {
         if b != 1 {
-            return Err(ApiError::invalid("best_of", format!("best_of must be 1, got {b}")));
+            return Err(ApiError::invalid(
+                "best_of",
+                format!("best_of must be 1, got {b}"),
+            ));
         }
     }
     match f.get("logit_bias") {
         None => {}
         Some(Value::Object(m)) if m.is_empty() => {}
-        Some(Value::Object(_)) => return Err(ApiError::invalid("logit_bias", "logit_bias is not supported")),
+        Some(Value::Object(_)) => {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "logit_bias is not supported",
+            ))
+        }
         Some(v) => return Err(f.wrong("logit_bias", "an object", v)),
     }
     let temperature = sampling::temperature(f, "temperature")?.unwrap_or(1.0);
@@ -61,13 +77,20 @@ fn common(ctx: &ApiContext, f: &Fields, id: RequestId, max_tokens_keys: &[&str])
         return Err(ApiError::invalid("stop", format!("stop[{i}] is empty")));
     }
     let stop_token_ids = f.token_ids("stop_token_ids")?;
-    sampling::check_token_ids(&stop_token_ids, "stop_token_ids", ctx.tokenizer.vocab_size())?;
+    sampling::check_token_ids(
+        &stop_token_ids,
+        "stop_token_ids",
+        ctx.tokenizer.vocab_size(),
+    )?;
     let seed = f.u64("seed")?.unwrap_or_else(|| sampling::random_seed(id));
     let stream = f.bool("stream")?.unwrap_or(false);
     let opts = f.object("stream_options", "stream_options.")?;
     let include_usage = opts.bool("include_usage")?.unwrap_or(false);
     if include_usage && !stream {
-        return Err(ApiError::invalid("stream_options", "stream_options is only allowed with stream: true"));
+        return Err(ApiError::invalid(
+            "stream_options",
+            "stream_options is only allowed with stream: true",
+        ));
     }
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     f.string("model")?; // any name serves the one loaded model
@@ -94,7 +117,14 @@ fn common(ctx: &ApiContext, f: &Fields, id: RequestId, max_tokens_keys: &[&str])
     })
 }
 
-fn finish(ctx: &ApiContext, id: RequestId, c: Common, prompt_ids: Vec<u32>, kind: OpenAiKind, logprobs: Option<u32>) -> Submission {
+fn finish(
+    ctx: &ApiContext,
+    id: RequestId,
+    c: Common,
+    prompt_ids: Vec<u32>,
+    kind: OpenAiKind,
+    logprobs: Option<u32>,
+) -> Submission {
     let mut params = c.params;
     params.top_n = logprobs.unwrap_or(0);
     let request = GenerateRequest {
@@ -121,7 +151,11 @@ fn finish(ctx: &ApiContext, id: RequestId, c: Common, prompt_ids: Vec<u32>, kind
     }
 }
 
-pub(super) fn completion_submission(ctx: &ApiContext, req: &Request, id: RequestId) -> Result<Submission, ApiError> {
+pub(super) fn completion_submission(
+    ctx: &ApiContext,
+    req: &Request,
+    id: RequestId,
+) -> Result<Submission, ApiError> {
     let body = parse_body(&req.body)?;
     let f = Fields::new(&body, "");
     let c = common(ctx, &f, id, &["max_tokens"])?;
@@ -131,10 +165,9 @@ pub(super) fn completion_submission(ctx: &ApiContext, req: &Request, id: Request
     if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix", "suffix is not supported"));
     }
-    let logprobs = match f.int_in("logprobs", 0, npu_protocol::MAX_TOP_N as i64)? {
-        None => None,
-        Some(n) => Some(n as u32),
-    };
+    let logprobs = f
+        .int_in("logprobs", 0, npu_protocol::MAX_TOP_N as i64)?
+        .map(|n| n as u32);
     let prompt_ids = match f.get("prompt") {
         None => return Err(ApiError::invalid("prompt", "prompt is missing")),
         Some(Value::String(s)) => encode(ctx, s, "prompt")?,
@@ -150,18 +183,34 @@ pub(super) fn completion_submission(ctx: &ApiContext, req: &Request, id: Request
                 sampling::check_token_ids(&ids, "prompt", ctx.tokenizer.vocab_size())?;
                 ids
             }
-            v => return Err(f.wrong("prompt", "a string, a list of token ids, or a list with one of them", v)),
+            v => {
+                return Err(f.wrong(
+                    "prompt",
+                    "a string, a list of token ids, or a list with one of them",
+                    v,
+                ))
+            }
         },
         Some(Value::Array(items)) if items.len() > 1 => {
             return Err(ApiError::invalid(
                 "prompt",
-                format!("prompt has {} prompts; only one prompt per request is supported", items.len()),
+                format!(
+                    "prompt has {} prompts; only one prompt per request is supported",
+                    items.len()
+                ),
             ))
         }
         Some(v) => return Err(f.wrong("prompt", "a string or a list of token ids", v)),
     };
     sampling::check_prompt(&prompt_ids, "prompt", &ctx.settings)?;
-    Ok(finish(ctx, id, c, prompt_ids, OpenAiKind::Completion, logprobs))
+    Ok(finish(
+        ctx,
+        id,
+        c,
+        prompt_ids,
+        OpenAiKind::Completion,
+        logprobs,
+    ))
 }
 
 fn encode(ctx: &ApiContext, text: &str, field: &str) -> Result<Vec<u32>, ApiError> {
@@ -185,27 +234,49 @@ fn message_content(i: usize, m: &serde_json::Map<String, Value>) -> Result<Strin
                 };
                 match (p.get("type").and_then(Value::as_str), p.get("text")) {
                     (Some("text"), Some(Value::String(t))) => text.push_str(t),
-                    (Some("text"), _) => return Err(ApiError::invalid(&pf, format!("{pf}.text must be a string"))),
-                    (Some(other), _) => {
-                        return Err(ApiError::invalid(&pf, format!("{pf}: content parts of type {other:?} are not supported (text only)")))
+                    (Some("text"), _) => {
+                        return Err(ApiError::invalid(
+                            &pf,
+                            format!("{pf}.text must be a string"),
+                        ))
                     }
-                    (None, _) => return Err(ApiError::invalid(&pf, format!("{pf}.type is missing"))),
+                    (Some(other), _) => {
+                        return Err(ApiError::invalid(
+                            &pf,
+                            format!(
+                            "{pf}: content parts of type {other:?} are not supported (text only)"
+                        ),
+                        ))
+                    }
+                    (None, _) => {
+                        return Err(ApiError::invalid(&pf, format!("{pf}.type is missing")))
+                    }
                 }
             }
             Ok(text)
         }
-        Some(_) => Err(ApiError::invalid(&field, format!("{field} must be a string or a list of text parts"))),
+        Some(_) => Err(ApiError::invalid(
+            &field,
+            format!("{field} must be a string or a list of text parts"),
+        )),
     }
 }
 
-pub(super) fn chat_submission(ctx: &ApiContext, req: &Request, id: RequestId) -> Result<Submission, ApiError> {
+pub(super) fn chat_submission(
+    ctx: &ApiContext,
+    req: &Request,
+    id: RequestId,
+) -> Result<Submission, ApiError> {
     let body = parse_body(&req.body)?;
     let f = Fields::new(&body, "");
     let c = common(ctx, &f, id, &["max_completion_tokens", "max_tokens"])?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top_logprobs = sampling::top_n(&f, "top_logprobs")?;
     if top_logprobs.is_some_and(|n| n > 0) && !logprobs {
-        return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true"));
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ));
     }
     match f.get("tools") {
         None => {}
@@ -216,13 +287,18 @@ pub(super) fn chat_submission(ctx: &ApiContext, req: &Request, id: RequestId) ->
     match rf.string("type")? {
         None | Some("text") => {}
         Some(other) => {
-            return Err(ApiError::invalid("response_format", format!("response_format type {other:?} is not supported (text only)")))
+            return Err(ApiError::invalid(
+                "response_format",
+                format!("response_format type {other:?} is not supported (text only)"),
+            ))
         }
     }
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let messages = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "messages is missing")),
-        Some(Value::Array(m)) if m.is_empty() => return Err(ApiError::invalid("messages", "messages is empty")),
+        Some(Value::Array(m)) if m.is_empty() => {
+            return Err(ApiError::invalid("messages", "messages is empty"))
+        }
         Some(Value::Array(m)) => m,
         Some(v) => return Err(f.wrong("messages", "a list of messages", v)),
     };
@@ -230,10 +306,18 @@ pub(super) fn chat_submission(ctx: &ApiContext, req: &Request, id: RequestId) ->
     for (i, m) in messages.iter().enumerate() {
         let Value::Object(m) = m else {
             let name = format!("messages[{i}]");
-            return Err(ApiError::invalid(&name, format!("{name} must be an object with role and content")));
+            return Err(ApiError::invalid(
+                &name,
+                format!("{name} must be an object with role and content"),
+            ));
         };
         let role = match m.get("role") {
-            Some(Value::String(r)) if matches!(r.as_str(), "system" | "user" | "assistant" | "tool" | "developer") => {
+            Some(Value::String(r))
+                if matches!(
+                    r.as_str(),
+                    "system" | "user" | "assistant" | "tool" | "developer"
+                ) =>
+            {
                 if r == "developer" {
                     "system".to_string()
                 } else {
@@ -242,7 +326,10 @@ pub(super) fn chat_submission(ctx: &ApiContext, req: &Request, id: RequestId) ->
             }
             Some(Value::String(r)) => {
                 let name = format!("messages[{i}].role");
-                return Err(ApiError::invalid(&name, format!("{name} {r:?} is not one of system, user, assistant, tool")));
+                return Err(ApiError::invalid(
+                    &name,
+                    format!("{name} {r:?} is not one of system, user, assistant, tool"),
+                ));
             }
             _ => {
                 let name = format!("messages[{i}].role");
@@ -251,13 +338,19 @@ pub(super) fn chat_submission(ctx: &ApiContext, req: &Request, id: RequestId) ->
         };
         chat.push(ChatMessage::new(role, message_content(i, m)?));
     }
-    let template = ctx
-        .chat_template
-        .as_ref()
-        .map_err(|e| ApiError::new(500, "server_error", format!("the model's chat template is unusable: {e}")))?;
-    let text = template
-        .render(&chat, add_generation_prompt)
-        .map_err(|e| ApiError::invalid("messages", format!("messages cannot be rendered with the chat template: {e}")))?;
+    let template = ctx.chat_template.as_ref().map_err(|e| {
+        ApiError::new(
+            500,
+            "server_error",
+            format!("the model's chat template is unusable: {e}"),
+        )
+    })?;
+    let text = template.render(&chat, add_generation_prompt).map_err(|e| {
+        ApiError::invalid(
+            "messages",
+            format!("messages cannot be rendered with the chat template: {e}"),
+        )
+    })?;
     // The template writes any BOS itself; special tokens in it are recognised.
     let prompt_ids = ctx
         .tokenizer

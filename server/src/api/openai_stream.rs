@@ -92,7 +92,11 @@ impl OpenAiWriter {
         match self.kind {
             OpenAiKind::Chat => {
                 let item = |t: &TokenLogprob| {
-                    let bytes: Vec<u8> = self.tokenizer.token_bytes(t.token).map(<[u8]>::to_vec).unwrap_or_default();
+                    let bytes: Vec<u8> = self
+                        .tokenizer
+                        .token_bytes(t.token)
+                        .map(<[u8]>::to_vec)
+                        .unwrap_or_default();
                     json!({
                         "token": token_text(&self.tokenizer, t.token),
                         "logprob": f32_json(t.logprob),
@@ -106,7 +110,10 @@ impl OpenAiWriter {
             OpenAiKind::Completion => {
                 let mut alts = Map::new();
                 for t in top {
-                    alts.insert(token_text(&self.tokenizer, t.token), f32_json(t.logprob).into());
+                    alts.insert(
+                        token_text(&self.tokenizer, t.token),
+                        f32_json(t.logprob).into(),
+                    );
                 }
                 json!({
                     "token": token_text(&self.tokenizer, token.token),
@@ -209,7 +216,11 @@ impl EventWriter for OpenAiWriter {
                 Self::sse(body, &Value::Object(chunk));
                 Progress::More
             }
-            GenEvent::Finished { reason, usage, message } => {
+            GenEvent::Finished {
+                reason,
+                usage,
+                message,
+            } => {
                 if *reason == FinishReason::Error {
                     let msg = message.as_deref().unwrap_or("generation failed");
                     let resp = render_error(ErrorShape::OpenAi, 500, "server_error", msg, None);
@@ -224,12 +235,23 @@ impl EventWriter for OpenAiWriter {
                 let finish = Some(reason.openai());
                 if !self.stream {
                     let lp = self.lp_value(&self.lp_entries);
-                    let mut whole = self.envelope(Value::Array(vec![self.choice(&self.text, lp, finish, false)]));
+                    let mut whole = self.envelope(Value::Array(vec![
+                        self.choice(&self.text, lp, finish, false)
+                    ]));
                     whole.insert("usage".into(), Self::usage(usage));
                     let json = escape_line_breaks(Value::Object(whole).to_string());
-                    return Progress::Complete(Response::new(200, "application/json", json.into_bytes()));
+                    return Progress::Complete(Response::new(
+                        200,
+                        "application/json",
+                        json.into_bytes(),
+                    ));
                 }
-                let last = self.envelope(Value::Array(vec![self.choice("", Value::Null, finish, false)]));
+                let last = self.envelope(Value::Array(vec![self.choice(
+                    "",
+                    Value::Null,
+                    finish,
+                    false,
+                )]));
                 Self::sse(body, &Value::Object(last));
                 if self.include_usage {
                     let mut u = self.envelope(Value::Array(Vec::new()));

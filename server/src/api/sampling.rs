@@ -28,11 +28,24 @@ pub(crate) fn top_p(f: &Fields, key: &str) -> Result<Option<f32>, ApiError> {
 }
 
 /// top_k >= 0 (0 disables); `minus_one_disables` accepts -1 as "disabled" too (OpenAI/vLLM).
-pub(crate) fn top_k(f: &Fields, key: &str, minus_one_disables: bool) -> Result<Option<u32>, ApiError> {
+pub(crate) fn top_k(
+    f: &Fields,
+    key: &str,
+    minus_one_disables: bool,
+) -> Result<Option<u32>, ApiError> {
     match f.i64(key)? {
         None => Ok(None),
         Some(-1) if minus_one_disables => Ok(Some(0)),
-        Some(k) if k < 0 => Err(range(f, key, k, if minus_one_disables { ">= 0 (or -1 to disable)" } else { ">= 0 (0 disables)" })),
+        Some(k) if k < 0 => Err(range(
+            f,
+            key,
+            k,
+            if minus_one_disables {
+                ">= 0 (or -1 to disable)"
+            } else {
+                ">= 0 (0 disables)"
+            },
+        )),
         Some(k) => Ok(Some(u32::try_from(k).unwrap_or(u32::MAX))),
     }
 }
@@ -76,7 +89,10 @@ pub(crate) fn max_new_tokens(f: &Fields, key: &str, s: &ApiSettings) -> Result<u
             let name = f.name(key);
             Err(ApiError::invalid(
                 &name,
-                format!("{name} must be in 1..={limit} (the context is {} tokens), got {n}", s.max_model_len),
+                format!(
+                    "{name} must be in 1..={limit} (the context is {} tokens), got {n}",
+                    s.max_model_len
+                ),
             ))
         }
         Some(n) => Ok(n as u32),
@@ -86,7 +102,10 @@ pub(crate) fn max_new_tokens(f: &Fields, key: &str, s: &ApiSettings) -> Result<u
 /// The prompt is not empty and leaves room for one generated token.
 pub(crate) fn check_prompt(ids: &[u32], field: &str, s: &ApiSettings) -> Result<(), ApiError> {
     if ids.is_empty() {
-        return Err(ApiError::invalid(field, format!("{field} is empty: give a prompt")));
+        return Err(ApiError::invalid(
+            field,
+            format!("{field} is empty: give a prompt"),
+        ));
     }
     let limit = s.max_model_len.saturating_sub(1) as usize;
     if ids.len() > limit {
@@ -107,7 +126,10 @@ pub(crate) fn check_token_ids(ids: &[u32], field: &str, vocab: usize) -> Result<
     match ids.iter().position(|&t| t as usize >= vocab) {
         Some(i) => Err(ApiError::invalid(
             field,
-            format!("{field}[{i}] = {} is not a token id (vocabulary size {vocab})", ids[i]),
+            format!(
+                "{field}[{i}] = {} is not a token id (vocabulary size {vocab})",
+                ids[i]
+            ),
         )),
         None => Ok(()),
     }

@@ -31,17 +31,23 @@ pub(super) fn submission(
     let body = parse_body(&req.body)?;
     let top = Fields::new(&body, "");
     let inputs = match top.get("inputs") {
-        None => return Err(ApiError::invalid("inputs", "inputs is missing: give the prompt text")),
+        None => {
+            return Err(ApiError::invalid(
+                "inputs",
+                "inputs is missing: give the prompt text",
+            ))
+        }
         Some(serde_json::Value::String(s)) => s.as_str(),
         Some(v) => return Err(top.wrong("inputs", "a string", v)),
     };
     if inputs.is_empty() {
-        return Err(ApiError::invalid("inputs", "inputs is empty: give the prompt text"));
+        return Err(ApiError::invalid(
+            "inputs",
+            "inputs is empty: give the prompt text",
+        ));
     }
-    let stream = match route_stream {
-        Some(s) => s,
-        None => top.bool("stream")?.unwrap_or(false),
-    };
+    let body_stream = top.bool("stream")?;
+    let stream = route_stream.or(body_stream).unwrap_or(false);
     let p = top.object("parameters", "parameters.")?;
     let s = &ctx.settings;
 
@@ -50,7 +56,9 @@ pub(super) fn submission(
     let top_k = sampling::top_k(&p, "top_k", false)?.unwrap_or(0);
     let top_p = sampling::top_p(&p, "top_p")?.unwrap_or(1.0);
     if p.f64("typical_p")?.is_some() && !TYPICAL_P_WARNED.swap(true, Ordering::Relaxed) {
-        tracing::warn!("parameters.typical_p is accepted and ignored (typical sampling is not supported)");
+        tracing::warn!(
+            "parameters.typical_p is accepted and ignored (typical sampling is not supported)"
+        );
     }
     let repetition_penalty = sampling::repetition_penalty(&p, "repetition_penalty")?.unwrap_or(1.0);
     let presence_penalty = sampling::penalty(&p, "presence_penalty")?.unwrap_or(0.0);
@@ -60,17 +68,25 @@ pub(super) fn submission(
     let seed = p.u64("seed")?;
     let stop = p.strings("stop")?;
     if let Some(i) = stop.iter().position(String::is_empty) {
-        return Err(ApiError::invalid("parameters.stop", format!("parameters.stop[{i}] is empty")));
+        return Err(ApiError::invalid(
+            "parameters.stop",
+            format!("parameters.stop[{i}] is empty"),
+        ));
     }
     let details = p.bool("details")?.unwrap_or(false);
     p.bool("decoder_input_details")?; // accepted; prompt log-probabilities are not computed
     let top_n_tokens = sampling::top_n(&p, "top_n_tokens")?.unwrap_or(0);
     let truncate = match p.get("truncate") {
         None | Some(serde_json::Value::Bool(_)) => None,
-        Some(_) => p.int_in("truncate", 1, i64::from(u32::MAX))?.map(|n| n as usize),
+        Some(_) => p
+            .int_in("truncate", 1, i64::from(u32::MAX))?
+            .map(|n| n as usize),
     };
     if p.bool("watermark")?.unwrap_or(false) {
-        return Err(ApiError::invalid("parameters.watermark", "parameters.watermark: only false is supported"));
+        return Err(ApiError::invalid(
+            "parameters.watermark",
+            "parameters.watermark: only false is supported",
+        ));
     }
     let ignore_eos = p.bool("ignore_eos")?.unwrap_or(false);
     let sse = match p.string("return_protocol")? {
@@ -89,7 +105,13 @@ pub(super) fn submission(
     }
     sampling::check_prompt(&prompt_ids, "inputs", s)?;
 
-    let seed = seed.unwrap_or_else(|| if do_sample { sampling::random_seed(id) } else { 0 });
+    let seed = seed.unwrap_or_else(|| {
+        if do_sample {
+            sampling::random_seed(id)
+        } else {
+            0
+        }
+    });
     let params = SamplingParams {
         do_sample: do_sample && temperature > 0.0,
         temperature,
@@ -186,7 +208,11 @@ impl TgiState {
             prefill: self.tokens.first().into_iter().collect(),
             seed: self.seed,
             tokens: &self.tokens,
-            top_tokens: self.tops.first().map(|t| vec![t.as_slice()]).unwrap_or_default(),
+            top_tokens: self
+                .tops
+                .first()
+                .map(|t| vec![t.as_slice()])
+                .unwrap_or_default(),
         }
     }
 }
@@ -271,7 +297,11 @@ impl EventWriter for TgiStreamWriter {
                 self.line(body, data);
                 Progress::More
             }
-            GenEvent::Finished { reason, usage, message } => {
+            GenEvent::Finished {
+                reason,
+                usage,
+                message,
+            } => {
                 if let (FinishReason::Error, Some(msg)) = (reason, message) {
                     let data = ErrorData {
                         error: msg,
@@ -311,7 +341,11 @@ impl EventWriter for TgiFullWriter {
                 self.state.push(token, top, text);
                 Progress::More
             }
-            GenEvent::Finished { reason, usage, message } => {
+            GenEvent::Finished {
+                reason,
+                usage,
+                message,
+            } => {
                 if *reason == FinishReason::Error {
                     let msg = message.as_deref().unwrap_or("generation failed");
                     return Progress::Complete(Response::error(500, "generation_error", msg));

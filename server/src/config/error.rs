@@ -43,9 +43,9 @@ impl ConfigError {
     /// The full key path the error is about, when it is about one key.
     pub fn key_path(&self) -> Option<&str> {
         match self {
-            Self::WrongType { path, .. } | Self::NotAllowed { path, .. } | Self::Empty { path, .. } => {
-                Some(path)
-            }
+            Self::WrongType { path, .. }
+            | Self::NotAllowed { path, .. }
+            | Self::Empty { path, .. } => Some(path),
             _ => None,
         }
     }

@@ -275,7 +275,10 @@ impl ServerConfig {
         let limits = [
             ("npu_serving.max_model_len", self.npu_serving.max_model_len),
             ("model_config.seq_length", self.seq_length()),
-            ("pa_config.decode_seq_length", self.pa_config.decode_seq_length),
+            (
+                "pa_config.decode_seq_length",
+                self.pa_config.decode_seq_length,
+            ),
         ];
         for (path, v) in limits {
             if let Some(v) = v.filter(|&v| v > model_context) {

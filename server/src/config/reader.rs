@@ -147,7 +147,9 @@ impl<'a> Section<'a> {
                 let mut out = Vec::with_capacity(items.len());
                 for (i, item) in items.iter().enumerate() {
                     match item {
-                        Value::Number(n) if n.as_u64().is_some() => out.push(n.as_u64().unwrap_or(0)),
+                        Value::Number(n) if n.as_u64().is_some() => {
+                            out.push(n.as_u64().unwrap_or(0))
+                        }
                         other => {
                             return Err(ConfigError::WrongType {
                                 path: format!("{}[{i}]", self.key_path(key)),

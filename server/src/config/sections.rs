@@ -84,7 +84,11 @@ pub(super) fn parse(text: &str) -> Result<ServerConfig, ConfigError> {
 fn to_u32(path: &str, v: u64, min: u32) -> Result<u32, ConfigError> {
     match u32::try_from(v) {
         Ok(x) if x >= min => Ok(x),
-        _ => Err(ConfigError::not_allowed(path, v, format!("{min}..={}", u32::MAX))),
+        _ => Err(ConfigError::not_allowed(
+            path,
+            v,
+            format!("{min}..={}", u32::MAX),
+        )),
     }
 }
 
@@ -101,7 +105,11 @@ fn buckets(
     let path = s.key_path(key);
     let mut out = Vec::with_capacity(list.len());
     for (i, v) in list.iter().enumerate() {
-        let p = if list.len() > 1 { format!("{path}[{i}]") } else { path.clone() };
+        let p = if list.len() > 1 {
+            format!("{path}[{i}]")
+        } else {
+            path.clone()
+        };
         out.push(to_u32(&p, *v, min)?);
     }
     if out.len() > 1 {
@@ -169,8 +177,9 @@ fn model_config(s: &mut Section, w: &mut Vec<ConfigWarning>) -> Result<ModelConf
             if t > 0.0 {
                 w.push(ConfigWarning {
                     path: s.key_path(key),
-                    message: "ignored: continuous batching schedules a step as soon as there is work"
-                        .into(),
+                    message:
+                        "ignored: continuous batching schedules a step as soon as there is work"
+                            .into(),
                 });
             }
         }
@@ -194,13 +203,34 @@ fn model_config(s: &mut Section, w: &mut Vec<ConfigWarning>) -> Result<ModelConf
         });
     }
     let ignored: [(&str, &str); 7] = [
-        ("zactivate_len", "MindSpore activation-length buckets; no static shapes here"),
-        ("model_type", "MindSpore graph kind; shapes are always dynamic here"),
-        ("seq_type", "MindSpore static/dynamic sequence graphs; no static shapes here"),
-        ("current_index", "MindSpore graph input; positions are part of every step plan"),
-        ("pad_token_id", "no padding: steps pack tokens of all sequences"),
-        ("backend", "MindSpore graph mode ('kbk'/'ge'); the device is npu_serving.device"),
-        ("model_cfg_path", "MindFormers model yaml; the model comes from the GGUF file"),
+        (
+            "zactivate_len",
+            "MindSpore activation-length buckets; no static shapes here",
+        ),
+        (
+            "model_type",
+            "MindSpore graph kind; shapes are always dynamic here",
+        ),
+        (
+            "seq_type",
+            "MindSpore static/dynamic sequence graphs; no static shapes here",
+        ),
+        (
+            "current_index",
+            "MindSpore graph input; positions are part of every step plan",
+        ),
+        (
+            "pad_token_id",
+            "no padding: steps pack tokens of all sequences",
+        ),
+        (
+            "backend",
+            "MindSpore graph mode ('kbk'/'ge'); the device is npu_serving.device",
+        ),
+        (
+            "model_cfg_path",
+            "MindFormers model yaml; the model comes from the GGUF file",
+        ),
     ];
     for (key, why) in ignored {
         s.ignored(key, why, w);
@@ -249,7 +279,11 @@ fn serving_config(
     }
     if let Some(v) = s.u64("server_port")? {
         c.server_port = u16::try_from(v).map_err(|_| {
-            ConfigError::not_allowed(&s.key_path("server_port"), v, "0..=65535 (0 = any free port)")
+            ConfigError::not_allowed(
+                &s.key_path("server_port"),
+                v,
+                "0..=65535 (0 = any free port)",
+            )
         })?;
     }
     if c.server_port != 0 && c.agent_ports.contains(&c.server_port) {
@@ -267,8 +301,9 @@ fn serving_config(
             if t > 0.0 {
                 w.push(ConfigWarning {
                     path: s.key_path(key),
-                    message: "ignored: continuous batching schedules a step as soon as there is work"
-                        .into(),
+                    message:
+                        "ignored: continuous batching schedules a step as soon as there is work"
+                            .into(),
                 });
             }
         }
@@ -356,7 +391,11 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
     }
     if let Some(v) = s.u64("max_body_bytes")? {
         if v < 64 {
-            return Err(ConfigError::not_allowed(&s.key_path("max_body_bytes"), v, ">= 64"));
+            return Err(ConfigError::not_allowed(
+                &s.key_path("max_body_bytes"),
+                v,
+                ">= 64",
+            ));
         }
         c.max_body_bytes = v;
     }
@@ -376,7 +415,11 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
     ] {
         if let Some(v) = s.u64(key)? {
             if v == 0 {
-                return Err(ConfigError::not_allowed(&s.key_path(key), v, ">= 1 (milliseconds)"));
+                return Err(ConfigError::not_allowed(
+                    &s.key_path(key),
+                    v,
+                    ">= 1 (milliseconds)",
+                ));
             }
             *field = v;
         }

@@ -2,6 +2,7 @@
 //! generation requests into step plans and step results into generation events.
 
 pub mod handle;
+pub mod scheduler;
 pub mod types;
 
 pub use types::{FinishReason, GenEvent, GenerateRequest, RequestId, Usage};

@@ -105,7 +105,13 @@ pub trait Handler: Send + Sync {
     fn handle(&self, request: &Request, id: RequestId) -> Reply;
     /// The response for an error the HTTP layer finds itself (413, 408, 431, 429, 503, ...);
     /// `path` is the request's path when known, so the API can pick its error shape.
-    fn error_response(&self, path: Option<&str>, status: u16, kind: &str, message: &str) -> Response {
+    fn error_response(
+        &self,
+        path: Option<&str>,
+        status: u16,
+        kind: &str,
+        message: &str,
+    ) -> Response {
         let _ = path;
         Response::error(status, kind, message)
     }
@@ -138,6 +144,24 @@ impl ShutdownSignal {
 
     pub fn is_triggered(&self) -> bool {
         self.inner.flag.load(Ordering::SeqCst)
+    }
+
+    /// Triggers this signal on SIGINT or SIGTERM (from a small watcher thread). A second
+    /// signal after the first is left to the default action by the caller's choice: this only
+    /// asks for the graceful drain.
+    pub fn trigger_on_termination_signals(&self) -> std::io::Result<()> {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name("shutdown-signals".into())
+            .spawn(move || {
+                if let Some(sig) = signals.forever().next() {
+                    tracing::info!(signal = sig, "shutting down: draining running requests");
+                    me.trigger();
+                }
+            })?;
+        Ok(())
     }
 
     pub(crate) fn attach(&self, waker: Arc<mio::Waker>) {

@@ -106,7 +106,11 @@ pub(crate) fn parse_head(buf: &[u8], max_body_bytes: u64) -> HeadParse {
         HeadParse::Refused(r)
     };
     if version > 1 {
-        return refuse(505, "http_version_not_supported", "only HTTP/1.0 and HTTP/1.1".into());
+        return refuse(
+            505,
+            "http_version_not_supported",
+            "only HTTP/1.0 and HTTP/1.1".into(),
+        );
     }
 
     let mut out_headers = Vec::with_capacity(req.headers.len());
@@ -116,16 +120,28 @@ pub(crate) fn parse_head(buf: &[u8], max_body_bytes: u64) -> HeadParse {
     let mut expect_continue = false;
     for h in req.headers.iter() {
         let Ok(value) = std::str::from_utf8(h.value) else {
-            return refuse(400, "bad_request", format!("header {} is not UTF-8", h.name));
+            return refuse(
+                400,
+                "bad_request",
+                format!("header {} is not UTF-8", h.name),
+            );
         };
         let value = value.trim();
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
             let Ok(n) = value.parse::<u64>() else {
-                return refuse(400, "bad_request", format!("Content-Length {value:?} is not a number"));
+                return refuse(
+                    400,
+                    "bad_request",
+                    format!("Content-Length {value:?} is not a number"),
+                );
             };
             if content_length.is_some_and(|old| old != n) {
-                return refuse(400, "bad_request", "conflicting Content-Length headers".into());
+                return refuse(
+                    400,
+                    "bad_request",
+                    "conflicting Content-Length headers".into(),
+                );
             }
             content_length = Some(n);
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
@@ -137,7 +153,11 @@ pub(crate) fn parse_head(buf: &[u8], max_body_bytes: u64) -> HeadParse {
                         .into(),
                 );
             }
-            return refuse(501, "not_implemented", format!("Transfer-Encoding {value:?} is not supported"));
+            return refuse(
+                501,
+                "not_implemented",
+                format!("Transfer-Encoding {value:?} is not supported"),
+            );
         } else if name.eq_ignore_ascii_case("connection") {
             for token in value.split(',') {
                 let t = token.trim();
@@ -148,7 +168,11 @@ pub(crate) fn parse_head(buf: &[u8], max_body_bytes: u64) -> HeadParse {
             if value.eq_ignore_ascii_case("100-continue") {
                 expect_continue = true;
             } else {
-                return refuse(417, "expectation_failed", format!("Expect {value:?} is not supported"));
+                return refuse(
+                    417,
+                    "expectation_failed",
+                    format!("Expect {value:?} is not supported"),
+                );
             }
         }
         out_headers.push((name.to_string(), value.to_string()));
@@ -218,7 +242,9 @@ mod tests {
     #[test]
     fn complete_head_with_body_length_and_keep_alive_rules() {
         let buf = b"POST /models/llama2/generate?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 12\r\n\r\n{\"inputs\":1}";
-        let HeadParse::Complete(head, n) = parse_head(buf, 1000) else { panic!() };
+        let HeadParse::Complete(head, n) = parse_head(buf, 1000) else {
+            panic!()
+        };
         assert_eq!(head.method, "POST");
         assert_eq!(head.path, "/models/llama2/generate");
         assert_eq!(head.query.as_deref(), Some("x=1"));
@@ -226,7 +252,9 @@ mod tests {
         assert!(head.keep_alive);
         assert_eq!(&buf[n..], b"{\"inputs\":1}");
 
-        let HeadParse::Complete(head, _) = parse_head(b"GET / HTTP/1.0\r\n\r\n", 10) else { panic!() };
+        let HeadParse::Complete(head, _) = parse_head(b"GET / HTTP/1.0\r\n\r\n", 10) else {
+            panic!()
+        };
         assert!(!head.keep_alive);
         let HeadParse::Complete(head, _) =
             parse_head(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n", 10)
@@ -234,14 +262,21 @@ mod tests {
             panic!()
         };
         assert!(!head.keep_alive);
-        assert!(matches!(parse_head(b"GET / HTTP/1.1\r\nHost:", 10), HeadParse::Partial));
+        assert!(matches!(
+            parse_head(b"GET / HTTP/1.1\r\nHost:", 10),
+            HeadParse::Partial
+        ));
     }
 
     #[test]
     fn refusals_name_the_problem() {
         let r = refused(b"POST /x HTTP/1.1\r\nContent-Length: 5000\r\n\r\n");
         assert_eq!(r.status, 413);
-        assert!(r.message.contains("5000") && r.message.contains("1000"), "{}", r.message);
+        assert!(
+            r.message.contains("5000") && r.message.contains("1000"),
+            "{}",
+            r.message
+        );
         assert_eq!(r.path.as_deref(), Some("/x"));
         let r = refused(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n");
         assert_eq!(r.status, 411);

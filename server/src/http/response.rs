@@ -29,7 +29,10 @@ impl Response {
 
     /// The plain error shape: `{"error": message, "type": kind}`.
     pub fn error(status: u16, kind: &str, message: &str) -> Self {
-        Self::json(status, &serde_json::json!({ "error": message, "type": kind }))
+        Self::json(
+            status,
+            &serde_json::json!({ "error": message, "type": kind }),
+        )
     }
 
     pub fn with_header(mut self, name: &str, value: impl Into<String>) -> Self {

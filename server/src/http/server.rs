@@ -158,7 +158,9 @@ impl HttpServer {
             }
             // A bounded batch, so a flood of events cannot starve the sockets.
             for _ in 0..EVENT_BATCH {
-                let Ok((id, event)) = self.events_rx.try_recv() else { break };
+                let Ok((id, event)) = self.events_rx.try_recv() else {
+                    break;
+                };
                 lp.on_engine_event(id, &event);
             }
             // Connections that finished a response and may hold the next request.
@@ -210,7 +212,9 @@ impl Loop {
                     let now = Instant::now();
                     let conn = Conn::new(stream, now, now + self.limits.header_timeout);
                     self.conns.insert(tok, conn);
-                    self.metrics.connections_open.fetch_add(1, Ordering::Relaxed);
+                    self.metrics
+                        .connections_open
+                        .fetch_add(1, Ordering::Relaxed);
                     // Edge-triggered: data that arrived with the connection is read on its event.
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
@@ -231,7 +235,9 @@ impl Loop {
     fn on_readable(&mut self, tok: Token) {
         let cap = self.input_cap();
         loop {
-            let Some(conn) = self.conns.get_mut(&tok) else { return };
+            let Some(conn) = self.conns.get_mut(&tok) else {
+                return;
+            };
             let was_empty = conn.inbuf.is_empty();
             let r = conn.read_available(cap);
             if was_empty && !conn.inbuf.is_empty() && matches!(conn.state, ConnState::Head) {
@@ -247,12 +253,16 @@ impl Loop {
                 return;
             }
             self.advance(tok);
-            let Some(conn) = self.conns.get_mut(&tok) else { return };
+            let Some(conn) = self.conns.get_mut(&tok) else {
+                return;
+            };
             let reading = matches!(conn.state, ConnState::Head | ConnState::Body(_));
             if r.eof {
                 match conn.state {
                     ConnState::Generating { .. } => {
-                        self.metrics.client_aborts_total.fetch_add(1, Ordering::Relaxed);
+                        self.metrics
+                            .client_aborts_total
+                            .fetch_add(1, Ordering::Relaxed);
                         self.close(tok, "client went away");
                     }
                     ConnState::Responding => conn.keep_alive = false,
@@ -277,7 +287,9 @@ impl Loop {
     /// Moves a connection's request cycle forward with the input it has.
     fn advance(&mut self, tok: Token) {
         loop {
-            let Some(conn) = self.conns.get_mut(&tok) else { return };
+            let Some(conn) = self.conns.get_mut(&tok) else {
+                return;
+            };
             match &conn.state {
                 ConnState::Head => {
                     if conn.inbuf.is_empty() {
@@ -336,7 +348,8 @@ impl Loop {
                     if conn.inbuf.len() < need {
                         return;
                     }
-                    let ConnState::Body(head) = std::mem::replace(&mut conn.state, ConnState::Responding)
+                    let ConnState::Body(head) =
+                        std::mem::replace(&mut conn.state, ConnState::Responding)
                     else {
                         return;
                     };
@@ -366,7 +379,9 @@ impl Loop {
 
     /// Queues a whole response and moves to Responding.
     fn respond(&mut self, tok: Token, resp: Response, keep_alive: bool) {
-        let Some(conn) = self.conns.get_mut(&tok) else { return };
+        let Some(conn) = self.conns.get_mut(&tok) else {
+            return;
+        };
         conn.keep_alive &= keep_alive && self.draining_until.is_none();
         self.metrics.count_response(resp.status);
         resp.write_full(&mut conn.out, conn.keep_alive);
@@ -376,7 +391,9 @@ impl Loop {
     }
 
     fn dispatch(&mut self, tok: Token, req: Request) {
-        self.metrics.http_requests_total.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .http_requests_total
+            .fetch_add(1, Ordering::Relaxed);
         let id = next_request_id();
         let handler = self.handler.clone();
         let reply = std::panic::catch_unwind(AssertUnwindSafe(|| handler.handle(&req, id)))
@@ -398,7 +415,9 @@ impl Loop {
         let waiting = EngineStats::get(&stats.waiting)
             .max(inflight.saturating_sub(EngineStats::get(&stats.running)));
         if waiting >= self.limits.max_queue {
-            self.metrics.rejected_queue_full_total.fetch_add(1, Ordering::Relaxed);
+            self.metrics
+                .rejected_queue_full_total
+                .fetch_add(1, Ordering::Relaxed);
             let msg = format!(
                 "server is busy: {waiting} requests are waiting (limit {}); retry later",
                 self.limits.max_queue
@@ -410,11 +429,20 @@ impl Loop {
         }
         let mut request = sub.request;
         request.id = id;
-        match self.engine.commands.try_send(EngineCommand::Submit(request)) {
+        match self
+            .engine
+            .commands
+            .try_send(EngineCommand::Submit(request))
+        {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
                 let resp = handler
-                    .error_response(Some(&req.path), 429, "queue_full", "engine queue is full; retry later")
+                    .error_response(
+                        Some(&req.path),
+                        429,
+                        "queue_full",
+                        "engine queue is full; retry later",
+                    )
                     .with_header("Retry-After", "1");
                 return self.respond(tok, resp, true);
             }
@@ -430,7 +458,9 @@ impl Loop {
         }
         self.by_request.insert(id, tok);
         self.metrics.inflight.fetch_add(1, Ordering::Relaxed);
-        let Some(conn) = self.conns.get_mut(&tok) else { return };
+        let Some(conn) = self.conns.get_mut(&tok) else {
+            return;
+        };
         conn.keep_alive &= self.draining_until.is_none();
         let mut writer = sub.writer;
         let streaming = match writer.stream_start() {
@@ -474,7 +504,10 @@ impl Loop {
         let now = Instant::now();
         if let GenEvent::Token { .. } = event {
             match timing.last_token {
-                None => self.metrics.time_to_first_token.observe(now - timing.arrived),
+                None => self
+                    .metrics
+                    .time_to_first_token
+                    .observe(now - timing.arrived),
                 Some(t) => self.metrics.inter_token_latency.observe(now - t),
             }
             timing.last_token = Some(now);
@@ -497,7 +530,11 @@ impl Loop {
                     write_last_chunk(&mut conn.out);
                 } else {
                     // A non-streaming writer must answer with a whole response at the end.
-                    let resp = Response::error(500, "internal_error", "the request ended without a response");
+                    let resp = Response::error(
+                        500,
+                        "internal_error",
+                        "the request ended without a response",
+                    );
                     self.metrics.count_response(resp.status);
                     resp.write_full(&mut conn.out, false);
                     conn.keep_alive = false;
@@ -529,10 +566,14 @@ impl Loop {
     }
 
     fn flush(&mut self, tok: Token) {
-        let Some(conn) = self.conns.get_mut(&tok) else { return };
+        let Some(conn) = self.conns.get_mut(&tok) else {
+            return;
+        };
         if conn.flush().is_err() {
             if conn.request_id().is_some() {
-                self.metrics.client_aborts_total.fetch_add(1, Ordering::Relaxed);
+                self.metrics
+                    .client_aborts_total
+                    .fetch_add(1, Ordering::Relaxed);
             }
             self.close(tok, "write failed");
             return;
@@ -561,13 +602,22 @@ impl Loop {
 
     /// Drops a connection; a generation still running for it is aborted.
     fn close(&mut self, tok: Token, why: &str) {
-        let Some(conn) = self.conns.remove(&tok) else { return };
-        self.metrics.connections_open.fetch_sub(1, Ordering::Relaxed);
+        let Some(conn) = self.conns.remove(&tok) else {
+            return;
+        };
+        self.metrics
+            .connections_open
+            .fetch_sub(1, Ordering::Relaxed);
         if let Some(id) = conn.request_id() {
             tracing::debug!(request = id, "{why}: aborting the request");
             self.by_request.remove(&id);
             self.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
-            if self.engine.commands.try_send(EngineCommand::Abort(id)).is_err() {
+            if self
+                .engine
+                .commands
+                .try_send(EngineCommand::Abort(id))
+                .is_err()
+            {
                 tracing::warn!(request = id, "could not send Abort to the engine");
             }
         }
@@ -581,8 +631,11 @@ impl Loop {
             .map(|(t, _)| *t)
             .collect();
         for tok in expired {
-            let Some(conn) = self.conns.get_mut(&tok) else { continue };
-            let idle = matches!(conn.state, ConnState::Head) && conn.inbuf.is_empty() && conn.served > 0;
+            let Some(conn) = self.conns.get_mut(&tok) else {
+                continue;
+            };
+            let idle =
+                matches!(conn.state, ConnState::Head) && conn.inbuf.is_empty() && conn.served > 0;
             if idle {
                 self.close(tok, "idle keep-alive connection");
                 continue;
@@ -612,7 +665,9 @@ impl Loop {
         self.draining_until = Some(Instant::now() + self.limits.shutdown_grace);
         let toks: Vec<Token> = self.conns.keys().copied().collect();
         for tok in toks {
-            let Some(conn) = self.conns.get_mut(&tok) else { continue };
+            let Some(conn) = self.conns.get_mut(&tok) else {
+                continue;
+            };
             conn.keep_alive = false;
             match conn.state {
                 ConnState::Head if conn.inbuf.is_empty() => self.close(tok, "shutting down"),

@@ -18,7 +18,8 @@ use npu_agent::tokenizer::Tokenizer;
 use npu_protocol::TokenLogprob;
 use npu_server::api::{ApiContext, ApiSettings};
 use npu_server::engine::{
-    EngineCommand, EngineHandle, EngineStats, FinishReason, GenEvent, GenerateRequest, RequestId, Usage,
+    EngineCommand, EngineHandle, EngineStats, FinishReason, GenEvent, GenerateRequest, RequestId,
+    Usage,
 };
 use npu_server::http::{EventSink, HttpError, HttpLimits, HttpServer, ShutdownSignal};
 use npu_server::metrics::Metrics;
@@ -26,7 +27,8 @@ use npu_server::metrics::Metrics;
 pub fn tokenizer() -> Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        let path = npu_agent::model_store::resolve_model(None).expect("the default model is available");
+        let path =
+            npu_agent::model_store::resolve_model(None).expect("the default model is available");
         let gguf = GgufFile::open(&path).expect("the default model opens");
         Tokenizer::from_gguf(&gguf).expect("the default model has a tokenizer")
     })
@@ -51,7 +53,9 @@ fn spawn_echo_engine(
 ) -> (EngineHandle, JoinHandle<()>) {
     let (tx, rx) = crossbeam_channel::unbounded::<EngineCommand>();
     let stats = Arc::new(EngineStats::default());
-    stats.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    stats
+        .ready
+        .store(true, std::sync::atomic::Ordering::Relaxed);
     EngineStats::set(&stats.agents_total, 1);
     EngineStats::set(&stats.agents_up, 1);
     let handle = EngineHandle {
@@ -87,7 +91,14 @@ fn spawn_echo_engine(
                         continue;
                     }
                     let decoder = tokenizer.decode_stream_continuation(true);
-                    active.insert(req.id, Active { req, produced: 0, decoder });
+                    active.insert(
+                        req.id,
+                        Active {
+                            req,
+                            produced: 0,
+                            decoder,
+                        },
+                    );
                     if !token_delay.is_zero() {
                         continue;
                     }
@@ -121,10 +132,23 @@ fn spawn_echo_engine(
                     let token = p[a.produced as usize % p.len()];
                     let text = a.decoder.push(token);
                     let top = (0..a.req.params.top_n)
-                        .map(|i| TokenLogprob { token: p[(a.produced as usize + i as usize) % p.len()], logprob: -0.25 * (i + 1) as f32 })
+                        .map(|i| TokenLogprob {
+                            token: p[(a.produced as usize + i as usize) % p.len()],
+                            logprob: -0.25 * (i + 1) as f32,
+                        })
                         .collect();
                     a.produced += 1;
-                    sink.send(id, GenEvent::Token { token: TokenLogprob { token, logprob: -0.25 }, top, text });
+                    sink.send(
+                        id,
+                        GenEvent::Token {
+                            token: TokenLogprob {
+                                token,
+                                logprob: -0.25,
+                            },
+                            top,
+                            text,
+                        },
+                    );
                     if a.produced >= a.req.max_new_tokens {
                         let a = active.remove(&id).unwrap();
                         sink.send(
@@ -168,8 +192,14 @@ impl TestServer {
         let server = HttpServer::new(listener, limits, metrics.clone()).unwrap();
         let addr = server.local_addr().unwrap();
         let log = Arc::new(Mutex::new(EngineLog::default()));
-        let (engine, engine_thread) = spawn_echo_engine(server.event_sink(), tokenizer(), token_delay, log.clone());
-        let api = Arc::new(ApiContext::new(settings, tokenizer(), engine.stats.clone(), metrics.clone()));
+        let (engine, engine_thread) =
+            spawn_echo_engine(server.event_sink(), tokenizer(), token_delay, log.clone());
+        let api = Arc::new(ApiContext::new(
+            settings,
+            tokenizer(),
+            engine.stats.clone(),
+            metrics.clone(),
+        ));
         let shutdown = ShutdownSignal::new();
         let sd = shutdown.clone();
         let eng = engine.clone();
@@ -187,7 +217,11 @@ impl TestServer {
     }
 
     pub fn quick() -> Self {
-        Self::start(HttpLimits::default(), ApiSettings::default(), Duration::ZERO)
+        Self::start(
+            HttpLimits::default(),
+            ApiSettings::default(),
+            Duration::ZERO,
+        )
     }
 
     pub fn connect(&self) -> TcpStream {
@@ -199,7 +233,11 @@ impl TestServer {
     /// Stops the server and waits for it to return.
     pub fn stop(&mut self) -> Result<(), HttpError> {
         self.shutdown.trigger();
-        let r = self.server.take().map(|j| j.join().expect("server thread")).unwrap_or(Ok(()));
+        let r = self
+            .server
+            .take()
+            .map(|j| j.join().expect("server thread"))
+            .unwrap_or(Ok(()));
         let _ = self.engine.commands.send(EngineCommand::Shutdown);
         if let Some(j) = self.engine_thread.take() {
             let _ = j.join();
@@ -228,81 +266,112 @@ pub struct HttpResponse {
 
 impl HttpResponse {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
     pub fn text(&self) -> String {
         String::from_utf8(self.body.clone()).expect("UTF-8 body")
     }
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 }
 
-/// Reads one response (Content-Length, chunked, or to EOF).
-pub fn read_response(s: &mut TcpStream) -> HttpResponse {
-    let mut buf = Vec::new();
-    let mut tmp = [0u8; 4096];
-    let head_end = loop {
-        if let Some(i) = find(&buf, b"\r\n\r\n") {
-            break i + 4;
+/// Reads one byte; None at EOF.
+fn read_byte(s: &mut TcpStream) -> Option<u8> {
+    let mut b = [0u8; 1];
+    match s.read(&mut b).expect("read response") {
+        0 => None,
+        _ => Some(b[0]),
+    }
+}
+
+/// Reads up to and including CRLF (without it in the result).
+fn read_line(s: &mut TcpStream, what: &str) -> Vec<u8> {
+    let mut line = Vec::new();
+    loop {
+        let b = read_byte(s).unwrap_or_else(|| {
+            panic!(
+                "connection closed inside {what}; got {:?}",
+                String::from_utf8_lossy(&line)
+            )
+        });
+        line.push(b);
+        if line.ends_with(b"\r\n") {
+            line.truncate(line.len() - 2);
+            return line;
         }
-        let n = s.read(&mut tmp).expect("read response head");
-        assert!(n > 0, "connection closed before a response head; got {:?}", String::from_utf8_lossy(&buf));
-        buf.extend_from_slice(&tmp[..n]);
-    };
-    let head = String::from_utf8(buf[..head_end].to_vec()).unwrap();
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap();
+    }
+}
+
+/// Reads exactly one response (Content-Length, chunked, or to EOF), never past its end, so
+/// pipelined responses can be read one after the other.
+pub fn read_response(s: &mut TcpStream) -> HttpResponse {
+    let status_line = String::from_utf8(read_line(s, "a response head")).unwrap();
     let status: u16 = status_line.split(' ').nth(1).unwrap().parse().unwrap();
-    let headers: Vec<(String, String)> = lines
-        .filter(|l| !l.is_empty())
-        .map(|l| {
-            let (k, v) = l.split_once(':').unwrap();
-            (k.trim().to_string(), v.trim().to_string())
-        })
-        .collect();
-    let get = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.clone());
-    let mut rest = buf[head_end..].to_vec();
-    let mut more = |rest: &mut Vec<u8>| -> bool {
-        let n = s.read(&mut tmp).expect("read response body");
-        rest.extend_from_slice(&tmp[..n]);
-        n > 0
+    let mut headers = Vec::new();
+    loop {
+        let line = String::from_utf8(read_line(s, "a response head")).unwrap();
+        if line.is_empty() {
+            break;
+        }
+        let (k, v) = line.split_once(':').unwrap();
+        headers.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    let get = |n: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(n))
+            .map(|(_, v)| v.clone())
     };
     if status == 100 {
-        return HttpResponse { status, headers, body: Vec::new(), chunked: false };
+        return HttpResponse {
+            status,
+            headers,
+            body: Vec::new(),
+            chunked: false,
+        };
     }
     if let Some(len) = get("content-length") {
-        let len: usize = len.parse().unwrap();
-        while rest.len() < len {
-            assert!(more(&mut rest), "EOF inside a body");
-        }
-        return HttpResponse { status, headers, body: rest[..len].to_vec(), chunked: false };
+        let mut body = vec![0u8; len.parse().unwrap()];
+        s.read_exact(&mut body).expect("read a body");
+        return HttpResponse {
+            status,
+            headers,
+            body,
+            chunked: false,
+        };
     }
     if get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
         let mut body = Vec::new();
-        let mut pos = 0;
         loop {
-            let line_end = loop {
-                if let Some(i) = find(&rest[pos..], b"\r\n") {
-                    break pos + i;
-                }
-                assert!(more(&mut rest), "EOF inside a chunk size");
-            };
-            let size = usize::from_str_radix(std::str::from_utf8(&rest[pos..line_end]).unwrap(), 16).unwrap();
-            let start = line_end + 2;
-            while rest.len() < start + size + 2 {
-                assert!(more(&mut rest), "EOF inside a chunk");
-            }
-            assert_eq!(&rest[start + size..start + size + 2], b"\r\n", "chunk not terminated by CRLF");
-            body.extend_from_slice(&rest[start..start + size]);
-            pos = start + size + 2;
+            let size_line = read_line(s, "a chunk size");
+            let size = usize::from_str_radix(std::str::from_utf8(&size_line).unwrap(), 16).unwrap();
+            let mut chunk = vec![0u8; size + 2];
+            s.read_exact(&mut chunk).expect("read a chunk");
+            assert_eq!(&chunk[size..], b"\r\n", "chunk not terminated by CRLF");
+            body.extend_from_slice(&chunk[..size]);
             if size == 0 {
-                return HttpResponse { status, headers, body, chunked: true };
+                return HttpResponse {
+                    status,
+                    headers,
+                    body,
+                    chunked: true,
+                };
             }
         }
     }
-    while more(&mut rest) {}
-    HttpResponse { status, headers, body: rest, chunked: false }
+    let mut body = Vec::new();
+    s.read_to_end(&mut body).expect("read a body to EOF");
+    HttpResponse {
+        status,
+        headers,
+        body,
+        chunked: false,
+    }
 }
 
 pub fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -334,8 +403,11 @@ pub fn is_closed(s: &mut TcpStream) -> bool {
     matches!(s.read(&mut b), Ok(0) | Err(_))
 }
 
-/// What the echo engine generates for `prompt_ids` and `n` tokens.
+/// What the echo engine generates for `prompt_ids` and `n` tokens (bytes of a character not yet
+/// complete at the end are held back, as a streaming detokenizer does).
 pub fn echo_text(prompt_ids: &[u32], n: usize) -> String {
-    let ids: Vec<u32> = (0..n).map(|i| prompt_ids[i % prompt_ids.len()]).collect();
-    tokenizer().decode_continuation(&ids, true)
+    let mut stream = tokenizer().decode_stream_continuation(true);
+    (0..n)
+        .map(|i| stream.push(prompt_ids[i % prompt_ids.len()]))
+        .collect()
 }

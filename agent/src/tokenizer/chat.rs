@@ -1,0 +1,296 @@
+//! Chat templates: the model's Jinja template from GGUF `tokenizer.chat_template`, rendered with
+//! minijinja the way Hugging Face renders it (trim/lstrip blocks, `raise_exception`,
+//! `strftime_now`, Python string methods, `bos_token`/`eos_token`), and a ChatML fallback.
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind};
+use serde::{Deserialize, Serialize};
+
+use super::TokenizerError;
+
+/// One message of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+}
+
+/// ChatML, used when the model carries no template.
+const CHATML: &str = "{% for message in messages %}\
+{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\
+{% endfor %}\
+{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// A compiled chat template.
+#[derive(Clone)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+    is_fallback: bool,
+}
+
+fn template_error(what: &str, e: JinjaError) -> TokenizerError {
+    let mut msg = format!("{what}: {e}");
+    if let Some(line) = e.line() {
+        msg.push_str(&format!(" (template line {line})"));
+    }
+    TokenizerError::Template(msg)
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; syntax errors are reported here rather than at render time.
+    pub fn new(
+        source: impl Into<String>,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<Self, TokenizerError> {
+        Self::compile(source.into(), bos_token.into(), eos_token.into(), false)
+    }
+
+    /// The ChatML template (`<|im_start|>role\ncontent<|im_end|>\n`).
+    pub fn chatml(bos_token: impl Into<String>, eos_token: impl Into<String>) -> Self {
+        Self::compile(CHATML.to_string(), bos_token.into(), eos_token.into(), true)
+            .expect("the built-in ChatML template compiles")
+    }
+
+    fn compile(
+        source: String,
+        bos_token: String,
+        eos_token: String,
+        is_fallback: bool,
+    ) -> Result<Self, TokenizerError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, JinjaError> {
+                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_function("strftime_now", |format: String| {
+            strftime_utc(&format, unix_now())
+        });
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(|e| template_error("cannot compile", e))?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+            is_fallback,
+        })
+    }
+
+    /// Renders a conversation; with `add_generation_prompt` the text ends where the assistant's
+    /// reply begins. Errors raised by the template (`raise_exception`) come back as `Template`.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| template_error("missing", e))?;
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            })
+            .map_err(|e| template_error("cannot render", e))
+    }
+
+    /// Whether this is the ChatML fallback rather than the model's own template.
+    pub fn is_fallback(&self) -> bool {
+        self.is_fallback
+    }
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// Formats a UTC time with the common `strftime` fields (`%Y %y %m %d %e %B %b %A %a %H %M %S
+/// %j %%`); other fields are kept as written. Templates use it for "today's date".
+fn strftime_utc(format: &str, unix_secs: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+    ];
+    let days = unix_secs.div_euclid(86_400);
+    let secs = unix_secs.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (proleptic Gregorian, eras of 400 years).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let before_month = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][month as usize - 1];
+    let day_of_year = before_month + day + i64::from(leap && month > 2);
+    let weekday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+
+    let mut out = String::with_capacity(format.len() + 16);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('e') => out.push_str(&format!("{day:2}")),
+            Some('B') => out.push_str(MONTHS[month as usize - 1]),
+            Some('b') => out.push_str(&MONTHS[month as usize - 1][..3]),
+            Some('A') => out.push_str(DAYS[weekday]),
+            Some('a') => out.push_str(&DAYS[weekday][..3]),
+            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
+            Some('j') => out.push_str(&format!("{day_of_year:03}")),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("is_fallback", &self.is_fallback)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_fallback_renders_roles_and_generation_prompt() {
+        let t = ChatTemplate::chatml("", "<|im_end|>");
+        let out = t
+            .render(
+                &[ChatMessage::system("S"), ChatMessage::user("Hi\nthere")],
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi\nthere<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(t.is_fallback());
+        let no_prompt = t.render(&[ChatMessage::user("x")], false).unwrap();
+        assert_eq!(no_prompt, "<|im_start|>user\nx<|im_end|>\n");
+    }
+
+    #[test]
+    fn raise_exception_becomes_a_template_error() {
+        let t = ChatTemplate::new(
+            "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        let err = t.render(&[ChatMessage::assistant("a")], false).unwrap_err();
+        assert!(
+            matches!(&err, TokenizerError::Template(m) if m.contains("first must be user")),
+            "{err}"
+        );
+        assert_eq!(t.render(&[ChatMessage::user("a")], false).unwrap(), "ok");
+    }
+
+    #[test]
+    fn strftime_fields() {
+        // 2024-02-29T13:05:09Z, a Thursday, day 60 of a leap year.
+        let t = 1_709_211_909;
+        assert_eq!(
+            strftime_utc("%Y-%m-%d %H:%M:%S %j %a %A %b %B %y %e %% %Q", t),
+            "2024-02-29 13:05:09 060 Thu Thursday Feb February 24 29 % %Q"
+        );
+        assert_eq!(strftime_utc("%d %b %Y", 0), "01 Jan 1970");
+        assert_eq!(strftime_utc("%Y-%m-%d %a", 951_782_400), "2000-02-29 Tue");
+        assert_eq!(strftime_utc("%Y-%m-%d", -86_400), "1969-12-31");
+        let t = ChatTemplate::new("{{ strftime_now('%Y') }}", "", "").unwrap();
+        let year: i64 = t.render(&[], false).unwrap().parse().unwrap();
+        assert!(year >= 2024, "{year}");
+    }
+
+    #[test]
+    fn syntax_errors_are_reported_at_compile_time() {
+        let err = ChatTemplate::new("{% for m in messages %}", "", "").unwrap_err();
+        assert!(matches!(err, TokenizerError::Template(_)), "{err}");
+    }
+
+    #[test]
+    fn python_string_methods_and_block_trimming_work() {
+        let src = "{{ bos_token }}{% for m in messages %}\n  {{ m.content.strip().upper() }}|\n{% endfor %}";
+        let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
+        assert_eq!(
+            t.render(&[ChatMessage::user("  a "), ChatMessage::user("b")], false)
+                .unwrap(),
+            "<s>  A|\n  B|\n"
+        );
+    }
+}

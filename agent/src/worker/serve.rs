@@ -1,0 +1,339 @@
+//! The agent's step loop: Step -> read the plan from the segment -> engine step -> write the
+//! result -> StepDone; Reset -> forget every slot -> ResetDone; Ping -> Pong; Shutdown or a
+//! closed connection ends it. A failing step is reported in StepDone and the loop goes on.
+
+use std::io::{Read, Write};
+use std::time::Instant;
+
+use npu_protocol::frame::{read_frame, write_frame, Frame, FrameError, StepDone, StepStatus};
+use npu_protocol::shm::ShmSegment;
+use npu_protocol::{StepPlan, StepResult, StepTiming};
+
+use super::WorkerError;
+use crate::engine::{AgentEngine, EngineError, ModelFacts};
+
+/// What the agent process needs from an engine: `AgentEngine` in production.
+pub trait StepExecutor {
+    /// What the handshake tells the server about the model.
+    fn facts(&self) -> &ModelFacts;
+    fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError>;
+    fn reset(&mut self);
+}
+
+impl<E: StepExecutor + ?Sized> StepExecutor for &mut E {
+    fn facts(&self) -> &ModelFacts {
+        (**self).facts()
+    }
+
+    fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError> {
+        (**self).step(plan)
+    }
+
+    fn reset(&mut self) {
+        (**self).reset()
+    }
+}
+
+impl StepExecutor for AgentEngine {
+    fn facts(&self) -> &ModelFacts {
+        AgentEngine::facts(self)
+    }
+
+    fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError> {
+        AgentEngine::step(self, plan)
+    }
+
+    fn reset(&mut self) {
+        AgentEngine::reset(self)
+    }
+}
+
+/// Serves control frames until Shutdown (Ok) or until the server closes the connection (Ok).
+/// Errors: a broken connection or a frame the agent must never receive.
+pub fn serve<S, E>(
+    stream: &mut S,
+    mut segment: ShmSegment,
+    mut engine: E,
+) -> Result<(), WorkerError>
+where
+    S: Read + Write,
+    E: StepExecutor,
+{
+    loop {
+        let frame = match read_frame(stream) {
+            Ok(frame) => frame,
+            Err(FrameError::Closed) => {
+                tracing::info!("server closed the control connection; exiting");
+                return Ok(());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match frame {
+            Frame::Step { step_id } => {
+                let done = run_step(step_id, &mut segment, &mut engine);
+                if let Some(error) = (!done.error.is_empty()).then_some(&done.error) {
+                    tracing::warn!(step_id, %error, "step failed");
+                }
+                write_frame(stream, &Frame::StepDone(done))?;
+            }
+            Frame::Reset => {
+                engine.reset();
+                write_frame(stream, &Frame::ResetDone)?;
+            }
+            Frame::Ping { nonce } => write_frame(stream, &Frame::Pong { nonce })?,
+            Frame::Shutdown => {
+                tracing::info!("shutdown requested");
+                return Ok(());
+            }
+            other => {
+                return Err(WorkerError::Protocol(format!(
+                    "unexpected {} frame from the server",
+                    other.kind()
+                )))
+            }
+        }
+    }
+}
+
+/// One step; any failure becomes a Failed StepDone with the reason.
+fn run_step<E: StepExecutor>(step_id: u64, segment: &mut ShmSegment, engine: &mut E) -> StepDone {
+    let started = Instant::now();
+    let outcome = (|| {
+        let plan = segment.read_plan().map_err(|e| e.to_string())?;
+        if plan.step_id != step_id {
+            return Err(format!(
+                "the segment holds plan {} but step {step_id} was announced",
+                plan.step_id
+            ));
+        }
+        let mut result = engine.step(&plan).map_err(|e| e.to_string())?;
+        if result.step_id != step_id {
+            return Err(format!(
+                "the engine answered step {} for step {step_id}",
+                result.step_id
+            ));
+        }
+        if result.timing.total_us == 0 {
+            result.timing.total_us = started.elapsed().as_micros() as u64;
+        }
+        segment.write_result(&result).map_err(|e| e.to_string())?;
+        Ok(result.timing)
+    })();
+    match outcome {
+        Ok(timing) => StepDone {
+            step_id,
+            status: StepStatus::Ok,
+            timing,
+            error: String::new(),
+        },
+        Err(error) => StepDone {
+            step_id,
+            status: StepStatus::Failed,
+            timing: StepTiming {
+                total_us: started.elapsed().as_micros() as u64,
+                ..StepTiming::default()
+            },
+            error,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The loop over a real socket and a real segment. The executor here is a small
+    //! deterministic stand-in for the model (next token = last token + slot), so the tests are
+    //! about the loop, not about the model.
+
+    use std::net::{TcpListener, TcpStream};
+    use std::thread;
+
+    use npu_protocol::shm::{segment_name, ShmCapacities, ShmLayout};
+    use npu_protocol::{SeqResult, SeqStep, TokenLogprob};
+
+    use super::*;
+
+    struct Echo {
+        resets: usize,
+        facts: ModelFacts,
+    }
+
+    impl StepExecutor for Echo {
+        fn facts(&self) -> &ModelFacts {
+            &self.facts
+        }
+
+        fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError> {
+            if plan.seqs.iter().any(|s| s.slot == 13) {
+                return Err(EngineError::BadPlan("slot 13 is unlucky".into()));
+            }
+            Ok(StepResult {
+                step_id: plan.step_id,
+                seqs: plan
+                    .seqs
+                    .iter()
+                    .filter(|s| s.sample)
+                    .map(|s| SeqResult {
+                        slot: s.slot,
+                        token: TokenLogprob {
+                            token: s.tokens.last().copied().unwrap_or(0) + s.slot,
+                            logprob: -0.5,
+                        },
+                        top: Vec::new(),
+                    })
+                    .collect(),
+                timing: StepTiming::default(),
+            })
+        }
+
+        fn reset(&mut self) {
+            self.resets += 1;
+        }
+    }
+
+    fn plan(step_id: u64, slot: u32, token: u32) -> StepPlan {
+        StepPlan {
+            step_id,
+            seqs: vec![SeqStep {
+                slot,
+                tokens: vec![token],
+                start_pos: 0,
+                block_table: vec![0],
+                slot_mapping: vec![0],
+                sample: true,
+                n_prompt_tokens: 1,
+            }],
+            ..Default::default()
+        }
+    }
+
+    type AgentThread = thread::JoinHandle<(Result<(), WorkerError>, usize)>;
+
+    /// (server side of the socket, server's segment, agent thread returning the loop's outcome)
+    fn start() -> (TcpStream, ShmSegment, AgentThread) {
+        let caps = ShmCapacities {
+            max_slots: 16,
+            ..ShmCapacities::default()
+        };
+        let layout = ShmLayout::new(caps).unwrap();
+        let server_seg = ShmSegment::create(&segment_name(0).unwrap(), &layout).unwrap();
+        let agent_seg = ShmSegment::open(server_seg.name()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let agent = thread::spawn(move || {
+            let mut stream = TcpStream::connect(addr).unwrap();
+            let mut engine = Echo {
+                resets: 0,
+                facts: ModelFacts {
+                    name: "echo".into(),
+                    architecture: "none".into(),
+                    vocab_size: 1 << 20,
+                    n_layers: 0,
+                    hidden: 0,
+                    n_heads: 0,
+                    n_kv_heads: 0,
+                    head_dim: 0,
+                    context_length: 0,
+                    eos_ids: Vec::new(),
+                    bos_id: None,
+                },
+            };
+            let outcome = serve(&mut stream, agent_seg, &mut engine);
+            (outcome, engine.resets)
+        });
+        let (server, _) = listener.accept().unwrap();
+        (server, server_seg, agent)
+    }
+
+    fn step_done(server: &mut TcpStream) -> StepDone {
+        match read_frame(server).unwrap() {
+            Frame::StepDone(done) => done,
+            other => panic!("expected StepDone, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn steps_resets_pings_and_shutdown() {
+        let (mut server, mut seg, agent) = start();
+        for (step_id, slot, token) in [(1, 2, 10), (2, 3, 20)] {
+            seg.write_plan(&plan(step_id, slot, token)).unwrap();
+            write_frame(&mut server, &Frame::Step { step_id }).unwrap();
+            let done = step_done(&mut server);
+            assert_eq!((done.step_id, done.status), (step_id, StepStatus::Ok));
+            assert!(done.error.is_empty());
+            let result = seg.read_result().unwrap();
+            assert_eq!(result.step_id, step_id);
+            assert_eq!(result.seqs[0].token.token, token + slot);
+        }
+        write_frame(&mut server, &Frame::Reset).unwrap();
+        assert_eq!(read_frame(&mut server).unwrap(), Frame::ResetDone);
+        write_frame(&mut server, &Frame::Ping { nonce: 99 }).unwrap();
+        assert_eq!(read_frame(&mut server).unwrap(), Frame::Pong { nonce: 99 });
+        write_frame(&mut server, &Frame::Shutdown).unwrap();
+        let (outcome, resets) = agent.join().unwrap();
+        outcome.unwrap();
+        assert_eq!(resets, 1);
+        assert!(matches!(read_frame(&mut server), Err(FrameError::Closed)));
+    }
+
+    #[test]
+    fn failing_steps_are_reported_and_the_loop_goes_on() {
+        let (mut server, mut seg, agent) = start();
+        // The engine refuses the plan.
+        seg.write_plan(&plan(1, 13, 0)).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 1 }).unwrap();
+        let done = step_done(&mut server);
+        assert_eq!(done.status, StepStatus::Failed);
+        assert!(done.error.contains("slot 13 is unlucky"), "{}", done.error);
+        // The announced step is not the one in the segment.
+        seg.write_plan(&plan(2, 1, 0)).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 3 }).unwrap();
+        let done = step_done(&mut server);
+        assert_eq!((done.step_id, done.status), (3, StepStatus::Failed));
+        assert!(done.error.contains("holds plan 2"), "{}", done.error);
+        // A corrupt segment: the plan header claims more sequences than fit.
+        let meta = seg
+            .layout()
+            .region(npu_protocol::shm::Region::PlanMeta)
+            .offset;
+        let path = format!("/dev/shm{}", seg.name());
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[meta as usize + 8..meta as usize + 12].copy_from_slice(&u32::MAX.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 2 }).unwrap();
+        let done = step_done(&mut server);
+        assert_eq!(done.status, StepStatus::Failed);
+        assert!(done.error.contains("corrupt segment"), "{}", done.error);
+        // Still serving.
+        seg.write_plan(&plan(4, 1, 5)).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 4 }).unwrap();
+        assert_eq!(step_done(&mut server).status, StepStatus::Ok);
+        drop(server);
+        let (outcome, _) = agent.join().unwrap();
+        outcome.unwrap();
+    }
+
+    #[test]
+    fn an_unexpected_frame_ends_the_loop_with_a_protocol_error() {
+        let (mut server, _seg, agent) = start();
+        write_frame(&mut server, &Frame::Welcome).unwrap();
+        let (outcome, _) = agent.join().unwrap();
+        assert!(
+            matches!(outcome, Err(WorkerError::Protocol(_))),
+            "{outcome:?}"
+        );
+    }
+
+    #[test]
+    fn a_garbled_frame_ends_the_loop_with_a_frame_error() {
+        let (mut server, _seg, agent) = start();
+        server.write_all(&[3, 0, 0, 0, 200, 1, 2]).unwrap();
+        let (outcome, _) = agent.join().unwrap();
+        assert!(
+            matches!(
+                outcome,
+                Err(WorkerError::Frame(FrameError::UnknownType(200)))
+            ),
+            "{outcome:?}"
+        );
+    }
+}

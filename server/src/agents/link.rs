@@ -1,0 +1,605 @@
+//! One agent as the server sees it: its control listener, and while it runs, its child process,
+//! control channel and shared-memory segment. Drives steps (blocking, or submit now and
+//! complete later), detects death, hangs and protocol breaks, restarts, and shuts down.
+
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use npu_agent::engine::ModelFacts;
+use npu_protocol::frame::{Frame, StepStatus};
+use npu_protocol::shm::{segment_name, ShmLayout, ShmSegment};
+use npu_protocol::{StepPlan, StepResult};
+
+use super::control::{wait_fd, ChannelError, ControlChannel};
+use super::launch::{spawn_agent, validate_hello, AgentLaunch, AgentSpec};
+use super::AgentFailure;
+
+/// A running agent.
+struct Running {
+    child: Child,
+    channel: ControlChannel,
+    segment: ShmSegment,
+}
+
+/// The step currently sent to the agent and not yet answered.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    step_id: u64,
+    since: Instant,
+}
+
+pub struct AgentLink {
+    spec: AgentSpec,
+    launch: AgentLaunch,
+    listener: TcpListener,
+    control_addr: SocketAddr,
+    running: Option<Running>,
+    facts: ModelFacts,
+    in_flight: Option<InFlight>,
+    restarts: u32,
+    pings: u64,
+}
+
+impl std::fmt::Debug for AgentLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentLink")
+            .field("agent_id", &self.spec.agent_id)
+            .field("control_addr", &self.control_addr)
+            .field("pid", &self.pid())
+            .field("in_flight", &self.in_flight.map(|f| f.step_id))
+            .field("restarts", &self.restarts)
+            .finish()
+    }
+}
+
+impl AgentLink {
+    /// Listens on the agent's control port, creates its segment, spawns it and completes the
+    /// handshake within `launch.startup_timeout`.
+    pub fn start(spec: AgentSpec, launch: AgentLaunch) -> Result<Self, AgentFailure> {
+        let agent_id = spec.agent_id;
+        let listen_err = |source| AgentFailure::Listen {
+            agent_id,
+            addr: format!("{}:{}", launch.agent_ip, spec.port),
+            source,
+        };
+        let listener = TcpListener::bind((launch.agent_ip, spec.port)).map_err(listen_err)?;
+        listener.set_nonblocking(true).map_err(listen_err)?;
+        let control_addr = listener.local_addr().map_err(listen_err)?;
+        let (running, facts) = launch_and_handshake(&spec, &launch, &listener, control_addr)?;
+        Ok(Self {
+            spec,
+            launch,
+            listener,
+            control_addr,
+            running: Some(running),
+            facts,
+            in_flight: None,
+            restarts: 0,
+            pings: 0,
+        })
+    }
+
+    pub fn agent_id(&self) -> u32 {
+        self.spec.agent_id
+    }
+
+    pub fn spec(&self) -> &AgentSpec {
+        &self.spec
+    }
+
+    /// What the agent reported about its model at the last handshake.
+    pub fn facts(&self) -> &ModelFacts {
+        &self.facts
+    }
+
+    /// Where the control port listens (the actual port when the spec asked for 0).
+    pub fn control_addr(&self) -> SocketAddr {
+        self.control_addr
+    }
+
+    /// The agent's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.running.as_ref().map(|r| r.child.id())
+    }
+
+    /// The segment's name while the agent runs.
+    pub fn segment_name(&self) -> Option<&str> {
+        self.running.as_ref().map(|r| r.segment.name())
+    }
+
+    /// The control socket's fd while the agent runs, to wait on several agents with poll(2).
+    pub fn control_fd(&self) -> Option<i32> {
+        self.running.as_ref().map(|r| r.channel.raw_fd())
+    }
+
+    pub fn is_up(&self) -> bool {
+        self.running.is_some()
+    }
+
+    /// The step sent and not yet completed, if any.
+    pub fn in_flight(&self) -> Option<u64> {
+        self.in_flight.map(|f| f.step_id)
+    }
+
+    /// How many times `restart` has brought the agent back.
+    pub fn restarts(&self) -> u32 {
+        self.restarts
+    }
+
+    /// Runs one step: submit, then wait for its result at most `deadline`. A hung agent is
+    /// killed when the deadline passes.
+    pub fn step(
+        &mut self,
+        plan: &StepPlan,
+        deadline: Duration,
+    ) -> Result<StepResult, AgentFailure> {
+        self.submit(plan)?;
+        self.wait_complete(Instant::now() + deadline)
+    }
+
+    /// Writes the plan into the segment and tells the agent to run it; returns at once.
+    pub fn submit(&mut self, plan: &StepPlan) -> Result<(), AgentFailure> {
+        let agent_id = self.spec.agent_id;
+        if let Some(f) = self.in_flight {
+            return Err(AgentFailure::Busy {
+                agent_id,
+                step_id: f.step_id,
+            });
+        }
+        let running = self
+            .running
+            .as_mut()
+            .ok_or(AgentFailure::Down { agent_id })?;
+        running
+            .segment
+            .write_plan(plan)
+            .map_err(|source| AgentFailure::PlanRefused {
+                agent_id,
+                step_id: plan.step_id,
+                source,
+            })?;
+        let deadline = Instant::now() + self.launch.control_timeout;
+        let step = Frame::Step {
+            step_id: plan.step_id,
+        };
+        if let Err(e) = running.channel.send(&step, deadline) {
+            let what = format!("sending step {}", plan.step_id);
+            return Err(self.channel_failure(e, &what));
+        }
+        self.in_flight = Some(InFlight {
+            step_id: plan.step_id,
+            since: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// The result of the step in flight if it has arrived; never blocks. Also notices a dead
+    /// agent.
+    pub fn try_complete(&mut self) -> Result<Option<StepResult>, AgentFailure> {
+        let agent_id = self.spec.agent_id;
+        if self.in_flight.is_none() {
+            return Err(AgentFailure::NothingInFlight { agent_id });
+        }
+        let running = self
+            .running
+            .as_mut()
+            .ok_or(AgentFailure::Down { agent_id })?;
+        loop {
+            match running.channel.try_recv() {
+                Ok(Some(Frame::Pong { .. })) => continue,
+                Ok(Some(frame)) => return self.on_step_frame(frame).map(Some),
+                Ok(None) => break,
+                Err(e) => return Err(self.channel_failure(e, "a step")),
+            }
+        }
+        if let Ok(Some(status)) = running.child.try_wait() {
+            return Err(self.fail(AgentFailure::Exited {
+                agent_id,
+                status: status.to_string(),
+            }));
+        }
+        Ok(None)
+    }
+
+    /// Waits for the result of the step in flight until `deadline`; a hung agent is killed.
+    pub fn wait_complete(&mut self, deadline: Instant) -> Result<StepResult, AgentFailure> {
+        let agent_id = self.spec.agent_id;
+        let Some(in_flight) = self.in_flight else {
+            return Err(AgentFailure::NothingInFlight { agent_id });
+        };
+        loop {
+            let frame = self.recv_until(deadline)?;
+            match frame {
+                Ok(Frame::Pong { .. }) => continue,
+                Ok(frame) => return self.on_step_frame(frame),
+                Err(ChannelError::Timeout) => {
+                    let waited = in_flight.since.elapsed();
+                    return Err(self.fail(AgentFailure::Hung {
+                        agent_id,
+                        what: format!("step {}", in_flight.step_id),
+                        waited,
+                    }));
+                }
+                Err(e) => {
+                    let what = format!("step {}", in_flight.step_id);
+                    return Err(self.channel_failure(e, &what));
+                }
+            }
+        }
+    }
+
+    /// Tells the agent to forget every slot and waits for it to confirm.
+    pub fn reset(&mut self) -> Result<(), AgentFailure> {
+        match self.exchange(Frame::Reset, "reset")? {
+            Frame::ResetDone => Ok(()),
+            other => Err(self.unexpected(&other, "ResetDone")),
+        }
+    }
+
+    /// Round trip of a Ping; returns how long it took.
+    pub fn ping(&mut self) -> Result<Duration, AgentFailure> {
+        let started = Instant::now();
+        self.pings += 1;
+        let nonce = self.pings;
+        match self.exchange(Frame::Ping { nonce }, "ping")? {
+            Frame::Pong { nonce: n } if n == nonce => Ok(started.elapsed()),
+            other => Err(self.unexpected(&other, "the matching Pong")),
+        }
+    }
+
+    /// Kills whatever is left of the agent, creates a fresh segment, spawns a new agent and
+    /// completes a new handshake. The step that was in flight is gone.
+    pub fn restart(&mut self) -> Result<(), AgentFailure> {
+        self.kill();
+        let (running, facts) =
+            launch_and_handshake(&self.spec, &self.launch, &self.listener, self.control_addr)?;
+        self.running = Some(running);
+        self.facts = facts;
+        self.restarts += 1;
+        Ok(())
+    }
+
+    /// Asks the agent to exit, waits up to `shutdown_grace`, kills it if needed, and removes its
+    /// segment. Does nothing when the agent is already down.
+    pub fn shutdown(&mut self) {
+        let Some(mut running) = self.running.take() else {
+            return;
+        };
+        self.in_flight = None;
+        let deadline = Instant::now() + self.launch.shutdown_grace;
+        let _ = running.channel.send(&Frame::Shutdown, deadline);
+        loop {
+            match running.child.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(self.launch.poll_slice),
+                _ => {
+                    tracing::warn!(
+                        agent = self.spec.agent_id,
+                        "agent ignored Shutdown; killing"
+                    );
+                    let _ = running.child.kill();
+                    let _ = running.child.wait();
+                    break;
+                }
+            }
+        }
+        // Dropping `running` unlinks the segment.
+    }
+
+    /// Sends a control frame (no step may be in flight) and waits for the next non-Pong answer.
+    fn exchange(&mut self, frame: Frame, what: &str) -> Result<Frame, AgentFailure> {
+        let agent_id = self.spec.agent_id;
+        if let Some(f) = self.in_flight {
+            return Err(AgentFailure::Busy {
+                agent_id,
+                step_id: f.step_id,
+            });
+        }
+        let running = self
+            .running
+            .as_mut()
+            .ok_or(AgentFailure::Down { agent_id })?;
+        let deadline = Instant::now() + self.launch.control_timeout;
+        if let Err(e) = running.channel.send(&frame, deadline) {
+            return Err(self.channel_failure(e, what));
+        }
+        let started = Instant::now();
+        let ping = matches!(frame, Frame::Ping { .. });
+        loop {
+            match self.recv_until(deadline)? {
+                Ok(Frame::Pong { .. }) if !ping => continue,
+                Ok(answer) => return Ok(answer),
+                Err(ChannelError::Timeout) => {
+                    return Err(self.fail(AgentFailure::Hung {
+                        agent_id,
+                        what: what.to_string(),
+                        waited: started.elapsed(),
+                    }))
+                }
+                Err(e) => return Err(self.channel_failure(e, what)),
+            }
+        }
+    }
+
+    /// Waits for a frame, watching the child process; its exit is a failure.
+    fn recv_until(
+        &mut self,
+        deadline: Instant,
+    ) -> Result<Result<Frame, ChannelError>, AgentFailure> {
+        let agent_id = self.spec.agent_id;
+        let slice = self.launch.poll_slice;
+        let running = self
+            .running
+            .as_mut()
+            .ok_or(AgentFailure::Down { agent_id })?;
+        let Running { child, channel, .. } = running;
+        let outcome = channel.recv_until(deadline, slice, || match child.try_wait() {
+            Ok(Some(status)) => Err(status.to_string()),
+            _ => Ok(()),
+        });
+        outcome.map_err(|status| self.fail(AgentFailure::Exited { agent_id, status }))
+    }
+
+    /// Handles the answer to a step.
+    fn on_step_frame(&mut self, frame: Frame) -> Result<StepResult, AgentFailure> {
+        let agent_id = self.spec.agent_id;
+        let Some(in_flight) = self.in_flight else {
+            return Err(AgentFailure::NothingInFlight { agent_id });
+        };
+        let Frame::StepDone(done) = frame else {
+            return Err(self.unexpected(&frame, "StepDone"));
+        };
+        if done.step_id != in_flight.step_id {
+            return Err(self.fail(AgentFailure::Protocol {
+                agent_id,
+                detail: format!(
+                    "StepDone for step {} while step {} is in flight",
+                    done.step_id, in_flight.step_id
+                ),
+            }));
+        }
+        self.in_flight = None;
+        if done.status == StepStatus::Failed {
+            return Err(AgentFailure::StepFailed {
+                agent_id,
+                step_id: done.step_id,
+                message: done.error,
+            });
+        }
+        let Some(running) = self.running.as_ref() else {
+            return Err(AgentFailure::Down { agent_id });
+        };
+        match running.segment.read_result() {
+            Ok(result) if result.step_id == done.step_id => Ok(result),
+            Ok(result) => Err(self.fail(AgentFailure::Protocol {
+                agent_id,
+                detail: format!(
+                    "the segment holds the result of step {} for StepDone {}",
+                    result.step_id, done.step_id
+                ),
+            })),
+            Err(source) => Err(self.fail(AgentFailure::Protocol {
+                agent_id,
+                detail: format!("result of step {}: {source}", done.step_id),
+            })),
+        }
+    }
+
+    fn unexpected(&mut self, frame: &Frame, expected: &str) -> AgentFailure {
+        let agent_id = self.spec.agent_id;
+        self.fail(AgentFailure::Protocol {
+            agent_id,
+            detail: format!("got {} while waiting for {expected}", frame.kind()),
+        })
+    }
+
+    /// Turns a channel error into the failure it means, taking the agent down.
+    fn channel_failure(&mut self, e: ChannelError, what: &str) -> AgentFailure {
+        let agent_id = self.spec.agent_id;
+        let failure = match e {
+            ChannelError::Closed => match self.exit_status_soon() {
+                Some(status) => AgentFailure::Exited { agent_id, status },
+                None => AgentFailure::Disconnected { agent_id },
+            },
+            ChannelError::Timeout => AgentFailure::Hung {
+                agent_id,
+                what: what.to_string(),
+                waited: self.launch.control_timeout,
+            },
+            ChannelError::Frame(e) => AgentFailure::from_frame(agent_id, e),
+            ChannelError::Io(source) => AgentFailure::Io { agent_id, source },
+        };
+        self.fail(failure)
+    }
+
+    /// After the socket closed: the child's exit status if it exits within a short while.
+    fn exit_status_soon(&mut self) -> Option<String> {
+        let running = self.running.as_mut()?;
+        let deadline = Instant::now() + Duration::from_millis(500);
+        loop {
+            if let Ok(Some(status)) = running.child.try_wait() {
+                return Some(status.to_string());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Takes the agent down (kills and reaps it, removes its segment) and returns `failure`.
+    fn fail(&mut self, failure: AgentFailure) -> AgentFailure {
+        tracing::warn!(agent = self.spec.agent_id, %failure, "agent down");
+        self.kill();
+        failure
+    }
+
+    fn kill(&mut self) {
+        self.in_flight = None;
+        if let Some(mut running) = self.running.take() {
+            let _ = running.child.kill();
+            let _ = running.child.wait();
+        }
+    }
+}
+
+impl Drop for AgentLink {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Creates the segment, spawns the agent and runs the handshake; on failure nothing is left.
+fn launch_and_handshake(
+    spec: &AgentSpec,
+    launch: &AgentLaunch,
+    listener: &TcpListener,
+    control_addr: SocketAddr,
+) -> Result<(Running, ModelFacts), AgentFailure> {
+    let agent_id = spec.agent_id;
+    let shm = |source| AgentFailure::Shm { agent_id, source };
+    let layout = ShmLayout::new(spec.capacities).map_err(shm)?;
+    let segment =
+        ShmSegment::create(&segment_name(agent_id).map_err(shm)?, &layout).map_err(shm)?;
+    let (mut child, _exe) =
+        spawn_agent(launch, spec, control_addr, &segment).map_err(|(exe, source)| {
+            AgentFailure::Spawn {
+                agent_id,
+                exe,
+                source,
+            }
+        })?;
+    let deadline = Instant::now() + launch.startup_timeout;
+    match handshake(spec, launch, listener, &mut child, &segment, deadline) {
+        Ok((channel, facts)) => Ok((
+            Running {
+                child,
+                channel,
+                segment,
+            },
+            facts,
+        )),
+        Err(failure) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(failure)
+        }
+    }
+}
+
+fn handshake(
+    spec: &AgentSpec,
+    launch: &AgentLaunch,
+    listener: &TcpListener,
+    child: &mut Child,
+    segment: &ShmSegment,
+    deadline: Instant,
+) -> Result<(ControlChannel, ModelFacts), AgentFailure> {
+    let agent_id = spec.agent_id;
+    let started = Instant::now();
+    let io = |source| AgentFailure::Io { agent_id, source };
+    let exited = |child: &mut Child, when: &str| -> Option<AgentFailure> {
+        match child.try_wait() {
+            Ok(Some(status)) => Some(AgentFailure::StartFailed {
+                agent_id,
+                reason: format!("agent process exited ({status}) {when}"),
+            }),
+            _ => None,
+        }
+    };
+    let timeout = || AgentFailure::StartTimeout {
+        agent_id,
+        waited: launch.startup_timeout,
+    };
+    let stream = loop {
+        match listener.accept() {
+            Ok((stream, _)) => break stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
+        }
+        if let Some(failure) = exited(child, "before connecting") {
+            return Err(failure);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timeout());
+        }
+        wait_fd(
+            listener.as_raw_fd(),
+            libc::POLLIN,
+            left.min(launch.poll_slice),
+        )
+        .map_err(io)?;
+    };
+    let mut channel = ControlChannel::new(stream).map_err(io)?;
+    let watch_child = || match child.try_wait() {
+        Ok(Some(status)) => Err(status.to_string()),
+        _ => Ok(()),
+    };
+    let first = match channel.recv_until(deadline, launch.poll_slice, watch_child) {
+        Ok(first) => first,
+        Err(status) => {
+            return Err(AgentFailure::StartFailed {
+                agent_id,
+                reason: format!("agent process exited ({status}) before its hello"),
+            })
+        }
+    };
+    let hello = match first {
+        Ok(Frame::Hello(hello)) => hello,
+        Ok(Frame::StartFailed { reason }) => {
+            return Err(AgentFailure::StartFailed { agent_id, reason })
+        }
+        Ok(other) => {
+            return Err(AgentFailure::Protocol {
+                agent_id,
+                detail: format!("expected Hello, got {}", other.kind()),
+            })
+        }
+        Err(ChannelError::Timeout) => return Err(timeout()),
+        Err(ChannelError::Closed) => {
+            let grace = Instant::now() + Duration::from_millis(500);
+            while Instant::now() < grace {
+                if let Some(failure) = exited(child, "before its hello") {
+                    return Err(failure);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            return Err(AgentFailure::Disconnected { agent_id });
+        }
+        Err(ChannelError::Frame(e)) => return Err(AgentFailure::from_frame(agent_id, e)),
+        Err(ChannelError::Io(e)) => return Err(io(e)),
+    };
+    let facts = match validate_hello(&hello, agent_id, child.id(), segment) {
+        Ok(facts) => facts,
+        Err(reason) => {
+            let _ = channel.send(
+                &Frame::Refuse {
+                    reason: reason.clone(),
+                },
+                Instant::now() + launch.control_timeout,
+            );
+            return Err(AgentFailure::Refused { agent_id, reason });
+        }
+    };
+    channel
+        .send(
+            &Frame::Welcome,
+            deadline.max(Instant::now() + launch.control_timeout),
+        )
+        .map_err(|e| match e {
+            ChannelError::Io(source) => io(source),
+            _ => AgentFailure::Disconnected { agent_id },
+        })?;
+    tracing::info!(
+        agent = agent_id,
+        pid = child.id(),
+        model = %facts.name,
+        took_ms = started.elapsed().as_millis() as u64,
+        "agent ready"
+    );
+    Ok((channel, facts))
+}

@@ -1,0 +1,325 @@
+//! The scheduler of one agent: queues requests, decides each step (continuous batching with
+//! chunked prefill, or static batches), manages the agent's paged KV pool and request slots,
+//! preempts by recomputation, and turns step results into generated tokens and finishes.
+
+mod block_manager;
+mod config;
+mod error;
+mod planner;
+mod prefix_cache;
+mod request;
+mod results;
+
+#[cfg(test)]
+mod proptests;
+#[cfg(test)]
+mod test_util;
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod tests_cache;
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+
+pub use block_manager::{BlockManager, PrefixHit};
+pub use config::{BatchingPolicy, SchedulerConfig};
+pub use error::SchedError;
+pub use prefix_cache::BlockHash;
+pub use request::RecoveredRequest;
+pub use results::SchedOutput;
+
+use crate::engine::types::{FinishReason, GenerateRequest, RequestId};
+use request::{check_request, Sequence};
+
+/// Counters and gauges of one scheduler.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedStats {
+    /// Admitted sequences (prefilling or decoding).
+    pub running: usize,
+    pub waiting: usize,
+    /// Blocks held by sequences.
+    pub blocks_used: usize,
+    /// Blocks with no holder and no cached content.
+    pub blocks_free: usize,
+    /// Cached blocks nobody holds (reusable by a prefix hit, evicted when space is needed).
+    pub blocks_cached: usize,
+    pub blocks_total: usize,
+    /// Sequences preempted (by recomputation) so far.
+    pub preemptions: u64,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub prefix_hit_tokens: u64,
+    /// Tokens sent to the agent for computing (prefill chunks and decode tokens).
+    pub scheduled_tokens: u64,
+    pub steps_in_flight: usize,
+    pub slots_in_use: usize,
+}
+
+/// One sequence's share of a step that is in flight, to match its result.
+#[derive(Debug, Clone)]
+struct Planned {
+    slot: u32,
+    id: RequestId,
+    incarnation: u64,
+    n_tokens: usize,
+    sample: bool,
+}
+
+/// The scheduler and KV block manager of one agent.
+///
+/// Synchronous plain data: `add` requests, call `schedule` for a `StepPlan`, hand the agent's
+/// `StepResult` to `on_result`, repeat. Several steps may be in flight; a sequence is in at most
+/// one. A plan may carry only `forget` entries (no sequences): send it all the same, so that the
+/// slots it releases can be reused (a slot is reused only after a plan has forgotten it).
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    blocks: BlockManager,
+    seqs: HashMap<RequestId, Sequence>,
+    /// Not admitted, in admission order: resumed requests first, then fresh ones FCFS.
+    waiting: VecDeque<RequestId>,
+    /// Admitted, in admission order (oldest first; the last is the newest, preempted first).
+    running: Vec<RequestId>,
+    free_slots: BTreeSet<u32>,
+    /// Slots released since the last plan; free again once a plan has carried them.
+    pending_forget: Vec<u32>,
+    in_flight: HashMap<u64, Vec<Planned>>,
+    /// Static policy: the members of the current batch that have not finished.
+    static_batch: HashSet<RequestId>,
+    next_step_id: u64,
+    preemptions: u64,
+    prefix_hit_tokens: u64,
+    scheduled_tokens: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Result<Self, SchedError> {
+        cfg.validate()?;
+        Ok(Self {
+            blocks: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_cache),
+            free_slots: (0..cfg.slots() as u32).collect(),
+            cfg,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pending_forget: Vec::new(),
+            in_flight: HashMap::new(),
+            static_batch: HashSet::new(),
+            next_step_id: 1,
+            preemptions: 0,
+            prefix_hit_tokens: 0,
+            scheduled_tokens: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Queues a request (FCFS), or refuses one that could never run here.
+    pub fn add(&mut self, req: &GenerateRequest) -> Result<(), SchedError> {
+        self.enqueue(req.clone(), Vec::new(), false)
+    }
+
+    /// Queues a request recovered from a dead agent with the tokens it had generated. It goes
+    /// ahead of fresh requests (behind other resumed ones); its prefill recomputes prompt and
+    /// generated tokens, and generation continues at the same generated-token index.
+    pub fn add_recovered(&mut self, rec: RecoveredRequest) -> Result<(), SchedError> {
+        self.enqueue(rec.request, rec.generated, true)
+    }
+
+    fn enqueue(
+        &mut self,
+        req: GenerateRequest,
+        generated: Vec<u32>,
+        resumed: bool,
+    ) -> Result<(), SchedError> {
+        if self.seqs.contains_key(&req.id) {
+            return Err(SchedError::DuplicateRequest { id: req.id });
+        }
+        let max_total_len = check_request(&self.cfg, &req, generated.len())?;
+        let id = req.id;
+        let seq = Sequence {
+            req,
+            generated,
+            max_total_len,
+            resumed,
+            incarnation: 0,
+            admitted: None,
+        };
+        self.seqs.insert(id, seq);
+        if resumed {
+            let at = self
+                .waiting
+                .iter()
+                .take_while(|w| self.seqs[w].resumed)
+                .count();
+            self.waiting.insert(at, id);
+        } else {
+            self.waiting.push_back(id);
+        }
+        Ok(())
+    }
+
+    /// Ends a request now (the engine matched a stop string): frees its blocks and slot.
+    /// False when the request is not here (already finished or never added).
+    pub fn finish(&mut self, id: RequestId, reason: FinishReason) -> bool {
+        let _ = reason; // the engine reports the reason; here every ending frees the same way
+        self.remove(id)
+    }
+
+    /// Drops a request whose client went away, whatever its state. False when it is not here.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        self.remove(id)
+    }
+
+    fn remove(&mut self, id: RequestId) -> bool {
+        if !self.seqs.contains_key(&id) {
+            return false;
+        }
+        self.release(id);
+        self.waiting.retain(|w| *w != id);
+        self.static_batch.remove(&id);
+        self.seqs.remove(&id);
+        true
+    }
+
+    /// Frees an admitted sequence's blocks and slot and takes it out of `running`; it stays in
+    /// `seqs` (the caller removes or re-queues it).
+    fn release(&mut self, id: RequestId) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        if let Some(adm) = seq.admitted.take() {
+            self.blocks.release_table(&adm.blocks);
+            self.pending_forget.push(adm.slot);
+            self.running.retain(|r| *r != id);
+        }
+    }
+
+    /// Preempts by recomputation: frees the sequence's blocks and slot and puts it at the front
+    /// of the waiting queue, keeping its generated tokens.
+    fn preempt(&mut self, id: RequestId) {
+        self.release(id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.resumed = true;
+        }
+        self.waiting.push_front(id);
+        self.preemptions += 1;
+    }
+
+    /// The agent died: gives back every request (oldest first) with its generated tokens, and
+    /// resets the pool, the slots and the steps in flight.
+    pub fn take_all(&mut self) -> Vec<RecoveredRequest> {
+        // Running sequences were admitted before any waiting one arrived or was preempted.
+        let order: Vec<RequestId> = self
+            .running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect();
+        let mut seqs = std::mem::take(&mut self.seqs);
+        self.static_batch.clear();
+        self.in_flight.clear();
+        self.pending_forget.clear();
+        self.free_slots = (0..self.cfg.slots() as u32).collect();
+        self.blocks.reset();
+        order
+            .into_iter()
+            .filter_map(|id| seqs.remove(&id))
+            .map(|s| RecoveredRequest {
+                request: s.req,
+                generated: s.generated,
+            })
+            .collect()
+    }
+
+    pub fn stats(&self) -> SchedStats {
+        SchedStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            blocks_used: self.blocks.num_used(),
+            blocks_free: self.blocks.num_free(),
+            blocks_cached: self.blocks.num_evictable(),
+            blocks_total: self.blocks.num_total(),
+            preemptions: self.preemptions,
+            prefix_hit_tokens: self.prefix_hit_tokens,
+            scheduled_tokens: self.scheduled_tokens,
+            steps_in_flight: self.in_flight.len(),
+            slots_in_use: self.cfg.slots() - self.free_slots.len() - self.pending_forget.len(),
+        }
+    }
+
+    /// Work held by this scheduler, for least-loaded dispatch: the tokens (prompt, generated and
+    /// still to generate) of every request here.
+    pub fn load(&self) -> u64 {
+        self.seqs.values().map(Sequence::load).sum()
+    }
+
+    /// No request is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Whether a request is waiting or running here.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.seqs.contains_key(&id)
+    }
+
+    /// Generated tokens of a request still here.
+    pub fn generated(&self, id: RequestId) -> Option<&[u32]> {
+        self.seqs.get(&id).map(|s| s.generated.as_slice())
+    }
+
+    /// Checks the bookkeeping: every block's holders, the pool's free/cached lists, the
+    /// queues and the slots. For tests and debug assertions; O(blocks + tokens held).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut holders = vec![0u32; self.blocks.num_total()];
+        let mut slots = HashSet::new();
+        for id in &self.running {
+            let seq = self.seqs.get(id).ok_or(format!("running {id} unknown"))?;
+            let adm = seq
+                .admitted
+                .as_ref()
+                .ok_or(format!("running {id} not admitted"))?;
+            if !slots.insert(adm.slot) || self.free_slots.contains(&adm.slot) {
+                return Err(format!("slot {} of {id} is shared or free", adm.slot));
+            }
+            if adm.blocks.len() > self.cfg.max_blocks_per_seq {
+                return Err(format!("{id} holds {} blocks", adm.blocks.len()));
+            }
+            if adm.num_computed > seq.total_len() || seq.total_len() >= seq.max_total_len {
+                return Err(format!("{id}: lengths out of range"));
+            }
+            for &b in &adm.blocks {
+                holders[b as usize] += 1;
+            }
+        }
+        for (b, &h) in holders.iter().enumerate() {
+            if h > 1 && !self.blocks.is_cached(b as u32) {
+                return Err(format!(
+                    "block {b} held by {h} sequences but not a cached full block"
+                ));
+            }
+        }
+        for s in &self.pending_forget {
+            if !slots.insert(*s) || self.free_slots.contains(s) {
+                return Err(format!("forgotten slot {s} still in use or free"));
+            }
+        }
+        if slots.len() + self.free_slots.len() != self.cfg.slots() {
+            return Err("slots leaked".into());
+        }
+        if self.running.len() > self.cfg.max_running {
+            return Err(format!("{} running > max_running", self.running.len()));
+        }
+        for id in &self.waiting {
+            let seq = self.seqs.get(id).ok_or(format!("waiting {id} unknown"))?;
+            if seq.admitted.is_some() {
+                return Err(format!("waiting {id} is admitted"));
+            }
+        }
+        if self.waiting.len() + self.running.len() != self.seqs.len() {
+            return Err("a request is neither waiting nor running (or both)".into());
+        }
+        self.blocks.check(&holders)
+    }
+}

@@ -1,0 +1,237 @@
+//! Building one step plan: decode tokens of running sequences first (preempting the newest
+//! sequence when a decode token finds no free block), then the next prefill chunks of sequences
+//! already admitted, then FCFS admission of waiting requests under the slot, batch, block and
+//! token-budget limits (or, with the static policy, whole batches).
+
+use npu_protocol::{Admission, SeqStep, StepPlan};
+
+use super::config::BatchingPolicy;
+use super::{Planned, Scheduler};
+use crate::engine::types::RequestId;
+
+impl Scheduler {
+    /// The next step, or None when there is nothing to send. Every block a scheduled token
+    /// needs is allocated before the plan is returned.
+    pub fn schedule(&mut self) -> Option<StepPlan> {
+        let step_id = self.next_step_id;
+        let mut budget = self.cfg.max_tokens_per_step;
+        let mut steps: Vec<SeqStep> = Vec::new();
+        let mut planned: Vec<Planned> = Vec::new();
+
+        // 1. One decode token for each running sequence that is decoding, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let seq = &self.seqs[&id];
+            let busy = seq.admitted.as_ref().is_some_and(|a| a.in_flight.is_some());
+            if busy || seq.remaining() != 1 {
+                i += 1;
+                continue;
+            }
+            let end = seq.total_len();
+            if !self.grow_table_preempting(id, end) {
+                // It was the newest and gave up its own blocks (so it left `running`).
+                if self.running.get(i) == Some(&id) {
+                    i += 1;
+                }
+                continue;
+            }
+            self.emit(step_id, id, 1, &mut steps, &mut planned);
+            budget -= 1;
+            i += 1;
+        }
+
+        // 2. The next chunk of each sequence in the middle of its prefill, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            i += 1;
+            let seq = &self.seqs[&id];
+            let busy = seq.admitted.as_ref().is_some_and(|a| a.in_flight.is_some());
+            if busy || seq.remaining() <= 1 {
+                continue;
+            }
+            let n = seq.remaining().min(budget);
+            if self.grow_table(id, seq.num_computed() + n) {
+                self.emit(step_id, id, n, &mut steps, &mut planned);
+                budget -= n;
+            }
+        }
+
+        // 3. Admission, strictly FCFS: when the oldest waiting request cannot be admitted, no
+        //    other is.
+        let mut admit = Vec::new();
+        let forming_batch = self.static_batch.is_empty();
+        while let Some(&id) = self.waiting.front() {
+            if self.running.len() >= self.cfg.max_running || self.free_slots.is_empty() {
+                break;
+            }
+            match self.cfg.policy {
+                BatchingPolicy::Continuous => {
+                    if budget == 0 || admit.len() >= self.cfg.max_new_prompts_per_step {
+                        break;
+                    }
+                }
+                BatchingPolicy::Static => {
+                    if !forming_batch && !self.static_batch.contains(&id) {
+                        break;
+                    }
+                }
+            }
+            let Some(slot) = self.try_admit(id) else {
+                break;
+            };
+            if self.cfg.policy == BatchingPolicy::Static {
+                self.static_batch.insert(id);
+            }
+            admit.push(Admission {
+                slot,
+                params: self.seqs[&id].params().clone(),
+            });
+            if budget > 0 {
+                let n = self.seqs[&id].remaining().min(budget);
+                self.emit(step_id, id, n, &mut steps, &mut planned);
+                budget -= n;
+            }
+        }
+
+        // Slots released since the last plan are forgotten by this one; reusable after it.
+        let forget = std::mem::take(&mut self.pending_forget);
+        if steps.is_empty() && admit.is_empty() && forget.is_empty() {
+            return None;
+        }
+        self.free_slots.extend(forget.iter().copied());
+        self.next_step_id += 1;
+        self.in_flight.insert(step_id, planned);
+        Some(StepPlan {
+            step_id,
+            forget,
+            admit,
+            seqs: steps,
+        })
+    }
+
+    /// Admits the oldest waiting request if a slot and the blocks for its whole prefill (less
+    /// its cached prefix) are available; returns its slot.
+    fn try_admit(&mut self, id: RequestId) -> Option<u32> {
+        let bs = self.cfg.block_size;
+        let seq = &self.seqs[&id];
+        let total = seq.total_len();
+        // Reuse only full blocks before the last token: that one is always computed, so that
+        // there are logits to sample, and it is written into a private block.
+        let max_hit = ((total - 1) / bs).min(self.cfg.max_blocks_per_seq);
+        let hit = if self.blocks.caching() {
+            self.blocks.find_prefix(&seq.all_tokens(), max_hit)
+        } else {
+            Default::default()
+        };
+        let need = total.div_ceil(bs) - hit.blocks.len();
+        if need > self.blocks.num_available() - hit.revived {
+            return None;
+        }
+        let slot = *self.free_slots.first()?;
+        self.blocks.hold(&hit.blocks);
+        let Some(fresh) = self.blocks.allocate_many(need) else {
+            self.blocks.release_table(&hit.blocks);
+            return None;
+        };
+        self.free_slots.remove(&slot);
+        let seq = self.seqs.get_mut(&id).expect("waiting request is known");
+        let n_hit = hit.blocks.len();
+        let mut blocks = hit.blocks;
+        blocks.extend(fresh);
+        seq.incarnation += 1;
+        seq.admitted = Some(super::request::Admitted {
+            slot,
+            blocks,
+            num_computed: n_hit * bs,
+            num_registered: n_hit,
+            last_hash: hit.last_hash,
+            in_flight: None,
+        });
+        self.prefix_hit_tokens += (n_hit * bs) as u64;
+        self.waiting.pop_front();
+        self.running.push(id);
+        Some(slot)
+    }
+
+    /// Grows a sequence's block table to cover positions `0..end` from available blocks only.
+    fn grow_table(&mut self, id: RequestId, end: usize) -> bool {
+        let bs = self.cfg.block_size;
+        loop {
+            let adm = self.seqs.get_mut(&id).and_then(|s| s.admitted.as_mut());
+            let Some(adm) = adm else { return false };
+            if adm.blocks.len() * bs >= end {
+                return true;
+            }
+            match self.blocks.allocate() {
+                Some(b) => adm.blocks.push(b),
+                None => return false,
+            }
+        }
+    }
+
+    /// Grows a sequence's block table to cover positions `0..end`, preempting the newest running
+    /// sequence while no block is available. False when the sequence itself was preempted.
+    /// Only sequences newer than `id` can be preempted, and none of those is in the plan yet.
+    fn grow_table_preempting(&mut self, id: RequestId, end: usize) -> bool {
+        while !self.grow_table(id, end) {
+            let Some(&newest) = self.running.last() else {
+                return false;
+            };
+            self.preempt(newest);
+            if newest == id {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Adds the next `n` tokens of an admitted sequence to the plan.
+    fn emit(
+        &mut self,
+        step_id: u64,
+        id: RequestId,
+        n: usize,
+        steps: &mut Vec<SeqStep>,
+        planned: &mut Vec<Planned>,
+    ) {
+        let bs = self.cfg.block_size;
+        let seq = self.seqs.get_mut(&id).expect("scheduled request is known");
+        let total = seq.total_len();
+        let n_prompt = seq.prompt_part(seq.num_computed(), n) as u32;
+        let adm = seq
+            .admitted
+            .as_ref()
+            .expect("scheduled request is admitted");
+        let start = adm.num_computed;
+        let end = start + n;
+        let tokens = seq.tokens(start, end);
+        let block_table = adm.blocks[..end.div_ceil(bs)].to_vec();
+        let slot_mapping = (start..end)
+            .map(|pos| block_table[pos / bs] * bs as u32 + (pos % bs) as u32)
+            .collect();
+        let sample = end == total;
+        let slot = adm.slot;
+        steps.push(SeqStep {
+            slot,
+            tokens,
+            start_pos: start as u32,
+            block_table,
+            slot_mapping,
+            sample,
+            n_prompt_tokens: n_prompt,
+        });
+        planned.push(Planned {
+            slot,
+            id,
+            incarnation: seq.incarnation,
+            n_tokens: n,
+            sample,
+        });
+        if let Some(adm) = seq.admitted.as_mut() {
+            adm.in_flight = Some(step_id);
+        }
+        self.scheduled_tokens += n as u64;
+    }
+}

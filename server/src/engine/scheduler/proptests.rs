@@ -1,0 +1,213 @@
+//! Property test: random adds, aborts, finishes, schedules, (out of order) results and agent
+//! deaths against a small pool. After every call the bookkeeping invariants hold; every plan
+//! respects its limits and writes only private blocks of the writer; and once arrivals stop,
+//! every request finishes within a bounded number of steps with all blocks free.
+
+use std::collections::HashSet;
+
+use npu_protocol::StepPlan;
+use proptest::prelude::*;
+
+use super::test_util::*;
+use super::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Add {
+        prefix: usize,
+        extra: Vec<u32>,
+        max_new: u32,
+        ignore_eos: bool,
+    },
+    Abort(usize),
+    Finish(usize),
+    Schedule,
+    Deliver {
+        pick: usize,
+        token: u32,
+    },
+    AgentDied,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0..3usize, prop::collection::vec(1..6u32, 0..10), 1..8u32, any::<bool>()).prop_map(
+            |(prefix, extra, max_new, ignore_eos)| Op::Add { prefix, extra, max_new, ignore_eos }
+        ),
+        1 => any::<usize>().prop_map(Op::Abort),
+        1 => any::<usize>().prop_map(Op::Finish),
+        4 => Just(Op::Schedule),
+        4 => (any::<usize>(), 0..6u32).prop_map(|(pick, token)| Op::Deliver { pick, token }),
+        1 => Just(Op::AgentDied),
+    ]
+}
+
+fn config() -> impl Strategy<Value = SchedulerConfig> {
+    (
+        (4..16usize, 1..5usize, 1..5usize, 1..4usize),
+        (
+            1..16usize,
+            0..3usize,
+            any::<bool>(),
+            any::<bool>(),
+            2..24usize,
+        ),
+    )
+        .prop_map(
+            |(
+                (num_blocks, block_size, max_running, prompts),
+                (budget, extra_slots, stat, pc, mbs),
+            )| {
+                SchedulerConfig {
+                    num_blocks,
+                    block_size,
+                    max_running,
+                    max_new_prompts_per_step: prompts,
+                    max_tokens_per_step: budget,
+                    max_slots: Some(max_running + extra_slots),
+                    max_blocks_per_seq: mbs,
+                    max_model_len: 40,
+                    max_generate_length: None,
+                    policy: if stat {
+                        BatchingPolicy::Static
+                    } else {
+                        BatchingPolicy::Continuous
+                    },
+                    prefix_cache: pc,
+                    eos_ids: vec![EOS],
+                }
+            },
+        )
+}
+
+const PREFIXES: [&[u32]; 3] = [&[1, 2, 3, 4, 5, 6], &[1, 2, 3, 9], &[7]];
+
+/// Checks one plan against the limits and the scheduler state right after `schedule`.
+fn check_new_plan(s: &Scheduler, plan: &StepPlan, admitted_before: &HashSet<u32>) {
+    let cfg = &s.cfg;
+    check_plan(plan, cfg);
+    let bs = cfg.block_size as u32;
+    let mut slots = HashSet::new();
+    for q in &plan.seqs {
+        assert!(slots.insert(q.slot), "slot {} twice in a plan", q.slot);
+        assert!(!q.tokens.is_empty());
+        assert!(q.block_table.len() <= cfg.max_blocks_per_seq);
+        for &m in &q.slot_mapping {
+            let b = m / bs;
+            assert!(q.block_table.contains(&b), "slot mapping outside the table");
+            assert_eq!(s.blocks.refs(b), 1, "write into a shared block");
+            assert!(!s.blocks.is_cached(b), "write into a cached block");
+        }
+    }
+    for a in &plan.admit {
+        assert!(
+            !admitted_before.contains(&a.slot),
+            "slot {} reused before forget",
+            a.slot
+        );
+    }
+    if cfg.policy == BatchingPolicy::Continuous {
+        assert!(plan.admit.len() <= cfg.max_new_prompts_per_step);
+    }
+}
+
+/// Slots the agent holds: admitted and not yet forgotten by a sent plan.
+fn apply_to_agent(agent: &mut HashSet<u32>, plan: &StepPlan) {
+    for f in &plan.forget {
+        assert!(
+            agent.remove(f),
+            "forget of slot {f} the agent does not hold"
+        );
+    }
+    for a in &plan.admit {
+        agent.insert(a.slot);
+    }
+}
+
+fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
+    let mut s = sched(cfg.clone());
+    let mut ids: Vec<u64> = Vec::new();
+    let mut pending: Vec<StepPlan> = Vec::new();
+    let mut agent: HashSet<u32> = HashSet::new();
+    let mut next_id = 0u64;
+    for op in ops {
+        match op {
+            Op::Add {
+                prefix,
+                extra,
+                max_new,
+                ignore_eos,
+            } => {
+                let mut p = PREFIXES[prefix].to_vec();
+                p.extend(extra);
+                let mut r = req(next_id, &p, max_new);
+                r.ignore_eos = ignore_eos;
+                next_id += 1;
+                match s.add(&r) {
+                    Ok(()) => ids.push(r.id),
+                    Err(SchedError::ExceedsPool { .. }) => {}
+                    Err(e) => panic!("unexpected refusal: {e}"),
+                }
+            }
+            Op::Abort(i) if !ids.is_empty() => {
+                s.abort(ids[i % ids.len()]);
+            }
+            Op::Finish(i) if !ids.is_empty() => {
+                s.finish(ids[i % ids.len()], FinishReason::Stop);
+            }
+            Op::Schedule => {
+                if let Some(plan) = s.schedule() {
+                    check_new_plan(&s, &plan, &agent);
+                    apply_to_agent(&mut agent, &plan);
+                    pending.push(plan);
+                }
+            }
+            Op::Deliver { pick, token } if !pending.is_empty() => {
+                let plan = pending.remove(pick % pending.len());
+                s.on_result(&answer(&plan, |_| token)).unwrap();
+            }
+            Op::AgentDied => {
+                pending.clear();
+                agent.clear();
+                for r in s.take_all() {
+                    s.add_recovered(r).unwrap();
+                }
+            }
+            _ => {}
+        }
+        s.check_invariants().unwrap();
+        assert!(s.stats().running <= cfg.max_running);
+    }
+
+    // No more arrivals: everything finishes within a bound, and the pool ends empty.
+    for plan in std::mem::take(&mut pending) {
+        s.on_result(&answer(&plan, |_| 3)).unwrap();
+    }
+    let work: usize = 40 * (s.seqs.len() + 1);
+    let bound = 4 * work * (s.seqs.len() + 1) + 8;
+    let mut steps = 0;
+    while let Some(plan) = s.schedule() {
+        check_new_plan(&s, &plan, &agent);
+        apply_to_agent(&mut agent, &plan);
+        s.on_result(&answer(&plan, |_| 3)).unwrap();
+        s.check_invariants().unwrap();
+        steps += 1;
+        assert!(steps <= bound, "not finished after {bound} steps");
+    }
+    assert!(s.is_idle());
+    assert!(agent.is_empty(), "every admitted slot was forgotten");
+    let st = s.stats();
+    assert_eq!(st.blocks_used, 0);
+    assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    #[test]
+    fn random_traffic_keeps_invariants_and_drains(
+        cfg in config(),
+        ops in prop::collection::vec(op(), 1..120),
+    ) {
+        run(cfg, ops);
+    }
+}

@@ -1,0 +1,123 @@
+//! Taking a step result back: checks it against the plan it answers, advances each sequence's
+//! computed length, offers newly full blocks to the prefix cache, appends sampled tokens and
+//! ends requests on EOS, stop token ids, max_new_tokens or the length limit.
+
+use std::collections::HashMap;
+
+use npu_protocol::{SeqResult, StepResult, TokenLogprob};
+
+use super::error::SchedError;
+use super::{Planned, Scheduler};
+use crate::engine::types::{FinishReason, RequestId};
+
+/// One generated token of a request, and whether it ended the request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedOutput {
+    pub id: RequestId,
+    pub token: TokenLogprob,
+    pub top: Vec<TokenLogprob>,
+    /// Set when this token ended the request; its blocks and slot are already freed.
+    pub finished: Option<FinishReason>,
+}
+
+impl Scheduler {
+    /// Applies the agent's result of a step. Results of sequences aborted, finished or preempted
+    /// since the plan are ignored. The result must match its plan: a result for a step not in
+    /// flight, for a slot that was not to sample, or a missing result is an error (and nothing
+    /// is applied).
+    pub fn on_result(&mut self, res: &StepResult) -> Result<Vec<SchedOutput>, SchedError> {
+        let step_id = res.step_id;
+        let planned = self
+            .in_flight
+            .get(&step_id)
+            .ok_or(SchedError::UnknownStep { step_id })?;
+        let mut by_slot: HashMap<u32, &SeqResult> = HashMap::new();
+        for r in &res.seqs {
+            let expected = planned.iter().any(|p| p.slot == r.slot && p.sample);
+            if !expected {
+                return Err(SchedError::UnexpectedResult {
+                    step_id,
+                    slot: r.slot,
+                });
+            }
+            if by_slot.insert(r.slot, r).is_some() {
+                return Err(SchedError::DuplicateResult {
+                    step_id,
+                    slot: r.slot,
+                });
+            }
+        }
+        for p in planned {
+            if p.sample && self.is_current(step_id, p) && !by_slot.contains_key(&p.slot) {
+                return Err(SchedError::MissingResult {
+                    step_id,
+                    slot: p.slot,
+                });
+            }
+        }
+
+        let planned = self.in_flight.remove(&step_id).unwrap_or_default();
+        let mut out = Vec::new();
+        for p in planned {
+            if !self.is_current(step_id, &p) {
+                continue;
+            }
+            self.advance(p.id, p.n_tokens);
+            if !p.sample {
+                continue;
+            }
+            let r = by_slot[&p.slot];
+            let seq = self.seqs.get_mut(&p.id).expect("current sequence is known");
+            seq.generated.push(r.token.token);
+            let finished = seq.finish_reason(r.token.token, &self.cfg.eos_ids);
+            out.push(SchedOutput {
+                id: p.id,
+                token: r.token,
+                top: r.top.clone(),
+                finished,
+            });
+            if finished.is_some() {
+                self.remove(p.id);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether a planned entry still belongs to the same admission of a live sequence.
+    fn is_current(&self, step_id: u64, p: &Planned) -> bool {
+        self.seqs.get(&p.id).is_some_and(|s| {
+            s.incarnation == p.incarnation
+                && s.admitted
+                    .as_ref()
+                    .is_some_and(|a| a.in_flight == Some(step_id))
+        })
+    }
+
+    /// Marks `n` more tokens of a sequence computed and registers its newly full blocks.
+    fn advance(&mut self, id: RequestId, n: usize) {
+        let bs = self.cfg.block_size;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let Some(adm) = seq.admitted.as_mut() else {
+            return;
+        };
+        adm.in_flight = None;
+        adm.num_computed += n;
+        if !self.blocks.caching() {
+            return;
+        }
+        let full = adm.num_computed / bs;
+        let mut registered = adm.num_registered;
+        let mut last_hash = adm.last_hash;
+        let blocks: Vec<u32> = adm.blocks[registered..full].to_vec();
+        for block in blocks {
+            let tokens = seq.tokens(registered * bs, (registered + 1) * bs);
+            last_hash = Some(self.blocks.register(block, last_hash, &tokens));
+            registered += 1;
+        }
+        let adm = seq.admitted.as_mut().expect("checked above");
+        adm.num_registered = registered;
+        adm.last_hash = last_hash;
+    }
+}

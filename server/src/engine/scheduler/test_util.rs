@@ -1,0 +1,109 @@
+//! Helpers for the scheduler's tests: small configs, requests, and hand-made step results that
+//! stand in for the agent (the scheduler never sees a model).
+
+use npu_protocol::{SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, TokenLogprob};
+
+use super::{SchedOutput, Scheduler, SchedulerConfig};
+use crate::engine::types::GenerateRequest;
+
+/// The EOS id the test configs use.
+pub const EOS: u32 = 0;
+
+/// A small continuous-batching config without prefix caching.
+pub fn cfg(num_blocks: usize, block_size: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        num_blocks,
+        block_size,
+        max_running: 8,
+        max_new_prompts_per_step: 8,
+        max_tokens_per_step: 64,
+        max_slots: None,
+        max_blocks_per_seq: num_blocks,
+        max_model_len: 1024,
+        max_generate_length: None,
+        prefix_cache: false,
+        eos_ids: vec![EOS],
+        ..SchedulerConfig::default()
+    }
+}
+
+pub fn sched(cfg: SchedulerConfig) -> Scheduler {
+    Scheduler::new(cfg).expect("valid test config")
+}
+
+/// A greedy request with the given prompt and max_new_tokens.
+pub fn req(id: u64, prompt: &[u32], max_new: u32) -> GenerateRequest {
+    GenerateRequest {
+        id,
+        prompt_ids: prompt.to_vec(),
+        params: SamplingParams::greedy(),
+        max_new_tokens: max_new,
+        stop: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: false,
+    }
+}
+
+/// A prompt of `n` tokens starting at `first` (never the EOS id).
+pub fn prompt(first: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| first + i + 1).collect()
+}
+
+/// The agent's answer to `plan`: every sampling sequence gets `token(slot)`.
+pub fn answer(plan: &StepPlan, token: impl Fn(u32) -> u32) -> StepResult {
+    StepResult {
+        step_id: plan.step_id,
+        seqs: plan
+            .seqs
+            .iter()
+            .filter(|s| s.sample)
+            .map(|s| SeqResult {
+                slot: s.slot,
+                token: TokenLogprob {
+                    token: token(s.slot),
+                    logprob: -0.5,
+                },
+                top: Vec::new(),
+            })
+            .collect(),
+        timing: Default::default(),
+    }
+}
+
+/// Schedules one step and answers it with `token` for every sampling sequence.
+pub fn step(s: &mut Scheduler, token: u32) -> (StepPlan, Vec<SchedOutput>) {
+    let plan = s.schedule().expect("a step to run");
+    let out = s
+        .on_result(&answer(&plan, |_| token))
+        .expect("result accepted");
+    s.check_invariants().expect("invariants hold");
+    (plan, out)
+}
+
+/// The plan's entry for `slot`.
+pub fn seq_of(plan: &StepPlan, slot: u32) -> &SeqStep {
+    plan.seqs
+        .iter()
+        .find(|s| s.slot == slot)
+        .expect("slot in the plan")
+}
+
+/// The slot a request got when `plan` admitted it, by the order of admission.
+pub fn admitted_slots(plan: &StepPlan) -> Vec<u32> {
+    plan.admit.iter().map(|a| a.slot).collect()
+}
+
+/// Checks what every plan must satisfy: slot mapping by the block table, tables covering the
+/// context, the token budget.
+pub fn check_plan(plan: &StepPlan, cfg: &SchedulerConfig) {
+    assert!(plan.n_tokens() <= cfg.max_tokens_per_step, "token budget");
+    let bs = cfg.block_size as u32;
+    for s in &plan.seqs {
+        assert_eq!(s.block_table.len() as u32, s.context_len().div_ceil(bs));
+        assert_eq!(s.slot_mapping.len(), s.tokens.len());
+        for (i, &m) in s.slot_mapping.iter().enumerate() {
+            let pos = s.start_pos + i as u32;
+            assert_eq!(m, s.block_table[(pos / bs) as usize] * bs + pos % bs);
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! Response formats over the wire (real mio server, real API layer, echo engine): llm-serving's
+//! stream lines exactly, read the way its load tester reads them (in Rust, and with the Python
+//! `requests` client when present), whole responses with details, OpenAI SSE framing with
+//! usage and log-probabilities, and how a failed generation is reported.
+
+mod http_support;
+
+use std::io::Write;
+
+use http_support::*;
+use serde_json::{json, Value};
+
+/// Python's `str.splitlines()`, which `requests`' `iter_lines(decode_unicode=True)` uses.
+fn python_splitlines(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\r' => {
+                if chars.peek() == Some(&'\n') {
+                    chars.next();
+                }
+                out.push(std::mem::take(&mut cur));
+            }
+            '\n' | '\u{0b}' | '\u{0c}' | '\u{1c}' | '\u{1d}' | '\u{1e}' | '\u{85}' | '\u{2028}'
+            | '\u{2029}' => out.push(std::mem::take(&mut cur)),
+            c => cur.push(c),
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// The load tester: `json.loads(line)["data"][0]["generated_text"]` of each non-empty line.
+fn load_tester_texts(body: &str) -> Vec<String> {
+    python_splitlines(body)
+        .into_iter()
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let v: Value = serde_json::from_str(&l)
+                .unwrap_or_else(|e| panic!("line is not JSON ({e}): {l:?}"));
+            v["data"][0]["generated_text"]
+                .as_str()
+                .unwrap_or_else(|| panic!("no data[0].generated_text: {l}"))
+                .to_string()
+        })
+        .collect()
+}
+
+fn stream(server: &TestServer, path: &str, body: Value) -> HttpResponse {
+    let (_, r) = raw_exchange(server, &post_json(path, &body, "Connection: close\r\n"));
+    r
+}
+
+#[test]
+fn llm_serving_stream_lines_match_its_format_exactly() {
+    let server = TestServer::quick();
+    let prompt = "Hello, world! How are you?";
+    let ids = tokenizer().encode(prompt).unwrap();
+    let r = stream(
+        &server,
+        "/models/llama2/generate_stream",
+        json!({"inputs": prompt, "parameters": {"max_new_tokens": 4, "do_sample": "False", "return_full_text": "True"}}),
+    );
+    assert_eq!(r.status, 200);
+    assert!(r.chunked, "streams use chunked transfer encoding");
+    assert!(r
+        .header("Content-Type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let body = r.text();
+    let lines: Vec<&str> = body.split('\n').collect();
+    assert_eq!(
+        lines.len(),
+        6,
+        "4 token lines, the full-text line, and the trailing newline: {body}"
+    );
+    assert_eq!(lines[5], "");
+    let t0 = tokenizer().decode_continuation(&ids[..1], true);
+    let tok = format!(
+        "{{\"id\": {}, \"logprob\": -0.25, \"special\": false, \"text\": {}}}",
+        ids[0],
+        serde_json::to_string(&t0).unwrap()
+    );
+    let expected = format!(
+        "{{\"event\": \"message\", \"retry\": 30000, \"data\": [{{\"details\": null, \"generated_text\": {}, \"tokens\": {tok}, \"top_tokens\": [{tok}]}}]}}",
+        serde_json::to_string(&t0).unwrap()
+    );
+    assert_eq!(lines[0], expected);
+    let full: Value = serde_json::from_str(lines[4]).unwrap();
+    let d = &full["data"][0];
+    assert_eq!(d["generated_text"], echo_text(&ids, 4));
+    assert_eq!(d["finish_reason"], "length");
+    assert_eq!(d["generated_tokens"], 4);
+    assert_eq!(d["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(d["prefill"][0]["id"], ids[0]);
+    assert!(lines[4].starts_with("{\"event\": \"message\", \"retry\": 30000, \"data\": [{\"details\": null, \"generated_text\": "));
+}
+
+#[test]
+fn load_tester_reading_works_unmodified_even_with_unicode_line_separators() {
+    let server = TestServer::quick();
+    let prompt = "Line one\nLine\u{2028}two\u{85} and\r\nthree\u{0b}four 汉字 🙂";
+    let ids = tokenizer().encode(prompt).unwrap();
+    let n = ids.len() + 3;
+    let body = json!({"inputs": prompt, "parameters": {"max_new_tokens": n, "do_sample": "False", "return_full_text": "True"}});
+    let r = stream(&server, "/models/llama2/generate_stream", body);
+    let texts = load_tester_texts(&r.text());
+    assert_eq!(texts.len(), n + 1);
+    let expected = echo_text(&ids, n);
+    assert_eq!(
+        texts.last().unwrap(),
+        &expected,
+        "return_full_text: the last line is the whole text"
+    );
+    assert_eq!(texts[..n].concat(), expected, "the deltas add up to it");
+    // Without return_full_text the deltas alone make the text.
+    let body = json!({"inputs": prompt, "parameters": {"max_new_tokens": n}});
+    let r = stream(&server, "/models/llama2/generate_stream", body);
+    let texts = load_tester_texts(&r.text());
+    assert_eq!(texts.len(), n);
+    assert_eq!(texts.concat(), expected);
+}
+
+#[test]
+fn the_python_load_tester_client_reads_the_stream() {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import requests"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIPPED: python3 with requests is not installed; the Rust mimic test covers the format");
+        return;
+    }
+    let server = TestServer::quick();
+    let prompt = "Give three tips for staying healthy.\u{2028}Be brief: 汉字";
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/http_load_tester_compat.py"
+    );
+    let out = std::process::Command::new("python3")
+        .args([script, &server.addr.port().to_string(), prompt, "24"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let expected = echo_text(&tokenizer().encode(prompt).unwrap(), 24);
+    assert_eq!(v["status"], 200);
+    assert_eq!(v["chunked"], "chunked");
+    assert_eq!(v["texts"].as_array().unwrap().len(), 25);
+    assert_eq!(v["resp_text"], expected);
+    assert_eq!(v["joined"], expected);
+    assert_eq!(v["all_status"], 200);
+    assert_eq!(v["all_text"], expected);
+}
+
+#[test]
+fn other_return_protocol_gives_data_prefixed_lines() {
+    let server = TestServer::quick();
+    let body = json!({"inputs": "Hello there", "parameters": {"max_new_tokens": 2, "return_protocol": "plain", "return_full_text": true}});
+    let r = stream(&server, "/models/llama2/generate_stream", body);
+    let body = r.text();
+    let lines: Vec<&str> = body.lines().collect();
+    assert_eq!(lines.len(), 3);
+    for l in &lines {
+        let json = l.strip_prefix("data:").unwrap_or_else(|| panic!("{l}"));
+        let v: Value = serde_json::from_str(json).unwrap();
+        assert!(v["generated_text"].is_string());
+    }
+}
+
+#[test]
+fn whole_generate_response_with_and_without_details() {
+    let server = TestServer::quick();
+    let prompt = "The capital of France is";
+    let ids = tokenizer().encode(prompt).unwrap();
+    let r = stream(
+        &server,
+        "/models/llama2/generate",
+        json!({"inputs": prompt, "parameters": {"max_new_tokens": 5}}),
+    );
+    assert_eq!(r.status, 200);
+    assert!(!r.chunked);
+    let v = r.json();
+    assert_eq!(v["generated_text"], echo_text(&ids, 5));
+    assert_eq!(v["finish_reason"], "length");
+    assert_eq!(v["generated_tokens"], 5);
+    assert!(v["details"].is_null());
+    let r = stream(
+        &server,
+        "/models/llama2",
+        json!({"inputs": prompt, "stream": false, "parameters": {"max_new_tokens": 3, "details": "True", "top_n_tokens": 2, "seed": 5}}),
+    );
+    let v = r.json();
+    let d = &v["details"];
+    assert_eq!(d["finish_reason"], "length");
+    assert_eq!(d["generated_tokens"], 3);
+    assert_eq!(d["seed"], 5);
+    assert_eq!(d["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(d["tokens"][1]["id"], ids[1]);
+    assert_eq!(d["tokens"][1]["logprob"], -0.25);
+    assert_eq!(d["top_tokens"][0].as_array().unwrap().len(), 2);
+    assert_eq!(d["top_tokens"][0][1]["logprob"], -0.5);
+}
+
+/// Splits an SSE body into its events' data, checking the framing.
+fn sse_events(body: &str) -> Vec<String> {
+    assert!(body.ends_with("\n\n"), "{body:?}");
+    body.trim_end_matches("\n\n")
+        .split("\n\n")
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data event: {e:?}"))
+                .to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn openai_completion_stream_framing_usage_and_logprobs() {
+    let server = TestServer::quick();
+    let prompt = "Once upon a time";
+    let ids = tokenizer().encode(prompt).unwrap();
+    let body = json!({"prompt": prompt, "max_tokens": 3, "stream": true, "stream_options": {"include_usage": true}, "logprobs": 2});
+    let r = stream(&server, "/v1/completions", body);
+    assert_eq!(r.status, 200);
+    assert!(r.chunked);
+    let events = sse_events(&r.text());
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(
+        chunks.len(),
+        5,
+        "3 tokens, the finish chunk, the usage chunk"
+    );
+    let mut text = String::new();
+    for c in &chunks[..3] {
+        assert_eq!(c["object"], "text_completion");
+        assert!(c["id"].as_str().unwrap().starts_with("cmpl-"));
+        assert!(c["choices"][0]["finish_reason"].is_null());
+        let lp = &c["choices"][0]["logprobs"];
+        assert_eq!(lp["token_logprobs"][0], -0.25);
+        assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+        assert_eq!(lp["text_offset"][0], text.len());
+        text.push_str(c["choices"][0]["text"].as_str().unwrap());
+    }
+    assert_eq!(text, echo_text(&ids, 3));
+    assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
+    let usage = &chunks[4]["usage"];
+    assert_eq!(chunks[4]["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage["prompt_tokens"], ids.len());
+    assert_eq!(usage["completion_tokens"], 3);
+    assert_eq!(usage["total_tokens"], ids.len() + 3);
+}
+
+#[test]
+fn openai_chat_stream_and_whole_response() {
+    let server = TestServer::quick();
+    let messages = json!([{"role": "user", "content": "Say hi"}]);
+    let r = stream(
+        &server,
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": 4, "stream": true}),
+    );
+    let events = sse_events(&r.text());
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(last["choices"][0]["delta"], json!({}));
+
+    let r = stream(
+        &server,
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": 4, "logprobs": true, "top_logprobs": 2}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], streamed);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4);
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert!(content[0]["bytes"].is_array());
+    // The prompt the engine got is the chat template's rendering.
+    let submitted = server
+        .log
+        .lock()
+        .unwrap()
+        .submitted
+        .last()
+        .unwrap()
+        .prompt_ids
+        .clone();
+    assert!(tokenizer()
+        .decode(&submitted, false)
+        .ends_with("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"));
+}
+
+#[test]
+fn failed_generation_is_reported_in_each_shape() {
+    let server = TestServer::quick();
+    let r = stream(
+        &server,
+        "/models/llama2/generate",
+        json!({"inputs": "FAIL now"}),
+    );
+    assert_eq!(r.status, 500);
+    assert_eq!(r.json()["error"], "agent 0 crashed");
+    let r = stream(
+        &server,
+        "/models/llama2/generate_stream",
+        json!({"inputs": "FAIL now"}),
+    );
+    let line: Value = serde_json::from_str(r.text().trim_end()).unwrap();
+    assert_eq!(line["event"], "error");
+    assert_eq!(line["data"][0]["error"], "agent 0 crashed");
+    let r = stream(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "FAIL now", "stream": true}),
+    );
+    let events = sse_events(&r.text());
+    assert_eq!(events.len(), 2);
+    let err: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(err["error"]["message"], "agent 0 crashed");
+    assert_eq!(events[1], "[DONE]");
+    let r = stream(
+        &server,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "FAIL"}]}),
+    );
+    assert_eq!(r.status, 500);
+    assert_eq!(r.json()["error"]["type"], "server_error");
+}
+
+#[test]
+fn responses_to_keep_alive_clients_and_connection_close() {
+    let server = TestServer::quick();
+    let mut s = server.connect();
+    s.write_all(&post_json(
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 2}),
+        "Connection: close\r\n",
+    ))
+    .unwrap();
+    let r = read_response(&mut s);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("Connection"), Some("close"));
+    assert!(is_closed(&mut s));
+}
