@@ -40,6 +40,6 @@ fn main() -> anyhow::Result<()> {
         Command::Score(a) => npu_agent::cli::score::run(a),
         Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),
         Command::Bench(a) => client_bench::run(a),
-        Command::Agent(a) => npu_agent::worker::run(a),
+        Command::Agent(a) => Ok(npu_agent::worker::run(a)?),
     }
 }

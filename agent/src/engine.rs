@@ -74,7 +74,6 @@ struct Slot {
 trait StepModel: Send {
     fn forward(&mut self, meta: &StepMeta, logits: &mut Vec<f32>) -> Result<(), ModelError>;
     fn config(&self) -> &ModelConfig;
-    fn describe(&self) -> String;
 }
 
 impl<B: Backend> StepModel for Model<B> {
@@ -83,9 +82,6 @@ impl<B: Backend> StepModel for Model<B> {
     }
     fn config(&self) -> &ModelConfig {
         &self.cfg
-    }
-    fn describe(&self) -> String {
-        self.backend().describe()
     }
 }
 
@@ -134,6 +130,7 @@ impl AgentEngine {
         };
         let backend = CpuBackend::new(CpuConfig {
             threads: cfg.threads as usize,
+            f32_reference: false,
         });
         let model = Model::load(&file, backend, opts)?;
         if model.lossy_weights() {

@@ -24,6 +24,9 @@ const NAME: &str = "cpu";
 pub struct CpuConfig {
     /// Compute threads; 0 = all cores.
     pub threads: usize,
+    /// Dequantize every weight to f32 and skip activation quantization: a slow, plain-arithmetic
+    /// reference for tests.
+    pub f32_reference: bool,
 }
 
 /// An embedding table kept in the file's format; rows are dequantized on lookup.
@@ -42,6 +45,7 @@ struct KvPool {
 }
 
 pub struct CpuBackend {
+    f32_reference: bool,
     pool: ThreadPool,
     isa: Isa,
     acts: QuantizedActs,
@@ -58,6 +62,7 @@ impl CpuBackend {
             cfg.threads
         };
         Self {
+            f32_reference: cfg.f32_reference,
             pool: ThreadPool::new(threads),
             isa: Isa::active(),
             acts: QuantizedActs::new(),
@@ -136,6 +141,26 @@ impl Backend for CpuBackend {
     ) -> Result<Option<WeightMatrix>, BackendError> {
         let raw: Vec<(GgmlType, &[u8], usize)> =
             parts.iter().map(|p| (p.ty, p.data, p.rows)).collect();
+        if self.f32_reference {
+            let n: usize = parts.iter().map(|p| p.rows).sum();
+            let mut data = alloc_vec(n * k, 0f32, "f32 reference weights")?;
+            let mut row0 = 0;
+            for p in parts {
+                let rb = p.ty.row_bytes(k).ok_or_else(|| BackendError::Unsupported {
+                    backend: NAME,
+                    what: format!("rows of {k} {} values", p.ty.name()),
+                })?;
+                for r in 0..p.rows {
+                    dequantize_row(
+                        p.ty,
+                        &p.data[r * rb..(r + 1) * rb],
+                        &mut data[(row0 + r) * k..(row0 + r + 1) * k],
+                    );
+                }
+                row0 += p.rows;
+            }
+            return Ok(Some(WeightMatrix::F32 { n, k, data }));
+        }
         Ok(WeightMatrix::from_ggml_parts(&raw, k))
     }
 

@@ -64,6 +64,7 @@ pub fn score_ids(
     let blocks = n.div_ceil(block_size);
     let backend = CpuBackend::new(CpuConfig {
         threads: threads as usize,
+        f32_reference: false,
     });
     let mut model = Model::load(
         &gguf,

@@ -1,3 +1,6 @@
+//! Micro-benchmark of the packed matmul kernels on model-shaped matrices: prints time, GMAC/s and
+//! weight bandwidth per shape and batch size. `cargo run --release -p npu-agent --example matmul_bench [threads]`.
+
 use npu_agent::gguf::GgmlType;
 use npu_agent::kernels::matmul::matmul;
 use npu_agent::kernels::Isa;
