@@ -1,6 +1,7 @@
 //! A small fork-join pool for compute kernels: `run(n_tasks, f)` calls `f(i)` for every task index
 //! on the calling thread and the pool's workers, and returns when all are done. Tasks are claimed
-//! from one atomic word that holds the job's generation and next index, so the caller never waits
+//! from one atomic word that holds the job's generation, task count and next index (so a claim is
+//! always checked against the job it belongs to), and the caller never waits
 //! for a worker that has not started (a busy machine may deschedule it): it does the work itself.
 //! Workers spin briefly between jobs (a step issues hundreds back to back) and then sleep, so an
 //! idle agent costs no CPU.
@@ -22,10 +23,8 @@ unsafe impl Send for JobPtr {}
 unsafe impl Sync for JobPtr {}
 
 struct Shared {
-    /// High 32 bits: job generation; low 32 bits: next task index.
+    /// Bits 32..64: job generation; 16..32: its task count; 0..16: next task index.
     state: AtomicU64,
-    /// Tasks of the current job.
-    n_tasks: AtomicUsize,
     /// Tasks of the current job finished.
     done: AtomicUsize,
     /// The current job, valid while its generation is current and tasks remain.
@@ -48,7 +47,6 @@ impl ThreadPool {
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
             state: AtomicU64::new(0),
-            n_tasks: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             job: Mutex::new(None),
             sleeping: Mutex::new(0),
@@ -84,26 +82,29 @@ impl ThreadPool {
 
     /// Calls `f(i)` for i in 0..n_tasks across the pool; returns when all calls returned.
     pub fn run<F: Fn(usize) + Sync>(&self, n_tasks: usize, f: F) {
-        if n_tasks == 0 {
-            return;
-        }
-        if n_tasks == 1 || self.workers.is_empty() {
+        if n_tasks <= 1 || self.workers.is_empty() {
             (0..n_tasks).for_each(f);
             return;
         }
-        assert!(n_tasks < u32::MAX as usize);
         let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut start = 0;
+        while start < n_tasks {
+            let n = (n_tasks - start).min(MAX_TASKS);
+            self.run_job(n, &|i| f(start + i));
+            start += n;
+        }
+    }
+
+    fn run_job(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         let s = &*self.shared;
-        let job: &(dyn Fn(usize) + Sync + '_) = &f;
         // SAFETY: the lifetime is erased only for the workers; a worker calls the job only after
         // claiming a task of this generation, and we return only after every task is done.
-        let job: &'static Job =
-            unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static Job>(job) };
+        let job: &'static Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static Job>(f) };
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(job as *const Job));
-        s.n_tasks.store(n_tasks, Ordering::Relaxed);
         s.done.store(0, Ordering::Relaxed);
         let gen = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xFFFF_FFFF;
-        s.state.store(gen << 32, Ordering::Release);
+        s.state
+            .store(gen << 32 | (n_tasks as u64) << 16, Ordering::Release);
         {
             let sleeping = s.sleeping.lock().unwrap_or_else(|e| e.into_inner());
             if *sleeping > 0 {
@@ -117,25 +118,34 @@ impl ThreadPool {
     }
 }
 
-/// Claims and runs tasks of generation `gen` until none are left.
-fn work(s: &Shared, gen: u64, job: &Job) {
-    let n = s.n_tasks.load(Ordering::Relaxed) as u64;
+/// Most tasks one job word can describe.
+const MAX_TASKS: usize = 0xFFFF;
+
+/// Claims the next task of generation `gen`: its index, or None when the job is done or gone.
+#[inline]
+fn claim(s: &Shared, gen: u64) -> Option<usize> {
     let mut cur = s.state.load(Ordering::Acquire);
     loop {
-        if cur >> 32 != gen || (cur & 0xFFFF_FFFF) >= n {
-            return;
+        let idx = cur & 0xFFFF;
+        let n = (cur >> 16) & 0xFFFF;
+        if cur >> 32 != gen || idx >= n {
+            return None;
         }
         match s
             .state
             .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
         {
-            Ok(_) => {
-                job((cur & 0xFFFF_FFFF) as usize);
-                s.done.fetch_add(1, Ordering::Release);
-                cur = s.state.load(Ordering::Acquire);
-            }
+            Ok(_) => return Some(idx as usize),
             Err(now) => cur = now,
         }
+    }
+}
+
+/// Claims and runs tasks of generation `gen` until none are left.
+fn work(s: &Shared, gen: u64, job: &Job) {
+    while let Some(i) = claim(s, gen) {
+        job(i);
+        s.done.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -145,8 +155,7 @@ fn worker(s: Arc<Shared>) {
         let start = Instant::now();
         let mut spins = 0u32;
         let gen = loop {
-            let st = s.state.load(Ordering::Acquire);
-            let gen = st >> 32;
+            let gen = s.state.load(Ordering::Acquire) >> 32;
             if gen != seen_gen {
                 break gen;
             }
@@ -168,33 +177,18 @@ fn worker(s: Arc<Shared>) {
             }
         };
         seen_gen = gen;
-        // Claim a first task before touching the job pointer: a claim of this generation means
-        // the job is still alive.
-        let n = s.n_tasks.load(Ordering::Acquire) as u64;
-        let mut cur = s.state.load(Ordering::Acquire);
-        loop {
-            if cur >> 32 != gen || (cur & 0xFFFF_FFFF) >= n {
-                break;
-            }
-            match s
-                .state
-                .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => {
-                    let job = s
-                        .job
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .expect("a job is set while its tasks remain");
-                    // SAFETY: we hold an unfinished task of this job, so `run` has not returned.
-                    let job = unsafe { &*job.0 };
-                    job((cur & 0xFFFF_FFFF) as usize);
-                    s.done.fetch_add(1, Ordering::Release);
-                    work(&s, gen, job);
-                    break;
-                }
-                Err(now) => cur = now,
-            }
+        // A claim of this generation means the job is still alive: only then read its pointer.
+        if let Some(first) = claim(&s, gen) {
+            let job = s
+                .job
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .expect("a job is set while its tasks remain");
+            // SAFETY: we hold an unfinished task of this job, so `run` has not returned.
+            let job = unsafe { &*job.0 };
+            job(first);
+            s.done.fetch_add(1, Ordering::Release);
+            work(&s, gen, job);
         }
     }
 }
@@ -278,6 +272,45 @@ mod tests {
                 }
                 assert_eq!(next, n);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod stress {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    #[test]
+    fn jobs_with_sleeps_between_never_hang() {
+        let pool = ThreadPool::new(2);
+        let total = AtomicU64::new(0);
+        for i in 0..3000u64 {
+            pool.run(8, |t| {
+                total.fetch_add(t as u64, Ordering::Relaxed);
+            });
+            if i % 7 == 0 {
+                std::thread::sleep(Duration::from_micros(250 + (i % 5) * 40));
+            }
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 3000 * 28);
+    }
+
+    /// A worker that saw an old job must never claim a task of the next one by index alone
+    /// (jobs of different sizes back to back once ran a task twice and hung the caller).
+    #[test]
+    fn alternating_job_sizes_run_each_task_once() {
+        let pool = ThreadPool::new(3);
+        let hits: Vec<AtomicU64> = (0..96).map(|_| AtomicU64::new(0)).collect();
+        for i in 0..20_000usize {
+            let n = if i % 2 == 0 { 8 } else { 96 };
+            pool.run(n, |t| {
+                hits[t].fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        for (t, h) in hits.iter().enumerate() {
+            let want = if t < 8 { 20_000 } else { 10_000 };
+            assert_eq!(h.load(Ordering::Relaxed), want, "task {t}");
         }
     }
 }

@@ -97,6 +97,7 @@ fn echo_facts() -> ModelFacts {
         context_length: 4096,
         eos_ids: vec![0],
         bos_id: None,
+        backend: "test".into(),
     }
 }
 

@@ -212,10 +212,31 @@ fn task_body(t: &Task, s: &mut Scratch) {
     }
     round_through_f16(t.isa, &mut s.q);
     let ctx_of = |r: usize| t.seq.start_pos + t.t0 + r / group + 1;
-    // Scores, one K block at a time; 16 tokens per register-held accumulator.
+    #[cfg(target_arch = "x86_64")]
+    let fast = t.isa == Isa::Avx512Vnni && hd % LANES == 0 && bs % LANES == 0 && hd <= 256;
+    #[cfg(not(target_arch = "x86_64"))]
+    let fast = false;
+    // Scores, one K block at a time.
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let k0 = lay.k_at(blk, t.kvh, 0, 0);
+        if fast {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `fast` checked the CPU and the shapes; the block lies inside the cache and
+            // the scores buffer holds rows x span values.
+            unsafe {
+                super::attention_avx512::block_scores(
+                    t.k_cache[k0..k0 + hd * bs].as_ptr(),
+                    hd,
+                    bs,
+                    &s.q,
+                    rows,
+                    s.scores.as_mut_ptr().add(bi * bs),
+                    span,
+                );
+            }
+            continue;
+        }
         t.k_cache[k0..k0 + hd * bs].convert_to_f32_slice(&mut s.kbuf);
         for r in 0..rows {
             if bi * bs >= ctx_of(r) {
@@ -271,12 +292,31 @@ fn task_body(t: &Task, s: &mut Scratch) {
             *v *= inv;
         }
         round_through_f16(t.isa, sc);
+        // Positions this row may not see weigh nothing in the V sum.
+        s.scores[r * span + ctx..(r + 1) * span].fill(0.0);
     }
     // Weighted sum of V, one block at a time; 16 dimensions per register-held accumulator.
     s.o.fill(0.0);
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let v0 = lay.v_at(blk, t.kvh, 0, 0);
+        if fast {
+            let n_t = (max_ctx - bi * bs).min(bs);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as for the scores; probabilities beyond each row's context are zero.
+            unsafe {
+                super::attention_avx512::block_pv(
+                    t.v_cache[v0..v0 + bs * hd].as_ptr(),
+                    hd,
+                    n_t,
+                    s.scores.as_ptr().add(bi * bs),
+                    span,
+                    rows,
+                    &mut s.o,
+                );
+            }
+            continue;
+        }
         t.v_cache[v0..v0 + bs * hd].convert_to_f32_slice(&mut s.vbuf);
         for r in 0..rows {
             let ctx = ctx_of(r);

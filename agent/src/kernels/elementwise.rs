@@ -5,6 +5,8 @@
 
 use half::f16;
 
+use super::vecmath::exp_approx;
+
 /// `out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w` for every row of `x` (row length `w.len()`).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
@@ -74,7 +76,7 @@ pub fn swiglu(gate_up: &[f32], ff: usize, out: &mut [f32]) {
     for (gu, o) in gate_up.chunks_exact(2 * ff).zip(out.chunks_exact_mut(ff)) {
         let (g, u) = gu.split_at(ff);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-            *o = (g / (1.0 + (-g).exp())) * u;
+            *o = (g / (1.0 + exp_approx(-g))) * u;
         }
     }
 }

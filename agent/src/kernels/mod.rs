@@ -3,6 +3,8 @@
 //! it is tested against.
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_avx512;
 pub mod elementwise;
 pub mod matmul;
 pub mod quantize;

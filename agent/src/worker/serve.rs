@@ -235,6 +235,7 @@ mod tests {
                     context_length: 0,
                     eos_ids: Vec::new(),
                     bos_id: None,
+                    backend: "test".into(),
                 },
             };
             let outcome = serve(&mut stream, agent_seg, &mut engine);

@@ -50,6 +50,17 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
     }
 }
 
+/// Bytes ahead of the current unit to prefetch (a tunable, `NPU_SERVING_PREFETCH` in units).
+fn prefetch_distance(unit: usize) -> usize {
+    static UNITS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    unit * *UNITS.get_or_init(|| {
+        std::env::var("NPU_SERVING_PREFETCH")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(32)
+    })
+}
+
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: bool>(
@@ -73,8 +84,15 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
     let xsum = a.isum.as_ptr();
     let low = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); R];
+    let pf_dist = prefetch_distance(unit);
     for b in 0..nb {
         let u = gd.add(b * unit);
+        // Weights stream from memory once per step: ask for the units ahead early.
+        let mut l = 0;
+        while l < unit {
+            _mm_prefetch::<_MM_HINT_T0>(u.add(pf_dist + l) as *const i8);
+            l += 64;
+        }
         let wv: [__m512i; 8] = if NIB {
             let v0 = _mm512_loadu_si512(u as *const _);
             let v1 = _mm512_loadu_si512(u.add(64) as *const _);

@@ -1,0 +1,160 @@
+//! AVX-512 inner loops of paged attention: the scores of a whole K block for several query rows
+//! (each f16 K row is converted once and shared by the rows of a GQA group), and the probability-
+//! weighted sum of a V block into register-held output rows. Used for head dims and block sizes
+//! that are multiples of 16; everything else takes the portable path.
+
+use std::arch::x86_64::*;
+
+use half::f16;
+
+/// Query rows handled together when scoring.
+const SCORE_ROWS: usize = 8;
+
+/// `scores[r * stride + t] = q[r] . K[:, t]` for `t < bs`, rows `0..rows`; `k` is one block of one
+/// KV head, `[hd][bs]` f16; `q` is `rows x hd`.
+///
+/// # Safety
+/// AVX-512F and F16C must be present; `hd` and `bs` multiples of 16; buffers large enough.
+#[target_feature(enable = "avx512f,f16c,fma")]
+pub unsafe fn block_scores(
+    k: *const f16,
+    hd: usize,
+    bs: usize,
+    q: &[f32],
+    rows: usize,
+    scores: *mut f32,
+    stride: usize,
+) {
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = (rows - r0).min(SCORE_ROWS);
+        match n {
+            8 => scores_rows::<8>(k, hd, bs, q, r0, scores, stride),
+            7 => scores_rows::<7>(k, hd, bs, q, r0, scores, stride),
+            6 => scores_rows::<6>(k, hd, bs, q, r0, scores, stride),
+            5 => scores_rows::<5>(k, hd, bs, q, r0, scores, stride),
+            4 => scores_rows::<4>(k, hd, bs, q, r0, scores, stride),
+            3 => scores_rows::<3>(k, hd, bs, q, r0, scores, stride),
+            2 => scores_rows::<2>(k, hd, bs, q, r0, scores, stride),
+            _ => scores_rows::<1>(k, hd, bs, q, r0, scores, stride),
+        }
+        r0 += n;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn scores_rows<const R: usize>(
+    k: *const f16,
+    hd: usize,
+    bs: usize,
+    q: &[f32],
+    r0: usize,
+    scores: *mut f32,
+    stride: usize,
+) {
+    let qp = q.as_ptr().add(r0 * hd);
+    for t0 in (0..bs).step_by(16) {
+        let mut acc = [_mm512_setzero_ps(); R];
+        for d in 0..hd {
+            let kv = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(d * bs + t0) as *const __m256i));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(r * hd + d)), kv, *a);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(scores.add((r0 + r) * stride + t0), *a);
+        }
+    }
+}
+
+/// `o[r] += sum_t p[r * stride + t] * V[t, :]` for `t < n_t`, rows `0..rows`; `v` is one block of
+/// one KV head, `[bs][hd]` f16; `o` is `rows x hd`. Probabilities of tokens a row may not see must
+/// be zero.
+///
+/// # Safety
+/// AVX-512F and F16C must be present; `hd` a multiple of 16 (at most 256); buffers large enough.
+#[target_feature(enable = "avx512f,f16c,fma")]
+pub unsafe fn block_pv(
+    v: *const f16,
+    hd: usize,
+    n_t: usize,
+    p: *const f32,
+    stride: usize,
+    rows: usize,
+    o: &mut [f32],
+) {
+    match hd / 16 {
+        4 => pv_rows::<4>(v, n_t, p, stride, rows, o),
+        8 => pv_rows::<8>(v, n_t, p, stride, rows, o),
+        2 => pv_rows::<2>(v, n_t, p, stride, rows, o),
+        1 => pv_rows::<1>(v, n_t, p, stride, rows, o),
+        w => pv_generic(v, w, n_t, p, stride, rows, o),
+    }
+}
+
+/// D = hd / 16 registers per output row; rows are taken as many at a time as registers allow.
+#[inline]
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn pv_rows<const D: usize>(
+    v: *const f16,
+    n_t: usize,
+    p: *const f32,
+    stride: usize,
+    rows: usize,
+    o: &mut [f32],
+) {
+    let hd = D * 16;
+    let per = (16 / D).max(1);
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = (rows - r0).min(per);
+        let mut acc = [[_mm512_setzero_ps(); D]; 16];
+        for (r, a) in acc.iter_mut().enumerate().take(n) {
+            for (j, x) in a.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(o.as_ptr().add((r0 + r) * hd + j * 16));
+            }
+        }
+        for t in 0..n_t {
+            let mut vv = [_mm512_setzero_ps(); D];
+            for (j, x) in vv.iter_mut().enumerate() {
+                *x = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(t * hd + j * 16) as *const __m256i));
+            }
+            for (r, a) in acc.iter_mut().enumerate().take(n) {
+                let pt = _mm512_set1_ps(*p.add((r0 + r) * stride + t));
+                for j in 0..D {
+                    a[j] = _mm512_fmadd_ps(pt, vv[j], a[j]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate().take(n) {
+            for (j, x) in a.iter().enumerate() {
+                _mm512_storeu_ps(o.as_mut_ptr().add((r0 + r) * hd + j * 16), *x);
+            }
+        }
+        r0 += n;
+    }
+}
+
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn pv_generic(
+    v: *const f16,
+    d16: usize,
+    n_t: usize,
+    p: *const f32,
+    stride: usize,
+    rows: usize,
+    o: &mut [f32],
+) {
+    let hd = d16 * 16;
+    for r in 0..rows {
+        for j in 0..d16 {
+            let mut a = _mm512_loadu_ps(o.as_ptr().add(r * hd + j * 16));
+            for t in 0..n_t {
+                let vv = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(t * hd + j * 16) as *const __m256i));
+                a = _mm512_fmadd_ps(_mm512_set1_ps(*p.add(r * stride + t)), vv, a);
+            }
+            _mm512_storeu_ps(o.as_mut_ptr().add(r * hd + j * 16), a);
+        }
+    }
+}
