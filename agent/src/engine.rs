@@ -3,6 +3,7 @@
 //! process's step loop calls, and what the local CLI commands drive directly.
 
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use npu_protocol::{SamplingParams, SeqResult, StepPlan, StepResult, StepTiming};
@@ -13,7 +14,14 @@ use crate::backend::cpu::{CpuBackend, CpuConfig};
 use crate::backend::{Backend, SeqMeta, StepMeta};
 use crate::gguf::{GgufError, GgufFile};
 use crate::model::{Model, ModelConfig, ModelError, ModelOptions};
-use crate::sampler::{Sampler, SamplerError, TokenHistory};
+use crate::kernels::SharedOut;
+use crate::sampler::{SampleOutput, Sampler, SamplerError, TokenHistory};
+use crate::threadpool::ThreadPool;
+
+thread_local! {
+    /// Sampling scratch of each compute thread.
+    static SAMPLER: std::cell::RefCell<Sampler> = std::cell::RefCell::new(Sampler::new());
+}
 
 /// How to build an engine (sizes come from the server's config and must match the shm layout).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -90,7 +98,8 @@ pub struct AgentEngine {
     model: Box<dyn StepModel>,
     facts: ModelFacts,
     slots: Vec<Option<Slot>>,
-    sampler: Sampler,
+    /// Sequences are sampled in parallel on the backend's compute pool.
+    pool: Arc<ThreadPool>,
     meta: StepMeta,
     logits: Vec<f32>,
     /// Plan sequence index of each logit row.
@@ -132,6 +141,7 @@ impl AgentEngine {
             threads: cfg.threads as usize,
             f32_reference: false,
         });
+        let pool = backend.pool();
         let model = Model::load(&file, backend, opts)?;
         if model.lossy_weights() {
             tracing::warn!(
@@ -158,7 +168,7 @@ impl AgentEngine {
             model: Box::new(model),
             facts,
             slots: (0..cfg.max_slots).map(|_| None).collect(),
-            sampler: Sampler::new(),
+            pool,
             meta: StepMeta::default(),
             logits: Vec::new(),
             logit_seq: Vec::new(),
@@ -231,17 +241,31 @@ impl AgentEngine {
         let forward_us = t_fwd.elapsed().as_micros() as u64;
         let t_sample = Instant::now();
         let vocab = self.model.config().vocab;
-        let mut seqs = Vec::with_capacity(self.logit_seq.len());
-        for (row, &si) in self.logit_seq.iter().enumerate() {
-            let seq = &plan.seqs[si];
-            let slot = self.slots[seq.slot as usize].as_ref().expect("checked");
-            let logits = &mut self.logits[row * vocab..(row + 1) * vocab];
+        let n = self.logit_seq.len();
+        let logits = SharedOut(self.logits.as_mut_ptr());
+        let outs: Vec<Mutex<Option<Result<SampleOutput, SamplerError>>>> =
+            (0..n).map(|_| Mutex::new(None)).collect();
+        let (slots, logit_seq) = (&self.slots, &self.logit_seq);
+        self.pool.run(n, |row| {
+            let seq = &plan.seqs[logit_seq[row]];
+            let slot = slots[seq.slot as usize].as_ref().expect("checked in build_meta");
+            // SAFETY: each task samples its own logits row.
+            let row_logits = unsafe { logits.rows(row..row + 1, vocab) };
             let gen_index = slot.history.n_generated();
-            let out = self
-                .sampler
-                .sample(logits, &slot.params, &slot.history, gen_index)?;
+            let out = SAMPLER.with(|s| {
+                s.borrow_mut()
+                    .sample(row_logits, &slot.params, &slot.history, gen_index)
+            });
+            *outs[row].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
+        });
+        let mut seqs = Vec::with_capacity(n);
+        for (row, out) in outs.into_iter().enumerate() {
+            let out = out
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .expect("every row was sampled")?;
             seqs.push(SeqResult {
-                slot: seq.slot,
+                slot: plan.seqs[self.logit_seq[row]].slot,
                 token: out.token,
                 top: out.top,
             });

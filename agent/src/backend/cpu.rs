@@ -2,6 +2,8 @@
 //! kernels of `crate::kernels` run on a fork-join thread pool with the best instruction set the
 //! machine offers.
 
+use std::sync::Arc;
+
 use half::f16;
 
 use super::{
@@ -12,7 +14,8 @@ use crate::kernels::attention::{self, AttnParams, AttnSeq, KvLayout};
 use crate::kernels::elementwise;
 use crate::kernels::matmul;
 use crate::kernels::quantize::quantize_acts;
-use crate::kernels::Isa;
+use crate::kernels::elementwise::Rope;
+use crate::kernels::{Isa, SharedOut};
 use crate::quant::ggml::dequantize_row;
 use crate::quant::{QuantizedActs, WeightMatrix};
 use crate::threadpool::ThreadPool;
@@ -46,12 +49,16 @@ struct KvPool {
 
 pub struct CpuBackend {
     f32_reference: bool,
-    pool: ThreadPool,
+    pool: Arc<ThreadPool>,
     isa: Isa,
     acts: QuantizedActs,
     kv: Option<KvPool>,
     step: StepMeta,
+    /// Counts steps, so per-step caches know when they are stale.
+    step_serial: u64,
+    /// Rotary cos/sin of every token of the step, and what they were computed for.
     rope_cs: Vec<f32>,
+    rope_for: Option<(Rope, u64)>,
 }
 
 impl CpuBackend {
@@ -63,12 +70,14 @@ impl CpuBackend {
         };
         Self {
             f32_reference: cfg.f32_reference,
-            pool: ThreadPool::new(threads),
+            pool: Arc::new(ThreadPool::new(threads)),
             isa: Isa::active(),
             acts: QuantizedActs::new(),
             kv: None,
             step: StepMeta::default(),
+            step_serial: 0,
             rope_cs: Vec::new(),
+            rope_for: None,
         }
     }
 
@@ -79,12 +88,29 @@ impl CpuBackend {
         b
     }
 
+    /// The compute pool (the engine samples on it too).
+    pub fn pool(&self) -> Arc<ThreadPool> {
+        self.pool.clone()
+    }
+
     pub fn isa(&self) -> Isa {
         self.isa
     }
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// Runs `f` over row ranges covering `0..rows`, in parallel when there are enough rows.
+    fn par_rows<F: Fn(std::ops::Range<usize>) + Sync>(&self, rows: usize, f: F) {
+        let threads = self.pool.threads();
+        if rows < 8 || threads == 1 {
+            f(0..rows);
+            return;
+        }
+        let tasks = threads.min(rows);
+        self.pool
+            .run(tasks, |t| f(crate::threadpool::split_range(rows, tasks, t)));
     }
 
     fn kv(&self) -> Result<&KvPool, BackendError> {
@@ -208,6 +234,7 @@ impl Backend for CpuBackend {
             )));
         }
         self.step.clone_from(meta);
+        self.step_serial += 1;
         Ok(())
     }
 
@@ -246,7 +273,12 @@ impl Backend for CpuBackend {
         rows: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        elementwise::rms_norm(&x[..rows * dim], &w[..dim], eps, &mut out[..rows * dim]);
+        let o = SharedOut(out.as_mut_ptr());
+        self.par_rows(rows, |r| {
+            // SAFETY: each task writes its own rows of `out`.
+            let dst = unsafe { o.rows(r.clone(), dim) };
+            elementwise::rms_norm(&x[r.start * dim..r.end * dim], &w[..dim], eps, dst);
+        });
         Ok(())
     }
 
@@ -293,12 +325,26 @@ impl Backend for CpuBackend {
 
     fn rope(&mut self, qkv: &mut Vec<f32>, ld: usize, g: &AttnGeometry) -> Result<(), BackendError> {
         let hd = g.head_dim;
-        self.rope_cs.resize(g.rope.dims, 0.0);
-        for (r, &pos) in self.step.positions.iter().enumerate() {
-            g.rope.angles(pos, &mut self.rope_cs);
-            let row = &mut qkv[r * ld..r * ld + (g.n_heads + g.n_kv_heads) * hd];
-            g.rope.apply(row, g.n_heads + g.n_kv_heads, hd, &self.rope_cs);
+        let dims = g.rope.dims;
+        // The angles depend on the position only: computed once per step, used by every layer.
+        if self.rope_for != Some((g.rope, self.step_serial)) {
+            self.rope_cs.resize(self.step.positions.len() * dims, 0.0);
+            for (r, &pos) in self.step.positions.iter().enumerate() {
+                g.rope.angles(pos, &mut self.rope_cs[r * dims..(r + 1) * dims]);
+            }
+            self.rope_for = Some((g.rope, self.step_serial));
         }
+        let rows = self.step.positions.len();
+        let cs = &self.rope_cs;
+        let o = SharedOut(qkv.as_mut_ptr());
+        let heads = g.n_heads + g.n_kv_heads;
+        self.par_rows(rows, |rr| {
+            for r in rr {
+                // SAFETY: each task rotates its own rows.
+                let row = unsafe { std::slice::from_raw_parts_mut(o.ptr().add(r * ld), heads * hd) };
+                g.rope.apply(row, heads, hd, &cs[r * dims..(r + 1) * dims]);
+            }
+        });
         Ok(())
     }
 
@@ -387,7 +433,13 @@ impl Backend for CpuBackend {
         rows: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        elementwise::swiglu(&gate_up[..rows * 2 * ff], ff, &mut out[..rows * ff]);
+        let o = SharedOut(out.as_mut_ptr());
+        let isa = self.isa;
+        self.par_rows(rows, |r| {
+            // SAFETY: each task writes its own rows of `out`.
+            let dst = unsafe { o.rows(r.clone(), ff) };
+            elementwise::swiglu(isa, &gate_up[r.start * 2 * ff..r.end * 2 * ff], ff, dst);
+        });
         Ok(())
     }
 
@@ -397,7 +449,14 @@ impl Backend for CpuBackend {
         y: &Vec<f32>,
         len: usize,
     ) -> Result<(), BackendError> {
-        elementwise::add_assign(&mut x[..len], &y[..len]);
+        let o = SharedOut(x.as_mut_ptr());
+        let chunk = 4096;
+        self.par_rows(len.div_ceil(chunk), |r| {
+            let (a, b) = (r.start * chunk, (r.end * chunk).min(len));
+            // SAFETY: each task adds into its own range of `x`.
+            let dst = unsafe { std::slice::from_raw_parts_mut(o.ptr().add(a), b - a) };
+            elementwise::add_assign(dst, &y[a..b]);
+        });
         Ok(())
     }
 

@@ -6,6 +6,7 @@
 use half::f16;
 
 use super::vecmath::exp_approx;
+use super::Isa;
 
 /// `out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w` for every row of `x` (row length `w.len()`).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -72,13 +73,38 @@ impl Rope {
 }
 
 /// `out[i] = silu(gate[i]) * up[i]` where each row of `gate_up` is `[gate | up]` (`ff` each).
-pub fn swiglu(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+pub fn swiglu(isa: Isa, gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: chosen only when the CPU has AVX-512F.
+        Isa::Avx512Vnni => unsafe { swiglu_avx512(gate_up, ff, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: chosen only when the CPU has AVX2 and FMA.
+        Isa::Avx2 => unsafe { swiglu_avx2(gate_up, ff, out) },
+        _ => swiglu_body(gate_up, ff, out),
+    }
+}
+
+#[inline(always)]
+fn swiglu_body(gate_up: &[f32], ff: usize, out: &mut [f32]) {
     for (gu, o) in gate_up.chunks_exact(2 * ff).zip(out.chunks_exact_mut(ff)) {
         let (g, u) = gu.split_at(ff);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             *o = (g / (1.0 + exp_approx(-g))) * u;
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn swiglu_avx512(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    swiglu_body(gate_up, ff, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_avx2(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    swiglu_body(gate_up, ff, out)
 }
 
 /// `x += y`.
@@ -146,7 +172,7 @@ mod tests {
     fn swiglu_values() {
         let gu = [0.0f32, 1.0, 2.0, 3.0];
         let mut out = [0f32; 2];
-        swiglu(&gu, 2, &mut out);
+        swiglu(Isa::Scalar, &gu, 2, &mut out);
         assert_eq!(out[0], 0.0);
         assert!((out[1] - (1.0 / (1.0 + (-1f32).exp())) * 3.0).abs() < 1e-6);
     }

@@ -99,4 +99,13 @@ impl SharedOut {
     pub fn ptr(&self) -> *mut f32 {
         self.0
     }
+
+    /// Rows `r` of a row-major matrix with `cols` columns.
+    ///
+    /// # Safety
+    /// The rows must lie inside the buffer, and no one else may access them meanwhile.
+    #[inline]
+    pub unsafe fn rows<'a>(&self, r: std::ops::Range<usize>, cols: usize) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(r.start * cols), (r.end - r.start) * cols)
+    }
 }

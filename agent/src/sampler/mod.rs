@@ -117,7 +117,18 @@ fn sanitize(logits: &mut [f32]) {
 /// log(sum(exp(logits))), max-subtracted and summed in f64. Needs a finite maximum.
 fn log_sum_exp(logits: &[f32]) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&x| (x - max).exp() as f64).sum();
+    // Vectorizable: a polynomial exp and eight f64 partial sums.
+    let mut lanes = [0f64; 8];
+    let mut chunks = logits.chunks_exact(8);
+    for c in &mut chunks {
+        for j in 0..8 {
+            lanes[j] += crate::kernels::vecmath::exp_approx(c[j] - max) as f64;
+        }
+    }
+    let mut sum: f64 = lanes.iter().sum();
+    for &x in chunks.remainder() {
+        sum += crate::kernels::vecmath::exp_approx(x - max) as f64;
+    }
     max as f64 + sum.ln()
 }
 

@@ -30,10 +30,10 @@ pub unsafe fn packed(job: &PackedJob) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob) {
-    let rows = job.acts.rows;
+    let rows = job.rows.end;
     for g in job.groups.clone() {
         let valid = (job.w.n - g * GROUP).min(GROUP);
-        let mut m0 = 0;
+        let mut m0 = job.rows.start;
         while m0 + R2 <= rows {
             tile::<R2, NIB, F16S, MIN>(job, g, m0, valid);
             m0 += R2;

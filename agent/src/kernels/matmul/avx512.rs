@@ -28,7 +28,7 @@ pub unsafe fn packed(job: &PackedJob) {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob) {
-    let rows = job.acts.rows;
+    let rows = job.rows.end;
     for g in job.groups.clone() {
         let valid = (job.w.n - g * GROUP).min(GROUP);
         let mask: __mmask16 = if valid == GROUP {
@@ -36,7 +36,7 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
         } else {
             ((1u32 << valid) - 1) as u16
         };
-        let mut m0 = 0;
+        let mut m0 = job.rows.start;
         while m0 + MR <= rows {
             tile::<MR, NIB, F16S, MIN>(job, g, m0, mask);
             m0 += MR;
@@ -45,6 +45,10 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
             1 => tile::<1, NIB, F16S, MIN>(job, g, m0, mask),
             2 => tile::<2, NIB, F16S, MIN>(job, g, m0, mask),
             3 => tile::<3, NIB, F16S, MIN>(job, g, m0, mask),
+            4 => tile::<4, NIB, F16S, MIN>(job, g, m0, mask),
+            5 => tile::<5, NIB, F16S, MIN>(job, g, m0, mask),
+            6 => tile::<6, NIB, F16S, MIN>(job, g, m0, mask),
+            7 => tile::<7, NIB, F16S, MIN>(job, g, m0, mask),
             _ => {}
         }
     }

@@ -6,6 +6,8 @@
 mod f32mm;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
+pub mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -26,10 +28,13 @@ pub const MR: usize = 4;
 
 /// The arguments every packed kernel takes: a range of 16-row groups of `w`, all rows of `acts`,
 /// and the output (row stride `ldo`).
+#[derive(Clone)]
 pub struct PackedJob<'a> {
     pub w: &'a PackedMatrix,
     pub acts: &'a QuantizedActs,
     pub groups: Range<usize>,
+    /// Activation rows to compute (all of them unless a kernel split the work).
+    pub rows: Range<usize>,
     pub out: SharedOut,
     pub ldo: usize,
 }
@@ -38,7 +43,23 @@ pub struct PackedJob<'a> {
 /// compiled for this target).
 pub fn packed_job(isa: Isa, job: &PackedJob) {
     assert_eq!(job.acts.k, job.w.k, "activation and weight inner dimensions differ");
+    assert!(job.rows.end <= job.acts.rows);
     match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if job.rows.len() >= amx::TILE_ROWS && amx::available() => {
+            // Whole 16-row tiles on AMX, the remaining rows on AVX-512 (identical arithmetic).
+            let full = job.rows.start + job.rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
+            unsafe {
+                amx::packed_full_tiles(&PackedJob {
+                    rows: job.rows.start..full,
+                    ..job.clone()
+                });
+                avx512::packed(&PackedJob {
+                    rows: full..job.rows.end,
+                    ..job.clone()
+                });
+            }
+        }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => unsafe { avx512::packed(job) },
         #[cfg(target_arch = "x86_64")]
@@ -77,6 +98,7 @@ pub fn matmul(
                         w: p,
                         acts,
                         groups: r,
+                        rows: 0..rows,
                         out: out_ptr,
                         ldo,
                     },

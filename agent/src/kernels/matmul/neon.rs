@@ -25,7 +25,7 @@ pub unsafe fn packed(job: &PackedJob) {
     for g in job.groups.clone() {
         let gd = w.group_data(g).as_ptr();
         let valid = (w.n - g * GROUP).min(GROUP);
-        for row in 0..a.rows {
+        for row in job.rows.clone() {
             let mut acc = [vdupq_n_f32(0.0); 4];
             for b in 0..nb {
                 let u = gd.add(b * unit);

@@ -14,7 +14,7 @@ pub fn packed(job: &PackedJob) {
     let nb = w.blocks();
     for g in job.groups.clone() {
         let gd = w.group_data(g);
-        for m in 0..a.rows {
+        for m in job.rows.clone() {
             let xq = &a.qs[m * a.k..(m + 1) * a.k];
             for i in 0..GROUP {
                 let n = g * GROUP + i;

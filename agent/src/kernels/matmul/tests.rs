@@ -42,6 +42,7 @@ fn run(isa: Isa, w: &PackedMatrix, a: &QuantizedActs, ldo: usize) -> Vec<f32> {
             w,
             acts: a,
             groups: 0..w.groups(),
+            rows: 0..a.rows,
             out: SharedOut(out.as_mut_ptr()),
             ldo,
         },
@@ -102,12 +103,17 @@ fn simd_kernels_match_scalar_bit_for_bit() {
     if isas.is_empty() {
         eprintln!("no SIMD instruction set on this machine: only the scalar kernel was tested");
     }
+    #[cfg(target_arch = "x86_64")]
+    eprintln!("AMX available: {}", amx::available());
     for ty in TYPES {
         for &(rows, n, k) in &[
             (1usize, 16usize, 64usize),
             (2, 32, 256),
             (5, 37, 512),
             (9, 64, 256),
+            // 16 rows and more also take the AMX path where the machine has it.
+            (16, 48, 512),
+            (37, 21, 256),
         ] {
             let k = if ty.block_len() == 256 { k.max(256) / 256 * 256 } else { k };
             let w = packed(ty, n, k, 21);
