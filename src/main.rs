@@ -14,6 +14,8 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// Start the server: agents, engine loop and HTTP API (llm-serving and OpenAI).
     Serve(npu_server::serve::ServeArgs),
