@@ -14,7 +14,11 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Command {
+    /// Start the server: agents, engine loop and HTTP API (llm-serving and OpenAI).
+    Serve(npu_server::serve::ServeArgs),
     /// Generate text from a prompt on this machine (no server).
     Generate(npu_agent::cli::generate::GenerateArgs),
     /// Teacher-forced scoring of a given continuation (fidelity checks).
@@ -36,6 +40,7 @@ fn main() -> anyhow::Result<()> {
         )
         .init();
     match Cli::parse().command {
+        Command::Serve(a) => npu_server::serve::run(a),
         Command::Generate(a) => npu_agent::cli::generate::run(a),
         Command::Score(a) => npu_agent::cli::score::run(a),
         Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),

@@ -67,6 +67,12 @@ fn args(list: &[&str]) -> BenchArgs {
     Cli::try_parse_from(v).unwrap().bench
 }
 
+/// One server at a time: both tests use the shipped config, whose agent port is fixed.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn config_path() -> PathBuf {
     workspace_root().join("configs/smollm2-cpu.yaml")
 }
@@ -110,8 +116,8 @@ fn check_run_files(out: &Path, label: &str, n: usize) -> Value {
 }
 
 #[test]
-#[ignore = "needs npu-serving serve"]
 fn short_runs_against_the_real_server() {
+    let _serial = serial();
     let dir = temp_dir("runs");
     let mut server = start_server(&dir);
     let port = server.target.port.to_string();
@@ -161,8 +167,8 @@ fn short_runs_against_the_real_server() {
 }
 
 #[test]
-#[ignore = "needs npu-serving serve"]
 fn config_sweep_starts_a_server_per_point() {
+    let _serial = serial();
     let dir = temp_dir("sweep");
     let out = dir.join("out");
     let bin = server_bin();

@@ -7,3 +7,4 @@ pub mod config;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+pub mod serve;

@@ -97,7 +97,7 @@ fn echo_facts() -> ModelFacts {
         context_length: 4096,
         eos_ids: vec![0],
         bos_id: None,
-        backend: "test".into(),
+        backend: "echo".into(),
     }
 }
 
@@ -122,7 +122,7 @@ fn child_agent() {
             })
         }),
         Some("load-fails") => run_with(args, |cfg: &AgentEngineConfig| {
-            Err::<EchoEngine, _>(EngineError::Unavailable(format!(
+            Err::<EchoEngine, _>(EngineError::BadConfig(format!(
                 "cannot load {}",
                 cfg.model_path.display()
             )))

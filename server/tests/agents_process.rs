@@ -1,6 +1,6 @@
-//! Agent links against the real `npu-serving agent` binary. Today the engine cannot load a model
-//! yet, so the handshake must fail with the engine's error; the end-to-end test (real model:
-//! step, kill -9, detect, restart, SIGSTOP hang) is ignored until the model runner lands.
+//! Agent links against the real `npu-serving agent` binary: start-up failures (a model that
+//! cannot load, a bad command line) and the end-to-end test with the real model (step, kill -9,
+//! detect, restart, SIGSTOP hang).
 //!
 //! The binary: `$NPU_SERVING_BIN` if set, otherwise it is built with cargo into this test's
 //! own target directory (fast when it is up to date).
@@ -215,7 +215,6 @@ fn stop(pid: u32) {
 }
 
 #[test]
-#[ignore = "needs the model runner"]
 fn end_to_end_with_the_real_model_step_kill_restart() {
     let deadline = Duration::from_secs(120);
     let spec = AgentSpec::new(32, 0, engine_config(model_path()));

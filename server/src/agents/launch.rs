@@ -3,6 +3,7 @@
 
 use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr};
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -100,7 +101,10 @@ pub(crate) fn spawn_agent(
         shm: segment.name().to_string(),
         config_json,
     };
+    // Its own process group: a Ctrl-C in the terminal reaches the server, which drains and
+    // then stops its agents, instead of killing the agents under running requests.
     let child = Command::new(&exe)
+        .process_group(0)
         .args(&launch.leading_args)
         .args(args.to_command_line())
         .envs(launch.env.iter().map(|(k, v)| (k, v)))

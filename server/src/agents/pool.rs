@@ -74,6 +74,11 @@ impl AgentPool {
         &mut self.links
     }
 
+    /// The links, in agent order, to drive separately (each shuts down when dropped).
+    pub fn into_links(self) -> Vec<AgentLink> {
+        self.links
+    }
+
     pub fn link_mut(&mut self, index: usize) -> Option<&mut AgentLink> {
         self.links.get_mut(index)
     }

@@ -302,10 +302,19 @@ impl EventWriter for TgiStreamWriter {
                 usage,
                 message,
             } => {
-                if let (FinishReason::Error, Some(msg)) = (reason, message) {
+                // An error, or a shutdown that cut the request short, ends the stream with an
+                // error event so that the client knows the text is incomplete and why.
+                let error = match (reason, message.as_deref()) {
+                    (FinishReason::Error, Some(msg)) => Some((msg, "generation")),
+                    (FinishReason::Shutdown, msg) => {
+                        Some((msg.unwrap_or("the server is shutting down"), "shutdown"))
+                    }
+                    _ => None,
+                };
+                if let Some((msg, error_type)) = error {
                     let data = ErrorData {
                         error: msg,
-                        error_type: "generation",
+                        error_type,
                     };
                     let json = to_python_json(&StreamLine {
                         event: "error",

@@ -119,7 +119,9 @@ impl Scheduler {
         let total = seq.total_len();
         // Reuse only full blocks before the last token: that one is always computed, so that
         // there are logits to sample, and it is written into a private block.
-        let max_hit = ((total - 1) / bs).min(self.cfg.max_blocks_per_seq);
+        let max_hit = ((total - 1) / bs)
+            .min(self.cfg.max_blocks_per_seq)
+            .min(reusable_blocks(seq, bs));
         let hit = if self.blocks.caching() {
             self.blocks.find_prefix(&seq.all_tokens(), max_hit)
         } else {
@@ -233,5 +235,21 @@ impl Scheduler {
             adm.in_flight = Some(step_id);
         }
         self.scheduled_tokens += n as u64;
+    }
+}
+
+/// How many leading blocks of a sequence may come from the prefix cache. The agent rebuilds a
+/// slot's token history (penalties, and the generated-token index of the sampler's random
+/// stream) from the tokens the plans send, so tokens taken from the cache are missing from it:
+/// a repetition penalty (over prompt and generated tokens) allows no hit; sampling and
+/// presence/frequency penalties (generated tokens) allow hits within the prompt only.
+fn reusable_blocks(seq: &super::request::Sequence, bs: usize) -> usize {
+    let p = seq.params();
+    if p.repetition_penalty != 1.0 {
+        0
+    } else if !p.is_greedy() || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        seq.prompt_len() / bs
+    } else {
+        usize::MAX
     }
 }

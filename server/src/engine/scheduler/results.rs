@@ -83,6 +83,23 @@ impl Scheduler {
         Ok(out)
     }
 
+    /// The agent reported that it could not run a step (it is still up): forgets the step and
+    /// returns the requests it carried that are still here. Their KV state on the agent is
+    /// unknown, so the caller ends them (`finish` or `abort`).
+    pub fn step_failed(&mut self, step_id: u64) -> Vec<RequestId> {
+        let planned = self.in_flight.remove(&step_id).unwrap_or_default();
+        let mut ids = Vec::new();
+        for p in planned {
+            if self.is_current(step_id, &p) {
+                if let Some(adm) = self.seqs.get_mut(&p.id).and_then(|s| s.admitted.as_mut()) {
+                    adm.in_flight = None;
+                }
+                ids.push(p.id);
+            }
+        }
+        ids
+    }
+
     /// Whether a planned entry still belongs to the same admission of a live sequence.
     fn is_current(&self, step_id: u64, p: &Planned) -> bool {
         self.seqs.get(&p.id).is_some_and(|s| {

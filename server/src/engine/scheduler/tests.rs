@@ -541,3 +541,21 @@ fn config_validation_names_the_field() {
     })
     .is_err());
 }
+
+#[test]
+fn a_failed_step_gives_back_its_requests_and_leaves_the_others() {
+    let mut s = sched(cfg(16, 4));
+    s.add(&req(1, &prompt(0, 3), 4)).unwrap();
+    let first = s.schedule().unwrap();
+    s.add(&req(2, &prompt(10, 3), 4)).unwrap();
+    let second = s.schedule().unwrap();
+    assert_eq!(second.seqs.len(), 1, "request 1 is busy in the first step");
+    assert_eq!(s.step_failed(first.step_id), vec![1]);
+    assert!(s.abort(1));
+    s.check_invariants().unwrap();
+    assert_eq!(s.stats().steps_in_flight, 1);
+    let out = s.on_result(&answer(&second, |_| 7)).unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].id, 2);
+    assert!(s.step_failed(first.step_id).is_empty(), "already forgotten");
+}

@@ -138,3 +138,58 @@ fn generated_tokens_are_cached_too_and_a_preempted_request_reuses_its_blocks() {
     assert_eq!(c.tokens, vec![33, 50, 51]);
     assert_eq!(c.n_prompt_tokens, 1);
 }
+
+/// Tokens taken from the cache never reach the agent's per-slot history, so requests whose
+/// sampling depends on that history are limited: sampling and presence/frequency penalties
+/// reuse prompt blocks only, a repetition penalty reuses nothing.
+#[test]
+fn history_dependent_sampling_limits_prefix_hits() {
+    use npu_protocol::SamplingParams;
+    let with = |id: u64, p: &[u32], params: SamplingParams| GenerateRequest {
+        params,
+        ..req(id, p, 8)
+    };
+    let mut s = sched(cached_cfg(32, 2));
+    // Prompt of 3 then 3 generated: blocks [p0 p1] [p2 g0] [g1 g2] are cached after it ends.
+    let p = prompt(0, 3);
+    s.add(&req(1, &p, 4)).unwrap();
+    for t in [50, 51, 52, 53] {
+        cached_step(&mut s, t);
+    }
+    assert!(s.is_idle());
+    let mut resumed = p.clone();
+    resumed.extend([50, 51, 52, 53]);
+
+    // Greedy: everything cached before the last token is reused.
+    s.add(&req(2, &resumed, 2)).unwrap();
+    let (plan, _) = cached_step(&mut s, 9);
+    assert_eq!(plan.seqs[0].start_pos, 6);
+    s.abort(2);
+
+    // The same tokens as a recovered sampled request: only the prompt's full block is reused,
+    // so every generated token is sent (and counted as generated) again.
+    let sampled = SamplingParams {
+        do_sample: true,
+        temperature: 0.8,
+        ..SamplingParams::greedy()
+    };
+    s.add_recovered(RecoveredRequest {
+        request: with(3, &p, sampled),
+        generated: vec![50, 51, 52, 53],
+    })
+    .unwrap();
+    let (plan, _) = cached_step(&mut s, 9);
+    let q = &plan.seqs[0];
+    assert_eq!((q.start_pos, q.n_prompt_tokens), (2, 1));
+    assert_eq!(q.tokens, vec![p[2], 50, 51, 52, 53]);
+    s.abort(3);
+
+    // A repetition penalty counts prompt tokens too: no reuse at all.
+    let penalised = SamplingParams {
+        repetition_penalty: 1.2,
+        ..SamplingParams::greedy()
+    };
+    s.add(&with(4, &resumed, penalised)).unwrap();
+    let (plan, _) = cached_step(&mut s, 9);
+    assert_eq!(plan.seqs[0].start_pos, 0);
+}

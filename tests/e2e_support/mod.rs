@@ -1,0 +1,433 @@
+//! Shared by the end-to-end tests: starts the real `npu-serving serve` (this package's binary)
+//! on port 0 with real agent processes and the default model, from a small YAML config written
+//! per test; talks to it with the load tester's own HTTP client and stream parser; reads
+//! /metrics, the agents' pids and the server's shared-memory segments.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use client_bench::api::{ApiKind, ApiSettings};
+use client_bench::dataset::Sample;
+use client_bench::http_client::{fetch_text, HttpRequest, HttpTarget, Timeouts};
+use client_bench::metrics::RequestRecord;
+use client_bench::runner::execute_request;
+use client_bench::tokens::TokenCounter;
+use serde_json::Value;
+
+/// The served model name the configs use (and the llm-serving route's `{name}`).
+pub const MODEL: &str = "SmolLM2-135M-Instruct";
+
+/// One server at a time: the machine's cores are few, and the tests compare outputs, not speed.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A port nobody listens on right now (for the agents' control ports).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// What the test config sets.
+#[derive(Debug, Clone)]
+pub struct ServerOpts {
+    pub agents: usize,
+    pub threads_per_agent: u32,
+    pub num_blocks: u32,
+    pub block_size: u32,
+    pub decode_batch_size: u32,
+    pub prefill_batch_size: u32,
+    pub max_tokens_per_step: u32,
+    pub seq_length: u32,
+    pub batching_strategy: &'static str,
+    pub prefix_cache: bool,
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for ServerOpts {
+    fn default() -> Self {
+        Self {
+            agents: 1,
+            threads_per_agent: 0,
+            num_blocks: 1024,
+            block_size: 16,
+            decode_batch_size: 32,
+            prefill_batch_size: 16,
+            max_tokens_per_step: 256,
+            seq_length: 1024,
+            batching_strategy: "continuous",
+            prefix_cache: true,
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}
+
+impl ServerOpts {
+    fn yaml(&self) -> String {
+        let ports: Vec<String> = (0..self.agents).map(|_| free_port().to_string()).collect();
+        format!(
+            "model_config:\n  model_name: '{MODEL}'\n  seq_length: {}\n  decode_batch_size: {}\n  \
+             prefill_batch_size: {}\n  batching_strategy: '{}'\n\
+             serving_config:\n  agent_ports: [{}]\n  server_ip: '127.0.0.1'\n  server_port: 8835\n\
+             pa_config:\n  num_blocks: {}\n  block_size: {}\n\
+             npu_serving:\n  device: cpu\n  threads_per_agent: {}\n  max_tokens_per_step: {}\n  \
+             prefix_cache: {}\n  shutdown_grace_ms: {}\n  step_deadline_ms: 60000\n",
+            self.seq_length,
+            self.decode_batch_size,
+            self.prefill_batch_size,
+            self.batching_strategy,
+            ports.join(", "),
+            self.num_blocks,
+            self.block_size,
+            self.threads_per_agent,
+            self.max_tokens_per_step,
+            self.prefix_cache,
+            self.shutdown_grace_ms,
+        )
+    }
+}
+
+/// A running `npu-serving serve`; killed (with its agents) when dropped.
+pub struct Server {
+    child: Option<Child>,
+    pub port: u16,
+    pub dir: PathBuf,
+    log: PathBuf,
+}
+
+impl Server {
+    /// Writes the config, starts the server with `--port 0`, waits for its `listening on` line
+    /// and for /health to be 200.
+    pub fn start(name: &str, opts: &ServerOpts) -> Server {
+        let dir = std::env::temp_dir().join(format!("npu-e2e-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("config.yaml");
+        std::fs::write(&config, opts.yaml()).unwrap();
+        let log = dir.join("server.log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .args(["--port", "0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .spawn()
+            .expect("npu-serving starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let _ = tx.send(line);
+            }
+        });
+        let mut server = Server {
+            child: Some(child),
+            port: 0,
+            dir,
+            log,
+        };
+        let line = rx
+            .recv_timeout(Duration::from_secs(300))
+            .unwrap_or_else(|_| panic!("no `listening on` line; log:\n{}", server.log_tail()));
+        let addr = line
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("first stdout line is {line:?}"));
+        server.port = addr.rsplit_once(':').unwrap().1.parse().unwrap();
+        assert_eq!(addr, format!("127.0.0.1:{}", server.port));
+        server.wait_health(200, Duration::from_secs(60));
+        server
+    }
+
+    pub fn target(&self) -> HttpTarget {
+        HttpTarget::new("127.0.0.1", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("server running").id()
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    pub fn request(&self, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+        let req = HttpRequest {
+            method,
+            path,
+            headers: &[("Content-Type", "application/json")],
+            body,
+        };
+        let t = Timeouts {
+            connect: Duration::from_secs(10),
+            total: Duration::from_secs(300),
+        };
+        fetch_text(&self.target(), &req, t)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}; log:\n{}", self.log_tail()))
+    }
+
+    pub fn get(&self, path: &str) -> (u16, String) {
+        self.request("GET", path, b"")
+    }
+
+    /// POST of a JSON body; the answer parsed as JSON (Null when it is not JSON).
+    pub fn post_json(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.request("POST", path, body.to_string().as_bytes());
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// A gauge or counter from /metrics.
+    pub fn metric(&self, name: &str) -> f64 {
+        let (status, text) = self.get("/metrics");
+        assert_eq!(status, 200);
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("{name} not in /metrics"))
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// Polls /metrics until `name` satisfies `ok`; returns the last value read.
+    pub fn wait_metric(&self, name: &str, timeout: Duration, ok: impl Fn(f64) -> bool) -> f64 {
+        let until = Instant::now() + timeout;
+        loop {
+            let v = self.metric(name);
+            if ok(v) || Instant::now() >= until {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn wait_health(&self, status: u16, timeout: Duration) {
+        let until = Instant::now() + timeout;
+        loop {
+            if self.get("/health").0 == status {
+                return;
+            }
+            assert!(
+                Instant::now() < until,
+                "/health not {status} within {timeout:?}; log:\n{}",
+                self.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The agent processes (the server's children).
+    pub fn agent_pids(&self) -> Vec<u32> {
+        let pid = self.pid();
+        let mut out = Vec::new();
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+        for t in tasks.flatten() {
+            let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            out.extend(
+                children
+                    .split_whitespace()
+                    .map(|c| c.parse::<u32>().unwrap()),
+            );
+        }
+        out.sort();
+        out
+    }
+
+    /// The server's shared-memory segments in /dev/shm.
+    pub fn segments(&self) -> Vec<String> {
+        let prefix = format!("{}{}-", npu_protocol::shm::SEGMENT_PREFIX, self.pid());
+        std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with(&prefix))
+            .collect()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        assert_eq!(unsafe { libc::kill(self.pid() as i32, sig) }, 0);
+    }
+
+    /// Waits for the server to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let until = Instant::now() + timeout;
+        let child = self.child.as_mut().expect("server running");
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < until,
+                "server did not exit within {timeout:?}; log:\n{}",
+                self.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// One streamed request, sent and read exactly as the load tester does.
+    pub fn stream(&self, api: Api, prompt: &str, max_new_tokens: usize) -> RequestRecord {
+        let settings = ApiSettings {
+            kind: match api {
+                Api::LlmServing => ApiKind::LlmServing,
+                Api::Completions | Api::Chat => ApiKind::OpenAi,
+            },
+            path: match api {
+                Api::LlmServing => format!("/models/{MODEL}/generate_stream"),
+                Api::Completions => "/v1/completions".into(),
+                Api::Chat => "/v1/chat/completions".into(),
+            },
+            model_name: MODEL.into(),
+            chat: api == Api::Chat,
+            ignore_eos: false,
+            api_key: None,
+        };
+        let sample = Sample {
+            prompt: prompt.to_string(),
+            prompt_tokens: 0,
+            max_new_tokens,
+        };
+        let t = Timeouts {
+            connect: Duration::from_secs(10),
+            total: Duration::from_secs(600),
+        };
+        execute_request(
+            &self.target(),
+            &settings,
+            t,
+            &sample,
+            0,
+            Instant::now(),
+            token_counter(),
+        )
+    }
+
+    /// `prompts[i]` streamed by `n` clients at once (client `i` sends `prompts[i % len]`);
+    /// the records in client order.
+    pub fn stream_concurrently(
+        &self,
+        api: Api,
+        prompts: &[(String, usize)],
+        n: usize,
+    ) -> Vec<RequestRecord> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|i| {
+                    let (p, max_new) = &prompts[i % prompts.len()];
+                    s.spawn(move || self.stream(api, p, *max_new))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let running = self
+            .child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none());
+        if running {
+            let agents = self.agent_pids();
+            if let Some(mut child) = self.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            for a in agents {
+                // SAFETY: kill(2) on the server's former children; they may be gone already.
+                unsafe { libc::kill(a as i32, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
+/// Which front end a request goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// llm-serving `POST /models/{name}/generate_stream` (greedy, return_full_text).
+    LlmServing,
+    /// OpenAI `POST /v1/completions` (stream, temperature 0).
+    Completions,
+    /// OpenAI `POST /v1/chat/completions` (stream, temperature 0).
+    Chat,
+}
+
+/// The default model's tokenizer, as the load tester counts tokens.
+pub fn token_counter() -> &'static TokenCounter {
+    static COUNTER: OnceLock<TokenCounter> = OnceLock::new();
+    COUNTER.get_or_init(|| TokenCounter::load(None).expect("the default model is available"))
+}
+
+/// The greedy reference (llama.cpp on the same model): each prompt and the text of its greedy
+/// tokens up to the first step where the top two logits are close (where a different but
+/// correct kernel may pick the other token).
+pub fn reference_prompts() -> Vec<(String, String)> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/refs/greedy_smollm2_q4_1.jsonl"
+    );
+    let Ok(text) = std::fs::read_to_string(path) else {
+        eprintln!("no reference file at {path}; reference comparisons skipped");
+        return Vec::new();
+    };
+    let model = npu_agent::model_store::resolve_model(None).unwrap();
+    let gguf = npu_agent::gguf::GgufFile::open(&model).unwrap();
+    let tokenizer = npu_agent::tokenizer::Tokenizer::for_model(&gguf, &model).unwrap();
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            let ids: Vec<u32> = v["output_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            let sure = v["first_step_gap_below_0.15"]
+                .as_u64()
+                .map_or(ids.len(), |k| k as usize);
+            (
+                v["prompt"].as_str().unwrap().to_string(),
+                tokenizer.decode_continuation(&ids[..sure], true),
+            )
+        })
+        .collect()
+}
+
+/// Assorted prompts of different lengths and kinds.
+pub fn prompts() -> Vec<String> {
+    [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea,",
+        "Three tips for staying healthy are",
+        "The quick brown fox",
+        "List the planets of the solar system in order from the sun:",
+        "Translate to French: I would like a cup of coffee, please.",
+        "In 1969, the first humans",
+        "Water boils at",
+        "A haiku about autumn leaves:",
+        "The sky is blue because",
+        "import numpy as np\nx = np.arange(10)\n",
+        "My favourite recipe for pancakes starts with",
+        "The three primary colours are",
+        "Q: What is 12 times 12?\nA:",
+        "The history of the Roman Empire can be divided into",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
