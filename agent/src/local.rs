@@ -29,7 +29,7 @@ pub struct LocalOutput {
 }
 
 /// Timing of a run.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct LocalTiming {
     /// Time of steps that carried prompt tokens, and how many prompt tokens they carried.
     pub prefill: Duration,
@@ -37,6 +37,8 @@ pub struct LocalTiming {
     /// Time of steps that carried only decode tokens, and how many tokens they produced.
     pub decode: Duration,
     pub decode_tokens: usize,
+    /// Duration and token count of every decode-only step.
+    pub decode_steps: Vec<(Duration, usize)>,
     pub steps: usize,
 }
 
@@ -59,6 +61,24 @@ pub struct LocalRunner<'e> {
     pub token_budget: usize,
     /// Longest prefill chunk of one sequence.
     pub chunk: usize,
+}
+
+impl LocalTiming {
+    /// Decode tokens per second at the median step time of steps with `batch` sequences (robust to
+    /// a noisy machine); None when there were no such steps.
+    pub fn median_decode_tok_s(&self, batch: usize) -> Option<f64> {
+        let mut d: Vec<f64> = self
+            .decode_steps
+            .iter()
+            .filter(|(_, n)| *n == batch)
+            .map(|(t, _)| t.as_secs_f64())
+            .collect();
+        if d.is_empty() {
+            return None;
+        }
+        d.sort_by(f64::total_cmp);
+        Some(batch as f64 / d[d.len() / 2])
+    }
 }
 
 impl<'e> LocalRunner<'e> {
@@ -188,6 +208,7 @@ impl<'e> LocalRunner<'e> {
             } else {
                 timing.decode += dt;
                 timing.decode_tokens += res.seqs.len();
+                timing.decode_steps.push((dt, res.seqs.len()));
             }
             for s in res.seqs {
                 let a = &mut act[s.slot as usize];

@@ -133,13 +133,15 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     };
     for (n, slot) in prefills.iter_mut() {
         let n = *n;
-        let mut best = 0f64;
-        for _ in 0..3 {
+        let mut runs = Vec::new();
+        for _ in 0..5 {
             let (_, t) = LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, n, vocab), 1)])?;
-            best = best.max(t.prefill_tokens as f64 / t.prefill.as_secs_f64());
+            runs.push(t.prefill_tokens as f64 / t.prefill.as_secs_f64());
         }
-        **slot = best;
-        say(&format!("prefill {n:>4} tokens: {best:8.1} tok/s"));
+        runs.sort_by(f64::total_cmp);
+        let median = runs[runs.len() / 2];
+        **slot = median;
+        say(&format!("prefill {n:>4} tokens: {median:8.1} tok/s (median of 5)"));
     }
 
     let batches: [(usize, &mut f64); 6] = [
@@ -159,7 +161,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             .map(|_| req(prompt(&mut rng, 128, vocab), steps + 1))
             .collect();
         let (_, t) = LocalRunner::new(&mut engine).run(&reqs)?;
-        *slot = t.decode_tokens as f64 / t.decode.as_secs_f64();
+        *slot = t
+            .median_decode_tok_s(b)
+            .unwrap_or(t.decode_tokens as f64 / t.decode.as_secs_f64());
         say(&format!("decode batch {b:>2}: {:8.1} tok/s aggregate", *slot));
     }
 
@@ -172,7 +176,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         for (ctx, slot) in ctxs {
             let t0 = Instant::now();
             let (_, t) = LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, ctx, vocab), 17)])?;
-            let ms = t.decode.as_secs_f64() * 1000.0 / t.decode_tokens.max(1) as f64;
+            let ms = 1000.0
+                / t.median_decode_tok_s(1)
+                    .unwrap_or(t.decode_tokens.max(1) as f64 / t.decode.as_secs_f64());
             *slot = Some(ms);
             say(&format!(
                 "decode at {ctx:>4} context: {ms:7.2} ms/token (prefill {:.1}s)",

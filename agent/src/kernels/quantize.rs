@@ -44,6 +44,12 @@ pub fn quantize_acts(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, k: usi
     } else {
         (0..rows).for_each(one);
     }
+    // The AMX matmul reads whole 16-row tiles in tile order: lay them out once here, shared by
+    // every matrix this activation multiplies.
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Vnni && rows >= 16 && crate::kernels::matmul::amx::available() {
+        acts.fill_tiles();
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -20,6 +20,9 @@ pub struct QuantizedActs {
     pub s: Vec<f32>,
     /// Per block: sum of the block's int8 values.
     pub isum: Vec<i32>,
+    /// The values of whole 16-row tiles in tile order (`[tile][block][16 rows][32]`), for AMX;
+    /// filled by `fill_tiles` (empty otherwise).
+    pub tiles: Vec<i8>,
 }
 
 impl QuantizedActs {
@@ -41,6 +44,24 @@ impl QuantizedActs {
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
         self.isum.resize(nb, 0);
+        self.tiles.clear();
+    }
+
+    /// Copies the values of the whole 16-row tiles into `tiles` (tile order).
+    pub fn fill_tiles(&mut self) {
+        let k = self.k;
+        let nb = k / QBLOCK;
+        let n_tiles = self.rows / 16;
+        self.tiles.resize(n_tiles * nb * 16 * QBLOCK, 0);
+        for t in 0..n_tiles {
+            for b in 0..nb {
+                for r in 0..16 {
+                    let src = (t * 16 + r) * k + b * QBLOCK;
+                    let dst = ((t * nb + b) * 16 + r) * QBLOCK;
+                    self.tiles[dst..dst + QBLOCK].copy_from_slice(&self.qs[src..src + QBLOCK]);
+                }
+            }
+        }
     }
 
     /// Quantizes `rows` rows of `k` values from `x` (row-major).

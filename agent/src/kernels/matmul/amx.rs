@@ -69,8 +69,9 @@ thread_local! {
     static CONFIGURED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Loads this thread's tile configuration: tmm0 = C (16 x 16 int32), tmm1 = A (16 x 32 bytes),
-/// tmm2 = B (8 x 64 bytes).
+/// Loads this thread's tile configuration: two sets (tmm0-2 and tmm3-5, used for alternate blocks
+/// so one block's product runs while the previous one's sums are scaled) of C (16 x 16 int32),
+/// A (16 x 32 bytes) and B (8 x 64 bytes).
 unsafe fn configure() {
     if CONFIGURED.with(|c| c.get()) {
         return;
@@ -82,20 +83,60 @@ unsafe fn configure() {
         colsb: [0; 16],
         rows: [0; 16],
     };
-    cfg.colsb[0] = 64;
-    cfg.rows[0] = 16;
-    cfg.colsb[1] = QBLOCK as u16;
-    cfg.rows[1] = TILE_ROWS as u8;
-    cfg.colsb[2] = 64;
-    cfg.rows[2] = (QBLOCK / 4) as u8;
+    for set in [0, 3] {
+        cfg.colsb[set] = 64;
+        cfg.rows[set] = 16;
+        cfg.colsb[set + 1] = QBLOCK as u16;
+        cfg.rows[set + 1] = TILE_ROWS as u8;
+        cfg.colsb[set + 2] = 64;
+        cfg.rows[set + 2] = (QBLOCK / 4) as u8;
+    }
     asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileConfig, options(nostack));
     CONFIGURED.with(|c| c.set(true));
 }
 
+/// Double-buffered staging of unpacked weights (B) and block sums (C).
 #[repr(C, align(64))]
 struct Scratch {
-    b: [u8; 512],
-    c: [i32; 256],
+    b: [[u8; 512]; 2],
+    c: [[i32; 256]; 2],
+}
+
+/// The product of block `b` into tile set 0 (even blocks) or 1 (odd blocks).
+macro_rules! block_product {
+    ($set:tt, $bptr:expr, $aptr:expr, $lda:expr) => {
+        block_product!(@emit $set, $bptr, $aptr, $lda)
+    };
+    (@emit 0, $bptr:expr, $aptr:expr, $lda:expr) => {
+        asm!(
+            "tileloadd tmm2, [{b} + {bs}]",
+            "tileloadd tmm1, [{a} + {as_}]",
+            "tilezero tmm0",
+            "tdpbsud tmm0, tmm1, tmm2",
+            b = in(reg) $bptr, bs = in(reg) 64usize, a = in(reg) $aptr, as_ = in(reg) $lda,
+            options(nostack),
+        )
+    };
+    (@emit 1, $bptr:expr, $aptr:expr, $lda:expr) => {
+        asm!(
+            "tileloadd tmm5, [{b} + {bs}]",
+            "tileloadd tmm4, [{a} + {as_}]",
+            "tilezero tmm3",
+            "tdpbsud tmm3, tmm4, tmm5",
+            b = in(reg) $bptr, bs = in(reg) 64usize, a = in(reg) $aptr, as_ = in(reg) $lda,
+            options(nostack),
+        )
+    };
+}
+
+/// Stores the block sums of tile set 0 or 1.
+macro_rules! store_sums {
+    (0, $cptr:expr) => {
+        asm!("tilestored [{c} + {cs}], tmm0", c = in(reg) $cptr, cs = in(reg) 64usize, options(nostack))
+    };
+    (1, $cptr:expr) => {
+        asm!("tilestored [{c} + {cs}], tmm3", c = in(reg) $cptr, cs = in(reg) 64usize, options(nostack))
+    };
 }
 
 /// Runs the full 16-row tiles `0..rows / 16 * 16` of the job's activations.
@@ -131,13 +172,40 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
     let full = job.rows.start + job.rows.len() / TILE_ROWS * TILE_ROWS;
     let low = _mm512_set1_epi8(0x0F);
     let mut scratch = Scratch {
-        b: [0; 512],
-        c: [0; 256],
+        b: [[0; 512]; 2],
+        c: [[0; 256]; 2],
     };
-    let qs = a.qs.as_ptr();
+    // A tiles laid out contiguously ([tile][block][16 rows][32 bytes]) by the quantizer: one tile
+    // load then touches 8 whole cache lines instead of 16 scattered rows.
+    assert!(
+        a.tiles.len() >= a.rows / TILE_ROWS * nb * TILE_ROWS * QBLOCK,
+        "activations were quantized without their AMX tile layout"
+    );
+    let a_tiles = a.tiles.as_ptr();
     let xd = a.d.as_ptr();
     let xs = a.s.as_ptr();
     let xsum = a.isum.as_ptr();
+    // The B tile of block `b`, staged in an aligned buffer: nibbles unpacked, bytes copied (units
+    // are not cache-line aligned, and a tile load of split lines is slow).
+    let b_tile = |gd: *const u8, b: usize, buf: *mut u8| -> *const u8 {
+        let u = gd.add(b * unit);
+        if NIB {
+            for j in 0..4 {
+                let v = _mm512_loadu_si512(u.add(j * 64) as *const _);
+                _mm512_store_si512(buf.add(j * 64) as *mut _, _mm512_and_si512(v, low));
+                _mm512_store_si512(
+                    buf.add((j + 4) * 64) as *mut _,
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), low),
+                );
+            }
+        } else {
+            for c in 0..8 {
+                let v = _mm512_loadu_si512(u.add(c * 64) as *const _);
+                _mm512_store_si512(buf.add(c * 64) as *mut _, v);
+            }
+        }
+        buf
+    };
     for g in job.groups.clone() {
         let valid = (w.n - g * GROUP).min(GROUP);
         let mask: __mmask16 = if valid == GROUP {
@@ -148,38 +216,24 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
         let gd = w.group_data(g).as_ptr();
         for m0 in (job.rows.start..full).step_by(TILE_ROWS) {
             let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+            assert!(m0 % TILE_ROWS == 0, "AMX tiles start at multiples of 16 rows");
+            let tile = m0 / TILE_ROWS;
+            let a_at = |b: usize| a_tiles.add((tile * nb + b) * TILE_ROWS * QBLOCK);
+            // Pipeline: block b+1's product runs on the other tile set while block b is scaled.
+            let bp = b_tile(gd, 0, scratch.b[0].as_mut_ptr());
+            block_product!(0, bp, a_at(0), QBLOCK);
+            store_sums!(0, scratch.c[0].as_mut_ptr());
             for b in 0..nb {
-                let u = gd.add(b * unit);
-                let bptr = if NIB {
-                    for j in 0..4 {
-                        let v = _mm512_loadu_si512(u.add(j * 64) as *const _);
-                        _mm512_store_si512(
-                            scratch.b.as_mut_ptr().add(j * 64) as *mut _,
-                            _mm512_and_si512(v, low),
-                        );
-                        _mm512_store_si512(
-                            scratch.b.as_mut_ptr().add((j + 4) * 64) as *mut _,
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(v), low),
-                        );
+                let cur = b % 2;
+                if b + 1 < nb {
+                    let bp = b_tile(gd, b + 1, scratch.b[1 - cur].as_mut_ptr());
+                    if cur == 0 {
+                        block_product!(1, bp, a_at(b + 1), QBLOCK);
+                    } else {
+                        block_product!(0, bp, a_at(b + 1), QBLOCK);
                     }
-                    scratch.b.as_ptr()
-                } else {
-                    u
-                };
-                asm!(
-                    "tileloadd tmm2, [{b} + {bs}]",
-                    "tileloadd tmm1, [{a} + {as_}]",
-                    "tilezero tmm0",
-                    "tdpbsud tmm0, tmm1, tmm2",
-                    "tilestored [{c} + {cs}], tmm0",
-                    b = in(reg) bptr,
-                    bs = in(reg) 64usize,
-                    a = in(reg) qs.add(m0 * k + b * QBLOCK),
-                    as_ = in(reg) k,
-                    c = in(reg) scratch.c.as_mut_ptr(),
-                    cs = in(reg) 64usize,
-                    options(nostack),
-                );
+                }
+                let u = gd.add(b * unit);
                 let dw = if F16S {
                     _mm512_cvtph_ps(_mm256_loadu_si256(u.add(vb) as *const __m256i))
                 } else {
@@ -194,16 +248,27 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
                 } else {
                     _mm512_setzero_ps()
                 };
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let blk = (m0 + r) * nb + b;
-                    let mut ia = _mm512_load_si512(scratch.c.as_ptr().add(r * 16) as *const _);
-                    if offset != 0 {
-                        ia = _mm512_sub_epi32(ia, _mm512_set1_epi32(offset * *xsum.add(blk)));
-                    }
-                    let sc = _mm512_mul_ps(dw, _mm512_set1_ps(*xd.add(blk)));
-                    *acc_r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sc, *acc_r);
-                    if MIN {
-                        *acc_r = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xs.add(blk)), *acc_r);
+                let sums = scratch.c[cur].as_ptr();
+                macro_rules! scale_row {
+                    ($($r:literal)*) => {$(
+                        let blk = (m0 + $r) * nb + b;
+                        let mut ia = _mm512_load_si512(sums.add($r * 16) as *const _);
+                        if offset != 0 {
+                            ia = _mm512_sub_epi32(ia, _mm512_set1_epi32(offset * *xsum.add(blk)));
+                        }
+                        let sc = _mm512_mul_ps(dw, _mm512_set1_ps(*xd.add(blk)));
+                        acc[$r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sc, acc[$r]);
+                        if MIN {
+                            acc[$r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xs.add(blk)), acc[$r]);
+                        }
+                    )*};
+                }
+                scale_row!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+                if b + 1 < nb {
+                    if cur == 0 {
+                        store_sums!(1, scratch.c[1].as_mut_ptr());
+                    } else {
+                        store_sums!(0, scratch.c[0].as_mut_ptr());
                     }
                 }
             }

@@ -46,8 +46,15 @@ pub fn packed_job(isa: Isa, job: &PackedJob) {
     assert!(job.rows.end <= job.acts.rows);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni if job.rows.len() >= amx::TILE_ROWS && amx::available() => {
+        Isa::Avx512Vnni
+            if job.rows.len() >= amx::TILE_ROWS
+                && job.rows.start % amx::TILE_ROWS == 0
+                && job.w.format.kind == PackKind::Nibble
+                && !job.acts.tiles.is_empty()
+                && amx::available() =>
+        {
             // Whole 16-row tiles on AMX, the remaining rows on AVX-512 (identical arithmetic).
+            // 4-bit weights only: for 8-bit ones the AVX-512 kernel measured faster.
             let full = job.rows.start + job.rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
             unsafe {
                 amx::packed_full_tiles(&PackedJob {
@@ -126,8 +133,9 @@ fn task_count(pool: &ThreadPool, units: usize, rows: usize) -> usize {
     if threads == 1 || units * rows.max(1) < 64 {
         return 1;
     }
-    // A few tasks per thread evens out uneven progress; more only adds dispatch cost.
-    units.min(threads * 4)
+    // Several tasks per thread even out uneven progress (a thread may be descheduled on a busy
+    // machine); more only adds dispatch cost.
+    units.min(threads * 8)
 }
 
 /// Whether a packed matrix's values are 4-bit.

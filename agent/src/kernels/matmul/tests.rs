@@ -31,6 +31,7 @@ fn acts(rows: usize, k: usize, seed: u64) -> (Vec<f32>, QuantizedActs) {
     let x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-2.0, 2.0)).collect();
     let mut a = QuantizedActs::new();
     a.quantize(&x, rows, k);
+    a.fill_tiles();
     (x, a)
 }
 
