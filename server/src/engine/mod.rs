@@ -9,6 +9,8 @@ pub mod handle;
 mod requests;
 pub mod scheduler;
 pub mod stop;
+#[cfg(test)]
+mod tests;
 pub mod types;
 
 pub use agent_thread::{AgentThreadSettings, StepAgent};
