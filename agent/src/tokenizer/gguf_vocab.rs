@@ -161,7 +161,7 @@ fn read_byte_level_bpe(
         })
         .count();
     if missing_bytes > 0 {
-        tracing::warn!(
+        tracing::debug!(
             missing_bytes,
             "byte-level vocabulary lacks some single-byte tokens; text with those bytes loses them"
         );
