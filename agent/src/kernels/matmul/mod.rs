@@ -96,7 +96,7 @@ pub fn matmul(
         WeightMatrix::Packed(p) => {
             assert_eq!(acts.rows, rows);
             let groups = p.groups();
-            let tasks = task_count(pool, groups, rows);
+            let tasks = task_count(pool, groups, rows * p.blocks());
             pool.run(tasks, |t| {
                 let r = crate::threadpool::split_range(groups, tasks, t);
                 packed_job(
@@ -117,7 +117,7 @@ pub fn matmul(
             let k = *k;
             assert!(x_f32.len() >= rows * k);
             let cols = n.div_ceil(16);
-            let tasks = task_count(pool, cols, rows);
+            let tasks = task_count(pool, cols, rows * k.div_ceil(32));
             pool.run(tasks, |t| {
                 let r = crate::threadpool::split_range(cols, tasks, t);
                 let cr = r.start * 16..(r.end * 16).min(n);
@@ -127,15 +127,17 @@ pub fn matmul(
     }
 }
 
-/// How many tasks to cut `units` independent column groups into.
-fn task_count(pool: &ThreadPool, units: usize, rows: usize) -> usize {
+/// How many tasks to cut `units` independent 16-column groups into, when each group costs
+/// `blocks_per_unit` block products (16 x 32 multiply-adds, roughly 10 ns each).
+fn task_count(pool: &ThreadPool, units: usize, blocks_per_unit: usize) -> usize {
     let threads = pool.threads();
-    if threads == 1 || units * rows.max(1) < 64 {
+    let work = units * blocks_per_unit.max(1);
+    if threads == 1 || work < 256 {
         return 1;
     }
-    // Several tasks per thread even out uneven progress (a thread may be descheduled on a busy
-    // machine); more only adds dispatch cost.
-    units.min(threads * 8)
+    // Tasks of at least ~20 us keep claiming cheap; several per thread even out uneven progress
+    // (a thread may be descheduled on a busy machine).
+    (work / 2048).clamp(threads, threads * 8).min(units)
 }
 
 /// Whether a packed matrix's values are 4-bit.
