@@ -13,7 +13,10 @@ pub fn exp_approx(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
     // Clamp so that 2^n stays within f32's exponent range; e^-87 is ~0 for our uses anyway.
     let x = x.clamp(-87.3, 88.3);
-    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let t = x * std::f32::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
+    // The integer n sits in t's low mantissa bits: no float-to-int conversion needed.
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     // r = x - n ln2 in two parts (Cody-Waite): n * 0.693359375 is exact in f32.
     let r = x - n * 0.693_359_4;
     let r = r + n * 2.121_944_4e-4;
@@ -25,7 +28,7 @@ pub fn exp_approx(x: f32) -> f32 {
     p = p * r + 0.5;
     p = p * r + 1.0;
     p = p * r + 1.0;
-    let bits = ((n as i32 + 127) as u32) << 23;
+    let bits = (ni.wrapping_add(127) as u32) << 23;
     p * f32::from_bits(bits)
 }
 
