@@ -269,10 +269,23 @@ fn task_body(t: &Task, s: &mut Scratch) {
     for r in 0..rows {
         let ctx = ctx_of(r);
         let sc = &mut s.scores[r * span..r * span + ctx];
-        let mut max = f32::NEG_INFINITY;
-        for v in sc.iter_mut() {
+        // Scale and maximum, lane-wise so it vectorizes (plain comparisons, no NaN rules).
+        let mut lane_max = [f32::NEG_INFINITY; LANES];
+        let mut chunks = sc.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for j in 0..LANES {
+                c[j] *= t.p.scale;
+                lane_max[j] = if c[j] > lane_max[j] { c[j] } else { lane_max[j] };
+            }
+        }
+        let mut max = lane_max
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+        for v in chunks.into_remainder() {
             *v *= t.p.scale;
-            max = max.max(*v);
+            if *v > max {
+                max = *v;
+            }
         }
         let mut lanes = [0f32; LANES];
         let mut chunks = sc.chunks_exact_mut(LANES);
