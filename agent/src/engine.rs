@@ -13,8 +13,8 @@ use thiserror::Error;
 use crate::backend::cpu::{CpuBackend, CpuConfig};
 use crate::backend::{Backend, SeqMeta, StepMeta};
 use crate::gguf::{GgufError, GgufFile};
-use crate::model::{Model, ModelConfig, ModelError, ModelOptions};
 use crate::kernels::SharedOut;
+use crate::model::{Model, ModelConfig, ModelError, ModelOptions};
 use crate::sampler::{SampleOutput, Sampler, SamplerError, TokenHistory};
 use crate::threadpool::ThreadPool;
 
@@ -160,7 +160,9 @@ impl AgentEngine {
             head_dim: mc.head_dim as u32,
             context_length: mc.context_length as u32,
             eos_ids: eos_ids(&file),
-            bos_id: file.get_u64("tokenizer.ggml.bos_token_id").map(|v| v as u32),
+            bos_id: file
+                .get_u64("tokenizer.ggml.bos_token_id")
+                .map(|v| v as u32),
             backend: model.backend().describe(),
         };
         Ok(Self {
@@ -248,7 +250,9 @@ impl AgentEngine {
         let (slots, logit_seq) = (&self.slots, &self.logit_seq);
         self.pool.run(n, |row| {
             let seq = &plan.seqs[logit_seq[row]];
-            let slot = slots[seq.slot as usize].as_ref().expect("checked in build_meta");
+            let slot = slots[seq.slot as usize]
+                .as_ref()
+                .expect("checked in build_meta");
             // SAFETY: each task samples its own logits row.
             let row_logits = unsafe { logits.rows(row..row + 1, vocab) };
             let gen_index = slot.history.n_generated();

@@ -93,7 +93,10 @@ impl<'e> LocalRunner<'e> {
 
     /// Runs all requests to completion (every sequence is admitted at once: the caller keeps the
     /// batch within the engine's slots and blocks).
-    pub fn run(&mut self, reqs: &[LocalRequest]) -> Result<(Vec<LocalOutput>, LocalTiming), EngineError> {
+    pub fn run(
+        &mut self,
+        reqs: &[LocalRequest],
+    ) -> Result<(Vec<LocalOutput>, LocalTiming), EngineError> {
         self.run_with(reqs, &mut |_, _| {})
     }
 

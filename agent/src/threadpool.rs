@@ -99,7 +99,8 @@ impl ThreadPool {
         let s = &*self.shared;
         // SAFETY: the lifetime is erased only for the workers; a worker calls the job only after
         // claiming a task of this generation, and we return only after every task is done.
-        let job: &'static Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static Job>(f) };
+        let job: &'static Job =
+            unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static Job>(f) };
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(job as *const Job));
         s.done.store(0, Ordering::Relaxed);
         let gen = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xFFFF_FFFF;
@@ -163,7 +164,7 @@ fn worker(s: Arc<Shared>) {
                 return;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
                 let mut sleeping = s.sleeping.lock().unwrap_or_else(|e| e.into_inner());
                 *sleeping += 1;
                 while s.state.load(Ordering::Acquire) >> 32 == seen_gen
@@ -197,7 +198,11 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         {
-            let _sleeping = self.shared.sleeping.lock().unwrap_or_else(|e| e.into_inner());
+            let _sleeping = self
+                .shared
+                .sleeping
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
         }
         for w in self.workers.drain(..) {

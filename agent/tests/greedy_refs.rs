@@ -19,7 +19,10 @@ fn greedy(prompt: &[u32], n: usize, delay: usize) -> LocalRequest {
 }
 
 fn check_prefix(r: &Ref, got: &[u32], what: &str) {
-    let n = r.first_near_tie.unwrap_or(r.output_ids.len()).min(got.len());
+    let n = r
+        .first_near_tie
+        .unwrap_or(r.output_ids.len())
+        .min(got.len());
     assert_eq!(
         &got[..n],
         &r.output_ids[..n],
@@ -66,7 +69,11 @@ fn batching_and_chunking_do_not_change_tokens() {
     assert!(timing.steps > 24, "the batch ran in {} steps", timing.steps);
     for (i, o) in out.iter().enumerate() {
         let got: Vec<u32> = o.tokens.iter().map(|t| t.token).collect();
-        assert_eq!(got, alone[i], "prompt {:?} batched vs alone", refs[i].prompt);
+        assert_eq!(
+            got, alone[i],
+            "prompt {:?} batched vs alone",
+            refs[i].prompt
+        );
         check_prefix(&refs[i], &got, "batched");
     }
 }

@@ -6,15 +6,13 @@ use std::sync::Arc;
 
 use half::f16;
 
-use super::{
-    AttnGeometry, Backend, BackendError, KvSpec, StepMeta, TensorPart,
-};
+use super::{AttnGeometry, Backend, BackendError, KvSpec, StepMeta, TensorPart};
 use crate::gguf::GgmlType;
 use crate::kernels::attention::{self, AttnParams, AttnSeq, KvLayout};
 use crate::kernels::elementwise;
+use crate::kernels::elementwise::Rope;
 use crate::kernels::matmul;
 use crate::kernels::quantize::quantize_acts;
-use crate::kernels::elementwise::Rope;
 use crate::kernels::{Isa, SharedOut};
 use crate::quant::ggml::dequantize_row;
 use crate::quant::{QuantizedActs, WeightMatrix};
@@ -293,15 +291,24 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let k = w.k();
         if let WeightMatrix::Packed(_) = w {
-            quantize_acts(&self.pool, self.isa, &x[..rows * k], rows, k, &mut self.acts);
+            quantize_acts(
+                &self.pool,
+                self.isa,
+                &x[..rows * k],
+                rows,
+                k,
+                &mut self.acts,
+            );
         }
         matmul::matmul(
             &self.pool,
             self.isa,
             w,
-            &x[..rows * k],
-            &self.acts,
-            rows,
+            matmul::MatmulInput {
+                f32: &x[..rows * k],
+                quantized: &self.acts,
+                rows,
+            },
             &mut out[col0..],
             ldo,
         );
@@ -323,14 +330,20 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rope(&mut self, qkv: &mut Vec<f32>, ld: usize, g: &AttnGeometry) -> Result<(), BackendError> {
+    fn rope(
+        &mut self,
+        qkv: &mut Vec<f32>,
+        ld: usize,
+        g: &AttnGeometry,
+    ) -> Result<(), BackendError> {
         let hd = g.head_dim;
         let dims = g.rope.dims;
         // The angles depend on the position only: computed once per step, used by every layer.
         if self.rope_for != Some((g.rope, self.step_serial)) {
             self.rope_cs.resize(self.step.positions.len() * dims, 0.0);
             for (r, &pos) in self.step.positions.iter().enumerate() {
-                g.rope.angles(pos, &mut self.rope_cs[r * dims..(r + 1) * dims]);
+                g.rope
+                    .angles(pos, &mut self.rope_cs[r * dims..(r + 1) * dims]);
             }
             self.rope_for = Some((g.rope, self.step_serial));
         }
@@ -341,7 +354,8 @@ impl Backend for CpuBackend {
         self.par_rows(rows, |rr| {
             for r in rr {
                 // SAFETY: each task rotates its own rows.
-                let row = unsafe { std::slice::from_raw_parts_mut(o.ptr().add(r * ld), heads * hd) };
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(o.ptr().add(r * ld), heads * hd) };
                 g.rope.apply(row, heads, hd, &cs[r * dims..(r + 1) * dims]);
             }
         });

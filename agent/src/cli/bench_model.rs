@@ -71,7 +71,9 @@ impl SplitMix {
 
 fn prompt(rng: &mut SplitMix, n: usize, vocab: u32) -> Vec<u32> {
     // Ordinary token ids, away from the special tokens at the start of the vocabulary.
-    (0..n).map(|_| 100 + (rng.next() % (vocab as u64 - 100)) as u32).collect()
+    (0..n)
+        .map(|_| 100 + (rng.next() % (vocab as u64 - 100)) as u32)
+        .collect()
 }
 
 fn req(p: Vec<u32>, n: usize) -> LocalRequest {
@@ -129,19 +131,25 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     let prefills: &mut [(usize, &mut f64)] = if args.skip_prefill {
         &mut []
     } else {
-        &mut [(128usize, &mut rep.prefill_tok_s_128), (512, &mut rep.prefill_tok_s_512)]
+        &mut [
+            (128usize, &mut rep.prefill_tok_s_128),
+            (512, &mut rep.prefill_tok_s_512),
+        ]
     };
     for (n, slot) in prefills.iter_mut() {
         let n = *n;
         let mut runs = Vec::new();
         for _ in 0..5 {
-            let (_, t) = LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, n, vocab), 1)])?;
+            let (_, t) =
+                LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, n, vocab), 1)])?;
             runs.push(t.prefill_tokens as f64 / t.prefill.as_secs_f64());
         }
         runs.sort_by(f64::total_cmp);
         let median = runs[runs.len() / 2];
         **slot = median;
-        say(&format!("prefill {n:>4} tokens: {median:8.1} tok/s (median of 5)"));
+        say(&format!(
+            "prefill {n:>4} tokens: {median:8.1} tok/s (median of 5)"
+        ));
     }
 
     let batches: [(usize, &mut f64); 6] = [
@@ -156,7 +164,11 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         if !args.batches.contains(&b) {
             continue;
         }
-        let steps = if b == 1 { args.decode_steps.max(128) } else { args.decode_steps };
+        let steps = if b == 1 {
+            args.decode_steps.max(128)
+        } else {
+            args.decode_steps
+        };
         let reqs: Vec<LocalRequest> = (0..b)
             .map(|_| req(prompt(&mut rng, 128, vocab), steps + 1))
             .collect();
@@ -164,7 +176,10 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         *slot = t
             .median_decode_tok_s(b)
             .unwrap_or(t.decode_tokens as f64 / t.decode.as_secs_f64());
-        say(&format!("decode batch {b:>2}: {:8.1} tok/s aggregate", *slot));
+        say(&format!(
+            "decode batch {b:>2}: {:8.1} tok/s aggregate",
+            *slot
+        ));
     }
 
     if long {
@@ -175,7 +190,8 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         ];
         for (ctx, slot) in ctxs {
             let t0 = Instant::now();
-            let (_, t) = LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, ctx, vocab), 17)])?;
+            let (_, t) =
+                LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, ctx, vocab), 17)])?;
             let ms = 1000.0
                 / t.median_decode_tok_s(1)
                     .unwrap_or(t.decode_tokens.max(1) as f64 / t.decode.as_secs_f64());

@@ -110,7 +110,12 @@ pub fn score_ids(
                 }
             }
             let max = row[best] as f64;
-            let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&v| (v as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             ScoredPosition {
                 top1_id: best as u32,
                 gap: row[best] - row[second],
@@ -126,7 +131,12 @@ pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::for_model(&gguf, &model_path).context("building the tokenizer")?;
     let prompt_ids = tok.encode(&args.prompt)?;
     drop(gguf);
-    let positions = score_ids(&model_path, args.threads, &prompt_ids, &args.continuation_ids)?;
+    let positions = score_ids(
+        &model_path,
+        args.threads,
+        &prompt_ids,
+        &args.continuation_ids,
+    )?;
     if args.json {
         println!(
             "{}",
@@ -136,7 +146,10 @@ pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
             })?
         );
     } else {
-        println!("{:>4} {:>8} {:>8} {:>8} {:>10}", "pos", "given", "top1", "gap", "logprob");
+        println!(
+            "{:>4} {:>8} {:>8} {:>8} {:>10}",
+            "pos", "given", "top1", "gap", "logprob"
+        );
         for (i, (p, id)) in positions.iter().zip(&args.continuation_ids).enumerate() {
             println!(
                 "{i:>4} {id:>8} {:>8} {:>8.4} {:>10.4}",

@@ -493,9 +493,15 @@ impl GgufFile {
             })?;
             let mut n_el: u64 = 1;
             for &d in &r.dims {
-                n_el = n_el.checked_mul(d).filter(|&n| d > 0 && n < (1 << 40)).ok_or_else(|| {
-                    c.corrupt(format!("tensor {:?} has bad dimensions {:?}", r.name, r.dims))
-                })?;
+                n_el = n_el
+                    .checked_mul(d)
+                    .filter(|&n| d > 0 && n < (1 << 40))
+                    .ok_or_else(|| {
+                        c.corrupt(format!(
+                            "tensor {:?} has bad dimensions {:?}",
+                            r.name, r.dims
+                        ))
+                    })?;
             }
             let row = r.dims[0] as usize;
             let row_bytes = ty.row_bytes(row).ok_or_else(|| {

@@ -51,14 +51,18 @@ pub fn kv_write(
 ) {
     let hd = lay.head_dim;
     for (i, &slot) in slots.iter().enumerate() {
-        let (block, t) = (slot as usize / lay.block_size, slot as usize % lay.block_size);
+        let (block, t) = (
+            slot as usize / lay.block_size,
+            slot as usize % lay.block_size,
+        );
         let row = &kv[i * ld..];
         for kvh in 0..lay.n_kv_heads {
             for d in 0..hd {
                 k_cache[lay.k_at(block, kvh, d, t)] = f16::from_f32(row[k_col + kvh * hd + d]);
             }
             let v0 = lay.v_at(block, kvh, t, 0);
-            v_cache[v0..v0 + hd].convert_from_f32_slice(&row[v_col + kvh * hd..v_col + (kvh + 1) * hd]);
+            v_cache[v0..v0 + hd]
+                .convert_from_f32_slice(&row[v_col + kvh * hd..v_col + (kvh + 1) * hd]);
         }
     }
 }
@@ -275,7 +279,11 @@ fn task_body(t: &Task, s: &mut Scratch) {
         for c in &mut chunks {
             for j in 0..LANES {
                 c[j] *= t.p.scale;
-                lane_max[j] = if c[j] > lane_max[j] { c[j] } else { lane_max[j] };
+                lane_max[j] = if c[j] > lane_max[j] {
+                    c[j]
+                } else {
+                    lane_max[j]
+                };
             }
         }
         let mut max = lane_max

@@ -151,7 +151,8 @@ unsafe fn pv_generic(
         for j in 0..d16 {
             let mut a = _mm512_loadu_ps(o.as_ptr().add(r * hd + j * 16));
             for t in 0..n_t {
-                let vv = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(t * hd + j * 16) as *const __m256i));
+                let vv =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(v.add(t * hd + j * 16) as *const __m256i));
                 a = _mm512_fmadd_ps(_mm512_set1_ps(*p.add(r * stride + t)), vv, a);
             }
             _mm512_storeu_ps(o.as_mut_ptr().add(r * hd + j * 16), a);

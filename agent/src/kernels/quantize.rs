@@ -9,7 +9,14 @@ use crate::quant::acts::{quantize_row, QuantizedActs, QBLOCK};
 use crate::threadpool::ThreadPool;
 
 /// Quantizes `rows` rows of `k` values of `x` into `acts`.
-pub fn quantize_acts(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, k: usize, acts: &mut QuantizedActs) {
+pub fn quantize_acts(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    acts: &mut QuantizedActs,
+) {
     acts.resize(rows, k);
     let nb = k / QBLOCK;
     let qs = SharedOut(acts.qs.as_mut_ptr() as *mut f32);

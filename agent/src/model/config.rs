@@ -52,9 +52,9 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     pub fn from_gguf(f: &GgufFile) -> Result<Self, ModelError> {
-        let arch_name = f
-            .get_str("general.architecture")
-            .ok_or_else(|| ModelError::Gguf(GgufError::MissingKey("general.architecture".into())))?;
+        let arch_name = f.get_str("general.architecture").ok_or_else(|| {
+            ModelError::Gguf(GgufError::MissingKey("general.architecture".into()))
+        })?;
         let arch = Arch::from_name(arch_name).ok_or_else(|| {
             ModelError::Unsupported(format!(
                 "architecture {arch_name:?} (supported: llama, mistral, qwen2)"
@@ -79,7 +79,7 @@ impl ModelConfig {
             .get_u64(&key("attention.key_length"))
             .map(|v| v as usize)
             .unwrap_or(hidden / n_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(ModelError::Inconsistent(format!(
                 "head dimension {head_dim} must be even and non-zero"
             )));
@@ -103,7 +103,7 @@ impl ModelConfig {
             .get_u64(&key("rope.dimension_count"))
             .map(|v| v as usize)
             .unwrap_or(head_dim);
-        if rope_dims > head_dim || rope_dims % 2 != 0 {
+        if rope_dims > head_dim || !rope_dims.is_multiple_of(2) {
             return Err(ModelError::Inconsistent(format!(
                 "rope dimension count {rope_dims} does not fit head dimension {head_dim}"
             )));

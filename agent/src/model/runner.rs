@@ -44,8 +44,14 @@ pub struct Model<B: Backend> {
 impl<B: Backend> Model<B> {
     pub fn load(f: &GgufFile, mut backend: B, opts: ModelOptions) -> Result<Self, ModelError> {
         let cfg = ModelConfig::from_gguf(f)?;
-        if opts.max_tokens == 0 || opts.max_logit_rows == 0 || opts.num_blocks == 0 || opts.block_size == 0 {
-            return Err(ModelError::BadStep(format!("model options must be non-zero: {opts:?}")));
+        if opts.max_tokens == 0
+            || opts.max_logit_rows == 0
+            || opts.num_blocks == 0
+            || opts.block_size == 0
+        {
+            return Err(ModelError::BadStep(format!(
+                "model options must be non-zero: {opts:?}"
+            )));
         }
         let weights = Weights::load(f, &cfg, &mut backend)?;
         backend.init_kv(KvSpec {
@@ -121,7 +127,14 @@ impl<B: Backend> Model<B> {
             b.matmul(&bufs.attn, t, &layer.wo, &mut bufs.tmp, 0, h)?;
             b.add_assign(&mut bufs.x, &bufs.tmp, t * h)?;
             b.rms_norm(&bufs.x, &layer.ffn_norm, h, cfg.rms_eps, t, &mut bufs.xn)?;
-            project(b, &bufs.xn, t, &layer.gate_up, &mut bufs.gate_up, 2 * cfg.ff)?;
+            project(
+                b,
+                &bufs.xn,
+                t,
+                &layer.gate_up,
+                &mut bufs.gate_up,
+                2 * cfg.ff,
+            )?;
             b.swiglu(&bufs.gate_up, cfg.ff, t, &mut bufs.h)?;
             b.matmul(&bufs.h, t, &layer.down, &mut bufs.tmp, 0, h)?;
             b.add_assign(&mut bufs.x, &bufs.tmp, t * h)?;
@@ -146,7 +159,10 @@ impl<B: Backend> Model<B> {
             return bad("a step needs at least one token".into());
         }
         if t > self.opts.max_tokens {
-            return bad(format!("{t} tokens exceed the step capacity {}", self.opts.max_tokens));
+            return bad(format!(
+                "{t} tokens exceed the step capacity {}",
+                self.opts.max_tokens
+            ));
         }
         if m.positions.len() != t || m.slot_mapping.len() != t {
             return bad("positions and slot mapping must have one entry per token".into());
@@ -167,7 +183,9 @@ impl<B: Backend> Model<B> {
         let mut next_row = 0u32;
         for (i, s) in m.seqs.iter().enumerate() {
             if s.q_row != next_row || s.n_q == 0 {
-                return bad(format!("sequence {i}: rows must be consecutive and non-empty"));
+                return bad(format!(
+                    "sequence {i}: rows must be consecutive and non-empty"
+                ));
             }
             next_row += s.n_q;
             let end = s.start_pos as usize + s.n_q as usize;
@@ -181,7 +199,10 @@ impl<B: Backend> Model<B> {
                 let row = s.q_row as usize + j;
                 let pos = s.start_pos as usize + j;
                 if m.positions[row] as usize != pos {
-                    return bad(format!("sequence {i}: token {j} has position {} not {pos}", m.positions[row]));
+                    return bad(format!(
+                        "sequence {i}: token {j} has position {} not {pos}",
+                        m.positions[row]
+                    ));
                 }
                 let block = m.block_tables[i * m.max_blocks + pos / self.opts.block_size] as usize;
                 let want = block * self.opts.block_size + pos % self.opts.block_size;

@@ -57,7 +57,12 @@ fn tensor<'a>(
     Ok((info, data))
 }
 
-fn part<'a>(f: &'a GgufFile, name: &str, k: usize, rows: usize) -> Result<TensorPart<'a>, ModelError> {
+fn part<'a>(
+    f: &'a GgufFile,
+    name: &str,
+    k: usize,
+    rows: usize,
+) -> Result<TensorPart<'a>, ModelError> {
     let (info, data) = tensor(f, name, &[k, rows])?;
     Ok(TensorPart {
         ty: info.ty,
@@ -80,7 +85,11 @@ fn vector<B: Backend>(
     Ok(buf)
 }
 
-fn matrix<B: Backend>(b: &mut B, parts: &[TensorPart], k: usize) -> Result<Proj<B::Matrix>, ModelError> {
+fn matrix<B: Backend>(
+    b: &mut B,
+    parts: &[TensorPart],
+    k: usize,
+) -> Result<Proj<B::Matrix>, ModelError> {
     if let Some(m) = b.load_matrix(parts, k)? {
         return Ok(Proj::Fused(m));
     }

@@ -36,7 +36,10 @@ impl QuantizedActs {
 
     /// Sizes the buffers for `rows` rows of `k` values (k a multiple of 32).
     pub fn resize(&mut self, rows: usize, k: usize) {
-        assert!(k % QBLOCK == 0, "activation row length {k} is not a multiple of 32");
+        assert!(
+            k.is_multiple_of(QBLOCK),
+            "activation row length {k} is not a multiple of 32"
+        );
         self.rows = rows;
         self.k = k;
         let nb = rows * k / QBLOCK;
@@ -98,7 +101,11 @@ pub fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum
         for (q, v) in qb.iter_mut().zip(xb) {
             let r = (v * id).round_ties_even();
             // NaN becomes 0 and infinities saturate: a poisoned activation must not be UB.
-            let qi = if r.is_nan() { 0 } else { r.clamp(-127.0, 127.0) as i32 };
+            let qi = if r.is_nan() {
+                0
+            } else {
+                r.clamp(-127.0, 127.0) as i32
+            };
             *q = qi as i8;
             sum += qi;
         }
@@ -114,7 +121,9 @@ mod tests {
 
     #[test]
     fn dequantized_values_are_close() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37)
+            .collect();
         let mut a = QuantizedActs::new();
         a.quantize(&x, 1, 64);
         for b in 0..2 {

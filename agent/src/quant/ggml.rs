@@ -232,11 +232,7 @@ fn q3_k(b: &[u8], y: &mut [f32]) {
     // Unpack sixteen 6-bit scales: low 4 bits from bytes 0..8, high 2 bits from bytes 8..12.
     let mut scales = [0i32; 16];
     for (i, s) in scales.iter_mut().enumerate() {
-        let low = if i < 8 {
-            sb[i] & 0x0F
-        } else {
-            sb[i - 8] >> 4
-        };
+        let low = if i < 8 { sb[i] & 0x0F } else { sb[i - 8] >> 4 };
         let high = (sb[8 + i % 4] >> (2 * (i / 4))) & 3;
         *s = (low | (high << 4)) as i32 - 32;
     }

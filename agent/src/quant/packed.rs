@@ -138,7 +138,11 @@ pub struct PackedMatrix {
 pub enum WeightMatrix {
     Packed(PackedMatrix),
     /// Row-major f32 (from F32/F16/BF16 tensors).
-    F32 { n: usize, k: usize, data: Vec<f32> },
+    F32 {
+        n: usize,
+        k: usize,
+        data: Vec<f32>,
+    },
 }
 
 impl WeightMatrix {
@@ -188,7 +192,7 @@ impl WeightMatrix {
                 Some(Self::F32 { n, k, data })
             }
             Some((format, _)) => {
-                if k % QBLOCK != 0 {
+                if !k.is_multiple_of(QBLOCK) {
                     return None;
                 }
                 let mut lossy = false;
@@ -224,7 +228,7 @@ struct RowBlock {
 
 impl PackedMatrix {
     pub fn zeroed(n: usize, k: usize, format: PackFormat, lossy: bool) -> Self {
-        assert!(k % QBLOCK == 0);
+        assert!(k.is_multiple_of(QBLOCK));
         let groups = n.div_ceil(GROUP);
         let bytes = groups * (k / QBLOCK) * format.unit_bytes();
         Self {
@@ -347,7 +351,11 @@ pub fn unit_scale_min(f: PackFormat, u: &[u8], i: usize) -> (f32, f32) {
 pub fn unit_value(f: PackFormat, u: &[u8], i: usize, kk: usize) -> u8 {
     match f.kind {
         PackKind::Nibble => {
-            let (j, hi) = if kk < 16 { (kk / 4, false) } else { ((kk - 16) / 4, true) };
+            let (j, hi) = if kk < 16 {
+                (kk / 4, false)
+            } else {
+                ((kk - 16) / 4, true)
+            };
             let byte = u[j * 64 + i * 4 + kk % 4];
             if hi {
                 byte >> 4

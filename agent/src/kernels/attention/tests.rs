@@ -10,8 +10,18 @@ struct Case {
 }
 
 /// Dense reference: for query row at position `pos`, attend to keys 0..=pos.
-fn dense(q: &[f32], keys: &[Vec<f32>], vals: &[Vec<f32>], pos: usize, hd: usize, scale: f32) -> Vec<f32> {
-    let q16: Vec<f64> = q.iter().map(|&v| f16::from_f32(v).to_f32() as f64).collect();
+fn dense(
+    q: &[f32],
+    keys: &[Vec<f32>],
+    vals: &[Vec<f32>],
+    pos: usize,
+    hd: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let q16: Vec<f64> = q
+        .iter()
+        .map(|&v| f16::from_f32(v).to_f32() as f64)
+        .collect();
     let scores: Vec<f64> = (0..=pos)
         .map(|j| (0..hd).map(|d| q16[d] * keys[j][d] as f64).sum::<f64>() * scale as f64)
         .collect();
@@ -19,7 +29,11 @@ fn dense(q: &[f32], keys: &[Vec<f32>], vals: &[Vec<f32>], pos: usize, hd: usize,
     let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
     let sum: f64 = e.iter().sum();
     (0..hd)
-        .map(|d| (0..=pos).map(|j| e[j] / sum * vals[j][d] as f64).sum::<f64>() as f32)
+        .map(|d| {
+            (0..=pos)
+                .map(|j| e[j] / sum * vals[j][d] as f64)
+                .sum::<f64>() as f32
+        })
         .collect()
 }
 
@@ -72,14 +86,32 @@ fn paged_matches_dense_for_mixed_sequences() {
             let slot = table[pos / bs] * bs as u32 + (pos % bs) as u32;
             let kv_cols = (c.n_heads * hd, (c.n_heads + nkv) * hd);
             if pos < hist {
-                kv_write(&c.lay, &kv_row, ld, kv_cols.0, kv_cols.1, &[slot], &mut k_cache, &mut v_cache);
+                kv_write(
+                    &c.lay,
+                    &kv_row,
+                    ld,
+                    kv_cols.0,
+                    kv_cols.1,
+                    &[slot],
+                    &mut k_cache,
+                    &mut v_cache,
+                );
             } else {
                 let r = row + pos - hist;
                 qkv[r * ld..(r + 1) * ld].copy_from_slice(&kv_row);
                 for x in &mut qkv[r * ld..r * ld + c.n_heads * hd] {
                     *x = rng.uniform(-2.0, 2.0);
                 }
-                kv_write(&c.lay, &kv_row, ld, kv_cols.0, kv_cols.1, &[slot], &mut k_cache, &mut v_cache);
+                kv_write(
+                    &c.lay,
+                    &kv_row,
+                    ld,
+                    kv_cols.0,
+                    kv_cols.1,
+                    &[slot],
+                    &mut k_cache,
+                    &mut v_cache,
+                );
             }
         }
         tables.push(table);
@@ -106,7 +138,9 @@ fn paged_matches_dense_for_mixed_sequences() {
     let ldo = c.n_heads * hd;
     for isa in Isa::available() {
         let mut out = vec![0f32; total_new * ldo];
-        paged_attention(&pool, isa, &p, &qkv, ld, &seqs, &k_cache, &v_cache, &mut out, ldo);
+        paged_attention(
+            &pool, isa, &p, &qkv, ld, &seqs, &k_cache, &v_cache, &mut out, ldo,
+        );
         for (i, s) in seqs.iter().enumerate() {
             for tq in 0..s.n_q {
                 let r = s.q_row + tq;

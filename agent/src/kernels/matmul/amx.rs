@@ -47,7 +47,13 @@ fn request_permission() -> bool {
     const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: a plain syscall asking the kernel to allow AMX tile state for this process.
-    let r = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
     r == 0
 }
 
@@ -216,7 +222,10 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
         let gd = w.group_data(g).as_ptr();
         for m0 in (job.rows.start..full).step_by(TILE_ROWS) {
             let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
-            assert!(m0 % TILE_ROWS == 0, "AMX tiles start at multiples of 16 rows");
+            assert!(
+                m0 % TILE_ROWS == 0,
+                "AMX tiles start at multiples of 16 rows"
+            );
             let tile = m0 / TILE_ROWS;
             let a_at = |b: usize| a_tiles.add((tile * nb + b) * TILE_ROWS * QBLOCK);
             // Pipeline: block b+1's product runs on the other tile set while block b is scaled.

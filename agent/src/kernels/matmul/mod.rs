@@ -3,16 +3,16 @@
 //! once and reuse it across up to `MR` activation rows, which is what makes prefill and batched
 //! decode fast. Work is split over output-row groups across the thread pool.
 
-mod f32mm;
-mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod f32mm;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+mod scalar;
 #[cfg(test)]
 mod tests;
 
@@ -42,13 +42,16 @@ pub struct PackedJob<'a> {
 /// Runs one packed job with the given instruction set (falls back to scalar when `isa` is not
 /// compiled for this target).
 pub fn packed_job(isa: Isa, job: &PackedJob) {
-    assert_eq!(job.acts.k, job.w.k, "activation and weight inner dimensions differ");
+    assert_eq!(
+        job.acts.k, job.w.k,
+        "activation and weight inner dimensions differ"
+    );
     assert!(job.rows.end <= job.acts.rows);
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni
             if job.rows.len() >= amx::TILE_ROWS
-                && job.rows.start % amx::TILE_ROWS == 0
+                && job.rows.start.is_multiple_of(amx::TILE_ROWS)
                 && job.w.format.kind == PackKind::Nibble
                 && !job.acts.tiles.is_empty()
                 && amx::available() =>
@@ -77,19 +80,26 @@ pub fn packed_job(isa: Isa, job: &PackedJob) {
     }
 }
 
-/// `out[m * ldo + n] = x[m] . w[n]` for all rows of `acts` and all rows of `w`, in parallel.
-/// `x_f32` is the unquantized input (used by f32 weights); `acts` its quantized form (used by packed
-/// weights; may be stale/empty for f32 weights).
+/// The input rows of a matmul in both forms.
+#[derive(Clone, Copy)]
+pub struct MatmulInput<'a> {
+    /// Unquantized rows (used by f32 weights).
+    pub f32: &'a [f32],
+    /// The same rows quantized (used by packed weights; may be stale or empty for f32 weights).
+    pub quantized: &'a QuantizedActs,
+    pub rows: usize,
+}
+
+/// `out[m * ldo + n] = x[m] . w[n]` for all input rows and all rows of `w`, in parallel.
 pub fn matmul(
     pool: &ThreadPool,
     isa: Isa,
     w: &WeightMatrix,
-    x_f32: &[f32],
-    acts: &QuantizedActs,
-    rows: usize,
+    x: MatmulInput,
     out: &mut [f32],
     ldo: usize,
 ) {
+    let (x_f32, acts, rows) = (x.f32, x.quantized, x.rows);
     assert!(out.len() >= (rows.max(1) - 1) * ldo + w.n());
     let out_ptr = SharedOut(out.as_mut_ptr());
     match w {

@@ -116,7 +116,11 @@ fn simd_kernels_match_scalar_bit_for_bit() {
             (16, 48, 512),
             (37, 21, 256),
         ] {
-            let k = if ty.block_len() == 256 { k.max(256) / 256 * 256 } else { k };
+            let k = if ty.block_len() == 256 {
+                k.max(256) / 256 * 256
+            } else {
+                k
+            };
             let w = packed(ty, n, k, 21);
             let (_, a) = acts(rows, k, 4);
             let want = run(Isa::Scalar, &w, &a, n + 3);
@@ -151,7 +155,18 @@ fn parallel_matmul_matches_single_job() {
         let w = WeightMatrix::Packed(packed(GgmlType::Q4_1, n, k, 2));
         let (x, a) = acts(rows, k, 3);
         let mut par = vec![0f32; rows * n];
-        matmul(&pool, Isa::active(), &w, &x, &a, rows, &mut par, n);
+        matmul(
+            &pool,
+            Isa::active(),
+            &w,
+            MatmulInput {
+                f32: &x,
+                quantized: &a,
+                rows,
+            },
+            &mut par,
+            n,
+        );
         let WeightMatrix::Packed(p) = &w else {
             unreachable!()
         };
@@ -174,7 +189,18 @@ fn f32_weights_match_naive() {
     for isa in Isa::available() {
         let mut out = vec![0f32; rows * n];
         let empty = QuantizedActs::new();
-        matmul(&pool, isa, &w, &x, &empty, rows, &mut out, n);
+        matmul(
+            &pool,
+            isa,
+            &w,
+            MatmulInput {
+                f32: &x,
+                quantized: &empty,
+                rows,
+            },
+            &mut out,
+            n,
+        );
         for m in 0..rows {
             for nn in 0..n {
                 let want: f32 = (0..k).map(|kk| x[m * k + kk] * data[nn * k + kk]).sum();

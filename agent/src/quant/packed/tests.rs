@@ -66,11 +66,10 @@ fn fused_parts_stack_rows() {
     let k = 64;
     let a = random_ggml_rows(GgmlType::Q4_1, 32, k, 1);
     let b = random_ggml_rows(GgmlType::Q4_1, 16, k, 2);
-    let WeightMatrix::Packed(m) = WeightMatrix::from_ggml_parts(
-        &[(GgmlType::Q4_1, &a, 32), (GgmlType::Q4_1, &b, 16)],
-        k,
-    )
-    .unwrap() else {
+    let WeightMatrix::Packed(m) =
+        WeightMatrix::from_ggml_parts(&[(GgmlType::Q4_1, &a, 32), (GgmlType::Q4_1, &b, 16)], k)
+            .unwrap()
+    else {
         panic!()
     };
     assert_eq!(m.n, 48);
