@@ -6,6 +6,6 @@ pub mod shm;
 pub mod step;
 
 pub use step::{
-    Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming,
-    TokenLogprob, MAX_TOP_N,
+    Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,
+    MAX_TOP_N,
 };
