@@ -116,20 +116,33 @@ pub fn paged_attention(
     out: &mut [f32],
     ldo: usize,
 ) {
+    let group = p.n_heads / p.lay.n_kv_heads;
     let mut tasks = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
         for kvh in 0..p.lay.n_kv_heads {
             let mut t0 = 0;
             while t0 < s.n_q {
                 let t1 = (t0 + TOKENS_PER_TASK).min(s.n_q);
-                tasks.push((si, kvh, t0, t1));
+                tasks.push((si, kvh, t0, t1, 0, group));
                 t0 = t1;
             }
         }
     }
+    // Few tasks (one sequence decoding, say): give each query head of a group its own task so
+    // every thread has work; they then share K/V block reads through the cache instead — only
+    // while the history is short enough to stay cached (else it would be read from memory again).
+    let max_ctx = seqs.iter().map(|s| s.start_pos + s.n_q).max().unwrap_or(0);
+    if tasks.len() < 2 * pool.threads() && group > 1 && max_ctx <= 1024 {
+        tasks = tasks
+            .into_iter()
+            .flat_map(|(si, kvh, t0, t1, _, _)| {
+                (0..group).map(move |g| (si, kvh, t0, t1, g, g + 1))
+            })
+            .collect();
+    }
     let out_ptr = SharedOut(out.as_mut_ptr());
     pool.run(tasks.len(), |ti| {
-        let (si, kvh, t0, t1) = tasks[ti];
+        let (si, kvh, t0, t1, g0, g1) = tasks[ti];
         let task = Task {
             isa,
             p,
@@ -139,6 +152,8 @@ pub fn paged_attention(
             kvh,
             t0,
             t1,
+            g0,
+            g1,
             k_cache,
             v_cache,
             out: out_ptr,
@@ -157,6 +172,9 @@ struct Task<'a> {
     kvh: usize,
     t0: usize,
     t1: usize,
+    /// Query heads `g0..g1` of the KV head's group.
+    g0: usize,
+    g1: usize,
     k_cache: &'a [f16],
     v_cache: &'a [f16],
     out: SharedOut,
@@ -195,8 +213,9 @@ fn task_body(t: &Task, s: &mut Scratch) {
     let lay = t.p.lay;
     let (hd, bs) = (lay.head_dim, lay.block_size);
     let group = t.p.n_heads / lay.n_kv_heads;
+    let ng = t.g1 - t.g0;
     let n_tok = t.t1 - t.t0;
-    let rows = n_tok * group;
+    let rows = n_tok * ng;
     let max_ctx = t.seq.start_pos + t.t1;
     let n_blocks = max_ctx.div_ceil(bs);
     let span = n_blocks * bs;
@@ -208,14 +227,14 @@ fn task_body(t: &Task, s: &mut Scratch) {
     // Queries rounded through f16, as ggml feeds them to its f16 K cache product.
     for tok in 0..n_tok {
         let qrow = &t.q[(t.seq.q_row + t.t0 + tok) * t.ldq..];
-        for g in 0..group {
+        for g in t.g0..t.g1 {
             let h = t.kvh * group + g;
-            let r = tok * group + g;
+            let r = tok * ng + g - t.g0;
             s.q[r * hd..(r + 1) * hd].copy_from_slice(&qrow[h * hd..(h + 1) * hd]);
         }
     }
     round_through_f16(t.isa, &mut s.q);
-    let ctx_of = |r: usize| t.seq.start_pos + t.t0 + r / group + 1;
+    let ctx_of = |r: usize| t.seq.start_pos + t.t0 + r / ng + 1;
     #[cfg(target_arch = "x86_64")]
     let fast = t.isa == Isa::Avx512Vnni && hd % LANES == 0 && bs % LANES == 0 && hd <= 256;
     #[cfg(not(target_arch = "x86_64"))]
@@ -369,9 +388,9 @@ fn task_body(t: &Task, s: &mut Scratch) {
         }
     }
     for tok in 0..n_tok {
-        for g in 0..group {
+        for g in t.g0..t.g1 {
             let h = t.kvh * group + g;
-            let r = tok * group + g;
+            let r = tok * ng + g - t.g0;
             let dst = (t.seq.q_row + t.t0 + tok) * t.ldo + h * hd;
             // SAFETY: each task writes its own (token, head) rows; out is sized by the caller.
             unsafe {
