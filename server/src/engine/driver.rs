@@ -81,6 +81,7 @@ pub fn start_engine(
             worker,
             health: Health::Up,
             step_in_flight: None,
+            time: StepTimes::default(),
         });
     }
     let (commands_tx, commands) = crossbeam_channel::unbounded();
@@ -129,6 +130,19 @@ struct AgentState {
     worker: AgentWorker,
     health: Health,
     step_in_flight: Option<u64>,
+    time: StepTimes,
+}
+
+/// Where an agent's time went, for the log at shutdown: how much of the steps' round trips the
+/// agent spent computing, and how long it sat without a step while requests were running.
+#[derive(Debug, Default)]
+struct StepTimes {
+    steps: u64,
+    round_trip: Duration,
+    agent: Duration,
+    /// Since the last result, while the agent held requests (None: no result pending use).
+    idle_since: Option<Instant>,
+    idle_with_work: Duration,
 }
 
 /// A request no agent holds right now (none was up when it came, or its agent failed).
@@ -302,8 +316,17 @@ impl Engine {
             self.pending.clear();
         }
         if self.requests.is_empty() && !self.agents_stopped {
-            for a in &mut self.agents {
+            for (i, a) in self.agents.iter_mut().enumerate() {
                 a.worker.stop();
+                let t = &a.time;
+                tracing::info!(
+                    agent = i,
+                    steps = t.steps,
+                    round_trip_s = t.round_trip.as_secs_f64(),
+                    agent_compute_s = t.agent.as_secs_f64(),
+                    idle_between_steps_s = t.idle_with_work.as_secs_f64(),
+                    "engine: step times"
+                );
             }
             self.agents_stopped = true;
             tracing::info!("engine: agents stopped");
@@ -376,10 +399,14 @@ impl Engine {
             if a.health != Health::Up || a.step_in_flight.is_some() {
                 continue;
             }
+            let idle_since = a.time.idle_since.take();
             if let Some(plan) = a.sched.schedule() {
                 let step_id = plan.step_id;
                 if a.worker.send(AgentJob::Step(plan)) {
                     a.step_in_flight = Some(step_id);
+                    if let Some(since) = idle_since {
+                        a.time.idle_with_work += since.elapsed();
+                    }
                 }
             }
         }
@@ -396,9 +423,18 @@ impl Engine {
                 self.agents[i].step_in_flight = None;
                 match outcome {
                     Ok(result) => {
+                        let t = &mut self.agents[i].time;
+                        t.steps += 1;
+                        t.round_trip += took;
+                        t.agent += Duration::from_micros(result.timing.total_us);
                         self.metrics.step_time.observe(took);
                         EngineStats::add(&self.stats.steps_total, 1);
+                        let arrived = Instant::now();
                         self.on_step_result(i, &result);
+                        let a = &mut self.agents[i];
+                        if !a.sched.is_idle() {
+                            a.time.idle_since = Some(arrived);
+                        }
                     }
                     Err(failure) => self.on_step_failure(i, step_id, failure),
                 }
