@@ -335,21 +335,32 @@ impl Server {
 }
 
 impl Drop for Server {
+    /// SIGTERM (the server drains and removes its segments), SIGKILL if it lingers.
     fn drop(&mut self) {
         let running = self
             .child
             .as_mut()
             .is_some_and(|c| c.try_wait().ok().flatten().is_none());
-        if running {
-            let agents = self.agent_pids();
-            if let Some(mut child) = self.child.take() {
+        if !running {
+            return;
+        }
+        let agents = self.agent_pids();
+        self.signal(libc::SIGTERM);
+        let until = Instant::now() + Duration::from_secs(15);
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        while child.try_wait().ok().flatten().is_none() {
+            if Instant::now() >= until {
                 let _ = child.kill();
                 let _ = child.wait();
+                for a in agents {
+                    // SAFETY: kill(2) on the server's former children; they may be gone already.
+                    unsafe { libc::kill(a as i32, libc::SIGKILL) };
+                }
+                return;
             }
-            for a in agents {
-                // SAFETY: kill(2) on the server's former children; they may be gone already.
-                unsafe { libc::kill(a as i32, libc::SIGKILL) };
-            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
