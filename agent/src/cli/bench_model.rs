@@ -117,7 +117,12 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     let mut rng = SplitMix(42);
     let mut rep = BenchModelReport {
         backend: engine.facts().backend.clone(),
-        threads: args.threads,
+        // The thread count actually used (0 asks for all cores).
+        threads: if args.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+        } else {
+            args.threads
+        },
         ..Default::default()
     };
     let say = |s: &str| {
