@@ -239,27 +239,50 @@ fn task_body(t: &Task, s: &mut Scratch) {
     let fast = t.isa == Isa::Avx512Vnni && hd % LANES == 0 && bs % LANES == 0 && hd <= 256;
     #[cfg(not(target_arch = "x86_64"))]
     let fast = false;
-    // Scores, one K block at a time.
-    for bi in 0..n_blocks {
+    // Scores, one K block at a time (two at a time on the fast path).
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        let k_ptr = |bi: usize| {
+            let k0 = lay.k_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
+            t.k_cache[k0..k0 + hd * bs].as_ptr()
+        };
+        let mut bi = 0;
+        while bi < n_blocks {
+            // SAFETY: `fast` checked the CPU and the shapes; the blocks lie inside the cache
+            // (sliced above) and the scores buffer holds rows x span values.
+            unsafe {
+                let out = s.scores.as_mut_ptr().add(bi * bs);
+                if bi + 1 < n_blocks {
+                    super::attention_avx512::block_scores::<2>(
+                        [k_ptr(bi), k_ptr(bi + 1)],
+                        hd,
+                        bs,
+                        &s.q,
+                        rows,
+                        out,
+                        span,
+                    );
+                    bi += 2;
+                } else {
+                    super::attention_avx512::block_scores::<1>(
+                        [k_ptr(bi)],
+                        hd,
+                        bs,
+                        &s.q,
+                        rows,
+                        out,
+                        span,
+                    );
+                    bi += 1;
+                }
+            }
+        }
+    }
+    // The portable path (nothing left to do here when the fast one ran).
+    let portable_blocks = if fast { 0 } else { n_blocks };
+    for bi in 0..portable_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let k0 = lay.k_at(blk, t.kvh, 0, 0);
-        if fast {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `fast` checked the CPU and the shapes; the block lies inside the cache and
-            // the scores buffer holds rows x span values.
-            unsafe {
-                super::attention_avx512::block_scores(
-                    t.k_cache[k0..k0 + hd * bs].as_ptr(),
-                    hd,
-                    bs,
-                    &s.q,
-                    rows,
-                    s.scores.as_mut_ptr().add(bi * bs),
-                    span,
-                );
-            }
-            continue;
-        }
         t.k_cache[k0..k0 + hd * bs].convert_to_f32_slice(&mut s.kbuf);
         for r in 0..rows {
             if bi * bs >= ctx_of(r) {

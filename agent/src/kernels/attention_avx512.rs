@@ -10,14 +10,16 @@ use half::f16;
 /// Query rows handled together when scoring.
 const SCORE_ROWS: usize = 8;
 
-/// `scores[r * stride + t] = q[r] . K[:, t]` for `t < bs`, rows `0..rows`; `k` is one block of one
-/// KV head, `[hd][bs]` f16; `q` is `rows x hd`.
+/// `scores[r * stride + j * bs + t] = q[r] . K_j[:, t]` for the `NB` (1 or 2) blocks `k[j]`,
+/// `t < bs`, rows `0..rows`; each block is one KV head's `[hd][bs]` f16; `q` is `rows x hd`. Two
+/// blocks at once give twice the independent accumulator chains (each score is still summed over
+/// `d` in order, so the result does not depend on the pairing).
 ///
 /// # Safety
 /// AVX-512F and F16C must be present; `hd` and `bs` multiples of 16; buffers large enough.
 #[target_feature(enable = "avx512f,f16c,fma")]
-pub unsafe fn block_scores(
-    k: *const f16,
+pub unsafe fn block_scores<const NB: usize>(
+    k: [*const f16; NB],
     hd: usize,
     bs: usize,
     q: &[f32],
@@ -29,14 +31,14 @@ pub unsafe fn block_scores(
     while r0 < rows {
         let n = (rows - r0).min(SCORE_ROWS);
         match n {
-            8 => scores_rows::<8>(k, hd, bs, q, r0, scores, stride),
-            7 => scores_rows::<7>(k, hd, bs, q, r0, scores, stride),
-            6 => scores_rows::<6>(k, hd, bs, q, r0, scores, stride),
-            5 => scores_rows::<5>(k, hd, bs, q, r0, scores, stride),
-            4 => scores_rows::<4>(k, hd, bs, q, r0, scores, stride),
-            3 => scores_rows::<3>(k, hd, bs, q, r0, scores, stride),
-            2 => scores_rows::<2>(k, hd, bs, q, r0, scores, stride),
-            _ => scores_rows::<1>(k, hd, bs, q, r0, scores, stride),
+            8 => scores_rows::<8, NB>(k, hd, bs, q, r0, scores, stride),
+            7 => scores_rows::<7, NB>(k, hd, bs, q, r0, scores, stride),
+            6 => scores_rows::<6, NB>(k, hd, bs, q, r0, scores, stride),
+            5 => scores_rows::<5, NB>(k, hd, bs, q, r0, scores, stride),
+            4 => scores_rows::<4, NB>(k, hd, bs, q, r0, scores, stride),
+            3 => scores_rows::<3, NB>(k, hd, bs, q, r0, scores, stride),
+            2 => scores_rows::<2, NB>(k, hd, bs, q, r0, scores, stride),
+            _ => scores_rows::<1, NB>(k, hd, bs, q, r0, scores, stride),
         }
         r0 += n;
     }
@@ -44,8 +46,8 @@ pub unsafe fn block_scores(
 
 #[inline]
 #[target_feature(enable = "avx512f,f16c,fma")]
-unsafe fn scores_rows<const R: usize>(
-    k: *const f16,
+unsafe fn scores_rows<const R: usize, const NB: usize>(
+    k: [*const f16; NB],
     hd: usize,
     bs: usize,
     q: &[f32],
@@ -55,15 +57,20 @@ unsafe fn scores_rows<const R: usize>(
 ) {
     let qp = q.as_ptr().add(r0 * hd);
     for t0 in (0..bs).step_by(16) {
-        let mut acc = [_mm512_setzero_ps(); R];
+        let mut acc = [[_mm512_setzero_ps(); R]; NB];
         for d in 0..hd {
-            let kv = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(d * bs + t0) as *const __m256i));
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(r * hd + d)), kv, *a);
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let kv =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(k[j].add(d * bs + t0) as *const __m256i));
+                for (r, a) in aj.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(r * hd + d)), kv, *a);
+                }
             }
         }
-        for (r, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(scores.add((r0 + r) * stride + t0), *a);
+        for (j, aj) in acc.iter().enumerate() {
+            for (r, a) in aj.iter().enumerate() {
+                _mm512_storeu_ps(scores.add((r0 + r) * stride + j * bs + t0), *a);
+            }
         }
     }
 }

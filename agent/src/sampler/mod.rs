@@ -68,8 +68,7 @@ impl Sampler {
         if u32::try_from(vocab).is_err() {
             return Err(SamplerError::VocabTooLarge(vocab));
         }
-        sanitize(logits);
-        let log_norm = log_sum_exp(logits);
+        let log_norm = sanitize_and_log_norm(logits);
         let top = top_n(logits, params.top_n as usize, log_norm);
 
         self.saved_raw.clear();
@@ -77,7 +76,7 @@ impl Sampler {
         history::penalize(logits, params, history, |t, old| saved.push((t, old)));
 
         let token = match Truncation::from_params(params, vocab) {
-            None => argmax(logits),
+            None => fast_argmax(logits),
             Some(t) => {
                 let u = uniform_f64(params.seed, gen_index);
                 draw_token(logits, &t, u, &mut self.candidates, &mut self.weights)
@@ -98,26 +97,82 @@ impl Sampler {
     }
 }
 
+/// `sanitize`, then `log_sum_exp`, compiled for the widest vector unit present (the scans over
+/// the vocabulary are a visible part of a decode step). Same results on every path.
+fn sanitize_and_log_norm(logits: &mut [f32]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { sanitize_and_log_norm_avx512(logits) };
+    }
+    sanitize(logits);
+    log_sum_exp(logits)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sanitize_and_log_norm_avx512(logits: &mut [f32]) -> f64 {
+    sanitize(logits);
+    log_sum_exp(logits)
+}
+
+/// `argmax`, compiled for the widest vector unit present.
+fn fast_argmax(logits: &[f32]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { argmax_avx512(logits) };
+    }
+    argmax(logits)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn argmax_avx512(logits: &[f32]) -> u32 {
+    argmax(logits)
+}
+
 /// NaN -> -inf, +inf -> f32::MAX; if nothing is finite, make every logit 0 (uniform).
+#[inline(always)]
 fn sanitize(logits: &mut [f32]) {
     let mut any_finite = false;
     for x in logits.iter_mut() {
-        if x.is_nan() {
-            *x = f32::NEG_INFINITY;
-        } else if *x == f32::INFINITY {
-            *x = f32::MAX;
-        }
-        any_finite |= *x != f32::NEG_INFINITY;
+        let v = *x;
+        let v = if v.is_nan() { f32::NEG_INFINITY } else { v };
+        let v = if v == f32::INFINITY { f32::MAX } else { v };
+        *x = v;
+        any_finite |= v != f32::NEG_INFINITY;
     }
     if !any_finite {
         logits.fill(0.0);
     }
 }
 
-/// log(sum(exp(logits))), max-subtracted and summed in f64. Needs a finite maximum.
+/// Lanes of the vectorizable scans.
+const SCAN_LANES: usize = 16;
+
+/// log(sum(exp(logits))), max-subtracted and summed in f64. Needs NaN-free logits with a finite
+/// maximum.
+#[inline(always)]
 fn log_sum_exp(logits: &[f32]) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // Vectorizable: a polynomial exp and eight f64 partial sums.
+    // Lane-wise maximum with plain comparisons (no NaN here), so it vectorizes.
+    let mut lane_max = [f32::NEG_INFINITY; SCAN_LANES];
+    let mut chunks = logits.chunks_exact(SCAN_LANES);
+    for c in &mut chunks {
+        for j in 0..SCAN_LANES {
+            lane_max[j] = if c[j] > lane_max[j] {
+                c[j]
+            } else {
+                lane_max[j]
+            };
+        }
+    }
+    let max = chunks
+        .remainder()
+        .iter()
+        .chain(lane_max.iter())
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    // A polynomial exp and eight f64 partial sums.
     let mut lanes = [0f64; 8];
     let mut chunks = logits.chunks_exact(8);
     for c in &mut chunks {
@@ -136,15 +191,39 @@ fn logprob(logit: f32, log_norm: f64) -> f32 {
     (logit as f64 - log_norm) as f32
 }
 
-/// The best token, lowest id on ties.
+/// The best token, lowest id on ties (NaN-free logits). Lane-wise bests with strict comparisons
+/// keep each lane's lowest id; the lanes are then merged the same way.
+#[inline(always)]
 fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
+    let mut best_v = [f32::NEG_INFINITY; SCAN_LANES];
+    let mut best_i = [0u32; SCAN_LANES];
+    let mut chunks = logits.chunks_exact(SCAN_LANES);
+    let mut base = 0u32;
+    for c in &mut chunks {
+        for j in 0..SCAN_LANES {
+            let better = c[j] > best_v[j];
+            best_v[j] = if better { c[j] } else { best_v[j] };
+            best_i[j] = if better { base + j as u32 } else { best_i[j] };
+        }
+        base += SCAN_LANES as u32;
+    }
+    let (mut v, mut i) = (f32::NEG_INFINITY, 0u32);
+    let full = base as usize;
+    for (&bv, &bi) in best_v.iter().zip(&best_i) {
+        if bv > v || (bv == v && bi < i) {
+            (v, i) = (bv, bi);
         }
     }
-    best as u32
+    for (k, &x) in chunks.remainder().iter().enumerate() {
+        if x > v {
+            (v, i) = (x, (full + k) as u32);
+        }
+    }
+    // All -inf: the lowest id, like a plain scan.
+    if v == f32::NEG_INFINITY {
+        return 0;
+    }
+    i
 }
 
 /// The `n` (clamped to MAX_TOP_N) best tokens, best first, lowest id first on ties. One pass with
