@@ -154,6 +154,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub sweep_config: Option<String>,
 
+    /// Runs of the whole --sweep-config grid, one round after another, so that every setting
+    /// meets the machine at several moments; the best setting is chosen by median goodput.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub sweep_rounds: u32,
+
     /// Base server config for --sweep-config.
     #[arg(long, default_value = "configs/smollm2-cpu.yaml")]
     pub config: PathBuf,

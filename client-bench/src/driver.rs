@@ -247,7 +247,8 @@ fn server_binary(args: &BenchArgs) -> Result<PathBuf, BenchError> {
     }
 }
 
-/// Starts the server for every grid point, runs the load, and picks the best setting.
+/// Starts the server for every grid point (in `--sweep-rounds` rounds over the grid), runs the
+/// load, and picks the best setting: the highest median goodput over the rounds.
 fn run_config_sweep(
     args: &BenchArgs,
     plan: &BenchPlan,
@@ -264,56 +265,98 @@ fn run_config_sweep(
     }
     let bin = server_binary(args)?;
     let points = grid_points(&axes);
+    let rounds = args.sweep_rounds.max(1) as usize;
     let mut rows: Vec<serde_json::Value> = Vec::new();
     let mut csv = csv_line(
-        &["config_index".to_string(), "setting".to_string()]
-            .into_iter()
-            .chain(csv_header())
-            .chain(["error".to_string()])
-            .collect::<Vec<_>>(),
+        &[
+            "config_index".to_string(),
+            "setting".to_string(),
+            "round".to_string(),
+        ]
+        .into_iter()
+        .chain(csv_header())
+        .chain(["error".to_string()])
+        .collect::<Vec<_>>(),
     ) + "\n";
     let mut all = Vec::new();
-    let mut best: Option<(String, Summary)> = None;
+    // Per (grid point, rate): the summaries of its rounds.
+    let mut runs: Vec<Vec<Summary>> = Vec::new();
+    let mut run_keys: Vec<(usize, f64)> = Vec::new();
     for (i, point) in points.iter().enumerate() {
-        let label = point_label(point);
         let dir = args.out_dir.join(format!("config_{i}"));
         std::fs::create_dir_all(&dir).map_err(|e| BenchError::io("creating", &dir, e))?;
-        let yaml = dir.join("config.yaml");
-        write_point_config(&args.config, point, &yaml)?;
-        println!("[{}/{}] {label}", i + 1, points.len());
-        let outcome = run_point(args, plan, &bin, &yaml, &dir, samples, counter);
-        match outcome {
-            Ok(summaries) => {
-                for s in &summaries {
-                    let mut cells = vec![i.to_string(), label.clone()];
-                    cells.extend(csv_row(s));
-                    cells.push(String::new());
-                    csv.push_str(&(csv_line(&cells) + "\n"));
-                    if best.as_ref().is_none_or(|(_, b)| s.goodput > b.goodput) {
-                        best = Some((label.clone(), s.clone()));
+        write_point_config(&args.config, point, &dir.join("config.yaml"))?;
+    }
+    for round in 0..rounds {
+        for (i, point) in points.iter().enumerate() {
+            let label = point_label(point);
+            let point_dir = args.out_dir.join(format!("config_{i}"));
+            let dir = if rounds == 1 {
+                point_dir.clone()
+            } else {
+                point_dir.join(format!("round_{round}"))
+            };
+            std::fs::create_dir_all(&dir).map_err(|e| BenchError::io("creating", &dir, e))?;
+            println!(
+                "[{}/{}] {label}",
+                round * points.len() + i + 1,
+                rounds * points.len()
+            );
+            let yaml = point_dir.join("config.yaml");
+            let row_start = vec![i.to_string(), label.clone(), round.to_string()];
+            match run_point(args, plan, &bin, &yaml, &dir, samples, counter) {
+                Ok(summaries) => {
+                    for s in &summaries {
+                        let mut cells = row_start.clone();
+                        cells.extend(csv_row(s));
+                        cells.push(String::new());
+                        csv.push_str(&(csv_line(&cells) + "\n"));
+                        match run_keys.iter().position(|&(p, q)| p == i && q == s.qps) {
+                            Some(k) => runs[k].push(s.clone()),
+                            None => {
+                                run_keys.push((i, s.qps));
+                                runs.push(vec![s.clone()]);
+                            }
+                        }
                     }
+                    rows.push(
+                        json!({"index": i, "setting": label, "round": round, "runs": summaries}),
+                    );
+                    all.extend(summaries);
                 }
-                rows.push(json!({"index": i, "setting": label, "runs": summaries}));
-                all.extend(summaries);
-            }
-            Err(e) => {
-                tracing::warn!("grid point {label} failed: {e}");
-                let mut cells = vec![i.to_string(), label.clone()];
-                cells.extend(std::iter::repeat_n(String::new(), csv_header().len()));
-                cells.push(e.to_string());
-                csv.push_str(&(csv_line(&cells) + "\n"));
-                rows.push(json!({"index": i, "setting": label, "error": e.to_string()}));
+                Err(e) => {
+                    tracing::warn!("grid point {label} failed: {e}");
+                    let mut cells = row_start;
+                    cells.extend(std::iter::repeat_n(String::new(), csv_header().len()));
+                    cells.push(e.to_string());
+                    csv.push_str(&(csv_line(&cells) + "\n"));
+                    rows.push(
+                        json!({"index": i, "setting": label, "round": round, "error": e.to_string()}),
+                    );
+                }
             }
         }
     }
+    // The best (point, rate) by median goodput; its median round stands for it.
+    let mut best: Option<(String, Summary, Vec<f64>)> = None;
+    for ((i, _), summaries) in run_keys.iter().zip(&runs) {
+        let (median, goodputs) = median_run(summaries);
+        if best
+            .as_ref()
+            .is_none_or(|(_, b, _)| median.goodput > b.goodput)
+        {
+            best = Some((point_label(&points[*i]), median.clone(), goodputs));
+        }
+    }
     write_text(&args.out_dir.join("sweep_config.csv"), &csv)?;
-    let best_json = best
-        .as_ref()
-        .map(|(l, s)| json!({"setting": l, "qps": s.qps, "goodput": s.goodput}));
+    let best_json = best.as_ref().map(|(l, s, g)| {
+        json!({"setting": l, "qps": s.qps, "goodput": s.goodput, "goodput_by_round": g})
+    });
     write_text(
         &args.out_dir.join("sweep_config.json"),
         &serde_json::to_string_pretty(&json!({
             "grid": grid,
+            "rounds": rounds,
             "slo_ttft_ms": plan.slo.ttft_ms,
             "slo_tpot_ms": plan.slo.tpot_ms,
             "points": rows,
@@ -321,7 +364,12 @@ fn run_config_sweep(
         }))?,
     )?;
     match &best {
-        Some((label, s)) => println!(
+        Some((label, s, g)) if rounds > 1 => println!(
+            "Best setting by median goodput over {rounds} rounds ({:.3} req/s at {} req/s offered; \
+             rounds {g:.3?}): {label}",
+            s.goodput, s.qps
+        ),
+        Some((label, s, _)) => println!(
             "Best setting by goodput ({:.3} req/s at {} req/s offered): {label}",
             s.goodput, s.qps
         ),
@@ -329,8 +377,17 @@ fn run_config_sweep(
     }
     Ok(BenchReport {
         summaries: all,
-        best_config: best,
+        best_config: best.map(|(l, s, _)| (l, s)),
     })
+}
+
+/// The run with the median goodput (the lower middle one for an even count) and every run's
+/// goodput in run order. `runs` is not empty.
+fn median_run(runs: &[Summary]) -> (&Summary, Vec<f64>) {
+    let goodputs: Vec<f64> = runs.iter().map(|s| s.goodput).collect();
+    let mut order: Vec<usize> = (0..runs.len()).collect();
+    order.sort_by(|&a, &b| goodputs[a].total_cmp(&goodputs[b]));
+    (&runs[order[(runs.len() - 1) / 2]], goodputs)
 }
 
 /// One grid point: start, wait for health, run the rates, stop.

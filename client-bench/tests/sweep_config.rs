@@ -97,3 +97,73 @@ fn config_sweep_runs_each_point_and_picks_the_best() {
     assert_eq!(summary["best"]["setting"], best.as_str());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// --sweep-rounds: the grid runs round after round (each point's runs in round_N folders), and
+/// the best setting is chosen by median goodput over the rounds.
+#[test]
+fn config_sweep_in_rounds_picks_by_median_goodput() {
+    let dir = std::env::temp_dir().join(format!("bench-sweep-rounds-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("peer_server.py");
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/sweep_peer_server.py");
+    std::fs::copy(&src, &script).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let base = dir.join("base.yaml");
+    std::fs::write(&base, "model_config:\n  model_name: x\n").unwrap();
+    let out = dir.join("out");
+    let cli = Cli::try_parse_from([
+        "bench",
+        "--no-progress",
+        "--no-plots",
+        "-X",
+        "20",
+        "--num-requests",
+        "3",
+        "--input-len",
+        "fixed:4",
+        "--output-len",
+        "fixed:3",
+        "-O",
+        out.to_str().unwrap(),
+        "--config",
+        base.to_str().unwrap(),
+        "--server-bin",
+        script.to_str().unwrap(),
+        "--server-start-timeout",
+        "60",
+        "--sweep-rounds",
+        "2",
+        "--sweep-config",
+        "model_config.decode_batch_size=4,16",
+    ])
+    .unwrap();
+    let report = execute(&cli.bench).unwrap();
+    // Two rounds of two points; the peer refuses every request at decode_batch_size 4.
+    assert_eq!(report.summaries.len(), 4);
+    let (best, best_summary) = report.best_config.unwrap();
+    assert_eq!(best, "model_config.decode_batch_size=16");
+    assert_eq!(best_summary.completed, 3);
+    for i in 0..2 {
+        assert!(out.join(format!("config_{i}/config.yaml")).is_file());
+        for r in 0..2 {
+            let run = out.join(format!("config_{i}/round_{r}/result_20.0_x.json"));
+            assert!(run.is_file(), "{}", run.display());
+        }
+    }
+    let csv = std::fs::read_to_string(out.join("sweep_config.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert!(csv.starts_with("config_index,setting,round,"), "{csv}");
+    let summary: Value =
+        serde_json::from_slice(&std::fs::read(out.join("sweep_config.json")).unwrap()).unwrap();
+    assert_eq!(summary["rounds"], 2);
+    assert_eq!(summary["best"]["setting"], best.as_str());
+    assert_eq!(
+        summary["best"]["goodput_by_round"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
