@@ -22,7 +22,7 @@ fn default_config_loads_without_warnings() {
     assert_eq!(cfg.num_agents(), 1);
     assert_eq!(cfg.server_addr(), "127.0.0.1:8835");
     assert_eq!(cfg.decode_batch_size(), 64);
-    assert_eq!(cfg.npu_serving.max_tokens_per_step, 256);
+    assert_eq!(cfg.npu_serving.max_tokens_per_step, 128);
     assert_eq!(cfg.npu_serving.model_file, None);
     assert_eq!(cfg.npu_serving.device, DeviceKind::Cpu);
     // 64 concurrent requests of 512 tokens fit the KV pool.

@@ -154,7 +154,7 @@ impl Default for NpuServingConfig {
             model_file: None,
             device: DeviceKind::Cpu,
             threads_per_agent: 0,
-            max_tokens_per_step: 256,
+            max_tokens_per_step: 128,
             prefix_cache: true,
             swap_space_mb: 0,
             max_queue: 1024,
