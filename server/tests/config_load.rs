@@ -241,6 +241,11 @@ fn every_validation_error_names_its_key_value_and_what_is_allowed() {
             &["0"],
         ),
         (
+            "npu_serving:\n  swap_space_mb: 1024\n",
+            "npu_serving.swap_space_mb",
+            &["1024", "not built"],
+        ),
+        (
             "npu_serving:\n  max_queue: 0\n",
             "npu_serving.max_queue",
             &["0"],

@@ -384,6 +384,15 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
         c.prefix_cache = v;
     }
     if let Some(v) = s.u64("swap_space_mb")? {
+        // Refused rather than ignored: a user who sets it expects preempted requests to keep
+        // their KV blocks, which this server cannot do yet.
+        if v != 0 {
+            return Err(ConfigError::not_allowed(
+                &s.key_path("swap_space_mb"),
+                v,
+                "0 (swapping KV blocks to host memory is not built; preemption recomputes)",
+            ));
+        }
         c.swap_space_mb = v;
     }
     if let Some(v) = s.u64("max_queue")? {
