@@ -280,8 +280,7 @@ fn run_config_sweep(
     ) + "\n";
     let mut all = Vec::new();
     // Per (grid point, rate): the summaries of its rounds.
-    let mut runs: Vec<Vec<Summary>> = Vec::new();
-    let mut run_keys: Vec<(usize, f64)> = Vec::new();
+    let mut runs: Vec<((usize, f64), Vec<Summary>)> = Vec::new();
     for (i, point) in points.iter().enumerate() {
         let dir = args.out_dir.join(format!("config_{i}"));
         std::fs::create_dir_all(&dir).map_err(|e| BenchError::io("creating", &dir, e))?;
@@ -311,12 +310,9 @@ fn run_config_sweep(
                         cells.extend(csv_row(s));
                         cells.push(String::new());
                         csv.push_str(&(csv_line(&cells) + "\n"));
-                        match run_keys.iter().position(|&(p, q)| p == i && q == s.qps) {
-                            Some(k) => runs[k].push(s.clone()),
-                            None => {
-                                run_keys.push((i, s.qps));
-                                runs.push(vec![s.clone()]);
-                            }
+                        match runs.iter_mut().find(|(key, _)| *key == (i, s.qps)) {
+                            Some((_, same)) => same.push(s.clone()),
+                            None => runs.push(((i, s.qps), vec![s.clone()])),
                         }
                     }
                     rows.push(
@@ -339,7 +335,7 @@ fn run_config_sweep(
     }
     // The best (point, rate) by median goodput; its median round stands for it.
     let mut best: Option<(String, Summary, Vec<f64>)> = None;
-    for ((i, _), summaries) in run_keys.iter().zip(&runs) {
+    for ((i, _), summaries) in &runs {
         let (median, goodputs) = median_run(summaries);
         if best
             .as_ref()

@@ -5,7 +5,7 @@
 //! server is exercised in live_server.rs).
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use client_bench::driver::execute;
@@ -18,9 +18,10 @@ struct Cli {
     bench: BenchArgs,
 }
 
-#[test]
-fn config_sweep_runs_each_point_and_picks_the_best() {
-    let dir = std::env::temp_dir().join(format!("bench-sweep-config-{}", std::process::id()));
+/// A scratch folder holding the peer server script and a base config; the paths of the folder,
+/// the script, the base config and the out dir.
+fn scratch(name: &str, base_yaml: &str) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let script = dir.join("peer_server.py");
@@ -28,13 +29,14 @@ fn config_sweep_runs_each_point_and_picks_the_best() {
     std::fs::copy(&src, &script).unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
     let base = dir.join("base.yaml");
-    std::fs::write(
-        &base,
-        "model_config:\n  model_name: x\n  decode_batch_size: [50]\npa_config:\n  block_size: 16\n",
-    )
-    .unwrap();
+    std::fs::write(&base, base_yaml).unwrap();
     let out = dir.join("out");
-    let cli = Cli::try_parse_from([
+    (dir, script, base, out)
+}
+
+/// A small load (3 requests at 20 req/s) against the peer server, plus `extra` flags.
+fn sweep_args(out: &Path, base: &Path, script: &Path, extra: &[&str]) -> Cli {
+    let mut argv = vec![
         "bench",
         "--no-progress",
         "--no-plots",
@@ -54,10 +56,26 @@ fn config_sweep_runs_each_point_and_picks_the_best() {
         script.to_str().unwrap(),
         "--server-start-timeout",
         "60",
-        "--sweep-config",
-        "model_config.decode_batch_size=4,16;pa_config.block_size=32",
-    ])
-    .unwrap();
+    ];
+    argv.extend_from_slice(extra);
+    Cli::try_parse_from(argv).unwrap()
+}
+
+#[test]
+fn config_sweep_runs_each_point_and_picks_the_best() {
+    let (dir, script, base, out) = scratch(
+        "bench-sweep-config",
+        "model_config:\n  model_name: x\n  decode_batch_size: [50]\npa_config:\n  block_size: 16\n",
+    );
+    let cli = sweep_args(
+        &out,
+        &base,
+        &script,
+        &[
+            "--sweep-config",
+            "model_config.decode_batch_size=4,16;pa_config.block_size=32",
+        ],
+    );
     let report = execute(&cli.bench).unwrap();
     assert_eq!(report.summaries.len(), 2);
     assert_eq!(report.summaries[0].completed, 0);
@@ -102,42 +120,19 @@ fn config_sweep_runs_each_point_and_picks_the_best() {
 /// the best setting is chosen by median goodput over the rounds.
 #[test]
 fn config_sweep_in_rounds_picks_by_median_goodput() {
-    let dir = std::env::temp_dir().join(format!("bench-sweep-rounds-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let script = dir.join("peer_server.py");
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/sweep_peer_server.py");
-    std::fs::copy(&src, &script).unwrap();
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let base = dir.join("base.yaml");
-    std::fs::write(&base, "model_config:\n  model_name: x\n").unwrap();
-    let out = dir.join("out");
-    let cli = Cli::try_parse_from([
-        "bench",
-        "--no-progress",
-        "--no-plots",
-        "-X",
-        "20",
-        "--num-requests",
-        "3",
-        "--input-len",
-        "fixed:4",
-        "--output-len",
-        "fixed:3",
-        "-O",
-        out.to_str().unwrap(),
-        "--config",
-        base.to_str().unwrap(),
-        "--server-bin",
-        script.to_str().unwrap(),
-        "--server-start-timeout",
-        "60",
-        "--sweep-rounds",
-        "2",
-        "--sweep-config",
-        "model_config.decode_batch_size=4,16",
-    ])
-    .unwrap();
+    let (dir, script, base, out) =
+        scratch("bench-sweep-rounds", "model_config:\n  model_name: x\n");
+    let cli = sweep_args(
+        &out,
+        &base,
+        &script,
+        &[
+            "--sweep-rounds",
+            "2",
+            "--sweep-config",
+            "model_config.decode_batch_size=4,16",
+        ],
+    );
     let report = execute(&cli.bench).unwrap();
     // Two rounds of two points; the peer refuses every request at decode_batch_size 4.
     assert_eq!(report.summaries.len(), 4);

@@ -187,15 +187,7 @@ impl Harness {
         max_new: u32,
         tweak: impl Fn(&mut GenerateRequest),
     ) {
-        let mut req = GenerateRequest {
-            id,
-            prompt_ids: prompt.to_vec(),
-            params: SamplingParams::greedy(),
-            max_new_tokens: max_new,
-            stop: Vec::new(),
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
-        };
+        let mut req = super::scheduler::test_util::req(id, prompt, max_new);
         tweak(&mut req);
         self.handle()
             .commands

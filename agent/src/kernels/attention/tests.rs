@@ -85,33 +85,22 @@ fn paged_matches_dense_for_mixed_sequences() {
             }
             let slot = table[pos / bs] * bs as u32 + (pos % bs) as u32;
             let kv_cols = (c.n_heads * hd, (c.n_heads + nkv) * hd);
-            if pos < hist {
-                kv_write(
-                    &c.lay,
-                    &kv_row,
-                    ld,
-                    kv_cols.0,
-                    kv_cols.1,
-                    &[slot],
-                    &mut k_cache,
-                    &mut v_cache,
-                );
-            } else {
+            kv_write(
+                &c.lay,
+                &kv_row,
+                ld,
+                kv_cols.0,
+                kv_cols.1,
+                &[slot],
+                &mut k_cache,
+                &mut v_cache,
+            );
+            if pos >= hist {
                 let r = row + pos - hist;
                 qkv[r * ld..(r + 1) * ld].copy_from_slice(&kv_row);
                 for x in &mut qkv[r * ld..r * ld + c.n_heads * hd] {
                     *x = rng.uniform(-2.0, 2.0);
                 }
-                kv_write(
-                    &c.lay,
-                    &kv_row,
-                    ld,
-                    kv_cols.0,
-                    kv_cols.1,
-                    &[slot],
-                    &mut k_cache,
-                    &mut v_cache,
-                );
             }
         }
         tables.push(table);

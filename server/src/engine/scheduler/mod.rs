@@ -13,7 +13,7 @@ mod results;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]
-mod test_util;
+pub(crate) mod test_util;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
