@@ -75,10 +75,11 @@ fn scalar_matches_dequantized_arithmetic() {
                             &gd[b * unit..(b + 1) * unit],
                             nn % 16,
                         );
-                        for kk in b * 32..b * 32 + 32 {
-                            let xv = a.qs[m * k + kk] as f64 * a.d[m * k / 32 + b] as f64;
-                            want += xv * (wrow[kk] - mn) as f64;
-                            mag += (xv * wrow[kk] as f64).abs();
+                        let block = b * 32..b * 32 + 32;
+                        for (&q, &wv) in a.qs[m * k..][block.clone()].iter().zip(&wrow[block]) {
+                            let xv = q as f64 * a.d[m * k / 32 + b] as f64;
+                            want += xv * (wv - mn) as f64;
+                            mag += (xv * wv as f64).abs();
                         }
                         want += mn as f64 * a.s[m * k / 32 + b] as f64;
                     }
