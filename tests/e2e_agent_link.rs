@@ -297,6 +297,9 @@ fn a_prompt_that_can_never_fit_gets_400_naming_the_limit_not_an_empty_200() {
 #[test]
 fn two_servers_on_the_shipped_default_config_run_side_by_side() {
     let _serial = serial();
+    // Another program holds llm-serving's agent port (if nobody else does already): it does
+    // not matter, no port is opened for agents.
+    let _squatter = std::net::TcpListener::bind("127.0.0.1:16002");
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/smollm2-cpu.yaml");
     let a = Server::start_file("default-a", &config);
     let b = Server::start_file("default-b", &config);
