@@ -127,9 +127,9 @@ fn nothing_but_the_http_port_listens_stray_connections_cost_nothing_and_a_kill_i
         );
     }
 
-    // Ten stray connections to llm-serving's agent port, and ten to the port the config names
-    // for the agent: none reaches the server (nothing of it listens there), each is refused
-    // or answered by some other program, and none costs the server anything.
+    // Ten stray connections each to the ports llm-serving's agents use: none reaches the server
+    // (nothing of it listens there; each is refused, or answered by some other program), and
+    // none costs it anything.
     for port in [16002, 16003] {
         for _ in 0..10 {
             if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {

@@ -6,7 +6,6 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Mutex, MutexGuard, OnceLock};
@@ -27,14 +26,6 @@ pub const MODEL: &str = "SmolLM2-135M-Instruct";
 pub fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A port nobody listens on right now (for the agents' control ports).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// What the test config sets.
@@ -73,7 +64,8 @@ impl Default for ServerOpts {
 
 impl ServerOpts {
     fn yaml(&self) -> String {
-        let ports: Vec<String> = (0..self.agents).map(|_| free_port().to_string()).collect();
+        // One entry per agent; agents talk over private socket pairs, no port is opened.
+        let ports: Vec<String> = (0..self.agents).map(|_| "0".to_string()).collect();
         format!(
             "model_config:\n  model_name: '{MODEL}'\n  seq_length: {}\n  decode_batch_size: {}\n  \
              prefill_batch_size: {}\n  batching_strategy: '{}'\n\
