@@ -129,7 +129,8 @@ fn paged_matches_dense_for_mixed_sequences() {
         let mut out = vec![0f32; total_new * ldo];
         paged_attention(
             &pool, isa, &p, &qkv, ld, &seqs, &k_cache, &v_cache, &mut out, ldo,
-        );
+        )
+        .unwrap();
         for (i, s) in seqs.iter().enumerate() {
             for tq in 0..s.n_q {
                 let r = s.q_row + tq;

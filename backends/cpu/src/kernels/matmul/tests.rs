@@ -2,6 +2,7 @@
 //! SIMD kernel this machine can run against the scalar one, bit for bit.
 
 use super::*;
+use crate::disjoint::Tile;
 use crate::quant::testing::{random_ggml_rows, TestRng};
 use npu_gguf::GgmlType;
 
@@ -37,6 +38,7 @@ fn acts(rows: usize, k: usize, seed: u64) -> (Vec<f32>, QuantizedActs) {
 
 fn run(isa: Isa, w: &PackedMatrix, a: &QuantizedActs, ldo: usize) -> Vec<f32> {
     let mut out = vec![f32::NAN; a.rows * ldo];
+    let mut tile = Tile::whole(&mut out, ldo, 0..a.rows, 0..w.n).unwrap();
     packed_job(
         isa,
         &PackedJob {
@@ -44,9 +46,8 @@ fn run(isa: Isa, w: &PackedMatrix, a: &QuantizedActs, ldo: usize) -> Vec<f32> {
             acts: a,
             groups: 0..w.groups(),
             rows: 0..a.rows,
-            out: SharedOut(out.as_mut_ptr()),
-            ldo,
         },
+        &mut tile,
     );
     out
 }
@@ -167,7 +168,8 @@ fn parallel_matmul_matches_single_job() {
             },
             &mut par,
             n,
-        );
+        )
+        .unwrap();
         let WeightMatrix::Packed(p) = &w else {
             unreachable!()
         };
@@ -201,7 +203,8 @@ fn f32_weights_match_naive() {
             },
             &mut out,
             n,
-        );
+        )
+        .unwrap();
         for m in 0..rows {
             for nn in 0..n {
                 let want: f32 = (0..k).map(|kk| x[m * k + kk] * data[nn * k + kk]).sum();
