@@ -267,6 +267,9 @@ fn run_task(isa: Isa, t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
         Isa::Avx2 => unsafe { task_avx2(t, s, out) },
         _ => task_body(t, s, out),
     }
+    if let Some(first) = out.rows().next() {
+        super::inject_fault(isa, out.row_mut(first).first_mut());
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

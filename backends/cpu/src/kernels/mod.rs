@@ -6,6 +6,8 @@ pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx512;
 pub mod elementwise;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod matmul;
 pub mod quantize;
 pub mod vecmath;
@@ -140,4 +142,14 @@ impl From<KernelError> for npu_backend::BackendError {
             },
         }
     }
+}
+
+/// Corrupts one output value of a SIMD kernel when the check program's fault is on (only with the
+/// `fault-injection` feature; otherwise nothing).
+#[inline(always)]
+fn inject_fault(isa: Isa, v: Option<&mut f32>) {
+    #[cfg(feature = "fault-injection")]
+    fault::apply(isa, v);
+    #[cfg(not(feature = "fault-injection"))]
+    let _ = (isa, v);
 }

@@ -71,6 +71,7 @@ pub fn quantize_acts(
             }
         }
     })?;
+    super::inject_fault(isa, acts.d.first_mut());
     // The AMX matmul reads whole 16-row tiles in tile order: lay them out once here, shared by
     // every matrix this activation multiplies.
     #[cfg(target_arch = "x86_64")]

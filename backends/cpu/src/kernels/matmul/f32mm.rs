@@ -51,7 +51,8 @@ unsafe fn body_avx2(w: &[f32], k: usize, x: &[f32], out: &mut Tile<f32>) {
 /// The tile's rows of `x` (rows of `k` values) times the tile's columns of `w` (row-major `n x k`).
 /// Panics if `x` or `w` are too short for them.
 pub fn matmul_f32(isa: Isa, w: &[f32], k: usize, x: &[f32], out: &mut Tile<f32>) {
-    match isa.checked() {
+    let isa = isa.checked();
+    match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::checked` found these features; the body is safe slice code.
         Isa::Avx512Vnni => unsafe { body_avx512(w, k, x, out) },
@@ -59,5 +60,8 @@ pub fn matmul_f32(isa: Isa, w: &[f32], k: usize, x: &[f32], out: &mut Tile<f32>)
         // SAFETY: `Isa::checked` found these features; the body is safe slice code.
         Isa::Avx2 => unsafe { body_avx2(w, k, x, out) },
         _ => body(w, k, x, out),
+    }
+    if let Some(first) = out.rows().next() {
+        super::super::inject_fault(isa, out.row_mut(first).first_mut());
     }
 }

@@ -160,6 +160,8 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
         Isa::NeonDot => unsafe { neon::packed_dot(job, raw) },
         _ => scalar::packed(job, out),
     }
+    let first_col = job.groups.start * GROUP - out.cols().start;
+    super::inject_fault(isa, out.row_mut(job.rows.start).get_mut(first_col));
 }
 
 /// The input rows of a matmul in both forms.
