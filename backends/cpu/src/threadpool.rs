@@ -9,8 +9,8 @@
 //! A task that panics is caught where it ran: the job's unclaimed tasks are cancelled, the tasks
 //! already running finish, and `run` returns [`PoolError::TaskPanicked`] only then, so no thread
 //! ever touches the job's closure after `run` has returned. Workers survive and the pool stays
-//! usable. A `run` issued from inside a task runs inline on that thread (it would otherwise wait
-//! for itself).
+//! usable. A `run` issued from inside a task (of any pool) runs inline on that thread (it would
+//! otherwise wait for itself).
 
 use std::any::Any;
 use std::cell::Cell;

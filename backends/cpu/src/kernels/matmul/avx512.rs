@@ -94,10 +94,12 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
     let pf_dist = prefetch_distance(unit);
     for b in 0..nb {
         let u = gd.add(b * unit);
-        // Weights stream from memory once per step: ask for the units ahead early.
+        // Weights stream from memory once per step: ask for the units ahead early (a prefetch
+        // never faults; the address may lie past the matrix, so it is formed with wrapping
+        // arithmetic and never dereferenced).
         let mut l = 0;
         while l < unit {
-            _mm_prefetch::<_MM_HINT_T0>(u.add(pf_dist + l) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(u.wrapping_add(pf_dist + l) as *const i8);
             l += 64;
         }
         let wv: [__m512i; 8] = if NIB {

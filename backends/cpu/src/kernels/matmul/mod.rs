@@ -133,6 +133,9 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
             // Whole 16-row tiles on AMX, the remaining rows on AVX-512 (identical arithmetic).
             // 4-bit weights only: for 8-bit ones the AVX-512 kernel measured faster.
             let full = job.rows.start + job.rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
+            // SAFETY: as above; AMX permission was granted (`amx::available`), the tile layout
+            // covers every whole 16-row tile (`amx_tiles_ready`), and the two sub-jobs split
+            // the checked rows.
             unsafe {
                 amx::packed_full_tiles(
                     &PackedJob {
@@ -151,12 +154,16 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
             }
         }
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above (checked job and tile, AVX-512 VNNI detected).
         Isa::Avx512Vnni => unsafe { avx512::packed(job, raw) },
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above (checked job and tile, AVX2/FMA/F16C detected).
         Isa::Avx2 => unsafe { avx2::packed(job, raw) },
         #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above (checked job and tile; NEON is baseline on aarch64).
         Isa::Neon => unsafe { neon::packed(job, raw) },
         #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above (checked job and tile, the dot-product extension detected).
         Isa::NeonDot => unsafe { neon::packed_dot(job, raw) },
         _ => scalar::packed(job, out),
     }
