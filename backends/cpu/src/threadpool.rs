@@ -181,21 +181,24 @@ impl ThreadPool {
 /// Runs the tasks one after another on this thread, stopping at the first that panics.
 fn run_inline(n_tasks: usize, f: &(dyn Fn(usize) + Sync)) -> Result<(), PoolError> {
     for i in 0..n_tasks {
-        if let Err(payload) = call_task(f, i) {
-            return Err(PoolError::TaskPanicked(panic_message(payload.as_ref())));
-        }
+        call_task(f, i).map_err(PoolError::TaskPanicked)?;
     }
     Ok(())
 }
 
-/// Calls one task with this thread marked as running a task, catching a panic.
-fn call_task(f: &(dyn Fn(usize) + Sync), i: usize) -> Result<(), Box<dyn Any + Send>> {
+/// Calls one task with this thread marked as running a task; a panic comes back as its message.
+fn call_task(f: &(dyn Fn(usize) + Sync), i: usize) -> Result<(), String> {
     let outer = IN_TASK.with(|t| t.replace(true));
     // AssertUnwindSafe: a panicking task's partial writes are never trusted; its job reports
     // the panic as an error and the caller discards what the job produced.
     let r = catch_unwind(AssertUnwindSafe(|| f(i)));
     IN_TASK.with(|t| t.set(outer));
-    r
+    r.map_err(|payload| {
+        let message = panic_message(payload.as_ref());
+        // A payload whose drop panics too must not unwind out of the pool's bookkeeping.
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+        message
+    })
 }
 
 /// The text of a panic payload (`panic!` with a message gives a `&str` or a `String`).
@@ -262,11 +265,11 @@ fn cancel_rest(s: &Shared, gen: u64) {
 /// job finished.
 #[inline]
 fn run_claimed(s: &Shared, gen: u64, job: &Job, i: usize) {
-    if let Err(payload) = call_task(job, i) {
+    if let Err(message) = call_task(job, i) {
         {
             let mut first = s.panic.lock().unwrap_or_else(|e| e.into_inner());
             if first.is_none() {
-                *first = Some(panic_message(payload.as_ref()));
+                *first = Some(message);
             }
         }
         cancel_rest(s, gen);

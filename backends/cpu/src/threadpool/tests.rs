@@ -163,6 +163,32 @@ fn a_panic_with_a_non_string_payload_is_reported_too() {
     assert!(matches!(r, Err(PoolError::TaskPanicked(_))));
 }
 
+/// A panic whose payload panics again when dropped is still one error, and no thread is lost.
+#[test]
+fn a_payload_that_panics_on_drop_does_not_break_the_pool() {
+    struct Nasty;
+    impl Drop for Nasty {
+        fn drop(&mut self) {
+            panic!("dropping the payload");
+        }
+    }
+    let pool = ThreadPool::new(3);
+    for _ in 0..20 {
+        let r = pool.run(12, |i| {
+            if i == 7 {
+                std::panic::panic_any(Nasty);
+            }
+        });
+        assert!(matches!(r, Err(PoolError::TaskPanicked(_))));
+    }
+    let hits = AtomicU64::new(0);
+    pool.run(30, |_| {
+        hits.fetch_add(1, Ordering::Relaxed);
+    })
+    .unwrap();
+    assert_eq!(hits.load(Ordering::Relaxed), 30);
+}
+
 /// A task that issues its own parallel call must not wait for the pool it is part of.
 #[test]
 fn nested_runs_do_not_hang() {

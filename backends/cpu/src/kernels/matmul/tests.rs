@@ -213,3 +213,58 @@ fn f32_weights_match_naive() {
         }
     }
 }
+
+/// Activations whose buffers do not match their shape (fields are public) are refused inside the
+/// kernel's task: the parallel call returns an error instead of reading past them, and the pool
+/// runs the next matmul normally.
+#[test]
+fn inconsistent_activations_are_an_error_and_the_pool_survives() {
+    let pool = ThreadPool::new(3);
+    let (rows, n, k) = (4usize, 256usize, 576usize);
+    let w = WeightMatrix::Packed(packed(GgmlType::Q4_1, n, k, 2));
+    let (x, good) = acts(rows, k, 3);
+    let mut bad = QuantizedActs::new();
+    bad.quantize(&x, rows, k);
+    bad.qs.truncate(k);
+    for isa in Isa::available() {
+        let mut out = vec![0f32; rows * n];
+        let input = MatmulInput {
+            f32: &x,
+            quantized: &bad,
+            rows,
+        };
+        let r = matmul(&pool, isa, &w, input, &mut out, n);
+        assert!(
+            matches!(r, Err(KernelError::Pool(crate::threadpool::PoolError::TaskPanicked(ref m))) if m.contains("shorter")),
+            "{}: {r:?}",
+            isa.name()
+        );
+        let input = MatmulInput {
+            f32: &x,
+            quantized: &good,
+            rows,
+        };
+        matmul(&pool, isa, &w, input, &mut out, n).unwrap();
+        let WeightMatrix::Packed(p) = &w else {
+            unreachable!()
+        };
+        assert_eq!(out, run(isa, p, &good, n), "{}", isa.name());
+    }
+}
+
+/// An output buffer too small for the result is refused before anything runs.
+#[test]
+fn a_short_output_is_refused() {
+    let pool = ThreadPool::new(2);
+    let (rows, n, k) = (3usize, 48usize, 64usize);
+    let w = WeightMatrix::Packed(packed(GgmlType::Q8_0, n, k, 2));
+    let (x, a) = acts(rows, k, 3);
+    let mut out = vec![0f32; rows * n - 1];
+    let input = MatmulInput {
+        f32: &x,
+        quantized: &a,
+        rows,
+    };
+    let r = matmul(&pool, Isa::active(), &w, input, &mut out, n);
+    assert!(matches!(r, Err(KernelError::BadShape { .. })), "{r:?}");
+}
