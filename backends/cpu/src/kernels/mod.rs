@@ -8,6 +8,7 @@ mod attention_avx512;
 pub mod elementwise;
 pub mod matmul;
 pub mod quantize;
+pub mod scan;
 pub mod vecmath;
 
 use std::sync::OnceLock;
