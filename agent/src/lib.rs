@@ -6,6 +6,7 @@
 //! in-process (`inproc`).
 
 pub mod cli;
+pub mod conformance;
 pub mod device;
 pub mod engine;
 pub mod inproc;
