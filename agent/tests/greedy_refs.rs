@@ -127,3 +127,42 @@ fn teacher_forced_top1_matches_where_llama_cpp_is_decided() {
         }
     }
 }
+
+/// A plain-greedy step lets the backend pick on the device; asking for one top alternative makes
+/// the engine read logits back and sample instead. Both give the same tokens and bit-identical
+/// log-probabilities.
+#[test]
+fn device_greedy_pick_equals_the_sampler() {
+    let cfg = engine_config(4, 64);
+    let mut eng = engine(&cfg);
+    let refs = refs();
+    let run = |eng: &mut npu_agent::engine::AgentEngine, top_n: u32| {
+        let reqs: Vec<Arrival> = refs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let mut a = greedy(i as u64, &r.prompt_ids, 12, 0);
+                a.request.params.top_n = top_n;
+                a
+            })
+            .collect();
+        let (out, _) =
+            inproc::run(eng, inproc::scheduler_config(&cfg), &reqs, &mut |_, _| {}).unwrap();
+        out
+    };
+    let on_device = run(&mut eng, 0);
+    let sampled = run(&mut eng, 1);
+    for (d, s) in on_device.iter().zip(&sampled) {
+        assert_eq!(d.token_ids(), s.token_ids());
+        for (a, b) in d.tokens.iter().zip(&s.tokens) {
+            assert_eq!(a.logprob.to_bits(), b.logprob.to_bits(), "{a:?} vs {b:?}");
+            assert!(a.logprob < 0.0);
+        }
+        // The sampler's top alternative is the pick itself.
+        assert!(s
+            .top
+            .iter()
+            .zip(&s.tokens)
+            .all(|(t, tok)| t.len() == 1 && t[0].token == tok.token));
+    }
+}
