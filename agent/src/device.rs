@@ -109,14 +109,6 @@ impl DeviceModel {
         dispatch!(self, m => m.backend().describe())
     }
 
-    pub fn kind(&self) -> DeviceKind {
-        match dispatch!(self, m => m.backend().kind()) {
-            npu_backend::DeviceKind::Cpu => DeviceKind::Cpu,
-            npu_backend::DeviceKind::Cuda => DeviceKind::Cuda,
-            npu_backend::DeviceKind::Ascend => DeviceKind::Ascend,
-        }
-    }
-
     /// One step (see `Model::forward`).
     pub fn forward(
         &mut self,

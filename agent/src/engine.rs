@@ -153,11 +153,6 @@ impl AgentEngine {
         self.model.config()
     }
 
-    /// The model on its device (for commands that run steps of their own, like `score`).
-    pub fn model_mut(&mut self) -> &mut DeviceModel {
-        &mut self.model
-    }
-
     /// Forget every slot (after a server-side reset).
     pub fn reset(&mut self) {
         self.slots.iter_mut().for_each(|s| *s = None);

@@ -126,10 +126,6 @@ impl<B: Backend> Model<B> {
         &mut self.backend
     }
 
-    pub fn geometry(&self) -> &AttnGeometry {
-        &self.geometry
-    }
-
     /// Runs one step, checked by the caller (see `crate::step_input`): every layer, then the
     /// output head on the step's logit rows, then one read back into `out`. With `greedy` (every
     /// logit row is a plain greedy pick) the backend may pick on the device; `out` says which
