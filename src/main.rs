@@ -40,7 +40,7 @@ fn main() -> anyhow::Result<()> {
         )
         .init();
     match Cli::parse().command {
-        Command::Serve(a) => npu_server::serve::run(a),
+        Command::Serve(a) => npu_server::serve::run(a, &npu_agent::device::built_devices()),
         Command::Generate(a) => npu_agent::cli::generate::run(a),
         Command::Score(a) => npu_agent::cli::score::run(a),
         Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),

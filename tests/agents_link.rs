@@ -11,13 +11,15 @@ use std::time::{Duration, Instant};
 
 use npu_agent::engine::{AgentEngineConfig, EngineError, ModelFacts};
 use npu_agent::worker::{run_with, AgentArgs, StepExecutor};
+use npu_protocol::agent::DeviceKind;
 use npu_protocol::frame::Hello;
 use npu_protocol::shm::names::pid_alive;
 use npu_protocol::shm::{
     segment_name, ShmCapacities, ShmLayout, ShmSegment, PROTOCOL_VERSION, SEGMENT_PREFIX,
 };
 use npu_protocol::{
-    Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,
+    Admission, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming,
+    TokenLogprob,
 };
 use npu_server::agents::{
     validate_hello, AgentFailure, AgentLaunch, AgentLink, AgentPool, AgentSpec,
@@ -37,7 +39,8 @@ impl StepExecutor for EchoEngine {
         &self.facts
     }
 
-    fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError> {
+    fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
+        let plan = plan.to_plan();
         for slot in &plan.forget {
             self.admitted.remove(slot);
         }
@@ -160,6 +163,8 @@ fn spec(agent_id: u32) -> AgentSpec {
     AgentSpec::new(
         agent_id,
         AgentEngineConfig {
+            device: DeviceKind::Cpu,
+            device_id: 0,
             model_path: PathBuf::from("/echo/model.gguf"),
             num_blocks: 64,
             block_size: 16,

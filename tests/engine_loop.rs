@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use npu_agent::engine::{AgentEngine, AgentEngineConfig};
 use npu_gguf::GgufFile;
+use npu_protocol::agent::DeviceKind;
 use npu_protocol::{SamplingParams, StepPlan, StepResult};
 use npu_tokenizer::Tokenizer;
 
@@ -163,6 +164,8 @@ impl Harness {
     fn start(cfg: EngineConfig, faults: Faults) -> Self {
         let s = &cfg.scheduler;
         let agent_cfg = AgentEngineConfig {
+            device: DeviceKind::Cpu,
+            device_id: 0,
             model_path: model(),
             num_blocks: s.num_blocks as u32,
             block_size: s.block_size as u32,

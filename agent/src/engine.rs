@@ -1,20 +1,20 @@
-//! The agent's engine: owns the model (on its backend, with the paged KV pool), the per-slot
-//! sampling state, and executes one `StepPlan` into one `StepResult`. This is what the agent
-//! process's step loop calls, and what the local CLI commands drive directly.
+//! The agent's engine: owns the model (on the device the config names, with the paged KV pool),
+//! the per-slot sampling state and the host thread pool, and runs one step plan into one step
+//! result. The agent process's step loop calls it with the plan where it lies in shared memory;
+//! in-process runs (`crate::inproc`) call it with plans from the real scheduler.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use npu_protocol::agent::{AgentEngineConfig, ModelFacts};
-use npu_protocol::{SamplingParams, SeqResult, StepPlan, StepResult, StepTiming};
+use npu_protocol::{PlanSource, SamplingParams, SeqResult, StepResult, StepTiming, TokenLogprob};
 use thiserror::Error;
 
-use crate::model::{Model, ModelConfig, ModelError, ModelOptions};
-use crate::sampler::{SampleOutput, Sampler, SamplerError, TokenHistory};
-use npu_backend::legacy::{Backend, SeqMeta, StepMeta};
-use npu_backend_cpu::disjoint::TileGrid;
+use crate::device::{DeviceModel, DeviceSpec};
+use crate::model::{ModelConfig, ModelError, ModelOptions, StepOutput};
+use crate::sampler::{is_plain_greedy, SampleOutput, Sampler, SamplerError, TokenHistory};
+use crate::step_input::{StepError, StepLimits, StepRead};
 use npu_backend_cpu::threadpool::{PoolError, ThreadPool};
-use npu_backend_cpu::{CpuBackend, CpuConfig};
 use npu_gguf::{GgufError, GgufFile};
 
 thread_local! {
@@ -30,6 +30,8 @@ pub enum EngineError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Sampler(#[from] SamplerError),
+    #[error(transparent)]
+    Step(#[from] StepError),
     #[error("bad step plan: {0}")]
     BadPlan(String),
     #[error("bad engine configuration: {0}")]
@@ -43,32 +45,18 @@ struct Slot {
     history: TokenHistory,
 }
 
-/// A model that can run a step, whatever its backend.
-trait StepModel: Send {
-    fn forward(&mut self, meta: &StepMeta, logits: &mut Vec<f32>) -> Result<(), ModelError>;
-    fn config(&self) -> &ModelConfig;
-}
-
-impl<B: Backend> StepModel for Model<B> {
-    fn forward(&mut self, meta: &StepMeta, logits: &mut Vec<f32>) -> Result<(), ModelError> {
-        Model::forward(self, meta, logits)
-    }
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-}
-
 pub struct AgentEngine {
     cfg: AgentEngineConfig,
-    model: Box<dyn StepModel>,
+    model: DeviceModel,
     facts: ModelFacts,
     slots: Vec<Option<Slot>>,
-    /// Sequences are sampled in parallel on the backend's compute pool.
+    /// Host threads: the CPU backend's kernels and the sampling of every device.
     pool: Arc<ThreadPool>,
-    meta: StepMeta,
-    logits: Vec<f32>,
-    /// Plan sequence index of each logit row.
-    logit_seq: Vec<usize>,
+    limits: StepLimits,
+    /// The current step as read from its plan (reused).
+    read: StepRead,
+    /// What the current step handed back (reused).
+    out: StepOutput,
 }
 
 /// End-of-generation token ids from the metadata (eos, and eot/eom where present).
@@ -90,9 +78,15 @@ fn eos_ids(f: &GgufFile) -> Vec<u32> {
 
 impl AgentEngine {
     pub fn load(cfg: &AgentEngineConfig) -> Result<Self, EngineError> {
-        if cfg.max_slots == 0 || cfg.max_tokens_per_step == 0 || cfg.max_blocks_per_seq == 0 {
+        if cfg.max_slots == 0
+            || cfg.max_tokens_per_step == 0
+            || cfg.max_blocks_per_seq == 0
+            || cfg.num_blocks == 0
+            || cfg.block_size == 0
+        {
             return Err(EngineError::BadConfig(format!(
-                "max_slots, max_tokens_per_step and max_blocks_per_seq must be positive: {cfg:?}"
+                "num_blocks, block_size, max_slots, max_tokens_per_step and max_blocks_per_seq \
+                 must be positive: {cfg:?}"
             )));
         }
         let file = GgufFile::open(&cfg.model_path)?;
@@ -102,18 +96,17 @@ impl AgentEngine {
             num_blocks: cfg.num_blocks as usize,
             block_size: cfg.block_size as usize,
         };
-        let backend = CpuBackend::new(CpuConfig {
-            threads: cfg.threads as usize,
-            f32_reference: false,
-        });
-        let pool = backend.pool();
-        let model = Model::load(&file, backend, opts)?;
-        if model.lossy_weights() {
-            tracing::warn!(
-                "some weights (Q2_K/Q3_K/Q6_K) were re-quantized to 8-bit blocks for the CPU kernels"
-            );
-        }
-        let mc = &model.cfg;
+        let threads = match cfg.threads {
+            0 => ThreadPool::available_threads(),
+            n => n as usize,
+        };
+        let pool = Arc::new(ThreadPool::new(threads));
+        let spec = DeviceSpec {
+            kind: cfg.device,
+            device_id: cfg.device_id,
+        };
+        let model = DeviceModel::load(&file, spec, &pool, opts)?;
+        let mc = model.config();
         let facts = ModelFacts {
             name: mc.name.clone(),
             architecture: mc.arch.name().to_string(),
@@ -128,17 +121,25 @@ impl AgentEngine {
             bos_id: file
                 .get_u64("tokenizer.ggml.bos_token_id")
                 .map(|v| v as u32),
-            backend: model.backend().describe(),
+            backend: model.describe(),
+        };
+        let limits = StepLimits {
+            max_tokens: opts.max_tokens,
+            max_slots: cfg.max_slots as usize,
+            max_blocks_per_seq: cfg.max_blocks_per_seq as usize,
+            num_blocks: opts.num_blocks,
+            block_size: opts.block_size,
+            vocab: mc.vocab,
         };
         Ok(Self {
             cfg: cfg.clone(),
-            model: Box::new(model),
+            model,
             facts,
             slots: (0..cfg.max_slots).map(|_| None).collect(),
             pool,
-            meta: StepMeta::default(),
-            logits: Vec::new(),
-            logit_seq: Vec::new(),
+            limits,
+            read: StepRead::default(),
+            out: StepOutput::default(),
         })
     }
 
@@ -171,82 +172,72 @@ impl AgentEngine {
     }
 
     /// Runs one step: forget and admit slots, run the model on every sequence's new tokens,
-    /// sample where asked.
-    pub fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError> {
+    /// sample where asked. The plan is read (and checked) once, into the device's inputs.
+    pub fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
         let t_start = Instant::now();
-        for &s in &plan.forget {
+        let step_id = plan.step_id();
+        for s in plan.forget().iter() {
             let i = self.slot_index(s)?;
             self.slots[i] = None;
         }
-        for a in &plan.admit {
+        for a in plan.admissions() {
             let i = self.slot_index(a.slot)?;
             self.slots[i] = Some(Slot {
                 params: a.params.clone(),
                 history: TokenHistory::new(),
             });
         }
-        if plan.seqs.is_empty() {
+        if plan.n_seqs() == 0 {
             return Ok(StepResult {
-                step_id: plan.step_id,
+                step_id,
                 seqs: Vec::new(),
                 timing: StepTiming::default(),
             });
         }
-        self.build_meta(plan)?;
+        let slots = &mut self.slots;
+        self.read
+            .read(plan, &self.limits, |s| slots[s as usize].is_some())?;
         // History first: penalties see every token up to and including this step's inputs.
-        for seq in &plan.seqs {
-            let i = seq.slot as usize;
-            let slot = self.slots[i].as_mut().expect("checked in build_meta");
-            let np = (seq.n_prompt_tokens as usize).min(seq.tokens.len());
-            slot.history.push_prompt(&seq.tokens[..np]);
-            for &t in &seq.tokens[np..] {
-                slot.history.push_generated(t);
+        for (i, f) in self.read.seqs.iter().enumerate() {
+            if let Some(slot) = slots[f.slot as usize].as_mut() {
+                let tokens = self.read.tokens(i);
+                let np = f.n_prompt as usize;
+                slot.history.push_prompt(&tokens[..np]);
+                for &t in &tokens[np..] {
+                    slot.history.push_generated(t);
+                }
             }
         }
+        let greedy = self.read.logit_slots.iter().all(|&s| {
+            slots[s as usize]
+                .as_ref()
+                .is_some_and(|slot| is_plain_greedy(&slot.params))
+        });
         let t_fwd = Instant::now();
-        self.model.forward(&self.meta, &mut self.logits)?;
+        self.model
+            .forward(&self.read.inputs, greedy, &mut self.out)?;
         let forward_us = t_fwd.elapsed().as_micros() as u64;
         let t_sample = Instant::now();
-        let vocab = self.model.config().vocab;
-        let n = self.logit_seq.len();
-        let have = self.logits.len();
-        let rows = self.logits.get_mut(..n * vocab).ok_or_else(|| {
-            EngineError::BadPlan(format!("{have} logits for {n} rows of {vocab}"))
-        })?;
-        let logits = TileGrid::rows(rows, vocab, (0..n).map(|r| r..r + 1).collect())
-            .map_err(|e| EngineError::BadPlan(format!("logits: {e}")))?;
-        let outs: Vec<Mutex<Option<Result<SampleOutput, SamplerError>>>> =
-            (0..n).map(|_| Mutex::new(None)).collect();
-        let (slots, logit_seq) = (&self.slots, &self.logit_seq);
-        self.pool.run(n, |row| {
-            let seq = &plan.seqs[logit_seq[row]];
-            let slot = slots[seq.slot as usize]
-                .as_ref()
-                .expect("checked in build_meta");
-            let mut row_tile = logits.take(row, 0);
-            let row_logits = row_tile.contiguous_mut();
-            let gen_index = slot.history.n_generated();
-            let out = SAMPLER.with(|s| {
-                s.borrow_mut()
-                    .sample(row_logits, &slot.params, &slot.history, gen_index)
-            });
-            *outs[row].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
-        })?;
-        let mut seqs = Vec::with_capacity(n);
-        for (row, out) in outs.into_iter().enumerate() {
-            let out = out
-                .into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .expect("every row was sampled")?;
-            seqs.push(SeqResult {
-                slot: plan.seqs[self.logit_seq[row]].slot,
-                token: out.token,
-                top: out.top,
-            });
-        }
+        let seqs = if self.out.picked_on_device {
+            self.read
+                .logit_slots
+                .iter()
+                .zip(self.out.ids.iter().zip(&self.out.logprobs))
+                .map(|(&slot, (&token, &logprob))| SeqResult {
+                    slot,
+                    token: TokenLogprob {
+                        token: token as u32,
+                        logprob,
+                    },
+                    top: Vec::new(),
+                })
+                .collect()
+        } else {
+            self.sample()?
+        };
         let sample_us = t_sample.elapsed().as_micros() as u64;
         Ok(StepResult {
-            step_id: plan.step_id,
+            step_id,
             seqs,
             timing: StepTiming {
                 forward_us,
@@ -256,71 +247,48 @@ impl AgentEngine {
         })
     }
 
-    /// Flattens a plan into the backend's step metadata, checking it against the capacities.
-    fn build_meta(&mut self, plan: &StepPlan) -> Result<(), EngineError> {
-        let bad = |s: String| Err(EngineError::BadPlan(s));
-        let n_tokens = plan.n_tokens();
-        if n_tokens > self.cfg.max_tokens_per_step as usize {
-            return bad(format!(
-                "{n_tokens} tokens exceed the step capacity {}",
-                self.cfg.max_tokens_per_step
-            ));
-        }
-        let max_blocks = plan
-            .seqs
-            .iter()
-            .map(|s| s.block_table.len())
-            .max()
-            .unwrap_or(0);
-        if max_blocks > self.cfg.max_blocks_per_seq as usize {
-            return bad(format!(
-                "a block table of {max_blocks} blocks exceeds {}",
-                self.cfg.max_blocks_per_seq
-            ));
-        }
-        let m = &mut self.meta;
-        m.tokens.clear();
-        m.positions.clear();
-        m.slot_mapping.clear();
-        m.seqs.clear();
-        m.block_tables.clear();
-        m.logit_rows.clear();
-        m.max_blocks = max_blocks;
-        self.logit_seq.clear();
-        let mut seen = vec![false; self.slots.len()];
-        for (si, seq) in plan.seqs.iter().enumerate() {
-            let i = seq.slot as usize;
-            if i >= self.slots.len() || self.slots[i].is_none() {
-                return bad(format!("sequence {si}: slot {} was not admitted", seq.slot));
-            }
-            if std::mem::replace(&mut seen[i], true) {
-                return bad(format!("slot {} appears twice in one step", seq.slot));
-            }
-            if seq.tokens.is_empty() || seq.slot_mapping.len() != seq.tokens.len() {
-                return bad(format!(
-                    "sequence {si}: {} tokens with {} slot mappings",
-                    seq.tokens.len(),
-                    seq.slot_mapping.len()
-                ));
-            }
-            let q_row = m.tokens.len() as u32;
-            m.seqs.push(SeqMeta {
-                q_row,
-                n_q: seq.tokens.len() as u32,
-                start_pos: seq.start_pos,
+    /// Samples every logit row on the pool, each task owning its own row.
+    fn sample(&mut self) -> Result<Vec<SeqResult>, EngineError> {
+        let vocab = self.model.config().vocab;
+        let slots_of = &self.read.logit_slots;
+        let n = slots_of.len();
+        let rows: Vec<Mutex<Option<&mut [f32]>>> = self
+            .out
+            .logits
+            .chunks_exact_mut(vocab)
+            .map(|r| Mutex::new(Some(r)))
+            .collect();
+        let outs: Vec<Mutex<Option<Result<SampleOutput, SamplerError>>>> =
+            (0..n).map(|_| Mutex::new(None)).collect();
+        let slots = &self.slots;
+        self.pool.run(n, |row| {
+            let (Some(logits), Some(Some(slot))) = (
+                rows[row].lock().unwrap_or_else(|e| e.into_inner()).take(),
+                slots.get(slots_of[row] as usize),
+            ) else {
+                return;
+            };
+            let gen_index = slot.history.n_generated();
+            let out = SAMPLER.with(|s| {
+                s.borrow_mut()
+                    .sample(logits, &slot.params, &slot.history, gen_index)
             });
-            m.tokens.extend_from_slice(&seq.tokens);
-            m.positions
-                .extend((0..seq.tokens.len() as u32).map(|j| seq.start_pos + j));
-            m.slot_mapping.extend_from_slice(&seq.slot_mapping);
-            m.block_tables.extend_from_slice(&seq.block_table);
-            m.block_tables
-                .extend(std::iter::repeat_n(0, max_blocks - seq.block_table.len()));
-            if seq.sample {
-                m.logit_rows.push(q_row + seq.tokens.len() as u32 - 1);
-                self.logit_seq.push(si);
-            }
+            *outs[row].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
+        })?;
+        let mut seqs = Vec::with_capacity(n);
+        for (row, out) in outs.into_iter().enumerate() {
+            let out = out
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .ok_or_else(|| {
+                    EngineError::BadPlan(format!("logit row {row} was not sampled"))
+                })??;
+            seqs.push(SeqResult {
+                slot: slots_of[row],
+                token: out.token,
+                top: out.top,
+            });
         }
-        Ok(())
+        Ok(seqs)
     }
 }

@@ -1,10 +1,16 @@
-//! npu-agent: the worker agent. It loads a GGUF model onto a `Backend`, runs batched Llama steps
-//! with a paged KV cache, samples next tokens, and serves step plans from the server over shared
-//! memory (`worker`). The local commands (`generate`, `score`, `bench-model`) live in `cli`.
+//! npu-agent: the worker agent. It loads a GGUF model onto the device its config names
+//! (`device`: the backends compiled in), reads each step plan once into the device's inputs
+//! (`step_input`), runs batched Llama steps with a paged KV cache (`model`), samples next tokens
+//! (`sampler`), and serves step plans from the server over shared memory (`worker`). The local
+//! commands (`generate`, `score`, `bench-model`) live in `cli` and run the real scheduler
+//! in-process (`inproc`).
 
 pub mod cli;
+pub mod conformance;
+pub mod device;
 pub mod engine;
-pub mod local;
+pub mod inproc;
 pub mod model;
 pub mod sampler;
+pub mod step_input;
 pub mod worker;

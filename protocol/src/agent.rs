@@ -7,9 +7,70 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+/// The kinds of device an agent can run on (`npu_serving.device`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+    Ascend,
+}
+
+impl DeviceKind {
+    pub const ALL: [DeviceKind; 3] = [Self::Cpu, Self::Cuda, Self::Ascend];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Ascend => "ascend",
+        }
+    }
+
+    /// The cargo feature of the `npu-serving` package that compiles this device's backend in
+    /// (`None`: always built).
+    pub fn cargo_feature(self) -> Option<&'static str> {
+        match self {
+            Self::Cpu => None,
+            Self::Cuda => Some("cuda"),
+            Self::Ascend => Some("ascend"),
+        }
+    }
+
+    /// `cpu`, `cuda` (or `gpu`), `ascend` (or `npu`), any case.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.to_ascii_lowercase().as_str() {
+            "cpu" => Self::Cpu,
+            "cuda" | "gpu" => Self::Cuda,
+            "ascend" | "npu" => Self::Ascend,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s).ok_or_else(|| format!("{s:?} is not a device: one of cpu, cuda, ascend"))
+    }
+}
+
 /// How to build an engine (sizes come from the server's config and must match the shm layout).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentEngineConfig {
+    /// The device kind this agent runs its model on.
+    #[serde(default)]
+    pub device: DeviceKind,
+    /// Which device of that kind (`serving_config.start_device_id` + the agent's index).
+    #[serde(default)]
+    pub device_id: u32,
     pub model_path: PathBuf,
     /// KV pool: blocks of `block_size` token slots (per layer).
     pub num_blocks: u32,
@@ -20,7 +81,8 @@ pub struct AgentEngineConfig {
     pub max_tokens_per_step: u32,
     /// Most blocks in one sequence's table.
     pub max_blocks_per_seq: u32,
-    /// Compute threads (0 = all cores).
+    /// Host compute threads (0 = all cores): the CPU backend's kernels, and sampling on every
+    /// device.
     pub threads: u32,
 }
 

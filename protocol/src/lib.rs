@@ -1,11 +1,14 @@
 //! npu-protocol: what the server and its agents must agree on. Step plans and step results
-//! (`step`), and later the shared-memory layout and the framed control messages.
+//! (`step`, read where they lie through `source`), the shared-memory segment (`shm`), the framed
+//! control messages (`frame`), and how an agent is started (`agent`).
 
 pub mod agent;
 pub mod frame;
 pub mod shm;
+pub mod source;
 pub mod step;
 
+pub use source::{PlanSource, SeqRef, U32s};
 pub use step::{
     Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,
     MAX_TOP_N,

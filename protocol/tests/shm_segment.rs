@@ -10,7 +10,8 @@ use npu_protocol::shm::{
     segment_name, Region, ShmCapacities, ShmError, ShmHeader, ShmLayout, ShmSegment,
 };
 use npu_protocol::{
-    Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,
+    Admission, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming,
+    TokenLogprob,
 };
 use proptest::prelude::*;
 
@@ -170,6 +171,26 @@ fn plan_and_result_cross_between_two_mappings() {
     assert_eq!(server.write_plan(&plan).unwrap(), 1);
     assert_eq!(agent.plan_seq(), 1);
     assert_eq!(agent.read_plan().unwrap(), plan);
+    // Read in place, the plan says the same, sequence by sequence.
+    {
+        let view = agent.plan_view().unwrap();
+        assert_eq!(view.step_id(), plan.step_id);
+        assert_eq!(view.n_seqs(), plan.seqs.len());
+        assert_eq!(PlanSource::n_tokens(&view), plan.n_tokens());
+        assert_eq!(view.forget().to_vec(), plan.forget);
+        assert_eq!(view.admissions(), &plan.admit[..]);
+        for (i, want) in plan.seqs.iter().enumerate() {
+            let got = view.seq(i);
+            assert_eq!(got.tokens.to_vec(), want.tokens);
+            assert_eq!(got.slot_mapping.to_vec(), want.slot_mapping);
+            assert_eq!(got.block_table.to_vec(), want.block_table);
+            assert_eq!(
+                (got.slot, got.start_pos, got.sample, got.n_prompt_tokens),
+                (want.slot, want.start_pos, want.sample, want.n_prompt_tokens)
+            );
+        }
+        assert_eq!(view.to_plan(), plan);
+    }
 
     // Before the agent answers, the result region holds nothing for this plan.
     assert!(matches!(

@@ -50,8 +50,29 @@ struct ModelInfo {
     context: u32,
 }
 
-/// Runs the server until a termination signal has been handled.
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+/// Refuses a configured device this binary has no backend for, naming the cargo feature that
+/// builds one.
+pub fn check_device(device: DeviceKind, built: &[DeviceKind]) -> anyhow::Result<()> {
+    if built.contains(&device) {
+        return Ok(());
+    }
+    let have: Vec<&str> = built.iter().map(|d| d.name()).collect();
+    match device.cargo_feature() {
+        Some(feature) => bail!(
+            "npu_serving.device: {device} is not built into this binary (it runs on: {}); \
+             rebuild with `cargo build --release --features {feature}`",
+            have.join(", ")
+        ),
+        None => bail!(
+            "npu_serving.device: {device} is not built into this binary (it runs on: {})",
+            have.join(", ")
+        ),
+    }
+}
+
+/// Runs the server until a termination signal has been handled. `built` lists the devices this
+/// binary has backends for (the agents it starts are this same binary).
+pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     let mut cfg = ServerConfig::from_yaml_file_with(&args.config, args.strict_config)
         .with_context(|| format!("config {}", args.config.display()))?;
     if let Some(host) = &args.host {
@@ -60,12 +81,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(port) = args.port {
         cfg.serving_config.server_port = port;
     }
-    if cfg.npu_serving.device != DeviceKind::Cpu {
-        bail!(
-            "npu_serving.device: {} is not available in this build; the agents run on: cpu",
-            cfg.npu_serving.device.as_str()
-        );
-    }
+    check_device(cfg.npu_serving.device, built)?;
     let model = load_model_info(&cfg, args.model.clone())?;
     cfg.model_warnings(model.vocab, model.context);
     cfg.check_kv_pool(model.context)
@@ -172,6 +188,8 @@ fn agent_specs(
     (0..agents)
         .map(|i| {
             let engine = AgentEngineConfig {
+                device: cfg.npu_serving.device,
+                device_id: cfg.serving_config.start_device_id.saturating_add(i as u32),
                 model_path: model.to_path_buf(),
                 num_blocks: s.num_blocks as u32,
                 block_size: s.block_size as u32,
@@ -183,4 +201,22 @@ fn agent_specs(
             AgentSpec::new(i as u32, engine)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_not_built_in_is_refused_naming_its_feature() {
+        let cpu_only = [DeviceKind::Cpu];
+        check_device(DeviceKind::Cpu, &cpu_only).unwrap();
+        for (device, feature) in [(DeviceKind::Cuda, "cuda"), (DeviceKind::Ascend, "ascend")] {
+            let e = check_device(device, &cpu_only).unwrap_err().to_string();
+            assert!(e.contains(&format!("--features {feature}")), "{e}");
+            assert!(e.contains("npu_serving.device"), "{e}");
+            assert!(e.contains("it runs on: cpu"), "{e}");
+        }
+        check_device(DeviceKind::Cuda, &[DeviceKind::Cpu, DeviceKind::Cuda]).unwrap();
+    }
 }

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use npu_protocol::agent::AgentEngineConfig;
+use npu_protocol::agent::{AgentEngineConfig, DeviceKind};
 use npu_protocol::shm::names::pid_alive;
 use npu_protocol::shm::SEGMENT_PREFIX;
 use npu_protocol::{Admission, SamplingParams, SeqStep, StepPlan};
@@ -62,6 +62,8 @@ fn launch() -> AgentLaunch {
 
 fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
     AgentEngineConfig {
+        device: DeviceKind::Cpu,
+        device_id: 0,
         model_path,
         num_blocks: 64,
         block_size: 16,

@@ -42,6 +42,8 @@ pub struct ServerOpts {
     pub batching_strategy: &'static str,
     pub prefix_cache: bool,
     pub shutdown_grace_ms: u64,
+    /// `npu_serving.device`.
+    pub device: &'static str,
 }
 
 impl Default for ServerOpts {
@@ -58,12 +60,14 @@ impl Default for ServerOpts {
             batching_strategy: "continuous",
             prefix_cache: true,
             shutdown_grace_ms: 10_000,
+            device: "cpu",
         }
     }
 }
 
 impl ServerOpts {
-    fn yaml(&self) -> String {
+    /// The test config as YAML.
+    pub fn yaml(&self) -> String {
         // One entry per agent; agents talk over private socket pairs, no port is opened.
         let ports: Vec<String> = (0..self.agents).map(|_| "0".to_string()).collect();
         format!(
@@ -71,7 +75,7 @@ impl ServerOpts {
              prefill_batch_size: {}\n  batching_strategy: '{}'\n\
              serving_config:\n  agent_ports: [{}]\n  server_ip: '127.0.0.1'\n  server_port: 8835\n\
              pa_config:\n  num_blocks: {}\n  block_size: {}\n\
-             npu_serving:\n  device: cpu\n  threads_per_agent: {}\n  max_tokens_per_step: {}\n  \
+             npu_serving:\n  device: {}\n  threads_per_agent: {}\n  max_tokens_per_step: {}\n  \
              prefix_cache: {}\n  shutdown_grace_ms: {}\n  step_deadline_ms: 60000\n",
             self.seq_length,
             self.decode_batch_size,
@@ -80,6 +84,7 @@ impl ServerOpts {
             ports.join(", "),
             self.num_blocks,
             self.block_size,
+            self.device,
             self.threads_per_agent,
             self.max_tokens_per_step,
             self.prefix_cache,

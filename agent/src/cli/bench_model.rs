@@ -1,6 +1,7 @@
 //! `npu-serving bench-model`: the engine's raw speed on this machine — prefill at 128 and 512
 //! prompt tokens, decode at batch 1..64 (128 tokens of context each), decode time per token at long
-//! contexts, and peak memory — with the same engine, step plans and paged KV the server uses.
+//! contexts, and peak memory — with the same engine, scheduler, step plans and paged KV the server
+//! uses, on the device `--device` names.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -10,8 +11,10 @@ use clap::Args;
 use npu_protocol::SamplingParams;
 use serde::Serialize;
 
+use super::DeviceArgs;
 use crate::engine::{AgentEngine, AgentEngineConfig};
-use crate::local::{LocalRequest, LocalRunner};
+use crate::inproc::{self, Arrival, RunOutput, RunTiming};
+use npu_scheduler::GenerateRequest;
 
 #[derive(Debug, Args)]
 pub struct BenchModelArgs {
@@ -21,6 +24,8 @@ pub struct BenchModelArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: u32,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -76,14 +81,39 @@ fn prompt(rng: &mut SplitMix, n: usize, vocab: u32) -> Vec<u32> {
         .collect()
 }
 
-fn req(p: Vec<u32>, n: usize) -> LocalRequest {
-    LocalRequest {
-        prompt: p,
-        params: SamplingParams::greedy(),
-        max_new_tokens: n,
-        stop_ids: Vec::new(),
-        start_delay_steps: 0,
-    }
+/// Greedy requests with these prompts, `n` tokens each, all arriving at once (never stopping
+/// early: benchmarks run every token).
+fn greedy(prompts: Vec<Vec<u32>>, n: usize) -> Vec<Arrival> {
+    prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| Arrival {
+            request: GenerateRequest {
+                id: i as u64,
+                prompt_ids: p,
+                params: SamplingParams::greedy(),
+                max_new_tokens: n as u32,
+                stop: Vec::new(),
+                stop_token_ids: Vec::new(),
+                ignore_eos: true,
+            },
+            at_step: 0,
+        })
+        .collect()
+}
+
+/// Runs the requests on the engine under the real scheduler.
+fn run_all(
+    engine: &mut AgentEngine,
+    cfg: &AgentEngineConfig,
+    reqs: &[Arrival],
+) -> anyhow::Result<(Vec<RunOutput>, RunTiming)> {
+    Ok(inproc::run(
+        engine,
+        inproc::scheduler_config(cfg),
+        reqs,
+        &mut |_, _| {},
+    )?)
 }
 
 /// Peak resident set size of this process in MiB (Linux; 0 elsewhere).
@@ -104,6 +134,8 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
     let long = !args.skip_long;
     let cfg = AgentEngineConfig {
+        device: args.device.device,
+        device_id: args.device.device_id,
         model_path,
         num_blocks: if long { 1200 } else { 800 },
         block_size: 16,
@@ -131,7 +163,11 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         }
     };
     // Warm-up: touch every weight once.
-    LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, 32, vocab), 4)])?;
+    run_all(
+        &mut engine,
+        &cfg,
+        &greedy(vec![prompt(&mut rng, 32, vocab)], 4),
+    )?;
 
     let prefills: &mut [(usize, &mut f64)] = if args.skip_prefill {
         &mut []
@@ -145,8 +181,11 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         let n = *n;
         let mut runs = Vec::new();
         for _ in 0..5 {
-            let (_, t) =
-                LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, n, vocab), 1)])?;
+            let (_, t) = run_all(
+                &mut engine,
+                &cfg,
+                &greedy(vec![prompt(&mut rng, n, vocab)], 1),
+            )?;
             runs.push(t.prefill_tokens as f64 / t.prefill.as_secs_f64());
         }
         runs.sort_by(f64::total_cmp);
@@ -174,10 +213,8 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         } else {
             args.decode_steps
         };
-        let reqs: Vec<LocalRequest> = (0..b)
-            .map(|_| req(prompt(&mut rng, 128, vocab), steps + 1))
-            .collect();
-        let (_, t) = LocalRunner::new(&mut engine).run(&reqs)?;
+        let prompts = (0..b).map(|_| prompt(&mut rng, 128, vocab)).collect();
+        let (_, t) = run_all(&mut engine, &cfg, &greedy(prompts, steps + 1))?;
         *slot = t
             .median_decode_tok_s(b)
             .unwrap_or(t.decode_tokens as f64 / t.decode.as_secs_f64());
@@ -195,8 +232,11 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         ];
         for (ctx, slot) in ctxs {
             let t0 = Instant::now();
-            let (_, t) =
-                LocalRunner::new(&mut engine).run(&[req(prompt(&mut rng, ctx, vocab), 17)])?;
+            let (_, t) = run_all(
+                &mut engine,
+                &cfg,
+                &greedy(vec![prompt(&mut rng, ctx, vocab)], 17),
+            )?;
             let ms = 1000.0
                 / t.median_decode_tok_s(1)
                     .unwrap_or(t.decode_tokens.max(1) as f64 / t.decode.as_secs_f64());

@@ -1,6 +1,6 @@
-//! `npu-serving generate`: tokenize a prompt, generate on the in-process engine (greedy by default,
-//! or sampled), stream the text to stdout, or print one JSON object with the ids, the text and the
-//! measured prefill/decode speeds.
+//! `npu-serving generate`: tokenize a prompt, generate on the in-process engine under the real
+//! scheduler (greedy by default, or sampled), stream the text to stdout, or print one JSON object
+//! with the ids, the text and the measured prefill/decode speeds.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -10,9 +10,11 @@ use clap::Args;
 use npu_protocol::SamplingParams;
 use serde::Serialize;
 
+use super::DeviceArgs;
 use crate::engine::{AgentEngine, AgentEngineConfig};
-use crate::local::{LocalRequest, LocalRunner};
+use crate::inproc::{self, Arrival};
 use npu_gguf::GgufFile;
+use npu_scheduler::GenerateRequest;
 use npu_tokenizer::Tokenizer;
 
 #[derive(Debug, Args)]
@@ -44,6 +46,8 @@ pub struct GenerateArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: u32,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Print one JSON object: prompt_ids, output_ids, output_text, prefill_tok_s, decode_tok_s.
     #[arg(long)]
     pub json: bool,
@@ -79,7 +83,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let block_size = 16u32;
     let total = prompt_ids.len() + args.max_tokens;
     let blocks = total.div_ceil(block_size as usize) as u32;
-    let mut engine = AgentEngine::load(&AgentEngineConfig {
+    let engine_cfg = AgentEngineConfig {
+        device: args.device.device,
+        device_id: args.device.device_id,
         model_path,
         num_blocks: blocks,
         block_size,
@@ -87,7 +93,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         max_tokens_per_step: 512,
         max_blocks_per_seq: blocks,
         threads: args.threads,
-    })?;
+    };
+    let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;
     if total > ctx {
         tracing::warn!("{total} tokens exceed the model's trained context of {ctx}");
@@ -100,29 +107,38 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         seed: args.seed,
         ..SamplingParams::default()
     };
-    let req = LocalRequest {
-        prompt: prompt_ids.clone(),
+    let request = GenerateRequest {
+        id: 0,
+        prompt_ids: prompt_ids.clone(),
         params,
-        max_new_tokens: args.max_tokens,
-        stop_ids: if args.ignore_eos {
+        max_new_tokens: args.max_tokens as u32,
+        stop: Vec::new(),
+        stop_token_ids: if args.ignore_eos {
             Vec::new()
         } else {
             tok.eos_ids().to_vec()
         },
-        start_delay_steps: 0,
+        ignore_eos: args.ignore_eos,
     };
     let mut stream = tok.decode_stream(true);
     let mut stdout = std::io::stdout();
     let json = args.json;
-    let mut runner = LocalRunner::new(&mut engine);
-    let (out, timing) = runner.run_with(&[req], &mut |_, t| {
-        if !json {
-            let piece = stream.push(t.token);
-            let _ = stdout.write_all(piece.as_bytes());
-            let _ = stdout.flush();
-        }
-    })?;
-    let output_ids: Vec<u32> = out[0].tokens.iter().map(|t| t.token).collect();
+    let (out, timing) = inproc::run(
+        &mut engine,
+        inproc::scheduler_config(&engine_cfg),
+        &[Arrival {
+            request,
+            at_step: 0,
+        }],
+        &mut |_, t| {
+            if !json {
+                let piece = stream.push(t.token);
+                let _ = stdout.write_all(piece.as_bytes());
+                let _ = stdout.flush();
+            }
+        },
+    )?;
+    let output_ids = out[0].token_ids();
     let prefill_tok_s = timing.prefill_tokens as f64 / timing.prefill.as_secs_f64().max(1e-9);
     let decode_tok_s = timing.decode_tokens as f64 / timing.decode.as_secs_f64().max(1e-9);
     if json {

@@ -1,6 +1,21 @@
 //! The agent-side commands of the `npu-serving` binary that run a model in-process: `generate`,
-//! `score` and `bench-model`.
+//! `score` and `bench-model`. Each takes `--device` (and `--device-id`) like an agent's config.
 
 pub mod bench_model;
 pub mod generate;
 pub mod score;
+
+use clap::Args;
+use npu_protocol::agent::DeviceKind;
+
+/// Which device a command runs the model on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Args)]
+pub struct DeviceArgs {
+    /// Device to run on: cpu, cuda or ascend (the last two need a build with that cargo
+    /// feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// Which device of that kind.
+    #[arg(long, default_value_t = 0)]
+    pub device_id: u32,
+}

@@ -8,9 +8,13 @@ use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 
-use crate::model::{Model, ModelOptions};
-use npu_backend::legacy::{SeqMeta, StepMeta};
-use npu_backend_cpu::{CpuBackend, CpuConfig};
+use std::sync::Arc;
+
+use super::DeviceArgs;
+use crate::device::{DeviceModel, DeviceSpec};
+use crate::model::{ModelOptions, StepOutput};
+use npu_backend::{SeqSpan, StepInputs};
+use npu_backend_cpu::threadpool::ThreadPool;
 use npu_gguf::GgufFile;
 use npu_tokenizer::Tokenizer;
 
@@ -28,6 +32,8 @@ pub struct ScoreArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: u32,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Print JSON (`{"positions": [{"top1_id", "gap", "logprob"}, ...]}`) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -48,9 +54,11 @@ struct ScoreReport {
     positions: Vec<ScoredPosition>,
 }
 
-/// Scores `continuation` after `prompt` (token ids) with the model at `model_path`.
+/// Scores `continuation` after `prompt` (token ids) with the model at `model_path` on `device`,
+/// in one step whose logit rows are every continuation position.
 pub fn score_ids(
     model_path: &std::path::Path,
+    device: DeviceArgs,
     threads: u32,
     prompt: &[u32],
     continuation: &[u32],
@@ -62,13 +70,18 @@ pub fn score_ids(
     let n = tokens.len();
     let block_size = 16usize;
     let blocks = n.div_ceil(block_size);
-    let backend = CpuBackend::new(CpuConfig {
-        threads: threads as usize,
-        f32_reference: false,
-    });
-    let mut model = Model::load(
+    let threads = match threads {
+        0 => ThreadPool::available_threads(),
+        t => t as usize,
+    };
+    let pool = Arc::new(ThreadPool::new(threads));
+    let mut model = DeviceModel::load(
         &gguf,
-        backend,
+        DeviceSpec {
+            kind: device.device,
+            device_id: device.device_id,
+        },
+        &pool,
         ModelOptions {
             max_tokens: n,
             max_logit_rows: continuation.len(),
@@ -76,14 +89,16 @@ pub fn score_ids(
             block_size,
         },
     )?;
-    let vocab = model.cfg.vocab;
+    let vocab = model.config().vocab;
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         anyhow::bail!("token id {bad} is beyond the vocabulary ({vocab})");
     }
-    let meta = StepMeta {
+    // One sequence from position 0 on blocks 0.. in order: built here, complete by construction
+    // (the token ids were checked just above).
+    let step = StepInputs {
         positions: (0..n as u32).collect(),
         slot_mapping: (0..n as u32).collect(),
-        seqs: vec![SeqMeta {
+        seqs: vec![SeqSpan {
             q_row: 0,
             n_q: n as u32,
             start_pos: 0,
@@ -93,8 +108,9 @@ pub fn score_ids(
         logit_rows: (prompt.len() as u32 - 1..n as u32 - 1).collect(),
         tokens,
     };
-    let mut logits = Vec::new();
-    model.forward(&meta, &mut logits)?;
+    let mut out = StepOutput::default();
+    model.forward(&step, false, &mut out)?;
+    let logits = out.logits;
     Ok(continuation
         .iter()
         .enumerate()
@@ -133,6 +149,7 @@ pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     drop(gguf);
     let positions = score_ids(
         &model_path,
+        args.device,
         args.threads,
         &prompt_ids,
         &args.continuation_ids,

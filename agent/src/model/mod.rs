@@ -1,17 +1,18 @@
-//! A Llama-family model on a Backend: hyper-parameters (from `npu_gguf::hparams`), weights uploaded in the device's
-//! layout (`weights`), and the batched forward step over a paged KV cache (`runner`).
+//! A Llama-family model on a Backend: hyper-parameters (from `npu_gguf::hparams`), weights handed
+//! to the device as the file stores them (`weights`), and the batched forward step over a paged
+//! KV cache (`runner`).
 
 pub mod runner;
 pub mod weights;
 
 use thiserror::Error;
 
-use npu_backend::legacy::BackendError;
+use npu_backend::BackendError;
 use npu_gguf::hparams::HparamsError;
 use npu_gguf::GgufError;
 
 pub use npu_gguf::hparams::{Arch, ModelConfig};
-pub use runner::{Model, ModelOptions};
+pub use runner::{Model, ModelOptions, StepOutput};
 
 #[derive(Debug, Error)]
 pub enum ModelError {
@@ -25,6 +26,6 @@ pub enum ModelError {
     Unsupported(String),
     #[error("inconsistent model: {0}")]
     Inconsistent(String),
-    #[error("bad step: {0}")]
-    BadStep(String),
+    #[error("bad model options: {0}")]
+    BadOptions(String),
 }

@@ -1,8 +1,13 @@
 //! The batched forward step: the new tokens of many sequences (prefill chunks and decode tokens
 //! alike) go through every layer together; each layer writes its new K/V by slot mapping and reads
-//! history through the block tables; only the rows that need logits reach the output head.
+//! history through the block tables; only the rows that need logits reach the output head. Every
+//! op is handed checked views of the model's buffers; the step ends with one read back: the
+//! logits, or, for an all-greedy step on a backend that picks on the device, the token ids and
+//! their log-probabilities.
 
-use npu_backend::legacy::{AttnGeometry, Backend, KvSpec, StepMeta};
+use npu_backend::{
+    AttnGeometry, Backend, DType, HostSliceMut, KvSpec, Readback, StepInputs, View, ViewMut,
+};
 use npu_gguf::GgufFile;
 
 use super::weights::{Proj, Weights};
@@ -19,17 +24,32 @@ pub struct ModelOptions {
     pub block_size: usize,
 }
 
+/// What a step hands back to the host.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct StepOutput {
+    /// True when the device picked the greedy tokens (`ids`, `logprobs`); false when `logits`
+    /// holds the logit rows.
+    pub picked_on_device: bool,
+    /// `logit_rows.len()` rows of `vocab` logits.
+    pub logits: Vec<f32>,
+    /// Per logit row: the greedy token and its log-probability.
+    pub ids: Vec<i32>,
+    pub logprobs: Vec<f32>,
+}
+
 struct Buffers<B: Backend> {
-    x: B::Buf,
-    xn: B::Buf,
-    qkv: B::Buf,
-    attn: B::Buf,
-    tmp: B::Buf,
-    gate_up: B::Buf,
-    h: B::Buf,
-    lx: B::Buf,
-    lxn: B::Buf,
-    logits: B::Buf,
+    x: B::Buffer,
+    xn: B::Buffer,
+    qkv: B::Buffer,
+    attn: B::Buffer,
+    tmp: B::Buffer,
+    gate_up: B::Buffer,
+    h: B::Buffer,
+    lx: B::Buffer,
+    lxn: B::Buffer,
+    logits: B::Buffer,
+    ids: B::Buffer,
+    logprobs: B::Buffer,
 }
 
 pub struct Model<B: Backend> {
@@ -49,7 +69,7 @@ impl<B: Backend> Model<B> {
             || opts.num_blocks == 0
             || opts.block_size == 0
         {
-            return Err(ModelError::BadStep(format!(
+            return Err(ModelError::BadOptions(format!(
                 "model options must be non-zero: {opts:?}"
             )));
         }
@@ -64,17 +84,21 @@ impl<B: Backend> Model<B> {
         let t = opts.max_tokens;
         let l = opts.max_logit_rows;
         let h = cfg.hidden;
+        let act = backend.act_dtype();
+        let mut alloc = |dtype: DType, len: usize| backend.alloc(dtype, len);
         let bufs = Buffers {
-            x: backend.alloc(t * h)?,
-            xn: backend.alloc(t * h)?,
-            qkv: backend.alloc(t * cfg.qkv_width())?,
-            attn: backend.alloc(t * cfg.attn_width())?,
-            tmp: backend.alloc(t * h)?,
-            gate_up: backend.alloc(t * 2 * cfg.ff)?,
-            h: backend.alloc(t * cfg.ff)?,
-            lx: backend.alloc(l * h)?,
-            lxn: backend.alloc(l * h)?,
-            logits: backend.alloc(l * cfg.vocab)?,
+            x: alloc(act, t * h)?,
+            xn: alloc(act, t * h)?,
+            qkv: alloc(act, t * cfg.qkv_width())?,
+            attn: alloc(act, t * cfg.attn_width())?,
+            tmp: alloc(act, t * h)?,
+            gate_up: alloc(act, t * 2 * cfg.ff)?,
+            h: alloc(act, t * cfg.ff)?,
+            lx: alloc(act, l * h)?,
+            lxn: alloc(act, l * h)?,
+            logits: alloc(act, l * cfg.vocab)?,
+            ids: alloc(DType::I32, l)?,
+            logprobs: alloc(DType::F32, l)?,
         };
         let geometry = AttnGeometry {
             n_heads: cfg.n_heads,
@@ -97,144 +121,161 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
-    /// True when some weights were re-quantized on load.
-    pub fn lossy_weights(&self) -> bool {
-        self.weights.lossy
+    /// The backend, for KV block moves between steps.
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
     }
 
-    /// Runs one step. `logits` receives `meta.logit_rows.len()` rows of `vocab` values.
-    pub fn forward(&mut self, meta: &StepMeta, logits: &mut Vec<f32>) -> Result<(), ModelError> {
-        self.check(meta)?;
+    /// Runs one step, checked by the caller (see `crate::step_input`): every layer, then the
+    /// output head on the step's logit rows, then one read back into `out`. With `greedy` (every
+    /// logit row is a plain greedy pick) the backend may pick on the device; `out` says which
+    /// happened.
+    pub fn forward(
+        &mut self,
+        step: &StepInputs,
+        greedy: bool,
+        out: &mut StepOutput,
+    ) -> Result<(), ModelError> {
         let b = &mut self.backend;
         let w = &self.weights;
         let bufs = &mut self.bufs;
         let cfg = &self.cfg;
         let g = &self.geometry;
-        let t = meta.tokens.len();
+        let t = step.tokens.len();
         let h = cfg.hidden;
+        let (qw, kvw) = (g.q_width(), g.kv_width());
         let qkv_w = cfg.qkv_width();
-        b.begin_step(meta)?;
-        b.embed(&w.embed, &mut bufs.x)?;
+        let ff = cfg.ff;
+        b.begin_step(step)?;
+        b.embed(&w.embed, ViewMut::rows(&mut bufs.x, t, h)?)?;
         for (li, layer) in w.layers.iter().enumerate() {
-            b.rms_norm(&bufs.x, &layer.attn_norm, h, cfg.rms_eps, t, &mut bufs.xn)?;
-            project(b, &bufs.xn, t, &layer.qkv, &mut bufs.qkv, qkv_w)?;
-            if let Some(bias) = &layer.qkv_bias {
-                b.add_bias(&mut bufs.qkv, bias, t, 0, qkv_w)?;
-            }
-            b.rope(&mut bufs.qkv, qkv_w, g)?;
-            b.kv_write(&bufs.qkv, qkv_w, g, li)?;
-            b.attention(&bufs.qkv, qkv_w, g, li, &mut bufs.attn)?;
-            b.matmul(&bufs.attn, t, &layer.wo, &mut bufs.tmp, 0, h)?;
-            b.add_assign(&mut bufs.x, &bufs.tmp, t * h)?;
-            b.rms_norm(&bufs.x, &layer.ffn_norm, h, cfg.rms_eps, t, &mut bufs.xn)?;
-            project(
-                b,
-                &bufs.xn,
-                t,
-                &layer.gate_up,
-                &mut bufs.gate_up,
-                2 * cfg.ff,
+            b.rms_norm(
+                View::rows(&bufs.x, t, h)?,
+                &layer.attn_norm,
+                cfg.rms_eps,
+                ViewMut::rows(&mut bufs.xn, t, h)?,
             )?;
-            b.swiglu(&bufs.gate_up, cfg.ff, t, &mut bufs.h)?;
-            b.matmul(&bufs.h, t, &layer.down, &mut bufs.tmp, 0, h)?;
-            b.add_assign(&mut bufs.x, &bufs.tmp, t * h)?;
+            let mut qkv = ViewMut::rows(&mut bufs.qkv, t, qkv_w)?;
+            project(b, View::rows(&bufs.xn, t, h)?, &layer.qkv, &mut qkv)?;
+            if let Some(bias) = &layer.qkv_bias {
+                b.add_bias(qkv.col_range(0, qkv_w)?, bias)?;
+            }
+            b.rope(qkv.col_range(0, qw + kvw)?, g)?;
+            let qkv = qkv.as_view();
+            b.kv_write(
+                qkv.col_range(qw, kvw)?,
+                qkv.col_range(qw + kvw, kvw)?,
+                g,
+                li,
+            )?;
+            b.attention(
+                qkv.col_range(0, qw)?,
+                g,
+                li,
+                ViewMut::rows(&mut bufs.attn, t, qw)?,
+            )?;
+            b.matmul(
+                View::rows(&bufs.attn, t, qw)?,
+                &layer.wo,
+                ViewMut::rows(&mut bufs.tmp, t, h)?,
+            )?;
+            b.add(
+                ViewMut::rows(&mut bufs.x, t, h)?,
+                View::rows(&bufs.tmp, t, h)?,
+            )?;
+            b.rms_norm(
+                View::rows(&bufs.x, t, h)?,
+                &layer.ffn_norm,
+                cfg.rms_eps,
+                ViewMut::rows(&mut bufs.xn, t, h)?,
+            )?;
+            let mut gate_up = ViewMut::rows(&mut bufs.gate_up, t, 2 * ff)?;
+            project(b, View::rows(&bufs.xn, t, h)?, &layer.gate_up, &mut gate_up)?;
+            let gate_up = gate_up.as_view();
+            b.swiglu(
+                gate_up.col_range(0, ff)?,
+                gate_up.col_range(ff, ff)?,
+                ViewMut::rows(&mut bufs.h, t, ff)?,
+            )?;
+            b.matmul(
+                View::rows(&bufs.h, t, ff)?,
+                &layer.down,
+                ViewMut::rows(&mut bufs.tmp, t, h)?,
+            )?;
+            b.add(
+                ViewMut::rows(&mut bufs.x, t, h)?,
+                View::rows(&bufs.tmp, t, h)?,
+            )?;
         }
-        let n = meta.logit_rows.len();
-        logits.resize(n * cfg.vocab, 0.0);
+        let n = step.logit_rows.len();
+        out.picked_on_device = false;
+        out.logits.clear();
+        out.ids.clear();
+        out.logprobs.clear();
         if n == 0 {
+            b.synchronize()?;
             return Ok(());
         }
-        b.gather_logit_rows(&bufs.x, h, &mut bufs.lx)?;
-        b.rms_norm(&bufs.lx, &w.out_norm, h, cfg.rms_eps, n, &mut bufs.lxn)?;
-        b.matmul(&bufs.lxn, n, &w.head, &mut bufs.logits, 0, cfg.vocab)?;
-        b.download(&bufs.logits, &mut logits[..n * cfg.vocab])?;
-        Ok(())
-    }
-
-    /// Checks a step against the capacities (the backend checks slots and blocks).
-    fn check(&self, m: &StepMeta) -> Result<(), ModelError> {
-        let t = m.tokens.len();
-        let bad = |s: String| Err(ModelError::BadStep(s));
-        if t == 0 {
-            return bad("a step needs at least one token".into());
+        b.gather_logit_rows(
+            View::rows(&bufs.x, t, h)?,
+            ViewMut::rows(&mut bufs.lx, n, h)?,
+        )?;
+        b.rms_norm(
+            View::rows(&bufs.lx, n, h)?,
+            &w.out_norm,
+            cfg.rms_eps,
+            ViewMut::rows(&mut bufs.lxn, n, h)?,
+        )?;
+        let vocab = cfg.vocab;
+        b.matmul(
+            View::rows(&bufs.lxn, n, h)?,
+            &w.head,
+            ViewMut::rows(&mut bufs.logits, n, vocab)?,
+        )?;
+        let logits = View::rows(&bufs.logits, n, vocab)?;
+        if greedy
+            && b.argmax_logprob_rows(logits, ViewMut::rows(&mut bufs.logprobs, n, 1)?)?
+            && b.argmax_rows(logits, ViewMut::rows(&mut bufs.ids, n, 1)?)?
+        {
+            out.ids.resize(n, 0);
+            out.logprobs.resize(n, 0.0);
+            b.read_back(&mut [
+                Readback {
+                    src: View::rows(&bufs.ids, n, 1)?,
+                    dst: HostSliceMut::I32(&mut out.ids),
+                },
+                Readback {
+                    src: View::rows(&bufs.logprobs, n, 1)?,
+                    dst: HostSliceMut::F32(&mut out.logprobs),
+                },
+            ])?;
+            out.picked_on_device = true;
+            return Ok(());
         }
-        if t > self.opts.max_tokens {
-            return bad(format!(
-                "{t} tokens exceed the step capacity {}",
-                self.opts.max_tokens
-            ));
-        }
-        if m.positions.len() != t || m.slot_mapping.len() != t {
-            return bad("positions and slot mapping must have one entry per token".into());
-        }
-        if m.logit_rows.len() > self.opts.max_logit_rows {
-            return bad(format!(
-                "{} logit rows exceed the capacity {}",
-                m.logit_rows.len(),
-                self.opts.max_logit_rows
-            ));
-        }
-        if m.logit_rows.iter().any(|&r| r as usize >= t) {
-            return bad("a logit row is beyond the step's tokens".into());
-        }
-        if m.block_tables.len() != m.seqs.len() * m.max_blocks {
-            return bad("block tables must hold max_blocks entries per sequence".into());
-        }
-        let mut next_row = 0u32;
-        for (i, s) in m.seqs.iter().enumerate() {
-            if s.q_row != next_row || s.n_q == 0 {
-                return bad(format!(
-                    "sequence {i}: rows must be consecutive and non-empty"
-                ));
-            }
-            next_row += s.n_q;
-            let end = s.start_pos as usize + s.n_q as usize;
-            if end.div_ceil(self.opts.block_size) > m.max_blocks {
-                return bad(format!(
-                    "sequence {i}: {end} positions need more than its {} blocks",
-                    m.max_blocks
-                ));
-            }
-            for j in 0..s.n_q as usize {
-                let row = s.q_row as usize + j;
-                let pos = s.start_pos as usize + j;
-                if m.positions[row] as usize != pos {
-                    return bad(format!(
-                        "sequence {i}: token {j} has position {} not {pos}",
-                        m.positions[row]
-                    ));
-                }
-                let block = m.block_tables[i * m.max_blocks + pos / self.opts.block_size] as usize;
-                let want = block * self.opts.block_size + pos % self.opts.block_size;
-                if m.slot_mapping[row] as usize != want {
-                    return bad(format!(
-                        "sequence {i}: token {j} maps to slot {} but its block table gives {want}",
-                        m.slot_mapping[row]
-                    ));
-                }
-            }
-        }
-        if next_row as usize != t {
-            return bad("sequences do not cover the step's tokens".into());
-        }
+        out.logits.resize(n * vocab, 0.0);
+        b.read_back(&mut [Readback {
+            src: logits,
+            dst: HostSliceMut::F32(&mut out.logits),
+        }])?;
         Ok(())
     }
 }
 
-/// Runs a (possibly split) projection into consecutive columns of `out` (rows `ld` apart).
+/// Runs a (possibly split) projection of `x` into the columns of `out`.
 fn project<B: Backend>(
     b: &mut B,
-    x: &B::Buf,
-    rows: usize,
+    x: View<'_, B::Buffer>,
     p: &Proj<B::Matrix>,
-    out: &mut B::Buf,
-    ld: usize,
+    out: &mut ViewMut<'_, B::Buffer>,
 ) -> Result<(), ModelError> {
     match p {
-        Proj::Fused(m) => b.matmul(x, rows, m, out, 0, ld)?,
+        Proj::Fused(m) => {
+            let cols = out.layout().cols();
+            b.matmul(x, m, out.col_range(0, cols)?)?
+        }
         Proj::Split(parts) => {
-            for (m, col) in parts {
-                b.matmul(x, rows, m, out, *col, ld)?;
+            for (m, col, n) in parts {
+                b.matmul(x, m, out.col_range(*col, *n)?)?;
             }
         }
     }

@@ -1,24 +1,25 @@
 //! Loads a Llama-family model's tensors from GGUF onto a Backend, checking every shape, and fusing
-//! Q/K/V and gate/up projections into single matrices where their formats allow.
+//! Q/K/V and gate/up projections into single matrices where the backend's format allows. Tensors
+//! are handed over as the file stores them; the backend picks its own format.
 
-use npu_backend::legacy::{Backend, TensorPart};
-use npu_gguf::{GgufFile, TensorInfo};
+use npu_backend::{Backend, HostTensor};
+use npu_gguf::{GgmlType, GgufFile, TensorInfo};
 
 use super::{ModelConfig, ModelError};
 
 /// A projection stored as one matrix, or as several whose outputs go to consecutive columns.
 pub enum Proj<M> {
     Fused(M),
-    /// (matrix, first output column).
-    Split(Vec<(M, usize)>),
+    /// (matrix, first output column, output columns).
+    Split(Vec<(M, usize, usize)>),
 }
 
 pub struct Layer<B: Backend> {
-    pub attn_norm: B::Buf,
+    pub attn_norm: B::Buffer,
     pub qkv: Proj<B::Matrix>,
-    pub qkv_bias: Option<B::Buf>,
+    pub qkv_bias: Option<B::Buffer>,
     pub wo: B::Matrix,
-    pub ffn_norm: B::Buf,
+    pub ffn_norm: B::Buffer,
     pub gate_up: Proj<B::Matrix>,
     pub down: B::Matrix,
 }
@@ -26,10 +27,8 @@ pub struct Layer<B: Backend> {
 pub struct Weights<B: Backend> {
     pub embed: B::Embedding,
     pub layers: Vec<Layer<B>>,
-    pub out_norm: B::Buf,
+    pub out_norm: B::Buffer,
     pub head: B::Matrix,
-    /// Some weights were re-quantized on load (formats without an exact packed form).
-    pub lossy: bool,
 }
 
 /// Looks up a tensor and checks its shape (ggml order: row length first).
@@ -57,17 +56,19 @@ fn tensor<'a>(
     Ok((info, data))
 }
 
+/// A weight matrix of `rows` outputs and `cols` inputs.
 fn part<'a>(
     f: &'a GgufFile,
     name: &str,
-    k: usize,
+    cols: usize,
     rows: usize,
-) -> Result<TensorPart<'a>, ModelError> {
-    let (info, data) = tensor(f, name, &[k, rows])?;
-    Ok(TensorPart {
+) -> Result<HostTensor<'a>, ModelError> {
+    let (info, data) = tensor(f, name, &[cols, rows])?;
+    Ok(HostTensor {
         ty: info.ty,
         data,
         rows,
+        cols,
     })
 }
 
@@ -76,38 +77,36 @@ fn vector<B: Backend>(
     b: &mut B,
     name: &str,
     len: usize,
-) -> Result<B::Buf, ModelError> {
+) -> Result<B::Buffer, ModelError> {
     let (info, data) = tensor(f, name, &[len])?;
-    let mut v = vec![0f32; len];
-    npu_gguf::quants::dequantize_row(info.ty, data, &mut v);
-    let mut buf = b.alloc(len)?;
-    b.upload(&mut buf, &v)?;
-    Ok(buf)
+    Ok(b.load_vector(HostTensor {
+        ty: info.ty,
+        data,
+        rows: 1,
+        cols: len,
+    })?)
 }
 
-fn matrix<B: Backend>(
-    b: &mut B,
-    parts: &[TensorPart],
-    k: usize,
-) -> Result<Proj<B::Matrix>, ModelError> {
-    if let Some(m) = b.load_matrix(parts, k)? {
+fn matrix<B: Backend>(b: &mut B, parts: &[HostTensor]) -> Result<Proj<B::Matrix>, ModelError> {
+    if let Some(m) = b.load_matrix(parts)? {
         return Ok(Proj::Fused(m));
     }
     let mut out = Vec::new();
     let mut col = 0;
     for p in parts {
-        let m = b.load_matrix(std::slice::from_ref(p), k)?.ok_or_else(|| {
-            ModelError::Unsupported(format!("a {} weight matrix with {k} inputs", p.ty.name()))
-        })?;
-        out.push((m, col));
+        out.push((single(b, *p)?, col, p.rows));
         col += p.rows;
     }
     Ok(Proj::Split(out))
 }
 
-fn single<B: Backend>(b: &mut B, p: TensorPart, k: usize) -> Result<B::Matrix, ModelError> {
-    b.load_matrix(&[p], k)?.ok_or_else(|| {
-        ModelError::Unsupported(format!("a {} weight matrix with {k} inputs", p.ty.name()))
+fn single<B: Backend>(b: &mut B, p: HostTensor) -> Result<B::Matrix, ModelError> {
+    b.load_matrix(&[p])?.ok_or_else(|| {
+        ModelError::Unsupported(format!(
+            "a {} weight matrix with {} inputs",
+            p.ty.name(),
+            p.cols
+        ))
     })
 }
 
@@ -116,22 +115,17 @@ impl<B: Backend> Weights<B> {
         let h = cfg.hidden;
         let qd = cfg.n_heads * cfg.head_dim;
         let kvd = cfg.n_kv_heads * cfg.head_dim;
-        let (emb_info, emb_data) = tensor(f, "token_embd.weight", &[h, cfg.vocab])?;
-        let emb_part = TensorPart {
-            ty: emb_info.ty,
-            data: emb_data,
-            rows: cfg.vocab,
-        };
-        let embed = b.load_embedding(emb_part, h)?;
-        let mut lossy = false;
+        let emb = part(f, "token_embd.weight", h, cfg.vocab)?;
+        let embed = b.load_embedding(emb)?;
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{i}.{s}");
             let q = part(f, &n("attn_q.weight"), h, qd)?;
             let k = part(f, &n("attn_k.weight"), h, kvd)?;
             let v = part(f, &n("attn_v.weight"), h, kvd)?;
-            let qkv = matrix(b, &[q, k, v], h)?;
+            let qkv = matrix(b, &[q, k, v])?;
             let qkv_bias = if cfg.qkv_bias {
+                // The three biases as one f32 vector (the backend converts it as it likes).
                 let mut bias = vec![0f32; qd + 2 * kvd];
                 for (name, at, len) in [
                     ("attn_q.bias", 0, qd),
@@ -141,21 +135,20 @@ impl<B: Backend> Weights<B> {
                     let (info, data) = tensor(f, &n(name), &[len])?;
                     npu_gguf::quants::dequantize_row(info.ty, data, &mut bias[at..at + len]);
                 }
-                let mut buf = b.alloc(bias.len())?;
-                b.upload(&mut buf, &bias)?;
-                Some(buf)
+                Some(b.load_vector(HostTensor {
+                    ty: GgmlType::F32,
+                    data: bytemuck::cast_slice(&bias),
+                    rows: 1,
+                    cols: bias.len(),
+                })?)
             } else {
                 None
             };
-            let wo = single(b, part(f, &n("attn_output.weight"), qd, h)?, qd)?;
+            let wo = single(b, part(f, &n("attn_output.weight"), qd, h)?)?;
             let gate = part(f, &n("ffn_gate.weight"), h, cfg.ff)?;
             let up = part(f, &n("ffn_up.weight"), h, cfg.ff)?;
-            let gate_up = matrix(b, &[gate, up], h)?;
-            let down = single(b, part(f, &n("ffn_down.weight"), cfg.ff, h)?, cfg.ff)?;
-            for p in [q, k, v, gate, up] {
-                lossy |=
-                    npu_backend_cpu::quant::packed::PackFormat::for_type(p.ty).is_some_and(|x| x.1);
-            }
+            let gate_up = matrix(b, &[gate, up])?;
+            let down = single(b, part(f, &n("ffn_down.weight"), cfg.ff, h)?)?;
             layers.push(Layer {
                 attn_norm: vector(f, b, &n("attn_norm.weight"), h)?,
                 qkv,
@@ -170,17 +163,14 @@ impl<B: Backend> Weights<B> {
         let head_part = if f.tensor_info("output.weight").is_some() {
             part(f, "output.weight", h, cfg.vocab)?
         } else {
-            emb_part
+            emb
         };
-        lossy |=
-            npu_backend_cpu::quant::packed::PackFormat::for_type(head_part.ty).is_some_and(|x| x.1);
-        let head = single(b, head_part, h)?;
+        let head = single(b, head_part)?;
         Ok(Self {
             embed,
             layers,
             out_norm,
             head,
-            lossy,
         })
     }
 }

@@ -83,6 +83,11 @@ struct ActivePenalties {
     frequency: f32,
 }
 
+/// Whether `params` change any logit (repetition, presence or frequency penalty).
+pub fn has_penalties(params: &SamplingParams) -> bool {
+    ActivePenalties::from_params(params).is_some()
+}
+
 impl ActivePenalties {
     fn from_params(params: &SamplingParams) -> Option<Self> {
         let rp = params.repetition_penalty;

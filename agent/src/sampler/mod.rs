@@ -6,12 +6,13 @@ mod history;
 mod rng;
 mod truncation;
 
-pub use history::{apply_penalties, TokenCounts, TokenHistory};
+pub use history::{apply_penalties, has_penalties, TokenCounts, TokenHistory};
 pub use rng::{random_u64, uniform_f64};
 
 use npu_protocol::{SamplingParams, TokenLogprob, MAX_TOP_N};
 use thiserror::Error;
 
+use npu_backend_cpu::kernels::scan::{fast_argmax, logprob, sanitize_and_log_norm};
 use truncation::{draw_token, Truncation};
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -40,6 +41,16 @@ pub struct Sampler {
     weights: Vec<f64>,
     /// Raw logits of the tokens that penalties changed, to report raw log-probabilities.
     saved_raw: Vec<(u32, f32)>,
+}
+
+/// True when `Sampler::sample` answers with the argmax of the raw logits, its raw
+/// log-probability and no alternatives (greedy, no penalty, no top-n): exactly what a backend's
+/// device pick (`argmax_rows` with `argmax_logprob_rows`) computes, so such rows need no logits
+/// read back.
+pub fn is_plain_greedy(params: &SamplingParams) -> bool {
+    params.top_n == 0
+        && Truncation::from_params(params, usize::MAX).is_none()
+        && !has_penalties(params)
 }
 
 impl Sampler {
@@ -95,135 +106,6 @@ impl Sampler {
             top,
         })
     }
-}
-
-/// `sanitize`, then `log_sum_exp`, compiled for the widest vector unit present (the scans over
-/// the vocabulary are a visible part of a decode step). Same results on every path.
-fn sanitize_and_log_norm(logits: &mut [f32]) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F.
-        return unsafe { sanitize_and_log_norm_avx512(logits) };
-    }
-    sanitize(logits);
-    log_sum_exp(logits)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn sanitize_and_log_norm_avx512(logits: &mut [f32]) -> f64 {
-    sanitize(logits);
-    log_sum_exp(logits)
-}
-
-/// `argmax`, compiled for the widest vector unit present.
-fn fast_argmax(logits: &[f32]) -> u32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F.
-        return unsafe { argmax_avx512(logits) };
-    }
-    argmax(logits)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn argmax_avx512(logits: &[f32]) -> u32 {
-    argmax(logits)
-}
-
-/// NaN -> -inf, +inf -> f32::MAX; if nothing is finite, make every logit 0 (uniform).
-#[inline(always)]
-fn sanitize(logits: &mut [f32]) {
-    let mut any_finite = false;
-    for x in logits.iter_mut() {
-        let v = *x;
-        let v = if v.is_nan() { f32::NEG_INFINITY } else { v };
-        let v = if v == f32::INFINITY { f32::MAX } else { v };
-        *x = v;
-        any_finite |= v != f32::NEG_INFINITY;
-    }
-    if !any_finite {
-        logits.fill(0.0);
-    }
-}
-
-/// Lanes of the vectorizable scans.
-const SCAN_LANES: usize = 16;
-
-/// log(sum(exp(logits))), max-subtracted and summed in f64. Needs NaN-free logits with a finite
-/// maximum.
-#[inline(always)]
-fn log_sum_exp(logits: &[f32]) -> f64 {
-    // Lane-wise maximum with plain comparisons (no NaN here), so it vectorizes.
-    let mut lane_max = [f32::NEG_INFINITY; SCAN_LANES];
-    let mut chunks = logits.chunks_exact(SCAN_LANES);
-    for c in &mut chunks {
-        for j in 0..SCAN_LANES {
-            lane_max[j] = if c[j] > lane_max[j] {
-                c[j]
-            } else {
-                lane_max[j]
-            };
-        }
-    }
-    let max = chunks
-        .remainder()
-        .iter()
-        .chain(lane_max.iter())
-        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    // A polynomial exp and eight f64 partial sums.
-    let mut lanes = [0f64; 8];
-    let mut chunks = logits.chunks_exact(8);
-    for c in &mut chunks {
-        for j in 0..8 {
-            lanes[j] += npu_backend_cpu::kernels::vecmath::exp_approx(c[j] - max) as f64;
-        }
-    }
-    let mut sum: f64 = lanes.iter().sum();
-    for &x in chunks.remainder() {
-        sum += npu_backend_cpu::kernels::vecmath::exp_approx(x - max) as f64;
-    }
-    max as f64 + sum.ln()
-}
-
-fn logprob(logit: f32, log_norm: f64) -> f32 {
-    (logit as f64 - log_norm) as f32
-}
-
-/// The best token, lowest id on ties (NaN-free logits). Lane-wise bests with strict comparisons
-/// keep each lane's lowest id; the lanes are then merged the same way.
-#[inline(always)]
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best_v = [f32::NEG_INFINITY; SCAN_LANES];
-    let mut best_i = [0u32; SCAN_LANES];
-    let mut chunks = logits.chunks_exact(SCAN_LANES);
-    let mut base = 0u32;
-    for c in &mut chunks {
-        for j in 0..SCAN_LANES {
-            let better = c[j] > best_v[j];
-            best_v[j] = if better { c[j] } else { best_v[j] };
-            best_i[j] = if better { base + j as u32 } else { best_i[j] };
-        }
-        base += SCAN_LANES as u32;
-    }
-    let (mut v, mut i) = (f32::NEG_INFINITY, 0u32);
-    let full = base as usize;
-    for (&bv, &bi) in best_v.iter().zip(&best_i) {
-        if bv > v || (bv == v && bi < i) {
-            (v, i) = (bv, bi);
-        }
-    }
-    for (k, &x) in chunks.remainder().iter().enumerate() {
-        if x > v {
-            (v, i) = (x, (full + k) as u32);
-        }
-    }
-    // All -inf: the lowest id, like a plain scan.
-    if v == f32::NEG_INFINITY {
-        return 0;
-    }
-    i
 }
 
 /// The `n` (clamped to MAX_TOP_N) best tokens, best first, lowest id first on ties. One pass with

@@ -223,9 +223,12 @@ mod tests {
     use npu_protocol::shm::{segment_name, ShmCapacities, ShmLayout};
 
     use super::*;
+    use npu_protocol::agent::DeviceKind;
 
     fn engine_config(max_tokens_per_step: u32) -> AgentEngineConfig {
         AgentEngineConfig {
+            device: DeviceKind::Cpu,
+            device_id: 0,
             model_path: "/nonexistent/npu-serving-test/model.gguf".into(),
             num_blocks: 64,
             block_size: 16,

@@ -1,5 +1,5 @@
-//! The agent's step loop: Step -> read the plan from the segment -> engine step -> write the
-//! result -> StepDone; Reset -> forget every slot -> ResetDone; Ping -> Pong; Shutdown or a
+//! The agent's step loop: Step -> the engine reads the plan where it lies in the segment and runs
+//! it -> write the result -> StepDone; Reset -> forget every slot -> ResetDone; Ping -> Pong; Shutdown or a
 //! closed connection ends it. A failing step is reported in StepDone and the loop goes on.
 
 use std::io::{Read, Write};
@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use npu_protocol::frame::{read_frame, write_frame, Frame, FrameError, StepDone, StepStatus};
 use npu_protocol::shm::ShmSegment;
-use npu_protocol::{StepPlan, StepResult, StepTiming};
+use npu_protocol::{PlanSource, StepResult, StepTiming};
 
 use super::WorkerError;
 use crate::engine::{AgentEngine, EngineError, ModelFacts};
@@ -16,7 +16,8 @@ use crate::engine::{AgentEngine, EngineError, ModelFacts};
 pub trait StepExecutor {
     /// What the handshake tells the server about the model.
     fn facts(&self) -> &ModelFacts;
-    fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError>;
+    /// Runs the step `plan` describes (read in place; the executor checks what it needs).
+    fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError>;
     fn reset(&mut self);
 }
 
@@ -25,7 +26,7 @@ impl<E: StepExecutor + ?Sized> StepExecutor for &mut E {
         (**self).facts()
     }
 
-    fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError> {
+    fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
         (**self).step(plan)
     }
 
@@ -39,7 +40,7 @@ impl StepExecutor for AgentEngine {
         AgentEngine::facts(self)
     }
 
-    fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError> {
+    fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
         AgentEngine::step(self, plan)
     }
 
@@ -99,14 +100,16 @@ where
 fn run_step<E: StepExecutor>(step_id: u64, segment: &mut ShmSegment, engine: &mut E) -> StepDone {
     let started = Instant::now();
     let outcome = (|| {
-        let plan = segment.read_plan().map_err(|e| e.to_string())?;
-        if plan.step_id != step_id {
-            return Err(format!(
-                "the segment holds plan {} but step {step_id} was announced",
-                plan.step_id
-            ));
-        }
-        let mut result = engine.step(&plan).map_err(|e| e.to_string())?;
+        let mut result = {
+            let plan = segment.plan_view().map_err(|e| e.to_string())?;
+            if plan.step_id() != step_id {
+                return Err(format!(
+                    "the segment holds plan {} but step {step_id} was announced",
+                    plan.step_id()
+                ));
+            }
+            engine.step(&plan).map_err(|e| e.to_string())?
+        };
         if result.step_id != step_id {
             return Err(format!(
                 "the engine answered step {} for step {step_id}",
@@ -148,7 +151,7 @@ mod tests {
     use std::thread;
 
     use npu_protocol::shm::{segment_name, ShmCapacities, ShmLayout};
-    use npu_protocol::{SeqResult, SeqStep, TokenLogprob};
+    use npu_protocol::{SeqResult, SeqStep, StepPlan, TokenLogprob};
 
     use super::*;
 
@@ -162,7 +165,8 @@ mod tests {
             &self.facts
         }
 
-        fn step(&mut self, plan: &StepPlan) -> Result<StepResult, EngineError> {
+        fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
+            let plan = plan.to_plan();
             if plan.seqs.iter().any(|s| s.slot == 13) {
                 return Err(EngineError::BadPlan("slot 13 is unlucky".into()));
             }

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use npu_agent::engine::{AgentEngine, AgentEngineConfig};
+use npu_protocol::agent::DeviceKind;
 
 /// The default model (fetched on first use, as the product does).
 pub fn model_path() -> PathBuf {
@@ -50,8 +51,11 @@ pub fn refs() -> Vec<Ref> {
         .collect()
 }
 
-pub fn engine(max_slots: u32, num_blocks: u32) -> AgentEngine {
-    AgentEngine::load(&AgentEngineConfig {
+/// An engine config for tests on the default model.
+pub fn engine_config(max_slots: u32, num_blocks: u32) -> AgentEngineConfig {
+    AgentEngineConfig {
+        device: DeviceKind::Cpu,
+        device_id: 0,
         model_path: model_path(),
         num_blocks,
         block_size: 16,
@@ -59,6 +63,9 @@ pub fn engine(max_slots: u32, num_blocks: u32) -> AgentEngine {
         max_tokens_per_step: 256,
         max_blocks_per_seq: 64,
         threads: 0,
-    })
-    .expect("loading the default model")
+    }
+}
+
+pub fn engine(cfg: &AgentEngineConfig) -> AgentEngine {
+    AgentEngine::load(cfg).expect("loading the default model")
 }

@@ -17,7 +17,6 @@
 //! - The KV pool holds `num_blocks` blocks; block ids index it for every layer. Blocks move by id
 //!   between device blocks, and between device blocks and host memory the caller owns.
 
-pub mod legacy;
 pub mod view;
 
 use npu_gguf::hparams::Rope;
@@ -374,10 +373,25 @@ pub trait Backend: Send {
         out: ViewMut<'_, Self::Buffer>,
     ) -> Result<(), BackendError>;
     /// `out[r]` = index of the largest value of `logits` row r (the first on ties), into an i32
-    /// buffer. `Ok(false)` when the backend has no device argmax (the caller reads logits back).
+    /// buffer. NaN counts as -inf and +inf as `f32::MAX` (as the sampler sees them); a row with
+    /// nothing finite gives 0. `Ok(false)` when the backend has no device argmax (the caller
+    /// reads logits back).
     fn argmax_rows(
         &mut self,
         logits: View<'_, Self::Buffer>,
         out: ViewMut<'_, Self::Buffer>,
     ) -> Result<bool, BackendError>;
+    /// `out[r]` = the log-probability of `argmax_rows`' pick in row r, into an f32 buffer:
+    /// `-ln(sum_i exp(x_i - max))` over the row's values read as `argmax_rows` reads them (a row
+    /// with nothing finite is uniform: `-ln(cols)`). With `argmax_rows` it makes a greedy step's
+    /// answer on the device, so only ids and log-probabilities are read back. `Ok(false)` when
+    /// the backend has no such op (the default; the caller then reads logits back).
+    fn argmax_logprob_rows(
+        &mut self,
+        logits: View<'_, Self::Buffer>,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<bool, BackendError> {
+        let _ = (logits, out);
+        Ok(false)
+    }
 }

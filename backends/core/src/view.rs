@@ -75,26 +75,35 @@ impl Layout {
     pub fn is_contiguous(&self) -> bool {
         self.rows <= 1 || self.cols == self.stride
     }
-    /// One past the last element named (0 for an empty window).
+    /// One past the last element named (`offset` for an empty window; `usize::MAX` when that
+    /// does not fit a usize, which no buffer holds).
     pub fn end(&self) -> usize {
+        self.checked_end().unwrap_or(usize::MAX)
+    }
+
+    fn checked_end(&self) -> Option<usize> {
         if self.rows == 0 || self.cols == 0 {
-            self.offset
-        } else {
-            self.offset + (self.rows - 1) * self.stride + self.cols
+            return Some(self.offset);
         }
+        (self.rows - 1)
+            .checked_mul(self.stride)?
+            .checked_add(self.cols)?
+            .checked_add(self.offset)
     }
 
     /// Columns `start..start + n` of every row.
     pub fn col_range(&self, start: usize, n: usize) -> Result<Self, BackendError> {
-        if start + n > self.cols {
-            return Err(BackendError::BadView(format!(
-                "columns {start}..{} of a {}-column view",
-                start + n,
+        let bad = || {
+            BackendError::BadView(format!(
+                "columns {start}..{start}+{n} of a {}-column view",
                 self.cols
-            )));
+            ))
+        };
+        if start.checked_add(n).ok_or_else(bad)? > self.cols {
+            return Err(bad());
         }
         Ok(Self {
-            offset: self.offset + start,
+            offset: self.offset.checked_add(start).ok_or_else(bad)?,
             cols: n,
             ..*self
         })
@@ -102,28 +111,33 @@ impl Layout {
 
     /// Rows `start..start + n`.
     pub fn row_range(&self, start: usize, n: usize) -> Result<Self, BackendError> {
-        if start + n > self.rows {
-            return Err(BackendError::BadView(format!(
-                "rows {start}..{} of a {}-row view",
-                start + n,
+        let bad = || {
+            BackendError::BadView(format!(
+                "rows {start}..{start}+{n} of a {}-row view",
                 self.rows
-            )));
+            ))
+        };
+        if start.checked_add(n).ok_or_else(bad)? > self.rows {
+            return Err(bad());
         }
+        let skip = start.checked_mul(self.stride).ok_or_else(bad)?;
         Ok(Self {
-            offset: self.offset + start * self.stride,
+            offset: self.offset.checked_add(skip).ok_or_else(bad)?,
             rows: n,
             ..*self
         })
     }
 
     fn check(&self, len: usize) -> Result<(), BackendError> {
-        if self.end() > len {
-            return Err(BackendError::BadView(format!(
-                "{self:?} reaches element {} of a {len}-element buffer",
-                self.end()
-            )));
+        match self.checked_end() {
+            Some(end) if end <= len => Ok(()),
+            Some(end) => Err(BackendError::BadView(format!(
+                "{self:?} reaches element {end} of a {len}-element buffer"
+            ))),
+            None => Err(BackendError::BadView(format!(
+                "{self:?} reaches beyond the address space"
+            ))),
         }
-        Ok(())
     }
 }
 
@@ -248,6 +262,12 @@ mod tests {
         assert!(Layout::new(0, 2, 5, 4).is_err());
         // A window that starts inside but runs past the end is refused.
         assert!(View::new(&b, Layout::new(10, 1, 3, 3).unwrap()).is_err());
+        // Sizes whose end overflows a usize are refused, not wrapped around.
+        assert!(View::new(&b, Layout::new(usize::MAX, 1, 2, 2).unwrap()).is_err());
+        assert!(View::new(&b, Layout::new(4, usize::MAX, 2, usize::MAX / 2).unwrap()).is_err());
+        assert!(View::rows(&b, usize::MAX, 2).is_err());
+        assert!(v.col_range(usize::MAX, 2).is_err());
+        assert!(v.row_range(usize::MAX, 2).is_err());
         let mut m = Host(8);
         let mut w = ViewMut::rows(&mut m, 2, 4).unwrap();
         assert_eq!(w.col_range(2, 2).unwrap().layout().offset(), 2);

@@ -9,8 +9,9 @@ use super::layout::{
     SeqDesc, ShmLayout,
 };
 use super::ShmError;
+use crate::source::{PlanSource, SeqRef, U32s};
 use crate::step::{
-    Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,
+    Admission, SamplingParams, SeqResult, StepPlan, StepResult, StepTiming, TokenLogprob,
 };
 
 /// Byte-level access to one region of the segment.
@@ -28,21 +29,6 @@ impl RegionBytes<'_> {
             .get(start..start + size)
             .ok_or_else(|| self.out_of_range())?;
         Ok(bytemuck::pod_read_unaligned(chunk))
-    }
-
-    fn u32s(&self, start: usize, count: usize) -> Result<Vec<u32>, ShmError> {
-        let end = start
-            .checked_add(count)
-            .and_then(|e| e.checked_mul(4))
-            .ok_or_else(|| self.out_of_range())?;
-        let chunk = self
-            .bytes
-            .get(start * 4..end)
-            .ok_or_else(|| self.out_of_range())?;
-        Ok(chunk
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
     }
 
     fn out_of_range(&self) -> ShmError {
@@ -239,90 +225,155 @@ pub(crate) fn write_plan(
     regions[Region::PlanMeta as usize].put(0, &meta)
 }
 
-pub(crate) fn read_plan(layout: &ShmLayout, seg: &[u8]) -> Result<StepPlan, ShmError> {
-    let caps = *layout.capacities();
-    let meta: PlanMeta = region(layout, seg, Region::PlanMeta)?.get(0)?;
-    let corrupt = |what: &'static str, got: u32, cap: u32| -> Result<(), ShmError> {
-        if got > cap {
+/// A plan as it lies in the segment, its structure checked (counts against the capacities,
+/// offsets, slots, admission parameters): sequence descriptors and admissions are copied out,
+/// tokens, slot mappings and block tables are read from the mapping when asked.
+#[derive(Debug)]
+pub struct PlanView<'a> {
+    step_id: u64,
+    descs: Vec<SeqDesc>,
+    admit: Vec<Admission>,
+    forget: &'a [u8],
+    tokens: &'a [u8],
+    mapping: &'a [u8],
+    blocks: &'a [u8],
+}
+
+/// Bytes of `count` u32 values from the start of a region.
+fn u32_bytes<'a>(r: &RegionBytes<'a>, count: usize) -> Result<&'a [u8], ShmError> {
+    let len = count.checked_mul(4).ok_or_else(|| r.out_of_range())?;
+    r.bytes.get(..len).ok_or_else(|| r.out_of_range())
+}
+
+impl<'a> PlanView<'a> {
+    pub(crate) fn parse(layout: &ShmLayout, seg: &'a [u8]) -> Result<Self, ShmError> {
+        let caps = *layout.capacities();
+        let meta: PlanMeta = region(layout, seg, Region::PlanMeta)?.get(0)?;
+        let corrupt = |what: &'static str, got: u32, cap: u32| -> Result<(), ShmError> {
+            if got > cap {
+                return Err(ShmError::Corrupt(format!(
+                    "plan header says {got} {what}, capacity is {cap}"
+                )));
+            }
+            Ok(())
+        };
+        corrupt("sequences", meta.n_seqs, caps.max_seqs_per_step)?;
+        corrupt("tokens", meta.n_tokens, caps.max_tokens_per_step)?;
+        corrupt("admissions", meta.n_admissions, caps.max_admissions)?;
+        corrupt("forgotten slots", meta.n_forget, caps.max_forget)?;
+        let desc_region = region(layout, seg, Region::SeqDescs)?;
+        let tokens = u32_bytes(
+            &region(layout, seg, Region::Tokens)?,
+            meta.n_tokens as usize,
+        )?;
+        let mapping = u32_bytes(
+            &region(layout, seg, Region::SlotMapping)?,
+            meta.n_tokens as usize,
+        )?;
+        let block_region = region(layout, seg, Region::BlockTables)?;
+        let blocks = block_region.bytes;
+        let mut descs = Vec::with_capacity(meta.n_seqs as usize);
+        let mut token_at = 0u32;
+        let mut n_block_entries = 0u32;
+        for i in 0..meta.n_seqs as usize {
+            let d: SeqDesc = desc_region.get(i)?;
+            check_slot("sequence", d.slot, caps.max_slots).map_err(to_corrupt)?;
+            if d.token_offset != token_at
+                || d.n_tokens > meta.n_tokens - token_at
+                || d.n_prompt_tokens > d.n_tokens
+                || d.sample > 1
+            {
+                return Err(ShmError::Corrupt(format!(
+                    "sequence {i}: token_offset {} n_tokens {} n_prompt_tokens {} sample {} \
+                     (next token offset {token_at}, {} tokens in the plan)",
+                    d.token_offset, d.n_tokens, d.n_prompt_tokens, d.sample, meta.n_tokens
+                )));
+            }
+            if d.n_blocks > caps.max_blocks_per_seq
+                || d.block_offset as u64 != i as u64 * caps.max_blocks_per_seq as u64
+            {
+                return Err(ShmError::Corrupt(format!(
+                    "sequence {i}: block_offset {} n_blocks {} (capacity {} per sequence)",
+                    d.block_offset, d.n_blocks, caps.max_blocks_per_seq
+                )));
+            }
+            let end = (d.block_offset as usize + d.n_blocks as usize) * 4;
+            if end > blocks.len() {
+                return Err(block_region.out_of_range());
+            }
+            token_at += d.n_tokens;
+            n_block_entries += d.n_blocks;
+            descs.push(d);
+        }
+        if token_at != meta.n_tokens || n_block_entries != meta.n_block_entries {
             return Err(ShmError::Corrupt(format!(
-                "plan header says {got} {what}, capacity is {cap}"
+                "plan header says {} tokens and {} block entries, its sequences hold {token_at} and \
+                 {n_block_entries}",
+                meta.n_tokens, meta.n_block_entries
             )));
         }
-        Ok(())
-    };
-    corrupt("sequences", meta.n_seqs, caps.max_seqs_per_step)?;
-    corrupt("tokens", meta.n_tokens, caps.max_tokens_per_step)?;
-    corrupt("admissions", meta.n_admissions, caps.max_admissions)?;
-    corrupt("forgotten slots", meta.n_forget, caps.max_forget)?;
-    let descs = region(layout, seg, Region::SeqDescs)?;
-    let tokens = region(layout, seg, Region::Tokens)?.u32s(0, meta.n_tokens as usize)?;
-    let mapping = region(layout, seg, Region::SlotMapping)?.u32s(0, meta.n_tokens as usize)?;
-    let blocks = region(layout, seg, Region::BlockTables)?;
-    let mut seqs = Vec::with_capacity(meta.n_seqs as usize);
-    let mut token_at = 0u32;
-    let mut n_block_entries = 0u32;
-    for i in 0..meta.n_seqs as usize {
-        let d: SeqDesc = descs.get(i)?;
-        check_slot("sequence", d.slot, caps.max_slots).map_err(to_corrupt)?;
-        if d.token_offset != token_at
-            || d.n_tokens > meta.n_tokens - token_at
-            || d.n_prompt_tokens > d.n_tokens
-            || d.sample > 1
-        {
-            return Err(ShmError::Corrupt(format!(
-                "sequence {i}: token_offset {} n_tokens {} n_prompt_tokens {} sample {} \
-                 (next token offset {token_at}, {} tokens in the plan)",
-                d.token_offset, d.n_tokens, d.n_prompt_tokens, d.sample, meta.n_tokens
-            )));
+        let adm_region = region(layout, seg, Region::Admissions)?;
+        let mut admit = Vec::with_capacity(meta.n_admissions as usize);
+        for i in 0..meta.n_admissions as usize {
+            let raw: RawAdmission = adm_region.get(i)?;
+            check_slot("admission", raw.slot, caps.max_slots).map_err(to_corrupt)?;
+            admit.push(Admission {
+                slot: raw.slot,
+                params: params_from_raw(&raw.params, caps.max_top_n)?,
+            });
         }
-        if d.n_blocks > caps.max_blocks_per_seq
-            || d.block_offset as u64 != i as u64 * caps.max_blocks_per_seq as u64
-        {
-            return Err(ShmError::Corrupt(format!(
-                "sequence {i}: block_offset {} n_blocks {} (capacity {} per sequence)",
-                d.block_offset, d.n_blocks, caps.max_blocks_per_seq
-            )));
+        let forget_region = region(layout, seg, Region::Forget)?;
+        let forget = u32_bytes(&forget_region, meta.n_forget as usize)?;
+        for slot in U32s::Le(forget).iter() {
+            check_slot("forget", slot, caps.max_slots).map_err(to_corrupt)?;
         }
-        let range = token_at as usize..(token_at + d.n_tokens) as usize;
-        seqs.push(SeqStep {
+        Ok(Self {
+            step_id: meta.step_id,
+            descs,
+            admit,
+            forget,
+            tokens,
+            mapping,
+            blocks,
+        })
+    }
+}
+
+impl PlanSource for PlanView<'_> {
+    fn step_id(&self) -> u64 {
+        self.step_id
+    }
+    fn forget(&self) -> U32s<'_> {
+        U32s::Le(self.forget)
+    }
+    fn admissions(&self) -> &[Admission] {
+        &self.admit
+    }
+    fn n_seqs(&self) -> usize {
+        self.descs.len()
+    }
+    fn seq(&self, i: usize) -> SeqRef<'_> {
+        let d = &self.descs[i];
+        // Offsets were checked in `parse`.
+        let t = d.token_offset as usize * 4..(d.token_offset + d.n_tokens) as usize * 4;
+        let b = d.block_offset as usize * 4..(d.block_offset + d.n_blocks) as usize * 4;
+        SeqRef {
             slot: d.slot,
-            tokens: tokens[range.clone()].to_vec(),
+            tokens: U32s::Le(&self.tokens[t.clone()]),
             start_pos: d.start_pos,
-            block_table: blocks.u32s(d.block_offset as usize, d.n_blocks as usize)?,
-            slot_mapping: mapping[range].to_vec(),
+            block_table: U32s::Le(&self.blocks[b]),
+            slot_mapping: U32s::Le(&self.mapping[t]),
             sample: d.sample == 1,
             n_prompt_tokens: d.n_prompt_tokens,
-        });
-        token_at += d.n_tokens;
-        n_block_entries += d.n_blocks;
+        }
     }
-    if token_at != meta.n_tokens || n_block_entries != meta.n_block_entries {
-        return Err(ShmError::Corrupt(format!(
-            "plan header says {} tokens and {} block entries, its sequences hold {token_at} and \
-             {n_block_entries}",
-            meta.n_tokens, meta.n_block_entries
-        )));
+    fn n_tokens(&self) -> usize {
+        self.tokens.len() / 4
     }
-    let adm_region = region(layout, seg, Region::Admissions)?;
-    let mut admit = Vec::with_capacity(meta.n_admissions as usize);
-    for i in 0..meta.n_admissions as usize {
-        let raw: RawAdmission = adm_region.get(i)?;
-        check_slot("admission", raw.slot, caps.max_slots).map_err(to_corrupt)?;
-        admit.push(Admission {
-            slot: raw.slot,
-            params: params_from_raw(&raw.params, caps.max_top_n)?,
-        });
-    }
-    let forget = region(layout, seg, Region::Forget)?.u32s(0, meta.n_forget as usize)?;
-    for &slot in &forget {
-        check_slot("forget", slot, caps.max_slots).map_err(to_corrupt)?;
-    }
-    Ok(StepPlan {
-        step_id: meta.step_id,
-        forget,
-        admit,
-        seqs,
-    })
+}
+
+pub(crate) fn read_plan(layout: &ShmLayout, seg: &[u8]) -> Result<StepPlan, ShmError> {
+    Ok(PlanView::parse(layout, seg)?.to_plan())
 }
 
 /// Checks that `result` fits the layout; nothing is written when it does not.

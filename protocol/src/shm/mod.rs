@@ -14,6 +14,7 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 use memmap2::MmapMut;
 use thiserror::Error;
 
+pub use codec::PlanView;
 pub use layout::{
     Region, ShmCapacities, ShmHeader, ShmLayout, MAX_SEGMENT_BYTES, PROTOCOL_VERSION, SHM_MAGIC,
 };
@@ -197,6 +198,12 @@ impl ShmSegment {
     pub fn read_plan(&self) -> Result<StepPlan, ShmError> {
         fence(Ordering::Acquire);
         codec::read_plan(&self.layout, &self.map)
+    }
+
+    /// The plan in the segment, its structure validated, read in place (see `PlanSource`).
+    pub fn plan_view(&self) -> Result<PlanView<'_>, ShmError> {
+        fence(Ordering::Acquire);
+        PlanView::parse(&self.layout, &self.map)
     }
 
     /// Writes `result` (refusing it whole if it exceeds any capacity) as the answer to the latest

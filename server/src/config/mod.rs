@@ -100,23 +100,7 @@ impl Default for PaConfig {
     }
 }
 
-/// Which backend the agents run on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceKind {
-    Cpu,
-    Cuda,
-    Ascend,
-}
-
-impl DeviceKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Cpu => "cpu",
-            Self::Cuda => "cuda",
-            Self::Ascend => "ascend",
-        }
-    }
-}
+pub use npu_protocol::agent::DeviceKind;
 
 /// Our own settings: the `npu_serving:` section.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,9 +7,11 @@ pub mod driver;
 pub mod events;
 pub mod handle;
 mod requests;
-pub mod scheduler;
 pub mod stop;
 pub mod types;
+
+/// The scheduler and block manager (their own crate, shared with the CLI's in-process runs).
+pub use npu_scheduler as scheduler;
 
 pub use agent_thread::{AgentThreadSettings, StepAgent};
 pub use config::EngineConfig;

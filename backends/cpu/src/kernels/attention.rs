@@ -1,8 +1,9 @@
-//! Paged KV cache writes and paged attention on the CPU. The cache of one layer is
-//! `[block][kv_head][head_dim][block_pos]` for K (so the scores of a whole block come from
-//! broadcasting one query value per dimension) and `[block][kv_head][block_pos][head_dim]` for V,
-//! both f16. Attention reads history through each sequence's block table, with causal masking
-//! inside the new chunk, grouped-query heads sharing each K/V block load.
+//! Paged KV cache writes and paged attention on the CPU. Within one block of one layer, K is
+//! `[kv_head][head_dim][block_pos]` (so the scores of a whole block come from broadcasting one
+//! query value per dimension) and V is `[kv_head][block_pos][head_dim]`, both f16; consecutive
+//! blocks of a layer lie `block_stride` elements apart (the backend interleaves the layers' K
+//! and V block by block). Attention reads history through each sequence's block table, with
+//! causal masking inside the new chunk, grouped-query heads sharing each K/V block load.
 
 use std::cell::RefCell;
 
@@ -20,6 +21,9 @@ pub struct KvLayout {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    /// Elements from the start of one block of this layer's K (or V) to the next
+    /// (`block_elems()` when the layer's blocks are packed together).
+    pub block_stride: usize,
 }
 
 impl KvLayout {
@@ -29,41 +33,45 @@ impl KvLayout {
     }
     #[inline]
     fn k_at(&self, block: usize, kvh: usize, d: usize, t: usize) -> usize {
-        ((block * self.n_kv_heads + kvh) * self.head_dim + d) * self.block_size + t
+        block * self.block_stride + (kvh * self.head_dim + d) * self.block_size + t
     }
     #[inline]
     fn v_at(&self, block: usize, kvh: usize, t: usize, d: usize) -> usize {
-        ((block * self.n_kv_heads + kvh) * self.block_size + t) * self.head_dim + d
+        block * self.block_stride + (kvh * self.block_size + t) * self.head_dim + d
     }
 }
 
-/// Writes the K and V of `slots.len()` new tokens into their cache slots. Row `i` of `kv` holds the
-/// token's K at `k_col..k_col + n_kv*hd` and V at `v_col..`; rows are `ld` apart.
+/// Writes the K and V of `slots.len()` new tokens into their cache slots: row `i` of `k` (rows
+/// `ldk` apart) and of `v` (rows `ldv` apart) hold the token's `n_kv_heads * head_dim` values;
+/// the layer's K blocks start at `cache[k_base..]`, its V blocks at `cache[v_base..]`. Panics
+/// (never writes out of bounds) when a slot or a row lies outside its slice.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_write(
     lay: &KvLayout,
-    kv: &[f32],
-    ld: usize,
-    k_col: usize,
-    v_col: usize,
+    k: &[f32],
+    ldk: usize,
+    v: &[f32],
+    ldv: usize,
     slots: &[u32],
-    k_cache: &mut [f16],
-    v_cache: &mut [f16],
+    cache: &mut [f16],
+    k_base: usize,
+    v_base: usize,
 ) {
     let hd = lay.head_dim;
+    let width = lay.n_kv_heads * hd;
     for (i, &slot) in slots.iter().enumerate() {
         let (block, t) = (
             slot as usize / lay.block_size,
             slot as usize % lay.block_size,
         );
-        let row = &kv[i * ld..];
+        let k_row = &k[i * ldk..i * ldk + width];
+        let v_row = &v[i * ldv..i * ldv + width];
         for kvh in 0..lay.n_kv_heads {
             for d in 0..hd {
-                k_cache[lay.k_at(block, kvh, d, t)] = f16::from_f32(row[k_col + kvh * hd + d]);
+                cache[k_base + lay.k_at(block, kvh, d, t)] = f16::from_f32(k_row[kvh * hd + d]);
             }
-            let v0 = lay.v_at(block, kvh, t, 0);
-            v_cache[v0..v0 + hd]
-                .convert_from_f32_slice(&row[v_col + kvh * hd..v_col + (kvh + 1) * hd]);
+            let v0 = v_base + lay.v_at(block, kvh, t, 0);
+            cache[v0..v0 + hd].convert_from_f32_slice(&v_row[kvh * hd..(kvh + 1) * hd]);
         }
     }
 }

@@ -39,41 +39,38 @@ pub fn rope_apply(rope: &Rope, v: &mut [f32], n_heads: usize, head_dim: usize, c
     }
 }
 
-/// `out[i] = silu(gate[i]) * up[i]` where each row of `gate_up` is `[gate | up]` (`ff` each).
-pub fn swiglu(isa: Isa, gate_up: &[f32], ff: usize, out: &mut [f32]) {
+/// `out[i] = silu(gate[i]) * up[i]` (the three slices have the same length).
+pub fn swiglu(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let isa = isa.checked();
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::checked` found AVX-512F on this CPU; the body is safe slice code.
-        Isa::Avx512Vnni => unsafe { swiglu_avx512(gate_up, ff, out) },
+        Isa::Avx512Vnni => unsafe { swiglu_avx512(gate, up, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::checked` found AVX2 and FMA on this CPU; the body is safe slice code.
-        Isa::Avx2 => unsafe { swiglu_avx2(gate_up, ff, out) },
-        _ => swiglu_body(gate_up, ff, out),
+        Isa::Avx2 => unsafe { swiglu_avx2(gate, up, out) },
+        _ => swiglu_body(gate, up, out),
     }
     super::inject_fault(isa, out.first_mut());
 }
 
 #[inline(always)]
-fn swiglu_body(gate_up: &[f32], ff: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up.chunks_exact(2 * ff).zip(out.chunks_exact_mut(ff)) {
-        let (g, u) = gu.split_at(ff);
-        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-            *o = (g / (1.0 + exp_approx(-g))) * u;
-        }
+fn swiglu_body(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = (g / (1.0 + exp_approx(-g))) * u;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn swiglu_avx512(gate_up: &[f32], ff: usize, out: &mut [f32]) {
-    swiglu_body(gate_up, ff, out)
+unsafe fn swiglu_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    swiglu_body(gate, up, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn swiglu_avx2(gate_up: &[f32], ff: usize, out: &mut [f32]) {
-    swiglu_body(gate_up, ff, out)
+unsafe fn swiglu_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    swiglu_body(gate, up, out)
 }
 
 /// `x += y`.
@@ -141,7 +138,7 @@ mod tests {
     fn swiglu_values() {
         let gu = [0.0f32, 1.0, 2.0, 3.0];
         let mut out = [0f32; 2];
-        swiglu(Isa::Scalar, &gu, 2, &mut out);
+        swiglu(Isa::Scalar, &gu[..2], &gu[2..], &mut out);
         assert_eq!(out[0], 0.0);
         assert!((out[1] - (1.0 / (1.0 + (-1f32).exp())) * 3.0).abs() < 1e-6);
     }

@@ -10,6 +10,7 @@ pub mod elementwise;
 pub mod fault;
 pub mod matmul;
 pub mod quantize;
+pub mod scan;
 pub mod vecmath;
 
 use std::sync::OnceLock;
@@ -118,18 +119,6 @@ pub enum KernelError {
     /// A task of the parallel call panicked (its output is garbage).
     #[error(transparent)]
     Pool(#[from] PoolError),
-}
-
-impl From<KernelError> for npu_backend::legacy::BackendError {
-    fn from(e: KernelError) -> Self {
-        match e {
-            KernelError::BadShape { .. } => Self::BadStep(e.to_string()),
-            KernelError::Pool(p) => Self::Device {
-                backend: "cpu",
-                message: p.to_string(),
-            },
-        }
-    }
 }
 
 impl From<KernelError> for npu_backend::BackendError {

@@ -159,15 +159,18 @@ fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
         (2, 32, 8, 2),
         (1, 48, 5, 4),
     ] {
+        // One layer's K and V interleaved block by block, as the backend lays them out.
+        let block_elems = n_kv * hd * bs;
         let lay = KvLayout {
             n_kv_heads: n_kv,
             head_dim: hd,
             block_size: bs,
+            block_stride: 2 * block_elems,
         };
         let num_blocks = 64;
         let mut rng = TestRng::new(5 + hd as u64);
-        let mut k_cache = vec![f16::ZERO; num_blocks * lay.block_elems()];
-        let mut v_cache = k_cache.clone();
+        let mut cache = vec![f16::ZERO; num_blocks * 2 * block_elems];
+        let (k_base, v_base) = (0, block_elems);
         // (history already cached, new tokens this step)
         let shapes = [(0usize, 5usize), (37, 1), (16, 20), (100, 1), (3, 9)];
         let mut free: Vec<u32> = (0..num_blocks as u32).collect();
@@ -188,13 +191,14 @@ fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
                 let (k_col, v_col) = (n_heads * hd, (n_heads + n_kv) * hd);
                 kv_write(
                     &lay,
-                    &kv_row,
+                    &kv_row[k_col..],
                     ld,
-                    k_col,
-                    v_col,
+                    &kv_row[v_col..],
+                    ld,
                     &[slot],
-                    &mut k_cache,
-                    &mut v_cache,
+                    &mut cache,
+                    k_base,
+                    v_base,
                 );
                 if pos >= hist {
                     let q = row + pos - hist;
@@ -227,7 +231,16 @@ fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
         let run = |isa: Isa| {
             let mut out = vec![f32::NAN; total_new * ldo];
             paged_attention(
-                pool, isa, &p, &qkv, ld, &seqs, &k_cache, &v_cache, &mut out, ldo,
+                pool,
+                isa,
+                &p,
+                &qkv,
+                ld,
+                &seqs,
+                &cache[k_base..],
+                &cache[v_base..],
+                &mut out,
+                ldo,
             )
             .map(|_| out)
         };
@@ -319,10 +332,15 @@ fn elementwise(isas: &[Isa], r: &mut Report) {
     ];
     gate_up[..edges.len()].copy_from_slice(&edges);
     let mut want = vec![0f32; 3 * ff];
-    swiglu(Isa::Scalar, &gate_up, ff, &mut want);
+    let swiglu_rows = |isa: Isa, out: &mut [f32]| {
+        for (row, o) in gate_up.chunks_exact(2 * ff).zip(out.chunks_exact_mut(ff)) {
+            swiglu(isa, &row[..ff], &row[ff..], o);
+        }
+    };
+    swiglu_rows(Isa::Scalar, &mut want);
     for &isa in isas {
         let mut got = vec![0f32; 3 * ff];
-        swiglu(isa, &gate_up, ff, &mut got);
+        swiglu_rows(isa, &mut got);
         r.f32s(
             "swiglu (vector exp)",
             &format!("{} swiglu ff={ff}", isa.name()),

@@ -45,14 +45,17 @@ fn paged_matches_dense_for_mixed_sequences() {
             n_kv_heads: 3,
             head_dim: 64,
             block_size: 16,
+            // Two layers' K and V interleaved block by block, as the backend lays them out;
+            // this test uses the second layer.
+            block_stride: 4 * 3 * 64 * 16,
         },
         n_heads: 9,
         num_blocks: 64,
     };
     let (hd, nkv, bs) = (c.lay.head_dim, c.lay.n_kv_heads, c.lay.block_size);
     let mut rng = TestRng::new(5);
-    let mut k_cache = vec![f16::ZERO; c.num_blocks * c.lay.block_elems()];
-    let mut v_cache = k_cache.clone();
+    let mut cache = vec![f16::ZERO; c.num_blocks * c.lay.block_stride];
+    let (k_base, v_base) = (2 * c.lay.block_elems(), 3 * c.lay.block_elems());
     // Sequences: (history already cached, new tokens this step).
     let shapes = [(0usize, 5usize), (37, 1), (16, 20), (100, 1)];
     // Hand out blocks in a scrambled order so tables are not contiguous.
@@ -87,13 +90,14 @@ fn paged_matches_dense_for_mixed_sequences() {
             let kv_cols = (c.n_heads * hd, (c.n_heads + nkv) * hd);
             kv_write(
                 &c.lay,
-                &kv_row,
+                &kv_row[kv_cols.0..],
                 ld,
-                kv_cols.0,
-                kv_cols.1,
+                &kv_row[kv_cols.1..],
+                ld,
                 &[slot],
-                &mut k_cache,
-                &mut v_cache,
+                &mut cache,
+                k_base,
+                v_base,
             );
             if pos >= hist {
                 let r = row + pos - hist;
@@ -128,7 +132,16 @@ fn paged_matches_dense_for_mixed_sequences() {
     for isa in Isa::available() {
         let mut out = vec![0f32; total_new * ldo];
         paged_attention(
-            &pool, isa, &p, &qkv, ld, &seqs, &k_cache, &v_cache, &mut out, ldo,
+            &pool,
+            isa,
+            &p,
+            &qkv,
+            ld,
+            &seqs,
+            &cache[k_base..],
+            &cache[v_base..],
+            &mut out,
+            ldo,
         )
         .unwrap();
         for (i, s) in seqs.iter().enumerate() {
@@ -168,6 +181,7 @@ fn overlapping_query_rows_and_stray_blocks_are_refused() {
         n_kv_heads: 1,
         head_dim: 16,
         block_size: 4,
+        block_stride: 16 * 4,
     };
     let p = AttnParams {
         lay,

@@ -8,7 +8,7 @@ use npu_protocol::{SeqResult, StepResult, TokenLogprob};
 
 use super::error::SchedError;
 use super::{Planned, Scheduler};
-use crate::engine::types::{FinishReason, RequestId};
+use crate::types::{FinishReason, RequestId};
 
 /// One generated token of a request, and whether it ended the request.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,7 +7,7 @@ use npu_protocol::{Admission, SeqStep, StepPlan};
 
 use super::config::BatchingPolicy;
 use super::{Planned, Scheduler};
-use crate::engine::types::RequestId;
+use crate::types::RequestId;
 
 impl Scheduler {
     /// The next step, or None when there is nothing to send. Every block a scheduled token

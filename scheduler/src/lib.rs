@@ -1,6 +1,8 @@
-//! The scheduler of one agent: queues requests, decides each step (continuous batching with
-//! chunked prefill, or static batches), manages the agent's paged KV pool and request slots,
-//! preempts by recomputation, and turns step results into generated tokens and finishes.
+//! npu-scheduler: the scheduler of one agent. It queues requests, decides each step (continuous
+//! batching with chunked prefill, or static batches), manages the agent's paged KV pool and
+//! request slots, preempts by recomputation, and turns step results into generated tokens and
+//! finishes. Plain data in (requests, step results), plain data out (step plans): the server's
+//! engine loop and the CLI's in-process runs drive the same code.
 
 mod block_manager;
 mod config;
@@ -9,6 +11,7 @@ mod planner;
 mod prefix_cache;
 mod request;
 mod results;
+pub mod types;
 
 #[cfg(test)]
 mod proptests;
@@ -27,8 +30,8 @@ pub use error::SchedError;
 pub use prefix_cache::BlockHash;
 pub use request::RecoveredRequest;
 pub use results::SchedOutput;
+pub use types::{FinishReason, GenerateRequest, RequestId};
 
-use crate::engine::types::{FinishReason, GenerateRequest, RequestId};
 use request::{check_request, Sequence};
 
 /// Counters and gauges of one scheduler.

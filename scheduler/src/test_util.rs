@@ -4,7 +4,7 @@
 use npu_protocol::{SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, TokenLogprob};
 
 use super::{SchedOutput, Scheduler, SchedulerConfig};
-use crate::engine::types::GenerateRequest;
+use crate::types::GenerateRequest;
 
 /// The EOS id the test configs use.
 pub const EOS: u32 = 0;

@@ -3,7 +3,7 @@
 
 use thiserror::Error;
 
-use crate::engine::types::RequestId;
+use crate::types::RequestId;
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SchedError {

@@ -7,7 +7,7 @@ use npu_protocol::SamplingParams;
 use super::config::SchedulerConfig;
 use super::error::SchedError;
 use super::prefix_cache::BlockHash;
-use crate::engine::types::{FinishReason, GenerateRequest};
+use crate::types::{FinishReason, GenerateRequest};
 
 /// A request the scheduler gives back after its agent died: the original request and the tokens
 /// generated so far. `Scheduler::add_recovered` resumes it exactly where it stopped.

@@ -1,0 +1,165 @@
+//! The one check of a step: a good plan becomes exactly the device inputs it describes, and each
+//! kind of bad plan is refused with a message that names the problem.
+
+use npu_protocol::{SeqStep, StepPlan};
+
+use super::*;
+
+const LIM: StepLimits = StepLimits {
+    max_tokens: 16,
+    max_slots: 4,
+    max_blocks_per_seq: 4,
+    num_blocks: 10,
+    block_size: 4,
+    vocab: 100,
+};
+
+/// A sequence on `table` with `n` new tokens from `start`, mapped through its table.
+fn seq(slot: u32, start: u32, n: u32, table: &[u32], sample: bool) -> SeqStep {
+    let bs = LIM.block_size as u32;
+    SeqStep {
+        slot,
+        tokens: (0..n).map(|j| 10 + slot * 10 + j).collect(),
+        start_pos: start,
+        block_table: table.to_vec(),
+        slot_mapping: (start..start + n)
+            .map(|p| table[(p / bs) as usize] * bs + p % bs)
+            .collect(),
+        sample,
+        n_prompt_tokens: if start == 0 { n } else { 0 },
+    }
+}
+
+fn plan(seqs: Vec<SeqStep>) -> StepPlan {
+    StepPlan {
+        step_id: 9,
+        seqs,
+        ..Default::default()
+    }
+}
+
+fn read(p: &StepPlan) -> Result<StepRead, StepError> {
+    let mut r = StepRead::default();
+    r.read(p, &LIM, |slot| slot != 3)?;
+    Ok(r)
+}
+
+fn refused(p: &StepPlan, needle: &str) {
+    let e = read(p).expect_err(needle).to_string();
+    assert!(e.contains(needle), "{e:?} should mention {needle:?}");
+}
+
+#[test]
+fn a_plan_becomes_the_inputs_it_describes() {
+    // A prefill chunk of 5 that does not sample, and a decode token at position 6.
+    let p = plan(vec![
+        seq(1, 0, 5, &[7, 2], false),
+        seq(0, 6, 1, &[4, 5], true),
+    ]);
+    let r = read(&p).unwrap();
+    let m = &r.inputs;
+    assert_eq!(m.tokens, vec![20, 21, 22, 23, 24, 10]);
+    assert_eq!(m.positions, vec![0, 1, 2, 3, 4, 6]);
+    assert_eq!(m.slot_mapping, vec![28, 29, 30, 31, 8, 22]);
+    assert_eq!(m.max_blocks, 2);
+    assert_eq!(m.block_tables, vec![7, 2, 4, 5]);
+    assert_eq!(
+        m.seqs,
+        vec![
+            SeqSpan {
+                q_row: 0,
+                n_q: 5,
+                start_pos: 0
+            },
+            SeqSpan {
+                q_row: 5,
+                n_q: 1,
+                start_pos: 6
+            }
+        ]
+    );
+    assert_eq!(m.logit_rows, vec![5]);
+    assert_eq!(r.logit_slots, vec![0]);
+    assert_eq!(
+        r.seqs,
+        vec![
+            SeqFacts {
+                slot: 1,
+                n_prompt: 5
+            },
+            SeqFacts {
+                slot: 0,
+                n_prompt: 0
+            }
+        ]
+    );
+    assert_eq!(r.tokens(0), &[20, 21, 22, 23, 24]);
+    // Shorter tables are padded with block 0.
+    let p = plan(vec![seq(1, 0, 2, &[7], true), seq(0, 6, 1, &[4, 5], true)]);
+    let r = read(&p).unwrap();
+    assert_eq!(r.inputs.block_tables, vec![7, 0, 4, 5]);
+    assert_eq!(r.inputs.logit_rows, vec![1, 2]);
+}
+
+#[test]
+fn bad_plans_are_refused_naming_the_problem() {
+    refused(
+        &plan(vec![seq(3, 0, 2, &[1], true)]),
+        "slot 3 was not admitted",
+    );
+    refused(
+        &plan(vec![seq(9, 0, 2, &[1], true)]),
+        "slot 9 was not admitted",
+    );
+    refused(
+        &plan(vec![seq(1, 0, 2, &[1], true), seq(1, 4, 1, &[1, 2], true)]),
+        "slot 1 appears twice",
+    );
+    refused(
+        &plan(vec![
+            seq(1, 0, 9, &[1, 2, 3], true),
+            seq(2, 0, 8, &[4, 5], true),
+        ]),
+        "17 tokens exceed the step capacity 16",
+    );
+    refused(
+        &plan(vec![seq(1, 0, 1, &[1, 2, 3, 4, 5], true)]),
+        "a block table of 5 blocks exceeds 4",
+    );
+    refused(
+        &plan(vec![seq(1, 0, 2, &[10], true)]),
+        "block 10 is beyond the KV pool (10 blocks)",
+    );
+    // A table that does not cover the new positions.
+    let mut s = seq(1, 0, 4, &[1], true);
+    s.tokens.push(1);
+    s.slot_mapping.push(8);
+    refused(&plan(vec![s]), "5 positions need more than its 1 blocks");
+    // A slot mapping that disagrees with the table.
+    let mut s = seq(1, 2, 2, &[1], true);
+    s.slot_mapping[1] = 5;
+    refused(
+        &plan(vec![s]),
+        "token 1 maps to slot 5 but its block table gives 7",
+    );
+    let mut s = seq(1, 0, 2, &[1], true);
+    s.tokens[0] = 100;
+    refused(
+        &plan(vec![s]),
+        "token id 100 is beyond the vocabulary (100)",
+    );
+    let mut s = seq(1, 0, 2, &[1], true);
+    s.n_prompt_tokens = 3;
+    refused(&plan(vec![s]), "3 prompt tokens");
+    let mut s = seq(1, 0, 2, &[1], true);
+    s.slot_mapping.pop();
+    refused(&plan(vec![s]), "1 slot mappings");
+    let mut s = seq(1, 0, 1, &[1], true);
+    s.start_pos = u32::MAX;
+    refused(&plan(vec![s]), "positions beyond 32 bits");
+    let mut s = seq(1, 0, 1, &[1], true);
+    s.tokens.clear();
+    s.slot_mapping.clear();
+    s.n_prompt_tokens = 0;
+    refused(&plan(vec![s, seq(2, 0, 1, &[2], true)]), "0 tokens");
+}

@@ -1,0 +1,338 @@
+//! Host-memory buffers of the CPU backend and the checked row access every op goes through: a
+//! view becomes a slice of its buffer (taken with bounds-checked indexing) plus a row stride, so
+//! no op ever writes outside the window it was handed.
+
+use half::{bf16, f16};
+use npu_backend::{BackendError, DType, DeviceBuffer, HostSlice, HostSliceMut, View, ViewMut};
+
+use super::NAME;
+
+/// A typed allocation in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuBuffer {
+    data: Data,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Data {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    I32(Vec<i32>),
+}
+
+impl DeviceBuffer for CpuBuffer {
+    fn dtype(&self) -> DType {
+        match self.data {
+            Data::F32(_) => DType::F32,
+            Data::F16(_) => DType::F16,
+            Data::BF16(_) => DType::BF16,
+            Data::I32(_) => DType::I32,
+        }
+    }
+    fn len(&self) -> usize {
+        match &self.data {
+            Data::F32(v) => v.len(),
+            Data::F16(v) => v.len(),
+            Data::BF16(v) => v.len(),
+            Data::I32(v) => v.len(),
+        }
+    }
+}
+
+/// A zeroed vector, or OutOfMemory instead of an abort when the allocation fails.
+pub(crate) fn alloc_vec<T: Clone>(len: usize, v: T, what: &str) -> Result<Vec<T>, BackendError> {
+    let oom = || BackendError::OutOfMemory {
+        backend: NAME,
+        what: what.to_string(),
+        bytes: len.saturating_mul(std::mem::size_of::<T>()),
+    };
+    let mut out = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| oom())?;
+    out.resize(len, v);
+    Ok(out)
+}
+
+impl CpuBuffer {
+    /// A zeroed buffer of `len` elements of `dtype`.
+    pub fn zeroed(dtype: DType, len: usize) -> Result<Self, BackendError> {
+        const WHAT: &str = "a buffer";
+        let data = match dtype {
+            DType::F32 => Data::F32(alloc_vec(len, 0.0, WHAT)?),
+            DType::F16 => Data::F16(alloc_vec(len, f16::ZERO, WHAT)?),
+            DType::BF16 => Data::BF16(alloc_vec(len, bf16::ZERO, WHAT)?),
+            DType::I32 => Data::I32(alloc_vec(len, 0, WHAT)?),
+        };
+        Ok(Self { data })
+    }
+
+    /// An f32 buffer holding `values`.
+    pub fn from_f32(values: Vec<f32>) -> Self {
+        Self {
+            data: Data::F32(values),
+        }
+    }
+
+    /// The values of an f32 buffer.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match &self.data {
+            Data::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The values of an i32 buffer.
+    pub fn as_i32(&self) -> Option<&[i32]> {
+        match &self.data {
+            Data::I32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn f32s(&self, op: &'static str) -> Result<&[f32], BackendError> {
+        self.as_f32()
+            .ok_or_else(|| wrong_dtype(op, DType::F32, self.dtype()))
+    }
+
+    fn f32s_mut(&mut self, op: &'static str) -> Result<&mut [f32], BackendError> {
+        let dtype = self.dtype();
+        match &mut self.data {
+            Data::F32(v) => Ok(v),
+            _ => Err(wrong_dtype(op, DType::F32, dtype)),
+        }
+    }
+
+    fn i32s_mut(&mut self, op: &'static str) -> Result<&mut [i32], BackendError> {
+        let dtype = self.dtype();
+        match &mut self.data {
+            Data::I32(v) => Ok(v),
+            _ => Err(wrong_dtype(op, DType::I32, dtype)),
+        }
+    }
+}
+
+pub(crate) fn wrong_dtype(op: &'static str, want: DType, got: DType) -> BackendError {
+    BackendError::BadArgument {
+        op,
+        message: format!("needs an {} buffer, got {}", want.name(), got.name()),
+    }
+}
+
+pub(crate) fn bad(op: &'static str, message: String) -> BackendError {
+    BackendError::BadArgument { op, message }
+}
+
+/// The rows of a read-only view: row `r` is `data[r * stride..r * stride + cols]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub stride: usize,
+}
+
+impl<'a> Rows<'a> {
+    #[inline]
+    pub fn row(&self, r: usize) -> &'a [f32] {
+        &self.data[r * self.stride..r * self.stride + self.cols]
+    }
+    /// All rows as one slice when they follow each other without gaps.
+    pub fn contiguous(&self) -> Option<&'a [f32]> {
+        (self.rows <= 1 || self.cols == self.stride).then_some(self.data)
+    }
+}
+
+/// The rows of a writable view, laid out as in `Rows`.
+pub(crate) struct RowsMut<'a> {
+    pub data: &'a mut [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub stride: usize,
+}
+
+impl RowsMut<'_> {
+    #[inline]
+    pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
+        &mut self.data[r * self.stride..r * self.stride + self.cols]
+    }
+}
+
+/// The f32 rows `v` names (`data` spans exactly the window: offset to end).
+pub(crate) fn rows<'a>(
+    v: &View<'a, CpuBuffer>,
+    op: &'static str,
+) -> Result<Rows<'a>, BackendError> {
+    let l = v.layout();
+    let all = v.buf().f32s(op)?;
+    let data = all
+        .get(l.offset()..l.end())
+        .ok_or_else(|| bad(op, format!("{l:?} lies outside its buffer")))?;
+    Ok(Rows {
+        data,
+        rows: l.rows(),
+        cols: l.cols(),
+        stride: l.stride(),
+    })
+}
+
+/// The f32 rows `v` names, writable.
+pub(crate) fn rows_mut<'a>(
+    v: &'a mut ViewMut<'_, CpuBuffer>,
+    op: &'static str,
+) -> Result<RowsMut<'a>, BackendError> {
+    let l = v.layout();
+    let all = v.buf_mut().f32s_mut(op)?;
+    let data = all
+        .get_mut(l.offset()..l.end())
+        .ok_or_else(|| bad(op, format!("{l:?} lies outside its buffer")))?;
+    Ok(RowsMut {
+        data,
+        rows: l.rows(),
+        cols: l.cols(),
+        stride: l.stride(),
+    })
+}
+
+/// The i32 rows `v` names, writable (as one slice and a stride).
+pub(crate) fn i32_rows_mut<'a>(
+    v: &'a mut ViewMut<'_, CpuBuffer>,
+    op: &'static str,
+) -> Result<(&'a mut [i32], usize), BackendError> {
+    let l = v.layout();
+    let all = v.buf_mut().i32s_mut(op)?;
+    let data = all
+        .get_mut(l.offset()..l.end())
+        .ok_or_else(|| bad(op, format!("{l:?} lies outside its buffer")))?;
+    Ok((data, l.stride()))
+}
+
+/// Checks that a view has the expected shape.
+pub(crate) fn shape(
+    op: &'static str,
+    what: &str,
+    rows: usize,
+    cols: usize,
+    want_rows: usize,
+    want_cols: usize,
+) -> Result<(), BackendError> {
+    if rows != want_rows || cols != want_cols {
+        return Err(bad(
+            op,
+            format!("{what} is {rows}x{cols}, expected {want_rows}x{want_cols}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `upload`: writes `src` into `dst`'s window row by row, converting f32 to the buffer's float
+/// type.
+pub(crate) fn upload(
+    src: HostSlice<'_>,
+    mut dst: ViewMut<'_, CpuBuffer>,
+) -> Result<(), BackendError> {
+    const OP: &str = "upload";
+    let l = dst.layout();
+    if src.len() != l.elements() {
+        return Err(bad(
+            OP,
+            format!("{} values for a window of {}", src.len(), l.elements()),
+        ));
+    }
+    if l.cols() == 0 {
+        return Ok(());
+    }
+    let dtype = dst.dtype();
+    let window = l.offset()..l.end();
+    let outside = || bad(OP, format!("{l:?} lies outside its buffer"));
+    let rows = |n: usize| (0..l.rows()).map(move |r| (r * l.stride(), r * n));
+    match (src, &mut dst.buf_mut().data) {
+        (HostSlice::F32(s), Data::F32(d)) => {
+            let d = d.get_mut(window).ok_or_else(outside)?;
+            for (at, from) in rows(l.cols()) {
+                d[at..at + l.cols()].copy_from_slice(&s[from..from + l.cols()]);
+            }
+        }
+        (HostSlice::F32(s), Data::F16(d)) => {
+            let d = d.get_mut(window).ok_or_else(outside)?;
+            for (at, from) in rows(l.cols()) {
+                for (o, &v) in d[at..at + l.cols()].iter_mut().zip(&s[from..]) {
+                    *o = f16::from_f32(v);
+                }
+            }
+        }
+        (HostSlice::F32(s), Data::BF16(d)) => {
+            let d = d.get_mut(window).ok_or_else(outside)?;
+            for (at, from) in rows(l.cols()) {
+                for (o, &v) in d[at..at + l.cols()].iter_mut().zip(&s[from..]) {
+                    *o = bf16::from_f32(v);
+                }
+            }
+        }
+        (HostSlice::I32(s), Data::I32(d)) => {
+            let d = d.get_mut(window).ok_or_else(outside)?;
+            for (at, from) in rows(l.cols()) {
+                d[at..at + l.cols()].copy_from_slice(&s[from..from + l.cols()]);
+            }
+        }
+        (HostSlice::F32(_), _) => return Err(wrong_dtype(OP, DType::F32, dtype)),
+        (HostSlice::I32(_), _) => return Err(wrong_dtype(OP, DType::I32, dtype)),
+    }
+    Ok(())
+}
+
+/// One read of `read_back`: `src`'s window, row by row, into `dst` (float dtypes into f32).
+pub(crate) fn read(
+    src: &View<'_, CpuBuffer>,
+    dst: &mut HostSliceMut<'_>,
+) -> Result<(), BackendError> {
+    const OP: &str = "read_back";
+    let l = src.layout();
+    if dst.len() != l.elements() {
+        return Err(bad(
+            OP,
+            format!("{} host values for a window of {}", dst.len(), l.elements()),
+        ));
+    }
+    if l.cols() == 0 {
+        return Ok(());
+    }
+    let window = l.offset()..l.end();
+    let outside = || bad(OP, format!("{l:?} lies outside its buffer"));
+    let (cols, stride) = (l.cols(), l.stride());
+    fn each_row<T: Copy, U>(s: &[T], d: &mut [U], cols: usize, stride: usize, f: impl Fn(T) -> U) {
+        for (r, out) in d.chunks_exact_mut(cols).enumerate() {
+            for (o, &v) in out.iter_mut().zip(&s[r * stride..r * stride + cols]) {
+                *o = f(v);
+            }
+        }
+    }
+    match (&src.buf().data, dst) {
+        (Data::F32(s), HostSliceMut::F32(d)) => {
+            each_row(s.get(window).ok_or_else(outside)?, d, cols, stride, |v| v)
+        }
+        (Data::F16(s), HostSliceMut::F32(d)) => each_row(
+            s.get(window).ok_or_else(outside)?,
+            d,
+            cols,
+            stride,
+            f16::to_f32,
+        ),
+        (Data::BF16(s), HostSliceMut::F32(d)) => each_row(
+            s.get(window).ok_or_else(outside)?,
+            d,
+            cols,
+            stride,
+            bf16::to_f32,
+        ),
+        (Data::I32(s), HostSliceMut::I32(d)) => {
+            each_row(s.get(window).ok_or_else(outside)?, d, cols, stride, |v| v)
+        }
+        (Data::I32(_), HostSliceMut::F32(_)) => {
+            return Err(bad(OP, "an i32 buffer read into f32 memory".into()))
+        }
+        (_, HostSliceMut::I32(_)) => {
+            return Err(wrong_dtype(OP, DType::I32, src.dtype()));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,733 @@
+//! The CPU backend: host-memory buffers (`buffer`), packed quantized weights, an f16 paged KV
+//! pool with each block contiguous across layers (`kv`), and the kernels of `crate::kernels` run
+//! on a fork-join thread pool with the best instruction set the machine offers. Activations are
+//! f32. Every op reaches its data through checked views and slices; the only raw writes are
+//! inside the kernels, and each op checks the shapes those rely on before calling them.
+
+mod buffer;
+mod kv;
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::kernels::attention::{self, AttnParams, AttnSeq};
+use crate::kernels::elementwise::{self, Rope};
+use crate::kernels::quantize::quantize_acts;
+use crate::kernels::{matmul, scan, Isa, KernelError};
+use crate::quant::packed::PackFormat;
+use crate::quant::{QuantizedActs, WeightMatrix};
+use crate::threadpool::{split_range, ThreadPool};
+use npu_backend::{
+    AttnGeometry, Backend, BackendError, DType, DeviceKind, HostSlice, HostTensor, KvSpec, MemInfo,
+    Readback, StepInputs, View, ViewMut,
+};
+use npu_gguf::quants::dequantize_row;
+use npu_gguf::GgmlType;
+
+pub use buffer::CpuBuffer;
+use buffer::{bad, rows, rows_mut, shape, RowsMut};
+use kv::KvPool;
+
+pub(crate) const NAME: &str = "cpu";
+
+/// Settings of the CPU backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuConfig {
+    /// Compute threads; 0 = all cores.
+    pub threads: usize,
+    /// Dequantize every weight to f32 and skip activation quantization: a slow, plain-arithmetic
+    /// reference for tests.
+    pub f32_reference: bool,
+}
+
+/// An embedding table kept in the file's format; rows are dequantized on lookup.
+pub struct CpuEmbedding {
+    ty: GgmlType,
+    data: Vec<u8>,
+    dim: usize,
+    rows: usize,
+    row_bytes: usize,
+}
+
+pub struct CpuBackend {
+    f32_reference: bool,
+    pool: Arc<ThreadPool>,
+    isa: Isa,
+    acts: QuantizedActs,
+    /// A contiguous copy of a strided matmul input.
+    staging: Vec<f32>,
+    kv: Option<KvPool>,
+    step: StepInputs,
+    /// Counts steps, so per-step caches know when they are stale.
+    step_serial: u64,
+    /// Rotary cos/sin of every token of the step, and what they were computed for.
+    rope_cs: Vec<f32>,
+    rope_for: Option<(Rope, u64)>,
+    /// Some weights were re-quantized on load (formats without an exact packed form).
+    lossy_weights: bool,
+}
+
+impl CpuBackend {
+    /// A backend with its own pool of `cfg.threads` threads and the best instruction set here
+    /// (or `NPU_SERVING_ISA`).
+    pub fn new(cfg: CpuConfig) -> Self {
+        let threads = if cfg.threads == 0 {
+            ThreadPool::available_threads()
+        } else {
+            cfg.threads
+        };
+        Self::on_pool(Arc::new(ThreadPool::new(threads)), cfg)
+    }
+
+    /// Same, with an explicit instruction set (tests compare them).
+    pub fn with_isa(cfg: CpuConfig, isa: Isa) -> Self {
+        let mut b = Self::new(cfg);
+        b.isa = isa;
+        b
+    }
+
+    /// A backend computing on `pool`, shared with its caller (the engine samples on it too, so
+    /// two pools never compete for the same cores); `cfg.threads` is ignored.
+    pub fn on_pool(pool: Arc<ThreadPool>, cfg: CpuConfig) -> Self {
+        Self {
+            f32_reference: cfg.f32_reference,
+            pool,
+            isa: Isa::active(),
+            acts: QuantizedActs::new(),
+            staging: Vec::new(),
+            kv: None,
+            step: StepInputs::default(),
+            step_serial: 0,
+            rope_cs: Vec::new(),
+            rope_for: None,
+            lossy_weights: false,
+        }
+    }
+
+    /// The compute pool.
+    pub fn pool(&self) -> Arc<ThreadPool> {
+        self.pool.clone()
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// True when some weights were re-quantized on load (Q2_K/Q3_K/Q6_K to 8-bit blocks).
+    pub fn lossy_weights(&self) -> bool {
+        self.lossy_weights
+    }
+
+    fn kv(&self, op: &'static str) -> Result<&KvPool, BackendError> {
+        self.kv
+            .as_ref()
+            .ok_or_else(|| bad(op, "the KV pool is not initialised (init_kv)".into()))
+    }
+
+    /// Calls `f(r, row)` for every row of `out`, in parallel when there are enough rows. Each
+    /// task gets its own part of the slice (split with `split_at_mut`), so no two tasks can
+    /// touch the same element.
+    fn par_rows_mut<F>(&self, out: RowsMut<'_>, f: F) -> Result<(), BackendError>
+    where
+        F: Fn(usize, &mut [f32]) + Sync,
+    {
+        let RowsMut {
+            data,
+            rows,
+            cols,
+            stride,
+        } = out;
+        let threads = self.pool.threads();
+        if rows < 8 || threads == 1 {
+            for r in 0..rows {
+                f(r, &mut data[r * stride..r * stride + cols]);
+            }
+            return Ok(());
+        }
+        let tasks = threads.min(rows);
+        let mut parts = Vec::with_capacity(tasks);
+        let mut rest = data;
+        for t in 0..tasks {
+            let range = split_range(rows, tasks, t);
+            let take = if t + 1 == tasks {
+                rest.len()
+            } else {
+                range.len() * stride
+            };
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(take);
+            rest = tail;
+            parts.push(Mutex::new(Some((range, part))));
+        }
+        self.pool
+            .run(tasks, |t| {
+                let Some((range, part)) = parts[t].lock().unwrap_or_else(|e| e.into_inner()).take()
+                else {
+                    return;
+                };
+                for (i, r) in range.enumerate() {
+                    f(r, &mut part[i * stride..i * stride + cols]);
+                }
+            })
+            .map_err(KernelError::from)?;
+        Ok(())
+    }
+
+    /// `f(r)` for every row in `0..rows` on the pool, collected in order.
+    fn par_map_rows<F>(&self, rows: usize, f: F) -> Result<Vec<u32>, BackendError>
+    where
+        F: Fn(usize) -> u32 + Sync,
+    {
+        let out: Vec<AtomicU32> = (0..rows).map(|_| AtomicU32::new(0)).collect();
+        let tasks = self.pool.threads().min(rows);
+        self.pool
+            .run(tasks, |t| {
+                for r in split_range(rows, tasks, t) {
+                    out[r].store(f(r), Ordering::Relaxed);
+                }
+            })
+            .map_err(KernelError::from)?;
+        Ok(out.into_iter().map(AtomicU32::into_inner).collect())
+    }
+}
+
+/// Free and total memory of this host, from /proc/meminfo (MemAvailable, MemTotal).
+fn host_mem_info() -> Result<MemInfo, BackendError> {
+    let err = |message: String| BackendError::Device {
+        backend: NAME,
+        message,
+    };
+    let text = std::fs::read_to_string("/proc/meminfo")
+        .map_err(|e| err(format!("reading /proc/meminfo: {e}")))?;
+    let field = |name: &str| -> Result<u64, BackendError> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .ok_or_else(|| err(format!("/proc/meminfo has no readable {name}")))
+    };
+    Ok(MemInfo {
+        free: field("MemAvailable")?,
+        total: field("MemTotal")?,
+    })
+}
+
+/// The byte length of `rows` rows of `cols` values of `ty`, checked against the data.
+fn tensor_row_bytes(op: &'static str, t: &HostTensor<'_>) -> Result<usize, BackendError> {
+    let rb =
+        t.ty.row_bytes(t.cols)
+            .ok_or_else(|| BackendError::Unsupported {
+                backend: NAME,
+                what: format!("rows of {} {} values", t.cols, t.ty.name()),
+            })?;
+    if rb.checked_mul(t.rows) != Some(t.data.len()) {
+        return Err(bad(
+            op,
+            format!(
+                "{} bytes for {} rows of {} {} values",
+                t.data.len(),
+                t.rows,
+                t.cols,
+                t.ty.name()
+            ),
+        ));
+    }
+    Ok(rb)
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+    type Matrix = WeightMatrix;
+    type Embedding = CpuEmbedding;
+
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+
+    fn describe(&self) -> String {
+        format!("cpu ({}, {} threads)", self.isa.name(), self.pool.threads())
+    }
+
+    fn act_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        host_mem_info()
+    }
+
+    fn alloc(&mut self, dtype: DType, len: usize) -> Result<CpuBuffer, BackendError> {
+        CpuBuffer::zeroed(dtype, len)
+    }
+
+    fn upload(
+        &mut self,
+        src: HostSlice<'_>,
+        dst: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        buffer::upload(src, dst)
+    }
+
+    fn read_back(&mut self, reads: &mut [Readback<'_, CpuBuffer>]) -> Result<(), BackendError> {
+        for r in reads {
+            buffer::read(&r.src, &mut r.dst)?;
+        }
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn load_matrix(
+        &mut self,
+        parts: &[HostTensor<'_>],
+    ) -> Result<Option<WeightMatrix>, BackendError> {
+        const OP: &str = "load_matrix";
+        let Some(first) = parts.first() else {
+            return Err(bad(OP, "no tensors given".into()));
+        };
+        let k = first.cols;
+        for p in parts {
+            if p.cols != k {
+                return Err(bad(
+                    OP,
+                    format!("parts with {} and {k} inputs cannot share a matrix", p.cols),
+                ));
+            }
+            tensor_row_bytes(OP, p)?;
+        }
+        if self.f32_reference {
+            let n: usize = parts.iter().map(|p| p.rows).sum();
+            let mut data = buffer::alloc_vec(n * k, 0f32, "f32 reference weights")?;
+            let mut row0 = 0;
+            for p in parts {
+                let rb = tensor_row_bytes(OP, p)?;
+                for (r, src) in p.data.chunks_exact(rb).enumerate() {
+                    dequantize_row(p.ty, src, &mut data[(row0 + r) * k..(row0 + r + 1) * k]);
+                }
+                row0 += p.rows;
+            }
+            return Ok(Some(WeightMatrix::F32 { n, k, data }));
+        }
+        let raw: Vec<(GgmlType, &[u8], usize)> =
+            parts.iter().map(|p| (p.ty, p.data, p.rows)).collect();
+        let m = WeightMatrix::from_ggml_parts(&raw, k);
+        if m.is_some()
+            && parts
+                .iter()
+                .any(|p| PackFormat::for_type(p.ty).is_some_and(|f| f.1))
+            && !std::mem::replace(&mut self.lossy_weights, true)
+        {
+            tracing::warn!(
+                "some weights (Q2_K/Q3_K/Q6_K) were re-quantized to 8-bit blocks for the CPU kernels"
+            );
+        }
+        Ok(m)
+    }
+
+    fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<CpuEmbedding, BackendError> {
+        let row_bytes = tensor_row_bytes("load_embedding", &table)?;
+        Ok(CpuEmbedding {
+            ty: table.ty,
+            data: table.data.to_vec(),
+            dim: table.cols,
+            rows: table.rows,
+            row_bytes,
+        })
+    }
+
+    fn load_vector(&mut self, v: HostTensor<'_>) -> Result<CpuBuffer, BackendError> {
+        let rb = tensor_row_bytes("load_vector", &v)?;
+        let mut values = buffer::alloc_vec(v.rows * v.cols, 0f32, "a weight vector")?;
+        for (src, dst) in v.data.chunks_exact(rb).zip(values.chunks_exact_mut(v.cols)) {
+            dequantize_row(v.ty, src, dst);
+        }
+        Ok(CpuBuffer::from_f32(values))
+    }
+
+    fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
+        self.kv = Some(KvPool::new(spec)?);
+        Ok(())
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        self.kv.as_ref().map_or(0, KvPool::block_bytes)
+    }
+
+    fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError> {
+        self.kv("kv_copy_blocks")?;
+        self.kv.as_mut().map_or(Ok(()), |kv| kv.copy_blocks(pairs))
+    }
+
+    fn kv_blocks_to_host(&mut self, blocks: &[u32], dst: &mut [u8]) -> Result<(), BackendError> {
+        self.kv("kv_blocks_to_host")?.save_blocks(blocks, dst)
+    }
+
+    fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
+        self.kv("kv_blocks_from_host")?;
+        self.kv
+            .as_mut()
+            .map_or(Ok(()), |kv| kv.load_blocks(src, blocks))
+    }
+
+    fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError> {
+        // The agent checked the step once, where it read it; here it is only taken over.
+        self.step.clone_from(step);
+        self.step_serial += 1;
+        Ok(())
+    }
+
+    fn embed(
+        &mut self,
+        table: &CpuEmbedding,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "embed";
+        let mut o = rows_mut(&mut out, OP)?;
+        shape(OP, "out", o.rows, o.cols, self.step.tokens.len(), table.dim)?;
+        for (i, &tok) in self.step.tokens.iter().enumerate() {
+            let t = tok as usize;
+            let src = table
+                .data
+                .get(t * table.row_bytes..(t + 1) * table.row_bytes)
+                .filter(|_| t < table.rows)
+                .ok_or_else(|| {
+                    bad(
+                        OP,
+                        format!("token id {t} is beyond the vocabulary ({})", table.rows),
+                    )
+                })?;
+            dequantize_row(table.ty, src, o.row_mut(i));
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: View<'_, CpuBuffer>,
+        w: &CpuBuffer,
+        eps: f32,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "rms_norm";
+        let x = rows(&x, OP)?;
+        let o = rows_mut(&mut out, OP)?;
+        shape(OP, "out", o.rows, o.cols, x.rows, x.cols)?;
+        let w = w.f32s(OP)?;
+        if w.len() != x.cols {
+            return Err(bad(
+                OP,
+                format!("{} weights for rows of {}", w.len(), x.cols),
+            ));
+        }
+        self.par_rows_mut(o, |r, dst| elementwise::rms_norm(x.row(r), w, eps, dst))
+    }
+
+    fn matmul(
+        &mut self,
+        x: View<'_, CpuBuffer>,
+        w: &WeightMatrix,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "matmul";
+        let x = rows(&x, OP)?;
+        let o = rows_mut(&mut out, OP)?;
+        shape(OP, "x", x.rows, x.cols, o.rows, w.k())?;
+        shape(OP, "out", o.rows, o.cols, x.rows, w.n())?;
+        if x.rows == 0 {
+            return Ok(());
+        }
+        let input = match x.contiguous() {
+            Some(all) => all,
+            None => {
+                self.staging.clear();
+                for r in 0..x.rows {
+                    self.staging.extend_from_slice(x.row(r));
+                }
+                &self.staging
+            }
+        };
+        if let WeightMatrix::Packed(_) = w {
+            quantize_acts(&self.pool, self.isa, input, x.rows, x.cols, &mut self.acts)?;
+        }
+        matmul::matmul(
+            &self.pool,
+            self.isa,
+            w,
+            matmul::MatmulInput {
+                f32: input,
+                quantized: &self.acts,
+                rows: x.rows,
+            },
+            o.data,
+            o.stride,
+        )?;
+        Ok(())
+    }
+
+    fn add_bias(
+        &mut self,
+        mut x: ViewMut<'_, CpuBuffer>,
+        bias: &CpuBuffer,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "add_bias";
+        let mut x = rows_mut(&mut x, OP)?;
+        let bias = bias.f32s(OP)?;
+        if bias.len() != x.cols {
+            return Err(bad(
+                OP,
+                format!("a bias of {} for rows of {}", bias.len(), x.cols),
+            ));
+        }
+        for r in 0..x.rows {
+            elementwise::add_assign(x.row_mut(r), bias);
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &mut self,
+        mut qk: ViewMut<'_, CpuBuffer>,
+        g: &AttnGeometry,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "rope";
+        let (hd, dims) = (g.head_dim, g.rope.dims);
+        if dims > hd || !dims.is_multiple_of(2) {
+            return Err(bad(
+                OP,
+                format!("{dims} rotary dimensions in heads of {hd}"),
+            ));
+        }
+        let heads = g.n_heads + g.n_kv_heads;
+        let qk = rows_mut(&mut qk, OP)?;
+        shape(
+            OP,
+            "qk",
+            qk.rows,
+            qk.cols,
+            self.step.positions.len(),
+            heads * hd,
+        )?;
+        // The angles depend on the position only: computed once per step, used by every layer.
+        if self.rope_for != Some((g.rope, self.step_serial)) {
+            self.rope_cs.resize(self.step.positions.len() * dims, 0.0);
+            for (cs, &pos) in self
+                .rope_cs
+                .chunks_exact_mut(dims.max(1))
+                .zip(&self.step.positions)
+            {
+                g.rope.angles(pos, cs);
+            }
+            self.rope_for = Some((g.rope, self.step_serial));
+        }
+        let cs = &self.rope_cs;
+        let rope = g.rope;
+        self.par_rows_mut(qk, |r, row| {
+            elementwise::rope_apply(&rope, row, heads, hd, &cs[r * dims..(r + 1) * dims]);
+        })
+    }
+
+    fn kv_write(
+        &mut self,
+        k: View<'_, CpuBuffer>,
+        v: View<'_, CpuBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "kv_write";
+        let (k, v) = (rows(&k, OP)?, rows(&v, OP)?);
+        let n = self.step.slot_mapping.len();
+        shape(OP, "k", k.rows, k.cols, n, g.kv_width())?;
+        shape(OP, "v", v.rows, v.cols, n, g.kv_width())?;
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| bad(OP, "the KV pool is not initialised (init_kv)".into()))?;
+        check_geometry(OP, &kv.spec, g)?;
+        let (k_base, v_base) = kv.bases(OP, layer)?;
+        let lay = kv.layout();
+        attention::kv_write(
+            &lay,
+            k.data,
+            k.stride,
+            v.data,
+            v.stride,
+            &self.step.slot_mapping,
+            kv.data_mut(),
+            k_base,
+            v_base,
+        );
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        q: View<'_, CpuBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "attention";
+        let q = rows(&q, OP)?;
+        let o = rows_mut(&mut out, OP)?;
+        let n = self.step.tokens.len();
+        shape(OP, "q", q.rows, q.cols, n, g.q_width())?;
+        shape(OP, "out", o.rows, o.cols, n, g.q_width())?;
+        let kv = self.kv(OP)?;
+        check_geometry(OP, &kv.spec, g)?;
+        if g.n_kv_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) {
+            return Err(bad(
+                OP,
+                format!("{} query heads over {} KV heads", g.n_heads, g.n_kv_heads),
+            ));
+        }
+        let (k_base, v_base) = kv.bases(OP, layer)?;
+        let mb = self.step.max_blocks;
+        let mut seqs = Vec::with_capacity(self.step.seqs.len());
+        for (i, s) in self.step.seqs.iter().enumerate() {
+            // The kernel writes each sequence's output rows directly: they must lie in `out`.
+            let (q_row, n_q) = (s.q_row as usize, s.n_q as usize);
+            let table = self.step.block_tables.get(i * mb..(i + 1) * mb);
+            let (Some(table), true) = (table, q_row + n_q <= n) else {
+                return Err(BackendError::BadStep(format!(
+                    "sequence {i} lies outside the step's {n} tokens or block tables"
+                )));
+            };
+            seqs.push(AttnSeq {
+                q_row,
+                n_q,
+                start_pos: s.start_pos as usize,
+                block_table: table,
+            });
+        }
+        let p = AttnParams {
+            lay: kv.layout(),
+            n_heads: g.n_heads,
+            scale: g.scale,
+        };
+        attention::paged_attention(
+            &self.pool,
+            self.isa,
+            &p,
+            q.data,
+            q.stride,
+            &seqs,
+            &kv.data()[k_base..],
+            &kv.data()[v_base..],
+            o.data,
+            o.stride,
+        )?;
+        Ok(())
+    }
+
+    fn swiglu(
+        &mut self,
+        gate: View<'_, CpuBuffer>,
+        up: View<'_, CpuBuffer>,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "swiglu";
+        let (gate, up) = (rows(&gate, OP)?, rows(&up, OP)?);
+        let o = rows_mut(&mut out, OP)?;
+        shape(OP, "up", up.rows, up.cols, gate.rows, gate.cols)?;
+        shape(OP, "out", o.rows, o.cols, gate.rows, gate.cols)?;
+        let isa = self.isa;
+        self.par_rows_mut(o, |r, dst| {
+            elementwise::swiglu(isa, gate.row(r), up.row(r), dst)
+        })
+    }
+
+    fn add(
+        &mut self,
+        mut x: ViewMut<'_, CpuBuffer>,
+        y: View<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "add";
+        let y = rows(&y, OP)?;
+        let x = rows_mut(&mut x, OP)?;
+        shape(OP, "y", y.rows, y.cols, x.rows, x.cols)?;
+        self.par_rows_mut(x, |r, dst| elementwise::add_assign(dst, y.row(r)))
+    }
+
+    fn gather_logit_rows(
+        &mut self,
+        x: View<'_, CpuBuffer>,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "gather_logit_rows";
+        let x = rows(&x, OP)?;
+        let mut o = rows_mut(&mut out, OP)?;
+        shape(
+            OP,
+            "out",
+            o.rows,
+            o.cols,
+            self.step.logit_rows.len(),
+            x.cols,
+        )?;
+        for (i, &r) in self.step.logit_rows.iter().enumerate() {
+            if r as usize >= x.rows {
+                return Err(BackendError::BadStep(format!(
+                    "logit row {r} of a {}-row step",
+                    x.rows
+                )));
+            }
+            o.row_mut(i).copy_from_slice(x.row(r as usize));
+        }
+        Ok(())
+    }
+
+    fn argmax_rows(
+        &mut self,
+        logits: View<'_, CpuBuffer>,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<bool, BackendError> {
+        const OP: &str = "argmax_rows";
+        let x = rows(&logits, OP)?;
+        let l = out.layout();
+        shape(OP, "out", l.rows(), l.cols(), x.rows, 1)?;
+        let ids = self.par_map_rows(x.rows, |r| scan::argmax_sanitized(x.row(r)))?;
+        let (o, stride) = buffer::i32_rows_mut(&mut out, OP)?;
+        for (r, id) in ids.into_iter().enumerate() {
+            o[r * stride] = id as i32;
+        }
+        Ok(true)
+    }
+
+    fn argmax_logprob_rows(
+        &mut self,
+        logits: View<'_, CpuBuffer>,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<bool, BackendError> {
+        const OP: &str = "argmax_logprob_rows";
+        let x = rows(&logits, OP)?;
+        let mut o = rows_mut(&mut out, OP)?;
+        shape(OP, "out", o.rows, o.cols, x.rows, 1)?;
+        let bits =
+            self.par_map_rows(x.rows, |r| scan::max_logprob_sanitized(x.row(r)).to_bits())?;
+        for (r, b) in bits.into_iter().enumerate() {
+            o.row_mut(r)[0] = f32::from_bits(b);
+        }
+        Ok(true)
+    }
+}
+
+/// The geometry an op is given must be the one the KV pool was made for.
+fn check_geometry(op: &'static str, spec: &KvSpec, g: &AttnGeometry) -> Result<(), BackendError> {
+    if g.n_kv_heads != spec.n_kv_heads || g.head_dim != spec.head_dim {
+        return Err(bad(
+            op,
+            format!(
+                "{} KV heads of {} for a pool of {} KV heads of {}",
+                g.n_kv_heads, g.head_dim, spec.n_kv_heads, spec.head_dim
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,277 @@
+//! The CPU backend's memory side: typed uploads and read-backs through strided windows, the KV
+//! pool's block copies (device to device, to host and back), memory info, and ops refusing views
+//! of the wrong shape or dtype instead of touching memory outside them.
+
+use npu_backend::{
+    Backend, DType, HostSlice, HostSliceMut, KvSpec, Layout, Readback, View, ViewMut,
+};
+
+use super::*;
+
+fn backend() -> CpuBackend {
+    CpuBackend::new(CpuConfig {
+        threads: 2,
+        f32_reference: false,
+    })
+}
+
+#[test]
+fn uploads_and_read_backs_go_through_windows_and_dtypes() {
+    let mut b = backend();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let mut buf = b.alloc(dtype, 12).unwrap();
+        // Rows 1..3, columns 1..3 of a 3x4 matrix.
+        let win = Layout::new(5, 2, 2, 4).unwrap();
+        b.upload(
+            HostSlice::F32(&[1.0, 2.0, 3.0, 4.0]),
+            ViewMut::new(&mut buf, win).unwrap(),
+        )
+        .unwrap();
+        let mut all = vec![9f32; 12];
+        b.read_back(&mut [Readback {
+            src: View::rows(&buf, 3, 4).unwrap(),
+            dst: HostSliceMut::F32(&mut all),
+        }])
+        .unwrap();
+        assert_eq!(
+            all,
+            [0., 0., 0., 0., 0., 1., 2., 0., 0., 3., 4., 0.],
+            "{dtype:?}"
+        );
+        let mut part = vec![0f32; 4];
+        b.read_back(&mut [Readback {
+            src: View::new(&buf, win).unwrap(),
+            dst: HostSliceMut::F32(&mut part),
+        }])
+        .unwrap();
+        assert_eq!(part, [1., 2., 3., 4.]);
+    }
+    let mut ids = b.alloc(DType::I32, 3).unwrap();
+    b.upload(
+        HostSlice::I32(&[7, -1, 3]),
+        ViewMut::rows(&mut ids, 3, 1).unwrap(),
+    )
+    .unwrap();
+    let mut back = vec![0i32; 3];
+    b.read_back(&mut [Readback {
+        src: View::rows(&ids, 3, 1).unwrap(),
+        dst: HostSliceMut::I32(&mut back),
+    }])
+    .unwrap();
+    assert_eq!(back, [7, -1, 3]);
+    // Wrong lengths and dtypes are refused.
+    let mut f = b.alloc(DType::F32, 4).unwrap();
+    assert!(b
+        .upload(
+            HostSlice::F32(&[1.0; 3]),
+            ViewMut::rows(&mut f, 2, 2).unwrap()
+        )
+        .is_err());
+    assert!(b
+        .upload(
+            HostSlice::I32(&[1; 4]),
+            ViewMut::rows(&mut f, 2, 2).unwrap()
+        )
+        .is_err());
+    let mut wrong = vec![0i32; 4];
+    assert!(b
+        .read_back(&mut [Readback {
+            src: View::rows(&f, 2, 2).unwrap(),
+            dst: HostSliceMut::I32(&mut wrong),
+        }])
+        .is_err());
+}
+
+fn spec() -> KvSpec {
+    KvSpec {
+        n_layers: 3,
+        num_blocks: 5,
+        block_size: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+    }
+}
+
+/// Writes distinct K/V into every slot of every layer through `kv_write`.
+fn fill_pool(b: &mut CpuBackend) {
+    let s = spec();
+    let g = npu_backend::AttnGeometry {
+        n_heads: 4,
+        n_kv_heads: s.n_kv_heads,
+        head_dim: s.head_dim,
+        rope: npu_gguf::hparams::Rope {
+            style: npu_gguf::hparams::RopeStyle::Halves,
+            dims: s.head_dim,
+            base: 10000.0,
+            freq_scale: 1.0,
+        },
+        scale: 1.0,
+    };
+    let slots = (s.num_blocks * s.block_size) as u32;
+    let w = g.kv_width();
+    b.begin_step(&npu_backend::StepInputs {
+        slot_mapping: (0..slots).collect(),
+        tokens: vec![0; slots as usize],
+        positions: (0..slots).collect(),
+        ..Default::default()
+    })
+    .unwrap();
+    for layer in 0..s.n_layers {
+        let vals: Vec<f32> = (0..slots as usize * w)
+            .map(|i| (i + layer * 1000) as f32 * 0.25)
+            .collect();
+        let mut k = b.alloc(DType::F32, vals.len()).unwrap();
+        let mut v = b.alloc(DType::F32, vals.len()).unwrap();
+        b.upload(
+            HostSlice::F32(&vals),
+            ViewMut::rows(&mut k, slots as usize, w).unwrap(),
+        )
+        .unwrap();
+        let neg: Vec<f32> = vals.iter().map(|x| -x).collect();
+        b.upload(
+            HostSlice::F32(&neg),
+            ViewMut::rows(&mut v, slots as usize, w).unwrap(),
+        )
+        .unwrap();
+        b.kv_write(
+            View::rows(&k, slots as usize, w).unwrap(),
+            View::rows(&v, slots as usize, w).unwrap(),
+            &g,
+            layer,
+        )
+        .unwrap();
+    }
+}
+
+fn blocks_on_host(b: &mut CpuBackend, ids: &[u32]) -> Vec<Vec<u8>> {
+    let bb = b.kv_block_bytes();
+    let mut host = vec![0u8; ids.len() * bb];
+    b.kv_blocks_to_host(ids, &mut host).unwrap();
+    host.chunks(bb).map(<[u8]>::to_vec).collect()
+}
+
+#[test]
+fn kv_blocks_copy_whole_by_id_on_the_device_and_through_the_host() {
+    let mut b = backend();
+    let s = spec();
+    b.init_kv(s).unwrap();
+    // K and V of every layer: 2 bytes per value.
+    assert_eq!(
+        b.kv_block_bytes(),
+        s.n_layers * 2 * s.n_kv_heads * s.head_dim * s.block_size * 2
+    );
+    fill_pool(&mut b);
+    let before = blocks_on_host(&mut b, &[0, 1, 2, 3, 4]);
+    assert!(before.windows(2).all(|w| w[0] != w[1]), "blocks differ");
+    // Device to device: block 1 over block 3, then 4 over 0.
+    b.kv_copy_blocks(&[(1, 3), (4, 0)]).unwrap();
+    let after = blocks_on_host(&mut b, &[0, 1, 2, 3, 4]);
+    assert_eq!(after[3], before[1]);
+    assert_eq!(after[0], before[4]);
+    assert_eq!(after[1..3], before[1..3]);
+    // Host round trip into other blocks.
+    let saved = blocks_on_host(&mut b, &[2, 1]);
+    b.kv_blocks_from_host(&saved.concat(), &[4, 0]).unwrap();
+    let now = blocks_on_host(&mut b, &[4, 0]);
+    assert_eq!(now, saved);
+    // Ids outside the pool and wrong host sizes are errors.
+    assert!(b.kv_copy_blocks(&[(5, 0)]).is_err());
+    assert!(b.kv_copy_blocks(&[(0, 5)]).is_err());
+    let bb = b.kv_block_bytes();
+    assert!(b.kv_blocks_to_host(&[0], &mut vec![0u8; bb - 1]).is_err());
+    assert!(b.kv_blocks_from_host(&vec![0u8; bb], &[7]).is_err());
+}
+
+#[test]
+fn kv_ops_need_a_pool_and_memory_info_reads_the_host() {
+    let mut b = backend();
+    assert_eq!(b.kv_block_bytes(), 0);
+    assert!(b.kv_copy_blocks(&[(0, 1)]).is_err());
+    assert!(b.kv_blocks_to_host(&[0], &mut []).is_err());
+    let m = b.mem_info().unwrap();
+    assert!(m.total > 0 && m.free <= m.total, "{m:?}");
+    assert_eq!(b.act_dtype(), DType::F32);
+    assert!(b.describe().starts_with("cpu ("));
+}
+
+#[test]
+fn ops_refuse_views_of_the_wrong_shape_or_dtype() {
+    let mut b = backend();
+    let x = b.alloc(DType::F32, 64).unwrap();
+    let mut out = b.alloc(DType::F32, 64).unwrap();
+    let w = CpuBuffer::from_f32(vec![1.0; 8]);
+    // rms_norm: rows of 8 need 8 weights and an output of the same shape.
+    b.rms_norm(
+        View::rows(&x, 4, 8).unwrap(),
+        &w,
+        1e-5,
+        ViewMut::rows(&mut out, 4, 8).unwrap(),
+    )
+    .unwrap();
+    assert!(b
+        .rms_norm(
+            View::rows(&x, 4, 8).unwrap(),
+            &w,
+            1e-5,
+            ViewMut::rows(&mut out, 5, 8).unwrap(),
+        )
+        .is_err());
+    assert!(b
+        .rms_norm(
+            View::rows(&x, 8, 4).unwrap(),
+            &w,
+            1e-5,
+            ViewMut::rows(&mut out, 8, 4).unwrap(),
+        )
+        .is_err());
+    // swiglu and add: shapes must agree.
+    assert!(b
+        .swiglu(
+            View::rows(&x, 2, 8).unwrap(),
+            View::rows(&x, 2, 4).unwrap(),
+            ViewMut::rows(&mut out, 2, 8).unwrap(),
+        )
+        .is_err());
+    assert!(b
+        .add(
+            ViewMut::rows(&mut out, 2, 8).unwrap(),
+            View::rows(&x, 8, 2).unwrap()
+        )
+        .is_err());
+    // An f32 op on an i32 buffer.
+    let ids = b.alloc(DType::I32, 64).unwrap();
+    assert!(b
+        .add(
+            ViewMut::rows(&mut out, 2, 8).unwrap(),
+            View::rows(&ids, 2, 8).unwrap()
+        )
+        .is_err());
+    // Ops over the step's tokens refuse a view that is not one row per token.
+    b.begin_step(&npu_backend::StepInputs {
+        tokens: vec![1, 2],
+        ..Default::default()
+    })
+    .unwrap();
+    let table = b
+        .load_embedding(npu_backend::HostTensor {
+            ty: npu_gguf::GgmlType::F32,
+            data: bytemuck::cast_slice(&[0.5f32; 24]),
+            rows: 3,
+            cols: 8,
+        })
+        .unwrap();
+    b.embed(&table, ViewMut::rows(&mut out, 2, 8).unwrap())
+        .unwrap();
+    assert!(b
+        .embed(&table, ViewMut::rows(&mut out, 3, 8).unwrap())
+        .is_err());
+    // A token beyond the table is an error, not a read outside it.
+    b.begin_step(&npu_backend::StepInputs {
+        tokens: vec![3],
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(b
+        .embed(&table, ViewMut::rows(&mut out, 1, 8).unwrap())
+        .is_err());
+}
