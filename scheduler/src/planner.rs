@@ -107,6 +107,7 @@ impl Scheduler {
             step_id,
             forget,
             admit,
+            kv_copies: Vec::new(),
             seqs: steps,
         })
     }

@@ -52,6 +52,7 @@ pub fn prompt(first: u32, n: usize) -> Vec<u32> {
 /// The agent's answer to `plan`: every sampling sequence gets `token(slot)`.
 pub fn answer(plan: &StepPlan, token: impl Fn(u32) -> u32) -> StepResult {
     StepResult {
+        transfer: Default::default(),
         step_id: plan.step_id,
         seqs: plan
             .seqs
