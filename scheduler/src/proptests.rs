@@ -51,14 +51,23 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             any::<bool>(),
             any::<bool>(),
             2..24usize,
+            0..12usize,
         ),
     )
         .prop_map(
             |(
                 (num_blocks, block_size, max_running, prompts),
-                (budget, extra_slots, stat, pc, mbs),
+                (budget, extra_slots, stat, pc, mbs, host),
             )| {
                 SchedulerConfig {
+                    // Host pools of 0 (none) to 11 blocks, copy room from 1 to 3 per block.
+                    kv_host: (host > 0).then_some(crate::KvHostConfig {
+                        host_blocks: host,
+                        block_bytes: 64,
+                        d2h_bytes_per_s: 1e9,
+                        h2d_bytes_per_s: 1e9,
+                        max_copies_per_step: num_blocks * (1 + host % 3),
+                    }),
                     num_blocks,
                     block_size,
                     max_running,
@@ -86,6 +95,15 @@ const PREFIXES: [&[u32]; 3] = [&[1, 2, 3, 4, 5, 6], &[1, 2, 3, 9], &[7]];
 fn check_new_plan(s: &Scheduler, plan: &StepPlan, admitted_before: &HashSet<u32>) {
     let cfg = &s.cfg;
     check_plan(plan, cfg);
+    let (host_blocks, max_copies) = cfg
+        .kv_host
+        .map_or((0, 0), |h| (h.host_blocks, h.max_copies_per_step));
+    assert!(plan.kv_copies.len() <= max_copies, "copy room exceeded");
+    for c in &plan.kv_copies {
+        assert!(
+            (c.device_block as usize) < cfg.num_blocks && (c.host_block as usize) < host_blocks
+        );
+    }
     let bs = cfg.block_size as u32;
     let mut slots = HashSet::new();
     for q in &plan.seqs {

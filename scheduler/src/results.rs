@@ -57,6 +57,8 @@ impl Scheduler {
         }
 
         let planned = self.in_flight.remove(&step_id).unwrap_or_default();
+        let n_tokens = planned.iter().map(|p| p.n_tokens).sum();
+        self.observe_step(n_tokens, res.timing.forward_us);
         let mut out = Vec::new();
         for p in planned {
             if !self.is_current(step_id, &p) {
