@@ -72,6 +72,9 @@ pub struct BlockManager {
     /// Copies queued for the next plan, in the order they must run.
     copies: Vec<KvCopy>,
     max_copies: usize,
+    /// Copy room kept for copies an admission will queue after its allocations (which may
+    /// spill and so queue copies of their own first).
+    reserved: usize,
     /// Cached blocks spilled to the host tier so far.
     spilled: u64,
 }
@@ -99,6 +102,7 @@ impl BlockManager {
             host: HostPool::new(host_blocks),
             copies: Vec::new(),
             max_copies,
+            reserved: 0,
             spilled: 0,
         }
     }
@@ -110,7 +114,17 @@ impl BlockManager {
 
     /// Copies the next plan can still carry.
     pub fn copies_left(&self) -> usize {
-        self.max_copies.saturating_sub(self.copies.len())
+        self.max_copies
+            .saturating_sub(self.copies.len())
+            .saturating_sub(self.reserved)
+    }
+
+    /// `n` blocks (see `allocate_many`) while keeping room for `keep` copies queued after them.
+    pub fn allocate_keeping_copies(&mut self, n: usize, keep: usize) -> Option<Vec<u32>> {
+        self.reserved = keep;
+        let got = self.allocate_many(n);
+        self.reserved = 0;
+        got
     }
 
     pub fn host_total(&self) -> usize {

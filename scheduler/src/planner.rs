@@ -150,7 +150,7 @@ impl Scheduler {
         }
         let slot = *self.free_slots.first()?;
         self.blocks.hold(&hit.blocks);
-        let Some(fresh) = self.blocks.allocate_many(need) else {
+        let Some(fresh) = self.blocks.allocate_keeping_copies(need, n_host) else {
             self.blocks.unhold(&hit.blocks);
             return None;
         };

@@ -69,7 +69,7 @@ impl Scheduler {
             return None;
         }
         let slot = *self.free_slots.first()?;
-        let fresh = self.blocks.allocate_many(need)?;
+        let fresh = self.blocks.allocate_keeping_copies(need, n)?;
         self.free_slots.remove(&slot);
         let seq = self.seqs.get_mut(&id).expect("waiting request is known");
         let sw = seq.swapped.take().expect("checked above");
