@@ -210,3 +210,33 @@ fn step_input_bytes_do_not_grow_with_context_but_for_the_block_table() {
     assert_eq!(big_table, 4.0 * big_ctx.div_ceil(16) as f64);
     assert!(server.metric("npu_serving_step_h2d_input_bytes_total") > big_total);
 }
+
+#[test]
+fn bench_model_reports_block_copy_bandwidth_both_ways() {
+    let _serial = serial();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+        .args([
+            "bench-model",
+            "--json",
+            "--skip-long",
+            "--skip-prefill",
+            "--batches",
+            "4",
+            "--decode-steps",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in ["kv_block_copy_d2h_gb_s", "kv_block_copy_h2d_gb_s"] {
+        let gb_s = v[key].as_f64().unwrap_or(0.0);
+        assert!(gb_s > 0.0, "{key} = {gb_s} in {v}");
+    }
+    // SmolLM2-135M: 30 layers x K and V x 3 KV heads x 64 dims x 16 tokens x 2 bytes.
+    assert_eq!(v["kv_block_bytes"].as_u64(), Some(30 * 2 * 3 * 64 * 16 * 2));
+}

@@ -13,7 +13,7 @@ use npu_protocol::{
 use thiserror::Error;
 
 use crate::device::{DeviceModel, DeviceSpec};
-use crate::kv_host::{measure_copy_bandwidth, HostKvPool};
+use crate::kv_host::{measure_copy_bandwidth, CopyBandwidth, HostKvPool};
 use crate::model::{ModelConfig, ModelError, ModelOptions, StepOutput};
 use crate::sampler::{is_plain_greedy, SampleOutput, Sampler, SamplerError, TokenHistory};
 use crate::step_input::{StepError, StepLimits, StepRead};
@@ -123,7 +123,7 @@ impl AgentEngine {
         let mut model = DeviceModel::load(&file, spec, &pool, opts)?;
         let block_bytes = model.kv_block_bytes();
         let host_kv = HostKvPool::new(cfg.host_kv_blocks(block_bytes as u64), block_bytes)?;
-        let bandwidth = measure_copy_bandwidth(&mut model, cfg.num_blocks)?;
+        let bandwidth = measure_copy_bandwidth(&mut model, cfg.num_blocks.min(32))?;
         let kv = KvFacts {
             block_bytes: block_bytes as u64,
             host_blocks: host_kv.blocks(),
@@ -173,6 +173,12 @@ impl AgentEngine {
 
     pub fn facts(&self) -> &ModelFacts {
         &self.facts
+    }
+
+    /// Measures block copies device->host and host->device over the first `blocks` blocks of
+    /// the pool (at most the pool), leaving the pool unchanged.
+    pub fn measure_kv_copy(&mut self, blocks: u32) -> Result<CopyBandwidth, EngineError> {
+        measure_copy_bandwidth(&mut self.model, blocks.min(self.cfg.num_blocks))
     }
 
     pub fn config(&self) -> &AgentEngineConfig {

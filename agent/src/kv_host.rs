@@ -106,14 +106,14 @@ pub struct CopyBandwidth {
 }
 
 /// Measures whole-block copies between the device pool and host memory, one block per call as
-/// the step copies do: up to 32 blocks out and back in, best of five rounds. The blocks are
-/// written back with the bytes read from them, so the pool is unchanged.
+/// the step copies do: the first `blocks` blocks out and back in, best of five rounds. The
+/// blocks are written back with the bytes read from them, so the pool is unchanged.
 pub fn measure_copy_bandwidth(
     model: &mut DeviceModel,
-    device_blocks: u32,
+    blocks: u32,
 ) -> Result<CopyBandwidth, EngineError> {
     let bb = model.kv_block_bytes();
-    let n = device_blocks.min(32) as usize;
+    let n = blocks as usize;
     if bb == 0 || n == 0 {
         return Ok(CopyBandwidth::default());
     }
