@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use crate::engine::EngineStats;
 
-fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
+fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, f64)]) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     for (labels, v) in samples {
         let _ = writeln!(out, "{name}{labels} {v}");
@@ -15,10 +15,10 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str
 
 /// Appends the KV families to `out`.
 pub fn render(out: &mut String, stats: &EngineStats) {
-    let g = EngineStats::get;
+    let g = |v: &std::sync::atomic::AtomicU64| EngineStats::get(v) as f64;
     let k = &stats.kv;
     let swaps = g(&k.preemptions_swap_total);
-    let recomputes = g(&stats.preemptions_total).saturating_sub(swaps);
+    let recomputes = (g(&stats.preemptions_total) - swaps).max(0.0);
     family(
         out,
         "npu_serving_preemptions_by_kind_total",
@@ -30,7 +30,7 @@ pub fn render(out: &mut String, stats: &EngineStats) {
         ],
     );
     let hit_host = g(&k.prefix_hit_tokens_host_total);
-    let hit_device = g(&stats.prefix_cache_hit_tokens_total).saturating_sub(hit_host);
+    let hit_device = (g(&stats.prefix_cache_hit_tokens_total) - hit_host).max(0.0);
     family(
         out,
         "npu_serving_prefix_cache_hit_tokens_total",
@@ -70,7 +70,7 @@ pub fn render(out: &mut String, stats: &EngineStats) {
         (
             "npu_serving_kv_copy_seconds_total",
             "Agent time spent copying KV blocks between the device and host pools.",
-            g(&k.copy_us_total) / 1_000_000,
+            g(&k.copy_us_total) / 1e6,
         ),
         (
             "npu_serving_step_h2d_input_bytes_total",
