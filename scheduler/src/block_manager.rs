@@ -368,6 +368,31 @@ impl BlockManager {
         }
     }
 
+    /// Forgets cached content at these device and host blocks (copies into them may not have
+    /// happened): unheld device blocks become free, host blocks nobody holds are freed.
+    pub fn forget_content(&mut self, device: &[u32], host: &[u32]) {
+        for &b in device {
+            let info = &mut self.blocks[b as usize];
+            let Some(c) = info.cached.take() else {
+                continue;
+            };
+            self.index.remove(c.hash);
+            if let Some(tick) = info.evict_tick.take() {
+                self.index.remove_evictable(tick);
+                self.free.push_back(b);
+            }
+        }
+        for &h in host {
+            let hb = &mut self.host.blocks[h as usize];
+            if let Some(c) = hb.cached.take() {
+                self.index.remove(c.hash);
+                if hb.refs == 0 {
+                    self.host.release(h);
+                }
+            }
+        }
+    }
+
     /// Undoes `hold` (an admission that could not get its blocks after all).
     pub fn unhold(&mut self, blocks: &[Tier]) {
         for &t in blocks.iter().rev() {

@@ -108,6 +108,8 @@ pub struct Scheduler {
     /// Slots released since the last plan; free again once a plan has carried them.
     pending_forget: Vec<u32>,
     in_flight: HashMap<u64, Vec<Planned>>,
+    /// The KV copies of steps in flight (what to distrust if the step fails).
+    in_flight_copies: HashMap<u64, Vec<npu_protocol::KvCopy>>,
     /// Static policy: the members of the current batch that have not finished.
     static_batch: HashSet<RequestId>,
     next_step_id: u64,
@@ -145,6 +147,7 @@ impl Scheduler {
             running: Vec::new(),
             pending_forget: Vec::new(),
             in_flight: HashMap::new(),
+            in_flight_copies: HashMap::new(),
             static_batch: HashSet::new(),
             next_step_id: 1,
             preemptions: 0,
@@ -259,6 +262,7 @@ impl Scheduler {
         let mut seqs = std::mem::take(&mut self.seqs);
         self.static_batch.clear();
         self.in_flight.clear();
+        self.in_flight_copies.clear();
         self.pending_forget.clear();
         self.free_slots = (0..self.cfg.slots() as u32).collect();
         self.blocks.reset();

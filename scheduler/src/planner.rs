@@ -106,6 +106,9 @@ impl Scheduler {
         self.free_slots.extend(forget.iter().copied());
         self.next_step_id += 1;
         self.in_flight.insert(step_id, planned);
+        if !kv_copies.is_empty() {
+            self.in_flight_copies.insert(step_id, kv_copies.clone());
+        }
         Some(StepPlan {
             step_id,
             forget,

@@ -1,6 +1,8 @@
-//! Property test: random adds, aborts, finishes, schedules, (out of order) results and agent
-//! deaths against a small pool. After every call the bookkeeping invariants hold; every plan
-//! respects its limits and writes only private blocks of the writer; and once arrivals stop,
+//! Property test: random adds, aborts, finishes, schedules, (out of order) results, failed
+//! steps and agent deaths against a small pool, with and without a host pool. After every call
+//! the bookkeeping invariants hold; every plan respects its limits and writes only private
+//! blocks of the writer; a model of the KV memory replaying every plan's copies and writes in
+//! order shows every sequence reading its own tokens at every position; and once arrivals stop,
 //! every request finishes within a bounded number of steps with all blocks free.
 
 use std::collections::HashSet;
@@ -26,6 +28,8 @@ enum Op {
         pick: usize,
         token: u32,
     },
+    /// The agent could not run the latest plan (it is still up).
+    Fail,
     AgentDied,
 }
 
@@ -38,6 +42,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Finish),
         4 => Just(Op::Schedule),
         4 => (any::<usize>(), 0..6u32).prop_map(|(pick, token)| Op::Deliver { pick, token }),
+        1 => Just(Op::Fail),
         1 => Just(Op::AgentDied),
     ]
 }
@@ -147,6 +152,9 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
     let mut ids: Vec<u64> = Vec::new();
     let mut pending: Vec<StepPlan> = Vec::new();
     let mut agent: HashSet<u32> = HashSet::new();
+    // What the agent's KV memory holds: every plan's reads are checked against it.
+    let mut kv = KvModel::new(&s);
+    let mut last: Option<u64> = None;
     let mut next_id = 0u64;
     for op in ops {
         match op {
@@ -177,7 +185,17 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
                 if let Some(plan) = s.schedule() {
                     check_new_plan(&s, &plan, &agent);
                     apply_to_agent(&mut agent, &plan);
+                    kv.apply(&plan, &expected_tokens(&s));
+                    last = Some(plan.step_id);
                     pending.push(plan);
+                }
+            }
+            Op::Fail if last.is_some() && pending.last().map(|p| p.step_id) == last => {
+                // Only the latest plan: the agent ran every earlier one.
+                let plan = pending.pop().expect("checked");
+                kv.garble(&plan);
+                for id in s.step_failed(plan.step_id) {
+                    s.abort(id);
                 }
             }
             Op::Deliver { pick, token } if !pending.is_empty() => {
@@ -187,6 +205,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
             Op::AgentDied => {
                 pending.clear();
                 agent.clear();
+                kv.clear();
                 for r in s.take_all() {
                     s.add_recovered(r).unwrap();
                 }
@@ -207,6 +226,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
     while let Some(plan) = s.schedule() {
         check_new_plan(&s, &plan, &agent);
         apply_to_agent(&mut agent, &plan);
+        kv.apply(&plan, &expected_tokens(&s));
         s.on_result(&answer(&plan, |_| 3)).unwrap();
         s.check_invariants().unwrap();
         steps += 1;

@@ -4,6 +4,10 @@
 //! a swapped-out sequence (its blocks copied back before the step that continues it) and the
 //! prefill-rate estimate.
 
+use std::collections::HashSet;
+
+use npu_protocol::{CopyDirection, KvCopy};
+
 use super::request::{Admitted, Sequence, Swapped};
 use super::Scheduler;
 use crate::types::RequestId;
@@ -98,6 +102,63 @@ impl Scheduler {
             (Some(h), Some(rate)) => {
                 h.to_device_s(blocks) < (blocks * self.cfg.block_size) as f64 / rate
             }
+        }
+    }
+
+    /// The copies of a failed step may not have run: their destinations hold unknown bytes.
+    /// Cached content there is forgotten, swapped-out sequences whose host blocks were being
+    /// written lose their swap (they will be recomputed), and admitted sequences reading a block
+    /// being written are preempted for recomputation.
+    pub(crate) fn distrust_copies(&mut self, copies: &[KvCopy]) {
+        let dest = |dir| -> HashSet<u32> {
+            copies
+                .iter()
+                .filter(|c| c.direction == dir)
+                .map(|c| match dir {
+                    CopyDirection::DeviceToHost => c.host_block,
+                    CopyDirection::HostToDevice => c.device_block,
+                })
+                .collect()
+        };
+        let (host, device) = (
+            dest(CopyDirection::DeviceToHost),
+            dest(CopyDirection::HostToDevice),
+        );
+        let device_list: Vec<u32> = device.iter().copied().collect();
+        let host_list: Vec<u32> = host.iter().copied().collect();
+        self.blocks.forget_content(&device_list, &host_list);
+        for id in self.waiting.clone() {
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                continue;
+            };
+            if seq
+                .swapped
+                .as_ref()
+                .is_some_and(|sw| sw.host_blocks.iter().any(|h| host.contains(h)))
+            {
+                if let Some(sw) = seq.swapped.take() {
+                    self.blocks.drop_swapped(&sw.host_blocks);
+                }
+            }
+        }
+        let readers: Vec<RequestId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| {
+                self.seqs[id]
+                    .admitted
+                    .as_ref()
+                    .is_some_and(|a| a.blocks.iter().any(|b| device.contains(b)))
+            })
+            .collect();
+        for id in readers.into_iter().rev() {
+            self.release(id);
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                seq.resumed = true;
+            }
+            self.waiting.push_front(id);
+            self.preemptions += 1;
         }
     }
 

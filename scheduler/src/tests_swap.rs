@@ -1,8 +1,9 @@
 //! The host KV pool through the scheduler: swap preemption (blocks out, back in, the sequence
 //! continues where it stopped), the per-victim choice of swap or recompute, and the prefix
-//! cache's host tier (spill on eviction, a later hit brought back). A small model of the two
-//! pools replays every plan's copies in order and then its KV writes, and checks after each
-//! step that every sequence's context reads back the right tokens at the right positions.
+//! cache's host tier (spill on eviction, a later hit brought back). A model of the two pools
+//! (`test_util::KvModel`) replays every plan's copies in order and then its KV writes, and
+//! checks after each step that every sequence's context reads back the right tokens at the
+//! right positions.
 
 use std::collections::HashMap;
 
@@ -10,58 +11,6 @@ use npu_protocol::{CopyDirection, SamplingParams, StepPlan};
 
 use super::test_util::*;
 use super::*;
-
-/// What a KV slot holds: (position, token), or nothing.
-type Slot = Option<(u32, u32)>;
-
-/// Device and host KV pools, slot by slot.
-struct KvModel {
-    bs: usize,
-    device: Vec<Vec<Slot>>,
-    host: Vec<Vec<Slot>>,
-}
-
-impl KvModel {
-    fn new(s: &Scheduler) -> Self {
-        let bs = s.cfg.block_size;
-        Self {
-            bs,
-            device: vec![vec![None; bs]; s.cfg.num_blocks],
-            host: vec![vec![None; bs]; s.blocks.host_total()],
-        }
-    }
-
-    /// Runs the plan's copies in order, writes its new tokens, and checks every sequence's
-    /// context (`expected(slot)`: all its tokens so far) through its block table.
-    fn apply(&mut self, plan: &StepPlan, expected: &HashMap<u32, Vec<u32>>) {
-        for c in &plan.kv_copies {
-            let (d, h) = (c.device_block as usize, c.host_block as usize);
-            match c.direction {
-                CopyDirection::DeviceToHost => self.host[h] = self.device[d].clone(),
-                CopyDirection::HostToDevice => self.device[d] = self.host[h].clone(),
-            }
-        }
-        let bs = self.bs as u32;
-        for q in &plan.seqs {
-            for (i, &m) in q.slot_mapping.iter().enumerate() {
-                let pos = q.start_pos + i as u32;
-                self.device[(m / bs) as usize][(m % bs) as usize] = Some((pos, q.tokens[i]));
-            }
-        }
-        for q in &plan.seqs {
-            let want = &expected[&q.slot];
-            for pos in 0..q.context_len() {
-                let b = q.block_table[(pos / bs) as usize] as usize;
-                assert_eq!(
-                    self.device[b][(pos % bs) as usize],
-                    Some((pos, want[pos as usize])),
-                    "slot {} position {pos} reads the wrong KV",
-                    q.slot
-                );
-            }
-        }
-    }
-}
 
 fn host_cfg(c: SchedulerConfig, host_blocks: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -76,8 +25,7 @@ fn host_cfg(c: SchedulerConfig, host_blocks: usize) -> SchedulerConfig {
     }
 }
 
-/// Plans one step, checks the KV it reads, answers `token(slot)`; returns the plan and the
-/// tokens generated per request.
+/// Plans one step, checks the KV it reads, answers `token(slot)`.
 fn kv_step(
     s: &mut Scheduler,
     kv: &mut KvModel,
@@ -85,12 +33,7 @@ fn kv_step(
 ) -> (StepPlan, Vec<SchedOutput>) {
     let plan = s.schedule().expect("a step to run");
     check_plan(&plan, &s.cfg);
-    let expected: HashMap<u32, Vec<u32>> = s
-        .seqs
-        .values()
-        .filter_map(|q| Some((q.admitted.as_ref()?.slot, q.all_tokens())))
-        .collect();
-    kv.apply(&plan, &expected);
+    kv.apply(&plan, &expected_tokens(s));
     let out = s.on_result(&answer(&plan, token)).unwrap();
     s.check_invariants().unwrap();
     (plan, out)
