@@ -265,3 +265,51 @@ fn an_aborted_swapped_request_frees_its_host_blocks_and_take_all_resets_the_pool
     s.check_invariants().unwrap();
     assert_eq!(s.blocks.host_available(), 8);
 }
+
+#[test]
+fn a_failed_step_leaves_no_one_reading_what_its_copies_may_not_have_moved() {
+    // The step that swaps C out fails: C is recomputed from its tokens, not swapped in.
+    let (mut s, mut kv) = three_running(host_cfg(cfg(7, 2), 8));
+    kv_step(&mut s, &mut kv, |_| 101);
+    kv_step(&mut s, &mut kv, |_| 102);
+    let plan = s.schedule().unwrap();
+    assert_eq!(copies(&plan, CopyDirection::DeviceToHost), 2);
+    kv.garble(&plan);
+    for id in s.step_failed(plan.step_id) {
+        s.abort(id);
+    }
+    s.check_invariants().unwrap();
+    assert_eq!(s.stats().host_blocks_swapped, 0, "the swap is void");
+    while !s.is_idle() {
+        let (plan, _) = kv_step(&mut s, &mut kv, |_| 103);
+        assert_eq!(copies(&plan, CopyDirection::HostToDevice), 0);
+        if let Some(q) = plan.seqs.iter().find(|q| q.n_prompt_tokens == 3) {
+            assert_eq!(q.start_pos, 0, "C recomputes its prompt and tokens");
+        }
+    }
+
+    // The step that brings a prefix back from the host tier fails: that content is forgotten
+    // on both tiers, and the next request with the prefix computes it.
+    let c = SchedulerConfig {
+        prefix_cache: true,
+        ..host_cfg(cfg(5, 2), 8)
+    };
+    let mut s = sched(c);
+    let mut kv = KvModel::new(&s);
+    let a = prompt(0, 9);
+    s.add(&req(1, &a, 1)).unwrap();
+    kv_step(&mut s, &mut kv, |_| 50);
+    s.add(&req(2, &prompt(100, 9), 1)).unwrap();
+    kv_step(&mut s, &mut kv, |_| 60);
+    s.add(&req(3, &a, 1)).unwrap();
+    let plan = s.schedule().unwrap();
+    assert_eq!(copies(&plan, CopyDirection::HostToDevice), 4);
+    kv.garble(&plan);
+    for id in s.step_failed(plan.step_id) {
+        s.abort(id);
+    }
+    s.check_invariants().unwrap();
+    s.add(&req(4, &a, 1)).unwrap();
+    let (plan, _) = kv_step(&mut s, &mut kv, |_| 70);
+    assert_eq!(plan.seqs[0].start_pos, 0, "the prefix is computed again");
+}
