@@ -1,6 +1,7 @@
 //! The agent's engine: owns the model (on the device the config names, with the paged KV pool),
-//! the per-slot sampling state and the host thread pool, and runs one step plan into one step
-//! result. The agent process's step loop calls it with the plan where it lies in shared memory;
+//! the host KV pool, the per-slot sampling state and the host thread pool, and runs one step
+//! plan into one step result: slots forgotten and admitted, the plan's KV block copies in order,
+//! then the forward and the sampling, reporting what moved between host and device. The agent process's step loop calls it with the plan where it lies in shared memory;
 //! in-process runs (`crate::inproc`) call it with plans from the real scheduler.
 
 use std::sync::{Arc, Mutex};
