@@ -72,6 +72,7 @@ impl StepExecutor for EchoEngine {
             }
         }
         Ok(StepResult {
+            transfer: Default::default(),
             step_id: plan.step_id,
             seqs,
             timing: StepTiming {
@@ -89,6 +90,7 @@ impl StepExecutor for EchoEngine {
 
 fn echo_facts() -> ModelFacts {
     ModelFacts {
+        kv: Default::default(),
         name: "echo".into(),
         architecture: "test".into(),
         vocab_size: 1 << 20,
@@ -163,6 +165,7 @@ fn spec(agent_id: u32) -> AgentSpec {
     AgentSpec::new(
         agent_id,
         AgentEngineConfig {
+            swap_space_mb: 0,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: PathBuf::from("/echo/model.gguf"),
@@ -178,6 +181,7 @@ fn spec(agent_id: u32) -> AgentSpec {
 
 fn plan(step_id: u64, admit: &[u32], seqs: &[(u32, u32)]) -> StepPlan {
     StepPlan {
+        kv_copies: Vec::new(),
         step_id,
         forget: Vec::new(),
         admit: admit

@@ -164,6 +164,7 @@ impl Harness {
     fn start(cfg: EngineConfig, faults: Faults) -> Self {
         let s = &cfg.scheduler;
         let agent_cfg = AgentEngineConfig {
+            swap_space_mb: 0,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: model(),

@@ -109,6 +109,21 @@ impl DeviceModel {
         dispatch!(self, m => m.backend().describe())
     }
 
+    /// Bytes of one KV block (every layer's K and V): the unit of host copies.
+    pub fn kv_block_bytes(&self) -> usize {
+        dispatch!(self, m => m.backend().kv_block_bytes())
+    }
+
+    /// Copies device KV `blocks` into `dst` (`kv_block_bytes()` each, in order).
+    pub fn kv_to_host(&mut self, blocks: &[u32], dst: &mut [u8]) -> Result<(), BackendError> {
+        dispatch!(self, m => m.backend_mut().kv_blocks_to_host(blocks, dst))
+    }
+
+    /// Copies host bytes (as `kv_to_host` wrote them) into device KV `blocks`.
+    pub fn kv_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
+        dispatch!(self, m => m.backend_mut().kv_blocks_from_host(src, blocks))
+    }
+
     /// One step (see `Model::forward`).
     pub fn forward(
         &mut self,

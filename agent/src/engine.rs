@@ -1,16 +1,20 @@
 //! The agent's engine: owns the model (on the device the config names, with the paged KV pool),
-//! the per-slot sampling state and the host thread pool, and runs one step plan into one step
-//! result. The agent process's step loop calls it with the plan where it lies in shared memory;
+//! the host KV pool, the per-slot sampling state and the host thread pool, and runs one step
+//! plan into one step result: slots forgotten and admitted, the plan's KV block copies in order,
+//! then the forward and the sampling, reporting what moved between host and device. The agent process's step loop calls it with the plan where it lies in shared memory;
 //! in-process runs (`crate::inproc`) call it with plans from the real scheduler.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-pub use npu_protocol::agent::{AgentEngineConfig, ModelFacts};
-use npu_protocol::{PlanSource, SamplingParams, SeqResult, StepResult, StepTiming, TokenLogprob};
+pub use npu_protocol::agent::{AgentEngineConfig, KvFacts, ModelFacts};
+use npu_protocol::{
+    PlanSource, SamplingParams, SeqResult, StepResult, StepTiming, StepTransfer, TokenLogprob,
+};
 use thiserror::Error;
 
 use crate::device::{DeviceModel, DeviceSpec};
+use crate::kv_host::{measure_copy_bandwidth, CopyBandwidth, HostKvPool};
 use crate::model::{ModelConfig, ModelError, ModelOptions, StepOutput};
 use crate::sampler::{is_plain_greedy, SampleOutput, Sampler, SamplerError, TokenHistory};
 use crate::step_input::{StepError, StepLimits, StepRead};
@@ -57,6 +61,18 @@ pub struct AgentEngine {
     read: StepRead,
     /// What the current step handed back (reused).
     out: StepOutput,
+    /// Host memory for swapped-out and spilled KV blocks.
+    host_kv: HostKvPool,
+}
+
+/// Bytes of a step's inputs that go host->device (`begin_step`: tokens, positions, slot
+/// mapping, sequence spans, block tables, logit rows), and the block tables' share of them.
+/// The KV history of the sequences is not among them: it stays on the device.
+pub fn input_bytes(s: &npu_backend::StepInputs) -> (u64, u64) {
+    let words = s.tokens.len() + s.positions.len() + s.slot_mapping.len() + s.logit_rows.len();
+    let spans = s.seqs.len() * std::mem::size_of::<npu_backend::SeqSpan>();
+    let tables = (s.block_tables.len() * 4) as u64;
+    ((words * 4 + spans) as u64 + tables, tables)
 }
 
 /// End-of-generation token ids from the metadata (eos, and eot/eom where present).
@@ -105,7 +121,18 @@ impl AgentEngine {
             kind: cfg.device,
             device_id: cfg.device_id,
         };
-        let model = DeviceModel::load(&file, spec, &pool, opts)?;
+        let mut model = DeviceModel::load(&file, spec, &pool, opts)?;
+        let block_bytes = model.kv_block_bytes();
+        let host_kv = HostKvPool::new(cfg.host_kv_blocks(block_bytes as u64), block_bytes)?;
+        let bandwidth = measure_copy_bandwidth(&mut model, cfg.num_blocks.min(32))?;
+        let kv = KvFacts {
+            block_bytes: block_bytes as u64,
+            host_blocks: host_kv.blocks(),
+            // The CPU backend's device pool is host memory: nothing to page-lock.
+            host_page_locked: false,
+            d2h_bytes_per_s: bandwidth.d2h_bytes_per_s,
+            h2d_bytes_per_s: bandwidth.h2d_bytes_per_s,
+        };
         let mc = model.config();
         let facts = ModelFacts {
             name: mc.name.clone(),
@@ -122,6 +149,7 @@ impl AgentEngine {
                 .get_u64("tokenizer.ggml.bos_token_id")
                 .map(|v| v as u32),
             backend: model.describe(),
+            kv,
         };
         let limits = StepLimits {
             max_tokens: opts.max_tokens,
@@ -140,11 +168,18 @@ impl AgentEngine {
             limits,
             read: StepRead::default(),
             out: StepOutput::default(),
+            host_kv,
         })
     }
 
     pub fn facts(&self) -> &ModelFacts {
         &self.facts
+    }
+
+    /// Measures block copies device->host and host->device over the first `blocks` blocks of
+    /// the pool (at most the pool), leaving the pool unchanged.
+    pub fn measure_kv_copy(&mut self, blocks: u32) -> Result<CopyBandwidth, EngineError> {
+        measure_copy_bandwidth(&mut self.model, blocks.min(self.cfg.num_blocks))
     }
 
     pub fn config(&self) -> &AgentEngineConfig {
@@ -187,11 +222,21 @@ impl AgentEngine {
                 history: TokenHistory::new(),
             });
         }
+        let copies = self
+            .host_kv
+            .run(&mut self.model, plan.kv_copies(), self.cfg.num_blocks)?;
+        let mut transfer = StepTransfer {
+            swap_out_bytes: copies.to_host_bytes,
+            swap_in_bytes: copies.to_device_bytes,
+            copy_us: copies.micros,
+            ..StepTransfer::default()
+        };
         if plan.n_seqs() == 0 {
             return Ok(StepResult {
                 step_id,
                 seqs: Vec::new(),
                 timing: StepTiming::default(),
+                transfer,
             });
         }
         let slots = &mut self.slots;
@@ -213,6 +258,7 @@ impl AgentEngine {
                 .as_ref()
                 .is_some_and(|slot| is_plain_greedy(&slot.params))
         });
+        (transfer.input_bytes, transfer.block_table_bytes) = input_bytes(&self.read.inputs);
         let t_fwd = Instant::now();
         self.model
             .forward(&self.read.inputs, greedy, &mut self.out)?;
@@ -244,6 +290,7 @@ impl AgentEngine {
                 sample_us,
                 total_us: t_start.elapsed().as_micros() as u64,
             },
+            transfer,
         })
     }
 

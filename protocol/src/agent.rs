@@ -84,6 +84,51 @@ pub struct AgentEngineConfig {
     /// Host compute threads (0 = all cores): the CPU backend's kernels, and sampling on every
     /// device.
     pub threads: u32,
+    /// Host memory for KV blocks (swapped-out sequences and the prefix cache's host tier), in
+    /// MiB; 0: no host pool.
+    #[serde(default)]
+    pub swap_space_mb: u64,
+}
+
+/// Most KV block copies one step may carry for a pool of `num_blocks` device blocks: every
+/// block of the pool spilled or swapped out, and every block brought back, twice over; none
+/// without a host pool. The scheduler plans within it and the segment is sized by it.
+pub fn kv_copies_per_step(num_blocks: u32, swap_space_mb: u64) -> u32 {
+    if swap_space_mb == 0 {
+        0
+    } else {
+        num_blocks.saturating_mul(4).min(1 << 20)
+    }
+}
+
+impl AgentEngineConfig {
+    /// See `kv_copies_per_step`.
+    pub fn max_kv_copies(&self) -> u32 {
+        kv_copies_per_step(self.num_blocks, self.swap_space_mb)
+    }
+
+    /// Blocks of `block_bytes` that `swap_space_mb` holds (the agent's host KV pool).
+    pub fn host_kv_blocks(&self, block_bytes: u64) -> u32 {
+        if block_bytes == 0 {
+            return 0;
+        }
+        let bytes = self.swap_space_mb.saturating_mul(1 << 20);
+        (bytes / block_bytes).min(u32::MAX as u64) as u32
+    }
+}
+
+/// The agent's KV pools and how fast blocks move between them (sent in the handshake).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvFacts {
+    /// Bytes of one KV block (every layer's K and V): the unit of every device<->host copy.
+    pub block_bytes: u64,
+    /// Blocks in the agent's host KV pool (0: none).
+    pub host_blocks: u32,
+    /// Whether the host pool is page-locked (or registered) memory the device copies to directly.
+    pub host_page_locked: bool,
+    /// Measured at start: device->host and host->device block copy bandwidth, bytes per second.
+    pub d2h_bytes_per_s: f64,
+    pub h2d_bytes_per_s: f64,
 }
 
 /// What the server needs to know about the loaded model (sent in the handshake).
@@ -103,6 +148,9 @@ pub struct ModelFacts {
     pub bos_id: Option<u32>,
     /// Backend and instruction set the agent runs with.
     pub backend: String,
+    /// KV pool facts: block size in bytes, host pool, copy bandwidth.
+    #[serde(default)]
+    pub kv: KvFacts,
 }
 
 /// Command-line arguments of `npu-serving agent` (the server passes them; they hold no secret).

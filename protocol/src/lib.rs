@@ -10,6 +10,6 @@ pub mod step;
 
 pub use source::{PlanSource, SeqRef, U32s};
 pub use step::{
-    Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,
-    MAX_TOP_N,
+    Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult,
+    StepTiming, StepTransfer, TokenLogprob, MAX_TOP_N,
 };

@@ -3,7 +3,7 @@
 //! mapping) or in a `StepPlan` built in the same process. The agent turns either into its
 //! device's step inputs in one pass and checks it there, once.
 
-use crate::step::{Admission, StepPlan};
+use crate::step::{Admission, KvCopy, StepPlan};
 
 /// A run of u32 values: little-endian bytes in the segment, or a slice in memory.
 #[derive(Debug, Clone, Copy)]
@@ -68,6 +68,8 @@ pub trait PlanSource {
     fn forget(&self) -> U32s<'_>;
     /// Slots admitted before this step.
     fn admissions(&self) -> &[Admission];
+    /// KV block copies to do, in order, before the step's compute.
+    fn kv_copies(&self) -> &[KvCopy];
     fn n_seqs(&self) -> usize;
     /// Sequence `i` (< `n_seqs()`).
     fn seq(&self, i: usize) -> SeqRef<'_>;
@@ -81,6 +83,7 @@ pub trait PlanSource {
             step_id: self.step_id(),
             forget: self.forget().to_vec(),
             admit: self.admissions().to_vec(),
+            kv_copies: self.kv_copies().to_vec(),
             seqs: (0..self.n_seqs())
                 .map(|i| {
                     let s = self.seq(i);
@@ -108,6 +111,9 @@ impl PlanSource for StepPlan {
     }
     fn admissions(&self) -> &[Admission] {
         &self.admit
+    }
+    fn kv_copies(&self) -> &[KvCopy] {
+        &self.kv_copies
     }
     fn n_seqs(&self) -> usize {
         self.seqs.len()

@@ -93,6 +93,42 @@ pub struct Admission {
     pub params: SamplingParams,
 }
 
+/// Which way a KV block copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CopyDirection {
+    /// Device block -> host block (swap-out, or a cached block spilled to the host tier).
+    DeviceToHost,
+    /// Host block -> device block (swap-in, or a host-tier prefix hit brought back).
+    HostToDevice,
+}
+
+/// One whole-block copy between the agent's device KV pool and its host KV pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvCopy {
+    pub direction: CopyDirection,
+    /// Block id in the device pool (`0..num_blocks`).
+    pub device_block: u32,
+    /// Block id in the host pool (`0..host blocks`).
+    pub host_block: u32,
+}
+
+impl KvCopy {
+    pub fn to_host(device_block: u32, host_block: u32) -> Self {
+        Self {
+            direction: CopyDirection::DeviceToHost,
+            device_block,
+            host_block,
+        }
+    }
+    pub fn to_device(host_block: u32, device_block: u32) -> Self {
+        Self {
+            direction: CopyDirection::HostToDevice,
+            device_block,
+            host_block,
+        }
+    }
+}
+
 /// What the scheduler asks of an agent for one step.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepPlan {
@@ -101,6 +137,11 @@ pub struct StepPlan {
     pub forget: Vec<u32>,
     /// Slots admitted before this step.
     pub admit: Vec<Admission>,
+    /// Block copies between the device and host KV pools, done in this order after forget and
+    /// admit and before the step's compute. The order matters: a block freed by one copy may be
+    /// the destination of a later one.
+    #[serde(default)]
+    pub kv_copies: Vec<KvCopy>,
     pub seqs: Vec<SeqStep>,
 }
 
@@ -135,10 +176,29 @@ pub struct StepTiming {
     pub total_us: u64,
 }
 
+/// What moved between host and device memory in one step, as the agent measured it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepTransfer {
+    /// Bytes of step inputs taken host->device (tokens, positions, slot mapping, sequence spans,
+    /// block tables, logit rows); KV history never moves.
+    pub input_bytes: u64,
+    /// The part of `input_bytes` that is block tables (4 bytes per entry; a table grows by one
+    /// entry per `block_size` tokens of context).
+    pub block_table_bytes: u64,
+    /// KV bytes copied device->host (swap-outs and spills to the host tier).
+    pub swap_out_bytes: u64,
+    /// KV bytes copied host->device (swap-ins and host-tier prefix hits).
+    pub swap_in_bytes: u64,
+    /// Time spent on those KV copies, before the forward.
+    pub copy_us: u64,
+}
+
 /// What an agent answers for one step.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepResult {
     pub step_id: u64,
     pub seqs: Vec<SeqResult>,
     pub timing: StepTiming,
+    #[serde(default)]
+    pub transfer: StepTransfer,
 }

@@ -4,7 +4,8 @@
 use std::mem::{offset_of, size_of};
 
 use npu_protocol::shm::layout::{
-    PlanMeta, RawAdmission, RawSeqResult, RawTokenLogprob, ResultMeta, SeqDesc, REGION_ALIGN,
+    PlanMeta, RawAdmission, RawKvCopy, RawSeqResult, RawTokenLogprob, ResultMeta, SeqDesc,
+    REGION_ALIGN,
 };
 use npu_protocol::shm::{Region, ShmCapacities, ShmError, ShmHeader, ShmLayout, SHM_MAGIC};
 
@@ -17,6 +18,7 @@ fn small_caps() -> ShmCapacities {
         max_admissions: 3,
         max_forget: 5,
         max_top_n: 2,
+        max_kv_copies: 3,
     }
 }
 
@@ -46,19 +48,21 @@ fn regions_of_a_small_layout_have_the_expected_offsets_and_sizes() {
         (Region::BlockTables, 1344, 4 * 6 * 4),
         (Region::Admissions, 1472, 3 * 56),
         (Region::Forget, 1664, 5 * 4),
-        (Region::ResultMeta, 1728, 40),
-        (Region::SeqResults, 1792, 4 * 16),
-        (Region::TopLogprobs, 1856, 4 * 2 * 8),
+        (Region::KvCopies, 1728, 3 * 16),
+        (Region::ResultMeta, 1792, 80),
+        (Region::SeqResults, 1920, 4 * 16),
+        (Region::TopLogprobs, 1984, 4 * 2 * 8),
     ];
     for (region, offset, size) in expect {
         let r = layout.region(region);
         assert_eq!((r.offset, r.size), (offset, size), "{region:?}");
     }
-    assert_eq!(layout.total_size(), 1920);
+    assert_eq!(layout.total_size(), 2048);
     assert_eq!(size_of::<PlanMeta>(), 32);
     assert_eq!(size_of::<SeqDesc>(), 32);
     assert_eq!(size_of::<RawAdmission>(), 56);
-    assert_eq!(size_of::<ResultMeta>(), 40);
+    assert_eq!(size_of::<ResultMeta>(), 80);
+    assert_eq!(size_of::<RawKvCopy>(), 16);
     assert_eq!(size_of::<RawSeqResult>(), 16);
     assert_eq!(size_of::<RawTokenLogprob>(), 8);
 }
@@ -90,7 +94,7 @@ fn the_header_describes_its_layout_and_reads_back() {
 fn layout_hash_is_stable_and_changes_with_every_capacity() {
     let base = ShmLayout::new(small_caps()).unwrap();
     assert_eq!(base.hash(), ShmLayout::new(small_caps()).unwrap().hash());
-    let tweaks: [fn(&mut ShmCapacities); 7] = [
+    let tweaks: [fn(&mut ShmCapacities); 8] = [
         |c| c.max_slots += 1,
         |c| c.max_seqs_per_step += 1,
         |c| c.max_tokens_per_step += 1,
@@ -98,6 +102,7 @@ fn layout_hash_is_stable_and_changes_with_every_capacity() {
         |c| c.max_admissions += 1,
         |c| c.max_forget += 1,
         |c| c.max_top_n += 1,
+        |c| c.max_kv_copies += 1,
     ];
     for (i, tweak) in tweaks.iter().enumerate() {
         let mut caps = small_caps();
@@ -113,8 +118,9 @@ fn layout_hash_is_stable_and_changes_with_every_capacity() {
 
 #[test]
 fn zero_oversized_and_inconsistent_capacities_are_refused() {
-    let cases: [fn(&mut ShmCapacities); 5] = [
+    let cases: [fn(&mut ShmCapacities); 6] = [
         |c| c.max_slots = 0,
+        |c| c.max_kv_copies = u32::MAX,
         |c| c.max_tokens_per_step = 0,
         |c| c.max_blocks_per_seq = u32::MAX,
         |c| c.max_top_n = npu_protocol::MAX_TOP_N as u32 + 1,

@@ -11,6 +11,7 @@ use npu_protocol::shm::{
 
 fn layout() -> ShmLayout {
     ShmLayout::new(ShmCapacities {
+        max_kv_copies: 0,
         max_slots: 2,
         max_seqs_per_step: 2,
         max_tokens_per_step: 8,

@@ -10,8 +10,8 @@ use npu_protocol::shm::{
     segment_name, Region, ShmCapacities, ShmError, ShmHeader, ShmLayout, ShmSegment,
 };
 use npu_protocol::{
-    Admission, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming,
-    TokenLogprob,
+    Admission, KvCopy, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult,
+    StepTiming, StepTransfer, TokenLogprob,
 };
 use proptest::prelude::*;
 
@@ -27,6 +27,7 @@ fn caps() -> ShmCapacities {
         max_admissions: 3,
         max_forget: 4,
         max_top_n: 3,
+        max_kv_copies: 3,
     }
 }
 
@@ -82,6 +83,7 @@ fn sample_plan() -> StepPlan {
                 top_n: 3,
             },
         }],
+        kv_copies: vec![KvCopy::to_host(3, 9), KvCopy::to_device(9, 4)],
         seqs: vec![
             seq(1, vec![10, 11, 12], 0, vec![4]),
             seq(2, vec![99], 17, vec![0, 3]),
@@ -113,6 +115,13 @@ fn sample_result() -> StepResult {
             forward_us: 10,
             sample_us: 2,
             total_us: 13,
+        },
+        transfer: StepTransfer {
+            input_bytes: 123,
+            block_table_bytes: 8,
+            swap_out_bytes: 1 << 33,
+            swap_in_bytes: 7,
+            copy_us: 5,
         },
     }
 }
@@ -179,6 +188,7 @@ fn plan_and_result_cross_between_two_mappings() {
         assert_eq!(PlanSource::n_tokens(&view), plan.n_tokens());
         assert_eq!(view.forget().to_vec(), plan.forget);
         assert_eq!(view.admissions(), &plan.admit[..]);
+        assert_eq!(view.kv_copies(), &plan.kv_copies[..]);
         for (i, want) in plan.seqs.iter().enumerate() {
             let got = view.seq(i);
             assert_eq!(got.tokens.to_vec(), want.tokens);
@@ -242,6 +252,9 @@ fn every_plan_overflow_is_refused_and_leaves_the_previous_plan_intact() {
             p.admit = vec![p.admit[0].clone(); 4];
         }),
         ("forget", |p| p.forget = vec![0; 5]),
+        ("kv copies", |p| {
+            p.kv_copies = vec![KvCopy::to_host(0, 0); 4]
+        }),
         ("sequence slot", |p| p.seqs[0].slot = 8),
         ("admission slot", |p| p.admit[0].slot = 8),
         ("forget slot", |p| p.forget[1] = 8),
@@ -374,6 +387,8 @@ fn corrupt_plans_and_results_are_refused_on_read() {
         ("n_block_entries", Region::PlanMeta, 16, 2),
         ("n_admissions over", Region::PlanMeta, 20, 4),
         ("n_forget over", Region::PlanMeta, 24, 9),
+        ("n_kv_copies over", Region::PlanMeta, 28, 4),
+        ("copy direction", Region::KvCopies, 16, 2),
         ("sequence slot", Region::SeqDescs, desc(0, 0), 8),
         ("sequence tokens", Region::SeqDescs, desc(0, 1), 60),
         ("prompt tokens", Region::SeqDescs, desc(1, 3), 2),
@@ -473,13 +488,24 @@ fn arb_plan() -> impl Strategy<Value = StepPlan> {
         prop::collection::vec(0u32..8, 0..=4),
         prop::collection::vec((0u32..8, arb_params()), 0..=3),
         prop::collection::vec(arb_seq(), 0..=4),
+        prop::collection::vec((any::<bool>(), any::<u32>(), any::<u32>()), 0..=3),
     )
-        .prop_map(|(step_id, forget, admit, seqs)| StepPlan {
+        .prop_map(|(step_id, forget, admit, seqs, copies)| StepPlan {
             step_id,
             forget,
             admit: admit
                 .into_iter()
                 .map(|(slot, params)| Admission { slot, params })
+                .collect(),
+            kv_copies: copies
+                .into_iter()
+                .map(|(out, d, h)| {
+                    if out {
+                        KvCopy::to_host(d, h)
+                    } else {
+                        KvCopy::to_device(h, d)
+                    }
+                })
                 .collect(),
             seqs,
         })
@@ -501,19 +527,35 @@ fn arb_result() -> impl Strategy<Value = StepResult> {
             0..=4,
         ),
         (any::<u64>(), any::<u64>(), any::<u64>()),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+        ),
     )
-        .prop_map(|(step_id, seqs, (f, s, t))| StepResult {
-            step_id,
-            seqs: seqs
-                .into_iter()
-                .map(|(slot, token, top)| SeqResult { slot, token, top })
-                .collect(),
-            timing: StepTiming {
-                forward_us: f,
-                sample_us: s,
-                total_us: t,
+        .prop_map(
+            |(step_id, seqs, (f, s, t), (ib, bt, ob, sb, cu))| StepResult {
+                step_id,
+                seqs: seqs
+                    .into_iter()
+                    .map(|(slot, token, top)| SeqResult { slot, token, top })
+                    .collect(),
+                timing: StepTiming {
+                    forward_us: f,
+                    sample_us: s,
+                    total_us: t,
+                },
+                transfer: StepTransfer {
+                    input_bytes: ib,
+                    block_table_bytes: bt,
+                    swap_out_bytes: ob,
+                    swap_in_bytes: sb,
+                    copy_us: cu,
+                },
             },
-        })
+        )
 }
 
 proptest! {
@@ -556,6 +598,7 @@ proptest! {
         // Any outcome but a panic is fine; a successful read must respect the capacities.
         if let Ok(p) = seg.read_plan() {
             prop_assert!(p.seqs.len() <= 4 && p.n_tokens() <= 64 && p.admit.len() <= 3);
+            prop_assert!(p.kv_copies.len() <= 3);
             prop_assert!(p.seqs.iter().all(|s| s.slot < 8 && s.block_table.len() <= 5));
         }
         if let Ok(r) = seg.read_result() {

@@ -1,10 +1,16 @@
-//! The paged KV block pool of one agent: allocation, reference counts and release, plus the
-//! prefix cache's shared full blocks (lookup of the longest cached prefix, registration of newly
-//! computed full blocks, LRU eviction of cached blocks nobody holds).
+//! The paged KV block pools of one agent: allocation, reference counts and release of device
+//! blocks, plus the prefix cache's shared full blocks (lookup of the longest cached prefix,
+//! registration of newly computed full blocks, LRU eviction of cached blocks nobody holds).
+//! With a host pool, an evicted cached block spills to the host tier (one LRU order across both
+//! tiers) and comes back on a later hit, and preempted sequences swap their blocks out and in.
+//! Every such move is a `KvCopy` queued in order for the next plan.
 
 use std::collections::VecDeque;
 
-use super::prefix_cache::{BlockHash, CachedContent, PrefixIndex};
+use npu_protocol::KvCopy;
+
+use super::host_pool::HostPool;
+use super::prefix_cache::{BlockHash, CachedContent, PrefixIndex, Tier};
 
 #[derive(Debug, Clone, Default)]
 struct Block {
@@ -19,15 +25,41 @@ struct Block {
 /// The longest cached full-block prefix of a token sequence.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixHit {
-    /// The cached blocks, in table order.
-    pub blocks: Vec<u32>,
-    /// Chain hash of the last hit block (the parent of the next one).
-    pub last_hash: Option<BlockHash>,
-    /// How many of `blocks` nobody holds now (taking them lowers the available count).
+    /// The cached blocks, in table order, in the tier each lives in.
+    pub blocks: Vec<Tier>,
+    /// Chain hash of each hit block (the last is the parent of the next block).
+    pub hashes: Vec<BlockHash>,
+    /// How many device blocks of `blocks` nobody holds now (taking them lowers the available
+    /// count).
     pub revived: usize,
 }
 
-/// One agent's KV block pool.
+impl PrefixHit {
+    pub fn last_hash(&self) -> Option<BlockHash> {
+        self.hashes.last().copied()
+    }
+
+    /// Hit blocks in the host tier (each needs a device block and a copy).
+    pub fn n_host(&self) -> usize {
+        self.blocks
+            .iter()
+            .filter(|t| matches!(t, Tier::Host(_)))
+            .count()
+    }
+
+    /// Keeps the first `n` blocks; `revived` is recounted from `refs`.
+    pub fn truncate(&mut self, n: usize, refs: impl Fn(u32) -> u32) {
+        self.blocks.truncate(n);
+        self.hashes.truncate(n);
+        self.revived = self
+            .blocks
+            .iter()
+            .filter(|t| matches!(t, Tier::Device(b) if refs(*b) == 0))
+            .count();
+    }
+}
+
+/// One agent's KV block pools (device, and host when configured).
 #[derive(Debug)]
 pub struct BlockManager {
     block_size: usize,
@@ -36,18 +68,82 @@ pub struct BlockManager {
     free: VecDeque<u32>,
     index: PrefixIndex,
     caching: bool,
+    host: HostPool,
+    /// Copies queued for the next plan, in the order they must run.
+    copies: Vec<KvCopy>,
+    max_copies: usize,
+    /// Copy room kept for copies an admission will queue after its allocations (which may
+    /// spill and so queue copies of their own first).
+    reserved: usize,
+    /// Cached blocks spilled to the host tier so far.
+    spilled: u64,
 }
 
 impl BlockManager {
     /// A pool of `num_blocks` blocks of `block_size` tokens; `caching` turns prefix caching on.
     pub fn new(num_blocks: usize, block_size: usize, caching: bool) -> Self {
+        Self::with_host(num_blocks, block_size, caching, 0, 0)
+    }
+
+    /// Same, with a host pool of `host_blocks` blocks and at most `max_copies` copies per plan.
+    pub fn with_host(
+        num_blocks: usize,
+        block_size: usize,
+        caching: bool,
+        host_blocks: usize,
+        max_copies: usize,
+    ) -> Self {
         Self {
             block_size,
             blocks: vec![Block::default(); num_blocks],
             free: (0..num_blocks as u32).collect(),
             index: PrefixIndex::new(),
             caching,
+            host: HostPool::new(host_blocks),
+            copies: Vec::new(),
+            max_copies,
+            reserved: 0,
+            spilled: 0,
         }
+    }
+
+    /// The copies queued since the last call, in order (they go into the next plan).
+    pub fn take_copies(&mut self) -> Vec<KvCopy> {
+        std::mem::take(&mut self.copies)
+    }
+
+    /// Copies the next plan can still carry.
+    pub fn copies_left(&self) -> usize {
+        self.max_copies
+            .saturating_sub(self.copies.len())
+            .saturating_sub(self.reserved)
+    }
+
+    /// `n` blocks (see `allocate_many`) while keeping room for `keep` copies queued after them.
+    pub fn allocate_keeping_copies(&mut self, n: usize, keep: usize) -> Option<Vec<u32>> {
+        self.reserved = keep;
+        let got = self.allocate_many(n);
+        self.reserved = 0;
+        got
+    }
+
+    pub fn host_total(&self) -> usize {
+        self.host.num_total()
+    }
+
+    /// Host blocks a swap-out could take now.
+    pub fn host_available(&self) -> usize {
+        self.host.num_available()
+    }
+
+    /// Host blocks holding spilled prefix-cache content, and held by swapped-out sequences.
+    pub fn host_cached_and_held(&self) -> (usize, usize) {
+        (self.host.num_cached(), self.host.num_held())
+    }
+
+    /// Cached blocks spilled from the device to the host tier so far.
+    pub fn spilled(&self) -> u64 {
+        self.spilled
     }
 
     pub fn block_size(&self) -> usize {
@@ -96,17 +192,87 @@ impl BlockManager {
         let block = match self.free.pop_front() {
             Some(b) => b,
             None => {
-                let b = self.index.pop_lru()?;
+                let (tick, b) = self.index.pop_lru()?;
                 let info = &mut self.blocks[b as usize];
                 info.evict_tick = None;
                 if let Some(content) = info.cached.take() {
-                    self.index.remove(content.hash);
+                    self.spill_or_forget(b, tick, content);
                 }
                 b
             }
         };
         self.blocks[block as usize].refs = 1;
         Some(block)
+    }
+
+    /// An evicted cached device block's content goes to the host tier when a host block is free
+    /// or holds older content (one LRU order across the tiers) and the plan has room for the
+    /// copy; otherwise it is forgotten.
+    fn spill_or_forget(&mut self, block: u32, tick: u64, content: CachedContent) {
+        if self.copies_left() > 0 {
+            if let Some((h, evicted)) = self.host.take(tick) {
+                if let Some(old) = evicted {
+                    self.index.remove(old.hash);
+                }
+                self.index.relocate(content.hash, Tier::Host(h));
+                let hb = &mut self.host.blocks[h as usize];
+                hb.cached = Some(content);
+                hb.evict_tick = Some(tick);
+                self.host.evictable.insert(tick, h);
+                self.copies.push(KvCopy::to_host(block, h));
+                self.spilled += 1;
+                return;
+            }
+        }
+        self.index.remove(content.hash);
+    }
+
+    /// Copies the KV of `table` (a preempted sequence's computed blocks) to newly held host
+    /// blocks, evicting cached host content if needed; None (nothing done) when the host pool
+    /// or the plan's copy room is too small.
+    pub fn swap_out(&mut self, table: &[u32]) -> Option<Vec<u32>> {
+        if table.len() > self.host.num_available() || table.len() > self.copies_left() {
+            return None;
+        }
+        let mut host = Vec::with_capacity(table.len());
+        for &b in table {
+            let (h, evicted) = self.host.take(u64::MAX)?;
+            if let Some(old) = evicted {
+                self.index.remove(old.hash);
+            }
+            self.host.blocks[h as usize].refs = 1;
+            self.copies.push(KvCopy::to_host(b, h));
+            host.push(h);
+        }
+        Some(host)
+    }
+
+    /// Copies swapped-out KV back into `device` blocks (already allocated) and frees the host
+    /// blocks (a later copy may reuse them: the copies run in order).
+    pub fn swap_in(&mut self, host: &[u32], device: &[u32]) {
+        for (&h, &d) in host.iter().zip(device) {
+            self.copies.push(KvCopy::to_device(h, d));
+            self.host.release(h);
+        }
+    }
+
+    /// Frees the host blocks of a swapped-out sequence that will not resume.
+    pub fn drop_swapped(&mut self, host: &[u32]) {
+        for &h in host {
+            self.host.release(h);
+        }
+    }
+
+    /// Brings a pinned host-tier hit back into `device` (allocated to the sequence): the
+    /// content is indexed at the device block from now on and the host block is freed.
+    pub fn bring_back(&mut self, host: u32, device: u32) {
+        let content = self.host.blocks[host as usize].cached.take();
+        self.copies.push(KvCopy::to_device(host, device));
+        self.host.release(host);
+        if let Some(c) = content {
+            self.index.relocate(c.hash, Tier::Device(device));
+            self.blocks[device as usize].cached = Some(c);
+        }
     }
 
     /// `n` blocks, or none at all when fewer are available.
@@ -153,30 +319,44 @@ impl BlockManager {
             return hit;
         }
         for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let hash = self.chain_hash(hit.last_hash, chunk);
-            let Some(block) = self.index.get(hash) else {
+            let parent = hit.last_hash();
+            let hash = self.chain_hash(parent, chunk);
+            let Some(tier) = self.index.get(hash) else {
                 break;
             };
-            let info = &self.blocks[block as usize];
-            let verified = info
-                .cached
+            let (cached, refs) = match tier {
+                Tier::Device(b) => {
+                    let info = &self.blocks[b as usize];
+                    (&info.cached, info.refs)
+                }
+                Tier::Host(h) => (&self.host.blocks[h as usize].cached, 1),
+            };
+            let verified = cached
                 .as_ref()
-                .is_some_and(|c| c.parent == hit.last_hash && *c.tokens == *chunk);
+                .is_some_and(|c| c.parent == parent && *c.tokens == *chunk);
             if !verified {
                 break;
             }
-            if info.refs == 0 {
+            if refs == 0 {
                 hit.revived += 1;
             }
-            hit.blocks.push(block);
-            hit.last_hash = Some(hash);
+            hit.blocks.push(tier);
+            hit.hashes.push(hash);
         }
         hit
     }
 
-    /// Takes one more hold on each block of a prefix hit.
-    pub fn hold(&mut self, blocks: &[u32]) {
-        for &b in blocks {
+    /// Takes one more hold on each block of a prefix hit (host-tier blocks are pinned until
+    /// `bring_back`).
+    pub fn hold(&mut self, blocks: &[Tier]) {
+        for &t in blocks {
+            let b = match t {
+                Tier::Device(b) => b,
+                Tier::Host(h) => {
+                    self.host.pin(h);
+                    continue;
+                }
+            };
             let info = &mut self.blocks[b as usize];
             debug_assert!(info.cached.is_some(), "hold of uncached block {b}");
             if info.refs == 0 {
@@ -185,6 +365,44 @@ impl BlockManager {
                 }
             }
             info.refs += 1;
+        }
+    }
+
+    /// Forgets cached content at these device and host blocks (copies into them may not have
+    /// happened): unheld device blocks become free, host blocks nobody holds are freed.
+    pub fn forget_content(&mut self, device: &[u32], host: &[u32]) {
+        for &b in device {
+            let info = &mut self.blocks[b as usize];
+            let Some(c) = info.cached.take() else {
+                continue;
+            };
+            self.index.remove(c.hash);
+            if let Some(tick) = info.evict_tick.take() {
+                self.index.remove_evictable(tick);
+                self.free.push_back(b);
+            }
+        }
+        for &h in host {
+            let hb = &mut self.host.blocks[h as usize];
+            if let Some(c) = hb.cached.take() {
+                self.index.remove(c.hash);
+                if hb.refs == 0 {
+                    self.host.release(h);
+                }
+            }
+        }
+    }
+
+    /// Undoes `hold` (an admission that could not get its blocks after all).
+    pub fn unhold(&mut self, blocks: &[Tier]) {
+        for &t in blocks.iter().rev() {
+            match t {
+                Tier::Device(b) => self.release(b),
+                Tier::Host(h) => {
+                    let tick = self.index.tick();
+                    self.host.unpin(h, tick);
+                }
+            }
         }
     }
 
@@ -200,7 +418,14 @@ impl BlockManager {
         if info.cached.is_some() || info.refs == 0 {
             return hash;
         }
-        if self.index.insert(hash, block) {
+        if let Some(Tier::Host(h)) = self.index.get(hash) {
+            // The same content spilled earlier: keep the device copy, free the host one.
+            if self.host.blocks[h as usize].refs == 0 {
+                self.index.remove(hash);
+                self.host.release(h);
+            }
+        }
+        if self.index.insert(hash, Tier::Device(block)) {
             self.blocks[block as usize].cached = Some(CachedContent {
                 hash,
                 parent,
@@ -216,6 +441,24 @@ impl BlockManager {
         self.blocks = vec![Block::default(); n];
         self.free = (0..n as u32).collect();
         self.index.clear();
+        self.host = HostPool::new(self.host.num_total());
+        self.copies.clear();
+    }
+
+    /// Checks both pools against `holders` (how many block tables hold each device block) and
+    /// `host_holders` (how many swapped-out sequences hold each host block).
+    pub fn check_pools(&self, holders: &[u32], host_holders: &[u32]) -> Result<(), String> {
+        self.check(holders)?;
+        self.host.check(host_holders)?;
+        for (&t, &h) in &self.host.evictable {
+            let c = self.host.blocks[h as usize].cached.as_ref();
+            if c.is_none_or(|c| self.index.get(c.hash) != Some(Tier::Host(h))) {
+                return Err(format!(
+                    "host block {h} (tick {t}) cached but not indexed there"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Checks the pool's bookkeeping against `holders` (how many block tables hold each block).
@@ -253,7 +496,7 @@ impl BlockManager {
                 _ => {}
             }
             if let Some(c) = &info.cached {
-                if self.index.get(c.hash) != Some(b as u32) {
+                if self.index.get(c.hash) != Some(Tier::Device(b as u32)) {
                     return Err(format!("block {b} cached but not indexed under its hash"));
                 }
                 if c.tokens.len() != self.block_size {
@@ -261,10 +504,14 @@ impl BlockManager {
                 }
             }
         }
-        for (hash, b) in self.index.entries() {
-            if self.blocks[b as usize].cached.as_ref().map(|c| c.hash) != Some(hash) {
+        for (hash, tier) in self.index.entries() {
+            let cached = match tier {
+                Tier::Device(b) => &self.blocks[b as usize].cached,
+                Tier::Host(h) => &self.host.blocks[h as usize].cached,
+            };
+            if cached.as_ref().map(|c| c.hash) != Some(hash) {
                 return Err(format!(
-                    "index entry for block {b} does not match its content"
+                    "index entry for block {tier:?} does not match its content"
                 ));
             }
         }
@@ -288,108 +535,5 @@ impl BlockManager {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn holders(m: &BlockManager, tables: &[&[u32]]) -> Vec<u32> {
-        let mut h = vec![0; m.num_total()];
-        for t in tables {
-            for &b in *t {
-                h[b as usize] += 1;
-            }
-        }
-        h
-    }
-
-    #[test]
-    fn allocation_is_all_or_nothing_and_release_frees() {
-        let mut m = BlockManager::new(4, 2, false);
-        let a = m.allocate_many(3).unwrap();
-        assert_eq!(m.num_used(), 3);
-        assert!(m.allocate_many(2).is_none());
-        assert_eq!(m.num_used(), 3, "a failed allocation takes nothing");
-        m.check(&holders(&m, &[&a])).unwrap();
-        m.release_table(&a);
-        assert_eq!(m.num_free(), 4);
-        m.check(&holders(&m, &[])).unwrap();
-    }
-
-    #[test]
-    fn registered_blocks_are_found_shared_and_counted() {
-        let mut m = BlockManager::new(4, 2, true);
-        let tokens = [1, 2, 3, 4, 5];
-        let t = m.allocate_many(3).unwrap();
-        let h0 = m.register(t[0], None, &tokens[0..2]);
-        m.register(t[1], Some(h0), &tokens[2..4]);
-        let hit = m.find_prefix(&tokens, 8);
-        assert_eq!(hit.blocks, &t[..2]);
-        assert_eq!(hit.revived, 0);
-        m.hold(&hit.blocks);
-        assert_eq!(m.refs(t[0]), 2);
-        m.check(&holders(&m, &[&t, &hit.blocks])).unwrap();
-        // A different second block only matches the first.
-        let other = m.find_prefix(&[1, 2, 3, 9], 8);
-        assert_eq!(other.blocks, &t[..1]);
-        // The same second block after a different first block is no hit at all.
-        assert!(m.find_prefix(&[7, 2, 3, 4], 8).blocks.is_empty());
-        // max_blocks limits the hit.
-        assert_eq!(m.find_prefix(&tokens, 1).blocks, &t[..1]);
-    }
-
-    #[test]
-    fn released_cached_blocks_stay_until_evicted_lru() {
-        let mut m = BlockManager::new(3, 1, true);
-        let a = m.allocate().unwrap();
-        let b = m.allocate().unwrap();
-        m.register(a, None, &[10]);
-        m.register(b, None, &[20]);
-        m.release(a); // a released first: evicted first
-        m.release(b);
-        assert_eq!(m.num_evictable(), 2);
-        assert_eq!(m.num_available(), 3);
-        m.check(&holders(&m, &[])).unwrap();
-        let hit = m.find_prefix(&[20], 1);
-        assert_eq!((hit.blocks.clone(), hit.revived), (vec![b], 1));
-        let free_one = m.allocate().unwrap();
-        assert!(
-            free_one != a && free_one != b,
-            "free blocks go before cached ones"
-        );
-        let evicted = m.allocate().unwrap();
-        assert_eq!(
-            evicted, a,
-            "least recently released cached block is evicted first"
-        );
-        assert!(
-            m.find_prefix(&[10], 1).blocks.is_empty(),
-            "evicted content is forgotten"
-        );
-        assert_eq!(m.find_prefix(&[20], 1).blocks, vec![b]);
-        m.check(&holders(&m, &[&[free_one, evicted]])).unwrap();
-    }
-
-    #[test]
-    fn duplicate_content_stays_private() {
-        let mut m = BlockManager::new(2, 2, true);
-        let a = m.allocate().unwrap();
-        let b = m.allocate().unwrap();
-        let ha = m.register(a, None, &[1, 2]);
-        let hb = m.register(b, None, &[1, 2]);
-        assert_eq!(ha, hb);
-        assert!(m.is_cached(a) && !m.is_cached(b));
-        m.release(b);
-        assert_eq!(m.num_free(), 1);
-        m.check(&holders(&m, &[&[a]])).unwrap();
-    }
-
-    #[test]
-    fn caching_off_never_shares() {
-        let mut m = BlockManager::new(2, 1, false);
-        let a = m.allocate().unwrap();
-        m.register(a, None, &[5]);
-        assert!(!m.is_cached(a));
-        assert!(m.find_prefix(&[5], 1).blocks.is_empty());
-        m.release(a);
-        assert_eq!(m.num_free(), 2);
-    }
-}
+#[path = "block_manager_tests.rs"]
+mod tests;

@@ -40,6 +40,36 @@ pub struct SchedulerConfig {
     pub prefix_cache: bool,
     /// Token ids that end generation (unless a request sets `ignore_eos`).
     pub eos_ids: Vec<u32>,
+    /// The agent's host KV pool (swap preemption, the prefix cache's host tier); None: no host
+    /// pool, preemption recomputes.
+    pub kv_host: Option<KvHostConfig>,
+}
+
+/// The agent's host KV pool and what moving a block costs (from the agent's handshake).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvHostConfig {
+    /// Blocks in the host pool (`swap_space_mb` over the block size).
+    pub host_blocks: usize,
+    /// Bytes of one block (every layer's K and V).
+    pub block_bytes: u64,
+    /// Measured block copy bandwidth, bytes per second.
+    pub d2h_bytes_per_s: f64,
+    pub h2d_bytes_per_s: f64,
+    /// Most copies one plan may carry (the segment's capacity).
+    pub max_copies_per_step: usize,
+}
+
+impl KvHostConfig {
+    /// Seconds to copy `blocks` out to the host and back.
+    pub fn round_trip_s(&self, blocks: usize) -> f64 {
+        let bytes = blocks as f64 * self.block_bytes as f64;
+        bytes / self.d2h_bytes_per_s + bytes / self.h2d_bytes_per_s
+    }
+
+    /// Seconds to copy `blocks` from the host to the device.
+    pub fn to_device_s(&self, blocks: usize) -> f64 {
+        blocks as f64 * self.block_bytes as f64 / self.h2d_bytes_per_s
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -57,6 +87,7 @@ impl Default for SchedulerConfig {
             policy: BatchingPolicy::Continuous,
             prefix_cache: true,
             eos_ids: Vec::new(),
+            kv_host: None,
         }
     }
 }
@@ -112,6 +143,22 @@ impl SchedulerConfig {
         }
         if let Some(g) = self.max_generate_length {
             at_least("max_generate_length", g, 2)?;
+        }
+        if let Some(h) = &self.kv_host {
+            at_least("kv_host.host_blocks", h.host_blocks, 1)?;
+            at_least("kv_host.max_copies_per_step", h.max_copies_per_step, 1)?;
+            at_least("kv_host.block_bytes", h.block_bytes as usize, 1)?;
+            for (field, v) in [
+                ("kv_host.d2h_bytes_per_s", h.d2h_bytes_per_s),
+                ("kv_host.h2d_bytes_per_s", h.h2d_bytes_per_s),
+            ] {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(SchedError::InvalidConfig {
+                        field,
+                        reason: format!("is {v}, must be a positive measured rate"),
+                    });
+                }
+            }
         }
         let pool_slots = (self.num_blocks as u128) * (self.block_size as u128);
         if pool_slots > u32::MAX as u128 {

@@ -1,16 +1,18 @@
 //! npu-scheduler: the scheduler of one agent. It queues requests, decides each step (continuous
 //! batching with chunked prefill, or static batches), manages the agent's paged KV pool and
-//! request slots, preempts by recomputation, and turns step results into generated tokens and
-//! finishes. Plain data in (requests, step results), plain data out (step plans): the server's
+//! request slots (and, when the agent has one, its host KV pool), preempts by swapping or by
+//! recomputation, and turns step results into generated tokens and finishes. Plain data in (requests, step results), plain data out (step plans): the server's
 //! engine loop and the CLI's in-process runs drive the same code.
 
 mod block_manager;
 mod config;
 mod error;
+mod host_pool;
 mod planner;
 mod prefix_cache;
 mod request;
 mod results;
+mod swap;
 pub mod types;
 
 #[cfg(test)]
@@ -21,13 +23,15 @@ pub(crate) mod test_util;
 mod tests;
 #[cfg(test)]
 mod tests_cache;
+#[cfg(test)]
+mod tests_swap;
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 pub use block_manager::{BlockManager, PrefixHit};
-pub use config::{BatchingPolicy, SchedulerConfig};
+pub use config::{BatchingPolicy, KvHostConfig, SchedulerConfig};
 pub use error::SchedError;
-pub use prefix_cache::BlockHash;
+pub use prefix_cache::{BlockHash, Tier};
 pub use request::RecoveredRequest;
 pub use results::SchedOutput;
 pub use types::{FinishReason, GenerateRequest, RequestId};
@@ -47,10 +51,26 @@ pub struct SchedStats {
     /// Cached blocks nobody holds (reusable by a prefix hit, evicted when space is needed).
     pub blocks_cached: usize,
     pub blocks_total: usize,
-    /// Sequences preempted (by recomputation) so far.
+    /// Sequences preempted so far (swapped out or dropped for recomputation).
     pub preemptions: u64,
-    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    /// Of `preemptions`, those whose KV was swapped out to the host pool.
+    pub preemptions_swap: u64,
+    /// Blocks copied to the host pool by swap-outs, and back by swap-ins.
+    pub swap_out_blocks: u64,
+    pub swap_in_blocks: u64,
+    /// Bytes of one KV block (0 without a host pool).
+    pub block_bytes: u64,
+    /// Host pool blocks: in all, holding spilled prefix-cache content, held by swapped-out
+    /// sequences.
+    pub host_blocks_total: usize,
+    pub host_blocks_cached: usize,
+    pub host_blocks_swapped: usize,
+    /// Cached blocks spilled from the device to the host tier.
+    pub host_spilled_blocks: u64,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed (both tiers).
     pub prefix_hit_tokens: u64,
+    /// Of `prefix_hit_tokens`, those brought back from the host tier.
+    pub prefix_hit_tokens_host: u64,
     /// Tokens of admitted sequences looked up in the prefix cache (0 while caching is off).
     pub prefix_query_tokens: u64,
     /// Tokens sent to the agent for computing (prefill chunks and decode tokens).
@@ -88,11 +108,20 @@ pub struct Scheduler {
     /// Slots released since the last plan; free again once a plan has carried them.
     pending_forget: Vec<u32>,
     in_flight: HashMap<u64, Vec<Planned>>,
+    /// The KV copies of steps in flight (what to distrust if the step fails).
+    in_flight_copies: HashMap<u64, Vec<npu_protocol::KvCopy>>,
     /// Static policy: the members of the current batch that have not finished.
     static_batch: HashSet<RequestId>,
     next_step_id: u64,
     preemptions: u64,
+    preemptions_swap: u64,
+    swap_out_blocks: u64,
+    swap_in_blocks: u64,
+    /// Prefill tokens per second, measured from step results (None until a large step came
+    /// back).
+    prefill_tok_per_s: Option<f64>,
     prefix_hit_tokens: u64,
+    prefix_hit_tokens_host: u64,
     prefix_query_tokens: u64,
     scheduled_tokens: u64,
 }
@@ -100,8 +129,17 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Result<Self, SchedError> {
         cfg.validate()?;
+        let (host_blocks, max_copies) = cfg
+            .kv_host
+            .map_or((0, 0), |h| (h.host_blocks, h.max_copies_per_step));
         Ok(Self {
-            blocks: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_cache),
+            blocks: BlockManager::with_host(
+                cfg.num_blocks,
+                cfg.block_size,
+                cfg.prefix_cache,
+                host_blocks,
+                max_copies,
+            ),
             free_slots: (0..cfg.slots() as u32).collect(),
             cfg,
             seqs: HashMap::new(),
@@ -109,10 +147,16 @@ impl Scheduler {
             running: Vec::new(),
             pending_forget: Vec::new(),
             in_flight: HashMap::new(),
+            in_flight_copies: HashMap::new(),
             static_batch: HashSet::new(),
             next_step_id: 1,
             preemptions: 0,
+            preemptions_swap: 0,
+            swap_out_blocks: 0,
+            swap_in_blocks: 0,
+            prefill_tok_per_s: None,
             prefix_hit_tokens: 0,
+            prefix_hit_tokens_host: 0,
             prefix_query_tokens: 0,
             scheduled_tokens: 0,
         })
@@ -152,6 +196,7 @@ impl Scheduler {
             resumed,
             incarnation: 0,
             admitted: None,
+            swapped: None,
         };
         self.seqs.insert(id, seq);
         if resumed {
@@ -186,7 +231,9 @@ impl Scheduler {
         self.release(id);
         self.waiting.retain(|w| *w != id);
         self.static_batch.remove(&id);
-        self.seqs.remove(&id);
+        if let Some(sw) = self.seqs.remove(&id).and_then(|s| s.swapped) {
+            self.blocks.drop_swapped(&sw.host_blocks);
+        }
         true
     }
 
@@ -203,17 +250,6 @@ impl Scheduler {
         }
     }
 
-    /// Preempts by recomputation: frees the sequence's blocks and slot and puts it at the front
-    /// of the waiting queue, keeping its generated tokens.
-    fn preempt(&mut self, id: RequestId) {
-        self.release(id);
-        if let Some(seq) = self.seqs.get_mut(&id) {
-            seq.resumed = true;
-        }
-        self.waiting.push_front(id);
-        self.preemptions += 1;
-    }
-
     /// The agent died: gives back every request (oldest first) with its generated tokens, and
     /// resets the pool, the slots and the steps in flight.
     pub fn take_all(&mut self) -> Vec<RecoveredRequest> {
@@ -226,6 +262,7 @@ impl Scheduler {
         let mut seqs = std::mem::take(&mut self.seqs);
         self.static_batch.clear();
         self.in_flight.clear();
+        self.in_flight_copies.clear();
         self.pending_forget.clear();
         self.free_slots = (0..self.cfg.slots() as u32).collect();
         self.blocks.reset();
@@ -240,7 +277,17 @@ impl Scheduler {
     }
 
     pub fn stats(&self) -> SchedStats {
+        let (host_cached, host_swapped) = self.blocks.host_cached_and_held();
         SchedStats {
+            preemptions_swap: self.preemptions_swap,
+            swap_out_blocks: self.swap_out_blocks,
+            swap_in_blocks: self.swap_in_blocks,
+            block_bytes: self.cfg.kv_host.map_or(0, |h| h.block_bytes),
+            host_blocks_total: self.blocks.host_total(),
+            host_blocks_cached: host_cached,
+            host_blocks_swapped: host_swapped,
+            host_spilled_blocks: self.blocks.spilled(),
+            prefix_hit_tokens_host: self.prefix_hit_tokens_host,
             running: self.running.len(),
             waiting: self.waiting.len(),
             blocks_used: self.blocks.num_used(),
@@ -319,15 +366,32 @@ impl Scheduler {
         if self.running.len() > self.cfg.max_running {
             return Err(format!("{} running > max_running", self.running.len()));
         }
+        let mut host_holders = vec![0u32; self.blocks.host_total()];
         for id in &self.waiting {
             let seq = self.seqs.get(id).ok_or(format!("waiting {id} unknown"))?;
             if seq.admitted.is_some() {
                 return Err(format!("waiting {id} is admitted"));
             }
+            if let Some(sw) = &seq.swapped {
+                if sw.host_blocks.len() != sw.num_computed.div_ceil(self.cfg.block_size) {
+                    return Err(format!("swapped {id}: blocks do not cover its computed KV"));
+                }
+                for &h in &sw.host_blocks {
+                    let n = host_holders
+                        .get_mut(h as usize)
+                        .ok_or(format!("swapped {id}: host block {h} out of range"))?;
+                    *n += 1;
+                }
+            }
+        }
+        for id in &self.running {
+            if self.seqs[id].swapped.is_some() {
+                return Err(format!("running {id} is still marked swapped out"));
+            }
         }
         if self.waiting.len() + self.running.len() != self.seqs.len() {
             return Err("a request is neither waiting nor running (or both)".into());
         }
-        self.blocks.check(&holders)
+        self.blocks.check_pools(&holders, &host_holders)
     }
 }

@@ -1,11 +1,13 @@
 //! Building one step plan: decode tokens of running sequences first (preempting the newest
 //! sequence when a decode token finds no free block), then the next prefill chunks of sequences
 //! already admitted, then FCFS admission of waiting requests under the slot, batch, block and
-//! token-budget limits (or, with the static policy, whole batches).
+//! token-budget limits (or, with the static policy, whole batches). The KV copies that
+//! preemption, admission and eviction queued go into the plan in the order they were made.
 
 use npu_protocol::{Admission, SeqStep, StepPlan};
 
 use super::config::BatchingPolicy;
+use super::prefix_cache::Tier;
 use super::{Planned, Scheduler};
 use crate::types::RequestId;
 
@@ -97,16 +99,21 @@ impl Scheduler {
 
         // Slots released since the last plan are forgotten by this one; reusable after it.
         let forget = std::mem::take(&mut self.pending_forget);
-        if steps.is_empty() && admit.is_empty() && forget.is_empty() {
+        let kv_copies = self.blocks.take_copies();
+        if steps.is_empty() && admit.is_empty() && forget.is_empty() && kv_copies.is_empty() {
             return None;
         }
         self.free_slots.extend(forget.iter().copied());
         self.next_step_id += 1;
         self.in_flight.insert(step_id, planned);
+        if !kv_copies.is_empty() {
+            self.in_flight_copies.insert(step_id, kv_copies.clone());
+        }
         Some(StepPlan {
             step_id,
             forget,
             admit,
+            kv_copies,
             seqs: steps,
         })
     }
@@ -114,6 +121,9 @@ impl Scheduler {
     /// Admits the oldest waiting request if a slot and the blocks for its whole prefill (less
     /// its cached prefix) are available; returns its slot.
     fn try_admit(&mut self, id: RequestId) -> Option<u32> {
+        if self.seqs[&id].swapped.is_some() {
+            return self.try_admit_swapped(id);
+        }
         let bs = self.cfg.block_size;
         let seq = &self.seqs[&id];
         let total = seq.total_len();
@@ -122,36 +132,58 @@ impl Scheduler {
         let max_hit = ((total - 1) / bs)
             .min(self.cfg.max_blocks_per_seq)
             .min(reusable_blocks(seq, bs));
-        let hit = if self.blocks.caching() {
+        let mut hit = if self.blocks.caching() {
             self.blocks.find_prefix(&seq.all_tokens(), max_hit)
         } else {
             Default::default()
         };
-        let need = total.div_ceil(bs) - hit.blocks.len();
+        // Host-tier blocks come back by copy when the plan has room and copying beats
+        // recomputing them; otherwise the hit ends before the first of them.
+        let n_host = hit.n_host();
+        if n_host > 0 && (n_host > self.blocks.copies_left() || !self.host_hit_pays(n_host)) {
+            let first = hit.blocks.iter().position(|t| matches!(t, Tier::Host(_)));
+            let blocks = &self.blocks;
+            hit.truncate(first.unwrap_or(0), |b| blocks.refs(b));
+        }
+        let n_host = hit.n_host();
+        let n_device = hit.blocks.len() - n_host;
+        let need = total.div_ceil(bs) - n_device;
         if need > self.blocks.num_available() - hit.revived {
             return None;
         }
         let slot = *self.free_slots.first()?;
         self.blocks.hold(&hit.blocks);
-        let Some(fresh) = self.blocks.allocate_many(need) else {
-            self.blocks.release_table(&hit.blocks);
+        let Some(fresh) = self.blocks.allocate_keeping_copies(need, n_host) else {
+            self.blocks.unhold(&hit.blocks);
             return None;
         };
         self.free_slots.remove(&slot);
+        let mut fresh = fresh.into_iter();
+        let mut blocks = Vec::with_capacity(need + n_device);
+        for t in &hit.blocks {
+            match *t {
+                Tier::Device(b) => blocks.push(b),
+                Tier::Host(h) => {
+                    let d = fresh.next().expect("a device block for every host hit");
+                    self.blocks.bring_back(h, d);
+                    blocks.push(d);
+                }
+            }
+        }
+        blocks.extend(fresh);
         let seq = self.seqs.get_mut(&id).expect("waiting request is known");
         let n_hit = hit.blocks.len();
-        let mut blocks = hit.blocks;
-        blocks.extend(fresh);
         seq.incarnation += 1;
         seq.admitted = Some(super::request::Admitted {
             slot,
             blocks,
             num_computed: n_hit * bs,
             num_registered: n_hit,
-            last_hash: hit.last_hash,
+            last_hash: hit.last_hash(),
             in_flight: None,
         });
         self.prefix_hit_tokens += (n_hit * bs) as u64;
+        self.prefix_hit_tokens_host += (n_host * bs) as u64;
         if self.blocks.caching() {
             self.prefix_query_tokens += total as u64;
         }
@@ -241,18 +273,8 @@ impl Scheduler {
     }
 }
 
-/// How many leading blocks of a sequence may come from the prefix cache. The agent rebuilds a
-/// slot's token history (penalties, and the generated-token index of the sampler's random
-/// stream) from the tokens the plans send, so tokens taken from the cache are missing from it:
-/// a repetition penalty (over prompt and generated tokens) allows no hit; sampling and
-/// presence/frequency penalties (generated tokens) allow hits within the prompt only.
+/// How many leading blocks of a sequence may come from the prefix cache: those whose tokens the
+/// agent does not need to see again (see `swap::history_free_tokens`).
 fn reusable_blocks(seq: &super::request::Sequence, bs: usize) -> usize {
-    let p = seq.params();
-    if p.repetition_penalty != 1.0 {
-        0
-    } else if !p.is_greedy() || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-        seq.prompt_len() / bs
-    } else {
-        usize::MAX
-    }
+    super::swap::history_free_tokens(seq) / bs
 }

@@ -1,6 +1,7 @@
 //! Content addressing for prefix caching: the chained 128-bit hash of a full KV block, the
-//! index from hash to cached block, and the least-recently-released order of cached blocks
-//! that no sequence holds (the eviction order).
+//! index from hash to the cached block (in the device pool or in the host tier), and the
+//! least-recently-released order of cached device blocks that no sequence holds (the eviction
+//! order). Its tick counter also orders the host tier, so both tiers share one LRU order.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
@@ -18,6 +19,15 @@ pub struct CachedContent {
     pub tokens: Box<[u32]>,
 }
 
+/// Where a cached block's content lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// A block of the device KV pool.
+    Device(u32),
+    /// A block of the agent's host KV pool.
+    Host(u32),
+}
+
 /// Hash index and eviction order of the cached blocks. The block manager owns the blocks;
 /// this only says which block holds which content and which unused one to evict first.
 #[derive(Debug)]
@@ -25,7 +35,7 @@ pub struct PrefixIndex {
     /// Two independently keyed SipHash instances (random keys per process), one per 64-bit
     /// half: prompts are user input, so the hash must not be predictable.
     keys: [RandomState; 2],
-    by_hash: HashMap<BlockHash, u32>,
+    by_hash: HashMap<BlockHash, Tier>,
     /// Cached blocks with no holder, by release tick: the first entry is evicted first.
     evictable: BTreeMap<u64, u32>,
     next_tick: u64,
@@ -58,13 +68,27 @@ impl PrefixIndex {
         (u128::from(half(&self.keys[0])) << 64) | u128::from(half(&self.keys[1]))
     }
 
-    pub fn get(&self, hash: BlockHash) -> Option<u32> {
+    pub fn get(&self, hash: BlockHash) -> Option<Tier> {
         self.by_hash.get(&hash).copied()
+    }
+
+    /// Moves an indexed content to another block (spilled to the host, or brought back).
+    pub fn relocate(&mut self, hash: BlockHash, to: Tier) {
+        if let Some(t) = self.by_hash.get_mut(&hash) {
+            *t = to;
+        }
+    }
+
+    /// A fresh tick: later than every tick handed out before.
+    pub fn tick(&mut self) -> u64 {
+        let t = self.next_tick;
+        self.next_tick += 1;
+        t
     }
 
     /// Records `block` as the holder of `hash`; false (and nothing recorded) when another block
     /// already holds that content.
-    pub fn insert(&mut self, hash: BlockHash, block: u32) -> bool {
+    pub fn insert(&mut self, hash: BlockHash, block: Tier) -> bool {
         match self.by_hash.entry(hash) {
             std::collections::hash_map::Entry::Occupied(_) => false,
             std::collections::hash_map::Entry::Vacant(v) => {
@@ -78,14 +102,13 @@ impl PrefixIndex {
         self.by_hash.remove(&hash);
     }
 
-    pub fn entries(&self) -> impl Iterator<Item = (BlockHash, u32)> + '_ {
+    pub fn entries(&self) -> impl Iterator<Item = (BlockHash, Tier)> + '_ {
         self.by_hash.iter().map(|(h, b)| (*h, *b))
     }
 
     /// Puts a cached block nobody holds at the back of the eviction order; returns its tick.
     pub fn push_evictable(&mut self, block: u32) -> u64 {
-        let tick = self.next_tick;
-        self.next_tick += 1;
+        let tick = self.tick();
         self.evictable.insert(tick, block);
         tick
     }
@@ -95,9 +118,9 @@ impl PrefixIndex {
         self.evictable.remove(&tick);
     }
 
-    /// The least recently released cached block, removed from the eviction order.
-    pub fn pop_lru(&mut self) -> Option<u32> {
-        self.evictable.pop_first().map(|(_, b)| b)
+    /// The least recently released cached block and its tick, removed from the eviction order.
+    pub fn pop_lru(&mut self) -> Option<(u64, u32)> {
+        self.evictable.pop_first()
     }
 
     pub fn num_evictable(&self) -> usize {

@@ -1,6 +1,8 @@
-//! Property test: random adds, aborts, finishes, schedules, (out of order) results and agent
-//! deaths against a small pool. After every call the bookkeeping invariants hold; every plan
-//! respects its limits and writes only private blocks of the writer; and once arrivals stop,
+//! Property test: random adds, aborts, finishes, schedules, (out of order) results, failed
+//! steps and agent deaths against a small pool, with and without a host pool. After every call
+//! the bookkeeping invariants hold; every plan respects its limits and writes only private
+//! blocks of the writer; a model of the KV memory replaying every plan's copies and writes in
+//! order shows every sequence reading its own tokens at every position; and once arrivals stop,
 //! every request finishes within a bounded number of steps with all blocks free.
 
 use std::collections::HashSet;
@@ -26,6 +28,8 @@ enum Op {
         pick: usize,
         token: u32,
     },
+    /// The agent could not run the latest plan (it is still up).
+    Fail,
     AgentDied,
 }
 
@@ -38,6 +42,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Finish),
         4 => Just(Op::Schedule),
         4 => (any::<usize>(), 0..6u32).prop_map(|(pick, token)| Op::Deliver { pick, token }),
+        1 => Just(Op::Fail),
         1 => Just(Op::AgentDied),
     ]
 }
@@ -51,14 +56,23 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             any::<bool>(),
             any::<bool>(),
             2..24usize,
+            0..12usize,
         ),
     )
         .prop_map(
             |(
                 (num_blocks, block_size, max_running, prompts),
-                (budget, extra_slots, stat, pc, mbs),
+                (budget, extra_slots, stat, pc, mbs, host),
             )| {
                 SchedulerConfig {
+                    // Host pools of 0 (none) to 11 blocks, copy room from 1 to 3 per block.
+                    kv_host: (host > 0).then_some(crate::KvHostConfig {
+                        host_blocks: host,
+                        block_bytes: 64,
+                        d2h_bytes_per_s: 1e9,
+                        h2d_bytes_per_s: 1e9,
+                        max_copies_per_step: num_blocks * (1 + host % 3),
+                    }),
                     num_blocks,
                     block_size,
                     max_running,
@@ -86,6 +100,15 @@ const PREFIXES: [&[u32]; 3] = [&[1, 2, 3, 4, 5, 6], &[1, 2, 3, 9], &[7]];
 fn check_new_plan(s: &Scheduler, plan: &StepPlan, admitted_before: &HashSet<u32>) {
     let cfg = &s.cfg;
     check_plan(plan, cfg);
+    let (host_blocks, max_copies) = cfg
+        .kv_host
+        .map_or((0, 0), |h| (h.host_blocks, h.max_copies_per_step));
+    assert!(plan.kv_copies.len() <= max_copies, "copy room exceeded");
+    for c in &plan.kv_copies {
+        assert!(
+            (c.device_block as usize) < cfg.num_blocks && (c.host_block as usize) < host_blocks
+        );
+    }
     let bs = cfg.block_size as u32;
     let mut slots = HashSet::new();
     for q in &plan.seqs {
@@ -129,6 +152,9 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
     let mut ids: Vec<u64> = Vec::new();
     let mut pending: Vec<StepPlan> = Vec::new();
     let mut agent: HashSet<u32> = HashSet::new();
+    // What the agent's KV memory holds: every plan's reads are checked against it.
+    let mut kv = KvModel::new(&s);
+    let mut last: Option<u64> = None;
     let mut next_id = 0u64;
     for op in ops {
         match op {
@@ -159,7 +185,17 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
                 if let Some(plan) = s.schedule() {
                     check_new_plan(&s, &plan, &agent);
                     apply_to_agent(&mut agent, &plan);
+                    kv.apply(&plan, &expected_tokens(&s));
+                    last = Some(plan.step_id);
                     pending.push(plan);
+                }
+            }
+            Op::Fail if last.is_some() && pending.last().map(|p| p.step_id) == last => {
+                // Only the latest plan: the agent ran every earlier one.
+                let plan = pending.pop().expect("checked");
+                kv.garble(&plan);
+                for id in s.step_failed(plan.step_id) {
+                    s.abort(id);
                 }
             }
             Op::Deliver { pick, token } if !pending.is_empty() => {
@@ -169,6 +205,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
             Op::AgentDied => {
                 pending.clear();
                 agent.clear();
+                kv.clear();
                 for r in s.take_all() {
                     s.add_recovered(r).unwrap();
                 }
@@ -189,6 +226,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
     while let Some(plan) = s.schedule() {
         check_new_plan(&s, &plan, &agent);
         apply_to_agent(&mut agent, &plan);
+        kv.apply(&plan, &expected_tokens(&s));
         s.on_result(&answer(&plan, |_| 3)).unwrap();
         s.check_invariants().unwrap();
         steps += 1;

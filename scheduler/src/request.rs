@@ -33,6 +33,16 @@ pub(crate) struct Admitted {
     pub in_flight: Option<u64>,
 }
 
+/// A preempted sequence whose KV waits in host blocks (swapped out, not recomputed).
+#[derive(Debug, Clone)]
+pub(crate) struct Swapped {
+    /// Host blocks holding its first `num_computed` positions, in table order.
+    pub host_blocks: Vec<u32>,
+    pub num_computed: usize,
+    pub num_registered: usize,
+    pub last_hash: Option<BlockHash>,
+}
+
 /// A request in the scheduler, waiting or admitted.
 #[derive(Debug, Clone)]
 pub(crate) struct Sequence {
@@ -45,6 +55,8 @@ pub(crate) struct Sequence {
     /// Counts admissions; a step result for an earlier admission is stale.
     pub incarnation: u64,
     pub admitted: Option<Admitted>,
+    /// Set while it waits with its KV swapped out to the host pool.
+    pub swapped: Option<Swapped>,
 }
 
 impl Sequence {

@@ -57,6 +57,9 @@ impl Scheduler {
         }
 
         let planned = self.in_flight.remove(&step_id).unwrap_or_default();
+        self.in_flight_copies.remove(&step_id);
+        let n_tokens = planned.iter().map(|p| p.n_tokens).sum();
+        self.observe_step(n_tokens, res.timing.forward_us);
         let mut out = Vec::new();
         for p in planned {
             if !self.is_current(step_id, &p) {
@@ -85,9 +88,13 @@ impl Scheduler {
 
     /// The agent reported that it could not run a step (it is still up): forgets the step and
     /// returns the requests it carried that are still here. Their KV state on the agent is
-    /// unknown, so the caller ends them (`finish` or `abort`).
+    /// unknown, so the caller ends them (`finish` or `abort`). The step's KV copies may not have
+    /// happened: sequences and cached content that relied on them are recomputed instead.
     pub fn step_failed(&mut self, step_id: u64) -> Vec<RequestId> {
         let planned = self.in_flight.remove(&step_id).unwrap_or_default();
+        if let Some(copies) = self.in_flight_copies.remove(&step_id) {
+            self.distrust_copies(&copies);
+        }
         let mut ids = Vec::new();
         for p in planned {
             if self.is_current(step_id, &p) {

@@ -1,7 +1,11 @@
 //! Helpers for the scheduler's tests: small configs, requests, and hand-made step results that
 //! stand in for the agent (the scheduler never sees a model).
 
-use npu_protocol::{SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, TokenLogprob};
+use std::collections::HashMap;
+
+use npu_protocol::{
+    CopyDirection, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, TokenLogprob,
+};
 
 use super::{SchedOutput, Scheduler, SchedulerConfig};
 use crate::types::GenerateRequest;
@@ -52,6 +56,7 @@ pub fn prompt(first: u32, n: usize) -> Vec<u32> {
 /// The agent's answer to `plan`: every sampling sequence gets `token(slot)`.
 pub fn answer(plan: &StepPlan, token: impl Fn(u32) -> u32) -> StepResult {
     StepResult {
+        transfer: Default::default(),
         step_id: plan.step_id,
         seqs: plan
             .seqs
@@ -106,4 +111,92 @@ pub fn check_plan(plan: &StepPlan, cfg: &SchedulerConfig) {
             assert_eq!(m, s.block_table[(pos / bs) as usize] * bs + pos % bs);
         }
     }
+}
+
+/// What a KV slot holds: (position, token), or nothing.
+pub type KvSlot = Option<(u32, u32)>;
+
+/// Device and host KV pools, slot by slot: what an agent's memory holds after each plan.
+pub struct KvModel {
+    bs: usize,
+    device: Vec<Vec<KvSlot>>,
+    host: Vec<Vec<KvSlot>>,
+}
+
+impl KvModel {
+    pub fn new(s: &Scheduler) -> Self {
+        let bs = s.cfg.block_size;
+        Self {
+            bs,
+            device: vec![vec![None; bs]; s.cfg.num_blocks],
+            host: vec![vec![None; bs]; s.blocks.host_total()],
+        }
+    }
+
+    /// Runs the plan's copies in order, writes its new tokens, and checks every sequence's
+    /// context (`expected[slot]`: all its tokens so far) through its block table.
+    pub fn apply(&mut self, plan: &StepPlan, expected: &HashMap<u32, Vec<u32>>) {
+        for c in &plan.kv_copies {
+            let (d, h) = (c.device_block as usize, c.host_block as usize);
+            match c.direction {
+                CopyDirection::DeviceToHost => self.host[h] = self.device[d].clone(),
+                CopyDirection::HostToDevice => self.device[d] = self.host[h].clone(),
+            }
+        }
+        let bs = self.bs as u32;
+        for q in &plan.seqs {
+            for (i, &m) in q.slot_mapping.iter().enumerate() {
+                let pos = q.start_pos + i as u32;
+                self.device[(m / bs) as usize][(m % bs) as usize] = Some((pos, q.tokens[i]));
+            }
+        }
+        for q in &plan.seqs {
+            let want = &expected[&q.slot];
+            for pos in 0..q.context_len() {
+                let b = q.block_table[(pos / bs) as usize] as usize;
+                assert_eq!(
+                    self.device[b][(pos % bs) as usize],
+                    Some((pos, want[pos as usize])),
+                    "slot {} position {pos} reads the wrong KV",
+                    q.slot
+                );
+            }
+        }
+    }
+}
+
+/// Content nobody wrote knowingly (the copies and writes of a failed step).
+const GARBAGE: KvSlot = Some((u32::MAX, u32::MAX));
+
+impl KvModel {
+    /// The plan failed part-way: every slot its copies or writes reach holds unknown bytes.
+    pub fn garble(&mut self, plan: &StepPlan) {
+        for c in &plan.kv_copies {
+            match c.direction {
+                CopyDirection::DeviceToHost => self.host[c.host_block as usize].fill(GARBAGE),
+                CopyDirection::HostToDevice => self.device[c.device_block as usize].fill(GARBAGE),
+            }
+        }
+        let bs = self.bs as u32;
+        for q in &plan.seqs {
+            for &m in &q.slot_mapping {
+                self.device[(m / bs) as usize][(m % bs) as usize] = GARBAGE;
+            }
+        }
+    }
+
+    /// The agent's memory is gone.
+    pub fn clear(&mut self) {
+        for b in self.device.iter_mut().chain(self.host.iter_mut()) {
+            b.fill(None);
+        }
+    }
+}
+
+/// Every admitted sequence's tokens so far, by slot.
+pub fn expected_tokens(s: &Scheduler) -> HashMap<u32, Vec<u32>> {
+    s.seqs
+        .values()
+        .filter_map(|q| Some((q.admitted.as_ref()?.slot, q.all_tokens())))
+        .collect()
 }

@@ -480,6 +480,7 @@ fn bad_requests_and_results_get_clear_errors() {
         logprob: -1.0,
     };
     let bad = |seqs: Vec<SeqResult>, step_id| StepResult {
+        transfer: Default::default(),
         step_id,
         seqs,
         timing: Default::default(),

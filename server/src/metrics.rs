@@ -272,6 +272,7 @@ impl Metrics {
             "# HELP npu_serving_http_responses_2xx_total HTTP responses with a 2xx status.\n# TYPE npu_serving_http_responses_2xx_total counter\nnpu_serving_http_responses_2xx_total {}",
             r(&self.http_responses_2xx)
         );
+        crate::metrics_kv::render(&mut out, stats);
         self.time_to_first_token.render(
             &mut out,
             "npu_serving_time_to_first_token_seconds",
@@ -341,6 +342,19 @@ mod tests {
         assert!(text.contains("npu_serving_prefix_cache_queries_total 100\n"));
         assert!(text.contains("npu_serving_prefix_cache_hits_total 64\n"));
         assert!(text.contains("npu_serving_step_time_seconds_count 1\n"));
+        EngineStats::add(&stats.kv.preemptions_swap_total, 2);
+        EngineStats::add(&stats.kv.prefix_hit_tokens_host_total, 16);
+        EngineStats::add(&stats.kv.swap_in_bytes_total, 4096);
+        let text = m.render(&stats);
+        for want in [
+            "npu_serving_preemptions_by_kind_total{kind=\"swap\"} 2\n",
+            "npu_serving_preemptions_by_kind_total{kind=\"recompute\"} 1\n",
+            "npu_serving_prefix_cache_hit_tokens_total{tier=\"device\"} 48\n",
+            "npu_serving_prefix_cache_hit_tokens_total{tier=\"host\"} 16\n",
+            "npu_serving_kv_swap_in_bytes_total 4096\n",
+        ] {
+            assert!(text.contains(want), "{want} in {text}");
+        }
         // Every sample line belongs to a declared metric family.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let name = line.split(['{', ' ']).next().unwrap();

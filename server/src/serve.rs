@@ -10,12 +10,13 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use npu_gguf::hparams::ModelConfig;
 use npu_gguf::GgufFile;
-use npu_protocol::agent::AgentEngineConfig;
+use npu_protocol::agent::{kv_copies_per_step, AgentEngineConfig, KvFacts};
 use npu_tokenizer::Tokenizer;
 
 use crate::agents::{AgentLaunch, AgentPool, AgentSpec};
 use crate::api::{ApiContext, ApiSettings};
 use crate::config::{DeviceKind, ServerConfig};
+use crate::engine::scheduler::KvHostConfig;
 use crate::engine::{start_engine, EngineConfig, StepAgent};
 use crate::http::{HttpServer, ShutdownSignal};
 use crate::metrics::Metrics;
@@ -113,8 +114,13 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
          over its own private socket pair, no port is opened)"
     );
     let pool = AgentPool::start(specs, launch).context("starting the agents")?;
-    let agents: Vec<Box<dyn StepAgent>> = pool
-        .into_links()
+    let links = pool.into_links();
+    let mut engine_cfg = engine_cfg;
+    let num_blocks = engine_cfg.scheduler.num_blocks as u32;
+    engine_cfg.scheduler.kv_host = links
+        .first()
+        .and_then(|l| kv_host_config(&l.facts().kv, num_blocks, cfg.npu_serving.swap_space_mb));
+    let agents: Vec<Box<dyn StepAgent>> = links
         .into_iter()
         .map(|l| Box::new(l) as Box<dyn StepAgent>)
         .collect();
@@ -169,6 +175,29 @@ fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Re
     })
 }
 
+/// The scheduler's view of an agent's host KV pool, from its handshake (every agent has the
+/// same pool and model); None without one.
+fn kv_host_config(kv: &KvFacts, num_blocks: u32, swap_space_mb: u64) -> Option<KvHostConfig> {
+    if kv.host_blocks == 0 {
+        return None;
+    }
+    tracing::info!(
+        host_blocks = kv.host_blocks,
+        block_bytes = kv.block_bytes,
+        page_locked = kv.host_page_locked,
+        d2h_gb_per_s = kv.d2h_bytes_per_s / 1e9,
+        h2d_gb_per_s = kv.h2d_bytes_per_s / 1e9,
+        "host KV pool (npu_serving.swap_space_mb): swap preemption and the prefix cache's host tier"
+    );
+    Some(KvHostConfig {
+        host_blocks: kv.host_blocks as usize,
+        block_bytes: kv.block_bytes,
+        d2h_bytes_per_s: kv.d2h_bytes_per_s,
+        h2d_bytes_per_s: kv.h2d_bytes_per_s,
+        max_copies_per_step: kv_copies_per_step(num_blocks, swap_space_mb) as usize,
+    })
+}
+
 /// One spec per `serving_config.agent_ports` entry (only their number matters: agents talk to
 /// the server over private socket pairs), sized by the engine's scheduler limits.
 fn agent_specs(
@@ -197,6 +226,7 @@ fn agent_specs(
                 max_tokens_per_step: s.max_tokens_per_step as u32,
                 max_blocks_per_seq: s.max_blocks_per_seq as u32,
                 threads,
+                swap_space_mb: cfg.npu_serving.swap_space_mb,
             };
             AgentSpec::new(i as u32, engine)
         })

@@ -62,6 +62,7 @@ fn launch() -> AgentLaunch {
 
 fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
     AgentEngineConfig {
+        swap_space_mb: 0,
         device: DeviceKind::Cpu,
         device_id: 0,
         model_path,
@@ -129,6 +130,7 @@ fn model_path() -> PathBuf {
 fn prefill(step_id: u64, slot: u32, first_block: u32) -> StepPlan {
     let n = PROMPT_IDS.len() as u32;
     StepPlan {
+        kv_copies: Vec::new(),
         step_id,
         forget: Vec::new(),
         admit: vec![Admission {
@@ -153,6 +155,7 @@ fn prefill(step_id: u64, slot: u32, first_block: u32) -> StepPlan {
 /// The next decode step of slot `slot` after `pos` tokens.
 fn decode(step_id: u64, slot: u32, first_block: u32, token: u32, pos: u32) -> StepPlan {
     StepPlan {
+        kv_copies: Vec::new(),
         step_id,
         forget: Vec::new(),
         admit: Vec::new(),

@@ -378,9 +378,9 @@ fn every_validation_error_names_its_key_value_and_what_is_allowed() {
             &["0"],
         ),
         (
-            "npu_serving:\n  swap_space_mb: 1024\n",
+            "npu_serving:\n  swap_space_mb: 2000000\n",
             "npu_serving.swap_space_mb",
-            &["1024", "not built"],
+            &["2000000", "0..=1048576"],
         ),
         (
             "npu_serving:\n  max_queue: 0\n",

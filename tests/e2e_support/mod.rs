@@ -44,6 +44,8 @@ pub struct ServerOpts {
     pub shutdown_grace_ms: u64,
     /// `npu_serving.device`.
     pub device: &'static str,
+    /// `npu_serving.swap_space_mb`: the agents' host KV pool.
+    pub swap_space_mb: u64,
 }
 
 impl Default for ServerOpts {
@@ -61,6 +63,7 @@ impl Default for ServerOpts {
             prefix_cache: true,
             shutdown_grace_ms: 10_000,
             device: "cpu",
+            swap_space_mb: 0,
         }
     }
 }
@@ -76,7 +79,8 @@ impl ServerOpts {
              serving_config:\n  agent_ports: [{}]\n  server_ip: '127.0.0.1'\n  server_port: 8835\n\
              pa_config:\n  num_blocks: {}\n  block_size: {}\n\
              npu_serving:\n  device: {}\n  threads_per_agent: {}\n  max_tokens_per_step: {}\n  \
-             prefix_cache: {}\n  shutdown_grace_ms: {}\n  step_deadline_ms: 60000\n",
+             prefix_cache: {}\n  shutdown_grace_ms: {}\n  step_deadline_ms: 60000\n  \
+             swap_space_mb: {}\n",
             self.seq_length,
             self.decode_batch_size,
             self.prefill_batch_size,
@@ -89,6 +93,7 @@ impl ServerOpts {
             self.max_tokens_per_step,
             self.prefix_cache,
             self.shutdown_grace_ms,
+            self.swap_space_mb,
         )
     }
 }

@@ -1,6 +1,6 @@
 //! `npu-serving bench-model`: the engine's raw speed on this machine — prefill at 128 and 512
 //! prompt tokens, decode at batch 1..64 (128 tokens of context each), decode time per token at long
-//! contexts, and peak memory — with the same engine, scheduler, step plans and paged KV the server
+//! contexts, KV block copy bandwidth each way, and peak memory — with the same engine, scheduler, step plans and paged KV the server
 //! uses, on the device `--device` names.
 
 use std::path::PathBuf;
@@ -56,6 +56,11 @@ pub struct BenchModelReport {
     pub decode_ms_per_token_ctx1024: Option<f64>,
     pub decode_ms_per_token_ctx4096: Option<f64>,
     pub decode_ms_per_token_ctx8192: Option<f64>,
+    /// Bytes of one KV block (every layer's K and V, contiguous: one copy per block).
+    pub kv_block_bytes: u64,
+    /// Whole-block copies, one block per call as swaps and host-tier hits do, GB/s (1e9 B/s).
+    pub kv_block_copy_d2h_gb_s: f64,
+    pub kv_block_copy_h2d_gb_s: f64,
     pub peak_rss_mb: f64,
     pub backend: String,
     pub threads: u32,
@@ -143,6 +148,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         max_tokens_per_step: 512,
         max_blocks_per_seq: 600,
         threads: args.threads,
+        swap_space_mb: 0,
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;
@@ -162,6 +168,16 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             eprintln!("{s}");
         }
     };
+    let copy = engine
+        .measure_kv_copy(256)
+        .context("measuring KV block copies")?;
+    rep.kv_block_bytes = engine.facts().kv.block_bytes;
+    rep.kv_block_copy_d2h_gb_s = copy.d2h_bytes_per_s / 1e9;
+    rep.kv_block_copy_h2d_gb_s = copy.h2d_bytes_per_s / 1e9;
+    say(&format!(
+        "KV block copy ({} B per block): device->host {:.2} GB/s, host->device {:.2} GB/s",
+        rep.kv_block_bytes, rep.kv_block_copy_d2h_gb_s, rep.kv_block_copy_h2d_gb_s
+    ));
     // Warm-up: touch every weight once.
     run_all(
         &mut engine,
@@ -273,6 +289,10 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
                 println!("decode ctx {c:<7} {v:8.2} ms/token");
             }
         }
+        println!(
+            "KV block copy      {:8.2} GB/s device->host, {:.2} GB/s host->device ({} B blocks)",
+            rep.kv_block_copy_d2h_gb_s, rep.kv_block_copy_h2d_gb_s, rep.kv_block_bytes
+        );
         println!("peak RSS           {:8.1} MiB", rep.peak_rss_mb);
     }
     Ok(())

@@ -205,6 +205,7 @@ pub fn check_greedy<B: Backend>(dev: B, file: &GgufFile, refs: &[GreedyRef], rep
             step_id: step as u64,
             admit: Vec::new(),
             forget: Vec::new(),
+            kv_copies: Vec::new(),
             seqs,
         };
         if let Err(e) = run(&mut model, &mut read, &plan, true, &mut out) {

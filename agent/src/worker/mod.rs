@@ -227,6 +227,7 @@ mod tests {
 
     fn engine_config(max_tokens_per_step: u32) -> AgentEngineConfig {
         AgentEngineConfig {
+            swap_space_mb: 0,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: "/nonexistent/npu-serving-test/model.gguf".into(),
@@ -265,6 +266,7 @@ mod tests {
 
     fn segment() -> ShmSegment {
         let layout = ShmLayout::new(ShmCapacities {
+            max_kv_copies: 0,
             max_slots: 8,
             max_seqs_per_step: 8,
             max_tokens_per_step: 128,

@@ -171,6 +171,7 @@ mod tests {
                 return Err(EngineError::BadPlan("slot 13 is unlucky".into()));
             }
             Ok(StepResult {
+                transfer: Default::default(),
                 step_id: plan.step_id,
                 seqs: plan
                     .seqs
@@ -228,6 +229,7 @@ mod tests {
             let mut engine = Echo {
                 resets: 0,
                 facts: ModelFacts {
+                    kv: Default::default(),
                     name: "echo".into(),
                     architecture: "none".into(),
                     vocab_size: 1 << 20,

@@ -54,6 +54,7 @@ pub fn refs() -> Vec<Ref> {
 /// An engine config for tests on the default model.
 pub fn engine_config(max_slots: u32, num_blocks: u32) -> AgentEngineConfig {
     AgentEngineConfig {
+        swap_space_mb: 0,
         device: DeviceKind::Cpu,
         device_id: 0,
         model_path: model_path(),

@@ -5,13 +5,14 @@
 use bytemuck::Pod;
 
 use super::layout::{
-    PlanMeta, RawAdmission, RawSamplingParams, RawSeqResult, RawTokenLogprob, Region, ResultMeta,
-    SeqDesc, ShmLayout,
+    PlanMeta, RawAdmission, RawKvCopy, RawSamplingParams, RawSeqResult, RawTokenLogprob, Region,
+    ResultMeta, SeqDesc, ShmLayout,
 };
 use super::ShmError;
 use crate::source::{PlanSource, SeqRef, U32s};
 use crate::step::{
-    Admission, SamplingParams, SeqResult, StepPlan, StepResult, StepTiming, TokenLogprob,
+    Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, StepPlan, StepResult, StepTiming,
+    StepTransfer, TokenLogprob,
 };
 
 /// Byte-level access to one region of the segment.
@@ -140,6 +141,11 @@ pub(crate) fn check_plan(layout: &ShmLayout, plan: &StepPlan) -> Result<(), ShmE
         plan.forget.len(),
         caps.max_forget,
     )?;
+    exceeds(
+        "KV block copies per step",
+        plan.kv_copies.len(),
+        caps.max_kv_copies,
+    )?;
     for &slot in &plan.forget {
         check_slot("forget", slot, caps.max_slots)?;
     }
@@ -213,6 +219,18 @@ pub(crate) fn write_plan(
         regions[Region::Admissions as usize].put(i, &raw)?;
     }
     regions[Region::Forget as usize].put_u32s(0, &plan.forget)?;
+    for (i, copy) in plan.kv_copies.iter().enumerate() {
+        let raw = RawKvCopy {
+            direction: match copy.direction {
+                CopyDirection::DeviceToHost => 0,
+                CopyDirection::HostToDevice => 1,
+            },
+            device_block: copy.device_block,
+            host_block: copy.host_block,
+            reserved: 0,
+        };
+        regions[Region::KvCopies as usize].put(i, &raw)?;
+    }
     let meta = PlanMeta {
         step_id: plan.step_id,
         n_seqs: plan.seqs.len() as u32,
@@ -220,19 +238,21 @@ pub(crate) fn write_plan(
         n_block_entries: plan.seqs.iter().map(|s| s.block_table.len() as u32).sum(),
         n_admissions: plan.admit.len() as u32,
         n_forget: plan.forget.len() as u32,
-        reserved: 0,
+        n_kv_copies: plan.kv_copies.len() as u32,
     };
     regions[Region::PlanMeta as usize].put(0, &meta)
 }
 
 /// A plan as it lies in the segment, its structure checked (counts against the capacities,
-/// offsets, slots, admission parameters): sequence descriptors and admissions are copied out,
-/// tokens, slot mappings and block tables are read from the mapping when asked.
+/// offsets, slots, admission parameters, copy directions): sequence descriptors, admissions and
+/// KV copies are copied out, tokens, slot mappings and block tables are read from the mapping
+/// when asked.
 #[derive(Debug)]
 pub struct PlanView<'a> {
     step_id: u64,
     descs: Vec<SeqDesc>,
     admit: Vec<Admission>,
+    kv_copies: Vec<KvCopy>,
     forget: &'a [u8],
     tokens: &'a [u8],
     mapping: &'a [u8],
@@ -261,6 +281,7 @@ impl<'a> PlanView<'a> {
         corrupt("tokens", meta.n_tokens, caps.max_tokens_per_step)?;
         corrupt("admissions", meta.n_admissions, caps.max_admissions)?;
         corrupt("forgotten slots", meta.n_forget, caps.max_forget)?;
+        corrupt("KV block copies", meta.n_kv_copies, caps.max_kv_copies)?;
         let desc_region = region(layout, seg, Region::SeqDescs)?;
         let tokens = u32_bytes(
             &region(layout, seg, Region::Tokens)?,
@@ -327,10 +348,30 @@ impl<'a> PlanView<'a> {
         for slot in U32s::Le(forget).iter() {
             check_slot("forget", slot, caps.max_slots).map_err(to_corrupt)?;
         }
+        let copy_region = region(layout, seg, Region::KvCopies)?;
+        let mut kv_copies = Vec::with_capacity(meta.n_kv_copies as usize);
+        for i in 0..meta.n_kv_copies as usize {
+            let raw: RawKvCopy = copy_region.get(i)?;
+            let direction = match raw.direction {
+                0 => CopyDirection::DeviceToHost,
+                1 => CopyDirection::HostToDevice,
+                other => {
+                    return Err(ShmError::Corrupt(format!(
+                        "KV copy {i}: direction {other} (allowed 0 = to host, 1 = to device)"
+                    )))
+                }
+            };
+            kv_copies.push(KvCopy {
+                direction,
+                device_block: raw.device_block,
+                host_block: raw.host_block,
+            });
+        }
         Ok(Self {
             step_id: meta.step_id,
             descs,
             admit,
+            kv_copies,
             forget,
             tokens,
             mapping,
@@ -348,6 +389,9 @@ impl PlanSource for PlanView<'_> {
     }
     fn admissions(&self) -> &[Admission] {
         &self.admit
+    }
+    fn kv_copies(&self) -> &[KvCopy] {
+        &self.kv_copies
     }
     fn n_seqs(&self) -> usize {
         self.descs.len()
@@ -422,6 +466,11 @@ pub(crate) fn write_result(
         forward_us: result.timing.forward_us,
         sample_us: result.timing.sample_us,
         total_us: result.timing.total_us,
+        input_bytes: result.transfer.input_bytes,
+        block_table_bytes: result.transfer.block_table_bytes,
+        swap_out_bytes: result.transfer.swap_out_bytes,
+        swap_in_bytes: result.transfer.swap_in_bytes,
+        copy_us: result.transfer.copy_us,
     };
     regions[Region::ResultMeta as usize].put(0, &meta)
 }
@@ -471,6 +520,13 @@ pub(crate) fn read_result(layout: &ShmLayout, seg: &[u8]) -> Result<StepResult, 
             forward_us: meta.forward_us,
             sample_us: meta.sample_us,
             total_us: meta.total_us,
+        },
+        transfer: StepTransfer {
+            input_bytes: meta.input_bytes,
+            block_table_bytes: meta.block_table_bytes,
+            swap_out_bytes: meta.swap_out_bytes,
+            swap_in_bytes: meta.swap_in_bytes,
+            copy_us: meta.copy_us,
         },
     })
 }

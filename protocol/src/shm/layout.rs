@@ -11,7 +11,7 @@ use crate::step::MAX_TOP_N;
 /// "NPUSHM" + two version-independent bytes, read as a little-endian u64.
 pub const SHM_MAGIC: u64 = u64::from_le_bytes(*b"NPUSHM\x00\x01");
 /// Version of the segment layout and of the control frames; both sides must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Every region starts on this boundary (a cache line).
 pub const REGION_ALIGN: u64 = 64;
 /// Largest segment we agree to create or open.
@@ -37,6 +37,8 @@ pub struct ShmCapacities {
     pub max_forget: u32,
     /// Most top-n alternatives per sequence result (at most `MAX_TOP_N`).
     pub max_top_n: u32,
+    /// Most KV block copies (device<->host) carried by one step.
+    pub max_kv_copies: u32,
 }
 
 impl Default for ShmCapacities {
@@ -49,6 +51,7 @@ impl Default for ShmCapacities {
             max_admissions: 256,
             max_forget: 256,
             max_top_n: MAX_TOP_N as u32,
+            max_kv_copies: 1024,
         }
     }
 }
@@ -68,7 +71,6 @@ pub struct ShmHeader {
     /// Set to the plan_seq a result answers by `write_result` (read and written atomically).
     pub result_seq: u64,
     pub regions: [RegionRecord; REGION_COUNT],
-    pub reserved: [u64; 2],
 }
 
 /// Byte offset of `ShmHeader::plan_seq`.
@@ -87,7 +89,7 @@ pub struct RawCapacities {
     pub max_admissions: u32,
     pub max_forget: u32,
     pub max_top_n: u32,
-    pub reserved: u32,
+    pub max_kv_copies: u32,
 }
 
 /// Where one region lives in the segment.
@@ -108,7 +110,7 @@ pub struct PlanMeta {
     pub n_block_entries: u32,
     pub n_admissions: u32,
     pub n_forget: u32,
-    pub reserved: u32,
+    pub n_kv_copies: u32,
 }
 
 /// One sequence of a plan; its tokens and slot mapping live at `token_offset` of the flat
@@ -153,7 +155,18 @@ pub struct RawAdmission {
     pub params: RawSamplingParams,
 }
 
-/// Counts and timing of the result currently in the segment.
+/// One KV block copy of a plan.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct RawKvCopy {
+    /// 0: device -> host; 1: host -> device.
+    pub direction: u32,
+    pub device_block: u32,
+    pub host_block: u32,
+    pub reserved: u32,
+}
+
+/// Counts, timing and transfers of the result currently in the segment.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub struct ResultMeta {
@@ -163,6 +176,11 @@ pub struct ResultMeta {
     pub forward_us: u64,
     pub sample_us: u64,
     pub total_us: u64,
+    pub input_bytes: u64,
+    pub block_table_bytes: u64,
+    pub swap_out_bytes: u64,
+    pub swap_in_bytes: u64,
+    pub copy_us: u64,
 }
 
 /// One sequence result; its alternatives live at `index * max_top_n` of the top array.
@@ -190,7 +208,8 @@ const _: () = assert!(std::mem::size_of::<PlanMeta>() == 32);
 const _: () = assert!(std::mem::size_of::<SeqDesc>() == 32);
 const _: () = assert!(std::mem::size_of::<RawSamplingParams>() == 48);
 const _: () = assert!(std::mem::size_of::<RawAdmission>() == 56);
-const _: () = assert!(std::mem::size_of::<ResultMeta>() == 40);
+const _: () = assert!(std::mem::size_of::<RawKvCopy>() == 16);
+const _: () = assert!(std::mem::size_of::<ResultMeta>() == 80);
 const _: () = assert!(std::mem::size_of::<RawSeqResult>() == 16);
 const _: () = assert!(std::mem::size_of::<RawTokenLogprob>() == 8);
 const _: () = assert!(std::mem::offset_of!(ShmHeader, plan_seq) == PLAN_SEQ_OFFSET);
@@ -207,12 +226,13 @@ pub enum Region {
     BlockTables,
     Admissions,
     Forget,
+    KvCopies,
     ResultMeta,
     SeqResults,
     TopLogprobs,
 }
 
-pub const REGION_COUNT: usize = 10;
+pub const REGION_COUNT: usize = 11;
 
 impl Region {
     pub const ALL: [Region; REGION_COUNT] = [
@@ -223,6 +243,7 @@ impl Region {
         Region::BlockTables,
         Region::Admissions,
         Region::Forget,
+        Region::KvCopies,
         Region::ResultMeta,
         Region::SeqResults,
         Region::TopLogprobs,
@@ -251,6 +272,7 @@ impl ShmLayout {
             c(caps.max_seqs_per_step) * c(caps.max_blocks_per_seq) * 4,
             c(caps.max_admissions) * size_of_u64::<RawAdmission>(),
             c(caps.max_forget) * 4,
+            c(caps.max_kv_copies) * size_of_u64::<RawKvCopy>(),
             size_of_u64::<ResultMeta>(),
             c(caps.max_seqs_per_step) * size_of_u64::<RawSeqResult>(),
             c(caps.max_seqs_per_step) * c(caps.max_top_n) * size_of_u64::<RawTokenLogprob>(),
@@ -310,7 +332,6 @@ impl ShmLayout {
             plan_seq: 0,
             result_seq: 0,
             regions: self.regions,
-            reserved: [0; 2],
         }
     }
 
@@ -367,7 +388,7 @@ impl From<ShmCapacities> for RawCapacities {
             max_admissions: c.max_admissions,
             max_forget: c.max_forget,
             max_top_n: c.max_top_n,
-            reserved: 0,
+            max_kv_copies: c.max_kv_copies,
         }
     }
 }
@@ -382,6 +403,7 @@ impl From<RawCapacities> for ShmCapacities {
             max_admissions: c.max_admissions,
             max_forget: c.max_forget,
             max_top_n: c.max_top_n,
+            max_kv_copies: c.max_kv_copies,
         }
     }
 }
@@ -401,6 +423,12 @@ fn validate_caps(caps: &ShmCapacities) -> Result<(), ShmError> {
                 "{name} = {value}; allowed 1..={MAX_CAPACITY}"
             )));
         }
+    }
+    if caps.max_kv_copies > MAX_CAPACITY {
+        return Err(ShmError::BadCapacities(format!(
+            "max_kv_copies = {}; allowed 0..={MAX_CAPACITY}",
+            caps.max_kv_copies
+        )));
     }
     if caps.max_top_n as usize > MAX_TOP_N {
         return Err(ShmError::BadCapacities(format!(
@@ -435,6 +463,7 @@ fn layout_hash(caps: &ShmCapacities, regions: &[RegionRecord], total: u64) -> u6
         size_of_u64::<PlanMeta>(),
         size_of_u64::<SeqDesc>(),
         size_of_u64::<RawAdmission>(),
+        size_of_u64::<RawKvCopy>(),
         size_of_u64::<ResultMeta>(),
         size_of_u64::<RawSeqResult>(),
         size_of_u64::<RawTokenLogprob>(),

@@ -69,6 +69,7 @@ impl AgentSpec {
             max_admissions: engine.max_slots,
             max_forget: engine.max_slots,
             max_top_n: MAX_TOP_N as u32,
+            max_kv_copies: engine.max_kv_copies(),
         };
         Self {
             agent_id,

@@ -113,8 +113,8 @@ pub struct NpuServingConfig {
     /// Token budget of one step (chunked prefill).
     pub max_tokens_per_step: u32,
     pub prefix_cache: bool,
-    /// Host memory for swapped-out KV blocks, per agent. Only 0 (preempt by recomputation) is
-    /// accepted until swapping is built.
+    /// Host memory for KV blocks per agent, in MiB: swapped-out sequences and the prefix
+    /// cache's host tier. 0: no host pool (preemption recomputes, evicted prefixes are lost).
     pub swap_space_mb: u64,
     /// Waiting requests before new ones get 429.
     pub max_queue: u32,

@@ -8,6 +8,9 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+/// Largest host KV pool per agent we accept (1 TiB).
+const MAX_SWAP_SPACE_MB: u64 = 1 << 20;
+
 use serde_yaml::Value;
 
 use super::error::{ConfigError, ConfigWarning};
@@ -389,13 +392,11 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
         c.prefix_cache = v;
     }
     if let Some(v) = s.u64("swap_space_mb")? {
-        // Refused rather than ignored: a user who sets it expects preempted requests to keep
-        // their KV blocks, which this server cannot do yet.
-        if v != 0 {
+        if v > MAX_SWAP_SPACE_MB {
             return Err(ConfigError::not_allowed(
                 &s.key_path("swap_space_mb"),
                 v,
-                "0 (swapping KV blocks to host memory is not built; preemption recomputes)",
+                format!("0..={MAX_SWAP_SPACE_MB} (MiB of host memory per agent; 0: no host pool)"),
             ));
         }
         c.swap_space_mb = v;

@@ -48,6 +48,7 @@ impl EngineConfig {
     pub fn from_server_config(cfg: &ServerConfig, max_model_len: u32, eos_ids: Vec<u32>) -> Self {
         let block_size = cfg.pa_config.block_size as usize;
         let scheduler = SchedulerConfig {
+            kv_host: None,
             num_blocks: cfg.pa_config.num_blocks as usize,
             block_size,
             max_running: cfg.decode_batch_size() as usize,

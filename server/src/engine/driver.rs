@@ -465,6 +465,13 @@ impl Engine {
                         t.steps += 1;
                         t.round_trip += took;
                         t.agent += Duration::from_micros(result.timing.total_us);
+                        let (kv, tr) = (&self.stats.kv, &result.transfer);
+                        EngineStats::add(&kv.step_input_bytes_total, tr.input_bytes);
+                        EngineStats::add(&kv.copy_us_total, tr.copy_us);
+                        if !result.seqs.is_empty() || tr.input_bytes > 0 {
+                            EngineStats::set(&kv.last_step_input_bytes, tr.input_bytes);
+                            EngineStats::set(&kv.last_step_block_table_bytes, tr.block_table_bytes);
+                        }
                         self.metrics.step_time.observe(took);
                         EngineStats::add(&self.stats.steps_total, 1);
                         let arrived = Instant::now();
@@ -596,8 +603,23 @@ impl Engine {
         let s = &self.stats;
         let (mut running, mut waiting, mut used, mut total, mut preempted) = (0, 0, 0, 0, 0);
         let (mut queried, mut hit) = (0, 0);
+        let mut kv = [0u64; 10];
         for a in &self.agents {
             let st = a.sched.stats();
+            for (acc, v) in kv.iter_mut().zip([
+                st.preemptions_swap,
+                st.swap_out_blocks,
+                st.swap_in_blocks,
+                st.swap_out_blocks * st.block_bytes,
+                st.swap_in_blocks * st.block_bytes,
+                st.prefix_hit_tokens_host,
+                st.host_spilled_blocks,
+                st.host_blocks_total as u64,
+                st.host_blocks_cached as u64,
+                st.host_blocks_swapped as u64,
+            ]) {
+                *acc += v;
+            }
             running += st.running as u64;
             waiting += st.waiting as u64;
             used += st.blocks_used as u64;
@@ -620,6 +642,24 @@ impl Engine {
         EngineStats::set(&s.prefix_cache_queried_tokens_total, queried);
         EngineStats::set(&s.prefix_cache_hit_tokens_total, hit);
         EngineStats::set(&s.agents_total, self.agents.len() as u64);
+        let k = &s.kv;
+        for (stat, v) in [
+            &k.preemptions_swap_total,
+            &k.swap_out_blocks_total,
+            &k.swap_in_blocks_total,
+            &k.swap_out_bytes_total,
+            &k.swap_in_bytes_total,
+            &k.prefix_hit_tokens_host_total,
+            &k.host_spilled_blocks_total,
+            &k.host_blocks_total,
+            &k.host_blocks_cached,
+            &k.host_blocks_swapped,
+        ]
+        .into_iter()
+        .zip(kv)
+        {
+            EngineStats::set(stat, v);
+        }
         let up = if self.agents_stopped { 0 } else { up };
         EngineStats::set(&s.agents_up, up);
         s.ready

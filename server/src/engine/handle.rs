@@ -43,6 +43,33 @@ pub struct EngineStats {
     pub prefix_cache_hit_tokens_total: AtomicU64,
     pub agent_restarts_total: AtomicU64,
     pub steps_total: AtomicU64,
+    /// The KV memory hierarchy (host pool, swapping, host tier, host->device step inputs).
+    pub kv: KvStats,
+}
+
+/// Counters and gauges of the KV memory hierarchy, all agents together.
+#[derive(Debug, Default)]
+pub struct KvStats {
+    /// Of `preemptions_total`, those that swapped the victim's KV out (the rest recompute).
+    pub preemptions_swap_total: AtomicU64,
+    pub swap_out_blocks_total: AtomicU64,
+    pub swap_in_blocks_total: AtomicU64,
+    pub swap_out_bytes_total: AtomicU64,
+    pub swap_in_bytes_total: AtomicU64,
+    /// Of `prefix_cache_hit_tokens_total`, those brought back from the host tier.
+    pub prefix_hit_tokens_host_total: AtomicU64,
+    /// Cached blocks spilled from the device to the host tier.
+    pub host_spilled_blocks_total: AtomicU64,
+    pub host_blocks_total: AtomicU64,
+    pub host_blocks_cached: AtomicU64,
+    pub host_blocks_swapped: AtomicU64,
+    /// Bytes of step inputs sent host->device (tokens, positions, slot mappings, spans, block
+    /// tables, logit rows), and the last step's figures.
+    pub step_input_bytes_total: AtomicU64,
+    pub last_step_input_bytes: AtomicU64,
+    pub last_step_block_table_bytes: AtomicU64,
+    /// Agent time spent on KV block copies, microseconds.
+    pub copy_us_total: AtomicU64,
 }
 
 impl EngineStats {
