@@ -7,6 +7,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::long_context::LongContextConfig;
+
 /// The kinds of device an agent can run on (`npu_serving.device`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -84,6 +86,10 @@ pub struct AgentEngineConfig {
     /// Host compute threads (0 = all cores): the CPU backend's kernels, and sampling on every
     /// device.
     pub threads: u32,
+    /// Long-context mode (`npu_serving.long_context`): the block layout of sequences admitted
+    /// as long ones; None = off.
+    #[serde(default)]
+    pub long_context: Option<LongContextConfig>,
 }
 
 /// What the server needs to know about the loaded model (sent in the handshake).

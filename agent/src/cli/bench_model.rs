@@ -143,6 +143,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         max_tokens_per_step: 512,
         max_blocks_per_seq: 600,
         threads: args.threads,
+        long_context: None,
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

@@ -93,6 +93,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         max_tokens_per_step: 512,
         max_blocks_per_seq: blocks,
         threads: args.threads,
+        long_context: None,
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;
