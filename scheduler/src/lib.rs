@@ -21,6 +21,8 @@ pub(crate) mod test_util;
 mod tests;
 #[cfg(test)]
 mod tests_cache;
+#[cfg(test)]
+mod tests_long;
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
@@ -78,6 +80,8 @@ struct Planned {
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
+    /// Set in long-context mode: how a sequence's bounded table is used.
+    long_context: Option<npu_protocol::LongContextLayout>,
     blocks: BlockManager,
     seqs: HashMap<RequestId, Sequence>,
     /// Not admitted, in admission order: resumed requests first, then fresh ones FCFS.
@@ -101,7 +105,12 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Result<Self, SchedError> {
         cfg.validate()?;
         Ok(Self {
-            blocks: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_cache),
+            blocks: BlockManager::new(
+                cfg.num_blocks,
+                cfg.block_size,
+                cfg.prefix_cache && cfg.long_context.is_none(),
+            ),
+            long_context: cfg.long_context_layout(),
             free_slots: (0..cfg.slots() as u32).collect(),
             cfg,
             seqs: HashMap::new(),
