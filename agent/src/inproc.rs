@@ -76,7 +76,8 @@ impl RunTiming {
 
 /// A scheduler config that fits `engine`: its pool, block size, slots, step budget and block
 /// tables, continuous batching, no prefix cache (each run computes what it measures), no end
-/// tokens (requests carry their own `stop_token_ids`), context up to what the tables hold.
+/// tokens (requests carry their own `stop_token_ids`), context up to what the tables hold (any
+/// length in long-context mode).
 pub fn scheduler_config(engine: &AgentEngineConfig) -> SchedulerConfig {
     let slots = engine.max_slots as usize;
     SchedulerConfig {
@@ -87,10 +88,16 @@ pub fn scheduler_config(engine: &AgentEngineConfig) -> SchedulerConfig {
         max_tokens_per_step: engine.max_tokens_per_step as usize,
         max_slots: Some(slots),
         max_blocks_per_seq: engine.max_blocks_per_seq as usize,
-        max_model_len: engine.max_blocks_per_seq as usize * engine.block_size as usize,
+        // Long-context mode holds any length on its bounded tables.
+        max_model_len: if engine.long_context.is_some() {
+            u32::MAX as usize
+        } else {
+            engine.max_blocks_per_seq as usize * engine.block_size as usize
+        },
         max_generate_length: None,
         prefix_cache: false,
         eos_ids: Vec::new(),
+        long_context: engine.long_context,
         ..SchedulerConfig::default()
     }
 }

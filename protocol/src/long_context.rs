@@ -170,11 +170,15 @@ impl LongContextLayout {
         (self.cfg.initial_blocks + self.ring_blocks() + c) as usize
     }
 
-    /// Table entries a sequence of `tokens` tokens holds: its blocks, up to the budget.
+    /// Table entries a sequence of `tokens` tokens holds: one block per `block_size` tokens
+    /// while they fit the initial blocks and the ring, the whole budget (device cache included)
+    /// once they do not.
     pub fn table_len(&self, tokens: u64) -> usize {
-        tokens
-            .div_ceil(self.bs())
-            .min(u64::from(self.cfg.device_blocks)) as usize
+        if tokens > self.resident_tokens() {
+            self.cfg.device_blocks as usize
+        } else {
+            tokens.div_ceil(self.bs()) as usize
+        }
     }
 
     /// The most new tokens a step starting at `ctx` may carry (at least 1), so that it never
@@ -223,6 +227,8 @@ mod tests {
         assert_eq!(l.cache_index(15), 58);
         assert_eq!(l.resident_tokens(), 43 * 64);
         assert_eq!(l.table_len(10), 1);
+        assert_eq!(l.table_len(43 * 64), 43);
+        assert_eq!(l.table_len(43 * 64 + 1), 59);
         assert_eq!(l.table_len(1_000_000), 59);
     }
 

@@ -264,7 +264,11 @@ impl Scheduler {
 
 /// Blocks a sequence of `tokens` tokens holds: one per `bs` tokens, up to the budget in
 /// long-context mode.
-fn blocks_for(long_context: Option<&npu_protocol::LongContextLayout>, bs: usize, tokens: usize) -> usize {
+fn blocks_for(
+    long_context: Option<&npu_protocol::LongContextLayout>,
+    bs: usize,
+    tokens: usize,
+) -> usize {
     match long_context {
         Some(l) => l.table_len(tokens as u64),
         None => tokens.div_ceil(bs),

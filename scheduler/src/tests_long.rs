@@ -36,7 +36,10 @@ fn a_sequence_far_past_its_budget_runs_on_a_bounded_table() {
         assert_eq!(q.start_pos, next_pos, "positions run on without a gap");
         next_pos += q.tokens.len() as u32;
         let ctx = u64::from(q.start_pos);
-        assert!(q.tokens.len() as u64 <= layout.max_chunk(ctx), "chunk at {ctx}");
+        assert!(
+            q.tokens.len() as u64 <= layout.max_chunk(ctx),
+            "chunk at {ctx}"
+        );
         assert!(q.block_table.len() <= 8);
         assert_eq!(q.block_table.len(), layout.table_len(u64::from(next_pos)));
         for (i, &m) in q.slot_mapping.iter().enumerate() {
@@ -57,7 +60,10 @@ fn long_context_settings_are_checked_against_the_pool() {
     c.num_blocks = 7;
     c.max_blocks_per_seq = 7;
     let e = c.validate().unwrap_err().to_string();
-    assert!(e.contains("long_context") && e.contains("device_blocks"), "{e}");
+    assert!(
+        e.contains("long_context") && e.contains("device_blocks"),
+        "{e}"
+    );
     let mut c = long_cfg(8);
     c.long_context = Some(LongContextConfig {
         topk_blocks: 0,

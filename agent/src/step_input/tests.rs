@@ -12,6 +12,7 @@ const LIM: StepLimits = StepLimits {
     num_blocks: 10,
     block_size: 4,
     vocab: 100,
+    long_context: None,
 };
 
 /// A sequence on `table` with `n` new tokens from `start`, mapped through its table.
