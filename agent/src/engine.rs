@@ -71,7 +71,7 @@ fn long_context_layout(
     lc: npu_protocol::LongContextConfig,
 ) -> Result<npu_protocol::LongContextLayout, EngineError> {
     let layout = npu_protocol::LongContextLayout::new(lc, cfg.block_size)
-        .map_err(|(key, why)| EngineError::BadConfig(format!("long_context.{key} {why}")))?;
+        .map_err(|e| EngineError::BadConfig(format!("long_context.{e}")))?;
     let room = cfg.num_blocks.min(cfg.max_blocks_per_seq);
     if lc.device_blocks > room {
         return Err(EngineError::BadConfig(format!(

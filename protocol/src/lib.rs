@@ -10,7 +10,7 @@ pub mod shm;
 pub mod source;
 pub mod step;
 
-pub use long_context::{LongContextConfig, LongContextLayout};
+pub use long_context::{LongContextConfig, LongContextLayout, LongContextSettingError};
 pub use source::{PlanSource, SeqRef, U32s};
 pub use step::{
     Admission, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming, TokenLogprob,

@@ -55,42 +55,64 @@ impl Default for LongContextConfig {
     }
 }
 
+/// A long-context setting that cannot work: which (as in `npu_serving.long_context`), its value
+/// and what is allowed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LongContextSettingError {
+    pub key: &'static str,
+    pub value: u32,
+    pub allowed: String,
+}
+
+impl std::fmt::Display for LongContextSettingError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} is {}, must be {}",
+            self.key, self.value, self.allowed
+        )
+    }
+}
+
 impl LongContextConfig {
-    /// Checks the settings against the pool's block size. The error names the setting (as in
-    /// `npu_serving.long_context`) and says what is allowed.
-    pub fn validate(&self, block_size: u32) -> Result<(), (&'static str, String)> {
-        let at_least = |key: &'static str, v: u32, min: u32| {
-            if v < min {
-                Err((key, format!("is {v}, must be at least {min}")))
-            } else {
-                Ok(())
-            }
+    /// Checks the settings against the pool's block size.
+    pub fn validate(&self, block_size: u32) -> Result<(), LongContextSettingError> {
+        let err = |key: &'static str, value: u32, allowed: String| {
+            Err(LongContextSettingError {
+                key,
+                value,
+                allowed,
+            })
         };
-        at_least("local_blocks", self.local_blocks, 1)?;
-        at_least("topk_blocks", self.topk_blocks, 1)?;
-        at_least("representative_keys", self.representative_keys, 1)?;
+        for (key, v) in [
+            ("local_blocks", self.local_blocks),
+            ("topk_blocks", self.topk_blocks),
+            ("representative_keys", self.representative_keys),
+        ] {
+            if v == 0 {
+                return err(key, v, "at least 1".into());
+            }
+        }
         if self.representative_keys > block_size {
-            return Err((
+            return err(
                 "representative_keys",
-                format!(
-                    "is {}, must be at most the block size ({block_size})",
-                    self.representative_keys
-                ),
-            ));
+                self.representative_keys,
+                format!("at most the block size ({block_size})"),
+            );
         }
         let fixed = u64::from(self.initial_blocks)
             + u64::from(self.local_blocks)
             + u64::from(self.topk_blocks);
         if u64::from(self.device_blocks) < fixed + 1 {
-            return Err((
+            return err(
                 "device_blocks",
+                self.device_blocks,
                 format!(
-                    "is {}, must be at least initial_blocks + local_blocks + topk_blocks + 1 = {} \
-                     (one block at least for the tokens being written)",
-                    self.device_blocks,
+                    "at least initial_blocks + local_blocks + topk_blocks + 1 = {} (one block at \
+                     least for the tokens being written)",
                     fixed + 1
                 ),
-            ));
+            );
         }
         Ok(())
     }
@@ -105,9 +127,13 @@ pub struct LongContextLayout {
 
 impl LongContextLayout {
     /// The layout for `cfg` on a pool of `block_size`-token blocks, or the setting that is wrong.
-    pub fn new(cfg: LongContextConfig, block_size: u32) -> Result<Self, (&'static str, String)> {
+    pub fn new(cfg: LongContextConfig, block_size: u32) -> Result<Self, LongContextSettingError> {
         if block_size == 0 {
-            return Err(("block_size", "is 0".into()));
+            return Err(LongContextSettingError {
+                key: "block_size",
+                value: 0,
+                allowed: "at least 1".into(),
+            });
         }
         cfg.validate(block_size)?;
         Ok(Self { cfg, block_size })
@@ -235,7 +261,8 @@ mod tests {
     #[test]
     fn bad_settings_name_their_key() {
         let base = LongContextConfig::default();
-        let bad = |cfg: LongContextConfig, bs: u32| LongContextLayout::new(cfg, bs).unwrap_err().0;
+        let bad =
+            |cfg: LongContextConfig, bs: u32| LongContextLayout::new(cfg, bs).unwrap_err().key;
         let with = |f: &dyn Fn(&mut LongContextConfig)| {
             let mut c = base;
             f(&mut c);

@@ -143,11 +143,10 @@ impl SchedulerConfig {
         }
         if let Some(lc) = &self.long_context {
             let bs = u32::try_from(self.block_size).unwrap_or(u32::MAX);
-            lc.validate(bs)
-                .map_err(|(key, reason)| SchedError::InvalidConfig {
-                    field: "long_context",
-                    reason: format!("{key} {reason}"),
-                })?;
+            lc.validate(bs).map_err(|e| SchedError::InvalidConfig {
+                field: "long_context",
+                reason: e.to_string(),
+            })?;
             let room = self.max_blocks_one_seq();
             if lc.device_blocks as usize > room {
                 return Err(SchedError::InvalidConfig {

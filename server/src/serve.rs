@@ -197,7 +197,7 @@ fn agent_specs(
                 max_tokens_per_step: s.max_tokens_per_step as u32,
                 max_blocks_per_seq: s.max_blocks_per_seq as u32,
                 threads,
-                long_context: None,
+                long_context: cfg.npu_serving.long_context,
             };
             AgentSpec::new(i as u32, engine)
         })
