@@ -54,6 +54,8 @@ pub struct RunTiming {
     /// Duration and token count of every decode-only step.
     pub decode_steps: Vec<(Duration, usize)>,
     pub steps: usize,
+    /// The most KV blocks sequences held at once (after planning a step).
+    pub peak_blocks_used: usize,
 }
 
 impl RunTiming {
@@ -137,6 +139,7 @@ pub fn run(
             }
             return Err(InprocError::Stalled);
         };
+        timing.peak_blocks_used = timing.peak_blocks_used.max(sched.stats().blocks_used);
         let prompt_tokens: usize = plan.seqs.iter().map(|s| s.n_prompt_tokens as usize).sum();
         let t0 = Instant::now();
         let res = engine.step(&plan)?;
