@@ -3,8 +3,9 @@
 //! the per-sequence facts the engine needs (slot, prompt tokens, which logit row samples for
 //! which slot), and checks everything the model and the KV pool rely on, once: capacities,
 //! admitted slots used once each, positions, block tables within the pool covering every new
-//! token, slot mapping consistent with the block table, token ids within the vocabulary, logit
-//! rows. Nothing downstream checks a step again.
+//! token, slot mapping consistent with the block table (through the long-context layout's ring
+//! when that mode is on, with chunks that fit it), token ids within the vocabulary, logit rows.
+//! Nothing downstream checks a step again.
 
 use npu_backend::{SeqSpan, StepInputs};
 use npu_protocol::{LongContextLayout, PlanSource};
