@@ -192,10 +192,15 @@ fn long_context_plans_map_slots_through_the_ring() {
     };
     let table = [7u32, 2, 5, 9];
     let ring_seq = |start: u32, n: u32| SeqStep {
+        slot: 0,
+        tokens: (0..n).map(|j| 10 + j).collect(),
+        start_pos: start,
+        block_table: table.to_vec(),
         slot_mapping: (start..start + n)
             .map(|p| layout.slot(&table, u64::from(p)).unwrap())
             .collect(),
-        ..seq(0, start, n, &table, true)
+        sample: true,
+        n_prompt_tokens: 0,
     };
     // Position 20 lies in logical block 5: ring entry 1 + (4 % 2) = 1, block 2.
     let r = read_long(&plan(vec![ring_seq(20, 2)])).unwrap();
