@@ -54,7 +54,10 @@ fn the_served_path_runs_long_context_mode() {
     for (p, w) in short.iter().zip(&want) {
         let r = server.stream(Api::LlmServing, p, 24);
         assert!(r.success, "{:?}", r.error);
-        assert_eq!(&r.resp_text, w, "{p:?}: below the budget the mode changes nothing");
+        assert_eq!(
+            &r.resp_text, w,
+            "{p:?}: below the budget the mode changes nothing"
+        );
     }
     // About 600 tokens each: far past an 8-block budget, two at once on a 16-block pool.
     let long: Vec<(String, usize)> = (0..2)

@@ -19,7 +19,8 @@ use npu_protocol::{LongContextConfig, SamplingParams};
 use npu_scheduler::GenerateRequest;
 use npu_tokenizer::Tokenizer;
 
-const FILLER: &str = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and \
+const FILLER: &str =
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and \
                       back again. ";
 
 fn env_list(key: &str, default: &str) -> Vec<String> {

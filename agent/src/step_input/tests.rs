@@ -217,6 +217,8 @@ fn long_context_plans_map_slots_through_the_ring() {
     let e = read_long(&plan(vec![short])).unwrap_err().to_string();
     assert!(e.contains("need more than"), "{e}");
     // From 20 the ring holds the window block 4 and block 5: at most 4 tokens.
-    let e = read_long(&plan(vec![ring_seq(20, 5)])).unwrap_err().to_string();
+    let e = read_long(&plan(vec![ring_seq(20, 5)]))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("overrun"), "{e}");
 }
