@@ -82,4 +82,9 @@ fn the_served_path_runs_long_context_mode() {
     });
     assert_eq!(used, 0.0);
     assert_eq!(server.metric("npu_serving_http_responses_5xx_total"), 0.0);
+    drop(server);
+    let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!(
+        "npu-serving-e2e-long-{}-long-on",
+        std::process::id()
+    )));
 }
