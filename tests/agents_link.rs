@@ -175,6 +175,7 @@ fn spec(agent_id: u32) -> AgentSpec {
             max_tokens_per_step: 64,
             max_blocks_per_seq: 8,
             threads: 1,
+            long_context: None,
         },
     )
 }

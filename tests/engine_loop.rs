@@ -174,6 +174,7 @@ impl Harness {
             max_tokens_per_step: s.max_tokens_per_step as u32,
             max_blocks_per_seq: s.max_blocks_per_seq as u32,
             threads: 1,
+            long_context: None,
         };
         let faults = Arc::new(Mutex::new(faults));
         let agent = InProcessAgent {

@@ -15,6 +15,7 @@ use npu_backend_cpu::{CpuBackend, CpuConfig};
 use npu_gguf::GgufFile;
 pub use npu_protocol::agent::DeviceKind;
 
+use crate::long_context::LongContext;
 use crate::model::{Model, ModelConfig, ModelError, ModelOptions, StepOutput};
 
 /// The devices this build has backends for.
@@ -132,6 +133,27 @@ impl DeviceModel {
         out: &mut StepOutput,
     ) -> Result<(), ModelError> {
         dispatch!(self, m => m.forward(step, greedy, out))
+    }
+
+    /// Long-context mode's work before a step (see `Model::prepare_long_context`).
+    pub fn prepare_long_context(
+        &mut self,
+        lc: &mut LongContext,
+        step: &mut StepInputs,
+        slots: &[u32],
+    ) -> Result<(), ModelError> {
+        dispatch!(self, m => m.prepare_long_context(lc, step, slots))
+    }
+
+    /// One step with long-context mode's selection (see `Model::forward_with`).
+    pub fn forward_with(
+        &mut self,
+        step: &StepInputs,
+        greedy: bool,
+        out: &mut StepOutput,
+        lc: Option<&mut LongContext>,
+    ) -> Result<(), ModelError> {
+        dispatch!(self, m => m.forward_with(step, greedy, out, lc))
     }
 }
 

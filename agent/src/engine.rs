@@ -15,6 +15,8 @@ use thiserror::Error;
 
 use crate::device::{DeviceModel, DeviceSpec};
 use crate::kv_host::{measure_copy_bandwidth, CopyBandwidth, HostKvPool};
+use crate::long_context::select::Heads;
+use crate::long_context::{LongContext, LongContextStats};
 use crate::model::{ModelConfig, ModelError, ModelOptions, StepOutput};
 use crate::sampler::{is_plain_greedy, SampleOutput, Sampler, SamplerError, TokenHistory};
 use crate::step_input::{StepError, StepLimits, StepRead};
@@ -63,6 +65,10 @@ pub struct AgentEngine {
     out: StepOutput,
     /// Host memory for swapped-out and spilled KV blocks.
     host_kv: HostKvPool,
+    /// Long-context mode's host memory, when the config turns it on.
+    long_context: Option<LongContext>,
+    /// Slots of the current step's sequences (reused).
+    step_slots: Vec<u32>,
 }
 
 /// Bytes of a step's inputs that go host->device (`begin_step`: tokens, positions, slot
@@ -73,6 +79,24 @@ pub fn input_bytes(s: &npu_backend::StepInputs) -> (u64, u64) {
     let spans = s.seqs.len() * std::mem::size_of::<npu_backend::SeqSpan>();
     let tables = (s.block_tables.len() * 4) as u64;
     ((words * 4 + spans) as u64 + tables, tables)
+}
+
+/// The long-context layout of `lc` on the engine's pool, or an error naming the setting.
+fn long_context_layout(
+    cfg: &AgentEngineConfig,
+    lc: npu_protocol::LongContextConfig,
+) -> Result<npu_protocol::LongContextLayout, EngineError> {
+    let layout = npu_protocol::LongContextLayout::new(lc, cfg.block_size)
+        .map_err(|e| EngineError::BadConfig(format!("long_context.{e}")))?;
+    let room = cfg.num_blocks.min(cfg.max_blocks_per_seq);
+    if lc.device_blocks > room {
+        return Err(EngineError::BadConfig(format!(
+            "long_context.device_blocks is {}, more than one sequence can hold here (min(num_blocks \
+             {}, max_blocks_per_seq {}) = {room})",
+            lc.device_blocks, cfg.num_blocks, cfg.max_blocks_per_seq
+        )));
+    }
+    Ok(layout)
 }
 
 /// End-of-generation token ids from the metadata (eos, and eot/eom where present).
@@ -151,6 +175,19 @@ impl AgentEngine {
             backend: model.describe(),
             kv,
         };
+        let long_layout = match cfg.long_context {
+            Some(lc) => Some(long_context_layout(cfg, lc)?),
+            None => None,
+        };
+        let long_context = long_layout.map(|layout| {
+            let heads = Heads {
+                n_heads: mc.n_heads,
+                n_kv_heads: mc.n_kv_heads,
+                head_dim: mc.head_dim,
+                rope: mc.rope,
+            };
+            LongContext::new(layout, heads, mc.n_layers, cfg.max_slots as usize)
+        });
         let limits = StepLimits {
             max_tokens: opts.max_tokens,
             max_slots: cfg.max_slots as usize,
@@ -158,6 +195,7 @@ impl AgentEngine {
             num_blocks: opts.num_blocks,
             block_size: opts.block_size,
             vocab: mc.vocab,
+            long_context: long_layout,
         };
         Ok(Self {
             cfg: cfg.clone(),
@@ -169,7 +207,26 @@ impl AgentEngine {
             read: StepRead::default(),
             out: StepOutput::default(),
             host_kv,
+            long_context,
+            step_slots: Vec::new(),
         })
+    }
+
+    /// Long-context mode's counters (None when the mode is off).
+    pub fn long_context_stats(&self) -> Option<LongContextStats> {
+        self.long_context.as_ref().map(LongContext::stats)
+    }
+
+    /// Bytes of host memory long-context mode holds now.
+    pub fn long_context_host_bytes(&self) -> usize {
+        self.long_context
+            .as_ref()
+            .map_or(0, LongContext::host_bytes)
+    }
+
+    /// Bytes of one KV block on the device.
+    pub fn kv_block_bytes(&self) -> usize {
+        self.model.kv_block_bytes()
     }
 
     pub fn facts(&self) -> &ModelFacts {
@@ -193,6 +250,9 @@ impl AgentEngine {
     /// Forget every slot (after a server-side reset).
     pub fn reset(&mut self) {
         self.slots.iter_mut().for_each(|s| *s = None);
+        if let Some(lc) = self.long_context.as_mut() {
+            (0..self.slots.len()).for_each(|s| lc.reset_slot(s));
+        }
     }
 
     fn slot_index(&self, slot: u32) -> Result<usize, EngineError> {
@@ -214,6 +274,9 @@ impl AgentEngine {
         for s in plan.forget().iter() {
             let i = self.slot_index(s)?;
             self.slots[i] = None;
+            if let Some(lc) = self.long_context.as_mut() {
+                lc.reset_slot(i);
+            }
         }
         for a in plan.admissions() {
             let i = self.slot_index(a.slot)?;
@@ -221,6 +284,9 @@ impl AgentEngine {
                 params: a.params.clone(),
                 history: TokenHistory::new(),
             });
+            if let Some(lc) = self.long_context.as_mut() {
+                lc.reset_slot(i);
+            }
         }
         let copies = self
             .host_kv
@@ -260,8 +326,19 @@ impl AgentEngine {
         });
         (transfer.input_bytes, transfer.block_table_bytes) = input_bytes(&self.read.inputs);
         let t_fwd = Instant::now();
-        self.model
-            .forward(&self.read.inputs, greedy, &mut self.out)?;
+        if let Some(lc) = self.long_context.as_mut() {
+            self.step_slots.clear();
+            self.step_slots
+                .extend(self.read.seqs.iter().map(|f| f.slot));
+            self.model
+                .prepare_long_context(lc, &mut self.read.inputs, &self.step_slots)?;
+        }
+        self.model.forward_with(
+            &self.read.inputs,
+            greedy,
+            &mut self.out,
+            self.long_context.as_mut(),
+        )?;
         let forward_us = t_fwd.elapsed().as_micros() as u64;
         let t_sample = Instant::now();
         let seqs = if self.out.picked_on_device {

@@ -54,6 +54,8 @@ pub struct RunTiming {
     /// Duration and token count of every decode-only step.
     pub decode_steps: Vec<(Duration, usize)>,
     pub steps: usize,
+    /// The most KV blocks sequences held at once (after planning a step).
+    pub peak_blocks_used: usize,
 }
 
 impl RunTiming {
@@ -76,7 +78,8 @@ impl RunTiming {
 
 /// A scheduler config that fits `engine`: its pool, block size, slots, step budget and block
 /// tables, continuous batching, no prefix cache (each run computes what it measures), no end
-/// tokens (requests carry their own `stop_token_ids`), context up to what the tables hold.
+/// tokens (requests carry their own `stop_token_ids`), context up to what the tables hold (any
+/// length in long-context mode).
 pub fn scheduler_config(engine: &AgentEngineConfig) -> SchedulerConfig {
     let slots = engine.max_slots as usize;
     SchedulerConfig {
@@ -87,10 +90,16 @@ pub fn scheduler_config(engine: &AgentEngineConfig) -> SchedulerConfig {
         max_tokens_per_step: engine.max_tokens_per_step as usize,
         max_slots: Some(slots),
         max_blocks_per_seq: engine.max_blocks_per_seq as usize,
-        max_model_len: engine.max_blocks_per_seq as usize * engine.block_size as usize,
+        // Long-context mode holds any length on its bounded tables.
+        max_model_len: if engine.long_context.is_some() {
+            u32::MAX as usize
+        } else {
+            engine.max_blocks_per_seq as usize * engine.block_size as usize
+        },
         max_generate_length: None,
         prefix_cache: false,
         eos_ids: Vec::new(),
+        long_context: engine.long_context,
         ..SchedulerConfig::default()
     }
 }
@@ -130,6 +139,7 @@ pub fn run(
             }
             return Err(InprocError::Stalled);
         };
+        timing.peak_blocks_used = timing.peak_blocks_used.max(sched.stats().blocks_used);
         let prompt_tokens: usize = plan.seqs.iter().map(|s| s.n_prompt_tokens as usize).sum();
         let t0 = Instant::now();
         let res = engine.step(&plan)?;

@@ -3,11 +3,12 @@
 //! the per-sequence facts the engine needs (slot, prompt tokens, which logit row samples for
 //! which slot), and checks everything the model and the KV pool rely on, once: capacities,
 //! admitted slots used once each, positions, block tables within the pool covering every new
-//! token, slot mapping consistent with the block table, token ids within the vocabulary, logit
-//! rows. Nothing downstream checks a step again.
+//! token, slot mapping consistent with the block table (through the long-context layout's ring
+//! when that mode is on, with chunks that fit it), token ids within the vocabulary, logit rows.
+//! Nothing downstream checks a step again.
 
 use npu_backend::{SeqSpan, StepInputs};
-use npu_protocol::PlanSource;
+use npu_protocol::{LongContextLayout, PlanSource};
 use thiserror::Error;
 
 /// What a step may hold, fixed when the engine is loaded.
@@ -19,6 +20,8 @@ pub struct StepLimits {
     pub num_blocks: usize,
     pub block_size: usize,
     pub vocab: usize,
+    /// Long-context mode: block tables and slot mappings follow this layout.
+    pub long_context: Option<LongContextLayout>,
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -116,7 +119,20 @@ impl StepRead {
                 return bad(format!("sequence {i}: positions beyond 32 bits"));
             }
             let table = seq.block_table;
-            if end.div_ceil(bs) > table.len() as u64 {
+            let blocks_needed = match &lim.long_context {
+                Some(l) => {
+                    if n as u64 > l.max_chunk(start) {
+                        return bad(format!(
+                            "sequence {i}: {n} tokens from position {start} overrun the \
+                             long-context ring (at most {})",
+                            l.max_chunk(start)
+                        ));
+                    }
+                    l.table_len(end) as u64
+                }
+                None => end.div_ceil(bs),
+            };
+            if blocks_needed > table.len() as u64 {
                 return bad(format!(
                     "sequence {i}: {end} positions need more than its {} blocks",
                     table.len()
@@ -131,9 +147,16 @@ impl StepRead {
                     ));
                 }
                 let pos = start + j as u64;
-                // In range: pos < end <= table.len() * bs.
-                let block = table.get((pos / bs) as usize).unwrap_or(u32::MAX) as u64;
-                let want = block * bs + pos % bs;
+                let want = match &lim.long_context {
+                    Some(l) => table
+                        .get(l.table_index(pos / bs))
+                        .map_or(u64::MAX, |b| b as u64 * bs + pos % bs),
+                    None => {
+                        // In range: pos < end <= table.len() * bs.
+                        let block = table.get((pos / bs) as usize).unwrap_or(u32::MAX) as u64;
+                        block * bs + pos % bs
+                    }
+                };
                 if mapped as u64 != want {
                     return bad(format!(
                         "sequence {i}: token {j} maps to slot {mapped} but its block table gives \

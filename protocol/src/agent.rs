@@ -7,6 +7,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::long_context::LongContextConfig;
+
 /// The kinds of device an agent can run on (`npu_serving.device`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -88,6 +90,10 @@ pub struct AgentEngineConfig {
     /// MiB; 0: no host pool.
     #[serde(default)]
     pub swap_space_mb: u64,
+    /// Long-context mode (`npu_serving.long_context`): the block layout of sequences admitted
+    /// as long ones; None = off.
+    #[serde(default)]
+    pub long_context: Option<LongContextConfig>,
 }
 
 /// Most KV block copies one step may carry for a pool of `num_blocks` device blocks: every

@@ -1,13 +1,16 @@
 //! npu-protocol: what the server and its agents must agree on. Step plans and step results
 //! (`step`, read where they lie through `source`), the shared-memory segment (`shm`), the framed
-//! control messages (`frame`), and how an agent is started (`agent`).
+//! control messages (`frame`), how an agent is started (`agent`), and the block layout of
+//! long-context sequences (`long_context`).
 
 pub mod agent;
 pub mod frame;
+pub mod long_context;
 pub mod shm;
 pub mod source;
 pub mod step;
 
+pub use long_context::{LongContextConfig, LongContextLayout, LongContextSettingError};
 pub use source::{PlanSource, SeqRef, U32s};
 pub use step::{
     Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult,

@@ -1,6 +1,8 @@
 //! The scheduler's typed configuration (one agent's KV pool and batching limits), its defaults,
 //! and its validation.
 
+use npu_protocol::{LongContextConfig, LongContextLayout};
+
 use super::error::SchedError;
 
 /// How requests are grouped into steps.
@@ -43,6 +45,9 @@ pub struct SchedulerConfig {
     /// The agent's host KV pool (swap preemption, the prefix cache's host tier); None: no host
     /// pool, preemption recomputes.
     pub kv_host: Option<KvHostConfig>,
+    /// Long-context mode (`npu_protocol::long_context`): every sequence holds at most
+    /// `device_blocks` blocks, however long; the prefix cache is off (ring blocks are rewritten).
+    pub long_context: Option<LongContextConfig>,
 }
 
 /// The agent's host KV pool and what moving a block costs (from the agent's handshake).
@@ -88,6 +93,7 @@ impl Default for SchedulerConfig {
             prefix_cache: true,
             eos_ids: Vec::new(),
             kv_host: None,
+            long_context: None,
         }
     }
 }
@@ -103,10 +109,21 @@ impl SchedulerConfig {
         self.num_blocks.min(self.max_blocks_per_seq)
     }
 
+    /// The long-context layout, when that mode is on and its settings are valid.
+    pub fn long_context_layout(&self) -> Option<LongContextLayout> {
+        let cfg = self.long_context?;
+        LongContextLayout::new(cfg, u32::try_from(self.block_size).ok()?).ok()
+    }
+
     /// Longest prompt-plus-generated length any sequence may reach: the context limit, the
-    /// optional generate-length cap, and the KV room one sequence can have.
+    /// optional generate-length cap, and the KV room one sequence can have (unbounded in
+    /// long-context mode).
     pub fn max_total_len(&self) -> usize {
-        let kv_tokens = self.max_blocks_one_seq().saturating_mul(self.block_size);
+        let kv_tokens = if self.long_context.is_some() {
+            usize::MAX
+        } else {
+            self.max_blocks_one_seq().saturating_mul(self.block_size)
+        };
         let mut limit = self.max_model_len.min(kv_tokens);
         if let Some(g) = self.max_generate_length {
             limit = limit.min(g);
@@ -170,6 +187,24 @@ impl SchedulerConfig {
                     self.num_blocks, self.block_size
                 ),
             });
+        }
+        if let Some(lc) = &self.long_context {
+            let bs = u32::try_from(self.block_size).unwrap_or(u32::MAX);
+            lc.validate(bs).map_err(|e| SchedError::InvalidConfig {
+                field: "long_context",
+                reason: e.to_string(),
+            })?;
+            let room = self.max_blocks_one_seq();
+            if lc.device_blocks as usize > room {
+                return Err(SchedError::InvalidConfig {
+                    field: "long_context",
+                    reason: format!(
+                        "device_blocks {} is more than one sequence can hold (min(num_blocks {}, \
+                         max_blocks_per_seq {}) = {room})",
+                        lc.device_blocks, self.num_blocks, self.max_blocks_per_seq
+                    ),
+                });
+            }
         }
         if self.max_total_len() < 2 {
             return Err(SchedError::InvalidConfig {

@@ -25,6 +25,8 @@ mod tests;
 mod tests_cache;
 #[cfg(test)]
 mod tests_swap;
+#[cfg(test)]
+mod tests_long;
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
@@ -98,6 +100,8 @@ struct Planned {
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
+    /// Set in long-context mode: how a sequence's bounded table is used.
+    long_context: Option<npu_protocol::LongContextLayout>,
     blocks: BlockManager,
     seqs: HashMap<RequestId, Sequence>,
     /// Not admitted, in admission order: resumed requests first, then fresh ones FCFS.
@@ -136,10 +140,11 @@ impl Scheduler {
             blocks: BlockManager::with_host(
                 cfg.num_blocks,
                 cfg.block_size,
-                cfg.prefix_cache,
+                cfg.prefix_cache && cfg.long_context.is_none(),
                 host_blocks,
                 max_copies,
             ),
+            long_context: cfg.long_context_layout(),
             free_slots: (0..cfg.slots() as u32).collect(),
             cfg,
             seqs: HashMap::new(),

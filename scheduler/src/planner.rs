@@ -53,7 +53,8 @@ impl Scheduler {
             if busy || seq.remaining() <= 1 {
                 continue;
             }
-            let n = seq.remaining().min(budget);
+            let n = self.chunk(id, seq.remaining().min(budget));
+            let seq = &self.seqs[&id];
             if self.grow_table(id, seq.num_computed() + n) {
                 self.emit(step_id, id, n, &mut steps, &mut planned);
                 budget -= n;
@@ -91,7 +92,7 @@ impl Scheduler {
                 params: self.seqs[&id].params().clone(),
             });
             if budget > 0 {
-                let n = self.seqs[&id].remaining().min(budget);
+                let n = self.chunk(id, self.seqs[&id].remaining().min(budget));
                 self.emit(step_id, id, n, &mut steps, &mut planned);
                 budget -= n;
             }
@@ -147,7 +148,7 @@ impl Scheduler {
         }
         let n_host = hit.n_host();
         let n_device = hit.blocks.len() - n_host;
-        let need = total.div_ceil(bs) - n_device;
+        let need = self.blocks_for(total) - n_device;
         if need > self.blocks.num_available() - hit.revived {
             return None;
         }
@@ -198,7 +199,7 @@ impl Scheduler {
         loop {
             let adm = self.seqs.get_mut(&id).and_then(|s| s.admitted.as_mut());
             let Some(adm) = adm else { return false };
-            if adm.blocks.len() * bs >= end {
+            if adm.blocks.len() >= blocks_for(self.long_context.as_ref(), bs, end) {
                 return true;
             }
             match self.blocks.allocate() {
@@ -224,6 +225,21 @@ impl Scheduler {
         true
     }
 
+    /// Blocks a sequence of `tokens` tokens holds.
+    fn blocks_for(&self, tokens: usize) -> usize {
+        blocks_for(self.long_context.as_ref(), self.cfg.block_size, tokens)
+    }
+
+    /// `n` new tokens of a sequence's prefill, capped in long-context mode so that the step
+    /// fits its ring (see `LongContextLayout::max_chunk`).
+    fn chunk(&self, id: RequestId, n: usize) -> usize {
+        let (Some(l), Some(seq)) = (&self.long_context, self.seqs.get(&id)) else {
+            return n;
+        };
+        let cap = l.max_chunk(seq.num_computed() as u64);
+        n.min(usize::try_from(cap).unwrap_or(usize::MAX))
+    }
+
     /// Adds the next `n` tokens of an admitted sequence to the plan.
     fn emit(
         &mut self,
@@ -244,10 +260,15 @@ impl Scheduler {
         let start = adm.num_computed;
         let end = start + n;
         let tokens = seq.tokens(start, end);
-        let block_table = adm.blocks[..end.div_ceil(bs)].to_vec();
-        let slot_mapping = (start..end)
-            .map(|pos| block_table[pos / bs] * bs as u32 + (pos % bs) as u32)
-            .collect();
+        let block_table = adm.blocks[..blocks_for(self.long_context.as_ref(), bs, end)].to_vec();
+        let slot_mapping = match &self.long_context {
+            Some(l) => (start..end)
+                .map(|pos| l.slot(&block_table, pos as u64).unwrap_or(u32::MAX))
+                .collect(),
+            None => (start..end)
+                .map(|pos| block_table[pos / bs] * bs as u32 + (pos % bs) as u32)
+                .collect(),
+        };
         let sample = end == total;
         let slot = adm.slot;
         steps.push(SeqStep {
@@ -270,6 +291,19 @@ impl Scheduler {
             adm.in_flight = Some(step_id);
         }
         self.scheduled_tokens += n as u64;
+    }
+}
+
+/// Blocks a sequence of `tokens` tokens holds: one per `bs` tokens, up to the budget in
+/// long-context mode.
+fn blocks_for(
+    long_context: Option<&npu_protocol::LongContextLayout>,
+    bs: usize,
+    tokens: usize,
+) -> usize {
+    match long_context {
+        Some(l) => l.table_len(tokens as u64),
+        None => tokens.div_ceil(bs),
     }
 }
 

@@ -89,6 +89,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                     },
                     prefix_cache: pc,
                     eos_ids: vec![EOS],
+                    long_context: None,
                 }
             },
         )

@@ -170,7 +170,8 @@ pub(crate) fn check_request(
     }
     let blocks_needed = (len + 1).div_ceil(cfg.block_size);
     let blocks_max = cfg.max_blocks_one_seq();
-    if blocks_needed > blocks_max {
+    // In long-context mode a sequence never holds more than its budget (checked with the config).
+    if blocks_needed > blocks_max && cfg.long_context.is_none() {
         return Err(SchedError::ExceedsPool {
             id,
             len,

@@ -35,6 +35,11 @@ impl Scheduler {
 
     fn try_swap_out(&mut self, id: RequestId) -> Option<Swapped> {
         let host = self.cfg.kv_host?;
+        // A long-context sequence's blocks are a ring and a device cache whose host side lives in
+        // the agent's slot: it is recomputed, never swapped.
+        if self.long_context.is_some() {
+            return None;
+        }
         let bs = self.cfg.block_size;
         let seq = self.seqs.get(&id)?;
         let adm = seq.admitted.as_ref()?;

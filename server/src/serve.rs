@@ -227,6 +227,7 @@ fn agent_specs(
                 max_blocks_per_seq: s.max_blocks_per_seq as u32,
                 threads,
                 swap_space_mb: cfg.npu_serving.swap_space_mb,
+                long_context: cfg.npu_serving.long_context,
             };
             AgentSpec::new(i as u32, engine)
         })

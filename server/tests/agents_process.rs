@@ -72,6 +72,7 @@ fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
         max_tokens_per_step: 64,
         max_blocks_per_seq: 16,
         threads: 1,
+        long_context: None,
     }
 }
 

@@ -489,3 +489,53 @@ fn nonzero_waiting_times_and_disabled_paging_are_warned_ignored() {
     assert!(warned(&cfg, "model_config.page_attention"));
     assert!(warned(&cfg, "serving_config.decode_batch_waiting_time"));
 }
+
+#[test]
+fn long_context_is_a_checked_mapping_of_its_settings() {
+    let cfg = ServerConfig::from_yaml_str(
+        "pa_config:\n  num_blocks: 64\nnpu_serving:\n  long_context:\n    topk_blocks: 8\n    \
+         device_blocks: 40\n",
+    )
+    .unwrap();
+    let lc = cfg.npu_serving.long_context.expect("on");
+    assert_eq!((lc.initial_blocks, lc.local_blocks), (1, 16));
+    assert_eq!((lc.topk_blocks, lc.device_blocks), (8, 40));
+    // The model's training context no longer caps the context.
+    assert_eq!(
+        cfg.max_model_len(8192),
+        npu_server::config::LONG_CONTEXT_MAX_LEN
+    );
+    cfg.check_kv_pool(8192).unwrap();
+    assert_eq!(
+        ServerConfig::from_yaml_str("")
+            .unwrap()
+            .npu_serving
+            .long_context,
+        None
+    );
+
+    let e = err("npu_serving:\n  long_context:\n    topk_blocks: 0\n");
+    assert_eq!(e.key_path(), Some("npu_serving.long_context.topk_blocks"));
+    assert!(e.to_string().contains("at least 1"), "{e}");
+    let e = err("npu_serving:\n  long_context:\n    device_blocks: 20\n");
+    assert_eq!(e.key_path(), Some("npu_serving.long_context.device_blocks"));
+    assert!(e.to_string().contains("34"), "{e}");
+    let e = err(
+        "pa_config:\n  block_size: 4\nnpu_serving:\n  long_context:\n    representative_keys: 5\n",
+    );
+    assert_eq!(
+        e.key_path(),
+        Some("npu_serving.long_context.representative_keys")
+    );
+    let e = err("npu_serving:\n  long_context:\n    topk: 3\n");
+    assert_eq!(e.key_path(), Some("npu_serving.long_context.topk"));
+    let e = err("npu_serving:\n  long_context: 3\n");
+    assert!(e.to_string().contains("npu_serving.long_context"), "{e}");
+    // A pool smaller than one sequence's budget.
+    let cfg = ServerConfig::from_yaml_str(
+        "pa_config:\n  num_blocks: 32\nnpu_serving:\n  long_context:\n    device_blocks: 40\n",
+    )
+    .unwrap();
+    let e = cfg.check_kv_pool(8192).unwrap_err();
+    assert_eq!(e.key_path(), Some("npu_serving.long_context.device_blocks"));
+}

@@ -38,6 +38,13 @@ pub struct BenchModelArgs {
     /// Skip the prefill measurements.
     #[arg(long)]
     pub skip_prefill: bool,
+    /// Long-context mode instead: decode time per token at 4k, 32k and 64k context on a bounded
+    /// device KV budget (`bench_long_context`).
+    #[arg(long)]
+    pub long_context: bool,
+    /// Contexts (tokens) that `--long-context` measures.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![4096, 32768, 65536])]
+    pub contexts: Vec<usize>,
     /// Decode batch sizes to measure (subset of 1,4,8,16,32,64).
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4, 8, 16, 32, 64])]
     pub batches: Vec<usize>,
@@ -67,10 +74,10 @@ pub struct BenchModelReport {
 }
 
 /// SplitMix64: reproducible synthetic prompts.
-struct SplitMix(u64);
+pub(crate) struct SplitMix(pub u64);
 
 impl SplitMix {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -79,7 +86,7 @@ impl SplitMix {
     }
 }
 
-fn prompt(rng: &mut SplitMix, n: usize, vocab: u32) -> Vec<u32> {
+pub(crate) fn prompt(rng: &mut SplitMix, n: usize, vocab: u32) -> Vec<u32> {
     // Ordinary token ids, away from the special tokens at the start of the vocabulary.
     (0..n)
         .map(|_| 100 + (rng.next() % (vocab as u64 - 100)) as u32)
@@ -88,7 +95,7 @@ fn prompt(rng: &mut SplitMix, n: usize, vocab: u32) -> Vec<u32> {
 
 /// Greedy requests with these prompts, `n` tokens each, all arriving at once (never stopping
 /// early: benchmarks run every token).
-fn greedy(prompts: Vec<Vec<u32>>, n: usize) -> Vec<Arrival> {
+pub(crate) fn greedy(prompts: Vec<Vec<u32>>, n: usize) -> Vec<Arrival> {
     prompts
         .into_iter()
         .enumerate()
@@ -136,6 +143,9 @@ pub fn peak_rss_mb() -> f64 {
 }
 
 pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
+    if args.long_context {
+        return super::bench_long_context::run(&args);
+    }
     let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
     let long = !args.skip_long;
     let cfg = AgentEngineConfig {
@@ -149,6 +159,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         max_blocks_per_seq: 600,
         threads: args.threads,
         swap_space_mb: 0,
+        long_context: None,
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

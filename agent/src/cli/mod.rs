@@ -1,6 +1,7 @@
 //! The agent-side commands of the `npu-serving` binary that run a model in-process: `generate`,
 //! `score` and `bench-model`. Each takes `--device` (and `--device-id`) like an agent's config.
 
+pub mod bench_long_context;
 pub mod bench_model;
 pub mod generate;
 pub mod score;

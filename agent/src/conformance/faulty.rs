@@ -181,6 +181,24 @@ impl<B: Backend> Backend for Faulty<B> {
     fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
         self.inner.kv_blocks_from_host(src, blocks)
     }
+    fn kv_layer_block_to_host(
+        &mut self,
+        layer: usize,
+        block: u32,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), BackendError> {
+        self.inner.kv_layer_block_to_host(layer, block, k, v)
+    }
+    fn kv_layer_block_from_host(
+        &mut self,
+        layer: usize,
+        block: u32,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), BackendError> {
+        self.inner.kv_layer_block_from_host(layer, block, k, v)
+    }
     fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError> {
         self.inner.begin_step(step)
     }

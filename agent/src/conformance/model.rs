@@ -71,6 +71,7 @@ fn run<B: Backend>(
         num_blocks: o.num_blocks,
         block_size: o.block_size,
         vocab: model.cfg.vocab,
+        long_context: None,
     };
     read.read(plan, &lim, |_| true).map_err(|e| e.to_string())?;
     model

@@ -28,4 +28,6 @@ pub enum ModelError {
     Inconsistent(String),
     #[error("bad model options: {0}")]
     BadOptions(String),
+    #[error("long-context mode: {0}")]
+    LongContext(String),
 }

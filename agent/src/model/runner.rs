@@ -12,6 +12,7 @@ use npu_gguf::GgufFile;
 
 use super::weights::{Proj, Weights};
 use super::{ModelConfig, ModelError};
+use crate::long_context::LongContext;
 
 /// Capacities fixed when the model is loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +60,8 @@ pub struct Model<B: Backend> {
     backend: B,
     bufs: Buffers<B>,
     geometry: AttnGeometry,
+    /// Host copy of a layer's queries, read back only for long-context memory selection.
+    q_host: Vec<f32>,
 }
 
 impl<B: Backend> Model<B> {
@@ -114,6 +117,7 @@ impl<B: Backend> Model<B> {
             backend,
             bufs,
             geometry,
+            q_host: Vec::new(),
         })
     }
 
@@ -136,7 +140,31 @@ impl<B: Backend> Model<B> {
         greedy: bool,
         out: &mut StepOutput,
     ) -> Result<(), ModelError> {
+        self.forward_with(step, greedy, out, None)
+    }
+
+    /// Long-context mode's work before a step (see `LongContext::prepare`): offloads, and
+    /// rewrites `step`'s tables for sequences with memory.
+    pub fn prepare_long_context(
+        &mut self,
+        lc: &mut LongContext,
+        step: &mut StepInputs,
+        slots: &[u32],
+    ) -> Result<(), ModelError> {
+        lc.prepare(&mut self.backend, step, slots)
+    }
+
+    /// `forward`, with long-context mode's unit selection before each layer's attention when
+    /// `lc` has sequences with memory in this step (it reads the layer's queries back).
+    pub fn forward_with(
+        &mut self,
+        step: &StepInputs,
+        greedy: bool,
+        out: &mut StepOutput,
+        mut lc: Option<&mut LongContext>,
+    ) -> Result<(), ModelError> {
         let b = &mut self.backend;
+        let q_host = &mut self.q_host;
         let w = &self.weights;
         let bufs = &mut self.bufs;
         let cfg = &self.cfg;
@@ -168,6 +196,14 @@ impl<B: Backend> Model<B> {
                 g,
                 li,
             )?;
+            if let Some(lc) = lc.as_deref_mut().filter(|lc| lc.has_active()) {
+                q_host.resize(t * qw, 0.0);
+                b.read_back(&mut [Readback {
+                    src: qkv.col_range(0, qw)?,
+                    dst: HostSliceMut::F32(q_host),
+                }])?;
+                lc.before_attention(b, li, q_host)?;
+            }
             b.attention(
                 qkv.col_range(0, qw)?,
                 g,

@@ -12,6 +12,7 @@ const LIM: StepLimits = StepLimits {
     num_blocks: 10,
     block_size: 4,
     vocab: 100,
+    long_context: None,
 };
 
 /// A sequence on `table` with `n` new tokens from `start`, mapped through its table.
@@ -162,4 +163,62 @@ fn bad_plans_are_refused_naming_the_problem() {
     s.slot_mapping.clear();
     s.n_prompt_tokens = 0;
     refused(&plan(vec![s, seq(2, 0, 1, &[2], true)]), "0 tokens");
+}
+
+/// In long-context mode the table is the budget and slots go through the layout's ring; a slot
+/// mapped the ordinary way, a short table or a chunk that overruns the ring is refused.
+#[test]
+fn long_context_plans_map_slots_through_the_ring() {
+    use npu_protocol::{LongContextConfig, LongContextLayout};
+    // Budget 4 blocks of 4 tokens: 1 initial, a ring of 2, 1 cache entry; memory from 12.
+    let layout = LongContextLayout::new(
+        LongContextConfig {
+            initial_blocks: 1,
+            local_blocks: 1,
+            topk_blocks: 1,
+            representative_keys: 1,
+            device_blocks: 4,
+        },
+        4,
+    )
+    .unwrap();
+    let lim = StepLimits {
+        long_context: Some(layout),
+        ..LIM
+    };
+    let read_long = |p: &StepPlan| {
+        let mut r = StepRead::default();
+        r.read(p, &lim, |_| true).map(|()| r)
+    };
+    let table = [7u32, 2, 5, 9];
+    let ring_seq = |start: u32, n: u32| SeqStep {
+        slot: 0,
+        tokens: (0..n).map(|j| 10 + j).collect(),
+        start_pos: start,
+        block_table: table.to_vec(),
+        slot_mapping: (start..start + n)
+            .map(|p| layout.slot(&table, u64::from(p)).unwrap())
+            .collect(),
+        sample: true,
+        n_prompt_tokens: 0,
+    };
+    // Position 20 lies in logical block 5: ring entry 1 + (4 % 2) = 1, block 2.
+    let r = read_long(&plan(vec![ring_seq(20, 2)])).unwrap();
+    assert_eq!(r.inputs.slot_mapping, vec![8, 9]);
+    assert_eq!(r.inputs.block_tables, table.to_vec());
+    // Mapped as in normal mode (block table entry 5 does not exist): refused.
+    let mut bad = ring_seq(20, 2);
+    bad.slot_mapping = vec![20 * 4, 20 * 4 + 1];
+    let e = read_long(&plan(vec![bad])).unwrap_err().to_string();
+    assert!(e.contains("maps to slot"), "{e}");
+    // Once memory is active the whole budget must be there.
+    let mut short = ring_seq(20, 2);
+    short.block_table = table[..3].to_vec();
+    let e = read_long(&plan(vec![short])).unwrap_err().to_string();
+    assert!(e.contains("need more than"), "{e}");
+    // From 20 the ring holds the window block 4 and block 5: at most 4 tokens.
+    let e = read_long(&plan(vec![ring_seq(20, 5)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("overrun"), "{e}");
 }

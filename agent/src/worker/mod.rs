@@ -237,6 +237,7 @@ mod tests {
             max_tokens_per_step,
             max_blocks_per_seq: 16,
             threads: 1,
+            long_context: None,
         }
     }
 

@@ -300,6 +300,26 @@ pub trait Backend: Send {
     /// when this returns.
     fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError>;
 
+    /// Copies one layer of one block to host rows: `k` and `v` get `block_size` rows of
+    /// `n_kv_heads * head_dim` values (token by token, heads in order) as f32. Waits for queued
+    /// ops. Long-context mode reads the blocks leaving its local window so.
+    fn kv_layer_block_to_host(
+        &mut self,
+        layer: usize,
+        block: u32,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), BackendError>;
+    /// Writes host rows (shaped as `kv_layer_block_to_host` gives them) into one layer of one
+    /// block, converting to the cache's dtype; the slices may be reused when this returns.
+    fn kv_layer_block_from_host(
+        &mut self,
+        layer: usize,
+        block: u32,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), BackendError>;
+
     // --- one step -------------------------------------------------------------------------
     /// Takes the step's inputs to the device; the ops below read them.
     fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError>;

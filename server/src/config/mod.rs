@@ -102,6 +102,10 @@ impl Default for PaConfig {
 
 pub use npu_protocol::agent::DeviceKind;
 
+/// The context limit in long-context mode when no key sets a lower one (prompt + generated
+/// tokens of one request).
+pub const LONG_CONTEXT_MAX_LEN: u32 = 1 << 20;
+
 /// Our own settings: the `npu_serving:` section.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NpuServingConfig {
@@ -133,6 +137,9 @@ pub struct NpuServingConfig {
     /// Model names the OpenAI routes answer to (the first is listed first by /v1/models);
     /// empty = `model_config.model_name` alone.
     pub served_model_names: Vec<String>,
+    /// Long-context mode (InfLLM: bounded device KV per sequence, the middle in host memory);
+    /// None = off. See `npu_protocol::long_context`.
+    pub long_context: Option<npu_protocol::LongContextConfig>,
 }
 
 impl Default for NpuServingConfig {
@@ -153,6 +160,7 @@ impl Default for NpuServingConfig {
             max_model_len: None,
             shutdown_grace_ms: 30_000,
             served_model_names: Vec::new(),
+            long_context: None,
         }
     }
 }
@@ -216,6 +224,7 @@ impl ServerConfig {
     /// Context limit (prompt + generated tokens): the smallest of `npu_serving.max_model_len`,
     /// `model_config.seq_length`, `pa_config.decode_seq_length` and the model's own context.
     pub fn max_model_len(&self, model_context: u32) -> u32 {
+        let model_context = self.context_cap(model_context);
         [
             self.npu_serving.max_model_len,
             self.seq_length(),
@@ -231,6 +240,7 @@ impl ServerConfig {
     /// The longest sequence (prompt + generated) a request may reach, and the key that sets it:
     /// `max_model_len` and `model_config.max_generate_length`, whichever is smaller.
     pub fn longest_sequence(&self, model_context: u32) -> (u32, &'static str) {
+        let model_context = self.context_cap(model_context);
         let candidates = [
             (self.npu_serving.max_model_len, "npu_serving.max_model_len"),
             (self.seq_length(), "model_config.seq_length"),
@@ -251,10 +261,34 @@ impl ServerConfig {
             .unwrap_or((model_context, "the model's context length"))
     }
 
+    /// The limit the model's own context sets: its training length, or in long-context mode
+    /// (which goes past it) `LONG_CONTEXT_MAX_LEN`.
+    fn context_cap(&self, model_context: u32) -> u32 {
+        if self.npu_serving.long_context.is_some() {
+            LONG_CONTEXT_MAX_LEN
+        } else {
+            model_context
+        }
+    }
+
     /// Refuses a KV pool (`pa_config.num_blocks` x `block_size` token slots per agent) that
     /// cannot hold one sequence of the longest length a request may reach: such a request
-    /// could never run. The error names both keys and the values that would work.
+    /// could never run (in long-context mode: one sequence's `device_blocks`). The error names
+    /// both keys and the values that would work.
     pub fn check_kv_pool(&self, model_context: u32) -> Result<(), ConfigError> {
+        if let Some(lc) = &self.npu_serving.long_context {
+            if self.pa_config.num_blocks < lc.device_blocks {
+                return Err(ConfigError::not_allowed(
+                    "npu_serving.long_context.device_blocks",
+                    lc.device_blocks,
+                    format!(
+                        "at most pa_config.num_blocks ({}): one sequence holds that many blocks",
+                        self.pa_config.num_blocks
+                    ),
+                ));
+            }
+            return Ok(());
+        }
         let (limit, limit_path) = self.longest_sequence(model_context);
         let pa = &self.pa_config;
         let slots = u64::from(pa.num_blocks) * u64::from(pa.block_size);

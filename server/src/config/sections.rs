@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use npu_protocol::LongContextConfig;
 /// Largest host KV pool per agent we accept (1 TiB).
 const MAX_SWAP_SPACE_MB: u64 = 1 << 20;
 
@@ -83,7 +84,8 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
     );
 
     let mut s = top.section("npu_serving")?;
-    let npu_serving = npu_serving(&mut s)?;
+    let mut npu_serving = npu_serving(&mut s)?;
+    npu_serving.long_context = long_context(&mut s, pa_config.block_size, strict)?;
     s.finish(
         &mut warnings,
         Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
@@ -450,6 +452,39 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
     }
     c.served_model_names = served_model_names(s)?;
     Ok(c)
+}
+
+/// `long_context`: a mapping of the mode's settings (absent keys take their defaults), or absent
+/// for off; checked against the block size.
+fn long_context(
+    s: &mut Section,
+    block_size: u32,
+    strict: bool,
+) -> Result<Option<LongContextConfig>, ConfigError> {
+    if s.raw("long_context").is_none() {
+        return Ok(None);
+    }
+    let mut sec = s.section("long_context")?;
+    let mut c = LongContextConfig::default();
+    for (key, field) in [
+        ("initial_blocks", &mut c.initial_blocks),
+        ("local_blocks", &mut c.local_blocks),
+        ("topk_blocks", &mut c.topk_blocks),
+        ("representative_keys", &mut c.representative_keys),
+        ("device_blocks", &mut c.device_blocks),
+    ] {
+        if let Some(v) = sec.u64(key)? {
+            *field = to_u32(&sec.key_path(key), v, 0)?;
+        }
+    }
+    let path = sec.key_path("");
+    sec.finish(
+        &mut Vec::new(),
+        Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
+    )?;
+    c.validate(block_size)
+        .map_err(|e| ConfigError::not_allowed(&format!("{path}{}", e.key), e.value, e.allowed))?;
+    Ok(Some(c))
 }
 
 /// `served_model_names`: one name or a list of distinct, non-empty names without spaces.

@@ -55,7 +55,11 @@ impl EngineConfig {
             max_new_prompts_per_step: cfg.prefill_batch_size() as usize,
             max_tokens_per_step: cfg.npu_serving.max_tokens_per_step as usize,
             max_slots: None,
-            max_blocks_per_seq: (max_model_len as usize).div_ceil(block_size.max(1)),
+            // Long-context mode bounds every table by its budget, however long the context.
+            max_blocks_per_seq: match &cfg.npu_serving.long_context {
+                Some(lc) => lc.device_blocks as usize,
+                None => (max_model_len as usize).div_ceil(block_size.max(1)),
+            },
             max_model_len: max_model_len as usize,
             max_generate_length: cfg.max_generate_length().map(|g| g as usize),
             policy: match cfg.model_config.batching_strategy {
@@ -64,6 +68,7 @@ impl EngineConfig {
             },
             prefix_cache: cfg.npu_serving.prefix_cache,
             eos_ids,
+            long_context: cfg.npu_serving.long_context,
         };
         // The HTTP side aborts what is left when its grace ends; the engine ends requests a
         // little earlier so that their clients get the reason.

@@ -135,6 +135,76 @@ impl KvPool {
         Ok(())
     }
 
+    /// Reads one layer of one block into token-major f32 rows.
+    pub fn save_layer_block(
+        &self,
+        layer: usize,
+        block: u32,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), BackendError> {
+        const OP: &str = "kv_layer_block_to_host";
+        let (k_base, v_base, lay) = self.layer_block(OP, layer, block, k.len(), v.len())?;
+        let hd = lay.head_dim;
+        for t in 0..lay.block_size {
+            for kvh in 0..lay.n_kv_heads {
+                let row = t * lay.n_kv_heads * hd + kvh * hd;
+                for d in 0..hd {
+                    k[row + d] = self.data[k_base + lay.k_at(0, kvh, d, t)].to_f32();
+                    v[row + d] = self.data[v_base + lay.v_at(0, kvh, t, d)].to_f32();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes token-major f32 rows into one layer of one block.
+    pub fn load_layer_block(
+        &mut self,
+        layer: usize,
+        block: u32,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), BackendError> {
+        const OP: &str = "kv_layer_block_from_host";
+        let (k_base, v_base, lay) = self.layer_block(OP, layer, block, k.len(), v.len())?;
+        let hd = lay.head_dim;
+        for t in 0..lay.block_size {
+            for kvh in 0..lay.n_kv_heads {
+                let row = t * lay.n_kv_heads * hd + kvh * hd;
+                for d in 0..hd {
+                    self.data[k_base + lay.k_at(0, kvh, d, t)] = f16::from_f32(k[row + d]);
+                    self.data[v_base + lay.v_at(0, kvh, t, d)] = f16::from_f32(v[row + d]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Where `layer`'s K and V of `block` start, after checking the block, the layer and the
+    /// host rows' lengths.
+    fn layer_block(
+        &self,
+        op: &'static str,
+        layer: usize,
+        block: u32,
+        k_len: usize,
+        v_len: usize,
+    ) -> Result<(usize, usize, KvLayout), BackendError> {
+        let start = self.block_range(op, block)?.start;
+        let (k0, v0) = self.bases(op, layer)?;
+        if k_len != self.block_elems || v_len != self.block_elems {
+            return Err(bad(
+                op,
+                format!(
+                    "host rows of {k_len} and {v_len} values for a layer block of {}",
+                    self.block_elems
+                ),
+            ));
+        }
+        Ok((start + k0, start + v0, self.layout()))
+    }
+
     fn check_host_len(
         &self,
         op: &'static str,

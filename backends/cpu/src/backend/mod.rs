@@ -376,6 +376,30 @@ impl Backend for CpuBackend {
             .map_or(Ok(()), |kv| kv.load_blocks(src, blocks))
     }
 
+    fn kv_layer_block_to_host(
+        &mut self,
+        layer: usize,
+        block: u32,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), BackendError> {
+        self.kv("kv_layer_block_to_host")?
+            .save_layer_block(layer, block, k, v)
+    }
+
+    fn kv_layer_block_from_host(
+        &mut self,
+        layer: usize,
+        block: u32,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), BackendError> {
+        self.kv("kv_layer_block_from_host")?;
+        self.kv
+            .as_mut()
+            .map_or(Ok(()), |kv| kv.load_layer_block(layer, block, k, v))
+    }
+
     fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError> {
         // The agent checked the step once, where it read it; here it is only taken over.
         self.step.clone_from(step);

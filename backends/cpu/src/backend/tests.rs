@@ -182,6 +182,49 @@ fn kv_blocks_copy_whole_by_id_on_the_device_and_through_the_host() {
     assert!(b.kv_blocks_from_host(&vec![0u8; bb], &[7]).is_err());
 }
 
+/// One layer of one block read as token rows gives what `kv_write` wrote there (values chosen
+/// exact in f16); writing rows changes that layer of that block and nothing else.
+#[test]
+fn kv_layer_blocks_move_as_token_rows() {
+    let mut b = backend();
+    let s = spec();
+    b.init_kv(s).unwrap();
+    fill_pool(&mut b);
+    let w = s.n_kv_heads * s.head_dim;
+    let n = s.block_size * w;
+    let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
+    b.kv_layer_block_to_host(1, 2, &mut k, &mut v).unwrap();
+    // fill_pool gave slot `p`'s value `i` in layer `l` the K value (p * w + i + 1000 l) / 4.
+    for t in 0..s.block_size {
+        for i in 0..w {
+            let want = ((2 * s.block_size + t) * w + i + 1000) as f32 * 0.25;
+            assert_eq!(k[t * w + i], want, "token {t} value {i}");
+            assert_eq!(v[t * w + i], -want);
+        }
+    }
+    let before = blocks_on_host(&mut b, &[0, 1, 2, 3, 4]);
+    let rows: Vec<f32> = (0..n).map(|i| i as f32 - 7.5).collect();
+    let neg: Vec<f32> = rows.iter().map(|x| -x).collect();
+    b.kv_layer_block_from_host(2, 3, &rows, &neg).unwrap();
+    b.kv_layer_block_to_host(2, 3, &mut k, &mut v).unwrap();
+    assert_eq!((k, v), (rows.clone(), neg.clone()));
+    let after = blocks_on_host(&mut b, &[0, 1, 2, 3, 4]);
+    assert_eq!(after[..3], before[..3]);
+    assert_eq!(after[4], before[4]);
+    // Layers 0 and 1 of block 3 (the first two thirds of its bytes) are untouched.
+    let third = b.kv_block_bytes() / 3;
+    assert_eq!(after[3][..2 * third], before[3][..2 * third]);
+    assert_ne!(after[3][2 * third..], before[3][2 * third..]);
+    // Bad layers, blocks and row lengths are errors.
+    assert!(b.kv_layer_block_from_host(3, 0, &rows, &neg).is_err());
+    assert!(b.kv_layer_block_from_host(0, 5, &rows, &neg).is_err());
+    assert!(b.kv_layer_block_from_host(0, 0, &rows[1..], &neg).is_err());
+    let mut short = vec![0f32; n - 1];
+    assert!(b
+        .kv_layer_block_to_host(0, 0, &mut short, &mut vec![0f32; n])
+        .is_err());
+}
+
 #[test]
 fn kv_ops_need_a_pool_and_memory_info_reads_the_host() {
     let mut b = backend();

@@ -32,11 +32,11 @@ impl KvLayout {
         self.n_kv_heads * self.head_dim * self.block_size
     }
     #[inline]
-    fn k_at(&self, block: usize, kvh: usize, d: usize, t: usize) -> usize {
+    pub(crate) fn k_at(&self, block: usize, kvh: usize, d: usize, t: usize) -> usize {
         block * self.block_stride + (kvh * self.head_dim + d) * self.block_size + t
     }
     #[inline]
-    fn v_at(&self, block: usize, kvh: usize, t: usize, d: usize) -> usize {
+    pub(crate) fn v_at(&self, block: usize, kvh: usize, t: usize, d: usize) -> usize {
         block * self.block_stride + (kvh * self.block_size + t) * self.head_dim + d
     }
 }
