@@ -43,6 +43,9 @@ pub struct SchedulerConfig {
     /// The agent's host KV pool (swap preemption, the prefix cache's host tier); None: no host
     /// pool, preemption recomputes.
     pub kv_host: Option<KvHostConfig>,
+    /// Most copies through the KV handoff region one plan may carry (prefill/decode
+    /// disaggregation; the segment's capacity); 0: no handoff.
+    pub handoff_copies_per_step: usize,
 }
 
 /// The agent's host KV pool and what moving a block costs (from the agent's handshake).
@@ -88,6 +91,7 @@ impl Default for SchedulerConfig {
             prefix_cache: true,
             eos_ids: Vec::new(),
             kv_host: None,
+            handoff_copies_per_step: 0,
         }
     }
 }

@@ -227,6 +227,7 @@ fn agent_specs(
                 max_blocks_per_seq: s.max_blocks_per_seq as u32,
                 threads,
                 swap_space_mb: cfg.npu_serving.swap_space_mb,
+                handoff: handoff.clone(),
             };
             AgentSpec::new(i as u32, engine)
         })

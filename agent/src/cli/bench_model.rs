@@ -149,6 +149,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         max_blocks_per_seq: 600,
         threads: args.threads,
         swap_space_mb: 0,
+        handoff: None,
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

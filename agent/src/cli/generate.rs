@@ -94,6 +94,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         max_blocks_per_seq: blocks,
         threads: args.threads,
         swap_space_mb: 0,
+        handoff: None,
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;
