@@ -15,6 +15,7 @@ use serde_yaml::Value;
 
 use super::error::{ConfigError, ConfigWarning};
 use super::reader::{describe, Section, Unknown};
+use super::roles;
 use super::{
     BatchingStrategy, DeviceKind, ModelConfig, NpuServingConfig, PaConfig, ServerConfig,
     ServingConfig,
@@ -84,6 +85,7 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
 
     let mut s = top.section("npu_serving")?;
     let npu_serving = npu_serving(&mut s)?;
+    roles::check_roles(&npu_serving.agent_roles, serving_config.agent_ports.len())?;
     s.finish(
         &mut warnings,
         Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
@@ -449,6 +451,10 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
         c.max_model_len = Some(to_u32(&s.key_path("max_model_len"), v, 2)?);
     }
     c.served_model_names = served_model_names(s)?;
+    c.agent_roles = roles::agent_roles(s)?;
+    if let Some(v) = roles::handoff_space_mb(s)? {
+        c.handoff_space_mb = v;
+    }
     Ok(c)
 }
 
