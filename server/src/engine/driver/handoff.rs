@@ -106,9 +106,17 @@ pub(super) struct AgentHandoffs {
 
 impl Engine {
     /// Before a prefill agent's next plan: hands over every request ready for it while
-    /// handoff blocks are free (the others decode here, or wait for blocks to free up).
+    /// handoff blocks are free (the others decode here, or wait for blocks to free up). While
+    /// no decode agent is up (one is restarting), requests decode where they were prefilled.
     pub(super) fn hand_over_ready(&mut self, i: usize) {
         if self.agents[i].role != AgentRole::Prefill || self.handoff.total() == 0 {
+            return;
+        }
+        if !self
+            .agents
+            .iter()
+            .any(|a| a.health == Health::Up && a.role.decodes())
+        {
             return;
         }
         for (id, n) in self.agents[i].sched.ready_to_hand_over() {
