@@ -72,7 +72,10 @@ fn one_prefill_and_one_decode_agent_give_the_colocated_outputs_with_kv_handed_ov
     let split = outputs(&server);
     assert_eq!(split.len(), colocated.len());
     for (i, (s, c)) in split.iter().zip(&colocated).enumerate() {
-        assert_eq!(s, c, "output {i}: the split server differs from the colocated one");
+        assert_eq!(
+            s, c,
+            "output {i}: the split server differs from the colocated one"
+        );
     }
     let m = |name: &str| server.metric(name);
     let (req_out, req_in) = (
@@ -97,7 +100,10 @@ fn one_prefill_and_one_decode_agent_give_the_colocated_outputs_with_kv_handed_ov
     assert!(blocks_out >= req_out, "at least one block per request");
     assert_eq!(blocks_in, blocks_out);
     assert!(bytes > 0.0 && bytes % blocks_out == 0.0);
-    assert_eq!(prefill_on_decode, 0.0, "the decode agent recomputed nothing");
+    assert_eq!(
+        prefill_on_decode, 0.0,
+        "the decode agent recomputed nothing"
+    );
     assert!(prefill_on_prefill > 0.0);
     let used = server.wait_metric(
         "npu_serving_kv_handoff_region_blocks{state=\"used\"}",
@@ -150,7 +156,10 @@ fn a_killed_decode_agent_costs_no_request() {
         // Kill the decode agent once the load is streaming.
         let until = std::time::Instant::now() + Duration::from_secs(120);
         while server.metric("npu_serving_generation_tokens_total") < before + 40.0 {
-            assert!(std::time::Instant::now() < until, "the load produced no tokens");
+            assert!(
+                std::time::Instant::now() < until,
+                "the load produced no tokens"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         // SAFETY: kill(2) on the server's decode agent process.
@@ -159,7 +168,10 @@ fn a_killed_decode_agent_costs_no_request() {
     });
     for (i, r) in records.iter().enumerate() {
         assert!(r.success, "client {i}: {:?}", r.error);
-        assert_eq!(r.resp_text, alone[i], "client {i}: the crash changed the text");
+        assert_eq!(
+            r.resp_text, alone[i],
+            "client {i}: the crash changed the text"
+        );
     }
     assert!(server.metric("npu_serving_agent_restarts_total") >= 1.0);
     assert_eq!(

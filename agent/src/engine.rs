@@ -246,14 +246,12 @@ impl AgentEngine {
                 history: TokenHistory::new(),
             });
         }
-        let copies = self
-            .host_kv
-            .run(
-                &mut self.model,
-                plan.kv_copies(),
-                self.cfg.num_blocks,
-                self.handoff.as_mut(),
-            )?;
+        let copies = self.host_kv.run(
+            &mut self.model,
+            plan.kv_copies(),
+            self.cfg.num_blocks,
+            self.handoff.as_mut(),
+        )?;
         let mut transfer = StepTransfer {
             swap_out_bytes: copies.to_host_bytes,
             swap_in_bytes: copies.to_device_bytes,

@@ -38,7 +38,7 @@ fn a_region_with_a_bad_header_is_refused() {
     let path = format!("/dev/shm{name}");
     let good = std::fs::read(&path).unwrap();
     let header_len = std::mem::size_of::<HandoffHeader>();
-    let mut corrupt = |offset: usize, what: &str| {
+    let corrupt = |offset: usize, what: &str| {
         let mut bytes = good.clone();
         bytes[offset] ^= 0xff;
         std::fs::write(&path, &bytes).unwrap();

@@ -148,9 +148,9 @@ impl KvModel {
                     self.handoff.insert(c.host_block, self.device[d].clone());
                 }
                 CopyDirection::HandoffToDevice => {
-                    self.device[d] = self.handoff.get(&c.host_block).cloned().unwrap_or_else(
-                        || panic!("handoff block {} read before it was written", c.host_block),
-                    )
+                    self.device[d] = self.handoff.get(&c.host_block).cloned().unwrap_or_else(|| {
+                        panic!("handoff block {} read before it was written", c.host_block)
+                    })
                 }
             }
         }

@@ -40,14 +40,21 @@ fn handed_over_requests_continue_on_the_decode_side_with_nothing_recomputed() {
         generated.entry(o.id).or_default().push(o.token.token);
     }
     let ready = p.ready_to_hand_over();
-    assert_eq!(ready.len(), 3, "every prompt computed and sampled: {ready:?}");
+    assert_eq!(
+        ready.len(),
+        3,
+        "every prompt computed and sampled: {ready:?}"
+    );
     let mut next_handoff = 0u32;
     let mut handed = Vec::new();
     for (id, n) in ready {
         assert_eq!(n, 3, "5 positions in blocks of 2");
         let blocks: Vec<u32> = (next_handoff..next_handoff + n as u32).collect();
         next_handoff += n as u32;
-        assert!(p.hand_over(id, &blocks[..1]).is_none(), "too few handoff blocks");
+        assert!(
+            p.hand_over(id, &blocks[..1]).is_none(),
+            "too few handoff blocks"
+        );
         let h = p.hand_over(id, &blocks).expect("ready to hand over");
         assert_eq!((h.num_computed, h.generated.len()), (5, 1));
         handed.push(h);
@@ -64,7 +71,10 @@ fn handed_over_requests_continue_on_the_decode_side_with_nothing_recomputed() {
     kp.apply(&plan, &expected_tokens(&p));
     p.on_result(&answer(&plan, |_| 0)).unwrap();
     assert_eq!(p.stats().blocks_used, 0);
-    assert_eq!((p.stats().handoff_out_requests, p.stats().handoff_out_blocks), (3, 9));
+    assert_eq!(
+        (p.stats().handoff_out_requests, p.stats().handoff_out_blocks),
+        (3, 9)
+    );
 
     kd.handoff = std::mem::take(&mut kp.handoff);
     for h in handed {
@@ -80,7 +90,12 @@ fn handed_over_requests_continue_on_the_decode_side_with_nothing_recomputed() {
         step += 1;
     }
     for id in 1..=3 {
-        assert_eq!(generated[&id].len(), 4, "request {id}: {:?}", generated[&id]);
+        assert_eq!(
+            generated[&id].len(),
+            4,
+            "request {id}: {:?}",
+            generated[&id]
+        );
         assert!(!d.awaits_handoff(id));
     }
     let st = d.stats();

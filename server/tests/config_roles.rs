@@ -18,7 +18,10 @@ fn roles_default_to_both_and_are_read_per_agent() {
         "{TWO_AGENTS}npu_serving:\n  agent_roles: [Prefill, decode]\n  handoff_space_mb: 32\n"
     ))
     .unwrap();
-    assert_eq!(cfg.agent_roles(), vec![AgentRole::Prefill, AgentRole::Decode]);
+    assert_eq!(
+        cfg.agent_roles(),
+        vec![AgentRole::Prefill, AgentRole::Decode]
+    );
     assert!(cfg.disaggregated());
     assert_eq!(cfg.npu_serving.handoff_space_mb, 32);
     let cfg = load(&format!(
@@ -51,7 +54,10 @@ fn bad_roles_and_handoff_space_are_refused_naming_their_key() {
         (
             "npu_serving:\n  agent_roles: [prefill]\n",
             "npu_serving.agent_roles",
-            &["[prefill]", "one role per serving_config.agent_ports entry (2)"],
+            &[
+                "[prefill]",
+                "one role per serving_config.agent_ports entry (2)",
+            ],
         ),
         (
             "npu_serving:\n  agent_roles: [prefill, prefill]\n",

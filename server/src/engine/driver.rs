@@ -27,9 +27,9 @@ use super::scheduler::{RecoveredRequest, SchedError, Scheduler};
 use super::types::{FinishReason, GenerateRequest, RequestId};
 use crate::agents::AgentFailure;
 use crate::config::AgentRole;
-use handoff::{AgentHandoffs, HandoffBlocks, PdTotals};
 use crate::http::ShutdownSignal;
 use crate::metrics::Metrics;
+use handoff::{AgentHandoffs, HandoffBlocks, PdTotals};
 
 /// Why the engine could not start.
 #[derive(Debug, Error)]

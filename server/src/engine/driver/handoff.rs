@@ -48,8 +48,14 @@ impl PdTotals {
             (&s.handoff_in_requests_total, self.in_requests),
             (&s.handoff_in_blocks_total, self.in_blocks),
             (&s.handoff_in_bytes_total, self.in_blocks * block_bytes),
-            (&s.prefill_tokens_prefill_agents_total, self.prefill_tokens[0]),
-            (&s.prefill_tokens_decode_agents_total, self.prefill_tokens[1]),
+            (
+                &s.prefill_tokens_prefill_agents_total,
+                self.prefill_tokens[0],
+            ),
+            (
+                &s.prefill_tokens_decode_agents_total,
+                self.prefill_tokens[1],
+            ),
             (&s.prefill_tokens_both_agents_total, self.prefill_tokens[2]),
             (&s.handoff_blocks_total, blocks.total() as u64),
             (&s.handoff_blocks_used, blocks.used() as u64),
