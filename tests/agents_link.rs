@@ -166,6 +166,7 @@ fn spec(agent_id: u32) -> AgentSpec {
         agent_id,
         AgentEngineConfig {
             swap_space_mb: 0,
+            handoff: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: PathBuf::from("/echo/model.gguf"),

@@ -165,6 +165,7 @@ impl Harness {
         let s = &cfg.scheduler;
         let agent_cfg = AgentEngineConfig {
             swap_space_mb: 0,
+            handoff: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: model(),

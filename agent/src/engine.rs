@@ -1,13 +1,16 @@
 //! The agent's engine: owns the model (on the device the config names, with the paged KV pool),
 //! the host KV pool, the per-slot sampling state and the host thread pool, and runs one step
 //! plan into one step result: slots forgotten and admitted, the plan's KV block copies in order,
-//! then the forward and the sampling, reporting what moved between host and device. The agent process's step loop calls it with the plan where it lies in shared memory;
+//! then the forward and the sampling, reporting what moved between host and device.
+//! KV copies of the handoff directions go through the handoff region the server shares
+//! between its agents (a prefilled request's blocks handed to a decode agent). The agent process's step loop calls it with the plan where it lies in shared memory;
 //! in-process runs (`crate::inproc`) call it with plans from the real scheduler.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use npu_protocol::agent::{AgentEngineConfig, KvFacts, ModelFacts};
+use npu_protocol::shm::HandoffRegion;
 use npu_protocol::{
     PlanSource, SamplingParams, SeqResult, StepResult, StepTiming, StepTransfer, TokenLogprob,
 };
@@ -69,6 +72,9 @@ pub struct AgentEngine {
     long_context: Option<LongContext>,
     /// Slots of the current step's sequences (reused).
     step_slots: Vec<u32>,
+    /// The region shared with the other agents through which KV blocks are handed over
+    /// (prefill/decode disaggregation); None when the server set none up.
+    handoff: Option<HandoffRegion>,
 }
 
 /// Bytes of a step's inputs that go host->device (`begin_step`: tokens, positions, slot
@@ -148,6 +154,23 @@ impl AgentEngine {
         let mut model = DeviceModel::load(&file, spec, &pool, opts)?;
         let block_bytes = model.kv_block_bytes();
         let host_kv = HostKvPool::new(cfg.host_kv_blocks(block_bytes as u64), block_bytes)?;
+        let handoff = match &cfg.handoff {
+            None => None,
+            Some(spec) => {
+                let region = HandoffRegion::open(&spec.name).map_err(|e| {
+                    EngineError::BadConfig(format!("the KV handoff region {}: {e}", spec.name))
+                })?;
+                if region.data_bytes() != spec.data_bytes {
+                    return Err(EngineError::BadConfig(format!(
+                        "the KV handoff region {} holds {} bytes, the config says {}",
+                        spec.name,
+                        region.data_bytes(),
+                        spec.data_bytes
+                    )));
+                }
+                Some(region)
+            }
+        };
         let bandwidth = measure_copy_bandwidth(&mut model, cfg.num_blocks.min(32))?;
         let kv = KvFacts {
             block_bytes: block_bytes as u64,
@@ -209,6 +232,7 @@ impl AgentEngine {
             host_kv,
             long_context,
             step_slots: Vec::new(),
+            handoff,
         })
     }
 
@@ -288,9 +312,12 @@ impl AgentEngine {
                 lc.reset_slot(i);
             }
         }
-        let copies = self
-            .host_kv
-            .run(&mut self.model, plan.kv_copies(), self.cfg.num_blocks)?;
+        let copies = self.host_kv.run(
+            &mut self.model,
+            plan.kv_copies(),
+            self.cfg.num_blocks,
+            self.handoff.as_mut(),
+        )?;
         let mut transfer = StepTransfer {
             swap_out_bytes: copies.to_host_bytes,
             swap_in_bytes: copies.to_device_bytes,

@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use npu_protocol::shm::HandoffRegion;
 use npu_protocol::{CopyDirection, KvCopy};
 
 use crate::device::DeviceModel;
@@ -24,6 +25,9 @@ pub struct HostKvPool {
 pub struct CopyTotals {
     pub to_host_bytes: u64,
     pub to_device_bytes: u64,
+    /// KV bytes copied into the handoff region, and out of it.
+    pub handed_out_bytes: u64,
+    pub taken_in_bytes: u64,
     pub micros: u64,
 }
 
@@ -53,25 +57,54 @@ impl HostKvPool {
         self.blocks
     }
 
-    /// Runs `copies` in order. Every id is checked first, so a bad plan copies nothing.
+    /// Runs `copies` in order; those of the handoff directions go through `handoff` (the
+    /// region shared with the other agents). Every id is checked first, so a bad plan copies
+    /// nothing.
     pub fn run(
         &mut self,
         model: &mut DeviceModel,
         copies: &[KvCopy],
         device_blocks: u32,
+        mut handoff: Option<&mut HandoffRegion>,
     ) -> Result<CopyTotals, EngineError> {
+        let bb = self.block_bytes;
+        let handoff_blocks = handoff.as_ref().map_or(0, |h| h.blocks(bb as u64));
         for (i, c) in copies.iter().enumerate() {
-            if c.device_block >= device_blocks || c.host_block >= self.blocks {
+            let (what, limit) = if c.is_handoff() {
+                ("handoff", handoff_blocks)
+            } else {
+                ("host", self.blocks)
+            };
+            if c.device_block >= device_blocks || c.host_block >= limit {
                 return Err(EngineError::BadPlan(format!(
-                    "KV copy {i}: device block {} of {device_blocks}, host block {} of {}",
-                    c.device_block, c.host_block, self.blocks
+                    "KV copy {i}: device block {} of {device_blocks}, {what} block {} of {limit}",
+                    c.device_block, c.host_block
                 )));
             }
         }
         let start = Instant::now();
-        let bb = self.block_bytes;
         let mut totals = CopyTotals::default();
         for c in copies {
+            if c.is_handoff() {
+                let region = handoff.as_deref_mut().ok_or_else(|| {
+                    EngineError::BadPlan("a handoff copy, but no handoff region".into())
+                })?;
+                let block = region
+                    .block_mut(c.host_block, bb)
+                    .map_err(|e| EngineError::BadPlan(e.to_string()))?;
+                if c.direction == CopyDirection::DeviceToHandoff {
+                    model
+                        .kv_to_host(&[c.device_block], block)
+                        .map_err(model_err)?;
+                    totals.handed_out_bytes += bb as u64;
+                } else {
+                    model
+                        .kv_from_host(block, &[c.device_block])
+                        .map_err(model_err)?;
+                    totals.taken_in_bytes += bb as u64;
+                }
+                continue;
+            }
             let h = c.host_block as usize * bb;
             let host = &mut self.data[h..h + bb];
             match c.direction {
@@ -87,6 +120,7 @@ impl HostKvPool {
                         .map_err(model_err)?;
                     totals.to_device_bytes += bb as u64;
                 }
+                CopyDirection::DeviceToHandoff | CopyDirection::HandoffToDevice => {}
             }
         }
         totals.micros = start.elapsed().as_micros() as u64;

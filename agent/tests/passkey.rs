@@ -76,6 +76,7 @@ fn engine_config(tokens: usize, long: bool) -> AgentEngineConfig {
         threads: 0,
         swap_space_mb: 0,
         long_context: long.then_some(lc),
+        handoff: None,
     }
 }
 

@@ -94,6 +94,22 @@ pub struct AgentEngineConfig {
     /// as long ones; None = off.
     #[serde(default)]
     pub long_context: Option<LongContextConfig>,
+    /// The KV handoff region (prefill/decode disaggregation) this agent maps; None: no handoff.
+    #[serde(default)]
+    pub handoff: Option<HandoffSpec>,
+}
+
+/// Where the KV handoff region lies (`shm::HandoffRegion`): its name and bytes of block data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandoffSpec {
+    pub name: String,
+    pub data_bytes: u64,
+}
+
+/// Most KV block copies one step may carry through the handoff region: every block of the pool
+/// handed out or taken in, twice over.
+pub fn handoff_copies_per_step(num_blocks: u32) -> u32 {
+    num_blocks.saturating_mul(2).min(1 << 20)
 }
 
 /// Most KV block copies one step may carry for a pool of `num_blocks` device blocks: every
@@ -109,8 +125,13 @@ pub fn kv_copies_per_step(num_blocks: u32, swap_space_mb: u64) -> u32 {
 
 impl AgentEngineConfig {
     /// See `kv_copies_per_step`.
+    /// With a handoff region, at least `handoff_copies_per_step`.
     pub fn max_kv_copies(&self) -> u32 {
-        kv_copies_per_step(self.num_blocks, self.swap_space_mb)
+        let host = kv_copies_per_step(self.num_blocks, self.swap_space_mb);
+        match self.handoff {
+            Some(_) => host.max(handoff_copies_per_step(self.num_blocks)),
+            None => host,
+        }
     }
 
     /// Blocks of `block_bytes` that `swap_space_mb` holds (the agent's host KV pool).

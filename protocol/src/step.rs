@@ -100,6 +100,10 @@ pub enum CopyDirection {
     DeviceToHost,
     /// Host block -> device block (swap-in, or a host-tier prefix hit brought back).
     HostToDevice,
+    /// Device block -> handoff block (a prefilled request's KV handed to a decode agent).
+    DeviceToHandoff,
+    /// Handoff block -> device block (a handed-over request's KV taken in by a decode agent).
+    HandoffToDevice,
 }
 
 /// One whole-block copy between the agent's device KV pool and its host KV pool.
@@ -108,7 +112,8 @@ pub struct KvCopy {
     pub direction: CopyDirection,
     /// Block id in the device pool (`0..num_blocks`).
     pub device_block: u32,
-    /// Block id in the host pool (`0..host blocks`).
+    /// Block id in the host pool (`0..host blocks`), or in the handoff region for the handoff
+    /// directions.
     pub host_block: u32,
 }
 
@@ -126,6 +131,27 @@ impl KvCopy {
             device_block,
             host_block,
         }
+    }
+    pub fn to_handoff(device_block: u32, handoff_block: u32) -> Self {
+        Self {
+            direction: CopyDirection::DeviceToHandoff,
+            device_block,
+            host_block: handoff_block,
+        }
+    }
+    pub fn from_handoff(handoff_block: u32, device_block: u32) -> Self {
+        Self {
+            direction: CopyDirection::HandoffToDevice,
+            device_block,
+            host_block: handoff_block,
+        }
+    }
+    /// Whether the copy goes through the handoff region (not the agent's host pool).
+    pub fn is_handoff(&self) -> bool {
+        matches!(
+            self.direction,
+            CopyDirection::DeviceToHandoff | CopyDirection::HandoffToDevice
+        )
     }
 }
 

@@ -83,7 +83,11 @@ fn sample_plan() -> StepPlan {
                 top_n: 3,
             },
         }],
-        kv_copies: vec![KvCopy::to_host(3, 9), KvCopy::to_device(9, 4)],
+        kv_copies: vec![
+            KvCopy::to_host(3, 9),
+            KvCopy::to_handoff(5, 7),
+            KvCopy::from_handoff(7, 4),
+        ],
         seqs: vec![
             seq(1, vec![10, 11, 12], 0, vec![4]),
             seq(2, vec![99], 17, vec![0, 3]),
@@ -388,7 +392,7 @@ fn corrupt_plans_and_results_are_refused_on_read() {
         ("n_admissions over", Region::PlanMeta, 20, 4),
         ("n_forget over", Region::PlanMeta, 24, 9),
         ("n_kv_copies over", Region::PlanMeta, 28, 4),
-        ("copy direction", Region::KvCopies, 16, 2),
+        ("copy direction", Region::KvCopies, 16, 4),
         ("sequence slot", Region::SeqDescs, desc(0, 0), 8),
         ("sequence tokens", Region::SeqDescs, desc(0, 1), 60),
         ("prompt tokens", Region::SeqDescs, desc(1, 3), 2),

@@ -112,6 +112,11 @@ impl BlockManager {
         std::mem::take(&mut self.copies)
     }
 
+    /// Queues one copy for the next plan (the caller checked `copies_left`).
+    pub fn queue_copy(&mut self, copy: KvCopy) {
+        self.copies.push(copy);
+    }
+
     /// Copies the next plan can still carry.
     pub fn copies_left(&self) -> usize {
         self.max_copies

@@ -48,6 +48,9 @@ pub struct SchedulerConfig {
     /// Long-context mode (`npu_protocol::long_context`): every sequence holds at most
     /// `device_blocks` blocks, however long; the prefix cache is off (ring blocks are rewritten).
     pub long_context: Option<LongContextConfig>,
+    /// Most copies through the KV handoff region one plan may carry (prefill/decode
+    /// disaggregation; the segment's capacity); 0: no handoff.
+    pub handoff_copies_per_step: usize,
 }
 
 /// The agent's host KV pool and what moving a block costs (from the agent's handshake).
@@ -94,6 +97,7 @@ impl Default for SchedulerConfig {
             eos_ids: Vec::new(),
             kv_host: None,
             long_context: None,
+            handoff_copies_per_step: 0,
         }
     }
 }

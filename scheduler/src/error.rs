@@ -60,4 +60,7 @@ pub enum SchedError {
 
     #[error("step {step_id}: no result for slot {slot}, which was to sample")]
     MissingResult { step_id: u64, slot: u32 },
+
+    #[error("request {id} cannot be taken over: {reason}")]
+    BadHandover { id: RequestId, reason: String },
 }

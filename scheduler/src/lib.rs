@@ -7,6 +7,7 @@
 mod block_manager;
 mod config;
 mod error;
+mod handoff;
 mod host_pool;
 mod planner;
 mod prefix_cache;
@@ -24,15 +25,18 @@ mod tests;
 #[cfg(test)]
 mod tests_cache;
 #[cfg(test)]
-mod tests_swap;
+mod tests_handoff;
 #[cfg(test)]
 mod tests_long;
+#[cfg(test)]
+mod tests_swap;
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 pub use block_manager::{BlockManager, PrefixHit};
 pub use config::{BatchingPolicy, KvHostConfig, SchedulerConfig};
 pub use error::SchedError;
+pub use handoff::HandedOver;
 pub use prefix_cache::{BlockHash, Tier};
 pub use request::RecoveredRequest;
 pub use results::SchedOutput;
@@ -77,6 +81,15 @@ pub struct SchedStats {
     pub prefix_query_tokens: u64,
     /// Tokens sent to the agent for computing (prefill chunks and decode tokens).
     pub scheduled_tokens: u64,
+    /// Of `scheduled_tokens`, those that were not a decoding sequence's newest token (prompts,
+    /// and tokens computed again after a preemption or a recovery).
+    pub prefill_tokens: u64,
+    /// Requests and blocks handed out to the handoff region (prefill/decode disaggregation),
+    /// and taken in from it.
+    pub handoff_out_requests: u64,
+    pub handoff_out_blocks: u64,
+    pub handoff_in_requests: u64,
+    pub handoff_in_blocks: u64,
     pub steps_in_flight: usize,
     pub slots_in_use: usize,
 }
@@ -128,6 +141,11 @@ pub struct Scheduler {
     prefix_hit_tokens_host: u64,
     prefix_query_tokens: u64,
     scheduled_tokens: u64,
+    prefill_tokens: u64,
+    handoff_out_requests: u64,
+    handoff_out_blocks: u64,
+    handoff_in_requests: u64,
+    handoff_in_blocks: u64,
 }
 
 impl Scheduler {
@@ -136,6 +154,7 @@ impl Scheduler {
         let (host_blocks, max_copies) = cfg
             .kv_host
             .map_or((0, 0), |h| (h.host_blocks, h.max_copies_per_step));
+        let max_copies = max_copies.max(cfg.handoff_copies_per_step);
         Ok(Self {
             blocks: BlockManager::with_host(
                 cfg.num_blocks,
@@ -164,6 +183,11 @@ impl Scheduler {
             prefix_hit_tokens_host: 0,
             prefix_query_tokens: 0,
             scheduled_tokens: 0,
+            prefill_tokens: 0,
+            handoff_out_requests: 0,
+            handoff_out_blocks: 0,
+            handoff_in_requests: 0,
+            handoff_in_blocks: 0,
         })
     }
 
@@ -237,7 +261,9 @@ impl Scheduler {
         self.waiting.retain(|w| *w != id);
         self.static_batch.remove(&id);
         if let Some(sw) = self.seqs.remove(&id).and_then(|s| s.swapped) {
-            self.blocks.drop_swapped(&sw.host_blocks);
+            if !sw.handoff {
+                self.blocks.drop_swapped(&sw.host_blocks);
+            }
         }
         true
     }
@@ -303,6 +329,11 @@ impl Scheduler {
             prefix_hit_tokens: self.prefix_hit_tokens,
             prefix_query_tokens: self.prefix_query_tokens,
             scheduled_tokens: self.scheduled_tokens,
+            prefill_tokens: self.prefill_tokens,
+            handoff_out_requests: self.handoff_out_requests,
+            handoff_out_blocks: self.handoff_out_blocks,
+            handoff_in_requests: self.handoff_in_requests,
+            handoff_in_blocks: self.handoff_in_blocks,
             steps_in_flight: self.in_flight.len(),
             slots_in_use: self.cfg.slots() - self.free_slots.len() - self.pending_forget.len(),
         }
@@ -381,7 +412,7 @@ impl Scheduler {
                 if sw.host_blocks.len() != sw.num_computed.div_ceil(self.cfg.block_size) {
                     return Err(format!("swapped {id}: blocks do not cover its computed KV"));
                 }
-                for &h in &sw.host_blocks {
+                for &h in sw.host_blocks.iter().filter(|_| !sw.handoff) {
                     let n = host_holders
                         .get_mut(h as usize)
                         .ok_or(format!("swapped {id}: host block {h} out of range"))?;

@@ -291,6 +291,11 @@ impl Scheduler {
             adm.in_flight = Some(step_id);
         }
         self.scheduled_tokens += n as u64;
+        // Everything but the one newest generated token of a decoding sequence is prefill (a
+        // prompt, or tokens computed again after a preemption or recovery).
+        if !(n == 1 && start >= seq.prompt_len()) {
+            self.prefill_tokens += n as u64;
+        }
     }
 }
 

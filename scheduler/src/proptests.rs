@@ -73,6 +73,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                         h2d_bytes_per_s: 1e9,
                         max_copies_per_step: num_blocks * (1 + host % 3),
                     }),
+                    handoff_copies_per_step: 0,
                     num_blocks,
                     block_size,
                     max_running,

@@ -41,6 +41,8 @@ pub(crate) struct Swapped {
     pub num_computed: usize,
     pub num_registered: usize,
     pub last_hash: Option<BlockHash>,
+    /// The blocks are in the handoff region (handed over by another agent), not the host pool.
+    pub handoff: bool,
 }
 
 /// A request in the scheduler, waiting or admitted.

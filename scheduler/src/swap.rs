@@ -62,6 +62,7 @@ impl Scheduler {
             num_computed: computed,
             num_registered,
             last_hash,
+            handoff: false,
         })
     }
 
@@ -82,8 +83,16 @@ impl Scheduler {
         self.free_slots.remove(&slot);
         let seq = self.seqs.get_mut(&id).expect("waiting request is known");
         let sw = seq.swapped.take().expect("checked above");
-        self.blocks.swap_in(&sw.host_blocks, &fresh[..n]);
-        self.swap_in_blocks += n as u64;
+        if sw.handoff {
+            for (&h, &d) in sw.host_blocks.iter().zip(&fresh[..n]) {
+                self.blocks.queue_copy(KvCopy::from_handoff(h, d));
+            }
+            self.handoff_in_blocks += n as u64;
+            self.handoff_in_requests += 1;
+        } else {
+            self.blocks.swap_in(&sw.host_blocks, &fresh[..n]);
+            self.swap_in_blocks += n as u64;
+        }
         seq.incarnation += 1;
         seq.admitted = Some(Admitted {
             slot,
@@ -115,20 +124,22 @@ impl Scheduler {
     /// written lose their swap (they will be recomputed), and admitted sequences reading a block
     /// being written are preempted for recomputation.
     pub(crate) fn distrust_copies(&mut self, copies: &[KvCopy]) {
-        let dest = |dir| -> HashSet<u32> {
-            copies
-                .iter()
-                .filter(|c| c.direction == dir)
-                .map(|c| match dir {
-                    CopyDirection::DeviceToHost => c.host_block,
-                    CopyDirection::HostToDevice => c.device_block,
-                })
-                .collect()
-        };
-        let (host, device) = (
-            dest(CopyDirection::DeviceToHost),
-            dest(CopyDirection::HostToDevice),
-        );
+        // Copies into the handoff region are the engine's to distrust (it owns those blocks).
+        let host: HashSet<u32> = copies
+            .iter()
+            .filter(|c| c.direction == CopyDirection::DeviceToHost)
+            .map(|c| c.host_block)
+            .collect();
+        let device: HashSet<u32> = copies
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c.direction,
+                    CopyDirection::HostToDevice | CopyDirection::HandoffToDevice
+                )
+            })
+            .map(|c| c.device_block)
+            .collect();
         let device_list: Vec<u32> = device.iter().copied().collect();
         let host_list: Vec<u32> = host.iter().copied().collect();
         self.blocks.forget_content(&device_list, &host_list);
@@ -139,7 +150,7 @@ impl Scheduler {
             if seq
                 .swapped
                 .as_ref()
-                .is_some_and(|sw| sw.host_blocks.iter().any(|h| host.contains(h)))
+                .is_some_and(|sw| !sw.handoff && sw.host_blocks.iter().any(|h| host.contains(h)))
             {
                 if let Some(sw) = seq.swapped.take() {
                     self.blocks.drop_swapped(&sw.host_blocks);

@@ -121,6 +121,8 @@ pub struct KvModel {
     bs: usize,
     device: Vec<Vec<KvSlot>>,
     host: Vec<Vec<KvSlot>>,
+    /// The handoff region's blocks (shared between agents: a test moves them across).
+    pub handoff: HashMap<u32, Vec<KvSlot>>,
 }
 
 impl KvModel {
@@ -130,6 +132,7 @@ impl KvModel {
             bs,
             device: vec![vec![None; bs]; s.cfg.num_blocks],
             host: vec![vec![None; bs]; s.blocks.host_total()],
+            handoff: HashMap::new(),
         }
     }
 
@@ -141,6 +144,14 @@ impl KvModel {
             match c.direction {
                 CopyDirection::DeviceToHost => self.host[h] = self.device[d].clone(),
                 CopyDirection::HostToDevice => self.device[d] = self.host[h].clone(),
+                CopyDirection::DeviceToHandoff => {
+                    self.handoff.insert(c.host_block, self.device[d].clone());
+                }
+                CopyDirection::HandoffToDevice => {
+                    self.device[d] = self.handoff.get(&c.host_block).cloned().unwrap_or_else(|| {
+                        panic!("handoff block {} read before it was written", c.host_block)
+                    })
+                }
             }
         }
         let bs = self.bs as u32;
@@ -174,7 +185,12 @@ impl KvModel {
         for c in &plan.kv_copies {
             match c.direction {
                 CopyDirection::DeviceToHost => self.host[c.host_block as usize].fill(GARBAGE),
-                CopyDirection::HostToDevice => self.device[c.device_block as usize].fill(GARBAGE),
+                CopyDirection::HostToDevice | CopyDirection::HandoffToDevice => {
+                    self.device[c.device_block as usize].fill(GARBAGE)
+                }
+                CopyDirection::DeviceToHandoff => {
+                    self.handoff.insert(c.host_block, vec![GARBAGE; self.bs]);
+                }
             }
         }
         let bs = self.bs as u32;

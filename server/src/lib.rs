@@ -8,4 +8,5 @@ pub mod engine;
 pub mod http;
 pub mod metrics;
 pub mod metrics_kv;
+pub mod metrics_pd;
 pub mod serve;

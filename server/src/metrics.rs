@@ -273,6 +273,7 @@ impl Metrics {
             r(&self.http_responses_2xx)
         );
         crate::metrics_kv::render(&mut out, stats);
+        crate::metrics_pd::render(&mut out, stats);
         self.time_to_first_token.render(
             &mut out,
             "npu_serving_time_to_first_token_seconds",

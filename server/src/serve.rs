@@ -10,7 +10,10 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use npu_gguf::hparams::ModelConfig;
 use npu_gguf::GgufFile;
-use npu_protocol::agent::{kv_copies_per_step, AgentEngineConfig, KvFacts};
+use npu_protocol::agent::{
+    handoff_copies_per_step, kv_copies_per_step, AgentEngineConfig, HandoffSpec, KvFacts,
+};
+use npu_protocol::shm::{handoff_blocks, segment_name, HandoffRegion, HANDOFF_REGION_ID};
 use npu_tokenizer::Tokenizer;
 
 use crate::agents::{AgentLaunch, AgentPool, AgentSpec};
@@ -104,7 +107,23 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     let addr = cfg.server_addr();
     let listener = TcpListener::bind(&addr).with_context(|| format!("cannot listen on {addr}"))?;
 
-    let specs = agent_specs(&cfg, &engine_cfg, &model.path);
+    // Prefill/decode disaggregation: one region all agents map, KV blocks handed over through
+    // it. It lives (and its name with it) until this function returns.
+    let handoff_region = if cfg.disaggregated() {
+        let name = segment_name(HANDOFF_REGION_ID).context("naming the KV handoff region")?;
+        let bytes = cfg.npu_serving.handoff_space_mb << 20;
+        Some(
+            HandoffRegion::create(&name, bytes)
+                .context("creating the KV handoff region (npu_serving.handoff_space_mb)")?,
+        )
+    } else {
+        None
+    };
+    let handoff = handoff_region.as_ref().map(|r| HandoffSpec {
+        name: r.name().to_string(),
+        data_bytes: r.data_bytes(),
+    });
+    let specs = agent_specs(&cfg, &engine_cfg, &model.path, handoff);
     let launch = AgentLaunch::default();
     tracing::info!(
         agents = specs.len(),
@@ -120,6 +139,28 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     engine_cfg.scheduler.kv_host = links
         .first()
         .and_then(|l| kv_host_config(&l.facts().kv, num_blocks, cfg.npu_serving.swap_space_mb));
+    if let (Some(region), Some(link)) = (&handoff_region, links.first()) {
+        let block_bytes = link.facts().kv.block_bytes;
+        engine_cfg.handoff_blocks = handoff_blocks(region.data_bytes(), block_bytes);
+        engine_cfg.handoff_block_bytes = block_bytes;
+        engine_cfg.scheduler.handoff_copies_per_step = handoff_copies_per_step(num_blocks) as usize;
+        let roles: Vec<&str> = engine_cfg.roles.iter().map(|r| r.name()).collect();
+        tracing::info!(
+            roles = %roles.join(","),
+            handoff_blocks = engine_cfg.handoff_blocks,
+            block_bytes,
+            "prefill/decode disaggregation: KV blocks handed over through shared memory"
+        );
+        if engine_cfg.handoff_blocks < engine_cfg.scheduler.max_blocks_one_seq() as u32 {
+            tracing::warn!(
+                handoff_space_mb = cfg.npu_serving.handoff_space_mb,
+                handoff_blocks = engine_cfg.handoff_blocks,
+                max_blocks_per_seq = engine_cfg.scheduler.max_blocks_one_seq(),
+                "npu_serving.handoff_space_mb holds fewer KV blocks than one sequence may: \
+                 longer sequences are decoded where they were prefilled"
+            );
+        }
+    }
     let agents: Vec<Box<dyn StepAgent>> = links
         .into_iter()
         .map(|l| Box::new(l) as Box<dyn StepAgent>)
@@ -152,6 +193,7 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     }
     let served = server.run(shutdown, engine.handle.clone(), api);
     engine.shutdown_and_join();
+    drop(handoff_region);
     served?;
     tracing::info!("server stopped");
     Ok(())
@@ -204,6 +246,7 @@ fn agent_specs(
     cfg: &ServerConfig,
     engine: &EngineConfig,
     model: &std::path::Path,
+    handoff: Option<HandoffSpec>,
 ) -> Vec<AgentSpec> {
     let agents = cfg.num_agents().max(1);
     let threads = match cfg.npu_serving.threads_per_agent {
@@ -228,6 +271,7 @@ fn agent_specs(
                 threads,
                 swap_space_mb: cfg.npu_serving.swap_space_mb,
                 long_context: cfg.npu_serving.long_context,
+                handoff: handoff.clone(),
             };
             AgentSpec::new(i as u32, engine)
         })

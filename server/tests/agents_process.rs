@@ -63,6 +63,7 @@ fn launch() -> AgentLaunch {
 fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
     AgentEngineConfig {
         swap_space_mb: 0,
+        handoff: None,
         device: DeviceKind::Cpu,
         device_id: 0,
         model_path,

@@ -46,6 +46,8 @@ pub struct ServerOpts {
     pub device: &'static str,
     /// `npu_serving.swap_space_mb`: the agents' host KV pool.
     pub swap_space_mb: u64,
+    /// `npu_serving.agent_roles` as YAML (e.g. `[prefill, decode]`); None: left out.
+    pub agent_roles: Option<&'static str>,
 }
 
 impl Default for ServerOpts {
@@ -64,6 +66,7 @@ impl Default for ServerOpts {
             shutdown_grace_ms: 10_000,
             device: "cpu",
             swap_space_mb: 0,
+            agent_roles: None,
         }
     }
 }
@@ -73,7 +76,10 @@ impl ServerOpts {
     pub fn yaml(&self) -> String {
         // One entry per agent; agents talk over private socket pairs, no port is opened.
         let ports: Vec<String> = (0..self.agents).map(|_| "0".to_string()).collect();
-        format!(
+        let roles = self
+            .agent_roles
+            .map_or(String::new(), |r| format!("  agent_roles: {r}\n"));
+        let yaml = format!(
             "model_config:\n  model_name: '{MODEL}'\n  seq_length: {}\n  decode_batch_size: {}\n  \
              prefill_batch_size: {}\n  batching_strategy: '{}'\n\
              serving_config:\n  agent_ports: [{}]\n  server_ip: '127.0.0.1'\n  server_port: 8835\n\
@@ -94,7 +100,8 @@ impl ServerOpts {
             self.prefix_cache,
             self.shutdown_grace_ms,
             self.swap_space_mb,
-        )
+        );
+        yaml + &roles
     }
 }
 

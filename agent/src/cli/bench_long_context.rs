@@ -72,6 +72,7 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<()> {
         threads: args.threads,
         swap_space_mb: 0,
         long_context: Some(lc),
+        handoff: None,
     };
     let mut rep = LongContextReport {
         long_context: LongContextSummary {

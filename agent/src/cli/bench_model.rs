@@ -160,6 +160,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         threads: args.threads,
         swap_space_mb: 0,
         long_context: None,
+        handoff: None,
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

@@ -95,6 +95,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         threads: args.threads,
         swap_space_mb: 0,
         long_context: None,
+        handoff: None,
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;

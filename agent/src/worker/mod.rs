@@ -228,6 +228,7 @@ mod tests {
     fn engine_config(max_tokens_per_step: u32) -> AgentEngineConfig {
         AgentEngineConfig {
             swap_space_mb: 0,
+            handoff: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: "/nonexistent/npu-serving-test/model.gguf".into(),

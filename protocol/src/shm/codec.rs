@@ -224,6 +224,8 @@ pub(crate) fn write_plan(
             direction: match copy.direction {
                 CopyDirection::DeviceToHost => 0,
                 CopyDirection::HostToDevice => 1,
+                CopyDirection::DeviceToHandoff => 2,
+                CopyDirection::HandoffToDevice => 3,
             },
             device_block: copy.device_block,
             host_block: copy.host_block,
@@ -355,9 +357,12 @@ impl<'a> PlanView<'a> {
             let direction = match raw.direction {
                 0 => CopyDirection::DeviceToHost,
                 1 => CopyDirection::HostToDevice,
+                2 => CopyDirection::DeviceToHandoff,
+                3 => CopyDirection::HandoffToDevice,
                 other => {
                     return Err(ShmError::Corrupt(format!(
-                        "KV copy {i}: direction {other} (allowed 0 = to host, 1 = to device)"
+                        "KV copy {i}: direction {other} (allowed 0 = to host, 1 = to device, \
+                         2 = to the handoff region, 3 = from the handoff region)"
                     )))
                 }
             };

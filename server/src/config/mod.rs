@@ -4,6 +4,7 @@
 
 mod error;
 mod reader;
+mod roles;
 mod sections;
 
 use std::path::{Path, PathBuf};
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 pub use error::{ConfigError, ConfigWarning};
 pub use reader::parse_bool_str;
+pub use roles::{AgentRole, MAX_HANDOFF_SPACE_MB};
 
 use crate::http::HttpLimits;
 
@@ -140,6 +142,12 @@ pub struct NpuServingConfig {
     /// Long-context mode (InfLLM: bounded device KV per sequence, the middle in host memory);
     /// None = off. See `npu_protocol::long_context`.
     pub long_context: Option<npu_protocol::LongContextConfig>,
+    /// Each agent's role (prefill/decode disaggregation), one per agent; empty: every agent
+    /// prefills and decodes.
+    pub agent_roles: Vec<AgentRole>,
+    /// Shared memory through which prefill agents hand KV blocks to decode agents, in MiB
+    /// (used only when some agent's role is not `both`).
+    pub handoff_space_mb: u64,
 }
 
 impl Default for NpuServingConfig {
@@ -161,6 +169,8 @@ impl Default for NpuServingConfig {
             shutdown_grace_ms: 30_000,
             served_model_names: Vec::new(),
             long_context: None,
+            agent_roles: Vec::new(),
+            handoff_space_mb: 256,
         }
     }
 }
@@ -328,6 +338,23 @@ impl ServerConfig {
 
     pub fn num_agents(&self) -> usize {
         self.serving_config.agent_ports.len()
+    }
+
+    /// Each agent's role (every agent `both` unless `npu_serving.agent_roles` says otherwise).
+    pub fn agent_roles(&self) -> Vec<AgentRole> {
+        let n = self.num_agents().max(1);
+        let given = &self.npu_serving.agent_roles;
+        (0..n)
+            .map(|i| given.get(i).copied().unwrap_or_default())
+            .collect()
+    }
+
+    /// Whether prefill and decode run on different agents (some role is not `both`).
+    pub fn disaggregated(&self) -> bool {
+        self.npu_serving
+            .agent_roles
+            .iter()
+            .any(|r| *r != AgentRole::Both)
     }
 
     /// `server_ip:server_port`, ready for `TcpListener::bind`.

@@ -16,6 +16,7 @@ use serde_yaml::Value;
 
 use super::error::{ConfigError, ConfigWarning};
 use super::reader::{describe, Section, Unknown};
+use super::roles;
 use super::{
     BatchingStrategy, DeviceKind, ModelConfig, NpuServingConfig, PaConfig, ServerConfig,
     ServingConfig,
@@ -86,6 +87,15 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
     let mut s = top.section("npu_serving")?;
     let mut npu_serving = npu_serving(&mut s)?;
     npu_serving.long_context = long_context(&mut s, pa_config.block_size, strict)?;
+    roles::check_roles(&npu_serving.agent_roles, serving_config.agent_ports.len())?;
+    if npu_serving.long_context.is_some() && roles::splits(&npu_serving.agent_roles) {
+        // A long sequence's memory units live in the agent that ran it: it cannot be handed over.
+        return Err(ConfigError::not_allowed(
+            "npu_serving.agent_roles",
+            "a prefill/decode split",
+            "every agent `both` while npu_serving.long_context is set",
+        ));
+    }
     s.finish(
         &mut warnings,
         Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
@@ -451,6 +461,10 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
         c.max_model_len = Some(to_u32(&s.key_path("max_model_len"), v, 2)?);
     }
     c.served_model_names = served_model_names(s)?;
+    c.agent_roles = roles::agent_roles(s)?;
+    if let Some(v) = roles::handoff_space_mb(s)? {
+        c.handoff_space_mb = v;
+    }
     Ok(c)
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::agent_thread::AgentThreadSettings;
 use super::scheduler::{BatchingPolicy, SchedulerConfig};
-use crate::config::{BatchingStrategy, ServerConfig};
+use crate::config::{AgentRole, BatchingStrategy, ServerConfig};
 
 /// Settings of the engine loop.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,6 +26,11 @@ pub struct EngineConfig {
     pub shutdown_grace: Duration,
     /// How often an idle loop looks at the shutdown signal.
     pub idle_tick: Duration,
+    /// Each agent's role (prefill/decode disaggregation); empty or short: `Both`.
+    pub roles: Vec<AgentRole>,
+    /// Blocks of the KV handoff region (0: prefill and decode colocated), and their size.
+    pub handoff_blocks: u32,
+    pub handoff_block_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -38,6 +43,9 @@ impl Default for EngineConfig {
             agent_watch_interval: Duration::from_millis(50),
             shutdown_grace: Duration::from_secs(29),
             idle_tick: Duration::from_millis(20),
+            roles: Vec::new(),
+            handoff_blocks: 0,
+            handoff_block_bytes: 0,
         }
     }
 }
@@ -69,6 +77,7 @@ impl EngineConfig {
             prefix_cache: cfg.npu_serving.prefix_cache,
             eos_ids,
             long_context: cfg.npu_serving.long_context,
+            handoff_copies_per_step: 0,
         };
         // The HTTP side aborts what is left when its grace ends; the engine ends requests a
         // little earlier so that their clients get the reason.
@@ -78,6 +87,11 @@ impl EngineConfig {
             scheduler,
             step_deadline: cfg.step_deadline(),
             shutdown_grace: grace - margin,
+            roles: if cfg.disaggregated() {
+                cfg.agent_roles()
+            } else {
+                Vec::new()
+            },
             ..Self::default()
         }
     }

@@ -2,7 +2,10 @@
 //! HTTP side, dispatches each request to the least-loaded live agent, keeps every agent busy
 //! with the next step as soon as its last one comes back, turns results into events, recovers
 //! the requests of a failed agent (busy or idle when it died) on a restarted (or another)
-//! agent, and drains on shutdown.
+//! agent, and drains on shutdown. With prefill/decode disaggregation (`handoff`), new requests
+//! go to agents that prefill and their KV is handed over to agents that decode.
+
+mod handoff;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -23,8 +26,10 @@ use super::requests::RequestEntry;
 use super::scheduler::{RecoveredRequest, SchedError, Scheduler};
 use super::types::{FinishReason, GenerateRequest, RequestId};
 use crate::agents::AgentFailure;
+use crate::config::AgentRole;
 use crate::http::ShutdownSignal;
 use crate::metrics::Metrics;
+use handoff::{AgentHandoffs, HandoffBlocks, PdTotals};
 
 /// Why the engine could not start.
 #[derive(Debug, Error)]
@@ -83,6 +88,8 @@ pub fn start_engine(
             health: Health::Up,
             step_in_flight: None,
             time: StepTimes::default(),
+            role: cfg.roles.get(i).copied().unwrap_or_default(),
+            handoffs: AgentHandoffs::default(),
         });
     }
     let (commands_tx, commands) = crossbeam_channel::unbounded();
@@ -92,6 +99,7 @@ pub fn start_engine(
         stats: stats.clone(),
     };
     let engine = Engine {
+        handoff: HandoffBlocks::new(cfg.handoff_blocks),
         cfg,
         agents: states,
         commands,
@@ -150,6 +158,9 @@ struct AgentState {
     health: Health,
     step_in_flight: Option<u64>,
     time: StepTimes,
+    /// What it does with requests (prefill/decode disaggregation; `Both` when colocated).
+    role: AgentRole,
+    handoffs: AgentHandoffs,
 }
 
 /// Where an agent's time went, for the log at shutdown: how much of the steps' round trips the
@@ -197,6 +208,8 @@ struct Engine {
     drain_deadline: Option<Instant>,
     agents_stopped: bool,
     commands_closed: bool,
+    /// The handoff region's blocks (none when prefill and decode are colocated).
+    handoff: HandoffBlocks,
 }
 
 impl Engine {
@@ -278,6 +291,8 @@ impl Engine {
                 match entry.agent {
                     Some(i) => {
                         self.agents[i].sched.abort(id);
+                        self.emit_finished(id, FinishReason::Aborted, None);
+                        return self.release_taken_in(i);
                     }
                     None => self.pending.retain(|p| p.id() != id),
                 }
@@ -356,15 +371,20 @@ impl Engine {
     /// Gives a request to the least-loaded live agent, or parks it until one is up.
     fn dispatch(&mut self, p: Pending) {
         let id = p.id();
+        // Prompts (and recomputations) are computed only where the role allows it.
         let target = self
             .agents
             .iter()
             .enumerate()
-            .filter(|(_, a)| a.health == Health::Up)
+            .filter(|(_, a)| a.health == Health::Up && a.role.prefills())
             .min_by_key(|(_, a)| a.sched.load())
             .map(|(i, _)| i);
         let Some(i) = target else {
-            if self.agents.iter().any(|a| a.health.coming_back()) {
+            if self
+                .agents
+                .iter()
+                .any(|a| a.health.coming_back() && a.role.prefills())
+            {
                 self.pending.push_back(p);
             } else {
                 let msg = format!("no agent can serve requests: {}", self.failures());
@@ -427,10 +447,12 @@ impl Engine {
         if self.agents_stopped {
             return;
         }
-        for a in &mut self.agents {
-            if a.health != Health::Up || a.step_in_flight.is_some() {
+        for i in 0..self.agents.len() {
+            if self.agents[i].health != Health::Up || self.agents[i].step_in_flight.is_some() {
                 continue;
             }
+            self.hand_over_ready(i);
+            let a = &mut self.agents[i];
             let idle_since = a.time.idle_since.take();
             if let Some(plan) = a.sched.schedule() {
                 let step_id = plan.step_id;
@@ -476,6 +498,10 @@ impl Engine {
                         EngineStats::add(&self.stats.steps_total, 1);
                         let arrived = Instant::now();
                         self.on_step_result(i, &result);
+                        if self.agents[i].health == Health::Up {
+                            self.deliver_handed_over(i);
+                            self.release_taken_in(i);
+                        }
                         let a = &mut self.agents[i];
                         if !a.sched.is_idle() {
                             a.time.idle_since = Some(arrived);
@@ -560,11 +586,13 @@ impl Engine {
         }
         // The agent is up but could not run this step: the requests in it cannot go on.
         tracing::error!(agent = i, %failure, "step failed; ending its requests");
+        self.handoffs_lost(i, false);
         let ids = self.agents[i].sched.step_failed(step_id);
         for id in ids {
             self.agents[i].sched.abort(id);
             self.emit_finished(id, FinishReason::Error, Some(failure.to_string()));
         }
+        self.release_taken_in(i);
     }
 
     /// The agent is gone: its requests (with the tokens they have) move to live agents or wait
@@ -584,6 +612,7 @@ impl Engine {
         if !a.worker.send(AgentJob::Restart) {
             a.health = Health::Failed(format!("{failure}; its thread is gone"));
         }
+        self.handoffs_lost(i, true);
         for rec in recovered {
             if let Some(e) = self.requests.get_mut(&rec.request.id) {
                 e.agent = None;
@@ -604,8 +633,10 @@ impl Engine {
         let (mut running, mut waiting, mut used, mut total, mut preempted) = (0, 0, 0, 0, 0);
         let (mut queried, mut hit) = (0, 0);
         let mut kv = [0u64; 10];
+        let mut pd = PdTotals::default();
         for a in &self.agents {
             let st = a.sched.stats();
+            pd.add(a.role, &st);
             for (acc, v) in kv.iter_mut().zip([
                 st.preemptions_swap,
                 st.swap_out_blocks,
@@ -660,6 +691,7 @@ impl Engine {
         {
             EngineStats::set(stat, v);
         }
+        pd.publish(&s.pd, &self.handoff, self.cfg.handoff_block_bytes);
         let up = if self.agents_stopped { 0 } else { up };
         EngineStats::set(&s.agents_up, up);
         s.ready

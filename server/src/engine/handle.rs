@@ -45,6 +45,28 @@ pub struct EngineStats {
     pub steps_total: AtomicU64,
     /// The KV memory hierarchy (host pool, swapping, host tier, host->device step inputs).
     pub kv: KvStats,
+    /// Prefill/decode disaggregation (KV handed over between agents).
+    pub pd: PdStats,
+}
+
+/// Counters and gauges of prefill/decode disaggregation, all agents together.
+#[derive(Debug, Default)]
+pub struct PdStats {
+    /// Requests and KV blocks (bytes) copied out of prefill agents into the handoff region...
+    pub handoff_out_requests_total: AtomicU64,
+    pub handoff_out_blocks_total: AtomicU64,
+    pub handoff_out_bytes_total: AtomicU64,
+    /// ...and copied from it into decode agents.
+    pub handoff_in_requests_total: AtomicU64,
+    pub handoff_in_blocks_total: AtomicU64,
+    pub handoff_in_bytes_total: AtomicU64,
+    /// Prefill tokens (prompts and recomputations) computed by agents of each role.
+    pub prefill_tokens_prefill_agents_total: AtomicU64,
+    pub prefill_tokens_decode_agents_total: AtomicU64,
+    pub prefill_tokens_both_agents_total: AtomicU64,
+    /// Blocks of the handoff region, and those in use.
+    pub handoff_blocks_total: AtomicU64,
+    pub handoff_blocks_used: AtomicU64,
 }
 
 /// Counters and gauges of the KV memory hierarchy, all agents together.

@@ -17,5 +17,5 @@ pub use agent_thread::{AgentThreadSettings, StepAgent};
 pub use config::EngineConfig;
 pub use driver::{start_engine, EngineError, RunningEngine};
 pub use events::EventOutput;
-pub use handle::{EngineCommand, EngineHandle, EngineStats, TaggedEvent};
+pub use handle::{EngineCommand, EngineHandle, EngineStats, PdStats, TaggedEvent};
 pub use types::{FinishReason, GenEvent, GenerateRequest, RequestId, Usage};
