@@ -1,0 +1,4 @@
+//! npu-backend-cuda: the CUDA backend.
+pub mod kernels;
+pub mod libs;
+pub mod nvrtc;
