@@ -244,3 +244,59 @@ int run_grid(const unsigned* g, const unsigned* b, unsigned smem, void (*body)(v
 }
 
 } // namespace npu_emu
+
+// cublasGemmEx (transa = T, transb = N, alpha 1, beta 0, f32 accumulation) on the host, for
+// arguments the caller has checked: C[i + j ldc] = sum_l A[l + i lda] * B[l + j ldb].
+// Element types: 0 = f32, 1 = f16, 2 = bf16.
+static float load_elem(const void* p, size_t i, int ty) {
+    if (ty == 0) {
+        return ((const float*)p)[i];
+    }
+    const uint16_t b = ((const uint16_t*)p)[i];
+    return ty == 1 ? npu_emu_f16_to_f32(b) : __uint_as_float(((uint32_t)b) << 16);
+}
+
+static void store_elem(void* p, size_t i, int ty, float v) {
+    if (ty == 0) {
+        ((float*)p)[i] = v;
+    } else if (ty == 1) {
+        ((uint16_t*)p)[i] = npu_emu_f32_to_f16(v);
+    } else {
+        uint32_t u = __float_as_uint(v);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            ((uint16_t*)p)[i] = (uint16_t)((u >> 16) | 0x40u);
+        } else {
+            u += 0x7fffu + ((u >> 16) & 1u);
+            ((uint16_t*)p)[i] = (uint16_t)(u >> 16);
+        }
+    }
+}
+
+extern "C" void npu_emu_gemm(size_t m, size_t n, size_t k, const void* a, size_t lda,
+                             const void* b, size_t ldb, void* c, size_t ldc, int ab_type,
+                             int c_type) {
+    std::vector<float> col(k);
+    std::vector<float> arow(k);
+    for (size_t j = 0; j < n; ++j) {
+        for (size_t l = 0; l < k; ++l) {
+            col[l] = load_elem(b, l + j * ldb, ab_type);
+        }
+        for (size_t i = 0; i < m; ++i) {
+            float acc = 0.0f;
+            if (ab_type == 0) {
+                const float* ar = (const float*)a + i * lda;
+                for (size_t l = 0; l < k; ++l) {
+                    acc += ar[l] * col[l];
+                }
+            } else {
+                for (size_t l = 0; l < k; ++l) {
+                    arow[l] = load_elem(a, l + i * lda, ab_type);
+                }
+                for (size_t l = 0; l < k; ++l) {
+                    acc += arow[l] * col[l];
+                }
+            }
+            store_elem(c, i + j * ldc, c_type, acc);
+        }
+    }
+}

@@ -44,15 +44,16 @@ impl CudaLib {
     pub fn how_to_get(self) -> &'static str {
         match self {
             CudaLib::Driver => {
-                "the NVIDIA driver's CUDA library; it comes with the NVIDIA driver \
-                 (no driver: this machine has no usable NVIDIA GPU; use `device: cpu`)"
+                "libcuda.so is the NVIDIA driver's CUDA library and comes with the driver: \
+                 without it this machine has no usable NVIDIA GPU (use `device: cpu`)"
             }
             CudaLib::Nvrtc => {
-                "NVRTC, the CUDA run-time compiler; install the CUDA toolkit 12.x or \
-                 `pip install nvidia-cuda-nvrtc-cu12`"
+                "libnvrtc.so is NVRTC, the CUDA run-time compiler: install the CUDA toolkit 12.x \
+                 or `pip install nvidia-cuda-nvrtc-cu12`"
             }
             CudaLib::Cublas => {
-                "cuBLAS; install the CUDA toolkit 12.x or `pip install nvidia-cublas-cu12`"
+                "libcublas.so is cuBLAS: install the CUDA toolkit 12.x or \
+                 `pip install nvidia-cublas-cu12`"
             }
         }
     }
@@ -156,26 +157,23 @@ pub fn require(libs: &[CudaLib], dirs: &[PathBuf]) -> Result<(), String> {
     if missing.is_empty() {
         return Ok(());
     }
-    let list: Vec<String> = missing
-        .iter()
-        .map(|l| format!("{} ({})", l.file_name(), l.how_to_get()))
-        .collect();
+    let names: Vec<&str> = missing.iter().map(|l| l.file_name()).collect();
+    let names = match names.as_slice() {
+        [one] => one.to_string(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+        [] => unreachable!(),
+    };
+    let searched = if dirs.is_empty() {
+        String::new()
+    } else {
+        let d: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        format!(", then {}", d.join(", "))
+    };
+    let why: Vec<&str> = missing.iter().map(|l| l.how_to_get()).collect();
     Err(format!(
-        "{} not found by the dynamic loader (LD_LIBRARY_PATH, system paths) nor in {}: {}",
-        if missing.len() == 1 {
-            "the library"
-        } else {
-            "the libraries"
-        },
-        if dirs.is_empty() {
-            "any CUDA library directory".to_string()
-        } else {
-            dirs.iter()
-                .map(|d| d.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        },
-        list.join("; ")
+        "{names} not found (searched LD_LIBRARY_PATH and the system library paths{searched}). \
+         {}. A library outside those paths is found through NPU_SERVING_CUDA_LIB_DIR.",
+        why.join(". ")
     ))
 }
 

@@ -15,7 +15,6 @@ mod memory;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::{Mutex, OnceLock};
 
-use half::{bf16, f16};
 use npu_backend::{BackendError, DType, MemInfo};
 
 use crate::gpu::{ArgKind, Args, DevPtr, Gemm, Gpu, LaunchDims};
@@ -31,6 +30,19 @@ type KernelFn = unsafe extern "C" fn(
     usize,
 ) -> c_int;
 type ParamsFn = unsafe extern "C" fn(*mut u32, c_int) -> c_int;
+type GemmFn = unsafe extern "C" fn(
+    usize,
+    usize,
+    usize,
+    *const c_void,
+    usize,
+    *const c_void,
+    usize,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+);
 
 struct Kernel {
     name: String,
@@ -41,6 +53,7 @@ struct Kernel {
 struct Library {
     _lib: libloading::Library,
     kernels: Vec<Kernel>,
+    gemm: GemmFn,
 }
 
 fn load_library() -> Result<Library, String> {
@@ -71,9 +84,15 @@ fn load_library() -> Result<Library, String> {
             param_sizes: sizes,
         });
     }
+    // SAFETY: the GEMM entry point runtime.cpp defines, with this type.
+    let gemm = unsafe {
+        *lib.get::<GemmFn>(b"npu_emu_gemm\0")
+            .map_err(|e| format!("npu_emu_gemm: {e}"))?
+    };
     Ok(Library {
         _lib: lib,
         kernels: out,
+        gemm,
     })
 }
 
@@ -119,30 +138,6 @@ impl EmuGpu {
 
     fn mem(&self) -> std::sync::MutexGuard<'_, Memory> {
         self.mem.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-fn load(p: u64, i: usize, dt: DType) -> f32 {
-    // SAFETY: callers checked that the element lies inside a live allocation.
-    unsafe {
-        match dt {
-            DType::F32 => *(p as *const f32).add(i),
-            DType::F16 => (*(p as *const f16).add(i)).to_f32(),
-            DType::BF16 => (*(p as *const bf16).add(i)).to_f32(),
-            DType::I32 => unreachable!("checked"),
-        }
-    }
-}
-
-fn store(p: u64, i: usize, dt: DType, v: f32) {
-    // SAFETY: as for `load`.
-    unsafe {
-        match dt {
-            DType::F32 => *(p as *mut f32).add(i) = v,
-            DType::F16 => *(p as *mut f16).add(i) = f16::from_f32(v),
-            DType::BF16 => *(p as *mut bf16).add(i) = bf16::from_f32(v),
-            DType::I32 => unreachable!("checked"),
-        }
     }
 }
 
@@ -332,16 +327,28 @@ impl Gpu for EmuGpu {
             )
             .map_err(emu_err)?;
         }
-        for j in 0..g.n {
-            for i in 0..g.m {
-                let mut acc = 0f32;
-                for l in 0..g.k {
-                    acc = load(g.a, l + i * g.lda, g.ab_type)
-                        .mul_add(load(g.b, l + j * g.ldb, g.ab_type), acc);
-                }
-                store(g.c, i + j * g.ldc, g.c_type, acc);
-            }
-        }
+        let code = |d: DType| match d {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            _ => 2,
+        };
+        // SAFETY: the three ranges lie inside live allocations (checked above) and the types
+        // are ones the function handles.
+        unsafe {
+            (self.lib.gemm)(
+                g.m,
+                g.n,
+                g.k,
+                g.a as *const c_void,
+                g.lda,
+                g.b as *const c_void,
+                g.ldb,
+                g.c as *mut c_void,
+                g.ldc,
+                code(g.ab_type),
+                code(g.c_type),
+            )
+        };
         Ok(())
     }
 }
@@ -366,5 +373,104 @@ impl EmuGpu {
     /// Allocations still live.
     pub fn live_allocations(&self) -> usize {
         self.mem().live()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{op_kernel, Op};
+
+    fn gpu() -> Option<EmuGpu> {
+        match EmuGpu::new() {
+            Ok(g) => Some(g),
+            Err(e) if e.to_string().contains("could not run the C++ compiler") => {
+                eprintln!("SKIPPED (no C++ compiler for the CUDA emulation): {e}");
+                None
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn add_args(x: u64, y: u64, cols: i32) -> Args {
+        Args::new().ptr(x).i32(cols).ptr(y).i32(cols).i32(cols)
+    }
+
+    #[test]
+    fn the_emulation_refuses_what_a_device_would() {
+        let Some(g) = gpu() else { return };
+        let k = op_kernel(Op::Add, DType::F32);
+        let x = g.alloc(64).unwrap();
+        let y = g.alloc(256).unwrap();
+        let ones: Vec<u8> = (0..64).flat_map(|_| 1f32.to_le_bytes()).collect();
+        g.htod(y, &ones).unwrap();
+        let dims = LaunchDims::linear([1, 1, 1], 32);
+        // A good launch: 16 floats.
+        g.launch(k, dims, &mut add_args(x, y, 16)).unwrap();
+        // A missing parameter, and an i64 where the kernel takes an int.
+        let e = g
+            .launch(k, dims, &mut Args::new().ptr(x).i32(16).ptr(y).i32(16))
+            .unwrap_err();
+        assert!(e.to_string().contains("parameters of sizes"), "{e}");
+        let e = g
+            .launch(
+                k,
+                dims,
+                &mut Args::new().ptr(x).i64(16).ptr(y).i32(16).i32(16),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("parameters of sizes"), "{e}");
+        // A pointer that is not device memory.
+        let host = [0f32; 16];
+        let e = g
+            .launch(k, dims, &mut add_args(host.as_ptr() as u64, y, 16))
+            .unwrap_err();
+        assert!(e.to_string().contains("not device memory"), "{e}");
+        // Writing 32 floats into a 64-byte allocation is caught.
+        let e = g.launch(k, dims, &mut add_args(x, y, 32)).unwrap_err();
+        assert!(e.to_string().contains("wrote past the end"), "{e}");
+        // Bad launch shapes, too much shared memory, copies outside an allocation.
+        let e = g
+            .launch(
+                k,
+                LaunchDims::linear([1, 1, 1], 2048),
+                &mut add_args(y, y, 16),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("invalid launch"), "{e}");
+        let e = g
+            .launch(
+                k,
+                LaunchDims {
+                    smem: MAX_SMEM + 1,
+                    ..dims
+                },
+                &mut add_args(y, y, 16),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("shared memory"), "{e}");
+        assert!(g.htod(y + 250, &[0u8; 8]).is_err());
+        assert!(g.dtod(x, y, 65).is_err());
+        let mut out = Vec::new();
+        assert!(g.read(&[(y + 256, 1)], &mut out).is_err());
+        // cuBLAS's leading-dimension rule.
+        let e = g
+            .gemm(&Gemm {
+                m: 2,
+                n: 2,
+                k: 4,
+                a: y,
+                lda: 3,
+                b: y,
+                ldb: 4,
+                c: y,
+                ldc: 2,
+                ab_type: DType::F32,
+                c_type: DType::F32,
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("INVALID_VALUE"), "{e}");
+        g.free(y, 256);
+        assert_eq!(g.live_allocations(), 1);
     }
 }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod conformance;
+
 use half::{bf16, f16};
 use npu_backend::{Backend, DType, HostSlice, HostSliceMut, Readback, View, ViewMut};
 use npu_backend_cuda::{CudaBackend, CudaBuffer, CudaConfig, MatmulMode};
@@ -27,12 +29,19 @@ pub fn emulated(dt: DType, matmul: MatmulMode) -> Option<CudaBackend> {
     }
 }
 
-/// Kernels launched since the last call (and forgets them).
-pub fn take_launches(b: &CudaBackend) -> Vec<String> {
-    let emu = b.emulation().expect("an emulated backend");
+/// Kernels launched since the last call (and forgets them); `None` on a real device.
+pub fn take_launches(b: &CudaBackend) -> Option<Vec<String>> {
+    let emu = b.emulation()?;
     let l = emu.launched();
     emu.clear_launched();
-    l
+    Some(l)
+}
+
+/// On the emulation: the kernels launched since the last check are exactly `want`.
+pub fn assert_launched(b: &CudaBackend, want: Vec<String>) {
+    if let Some(got) = take_launches(b) {
+        assert_eq!(got, want);
+    }
 }
 
 pub struct Rng(u64);
