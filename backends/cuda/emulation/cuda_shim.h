@@ -93,6 +93,14 @@ inline int max(int a, int b) { return a > b ? a : b; }
 
 template <typename T> inline T __ldg(const T* p) { return *p; }
 
+// Four signed 8-bit products summed into c.
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) {
+        c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    }
+    return c;
+}
+
 inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width = 32) {
     return __uint_as_float(npu_emu::shfl(mask, __float_as_uint(v), lane_mask, 0, width));
 }

@@ -1,5 +1,6 @@
 // The emulation's execution engine: runs one kernel launch (grid of blocks, block of threads)
-// on the calling OS thread. Each block's threads are ucontext coroutines; a thread runs until it
+// on the calling OS thread. Each block's threads are coroutines (a small stack switch on x86-64,
+// ucontext elsewhere); a thread runs until it
 // reaches __syncthreads(), a warp shuffle, or its end, and the scheduler releases a barrier only
 // when every thread of the block is waiting at it, and a shuffle only when every lane its mask
 // names is waiting at it with the same mask. Anything else is reported as an error of the launch
@@ -18,6 +19,7 @@ enum class State { Runnable, AtBarrier, AtShuffle, Done };
 
 struct Thread {
     ucontext_t ctx;
+    void* sp = nullptr;
     std::vector<char> stack;
     State state = State::Done;
     npu_dim3 tid{0, 0, 0};
@@ -33,6 +35,7 @@ static std::vector<Thread> threads;
 static int n_threads = 0;
 static int current = -1;
 static ucontext_t scheduler;
+static void* scheduler_sp = nullptr;
 static void (*body_fn)(void*) = nullptr;
 static void* body_arg = nullptr;
 static std::vector<unsigned char> dynamic_smem;
@@ -46,7 +49,45 @@ const npu_dim3& thread_idx() { return threads[current].tid; }
 
 unsigned char* dyn_smem() { return dynamic_smem.empty() ? nullptr : dynamic_smem.data(); }
 
-static void yield_to_scheduler() { swapcontext(&threads[current].ctx, &scheduler); }
+#if defined(__x86_64__)
+// Saves the callee-saved registers on the current stack, stores the stack pointer in *save, and
+// resumes the stack `next` (saved the same way). The floating-point control state (MXCSR, x87
+// control word) is not switched: no kernel changes it, so every thread shares the caller's.
+extern "C" void npu_emu_switch(void** save, void* next);
+asm(R"(
+    .text
+    .globl npu_emu_switch
+    .type npu_emu_switch, @function
+npu_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size npu_emu_switch, .-npu_emu_switch
+    .section .note.GNU-stack,"",@progbits
+    .text
+)");
+#define NPU_EMU_FAST_SWITCH 1
+#endif
+
+static void yield_to_scheduler() {
+#ifdef NPU_EMU_FAST_SWITCH
+    npu_emu_switch(&threads[current].sp, scheduler_sp);
+#else
+    swapcontext(&threads[current].ctx, &scheduler);
+#endif
+}
 
 void syncthreads() {
     threads[current].state = State::AtBarrier;
@@ -78,6 +119,41 @@ uint32_t shfl(uint32_t mask, uint32_t value, int arg, int mode, int width) {
 static void thread_entry() {
     body_fn(body_arg);
     threads[current].state = State::Done;
+#ifdef NPU_EMU_FAST_SWITCH
+    npu_emu_switch(&threads[current].sp, scheduler_sp);
+    __builtin_unreachable();
+#endif
+}
+
+// Prepares thread i to start at thread_entry on its own stack.
+static void start_thread(int i) {
+    Thread& t = threads[i];
+#ifdef NPU_EMU_FAST_SWITCH
+    uintptr_t top = ((uintptr_t)(t.stack.data() + t.stack.size())) & ~(uintptr_t)15;
+    uint64_t* sp = (uint64_t*)top;
+    *--sp = 0;                          // where thread_entry's return address would be
+    *--sp = (uint64_t)&thread_entry;    // popped by npu_emu_switch's ret
+    for (int r = 0; r < 6; ++r) {
+        *--sp = 0;                      // rbp, rbx, r12-r15
+    }
+    t.sp = sp;
+#else
+    getcontext(&t.ctx);
+    t.ctx.uc_stack.ss_sp = t.stack.data();
+    t.ctx.uc_stack.ss_size = t.stack.size();
+    t.ctx.uc_link = &scheduler;
+    makecontext(&t.ctx, thread_entry, 0);
+#endif
+    t.state = State::Runnable;
+}
+
+static void resume_thread(int i) {
+    current = i;
+#ifdef NPU_EMU_FAST_SWITCH
+    npu_emu_switch(&scheduler_sp, threads[i].sp);
+#else
+    swapcontext(&scheduler, &threads[i].ctx);
+#endif
 }
 
 static bool fail(const std::string& what) {
@@ -152,19 +228,12 @@ static bool release_shuffles(bool& released) {
 
 static bool run_block() {
     for (int i = 0; i < n_threads; ++i) {
-        Thread& t = threads[i];
-        getcontext(&t.ctx);
-        t.ctx.uc_stack.ss_sp = t.stack.data();
-        t.ctx.uc_stack.ss_size = t.stack.size();
-        t.ctx.uc_link = &scheduler;
-        makecontext(&t.ctx, thread_entry, 0);
-        t.state = State::Runnable;
+        start_thread(i);
     }
     for (;;) {
         for (int i = 0; i < n_threads; ++i) {
             if (threads[i].state == State::Runnable) {
-                current = i;
-                swapcontext(&scheduler, &threads[i].ctx);
+                resume_thread(i);
                 if (!error.empty()) {
                     return fail(error);
                 }
@@ -275,26 +344,22 @@ static void store_elem(void* p, size_t i, int ty, float v) {
 extern "C" void npu_emu_gemm(size_t m, size_t n, size_t k, const void* a, size_t lda,
                              const void* b, size_t ldb, void* c, size_t ldc, int ab_type,
                              int c_type) {
-    std::vector<float> col(k);
-    std::vector<float> arow(k);
+    std::vector<float> cols(n * k);
     for (size_t j = 0; j < n; ++j) {
         for (size_t l = 0; l < k; ++l) {
-            col[l] = load_elem(b, l + j * ldb, ab_type);
+            cols[j * k + l] = load_elem(b, l + j * ldb, ab_type);
         }
-        for (size_t i = 0; i < m; ++i) {
+    }
+    std::vector<float> arow(k);
+    for (size_t i = 0; i < m; ++i) {
+        for (size_t l = 0; l < k; ++l) {
+            arow[l] = load_elem(a, l + i * lda, ab_type);
+        }
+        for (size_t j = 0; j < n; ++j) {
+            const float* col = cols.data() + j * k;
             float acc = 0.0f;
-            if (ab_type == 0) {
-                const float* ar = (const float*)a + i * lda;
-                for (size_t l = 0; l < k; ++l) {
-                    acc += ar[l] * col[l];
-                }
-            } else {
-                for (size_t l = 0; l < k; ++l) {
-                    arow[l] = load_elem(a, l + i * lda, ab_type);
-                }
-                for (size_t l = 0; l < k; ++l) {
-                    acc += arow[l] * col[l];
-                }
+            for (size_t l = 0; l < k; ++l) {
+                acc += arow[l] * col[l];
             }
             store_elem(c, i + j * ldc, c_type, acc);
         }

@@ -129,6 +129,33 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Sums each of 8 values over the warp in 9 shuffles (not 40): lane l ends with the total of
+// value (l >> 2) & 7. Each step sends the half of its values its partner keeps.
+__device__ __forceinline__ float warp_sum8(float* v) {
+    const int lane = threadIdx.x & 31;
+    for (int i = 0; i < 4; ++i) {
+        const bool up = (lane & 16) != 0;
+        const float send = up ? v[i] : v[i + 4];
+        const float keep = up ? v[i + 4] : v[i];
+        v[i] = keep + __shfl_xor_sync(FULL_MASK, send, 16);
+    }
+    for (int i = 0; i < 2; ++i) {
+        const bool up = (lane & 8) != 0;
+        const float send = up ? v[i] : v[i + 2];
+        const float keep = up ? v[i + 2] : v[i];
+        v[i] = keep + __shfl_xor_sync(FULL_MASK, send, 8);
+    }
+    {
+        const bool up = (lane & 4) != 0;
+        const float send = up ? v[0] : v[1];
+        const float keep = up ? v[1] : v[0];
+        v[0] = keep + __shfl_xor_sync(FULL_MASK, send, 4);
+    }
+    v[0] += __shfl_xor_sync(FULL_MASK, v[0], 2);
+    v[0] += __shfl_xor_sync(FULL_MASK, v[0], 1);
+    return v[0];
+}
+
 // Sum over the whole block; every thread gets the total. `blockDim.x` is a multiple of 32 (at
 // most 1024) and every thread of the block calls it. `red` is 32 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* red) {

@@ -9,29 +9,31 @@ use npu_backend::DType;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulMode {
     /// Weights stay quantized on the device (Q4_0, Q4_1, Q8_0 repacked; F16 as is; other types
-    /// dequantized to F16 at load). Steps with at most `gemv_max_rows` token rows run the
-    /// quantized GEMV kernels (dequantization inside the product); larger steps dequantize the
-    /// matrix into a scratch buffer and run cuBLAS.
+    /// dequantized to F16 at load) and multiply 8-bit quantized activations with integer dot
+    /// products, for every step size: ggml's arithmetic, so greedy tokens follow llama.cpp's.
+    Quantized,
+    /// As `Quantized` for steps of at most `gemv_max_rows` token rows; larger steps dequantize
+    /// each matrix into a scratch buffer and run cuBLAS (faster long prefills, exact products:
+    /// tokens can differ from llama.cpp's where its top two logits are close).
     Auto,
-    /// Quantized weights, quantized GEMV kernels for every step size.
-    Gemv,
-    /// Every matrix dequantized once at load to the activation dtype; cuBLAS for every product.
+    /// Every matrix dequantized once at load to the activation dtype; cuBLAS for every product
+    /// (the same arithmetic caveat as `Auto`, and 2-4x the weight memory).
     Dequantized,
 }
 
 impl MatmulMode {
     pub fn name(self) -> &'static str {
         match self {
+            MatmulMode::Quantized => "quantized",
             MatmulMode::Auto => "auto",
-            MatmulMode::Gemv => "gemv",
             MatmulMode::Dequantized => "dequantized",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
+            "quantized" | "gemv" => MatmulMode::Quantized,
             "auto" => MatmulMode::Auto,
-            "gemv" | "quantized" => MatmulMode::Gemv,
-            "dequantized" | "cublas" | "f16" => MatmulMode::Dequantized,
+            "dequantized" | "cublas" => MatmulMode::Dequantized,
             _ => return None,
         })
     }
@@ -39,14 +41,16 @@ impl MatmulMode {
 
 /// Environment variable: activation dtype (`f16`, `bf16`, `f32`).
 pub const ENV_DTYPE: &str = "NPU_SERVING_CUDA_DTYPE";
-/// Environment variable: matmul strategy (`auto`, `gemv`, `dequantized`).
+/// Environment variable: matmul strategy (`quantized`, `auto`, `dequantized`).
 pub const ENV_MATMUL: &str = "NPU_SERVING_CUDA_MATMUL";
 /// Environment variable: most token rows a step may have for the GEMV kernels in `auto` mode.
 pub const ENV_GEMV_MAX_ROWS: &str = "NPU_SERVING_CUDA_GEMV_MAX_ROWS";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaConfig {
-    /// Activations are stored in this dtype (f16, bf16 or f32); arithmetic accumulates in f32.
+    /// Activations are stored in this dtype (f32 by default, as ggml keeps them; f16 or bf16
+    /// halve activation traffic but change greedy tokens against llama.cpp on the reference
+    /// prompts); arithmetic accumulates in f32 either way.
     pub act_dtype: DType,
     pub matmul: MatmulMode,
     /// `Auto` mode: steps with at most this many token rows use the GEMV kernels.
@@ -58,12 +62,12 @@ pub struct CudaConfig {
 }
 
 impl Default for CudaConfig {
-    /// f16 activations, `auto` matmul with GEMV up to 16 rows, the default kernel cache and
-    /// library directories.
+    /// f32 activations, quantized matmuls (GEMV up to 16 rows in `auto` mode), the default
+    /// kernel cache and library directories.
     fn default() -> Self {
         Self {
-            act_dtype: DType::F16,
-            matmul: MatmulMode::Auto,
+            act_dtype: DType::F32,
+            matmul: MatmulMode::Quantized,
             gemv_max_rows: 16,
             kernel_cache: crate::nvrtc::default_cache_dir(),
             lib_dirs: crate::libs::default_search_dirs(),
@@ -90,8 +94,9 @@ impl CudaConfig {
             };
         }
         if let Some(v) = get(ENV_MATMUL) {
-            c.matmul = MatmulMode::parse(&v)
-                .ok_or_else(|| format!("{ENV_MATMUL}={v:?}: expected auto, gemv or dequantized"))?;
+            c.matmul = MatmulMode::parse(&v).ok_or_else(|| {
+                format!("{ENV_MATMUL}={v:?}: expected quantized, auto or dequantized")
+            })?;
         }
         if let Some(v) = get(ENV_GEMV_MAX_ROWS) {
             c.gemv_max_rows = v
@@ -117,13 +122,13 @@ mod tests {
         .unwrap();
         assert_eq!(
             (c.act_dtype, c.matmul, c.gemv_max_rows),
-            (DType::BF16, MatmulMode::Gemv, 4)
+            (DType::BF16, MatmulMode::Quantized, 4)
         );
         let e = CudaConfig::from_vars(|k| (k == ENV_DTYPE).then(|| "fp8".into())).unwrap_err();
         assert!(e.contains(ENV_DTYPE), "{e}");
         let e = CudaConfig::from_vars(|k| (k == ENV_MATMUL).then(|| "fast".into())).unwrap_err();
         assert!(e.contains(ENV_MATMUL), "{e}");
         let d = CudaConfig::from_vars(|_| None).unwrap();
-        assert_eq!((d.act_dtype, d.matmul), (DType::F16, MatmulMode::Auto));
+        assert_eq!((d.act_dtype, d.matmul), (DType::F32, MatmulMode::Quantized));
     }
 }

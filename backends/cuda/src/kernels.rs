@@ -37,10 +37,11 @@ pub enum Op {
     KvWrite,
     Attention,
     AttentionCombine,
+    QuantizeQ8,
 }
 
 impl Op {
-    pub const ALL: [Op; 11] = [
+    pub const ALL: [Op; 12] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -52,6 +53,7 @@ impl Op {
         Op::KvWrite,
         Op::Attention,
         Op::AttentionCombine,
+        Op::QuantizeQ8,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -66,6 +68,7 @@ impl Op {
             Op::KvWrite => "kv_write",
             Op::Attention => "attention",
             Op::AttentionCombine => "attention_combine",
+            Op::QuantizeQ8 => "quantize_q8",
         }
     }
 }

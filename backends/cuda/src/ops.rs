@@ -240,7 +240,7 @@ impl CudaBackend {
                 self.cublas(w.mem.ptr(), w, &x, &out, dt)
             }
             MatrixKind::Packed(fmt) => {
-                let gemv = self.cfg.matmul == MatmulMode::Gemv
+                let gemv = self.cfg.matmul == MatmulMode::Quantized
                     || (self.cfg.matmul == MatmulMode::Auto && rows <= self.cfg.gemv_max_rows);
                 if gemv {
                     return self.gemv(fmt, w, x, out, dt);
@@ -309,7 +309,8 @@ impl CudaBackend {
         })
     }
 
-    /// The quantized GEMV kernels, up to 8 activation rows per launch.
+    /// The GEMV kernels, up to 8 activation rows per pass over the weights; quantized weights
+    /// multiply the activations quantized to 8 bits first.
     fn gemv(
         &mut self,
         fmt: WeightFormat,
@@ -321,53 +322,62 @@ impl CudaBackend {
         const OP: &str = "matmul";
         let xl = x.layout();
         let (rows, es) = (xl.rows(), dt.size());
-        let aligned = addr(&x) % 16 == 0 && (xl.stride() * es) % 16 == 0;
-        let (mut xp, mut ldx) = (addr(&x), xl.stride());
-        if !aligned {
-            // The kernels read activations 16 bytes at a time: copy them to aligned rows.
-            ldx = xl.cols().div_ceil(8) * 8;
+        let (n, k) = (int(OP, w.n)?, int(OP, w.k)?);
+        let nb = w.k / 32;
+        let quantized = if fmt == WeightFormat::F16 {
+            None
+        } else {
+            let xq_bytes = rows * w.k;
             let dst = self
                 .scratch_x
-                .ensure(&self.gpu, self.device, rows * ldx * es)?;
+                .ensure(&self.gpu, self.device, xq_bytes + rows * nb * 16)?;
+            let xs = dst + xq_bytes as u64;
             self.launch(
-                op_kernel(Op::GatherRows, dt),
-                LaunchDims::linear(
-                    [blocks(xl.cols(), EW_THREADS), grid_rows(OP, rows)?, 1],
-                    EW_THREADS as u32,
-                ),
+                op_kernel(Op::QuantizeQ8, dt),
+                LaunchDims::linear([blocks(nb, 8), grid_rows(OP, rows)?, 1], 256),
                 Args::new()
-                    .ptr(xp)
+                    .ptr(addr(&x))
                     .i32(int(OP, xl.stride())?)
-                    .ptr(0)
-                    .i32(int(OP, xl.cols())?)
+                    .i32(k)
                     .ptr(dst)
-                    .i32(int(OP, ldx)?),
+                    .ptr(xs),
             )?;
-            xp = dst;
-        }
+            Some((dst, xs))
+        };
         let ol = out.layout();
         let op = addr_mut(&out);
         let variant = usize::from(rows > 1);
         let per = kernels::GEMV_ROWS[variant];
+        let dims = LaunchDims::linear([blocks(w.n, GEMV_WARPS), 1, 1], (GEMV_WARPS * 32) as u32);
+        let wp = w.mem.ptr();
         let mut r0 = 0;
         while r0 < rows {
-            let n_r = per.min(rows - r0);
+            let n_r = per.min(rows - r0) as i32;
+            let out_at = op + (r0 * ol.stride() * es) as u64;
+            let args = match quantized {
+                Some((xq, xs)) => Args::new()
+                    .ptr(wp)
+                    .ptr(wp + w.scales_at as u64)
+                    .ptr(wp + w.mins_at as u64)
+                    .i32(n)
+                    .i32(k)
+                    .ptr(xq + (r0 * w.k) as u64)
+                    .ptr(xs + (r0 * nb * 16) as u64)
+                    .i32(n_r),
+                None => Args::new()
+                    .ptr(wp)
+                    .i32(n)
+                    .i32(k)
+                    .ptr(addr(&x) + (r0 * xl.stride() * es) as u64)
+                    .i32(int(OP, xl.stride())?)
+                    .i32(n_r),
+            };
             self.launch(
                 gemv_kernel(fmt, variant, dt),
-                LaunchDims::linear([blocks(w.n, GEMV_WARPS), 1, 1], (GEMV_WARPS * 32) as u32),
-                Args::new()
-                    .ptr(w.mem.ptr())
-                    .ptr(w.mem.ptr() + w.scales_at as u64)
-                    .ptr(w.mem.ptr() + w.mins_at as u64)
-                    .i32(int(OP, w.n)?)
-                    .i32(int(OP, w.k)?)
-                    .ptr(xp + (r0 * ldx * es) as u64)
-                    .i32(int(OP, ldx)?)
-                    .i32(n_r as i32)
-                    .ptr(op + (r0 * ol.stride() * es) as u64)
-                    .i32(int(OP, ol.stride())?),
+                dims,
+                args.ptr(out_at).i32(int(OP, ol.stride())?),
             )?;
-            r0 += n_r;
+            r0 += per;
         }
         Ok(())
     }

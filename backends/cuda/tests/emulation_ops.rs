@@ -49,8 +49,8 @@ fn kv_blocks_copy_on_the_device() {
 }
 
 #[test]
-fn matmul_paths_match_the_dequantized_reference() {
-    conformance::matmul_paths_match_the_dequantized_reference(&emulated);
+fn matmul_paths_match_their_references() {
+    conformance::matmul_paths_match_their_references(&emulated);
 }
 
 #[test]

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod conformance;
+pub mod llama;
 
 use half::{bf16, f16};
 use npu_backend::{Backend, DType, HostSlice, HostSliceMut, Readback, View, ViewMut};
