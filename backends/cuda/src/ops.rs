@@ -439,7 +439,7 @@ impl CudaBackend {
                 )
             },
         )?;
-        need(dims <= g.head_dim && dims % 2 == 0, OP, || {
+        need(dims <= g.head_dim && dims.is_multiple_of(2), OP, || {
             format!("{dims} rotary dimensions of a {}-value head", g.head_dim)
         })?;
         if l.rows() == 0 || dims == 0 {
@@ -552,7 +552,10 @@ impl CudaBackend {
         same(OP, dt, out.dtype())?;
         let hd = g.head_dim;
         need(
-            g.n_heads > 0 && g.n_heads % g.n_kv_heads == 0 && g.n_heads / g.n_kv_heads <= 32,
+            g.n_heads > 0
+                && g.n_kv_heads > 0
+                && g.n_heads.is_multiple_of(g.n_kv_heads)
+                && g.n_heads / g.n_kv_heads <= 32,
             OP,
             || {
                 format!(
@@ -561,7 +564,7 @@ impl CudaBackend {
                 )
             },
         )?;
-        if hd % 2 != 0 || hd > ATT_MAX_HD {
+        if !hd.is_multiple_of(2) || hd > ATT_MAX_HD {
             return Err(BackendError::Unsupported {
                 backend: "cuda",
                 what: format!("attention heads of {hd} values (even, at most {ATT_MAX_HD})"),

@@ -19,8 +19,11 @@ use npu_gguf::GgmlType;
 /// Makes a backend computing in a dtype with a matmul mode (`None`: skip, reason printed).
 pub type Make<'a> = &'a dyn Fn(DType, MatmulMode) -> Option<CudaBackend>;
 
+/// A conformance case.
+pub type Case = fn(Make);
+
 /// Every case, by name.
-pub const CASES: &[(&str, fn(Make))] = &[
+pub const CASES: &[(&str, Case)] = &[
     (
         "embed_dequantizes_each_table_format_on_lookup",
         embed_dequantizes_each_table_format_on_lookup,
