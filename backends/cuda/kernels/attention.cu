@@ -52,6 +52,9 @@ NPU_FOR_EACH_ACT(KV_WRITE)
 #define ATT_TILE 32
 #define ATT_MAX_HD 256
 #define ATT_MAX_WORDS (ATT_MAX_HD / 64)
+// Blocks have at most 16 warps (groups of at most 16 query heads per KV head), so the compiler
+// may give each thread up to 128 registers.
+#define ATT_MAX_THREADS 512
 
 template <typename T>
 __device__ __forceinline__ void attention_body(
@@ -185,7 +188,7 @@ __device__ __forceinline__ void attention_body(
 }
 
 #define ATTENTION(T, S)                                                                            \
-    extern "C" __global__ void attention_##S(                                                      \
+    extern "C" __global__ void __launch_bounds__(ATT_MAX_THREADS) attention_##S(                   \
         const T* q, int ldq, T* out, int ldo, const u16* pool, i64 block_stride, i64 layer_off,   \
         const int* items, int qt, const int* seq_info, const int* block_tables, int max_blocks,    \
         int n_heads, int n_kv, int hd, int bs, float scale, int n_splits, int tiles_per_split,     \

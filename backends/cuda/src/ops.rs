@@ -21,6 +21,8 @@ const GEMV_WARPS: usize = 4;
 const ATT_TARGET_WARPS: usize = 8;
 const ATT_TILE: usize = 32;
 const ATT_MAX_HD: usize = 256;
+/// Most query heads per KV head (a block's warps; ATT_MAX_THREADS in attention.cu).
+const ATT_MAX_GROUP: usize = 16;
 /// Fewest context tiles a split of attention should cover.
 const ATT_MIN_TILES_PER_SPLIT: usize = 4;
 
@@ -555,11 +557,11 @@ impl CudaBackend {
             g.n_heads > 0
                 && g.n_kv_heads > 0
                 && g.n_heads.is_multiple_of(g.n_kv_heads)
-                && g.n_heads / g.n_kv_heads <= 32,
+                && g.n_heads / g.n_kv_heads <= ATT_MAX_GROUP,
             OP,
             || {
                 format!(
-                    "{} query heads over {} KV heads (groups of at most 32)",
+                    "{} query heads over {} KV heads (groups of at most {ATT_MAX_GROUP})",
                     g.n_heads, g.n_kv_heads
                 )
             },
