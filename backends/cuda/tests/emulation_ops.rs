@@ -62,3 +62,27 @@ fn uploads_and_reads_strided_windows() {
 fn ops_refuse_bad_shapes_steps_and_foreign_buffers() {
     conformance::ops_refuse_bad_shapes_steps_and_foreign_buffers(&emulated);
 }
+
+/// Every kernel of the program is launched, and checked, by some case above: no op runs a
+/// kernel the conformance cases never exercise.
+#[test]
+fn every_kernel_has_a_conformance_case() {
+    if emulated(
+        npu_backend::DType::F32,
+        npu_backend_cuda::MatmulMode::Quantized,
+    )
+    .is_none()
+    {
+        return;
+    }
+    for (_, case) in conformance::CASES {
+        case(&emulated);
+    }
+    let launched = npu_backend_cuda::emu::kernels_launched_in_process();
+    let missing: Vec<String> = npu_backend_cuda::kernels::kernel_names()
+        .into_iter()
+        // f16 weights with f16 activations go to cuBLAS as they are: no dequantization.
+        .filter(|n| n != "dequant_f16w_f16" && !launched.contains(n))
+        .collect();
+    assert!(missing.is_empty(), "kernels no case launched: {missing:?}");
+}

@@ -99,6 +99,19 @@ fn load_library() -> Result<Library, String> {
 static LIBRARY: OnceLock<Result<Library, String>> = OnceLock::new();
 /// The emulation runtime's state is global: one launch at a time in the process.
 static LAUNCH: Mutex<()> = Mutex::new(());
+/// Every kernel index launched successfully in this process, on any emulated device.
+static EVER_LAUNCHED: Mutex<Vec<bool>> = Mutex::new(Vec::new());
+
+/// The kernels launched successfully so far in this process (on any emulated device), by name.
+pub fn kernels_launched_in_process() -> Vec<String> {
+    let ever = EVER_LAUNCHED.lock().unwrap_or_else(|e| e.into_inner());
+    let names = kernels::kernel_names();
+    ever.iter()
+        .enumerate()
+        .filter(|(_, &x)| x)
+        .map(|(i, _)| names[i].clone())
+        .collect()
+}
 
 /// Streaming multiprocessors the emulation reports (sizes attention splits as a small GPU).
 const SM_COUNT: u32 = 8;
@@ -287,6 +300,11 @@ impl Gpu for EmuGpu {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(kernel);
+        let mut ever = EVER_LAUNCHED.lock().unwrap_or_else(|e| e.into_inner());
+        if ever.len() < self.lib.kernels.len() {
+            ever.resize(self.lib.kernels.len(), false);
+        }
+        ever[kernel] = true;
         Ok(())
     }
 

@@ -604,7 +604,9 @@ pub fn paged_attention_splits_long_contexts(make: Make) {
         layer: 0,
         split: true,
     };
-    run_attention_case(make, &case, DType::F32, 20);
+    for (i, dt) in DTYPES.into_iter().enumerate() {
+        run_attention_case(make, &case, dt, 20 + i as u64);
+    }
     // Odd head size and block size not a multiple of the tile, multi-head (group 1).
     let case = AttnCase {
         spec: KvSpec {
