@@ -58,7 +58,13 @@ impl CudaGpu {
     /// Opens device `ordinal`: context, stream, kernels (compiled or from the cache), cuBLAS.
     /// The libraries must have been checked (`libs::require`) before this is called.
     pub fn open(ordinal: usize, kernel_cache: Option<PathBuf>) -> Result<Self, BackendError> {
-        let count = CudaContext::device_count().map_err(|e| dev_err("cuDeviceGetCount", e))?;
+        let count = CudaContext::device_count().map_err(|e| BackendError::Device {
+            backend: NAME,
+            message: format!(
+                "the NVIDIA driver loads but reports no usable CUDA device (cuInit / \
+                 cuDeviceGetCount: {e:?}); check nvidia-smi and CUDA_VISIBLE_DEVICES"
+            ),
+        })?;
         if ordinal >= count.max(0) as usize {
             return Err(BackendError::Device {
                 backend: NAME,

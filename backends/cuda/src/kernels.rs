@@ -217,7 +217,7 @@ mod tests {
         // Each name is made by one instantiation macro; check the macro's stem is there.
         for op in Op::ALL {
             assert!(
-                src.contains(&format!("void {}_##S(", op.name())),
+                src.contains(&format!(" {}_##S(", op.name())),
                 "{}",
                 op.name()
             );
