@@ -24,6 +24,7 @@ pub mod emu;
 pub mod gpu;
 pub mod kernels;
 pub mod libs;
+mod matmul;
 pub mod nvrtc;
 mod ops;
 pub mod step;
