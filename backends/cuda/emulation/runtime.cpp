@@ -81,6 +81,16 @@ npu_emu_switch:
 #define NPU_EMU_FAST_SWITCH 1
 #endif
 
+// Suspends thread `from` and runs thread `to`.
+static void switch_between(int from, int to) {
+    current = to;
+#ifdef NPU_EMU_FAST_SWITCH
+    npu_emu_switch(&threads[from].sp, threads[to].sp);
+#else
+    swapcontext(&threads[from].ctx, &threads[to].ctx);
+#endif
+}
+
 static void yield_to_scheduler() {
 #ifdef NPU_EMU_FAST_SWITCH
     npu_emu_switch(&threads[current].sp, scheduler_sp);
@@ -89,9 +99,21 @@ static void yield_to_scheduler() {
 #endif
 }
 
+// Passes control to the next runnable thread after the current one below `end`, else back to the
+// scheduler (which releases barriers and shuffles once every participant waits).
+static void pass_on(int end) {
+    for (int j = current + 1; j < end && j < n_threads; ++j) {
+        if (threads[j].state == State::Runnable) {
+            switch_between(current, j);
+            return;
+        }
+    }
+    yield_to_scheduler();
+}
+
 void syncthreads() {
     threads[current].state = State::AtBarrier;
-    yield_to_scheduler();
+    pass_on(n_threads);
 }
 
 uint32_t shfl(uint32_t mask, uint32_t value, int arg, int mode, int width) {
@@ -112,7 +134,9 @@ uint32_t shfl(uint32_t mask, uint32_t value, int arg, int mode, int width) {
     t.shfl_value = value;
     t.shfl_src = src;
     t.state = State::AtShuffle;
-    yield_to_scheduler();
+    // The next lane of the warp runs to the same shuffle; the last returns to the scheduler,
+    // which completes the exchange.
+    pass_on(((current >> 5) + 1) << 5);
     return threads[current].shfl_result;
 }
 
