@@ -110,29 +110,49 @@ impl CudaGpu {
         // requires; it outlives the call.
         let module = unsafe { drv::module::load_data(image.bytes.as_ptr() as *const c_void) }
             .map_err(|e| dev_err("cuModuleLoadData", e))?;
-        let mut functions = Vec::new();
-        for name in kernels::kernel_names() {
-            let c = CString::new(name.clone()).expect("kernel names have no NUL");
-            // SAFETY: `module` was loaded above and stays loaded while `self` lives.
-            let f = unsafe { drv::module::get_function(module, c) }
-                .map_err(|e| dev_err(&format!("cuModuleGetFunction({name})"), e))?;
-            functions.push(f);
-        }
-        for k in kernels::large_smem_kernels() {
-            // SAFETY: a function of the loaded module; the value is the device's opt-in limit.
-            unsafe {
-                drv::function::set_function_attribute(
-                    functions[k],
-                    drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    max_smem as i32,
-                )
+        // Everything fallible after the module load releases what it made on failure.
+        let setup =
+            || -> Result<(Vec<drv_sys::CUfunction>, cublas_sys::cublasHandle_t), BackendError> {
+                let mut functions = Vec::new();
+                for name in kernels::kernel_names() {
+                    let c = CString::new(name.clone()).expect("kernel names have no NUL");
+                    // SAFETY: `module` was loaded above and stays loaded while it is used.
+                    let f = unsafe { drv::module::get_function(module, c) }
+                        .map_err(|e| dev_err(&format!("cuModuleGetFunction({name})"), e))?;
+                    functions.push(f);
+                }
+                for k in kernels::large_smem_kernels() {
+                    // SAFETY: a function of the loaded module; the value is the device's opt-in
+                    // limit.
+                    unsafe {
+                    drv::function::set_function_attribute(
+                        functions[k],
+                        drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        max_smem as i32,
+                    )
+                }
+                .map_err(|e| dev_err("cuFuncSetAttribute", e))?;
+                }
+                let handle = cublas::create_handle().map_err(|e| dev_err("cublasCreate", e))?;
+                // SAFETY: a live handle and a live stream of the current context.
+                let bound = unsafe {
+                    cublas::set_stream(handle, stream.cu_stream() as cublas_sys::cudaStream_t)
+                };
+                if let Err(e) = bound {
+                    // SAFETY: the handle was created above and is not used again.
+                    let _ = unsafe { cublas::destroy_handle(handle) };
+                    return Err(dev_err("cublasSetStream", e));
+                }
+                Ok((functions, handle))
+            };
+        let (functions, handle) = match setup() {
+            Ok(v) => v,
+            Err(e) => {
+                // SAFETY: nothing refers to the module any more.
+                let _ = unsafe { drv::module::unload(module) };
+                return Err(e);
             }
-            .map_err(|e| dev_err("cuFuncSetAttribute", e))?;
-        }
-        let handle = cublas::create_handle().map_err(|e| dev_err("cublasCreate", e))?;
-        // SAFETY: a live handle and a live stream of the current context.
-        unsafe { cublas::set_stream(handle, stream.cu_stream() as cublas_sys::cudaStream_t) }
-            .map_err(|e| dev_err("cublasSetStream", e))?;
+        };
         let description = format!(
             "{name} (device {ordinal}, sm_{major}{minor}, {} SMs, {:.1} GiB, kernels as {})",
             sm_count,
