@@ -143,6 +143,7 @@ pub const ACL_ERROR_RT_INVALID_MEMORY_TYPE: aclError = 107016;
 pub const ACL_ERROR_RT_INVALID_HANDLE: aclError = 107017;
 pub const ACL_ERROR_RT_FEATURE_NOT_SUPPORT: aclError = 207000;
 pub const ACL_ERROR_RT_MEMORY_ALLOCATION: aclError = 207001;
+pub const ACL_ERROR_RT_AICORE_EXCEPTION: aclError = 507015;
 
 // ---- aclnn status codes (aclnn/opdev/op_errno.h, "aclnn返回码") ----------------------------
 pub const ACLNN_SUCCESS: aclnnStatus = 0;
@@ -181,6 +182,7 @@ pub fn status_name(code: i32) -> &'static str {
         107017 => "ACL_ERROR_RT_INVALID_HANDLE",
         207000 => "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
         207001 => "ACL_ERROR_RT_MEMORY_ALLOCATION",
+        507015 => "ACL_ERROR_RT_AICORE_EXCEPTION",
         161001 => "ACLNN_ERR_PARAM_NULLPTR",
         161002 => "ACLNN_ERR_PARAM_INVALID",
         361001 => "ACLNN_ERR_RUNTIME_ERROR",
