@@ -140,6 +140,7 @@ pub extern "C" fn aclrtSetDevice(deviceId: i32) -> aclError {
     run(|st| {
         st.require_init()?;
         check_device(deviceId)?;
+        // aclrtSetDevice is reference-counted per device; aclrtResetDevice releases one count.
         let c = match st.devices_set.get(&deviceId) {
             Some(&c) => c,
             None => {
@@ -148,6 +149,7 @@ pub extern "C" fn aclrtSetDevice(deviceId: i32) -> aclError {
                 c
             }
         };
+        *st.device_refs.entry(deviceId).or_insert(0) += 1;
         CURRENT_CONTEXT.with(|cur| cur.set(c));
         Ok(())
     })
@@ -157,9 +159,16 @@ pub extern "C" fn aclrtSetDevice(deviceId: i32) -> aclError {
 pub extern "C" fn aclrtResetDevice(deviceId: i32) -> aclError {
     run(|st| {
         st.require_init()?;
-        let Some(c) = st.devices_set.remove(&deviceId) else {
+        let Some(&c) = st.devices_set.get(&deviceId) else {
             return fail(ACL_ERROR_RT_INVALID_DEVICEID, format!("aclrtResetDevice({deviceId}) without aclrtSetDevice"));
         };
+        let refs = st.device_refs.entry(deviceId).or_insert(1);
+        *refs -= 1;
+        if *refs > 0 {
+            return Ok(());
+        }
+        st.device_refs.remove(&deviceId);
+        st.devices_set.remove(&deviceId);
         let ds = st.contexts[&c].default_stream;
         st.run_stream(ds)?;
         st.streams.remove(&ds);

@@ -113,6 +113,7 @@ pub struct State {
     pub events: HashMap<u64, Event>,
     pub executors: HashMap<u64, Executor>,
     pub devices_set: HashMap<i32, u64>,
+    pub device_refs: HashMap<i32, u32>,
 }
 
 static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::default()));
