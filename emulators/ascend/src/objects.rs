@@ -326,7 +326,18 @@ pub unsafe extern "C" fn aclCreateTensorList(value: *const *const aclTensor, siz
 
 #[no_mangle]
 pub extern "C" fn aclDestroyTensorList(array: *const aclTensorList) -> aclnnStatus {
-    destroy(array as u64, KIND_TENSOR_LIST, "aclDestroyTensorList(array)")
+    // Documented: the aclTensors in the list are destroyed with it (and must not be again).
+    status(|st| {
+        let h = array as u64;
+        lookup(st, h, KIND_TENSOR_LIST, "aclDestroyTensorList(array)")?;
+        let Some(Obj::TensorList { items, .. }) = st.handles.get(&h) else { unreachable!() };
+        for t in items.clone() {
+            lookup(st, t, KIND_TENSOR, "aclDestroyTensorList: a tensor of the list")?;
+            st.handles.get_mut(&t).expect("looked up").kill();
+        }
+        st.handles.get_mut(&h).expect("looked up").kill();
+        Ok(())
+    })
 }
 
 fn executor_mut<'a>(st: &'a mut State, h: u64, what: &str) -> Result<&'a mut Executor, Fail> {

@@ -1,0 +1,58 @@
+//! npu-backend-ascend: safe wrappers over CANN's ACL runtime and aclnn operators (declared in
+//! `npu-ffi`, loaded at run time), shaped for the Ascend implementation of the agent's device
+//! seam. It owns: the process-wide runtime and the CANN version check ([`runtime`],
+//! [`version`]), an agent's device, context and stream ([`device`]), device and pinned memory
+//! ([`memory`]), aclnn objects ([`tensor`]), the two-phase operator calls with a growable
+//! workspace, executor reuse and per-step call counts ([`ops`]), the paged KV layout ([`kv`])
+//! and GGUF weights in WeightQuantBatchMatmulV2's form ([`weights`]).
+//!
+//! In CI every call goes to a strict emulation of the documented API (`emulators/ascend`,
+//! `scripts/ascend-emulator.sh`); none of this has run on Ascend hardware.
+//!
+//! # Design
+//!
+//! - Buffers are device allocations with a dtype and a length; strided views of them become
+//!   aclTensors (`aclCreateTensor` with strides and an offset), so the Q/K/V parts of a fused QKV
+//!   row, or the logits rows of a step, are addressed without copies.
+//! - Activations are f16; matmuls take INT4/INT8 weights through WeightQuantBatchMatmulV2 with
+//!   per-group (32) antiquant scale/offset — exactly Q4_1's `d·q + m` and Q8_0's `d·q` — or f16
+//!   weights through Matmul.
+//! - The KV pool is two tensors per layer, (blocks, block_size, KV_N·D), the BnBsH layout
+//!   FusedInferAttentionScore takes with a BSH query; new tokens are written by slot mapping
+//!   (ScatterPaKvCache, or ScatterNdUpdate on releases without it). A step's sequences form the
+//!   batch B, each padded to the step's longest query S; `actualSeqLengths` /
+//!   `actualSeqLengthsKv` give their real lengths, the INT32 block table their blocks. Decode
+//!   (S = 1) takes the incremental branch (block size a multiple of 16); steps with prefill
+//!   chunks take the prompt branch with the right-down causal mask, which needs a block size
+//!   that is a multiple of 128 — hence 128 is the recommended `pa_config.block_size`.
+//! - One host synchronization per step: inputs go up with synchronous copies before the step's
+//!   kernels are queued, sampled tokens come down after `aclrtSynchronizeStream`.
+//!
+//! # Graph capture per padded batch bucket (not built yet)
+//!
+//! Host-side launch overhead dominates small-batch decode on Ascend: a Llama step is ~10 aclnn
+//! calls per layer, each a first phase (argument checks, tiling) plus a launch. The biggest lever
+//! other Ascend stacks found is capturing the whole decode step once per padded batch size
+//! (e.g. 1, 2, 4, 8, 16, 32, …) and replaying it: CANN's `aclmdlRICaptureBegin/End` (ACL graph,
+//! 8.1+) records a stream's launches into a model run instance that `aclmdlRIExecuteAsync` replays
+//! with one call. The plan: pad decode batches up to the next bucket (padded rows get a dummy
+//! slot and a zero KV length), keep every per-step input at a fixed device address (tokens,
+//! positions, slots, block table with a fixed maximum width; the attention workspace sized for
+//! the bucket's maximum, as the graph-mode `…GetMaxWorkspaceSize` variants newer releases add
+//! for FusedInferAttentionScore do), capture
+//! on first use of a bucket, and replay afterwards; prefill and mixed steps stay eager. Until
+//! then, repeatable executors ([`ops::OpRunner::prepare_repeatable`]) remove the first phase of
+//! operators whose shapes repeat, and [`ops::StepStats`] reports how many calls a step makes.
+
+pub mod device;
+pub mod error;
+pub mod kv;
+pub mod memory;
+pub mod ops;
+pub mod runtime;
+pub mod tensor;
+pub mod version;
+pub mod weights;
+
+pub use error::{AscendError, Result};
+pub use runtime::Acl;
