@@ -12,14 +12,22 @@ use crate::runtime::Acl;
 pub fn select_device(acl: &Acl, start_device_id: u32, agent: u32) -> Result<i32> {
     let mut count = 0u32;
     // SAFETY: valid out-pointer.
-    acl.check("aclrtGetDeviceCount", unsafe { (acl.api.rt.aclrtGetDeviceCount)(&mut count) })?;
+    acl.check("aclrtGetDeviceCount", unsafe {
+        (acl.api.rt.aclrtGetDeviceCount)(&mut count)
+    })?;
     let requested = start_device_id + agent;
     if requested >= count {
         let hint = match std::env::var("ASCEND_RT_VISIBLE_DEVICES") {
             Ok(v) => format!(" (ASCEND_RT_VISIBLE_DEVICES={v}; ids count from 0 within that list)"),
             Err(_) => String::new(),
         };
-        return Err(AscendError::NoSuchDevice { requested, start: start_device_id, agent, visible: count, hint });
+        return Err(AscendError::NoSuchDevice {
+            requested,
+            start: start_device_id,
+            agent,
+            visible: count,
+            hint,
+        });
     }
     Ok(requested as i32)
 }
@@ -28,7 +36,11 @@ pub fn select_device(acl: &Acl, start_device_id: u32, agent: u32) -> Result<i32>
 /// `ASCEND_RT_VISIBLE_DEVICES` when set.
 pub fn physical_device(id: i32) -> String {
     match std::env::var("ASCEND_RT_VISIBLE_DEVICES") {
-        Ok(v) => v.split(',').nth(id as usize).map(|s| s.trim().to_string()).unwrap_or_else(|| id.to_string()),
+        Ok(v) => v
+            .split(',')
+            .nth(id as usize)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|| id.to_string()),
         Err(_) => id.to_string(),
     }
 }
@@ -47,7 +59,9 @@ unsafe impl Send for Device {}
 impl Device {
     /// Opens device `id` with a new context (made current on this thread) and stream.
     pub fn open(acl: &'static Acl, id: i32) -> Result<Device> {
-        acl.log("aclrtSetDevice", || format!("device {id} (physical {})", physical_device(id)));
+        acl.log("aclrtSetDevice", || {
+            format!("device {id} (physical {})", physical_device(id))
+        });
         // SAFETY: plain integer argument.
         acl.check("aclrtSetDevice", unsafe { (acl.api.rt.aclrtSetDevice)(id) })?;
         let mut context = std::ptr::null_mut();
@@ -69,13 +83,20 @@ impl Device {
             }
             return Err(e);
         }
-        Ok(Device { acl, id, context, stream })
+        Ok(Device {
+            acl,
+            id,
+            context,
+            stream,
+        })
     }
 
     /// Makes this device's context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
         // SAFETY: the context is live (owned by self).
-        self.acl.check("aclrtSetCurrentContext", unsafe { (self.acl.api.rt.aclrtSetCurrentContext)(self.context) })
+        self.acl.check("aclrtSetCurrentContext", unsafe {
+            (self.acl.api.rt.aclrtSetCurrentContext)(self.context)
+        })
     }
 
     pub fn stream(&self) -> aclrtStream {
@@ -86,7 +107,9 @@ impl Device {
     pub fn synchronize(&self) -> Result<()> {
         self.acl.log("aclrtSynchronizeStream", String::new);
         // SAFETY: the stream is live (owned by self).
-        self.acl.check("aclrtSynchronizeStream", unsafe { (self.acl.api.rt.aclrtSynchronizeStream)(self.stream) })
+        self.acl.check("aclrtSynchronizeStream", unsafe {
+            (self.acl.api.rt.aclrtSynchronizeStream)(self.stream)
+        })
     }
 
     /// (free, total) bytes of device memory.
@@ -95,7 +118,8 @@ impl Device {
         // SAFETY: valid out-pointers.
         let rc = unsafe { (self.acl.api.rt.aclrtGetMemInfo)(ACL_HBM_MEM, &mut free, &mut total) };
         self.acl.check("aclrtGetMemInfo", rc)?;
-        self.acl.log("aclrtGetMemInfo", || format!("free {free} total {total}"));
+        self.acl
+            .log("aclrtGetMemInfo", || format!("free {free} total {total}"));
         Ok((free, total))
     }
 }

@@ -18,14 +18,17 @@ pub struct KvSpec {
 impl KvSpec {
     /// Refuses block sizes the attention operator does not take.
     pub fn validate(&self) -> Result<()> {
-        if self.block_size == 0 || self.block_size % 16 != 0 || self.block_size > 512 {
+        if self.block_size == 0 || !self.block_size.is_multiple_of(16) || self.block_size > 512 {
             return Err(AscendError::Invalid(format!(
                 "pa_config.block_size = {}: the Ascend backend needs a multiple of 16 up to 512 (128 recommended; prefill attention needs a multiple of 128)",
                 self.block_size
             )));
         }
-        if self.head_dim % 16 != 0 {
-            return Err(AscendError::Invalid(format!("head dim {} is not a multiple of 16, which FusedInferAttentionScore needs for f16", self.head_dim)));
+        if !self.head_dim.is_multiple_of(16) {
+            return Err(AscendError::Invalid(format!(
+                "head dim {} is not a multiple of 16, which FusedInferAttentionScore needs for f16",
+                self.head_dim
+            )));
         }
         Ok(())
     }
@@ -53,7 +56,13 @@ mod tests {
     use super::*;
 
     fn spec(block_size: usize) -> KvSpec {
-        KvSpec { layers: 30, num_blocks: 64, block_size, kv_heads: 3, head_dim: 64 }
+        KvSpec {
+            layers: 30,
+            num_blocks: 64,
+            block_size,
+            kv_heads: 3,
+            head_dim: 64,
+        }
     }
 
     #[test]

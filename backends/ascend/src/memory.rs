@@ -8,6 +8,7 @@ use core::ffi::c_void;
 
 use npu_ffi::types::*;
 
+use crate::device::Device;
 use crate::error::{AscendError, Result};
 use crate::runtime::Acl;
 
@@ -27,7 +28,9 @@ impl DeviceBuffer {
     /// Allocates `bytes` (> 0) on the current context's device.
     pub fn alloc(acl: &'static Acl, bytes: usize) -> Result<Self> {
         if bytes == 0 {
-            return Err(AscendError::Invalid("a device allocation of 0 bytes".into()));
+            return Err(AscendError::Invalid(
+                "a device allocation of 0 bytes".into(),
+            ));
         }
         let mut ptr = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
@@ -47,7 +50,10 @@ impl DeviceBuffer {
 
     fn range(&self, offset: usize, len: usize) -> Result<*mut c_void> {
         if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
-            return Err(AscendError::Invalid(format!("{len} bytes at offset {offset} exceed a {}-byte device buffer", self.bytes)));
+            return Err(AscendError::Invalid(format!(
+                "{len} bytes at offset {offset} exceed a {}-byte device buffer",
+                self.bytes
+            )));
         }
         // Pointer arithmetic on a device address: never dereferenced on the host.
         Ok((self.ptr as usize + offset) as *mut c_void)
@@ -56,53 +62,125 @@ impl DeviceBuffer {
     /// Copies `src` to `offset` (synchronous).
     pub fn upload(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         let dst = self.range(offset, src.len())?;
-        self.acl.log("aclrtMemcpy", || format!("H2D {} bytes -> {dst:p}", src.len()));
+        self.acl.log("aclrtMemcpy", || {
+            format!("H2D {} bytes -> {dst:p}", src.len())
+        });
         // SAFETY: `dst` lies in this allocation (checked); `src` is a live host slice of that length.
-        let rc = unsafe { (self.acl.api.rt.aclrtMemcpy)(dst, src.len(), src.as_ptr().cast(), src.len(), ACL_MEMCPY_HOST_TO_DEVICE) };
+        let rc = unsafe {
+            (self.acl.api.rt.aclrtMemcpy)(
+                dst,
+                src.len(),
+                src.as_ptr().cast(),
+                src.len(),
+                ACL_MEMCPY_HOST_TO_DEVICE,
+            )
+        };
         self.acl.check("aclrtMemcpy", rc)
     }
 
     /// Copies from `offset` into `dst` (synchronous; the stream that wrote it must be synchronized).
     pub fn download(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         let src = self.range(offset, dst.len())?;
-        self.acl.log("aclrtMemcpy", || format!("D2H {} bytes <- {src:p}", dst.len()));
+        self.acl.log("aclrtMemcpy", || {
+            format!("D2H {} bytes <- {src:p}", dst.len())
+        });
         // SAFETY: `src` lies in this allocation (checked); `dst` is a live host slice of that length.
-        let rc = unsafe { (self.acl.api.rt.aclrtMemcpy)(dst.as_mut_ptr().cast(), dst.len(), src, dst.len(), ACL_MEMCPY_DEVICE_TO_HOST) };
+        let rc = unsafe {
+            (self.acl.api.rt.aclrtMemcpy)(
+                dst.as_mut_ptr().cast(),
+                dst.len(),
+                src,
+                dst.len(),
+                ACL_MEMCPY_DEVICE_TO_HOST,
+            )
+        };
         self.acl.check("aclrtMemcpy", rc)
     }
 
-    /// Device-to-device copy on `stream` (64-byte aligned offsets).
-    pub fn copy_from_async(&mut self, offset: usize, src: &DeviceBuffer, src_offset: usize, len: usize, stream: aclrtStream) -> Result<()> {
+    /// Device-to-device copy on the device's stream (64-byte aligned offsets).
+    pub fn copy_from_async(
+        &mut self,
+        offset: usize,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<()> {
+        let stream = device.stream();
         let d = self.range(offset, len)?;
         let s = src.range(src_offset, len)?;
-        self.acl.log("aclrtMemcpyAsync", || format!("D2D {len} bytes {s:p} -> {d:p}"));
+        self.acl.log("aclrtMemcpyAsync", || {
+            format!("D2D {len} bytes {s:p} -> {d:p}")
+        });
         // SAFETY: both ranges lie in live device allocations (checked); the stream is the caller's.
-        let rc = unsafe { (self.acl.api.rt.aclrtMemcpyAsync)(d, len, s, len, ACL_MEMCPY_DEVICE_TO_DEVICE, stream) };
+        let rc = unsafe {
+            (self.acl.api.rt.aclrtMemcpyAsync)(d, len, s, len, ACL_MEMCPY_DEVICE_TO_DEVICE, stream)
+        };
         self.acl.check("aclrtMemcpyAsync", rc)
     }
 
-    /// Device-to-host copy on `stream` into pinned memory; readable after the stream syncs.
-    pub fn download_async(&self, offset: usize, dst: &mut PinnedBuffer, len: usize, stream: aclrtStream) -> Result<()> {
+    /// Device-to-host copy on the device's stream into pinned memory; readable after the stream syncs.
+    pub fn download_async(
+        &self,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        len: usize,
+        device: &Device,
+    ) -> Result<()> {
+        let stream = device.stream();
         let s = self.range(offset, len)?;
         if len > dst.bytes {
-            return Err(AscendError::Invalid(format!("{len} bytes do not fit a {}-byte pinned buffer", dst.bytes)));
+            return Err(AscendError::Invalid(format!(
+                "{len} bytes do not fit a {}-byte pinned buffer",
+                dst.bytes
+            )));
         }
-        self.acl.log("aclrtMemcpyAsync", || format!("D2H {len} bytes <- {s:p}"));
+        self.acl
+            .log("aclrtMemcpyAsync", || format!("D2H {len} bytes <- {s:p}"));
         // SAFETY: `s` lies in this allocation; `dst` is pinned host memory of at least `len` bytes
         // that outlives the copy (the caller synchronizes before reading or dropping it).
-        let rc = unsafe { (self.acl.api.rt.aclrtMemcpyAsync)(dst.ptr, len, s, len, ACL_MEMCPY_DEVICE_TO_HOST, stream) };
+        let rc = unsafe {
+            (self.acl.api.rt.aclrtMemcpyAsync)(
+                dst.ptr,
+                len,
+                s,
+                len,
+                ACL_MEMCPY_DEVICE_TO_HOST,
+                stream,
+            )
+        };
         self.acl.check("aclrtMemcpyAsync", rc)
     }
 
-    /// Host-to-device copy on `stream` from pinned memory.
-    pub fn upload_async(&mut self, offset: usize, src: &PinnedBuffer, len: usize, stream: aclrtStream) -> Result<()> {
+    /// Host-to-device copy on the device's stream from pinned memory.
+    pub fn upload_async(
+        &mut self,
+        offset: usize,
+        src: &PinnedBuffer,
+        len: usize,
+        device: &Device,
+    ) -> Result<()> {
+        let stream = device.stream();
         let d = self.range(offset, len)?;
         if len > src.bytes {
-            return Err(AscendError::Invalid(format!("{len} bytes exceed a {}-byte pinned buffer", src.bytes)));
+            return Err(AscendError::Invalid(format!(
+                "{len} bytes exceed a {}-byte pinned buffer",
+                src.bytes
+            )));
         }
-        self.acl.log("aclrtMemcpyAsync", || format!("H2D {len} bytes -> {d:p}"));
+        self.acl
+            .log("aclrtMemcpyAsync", || format!("H2D {len} bytes -> {d:p}"));
         // SAFETY: `d` lies in this allocation; `src` is pinned memory of at least `len` bytes.
-        let rc = unsafe { (self.acl.api.rt.aclrtMemcpyAsync)(d, len, src.ptr, len, ACL_MEMCPY_HOST_TO_DEVICE, stream) };
+        let rc = unsafe {
+            (self.acl.api.rt.aclrtMemcpyAsync)(
+                d,
+                len,
+                src.ptr,
+                len,
+                ACL_MEMCPY_HOST_TO_DEVICE,
+                stream,
+            )
+        };
         self.acl.check("aclrtMemcpyAsync", rc)
     }
 
@@ -120,7 +198,12 @@ impl Drop for DeviceBuffer {
         // SAFETY: the allocation is owned by self and freed once.
         let rc = unsafe { (self.acl.api.rt.aclrtFree)(self.ptr) };
         if rc != 0 {
-            tracing::error!("aclrtFree({:p}) failed: {} {}", self.ptr, rc, self.acl.last_message());
+            tracing::error!(
+                "aclrtFree({:p}) failed: {} {}",
+                self.ptr,
+                rc,
+                self.acl.last_message()
+            );
         }
     }
 }
@@ -139,7 +222,9 @@ impl PinnedBuffer {
     pub fn alloc(acl: &'static Acl, bytes: usize) -> Result<Self> {
         let mut ptr = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
-        acl.check("aclrtMallocHost", unsafe { (acl.api.rt.aclrtMallocHost)(&mut ptr, bytes.max(1)) })?;
+        acl.check("aclrtMallocHost", unsafe {
+            (acl.api.rt.aclrtMallocHost)(&mut ptr, bytes.max(1))
+        })?;
         Ok(Self { acl, ptr, bytes })
     }
 

@@ -39,8 +39,13 @@ impl Acl {
 
     fn start(paths: &SearchPaths) -> Result<Acl> {
         let api = AscendApi::load(paths)?;
-        let log_calls = std::env::var("NPU_SERVING_ACL_LOG").is_ok_and(|v| v != "0" && !v.is_empty());
-        let acl = Acl { api, version: MINIMUM_PLACEHOLDER, log_calls };
+        let log_calls =
+            std::env::var("NPU_SERVING_ACL_LOG").is_ok_and(|v| v != "0" && !v.is_empty());
+        let acl = Acl {
+            api,
+            version: MINIMUM_PLACEHOLDER,
+            log_calls,
+        };
         // SAFETY: aclInit with a null config path is the documented default initialisation.
         acl.check("aclInit", unsafe { (acl.api.rt.aclInit)(std::ptr::null()) })?;
         let version = acl.read_version()?;
@@ -57,7 +62,9 @@ impl Acl {
             let rc = unsafe { get(npu_ffi::types::ACL_PKG_NAME_CANN, &mut v) };
             if rc == 0 {
                 // SAFETY: the runtime wrote a NUL-terminated string into the zeroed array.
-                let s = unsafe { CStr::from_ptr(v.version.as_ptr()) }.to_string_lossy().into_owned();
+                let s = unsafe { CStr::from_ptr(v.version.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned();
                 if let Some(parsed) = CannVersion::parse(&s) {
                     return Ok(parsed);
                 }
@@ -66,7 +73,11 @@ impl Acl {
         let root = self.api.root.clone();
         root.as_deref()
             .and_then(version::from_install)
-            .ok_or_else(|| AscendError::UnknownVersion(format!("no aclsysGetCANNVersion and no version file under {root:?}")))
+            .ok_or_else(|| {
+                AscendError::UnknownVersion(format!(
+                    "no aclsysGetCANNVersion and no version file under {root:?}"
+                ))
+            })
     }
 
     /// CANN's most recent error message on this thread.
@@ -85,7 +96,12 @@ impl Acl {
         if code == 0 {
             return Ok(());
         }
-        Err(AscendError::Call { call, code, name: npu_ffi::types::status_name(code), message: self.last_message() })
+        Err(AscendError::Call {
+            call,
+            code,
+            name: npu_ffi::types::status_name(code),
+            message: self.last_message(),
+        })
     }
 
     /// Logs one call when `NPU_SERVING_ACL_LOG` is set.

@@ -71,19 +71,36 @@ impl View {
         for i in (0..dims.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * dims[i + 1];
         }
-        Self { dtype, dims: dims.to_vec(), strides, offset: 0 }
+        Self {
+            dtype,
+            dims: dims.to_vec(),
+            strides,
+            offset: 0,
+        }
     }
 
     pub fn strided(dtype: DType, dims: &[i64], strides: &[i64], offset: i64) -> Self {
-        Self { dtype, dims: dims.to_vec(), strides: strides.to_vec(), offset }
+        Self {
+            dtype,
+            dims: dims.to_vec(),
+            strides: strides.to_vec(),
+            offset,
+        }
     }
 
     /// Elements of storage the view reaches (0 when empty).
     pub fn extent(&self) -> i64 {
-        if self.dims.iter().any(|&d| d == 0) {
+        if self.dims.contains(&0) {
             return 0;
         }
-        self.offset + 1 + self.dims.iter().zip(&self.strides).map(|(d, s)| (d - 1) * s).sum::<i64>()
+        self.offset
+            + 1
+            + self
+                .dims
+                .iter()
+                .zip(&self.strides)
+                .map(|(d, s)| (d - 1) * s)
+                .sum::<i64>()
     }
 
     pub fn describe(&self) -> String {
@@ -103,17 +120,32 @@ unsafe impl Send for Tensor {}
 impl Tensor {
     /// A tensor over `buf` with `view`; the view must fit in the buffer.
     pub fn new(acl: &'static Acl, buf: &DeviceBuffer, view: View) -> Result<Tensor> {
-        Self::at(acl, buf.ptr(), buf.bytes(), view)
+        // SAFETY: `buf` is a live device allocation of `buf.bytes()` bytes.
+        unsafe { Self::at(acl, buf.ptr(), buf.bytes(), view) }
     }
 
     /// A tensor over device memory at `addr` holding `bytes` bytes.
-    pub fn at(acl: &'static Acl, addr: *mut c_void, bytes: usize, view: View) -> Result<Tensor> {
-        if view.dims.len() != view.strides.len() || view.dims.iter().chain(&view.strides).any(|&d| d < 0) || view.offset < 0 {
+    ///
+    /// # Safety
+    /// `addr` must be device memory of at least `bytes` bytes that outlives every kernel the
+    /// tensor is given to (the device reads and writes it through the view).
+    pub unsafe fn at(
+        acl: &'static Acl,
+        addr: *mut c_void,
+        bytes: usize,
+        view: View,
+    ) -> Result<Tensor> {
+        if view.dims.len() != view.strides.len()
+            || view.dims.iter().chain(&view.strides).any(|&d| d < 0)
+            || view.offset < 0
+        {
             return Err(AscendError::Invalid(format!("malformed view {view:?}")));
         }
         let extent = view.extent();
         if view.dtype.bytes(extent as usize) > bytes {
-            return Err(AscendError::Invalid(format!("view {view:?} reaches past a {bytes}-byte buffer")));
+            return Err(AscendError::Invalid(format!(
+                "view {view:?} reaches past a {bytes}-byte buffer"
+            )));
         }
         let storage = [extent];
         // SAFETY: the arrays live across the call and hold `dims.len()` / 1 values.
@@ -131,7 +163,12 @@ impl Tensor {
             )
         };
         if raw.is_null() {
-            return Err(AscendError::Call { call: "aclCreateTensor", code: 0, name: "nullptr", message: acl.last_message() });
+            return Err(AscendError::Call {
+                call: "aclCreateTensor",
+                code: 0,
+                name: "nullptr",
+                message: acl.last_message(),
+            });
         }
         Ok(Tensor { acl, raw, view })
     }
@@ -165,9 +202,18 @@ impl IntArray {
         // SAFETY: `values` is live for the call; the array is copied by aclCreateIntArray.
         let raw = unsafe { (acl.api.base.aclCreateIntArray)(values.as_ptr(), values.len() as u64) };
         if raw.is_null() {
-            return Err(AscendError::Call { call: "aclCreateIntArray", code: 0, name: "nullptr", message: acl.last_message() });
+            return Err(AscendError::Call {
+                call: "aclCreateIntArray",
+                code: 0,
+                name: "nullptr",
+                message: acl.last_message(),
+            });
         }
-        Ok(IntArray { acl, raw, values: values.to_vec() })
+        Ok(IntArray {
+            acl,
+            raw,
+            values: values.to_vec(),
+        })
     }
 
     pub fn raw(&self) -> *const aclIntArray {
@@ -192,7 +238,12 @@ impl Scalar {
         // SAFETY: `v` is a live f32 the call copies.
         let raw = unsafe { (acl.api.base.aclCreateScalar)((&mut v as *mut f32).cast(), ACL_FLOAT) };
         if raw.is_null() {
-            return Err(AscendError::Call { call: "aclCreateScalar", code: 0, name: "nullptr", message: acl.last_message() });
+            return Err(AscendError::Call {
+                call: "aclCreateScalar",
+                code: 0,
+                name: "nullptr",
+                message: acl.last_message(),
+            });
         }
         Ok(Scalar { acl, raw })
     }
@@ -218,11 +269,17 @@ pub struct TensorList {
 impl TensorList {
     /// Takes `tensors` over: the list destroys them.
     pub fn new(acl: &'static Acl, tensors: Vec<Tensor>) -> Result<TensorList> {
-        let raws: Vec<*const aclTensor> = tensors.iter().map(|t| t.raw as *const aclTensor).collect();
+        let raws: Vec<*const aclTensor> =
+            tensors.iter().map(|t| t.raw as *const aclTensor).collect();
         // SAFETY: `raws` holds live tensor handles for the call.
         let raw = unsafe { (acl.api.base.aclCreateTensorList)(raws.as_ptr(), raws.len() as u64) };
         if raw.is_null() {
-            return Err(AscendError::Call { call: "aclCreateTensorList", code: 0, name: "nullptr", message: acl.last_message() });
+            return Err(AscendError::Call {
+                call: "aclCreateTensorList",
+                code: 0,
+                name: "nullptr",
+                message: acl.last_message(),
+            });
         }
         let views = tensors.iter().map(|t| t.view.clone()).collect();
         // The list owns its tensors now: aclDestroyTensorList destroys them.

@@ -8,7 +8,11 @@ use crate::error::{AscendError, Result};
 
 /// The oldest CANN this backend supports: the release whose headers its declarations were
 /// checked against (FusedInferAttentionScoreV2, WeightQuantBatchMatmulV2, executor reuse).
-pub const MINIMUM: CannVersion = CannVersion { major: 8, minor: 1, stage: Stage::Rc(1) };
+pub const MINIMUM: CannVersion = CannVersion {
+    major: 8,
+    minor: 1,
+    stage: Stage::Rc(1),
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Stage {
@@ -41,18 +45,28 @@ impl CannVersion {
         let major = parts.next()?.parse().ok()?;
         let minor = parts.next()?.parse().ok()?;
         let third = parts.next()?;
-        let stage = if let Some(rc) = third.strip_prefix("RC").or_else(|| third.strip_prefix("rc")) {
+        let stage = if let Some(rc) = third
+            .strip_prefix("RC")
+            .or_else(|| third.strip_prefix("rc"))
+        {
             Stage::Rc(rc.parse().ok()?)
         } else {
             Stage::Release(third.parse().ok()?)
         };
-        Some(Self { major, minor, stage })
+        Some(Self {
+            major,
+            minor,
+            stage,
+        })
     }
 
     /// Refuses releases older than [`MINIMUM`].
     pub fn check_supported(self) -> Result<()> {
         if self < MINIMUM {
-            return Err(AscendError::TooOld { found: self.to_string(), minimum: MINIMUM.to_string() });
+            return Err(AscendError::TooOld {
+                found: self.to_string(),
+                minimum: MINIMUM.to_string(),
+            });
         }
         Ok(())
     }
@@ -74,7 +88,10 @@ pub fn from_install(root: &Path) -> Option<CannVersion> {
     for info in ["runtime/version.info", "compiler/version.info"] {
         if let Ok(text) = std::fs::read_to_string(root.join(info)) {
             for line in text.lines() {
-                if let Some(v) = line.strip_prefix("version_dir=").and_then(CannVersion::parse) {
+                if let Some(v) = line
+                    .strip_prefix("version_dir=")
+                    .and_then(CannVersion::parse)
+                {
                     return Some(v);
                 }
             }
@@ -101,19 +118,37 @@ mod tests {
 
     #[test]
     fn older_releases_are_refused_naming_both_versions() {
-        let err = CannVersion::parse("8.0.RC3").unwrap().check_supported().unwrap_err().to_string();
+        let err = CannVersion::parse("8.0.RC3")
+            .unwrap()
+            .check_supported()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("8.0.RC3") && err.contains("8.1.RC1"), "{err}");
-        CannVersion::parse("8.1.RC1").unwrap().check_supported().unwrap();
-        CannVersion::parse("8.5.0").unwrap().check_supported().unwrap();
+        CannVersion::parse("8.1.RC1")
+            .unwrap()
+            .check_supported()
+            .unwrap();
+        CannVersion::parse("8.5.0")
+            .unwrap()
+            .check_supported()
+            .unwrap();
     }
 
     #[test]
     fn version_files_of_both_kinds_are_read() {
         let dir = std::env::temp_dir().join(format!("cann-version-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("runtime")).unwrap();
-        std::fs::write(dir.join("runtime/version.info"), "Version=7.7.0.1.238\nversion_dir=8.1.RC1\n").unwrap();
+        std::fs::write(
+            dir.join("runtime/version.info"),
+            "Version=7.7.0.1.238\nversion_dir=8.1.RC1\n",
+        )
+        .unwrap();
         assert_eq!(from_install(&dir).unwrap().to_string(), "8.1.RC1");
-        std::fs::write(dir.join("version.cfg"), "# version: 1.0\nruntime_running_version=[7.8.0:8.2.RC1]\n").unwrap();
+        std::fs::write(
+            dir.join("version.cfg"),
+            "# version: 1.0\nruntime_running_version=[7.8.0:8.2.RC1]\n",
+        )
+        .unwrap();
         assert_eq!(from_install(&dir).unwrap().to_string(), "8.2.RC1");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -33,8 +33,11 @@ pub struct QuantWeight {
 }
 
 fn check(data: &[u8], n: usize, k: usize, block: usize, name: &str) -> Result<()> {
-    if k % GROUP != 0 || data.len() != n * (k / GROUP) * block {
-        return Err(AscendError::Invalid(format!("{name} data of {} bytes is not {n} rows of {k} values", data.len())));
+    if !k.is_multiple_of(GROUP) || data.len() != n * (k / GROUP) * block {
+        return Err(AscendError::Invalid(format!(
+            "{name} data of {} bytes is not {n} rows of {k} values",
+            data.len()
+        )));
     }
     Ok(())
 }
@@ -47,7 +50,14 @@ pub fn from_q8_0(data: &[u8], n: usize, k: usize) -> Result<QuantWeight> {
         scale.push(f16::from_le_bytes([b[0], b[1]]));
         weight.extend_from_slice(&b[2..]);
     }
-    Ok(QuantWeight { n, k, weight, int4: false, scale, offset: None })
+    Ok(QuantWeight {
+        n,
+        k,
+        weight,
+        int4: false,
+        scale,
+        offset: None,
+    })
 }
 
 pub fn from_q4_1(data: &[u8], n: usize, k: usize) -> Result<QuantWeight> {
@@ -58,7 +68,13 @@ pub fn from_q4_1(data: &[u8], n: usize, k: usize) -> Result<QuantWeight> {
     for b in data.chunks_exact(Q4_1_BLOCK) {
         let d = f16::from_le_bytes([b[0], b[1]]);
         let m = f16::from_le_bytes([b[2], b[3]]);
-        let q = |i: usize| if i < 16 { b[4 + i] & 0x0f } else { b[4 + i - 16] >> 4 };
+        let q = |i: usize| {
+            if i < 16 {
+                b[4 + i] & 0x0f
+            } else {
+                b[4 + i - 16] >> 4
+            }
+        };
         let s: Vec<u8> = if d.to_f32() == 0.0 {
             scale.push(m);
             offset.push(f16::ZERO);
@@ -72,7 +88,14 @@ pub fn from_q4_1(data: &[u8], n: usize, k: usize) -> Result<QuantWeight> {
             weight.push(pair[0] | (pair[1] << 4));
         }
     }
-    Ok(QuantWeight { n, k, weight, int4: true, scale, offset: Some(offset) })
+    Ok(QuantWeight {
+        n,
+        k,
+        weight,
+        int4: true,
+        scale,
+        offset: Some(offset),
+    })
 }
 
 #[cfg(test)]
@@ -81,7 +104,11 @@ mod tests {
 
     fn nib(w: &[u8], i: usize) -> f32 {
         let b = w[i / 2];
-        let v = if i % 2 == 0 { b & 0x0f } else { b >> 4 };
+        let v = if i.is_multiple_of(2) {
+            b & 0x0f
+        } else {
+            b >> 4
+        };
         ((v as i8) << 4 >> 4) as f32
     }
 
@@ -98,12 +125,17 @@ mod tests {
         let data = [block.clone(), zero].concat();
         let qw = from_q4_1(&data, 2, 32).unwrap();
         for i in 0..32 {
-            let q = if i < 16 { block[4 + i] & 0x0f } else { block[4 + i - 16] >> 4 } as f32;
+            let q = if i < 16 {
+                block[4 + i] & 0x0f
+            } else {
+                block[4 + i - 16] >> 4
+            } as f32;
             let want = 0.25 * q - 1.5;
             let off = qw.offset.as_ref().unwrap()[0].to_f32();
             let got = (nib(&qw.weight, i) + off) * qw.scale[0].to_f32();
             assert!((got - want).abs() < 2e-3, "element {i}: {got} vs {want}");
-            let got0 = (nib(&qw.weight, 32 + i) + qw.offset.as_ref().unwrap()[1].to_f32()) * qw.scale[1].to_f32();
+            let got0 = (nib(&qw.weight, 32 + i) + qw.offset.as_ref().unwrap()[1].to_f32())
+                * qw.scale[1].to_f32();
             assert_eq!(got0, 0.75);
         }
     }

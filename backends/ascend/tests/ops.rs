@@ -16,13 +16,29 @@ fn rms_norm_add_swiglu_match_reference() {
     let g = h(&rand_vec(2, dim, 1.0));
     let (xb, gb) = (upload_f16(&x), upload_f16(&g));
     let (yb, rb) = (zeros(rows * dim * 2), zeros(rows * 4));
-    ops.rms_norm(&t(&xb, DType::F16, &[rows as i64, dim as i64]), &t(&gb, DType::F16, &[dim as i64]), 1e-5, &t(&yb, DType::F16, &[rows as i64, dim as i64]), &t(&rb, DType::F32, &[rows as i64, 1])).unwrap();
+    ops.rms_norm(
+        &t(&xb, DType::F16, &[rows as i64, dim as i64]),
+        &t(&gb, DType::F16, &[dim as i64]),
+        1e-5,
+        &t(&yb, DType::F16, &[rows as i64, dim as i64]),
+        &t(&rb, DType::F32, &[rows as i64, 1]),
+    )
+    .unwrap();
     // residual add in place: x += y
     let mut xs = upload_f16(&x);
-    ops.inplace_add(&t(&xs, DType::F16, &[rows as i64, dim as i64]), &t(&yb, DType::F16, &[rows as i64, dim as i64])).unwrap();
+    ops.inplace_add(
+        &t(&xs, DType::F16, &[rows as i64, dim as i64]),
+        &t(&yb, DType::F16, &[rows as i64, dim as i64]),
+    )
+    .unwrap();
     // swiglu over rows of 2*dim/2
     let sw = zeros(rows * dim);
-    ops.swiglu(&t(&xb, DType::F16, &[rows as i64, dim as i64]), -1, &t(&sw, DType::F16, &[rows as i64, dim as i64 / 2])).unwrap();
+    ops.swiglu(
+        &t(&xb, DType::F16, &[rows as i64, dim as i64]),
+        -1,
+        &t(&sw, DType::F16, &[rows as i64, dim as i64 / 2]),
+    )
+    .unwrap();
     dev.synchronize().unwrap();
     ops.synchronized();
 
@@ -64,16 +80,41 @@ fn embedding_argmax_cast_match_reference() {
     let ids = [7i32, 0, 9, 7];
     let ib = upload_i32(&ids);
     let out = zeros(ids.len() * dim * 2);
-    ops.embedding(&t(&tb, DType::F16, &[vocab as i64, dim as i64]), &t(&ib, DType::I32, &[4]), &t(&out, DType::F16, &[4, dim as i64])).unwrap();
+    ops.embedding(
+        &t(&tb, DType::F16, &[vocab as i64, dim as i64]),
+        &t(&ib, DType::I32, &[4]),
+        &t(&out, DType::F16, &[4, dim as i64]),
+    )
+    .unwrap();
     let am = zeros(4 * 8);
-    ops.argmax(&t(&out, DType::F16, &[4, dim as i64]), -1, &t(&am, DType::I64, &[4])).unwrap();
+    ops.argmax(
+        &t(&out, DType::F16, &[4, dim as i64]),
+        -1,
+        &t(&am, DType::I64, &[4]),
+    )
+    .unwrap();
     let f = zeros(4 * dim * 4);
-    ops.cast(&t(&out, DType::F16, &[4, dim as i64]), &t(&f, DType::F32, &[4, dim as i64])).unwrap();
+    ops.cast(
+        &t(&out, DType::F16, &[4, dim as i64]),
+        &t(&f, DType::F32, &[4, dim as i64]),
+    )
+    .unwrap();
     dev.synchronize().unwrap();
     let got = read_f16(&out, 4 * dim);
-    let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * dim..(i as usize + 1) * dim].to_vec()).collect();
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|&i| table[i as usize * dim..(i as usize + 1) * dim].to_vec())
+        .collect();
     assert_eq!(got, want);
-    let want_am: Vec<i64> = want.chunks(dim).map(|r| r.iter().enumerate().fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as i64).collect();
+    let want_am: Vec<i64> = want
+        .chunks(dim)
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
+                .0 as i64
+        })
+        .collect();
     assert_eq!(read_i64(&am, 4), want_am);
     assert_eq!(read_f32(&f, 4 * dim), want);
 }
@@ -96,10 +137,25 @@ fn matmul_with_transposed_f16_weights_matches_reference() {
     let x = h(&rand_vec(4, m * k, 1.0));
     let w = h(&rand_vec(5, n * k, 0.2)); // n rows of k, as GGUF stores them
     let (xb, wb, yb) = (upload_f16(&x), upload_f16(&w), zeros(m * n * 2));
-    let wt = Tensor::new(acl(), &wb, View::strided(DType::F16, &[k as i64, n as i64], &[1, k as i64], 0)).unwrap();
-    ops.matmul(&t(&xb, DType::F16, &[m as i64, k as i64]), &wt, &t(&yb, DType::F16, &[m as i64, n as i64])).unwrap();
+    let wt = Tensor::new(
+        acl(),
+        &wb,
+        View::strided(DType::F16, &[k as i64, n as i64], &[1, k as i64], 0),
+    )
+    .unwrap();
+    ops.matmul(
+        &t(&xb, DType::F16, &[m as i64, k as i64]),
+        &wt,
+        &t(&yb, DType::F16, &[m as i64, n as i64]),
+    )
+    .unwrap();
     dev.synchronize().unwrap();
-    assert_close(&read_f16(&yb, m * n), &reference_matmul(&x, &w, m, k, n), 5e-3, "matmul");
+    assert_close(
+        &read_f16(&yb, m * n),
+        &reference_matmul(&x, &w, m, k, n),
+        5e-3,
+        "matmul",
+    );
 }
 
 fn q4_1_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
@@ -107,10 +163,15 @@ fn q4_1_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     let vals = rand_vec(seed, n * k, 1.0);
     let (mut data, mut deq) = (Vec::new(), Vec::new());
     for blk in vals.chunks(32) {
-        let (lo, hi) = blk.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+        let (lo, hi) = blk
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
         let d = f16::from_f32((hi - lo) / 15.0);
         let m = f16::from_f32(lo);
-        let q: Vec<u8> = blk.iter().map(|v| (((v - m.to_f32()) / d.to_f32()).round().clamp(0.0, 15.0)) as u8).collect();
+        let q: Vec<u8> = blk
+            .iter()
+            .map(|v| (((v - m.to_f32()) / d.to_f32()).round().clamp(0.0, 15.0)) as u8)
+            .collect();
         data.extend(d.to_le_bytes());
         data.extend(m.to_le_bytes());
         for i in 0..16 {
@@ -144,14 +205,32 @@ fn run_quant(qw: &weights::QuantWeight, x: &[f32], m: usize) -> Vec<f32> {
     let (n, k, g) = (qw.n as i64, qw.k as i64, (qw.k / weights::GROUP) as i64);
     let xb = upload_f16(x);
     let wb = upload(&qw.weight);
-    let sb = upload(&qw.scale.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>());
-    let ob = qw.offset.as_ref().map(|o| upload(&o.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>()));
+    let sb = upload(
+        &qw.scale
+            .iter()
+            .flat_map(|s| s.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
+    let ob = qw
+        .offset
+        .as_ref()
+        .map(|o| upload(&o.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>()));
     let yb = zeros(m * qw.n * 2);
     let wdt = if qw.int4 { DType::I4 } else { DType::I8 };
     let wt = Tensor::new(acl(), &wb, View::strided(wdt, &[k, n], &[1, k], 0)).unwrap();
     let st = Tensor::new(acl(), &sb, View::strided(DType::F16, &[g, n], &[1, g], 0)).unwrap();
-    let ot = ob.as_ref().map(|b| Tensor::new(acl(), b, View::strided(DType::F16, &[g, n], &[1, g], 0)).unwrap());
-    ops.weight_quant_matmul(&t(&xb, DType::F16, &[m as i64, k]), &wt, &st, ot.as_ref(), weights::GROUP as i32, &t(&yb, DType::F16, &[m as i64, n])).unwrap();
+    let ot = ob
+        .as_ref()
+        .map(|b| Tensor::new(acl(), b, View::strided(DType::F16, &[g, n], &[1, g], 0)).unwrap());
+    ops.weight_quant_matmul(
+        &t(&xb, DType::F16, &[m as i64, k]),
+        &wt,
+        &st,
+        ot.as_ref(),
+        weights::GROUP as i32,
+        &t(&yb, DType::F16, &[m as i64, n]),
+    )
+    .unwrap();
     dev.synchronize().unwrap();
     read_f16(&yb, m * qw.n)
 }
@@ -162,10 +241,20 @@ fn weight_quant_matmul_matches_q4_1_and_q8_0_dequantized() {
     let x = h(&rand_vec(6, m * k, 1.0));
     let (data, deq) = q4_1_rows(7, n, k);
     let got = run_quant(&weights::from_q4_1(&data, n, k).unwrap(), &x, m);
-    assert_close(&got, &reference_matmul(&x, &deq, m, k, n), 1e-2, "Q4_1 matmul");
+    assert_close(
+        &got,
+        &reference_matmul(&x, &deq, m, k, n),
+        1e-2,
+        "Q4_1 matmul",
+    );
     let (data, deq) = q8_0_rows(8, n, k);
     let got = run_quant(&weights::from_q8_0(&data, n, k).unwrap(), &x, m);
-    assert_close(&got, &reference_matmul(&x, &deq, m, k, n), 1e-2, "Q8_0 matmul");
+    assert_close(
+        &got,
+        &reference_matmul(&x, &deq, m, k, n),
+        1e-2,
+        "Q8_0 matmul",
+    );
 }
 
 #[test]
@@ -187,10 +276,22 @@ fn rotary_embedding_both_modes_match_reference() {
             }
         }
         let (cos, sin) = (h(&cos), h(&sin));
-        let (xb, cb, sb, ob) = (upload_f16(&x), upload_f16(&cos), upload_f16(&sin), zeros(x.len() * 2));
+        let (xb, cb, sb, ob) = (
+            upload_f16(&x),
+            upload_f16(&cos),
+            upload_f16(&sin),
+            zeros(x.len() * 2),
+        );
         let dims = [1, tokens as i64, heads as i64, d as i64];
         let cdims = [1, tokens as i64, 1, d as i64];
-        ops.rope(&t(&xb, DType::F16, &dims), &t(&cb, DType::F16, &cdims), &t(&sb, DType::F16, &cdims), interleave as i64, &t(&ob, DType::F16, &dims)).unwrap();
+        ops.rope(
+            &t(&xb, DType::F16, &dims),
+            &t(&cb, DType::F16, &cdims),
+            &t(&sb, DType::F16, &cdims),
+            interleave as i64,
+            &t(&ob, DType::F16, &dims),
+        )
+        .unwrap();
         dev.synchronize().unwrap();
         let mut want = vec![0.0; x.len()];
         for ti in 0..tokens {
@@ -198,22 +299,42 @@ fn rotary_embedding_both_modes_match_reference() {
                 let row = &x[(ti * heads + hd) * d..(ti * heads + hd + 1) * d];
                 for i in 0..d {
                     let rot = if interleave {
-                        if i % 2 == 0 { -row[i + 1] } else { row[i - 1] }
+                        if i % 2 == 0 {
+                            -row[i + 1]
+                        } else {
+                            row[i - 1]
+                        }
                     } else if i < d / 2 {
                         -row[i + d / 2]
                     } else {
                         row[i - d / 2]
                     };
-                    want[(ti * heads + hd) * d + i] = row[i] * cos[ti * d + i] + rot * sin[ti * d + i];
+                    want[(ti * heads + hd) * d + i] =
+                        row[i] * cos[ti * d + i] + rot * sin[ti * d + i];
                 }
             }
         }
-        assert_close(&read_f16(&ob, x.len()), &want, 4e-3, if interleave { "rope interleave" } else { "rope half" });
+        assert_close(
+            &read_f16(&ob, x.len()),
+            &want,
+            4e-3,
+            if interleave {
+                "rope interleave"
+            } else {
+                "rope half"
+            },
+        );
         if !interleave {
             // ApplyRotaryPosEmb: the same half rotation on q and k in place.
             let (qb, kb) = (upload_f16(&x), upload_f16(&x[..tokens * d]));
             let kd = [1, tokens as i64, 1, d as i64];
-            ops.apply_rope(&t(&qb, DType::F16, &dims), &t(&kb, DType::F16, &kd), &t(&cb, DType::F16, &cdims), &t(&sb, DType::F16, &cdims)).unwrap();
+            ops.apply_rope(
+                &t(&qb, DType::F16, &dims),
+                &t(&kb, DType::F16, &kd),
+                &t(&cb, DType::F16, &cdims),
+                &t(&sb, DType::F16, &cdims),
+            )
+            .unwrap();
             dev.synchronize().unwrap();
             assert_close(&read_f16(&qb, x.len()), &want, 4e-3, "apply_rope q");
         }
@@ -251,9 +372,9 @@ fn paged_attention_case(block_size: usize, seqs: &[Seq], seed: u64) {
         kv_heads,
         head_dim: d,
         row_stride: kvh,
-        key: (kb.ptr(), kb.bytes()),
+        key: &kb,
         key_offset: 0,
-        value: (vb.ptr(), vb.bytes()),
+        value: &vb,
         value_offset: 0,
         key_cache: &kc,
         value_cache: &vc,
@@ -266,9 +387,14 @@ fn paged_attention_case(block_size: usize, seqs: &[Seq], seed: u64) {
     let s_max = seqs.iter().map(|s| s.q_len).max().unwrap();
     let q = h(&rand_vec(seed + 2, b * s_max * heads * d, 1.0));
     let max_blocks = seqs.iter().map(|s| s.blocks.len()).max().unwrap();
-    let table: Vec<i32> = seqs.iter().flat_map(|s| (0..max_blocks).map(|i| *s.blocks.get(i).unwrap_or(&0))).collect();
+    let table: Vec<i32> = seqs
+        .iter()
+        .flat_map(|s| (0..max_blocks).map(|i| *s.blocks.get(i).unwrap_or(&0)))
+        .collect();
     let (qb, ob, tb) = (upload_f16(&q), zeros(q.len() * 2), upload_i32(&table));
-    let mask_vals: Vec<u8> = (0..2048 * 2048).map(|i| ((i % 2048) > (i / 2048)) as u8).collect();
+    let mask_vals: Vec<u8> = (0..2048 * 2048)
+        .map(|i| ((i % 2048) > (i / 2048)) as u8)
+        .collect();
     let mb = upload(&mask_vals);
     let mask = t(&mb, DType::I8, &[2048, 2048]);
     let qdims = [b as i64, s_max as i64, (heads * d) as i64];
@@ -282,7 +408,10 @@ fn paged_attention_case(block_size: usize, seqs: &[Seq], seed: u64) {
         out: &ot,
         key_cache: &kc,
         value_cache: &vc,
-        cache_view: View::contiguous(DType::F16, &[num_blocks as i64, block_size as i64, kvh as i64]),
+        cache_view: View::contiguous(
+            DType::F16,
+            &[num_blocks as i64, block_size as i64, kvh as i64],
+        ),
         block_table: &bt,
         mask: Some(&mask),
         q_lens: &q_lens,
@@ -302,14 +431,26 @@ fn paged_attention_case(block_size: usize, seqs: &[Seq], seed: u64) {
             for hd in 0..heads {
                 let kh = hd / (heads / kv_heads);
                 let qrow = &q[((bi * s_max + i) * heads + hd) * d..][..d];
-                let scores: Vec<f32> = (0..visible).map(|j| (0..d).map(|c| qrow[c] * k[(base + j) * kvh + kh * d + c]).sum::<f32>() * scale as f32).collect();
+                let scores: Vec<f32> = (0..visible)
+                    .map(|j| {
+                        (0..d)
+                            .map(|c| qrow[c] * k[(base + j) * kvh + kh * d + c])
+                            .sum::<f32>()
+                            * scale as f32
+                    })
+                    .collect();
                 let mx = scores.iter().copied().fold(f32::MIN, f32::max);
                 let e: Vec<f32> = scores.iter().map(|x| (x - mx).exp()).collect();
                 let sum: f32 = e.iter().sum();
                 for c in 0..d {
-                    let want: f32 = (0..visible).map(|j| e[j] / sum * v[(base + j) * kvh + kh * d + c]).sum();
+                    let want: f32 = (0..visible)
+                        .map(|j| e[j] / sum * v[(base + j) * kvh + kh * d + c])
+                        .sum();
                     let g = got[((bi * s_max + i) * heads + hd) * d + c];
-                    assert!((g - want).abs() < 5e-3, "seq {bi} query {i} head {hd} dim {c}: got {g}, want {want}");
+                    assert!(
+                        (g - want).abs() < 5e-3,
+                        "seq {bi} query {i} head {hd} dim {c}: got {g}, want {want}"
+                    );
                 }
             }
         }
@@ -320,13 +461,43 @@ fn paged_attention_case(block_size: usize, seqs: &[Seq], seed: u64) {
 #[test]
 fn paged_attention_decode_matches_reference() {
     // S = 1 (incremental branch): block size 16, sequences spanning several blocks.
-    paged_attention_case(16, &[Seq { q_len: 1, kv_len: 20, blocks: vec![3, 1] }, Seq { q_len: 1, kv_len: 5, blocks: vec![0] }], 11);
+    paged_attention_case(
+        16,
+        &[
+            Seq {
+                q_len: 1,
+                kv_len: 20,
+                blocks: vec![3, 1],
+            },
+            Seq {
+                q_len: 1,
+                kv_len: 5,
+                blocks: vec![0],
+            },
+        ],
+        11,
+    );
 }
 
 #[test]
 fn paged_attention_prefill_chunks_match_reference() {
     // S > 1 (prompt branch, causal right-down): a chunk after cached tokens, and a decode token.
-    paged_attention_case(128, &[Seq { q_len: 3, kv_len: 5, blocks: vec![2] }, Seq { q_len: 1, kv_len: 7, blocks: vec![0] }], 21);
+    paged_attention_case(
+        128,
+        &[
+            Seq {
+                q_len: 3,
+                kv_len: 5,
+                blocks: vec![2],
+            },
+            Seq {
+                q_len: 1,
+                kv_len: 7,
+                blocks: vec![0],
+            },
+        ],
+        21,
+    );
 }
 
 #[test]
@@ -335,17 +506,40 @@ fn repeatable_executor_runs_again_with_new_addresses() {
     let mut ops = OpRunner::new(&dev);
     let acl = ops.acl();
     let n = 8i64;
-    let (a, b, out1, out2) = (upload_f16(&[1.0; 8]), upload_f16(&[2.0; 8]), zeros(16), zeros(16));
+    let (a, b, out1, out2) = (
+        upload_f16(&[1.0; 8]),
+        upload_f16(&[2.0; 8]),
+        zeros(16),
+        zeros(16),
+    );
     let c = upload_f16(&[5.0; 8]);
-    let tensors = vec![t(&a, DType::F16, &[n]), t(&b, DType::F16, &[n]), t(&out1, DType::F16, &[n])];
+    let tensors = vec![
+        t(&a, DType::F16, &[n]),
+        t(&b, DType::F16, &[n]),
+        t(&out1, DType::F16, &[n]),
+    ];
     let alpha = npu_backend_ascend::tensor::Scalar::f32(acl, 1.0).unwrap();
     let ops_api = acl.api.ops;
     let mut op = ops
-        .prepare_repeatable("aclnnAdd", tensors, |ts, w, e| unsafe { (ops_api.aclnnAddGetWorkspaceSize)(ts[0].raw(), ts[1].raw(), alpha.raw(), ts[2].raw(), w, e) }, ops_api.aclnnAdd)
+        .prepare_repeatable(
+            "aclnnAdd",
+            tensors,
+            |ts, w, e| unsafe {
+                (ops_api.aclnnAddGetWorkspaceSize)(
+                    ts[0].raw(),
+                    ts[1].raw(),
+                    alpha.raw(),
+                    ts[2].raw(),
+                    w,
+                    e,
+                )
+            },
+            ops_api.aclnnAdd,
+        )
         .unwrap();
     ops.launch_repeatable(&op).unwrap();
-    op.set_input_addr(1, 1, c.ptr()).unwrap();
-    op.set_output_addr(0, 2, out2.ptr()).unwrap();
+    op.set_input_addr(1, 1, &c).unwrap();
+    op.set_output_addr(0, 2, &out2).unwrap();
     ops.launch_repeatable(&op).unwrap();
     dev.synchronize().unwrap();
     assert_eq!(read_f16(&out1, 8), vec![3.0; 8]);

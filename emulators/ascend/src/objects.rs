@@ -65,12 +65,18 @@ fn lookup(st: &State, h: u64, kind: u64, what: &str) -> Result<(), Fail> {
             if !o.alive() {
                 return fail(
                     ACLNN_ERR_PARAM_INVALID,
-                    format!("{what} ({} {h:#x}) was already destroyed and is used again", kind_name(kind)),
+                    format!(
+                        "{what} ({} {h:#x}) was already destroyed and is used again",
+                        kind_name(kind)
+                    ),
                 );
             }
             Ok(())
         }
-        _ => fail(ACLNN_ERR_PARAM_INVALID, format!("{what} ({h:#x}) is not a live {}", kind_name(kind))),
+        _ => fail(
+            ACLNN_ERR_PARAM_INVALID,
+            format!("{what} ({h:#x}) is not a live {}", kind_name(kind)),
+        ),
     }
 }
 
@@ -79,13 +85,16 @@ impl State {
     pub fn tensor(&self, h: *const aclTensor, what: &str) -> Result<View, Fail> {
         let h = h as u64;
         lookup(self, h, KIND_TENSOR, what)?;
-        let Some(Obj::Tensor { view, .. }) = self.handles.get(&h) else { unreachable!() };
+        let Some(Obj::Tensor { view, .. }) = self.handles.get(&h) else {
+            unreachable!()
+        };
         if view.numel() > 0 {
             let bytes = view.storage_bytes();
-            self.device_range(view.addr, bytes, what).map_err(|f| Fail {
-                code: ACLNN_ERR_PARAM_INVALID,
-                msg: f.msg,
-            })?;
+            self.device_range(view.addr, bytes, what)
+                .map_err(|f| Fail {
+                    code: ACLNN_ERR_PARAM_INVALID,
+                    msg: f.msg,
+                })?;
         }
         Ok(view.clone())
     }
@@ -100,7 +109,9 @@ impl State {
 
     pub fn scalar(&self, h: *const aclScalar, what: &str) -> Result<f64, Fail> {
         lookup(self, h as u64, KIND_SCALAR, what)?;
-        let Some(Obj::Scalar { value, .. }) = self.handles.get(&(h as u64)) else { unreachable!() };
+        let Some(Obj::Scalar { value, .. }) = self.handles.get(&(h as u64)) else {
+            unreachable!()
+        };
         Ok(*value)
     }
 
@@ -109,13 +120,17 @@ impl State {
             return Ok(None);
         }
         lookup(self, h as u64, KIND_INT_ARRAY, what)?;
-        let Some(Obj::IntArray { values, .. }) = self.handles.get(&(h as u64)) else { unreachable!() };
+        let Some(Obj::IntArray { values, .. }) = self.handles.get(&(h as u64)) else {
+            unreachable!()
+        };
         Ok(Some(values.clone()))
     }
 
     pub fn tensor_list(&self, h: *const aclTensorList, what: &str) -> Result<Vec<View>, Fail> {
         lookup(self, h as u64, KIND_TENSOR_LIST, what)?;
-        let Some(Obj::TensorList { items, .. }) = self.handles.get(&(h as u64)) else { unreachable!() };
+        let Some(Obj::TensorList { items, .. }) = self.handles.get(&(h as u64)) else {
+            unreachable!()
+        };
         items
             .iter()
             .enumerate()
@@ -130,10 +145,21 @@ impl State {
         handles.sort_by_key(|(h, _)| **h);
         for (h, o) in handles {
             out.push(match o {
-                Obj::Tensor { view, .. } => format!("aclTensor {h:#x} {} at {:#x} never destroyed (aclDestroyTensor)", view.shape_string(), view.addr),
-                Obj::Scalar { value, .. } => format!("aclScalar {h:#x} ({value}) never destroyed (aclDestroyScalar)"),
-                Obj::IntArray { values, .. } => format!("aclIntArray {h:#x} {values:?} never destroyed (aclDestroyIntArray)"),
-                Obj::TensorList { items, .. } => format!("aclTensorList {h:#x} of {} tensors never destroyed (aclDestroyTensorList)", items.len()),
+                Obj::Tensor { view, .. } => format!(
+                    "aclTensor {h:#x} {} at {:#x} never destroyed (aclDestroyTensor)",
+                    view.shape_string(),
+                    view.addr
+                ),
+                Obj::Scalar { value, .. } => {
+                    format!("aclScalar {h:#x} ({value}) never destroyed (aclDestroyScalar)")
+                }
+                Obj::IntArray { values, .. } => {
+                    format!("aclIntArray {h:#x} {values:?} never destroyed (aclDestroyIntArray)")
+                }
+                Obj::TensorList { items, .. } => format!(
+                    "aclTensorList {h:#x} of {} tensors never destroyed (aclDestroyTensorList)",
+                    items.len()
+                ),
             });
         }
         let mut execs: Vec<_> = self.executors.iter().collect();
@@ -146,27 +172,44 @@ impl State {
             }
         }
         for (addr, a) in &self.device_mem {
-            out.push(format!("device memory {addr:#x} ({} bytes, device {}) never freed (aclrtFree)", a.data.len(), a.device));
+            out.push(format!(
+                "device memory {addr:#x} ({} bytes, device {}) never freed (aclrtFree)",
+                a.data.len(),
+                a.device
+            ));
         }
         for (ptr, h) in &self.host_mem {
-            out.push(format!("host memory {ptr:#x} ({} bytes) never freed (aclrtFreeHost)", h.layout.size()));
+            out.push(format!(
+                "host memory {ptr:#x} ({} bytes) never freed (aclrtFreeHost)",
+                h.layout.size()
+            ));
         }
         let defaults: Vec<u64> = self.contexts.values().map(|c| c.default_stream).collect();
         for (s, st) in &self.streams {
             if !defaults.contains(s) {
-                out.push(format!("aclrtStream {s:#x} (device {}) never destroyed (aclrtDestroyStream)", st.device));
+                out.push(format!(
+                    "aclrtStream {s:#x} (device {}) never destroyed (aclrtDestroyStream)",
+                    st.device
+                ));
             }
         }
         for e in self.events.keys() {
-            out.push(format!("aclrtEvent {e:#x} never destroyed (aclrtDestroyEvent)"));
+            out.push(format!(
+                "aclrtEvent {e:#x} never destroyed (aclrtDestroyEvent)"
+            ));
         }
         for (c, ctx) in &self.contexts {
             if !self.devices_set.values().any(|d| d == c) {
-                out.push(format!("aclrtContext {c:#x} (device {}) never destroyed (aclrtDestroyContext)", ctx.device));
+                out.push(format!(
+                    "aclrtContext {c:#x} (device {}) never destroyed (aclrtDestroyContext)",
+                    ctx.device
+                ));
             }
         }
         for d in self.devices_set.keys() {
-            out.push(format!("device {d} set with aclrtSetDevice and never reset (aclrtResetDevice)"));
+            out.push(format!(
+                "device {d} set with aclrtSetDevice and never reset (aclrtResetDevice)"
+            ));
         }
         out
     }
@@ -226,17 +269,41 @@ pub unsafe extern "C" fn aclCreateTensor(
 ) -> *mut aclTensor {
     with_state(std::ptr::null_mut(), |st| {
         let bad = |m: String| fail(ACLNN_ERR_PARAM_INVALID, format!("aclCreateTensor: {m}"));
-        let Some(dims) = dims_from(viewDims, viewDimsNum) else { return bad("viewDims is null".into()) };
-        let Some(strides) = dims_from(stride, viewDimsNum) else { return bad("stride is null".into()) };
-        let Some(storage_dims) = dims_from(storageDims, storageDimsNum) else { return bad("storageDims is null".into()) };
+        let Some(dims) = dims_from(viewDims, viewDimsNum) else {
+            return bad("viewDims is null".into());
+        };
+        let Some(strides) = dims_from(stride, viewDimsNum) else {
+            return bad("stride is null".into());
+        };
+        let Some(storage_dims) = dims_from(storageDims, storageDimsNum) else {
+            return bad("storageDims is null".into());
+        };
         if dims.len() > 8 {
             return bad(format!("{} dimensions (at most 8)", dims.len()));
         }
-        let Some(dtype) = DType::from_acl(dataType) else { return bad(format!("data type {dataType} is not one this emulation knows")) };
-        if dims.iter().any(|&d| d < 0) || strides.iter().any(|&s| s < 0) || offset < 0 || storage_dims.iter().any(|&d| d < 0) {
-            return bad(format!("negative dims/strides/offset: dims {dims:?} strides {strides:?} offset {offset}"));
+        let Some(dtype) = DType::from_acl(dataType) else {
+            return bad(format!(
+                "data type {dataType} is not one this emulation knows"
+            ));
+        };
+        if dims.iter().any(|&d| d < 0)
+            || strides.iter().any(|&s| s < 0)
+            || offset < 0
+            || storage_dims.iter().any(|&d| d < 0)
+        {
+            return bad(format!(
+                "negative dims/strides/offset: dims {dims:?} strides {strides:?} offset {offset}"
+            ));
         }
-        let view = View { dims, strides, offset, dtype, format, storage_dims, addr: tensorData as u64 };
+        let view = View {
+            dims,
+            strides,
+            offset,
+            dtype,
+            format,
+            storage_dims,
+            addr: tensorData as u64,
+        };
         if let Some(max) = view.max_elem() {
             if max as u64 >= view.storage_elems() {
                 return bad(format!(
@@ -259,7 +326,10 @@ pub extern "C" fn aclDestroyTensor(tensor: *const aclTensor) -> aclnnStatus {
 /// # Safety
 /// `value` points at one value of `dataType`.
 #[no_mangle]
-pub unsafe extern "C" fn aclCreateScalar(value: *mut c_void, dataType: aclDataType) -> *mut aclScalar {
+pub unsafe extern "C" fn aclCreateScalar(
+    value: *mut c_void,
+    dataType: aclDataType,
+) -> *mut aclScalar {
     with_state(std::ptr::null_mut(), |st| {
         if value.is_null() {
             return fail(ACLNN_ERR_PARAM_NULLPTR, "aclCreateScalar: value is null");
@@ -272,11 +342,22 @@ pub unsafe extern "C" fn aclCreateScalar(value: *mut c_void, dataType: aclDataTy
                 ACL_FLOAT16 => half::f16::from_bits(*(value as *const u16)).to_f64(),
                 ACL_INT32 => *(value as *const i32) as f64,
                 ACL_INT64 => *(value as *const i64) as f64,
-                _ => return fail(ACLNN_ERR_PARAM_INVALID, format!("aclCreateScalar: data type {dataType} not emulated")),
+                _ => {
+                    return fail(
+                        ACLNN_ERR_PARAM_INVALID,
+                        format!("aclCreateScalar: data type {dataType} not emulated"),
+                    )
+                }
             }
         };
         let h = st.new_handle(KIND_SCALAR);
-        st.handles.insert(h, Obj::Scalar { value: v, alive: true });
+        st.handles.insert(
+            h,
+            Obj::Scalar {
+                value: v,
+                alive: true,
+            },
+        );
         Ok(h as *mut aclScalar)
     })
 }
@@ -295,7 +376,13 @@ pub unsafe extern "C" fn aclCreateIntArray(value: *const i64, size: u64) -> *mut
             return fail(ACLNN_ERR_PARAM_NULLPTR, "aclCreateIntArray: value is null");
         };
         let h = st.new_handle(KIND_INT_ARRAY);
-        st.handles.insert(h, Obj::IntArray { values, alive: true });
+        st.handles.insert(
+            h,
+            Obj::IntArray {
+                values,
+                alive: true,
+            },
+        );
         Ok(h as *mut aclIntArray)
     })
 }
@@ -308,15 +395,29 @@ pub extern "C" fn aclDestroyIntArray(array: *const aclIntArray) -> aclnnStatus {
 /// # Safety
 /// `value` points at `size` tensor handles.
 #[no_mangle]
-pub unsafe extern "C" fn aclCreateTensorList(value: *const *const aclTensor, size: u64) -> *mut aclTensorList {
+pub unsafe extern "C" fn aclCreateTensorList(
+    value: *const *const aclTensor,
+    size: u64,
+) -> *mut aclTensorList {
     with_state(std::ptr::null_mut(), |st| {
         if value.is_null() || size == 0 || size > 1024 {
-            return fail(ACLNN_ERR_PARAM_INVALID, "aclCreateTensorList: null or empty list");
+            return fail(
+                ACLNN_ERR_PARAM_INVALID,
+                "aclCreateTensorList: null or empty list",
+            );
         }
         // SAFETY: `value` points at `size` handles (documented contract).
-        let items: Vec<u64> = unsafe { std::slice::from_raw_parts(value, size as usize) }.iter().map(|&p| p as u64).collect();
+        let items: Vec<u64> = unsafe { std::slice::from_raw_parts(value, size as usize) }
+            .iter()
+            .map(|&p| p as u64)
+            .collect();
         for (i, &t) in items.iter().enumerate() {
-            lookup(st, t, KIND_TENSOR, &format!("aclCreateTensorList(value[{i}])"))?;
+            lookup(
+                st,
+                t,
+                KIND_TENSOR,
+                &format!("aclCreateTensorList(value[{i}])"),
+            )?;
         }
         let h = st.new_handle(KIND_TENSOR_LIST);
         st.handles.insert(h, Obj::TensorList { items, alive: true });
@@ -330,9 +431,16 @@ pub extern "C" fn aclDestroyTensorList(array: *const aclTensorList) -> aclnnStat
     status(|st| {
         let h = array as u64;
         lookup(st, h, KIND_TENSOR_LIST, "aclDestroyTensorList(array)")?;
-        let Some(Obj::TensorList { items, .. }) = st.handles.get(&h) else { unreachable!() };
+        let Some(Obj::TensorList { items, .. }) = st.handles.get(&h) else {
+            unreachable!()
+        };
         for t in items.clone() {
-            lookup(st, t, KIND_TENSOR, "aclDestroyTensorList: a tensor of the list")?;
+            lookup(
+                st,
+                t,
+                KIND_TENSOR,
+                "aclDestroyTensorList: a tensor of the list",
+            )?;
             st.handles.get_mut(&t).expect("looked up").kill();
         }
         st.handles.get_mut(&h).expect("looked up").kill();
@@ -359,7 +467,10 @@ pub extern "C" fn aclSetAclOpExecutorRepeatable(executor: *mut aclOpExecutor) ->
     status(|st| {
         let e = executor_mut(st, executor as u64, "aclSetAclOpExecutorRepeatable")?;
         if e.state != ExecState::Fresh {
-            return fail(ACLNN_ERR_PARAM_INVALID, "aclSetAclOpExecutorRepeatable: set it before the first launch");
+            return fail(
+                ACLNN_ERR_PARAM_INVALID,
+                "aclSetAclOpExecutorRepeatable: set it before the first launch",
+            );
         }
         e.repeatable = true;
         Ok(())
@@ -382,26 +493,46 @@ pub extern "C" fn aclDestroyAclOpExecutor(executor: *mut aclOpExecutor) -> aclnn
     })
 }
 
-fn set_addr(executor: *mut aclOpExecutor, output: bool, index: usize, tensor: *mut aclTensor, addr: *mut c_void) -> aclnnStatus {
+fn set_addr(
+    executor: *mut aclOpExecutor,
+    output: bool,
+    index: usize,
+    tensor: *mut aclTensor,
+    addr: *mut c_void,
+) -> aclnnStatus {
     status(|st| {
-        let what = if output { "aclSetOutputTensorAddr" } else { "aclSetInputTensorAddr" };
+        let what = if output {
+            "aclSetOutputTensorAddr"
+        } else {
+            "aclSetInputTensorAddr"
+        };
         lookup(st, tensor as u64, KIND_TENSOR, what)?;
         let e = executor_mut(st, executor as u64, what)?;
         if !e.repeatable {
-            return fail(ACLNN_ERR_PARAM_INVALID, format!("{what}: the executor is not repeatable"));
+            return fail(
+                ACLNN_ERR_PARAM_INVALID,
+                format!("{what}: the executor is not repeatable"),
+            );
         }
         let io = e.kernel.io_mut();
         let list = if output { &mut io.outs } else { &mut io.ins };
         let n = list.len();
         let Some(v) = list.get_mut(index) else {
-            return fail(ACLNN_ERR_PARAM_INVALID, format!("{what}: index {index} out of range ({n} tensors)"));
+            return fail(
+                ACLNN_ERR_PARAM_INVALID,
+                format!("{what}: index {index} out of range ({n} tensors)"),
+            );
         };
         let mut nv = v.clone();
         nv.addr = addr as u64;
         let bytes = nv.storage_bytes();
         let snapshot = nv.clone();
         *v = nv;
-        st.device_range(addr as u64, bytes, what).map_err(|f| Fail { code: ACLNN_ERR_PARAM_INVALID, msg: f.msg })?;
+        st.device_range(addr as u64, bytes, what)
+            .map_err(|f| Fail {
+                code: ACLNN_ERR_PARAM_INVALID,
+                msg: f.msg,
+            })?;
         if let Some(Obj::Tensor { view, .. }) = st.handles.get_mut(&(tensor as u64)) {
             view.addr = snapshot.addr;
         }
@@ -410,12 +541,22 @@ fn set_addr(executor: *mut aclOpExecutor, output: bool, index: usize, tensor: *m
 }
 
 #[no_mangle]
-pub extern "C" fn aclSetInputTensorAddr(executor: *mut aclOpExecutor, index: usize, tensor: *mut aclTensor, addr: *mut c_void) -> aclnnStatus {
+pub extern "C" fn aclSetInputTensorAddr(
+    executor: *mut aclOpExecutor,
+    index: usize,
+    tensor: *mut aclTensor,
+    addr: *mut c_void,
+) -> aclnnStatus {
     set_addr(executor, false, index, tensor, addr)
 }
 
 #[no_mangle]
-pub extern "C" fn aclSetOutputTensorAddr(executor: *mut aclOpExecutor, index: usize, tensor: *mut aclTensor, addr: *mut c_void) -> aclnnStatus {
+pub extern "C" fn aclSetOutputTensorAddr(
+    executor: *mut aclOpExecutor,
+    index: usize,
+    tensor: *mut aclTensor,
+    addr: *mut c_void,
+) -> aclnnStatus {
     set_addr(executor, true, index, tensor, addr)
 }
 

@@ -35,7 +35,10 @@ extern "C" fn report_at_exit() {
 fn print_report(st: &State, when: &str) {
     let leaks = st.leak_report();
     if !leaks.is_empty() {
-        eprintln!("ascend-emulator: {} object(s) never destroyed at {when}:", leaks.len());
+        eprintln!(
+            "ascend-emulator: {} object(s) never destroyed at {when}:",
+            leaks.len()
+        );
         for l in leaks {
             eprintln!("ascend-emulator:   {l}");
         }
@@ -46,7 +49,10 @@ fn print_report(st: &State, when: &str) {
 pub extern "C" fn aclInit(_configPath: *const c_char) -> aclError {
     run(|st| {
         if st.initialized {
-            return fail(ACL_ERROR_REPEAT_INITIALIZE, "aclInit called twice in this process");
+            return fail(
+                ACL_ERROR_REPEAT_INITIALIZE,
+                "aclInit called twice in this process",
+            );
         }
         st.initialized = true;
         // SAFETY: registering a plain extern "C" function with no arguments.
@@ -79,7 +85,11 @@ pub extern "C" fn aclGetRecentErrMsg() -> *const c_char {
 /// # Safety
 /// Out-pointers are valid.
 #[no_mangle]
-pub unsafe extern "C" fn aclrtGetVersion(majorVersion: *mut i32, minorVersion: *mut i32, patchVersion: *mut i32) -> aclError {
+pub unsafe extern "C" fn aclrtGetVersion(
+    majorVersion: *mut i32,
+    minorVersion: *mut i32,
+    patchVersion: *mut i32,
+) -> aclError {
     if majorVersion.is_null() || minorVersion.is_null() || patchVersion.is_null() {
         set_error("aclrtGetVersion: null out-pointer");
         return ACL_ERROR_INVALID_PARAM;
@@ -96,7 +106,10 @@ pub unsafe extern "C" fn aclrtGetVersion(majorVersion: *mut i32, minorVersion: *
 /// # Safety
 /// `version` is valid.
 #[no_mangle]
-pub unsafe extern "C" fn aclsysGetCANNVersion(name: aclCANNPackageName, version: *mut aclCANNPackageVersion) -> aclError {
+pub unsafe extern "C" fn aclsysGetCANNVersion(
+    name: aclCANNPackageName,
+    version: *mut aclCANNPackageVersion,
+) -> aclError {
     if version.is_null() || name > ACL_PKG_NAME_RUNTIME {
         set_error("aclsysGetCANNVersion: null out-pointer or package not emulated");
         return ACL_ERROR_INVALID_PARAM;
@@ -122,7 +135,10 @@ pub unsafe extern "C" fn aclsysGetCANNVersion(name: aclCANNPackageName, version:
 
 fn check_device(id: i32) -> Result<(), Fail> {
     if id < 0 || id as u32 >= device_count() {
-        return fail(ACL_ERROR_RT_INVALID_DEVICEID, format!("device {id} does not exist ({} visible)", device_count()));
+        return fail(
+            ACL_ERROR_RT_INVALID_DEVICEID,
+            format!("device {id} does not exist ({} visible)", device_count()),
+        );
     }
     Ok(())
 }
@@ -130,8 +146,21 @@ fn check_device(id: i32) -> Result<(), Fail> {
 fn new_context(st: &mut State, device: i32) -> u64 {
     let c = st.new_handle(KIND_CONTEXT);
     let s = st.new_handle(KIND_STREAM);
-    st.streams.insert(s, Stream { context: c, device, queue: Vec::new() });
-    st.contexts.insert(c, Context { device, default_stream: s });
+    st.streams.insert(
+        s,
+        Stream {
+            context: c,
+            device,
+            queue: Vec::new(),
+        },
+    );
+    st.contexts.insert(
+        c,
+        Context {
+            device,
+            default_stream: s,
+        },
+    );
     c
 }
 
@@ -160,7 +189,10 @@ pub extern "C" fn aclrtResetDevice(deviceId: i32) -> aclError {
     run(|st| {
         st.require_init()?;
         let Some(&c) = st.devices_set.get(&deviceId) else {
-            return fail(ACL_ERROR_RT_INVALID_DEVICEID, format!("aclrtResetDevice({deviceId}) without aclrtSetDevice"));
+            return fail(
+                ACL_ERROR_RT_INVALID_DEVICEID,
+                format!("aclrtResetDevice({deviceId}) without aclrtSetDevice"),
+            );
         };
         let refs = st.device_refs.entry(deviceId).or_insert(1);
         *refs -= 1;
@@ -204,7 +236,10 @@ pub unsafe extern "C" fn aclrtGetDeviceCount(count: *mut u32) -> aclError {
     run(|st| {
         st.require_init()?;
         if count.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtGetDeviceCount: null out-pointer");
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtGetDeviceCount: null out-pointer",
+            );
         }
         // SAFETY: checked non-null.
         unsafe { *count = device_count() };
@@ -220,7 +255,10 @@ pub unsafe extern "C" fn aclrtCreateContext(context: *mut aclrtContext, deviceId
         st.require_init()?;
         check_device(deviceId)?;
         if context.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateContext: null out-pointer");
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtCreateContext: null out-pointer",
+            );
         }
         let c = new_context(st, deviceId);
         CURRENT_CONTEXT.with(|cur| cur.set(c));
@@ -236,10 +274,20 @@ pub extern "C" fn aclrtDestroyContext(context: aclrtContext) -> aclError {
         st.require_init()?;
         let c = context as u64;
         if !st.contexts.contains_key(&c) || st.devices_set.values().any(|&d| d == c) {
-            return fail(ACL_ERROR_RT_INVALID_HANDLE, format!("{c:#x} is not a context made by aclrtCreateContext"));
+            return fail(
+                ACL_ERROR_RT_INVALID_HANDLE,
+                format!("{c:#x} is not a context made by aclrtCreateContext"),
+            );
         }
-        if st.streams.iter().any(|(s, x)| x.context == c && *s != st.contexts[&c].default_stream) {
-            return fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtDestroyContext: destroy its streams first");
+        if st
+            .streams
+            .iter()
+            .any(|(s, x)| x.context == c && *s != st.contexts[&c].default_stream)
+        {
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                "aclrtDestroyContext: destroy its streams first",
+            );
         }
         let ds = st.contexts[&c].default_stream;
         st.run_stream(ds)?;
@@ -259,7 +307,10 @@ pub extern "C" fn aclrtSetCurrentContext(context: aclrtContext) -> aclError {
     run(|st| {
         st.require_init()?;
         if !st.contexts.contains_key(&(context as u64)) {
-            return fail(ACL_ERROR_RT_INVALID_HANDLE, format!("{:#x} is not a live context", context as u64));
+            return fail(
+                ACL_ERROR_RT_INVALID_HANDLE,
+                format!("{:#x} is not a live context", context as u64),
+            );
         }
         CURRENT_CONTEXT.with(|cur| cur.set(context as u64));
         Ok(())
@@ -273,7 +324,10 @@ pub unsafe extern "C" fn aclrtGetCurrentContext(context: *mut aclrtContext) -> a
     run(|st| {
         let (c, _) = st.current_context()?;
         if context.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtGetCurrentContext: null out-pointer");
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtGetCurrentContext: null out-pointer",
+            );
         }
         // SAFETY: checked non-null.
         unsafe { *context = c as aclrtContext };
@@ -290,10 +344,20 @@ pub unsafe extern "C" fn aclrtCreateStream(stream: *mut aclrtStream) -> aclError
         let (c, ctx) = st.current_context()?;
         let device = ctx.device;
         if stream.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateStream: null out-pointer");
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtCreateStream: null out-pointer",
+            );
         }
         let s = st.new_handle(KIND_STREAM);
-        st.streams.insert(s, Stream { context: c, device, queue: Vec::new() });
+        st.streams.insert(
+            s,
+            Stream {
+                context: c,
+                device,
+                queue: Vec::new(),
+            },
+        );
         // SAFETY: checked non-null.
         unsafe { *stream = s as aclrtStream };
         Ok(())
@@ -305,11 +369,20 @@ pub extern "C" fn aclrtDestroyStream(stream: aclrtStream) -> aclError {
     run(|st| {
         st.require_init()?;
         let s = stream as u64;
-        if s == 0 || !st.streams.contains_key(&s) || st.contexts.values().any(|c| c.default_stream == s) {
-            return fail(ACL_ERROR_RT_INVALID_HANDLE, format!("{s:#x} is not a stream made by aclrtCreateStream"));
+        if s == 0
+            || !st.streams.contains_key(&s)
+            || st.contexts.values().any(|c| c.default_stream == s)
+        {
+            return fail(
+                ACL_ERROR_RT_INVALID_HANDLE,
+                format!("{s:#x} is not a stream made by aclrtCreateStream"),
+            );
         }
         if !st.streams[&s].queue.is_empty() {
-            return fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtDestroyStream: the stream still has queued work; synchronize it first");
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                "aclrtDestroyStream: the stream still has queued work; synchronize it first",
+            );
         }
         st.streams.remove(&s);
         Ok(())
@@ -330,7 +403,12 @@ pub extern "C" fn aclrtSynchronizeDevice() -> aclError {
     run(|st| {
         st.require_init()?;
         let device = st.current_context()?.1.device;
-        let ids: Vec<u64> = st.streams.iter().filter(|(_, s)| s.device == device).map(|(k, _)| *k).collect();
+        let ids: Vec<u64> = st
+            .streams
+            .iter()
+            .filter(|(_, s)| s.device == device)
+            .map(|(k, _)| *k)
+            .collect();
         for s in ids {
             st.run_stream(s)?;
         }
@@ -346,7 +424,10 @@ pub unsafe extern "C" fn aclrtCreateEvent(event: *mut aclrtEvent) -> aclError {
         st.require_init()?;
         st.current_context()?;
         if event.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateEvent: null out-pointer");
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtCreateEvent: null out-pointer",
+            );
         }
         let e = st.new_handle(KIND_EVENT);
         st.events.insert(e, Event::default());
@@ -360,7 +441,10 @@ fn check_event(st: &State, e: u64) -> Result<(), Fail> {
     if st.events.contains_key(&e) {
         Ok(())
     } else {
-        fail(ACL_ERROR_RT_INVALID_HANDLE, format!("{e:#x} is not a live aclrtEvent"))
+        fail(
+            ACL_ERROR_RT_INVALID_HANDLE,
+            format!("{e:#x} is not a live aclrtEvent"),
+        )
     }
 }
 
@@ -402,7 +486,12 @@ pub extern "C" fn aclrtRecordEvent(event: aclrtEvent, stream: aclrtStream) -> ac
 /// Runs the streams that still hold the record of `e`.
 fn flush_event(st: &mut State, e: u64) -> Result<(), Fail> {
     if !st.events[&e].recorded {
-        let ids: Vec<u64> = st.streams.iter().filter(|(_, s)| !s.queue.is_empty()).map(|(k, _)| *k).collect();
+        let ids: Vec<u64> = st
+            .streams
+            .iter()
+            .filter(|(_, s)| !s.queue.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
         for s in ids {
             st.run_stream(s)?;
         }
@@ -430,7 +519,13 @@ pub extern "C" fn aclrtStreamWaitEvent(stream: aclrtStream, event: aclrtEvent) -
                 name: "aclrtStreamWaitEvent".into(),
                 reads: Vec::new(),
                 writes: Vec::new(),
-                run: Box::new(move |st| if st.events.contains_key(&e) { flush_event(st, e) } else { Ok(()) }),
+                run: Box::new(move |st| {
+                    if st.events.contains_key(&e) {
+                        flush_event(st, e)
+                    } else {
+                        Ok(())
+                    }
+                }),
             },
         );
         Ok(())
@@ -440,16 +535,29 @@ pub extern "C" fn aclrtStreamWaitEvent(stream: aclrtStream, event: aclrtEvent) -
 /// # Safety
 /// `ms` is valid.
 #[no_mangle]
-pub unsafe extern "C" fn aclrtEventElapsedTime(ms: *mut f32, startEvent: aclrtEvent, endEvent: aclrtEvent) -> aclError {
+pub unsafe extern "C" fn aclrtEventElapsedTime(
+    ms: *mut f32,
+    startEvent: aclrtEvent,
+    endEvent: aclrtEvent,
+) -> aclError {
     run(|st| {
         check_event(st, startEvent as u64)?;
         check_event(st, endEvent as u64)?;
-        let (a, b) = (&st.events[&(startEvent as u64)], &st.events[&(endEvent as u64)]);
+        let (a, b) = (
+            &st.events[&(startEvent as u64)],
+            &st.events[&(endEvent as u64)],
+        );
         let (Some(t0), Some(t1)) = (a.time, b.time) else {
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtEventElapsedTime: an event has not completed");
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtEventElapsedTime: an event has not completed",
+            );
         };
         if ms.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtEventElapsedTime: null out-pointer");
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtEventElapsedTime: null out-pointer",
+            );
         }
         // SAFETY: checked non-null.
         unsafe { *ms = t1.saturating_duration_since(t0).as_secs_f32() * 1000.0 };
@@ -460,7 +568,11 @@ pub unsafe extern "C" fn aclrtEventElapsedTime(ms: *mut f32, startEvent: aclrtEv
 /// # Safety
 /// `devPtr` is valid.
 #[no_mangle]
-pub unsafe extern "C" fn aclrtMalloc(devPtr: *mut *mut c_void, size: usize, _policy: aclrtMemMallocPolicy) -> aclError {
+pub unsafe extern "C" fn aclrtMalloc(
+    devPtr: *mut *mut c_void,
+    size: usize,
+    _policy: aclrtMemMallocPolicy,
+) -> aclError {
     run(|st| {
         st.require_init()?;
         if devPtr.is_null() {
@@ -480,7 +592,10 @@ pub extern "C" fn aclrtFree(devPtr: *mut c_void) -> aclError {
         let a = devPtr as u64;
         if !st.device_mem.contains_key(&a) {
             st.device_range(a, 0, "aclrtFree")?;
-            return fail(ACL_ERROR_INVALID_PARAM, format!("aclrtFree: {a:#x} is inside an allocation, not its start"));
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!("aclrtFree: {a:#x} is inside an allocation, not its start"),
+            );
         }
         let size = st.device_mem[&a].data.len() as u64;
         st.check_no_pending(a, size, true, "aclrtFree")?;
@@ -498,14 +613,22 @@ pub unsafe extern "C" fn aclrtMallocHost(hostPtr: *mut *mut c_void, size: usize)
     run(|st| {
         st.require_init()?;
         if hostPtr.is_null() || size == 0 {
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtMallocHost: null out-pointer or 0 bytes");
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtMallocHost: null out-pointer or 0 bytes",
+            );
         }
-        let layout = std::alloc::Layout::from_size_align(size, 4096)
-            .map_err(|e| Fail { code: ACL_ERROR_INVALID_PARAM, msg: e.to_string() })?;
+        let layout = std::alloc::Layout::from_size_align(size, 4096).map_err(|e| Fail {
+            code: ACL_ERROR_INVALID_PARAM,
+            msg: e.to_string(),
+        })?;
         // SAFETY: non-zero size layout.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         if p.is_null() {
-            return fail(ACL_ERROR_RT_MEMORY_ALLOCATION, "aclrtMallocHost: out of host memory");
+            return fail(
+                ACL_ERROR_RT_MEMORY_ALLOCATION,
+                "aclrtMallocHost: out of host memory",
+            );
         }
         st.host_mem.insert(p as usize, HostAlloc { layout });
         // SAFETY: checked non-null.
@@ -520,12 +643,21 @@ pub extern "C" fn aclrtFreeHost(hostPtr: *mut c_void) -> aclError {
         st.require_init()?;
         let p = hostPtr as usize;
         let Some(h) = st.host_mem.get(&p) else {
-            return fail(ACL_ERROR_INVALID_PARAM, format!("aclrtFreeHost: {p:#x} was not returned by aclrtMallocHost"));
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!("aclrtFreeHost: {p:#x} was not returned by aclrtMallocHost"),
+            );
         };
         let layout = h.layout;
-        let busy = st.streams.values().flat_map(|s| &s.queue).any(|t| t.name.starts_with("aclrtMemcpyAsync") && t.name.contains(&format!("{p:#x}")));
+        let busy =
+            st.streams.values().flat_map(|s| &s.queue).any(|t| {
+                t.name.starts_with("aclrtMemcpyAsync") && t.name.contains(&format!("{p:#x}"))
+            });
         if busy {
-            return fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtFreeHost: a queued async copy still uses this memory");
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                "aclrtFreeHost: a queued async copy still uses this memory",
+            );
         }
         st.host_mem.remove(&p);
         // SAFETY: allocated by aclrtMallocHost with this layout and not freed before.
@@ -536,7 +668,9 @@ pub extern "C" fn aclrtFreeHost(hostPtr: *mut c_void) -> aclError {
 
 /// The registered pinned host allocation that holds `[p, p+len)`.
 fn pinned(st: &State, p: usize, len: usize) -> bool {
-    st.host_mem.iter().any(|(&a, h)| p >= a && p + len <= a + h.layout.size())
+    st.host_mem
+        .iter()
+        .any(|(&a, h)| p >= a && p + len <= a + h.layout.size())
 }
 
 #[derive(Clone, Copy)]
@@ -552,10 +686,21 @@ fn sides(st: &State, kind: aclrtMemcpyKind, dst: u64, src: u64) -> Result<(Side,
         ACL_MEMCPY_DEVICE_TO_HOST => (Side::Host, Side::Device),
         ACL_MEMCPY_DEVICE_TO_DEVICE => (Side::Device, Side::Device),
         ACL_MEMCPY_DEFAULT => {
-            let side = |a| if st.is_device(a) { Side::Device } else { Side::Host };
+            let side = |a| {
+                if st.is_device(a) {
+                    Side::Device
+                } else {
+                    Side::Host
+                }
+            };
             (side(dst), side(src))
         }
-        _ => return fail(ACL_ERROR_INVALID_PARAM, format!("memcpy kind {kind} is not a documented aclrtMemcpyKind")),
+        _ => {
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!("memcpy kind {kind} is not a documented aclrtMemcpyKind"),
+            )
+        }
     })
 }
 
@@ -576,12 +721,21 @@ fn check_side(st: &State, side: Side, addr: u64, len: u64, what: &str) -> Result
 /// # Safety
 /// Host-side pointers are valid for `count` bytes (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclrtMemcpy(dst: *mut c_void, destMax: usize, src: *const c_void, count: usize, kind: aclrtMemcpyKind) -> aclError {
+pub unsafe extern "C" fn aclrtMemcpy(
+    dst: *mut c_void,
+    destMax: usize,
+    src: *const c_void,
+    count: usize,
+    kind: aclrtMemcpyKind,
+) -> aclError {
     run(|st| {
         st.require_init()?;
         st.current_context()?;
         if count > destMax {
-            return fail(ACL_ERROR_INVALID_PARAM, format!("aclrtMemcpy: count {count} exceeds destMax {destMax}"));
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!("aclrtMemcpy: count {count} exceeds destMax {destMax}"),
+            );
         }
         let (d, s) = sides(st, kind, dst as u64, src as u64)?;
         check_side(st, d, dst as u64, count as u64, "aclrtMemcpy dst")?;
@@ -596,7 +750,14 @@ pub unsafe extern "C" fn aclrtMemcpy(dst: *mut c_void, destMax: usize, src: *con
     })
 }
 
-fn copy_now(st: &mut State, d: Side, dst: u64, s: Side, src: u64, count: usize) -> Result<(), Fail> {
+fn copy_now(
+    st: &mut State,
+    d: Side,
+    dst: u64,
+    s: Side,
+    src: u64,
+    count: usize,
+) -> Result<(), Fail> {
     let data: Vec<u8> = match s {
         Side::Device => st.bytes(src, count as u64)?.to_vec(),
         // SAFETY: the caller's host source holds `count` bytes (documented contract).
@@ -605,7 +766,9 @@ fn copy_now(st: &mut State, d: Side, dst: u64, s: Side, src: u64, count: usize) 
     match d {
         Side::Device => st.bytes_mut(dst, count as u64)?.copy_from_slice(&data),
         // SAFETY: the caller's host destination holds `count` bytes (documented contract).
-        Side::Host => unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, count) },
+        Side::Host => unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, count)
+        },
     }
     Ok(())
 }
@@ -613,18 +776,31 @@ fn copy_now(st: &mut State, d: Side, dst: u64, s: Side, src: u64, count: usize) 
 /// # Safety
 /// Host-side pointers are `aclrtMallocHost` memory valid until the stream is synchronized.
 #[no_mangle]
-pub unsafe extern "C" fn aclrtMemcpyAsync(dst: *mut c_void, destMax: usize, src: *const c_void, count: usize, kind: aclrtMemcpyKind, stream: aclrtStream) -> aclError {
+pub unsafe extern "C" fn aclrtMemcpyAsync(
+    dst: *mut c_void,
+    destMax: usize,
+    src: *const c_void,
+    count: usize,
+    kind: aclrtMemcpyKind,
+    stream: aclrtStream,
+) -> aclError {
     run(|st| {
         st.require_init()?;
         let sid = st.resolve_stream(stream as u64)?;
         if count > destMax {
-            return fail(ACL_ERROR_INVALID_PARAM, format!("aclrtMemcpyAsync: count {count} exceeds destMax {destMax}"));
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!("aclrtMemcpyAsync: count {count} exceeds destMax {destMax}"),
+            );
         }
         let (d, s) = sides(st, kind, dst as u64, src as u64)?;
         if let (Side::Host, Side::Host) = (d, s) {
-            return fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "aclrtMemcpyAsync does not copy host to host");
+            return fail(
+                ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+                "aclrtMemcpyAsync does not copy host to host",
+            );
         }
-        if dst as u64 % 64 != 0 || src as u64 % 64 != 0 {
+        if !(dst as u64).is_multiple_of(64) || !(src as u64).is_multiple_of(64) {
             return fail(
                 ACL_ERROR_RT_ADDR_UNALIGNED,
                 format!("aclrtMemcpyAsync: source {:#x} and destination {:#x} must both be 64-byte aligned", src as u64, dst as u64),
@@ -668,13 +844,21 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(dst: *mut c_void, destMax: usize, src:
 
 fn memset_check(st: &State, p: u64, max: usize, count: usize, what: &str) -> Result<(), Fail> {
     if count > max {
-        return fail(ACL_ERROR_INVALID_PARAM, format!("{what}: count {count} exceeds maxCount {max}"));
+        return fail(
+            ACL_ERROR_INVALID_PARAM,
+            format!("{what}: count {count} exceeds maxCount {max}"),
+        );
     }
     st.device_range(p, count as u64, what).map(|_| ())
 }
 
 #[no_mangle]
-pub extern "C" fn aclrtMemset(devPtr: *mut c_void, maxCount: usize, value: i32, count: usize) -> aclError {
+pub extern "C" fn aclrtMemset(
+    devPtr: *mut c_void,
+    maxCount: usize,
+    value: i32,
+    count: usize,
+) -> aclError {
     run(|st| {
         st.require_init()?;
         st.current_context()?;
@@ -686,7 +870,13 @@ pub extern "C" fn aclrtMemset(devPtr: *mut c_void, maxCount: usize, value: i32, 
 }
 
 #[no_mangle]
-pub extern "C" fn aclrtMemsetAsync(devPtr: *mut c_void, maxCount: usize, value: i32, count: usize, stream: aclrtStream) -> aclError {
+pub extern "C" fn aclrtMemsetAsync(
+    devPtr: *mut c_void,
+    maxCount: usize,
+    value: i32,
+    count: usize,
+    stream: aclrtStream,
+) -> aclError {
     run(|st| {
         st.require_init()?;
         let sid = st.resolve_stream(stream as u64)?;
@@ -711,7 +901,11 @@ pub extern "C" fn aclrtMemsetAsync(devPtr: *mut c_void, maxCount: usize, value: 
 /// # Safety
 /// Out-pointers are valid.
 #[no_mangle]
-pub unsafe extern "C" fn aclrtGetMemInfo(attr: aclrtMemAttr, free: *mut usize, total: *mut usize) -> aclError {
+pub unsafe extern "C" fn aclrtGetMemInfo(
+    attr: aclrtMemAttr,
+    free: *mut usize,
+    total: *mut usize,
+) -> aclError {
     run(|st| {
         st.require_init()?;
         st.current_context()?;
@@ -719,7 +913,10 @@ pub unsafe extern "C" fn aclrtGetMemInfo(attr: aclrtMemAttr, free: *mut usize, t
             return fail(ACL_ERROR_INVALID_PARAM, "aclrtGetMemInfo: null out-pointer");
         }
         if attr > 9 {
-            return fail(ACL_ERROR_INVALID_PARAM, format!("aclrtGetMemInfo: {attr} is not an aclrtMemAttr"));
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!("aclrtGetMemInfo: {attr} is not an aclrtMemAttr"),
+            );
         }
         let t = hbm_total();
         // SAFETY: checked non-null.

@@ -59,7 +59,10 @@ pub struct Fail {
 }
 
 pub fn fail<T>(code: i32, msg: impl Into<String>) -> Result<T, Fail> {
-    Err(Fail { code, msg: msg.into() })
+    Err(Fail {
+        code,
+        msg: msg.into(),
+    })
 }
 
 pub struct DeviceAlloc {
@@ -67,13 +70,16 @@ pub struct DeviceAlloc {
     pub device: i32,
 }
 
+/// The work of a queued task, run with the state at synchronization.
+pub type TaskFn = Box<dyn FnOnce(&mut State) -> Result<(), Fail> + Send>;
+
 /// One unit of queued stream work.
 pub struct Task {
     pub name: String,
     /// Device byte ranges the task reads and writes (for hazard checks before it runs).
     pub reads: Vec<(u64, u64)>,
     pub writes: Vec<(u64, u64)>,
-    pub run: Box<dyn FnOnce(&mut State) -> Result<(), Fail> + Send>,
+    pub run: TaskFn,
 }
 
 pub struct Stream {
@@ -143,7 +149,8 @@ pub fn set_error(msg: &str) {
     if std::env::var_os("ASCEND_EMULATOR_VERBOSE").is_some() {
         eprintln!("{text}");
     }
-    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(text.replace('\0', " ")).unwrap_or_default());
+    LAST_ERROR
+        .with(|e| *e.borrow_mut() = CString::new(text.replace('\0', " ")).unwrap_or_default());
 }
 
 pub fn last_error_ptr() -> *const core::ffi::c_char {
@@ -165,13 +172,19 @@ pub fn device_count() -> u32 {
     if let Ok(v) = std::env::var("ASCEND_RT_VISIBLE_DEVICES") {
         return v.split(',').filter(|s| !s.trim().is_empty()).count() as u32;
     }
-    std::env::var("ASCEND_EMULATOR_DEVICES").ok().and_then(|v| v.parse().ok()).unwrap_or(8)
+    std::env::var("ASCEND_EMULATOR_DEVICES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8)
 }
 
 impl State {
     pub fn require_init(&self) -> Result<(), Fail> {
         if !self.initialized || self.finalized {
-            return fail(ACL_ERROR_UNINITIALIZE, "aclInit has not been called (or aclFinalize already was)");
+            return fail(
+                ACL_ERROR_UNINITIALIZE,
+                "aclInit has not been called (or aclFinalize already was)",
+            );
         }
         Ok(())
     }
@@ -197,9 +210,16 @@ impl State {
     /// belong to the calling thread's current context.
     pub fn resolve_stream(&self, stream: u64) -> Result<u64, Fail> {
         let (ctx_id, ctx) = self.current_context()?;
-        let s = if stream == 0 { ctx.default_stream } else { stream };
+        let s = if stream == 0 {
+            ctx.default_stream
+        } else {
+            stream
+        };
         match self.streams.get(&s) {
-            None => fail(ACL_ERROR_RT_INVALID_HANDLE, format!("stream {s:#x} is not a live aclrtStream")),
+            None => fail(
+                ACL_ERROR_RT_INVALID_HANDLE,
+                format!("stream {s:#x} is not a live aclrtStream"),
+            ),
             Some(st) if st.context != ctx_id => fail(
                 ACL_ERROR_RT_STREAM_CONTEXT,
                 format!("stream {s:#x} belongs to another context than the thread's current one"),
@@ -228,7 +248,9 @@ impl State {
             if addr < start + size.max(1) {
                 return fail(
                     ACL_ERROR_RT_INVALID_MEMORY_TYPE,
-                    format!("{what}: {addr:#x} is device memory that was already freed with aclrtFree"),
+                    format!(
+                        "{what}: {addr:#x} is device memory that was already freed with aclrtFree"
+                    ),
                 );
             }
         }
@@ -239,7 +261,7 @@ impl State {
     }
 
     pub fn is_device(&self, addr: u64) -> bool {
-        addr >= DEVICE_BASE && addr < DEVICE_BASE + (1 << 52)
+        (DEVICE_BASE..DEVICE_BASE + (1 << 52)).contains(&addr)
     }
 
     pub fn bytes(&self, addr: u64, len: u64) -> Result<&[u8], Fail> {
@@ -277,14 +299,26 @@ impl State {
         let addr = self.next_device_addr;
         self.next_device_addr += size.div_ceil(DEVICE_ALIGN) * DEVICE_ALIGN + DEVICE_ALIGN;
         // Fresh device memory holds whatever was there: poison, so reading it unwritten shows.
-        self.device_mem.insert(addr, DeviceAlloc { data: vec![POISON; size as usize], device });
+        self.device_mem.insert(
+            addr,
+            DeviceAlloc {
+                data: vec![POISON; size as usize],
+                device,
+            },
+        );
         self.device_used += size;
         Ok(addr)
     }
 
     /// Fails if queued work on any stream touches `[addr, addr+len)` (`write`: any access;
     /// otherwise: a queued write).
-    pub fn check_no_pending(&self, addr: u64, len: u64, write: bool, what: &str) -> Result<(), Fail> {
+    pub fn check_no_pending(
+        &self,
+        addr: u64,
+        len: u64,
+        write: bool,
+        what: &str,
+    ) -> Result<(), Fail> {
         let overlaps = |r: &(u64, u64)| r.0 < addr + len && addr < r.0 + r.1;
         for st in self.streams.values() {
             for t in &st.queue {
@@ -308,7 +342,12 @@ impl State {
     pub fn run_stream(&mut self, stream: u64) -> Result<(), Fail> {
         let tasks = match self.streams.get_mut(&stream) {
             Some(s) => std::mem::take(&mut s.queue),
-            None => return fail(ACL_ERROR_RT_INVALID_HANDLE, format!("stream {stream:#x} is not a live aclrtStream")),
+            None => {
+                return fail(
+                    ACL_ERROR_RT_INVALID_HANDLE,
+                    format!("stream {stream:#x} is not a live aclrtStream"),
+                )
+            }
         };
         for t in tasks {
             let name = t.name.clone();
@@ -321,6 +360,10 @@ impl State {
     }
 
     pub fn enqueue(&mut self, stream: u64, task: Task) {
-        self.streams.get_mut(&stream).expect("resolved stream").queue.push(task);
+        self.streams
+            .get_mut(&stream)
+            .expect("resolved stream")
+            .queue
+            .push(task);
     }
 }

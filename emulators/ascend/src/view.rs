@@ -101,7 +101,15 @@ impl View {
         if self.numel() == 0 {
             return None;
         }
-        Some(self.offset + self.dims.iter().zip(&self.strides).map(|(d, s)| (d - 1) * s).sum::<i64>())
+        Some(
+            self.offset
+                + self
+                    .dims
+                    .iter()
+                    .zip(&self.strides)
+                    .map(|(d, s)| (d - 1) * s)
+                    .sum::<i64>(),
+        )
     }
 
     /// Whether the view is dense row-major.
@@ -126,7 +134,14 @@ impl View {
         let rank = self.rank();
         let mut idx = vec![0i64; rank];
         for _ in 0..n {
-            out.push(self.offset + idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<i64>());
+            out.push(
+                self.offset
+                    + idx
+                        .iter()
+                        .zip(&self.strides)
+                        .map(|(i, s)| i * s)
+                        .sum::<i64>(),
+            );
             for ax in (0..rank).rev() {
                 idx[ax] += 1;
                 if idx[ax] < self.dims[ax] {
@@ -156,7 +171,11 @@ pub fn read_elem(bytes: &[u8], dtype: DType, pos: usize) -> f64 {
         DType::I64 => i64::from_le_bytes(bytes[pos * 8..pos * 8 + 8].try_into().unwrap()) as f64,
         DType::I4 => {
             let b = bytes[pos / 2];
-            let nib = if pos % 2 == 0 { b & 0x0f } else { b >> 4 };
+            let nib = if pos.is_multiple_of(2) {
+                b & 0x0f
+            } else {
+                b >> 4
+            };
             ((nib as i8) << 4 >> 4) as f64
         }
     }
@@ -166,8 +185,12 @@ pub fn read_elem(bytes: &[u8], dtype: DType, pos: usize) -> f64 {
 pub fn write_elem(bytes: &mut [u8], dtype: DType, pos: usize, v: f64) {
     match dtype {
         DType::F32 => bytes[pos * 4..pos * 4 + 4].copy_from_slice(&(v as f32).to_le_bytes()),
-        DType::F16 => bytes[pos * 2..pos * 2 + 2].copy_from_slice(&half::f16::from_f64(v).to_le_bytes()),
-        DType::Bf16 => bytes[pos * 2..pos * 2 + 2].copy_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+        DType::F16 => {
+            bytes[pos * 2..pos * 2 + 2].copy_from_slice(&half::f16::from_f64(v).to_le_bytes())
+        }
+        DType::Bf16 => {
+            bytes[pos * 2..pos * 2 + 2].copy_from_slice(&half::bf16::from_f64(v).to_le_bytes())
+        }
         DType::I8 => bytes[pos] = v as i8 as u8,
         DType::U8 => bytes[pos] = v as u8,
         DType::Bool => bytes[pos] = (v != 0.0) as u8,
@@ -176,7 +199,11 @@ pub fn write_elem(bytes: &mut [u8], dtype: DType, pos: usize, v: f64) {
         DType::I4 => {
             let nib = (v as i8 as u8) & 0x0f;
             let b = &mut bytes[pos / 2];
-            *b = if pos % 2 == 0 { (*b & 0xf0) | nib } else { (*b & 0x0f) | (nib << 4) };
+            *b = if pos.is_multiple_of(2) {
+                (*b & 0xf0) | nib
+            } else {
+                (*b & 0x0f) | (nib << 4)
+            };
         }
     }
 }

@@ -16,9 +16,17 @@ use npu_ffi::SearchPaths;
 pub fn emulator_root() -> PathBuf {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ascend-emulator.sh");
-        let out = std::process::Command::new("bash").arg(&script).output().expect("run ascend-emulator.sh");
-        assert!(out.status.success(), "ascend-emulator.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+        let script =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ascend-emulator.sh");
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .output()
+            .expect("run ascend-emulator.sh");
+        assert!(
+            out.status.success(),
+            "ascend-emulator.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
     })
     .clone()
@@ -38,7 +46,8 @@ pub fn leak_report() -> String {
     // SAFETY: the same library the runtime already loaded (one state); the symbol has this prototype.
     unsafe {
         let lib = libloading::Library::new(path).unwrap();
-        let f: libloading::Symbol<unsafe extern "C" fn(*mut core::ffi::c_char, usize) -> usize> = lib.get(b"ascendEmulatorLeakReport\0").unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn(*mut core::ffi::c_char, usize) -> usize> =
+            lib.get(b"ascendEmulatorLeakReport\0").unwrap();
         let mut buf = vec![0u8; 1 << 20];
         let n = f(buf.as_mut_ptr().cast(), buf.len());
         String::from_utf8_lossy(&buf[..n.min(buf.len() - 1)]).into_owned()
@@ -46,7 +55,9 @@ pub fn leak_report() -> String {
 }
 
 pub fn f16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect()
+    v.iter()
+        .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+        .collect()
 }
 
 pub fn upload(bytes: &[u8]) -> DeviceBuffer {
@@ -72,19 +83,25 @@ pub fn zeros(bytes: usize) -> DeviceBuffer {
 pub fn read_f16(b: &DeviceBuffer, n: usize) -> Vec<f32> {
     let mut out = vec![0u8; n * 2];
     b.download(0, &mut out).unwrap();
-    out.chunks(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+    out.chunks(2)
+        .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect()
 }
 
 pub fn read_f32(b: &DeviceBuffer, n: usize) -> Vec<f32> {
     let mut out = vec![0u8; n * 4];
     b.download(0, &mut out).unwrap();
-    out.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    out.chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 pub fn read_i64(b: &DeviceBuffer, n: usize) -> Vec<i64> {
     let mut out = vec![0u8; n * 8];
     b.download(0, &mut out).unwrap();
-    out.chunks(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+    out.chunks(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 pub fn t(b: &DeviceBuffer, dtype: DType, dims: &[i64]) -> Tensor {
@@ -105,6 +122,9 @@ pub fn rand_vec(seed: u64, n: usize, scale: f32) -> Vec<f32> {
 pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: got {g}, want {w}");
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: got {g}, want {w}"
+        );
     }
 }

@@ -39,7 +39,12 @@ impl Kernel for Fia {
     }
 
     fn run(&self, st: &mut State) -> Result<(), Fail> {
-        let (q, kc, vc, bt) = (&self.io.ins[0], &self.io.ins[1], &self.io.ins[2], &self.io.ins[3]);
+        let (q, kc, vc, bt) = (
+            &self.io.ins[0],
+            &self.io.ins[1],
+            &self.io.ins[2],
+            &self.io.ins[3],
+        );
         let b = q.dims[0];
         let s = q.dims[1];
         let (n, kv_n, d) = (self.n, self.kv_n, self.d);
@@ -72,13 +77,19 @@ impl Kernel for Fia {
                 blocks.push(blk);
             }
             for i in 0..q_len {
-                let visible = if self.causal { (kv_len - q_len + i + 1).clamp(0, kv_len) } else { kv_len };
+                let visible = if self.causal {
+                    (kv_len - q_len + i + 1).clamp(0, kv_len)
+                } else {
+                    kv_len
+                };
                 for hd in 0..n {
                     let kvh = hd / group;
-                    let qrow = &qv[((bi * s + i) * h + hd * d) as usize..((bi * s + i) * h + hd * d + d) as usize];
+                    let qrow = &qv[((bi * s + i) * h + hd * d) as usize
+                        ..((bi * s + i) * h + hd * d + d) as usize];
                     let mut scores = Vec::with_capacity(visible as usize);
                     for j in 0..visible {
-                        let (blk, slot) = (blocks[(j / self.block_size) as usize], j % self.block_size);
+                        let (blk, slot) =
+                            (blocks[(j / self.block_size) as usize], j % self.block_size);
                         let mut dot = 0.0f32;
                         for c in 0..d {
                             dot += qrow[c as usize] * elem(kb, kc, blk, slot, kvh * d + c);
@@ -91,11 +102,13 @@ impl Kernel for Fia {
                         *sc = (*sc - mx).exp();
                         sum += *sc;
                     }
-                    let o = &mut out[((bi * s + i) * h + hd * d) as usize..((bi * s + i) * h + hd * d + d) as usize];
+                    let o = &mut out[((bi * s + i) * h + hd * d) as usize
+                        ..((bi * s + i) * h + hd * d + d) as usize];
                     let mut acc = vec![0.0f32; d as usize];
                     for (j, p) in scores.iter().enumerate() {
                         let j = j as i64;
-                        let (blk, slot) = (blocks[(j / self.block_size) as usize], j % self.block_size);
+                        let (blk, slot) =
+                            (blocks[(j / self.block_size) as usize], j % self.block_size);
                         for c in 0..d {
                             acc[c as usize] += p / sum * elem(vb, vc, blk, slot, kvh * d + c);
                         }
@@ -179,120 +192,196 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
         None
     } else {
         // SAFETY: inputLayout is a NUL-terminated string (documented contract).
-        Some(unsafe { CStr::from_ptr(inputLayout) }.to_string_lossy().into_owned())
+        Some(
+            unsafe { CStr::from_ptr(inputLayout) }
+                .to_string_lossy()
+                .into_owned(),
+        )
     };
-    prepare("aclnnFusedInferAttentionScoreV2", workspaceSize, executor, |st| {
-        let op = "aclnnFusedInferAttentionScoreV2";
-        let q = st.tensor(query, "query")?;
-        let out = st.tensor(attentionOut, "attentionOut")?;
-        let keys = st.tensor_list(key, "key")?;
-        let values = st.tensor_list(value, "value")?;
-        for (name, p) in unimplemented {
-            if !p.is_null() {
-                return invalid(op, format!("{name} is not implemented by this emulation (pass nullptr)"));
+    prepare(
+        "aclnnFusedInferAttentionScoreV2",
+        workspaceSize,
+        executor,
+        |st| {
+            let op = "aclnnFusedInferAttentionScoreV2";
+            let q = st.tensor(query, "query")?;
+            let out = st.tensor(attentionOut, "attentionOut")?;
+            let keys = st.tensor_list(key, "key")?;
+            let values = st.tensor_list(value, "value")?;
+            for (name, p) in unimplemented {
+                if !p.is_null() {
+                    return invalid(
+                        op,
+                        format!("{name} is not implemented by this emulation (pass nullptr)"),
+                    );
+                }
             }
-        }
-        if !actualSharedPrefixLenOptional.is_null() {
-            return invalid(op, "actualSharedPrefixLenOptional is not implemented by this emulation");
-        }
-        if softmaxLseFlag || antiquantMode != 0 {
-            return invalid(op, "softmaxLseFlag and antiquantMode are not implemented by this emulation (pass false and 0)");
-        }
-        if !(0..=3).contains(&innerPrecise) {
-            return invalid(op, format!("innerPrecise {innerPrecise} is not 0..=3"));
-        }
-        dtype_in(op, "query", &q, &[DType::F16, DType::Bf16])?;
-        if out.dtype != q.dtype || out.dims != q.dims {
-            return invalid(op, format!("attentionOut {} must match query {}", out.shape_string(), q.shape_string()));
-        }
-        let Some(bt) = st.opt_tensor(blockTableOptional, "blockTableOptional")? else {
-            return invalid(op, "only the page-attention mode (blockTableOptional set) is implemented by this emulation");
-        };
-        if keys.len() != 1 || values.len() != 1 {
-            return invalid(op, "page attention does not support tensor lists of more than one tensor");
-        }
-        let (kc, vc) = (keys[0].clone(), values[0].clone());
-        let layout = layout.unwrap_or_default();
-        let (b, s, n_from_shape, d_from_shape) = match (layout.as_str(), q.rank()) {
-            ("BSH", 3) => (q.dims[0], q.dims[1], None, None),
-            ("BSND", 4) => (q.dims[0], q.dims[1], Some(q.dims[2]), Some(q.dims[3])),
-            ("BSH" | "BSND", _) => return invalid(op, format!("query {:?} does not fit inputLayout {layout}", q.dims)),
-            ("BNSD" | "TND" | "BNSD_BSND" | "NTD_TND", _) => {
-                return invalid(op, format!("inputLayout {layout} is not implemented by this emulation (BSH, BSND are)"))
+            if !actualSharedPrefixLenOptional.is_null() {
+                return invalid(
+                    op,
+                    "actualSharedPrefixLenOptional is not implemented by this emulation",
+                );
             }
-            _ => return invalid(op, format!("inputLayout {layout:?} is not a documented layout")),
-        };
-        if numHeads <= 0 || numHeads > 256 {
-            return invalid(op, format!("numHeads {numHeads} must be in [1, 256]"));
-        }
-        let kv_n = if numKeyValueHeads == 0 { numHeads } else { numKeyValueHeads };
-        if kv_n <= 0 || numHeads % kv_n != 0 || numHeads / kv_n > 64 {
-            return invalid(op, format!("numHeads {numHeads} must be a multiple of numKeyValueHeads {kv_n}, at most 64 times it"));
-        }
-        let h = if q.rank() == 3 { q.dims[2] } else { q.dims[2] * q.dims[3] };
-        if h % numHeads != 0 || n_from_shape.is_some_and(|n| n != numHeads) {
-            return invalid(op, format!("query {:?} does not hold numHeads {numHeads} heads", q.dims));
-        }
-        let d = d_from_shape.unwrap_or(h / numHeads);
-        if d % 16 != 0 || d > 512 {
-            return invalid(op, format!("head dim D = {d} must be a multiple of 16 (FLOAT16/BFLOAT16) and at most 512"));
-        }
-        for (w, c) in [("key", &kc), ("value", &vc)] {
-            if c.dtype != q.dtype {
-                return invalid(op, format!("{w} cache {} must have query's data type", c.dtype.name()));
+            if softmaxLseFlag || antiquantMode != 0 {
+                return invalid(op, "softmaxLseFlag and antiquantMode are not implemented by this emulation (pass false and 0)");
             }
-            if c.rank() != 3 || c.dims[2] != kv_n * d {
-                return invalid(op, format!("{w} cache {:?} must be (blockNum, blockSize, KV_N*D = {}) with inputLayout {layout}", c.dims, kv_n * d));
+            if !(0..=3).contains(&innerPrecise) {
+                return invalid(op, format!("innerPrecise {innerPrecise} is not 0..=3"));
             }
-        }
-        if kc.dims != vc.dims {
-            return invalid(op, "key and value caches must have one shape");
-        }
-        if s == 1 {
-            if blockSize <= 0 || blockSize > 512 || blockSize % 16 != 0 {
-                return invalid(op, format!("blockSize {blockSize}: page attention with FLOAT16/BFLOAT16 caches needs a non-zero multiple of 16 up to 512"));
+            dtype_in(op, "query", &q, &[DType::F16, DType::Bf16])?;
+            if out.dtype != q.dtype || out.dims != q.dims {
+                return invalid(
+                    op,
+                    format!(
+                        "attentionOut {} must match query {}",
+                        out.shape_string(),
+                        q.shape_string()
+                    ),
+                );
             }
-        } else if !(128..=512).contains(&blockSize) || blockSize % 128 != 0 {
-            return invalid(op, format!("blockSize {blockSize}: page attention with query S > 1 needs a multiple of 128 in [128, 512]"));
-        }
-        if kc.dims[1] != blockSize {
-            return invalid(op, format!("cache block dimension {} differs from blockSize {blockSize}", kc.dims[1]));
-        }
-        dtype_in(op, "blockTableOptional", &bt, &[DType::I32])?;
-        if bt.rank() != 2 || bt.dims[0] != b {
-            return invalid(op, format!("blockTableOptional {:?} must be 2-D with B = {b} rows", bt.dims));
-        }
-        let per_batch = |v: Vec<i64>, what: &str| -> Result<Vec<i64>, Fail> {
-            match v.len() {
-                1 => Ok(vec![v[0]; b as usize]),
-                l if l as i64 >= b => Ok(v[..b as usize].to_vec()),
-                l => invalid(op, format!("{what} has {l} values for B = {b}")),
+            let Some(bt) = st.opt_tensor(blockTableOptional, "blockTableOptional")? else {
+                return invalid(op, "only the page-attention mode (blockTableOptional set) is implemented by this emulation");
+            };
+            if keys.len() != 1 || values.len() != 1 {
+                return invalid(
+                    op,
+                    "page attention does not support tensor lists of more than one tensor",
+                );
             }
-        };
-        let Some(kv) = st.int_array(actualSeqLengthsKvOptional, "actualSeqLengthsKvOptional")? else {
-            return invalid(op, "page attention requires actualSeqLengthsKvOptional");
-        };
-        let kv_lens = per_batch(kv, "actualSeqLengthsKvOptional")?;
-        for (i, &l) in kv_lens.iter().enumerate() {
-            if l < 0 || l > bt.dims[1] * blockSize {
-                return invalid(op, format!("actualSeqLengthsKv[{i}] = {l} exceeds the block table's {} blocks of {blockSize}", bt.dims[1]));
+            let (kc, vc) = (keys[0].clone(), values[0].clone());
+            let layout = layout.unwrap_or_default();
+            let (b, s, n_from_shape, d_from_shape) = match (layout.as_str(), q.rank()) {
+                ("BSH", 3) => (q.dims[0], q.dims[1], None, None),
+                ("BSND", 4) => (q.dims[0], q.dims[1], Some(q.dims[2]), Some(q.dims[3])),
+                ("BSH" | "BSND", _) => {
+                    return invalid(
+                        op,
+                        format!("query {:?} does not fit inputLayout {layout}", q.dims),
+                    )
+                }
+                ("BNSD" | "TND" | "BNSD_BSND" | "NTD_TND", _) => {
+                    return invalid(
+                        op,
+                        format!(
+                        "inputLayout {layout} is not implemented by this emulation (BSH, BSND are)"
+                    ),
+                    )
+                }
+                _ => {
+                    return invalid(
+                        op,
+                        format!("inputLayout {layout:?} is not a documented layout"),
+                    )
+                }
+            };
+            if numHeads <= 0 || numHeads > 256 {
+                return invalid(op, format!("numHeads {numHeads} must be in [1, 256]"));
             }
-        }
-        let blocks_needed: i64 = kv_lens.iter().map(|l| (l + blockSize - 1) / blockSize).sum();
-        if kc.dims[0] < blocks_needed {
-            return invalid(op, format!("blockNum {} is below the {blocks_needed} blocks the sequence lengths need", kc.dims[0]));
-        }
-        let q_lens = match st.int_array(actualSeqLengthsOptional, "actualSeqLengthsOptional")? {
-            Some(v) if s > 1 => per_batch(v, "actualSeqLengthsOptional")?,
-            _ => vec![s; b as usize],
-        };
-        for (i, &l) in q_lens.iter().enumerate() {
-            if l < 0 || l > s || l > kv_lens[i] {
-                return invalid(op, format!("actualSeqLengths[{i}] = {l} must be within [0, min(S = {s}, actualSeqLengthsKv = {})]", kv_lens[i]));
+            let kv_n = if numKeyValueHeads == 0 {
+                numHeads
+            } else {
+                numKeyValueHeads
+            };
+            if kv_n <= 0 || numHeads % kv_n != 0 || numHeads / kv_n > 64 {
+                return invalid(op, format!("numHeads {numHeads} must be a multiple of numKeyValueHeads {kv_n}, at most 64 times it"));
             }
-        }
-        let mask = st.opt_tensor(attenMaskOptional, "attenMaskOptional")?;
-        let causal = match (sparseMode, &mask) {
+            let h = if q.rank() == 3 {
+                q.dims[2]
+            } else {
+                q.dims[2] * q.dims[3]
+            };
+            if h % numHeads != 0 || n_from_shape.is_some_and(|n| n != numHeads) {
+                return invalid(
+                    op,
+                    format!("query {:?} does not hold numHeads {numHeads} heads", q.dims),
+                );
+            }
+            let d = d_from_shape.unwrap_or(h / numHeads);
+            if d % 16 != 0 || d > 512 {
+                return invalid(op, format!("head dim D = {d} must be a multiple of 16 (FLOAT16/BFLOAT16) and at most 512"));
+            }
+            for (w, c) in [("key", &kc), ("value", &vc)] {
+                if c.dtype != q.dtype {
+                    return invalid(
+                        op,
+                        format!("{w} cache {} must have query's data type", c.dtype.name()),
+                    );
+                }
+                if c.rank() != 3 || c.dims[2] != kv_n * d {
+                    return invalid(op, format!("{w} cache {:?} must be (blockNum, blockSize, KV_N*D = {}) with inputLayout {layout}", c.dims, kv_n * d));
+                }
+            }
+            if kc.dims != vc.dims {
+                return invalid(op, "key and value caches must have one shape");
+            }
+            if s == 1 {
+                if blockSize <= 0 || blockSize > 512 || blockSize % 16 != 0 {
+                    return invalid(op, format!("blockSize {blockSize}: page attention with FLOAT16/BFLOAT16 caches needs a non-zero multiple of 16 up to 512"));
+                }
+            } else if !(128..=512).contains(&blockSize) || blockSize % 128 != 0 {
+                return invalid(op, format!("blockSize {blockSize}: page attention with query S > 1 needs a multiple of 128 in [128, 512]"));
+            }
+            if kc.dims[1] != blockSize {
+                return invalid(
+                    op,
+                    format!(
+                        "cache block dimension {} differs from blockSize {blockSize}",
+                        kc.dims[1]
+                    ),
+                );
+            }
+            dtype_in(op, "blockTableOptional", &bt, &[DType::I32])?;
+            if bt.rank() != 2 || bt.dims[0] != b {
+                return invalid(
+                    op,
+                    format!(
+                        "blockTableOptional {:?} must be 2-D with B = {b} rows",
+                        bt.dims
+                    ),
+                );
+            }
+            let per_batch = |v: Vec<i64>, what: &str| -> Result<Vec<i64>, Fail> {
+                match v.len() {
+                    1 => Ok(vec![v[0]; b as usize]),
+                    l if l as i64 >= b => Ok(v[..b as usize].to_vec()),
+                    l => invalid(op, format!("{what} has {l} values for B = {b}")),
+                }
+            };
+            let Some(kv) =
+                st.int_array(actualSeqLengthsKvOptional, "actualSeqLengthsKvOptional")?
+            else {
+                return invalid(op, "page attention requires actualSeqLengthsKvOptional");
+            };
+            let kv_lens = per_batch(kv, "actualSeqLengthsKvOptional")?;
+            for (i, &l) in kv_lens.iter().enumerate() {
+                if l < 0 || l > bt.dims[1] * blockSize {
+                    return invalid(op, format!("actualSeqLengthsKv[{i}] = {l} exceeds the block table's {} blocks of {blockSize}", bt.dims[1]));
+                }
+            }
+            let blocks_needed: i64 = kv_lens
+                .iter()
+                .map(|l| (l + blockSize - 1) / blockSize)
+                .sum();
+            if kc.dims[0] < blocks_needed {
+                return invalid(
+                    op,
+                    format!(
+                        "blockNum {} is below the {blocks_needed} blocks the sequence lengths need",
+                        kc.dims[0]
+                    ),
+                );
+            }
+            let q_lens = match st.int_array(actualSeqLengthsOptional, "actualSeqLengthsOptional")? {
+                Some(v) if s > 1 => per_batch(v, "actualSeqLengthsOptional")?,
+                _ => vec![s; b as usize],
+            };
+            for (i, &l) in q_lens.iter().enumerate() {
+                if l < 0 || l > s || l > kv_lens[i] {
+                    return invalid(op, format!("actualSeqLengths[{i}] = {l} must be within [0, min(S = {s}, actualSeqLengthsKv = {})]", kv_lens[i]));
+                }
+            }
+            let mask = st.opt_tensor(attenMaskOptional, "attenMaskOptional")?;
+            let causal = match (sparseMode, &mask) {
             (0, None) => false,
             (0, Some(_)) | (1, _) | (2, _) | (4, _) => {
                 return invalid(op, format!("sparseMode {sparseMode} with this mask is not implemented by this emulation (0 without mask, 3 are)"))
@@ -308,18 +397,23 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
             }
             _ => return invalid(op, format!("sparseMode {sparseMode} is not documented (0..=4)")),
         };
-        Ok(Box::new(Fia {
-            io: Io { ins: vec![q, kc, vc, bt], outs: vec![out] },
-            n: numHeads,
-            kv_n,
-            d,
-            scale: scaleValue,
-            causal,
-            block_size: blockSize,
-            q_lens,
-            kv_lens,
-        }))
-    })
+            Ok(Box::new(Fia {
+                io: Io {
+                    ins: vec![q, kc, vc, bt],
+                    outs: vec![out],
+                },
+                n: numHeads,
+                kv_n,
+                d,
+                scale: scaleValue,
+                causal,
+                block_size: blockSize,
+                q_lens,
+                kv_lens,
+            }))
+        },
+    )
 }
 
-const _: npu_ffi::aclnn::ops::sig::aclnnFusedInferAttentionScoreV2GetWorkspaceSize = aclnnFusedInferAttentionScoreV2GetWorkspaceSize;
+const _: npu_ffi::aclnn::ops::sig::aclnnFusedInferAttentionScoreV2GetWorkspaceSize =
+    aclnnFusedInferAttentionScoreV2GetWorkspaceSize;

@@ -9,14 +9,30 @@ use crate::state::*;
 use crate::view::{DType, View};
 
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::Bf16];
-const NUMERIC: &[DType] = &[DType::F32, DType::F16, DType::Bf16, DType::I32, DType::I64, DType::I8, DType::U8];
+const NUMERIC: &[DType] = &[
+    DType::F32,
+    DType::F16,
+    DType::Bf16,
+    DType::I32,
+    DType::I64,
+    DType::I8,
+    DType::U8,
+];
 
 fn broadcast_shape(op: &str, a: &[i64], b: &[i64]) -> Result<Vec<i64>, Fail> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let x = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-        let y = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        let x = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let y = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
         out[i] = match (x, y) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -30,7 +46,10 @@ fn broadcast_shape(op: &str, a: &[i64], b: &[i64]) -> Result<Vec<i64>, Fail> {
 /// `v` seen with shape `dims` (broadcast dimensions get stride 0).
 fn broadcast_to(op: &str, v: &View, dims: &[i64]) -> Result<View, Fail> {
     if v.rank() > dims.len() {
-        return invalid(op, format!("shape {:?} does not broadcast to {dims:?}", v.dims));
+        return invalid(
+            op,
+            format!("shape {:?} does not broadcast to {dims:?}", v.dims),
+        );
     }
     let lead = dims.len() - v.rank();
     let mut strides = vec![0; dims.len()];
@@ -41,10 +60,17 @@ fn broadcast_to(op: &str, v: &View, dims: &[i64]) -> Result<View, Fail> {
         } else if d == 1 {
             0
         } else {
-            return invalid(op, format!("shape {:?} does not broadcast to {dims:?}", v.dims));
+            return invalid(
+                op,
+                format!("shape {:?} does not broadcast to {dims:?}", v.dims),
+            );
         };
     }
-    Ok(View { dims: dims.to_vec(), strides, ..v.clone() })
+    Ok(View {
+        dims: dims.to_vec(),
+        strides,
+        ..v.clone()
+    })
 }
 
 // ---- Add / InplaceAdd -----------------------------------------------------------------------
@@ -75,7 +101,11 @@ impl Kernel for Add {
     }
     fn run(&self, st: &mut State) -> Result<(), Fail> {
         let out = &self.io.outs[0];
-        let (a, b) = if self.inplace { (out, &self.io.ins[0]) } else { (&self.io.ins[0], &self.io.ins[1]) };
+        let (a, b) = if self.inplace {
+            (out, &self.io.ins[0])
+        } else {
+            (&self.io.ins[0], &self.io.ins[1])
+        };
         let a = read(st, &broadcast_to(self.name(), a, &out.dims)?)?;
         let b = read(st, &broadcast_to(self.name(), b, &out.dims)?)?;
         let r: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x + self.alpha * y).collect();
@@ -86,7 +116,14 @@ impl Kernel for Add {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnAddGetWorkspaceSize(self_: *const aclTensor, other: *const aclTensor, alpha: *const aclScalar, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnAddGetWorkspaceSize(
+    self_: *const aclTensor,
+    other: *const aclTensor,
+    alpha: *const aclScalar,
+    out: *mut aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnAdd", workspaceSize, executor, |st| {
         let op = "aclnnAdd";
         let a = st.tensor(self_, "self")?;
@@ -98,20 +135,47 @@ pub unsafe extern "C" fn aclnnAddGetWorkspaceSize(self_: *const aclTensor, other
             nd(op, w, v)?;
         }
         if a.dtype != b.dtype || a.dtype != o.dtype {
-            return invalid(op, format!("self {}, other {}, out {}: this emulation needs one dtype", a.dtype.name(), b.dtype.name(), o.dtype.name()));
+            return invalid(
+                op,
+                format!(
+                    "self {}, other {}, out {}: this emulation needs one dtype",
+                    a.dtype.name(),
+                    b.dtype.name(),
+                    o.dtype.name()
+                ),
+            );
         }
         let shape = broadcast_shape(op, &a.dims, &b.dims)?;
         if shape != o.dims {
-            return invalid(op, format!("out shape {:?} is not the broadcast shape {shape:?}", o.dims));
+            return invalid(
+                op,
+                format!(
+                    "out shape {:?} is not the broadcast shape {shape:?}",
+                    o.dims
+                ),
+            );
         }
-        Ok(Box::new(Add { io: Io { ins: vec![a, b], outs: vec![o] }, alpha, inplace: false }))
+        Ok(Box::new(Add {
+            io: Io {
+                ins: vec![a, b],
+                outs: vec![o],
+            },
+            alpha,
+            inplace: false,
+        }))
     })
 }
 
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnInplaceAddGetWorkspaceSize(selfRef: *const aclTensor, other: *const aclTensor, alpha: *const aclScalar, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnInplaceAddGetWorkspaceSize(
+    selfRef: *const aclTensor,
+    other: *const aclTensor,
+    alpha: *const aclScalar,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnInplaceAdd", workspaceSize, executor, |st| {
         let op = "aclnnInplaceAdd";
         let a = st.tensor(selfRef, "selfRef")?;
@@ -122,12 +186,29 @@ pub unsafe extern "C" fn aclnnInplaceAddGetWorkspaceSize(selfRef: *const aclTens
             nd(op, w, v)?;
         }
         if a.dtype != b.dtype {
-            return invalid(op, format!("selfRef {} and other {}: this emulation needs one dtype", a.dtype.name(), b.dtype.name()));
+            return invalid(
+                op,
+                format!(
+                    "selfRef {} and other {}: this emulation needs one dtype",
+                    a.dtype.name(),
+                    b.dtype.name()
+                ),
+            );
         }
         if broadcast_shape(op, &a.dims, &b.dims)? != a.dims {
-            return invalid(op, format!("other {:?} must broadcast to selfRef {:?}", b.dims, a.dims));
+            return invalid(
+                op,
+                format!("other {:?} must broadcast to selfRef {:?}", b.dims, a.dims),
+            );
         }
-        Ok(Box::new(Add { io: Io { ins: vec![b], outs: vec![a] }, alpha, inplace: true }))
+        Ok(Box::new(Add {
+            io: Io {
+                ins: vec![b],
+                outs: vec![a],
+            },
+            alpha,
+            inplace: true,
+        }))
     })
 }
 
@@ -152,21 +233,47 @@ impl Kernel for Cast {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnCastGetWorkspaceSize(self_: *const aclTensor, dtype: aclDataType, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnCastGetWorkspaceSize(
+    self_: *const aclTensor,
+    dtype: aclDataType,
+    out: *mut aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnCast", workspaceSize, executor, |st| {
         let op = "aclnnCast";
         let a = st.tensor(self_, "self")?;
         let o = st.tensor(out, "out")?;
-        let allowed = [DType::F32, DType::F16, DType::Bf16, DType::I32, DType::I64, DType::I8, DType::U8, DType::Bool];
+        let allowed = [
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::I32,
+            DType::I64,
+            DType::I8,
+            DType::U8,
+            DType::Bool,
+        ];
         dtype_in(op, "self", &a, &allowed)?;
         dtype_in(op, "out", &o, &allowed)?;
         if DType::from_acl(dtype) != Some(o.dtype) {
-            return invalid(op, format!("dtype {dtype} differs from out's {}", o.dtype.name()));
+            return invalid(
+                op,
+                format!("dtype {dtype} differs from out's {}", o.dtype.name()),
+            );
         }
         if a.dims != o.dims {
-            return invalid(op, format!("out shape {:?} differs from self {:?}", o.dims, a.dims));
+            return invalid(
+                op,
+                format!("out shape {:?} differs from self {:?}", o.dims, a.dims),
+            );
         }
-        Ok(Box::new(Cast { io: Io { ins: vec![a], outs: vec![o] } }))
+        Ok(Box::new(Cast {
+            io: Io {
+                ins: vec![a],
+                outs: vec![o],
+            },
+        }))
     })
 }
 
@@ -187,7 +294,11 @@ impl Kernel for RmsNorm {
         let mut y = vec![0.0; x.len()];
         let mut rstd = Vec::with_capacity(x.len() / n.max(1));
         for (xr, yr) in x.chunks(n).zip(y.chunks_mut(n)) {
-            let ms = xr.iter().map(|v| (*v as f32 as f64) * (*v as f32 as f64)).sum::<f64>() / n as f64;
+            let ms = xr
+                .iter()
+                .map(|v| (*v as f32 as f64) * (*v as f32 as f64))
+                .sum::<f64>()
+                / n as f64;
             let r = 1.0 / (ms + self.eps).sqrt();
             for i in 0..n {
                 yr[i] = xr[i] * r * g[i];
@@ -202,7 +313,15 @@ impl Kernel for RmsNorm {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnRmsNormGetWorkspaceSize(x: *const aclTensor, gamma: *const aclTensor, epsilon: f64, yOut: *const aclTensor, rstdOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnRmsNormGetWorkspaceSize(
+    x: *const aclTensor,
+    gamma: *const aclTensor,
+    epsilon: f64,
+    yOut: *const aclTensor,
+    rstdOut: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnRmsNorm", workspaceSize, executor, |st| {
         let op = "aclnnRmsNorm";
         let x = st.tensor(x, "x")?;
@@ -215,18 +334,41 @@ pub unsafe extern "C" fn aclnnRmsNormGetWorkspaceSize(x: *const aclTensor, gamma
         let ok = matches!(
             (x.dtype, g.dtype, y.dtype, r.dtype),
             (DType::F16, DType::F32 | DType::F16, DType::F16, DType::F32)
-                | (DType::Bf16, DType::F32 | DType::Bf16, DType::Bf16, DType::F32)
+                | (
+                    DType::Bf16,
+                    DType::F32 | DType::Bf16,
+                    DType::Bf16,
+                    DType::F32
+                )
                 | (DType::F32, DType::F32, DType::F32, DType::F32)
         );
         if !ok {
-            return invalid(op, format!("dtypes x {} gamma {} yOut {} rstdOut {} are not a documented combination", x.dtype.name(), g.dtype.name(), y.dtype.name(), r.dtype.name()));
+            return invalid(
+                op,
+                format!(
+                    "dtypes x {} gamma {} yOut {} rstdOut {} are not a documented combination",
+                    x.dtype.name(),
+                    g.dtype.name(),
+                    y.dtype.name(),
+                    r.dtype.name()
+                ),
+            );
         }
         let gn = g.rank();
-        if gn == 0 || gn >= x.rank() + 1 || x.dims[x.rank() - gn..] != g.dims[..] {
-            return invalid(op, format!("gamma shape {:?} must equal the trailing dimensions of x {:?}", g.dims, x.dims));
+        if gn == 0 || gn > x.rank() || x.dims[x.rank() - gn..] != g.dims[..] {
+            return invalid(
+                op,
+                format!(
+                    "gamma shape {:?} must equal the trailing dimensions of x {:?}",
+                    g.dims, x.dims
+                ),
+            );
         }
         if y.dims != x.dims {
-            return invalid(op, format!("yOut shape {:?} differs from x {:?}", y.dims, x.dims));
+            return invalid(
+                op,
+                format!("yOut shape {:?} differs from x {:?}", y.dims, x.dims),
+            );
         }
         let mut rd = x.dims.clone();
         let rk = rd.len();
@@ -234,10 +376,16 @@ pub unsafe extern "C" fn aclnnRmsNormGetWorkspaceSize(x: *const aclTensor, gamma
         if r.dims != rd {
             return invalid(op, format!("rstdOut shape {:?} must be {rd:?}", r.dims));
         }
-        if !(epsilon > 0.0) {
+        if epsilon.is_nan() || epsilon <= 0.0 {
             return invalid(op, format!("epsilon {epsilon} must be positive"));
         }
-        Ok(Box::new(RmsNorm { io: Io { ins: vec![x, g], outs: vec![y, r] }, eps: epsilon }))
+        Ok(Box::new(RmsNorm {
+            io: Io {
+                ins: vec![x, g],
+                outs: vec![y, r],
+            },
+            eps: epsilon,
+        }))
     })
 }
 
@@ -259,7 +407,11 @@ impl Kernel for SwiGlu {
         b.dims[self.dim] = half;
         b.offset += half * x.strides[self.dim];
         let (a, b) = (read(st, &a)?, read(st, &b)?);
-        let out: Vec<f64> = a.iter().zip(&b).map(|(a, b)| a / (1.0 + (-a).exp()) * b).collect();
+        let out: Vec<f64> = a
+            .iter()
+            .zip(&b)
+            .map(|(a, b)| a / (1.0 + (-a).exp()) * b)
+            .collect();
         write(st, &self.io.outs[0], &out)
     }
 }
@@ -267,7 +419,13 @@ impl Kernel for SwiGlu {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnSwiGluGetWorkspaceSize(x: *const aclTensor, dim: i64, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnSwiGluGetWorkspaceSize(
+    x: *const aclTensor,
+    dim: i64,
+    out: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnSwiGlu", workspaceSize, executor, |st| {
         let op = "aclnnSwiGlu";
         let x = st.tensor(x, "x")?;
@@ -289,7 +447,13 @@ pub unsafe extern "C" fn aclnnSwiGluGetWorkspaceSize(x: *const aclTensor, dim: i
         if o.dims != od {
             return invalid(op, format!("out shape {:?} must be {od:?}", o.dims));
         }
-        Ok(Box::new(SwiGlu { io: Io { ins: vec![x], outs: vec![o] }, dim: d }))
+        Ok(Box::new(SwiGlu {
+            io: Io {
+                ins: vec![x],
+                outs: vec![o],
+            },
+            dim: d,
+        }))
     })
 }
 
@@ -310,7 +474,10 @@ impl Kernel for Embedding {
         for &i in &ids {
             let i = i as i64;
             if i < 0 || i >= rows {
-                return fail(ACL_ERROR_RT_AICORE_EXCEPTION, format!("aclnnEmbedding: index {i} outside [0, {rows})"));
+                return fail(
+                    ACL_ERROR_RT_AICORE_EXCEPTION,
+                    format!("aclnnEmbedding: index {i} outside [0, {rows})"),
+                );
             }
             let mut row = w.clone();
             row.dims = vec![n];
@@ -325,7 +492,13 @@ impl Kernel for Embedding {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnEmbeddingGetWorkspaceSize(weight: *const aclTensor, indices: *const aclTensor, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnEmbeddingGetWorkspaceSize(
+    weight: *const aclTensor,
+    indices: *const aclTensor,
+    out: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnEmbedding", workspaceSize, executor, |st| {
         let op = "aclnnEmbedding";
         let w = st.tensor(weight, "weight")?;
@@ -334,7 +507,20 @@ pub unsafe extern "C" fn aclnnEmbeddingGetWorkspaceSize(weight: *const aclTensor
         if w.rank() != 2 {
             return invalid(op, format!("weight must be 2-D, got {:?}", w.dims));
         }
-        dtype_in(op, "weight", &w, &[DType::F32, DType::F16, DType::Bf16, DType::I32, DType::I64, DType::I8, DType::U8])?;
+        dtype_in(
+            op,
+            "weight",
+            &w,
+            &[
+                DType::F32,
+                DType::F16,
+                DType::Bf16,
+                DType::I32,
+                DType::I64,
+                DType::I8,
+                DType::U8,
+            ],
+        )?;
         dtype_in(op, "indices", &i, &[DType::I32, DType::I64])?;
         if o.dtype != w.dtype {
             return invalid(op, "out must have weight's data type");
@@ -342,9 +528,20 @@ pub unsafe extern "C" fn aclnnEmbeddingGetWorkspaceSize(weight: *const aclTensor
         let mut od = i.dims.clone();
         od.push(w.dims[1]);
         if o.dims != od {
-            return invalid(op, format!("out shape {:?} must be indices shape + [embedding dim] = {od:?}", o.dims));
+            return invalid(
+                op,
+                format!(
+                    "out shape {:?} must be indices shape + [embedding dim] = {od:?}",
+                    o.dims
+                ),
+            );
         }
-        Ok(Box::new(Embedding { io: Io { ins: vec![w, i], outs: vec![o] } }))
+        Ok(Box::new(Embedding {
+            io: Io {
+                ins: vec![w, i],
+                outs: vec![o],
+            },
+        }))
     })
 }
 
@@ -384,12 +581,24 @@ impl Kernel for ArgMax {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnArgMaxGetWorkspaceSize(self_: *const aclTensor, dim: i64, keepdim: bool, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnArgMaxGetWorkspaceSize(
+    self_: *const aclTensor,
+    dim: i64,
+    keepdim: bool,
+    out: *mut aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnArgMax", workspaceSize, executor, |st| {
         let op = "aclnnArgMax";
         let x = st.tensor(self_, "self")?;
         let o = st.tensor(out, "out")?;
-        dtype_in(op, "self", &x, &[DType::F32, DType::F16, DType::Bf16, DType::I32, DType::I64])?;
+        dtype_in(
+            op,
+            "self",
+            &x,
+            &[DType::F32, DType::F16, DType::Bf16, DType::I32, DType::I64],
+        )?;
         dtype_in(op, "out", &o, &[DType::I64])?;
         let r = x.rank() as i64;
         if r == 0 || dim < -r || dim >= r {
@@ -405,7 +614,13 @@ pub unsafe extern "C" fn aclnnArgMaxGetWorkspaceSize(self_: *const aclTensor, di
         if o.dims != od {
             return invalid(op, format!("out shape {:?} must be {od:?}", o.dims));
         }
-        Ok(Box::new(ArgMax { io: Io { ins: vec![x], outs: vec![o] }, dim: d }))
+        Ok(Box::new(ArgMax {
+            io: Io {
+                ins: vec![x],
+                outs: vec![o],
+            },
+            dim: d,
+        }))
     })
 }
 
@@ -417,7 +632,11 @@ fn rotate(x: &[f64], cos: &[f64], sin: &[f64], d: usize, interleave: bool) -> Ve
     for (r, row) in x.chunks(d).enumerate() {
         for i in 0..d {
             let rot = if interleave {
-                if i % 2 == 0 { -row[i + 1] } else { row[i - 1] }
+                if i % 2 == 0 {
+                    -row[i + 1]
+                } else {
+                    row[i - 1]
+                }
             } else if i < d / 2 {
                 -row[i + d / 2]
             } else {
@@ -453,7 +672,15 @@ impl Kernel for ApplyRope {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnApplyRotaryPosEmbGetWorkspaceSize(queryRef: *mut aclTensor, keyRef: *mut aclTensor, cos: *const aclTensor, sin: *const aclTensor, layout: i64, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnApplyRotaryPosEmbGetWorkspaceSize(
+    queryRef: *mut aclTensor,
+    keyRef: *mut aclTensor,
+    cos: *const aclTensor,
+    sin: *const aclTensor,
+    layout: i64,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnApplyRotaryPosEmb", workspaceSize, executor, |st| {
         let op = "aclnnApplyRotaryPosEmb";
         let q = st.tensor(queryRef, "queryRef")?;
@@ -474,14 +701,32 @@ pub unsafe extern "C" fn aclnnApplyRotaryPosEmbGetWorkspaceSize(queryRef: *mut a
         }
         let (b, s_, d) = (q.dims[0], q.dims[1], q.dims[3]);
         if k.dims[0] != b || k.dims[1] != s_ || k.dims[3] != d || d % 2 != 0 {
-            return invalid(op, format!("queryRef {:?} and keyRef {:?} must share B, S and an even D", q.dims, k.dims));
+            return invalid(
+                op,
+                format!(
+                    "queryRef {:?} and keyRef {:?} must share B, S and an even D",
+                    q.dims, k.dims
+                ),
+            );
         }
         for (w, v) in [("cos", &c), ("sin", &s)] {
             if v.dims != [b, s_, 1, d] {
-                return invalid(op, format!("{w} shape {:?} must be (B, S, 1, D) = {:?}", v.dims, [b, s_, 1, d]));
+                return invalid(
+                    op,
+                    format!(
+                        "{w} shape {:?} must be (B, S, 1, D) = {:?}",
+                        v.dims,
+                        [b, s_, 1, d]
+                    ),
+                );
             }
         }
-        Ok(Box::new(ApplyRope { io: Io { ins: vec![c, s], outs: vec![q, k] } }))
+        Ok(Box::new(ApplyRope {
+            io: Io {
+                ins: vec![c, s],
+                outs: vec![q, k],
+            },
+        }))
     })
 }
 
@@ -506,40 +751,68 @@ impl Kernel for Rope {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(x: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, mode: i64, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
-    prepare("aclnnRotaryPositionEmbedding", workspaceSize, executor, |st| {
-        let op = "aclnnRotaryPositionEmbedding";
-        let x = st.tensor(x, "x")?;
-        let c = st.tensor(cos, "cos")?;
-        let s = st.tensor(sin, "sin")?;
-        let o = st.tensor(out, "out")?;
-        for (w, v) in [("x", &x), ("cos", &c), ("sin", &s), ("out", &o)] {
-            dtype_in(op, w, v, FLOATS)?;
-            if v.rank() != 4 {
-                return invalid(op, format!("{w} must be 4-D, got {:?}", v.dims));
+pub unsafe extern "C" fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(
+    x: *const aclTensor,
+    cos: *const aclTensor,
+    sin: *const aclTensor,
+    mode: i64,
+    out: *mut aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
+    prepare(
+        "aclnnRotaryPositionEmbedding",
+        workspaceSize,
+        executor,
+        |st| {
+            let op = "aclnnRotaryPositionEmbedding";
+            let x = st.tensor(x, "x")?;
+            let c = st.tensor(cos, "cos")?;
+            let s = st.tensor(sin, "sin")?;
+            let o = st.tensor(out, "out")?;
+            for (w, v) in [("x", &x), ("cos", &c), ("sin", &s), ("out", &o)] {
+                dtype_in(op, w, v, FLOATS)?;
+                if v.rank() != 4 {
+                    return invalid(op, format!("{w} must be 4-D, got {:?}", v.dims));
+                }
+                if v.dtype != x.dtype {
+                    return invalid(op, "x, cos, sin and out must share one data type");
+                }
             }
-            if v.dtype != x.dtype {
-                return invalid(op, "x, cos, sin and out must share one data type");
-            }
-        }
-        let interleave = match mode {
+            let interleave = match mode {
             0 => false,
             1 => true,
             2 | 3 => return invalid(op, format!("mode {mode} (quarter / interleave-half) is not implemented by this emulation")),
             _ => return invalid(op, format!("mode {mode} is not documented (0 half, 1 interleave, 2 quarter, 3 interleave-half)")),
         };
-        let d = x.dims[3];
-        if d % 2 != 0 || d >= 896 {
-            return invalid(op, format!("D = {d} must be even and below 896"));
-        }
-        if o.dims != x.dims || c.dims != s.dims {
-            return invalid(op, format!("out {:?} must equal x {:?}, and cos {:?} must equal sin {:?}", o.dims, x.dims, c.dims, s.dims));
-        }
-        if c.dims[3] != d || (0..3).any(|i| c.dims[i] != 1 && c.dims[i] != x.dims[i]) {
-            return invalid(op, format!("cos/sin shape {:?} does not fit x {:?}", c.dims, x.dims));
-        }
-        Ok(Box::new(Rope { io: Io { ins: vec![x, c, s], outs: vec![o] }, interleave }))
-    })
+            let d = x.dims[3];
+            if d % 2 != 0 || d >= 896 {
+                return invalid(op, format!("D = {d} must be even and below 896"));
+            }
+            if o.dims != x.dims || c.dims != s.dims {
+                return invalid(
+                    op,
+                    format!(
+                        "out {:?} must equal x {:?}, and cos {:?} must equal sin {:?}",
+                        o.dims, x.dims, c.dims, s.dims
+                    ),
+                );
+            }
+            if c.dims[3] != d || (0..3).any(|i| c.dims[i] != 1 && c.dims[i] != x.dims[i]) {
+                return invalid(
+                    op,
+                    format!("cos/sin shape {:?} does not fit x {:?}", c.dims, x.dims),
+                );
+            }
+            Ok(Box::new(Rope {
+                io: Io {
+                    ins: vec![x, c, s],
+                    outs: vec![o],
+                },
+                interleave,
+            }))
+        },
+    )
 }
 
 const _: () = {
@@ -552,5 +825,6 @@ const _: () = {
     let _: sig::aclnnEmbeddingGetWorkspaceSize = aclnnEmbeddingGetWorkspaceSize;
     let _: sig::aclnnArgMaxGetWorkspaceSize = aclnnArgMaxGetWorkspaceSize;
     let _: sig::aclnnApplyRotaryPosEmbGetWorkspaceSize = aclnnApplyRotaryPosEmbGetWorkspaceSize;
-    let _: sig::aclnnRotaryPositionEmbeddingGetWorkspaceSize = aclnnRotaryPositionEmbeddingGetWorkspaceSize;
+    let _: sig::aclnnRotaryPositionEmbeddingGetWorkspaceSize =
+        aclnnRotaryPositionEmbeddingGetWorkspaceSize;
 };

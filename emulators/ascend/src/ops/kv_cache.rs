@@ -21,18 +21,36 @@ fn row_view(v: &View, first_dims: usize, flat_row: i64) -> View {
         offset += (rem % v.dims[ax]) * v.strides[ax];
         rem /= v.dims[ax];
     }
-    View { dims: v.dims[first_dims..].to_vec(), strides: v.strides[first_dims..].to_vec(), offset, ..v.clone() }
+    View {
+        dims: v.dims[first_dims..].to_vec(),
+        strides: v.strides[first_dims..].to_vec(),
+        offset,
+        ..v.clone()
+    }
 }
 
-fn scatter_rows(st: &mut State, op: &str, src: &View, dst: &View, dst_row_dims: usize, slots: &[i64]) -> Result<(), Fail> {
+fn scatter_rows(
+    st: &mut State,
+    op: &str,
+    src: &View,
+    dst: &View,
+    dst_row_dims: usize,
+    slots: &[i64],
+) -> Result<(), Fail> {
     let rows: i64 = dst.dims[..dst_row_dims].iter().product();
     let mut seen = std::collections::HashSet::new();
     for (t, &slot) in slots.iter().enumerate() {
         if slot < 0 || slot >= rows {
-            return fail(ACL_ERROR_RT_AICORE_EXCEPTION, format!("{op}: slot {slot} of token {t} is outside [0, {rows})"));
+            return fail(
+                ACL_ERROR_RT_AICORE_EXCEPTION,
+                format!("{op}: slot {slot} of token {t} is outside [0, {rows})"),
+            );
         }
         if !seen.insert(slot) {
-            return fail(ACL_ERROR_RT_AICORE_EXCEPTION, format!("{op}: slot {slot} is written twice (slots must not repeat)"));
+            return fail(
+                ACL_ERROR_RT_AICORE_EXCEPTION,
+                format!("{op}: slot {slot} is written twice (slots must not repeat)"),
+            );
         }
         let vals = read(st, &row_view(src, 1, t as i64))?;
         write(st, &row_view(dst, dst_row_dims, slot), &vals)?;
@@ -48,7 +66,10 @@ struct ScatterPa {
 impl Kernel for ScatterPa {
     kernel_common!("aclnnScatterPaKvCache");
     fn run(&self, st: &mut State) -> Result<(), Fail> {
-        let slots: Vec<i64> = read(st, &self.io.ins[1])?.into_iter().map(|v| v as i64).collect();
+        let slots: Vec<i64> = read(st, &self.io.ins[1])?
+            .into_iter()
+            .map(|v| v as i64)
+            .collect();
         let (k, v) = (self.io.ins[0].clone(), self.io.ins[2].clone());
         let (kc, vc) = (self.io.outs[0].clone(), self.io.outs[1].clone());
         scatter_rows(st, self.name(), &k, &kc, 2, &slots)?;
@@ -89,20 +110,41 @@ pub unsafe extern "C" fn aclnnScatterPaKvCacheGetWorkspaceSize(
         let sm = st.tensor(slotMapping, "slotMapping")?;
         let v = st.tensor(value, "value")?;
         let vc = st.tensor(valueCacheRef, "valueCacheRef")?;
-        if !compressLensOptional.is_null() || !compressSeqOffsetOptional.is_null() || !seqLensOptional.is_null() || !stridesOptional.is_null() || !offsetsOptional.is_null() {
-            return invalid(op, "the compressed and non-contiguous scenarios are not implemented by this emulation");
+        if !compressLensOptional.is_null()
+            || !compressSeqOffsetOptional.is_null()
+            || !seqLensOptional.is_null()
+            || !stridesOptional.is_null()
+            || !offsetsOptional.is_null()
+        {
+            return invalid(
+                op,
+                "the compressed and non-contiguous scenarios are not implemented by this emulation",
+            );
         }
         if !matches!(cache_mode.as_deref(), None | Some("Norm")) {
-            return invalid(op, format!("cacheMode {cache_mode:?} is not implemented by this emulation (\"Norm\" is)"));
+            return invalid(
+                op,
+                format!(
+                    "cacheMode {cache_mode:?} is not implemented by this emulation (\"Norm\" is)"
+                ),
+            );
         }
         if !matches!(scatter_mode.as_deref(), None | Some("None")) {
             return invalid(op, format!("scatterMode {scatter_mode:?} is not implemented by this emulation (\"None\" is)"));
         }
-        for (w, t) in [("key", &k), ("keyCacheRef", &kc), ("value", &v), ("valueCacheRef", &vc)] {
+        for (w, t) in [
+            ("key", &k),
+            ("keyCacheRef", &kc),
+            ("value", &v),
+            ("valueCacheRef", &vc),
+        ] {
             dtype_in(op, w, t, &[DType::F16, DType::Bf16, DType::I8])?;
             nd(op, w, t)?;
             if t.dtype != k.dtype {
-                return invalid(op, "key, keyCacheRef, value and valueCacheRef must share one data type");
+                return invalid(
+                    op,
+                    "key, keyCacheRef, value and valueCacheRef must share one data type",
+                );
             }
         }
         dtype_in(op, "slotMapping", &sm, &[DType::I32, DType::I64])?;
@@ -110,12 +152,29 @@ pub unsafe extern "C" fn aclnnScatterPaKvCacheGetWorkspaceSize(
             return invalid(op, format!("Norm scenario: key/value (T, N, D), caches (blockNum, blockSize, N, D), slotMapping (T); got key {:?} value {:?} keyCache {:?} valueCache {:?} slotMapping {:?}", k.dims, v.dims, kc.dims, vc.dims, sm.dims));
         }
         if k.dims[..2] != v.dims[..2] || sm.dims[0] != k.dims[0] {
-            return invalid(op, "key, value and slotMapping must agree on T (and key/value on N)");
+            return invalid(
+                op,
+                "key, value and slotMapping must agree on T (and key/value on N)",
+            );
         }
-        if kc.dims[2..] != k.dims[1..] || vc.dims[2..] != v.dims[1..] || kc.dims[..2] != vc.dims[..2] {
-            return invalid(op, format!("caches {:?}/{:?} do not hold rows of key {:?}/value {:?}", kc.dims, vc.dims, k.dims, v.dims));
+        if kc.dims[2..] != k.dims[1..]
+            || vc.dims[2..] != v.dims[1..]
+            || kc.dims[..2] != vc.dims[..2]
+        {
+            return invalid(
+                op,
+                format!(
+                    "caches {:?}/{:?} do not hold rows of key {:?}/value {:?}",
+                    kc.dims, vc.dims, k.dims, v.dims
+                ),
+            );
         }
-        Ok(Box::new(ScatterPa { io: Io { ins: vec![k, sm, v], outs: vec![kc, vc] } }))
+        Ok(Box::new(ScatterPa {
+            io: Io {
+                ins: vec![k, sm, v],
+                outs: vec![kc, vc],
+            },
+        }))
     })
 }
 
@@ -127,7 +186,11 @@ struct ScatterNd {
 impl Kernel for ScatterNd {
     kernel_common!("aclnnScatterNdUpdate");
     fn run(&self, st: &mut State) -> Result<(), Fail> {
-        let (idx, upd, var) = (&self.io.ins[0], self.io.ins[1].clone(), self.io.outs[0].clone());
+        let (idx, upd, var) = (
+            &self.io.ins[0],
+            self.io.ins[1].clone(),
+            self.io.outs[0].clone(),
+        );
         let q = idx.dims[1] as usize;
         let raw: Vec<i64> = read(st, idx)?.into_iter().map(|v| v as i64).collect();
         let mut slots = Vec::with_capacity(idx.dims[0] as usize);
@@ -135,7 +198,13 @@ impl Kernel for ScatterNd {
             let mut flat = 0;
             for (a, &i) in ix.iter().enumerate() {
                 if i < 0 || i >= var.dims[a] {
-                    return fail(ACL_ERROR_RT_AICORE_EXCEPTION, format!("aclnnScatterNdUpdate: index {i} of row {t} is outside [0, {})", var.dims[a]));
+                    return fail(
+                        ACL_ERROR_RT_AICORE_EXCEPTION,
+                        format!(
+                            "aclnnScatterNdUpdate: index {i} of row {t} is outside [0, {})",
+                            var.dims[a]
+                        ),
+                    );
                 }
                 flat = flat * var.dims[a] + i;
             }
@@ -148,19 +217,44 @@ impl Kernel for ScatterNd {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnScatterNdUpdateGetWorkspaceSize(varRef: *mut aclTensor, indices: *const aclTensor, updates: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnScatterNdUpdateGetWorkspaceSize(
+    varRef: *mut aclTensor,
+    indices: *const aclTensor,
+    updates: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnScatterNdUpdate", workspaceSize, executor, |st| {
         let op = "aclnnScatterNdUpdate";
         let var = st.tensor(varRef, "varRef")?;
         let idx = st.tensor(indices, "indices")?;
         let upd = st.tensor(updates, "updates")?;
-        dtype_in(op, "varRef", &var, &[DType::F16, DType::F32, DType::Bf16, DType::I8, DType::Bool, DType::I64])?;
+        dtype_in(
+            op,
+            "varRef",
+            &var,
+            &[
+                DType::F16,
+                DType::F32,
+                DType::Bf16,
+                DType::I8,
+                DType::Bool,
+                DType::I64,
+            ],
+        )?;
         dtype_in(op, "indices", &idx, &[DType::I32, DType::I64])?;
         if upd.dtype != var.dtype {
             return invalid(op, "updates must have varRef's data type");
         }
         if idx.rank() != 2 || idx.dims[1] < 1 || idx.dims[1] as usize > var.rank() {
-            return invalid(op, format!("indices {:?} must be (T, q) with 1 <= q <= rank(varRef) = {}", idx.dims, var.rank()));
+            return invalid(
+                op,
+                format!(
+                    "indices {:?} must be (T, q) with 1 <= q <= rank(varRef) = {}",
+                    idx.dims,
+                    var.rank()
+                ),
+            );
         }
         let q = idx.dims[1] as usize;
         let mut want = vec![idx.dims[0]];
@@ -168,7 +262,12 @@ pub unsafe extern "C" fn aclnnScatterNdUpdateGetWorkspaceSize(varRef: *mut aclTe
         if upd.dims != want {
             return invalid(op, format!("updates shape {:?} must be {want:?}", upd.dims));
         }
-        Ok(Box::new(ScatterNd { io: Io { ins: vec![idx, upd], outs: vec![var] } }))
+        Ok(Box::new(ScatterNd {
+            io: Io {
+                ins: vec![idx, upd],
+                outs: vec![var],
+            },
+        }))
     })
 }
 

@@ -18,7 +18,10 @@ struct Mat2<'a> {
 
 impl<'a> Mat2<'a> {
     fn new(st: &'a State, v: &'a View) -> Result<Self, Fail> {
-        Ok(Self { bytes: st.bytes(v.addr, v.storage_bytes())?, v })
+        Ok(Self {
+            bytes: st.bytes(v.addr, v.storage_bytes())?,
+            v,
+        })
     }
     fn get(&self, i: i64, j: i64) -> f32 {
         let p = self.v.offset + i * self.v.strides[0] + j * self.v.strides[1];
@@ -29,7 +32,11 @@ impl<'a> Mat2<'a> {
 /// A 1-D (n) or 2-D (rows, n) parameter seen as 2-D.
 fn as_2d(v: &View) -> View {
     if v.rank() == 1 {
-        View { dims: vec![1, v.dims[0]], strides: vec![0, v.strides[0]], ..v.clone() }
+        View {
+            dims: vec![1, v.dims[0]],
+            strides: vec![0, v.strides[0]],
+            ..v.clone()
+        }
     } else {
         v.clone()
     }
@@ -58,7 +65,8 @@ impl Kernel for Matmul {
             let col: Vec<f32> = (0..k).map(|kk| w.get(kk, j)).collect();
             for i in 0..m {
                 let xr = &x[(i * k) as usize..((i + 1) * k) as usize];
-                out[(i * n + j) as usize] = xr.iter().zip(&col).map(|(a, b)| a * b).sum::<f32>() as f64;
+                out[(i * n + j) as usize] =
+                    xr.iter().zip(&col).map(|(a, b)| a * b).sum::<f32>() as f64;
             }
         }
         write(st, &self.io.outs[0], &out)
@@ -68,7 +76,14 @@ impl Kernel for Matmul {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnMatmulGetWorkspaceSize(self_: *const aclTensor, mat2: *const aclTensor, out: *mut aclTensor, cubeMathType: i8, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
+pub unsafe extern "C" fn aclnnMatmulGetWorkspaceSize(
+    self_: *const aclTensor,
+    mat2: *const aclTensor,
+    out: *mut aclTensor,
+    cubeMathType: i8,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
     prepare("aclnnMatmul", workspaceSize, executor, |st| {
         let op = "aclnnMatmul";
         let a = st.tensor(self_, "self")?;
@@ -78,19 +93,39 @@ pub unsafe extern "C" fn aclnnMatmulGetWorkspaceSize(self_: *const aclTensor, ma
             dtype_in(op, w, v, &[DType::F16, DType::Bf16, DType::F32])?;
             nd(op, w, v)?;
             if v.rank() != 2 {
-                return invalid(op, format!("{w} is {:?}: this emulation implements 2-D matmul only", v.dims));
+                return invalid(
+                    op,
+                    format!(
+                        "{w} is {:?}: this emulation implements 2-D matmul only",
+                        v.dims
+                    ),
+                );
             }
         }
         if a.dtype != b.dtype || o.dtype != a.dtype {
             return invalid(op, "self, mat2 and out must share one data type");
         }
         if !(0..=3).contains(&cubeMathType) {
-            return invalid(op, format!("cubeMathType {cubeMathType} is not one of 0 (KEEP_DTYPE), 1, 2, 3"));
+            return invalid(
+                op,
+                format!("cubeMathType {cubeMathType} is not one of 0 (KEEP_DTYPE), 1, 2, 3"),
+            );
         }
         if a.dims[1] != b.dims[0] || o.dims != [a.dims[0], b.dims[1]] {
-            return invalid(op, format!("shapes self {:?} @ mat2 {:?} -> out {:?} do not agree", a.dims, b.dims, o.dims));
+            return invalid(
+                op,
+                format!(
+                    "shapes self {:?} @ mat2 {:?} -> out {:?} do not agree",
+                    a.dims, b.dims, o.dims
+                ),
+            );
         }
-        Ok(Box::new(Matmul { io: Io { ins: vec![a, b], outs: vec![o] } }))
+        Ok(Box::new(Matmul {
+            io: Io {
+                ins: vec![a, b],
+                outs: vec![o],
+            },
+        }))
     })
 }
 
@@ -112,7 +147,11 @@ impl Kernel for Wqbmm {
         let x: Vec<f32> = read(st, xv)?.into_iter().map(|v| v as f32).collect();
         let sv = as_2d(&self.io.ins[2]);
         let ov = self.has_offset.then(|| as_2d(&self.io.ins[3]));
-        let bias = if self.has_bias { Some(read(st, &self.io.ins[if self.has_offset { 4 } else { 3 }])?) } else { None };
+        let bias = if self.has_bias {
+            Some(read(st, &self.io.ins[if self.has_offset { 4 } else { 3 }])?)
+        } else {
+            None
+        };
         let w = Mat2::new(st, wv)?;
         let scale = Mat2::new(st, &sv)?;
         let offset = match &ov {
@@ -140,7 +179,8 @@ impl Kernel for Wqbmm {
             let b = bias.as_ref().map(|b| b[j as usize] as f32).unwrap_or(0.0);
             for i in 0..m {
                 let xr = &x[(i * k) as usize..((i + 1) * k) as usize];
-                out[(i * n + j) as usize] = (xr.iter().zip(&col).map(|(a, b)| a * b).sum::<f32>() + b) as f64;
+                out[(i * n + j) as usize] =
+                    (xr.iter().zip(&col).map(|(a, b)| a * b).sum::<f32>() + b) as f64;
             }
         }
         write(st, &self.io.outs[0], &out)
@@ -150,84 +190,151 @@ impl Kernel for Wqbmm {
 /// # Safety
 /// Out-pointers valid (documented contract).
 #[no_mangle]
-pub unsafe extern "C" fn aclnnWeightQuantBatchMatmulV2GetWorkspaceSize(x: *const aclTensor, weight: *const aclTensor, antiquantScale: *const aclTensor, antiquantOffsetOptional: *const aclTensor, quantScaleOptional: *const aclTensor, quantOffsetOptional: *const aclTensor, biasOptional: *const aclTensor, antiquantGroupSize: core::ffi::c_int, y: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus {
-    prepare("aclnnWeightQuantBatchMatmulV2", workspaceSize, executor, |st| {
-        let op = "aclnnWeightQuantBatchMatmulV2";
-        let xv = st.tensor(x, "x")?;
-        let wv = st.tensor(weight, "weight")?;
-        let sv = st.tensor(antiquantScale, "antiquantScale")?;
-        let ov = st.opt_tensor(antiquantOffsetOptional, "antiquantOffsetOptional")?;
-        let bv = st.opt_tensor(biasOptional, "biasOptional")?;
-        let yv = st.tensor(y, "y")?;
-        if !quantScaleOptional.is_null() || !quantOffsetOptional.is_null() {
-            return invalid(op, "output quantization (quantScaleOptional/quantOffsetOptional) is not implemented by this emulation");
-        }
-        dtype_in(op, "x", &xv, &[DType::F16, DType::Bf16])?;
-        dtype_in(op, "weight", &wv, &[DType::I8, DType::I4])?;
-        for (w, v) in [("x", &xv), ("weight", &wv), ("antiquantScale", &sv), ("y", &yv)] {
-            nd(op, w, v)?;
-        }
-        if xv.rank() != 2 || wv.rank() != 2 || yv.rank() != 2 {
-            return invalid(op, format!("x {:?}, weight {:?} and y {:?} must be 2-D", xv.dims, wv.dims, yv.dims));
-        }
-        let (m, k, n) = (xv.dims[0], xv.dims[1], wv.dims[1]);
-        if wv.dims[0] != k || yv.dims != [m, n] {
-            return invalid(op, format!("shapes x {:?}, weight {:?} (k, n), y {:?} do not agree", xv.dims, wv.dims, yv.dims));
-        }
-        if !xv.is_contiguous() && !is_transposed_2d(&xv) {
-            return invalid(op, "x must be contiguous or a transposed view");
-        }
-        if !wv.is_contiguous() && !is_transposed_2d(&wv) {
-            return invalid(op, format!("weight strides {:?} are neither contiguous nor transposed (the only non-contiguous case supported)", wv.strides));
-        }
-        if wv.dtype == DType::I4 {
-            let inner = if wv.is_contiguous() { n } else { k };
-            if inner % 2 != 0 {
-                return invalid(op, format!("INT4 weight needs an even inner axis, got {inner}"));
+pub unsafe extern "C" fn aclnnWeightQuantBatchMatmulV2GetWorkspaceSize(
+    x: *const aclTensor,
+    weight: *const aclTensor,
+    antiquantScale: *const aclTensor,
+    antiquantOffsetOptional: *const aclTensor,
+    quantScaleOptional: *const aclTensor,
+    quantOffsetOptional: *const aclTensor,
+    biasOptional: *const aclTensor,
+    antiquantGroupSize: core::ffi::c_int,
+    y: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
+    prepare(
+        "aclnnWeightQuantBatchMatmulV2",
+        workspaceSize,
+        executor,
+        |st| {
+            let op = "aclnnWeightQuantBatchMatmulV2";
+            let xv = st.tensor(x, "x")?;
+            let wv = st.tensor(weight, "weight")?;
+            let sv = st.tensor(antiquantScale, "antiquantScale")?;
+            let ov = st.opt_tensor(antiquantOffsetOptional, "antiquantOffsetOptional")?;
+            let bv = st.opt_tensor(biasOptional, "biasOptional")?;
+            let yv = st.tensor(y, "y")?;
+            if !quantScaleOptional.is_null() || !quantOffsetOptional.is_null() {
+                return invalid(op, "output quantization (quantScaleOptional/quantOffsetOptional) is not implemented by this emulation");
             }
-        }
-        if sv.dtype != xv.dtype || yv.dtype != xv.dtype {
-            return invalid(op, format!("antiquantScale ({}) and y ({}) must have x's data type ({})", sv.dtype.name(), yv.dtype.name(), xv.dtype.name()));
-        }
-        let group = antiquantGroupSize as i64;
-        let s2 = as_2d(&sv);
-        let per_tensor = sv.numel() == 1 && sv.rank() <= 2;
-        let per_channel = s2.dims == [1, n];
-        if group == 0 {
-            if !per_tensor && !per_channel {
-                return invalid(op, format!("antiquantScale shape {:?} must be (1,), (1, 1), (n,) or (1, n) without groups", sv.dims));
+            dtype_in(op, "x", &xv, &[DType::F16, DType::Bf16])?;
+            dtype_in(op, "weight", &wv, &[DType::I8, DType::I4])?;
+            for (w, v) in [
+                ("x", &xv),
+                ("weight", &wv),
+                ("antiquantScale", &sv),
+                ("y", &yv),
+            ] {
+                nd(op, w, v)?;
             }
-        } else {
-            if group < 32 || group >= k || group % 32 != 0 {
-                return invalid(op, format!("antiquantGroupSize {group} must be a multiple of 32 in [32, k-1] (k = {k})"));
+            if xv.rank() != 2 || wv.rank() != 2 || yv.rank() != 2 {
+                return invalid(
+                    op,
+                    format!(
+                        "x {:?}, weight {:?} and y {:?} must be 2-D",
+                        xv.dims, wv.dims, yv.dims
+                    ),
+                );
             }
-            let want = [(k + group - 1) / group, n];
-            if sv.dims != want {
-                return invalid(op, format!("per-group antiquantScale shape {:?} must be (ceil(k/group), n) = {want:?}", sv.dims));
+            let (m, k, n) = (xv.dims[0], xv.dims[1], wv.dims[1]);
+            if wv.dims[0] != k || yv.dims != [m, n] {
+                return invalid(
+                    op,
+                    format!(
+                        "shapes x {:?}, weight {:?} (k, n), y {:?} do not agree",
+                        xv.dims, wv.dims, yv.dims
+                    ),
+                );
             }
-        }
-        if let Some(o) = &ov {
-            if o.dims != sv.dims || o.dtype != sv.dtype {
-                return invalid(op, "antiquantOffsetOptional must have antiquantScale's shape and data type");
+            if !xv.is_contiguous() && !is_transposed_2d(&xv) {
+                return invalid(op, "x must be contiguous or a transposed view");
             }
-        }
-        if let Some(b) = &bv {
-            let want = if xv.dtype == DType::F16 { DType::F16 } else { DType::F32 };
-            if b.dtype != want || !(b.dims == [n] || b.dims == [1, n]) {
-                return invalid(op, format!("biasOptional must be {} of shape (n,) or (1, n)", want.name()));
+            if !wv.is_contiguous() && !is_transposed_2d(&wv) {
+                return invalid(op, format!("weight strides {:?} are neither contiguous nor transposed (the only non-contiguous case supported)", wv.strides));
             }
-        }
-        let mut ins = vec![xv, wv, sv];
-        let has_offset = ov.is_some();
-        ins.extend(ov);
-        let has_bias = bv.is_some();
-        ins.extend(bv);
-        Ok(Box::new(Wqbmm { io: Io { ins, outs: vec![yv] }, group: group.max(1), has_offset, has_bias }))
-    })
+            if wv.dtype == DType::I4 {
+                let inner = if wv.is_contiguous() { n } else { k };
+                if inner % 2 != 0 {
+                    return invalid(
+                        op,
+                        format!("INT4 weight needs an even inner axis, got {inner}"),
+                    );
+                }
+            }
+            if sv.dtype != xv.dtype || yv.dtype != xv.dtype {
+                return invalid(
+                    op,
+                    format!(
+                        "antiquantScale ({}) and y ({}) must have x's data type ({})",
+                        sv.dtype.name(),
+                        yv.dtype.name(),
+                        xv.dtype.name()
+                    ),
+                );
+            }
+            let group = antiquantGroupSize as i64;
+            let s2 = as_2d(&sv);
+            let per_tensor = sv.numel() == 1 && sv.rank() <= 2;
+            let per_channel = s2.dims == [1, n];
+            if group == 0 {
+                if !per_tensor && !per_channel {
+                    return invalid(op, format!("antiquantScale shape {:?} must be (1,), (1, 1), (n,) or (1, n) without groups", sv.dims));
+                }
+            } else {
+                if group < 32 || group >= k || group % 32 != 0 {
+                    return invalid(op, format!("antiquantGroupSize {group} must be a multiple of 32 in [32, k-1] (k = {k})"));
+                }
+                let want = [(k + group - 1) / group, n];
+                if sv.dims != want {
+                    return invalid(op, format!("per-group antiquantScale shape {:?} must be (ceil(k/group), n) = {want:?}", sv.dims));
+                }
+            }
+            if let Some(o) = &ov {
+                if o.dims != sv.dims || o.dtype != sv.dtype {
+                    return invalid(
+                        op,
+                        "antiquantOffsetOptional must have antiquantScale's shape and data type",
+                    );
+                }
+            }
+            if let Some(b) = &bv {
+                let want = if xv.dtype == DType::F16 {
+                    DType::F16
+                } else {
+                    DType::F32
+                };
+                if b.dtype != want || !(b.dims == [n] || b.dims == [1, n]) {
+                    return invalid(
+                        op,
+                        format!(
+                            "biasOptional must be {} of shape (n,) or (1, n)",
+                            want.name()
+                        ),
+                    );
+                }
+            }
+            let mut ins = vec![xv, wv, sv];
+            let has_offset = ov.is_some();
+            ins.extend(ov);
+            let has_bias = bv.is_some();
+            ins.extend(bv);
+            Ok(Box::new(Wqbmm {
+                io: Io {
+                    ins,
+                    outs: vec![yv],
+                },
+                group: group.max(1),
+                has_offset,
+                has_bias,
+            }))
+        },
+    )
 }
 
 const _: () = {
     use npu_ffi::aclnn::ops::sig;
     let _: sig::aclnnMatmulGetWorkspaceSize = aclnnMatmulGetWorkspaceSize;
-    let _: sig::aclnnWeightQuantBatchMatmulV2GetWorkspaceSize = aclnnWeightQuantBatchMatmulV2GetWorkspaceSize;
+    let _: sig::aclnnWeightQuantBatchMatmulV2GetWorkspaceSize =
+        aclnnWeightQuantBatchMatmulV2GetWorkspaceSize;
 };

@@ -57,7 +57,10 @@ pub fn read(st: &State, v: &View) -> Result<Vec<f64>, Fail> {
         return Ok(Vec::new());
     }
     let bytes = st.bytes(v.addr, v.storage_bytes())?;
-    Ok(v.positions().into_iter().map(|p| read_elem(bytes, v.dtype, p as usize)).collect())
+    Ok(v.positions()
+        .into_iter()
+        .map(|p| read_elem(bytes, v.dtype, p as usize))
+        .collect())
 }
 
 /// Writes `vals` (row-major over the view) into `v`.
@@ -74,7 +77,10 @@ pub fn write(st: &mut State, v: &View, vals: &[f64]) -> Result<(), Fail> {
 }
 
 /// The validated first phase shared by every operator.
-pub fn prepare(
+///
+/// # Safety
+/// `workspace_size` and `executor` are null or valid out-pointers (the caller's arguments).
+pub unsafe fn prepare(
     op: &'static str,
     workspace_size: *mut u64,
     executor: *mut *mut aclOpExecutor,
@@ -85,12 +91,25 @@ pub fn prepare(
         st.require_init()?;
         st.current_context()?;
         if workspace_size.is_null() || executor.is_null() {
-            return fail(ACLNN_ERR_PARAM_NULLPTR, format!("{op}GetWorkspaceSize: null workspaceSize or executor out-pointer"));
+            return fail(
+                ACLNN_ERR_PARAM_NULLPTR,
+                format!("{op}GetWorkspaceSize: null workspaceSize or executor out-pointer"),
+            );
         }
-        let kernel = build(&st).map_err(|f| Fail { code: f.code, msg: format!("{op}GetWorkspaceSize: {}", f.msg) })?;
+        let kernel = build(&st).map_err(|f| Fail {
+            code: f.code,
+            msg: format!("{op}GetWorkspaceSize: {}", f.msg),
+        })?;
         let ws = kernel.workspace();
         let h = st.new_handle(KIND_EXECUTOR);
-        st.executors.insert(h, Executor { kernel, repeatable: false, state: ExecState::Fresh });
+        st.executors.insert(
+            h,
+            Executor {
+                kernel,
+                repeatable: false,
+                state: ExecState::Fresh,
+            },
+        );
         // SAFETY: both out-pointers checked non-null; the caller passes valid ones.
         unsafe {
             *workspace_size = ws;
@@ -102,7 +121,13 @@ pub fn prepare(
 }
 
 /// The second phase shared by every operator.
-pub fn launch(op: &'static str, workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus {
+pub fn launch(
+    op: &'static str,
+    workspace: *mut c_void,
+    workspace_size: u64,
+    executor: *mut aclOpExecutor,
+    stream: aclrtStream,
+) -> aclnnStatus {
     let mut st = state();
     let r = (|| {
         st.require_init()?;
@@ -119,7 +144,13 @@ pub fn launch(op: &'static str, workspace: *mut c_void, workspace_size: u64, exe
             _ => {}
         }
         if e.kernel.name() != op {
-            return invalid(op, format!("executor {h:#x} was made by {}GetWorkspaceSize", e.kernel.name()));
+            return invalid(
+                op,
+                format!(
+                    "executor {h:#x} was made by {}GetWorkspaceSize",
+                    e.kernel.name()
+                ),
+            );
         }
         let need = e.kernel.workspace();
         if workspace_size < need {
@@ -127,9 +158,15 @@ pub fn launch(op: &'static str, workspace: *mut c_void, workspace_size: u64, exe
         }
         if need > 0 {
             st.device_range(workspace as u64, need, "workspace")
-                .map_err(|f| Fail { code: ACLNN_ERR_PARAM_INVALID, msg: format!("{op}: {}", f.msg) })?;
+                .map_err(|f| Fail {
+                    code: ACLNN_ERR_PARAM_INVALID,
+                    msg: format!("{op}: {}", f.msg),
+                })?;
         }
-        let sid = st.resolve_stream(stream as u64).map_err(|f| Fail { code: ACLNN_ERR_RUNTIME_ERROR, msg: format!("{op}: {}", f.msg) })?;
+        let sid = st.resolve_stream(stream as u64).map_err(|f| Fail {
+            code: ACLNN_ERR_RUNTIME_ERROR,
+            msg: format!("{op}: {}", f.msg),
+        })?;
         let e = st.executors.get_mut(&h).expect("checked");
         e.state = ExecState::Consumed;
         let kernel = e.kernel.clone_box();
@@ -137,7 +174,12 @@ pub fn launch(op: &'static str, workspace: *mut c_void, workspace_size: u64, exe
         let writes = kernel.io().outs.iter().map(range).collect();
         st.enqueue(
             sid,
-            Task { name: op.to_string(), reads, writes, run: Box::new(move |st| kernel.run(st)) },
+            Task {
+                name: op.to_string(),
+                reads,
+                writes,
+                run: Box::new(move |st| kernel.run(st)),
+            },
         );
         Ok(())
     })();
@@ -181,7 +223,11 @@ pub fn dtype_in(op: &str, what: &str, v: &View, allowed: &[DType]) -> Result<(),
             format!(
                 "{what} has data type {}; supported: {}",
                 v.dtype.name(),
-                allowed.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
+                allowed
+                    .iter()
+                    .map(|d| d.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         )
     }
@@ -189,10 +235,21 @@ pub fn dtype_in(op: &str, what: &str, v: &View, allowed: &[DType]) -> Result<(),
 
 /// Checks the ND format (the only one the emulated operators take here).
 pub fn nd(op: &str, what: &str, v: &View) -> Result<(), Fail> {
-    if matches!(v.format, ACL_FORMAT_ND | ACL_FORMAT_NCHW | ACL_FORMAT_NHWC | ACL_FORMAT_NCDHW | ACL_FORMAT_NC | ACL_FORMAT_NCL) {
+    if matches!(
+        v.format,
+        ACL_FORMAT_ND
+            | ACL_FORMAT_NCHW
+            | ACL_FORMAT_NHWC
+            | ACL_FORMAT_NCDHW
+            | ACL_FORMAT_NC
+            | ACL_FORMAT_NCL
+    ) {
         Ok(())
     } else {
-        invalid(op, format!("{what} has format {} (this emulation takes ND)", v.format))
+        invalid(
+            op,
+            format!("{what} has format {} (this emulation takes ND)", v.format),
+        )
     }
 }
 
