@@ -525,6 +525,17 @@ impl OpRunner {
                 l,
             );
         }
+        self.write_kv_rows(w)
+    }
+
+    /// [`OpRunner::write_kv`] through ScatterNdUpdate, the path for releases without
+    /// ScatterPaKvCache: each cache seen as (blocks·block_size, N·D) rows, slots as (T, 1) indices.
+    pub fn write_kv_rows(&mut self, w: &KvWrite) -> Result<()> {
+        use crate::tensor::{DType, View};
+        let acl = self.acl;
+        let ops = acl.api.ops;
+        let t = w.tokens as i64;
+        let (n, d) = (w.kv_heads as i64, w.head_dim as i64);
         let rows = (w.num_blocks * w.block_size) as i64;
         let idx = Tensor::new(acl, w.slots, View::contiguous(DType::I32, &[t, 1]))?;
         for (src, off, cache) in [

@@ -547,3 +547,43 @@ fn repeatable_executor_runs_again_with_new_addresses() {
     let s = ops.take_stats();
     assert_eq!((s.prepares, s.launches, s.reused_launches), (1, 2, 2));
 }
+
+#[test]
+fn kv_write_by_scatter_nd_update_matches_scatter_pa_kv_cache() {
+    let dev = device();
+    let mut ops = OpRunner::new(&dev);
+    let (kv_heads, d, bs, blocks, tokens) = (2usize, 16usize, 16usize, 3usize, 5usize);
+    let row = 3 * kv_heads * d; // fused rows: K, V and something else, K at 0, V at kv_heads*d
+    let qkv = h(&rand_vec(31, tokens * row, 1.0));
+    let src = upload_f16(&qkv);
+    let slots = upload_i32(&[17, 3, 40, 16, 0]);
+    let bytes = blocks * bs * kv_heads * d * 2;
+    let caches: Vec<_> = (0..4).map(|_| zeros(bytes)).collect();
+    let write = |kc, vc| KvWrite {
+        dtype: DType::F16,
+        tokens,
+        kv_heads,
+        head_dim: d,
+        row_stride: row,
+        key: &src,
+        key_offset: 0,
+        value: &src,
+        value_offset: kv_heads * d,
+        key_cache: kc,
+        value_cache: vc,
+        slots: &slots,
+        num_blocks: blocks,
+        block_size: bs,
+    };
+    ops.write_kv(&write(&caches[0], &caches[1])).unwrap();
+    ops.write_kv_rows(&write(&caches[2], &caches[3])).unwrap();
+    dev.synchronize().unwrap();
+    let n = bytes / 2;
+    let (k1, v1, k2, v2) = (read_f16(&caches[0], n), read_f16(&caches[1], n), read_f16(&caches[2], n), read_f16(&caches[3], n));
+    assert_eq!(k1, k2);
+    assert_eq!(v1, v2);
+    // token 2 went to slot 40: block 2, position 8
+    let kvh = kv_heads * d;
+    assert_eq!(&k1[40 * kvh..41 * kvh], &qkv[2 * row..2 * row + kvh]);
+    assert_eq!(&v1[40 * kvh..41 * kvh], &qkv[2 * row + kvh..2 * row + 2 * kvh]);
+}
