@@ -579,11 +579,19 @@ fn kv_write_by_scatter_nd_update_matches_scatter_pa_kv_cache() {
     ops.write_kv_rows(&write(&caches[2], &caches[3])).unwrap();
     dev.synchronize().unwrap();
     let n = bytes / 2;
-    let (k1, v1, k2, v2) = (read_f16(&caches[0], n), read_f16(&caches[1], n), read_f16(&caches[2], n), read_f16(&caches[3], n));
+    let (k1, v1, k2, v2) = (
+        read_f16(&caches[0], n),
+        read_f16(&caches[1], n),
+        read_f16(&caches[2], n),
+        read_f16(&caches[3], n),
+    );
     assert_eq!(k1, k2);
     assert_eq!(v1, v2);
     // token 2 went to slot 40: block 2, position 8
     let kvh = kv_heads * d;
     assert_eq!(&k1[40 * kvh..41 * kvh], &qkv[2 * row..2 * row + kvh]);
-    assert_eq!(&v1[40 * kvh..41 * kvh], &qkv[2 * row + kvh..2 * row + 2 * kvh]);
+    assert_eq!(
+        &v1[40 * kvh..41 * kvh],
+        &qkv[2 * row + kvh..2 * row + 2 * kvh]
+    );
 }

@@ -26,9 +26,11 @@ pub fn emulated_version() -> String {
 }
 
 extern "C" fn report_at_exit() {
-    let st = state();
-    if st.initialized {
-        print_report(&st, "process exit");
+    // try_lock: a thread stopped inside a call must not hang the exit.
+    match try_state() {
+        Some(st) if st.initialized && !st.finalized => print_report(&st, "process exit"),
+        Some(_) => {}
+        None => eprintln!("ascend-emulator: state busy at process exit; no leak report"),
     }
 }
 

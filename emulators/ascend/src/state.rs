@@ -129,6 +129,14 @@ thread_local! {
     pub static CURRENT_CONTEXT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
+pub fn try_state() -> Option<MutexGuard<'static, State>> {
+    match STATE.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 pub fn state() -> MutexGuard<'static, State> {
     STATE.lock().unwrap_or_else(|e| e.into_inner())
 }
