@@ -2,61 +2,24 @@
 //! sampling state, and executes one `StepPlan` into one `StepResult`. This is what the agent
 //! process's step loop calls, and what the local CLI commands drive directly.
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+pub use npu_protocol::agent::{AgentEngineConfig, ModelFacts};
 use npu_protocol::{SamplingParams, SeqResult, StepPlan, StepResult, StepTiming};
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::backend::cpu::{CpuBackend, CpuConfig};
-use crate::backend::{Backend, SeqMeta, StepMeta};
-use crate::gguf::{GgufError, GgufFile};
-use crate::kernels::SharedOut;
 use crate::model::{Model, ModelConfig, ModelError, ModelOptions};
 use crate::sampler::{SampleOutput, Sampler, SamplerError, TokenHistory};
-use crate::threadpool::ThreadPool;
+use npu_backend::legacy::{Backend, SeqMeta, StepMeta};
+use npu_backend_cpu::kernels::SharedOut;
+use npu_backend_cpu::threadpool::ThreadPool;
+use npu_backend_cpu::{CpuBackend, CpuConfig};
+use npu_gguf::{GgufError, GgufFile};
 
 thread_local! {
     /// Sampling scratch of each compute thread.
     static SAMPLER: std::cell::RefCell<Sampler> = std::cell::RefCell::new(Sampler::new());
-}
-
-/// How to build an engine (sizes come from the server's config and must match the shm layout).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AgentEngineConfig {
-    pub model_path: PathBuf,
-    /// KV pool: blocks of `block_size` token slots (per layer).
-    pub num_blocks: u32,
-    pub block_size: u32,
-    /// Request slots (most sequences held at once).
-    pub max_slots: u32,
-    /// Most tokens in one step (sum over sequences).
-    pub max_tokens_per_step: u32,
-    /// Most blocks in one sequence's table.
-    pub max_blocks_per_seq: u32,
-    /// Compute threads (0 = all cores).
-    pub threads: u32,
-}
-
-/// What the server needs to know about the loaded model (sent in the handshake).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelFacts {
-    pub name: String,
-    pub architecture: String,
-    pub vocab_size: u32,
-    pub n_layers: u32,
-    pub hidden: u32,
-    pub n_heads: u32,
-    pub n_kv_heads: u32,
-    pub head_dim: u32,
-    /// Trained context length from the model metadata.
-    pub context_length: u32,
-    pub eos_ids: Vec<u32>,
-    pub bos_id: Option<u32>,
-    /// Backend and instruction set the agent runs with.
-    pub backend: String,
 }
 
 #[derive(Debug, Error)]

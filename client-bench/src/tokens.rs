@@ -3,8 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
-use npu_agent::gguf::GgufFile;
-use npu_agent::tokenizer::Tokenizer;
+use npu_gguf::GgufFile;
+use npu_tokenizer::Tokenizer;
 
 use crate::error::BenchError;
 
@@ -19,7 +19,7 @@ impl TokenCounter {
     /// Loads the tokenizer of `model` (a GGUF file), or of the default model when `None`
     /// (fetched into the cache if absent).
     pub fn load(model: Option<&Path>) -> Result<Self, BenchError> {
-        let path = npu_agent::model_store::resolve_model(model)
+        let path = npu_gguf::store::resolve_model(model)
             .map_err(|e| BenchError::Tokenizer(format!("locating the model: {e}")))?;
         let gguf = GgufFile::open(&path)
             .map_err(|e| BenchError::Tokenizer(format!("{}: {e}", path.display())))?;

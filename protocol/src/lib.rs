@@ -1,6 +1,7 @@
 //! npu-protocol: what the server and its agents must agree on. Step plans and step results
 //! (`step`), and later the shared-memory layout and the framed control messages.
 
+pub mod agent;
 pub mod frame;
 pub mod shm;
 pub mod step;

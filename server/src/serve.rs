@@ -8,10 +8,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use npu_agent::engine::AgentEngineConfig;
-use npu_agent::gguf::GgufFile;
-use npu_agent::model::ModelConfig;
-use npu_agent::tokenizer::Tokenizer;
+use npu_gguf::hparams::ModelConfig;
+use npu_gguf::GgufFile;
+use npu_protocol::agent::AgentEngineConfig;
+use npu_tokenizer::Tokenizer;
 
 use crate::agents::{AgentLaunch, AgentPool, AgentSpec};
 use crate::api::{ApiContext, ApiSettings};
@@ -141,8 +141,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// fetched when absent) and reads its tokenizer and limits.
 fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Result<ModelInfo> {
     let requested = cli_model.or_else(|| cfg.npu_serving.model_file.clone());
-    let path = npu_agent::model_store::resolve_model(requested.as_deref())
-        .context("resolving the model")?;
+    let path =
+        npu_gguf::store::resolve_model(requested.as_deref()).context("resolving the model")?;
     let gguf = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
     let mc = ModelConfig::from_gguf(&gguf).with_context(|| format!("model {}", path.display()))?;
     let tokenizer = Tokenizer::for_model(&gguf, &path)

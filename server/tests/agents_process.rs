@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use npu_agent::engine::AgentEngineConfig;
+use npu_protocol::agent::AgentEngineConfig;
 use npu_protocol::shm::names::pid_alive;
 use npu_protocol::shm::SEGMENT_PREFIX;
 use npu_protocol::{Admission, SamplingParams, SeqStep, StepPlan};

@@ -394,9 +394,9 @@ pub fn reference_prompts() -> Vec<(String, String)> {
         eprintln!("no reference file at {path}; reference comparisons skipped");
         return Vec::new();
     };
-    let model = npu_agent::model_store::resolve_model(None).unwrap();
-    let gguf = npu_agent::gguf::GgufFile::open(&model).unwrap();
-    let tokenizer = npu_agent::tokenizer::Tokenizer::for_model(&gguf, &model).unwrap();
+    let model = npu_gguf::store::resolve_model(None).unwrap();
+    let gguf = npu_gguf::GgufFile::open(&model).unwrap();
+    let tokenizer = npu_tokenizer::Tokenizer::for_model(&gguf, &model).unwrap();
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| {

@@ -101,7 +101,7 @@ pub fn peak_rss_mb() -> f64 {
 }
 
 pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
-    let model_path = crate::model_store::resolve_model(args.model.as_deref())?;
+    let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
     let long = !args.skip_long;
     let cfg = AgentEngineConfig {
         model_path,

@@ -11,9 +11,9 @@ use npu_protocol::SamplingParams;
 use serde::Serialize;
 
 use crate::engine::{AgentEngine, AgentEngineConfig};
-use crate::gguf::GgufFile;
 use crate::local::{LocalRequest, LocalRunner};
-use crate::tokenizer::Tokenizer;
+use npu_gguf::GgufFile;
+use npu_tokenizer::Tokenizer;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -70,7 +70,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         "--top-p must be in (0, 1] (got {})",
         args.top_p
     );
-    let model_path = crate::model_store::resolve_model(args.model.as_deref())?;
+    let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
     let gguf = GgufFile::open(&model_path)?;
     let tok = Tokenizer::for_model(&gguf, &model_path).context("building the tokenizer")?;
     let prompt_ids = tok.encode(&args.prompt)?;

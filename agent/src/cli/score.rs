@@ -8,11 +8,11 @@ use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 
-use crate::backend::cpu::{CpuBackend, CpuConfig};
-use crate::backend::{SeqMeta, StepMeta};
-use crate::gguf::GgufFile;
 use crate::model::{Model, ModelOptions};
-use crate::tokenizer::Tokenizer;
+use npu_backend::legacy::{SeqMeta, StepMeta};
+use npu_backend_cpu::{CpuBackend, CpuConfig};
+use npu_gguf::GgufFile;
+use npu_tokenizer::Tokenizer;
 
 #[derive(Debug, Args)]
 pub struct ScoreArgs {
@@ -126,7 +126,7 @@ pub fn score_ids(
 }
 
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
-    let model_path = crate::model_store::resolve_model(args.model.as_deref())?;
+    let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
     let gguf = GgufFile::open(&model_path)?;
     let tok = Tokenizer::for_model(&gguf, &model_path).context("building the tokenizer")?;
     let prompt_ids = tok.encode(&args.prompt)?;

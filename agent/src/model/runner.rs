@@ -2,8 +2,8 @@
 //! alike) go through every layer together; each layer writes its new K/V by slot mapping and reads
 //! history through the block tables; only the rows that need logits reach the output head.
 
-use crate::backend::{AttnGeometry, Backend, KvSpec, StepMeta};
-use crate::gguf::GgufFile;
+use npu_backend::legacy::{AttnGeometry, Backend, KvSpec, StepMeta};
+use npu_gguf::GgufFile;
 
 use super::weights::{Proj, Weights};
 use super::{ModelConfig, ModelError};

@@ -1,8 +1,8 @@
 //! Loads a Llama-family model's tensors from GGUF onto a Backend, checking every shape, and fusing
 //! Q/K/V and gate/up projections into single matrices where their formats allow.
 
-use crate::backend::{Backend, TensorPart};
-use crate::gguf::{GgufFile, TensorInfo};
+use npu_backend::legacy::{Backend, TensorPart};
+use npu_gguf::{GgufFile, TensorInfo};
 
 use super::{ModelConfig, ModelError};
 
@@ -79,7 +79,7 @@ fn vector<B: Backend>(
 ) -> Result<B::Buf, ModelError> {
     let (info, data) = tensor(f, name, &[len])?;
     let mut v = vec![0f32; len];
-    crate::quant::ggml::dequantize_row(info.ty, data, &mut v);
+    npu_gguf::quants::dequantize_row(info.ty, data, &mut v);
     let mut buf = b.alloc(len)?;
     b.upload(&mut buf, &v)?;
     Ok(buf)
@@ -139,7 +139,7 @@ impl<B: Backend> Weights<B> {
                     ("attn_v.bias", qd + kvd, kvd),
                 ] {
                     let (info, data) = tensor(f, &n(name), &[len])?;
-                    crate::quant::ggml::dequantize_row(info.ty, data, &mut bias[at..at + len]);
+                    npu_gguf::quants::dequantize_row(info.ty, data, &mut bias[at..at + len]);
                 }
                 let mut buf = b.alloc(bias.len())?;
                 b.upload(&mut buf, &bias)?;
@@ -153,7 +153,8 @@ impl<B: Backend> Weights<B> {
             let gate_up = matrix(b, &[gate, up], h)?;
             let down = single(b, part(f, &n("ffn_down.weight"), cfg.ff, h)?, cfg.ff)?;
             for p in [q, k, v, gate, up] {
-                lossy |= crate::quant::packed::PackFormat::for_type(p.ty).is_some_and(|x| x.1);
+                lossy |=
+                    npu_backend_cpu::quant::packed::PackFormat::for_type(p.ty).is_some_and(|x| x.1);
             }
             layers.push(Layer {
                 attn_norm: vector(f, b, &n("attn_norm.weight"), h)?,
@@ -171,7 +172,8 @@ impl<B: Backend> Weights<B> {
         } else {
             emb_part
         };
-        lossy |= crate::quant::packed::PackFormat::for_type(head_part.ty).is_some_and(|x| x.1);
+        lossy |=
+            npu_backend_cpu::quant::packed::PackFormat::for_type(head_part.ty).is_some_and(|x| x.1);
         let head = single(b, head_part, h)?;
         Ok(Self {
             embed,

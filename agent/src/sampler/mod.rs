@@ -177,12 +177,12 @@ fn log_sum_exp(logits: &[f32]) -> f64 {
     let mut chunks = logits.chunks_exact(8);
     for c in &mut chunks {
         for j in 0..8 {
-            lanes[j] += crate::kernels::vecmath::exp_approx(c[j] - max) as f64;
+            lanes[j] += npu_backend_cpu::kernels::vecmath::exp_approx(c[j] - max) as f64;
         }
     }
     let mut sum: f64 = lanes.iter().sum();
     for &x in chunks.remainder() {
-        sum += crate::kernels::vecmath::exp_approx(x - max) as f64;
+        sum += npu_backend_cpu::kernels::vecmath::exp_approx(x - max) as f64;
     }
     max as f64 + sum.ln()
 }

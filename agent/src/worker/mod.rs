@@ -15,38 +15,7 @@ use crate::engine::{AgentEngine, AgentEngineConfig, EngineError};
 
 pub use serve::{serve, StepExecutor};
 
-/// Command-line arguments of `npu-serving agent`.
-#[derive(Debug, Clone, PartialEq, clap::Args)]
-pub struct AgentArgs {
-    /// Index of this agent (its device offset).
-    #[arg(long)]
-    pub agent_id: u32,
-    /// The server's control address, HOST:PORT.
-    #[arg(long)]
-    pub control: String,
-    /// Name of the shared-memory segment the server created for this agent.
-    #[arg(long)]
-    pub shm: String,
-    /// `AgentEngineConfig` as JSON.
-    #[arg(long)]
-    pub config_json: String,
-}
-
-impl AgentArgs {
-    /// The arguments as a command line (after the `agent` subcommand).
-    pub fn to_command_line(&self) -> Vec<String> {
-        vec![
-            "--agent-id".into(),
-            self.agent_id.to_string(),
-            "--control".into(),
-            self.control.clone(),
-            "--shm".into(),
-            self.shm.clone(),
-            "--config-json".into(),
-            self.config_json.clone(),
-        ]
-    }
-}
+pub use npu_protocol::agent::AgentArgs;
 
 /// Why the agent process stopped with an error.
 #[derive(Debug, Error)]

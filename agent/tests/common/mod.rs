@@ -8,7 +8,7 @@ use npu_agent::engine::{AgentEngine, AgentEngineConfig};
 
 /// The default model (fetched on first use, as the product does).
 pub fn model_path() -> PathBuf {
-    npu_agent::model_store::resolve_model(None).expect("the default model is needed by this test")
+    npu_gguf::store::resolve_model(None).expect("the default model is needed by this test")
 }
 
 pub struct Ref {

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use npu_agent::engine::{AgentEngineConfig, ModelFacts};
-use npu_agent::worker::AgentArgs;
+use npu_protocol::agent::AgentArgs;
+use npu_protocol::agent::{AgentEngineConfig, ModelFacts};
 use npu_protocol::frame::Hello;
 use npu_protocol::shm::{ShmCapacities, ShmSegment, PROTOCOL_VERSION};
 use npu_protocol::MAX_TOP_N;

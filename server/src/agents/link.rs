@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use npu_agent::engine::ModelFacts;
+use npu_protocol::agent::ModelFacts;
 use npu_protocol::frame::{Frame, StepStatus};
 use npu_protocol::shm::{segment_name, ShmLayout, ShmSegment};
 use npu_protocol::{StepPlan, StepResult};

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use npu_agent::tokenizer::{ChatTemplate, Tokenizer};
+use npu_tokenizer::{ChatTemplate, Tokenizer};
 
 pub use error::{ApiError, ErrorShape};
 

@@ -12,7 +12,7 @@ use super::sampling;
 use super::ApiContext;
 use crate::engine::{GenerateRequest, RequestId};
 use crate::http::{Request, Submission};
-use npu_agent::tokenizer::ChatMessage;
+use npu_tokenizer::ChatMessage;
 
 /// What both OpenAI routes share.
 struct Common {

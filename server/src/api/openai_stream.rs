@@ -4,8 +4,8 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use npu_agent::tokenizer::Tokenizer;
 use npu_protocol::TokenLogprob;
+use npu_tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 
 use super::error::{render_error, ErrorShape};

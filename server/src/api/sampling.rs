@@ -3,8 +3,8 @@
 
 use std::hash::{BuildHasher, Hasher};
 
-use npu_agent::tokenizer::Tokenizer;
 use npu_protocol::MAX_TOP_N;
+use npu_tokenizer::Tokenizer;
 
 use super::error::ApiError;
 use super::fields::Fields;

@@ -5,8 +5,8 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use npu_agent::tokenizer::Tokenizer;
 use npu_protocol::{SamplingParams, TokenLogprob};
+use npu_tokenizer::Tokenizer;
 use serde::Serialize;
 
 use super::error::ApiError;

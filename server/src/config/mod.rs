@@ -122,7 +122,7 @@ impl DeviceKind {
 /// Our own settings: the `npu_serving:` section.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NpuServingConfig {
-    /// GGUF model file; None = the default model (`npu_agent::model_store::resolve_model(None)`).
+    /// GGUF model file; None = the default model (`npu_gguf::store::resolve_model(None)`).
     pub model_file: Option<PathBuf>,
     pub device: DeviceKind,
     /// Threads each agent uses; 0 = all cores divided among the agents.

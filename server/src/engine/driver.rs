@@ -10,8 +10,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{select, Receiver};
-use npu_agent::tokenizer::Tokenizer;
 use npu_protocol::StepResult;
+use npu_tokenizer::Tokenizer;
 use thiserror::Error;
 
 use super::agent_thread::{AgentEvent, AgentJob, AgentReport, AgentWorker, StepAgent};

@@ -9,8 +9,6 @@ pub mod handle;
 mod requests;
 pub mod scheduler;
 pub mod stop;
-#[cfg(test)]
-mod tests;
 pub mod types;
 
 pub use agent_thread::{AgentThreadSettings, StepAgent};

@@ -3,7 +3,7 @@
 //! generated token turns into. It survives preemption and agent restarts, so a recovered
 //! request resumes its text exactly where the client's stream stopped.
 
-use npu_agent::tokenizer::{DecodeStream, Tokenizer};
+use npu_tokenizer::{DecodeStream, Tokenizer};
 
 use super::scheduler::SchedOutput;
 use super::stop::{StopMatcher, StopOutcome};

@@ -13,8 +13,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::RecvTimeoutError;
-use npu_agent::gguf::GgufFile;
-use npu_agent::tokenizer::Tokenizer;
+use npu_gguf::GgufFile;
 use npu_protocol::TokenLogprob;
 use npu_server::api::{ApiContext, ApiSettings};
 use npu_server::engine::{
@@ -23,12 +22,12 @@ use npu_server::engine::{
 };
 use npu_server::http::{EventSink, HttpError, HttpLimits, HttpServer, ShutdownSignal};
 use npu_server::metrics::Metrics;
+use npu_tokenizer::Tokenizer;
 
 pub fn tokenizer() -> Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        let path =
-            npu_agent::model_store::resolve_model(None).expect("the default model is available");
+        let path = npu_gguf::store::resolve_model(None).expect("the default model is available");
         let gguf = GgufFile::open(&path).expect("the default model opens");
         Tokenizer::from_gguf(&gguf).expect("the default model has a tokenizer")
     })
@@ -66,7 +65,7 @@ fn spawn_echo_engine(
         struct Active {
             req: GenerateRequest,
             produced: u32,
-            decoder: npu_agent::tokenizer::DecodeStream,
+            decoder: npu_tokenizer::DecodeStream,
         }
         let mut active: HashMap<RequestId, Active> = HashMap::new();
         loop {

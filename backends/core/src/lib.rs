@@ -1,0 +1,383 @@
+//! npu-backend: the device seam. One narrow, device-shaped `Backend` trait that every device
+//! (`cpu`, `cuda`, `ascend`) implements, and the plain data that crosses it: element types,
+//! typed buffers and checked strided views (`view`), weights as the model file stores them, the
+//! paged KV pool's shape, one step's inputs, and the errors.
+//!
+//! The contract, for whoever writes a backend:
+//! - Ops are stream-ordered: they may run asynchronously, in call order. The host waits only in
+//!   `read_back` (once per step: the sampled ids or the logit rows), `kv_blocks_to_host` and
+//!   `synchronize`.
+//! - Step inputs (tokens, positions, slot mapping, block tables, logit rows) reach the device in
+//!   `begin_step`, in one host→device copy where the device has separate memory; the ops read
+//!   them from there.
+//! - Weights arrive as the file stores them (`HostTensor`: GGUF type, bytes, shape); each
+//!   backend picks its own format (repack, dequantize, upload).
+//! - Views are checked against their buffers when made (`View::new`), so an op may trust them;
+//!   an op still refuses a view of the wrong shape or dtype with `BackendError`.
+//! - The KV pool holds `num_blocks` blocks; block ids index it for every layer. Blocks move by id
+//!   between device blocks, and between device blocks and host memory the caller owns.
+
+pub mod legacy;
+pub mod view;
+
+use npu_gguf::hparams::Rope;
+use npu_gguf::GgmlType;
+use thiserror::Error;
+
+pub use view::{DeviceBuffer, Layout, View, ViewMut};
+
+/// Element types of device buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    /// Indices (token ids, positions, slots, block ids).
+    I32,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 | Self::I32 => 4,
+            Self::F16 | Self::BF16 => 2,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+            Self::I32 => "i32",
+        }
+    }
+}
+
+/// The kinds of device an agent can run on, and the cargo feature that builds each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+    Ascend,
+}
+
+impl DeviceKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Ascend => "ascend",
+        }
+    }
+    /// The cargo feature of the `npu-serving` package that compiles this backend in (`None`:
+    /// always built).
+    pub fn cargo_feature(self) -> Option<&'static str> {
+        match self {
+            Self::Cpu => None,
+            Self::Cuda => Some("cuda"),
+            Self::Ascend => Some("ascend"),
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "cpu" => Self::Cpu,
+            "cuda" | "gpu" => Self::Cuda,
+            "ascend" | "npu" => Self::Ascend,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum BackendError {
+    #[error(
+        "this build has no {device} backend: rebuild with `cargo build --release --features {feature}`"
+    )]
+    NotBuilt {
+        device: &'static str,
+        feature: &'static str,
+    },
+    #[error("{backend}: a library it needs is missing: {message}")]
+    MissingLibrary {
+        backend: &'static str,
+        message: String,
+    },
+    #[error("{backend}: out of memory allocating {what} ({bytes} bytes)")]
+    OutOfMemory {
+        backend: &'static str,
+        what: String,
+        bytes: usize,
+    },
+    #[error("{backend} does not support {what}")]
+    Unsupported { backend: &'static str, what: String },
+    #[error("bad view: {0}")]
+    BadView(String),
+    #[error("{op}: {message}")]
+    BadArgument { op: &'static str, message: String },
+    #[error("invalid step metadata: {0}")]
+    BadStep(String),
+    #[error("{backend} device error: {message}")]
+    Device {
+        backend: &'static str,
+        message: String,
+    },
+}
+
+/// Free and total memory of the device (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: u64,
+    pub total: u64,
+}
+
+/// A tensor as the model file stores it: `rows` rows of `cols` values of GGUF type `ty`
+/// (for a weight matrix, `rows` outputs of `cols` inputs; ggml order is `[cols, rows]`).
+#[derive(Debug, Clone, Copy)]
+pub struct HostTensor<'a> {
+    pub ty: GgmlType,
+    pub data: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Host data for `upload`.
+#[derive(Debug, Clone, Copy)]
+pub enum HostSlice<'a> {
+    F32(&'a [f32]),
+    I32(&'a [i32]),
+}
+
+impl HostSlice<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(s) => s.len(),
+            Self::I32(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Host memory that `read_back` fills (f32 values are converted from the buffer's dtype).
+#[derive(Debug)]
+pub enum HostSliceMut<'a> {
+    F32(&'a mut [f32]),
+    I32(&'a mut [i32]),
+}
+
+impl HostSliceMut<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(s) => s.len(),
+            Self::I32(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One device→host read of `read_back`: `src`'s elements, row by row, into `dst`
+/// (`dst.len() == src.layout().elements()`).
+pub struct Readback<'a, B: DeviceBuffer + ?Sized> {
+    pub src: View<'a, B>,
+    pub dst: HostSliceMut<'a>,
+}
+
+/// The shape of the paged KV pool: `num_blocks` blocks of `block_size` token slots, each slot
+/// holding K and V (`n_kv_heads * head_dim` values each) for every layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvSpec {
+    pub n_layers: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Model-wide attention geometry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnGeometry {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub rope: Rope,
+    /// Softmax scale (1 / sqrt(head_dim) for Llama).
+    pub scale: f32,
+}
+
+impl AttnGeometry {
+    pub fn q_width(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqSpan {
+    /// First row of this sequence's new tokens in the step's token rows.
+    pub q_row: u32,
+    /// Number of new tokens.
+    pub n_q: u32,
+    /// Tokens already in the KV cache (position of the first new token).
+    pub start_pos: u32,
+}
+
+/// The inputs of one step, host side; `begin_step` takes them to the device. The agent checks a
+/// step once, at the shared-memory boundary, before it becomes a `StepInputs`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepInputs {
+    /// New tokens of all sequences, concatenated.
+    pub tokens: Vec<u32>,
+    /// Position of each new token.
+    pub positions: Vec<u32>,
+    /// KV slot of each new token (block id * block_size + offset in the block).
+    pub slot_mapping: Vec<u32>,
+    pub seqs: Vec<SeqSpan>,
+    /// `seqs.len()` rows of `max_blocks` block ids (unused entries 0).
+    pub block_tables: Vec<u32>,
+    pub max_blocks: usize,
+    /// Token rows whose logits are wanted (the last new token of each sampling sequence).
+    pub logit_rows: Vec<u32>,
+}
+
+/// A compute device: buffers, weights, the paged KV pool and the kernels of a Llama step.
+pub trait Backend: Send {
+    /// A typed device allocation.
+    type Buffer: DeviceBuffer;
+    /// A weight matrix in the device's chosen format.
+    type Matrix: Send + Sync;
+    /// An embedding table (rows looked up by token id).
+    type Embedding: Send + Sync;
+
+    /// `cpu`, `cuda` or `ascend`.
+    fn kind(&self) -> DeviceKind;
+    /// A short description for logs (device, instruction set or architecture, threads).
+    fn describe(&self) -> String;
+    /// The dtype this backend computes activations in (the model allocates its buffers so).
+    fn act_dtype(&self) -> DType;
+    fn mem_info(&self) -> Result<MemInfo, BackendError>;
+
+    // --- memory ---------------------------------------------------------------------------
+    /// A zeroed buffer of `len` elements.
+    fn alloc(&mut self, dtype: DType, len: usize) -> Result<Self::Buffer, BackendError>;
+    /// Writes `src` into `dst`'s window, row by row (`src.len() == dst.layout().elements()`),
+    /// converting f32 to the buffer's float dtype. `src` may be reused when this returns.
+    fn upload(
+        &mut self,
+        src: HostSlice<'_>,
+        dst: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError>;
+    /// Waits for every queued op, then fills each read's host memory. The one host sync of a step.
+    fn read_back(&mut self, reads: &mut [Readback<'_, Self::Buffer>]) -> Result<(), BackendError>;
+    /// Waits for every queued op.
+    fn synchronize(&mut self) -> Result<(), BackendError>;
+
+    // --- weights --------------------------------------------------------------------------
+    /// A weight matrix whose output rows are `parts` stacked in order (all with the same
+    /// `cols`). `Ok(None)` when the parts cannot share one matrix (the caller loads them apart).
+    fn load_matrix(
+        &mut self,
+        parts: &[HostTensor<'_>],
+    ) -> Result<Option<Self::Matrix>, BackendError>;
+    fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<Self::Embedding, BackendError>;
+    /// A vector (norm weight, bias) as a buffer of the backend's choosing.
+    fn load_vector(&mut self, v: HostTensor<'_>) -> Result<Self::Buffer, BackendError>;
+
+    // --- the paged KV pool ----------------------------------------------------------------
+    /// Allocates the pool (zeroed). Called once, before any step.
+    fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError>;
+    /// Bytes one block occupies (K and V of every layer): the unit of the host copies below.
+    fn kv_block_bytes(&self) -> usize;
+    /// Copies whole blocks device→device, `(src, dst)` pairs, stream-ordered.
+    fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError>;
+    /// Copies `blocks` to host memory, `kv_block_bytes()` each, in order (waits for queued ops).
+    fn kv_blocks_to_host(&mut self, blocks: &[u32], dst: &mut [u8]) -> Result<(), BackendError>;
+    /// Copies host memory (as written by `kv_blocks_to_host`) into `blocks`; `src` may be reused
+    /// when this returns.
+    fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError>;
+
+    // --- one step -------------------------------------------------------------------------
+    /// Takes the step's inputs to the device; the ops below read them.
+    fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError>;
+    /// `out` row i = embedding row of the step's token i.
+    fn embed(
+        &mut self,
+        table: &Self::Embedding,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError>;
+    /// Each row of `x` RMS-normalised, times `w`, into the same row of `out`.
+    fn rms_norm(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        w: &Self::Buffer,
+        eps: f32,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError>;
+    /// `out[r][n] = x[r] . w[n]`: `x` has the matrix's input count of columns, `out` its output
+    /// count.
+    fn matmul(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        w: &Self::Matrix,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError>;
+    /// `x[r] += bias` for every row.
+    fn add_bias(
+        &mut self,
+        x: ViewMut<'_, Self::Buffer>,
+        bias: &Self::Buffer,
+    ) -> Result<(), BackendError>;
+    /// Rotary embedding at the step's positions, in place: `qk` rows hold `n_heads` query heads
+    /// then `n_kv_heads` key heads.
+    fn rope(&mut self, qk: ViewMut<'_, Self::Buffer>, g: &AttnGeometry)
+        -> Result<(), BackendError>;
+    /// Writes each new token's K and V rows into `layer`'s cache at the step's slot mapping.
+    fn kv_write(
+        &mut self,
+        k: View<'_, Self::Buffer>,
+        v: View<'_, Self::Buffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError>;
+    /// Causal paged attention of the step's queries over `layer`'s cache through the block
+    /// tables (history and this step's tokens, grouped-query heads); `out` rows get
+    /// `n_heads * head_dim` values.
+    fn attention(
+        &mut self,
+        q: View<'_, Self::Buffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError>;
+    /// `out = silu(gate) * up`, element-wise.
+    fn swiglu(
+        &mut self,
+        gate: View<'_, Self::Buffer>,
+        up: View<'_, Self::Buffer>,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError>;
+    /// `x += y`, element-wise (the residual adds).
+    fn add(
+        &mut self,
+        x: ViewMut<'_, Self::Buffer>,
+        y: View<'_, Self::Buffer>,
+    ) -> Result<(), BackendError>;
+    /// `out` row i = `x` row `logit_rows[i]` of the step.
+    fn gather_logit_rows(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError>;
+    /// `out[r]` = index of the largest value of `logits` row r (the first on ties), into an i32
+    /// buffer. `Ok(false)` when the backend has no device argmax (the caller reads logits back).
+    fn argmax_rows(
+        &mut self,
+        logits: View<'_, Self::Buffer>,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<bool, BackendError>;
+}

@@ -1,0 +1,72 @@
+//! Micro-benchmark of the packed matmul kernels on model-shaped matrices: prints time, GMAC/s and
+//! weight bandwidth per shape and batch size. `cargo run --release -p npu-agent --example matmul_bench [threads]`.
+
+use npu_backend_cpu::kernels::matmul::{matmul, MatmulInput};
+use npu_backend_cpu::kernels::Isa;
+use npu_backend_cpu::quant::{QuantizedActs, WeightMatrix};
+use npu_backend_cpu::threadpool::ThreadPool;
+use npu_gguf::GgmlType;
+use std::time::Instant;
+
+fn main() {
+    let threads: usize = std::env::args()
+        .nth(1)
+        .map(|s| s.parse().unwrap())
+        .unwrap_or(1);
+    let pool = ThreadPool::new(threads);
+    let only = std::env::var("ONLY").ok();
+    for (ty, n, k) in [
+        (GgmlType::Q4_1, 3072usize, 576usize),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q8_0, 49152, 576),
+    ] {
+        if only.as_deref().is_some_and(|o| o != ty.name()) {
+            continue;
+        }
+        let rb = ty.row_bytes(k).unwrap();
+        let bytes: Vec<u8> = (0..n * rb).map(|i| (i * 7 % 251) as u8).collect();
+        let mut bytes = bytes;
+        for r in 0..n * rb / ty.block_bytes() {
+            bytes[r * ty.block_bytes()] = 0;
+            bytes[r * ty.block_bytes() + 1] = 0x1c;
+        }
+        let w = WeightMatrix::from_ggml_parts(&[(ty, &bytes, n)], k).unwrap();
+        for m in [1usize, 4, 32, 128] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.1)
+                .collect();
+            let mut a = QuantizedActs::new();
+            a.quantize(&x, m, k);
+            a.fill_tiles();
+            let mut out = vec![0f32; m * n];
+            let iters = (400_000_000 / (m * n * k)).max(2);
+            // Best of several short windows: the machine is shared and noisy.
+            let mut dt = f64::MAX;
+            for _ in 0..7 {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    matmul(
+                        &pool,
+                        Isa::active(),
+                        &w,
+                        MatmulInput {
+                            f32: &x,
+                            quantized: &a,
+                            rows: m,
+                        },
+                        &mut out,
+                        n,
+                    );
+                }
+                dt = dt.min(t.elapsed().as_secs_f64() / iters as f64);
+            }
+            println!(
+                "{} n={n} k={k} m={m}: {:.3} ms, {:.1} GMAC/s, {:.1} GB/s weights",
+                ty.name(),
+                dt * 1e3,
+                (m * n * k) as f64 / dt / 1e9,
+                w.bytes() as f64 / dt / 1e9
+            );
+        }
+    }
+}

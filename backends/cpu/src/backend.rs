@@ -1,0 +1,489 @@
+//! The CPU backend: host memory buffers, packed quantized weights, an f16 paged KV pool, and the
+//! kernels of `crate::kernels` run on a fork-join thread pool with the best instruction set the
+//! machine offers.
+
+use std::sync::Arc;
+
+use half::f16;
+
+use crate::kernels::attention::{self, AttnParams, AttnSeq, KvLayout};
+use crate::kernels::elementwise;
+use crate::kernels::elementwise::Rope;
+use crate::kernels::matmul;
+use crate::kernels::quantize::quantize_acts;
+use crate::kernels::{Isa, SharedOut};
+use crate::quant::{QuantizedActs, WeightMatrix};
+use crate::threadpool::ThreadPool;
+use npu_backend::legacy::{AttnGeometry, Backend, BackendError, KvSpec, StepMeta, TensorPart};
+use npu_gguf::quants::dequantize_row;
+use npu_gguf::GgmlType;
+
+const NAME: &str = "cpu";
+
+/// Settings of the CPU backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuConfig {
+    /// Compute threads; 0 = all cores.
+    pub threads: usize,
+    /// Dequantize every weight to f32 and skip activation quantization: a slow, plain-arithmetic
+    /// reference for tests.
+    pub f32_reference: bool,
+}
+
+/// An embedding table kept in the file's format; rows are dequantized on lookup.
+pub struct CpuEmbedding {
+    ty: GgmlType,
+    data: Vec<u8>,
+    dim: usize,
+    rows: usize,
+}
+
+struct KvPool {
+    spec: KvSpec,
+    /// Per layer: K and V caches.
+    k: Vec<Vec<f16>>,
+    v: Vec<Vec<f16>>,
+}
+
+pub struct CpuBackend {
+    f32_reference: bool,
+    pool: Arc<ThreadPool>,
+    isa: Isa,
+    acts: QuantizedActs,
+    kv: Option<KvPool>,
+    step: StepMeta,
+    /// Counts steps, so per-step caches know when they are stale.
+    step_serial: u64,
+    /// Rotary cos/sin of every token of the step, and what they were computed for.
+    rope_cs: Vec<f32>,
+    rope_for: Option<(Rope, u64)>,
+}
+
+impl CpuBackend {
+    pub fn new(cfg: CpuConfig) -> Self {
+        let threads = if cfg.threads == 0 {
+            ThreadPool::available_threads()
+        } else {
+            cfg.threads
+        };
+        Self {
+            f32_reference: cfg.f32_reference,
+            pool: Arc::new(ThreadPool::new(threads)),
+            isa: Isa::active(),
+            acts: QuantizedActs::new(),
+            kv: None,
+            step: StepMeta::default(),
+            step_serial: 0,
+            rope_cs: Vec::new(),
+            rope_for: None,
+        }
+    }
+
+    /// Same, with an explicit instruction set (tests compare them).
+    pub fn with_isa(cfg: CpuConfig, isa: Isa) -> Self {
+        let mut b = Self::new(cfg);
+        b.isa = isa;
+        b
+    }
+
+    /// The compute pool (the engine samples on it too).
+    pub fn pool(&self) -> Arc<ThreadPool> {
+        self.pool.clone()
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// Runs `f` over row ranges covering `0..rows`, in parallel when there are enough rows.
+    fn par_rows<F: Fn(std::ops::Range<usize>) + Sync>(&self, rows: usize, f: F) {
+        let threads = self.pool.threads();
+        if rows < 8 || threads == 1 {
+            f(0..rows);
+            return;
+        }
+        let tasks = threads.min(rows);
+        self.pool
+            .run(tasks, |t| f(crate::threadpool::split_range(rows, tasks, t)));
+    }
+
+    fn kv(&self) -> Result<&KvPool, BackendError> {
+        self.kv
+            .as_ref()
+            .ok_or_else(|| BackendError::BadStep("KV pool not initialised".into()))
+    }
+}
+
+fn alloc_vec<T: Clone>(len: usize, v: T, what: &str) -> Result<Vec<T>, BackendError> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(len)
+        .map_err(|_| BackendError::OutOfMemory {
+            backend: NAME,
+            what: what.to_string(),
+            bytes: len * std::mem::size_of::<T>(),
+        })?;
+    out.resize(len, v);
+    Ok(out)
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Matrix = WeightMatrix;
+    type Embedding = CpuEmbedding;
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn describe(&self) -> String {
+        format!("cpu ({}, {} threads)", self.isa.name(), self.pool.threads())
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<Vec<f32>, BackendError> {
+        alloc_vec(len, 0f32, "activation buffer")
+    }
+
+    fn upload(&mut self, dst: &mut Vec<f32>, src: &[f32]) -> Result<(), BackendError> {
+        dst.clear();
+        dst.extend_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&mut self, src: &Vec<f32>, dst: &mut [f32]) -> Result<(), BackendError> {
+        dst.copy_from_slice(&src[..dst.len()]);
+        Ok(())
+    }
+
+    fn load_matrix(
+        &mut self,
+        parts: &[TensorPart],
+        k: usize,
+    ) -> Result<Option<WeightMatrix>, BackendError> {
+        let raw: Vec<(GgmlType, &[u8], usize)> =
+            parts.iter().map(|p| (p.ty, p.data, p.rows)).collect();
+        if self.f32_reference {
+            let n: usize = parts.iter().map(|p| p.rows).sum();
+            let mut data = alloc_vec(n * k, 0f32, "f32 reference weights")?;
+            let mut row0 = 0;
+            for p in parts {
+                let rb = p.ty.row_bytes(k).ok_or_else(|| BackendError::Unsupported {
+                    backend: NAME,
+                    what: format!("rows of {k} {} values", p.ty.name()),
+                })?;
+                for r in 0..p.rows {
+                    dequantize_row(
+                        p.ty,
+                        &p.data[r * rb..(r + 1) * rb],
+                        &mut data[(row0 + r) * k..(row0 + r + 1) * k],
+                    );
+                }
+                row0 += p.rows;
+            }
+            return Ok(Some(WeightMatrix::F32 { n, k, data }));
+        }
+        Ok(WeightMatrix::from_ggml_parts(&raw, k))
+    }
+
+    fn load_embedding(
+        &mut self,
+        table: TensorPart,
+        dim: usize,
+    ) -> Result<CpuEmbedding, BackendError> {
+        Ok(CpuEmbedding {
+            ty: table.ty,
+            data: table.data.to_vec(),
+            dim,
+            rows: table.rows,
+        })
+    }
+
+    fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
+        let per_layer = spec.num_blocks * spec.block_size * spec.n_kv_heads * spec.head_dim;
+        let mut k = Vec::with_capacity(spec.n_layers);
+        let mut v = Vec::with_capacity(spec.n_layers);
+        for _ in 0..spec.n_layers {
+            k.push(alloc_vec(per_layer, f16::ZERO, "KV cache")?);
+            v.push(alloc_vec(per_layer, f16::ZERO, "KV cache")?);
+        }
+        self.kv = Some(KvPool { spec, k, v });
+        Ok(())
+    }
+
+    fn begin_step(&mut self, meta: &StepMeta) -> Result<(), BackendError> {
+        let kv = self.kv()?;
+        let cap = (kv.spec.num_blocks * kv.spec.block_size) as u32;
+        if let Some(bad) = meta.slot_mapping.iter().find(|&&s| s >= cap) {
+            return Err(BackendError::BadStep(format!(
+                "slot {bad} is beyond the KV pool ({cap} slots)"
+            )));
+        }
+        if let Some(bad) = meta
+            .block_tables
+            .iter()
+            .find(|&&b| b as usize >= kv.spec.num_blocks)
+        {
+            return Err(BackendError::BadStep(format!(
+                "block {bad} is beyond the KV pool ({} blocks)",
+                kv.spec.num_blocks
+            )));
+        }
+        self.step.clone_from(meta);
+        self.step_serial += 1;
+        Ok(())
+    }
+
+    fn embed(&mut self, table: &CpuEmbedding, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        let d = table.dim;
+        let rb = table
+            .ty
+            .row_bytes(d)
+            .ok_or_else(|| BackendError::Unsupported {
+                backend: NAME,
+                what: format!("embedding rows of {d} {} values", table.ty.name()),
+            })?;
+        for (i, &tok) in self.step.tokens.iter().enumerate() {
+            let t = tok as usize;
+            if t >= table.rows {
+                return Err(BackendError::BadStep(format!(
+                    "token id {t} is beyond the vocabulary ({})",
+                    table.rows
+                )));
+            }
+            dequantize_row(
+                table.ty,
+                &table.data[t * rb..(t + 1) * rb],
+                &mut out[i * d..(i + 1) * d],
+            );
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        dim: usize,
+        eps: f32,
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let o = SharedOut(out.as_mut_ptr());
+        self.par_rows(rows, |r| {
+            // SAFETY: each task writes its own rows of `out`.
+            let dst = unsafe { o.rows(r.clone(), dim) };
+            elementwise::rms_norm(&x[r.start * dim..r.end * dim], &w[..dim], eps, dst);
+        });
+        Ok(())
+    }
+
+    fn matmul(
+        &mut self,
+        x: &Vec<f32>,
+        rows: usize,
+        w: &WeightMatrix,
+        out: &mut Vec<f32>,
+        col0: usize,
+        ldo: usize,
+    ) -> Result<(), BackendError> {
+        let k = w.k();
+        if let WeightMatrix::Packed(_) = w {
+            quantize_acts(
+                &self.pool,
+                self.isa,
+                &x[..rows * k],
+                rows,
+                k,
+                &mut self.acts,
+            );
+        }
+        matmul::matmul(
+            &self.pool,
+            self.isa,
+            w,
+            matmul::MatmulInput {
+                f32: &x[..rows * k],
+                quantized: &self.acts,
+                rows,
+            },
+            &mut out[col0..],
+            ldo,
+        );
+        Ok(())
+    }
+
+    fn add_bias(
+        &mut self,
+        x: &mut Vec<f32>,
+        bias: &Vec<f32>,
+        rows: usize,
+        col0: usize,
+        ld: usize,
+    ) -> Result<(), BackendError> {
+        for r in 0..rows {
+            let row = &mut x[r * ld + col0..r * ld + col0 + bias.len()];
+            elementwise::add_assign(row, bias);
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &mut self,
+        qkv: &mut Vec<f32>,
+        ld: usize,
+        g: &AttnGeometry,
+    ) -> Result<(), BackendError> {
+        let hd = g.head_dim;
+        let dims = g.rope.dims;
+        // The angles depend on the position only: computed once per step, used by every layer.
+        if self.rope_for != Some((g.rope, self.step_serial)) {
+            self.rope_cs.resize(self.step.positions.len() * dims, 0.0);
+            for (r, &pos) in self.step.positions.iter().enumerate() {
+                g.rope
+                    .angles(pos, &mut self.rope_cs[r * dims..(r + 1) * dims]);
+            }
+            self.rope_for = Some((g.rope, self.step_serial));
+        }
+        let rows = self.step.positions.len();
+        let cs = &self.rope_cs;
+        let o = SharedOut(qkv.as_mut_ptr());
+        let heads = g.n_heads + g.n_kv_heads;
+        self.par_rows(rows, |rr| {
+            for r in rr {
+                // SAFETY: each task rotates its own rows.
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(o.ptr().add(r * ld), heads * hd) };
+                elementwise::rope_apply(&g.rope, row, heads, hd, &cs[r * dims..(r + 1) * dims]);
+            }
+        });
+        Ok(())
+    }
+
+    fn kv_write(
+        &mut self,
+        qkv: &Vec<f32>,
+        ld: usize,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| BackendError::BadStep("KV pool not initialised".into()))?;
+        let lay = KvLayout {
+            n_kv_heads: g.n_kv_heads,
+            head_dim: g.head_dim,
+            block_size: kv.spec.block_size,
+        };
+        let k_col = g.n_heads * g.head_dim;
+        let v_col = k_col + g.n_kv_heads * g.head_dim;
+        attention::kv_write(
+            &lay,
+            qkv,
+            ld,
+            k_col,
+            v_col,
+            &self.step.slot_mapping,
+            &mut kv.k[layer],
+            &mut kv.v[layer],
+        );
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        qkv: &Vec<f32>,
+        ld: usize,
+        g: &AttnGeometry,
+        layer: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let kv = self.kv()?;
+        let lay = KvLayout {
+            n_kv_heads: g.n_kv_heads,
+            head_dim: g.head_dim,
+            block_size: kv.spec.block_size,
+        };
+        let mb = self.step.max_blocks;
+        let seqs: Vec<AttnSeq> = self
+            .step
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| AttnSeq {
+                q_row: s.q_row as usize,
+                n_q: s.n_q as usize,
+                start_pos: s.start_pos as usize,
+                block_table: &self.step.block_tables[i * mb..(i + 1) * mb],
+            })
+            .collect();
+        let p = AttnParams {
+            lay,
+            n_heads: g.n_heads,
+            scale: g.scale,
+        };
+        attention::paged_attention(
+            &self.pool,
+            self.isa,
+            &p,
+            qkv,
+            ld,
+            &seqs,
+            &kv.k[layer],
+            &kv.v[layer],
+            out,
+            g.n_heads * g.head_dim,
+        );
+        Ok(())
+    }
+
+    fn swiglu(
+        &mut self,
+        gate_up: &Vec<f32>,
+        ff: usize,
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let o = SharedOut(out.as_mut_ptr());
+        let isa = self.isa;
+        self.par_rows(rows, |r| {
+            // SAFETY: each task writes its own rows of `out`.
+            let dst = unsafe { o.rows(r.clone(), ff) };
+            elementwise::swiglu(isa, &gate_up[r.start * 2 * ff..r.end * 2 * ff], ff, dst);
+        });
+        Ok(())
+    }
+
+    fn add_assign(
+        &mut self,
+        x: &mut Vec<f32>,
+        y: &Vec<f32>,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        let o = SharedOut(x.as_mut_ptr());
+        let chunk = 4096;
+        self.par_rows(len.div_ceil(chunk), |r| {
+            let (a, b) = (r.start * chunk, (r.end * chunk).min(len));
+            // SAFETY: each task adds into its own range of `x`.
+            let dst = unsafe { std::slice::from_raw_parts_mut(o.ptr().add(a), b - a) };
+            elementwise::add_assign(dst, &y[a..b]);
+        });
+        Ok(())
+    }
+
+    fn gather_logit_rows(
+        &mut self,
+        x: &Vec<f32>,
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        for (i, &r) in self.step.logit_rows.iter().enumerate() {
+            let r = r as usize;
+            out[i * dim..(i + 1) * dim].copy_from_slice(&x[r * dim..(r + 1) * dim]);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,146 @@
+//! The element-wise parts of a Llama layer: RMS normalisation, rotary position embedding, SwiGLU,
+//! residual adds, and embedding-row lookup. They follow ggml's arithmetic (f64 sum of squares,
+//! `1/sqrt(mean + eps)` in f32, rotation angles by repeated multiplication) so hidden states track
+//! llama.cpp's closely.
+
+use half::f16;
+
+use super::vecmath::exp_approx;
+use super::Isa;
+pub use npu_gguf::hparams::{Rope, RopeStyle};
+
+/// `out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w` for every row of `x` (row length `w.len()`).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
+        let mean = (sum / n as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+            *o = (v * scale) * g;
+        }
+    }
+}
+
+/// Rotates `n_heads` heads of `head_dim` values (one token) in place with precomputed angles.
+pub fn rope_apply(rope: &Rope, v: &mut [f32], n_heads: usize, head_dim: usize, cs: &[f32]) {
+    for h in 0..n_heads {
+        let head = &mut v[h * head_dim..(h + 1) * head_dim];
+        for i in 0..rope.dims / 2 {
+            let (c, s) = (cs[2 * i], cs[2 * i + 1]);
+            let (a, b) = match rope.style {
+                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                RopeStyle::Halves => (i, i + rope.dims / 2),
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * c - x1 * s;
+            head[b] = x0 * s + x1 * c;
+        }
+    }
+}
+
+/// `out[i] = silu(gate[i]) * up[i]` where each row of `gate_up` is `[gate | up]` (`ff` each).
+pub fn swiglu(isa: Isa, gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: chosen only when the CPU has AVX-512F.
+        Isa::Avx512Vnni => unsafe { swiglu_avx512(gate_up, ff, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: chosen only when the CPU has AVX2 and FMA.
+        Isa::Avx2 => unsafe { swiglu_avx2(gate_up, ff, out) },
+        _ => swiglu_body(gate_up, ff, out),
+    }
+}
+
+#[inline(always)]
+fn swiglu_body(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    for (gu, o) in gate_up.chunks_exact(2 * ff).zip(out.chunks_exact_mut(ff)) {
+        let (g, u) = gu.split_at(ff);
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = (g / (1.0 + exp_approx(-g))) * u;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn swiglu_avx512(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    swiglu_body(gate_up, ff, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_avx2(gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    swiglu_body(gate_up, ff, out)
+}
+
+/// `x += y`.
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Rounds every value through f16 (as ggml does when it feeds f32 data to an f16 kernel).
+pub fn round_f16(x: &mut [f32]) {
+    for v in x {
+        *v = f16::from_f32(*v).to_f32();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_unit_rows() {
+        let x = [3.0f32, 4.0, 0.0, 0.0];
+        let w = [1.0f32, 2.0, 1.0, 1.0];
+        let mut out = [0f32; 4];
+        rms_norm(&x, &w, 0.0, &mut out);
+        let rms = (25.0f32 / 4.0).sqrt();
+        assert!((out[0] - 3.0 / rms).abs() < 1e-6);
+        assert!((out[1] - 8.0 / rms).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_and_preserves_norm() {
+        let rope = Rope {
+            style: RopeStyle::Interleaved,
+            dims: 4,
+            base: 10000.0,
+            freq_scale: 1.0,
+        };
+        let mut cs = [0f32; 4];
+        rope.angles(3, &mut cs);
+        let mut v = [1.0f32, 0.0, 0.0, 1.0];
+        rope_apply(&rope, &mut v, 1, 4, &cs);
+        assert!((v[0] - 3f32.cos()).abs() < 1e-6 && (v[1] - 3f32.sin()).abs() < 1e-6);
+        let t = 3.0 * 10000f32.powf(-0.5);
+        assert!((v[2] + t.sin()).abs() < 1e-5 && (v[3] - t.cos()).abs() < 1e-5);
+        // Position 0 is the identity.
+        rope.angles(0, &mut cs);
+        let mut w = [0.3f32, -0.7, 1.1, 2.0];
+        let before = w;
+        rope_apply(&rope, &mut w, 1, 4, &cs);
+        assert_eq!(w, before);
+        // Halves style pairs i with i + d/2.
+        let halves = Rope {
+            style: RopeStyle::Halves,
+            ..rope
+        };
+        halves.angles(3, &mut cs);
+        let mut h = [1.0f32, 0.0, 0.0, 0.0];
+        rope_apply(&halves, &mut h, 1, 4, &cs);
+        assert!((h[0] - 3f32.cos()).abs() < 1e-6 && (h[2] - 3f32.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn swiglu_values() {
+        let gu = [0.0f32, 1.0, 2.0, 3.0];
+        let mut out = [0f32; 2];
+        swiglu(Isa::Scalar, &gu, 2, &mut out);
+        assert_eq!(out[0], 0.0);
+        assert!((out[1] - (1.0 / (1.0 + (-1f32).exp())) * 3.0).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,212 @@
+//! The scalar packed kernel against plain f32 arithmetic on the dequantized operands, and every
+//! SIMD kernel this machine can run against the scalar one, bit for bit.
+
+use super::*;
+use crate::quant::testing::{random_ggml_rows, TestRng};
+use npu_gguf::GgmlType;
+
+const TYPES: [GgmlType; 10] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+fn packed(ty: GgmlType, n: usize, k: usize, seed: u64) -> PackedMatrix {
+    let bytes = random_ggml_rows(ty, n, k, seed);
+    match WeightMatrix::from_ggml_parts(&[(ty, &bytes, n)], k).unwrap() {
+        WeightMatrix::Packed(p) => p,
+        WeightMatrix::F32 { .. } => panic!("expected packed"),
+    }
+}
+
+fn acts(rows: usize, k: usize, seed: u64) -> (Vec<f32>, QuantizedActs) {
+    let mut rng = TestRng::new(seed);
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-2.0, 2.0)).collect();
+    let mut a = QuantizedActs::new();
+    a.quantize(&x, rows, k);
+    a.fill_tiles();
+    (x, a)
+}
+
+fn run(isa: Isa, w: &PackedMatrix, a: &QuantizedActs, ldo: usize) -> Vec<f32> {
+    let mut out = vec![f32::NAN; a.rows * ldo];
+    packed_job(
+        isa,
+        &PackedJob {
+            w,
+            acts: a,
+            groups: 0..w.groups(),
+            rows: 0..a.rows,
+            out: SharedOut(out.as_mut_ptr()),
+            ldo,
+        },
+    );
+    out
+}
+
+#[test]
+fn scalar_matches_dequantized_arithmetic() {
+    for ty in TYPES {
+        for &(rows, n, k) in &[(1usize, 16usize, 256usize), (3, 21, 512), (6, 48, 256)] {
+            let w = packed(ty, n, k, 5);
+            let (_, a) = acts(rows, k, 9);
+            let got = run(Isa::Scalar, &w, &a, n);
+            let mut wrow = vec![0f32; k];
+            let f = w.format;
+            let unit = f.unit_bytes();
+            for nn in 0..n {
+                w.dequantize_row(nn, &mut wrow);
+                let gd = w.group_data(nn / 16);
+                for m in 0..rows {
+                    // Per block: the exact product with the block's minimum taken out, plus the
+                    // minimum times the activation block sum as the kernel has it (s, f16-rounded).
+                    let mut want = 0f64;
+                    let mut mag = 0f64;
+                    for b in 0..k / 32 {
+                        let (_, mn) = crate::quant::packed::unit_scale_min(
+                            f,
+                            &gd[b * unit..(b + 1) * unit],
+                            nn % 16,
+                        );
+                        let span = b * 32..b * 32 + 32;
+                        for (&q, &w) in a.qs[m * k..][span.clone()].iter().zip(&wrow[span]) {
+                            let xv = q as f64 * a.d[m * k / 32 + b] as f64;
+                            want += xv * (w - mn) as f64;
+                            mag += (xv * w as f64).abs();
+                        }
+                        want += mn as f64 * a.s[m * k / 32 + b] as f64;
+                    }
+                    let g = got[m * n + nn] as f64;
+                    let tol = 1e-5 * mag + 1e-5;
+                    assert!(
+                        (g - want).abs() <= tol,
+                        "{} rows={rows} n={n} k={k} [{m},{nn}]: kernel {g} reference {want}",
+                        ty.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_kernels_match_scalar_bit_for_bit() {
+    let isas: Vec<Isa> = Isa::available()
+        .into_iter()
+        .filter(|i| *i != Isa::Scalar)
+        .collect();
+    if isas.is_empty() {
+        eprintln!("no SIMD instruction set on this machine: only the scalar kernel was tested");
+    }
+    #[cfg(target_arch = "x86_64")]
+    eprintln!("AMX available: {}", amx::available());
+    for ty in TYPES {
+        for &(rows, n, k) in &[
+            (1usize, 16usize, 64usize),
+            (2, 32, 256),
+            (5, 37, 512),
+            (9, 64, 256),
+            // 16 rows and more also take the AMX path where the machine has it.
+            (16, 48, 512),
+            (37, 21, 256),
+        ] {
+            let k = if ty.block_len() == 256 {
+                k.max(256) / 256 * 256
+            } else {
+                k
+            };
+            let w = packed(ty, n, k, 21);
+            let (_, a) = acts(rows, k, 4);
+            let want = run(Isa::Scalar, &w, &a, n + 3);
+            for &isa in &isas {
+                let got = run(isa, &w, &a, n + 3);
+                for m in 0..rows {
+                    for nn in 0..n {
+                        let (g, s) = (got[m * (n + 3) + nn], want[m * (n + 3) + nn]);
+                        assert_eq!(
+                            g.to_bits(),
+                            s.to_bits(),
+                            "{} {} rows={rows} n={n} k={k} [{m},{nn}]: {g} vs scalar {s}",
+                            isa.name(),
+                            ty.name()
+                        );
+                    }
+                    // Padding columns beyond n are never written.
+                    for nn in n..n + 3 {
+                        assert!(got[m * (n + 3) + nn].is_nan());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn parallel_matmul_matches_single_job() {
+    let pool = ThreadPool::new(3);
+    let k = 576;
+    for &(rows, n) in &[(1usize, 192usize), (7, 960), (33, 96)] {
+        let w = WeightMatrix::Packed(packed(GgmlType::Q4_1, n, k, 2));
+        let (x, a) = acts(rows, k, 3);
+        let mut par = vec![0f32; rows * n];
+        matmul(
+            &pool,
+            Isa::active(),
+            &w,
+            MatmulInput {
+                f32: &x,
+                quantized: &a,
+                rows,
+            },
+            &mut par,
+            n,
+        );
+        let WeightMatrix::Packed(p) = &w else {
+            unreachable!()
+        };
+        let one = run(Isa::active(), p, &a, n);
+        assert_eq!(par, one);
+    }
+}
+
+#[test]
+fn f32_weights_match_naive() {
+    let pool = ThreadPool::new(2);
+    let (n, k, rows) = (40usize, 70usize, 3usize);
+    let bytes = random_ggml_rows(GgmlType::F32, n, k, 8);
+    let w = WeightMatrix::from_ggml_parts(&[(GgmlType::F32, &bytes, n)], k).unwrap();
+    let WeightMatrix::F32 { data, .. } = &w else {
+        panic!()
+    };
+    let mut rng = TestRng::new(1);
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    for isa in Isa::available() {
+        let mut out = vec![0f32; rows * n];
+        let empty = QuantizedActs::new();
+        matmul(
+            &pool,
+            isa,
+            &w,
+            MatmulInput {
+                f32: &x,
+                quantized: &empty,
+                rows,
+            },
+            &mut out,
+            n,
+        );
+        for m in 0..rows {
+            for nn in 0..n {
+                let want: f32 = (0..k).map(|kk| x[m * k + kk] * data[nn * k + kk]).sum();
+                assert!((out[m * n + nn] - want).abs() < 1e-4, "{}", isa.name());
+            }
+        }
+    }
+}

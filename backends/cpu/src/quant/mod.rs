@@ -1,0 +1,11 @@
+//! Weight and activation number formats: the
+//! packed weight layout our matmul kernels read (`packed`), and 8-bit activation quantization
+//! (`acts`).
+
+pub mod acts;
+pub mod packed;
+
+pub use acts::QuantizedActs;
+pub use packed::{PackedMatrix, WeightMatrix};
+#[cfg(test)]
+pub mod testing;

@@ -1,0 +1,93 @@
+//! Dequantization checked against an independent oracle: random blocks of every k-quant and
+//! legacy format, decoded by the `gguf` Python package (llama.cpp's gguf-py) into
+//! tests/data/dequant_oracle.json.
+
+use super::*;
+
+fn from_hex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+fn ty_named(name: &str) -> GgmlType {
+    [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ]
+    .into_iter()
+    .find(|t| t.name() == name)
+    .unwrap_or_else(|| panic!("unknown type {name}"))
+}
+
+#[test]
+fn matches_gguf_py_oracle() {
+    let text = include_str!("../../tests/data/dequant_oracle.json");
+    let cases: serde_json::Value = serde_json::from_str(text).unwrap();
+    let cases = cases.as_array().unwrap();
+    assert_eq!(cases.len(), 10);
+    for case in cases {
+        let ty = ty_named(case["type"].as_str().unwrap());
+        let bytes = from_hex(case["hex"].as_str().unwrap());
+        let want: Vec<f32> = case["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let mut got = vec![0f32; want.len()];
+        dequantize_row(ty, &bytes, &mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let tol = 1e-6 * w.abs().max(1e-3);
+            assert!(
+                (g - w).abs() <= tol,
+                "{}: element {i}: got {g}, oracle {w}",
+                ty.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn plain_float_types() {
+    let vals = [1.5f32, -2.25, 0.0, 65504.0];
+    let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let f16b: Vec<u8> = vals
+        .iter()
+        .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+        .collect();
+    let bf16b: Vec<u8> = vals
+        .iter()
+        .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+        .collect();
+    let mut out = [0f32; 4];
+    dequantize_row(GgmlType::F32, &f32b, &mut out);
+    assert_eq!(out, vals);
+    dequantize_row(GgmlType::F16, &f16b, &mut out);
+    assert_eq!(out, vals);
+    dequantize_row(GgmlType::BF16, &bf16b, &mut out);
+    assert_eq!(&out[..3], &vals[..3]);
+}
+
+#[test]
+fn q8_k_block() {
+    let mut b = vec![0u8; 292];
+    b[0..4].copy_from_slice(&0.5f32.to_le_bytes());
+    for j in 0..256 {
+        b[4 + j] = (j as i32 - 128) as i8 as u8;
+    }
+    let mut out = vec![0f32; 256];
+    dequantize_row(GgmlType::Q8K, &b, &mut out);
+    for (j, v) in out.iter().enumerate() {
+        assert_eq!(*v, (j as f32 - 128.0) * 0.5);
+    }
+}
