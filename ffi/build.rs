@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 const OP_HEADERS: &[&str] = &[
     "aclnn_add.h",
     "aclnn_cast.h",
+    "aclnn_copy.h",
     "aclnn_rms_norm.h",
     "aclnn_swi_glu.h",
     "aclnn_embedding.h",

@@ -5,7 +5,7 @@
 //! &workspaceSize, &executor)` then `aclnnXxx(workspace, workspaceSize, executor, stream)`.
 //!
 //! Sources (operator API reference, "aclnnXxx" pages; headers `aclnnop/aclnn_*.h`):
-//! Add/InplaceAdd (`aclnn_add.h`), Cast (`aclnn_cast.h`), RmsNorm (`aclnn_rms_norm.h`),
+//! Add/InplaceAdd (`aclnn_add.h`), Cast (`aclnn_cast.h`), InplaceCopy (`aclnn_copy.h`), RmsNorm (`aclnn_rms_norm.h`),
 //! SwiGlu (`aclnn_swi_glu.h`), Embedding (`aclnn_embedding.h`), ArgMax (`aclnn_argmax.h`),
 //! Matmul (`aclnn_matmul.h`), WeightQuantBatchMatmulV2 (`aclnn_weight_quant_batch_matmul_v2.h`),
 //! FusedInferAttentionScoreV2 (`aclnn_fused_infer_attention_score_v2.h`), IncreFlashAttentionV4
@@ -56,6 +56,8 @@ pub mod ops {
                 fn aclnnInplaceAdd(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnCastGetWorkspaceSize(self_: *const aclTensor, dtype: aclDataType, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnCast(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnInplaceCopyGetWorkspaceSize(selfRef: *mut aclTensor, src: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnInplaceCopy(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnRmsNormGetWorkspaceSize(x: *const aclTensor, gamma: *const aclTensor, epsilon: f64, yOut: *const aclTensor, rstdOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnRmsNorm(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnSwiGluGetWorkspaceSize(x: *const aclTensor, dim: i64, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;

@@ -602,6 +602,7 @@ pub extern "C" fn aclrtFree(devPtr: *mut c_void) -> aclError {
         let size = st.device_mem[&a].data.len() as u64;
         st.check_no_pending(a, size, true, "aclrtFree")?;
         st.device_mem.remove(&a);
+        st.forget_derived(a, size);
         st.freed.insert(a, size);
         st.device_used -= size;
         Ok(())

@@ -68,6 +68,16 @@ pub fn fail<T>(code: i32, msg: impl Into<String>) -> Result<T, Fail> {
 pub struct DeviceAlloc {
     pub data: Vec<u8>,
     pub device: i32,
+    /// Changes whenever the bytes may have been written (caches derived from them key on it).
+    pub version: u64,
+}
+
+/// What a cached conversion of device data was made from: each source tensor's address, the
+/// version of its allocation, and its description, plus kernel parameters.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DerivedKey {
+    pub sources: Vec<(u64, u64, String)>,
+    pub params: Vec<i64>,
 }
 
 /// The work of a queued task, run with the state at synchronization.
@@ -120,6 +130,10 @@ pub struct State {
     pub executors: HashMap<u64, Executor>,
     pub devices_set: HashMap<i32, u64>,
     pub device_refs: HashMap<i32, u32>,
+    pub next_version: u64,
+    /// Weights converted to f32 once and reused while their bytes stay the same (keyed by the
+    /// allocation versions they were read from): the emulation's speed, not a CANN feature.
+    pub derived: HashMap<DerivedKey, std::sync::Arc<Vec<f32>>>,
 }
 
 static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::default()));
@@ -268,6 +282,23 @@ impl State {
         )
     }
 
+    /// The version of the allocation holding `addr` (0 when there is none).
+    pub fn version_of(&self, addr: u64) -> u64 {
+        match self.device_mem.range(..=addr).next_back() {
+            Some((&start, a)) if addr < start + (a.data.len() as u64).max(1) => a.version,
+            _ => 0,
+        }
+    }
+
+    /// Drops cached conversions read from `[start, start + size)`.
+    pub fn forget_derived(&mut self, start: u64, size: u64) {
+        self.derived.retain(|k, _| {
+            !k.sources
+                .iter()
+                .any(|(a, _, _)| *a >= start && *a < start + size.max(1))
+        });
+    }
+
     pub fn is_device(&self, addr: u64) -> bool {
         (DEVICE_BASE..DEVICE_BASE + (1 << 52)).contains(&addr)
     }
@@ -281,7 +312,9 @@ impl State {
 
     pub fn bytes_mut(&mut self, addr: u64, len: u64) -> Result<&mut [u8], Fail> {
         let start = self.device_range(addr, len, "device write")?;
+        self.next_version += 1;
         let a = self.device_mem.get_mut(&start).expect("range found");
+        a.version = self.next_version;
         let off = (addr - start) as usize;
         Ok(&mut a.data[off..off + len as usize])
     }
@@ -312,6 +345,7 @@ impl State {
             DeviceAlloc {
                 data: vec![POISON; size as usize],
                 device,
+                version: 0,
             },
         );
         self.device_used += size;

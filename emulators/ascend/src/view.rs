@@ -3,7 +3,22 @@
 //! read or written as f64 at the storage position `offset + Σ index·stride`, in the tensor's
 //! dtype (f16/bf16 via `half`, int4 as nibbles, low nibble first).
 
+use std::sync::LazyLock;
+
 use npu_ffi::types::*;
+
+/// Every f16 bit pattern as f32 (the emulation reads f16 data through it).
+static F16_TO_F32: LazyLock<Vec<f32>> = LazyLock::new(|| {
+    (0..=u16::MAX)
+        .map(|b| half::f16::from_bits(b).to_f32())
+        .collect()
+});
+
+/// The f32 value of the f16 at element `pos` of `bytes`.
+#[inline(always)]
+pub fn f16_at(bytes: &[u8], pos: usize) -> f32 {
+    F16_TO_F32[u16::from_le_bytes([bytes[pos * 2], bytes[pos * 2 + 1]]) as usize]
+}
 
 /// Element types the emulation reads and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +139,51 @@ impl View {
         true
     }
 
+    /// Calls `f` with the storage element index of each element of the view, in row-major
+    /// order of the view.
+    pub fn for_each_position(&self, mut f: impl FnMut(usize)) {
+        let n = self.numel();
+        if n == 0 {
+            return;
+        }
+        let rank = self.rank();
+        if rank == 0 || self.is_contiguous() {
+            let o = self.offset as usize;
+            (o..o + n).for_each(f);
+            return;
+        }
+        let (last_d, last_s) = (self.dims[rank - 1], self.strides[rank - 1]);
+        let mut idx = vec![0i64; rank - 1];
+        let mut base = self.offset;
+        for _ in 0..n / last_d as usize {
+            let mut p = base;
+            for _ in 0..last_d {
+                f(p as usize);
+                p += last_s;
+            }
+            for ax in (0..rank - 1).rev() {
+                idx[ax] += 1;
+                base += self.strides[ax];
+                if idx[ax] < self.dims[ax] {
+                    break;
+                }
+                base -= self.strides[ax] * self.dims[ax];
+                idx[ax] = 0;
+            }
+        }
+    }
+
+    /// A short text naming the view (for cache keys).
+    pub fn key(&self) -> String {
+        format!(
+            "{}{:?}{:?}+{}",
+            self.dtype.name(),
+            self.dims,
+            self.strides,
+            self.offset
+        )
+    }
+
     /// Storage element index of each element of the view, in row-major order of the view.
     pub fn positions(&self) -> Vec<i64> {
         let n = self.numel();
@@ -163,7 +223,7 @@ impl View {
 pub fn read_elem(bytes: &[u8], dtype: DType, pos: usize) -> f64 {
     match dtype {
         DType::F32 => f32::from_le_bytes(bytes[pos * 4..pos * 4 + 4].try_into().unwrap()) as f64,
-        DType::F16 => half::f16::from_le_bytes([bytes[pos * 2], bytes[pos * 2 + 1]]).to_f64(),
+        DType::F16 => f16_at(bytes, pos) as f64,
         DType::Bf16 => half::bf16::from_le_bytes([bytes[pos * 2], bytes[pos * 2 + 1]]).to_f64(),
         DType::I8 => bytes[pos] as i8 as f64,
         DType::U8 | DType::Bool => bytes[pos] as f64,

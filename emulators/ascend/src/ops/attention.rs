@@ -13,9 +13,9 @@ use core::ffi::{c_char, CStr};
 
 use npu_ffi::types::*;
 
-use super::{dtype_in, invalid, kernel_common, prepare, read, write, Io, Kernel};
+use super::{dot, dtype_in, invalid, kernel_common, prepare, read, read_f32, write, Io, Kernel};
 use crate::state::*;
-use crate::view::{read_elem, DType, View};
+use crate::view::{f16_at, read_elem, DType, View};
 
 #[derive(Clone)]
 struct Fia {
@@ -45,29 +45,47 @@ impl Kernel for Fia {
             &self.io.ins[2],
             &self.io.ins[3],
         );
-        let b = q.dims[0];
-        let s = q.dims[1];
-        let (n, kv_n, d) = (self.n, self.kv_n, self.d);
+        let b = q.dims[0] as usize;
+        let s = q.dims[1] as usize;
+        let (n, kv_n, d) = (self.n as usize, self.kv_n as usize, self.d as usize);
         let h = n * d;
-        let qv: Vec<f32> = read(st, q)?.into_iter().map(|v| v as f32).collect();
+        let kvd = kv_n * d;
+        let bs = self.block_size as usize;
+        let qv = read_f32(st, q)?;
         let table: Vec<i64> = read(st, bt)?.into_iter().map(|v| v as i64).collect();
-        let max_blocks = bt.dims[1];
+        let max_blocks = bt.dims[1] as usize;
         let num_blocks = kc.dims[0];
         let kb = st.bytes(kc.addr, kc.storage_bytes())?;
         let vb = st.bytes(vc.addr, vc.storage_bytes())?;
-        let elem = |bytes: &[u8], v: &View, blk: i64, slot: i64, c: i64| -> f32 {
-            let p = v.offset + blk * v.strides[0] + slot * v.strides[1] + c * v.strides[2];
-            read_elem(bytes, v.dtype, p as usize) as f32
+        // Rows 0..len of one sequence's cache, gathered through its block table, as f32.
+        let gather = |bytes: &[u8], v: &View, blocks: &[i64], len: usize| -> Vec<f32> {
+            let mut out = Vec::with_capacity(len * kvd);
+            for j in 0..len {
+                let base =
+                    v.offset + blocks[j / bs] * v.strides[0] + (j % bs) as i64 * v.strides[1];
+                for c in 0..kvd as i64 {
+                    let p = (base + c * v.strides[2]) as usize;
+                    out.push(if v.dtype == DType::F16 {
+                        f16_at(bytes, p)
+                    } else {
+                        read_elem(bytes, v.dtype, p) as f32
+                    });
+                }
+            }
+            out
         };
         let group = n / kv_n;
-        let mut out = vec![0.0f64; (b * s * h) as usize];
+        let scale = self.scale as f32;
+        let mut out = vec![0.0f64; b * s * h];
+        let mut scores = Vec::new();
+        let mut acc = vec![0.0f32; d];
         for bi in 0..b {
-            let kv_len = self.kv_lens[bi as usize];
-            let q_len = if s == 1 { 1 } else { self.q_lens[bi as usize] };
-            let need = (kv_len + self.block_size - 1) / self.block_size;
-            let mut blocks = Vec::with_capacity(need as usize);
+            let kv_len = self.kv_lens[bi] as usize;
+            let q_len = if s == 1 { 1 } else { self.q_lens[bi] as usize };
+            let need = kv_len.div_ceil(bs);
+            let mut blocks = Vec::with_capacity(need);
             for t in 0..need {
-                let blk = table[(bi * max_blocks + t) as usize];
+                let blk = table[bi * max_blocks + t];
                 if blk < 0 || blk >= num_blocks {
                     return fail(
                         ACL_ERROR_RT_AICORE_EXCEPTION,
@@ -76,44 +94,37 @@ impl Kernel for Fia {
                 }
                 blocks.push(blk);
             }
+            let keys = gather(kb, kc, &blocks, kv_len);
+            let values = gather(vb, vc, &blocks, kv_len);
             for i in 0..q_len {
                 let visible = if self.causal {
-                    (kv_len - q_len + i + 1).clamp(0, kv_len)
+                    (kv_len + i + 1).saturating_sub(q_len).min(kv_len)
                 } else {
                     kv_len
                 };
                 for hd in 0..n {
                     let kvh = hd / group;
-                    let qrow = &qv[((bi * s + i) * h + hd * d) as usize
-                        ..((bi * s + i) * h + hd * d + d) as usize];
-                    let mut scores = Vec::with_capacity(visible as usize);
-                    for j in 0..visible {
-                        let (blk, slot) =
-                            (blocks[(j / self.block_size) as usize], j % self.block_size);
-                        let mut dot = 0.0f32;
-                        for c in 0..d {
-                            dot += qrow[c as usize] * elem(kb, kc, blk, slot, kvh * d + c);
-                        }
-                        scores.push(dot * self.scale as f32);
-                    }
+                    let row = (bi * s + i) * h + hd * d;
+                    let qrow = &qv[row..row + d];
+                    scores.clear();
+                    scores.extend((0..visible).map(|j| {
+                        dot(qrow, &keys[j * kvd + kvh * d..j * kvd + kvh * d + d]) * scale
+                    }));
                     let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let mut sum = 0.0f32;
                     for sc in scores.iter_mut() {
                         *sc = (*sc - mx).exp();
                         sum += *sc;
                     }
-                    let o = &mut out[((bi * s + i) * h + hd * d) as usize
-                        ..((bi * s + i) * h + hd * d + d) as usize];
-                    let mut acc = vec![0.0f32; d as usize];
+                    acc.iter_mut().for_each(|a| *a = 0.0);
                     for (j, p) in scores.iter().enumerate() {
-                        let j = j as i64;
-                        let (blk, slot) =
-                            (blocks[(j / self.block_size) as usize], j % self.block_size);
-                        for c in 0..d {
-                            acc[c as usize] += p / sum * elem(vb, vc, blk, slot, kvh * d + c);
+                        let w = p / sum;
+                        let vrow = &values[j * kvd + kvh * d..j * kvd + kvh * d + d];
+                        for (a, v) in acc.iter_mut().zip(vrow) {
+                            *a += w * v;
                         }
                     }
-                    for (o, a) in o.iter_mut().zip(&acc) {
+                    for (o, a) in out[row..row + d].iter_mut().zip(&acc) {
                         *o = *a as f64;
                     }
                 }

@@ -1,4 +1,4 @@
-//! Element-wise and row-wise operators: Add, InplaceAdd, Cast, RmsNorm, SwiGlu, Embedding,
+//! Element-wise and row-wise operators: Add, InplaceAdd, Cast, InplaceCopy, RmsNorm, SwiGlu, Embedding,
 //! ArgMax, ApplyRotaryPosEmb (half rotation, q and k in place) and RotaryPositionEmbedding
 //! (half and interleave modes), with the shape and dtype rules of their aclnn documentation.
 
@@ -272,6 +272,95 @@ pub unsafe extern "C" fn aclnnCastGetWorkspaceSize(
             io: Io {
                 ins: vec![a],
                 outs: vec![o],
+            },
+        }))
+    })
+}
+
+// ---- InplaceCopy ----------------------------------------------------------------------------
+
+#[derive(Clone)]
+struct InplaceCopy {
+    io: Io,
+}
+
+impl Kernel for InplaceCopy {
+    kernel_common!("aclnnInplaceCopy");
+    fn run(&self, st: &mut State) -> Result<(), Fail> {
+        let dst = &self.io.outs[0];
+        let mut x = read(st, &broadcast_to(self.name(), &self.io.ins[0], &dst.dims)?)?;
+        if !dst.dtype.is_float() {
+            x.iter_mut().for_each(|v| *v = v.trunc());
+        }
+        write(st, dst, &x)
+    }
+}
+
+/// # Safety
+/// Out-pointers valid (documented contract).
+#[no_mangle]
+pub unsafe extern "C" fn aclnnInplaceCopyGetWorkspaceSize(
+    selfRef: *mut aclTensor,
+    src: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
+    prepare("aclnnInplaceCopy", workspaceSize, executor, |st| {
+        let op = "aclnnInplaceCopy";
+        let d = st.tensor(selfRef, "selfRef")?;
+        let s = st.tensor(src, "src")?;
+        let allowed = [
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::I32,
+            DType::I64,
+            DType::I8,
+            DType::U8,
+            DType::Bool,
+        ];
+        dtype_in(op, "selfRef", &d, &allowed)?;
+        dtype_in(op, "src", &s, &allowed)?;
+        nd(op, "selfRef", &d)?;
+        nd(op, "src", &s)?;
+        if broadcast_shape(op, &d.dims, &s.dims)? != d.dims {
+            return invalid(
+                op,
+                format!(
+                    "src {:?} does not broadcast to selfRef {:?}",
+                    s.dims, d.dims
+                ),
+            );
+        }
+        // Overlapping source and destination memory gives undefined results on the device.
+        let (da, db) = (d.addr, d.addr + d.storage_bytes());
+        let (sa, sb) = (s.addr, s.addr + s.storage_bytes());
+        let same = d.addr == s.addr && d.key() == s.key();
+        if da < sb && sa < db && !same {
+            let overlap = {
+                let mut dst_pos = std::collections::HashSet::new();
+                d.for_each_position(|p| {
+                    dst_pos.insert(p);
+                });
+                let mut hit = false;
+                if d.dtype == s.dtype && d.addr == s.addr {
+                    s.for_each_position(|p| hit |= dst_pos.contains(&p));
+                } else {
+                    hit = true;
+                }
+                hit
+            };
+            if overlap {
+                return invalid(
+                    op,
+                    "src and selfRef overlap in memory (the result would be undefined)",
+                );
+            }
+        }
+        Ok(Box::new(InplaceCopy {
+            io: Io {
+                ins: vec![s],
+                outs: vec![d],
             },
         }))
     })
@@ -820,6 +909,7 @@ const _: () = {
     let _: sig::aclnnAddGetWorkspaceSize = aclnnAddGetWorkspaceSize;
     let _: sig::aclnnInplaceAddGetWorkspaceSize = aclnnInplaceAddGetWorkspaceSize;
     let _: sig::aclnnCastGetWorkspaceSize = aclnnCastGetWorkspaceSize;
+    let _: sig::aclnnInplaceCopyGetWorkspaceSize = aclnnInplaceCopyGetWorkspaceSize;
     let _: sig::aclnnRmsNormGetWorkspaceSize = aclnnRmsNormGetWorkspaceSize;
     let _: sig::aclnnSwiGluGetWorkspaceSize = aclnnSwiGluGetWorkspaceSize;
     let _: sig::aclnnEmbeddingGetWorkspaceSize = aclnnEmbeddingGetWorkspaceSize;

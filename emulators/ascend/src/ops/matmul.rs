@@ -6,7 +6,10 @@
 
 use npu_ffi::types::*;
 
-use super::{dtype_in, invalid, kernel_common, nd, prepare, read, write, Io, Kernel};
+use super::{
+    derived, derived_key, dot, dtype_in, invalid, kernel_common, nd, par_chunks, prepare, read,
+    read_f32, write, Io, Kernel,
+};
 use crate::state::*;
 use crate::view::{read_elem, DType, View};
 
@@ -57,20 +60,49 @@ impl Kernel for Matmul {
     kernel_common!("aclnnMatmul");
     fn run(&self, st: &mut State) -> Result<(), Fail> {
         let (a, b) = (&self.io.ins[0], &self.io.ins[1]);
-        let (m, k, n) = (a.dims[0], a.dims[1], b.dims[1]);
-        let x: Vec<f32> = read(st, a)?.into_iter().map(|v| v as f32).collect();
-        let w = Mat2::new(st, b)?;
-        let mut out = vec![0.0f64; (m * n) as usize];
-        for j in 0..n {
-            let col: Vec<f32> = (0..k).map(|kk| w.get(kk, j)).collect();
-            for i in 0..m {
-                let xr = &x[(i * k) as usize..((i + 1) * k) as usize];
-                out[(i * n + j) as usize] =
-                    xr.iter().zip(&col).map(|(a, b)| a * b).sum::<f32>() as f64;
+        let (m, k, n) = (a.dims[0] as usize, a.dims[1] as usize, b.dims[1] as usize);
+        let x = read_f32(st, a)?;
+        let key = derived_key(st, &[b], &[]);
+        let w = derived(st, key, |st| {
+            let w = Mat2::new(st, b)?;
+            let mut cols = Vec::with_capacity(n * k);
+            for j in 0..n as i64 {
+                cols.extend((0..k as i64).map(|kk| w.get(kk, j)));
             }
-        }
+            Ok(cols)
+        })?;
+        let out = products(&x, &w, m, k, n, None);
         write(st, &self.io.outs[0], &out)
     }
+}
+
+/// `x (m, k) @ cols (n rows of k)ᵀ (+ bias)` as (m, n) row-major, f32 sums.
+fn products(
+    x: &[f32],
+    cols: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    bias: Option<&[f64]>,
+) -> Vec<f64> {
+    let mut by_col = vec![0.0f64; n * m];
+    par_chunks(&mut by_col, m, m * n * k, |j0, part| {
+        for (dj, outs) in part.chunks_mut(m).enumerate() {
+            let j = j0 + dj;
+            let col = &cols[j * k..(j + 1) * k];
+            let b = bias.map_or(0.0, |b| b[j] as f32);
+            for (i, o) in outs.iter_mut().enumerate() {
+                *o = (dot(&x[i * k..(i + 1) * k], col) + b) as f64;
+            }
+        }
+    });
+    let mut out = vec![0.0f64; m * n];
+    for j in 0..n {
+        for i in 0..m {
+            out[i * n + j] = by_col[j * m + i];
+        }
+    }
+    out
 }
 
 /// # Safety
@@ -144,7 +176,7 @@ impl Kernel for Wqbmm {
     fn run(&self, st: &mut State) -> Result<(), Fail> {
         let (xv, wv) = (&self.io.ins[0], &self.io.ins[1]);
         let (m, k, n) = (xv.dims[0], xv.dims[1], wv.dims[1]);
-        let x: Vec<f32> = read(st, xv)?.into_iter().map(|v| v as f32).collect();
+        let x = read_f32(st, xv)?;
         let sv = as_2d(&self.io.ins[2]);
         let ov = self.has_offset.then(|| as_2d(&self.io.ins[3]));
         let bias = if self.has_bias {
@@ -152,37 +184,45 @@ impl Kernel for Wqbmm {
         } else {
             None
         };
-        let w = Mat2::new(st, wv)?;
-        let scale = Mat2::new(st, &sv)?;
-        let offset = match &ov {
-            Some(o) => Some(Mat2::new(st, o)?),
-            None => None,
-        };
-        let group_of = |kk: i64| -> i64 {
-            if sv.dims[0] == 1 {
-                0
-            } else {
-                kk / self.group
+        let mut sources = vec![wv, &sv];
+        sources.extend(ov.as_ref());
+        let key = derived_key(st, &sources, &[self.group]);
+        let group = self.group;
+        let cols = derived(st, key, |st| {
+            let w = Mat2::new(st, wv)?;
+            let scale = Mat2::new(st, &sv)?;
+            let offset = match &ov {
+                Some(o) => Some(Mat2::new(st, o)?),
+                None => None,
+            };
+            let group_of = |kk: i64| -> i64 {
+                if sv.dims[0] == 1 {
+                    0
+                } else {
+                    kk / group
+                }
+            };
+            let mut cols = Vec::with_capacity((n * k) as usize);
+            for j in 0..n {
+                let sj = if sv.dims[1] == 1 { 0 } else { j };
+                for kk in 0..k {
+                    let g = group_of(kk);
+                    let off = offset.as_ref().map(|o| o.get(g, sj)).unwrap_or(0.0);
+                    // The antiquant parameters are in x's (16-bit) type: the dequantized weight is too.
+                    let deq = (w.get(kk, j) + off) * scale.get(g, sj);
+                    cols.push(half::f16::from_f32(deq).to_f32());
+                }
             }
-        };
-        let mut out = vec![0.0f64; (m * n) as usize];
-        let mut col = vec![0.0f32; k as usize];
-        for j in 0..n {
-            let sj = if sv.dims[1] == 1 { 0 } else { j };
-            for kk in 0..k {
-                let g = group_of(kk);
-                let off = offset.as_ref().map(|o| o.get(g, sj)).unwrap_or(0.0);
-                // The antiquant parameters are in x's (16-bit) type: the dequantized weight is too.
-                let deq = (w.get(kk, j) + off) * scale.get(g, sj);
-                col[kk as usize] = half::f16::from_f32(deq).to_f32();
-            }
-            let b = bias.as_ref().map(|b| b[j as usize] as f32).unwrap_or(0.0);
-            for i in 0..m {
-                let xr = &x[(i * k) as usize..((i + 1) * k) as usize];
-                out[(i * n + j) as usize] =
-                    (xr.iter().zip(&col).map(|(a, b)| a * b).sum::<f32>() + b) as f64;
-            }
-        }
+            Ok(cols)
+        })?;
+        let out = products(
+            &x,
+            &cols,
+            m as usize,
+            k as usize,
+            n as usize,
+            bias.as_deref(),
+        );
         write(st, &self.io.outs[0], &out)
     }
 }

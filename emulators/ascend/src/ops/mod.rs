@@ -20,7 +20,7 @@ use npu_ffi::types::*;
 
 use crate::objects::{ExecState, Executor};
 use crate::state::*;
-use crate::view::{read_elem, write_elem, DType, View};
+use crate::view::{f16_at, read_elem, write_elem, DType, View};
 
 /// The tensors an executor reads (`ins`) and writes (`outs`), in the operator's parameter order
 /// (the indices of aclSetInputTensorAddr / aclSetOutputTensorAddr).
@@ -53,14 +53,30 @@ fn range(v: &View) -> (u64, u64) {
 
 /// Reads every element of `v` (row-major over its view) as f64.
 pub fn read(st: &State, v: &View) -> Result<Vec<f64>, Fail> {
+    let mut out = Vec::with_capacity(v.numel());
     if v.numel() == 0 {
-        return Ok(Vec::new());
+        return Ok(out);
     }
     let bytes = st.bytes(v.addr, v.storage_bytes())?;
-    Ok(v.positions()
-        .into_iter()
-        .map(|p| read_elem(bytes, v.dtype, p as usize))
-        .collect())
+    match v.dtype {
+        DType::F16 => v.for_each_position(|p| out.push(f16_at(bytes, p) as f64)),
+        dt => v.for_each_position(|p| out.push(read_elem(bytes, dt, p))),
+    }
+    Ok(out)
+}
+
+/// Reads every element of `v` (row-major over its view) as f32.
+pub fn read_f32(st: &State, v: &View) -> Result<Vec<f32>, Fail> {
+    let mut out = Vec::with_capacity(v.numel());
+    if v.numel() == 0 {
+        return Ok(out);
+    }
+    let bytes = st.bytes(v.addr, v.storage_bytes())?;
+    match v.dtype {
+        DType::F16 => v.for_each_position(|p| out.push(f16_at(bytes, p))),
+        dt => v.for_each_position(|p| out.push(read_elem(bytes, dt, p) as f32)),
+    }
+    Ok(out)
 }
 
 /// Writes `vals` (row-major over the view) into `v`.
@@ -68,12 +84,95 @@ pub fn write(st: &mut State, v: &View, vals: &[f64]) -> Result<(), Fail> {
     if v.numel() == 0 {
         return Ok(());
     }
-    let pos = v.positions();
     let bytes = st.bytes_mut(v.addr, v.storage_bytes())?;
-    for (p, x) in pos.into_iter().zip(vals) {
-        write_elem(bytes, v.dtype, p as usize, *x);
-    }
+    let mut it = vals.iter();
+    v.for_each_position(|p| {
+        if let Some(x) = it.next() {
+            write_elem(bytes, v.dtype, p, *x);
+        }
+    });
     Ok(())
+}
+
+/// Number of threads the emulation's heavy kernels split their work over
+/// (`ASCEND_EMULATOR_THREADS`, default: the machine's, at most 8).
+pub fn threads() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("ASCEND_EMULATOR_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            .clamp(1, 8)
+    })
+}
+
+/// Fills `out` (chunks of `chunk` values) with `f(first_chunk_index, chunks)`, split over
+/// [`threads`] when there is enough `work`.
+pub fn par_chunks<F>(out: &mut [f64], chunk: usize, work: usize, f: F)
+where
+    F: Fn(usize, &mut [f64]) + Sync,
+{
+    let n = out.len() / chunk.max(1);
+    let t = threads().min(n.max(1));
+    if t <= 1 || work < 1 << 20 {
+        f(0, out);
+        return;
+    }
+    let per = n.div_ceil(t);
+    std::thread::scope(|s| {
+        for (i, part) in out.chunks_mut(per * chunk).enumerate() {
+            let f = &f;
+            s.spawn(move || f(i * per, part));
+        }
+    });
+}
+
+/// A conversion of device data cached under `key` (made by `make` on a miss).
+pub fn derived(
+    st: &mut State,
+    key: DerivedKey,
+    make: impl FnOnce(&State) -> Result<Vec<f32>, Fail>,
+) -> Result<std::sync::Arc<Vec<f32>>, Fail> {
+    if let Some(v) = st.derived.get(&key) {
+        return Ok(v.clone());
+    }
+    let v = std::sync::Arc::new(make(st)?);
+    // Older conversions of the same tensors are stale: their bytes changed since.
+    let addrs: Vec<u64> = key.sources.iter().map(|s| s.0).collect();
+    st.derived
+        .retain(|k, _| !k.sources.iter().any(|s| addrs.contains(&s.0)));
+    st.derived.insert(key, v.clone());
+    Ok(v)
+}
+
+/// The key of a conversion read from `views` with `params`.
+pub fn derived_key(st: &State, views: &[&View], params: &[i64]) -> DerivedKey {
+    DerivedKey {
+        sources: views
+            .iter()
+            .map(|v| (v.addr, st.version_of(v.addr), v.key()))
+            .collect(),
+        params: params.to_vec(),
+    }
+}
+
+/// `a · b` over f32 slices of equal length, with independent partial sums.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
 }
 
 /// The validated first phase shared by every operator.
@@ -200,6 +299,7 @@ launchers!(
     aclnnAdd,
     aclnnInplaceAdd,
     aclnnCast,
+    aclnnInplaceCopy,
     aclnnRmsNorm,
     aclnnSwiGlu,
     aclnnEmbedding,
