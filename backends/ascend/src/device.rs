@@ -55,6 +55,9 @@ pub struct Device {
 // SAFETY: ACL contexts and streams may be used from any thread once the context is made current
 // there (`bind`); the handles are plain identifiers owned by this value.
 unsafe impl Send for Device {}
+// SAFETY: `&Device` only hands its handles to ACL calls, which are thread-safe; nothing in the
+// value is mutated after `open`.
+unsafe impl Sync for Device {}
 
 impl Device {
     /// Opens device `id` with a new context (made current on this thread) and stream.

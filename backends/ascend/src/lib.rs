@@ -44,15 +44,18 @@
 //! then, repeatable executors ([`ops::OpRunner::prepare_repeatable`]) remove the first phase of
 //! operators whose shapes repeat, and [`ops::StepStats`] reports how many calls a step makes.
 
+pub mod backend;
 pub mod device;
 pub mod error;
 pub mod kv;
 pub mod memory;
 pub mod ops;
+pub mod reuse;
 pub mod runtime;
 pub mod tensor;
 pub mod version;
 pub mod weights;
 
+pub use backend::{AscendBackend, AscendConfig, RopeKernel};
 pub use error::{AscendError, Result};
 pub use runtime::Acl;

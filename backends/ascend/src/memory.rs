@@ -119,67 +119,74 @@ impl DeviceBuffer {
         self.acl.check("aclrtMemcpyAsync", rc)
     }
 
-    /// Device-to-host copy on the device's stream into pinned memory; readable after the stream syncs.
+    /// Device-to-device copy within this allocation on the device's stream (64-byte aligned
+    /// offsets; the ranges must not overlap).
+    pub fn copy_within_async(
+        &mut self,
+        dst_offset: usize,
+        src_offset: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<()> {
+        if dst_offset < src_offset + len && src_offset < dst_offset + len {
+            return Err(AscendError::Invalid(format!(
+                "overlapping copy of {len} bytes from {src_offset} to {dst_offset}"
+            )));
+        }
+        let stream = device.stream();
+        let d = self.range(dst_offset, len)?;
+        let s = self.range(src_offset, len)?;
+        self.acl.log("aclrtMemcpyAsync", || {
+            format!("D2D {len} bytes {s:p} -> {d:p}")
+        });
+        // SAFETY: both disjoint ranges lie in this live allocation (checked); the stream is live.
+        let rc = unsafe {
+            (self.acl.api.rt.aclrtMemcpyAsync)(d, len, s, len, ACL_MEMCPY_DEVICE_TO_DEVICE, stream)
+        };
+        self.acl.check("aclrtMemcpyAsync", rc)
+    }
+
+    /// Device-to-host copy on the device's stream into pinned memory at `dst_offset`; readable
+    /// after the stream syncs.
     pub fn download_async(
         &self,
         offset: usize,
         dst: &mut PinnedBuffer,
+        dst_offset: usize,
         len: usize,
         device: &Device,
     ) -> Result<()> {
         let stream = device.stream();
         let s = self.range(offset, len)?;
-        if len > dst.bytes {
-            return Err(AscendError::Invalid(format!(
-                "{len} bytes do not fit a {}-byte pinned buffer",
-                dst.bytes
-            )));
-        }
+        let d = dst.range(dst_offset, len)?;
         self.acl
             .log("aclrtMemcpyAsync", || format!("D2H {len} bytes <- {s:p}"));
-        // SAFETY: `s` lies in this allocation; `dst` is pinned host memory of at least `len` bytes
+        // SAFETY: `s` lies in this allocation; `d` is pinned host memory of at least `len` bytes
         // that outlives the copy (the caller synchronizes before reading or dropping it).
         let rc = unsafe {
-            (self.acl.api.rt.aclrtMemcpyAsync)(
-                dst.ptr,
-                len,
-                s,
-                len,
-                ACL_MEMCPY_DEVICE_TO_HOST,
-                stream,
-            )
+            (self.acl.api.rt.aclrtMemcpyAsync)(d, len, s, len, ACL_MEMCPY_DEVICE_TO_HOST, stream)
         };
         self.acl.check("aclrtMemcpyAsync", rc)
     }
 
-    /// Host-to-device copy on the device's stream from pinned memory.
+    /// Host-to-device copy on the device's stream from pinned memory at `src_offset` (which must
+    /// stay unchanged until the stream syncs).
     pub fn upload_async(
         &mut self,
         offset: usize,
         src: &PinnedBuffer,
+        src_offset: usize,
         len: usize,
         device: &Device,
     ) -> Result<()> {
         let stream = device.stream();
         let d = self.range(offset, len)?;
-        if len > src.bytes {
-            return Err(AscendError::Invalid(format!(
-                "{len} bytes exceed a {}-byte pinned buffer",
-                src.bytes
-            )));
-        }
+        let s = src.range(src_offset, len)?;
         self.acl
             .log("aclrtMemcpyAsync", || format!("H2D {len} bytes -> {d:p}"));
-        // SAFETY: `d` lies in this allocation; `src` is pinned memory of at least `len` bytes.
+        // SAFETY: `d` lies in this allocation; `s` is pinned memory of at least `len` bytes.
         let rc = unsafe {
-            (self.acl.api.rt.aclrtMemcpyAsync)(
-                d,
-                len,
-                src.ptr,
-                len,
-                ACL_MEMCPY_HOST_TO_DEVICE,
-                stream,
-            )
+            (self.acl.api.rt.aclrtMemcpyAsync)(d, len, s, len, ACL_MEMCPY_HOST_TO_DEVICE, stream)
         };
         self.acl.check("aclrtMemcpyAsync", rc)
     }
@@ -226,6 +233,21 @@ impl PinnedBuffer {
             (acl.api.rt.aclrtMallocHost)(&mut ptr, bytes.max(1))
         })?;
         Ok(Self { acl, ptr, bytes })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn range(&self, offset: usize, len: usize) -> Result<*mut c_void> {
+        if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
+            return Err(AscendError::Invalid(format!(
+                "{len} bytes at offset {offset} exceed a {}-byte pinned buffer",
+                self.bytes
+            )));
+        }
+        // SAFETY: the range was checked to lie inside this allocation.
+        Ok(unsafe { (self.ptr as *mut u8).add(offset) }.cast())
     }
 
     /// The bytes (contents of an async download are valid only after the stream synchronizes).

@@ -41,6 +41,10 @@ pub struct RepeatableOp {
     pub tensors: Vec<Tensor>,
 }
 
+// SAFETY: the executor handle and tensors are owned by this value and used by one thread at a
+// time (the launcher that owns it).
+unsafe impl Send for RepeatableOp {}
+
 impl RepeatableOp {
     /// Points input `index` (the operator's tensor inputs in parameter order), described by
     /// `self.tensors[tensor]`, at `buf` (which must outlive the executor's launches).
@@ -133,6 +137,11 @@ impl OpRunner {
         std::mem::take(&mut self.stats)
     }
 
+    /// Counts without resetting them.
+    pub fn stats(&self) -> StepStats {
+        self.stats
+    }
+
     /// Releases workspaces replaced since the last synchronization (call after one).
     pub fn synchronized(&mut self) {
         self.retired.clear();
@@ -183,8 +192,9 @@ impl OpRunner {
             .check(name, unsafe { launch(w, ws, exec, self.stream) })
     }
 
-    /// One two-phase call.
-    fn call(
+    /// One two-phase call: `prepare` is the operator's first phase (given the workspace-size
+    /// and executor out-pointers), `launch` its second.
+    pub fn call(
         &mut self,
         name: &'static str,
         detail: String,
@@ -497,7 +507,11 @@ impl OpRunner {
                 View::contiguous(w.dtype, &[w.num_blocks as i64, w.block_size as i64, n, d]);
             let kc = Tensor::new(acl, w.key_cache, cache_view.clone())?;
             let vc = Tensor::new(acl, w.value_cache, cache_view)?;
-            let sm = Tensor::new(acl, w.slots, View::contiguous(DType::I32, &[t]))?;
+            let sm = Tensor::new(
+                acl,
+                w.slots,
+                View::strided(DType::I32, &[t], &[1], w.slots_offset as i64),
+            )?;
             let mut norm = *b"Norm\0";
             let detail = describe(&[("key", &k), ("keyCacheRef", &kc), ("slotMapping", &sm)]);
             // SAFETY (closure): live handles, NUL-terminated mode string, out-pointers.
@@ -537,7 +551,11 @@ impl OpRunner {
         let t = w.tokens as i64;
         let (n, d) = (w.kv_heads as i64, w.head_dim as i64);
         let rows = (w.num_blocks * w.block_size) as i64;
-        let idx = Tensor::new(acl, w.slots, View::contiguous(DType::I32, &[t, 1]))?;
+        let idx = Tensor::new(
+            acl,
+            w.slots,
+            View::strided(DType::I32, &[t, 1], &[1, 1], w.slots_offset as i64),
+        )?;
         for (src, off, cache) in [
             (w.key, w.key_offset, w.key_cache),
             (w.value, w.value_offset, w.value_cache),
@@ -661,7 +679,7 @@ impl OpRunner {
 
 /// One layer's K/V write: new rows in `key`/`value` starting at element `key_offset` /
 /// `value_offset` with `row_stride` elements between tokens (e.g. the K and V parts of fused QKV
-/// rows), the caches, and the INT32 slot of each token.
+/// rows), the caches, and the INT32 slot of each token (from `slots_offset` in `slots`).
 pub struct KvWrite<'a> {
     pub dtype: crate::tensor::DType,
     pub tokens: usize,
@@ -675,6 +693,8 @@ pub struct KvWrite<'a> {
     pub key_cache: &'a DeviceBuffer,
     pub value_cache: &'a DeviceBuffer,
     pub slots: &'a DeviceBuffer,
+    /// Element offset of the first slot in `slots`.
+    pub slots_offset: usize,
     pub num_blocks: usize,
     pub block_size: usize,
 }

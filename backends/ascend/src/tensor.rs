@@ -11,7 +11,7 @@ use crate::memory::DeviceBuffer;
 use crate::runtime::Acl;
 
 /// Element types the backend hands to aclnn.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     F16,
@@ -56,7 +56,7 @@ impl DType {
 }
 
 /// A strided view: shape, strides and offset in elements.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct View {
     pub dtype: DType,
     pub dims: Vec<i64>,
@@ -232,6 +232,9 @@ pub struct Scalar {
     acl: &'static Acl,
     raw: *mut aclScalar,
 }
+
+// SAFETY: an aclScalar handle is a host object owned uniquely by this value.
+unsafe impl Send for Scalar {}
 
 impl Scalar {
     pub fn f32(acl: &'static Acl, mut v: f32) -> Result<Scalar> {

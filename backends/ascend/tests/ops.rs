@@ -379,6 +379,7 @@ fn paged_attention_case(block_size: usize, seqs: &[Seq], seed: u64) {
         key_cache: &kc,
         value_cache: &vc,
         slots: &sb,
+        slots_offset: 0,
         num_blocks,
         block_size,
     })
@@ -572,6 +573,7 @@ fn kv_write_by_scatter_nd_update_matches_scatter_pa_kv_cache() {
         key_cache: kc,
         value_cache: vc,
         slots: &slots,
+        slots_offset: 0,
         num_blocks: blocks,
         block_size: bs,
     };

@@ -262,7 +262,7 @@ fn results_cannot_be_read_before_the_stream_is_synchronized() {
     assert!(msg.contains("synchronize"), "{msg}");
     // ...and an asynchronous download holds poison until the stream runs.
     let mut pinned = PinnedBuffer::alloc(acl(), 64).unwrap();
-    a.download_async(0, &mut pinned, 64, &dev).unwrap();
+    a.download_async(0, &mut pinned, 0, 64, &dev).unwrap();
     assert!(
         pinned.as_slice().iter().all(|&x| x == 0xff),
         "result visible before synchronization"
