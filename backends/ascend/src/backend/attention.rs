@@ -174,20 +174,24 @@ impl AscendBackend {
             .ok_or_else(|| BackendError::BadStep("no step has begun".into()))?;
         let acl = self.dev.acl;
         self.pending = true;
+        let groups = self.plan.groups.clone();
         match path {
             AttnPath::TokenWise => {
                 // (B, 1, H) over the step's rows: one query per batch entry.
-                let row = |l: npu_backend::Layout| {
+                let rows = |l: npu_backend::Layout, r: &std::ops::Range<usize>| {
                     TView::strided(
                         tensor::DType::F16,
-                        &[t as i64, 1, h as i64],
+                        &[r.len() as i64, 1, h as i64],
                         &[l.stride() as i64, l.stride() as i64, 1],
-                        l.offset() as i64,
+                        (l.offset() + r.start * l.stride()) as i64,
                     )
                 };
-                let query = Tensor::new(acl, &q.buf().mem, row(ql)).map_err(err)?;
-                let outt = Tensor::new(acl, &out.buf().mem, row(ol)).map_err(err)?;
-                self.fia(&query, &outt, layer, g, None)
+                for r in &groups {
+                    let query = Tensor::new(acl, &q.buf().mem, rows(ql, r)).map_err(err)?;
+                    let outt = Tensor::new(acl, &out.buf().mem, rows(ol, r)).map_err(err)?;
+                    self.fia(&query, &outt, layer, g, None, r.clone())?;
+                }
+                Ok(())
             }
             AttnPath::Prompt { s_max } => {
                 let rows = self.plan.batch * s_max;
@@ -212,20 +216,25 @@ impl AscendBackend {
                     step_slice(&self.step_mem, self.plan.pad_rows, rows)?,
                     (self.scratch.get("attn_q"), padded.clone()),
                 )?;
-                let bsh = TView::contiguous(
-                    tensor::DType::F16,
-                    &[self.plan.batch as i64, s_max as i64, h as i64],
-                );
-                let query =
-                    Tensor::new(acl, self.scratch.get("attn_q"), bsh.clone()).map_err(err)?;
-                let outt = Tensor::new(acl, self.scratch.get("attn_o"), bsh).map_err(err)?;
                 let mask = Tensor::new(
                     acl,
                     self.mask.as_ref().expect("just made"),
                     TView::contiguous(tensor::DType::I8, &[2048, 2048]),
                 )
                 .map_err(err)?;
-                self.fia(&query, &outt, layer, g, Some(&mask))?;
+                for r in &groups {
+                    // (sequences, s_max, H) of the padded batch.
+                    let bsh = TView::strided(
+                        tensor::DType::F16,
+                        &[r.len() as i64, s_max as i64, h as i64],
+                        &[(s_max * h) as i64, h as i64, 1],
+                        (r.start * s_max * h) as i64,
+                    );
+                    let query =
+                        Tensor::new(acl, self.scratch.get("attn_q"), bsh.clone()).map_err(err)?;
+                    let outt = Tensor::new(acl, self.scratch.get("attn_o"), bsh).map_err(err)?;
+                    self.fia(&query, &outt, layer, g, Some(&mask), r.clone())?;
+                }
                 gather(
                     &mut self.ops,
                     (self.scratch.get("attn_o"), padded),
@@ -245,6 +254,7 @@ impl AscendBackend {
         layer: usize,
         g: &AttnGeometry,
         mask: Option<&Tensor>,
+        entries: std::ops::Range<usize>,
     ) -> Result<(), BackendError> {
         let acl = self.dev.acl;
         let kv = self
@@ -253,8 +263,8 @@ impl AscendBackend {
             .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))?;
         let spec = kv.spec;
         let (kc, vc) = kv.layer(layer)?;
-        let (b, mb) = (self.plan.batch, self.plan.max_blocks);
-        let (tables, _) = step_slice(&self.step_mem, self.plan.tables, b * mb)?;
+        let (b, mb) = (entries.len(), self.plan.max_blocks);
+        let (tables, _) = step_slice(&self.step_mem, self.plan.tables, self.plan.batch * mb)?;
         let table = Tensor::new(
             acl,
             tables,
@@ -262,7 +272,7 @@ impl AscendBackend {
                 tensor::DType::I32,
                 &[b as i64, mb as i64],
                 &[mb as i64, 1],
-                self.plan.tables as i64,
+                (self.plan.tables + entries.start * mb) as i64,
             ),
         )
         .map_err(err)?;
@@ -281,8 +291,8 @@ impl AscendBackend {
             ),
             block_table: &table,
             mask,
-            q_lens: &self.plan.q_lens,
-            kv_lens: &self.plan.kv_lens,
+            q_lens: &self.plan.q_lens[entries.clone()],
+            kv_lens: &self.plan.kv_lens[entries],
             heads: g.n_heads as i64,
             kv_heads: g.n_kv_heads as i64,
             block_size: spec.block_size as i64,

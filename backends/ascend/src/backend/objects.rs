@@ -117,6 +117,19 @@ impl AscendBuffer {
     }
 }
 
+/// Waits for the stream's queued work before an allocation is freed: a kernel may still use it.
+fn quiesce(dev: &Device) {
+    if dev.bind().is_ok() {
+        let _ = dev.synchronize();
+    }
+}
+
+impl Drop for AscendBuffer {
+    fn drop(&mut self) {
+        quiesce(&self._dev);
+    }
+}
+
 impl npu_backend::DeviceBuffer for AscendBuffer {
     fn dtype(&self) -> DType {
         self.dtype
@@ -219,6 +232,12 @@ pub fn dequantize(t: &HostTensor<'_>) -> Result<Vec<f32>, BackendError> {
     Ok(out)
 }
 
+impl Drop for AscendMatrix {
+    fn drop(&mut self) {
+        quiesce(&self._dev);
+    }
+}
+
 impl AscendMatrix {
     /// The parts stacked in one matrix, or `None` when they take different forms.
     pub(crate) fn load(
@@ -310,6 +329,12 @@ pub struct AscendEmbedding {
     pub rows: usize,
     pub cols: usize,
     _dev: Arc<Device>,
+}
+
+impl Drop for AscendEmbedding {
+    fn drop(&mut self) {
+        quiesce(&self._dev);
+    }
 }
 
 impl AscendEmbedding {

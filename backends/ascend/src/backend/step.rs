@@ -43,6 +43,9 @@ pub struct StepPlan {
     pub q_lens: Vec<i64>,
     pub kv_lens: Vec<i64>,
     pub path: Option<AttnPath>,
+    /// Batch entries split into runs whose blocks add up to at most the pool's: the attention
+    /// operator takes no more blocks per call than the cache holds (one call per run).
+    pub groups: Vec<std::ops::Range<usize>>,
     pub max_position: u32,
     /// The packed arrays.
     pub data: Vec<i32>,
@@ -182,6 +185,18 @@ impl StepPlan {
                 }
             }
         }
+        let mut start = 0;
+        let mut used = 0;
+        for (i, &len) in p.kv_lens.iter().enumerate() {
+            let need = (len as usize).div_ceil(block_size);
+            if used + need > num_blocks && i > start {
+                p.groups.push(start..i);
+                start = i;
+                used = 0;
+            }
+            used += need;
+        }
+        p.groups.push(start..p.kv_lens.len());
         Ok(p)
     }
 
@@ -243,6 +258,12 @@ mod tests {
         assert_eq!((p.batch, p.kv_lens.clone()), (3, vec![4, 5, 10]));
         assert_eq!(&p.data[p.tables + 4..p.tables + 8], &[0, 1, 2, 3]);
         assert_eq!(&p.data[p.tables + 8..p.tables + 12], &[4, 5, 6, 7]);
+        assert_eq!(p.groups, vec![0..3]);
+        // Token entries re-reading a sequence's blocks may add up to more than the pool:
+        // they are split into calls that each stay within it.
+        let p = StepPlan::new(&step(&[(30, 3)], 16), 4, 16).unwrap();
+        assert_eq!(p.kv_lens, vec![31, 32, 33]);
+        assert_eq!(p.groups, vec![0..2, 2..3]);
     }
 
     #[test]

@@ -128,3 +128,46 @@ pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
         );
     }
 }
+
+/// Random rows in Q4_1 (GGUF's block layout) and their dequantized values.
+pub fn q4_1_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    use half::f16;
+    let vals = rand_vec(seed, n * k, 1.0);
+    let (mut data, mut deq) = (Vec::new(), Vec::new());
+    for blk in vals.chunks(32) {
+        let (lo, hi) = blk
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+        let d = f16::from_f32((hi - lo) / 15.0);
+        let m = f16::from_f32(lo);
+        let q: Vec<u8> = blk
+            .iter()
+            .map(|v| (((v - m.to_f32()) / d.to_f32()).round().clamp(0.0, 15.0)) as u8)
+            .collect();
+        data.extend(d.to_le_bytes());
+        data.extend(m.to_le_bytes());
+        for i in 0..16 {
+            data.push(q[i] | (q[i + 16] << 4));
+        }
+        deq.extend(q.iter().map(|&q| d.to_f32() * q as f32 + m.to_f32()));
+    }
+    (data, deq)
+}
+
+/// Random rows in Q8_0 and their dequantized values.
+pub fn q8_0_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    use half::f16;
+    let vals = rand_vec(seed, n * k, 1.0);
+    let (mut data, mut deq) = (Vec::new(), Vec::new());
+    for blk in vals.chunks(32) {
+        let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = f16::from_f32(amax / 127.0);
+        data.extend(d.to_le_bytes());
+        for v in blk {
+            let q = (v / d.to_f32()).round().clamp(-127.0, 127.0) as i8;
+            data.push(q as u8);
+            deq.push(d.to_f32() * q as f32);
+        }
+    }
+    (data, deq)
+}
