@@ -383,6 +383,9 @@ fn q4_0_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     (data, deq)
 }
 
+/// A weight's bytes as the file stores them, and its values.
+type Rows = (Vec<u8>, Vec<f32>);
+
 fn matmul_ref(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     (0..m * n)
         .map(|i| (0..k).map(|kk| x[i / n * k + kk] * w[i % n * k + kk]).sum())
@@ -409,7 +412,7 @@ fn matmul_in_every_weight_form_matches_reference() {
             .collect();
         (bytes, v)
     };
-    let forms: Vec<(GgmlType, (Vec<u8>, Vec<f32>), (Vec<u8>, Vec<f32>))> = vec![
+    let forms: Vec<(GgmlType, Rows, Rows)> = vec![
         (GgmlType::Q4_1, q4_1_rows(11, 40, k), q4_1_rows(12, 24, k)),
         (GgmlType::Q8_0, q8_0_rows(13, 40, k), q8_0_rows(14, 24, k)),
         (GgmlType::Q4_0, q4_0_rows(15, 40, k), q4_0_rows(16, 24, k)),
