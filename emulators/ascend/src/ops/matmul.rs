@@ -11,24 +11,38 @@ use super::{
     read_f32, write, Io, Kernel,
 };
 use crate::state::*;
-use crate::view::{read_elem, DType, View};
+use crate::view::{f16_at, read_elem, DType, View};
 
 /// Element (i, j) of a 2-D view, read straight from its storage bytes.
 struct Mat2<'a> {
     bytes: &'a [u8],
-    v: &'a View,
+    dtype: DType,
+    offset: i64,
+    strides: [i64; 2],
 }
 
 impl<'a> Mat2<'a> {
     fn new(st: &'a State, v: &'a View) -> Result<Self, Fail> {
         Ok(Self {
             bytes: st.bytes(v.addr, v.storage_bytes())?,
-            v,
+            dtype: v.dtype,
+            offset: v.offset,
+            strides: [v.strides[0], v.strides[1]],
         })
     }
+    #[inline]
     fn get(&self, i: i64, j: i64) -> f32 {
-        let p = self.v.offset + i * self.v.strides[0] + j * self.v.strides[1];
-        read_elem(self.bytes, self.v.dtype, p as usize) as f32
+        let p = (self.offset + i * self.strides[0] + j * self.strides[1]) as usize;
+        match self.dtype {
+            DType::I4 => {
+                let b = self.bytes[p / 2];
+                let nib = if p.is_multiple_of(2) { b & 0x0f } else { b >> 4 };
+                ((nib as i8) << 4 >> 4) as f32
+            }
+            DType::I8 => self.bytes[p] as i8 as f32,
+            DType::F16 => f16_at(self.bytes, p),
+            dt => read_elem(self.bytes, dt, p) as f32,
+        }
     }
 }
 
@@ -65,10 +79,14 @@ impl Kernel for Matmul {
         let key = derived_key(st, &[b], &[]);
         let w = derived(st, key, |st| {
             let w = Mat2::new(st, b)?;
-            let mut cols = Vec::with_capacity(n * k);
-            for j in 0..n as i64 {
-                cols.extend((0..k as i64).map(|kk| w.get(kk, j)));
-            }
+            let mut cols = vec![0f32; n * k];
+            par_chunks(&mut cols, k, n * k, |j0, part| {
+                for (dj, col) in part.chunks_mut(k).enumerate() {
+                    for (kk, c) in col.iter_mut().enumerate() {
+                        *c = w.get(kk as i64, (j0 + dj) as i64);
+                    }
+                }
+            });
             Ok(cols)
         })?;
         let out = products(&x, &w, m, k, n, None);
@@ -195,24 +213,22 @@ impl Kernel for Wqbmm {
                 Some(o) => Some(Mat2::new(st, o)?),
                 None => None,
             };
-            let group_of = |kk: i64| -> i64 {
-                if sv.dims[0] == 1 {
-                    0
-                } else {
-                    kk / group
+            let per_tensor = sv.dims[0] == 1;
+            let mut cols = vec![0f32; (n * k) as usize];
+            par_chunks(&mut cols, k as usize, (n * k) as usize, |j0, part| {
+                for (dj, col) in part.chunks_mut(k as usize).enumerate() {
+                    let j = (j0 + dj) as i64;
+                    let sj = if sv.dims[1] == 1 { 0 } else { j };
+                    for (kk, c) in col.iter_mut().enumerate() {
+                        let g = if per_tensor { 0 } else { kk as i64 / group };
+                        let off = offset.as_ref().map_or(0.0, |o| o.get(g, sj));
+                        // The antiquant parameters are in x's (16-bit) type: so is the
+                        // dequantized weight.
+                        let deq = (w.get(kk as i64, j) + off) * scale.get(g, sj);
+                        *c = half::f16::from_f32(deq).to_f32();
+                    }
                 }
-            };
-            let mut cols = Vec::with_capacity((n * k) as usize);
-            for j in 0..n {
-                let sj = if sv.dims[1] == 1 { 0 } else { j };
-                for kk in 0..k {
-                    let g = group_of(kk);
-                    let off = offset.as_ref().map(|o| o.get(g, sj)).unwrap_or(0.0);
-                    // The antiquant parameters are in x's (16-bit) type: the dequantized weight is too.
-                    let deq = (w.get(kk, j) + off) * scale.get(g, sj);
-                    cols.push(half::f16::from_f32(deq).to_f32());
-                }
-            }
+            });
             Ok(cols)
         })?;
         let out = products(

@@ -109,9 +109,9 @@ pub fn threads() -> usize {
 
 /// Fills `out` (chunks of `chunk` values) with `f(first_chunk_index, chunks)`, split over
 /// [`threads`] when there is enough `work`.
-pub fn par_chunks<F>(out: &mut [f64], chunk: usize, work: usize, f: F)
+pub fn par_chunks<T: Send, F>(out: &mut [T], chunk: usize, work: usize, f: F)
 where
-    F: Fn(usize, &mut [f64]) + Sync,
+    F: Fn(usize, &mut [T]) + Sync,
 {
     let n = out.len() / chunk.max(1);
     let t = threads().min(n.max(1));
