@@ -28,6 +28,11 @@ pub enum AscendError {
     },
     #[error("invalid argument: {0}")]
     Invalid(String),
+    #[error("the Ascend runtime could not start: {message}")]
+    Unavailable {
+        missing_library: bool,
+        message: String,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, AscendError>;

@@ -6,6 +6,7 @@
 //! `npu_serving::acl`), for whoever first runs the backend on hardware.
 
 use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use npu_ffi::{AscendApi, SearchPaths};
@@ -20,15 +21,46 @@ pub struct Acl {
     pub log_calls: bool,
 }
 
-static ACL: OnceLock<std::result::Result<Acl, String>> = OnceLock::new();
+/// Why the runtime could not start: (a library or symbol was missing, the message).
+type StartFailure = (bool, String);
+
+static ACL: OnceLock<std::result::Result<Acl, StartFailure>> = OnceLock::new();
+static FINALIZED: AtomicBool = AtomicBool::new(false);
 
 impl Acl {
     /// Loads CANN from `paths` and initialises ACL, once per process; later calls return the
     /// same runtime (or the same error).
     pub fn init(paths: &SearchPaths) -> Result<&'static Acl> {
-        ACL.get_or_init(|| Self::start(paths).map_err(|e| e.to_string()))
-            .as_ref()
-            .map_err(|e| AscendError::Invalid(format!("the Ascend runtime could not start: {e}")))
+        if FINALIZED.load(Ordering::SeqCst) {
+            return Err(AscendError::Unavailable {
+                missing_library: false,
+                message: "the Ascend runtime was finalized (aclFinalize) in this process".into(),
+            });
+        }
+        ACL.get_or_init(|| {
+            Self::start(paths).map_err(|e| (matches!(e, AscendError::Load(_)), e.to_string()))
+        })
+        .as_ref()
+        .map_err(|(missing_library, e)| AscendError::Unavailable {
+            missing_library: *missing_library,
+            message: e.clone(),
+        })
+    }
+
+    /// Releases ACL (`aclFinalize`) once, at process exit, after every device of the process is
+    /// closed; a no-op when ACL never started. The runtime cannot start again afterwards.
+    pub fn finalize() -> Result<()> {
+        if FINALIZED.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        match ACL.get() {
+            Some(Ok(acl)) => {
+                acl.log("aclFinalize", String::new);
+                // SAFETY: called once; every context and stream of this process is closed.
+                acl.check("aclFinalize", unsafe { (acl.api.rt.aclFinalize)() })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// [`Acl::init`] from the environment (`ASCEND_HOME_PATH`, `ASCEND_TOOLKIT_HOME`,

@@ -44,6 +44,13 @@ pub fn err(e: AscendError) -> BackendError {
             backend: NAME,
             message: l.to_string(),
         },
+        AscendError::Unavailable {
+            missing_library: true,
+            message,
+        } => BackendError::MissingLibrary {
+            backend: NAME,
+            message,
+        },
         e => BackendError::Device {
             backend: NAME,
             message: e.to_string(),

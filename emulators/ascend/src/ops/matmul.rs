@@ -36,7 +36,11 @@ impl<'a> Mat2<'a> {
         match self.dtype {
             DType::I4 => {
                 let b = self.bytes[p / 2];
-                let nib = if p.is_multiple_of(2) { b & 0x0f } else { b >> 4 };
+                let nib = if p.is_multiple_of(2) {
+                    b & 0x0f
+                } else {
+                    b >> 4
+                };
                 ((nib as i8) << 4 >> 4) as f32
             }
             DType::I8 => self.bytes[p] as i8 as f32,
