@@ -1,32 +1,34 @@
-//! npu-backend-ascend: safe wrappers over CANN's ACL runtime and aclnn operators (declared in
-//! `npu-ffi`, loaded at run time), shaped for the Ascend implementation of the agent's device
-//! seam. It owns: the process-wide runtime and the CANN version check ([`runtime`],
-//! [`version`]), an agent's device, context and stream ([`device`]), device and pinned memory
-//! ([`memory`]), aclnn objects ([`tensor`]), the two-phase operator calls with a growable
-//! workspace, executor reuse and per-step call counts ([`ops`]), the paged KV layout ([`kv`])
-//! and GGUF weights in WeightQuantBatchMatmulV2's form ([`weights`]).
+//! npu-backend-ascend: the Ascend backend. Safe wrappers over CANN's ACL runtime and aclnn
+//! operators (declared in `npu-ffi`, loaded at run time): the process-wide runtime and the CANN
+//! version check ([`runtime`], [`version`]), an agent's device, context and stream ([`device`]),
+//! device and pinned memory ([`memory`]), aclnn objects ([`tensor`]), the two-phase operator
+//! calls with a growable workspace and per-step call counts ([`ops`]), executor reuse for repeated
+//! shapes ([`reuse`]), the paged KV layout ([`kv`]) and GGUF weights in WeightQuantBatchMatmulV2's
+//! form ([`weights`]); and on them [`AscendBackend`], the agent's device seam
+//! (`npu_backend::Backend`) on one NPU ([`backend`]).
 //!
 //! In CI every call goes to a strict emulation of the documented API (`emulators/ascend`,
 //! `scripts/ascend-emulator.sh`); none of this has run on Ascend hardware.
 //!
 //! # Design
 //!
-//! - Buffers are device allocations with a dtype and a length; strided views of them become
-//!   aclTensors (`aclCreateTensor` with strides and an offset), so the Q/K/V parts of a fused QKV
-//!   row, or the logits rows of a step, are addressed without copies.
+//! - Buffers are device allocations with a dtype and a length; the seam's strided views of them
+//!   become aclTensors (`aclCreateTensor` with strides and an offset), so the Q/K/V parts of a
+//!   fused QKV row, or the logit rows of a step, are addressed without copies.
 //! - Activations are f16; matmuls take INT4/INT8 weights through WeightQuantBatchMatmulV2 with
-//!   per-group (32) antiquant scale/offset — exactly Q4_1's `d·q + m` and Q8_0's `d·q` — or f16
-//!   weights through Matmul.
-//! - The KV pool is two tensors per layer, (blocks, block_size, KV_N·D), the BnBsH layout
+//!   per-group (32) antiquant scale/offset — exactly Q4_1's `d·q + m`, Q4_0's `d·(q − 8)` and
+//!   Q8_0's `d·q` — or f16 weights through Matmul.
+//! - The KV pool is two tensors per layer, (blocks, block_size, KV_N·D), the layout
 //!   FusedInferAttentionScore takes with a BSH query; new tokens are written by slot mapping
-//!   (ScatterPaKvCache, or ScatterNdUpdate on releases without it). A step's sequences form the
-//!   batch B, each padded to the step's longest query S; `actualSeqLengths` /
-//!   `actualSeqLengthsKv` give their real lengths, the INT32 block table their blocks. Decode
-//!   (S = 1) takes the incremental branch (block size a multiple of 16); steps with prefill
-//!   chunks take the prompt branch with the right-down causal mask, which needs a block size
-//!   that is a multiple of 128 — hence 128 is the recommended `pa_config.block_size`.
-//! - One host synchronization per step: inputs go up with synchronous copies before the step's
-//!   kernels are queued, sampled tokens come down after `aclrtSynchronizeStream`.
+//!   (ScatterPaKvCache, or ScatterNdUpdate on releases without it). Decode steps are one batch
+//!   entry per sequence through the incremental branch (block size a multiple of 16); steps with
+//!   prefill chunks take the prompt branch with the right-down causal mask when the block size is a
+//!   multiple of 128 (the sequences padded to the longest chunk), else go token by token through
+//!   the incremental branch (each token its own entry, causality by KV length) — hence 128 is the
+//!   recommended `pa_config.block_size`.
+//! - One host synchronization per step: the step's inputs go up in one async copy from pinned
+//!   memory (`begin_step`), the kernels are queued behind it, and the host waits when it reads the
+//!   sampled ids (or logits) back.
 //!
 //! # Graph capture per padded batch bucket (not built yet)
 //!
@@ -40,9 +42,13 @@
 //! positions, slots, block table with a fixed maximum width; the attention workspace sized for
 //! the bucket's maximum, as the graph-mode `…GetMaxWorkspaceSize` variants newer releases add
 //! for FusedInferAttentionScore do), capture
-//! on first use of a bucket, and replay afterwards; prefill and mixed steps stay eager. Until
-//! then, repeatable executors ([`ops::OpRunner::prepare_repeatable`]) remove the first phase of
-//! operators whose shapes repeat, and [`ops::StepStats`] reports how many calls a step makes.
+//! on first use of a bucket, and replay afterwards; prefill and mixed steps stay eager. The
+//! attention's sequence lengths are host arguments of its first phase today: captured graphs need
+//! them as device tensors (the tiling-sink form of FusedInferAttentionScore), so the lengths would
+//! join the step's device inputs. Until then, repeatable executors ([`reuse`]) remove the first
+//! phase of every operator whose shape repeats — a decode step of the default model is 367
+//! launches with 30 first phases, the attention calls — and [`ops::StepStats`] reports how many
+//! calls a step makes.
 
 pub mod backend;
 pub mod device;
