@@ -5,8 +5,10 @@
 //! &workspaceSize, &executor)` then `aclnnXxx(workspace, workspaceSize, executor, stream)`.
 //!
 //! Sources (operator API reference, "aclnnXxx" pages; headers `aclnnop/aclnn_*.h`):
-//! Add/InplaceAdd (`aclnn_add.h`), Cast (`aclnn_cast.h`), InplaceCopy (`aclnn_copy.h`), RmsNorm (`aclnn_rms_norm.h`),
-//! SwiGlu (`aclnn_swi_glu.h`), Embedding (`aclnn_embedding.h`), ArgMax (`aclnn_argmax.h`),
+//! Add/InplaceAdd (`aclnn_add.h`), Cast (`aclnn_cast.h`), InplaceCopy (`aclnn_copy.h`),
+//! NanToNum (`aclnn_nan_to_num.h`), LogSoftmax (`aclnn_log_softmax.h`), Gather (`aclnn_gather.h`),
+//! RmsNorm (`aclnn_rms_norm.h`), SwiGlu (`aclnn_swi_glu.h`), Embedding (`aclnn_embedding.h`),
+//! ArgMax (`aclnn_argmax.h`),
 //! Matmul (`aclnn_matmul.h`), WeightQuantBatchMatmulV2 (`aclnn_weight_quant_batch_matmul_v2.h`),
 //! FusedInferAttentionScoreV2 (`aclnn_fused_infer_attention_score_v2.h`), IncreFlashAttentionV4
 //! (`aclnn_incre_flash_attention_v4.h`), ApplyRotaryPosEmb (`aclnn_apply_rotary_pos_emb.h`),
@@ -58,6 +60,12 @@ pub mod ops {
                 fn aclnnCast(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnInplaceCopyGetWorkspaceSize(selfRef: *mut aclTensor, src: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnInplaceCopy(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnNanToNumGetWorkspaceSize(self_: *const aclTensor, nan: f32, posinf: f32, neginf: f32, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnNanToNum(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnLogSoftmaxGetWorkspaceSize(self_: *const aclTensor, dim: i64, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnLogSoftmax(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnGatherGetWorkspaceSize(self_: *const aclTensor, dim: i64, index: *const aclTensor, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnGather(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnRmsNormGetWorkspaceSize(x: *const aclTensor, gamma: *const aclTensor, epsilon: f64, yOut: *const aclTensor, rstdOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnRmsNorm(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnSwiGluGetWorkspaceSize(x: *const aclTensor, dim: i64, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;

@@ -909,3 +909,94 @@ fn nothing_is_left_alive_after_the_backend_and_its_buffers_drop() {
     let report = leak_report();
     assert!(report.is_empty(), "objects left alive:\n{report}");
 }
+
+#[test]
+fn greedy_picks_on_the_device_read_nan_and_inf_as_the_sampler_does() {
+    let _g = serial();
+    let mut b = default_backend();
+    let cols = 12;
+    let nan = f32::NAN;
+    let inf = f32::INFINITY;
+    let mut rows: Vec<Vec<f32>> = vec![
+        (0..cols).map(|i| (i as f32 * 0.7).sin()).collect(),
+        vec![0.0; cols],
+        vec![-1.0; cols],
+        vec![0.5; cols],
+        vec![nan; cols],
+        vec![-inf; cols],
+    ];
+    rows[1][3] = 2.0;
+    rows[1][9] = 2.0;
+    rows[2][0] = nan;
+    rows[2][5] = 1.0;
+    rows[3][4] = inf;
+    rows[3][8] = inf;
+    rows[5][6] = -3.0;
+    let flat: Vec<f32> = rows.concat();
+    let lb = up(&mut b, &flat, cols);
+    let n = rows.len();
+    let (mut ids, mut lps) = (
+        b.alloc(DType::I32, n).unwrap(),
+        b.alloc(DType::F32, n).unwrap(),
+    );
+    assert!(b
+        .argmax_logprob_rows(
+            View::rows(&lb, n, cols).unwrap(),
+            ViewMut::rows(&mut lps, n, 1).unwrap()
+        )
+        .unwrap());
+    assert!(b
+        .argmax_rows(
+            View::rows(&lb, n, cols).unwrap(),
+            ViewMut::rows(&mut ids, n, 1).unwrap()
+        )
+        .unwrap());
+    let (mut got_ids, mut got_lp) = (vec![0i32; n], vec![0f32; n]);
+    b.read_back(&mut [
+        Readback {
+            src: View::rows(&ids, n, 1).unwrap(),
+            dst: HostSliceMut::I32(&mut got_ids),
+        },
+        Readback {
+            src: View::rows(&lps, n, 1).unwrap(),
+            dst: HostSliceMut::F32(&mut got_lp),
+        },
+    ])
+    .unwrap();
+    // The sampler's reading: NaN as −inf, +inf as f32::MAX, first index on ties, a row with
+    // nothing finite picks 0 with a uniform log-probability.
+    let read = |v: f32| {
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else if v == inf {
+            f32::MAX
+        } else {
+            v
+        }
+    };
+    for (r, row) in rows.iter().enumerate() {
+        let vals: Vec<f32> = h(row).into_iter().map(read).collect();
+        let (mut best, mut arg) = (f32::NEG_INFINITY, 0);
+        for (i, &v) in vals.iter().enumerate() {
+            if v > best {
+                (best, arg) = (v, i);
+            }
+        }
+        assert_eq!(got_ids[r], arg as i32, "row {r}");
+        let want = if best == f32::NEG_INFINITY {
+            -(cols as f32).ln()
+        } else {
+            -vals
+                .iter()
+                .map(|&v| ((v as f64) - best as f64).exp())
+                .sum::<f64>()
+                .ln() as f32
+        };
+        assert!(
+            (got_lp[r] - want).abs() < 1e-5,
+            "row {r}: log-probability {} vs {want}",
+            got_lp[r]
+        );
+    }
+    assert_eq!(&got_ids[1..5], &[3, 5, 4, 0]);
+}

@@ -176,6 +176,8 @@ pub struct AscendBackend {
     /// The step serial and table generation the step's cos/sin rows were gathered for.
     rope_rows_for: Option<(u64, u64)>,
     mask: Option<Mem>,
+    /// The step serial, logits buffer and view whose greedy picks are in scratch "argmax".
+    picked: Option<(u64, usize, npu_backend::Layout)>,
     serial: u64,
     last_stats: StepStats,
     /// Work queued since the last synchronization.
@@ -223,6 +225,7 @@ impl AscendBackend {
             rope_table: None,
             rope_rows_for: None,
             mask: None,
+            picked: None,
             serial: 0,
             last_stats: StepStats::default(),
             pending: false,
@@ -363,6 +366,7 @@ impl Backend for AscendBackend {
         src: HostSlice<'_>,
         mut dst: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         let l = dst.layout();
         check_len("upload", l.elements(), src.len())?;
         let bytes = to_device_bytes(src, dst.dtype())?;
@@ -479,6 +483,7 @@ impl Backend for AscendBackend {
 
     fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError> {
         self.bind()?;
+        self.picked = None;
         let dev = self.dev.clone();
         let kv = self
             .kv
@@ -494,6 +499,7 @@ impl Backend for AscendBackend {
     }
 
     fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
+        self.picked = None;
         self.kv_from_host(src, blocks)
     }
 
@@ -544,6 +550,7 @@ impl Backend for AscendBackend {
         table: &AscendEmbedding,
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_embed(table, out)
     }
 
@@ -554,6 +561,7 @@ impl Backend for AscendBackend {
         eps: f32,
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_rms_norm(x, w, eps, out)
     }
 
@@ -563,6 +571,7 @@ impl Backend for AscendBackend {
         w: &AscendMatrix,
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_matmul(x, w, out)
     }
 
@@ -571,6 +580,7 @@ impl Backend for AscendBackend {
         x: ViewMut<'_, AscendBuffer>,
         bias: &AscendBuffer,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_add_bias(x, bias)
     }
 
@@ -579,6 +589,7 @@ impl Backend for AscendBackend {
         qk: ViewMut<'_, AscendBuffer>,
         g: &AttnGeometry,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_rope(qk, g)
     }
 
@@ -589,6 +600,7 @@ impl Backend for AscendBackend {
         g: &AttnGeometry,
         layer: usize,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_kv_write(k, v, g, layer)
     }
 
@@ -599,6 +611,7 @@ impl Backend for AscendBackend {
         layer: usize,
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_attention(q, g, layer, out)
     }
 
@@ -608,6 +621,7 @@ impl Backend for AscendBackend {
         up: View<'_, AscendBuffer>,
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_swiglu(gate, up, out)
     }
 
@@ -616,6 +630,7 @@ impl Backend for AscendBackend {
         x: ViewMut<'_, AscendBuffer>,
         y: View<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_add(x, y)
     }
 
@@ -624,6 +639,7 @@ impl Backend for AscendBackend {
         x: View<'_, AscendBuffer>,
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
+        self.picked = None;
         self.op_gather_rows(x, out)
     }
 
@@ -633,6 +649,19 @@ impl Backend for AscendBackend {
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<bool, BackendError> {
         self.op_argmax(logits, out)?;
+        Ok(true)
+    }
+}
+
+impl AscendBackend {
+    /// The log-probability of `argmax_rows`' pick in each row, into an f32 buffer (the device
+    /// half of a greedy step: only ids and log-probabilities are read back).
+    pub fn argmax_logprob_rows(
+        &mut self,
+        logits: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<bool, BackendError> {
+        self.op_argmax_logprob(logits, out)?;
         Ok(true)
     }
 }

@@ -13,6 +13,7 @@ mod attention;
 mod elementwise;
 mod kv_cache;
 mod matmul;
+mod reduce;
 
 use core::ffi::c_void;
 
@@ -300,6 +301,9 @@ launchers!(
     aclnnInplaceAdd,
     aclnnCast,
     aclnnInplaceCopy,
+    aclnnNanToNum,
+    aclnnLogSoftmax,
+    aclnnGather,
     aclnnRmsNorm,
     aclnnSwiGlu,
     aclnnEmbedding,
