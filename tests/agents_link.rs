@@ -1,8 +1,8 @@
 //! Agent links against real agent processes: the server side spawns this test executable again
 //! as the agent (`child_agent` below), which runs the real worker (`npu_agent::worker::run_with`:
 //! handshake, shared memory, step loop) around a small deterministic engine, so spawn,
-//! handshake, steps, kill -9 and SIGSTOP detection, restart and shutdown are exercised today,
-//! with no model. The same flow with the real model lives in agents_process.rs.
+//! handshake, steps, kill -9 and SIGSTOP detection (busy and idle), restart and shutdown are
+//! exercised with no model. The same flow with the real model lives in agents_process.rs.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
@@ -159,7 +159,6 @@ fn launch(mode: &str) -> AgentLaunch {
 fn spec(agent_id: u32) -> AgentSpec {
     AgentSpec::new(
         agent_id,
-        0,
         AgentEngineConfig {
             model_path: PathBuf::from("/echo/model.gguf"),
             num_blocks: 64,
@@ -376,6 +375,94 @@ fn a_killed_agent_is_detected_and_restarted() {
 }
 
 #[test]
+fn an_idle_agent_that_dies_is_noticed_without_a_step_and_reaped() {
+    let mut link = AgentLink::start(spec(21), launch("echo")).unwrap();
+    link.step(&plan(1, &[1], &[(1, 5)]), STEP_DEADLINE).unwrap();
+    assert!(link.check_idle().is_none(), "a live idle agent is fine");
+    let pid = link.pid().unwrap();
+    kill_9(pid);
+    // The socket closes with the process: the very first look sees it.
+    let seen = Instant::now();
+    let err = link
+        .check_idle()
+        .expect("the death is noticed at the first look");
+    assert!(
+        seen.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        seen.elapsed()
+    );
+    assert!(err.agent_is_down(), "{err}");
+    assert!(
+        matches!(&err, AgentFailure::Exited { status, .. } if status.contains("9")),
+        "{err}"
+    );
+    assert!(!link.is_up());
+    assert!(
+        !pid_alive(pid),
+        "the dead agent was not reaped (a zombie is left)"
+    );
+    assert!(our_segments(21).is_empty());
+    // Once down, it is not reported again.
+    assert!(link.check_idle().is_none());
+    link.restart().unwrap();
+    assert!(link.check_idle().is_none());
+    link.step(&plan(2, &[1], &[(1, 5)]), STEP_DEADLINE).unwrap();
+}
+
+/// The open descriptors of a process, as their /proc link targets (e.g. `socket:[123]`).
+fn open_fds(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|t| t.to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn the_agent_learns_its_segment_and_secret_from_its_socket_not_its_command_line() {
+    let link = AgentLink::start(spec(22), launch("echo")).unwrap();
+    let pid = link.pid().unwrap();
+    let segment = link.segment_name().unwrap().to_string();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    assert!(cmdline.contains("--agent-id 22 --control-fd "), "{cmdline}");
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let environ = String::from_utf8_lossy(&environ);
+    let bare = segment.trim_start_matches('/');
+    for (what, text) in [("command line", &*cmdline), ("environment", &*environ)] {
+        assert!(!text.contains(bare), "the segment name is in the {what}");
+        assert!(
+            !text.contains("model_path"),
+            "the engine config is in the {what}"
+        );
+    }
+    // Its only socket is its end of the pair (no listener, no other connection).
+    let sockets: Vec<String> = open_fds(pid)
+        .into_iter()
+        .filter(|t| t.starts_with("socket:"))
+        .collect();
+    assert_eq!(sockets.len(), 1, "{sockets:?}");
+    // And this process has no listening socket for agents: nothing to squat on.
+    let listening = std::fs::read_to_string("/proc/net/unix").unwrap();
+    let ours: Vec<String> = open_fds(std::process::id())
+        .into_iter()
+        .filter_map(|t| {
+            t.strip_prefix("socket:[")
+                .map(|i| i.trim_end_matches(']').to_string())
+        })
+        .collect();
+    for line in listening.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // Fields: Num RefCount Protocol Flags Type St Inode [Path]; flag 0x10000 = listening.
+        let listens = u32::from_str_radix(f[3], 16).unwrap_or(0) & 0x10000 != 0;
+        assert!(
+            !(listens && ours.contains(&f[6].to_string())),
+            "a listening Unix socket: {line}"
+        );
+    }
+}
+
+#[test]
 fn a_hung_agent_is_killed_at_the_deadline() {
     let mut link = AgentLink::start(spec(12), launch("echo")).unwrap();
     let pid = link.pid().unwrap();
@@ -447,7 +534,7 @@ fn processes_that_never_become_agents_are_refused() {
     exits.leading_args.clear();
     let err = AgentLink::start(spec(15), exits).unwrap_err();
     assert!(
-        matches!(&err, AgentFailure::StartFailed { reason, .. } if reason.contains("before connecting")),
+        matches!(&err, AgentFailure::StartFailed { reason, .. } if reason.contains("exited")),
         "{err}"
     );
 
@@ -514,13 +601,18 @@ fn hellos_that_do_not_match_the_server_are_refused() {
         agent_id: 20,
         pid: 777,
         protocol_version: PROTOCOL_VERSION,
+        launch_token: 0xfeed,
         layout_hash: layout.hash(),
         segment_name: seg.name().to_string(),
         model_facts_json: serde_json::to_string(&echo_facts()).unwrap(),
     };
-    assert_eq!(validate_hello(&good, 20, 777, &seg).unwrap(), echo_facts());
-    let cases: [(&str, HelloEdit); 6] = [
+    assert_eq!(
+        validate_hello(&good, 20, 777, &seg, 0xfeed).unwrap(),
+        echo_facts()
+    );
+    let cases: [(&str, HelloEdit); 7] = [
         ("protocol version", |h| h.protocol_version += 1),
+        ("secret", |h| h.launch_token ^= 1),
         ("agent 21", |h| h.agent_id = 21),
         ("pid", |h| h.pid = 1),
         ("segment", |h| h.segment_name = "/other".into()),
@@ -530,7 +622,7 @@ fn hellos_that_do_not_match_the_server_are_refused() {
     for (what, break_it) in cases {
         let mut hello = good.clone();
         break_it(&mut hello);
-        let reason = validate_hello(&hello, 20, 777, &seg).unwrap_err();
+        let reason = validate_hello(&hello, 20, 777, &seg, 0xfeed).unwrap_err();
         assert!(reason.contains(what), "{what}: {reason}");
     }
 }

@@ -119,9 +119,10 @@ fn greedy_outputs_of_32_concurrent_streams_equal_single_requests_on_both_apis() 
 fn preemption_and_static_batching_keep_greedy_outputs() {
     let _serial = serial();
     // 40 blocks of 16 tokens: 24 requests of up to ~60 tokens need ~96 blocks, so sequences
-    // are preempted and recomputed.
+    // are preempted and recomputed. (The pool still holds one sequence of the context limit.)
     let small = ServerOpts {
         num_blocks: 40,
+        seq_length: 512,
         prefix_cache: false,
         ..ServerOpts::default()
     };

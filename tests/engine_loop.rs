@@ -1,7 +1,9 @@
 //! Engine loop tests with the real model on an in-process agent (`AgentEngine` itself, no
 //! process), failures injected at the agent boundary: tokens to events and finish reasons,
 //! stop strings, aborts, a failed step, an agent that dies and comes back (its requests resume
-//! without repeating a token), one that cannot come back, requests that cannot fit, the drain.
+//! without repeating a token), one that dies while idle, one whose restarts fail for a while
+//! (requests are not left waiting; attempts go on until it is back), requests that cannot fit,
+//! the drain.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -43,8 +45,12 @@ struct Faults {
     die_at: Option<usize>,
     /// The agent reports that it could not run the step of this call (it stays up).
     fail_step_at: Option<usize>,
-    /// Every restart fails.
+    /// Every restart fails (while set).
     restart_fails: bool,
+    /// Restart attempts so far.
+    restarts_tried: usize,
+    /// The agent is found dead at the next idle check (as after kill -9 of an idle agent).
+    die_idle: bool,
 }
 
 struct InProcessAgent {
@@ -83,7 +89,12 @@ impl StepAgent for InProcessAgent {
     }
 
     fn restart(&mut self) -> Result<(), AgentFailure> {
-        if self.faults.lock().unwrap().restart_fails {
+        let fails = {
+            let mut f = self.faults.lock().unwrap();
+            f.restarts_tried += 1;
+            f.restart_fails
+        };
+        if fails {
             return Err(AgentFailure::StartFailed {
                 agent_id: 0,
                 reason: "injected: the model cannot be loaded".into(),
@@ -100,12 +111,25 @@ impl StepAgent for InProcessAgent {
     fn shutdown(&mut self) {
         self.engine = None;
     }
+
+    fn check_idle(&mut self) -> Option<AgentFailure> {
+        let mut f = self.faults.lock().unwrap();
+        if !std::mem::take(&mut f.die_idle) || self.engine.is_none() {
+            return None;
+        }
+        self.engine = None;
+        Some(AgentFailure::Exited {
+            agent_id: 0,
+            status: "signal: 9 (SIGKILL)".into(),
+        })
+    }
 }
 
 fn engine_config() -> EngineConfig {
     let mut cfg = EngineConfig {
-        restart_attempts: 2,
         restart_backoff: Duration::from_millis(10),
+        restart_backoff_max: Duration::from_millis(40),
+        agent_watch_interval: Duration::from_millis(10),
         shutdown_grace: Duration::from_secs(2),
         ..EngineConfig::default()
     };
@@ -403,7 +427,23 @@ fn a_dead_agent_is_restarted_and_its_requests_resume_without_repeats() {
 }
 
 #[test]
-fn an_agent_that_cannot_come_back_fails_its_requests_naming_the_cause() {
+fn an_agent_that_dies_while_idle_is_restarted_before_the_next_request() {
+    let h = Harness::start(engine_config(), Faults::default());
+    h.submit(1, &PROMPT, 3, |_| {});
+    h.finish_all(&[1]);
+    let ready = |s: &EngineStats| s.ready.load(std::sync::atomic::Ordering::Relaxed);
+    h.wait_stats(ready);
+    h.faults.lock().unwrap().die_idle = true;
+    // No request is running: the death is seen by the idle watch, and the agent comes back.
+    h.wait_stats(|s| EngineStats::get(&s.agent_restarts_total) == 1 && ready(s));
+    assert_eq!(h.faults.lock().unwrap().restarts_tried, 1);
+    h.submit(2, &PROMPT, 14, |_| {});
+    let out = h.finish_all(&[2]);
+    assert_eq!(out[&2].tokens, GREEDY);
+}
+
+#[test]
+fn restarts_go_on_until_the_agent_is_back_and_waiting_requests_are_not_left_hanging() {
     let faults = Faults {
         die_at: Some(3),
         restart_fails: true,
@@ -412,19 +452,29 @@ fn an_agent_that_cannot_come_back_fails_its_requests_naming_the_cause() {
     let h = Harness::start(engine_config(), faults);
     h.submit(1, &PROMPT, 14, |_| {});
     h.submit(2, &PROMPT, 14, |_| {});
+    // A restart attempt failed and no agent is up: the requests end, naming the cause.
     let out = h.finish_all(&[1, 2]);
     for id in [1, 2] {
         let (reason, _, message) = only_finish(&out[&id]);
         assert_eq!(reason, FinishReason::Error);
         let message = message.expect("a message");
         assert!(message.contains("cannot be loaded"), "{message}");
+        assert!(message.contains("still trying"), "{message}");
     }
     assert!(!h.stats().ready.load(std::sync::atomic::Ordering::Relaxed));
     assert_eq!(EngineStats::get(&h.stats().agents_up), 0);
-    // New requests are refused the same way, right away.
+    // New requests are refused the same way, right away, while the attempts keep failing.
     h.submit(3, &PROMPT, 4, |_| {});
     let out = h.finish_all(&[3]);
     assert_eq!(only_finish(&out[&3]).0, FinishReason::Error);
+    // No final give-up: once the model can load again, the agent is back and serves.
+    h.wait_stats(|_| h.faults.lock().unwrap().restarts_tried >= 3);
+    h.faults.lock().unwrap().restart_fails = false;
+    h.wait_stats(|s| s.ready.load(std::sync::atomic::Ordering::Relaxed));
+    assert_eq!(EngineStats::get(&h.stats().agent_restarts_total), 1);
+    h.submit(4, &PROMPT, 14, |_| {});
+    let out = h.finish_all(&[4]);
+    assert_eq!(out[&4].tokens, GREEDY);
 }
 
 #[test]
@@ -452,7 +502,7 @@ fn a_failed_step_ends_only_the_requests_it_carried() {
 }
 
 #[test]
-fn requests_that_cannot_fit_end_with_context_length() {
+fn requests_that_cannot_fit_are_rejected_and_those_that_fill_the_pool_end_with_context_length() {
     let mut cfg = engine_config();
     cfg.scheduler.num_blocks = 2; // 32 tokens in the whole pool
     cfg.scheduler.max_model_len = 64;
@@ -465,7 +515,7 @@ fn requests_that_cannot_fit_end_with_context_length() {
     let (reason, usage, message) = only_finish(&out[&1]);
     assert_eq!(
         (reason, usage.completion_tokens),
-        (FinishReason::ContextLength, 0)
+        (FinishReason::Rejected, 0)
     );
     assert!(message.unwrap().contains("KV blocks"));
     let (reason, usage, _) = only_finish(&out[&2]);

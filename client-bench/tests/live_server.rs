@@ -67,7 +67,7 @@ fn args(list: &[&str]) -> BenchArgs {
     Cli::try_parse_from(v).unwrap().bench
 }
 
-/// One server at a time: both tests use the shipped config, whose agent port is fixed.
+/// One server at a time: the machine's cores are few, and the tests compare runs.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())

@@ -2,6 +2,7 @@
 //! command-line arguments and engine configuration) and what the agent reports about its model in
 //! the handshake.
 
+use std::os::fd::RawFd;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -42,21 +43,15 @@ pub struct ModelFacts {
     pub backend: String,
 }
 
-/// Command-line arguments of `npu-serving agent`.
+/// Command-line arguments of `npu-serving agent` (the server passes them; they hold no secret).
 #[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct AgentArgs {
     /// Index of this agent (its device offset).
     #[arg(long)]
     pub agent_id: u32,
-    /// The server's control address, HOST:PORT.
+    /// The inherited file descriptor of this agent's end of its control socket pair.
     #[arg(long)]
-    pub control: String,
-    /// Name of the shared-memory segment the server created for this agent.
-    #[arg(long)]
-    pub shm: String,
-    /// `AgentEngineConfig` as JSON.
-    #[arg(long)]
-    pub config_json: String,
+    pub control_fd: RawFd,
 }
 
 impl AgentArgs {
@@ -65,12 +60,8 @@ impl AgentArgs {
         vec![
             "--agent-id".into(),
             self.agent_id.to_string(),
-            "--control".into(),
-            self.control.clone(),
-            "--shm".into(),
-            self.shm.clone(),
-            "--config-json".into(),
-            self.config_json.clone(),
+            "--control-fd".into(),
+            self.control_fd.to_string(),
         ]
     }
 }

@@ -1,6 +1,10 @@
-//! Control frames on the socket between the server and an agent: `u32` little-endian length,
-//! `u8` type, payload (little-endian integers, length-prefixed UTF-8 strings). The step data
-//! itself lives in the shared-memory segment; frames only say what to do and how it went.
+//! Control frames on the private socket between the server and an agent: `u32` little-endian
+//! length, `u8` type, payload (little-endian integers, length-prefixed UTF-8 strings). The step
+//! data itself lives in the shared-memory segment; frames only say what to do and how it went.
+//!
+//! The handshake: the server sends `Setup` (who the agent is, its segment, its engine config and
+//! a per-launch secret), the agent answers `Hello` (echoing the secret) or `StartFailed`, the
+//! server answers `Welcome` or `Refuse`. Nothing of this travels on a command line.
 
 use std::io::{Read, Write};
 
@@ -33,12 +37,26 @@ pub enum FrameError {
     Io(#[from] std::io::Error),
 }
 
-/// Agent -> server, first frame after connecting.
+/// Server -> agent, the first frame on the agent's socket: what the agent is to be.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Setup {
+    pub agent_id: u32,
+    /// Secret of this launch; the agent proves it in its Hello.
+    pub launch_token: u128,
+    /// The shared-memory segment the server created for this agent.
+    pub segment_name: String,
+    /// The agent's `AgentEngineConfig` as JSON.
+    pub config_json: String,
+}
+
+/// Agent -> server, the answer to Setup once the engine is loaded.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Hello {
     pub agent_id: u32,
     pub pid: u32,
     pub protocol_version: u32,
+    /// `Setup::launch_token`, echoed.
+    pub launch_token: u128,
     /// Layout hash the agent found in (and recomputed from) the segment header.
     pub layout_hash: u64,
     pub segment_name: String,
@@ -68,6 +86,8 @@ pub struct StepDone {
 /// Every control message.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frame {
+    /// Server -> agent: who you are, where your segment is, what to load.
+    Setup(Setup),
     /// Agent -> server: who I am, what I loaded.
     Hello(Hello),
     /// Server -> agent: handshake accepted.
@@ -101,6 +121,7 @@ pub enum Frame {
 }
 
 mod tag {
+    pub const SETUP: u8 = 5;
     pub const HELLO: u8 = 1;
     pub const WELCOME: u8 = 2;
     pub const REFUSE: u8 = 3;
@@ -122,6 +143,7 @@ impl Frame {
 
     fn tag(&self) -> u8 {
         match self {
+            Frame::Setup(_) => tag::SETUP,
             Frame::Hello(_) => tag::HELLO,
             Frame::Welcome => tag::WELCOME,
             Frame::Refuse { .. } => tag::REFUSE,
@@ -142,10 +164,18 @@ impl Frame {
         let mut out = vec![0u8; LEN_PREFIX];
         out.push(self.tag());
         match self {
+            Frame::Setup(s) => {
+                out.extend_from_slice(&s.agent_id.to_le_bytes());
+                out.extend_from_slice(&s.launch_token.to_le_bytes());
+                put_str(&mut out, &s.segment_name, MAX_FRAME_LEN / 4);
+                let room = MAX_FRAME_LEN - (out.len() - LEN_PREFIX) - 4;
+                put_str(&mut out, &s.config_json, room);
+            }
             Frame::Hello(h) => {
                 out.extend_from_slice(&h.agent_id.to_le_bytes());
                 out.extend_from_slice(&h.pid.to_le_bytes());
                 out.extend_from_slice(&h.protocol_version.to_le_bytes());
+                out.extend_from_slice(&h.launch_token.to_le_bytes());
                 out.extend_from_slice(&h.layout_hash.to_le_bytes());
                 put_str(&mut out, &h.segment_name, MAX_FRAME_LEN / 4);
                 let room = MAX_FRAME_LEN - (out.len() - LEN_PREFIX) - 4;
@@ -196,6 +226,7 @@ impl Frame {
 
 fn kind_of(tag: u8) -> Option<&'static str> {
     Some(match tag {
+        tag::SETUP => "Setup",
         tag::HELLO => "Hello",
         tag::WELCOME => "Welcome",
         tag::REFUSE => "Refuse",
@@ -256,6 +287,13 @@ impl<'a> Payload<'a> {
         Ok(u64::from_le_bytes(a))
     }
 
+    fn u128(&mut self) -> Result<u128, FrameError> {
+        let b = self.take(16)?;
+        let mut a = [0u8; 16];
+        a.copy_from_slice(b);
+        Ok(u128::from_le_bytes(a))
+    }
+
     fn string(&mut self) -> Result<String, FrameError> {
         let n = self.u32()? as usize;
         let bytes = self.take(n)?;
@@ -284,10 +322,17 @@ fn decode_body(tag: u8, payload: &[u8]) -> Result<Frame, FrameError> {
         len: payload.len(),
     };
     let frame = match tag {
+        tag::SETUP => Frame::Setup(Setup {
+            agent_id: p.u32()?,
+            launch_token: p.u128()?,
+            segment_name: p.string()?,
+            config_json: p.string()?,
+        }),
         tag::HELLO => Frame::Hello(Hello {
             agent_id: p.u32()?,
             pid: p.u32()?,
             protocol_version: p.u32()?,
+            launch_token: p.u128()?,
             layout_hash: p.u64()?,
             segment_name: p.string()?,
             model_facts_json: p.string()?,

@@ -4,18 +4,25 @@
 use std::io::Cursor;
 
 use npu_protocol::frame::{
-    read_frame, write_frame, Fill, Frame, FrameError, FrameReader, Hello, StepDone, StepStatus,
-    MAX_FRAME_LEN,
+    read_frame, write_frame, Fill, Frame, FrameError, FrameReader, Hello, Setup, StepDone,
+    StepStatus, MAX_FRAME_LEN,
 };
 use npu_protocol::StepTiming;
 use proptest::prelude::*;
 
 fn every_kind() -> Vec<Frame> {
     vec![
+        Frame::Setup(Setup {
+            agent_id: 3,
+            launch_token: u128::MAX - 7,
+            segment_name: "/npu-serving-1-3-00ff".into(),
+            config_json: r#"{"model_path":"/m.gguf","num_blocks":64}"#.into(),
+        }),
         Frame::Hello(Hello {
             agent_id: 3,
             pid: 4242,
             protocol_version: 1,
+            launch_token: 0x0123_4567_89ab_cdef_0011_2233_4455_6677,
             layout_hash: 0xdead_beef_0123_4567,
             segment_name: "/npu-serving-1-3-00ff".into(),
             model_facts_json: r#"{"name":"SmolLM2","vocab_size":49152}"#.into(),
@@ -194,13 +201,16 @@ proptest! {
     #[test]
     fn random_hellos_and_step_dones_round_trip(
         agent_id in any::<u32>(), pid in any::<u32>(), version in any::<u32>(),
-        hash in any::<u64>(), name in ".{0,40}", facts in ".{0,200}",
+        hash in any::<u64>(), name in ".{0,40}", facts in ".{0,200}", token in any::<u128>(),
         step_id in any::<u64>(), failed in any::<bool>(),
         times in (any::<u64>(), any::<u64>(), any::<u64>()), error in ".{0,80}",
     ) {
         let hello = Frame::Hello(Hello {
-            agent_id, pid, protocol_version: version, layout_hash: hash,
-            segment_name: name, model_facts_json: facts,
+            agent_id, pid, protocol_version: version, launch_token: token, layout_hash: hash,
+            segment_name: name.clone(), model_facts_json: facts.clone(),
+        });
+        let setup = Frame::Setup(Setup {
+            agent_id, launch_token: token, segment_name: name, config_json: facts,
         });
         let done = Frame::StepDone(StepDone {
             step_id,
@@ -208,7 +218,7 @@ proptest! {
             timing: StepTiming { forward_us: times.0, sample_us: times.1, total_us: times.2 },
             error,
         });
-        for frame in [hello, done] {
+        for frame in [hello, setup, done] {
             let bytes = frame.encode();
             prop_assert_eq!(Frame::decode(&bytes).unwrap(), Some((frame, bytes.len())));
         }

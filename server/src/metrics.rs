@@ -128,7 +128,17 @@ impl Metrics {
     pub fn render(&self, stats: &EngineStats) -> String {
         let g = EngineStats::get;
         let mut out = String::with_capacity(8 * 1024);
-        let gauges: [(&str, &str, u64); 9] = [
+        // The share of KV blocks in use, 0..1 (what a Kubernetes inference gateway's endpoint
+        // picker reads as KV cache utilization).
+        let used = g(&stats.kv_blocks_used) as f64;
+        let total = g(&stats.kv_blocks_total) as f64;
+        let usage = if total > 0.0 { used / total } else { 0.0 };
+        let _ = writeln!(
+            out,
+            "# HELP npu_serving_kv_cache_usage_perc Fraction of KV cache blocks in use (0 to 1).\n\
+             # TYPE npu_serving_kv_cache_usage_perc gauge\nnpu_serving_kv_cache_usage_perc {usage}"
+        );
+        let gauges: [(&str, &str, u64); 10] = [
             (
                 "npu_serving_requests_running",
                 "Requests being prefilled or decoded.",
@@ -170,6 +180,11 @@ impl Metrics {
                 u64::from(stats.ready.load(Ordering::Relaxed)),
             ),
             (
+                "npu_serving_draining",
+                "1 while the server shuts down (running requests finish, new ones are refused).",
+                u64::from(stats.draining.load(Ordering::Relaxed)),
+            ),
+            (
                 "npu_serving_http_connections_open",
                 "Open HTTP connections.",
                 self.connections_open.load(Ordering::Relaxed),
@@ -179,7 +194,7 @@ impl Metrics {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 11] = [
+        let counters: [(&str, &str, u64); 13] = [
             (
                 "npu_serving_prompt_tokens_total",
                 "Prompt tokens processed.",
@@ -199,6 +214,16 @@ impl Metrics {
                 "npu_serving_preemptions_total",
                 "Sequences preempted for lack of KV blocks.",
                 g(&stats.preemptions_total),
+            ),
+            (
+                "npu_serving_prefix_cache_queries_total",
+                "Tokens of admitted requests looked up in the prefix cache.",
+                g(&stats.prefix_cache_queried_tokens_total),
+            ),
+            (
+                "npu_serving_prefix_cache_hits_total",
+                "Tokens found in the prefix cache (their KV was reused, not computed).",
+                g(&stats.prefix_cache_hit_tokens_total),
             ),
             (
                 "npu_serving_agent_restarts_total",
@@ -304,6 +329,17 @@ mod tests {
             "# TYPE npu_serving_kv_blocks_total gauge\nnpu_serving_kv_blocks_total 2048\n"
         ));
         assert!(text.contains("npu_serving_preemptions_total 3\n"));
+        // 0..1 share of blocks in use, for gateways.
+        EngineStats::set(&stats.kv_blocks_used, 512);
+        EngineStats::add(&stats.prefix_cache_queried_tokens_total, 100);
+        EngineStats::add(&stats.prefix_cache_hit_tokens_total, 64);
+        let text = m.render(&stats);
+        assert!(
+            text.contains("npu_serving_kv_cache_usage_perc 0.25\n"),
+            "{text}"
+        );
+        assert!(text.contains("npu_serving_prefix_cache_queries_total 100\n"));
+        assert!(text.contains("npu_serving_prefix_cache_hits_total 64\n"));
         assert!(text.contains("npu_serving_step_time_seconds_count 1\n"));
         // Every sample line belongs to a declared metric family.
         for line in text.lines().filter(|l| !l.starts_with('#')) {

@@ -3,7 +3,7 @@
 //! SIGINT/SIGTERM, then drains and shuts everything down (agents exit, segments are removed).
 
 use std::io::Write;
-use std::net::{IpAddr, TcpListener};
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// on first use).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Refuse every unknown config key (by default unknown keys in llm-serving's sections only
+    /// warn; unknown keys in npu_serving are always refused).
+    #[arg(long)]
+    pub strict_config: bool,
 }
 
 /// What the model file says that the server needs before the agents start.
@@ -48,7 +52,7 @@ struct ModelInfo {
 
 /// Runs the server until a termination signal has been handled.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let mut cfg = ServerConfig::from_yaml_file(&args.config)
+    let mut cfg = ServerConfig::from_yaml_file_with(&args.config, args.strict_config)
         .with_context(|| format!("config {}", args.config.display()))?;
     if let Some(host) = &args.host {
         cfg.serving_config.server_ip = host.clone();
@@ -64,6 +68,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let model = load_model_info(&cfg, args.model.clone())?;
     cfg.model_warnings(model.vocab, model.context);
+    cfg.check_kv_pool(model.context)
+        .with_context(|| format!("config {}", args.config.display()))?;
     let max_model_len = cfg.max_model_len(model.context);
     let mut eos_ids = model.tokenizer.eos_ids().to_vec();
     for &id in cfg.end_token_ids() {
@@ -82,21 +88,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let listener = TcpListener::bind(&addr).with_context(|| format!("cannot listen on {addr}"))?;
 
     let specs = agent_specs(&cfg, &engine_cfg, &model.path);
-    let agent_ip: IpAddr = cfg.serving_config.agent_ip.parse().with_context(|| {
-        format!(
-            "serving_config.agent_ip: {:?} is not an IP address",
-            cfg.serving_config.agent_ip
-        )
-    })?;
-    let launch = AgentLaunch {
-        agent_ip,
-        ..AgentLaunch::default()
-    };
+    let launch = AgentLaunch::default();
     tracing::info!(
         agents = specs.len(),
         threads_per_agent = specs[0].engine.threads,
         model = %model.path.display(),
-        "starting agents"
+        "starting agents (one per serving_config.agent_ports entry; each talks to this server \
+         over its own private socket pair, no port is opened)"
     );
     let pool = AgentPool::start(specs, launch).context("starting the agents")?;
     let agents: Vec<Box<dyn StepAgent>> = pool
@@ -155,7 +153,8 @@ fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Re
     })
 }
 
-/// One spec per `serving_config.agent_ports` entry, sized by the engine's scheduler limits.
+/// One spec per `serving_config.agent_ports` entry (only their number matters: agents talk to
+/// the server over private socket pairs), sized by the engine's scheduler limits.
 fn agent_specs(
     cfg: &ServerConfig,
     engine: &EngineConfig,
@@ -170,11 +169,8 @@ fn agent_specs(
         n => n,
     };
     let s = &engine.scheduler;
-    cfg.serving_config
-        .agent_ports
-        .iter()
-        .enumerate()
-        .map(|(i, &port)| {
+    (0..agents)
+        .map(|i| {
             let engine = AgentEngineConfig {
                 model_path: model.to_path_buf(),
                 num_blocks: s.num_blocks as u32,
@@ -184,7 +180,7 @@ fn agent_specs(
                 max_blocks_per_seq: s.max_blocks_per_seq as u32,
                 threads,
             };
-            AgentSpec::new(i as u32, port, engine)
+            AgentSpec::new(i as u32, engine)
         })
         .collect()
 }

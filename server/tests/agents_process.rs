@@ -84,7 +84,7 @@ fn our_segments(agent_id: u32) -> Vec<String> {
 #[test]
 fn the_real_agent_reports_an_engine_that_cannot_load_as_a_handshake_failure() {
     let missing = PathBuf::from("/nonexistent/npu-serving-test/model.gguf");
-    let spec = AgentSpec::new(30, 0, engine_config(missing));
+    let spec = AgentSpec::new(30, engine_config(missing));
     let err = AgentLink::start(spec, launch()).unwrap_err();
     match &err {
         AgentFailure::StartFailed {
@@ -99,13 +99,13 @@ fn the_real_agent_reports_an_engine_that_cannot_load_as_a_handshake_failure() {
 
 #[test]
 fn the_real_agent_refuses_a_bad_command_line() {
-    // The agent never connects: clap rejects the arguments and the process exits.
-    let spec = AgentSpec::new(31, 0, engine_config("/unused".into()));
+    // The agent never says hello: clap rejects the arguments and the process exits.
+    let spec = AgentSpec::new(31, engine_config("/unused".into()));
     let mut bad = launch();
     bad.leading_args = vec!["agent".into(), "--no-such-flag".into()];
     let err = AgentLink::start(spec, bad).unwrap_err();
     assert!(
-        matches!(&err, AgentFailure::StartFailed { reason, .. } if reason.contains("before connecting")),
+        matches!(&err, AgentFailure::StartFailed { reason, .. } if reason.contains("exited")),
         "{err}"
     );
 }
@@ -217,7 +217,7 @@ fn stop(pid: u32) {
 #[test]
 fn end_to_end_with_the_real_model_step_kill_restart() {
     let deadline = Duration::from_secs(120);
-    let spec = AgentSpec::new(32, 0, engine_config(model_path()));
+    let spec = AgentSpec::new(32, engine_config(model_path()));
     let mut link = AgentLink::start(spec, launch()).unwrap();
     let facts = link.facts().clone();
     assert_eq!(

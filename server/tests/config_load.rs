@@ -1,5 +1,7 @@
 //! Config loading: the shipped configs load (with the warnings they should give), every
-//! validation error names its key, bucket lists accept a scalar or a list, unknown keys warn.
+//! validation error names its key, bucket lists accept a scalar or a list, unknown keys warn in
+//! llm-serving's sections (with a suggestion when one is close) and are errors in npu_serving
+//! and under strict loading, a KV pool too small for one sequence is refused naming both keys.
 
 use std::path::PathBuf;
 
@@ -106,20 +108,165 @@ fn buckets_accept_scalar_or_list_and_use_the_largest() {
 }
 
 #[test]
-fn unknown_keys_warn_with_their_full_path() {
-    let cfg = ServerConfig::from_yaml_str(
-        "model_config:\n  model_name: x\n  fancy: 1\nserving_config:\n  agent_ports: [1]\n  agent_typo: 2\nnew_section: {a: 1}\nnpu_serving:\n  turbo: true\n",
-    )
-    .unwrap();
+fn unknown_keys_warn_with_their_full_path_and_a_suggestion_when_one_is_close() {
+    let yaml = "model_config:\n  model_name: x\n  fancy: 1\n  seq_lenght: 512\nserving_config:\n  agent_ports: [1]\n  agent_typo: 2\nnew_section: {a: 1}\nmodel_confg: {seq_length: 512}\n";
+    let cfg = ServerConfig::from_yaml_str(yaml).unwrap();
     for key in [
         "model_config.fancy",
+        "model_config.seq_lenght",
         "serving_config.agent_typo",
         "new_section",
-        "npu_serving.turbo",
+        "model_confg",
     ] {
         assert!(warned(&cfg, key), "{key}: {:?}", cfg.warnings);
     }
-    assert_eq!(cfg.warnings.len(), 4);
+    assert_eq!(cfg.warnings.len(), 5);
+    let message = |path: &str| {
+        let w = cfg.warnings.iter().find(|w| w.path == path).unwrap();
+        w.message.clone()
+    };
+    assert_eq!(
+        message("model_confg"),
+        "unknown key, ignored (did you mean model_config?)"
+    );
+    assert_eq!(
+        message("model_config.seq_lenght"),
+        "unknown key, ignored (did you mean seq_length?)"
+    );
+    assert_eq!(message("model_config.fancy"), "unknown key, ignored");
+    assert_eq!(message("new_section"), "unknown key, ignored");
+
+    // --strict-config: the first unknown key is an error, with the same suggestion.
+    let e = ServerConfig::from_yaml_str_with(yaml, true).unwrap_err();
+    assert!(matches!(e, ConfigError::UnknownKey { .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "model_config.fancy: unknown key; --strict-config refuses unknown keys"
+    );
+    let e = ServerConfig::from_yaml_str_with("model_confg: {seq_length: 512}\n", true).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "model_confg: unknown key (did you mean model_config?); --strict-config refuses unknown keys"
+    );
+    // Strict loading accepts the shipped configs (their llm-serving keys are known, if ignored).
+    for file in [
+        "configs/smollm2-cpu.yaml",
+        "configs/llama_7b_kbk_pa_dyn.yaml",
+    ] {
+        ServerConfig::from_yaml_file_with(repo_file(file), true).unwrap();
+    }
+}
+
+#[test]
+fn unknown_keys_in_npu_serving_are_errors_with_a_suggestion() {
+    let e = err("npu_serving:\n  prefix_cahce: false\n");
+    assert_eq!(e.key_path(), Some("npu_serving.prefix_cahce"));
+    assert_eq!(
+        e.to_string(),
+        "npu_serving.prefix_cahce: unknown key (did you mean prefix_cache?); npu_serving holds \
+         this server's own settings and refuses unknown keys"
+    );
+    let e = err("npu_serving:\n  turbo: true\n");
+    assert_eq!(
+        e.to_string(),
+        "npu_serving.turbo: unknown key; npu_serving holds this server's own settings and \
+         refuses unknown keys"
+    );
+}
+
+#[test]
+fn agent_ports_only_count_agents() {
+    // No port is opened for agents: 0, repeats and a port equal to the server's are fine.
+    let cfg = ServerConfig::from_yaml_str(
+        "serving_config:\n  agent_ports: [0, 0, 8835]\n  server_port: 8835\n",
+    )
+    .unwrap();
+    assert_eq!(cfg.num_agents(), 3);
+    assert!(cfg.warnings.is_empty(), "{:?}", cfg.warnings);
+    let cfg = ServerConfig::from_yaml_str("serving_config:\n  agent_ip: '10.0.0.1'\n").unwrap();
+    assert!(warned(&cfg, "serving_config.agent_ip"));
+    assert_eq!(cfg.num_agents(), 1);
+}
+
+#[test]
+fn a_kv_pool_that_cannot_hold_one_sequence_is_refused_naming_both_keys() {
+    let cfg = ServerConfig::from_yaml_str(
+        "model_config:\n  seq_length: 2048\npa_config:\n  num_blocks: 64\n",
+    )
+    .unwrap();
+    let e = cfg.check_kv_pool(8192).unwrap_err();
+    assert_eq!(e.key_path(), Some("pa_config.num_blocks"));
+    assert_eq!(
+        e.to_string(),
+        "pa_config.num_blocks: 64 blocks x pa_config.block_size 16 = 1024 token slots per agent \
+         cannot hold one sequence of model_config.seq_length = 2048 tokens; raise \
+         pa_config.num_blocks to at least 128 or lower model_config.seq_length to at most 1024"
+    );
+    // Exactly one sequence fits: accepted.
+    let cfg = ServerConfig::from_yaml_str(
+        "model_config:\n  seq_length: 1024\npa_config:\n  num_blocks: 64\n",
+    )
+    .unwrap();
+    cfg.check_kv_pool(8192).unwrap();
+    // Without seq_length the model's context is the limit; a smaller max_generate_length or
+    // max_model_len is what counts when set.
+    let cfg = ServerConfig::from_yaml_str("pa_config:\n  num_blocks: 64\n").unwrap();
+    let msg = cfg.check_kv_pool(8192).unwrap_err().to_string();
+    assert!(msg.contains("the model's context length = 8192"), "{msg}");
+    assert!(
+        msg.contains("lower model_config.seq_length to at most 1024"),
+        "{msg}"
+    );
+    let cfg = ServerConfig::from_yaml_str(
+        "model_config:\n  max_generate_length: 1000\npa_config:\n  num_blocks: 64\n",
+    )
+    .unwrap();
+    cfg.check_kv_pool(8192).unwrap();
+    let cfg = ServerConfig::from_yaml_str(
+        "npu_serving:\n  max_model_len: 4096\npa_config:\n  num_blocks: 64\n",
+    )
+    .unwrap();
+    let msg = cfg.check_kv_pool(8192).unwrap_err().to_string();
+    assert!(msg.contains("npu_serving.max_model_len = 4096"), "{msg}");
+    // The shipped configs fit.
+    for file in [
+        "configs/smollm2-cpu.yaml",
+        "configs/llama_7b_kbk_pa_dyn.yaml",
+    ] {
+        let cfg = ServerConfig::from_yaml_file(repo_file(file)).unwrap();
+        cfg.check_kv_pool(8192).unwrap();
+    }
+}
+
+#[test]
+fn served_model_names_default_to_the_model_name_and_are_checked() {
+    let cfg = ServerConfig::from_yaml_str("model_config:\n  model_name: m1\n").unwrap();
+    assert_eq!(cfg.served_model_names(), ["m1"]);
+    let cfg = ServerConfig::from_yaml_str(
+        "model_config:\n  model_name: m1\nnpu_serving:\n  served_model_names: [smol, gpt-4o-mini]\n",
+    )
+    .unwrap();
+    assert_eq!(cfg.served_model_names(), ["smol", "gpt-4o-mini"]);
+    let cfg = ServerConfig::from_yaml_str("npu_serving:\n  served_model_names: smol\n").unwrap();
+    assert_eq!(cfg.served_model_names(), ["smol"]);
+    for (yaml, words) in [
+        ("npu_serving:\n  served_model_names: []\n", "empty"),
+        ("npu_serving:\n  served_model_names: [a, a]\n", "twice"),
+        (
+            "npu_serving:\n  served_model_names: ['a b']\n",
+            "whitespace",
+        ),
+        ("npu_serving:\n  served_model_names: [a, 3]\n", "[1]"),
+    ] {
+        let e = err(yaml);
+        assert!(
+            e.key_path()
+                .unwrap()
+                .starts_with("npu_serving.served_model_names"),
+            "{e}"
+        );
+        assert!(e.to_string().contains(words), "{e}");
+    }
 }
 
 #[test]
@@ -173,22 +320,12 @@ fn every_validation_error_names_its_key_value_and_what_is_allowed() {
         (
             "serving_config:\n  agent_ports: [70000]\n",
             "serving_config.agent_ports",
-            &["70000", "1..=65535"],
-        ),
-        (
-            "serving_config:\n  agent_ports: [5, 5]\n",
-            "serving_config.agent_ports",
-            &["5 twice"],
+            &["70000", "0..=65535"],
         ),
         (
             "serving_config:\n  server_port: 99999\n",
             "serving_config.server_port",
             &["99999"],
-        ),
-        (
-            "serving_config:\n  agent_ports: [8835]\n  server_port: 8835\n",
-            "serving_config.server_port",
-            &["8835"],
         ),
         (
             "serving_config:\n  server_ip: 'not an ip'\n",
@@ -296,7 +433,7 @@ fn every_validation_error_names_its_key_value_and_what_is_allowed() {
     );
     assert_eq!(
         err("serving_config:\n  agent_ports: []\n").to_string(),
-        "serving_config.agent_ports: empty (need one port per agent)"
+        "serving_config.agent_ports: empty (one entry per agent)"
     );
 }
 

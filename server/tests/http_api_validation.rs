@@ -520,3 +520,119 @@ fn routes_outside_generation_answer_directly() {
     };
     assert_eq!(r.status, 404);
 }
+
+fn ctx_with(settings: ApiSettings) -> ApiContext {
+    ApiContext::new(
+        settings,
+        tokenizer(),
+        Arc::new(EngineStats::default()),
+        Arc::new(Metrics::default()),
+    )
+}
+
+#[test]
+fn openai_routes_answer_404_model_not_found_for_a_model_not_served() {
+    let ctx = ctx_with(ApiSettings {
+        served_model_names: vec!["smol".into(), "smollm2-chat".into()],
+        ..ApiSettings::default()
+    });
+    let chat = json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]});
+    let completion = json!({"model": "gpt-4", "prompt": "hi", "stream": true});
+    for (path, body) in [
+        ("/v1/chat/completions", &chat),
+        ("/v1/completions", &completion),
+    ] {
+        let (status, msg, v) = refuse(&ctx, path, body.to_string().as_bytes());
+        assert_eq!(status, 404, "{path}: {v}");
+        assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["param"], "model");
+        assert!(msg.contains("`gpt-4`") && msg.contains("`smol`"), "{msg}");
+    }
+    // Every served name (and none) is accepted, and responses carry the name asked for.
+    for name in [Some("smol"), Some("smollm2-chat"), None] {
+        let mut body = json!({"prompt": "hi", "max_tokens": 2});
+        if let Some(n) = name {
+            body["model"] = json!(n);
+        }
+        submit(&ctx, "/v1/completions", body);
+    }
+    // The configured model_name is not served on /v1 unless listed.
+    let body = json!({"model": "SmolLM2-135M-Instruct", "prompt": "hi"});
+    assert_eq!(
+        refuse(&ctx, "/v1/completions", body.to_string().as_bytes()).0,
+        404
+    );
+    // llm-serving's route keeps accepting any name, as llm-serving does.
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 2}});
+    submit(&ctx, "/models/gpt-4/generate", body);
+    // /v1/models lists the served names; /v1/models/{name} answers for each.
+    let Reply::Full(r) = ctx.handle(&request("GET", "/v1/models", b""), 1) else {
+        panic!()
+    };
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["smol", "smollm2-chat"]);
+    let Reply::Full(r) = ctx.handle(&request("GET", "/v1/models/smol", b""), 1) else {
+        panic!()
+    };
+    assert_eq!(r.status, 200);
+    let Reply::Full(r) = ctx.handle(&request("GET", "/v1/models/gpt-4", b""), 1) else {
+        panic!()
+    };
+    assert_eq!(r.status, 404);
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found");
+}
+
+#[test]
+fn a_prompt_over_the_generate_length_cap_is_refused_naming_it() {
+    let ctx = ctx_with(ApiSettings {
+        max_model_len: 64,
+        max_generate_length: Some(8),
+        ..ApiSettings::default()
+    });
+    let body = json!({"inputs": "one two three four five six seven eight nine ten"});
+    let (status, msg, _) = refuse(&ctx, "/models/m/generate", body.to_string().as_bytes());
+    assert_eq!(status, 400);
+    assert!(
+        msg.contains("more than the limit of 7")
+            && msg.contains("model_config.max_generate_length 8"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn readiness_follows_the_agents_and_the_drain_while_liveness_does_not() {
+    let stats = Arc::new(EngineStats::default());
+    let ctx = ApiContext::new(
+        ApiSettings::default(),
+        tokenizer(),
+        stats.clone(),
+        Arc::new(Metrics::default()),
+    );
+    let status = |path: &str| match ctx.handle(&request("GET", path, b""), 1) {
+        Reply::Full(r) => r.status,
+        Reply::Generate(_) => panic!(),
+    };
+    use std::sync::atomic::Ordering;
+    assert_eq!(
+        (status("/health"), status("/ready"), status("/live")),
+        (503, 503, 200)
+    );
+    stats.ready.store(true, Ordering::Relaxed);
+    assert_eq!(
+        (status("/health"), status("/ready"), status("/live")),
+        (200, 200, 200)
+    );
+    stats.draining.store(true, Ordering::Relaxed);
+    assert_eq!(
+        (status("/health"), status("/ready"), status("/live")),
+        (200, 503, 200)
+    );
+}

@@ -6,6 +6,7 @@
 mod http_support;
 
 use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::Duration;
 
 use http_support::*;
@@ -327,6 +328,78 @@ fn client_disconnect_mid_stream_aborts_the_request() {
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
+}
+
+/// Closes `s` with a TCP reset (SO_LINGER on, zero timeout) instead of a clean FIN.
+fn reset(s: TcpStream) {
+    use std::os::fd::AsRawFd;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt reads one `linger` struct from a valid pointer on an open socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+    drop(s);
+}
+
+#[test]
+fn a_client_that_resets_mid_stream_is_counted_as_a_client_abort() {
+    let server = TestServer::start(
+        HttpLimits::default(),
+        ApiSettings::default(),
+        Duration::from_millis(20),
+    );
+    let body = json!({"inputs": "Tell me a long story", "parameters": {"max_new_tokens": 1000}, "stream": true});
+    for round in 1..=3u64 {
+        let mut s = server.connect();
+        s.write_all(&post_json("/models/llama2", &body, ""))
+            .unwrap();
+        let mut buf = [0u8; 512];
+        assert!(s.read(&mut buf).unwrap() > 0);
+        reset(s);
+        // The counter, and the engine's Abort (which arrives a little later).
+        let (mut aborts, mut engine_aborts) = (0, 0);
+        for _ in 0..500 {
+            aborts = server
+                .metrics
+                .client_aborts_total
+                .load(std::sync::atomic::Ordering::Relaxed);
+            engine_aborts = server.log.lock().unwrap().aborted.len() as u64;
+            if aborts == round && engine_aborts == round {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(aborts, round, "reset number {round} was not counted");
+        assert_eq!(engine_aborts, round, "reset number {round} was not aborted");
+    }
+}
+
+#[test]
+fn content_length_must_be_digits_only() {
+    let server = TestServer::quick();
+    for bad in ["+5", "-5", " 5x", "5,5", "0x5", "5e0"] {
+        let raw = format!(
+            "POST /models/m/generate HTTP/1.1\r\nHost: t\r\nContent-Length: {bad}\r\n\r\n{{\"a\":1}}"
+        );
+        let (mut s, r) = raw_exchange(&server, raw.as_bytes());
+        assert_eq!(r.status, 400, "Content-Length {bad:?}");
+        assert!(r.text().contains("digits only"), "{}", r.text());
+        assert!(
+            is_closed(&mut s),
+            "the connection must not be reused after {bad:?}"
+        );
+    }
+    assert!(server.log.lock().unwrap().submitted.is_empty());
 }
 
 #[test]

@@ -6,7 +6,6 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Mutex, MutexGuard, OnceLock};
@@ -27,14 +26,6 @@ pub const MODEL: &str = "SmolLM2-135M-Instruct";
 pub fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A port nobody listens on right now (for the agents' control ports).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// What the test config sets.
@@ -73,7 +64,8 @@ impl Default for ServerOpts {
 
 impl ServerOpts {
     fn yaml(&self) -> String {
-        let ports: Vec<String> = (0..self.agents).map(|_| free_port().to_string()).collect();
+        // One entry per agent; agents talk over private socket pairs, no port is opened.
+        let ports: Vec<String> = (0..self.agents).map(|_| "0".to_string()).collect();
         format!(
             "model_config:\n  model_name: '{MODEL}'\n  seq_length: {}\n  decode_batch_size: {}\n  \
              prefill_batch_size: {}\n  batching_strategy: '{}'\n\
@@ -104,20 +96,70 @@ pub struct Server {
     log: PathBuf,
 }
 
+/// A fresh scratch directory for one test server.
+fn scratch_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("npu-e2e-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `npu-serving serve` on a config that must be refused: its exit status and stderr.
+pub fn serve_refused(name: &str, yaml: &str, extra_args: &[&str]) -> (ExitStatus, String) {
+    let dir = scratch_dir(name);
+    let config = dir.join("config.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .args(["--port", "0"])
+        .args(extra_args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("npu-serving starts");
+    let until = Instant::now() + Duration::from_secs(120);
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            panic!("the server did not refuse its config: it is still running");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 impl Server {
     /// Writes the config, starts the server with `--port 0`, waits for its `listening on` line
     /// and for /health to be 200.
     pub fn start(name: &str, opts: &ServerOpts) -> Server {
-        let dir = std::env::temp_dir().join(format!("npu-e2e-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch_dir(name);
         let config = dir.join("config.yaml");
         std::fs::write(&config, opts.yaml()).unwrap();
+        Self::start_config(name, dir, &config)
+    }
+
+    /// Starts the server on an existing config file (e.g. a shipped one) with `--port 0`.
+    pub fn start_file(name: &str, config: &std::path::Path) -> Server {
+        Self::start_config(name, scratch_dir(name), config)
+    }
+
+    fn start_config(name: &str, dir: PathBuf, config: &std::path::Path) -> Server {
+        let _ = name;
         let log = dir.join("server.log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
             .arg("serve")
             .arg("--config")
-            .arg(&config)
+            .arg(config)
             .args(["--port", "0"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -226,6 +268,11 @@ impl Server {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The server's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// The agent processes (the server's children).

@@ -1,13 +1,17 @@
-//! The agent process (`npu-serving agent ...`): connects to the server's control port, opens the
-//! shared-memory segment the server created, loads the engine, says Hello, then serves steps
-//! until Shutdown or until the server goes away. The step loop itself lives in `serve`.
+//! The agent process (`npu-serving agent --agent-id N --control-fd FD`): takes over the private
+//! control socket the server handed down (one end of a Unix socket pair, inherited at spawn;
+//! nobody else can reach it), reads the server's `Setup` frame (its segment, engine config and
+//! launch secret: nothing secret is on the command line), opens the shared-memory segment the
+//! server created, loads the engine, says Hello, then serves steps until Shutdown or until the
+//! server goes away. The step loop itself lives in `serve`.
 
 mod serve;
 
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use npu_protocol::frame::{read_frame, write_frame, Frame, FrameError, Hello};
+use npu_protocol::frame::{read_frame, write_frame, Frame, FrameError, Hello, Setup};
 use npu_protocol::shm::{ShmError, ShmSegment, PROTOCOL_VERSION};
 use thiserror::Error;
 
@@ -20,14 +24,12 @@ pub use npu_protocol::agent::AgentArgs;
 /// Why the agent process stopped with an error.
 #[derive(Debug, Error)]
 pub enum WorkerError {
-    #[error("bad --config-json: {0}")]
+    #[error("bad engine config from the server: {0}")]
     Config(#[from] serde_json::Error),
-    #[error("cannot reach the server at {addr}: {source}")]
-    Connect {
-        addr: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(
+        "--control-fd {fd}: {reason} (agents are started by `npu-serving serve`, not by hand)"
+    )]
+    ControlFd { fd: RawFd, reason: String },
     #[error("shared memory: {0}")]
     Shm(#[from] ShmError),
     #[error("segment capacity {what} = {segment} exceeds the engine's {engine}")]
@@ -46,8 +48,8 @@ pub enum WorkerError {
     Protocol(String),
 }
 
-/// How long the agent waits for the server's answer to Hello.
-const WELCOME_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the agent waits for the server's Setup, and for its answer to Hello.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Runs the agent process to completion with the real engine. Returns Ok after Shutdown or
 /// when the server closes the connection; start-up errors are also reported to the server
@@ -62,13 +64,20 @@ where
     E: StepExecutor,
     L: FnOnce(&AgentEngineConfig) -> Result<E, EngineError>,
 {
-    let addr = resolve(&args.control)?;
-    let mut stream = TcpStream::connect(addr).map_err(|source| WorkerError::Connect {
-        addr: args.control.clone(),
-        source,
-    })?;
-    let _ = stream.set_nodelay(true);
-    let (segment, engine) = match start(&args, load) {
+    let mut stream = control_socket(args.control_fd)?;
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(FrameError::Io)?;
+    let setup = match read_frame(&mut stream)? {
+        Frame::Setup(setup) => setup,
+        other => {
+            return Err(WorkerError::Protocol(format!(
+                "expected Setup, got {}",
+                other.kind()
+            )))
+        }
+    };
+    let (segment, engine) = match start(&args, &setup, load) {
         Ok(started) => started,
         Err(e) => {
             let _ = write_frame(
@@ -87,14 +96,12 @@ where
             agent_id: args.agent_id,
             pid: std::process::id(),
             protocol_version: PROTOCOL_VERSION,
+            launch_token: setup.launch_token,
             layout_hash: segment.layout().hash(),
             segment_name: segment.name().to_string(),
             model_facts_json: facts_json,
         }),
     )?;
-    stream
-        .set_read_timeout(Some(WELCOME_TIMEOUT))
-        .map_err(FrameError::Io)?;
     match read_frame(&mut stream)? {
         Frame::Welcome => {}
         Frame::Refuse { reason } => return Err(WorkerError::Refused(reason)),
@@ -110,13 +117,67 @@ where
     serve(&mut stream, segment, engine)
 }
 
-/// Opens and checks the segment, then loads the engine for it.
-fn start<E, L>(args: &AgentArgs, load: L) -> Result<(ShmSegment, E), WorkerError>
+/// Takes ownership of the inherited control socket `fd` after checking that it is an open Unix
+/// stream socket (a wrong number fails here, not in some later read), and keeps it from leaking
+/// into any process this one might start.
+fn control_socket(fd: RawFd) -> Result<UnixStream, WorkerError> {
+    let refuse = |reason: String| WorkerError::ControlFd { fd, reason };
+    if fd < 3 {
+        return Err(refuse("0, 1 and 2 are the standard streams".into()));
+    }
+    // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes one `stat` through a valid pointer; a bad fd is an error, not UB.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(refuse(format!("not an open file descriptor ({e})")));
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(refuse("not a socket".into()));
+    }
+    for (opt, want, what) in [
+        (libc::SO_DOMAIN, libc::AF_UNIX, "a Unix-domain socket"),
+        (libc::SO_TYPE, libc::SOCK_STREAM, "a stream socket"),
+    ] {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into the c_int `v` points at.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 || v != want {
+            return Err(refuse(format!("not {what}")));
+        }
+    }
+    // SAFETY: fcntl on an open fd (checked above) with integer arguments only.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(refuse(format!("cannot set close-on-exec ({e})")));
+    }
+    // SAFETY: `fd` is an open Unix stream socket (checked above) that the server handed to this
+    // process for this one use; nothing else here owns it, so the stream becomes its one owner.
+    Ok(unsafe { UnixStream::from_raw_fd(fd) })
+}
+
+/// Checks the Setup, opens and checks the segment, then loads the engine for it.
+fn start<E, L>(args: &AgentArgs, setup: &Setup, load: L) -> Result<(ShmSegment, E), WorkerError>
 where
     L: FnOnce(&AgentEngineConfig) -> Result<E, EngineError>,
 {
-    let cfg: AgentEngineConfig = serde_json::from_str(&args.config_json)?;
-    let segment = ShmSegment::open(&args.shm)?;
+    if setup.agent_id != args.agent_id {
+        return Err(WorkerError::Protocol(format!(
+            "Setup is for agent {}, this is agent {}",
+            setup.agent_id, args.agent_id
+        )));
+    }
+    let cfg: AgentEngineConfig = serde_json::from_str(&setup.config_json)?;
+    let segment = ShmSegment::open(&setup.segment_name)?;
     check_capacities(&segment, &cfg)?;
     let engine = load(&cfg)?;
     Ok((segment, engine))
@@ -150,29 +211,13 @@ fn check_capacities(segment: &ShmSegment, cfg: &AgentEngineConfig) -> Result<(),
     Ok(())
 }
 
-fn resolve(control: &str) -> Result<SocketAddr, WorkerError> {
-    let unresolved = |source| WorkerError::Connect {
-        addr: control.to_string(),
-        source,
-    };
-    control
-        .to_socket_addrs()
-        .map_err(unresolved)?
-        .next()
-        .ok_or_else(|| {
-            unresolved(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "address resolves to nothing",
-            ))
-        })
-}
-
 #[cfg(test)]
 mod tests {
-    //! Start-up of the real `run` against a listening socket: each start-up failure reaches the
-    //! server as a StartFailed frame that says what went wrong.
+    //! Start-up of the real `run` over a real socket pair: each start-up failure reaches the
+    //! server as a StartFailed frame that says what went wrong; a descriptor that is not a
+    //! control socket is refused before anything is read from it.
 
-    use std::net::TcpListener;
+    use std::os::fd::IntoRawFd;
     use std::thread;
 
     use npu_protocol::shm::{segment_name, ShmCapacities, ShmLayout};
@@ -191,19 +236,27 @@ mod tests {
         }
     }
 
-    /// Runs the agent in a thread against a fresh listener; returns the first frame it sends
-    /// and the agent's outcome.
-    fn start_agent(shm: &str, config_json: String) -> (Frame, Result<(), WorkerError>) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    /// Runs the agent in a thread on one end of a fresh socket pair and sends it a Setup for
+    /// agent `setup_agent`; returns the first frame it answers and the agent's outcome.
+    fn start_agent(
+        setup_agent: u32,
+        shm: &str,
+        config_json: String,
+    ) -> (Frame, Result<(), WorkerError>) {
+        let (mut server, agent_end) = UnixStream::pair().unwrap();
         let args = AgentArgs {
             agent_id: 4,
-            control: listener.local_addr().unwrap().to_string(),
-            shm: shm.to_string(),
-            config_json,
+            control_fd: agent_end.into_raw_fd(),
         };
         let agent = thread::spawn(move || run(args));
-        let (mut conn, _) = listener.accept().unwrap();
-        let frame = read_frame(&mut conn).unwrap();
+        let setup = Setup {
+            agent_id: setup_agent,
+            launch_token: 77,
+            segment_name: shm.to_string(),
+            config_json,
+        };
+        write_frame(&mut server, &Frame::Setup(setup)).unwrap();
+        let frame = read_frame(&mut server).unwrap();
         (frame, agent.join().unwrap())
     }
 
@@ -232,7 +285,7 @@ mod tests {
     fn an_engine_that_cannot_load_is_reported_to_the_server() {
         let seg = segment();
         let cfg = serde_json::to_string(&engine_config(128)).unwrap();
-        let (frame, outcome) = start_agent(seg.name(), cfg);
+        let (frame, outcome) = start_agent(4, seg.name(), cfg);
         let reason = start_failed(frame);
         assert!(reason.starts_with("engine: "), "{reason}");
         assert!(
@@ -244,7 +297,7 @@ mod tests {
     #[test]
     fn a_missing_segment_is_reported_to_the_server() {
         let cfg = serde_json::to_string(&engine_config(128)).unwrap();
-        let (frame, outcome) = start_agent("/npu-serving-test-missing-segment", cfg);
+        let (frame, outcome) = start_agent(4, "/npu-serving-test-missing-segment", cfg);
         let reason = start_failed(frame);
         assert!(reason.contains("shm_open"), "{reason}");
         assert!(matches!(outcome, Err(WorkerError::Shm(_))), "{outcome:?}");
@@ -254,7 +307,7 @@ mod tests {
     fn a_segment_larger_than_the_engine_is_reported_to_the_server() {
         let seg = segment();
         let cfg = serde_json::to_string(&engine_config(64)).unwrap();
-        let (frame, outcome) = start_agent(seg.name(), cfg);
+        let (frame, outcome) = start_agent(4, seg.name(), cfg);
         let reason = start_failed(frame);
         assert!(reason.contains("max_tokens_per_step = 128"), "{reason}");
         assert!(matches!(outcome, Err(WorkerError::CapacityMismatch { .. })));
@@ -263,29 +316,55 @@ mod tests {
     #[test]
     fn bad_config_json_is_reported_to_the_server() {
         let seg = segment();
-        let (frame, outcome) = start_agent(seg.name(), "{\"model_path\": 3}".into());
-        assert!(start_failed(frame).starts_with("bad --config-json"));
+        let (frame, outcome) = start_agent(4, seg.name(), "{\"model_path\": 3}".into());
+        assert!(start_failed(frame).starts_with("bad engine config"));
         assert!(matches!(outcome, Err(WorkerError::Config(_))));
     }
 
     #[test]
-    fn an_unreachable_server_is_a_connect_error() {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let args = AgentArgs {
-            agent_id: 0,
-            control: format!("127.0.0.1:{port}"),
-            shm: "/unused".into(),
-            config_json: "{}".into(),
-        };
-        assert!(matches!(run(args), Err(WorkerError::Connect { .. })));
+    fn a_setup_for_another_agent_is_reported_to_the_server() {
+        let seg = segment();
+        let cfg = serde_json::to_string(&engine_config(128)).unwrap();
+        let (frame, outcome) = start_agent(5, seg.name(), cfg);
+        let reason = start_failed(frame);
+        assert!(reason.contains("Setup is for agent 5"), "{reason}");
+        assert!(matches!(outcome, Err(WorkerError::Protocol(_))));
     }
 
     #[test]
-    fn command_line_round_trips_through_clap() {
+    fn a_descriptor_that_is_not_a_control_socket_is_refused() {
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let (dgram, _peer) = std::os::unix::net::UnixDatagram::pair().unwrap();
+        // Far above any descriptor a test process opens (a closed low number could be reused
+        // by another test thread meanwhile).
+        let closed = 999_999;
+        use std::os::fd::AsRawFd;
+        let cases = [
+            (1, "standard streams"),
+            (file.as_raw_fd(), "not a socket"),
+            (tcp.as_raw_fd(), "not a Unix-domain socket"),
+            (dgram.as_raw_fd(), "not a stream socket"),
+            (closed, "not an open file descriptor"),
+        ];
+        for (fd, why) in cases {
+            let args = AgentArgs {
+                agent_id: 0,
+                control_fd: fd,
+            };
+            match run(args) {
+                Err(e @ WorkerError::ControlFd { .. }) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains(why), "fd {fd}: {msg}");
+                    assert!(msg.contains("not by hand"), "{msg}");
+                }
+                other => panic!("fd {fd}: expected ControlFd, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn command_line_round_trips_through_clap_and_carries_no_secret() {
         use clap::Parser;
         #[derive(Parser)]
         struct Cli {
@@ -294,12 +373,12 @@ mod tests {
         }
         let args = AgentArgs {
             agent_id: 2,
-            control: "127.0.0.1:9000".into(),
-            shm: "/npu-serving-1-2-ab".into(),
-            config_json: "{\"a\": 1}".into(),
+            control_fd: 7,
         };
+        let line = args.to_command_line();
+        assert_eq!(line, ["--agent-id", "2", "--control-fd", "7"]);
         let mut argv = vec!["agent".to_string()];
-        argv.extend(args.to_command_line());
+        argv.extend(line);
         assert_eq!(Cli::parse_from(argv).args, args);
     }
 }

@@ -118,6 +118,29 @@ impl CpuBackend {
     }
 }
 
+/// A zero-filled vector from `calloc`: for a large buffer the kernel hands out zero pages on
+/// first touch, so a large KV pool costs no start-up time (an agent restart is not slowed by
+/// writing zeros to every block).
+fn alloc_zeroed_vec<T: bytemuck::Zeroable>(len: usize, what: &str) -> Result<Vec<T>, BackendError> {
+    let oom = || BackendError::OutOfMemory {
+        backend: NAME,
+        what: what.to_string(),
+        bytes: len.saturating_mul(std::mem::size_of::<T>()),
+    };
+    let layout = std::alloc::Layout::array::<T>(len).map_err(|_| oom())?;
+    if layout.size() == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the layout has a non-zero size (checked above).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        return Err(oom());
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of `[T; len]` (so capacity
+    // `len` and T's alignment), and its `len` elements are zero bytes, a valid `T` (Zeroable).
+    Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
+}
+
 fn alloc_vec<T: Clone>(len: usize, v: T, what: &str) -> Result<Vec<T>, BackendError> {
     let mut out = Vec::new();
     out.try_reserve_exact(len)
@@ -206,8 +229,8 @@ impl Backend for CpuBackend {
         let mut k = Vec::with_capacity(spec.n_layers);
         let mut v = Vec::with_capacity(spec.n_layers);
         for _ in 0..spec.n_layers {
-            k.push(alloc_vec(per_layer, f16::ZERO, "KV cache")?);
-            v.push(alloc_vec(per_layer, f16::ZERO, "KV cache")?);
+            k.push(alloc_zeroed_vec::<f16>(per_layer, "KV cache")?);
+            v.push(alloc_zeroed_vec::<f16>(per_layer, "KV cache")?);
         }
         self.kv = Some(KvPool { spec, k, v });
         Ok(())
@@ -485,5 +508,25 @@ impl Backend for CpuBackend {
             out[i * dim..(i + 1) * dim].copy_from_slice(&x[r * dim..(r + 1) * dim]);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zeroed_vectors_are_zero_of_the_asked_length() {
+        let v = alloc_zeroed_vec::<f16>(3 << 20, "test").unwrap();
+        assert_eq!(v.len(), 3 << 20);
+        assert!(v.iter().all(|x| x.to_bits() == 0));
+        let mut v = v;
+        v[12345] = f16::ONE;
+        assert_eq!(v[12345], f16::ONE);
+        assert!(alloc_zeroed_vec::<f16>(0, "test").unwrap().is_empty());
+        assert!(matches!(
+            alloc_zeroed_vec::<f16>(usize::MAX / 2, "test"),
+            Err(BackendError::OutOfMemory { .. })
+        ));
     }
 }

@@ -1,9 +1,10 @@
-//! The server's end of one agent's control socket: non-blocking, frames in and out with
-//! deadlines, readiness waits through poll(2) so the caller can also watch the child process.
+//! The server's end of one agent's control socket (a Unix socket pair, private to the server and
+//! that agent): non-blocking, frames in and out with deadlines, readiness waits through poll(2)
+//! so the caller can also watch the child process.
 
 use std::io::Write;
-use std::net::TcpStream;
 use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use npu_protocol::frame::{Fill, Frame, FrameError, FrameReader};
@@ -30,15 +31,14 @@ impl From<FrameError> for ChannelError {
 }
 
 pub(crate) struct ControlChannel {
-    stream: TcpStream,
+    stream: UnixStream,
     reader: FrameReader,
     closed: bool,
 }
 
 impl ControlChannel {
-    pub(crate) fn new(stream: TcpStream) -> std::io::Result<Self> {
+    pub(crate) fn new(stream: UnixStream) -> std::io::Result<Self> {
         stream.set_nonblocking(true)?;
-        stream.set_nodelay(true)?;
         Ok(Self {
             stream,
             reader: FrameReader::new(),

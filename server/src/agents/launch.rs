@@ -1,8 +1,10 @@
-//! How an agent process is started: which executable and arguments, where its control port
-//! listens, what it is sized for, the time limits, and the checks its Hello must pass.
+//! How an agent process is started: which executable and arguments, the control socket it
+//! inherits (its end of a Unix socket pair, the only descriptor passed down), what it is sized
+//! for, the time limits, the per-launch secret, and the checks its Hello must pass.
 
 use std::ffi::OsString;
-use std::net::{IpAddr, Ipv4Addr};
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -23,8 +25,6 @@ pub struct AgentLaunch {
     pub leading_args: Vec<OsString>,
     /// Extra environment variables for the agent.
     pub env: Vec<(OsString, OsString)>,
-    /// Address the control ports listen on (`serving_config.agent_ip`).
-    pub agent_ip: IpAddr,
     /// From spawn to an accepted Hello (the agent loads its model in this time).
     pub startup_timeout: Duration,
     /// How long a Shutdown may take before the agent is killed.
@@ -41,7 +41,6 @@ impl Default for AgentLaunch {
             exe: None,
             leading_args: vec!["agent".into()],
             env: Vec::new(),
-            agent_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
             startup_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(3),
             control_timeout: Duration::from_secs(10),
@@ -50,12 +49,10 @@ impl Default for AgentLaunch {
     }
 }
 
-/// What one agent is: its index, control port, engine settings and segment capacities.
+/// What one agent is: its index, engine settings and segment capacities.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentSpec {
     pub agent_id: u32,
-    /// Control port (`serving_config.agent_ports[agent_id]`); 0 lets the OS choose.
-    pub port: u16,
     pub engine: AgentEngineConfig,
     pub capacities: ShmCapacities,
 }
@@ -63,7 +60,7 @@ pub struct AgentSpec {
 impl AgentSpec {
     /// A spec whose segment capacities follow the engine config: every slot may be in one step,
     /// be admitted and be forgotten in one step, and ask for up to `MAX_TOP_N` alternatives.
-    pub fn new(agent_id: u32, port: u16, engine: AgentEngineConfig) -> Self {
+    pub fn new(agent_id: u32, engine: AgentEngineConfig) -> Self {
         let capacities = ShmCapacities {
             max_slots: engine.max_slots,
             max_seqs_per_step: engine.max_slots,
@@ -75,43 +72,61 @@ impl AgentSpec {
         };
         Self {
             agent_id,
-            port,
             engine,
             capacities,
         }
     }
 }
 
-/// Starts the agent process for `spec`, told to connect to `control` and open `segment`.
+/// Starts the agent process for `spec` with `control` (the agent's end of its socket pair) as
+/// its one inherited descriptor. The command line carries only the agent id and that
+/// descriptor's number; the segment name, engine config and launch secret follow in the Setup
+/// frame.
 pub(crate) fn spawn_agent(
     launch: &AgentLaunch,
     spec: &AgentSpec,
-    control: std::net::SocketAddr,
-    segment: &ShmSegment,
+    control: &OwnedFd,
 ) -> Result<(Child, PathBuf), (PathBuf, std::io::Error)> {
     let exe = match &launch.exe {
         Some(exe) => exe.clone(),
         None => std::env::current_exe().map_err(|e| (PathBuf::from("<current exe>"), e))?,
     };
-    let config_json =
-        serde_json::to_string(&spec.engine).map_err(|e| (exe.clone(), std::io::Error::other(e)))?;
+    let fd = control.as_raw_fd();
     let args = AgentArgs {
         agent_id: spec.agent_id,
-        control: control.to_string(),
-        shm: segment.name().to_string(),
-        config_json,
+        control_fd: fd,
     };
+    let mut command = Command::new(&exe);
     // Its own process group: a Ctrl-C in the terminal reaches the server, which drains and
     // then stops its agents, instead of killing the agents under running requests.
-    let child = Command::new(&exe)
+    command
         .process_group(0)
         .args(&launch.leading_args)
         .args(args.to_command_line())
         .envs(launch.env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .spawn()
-        .map_err(|e| (exe.clone(), e))?;
+        .stdin(Stdio::null());
+    // Every descriptor this process opens is close-on-exec; the child's copy of `fd` alone is
+    // made inheritable, in the child, between fork and exec.
+    // SAFETY: the closure runs in the forked child before exec and only calls fcntl(2), which is
+    // async-signal-safe; it allocates nothing and touches no lock.
+    unsafe {
+        command.pre_exec(move || {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn().map_err(|e| (exe.clone(), e))?;
     Ok((child, exe))
+}
+
+/// A fresh secret for one launch (128 bits from the kernel's random source).
+pub(crate) fn launch_token() -> std::io::Result<u128> {
+    let mut bits = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bits)?;
+    Ok(u128::from_le_bytes(bits))
 }
 
 /// Checks an agent's Hello against what the server set up; the error says what differs.
@@ -120,12 +135,16 @@ pub fn validate_hello(
     agent_id: u32,
     child_pid: u32,
     segment: &ShmSegment,
+    launch_token: u128,
 ) -> Result<ModelFacts, String> {
     if hello.protocol_version != PROTOCOL_VERSION {
         return Err(format!(
             "agent speaks protocol version {}, the server speaks {PROTOCOL_VERSION}",
             hello.protocol_version
         ));
+    }
+    if hello.launch_token != launch_token {
+        return Err("the hello does not carry this launch's secret".into());
     }
     if hello.agent_id != agent_id {
         return Err(format!(

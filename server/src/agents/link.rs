@@ -1,19 +1,20 @@
-//! One agent as the server sees it: its control listener, and while it runs, its child process,
-//! control channel and shared-memory segment. Drives steps (blocking, or submit now and
-//! complete later), detects death, hangs and protocol breaks, restarts, and shuts down.
+//! One agent as the server sees it: while it runs, its child process, private control channel
+//! (a Unix socket pair made for this launch) and shared-memory segment. Drives steps (blocking,
+//! or submit now and complete later), detects death (socket closed, child exit), hangs and
+//! protocol breaks, also while the agent is idle (`check_idle`), restarts, and shuts down.
 
-use std::net::{SocketAddr, TcpListener};
-use std::os::fd::AsRawFd;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
 use npu_protocol::agent::ModelFacts;
-use npu_protocol::frame::{Frame, StepStatus};
+use npu_protocol::frame::{Frame, Setup, StepStatus};
 use npu_protocol::shm::{segment_name, ShmLayout, ShmSegment};
 use npu_protocol::{StepPlan, StepResult};
 
-use super::control::{wait_fd, ChannelError, ControlChannel};
-use super::launch::{spawn_agent, validate_hello, AgentLaunch, AgentSpec};
+use super::control::{ChannelError, ControlChannel};
+use super::launch::{launch_token, spawn_agent, validate_hello, AgentLaunch, AgentSpec};
 use super::AgentFailure;
 
 /// A running agent.
@@ -33,8 +34,6 @@ struct InFlight {
 pub struct AgentLink {
     spec: AgentSpec,
     launch: AgentLaunch,
-    listener: TcpListener,
-    control_addr: SocketAddr,
     running: Option<Running>,
     facts: ModelFacts,
     in_flight: Option<InFlight>,
@@ -46,7 +45,6 @@ impl std::fmt::Debug for AgentLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AgentLink")
             .field("agent_id", &self.spec.agent_id)
-            .field("control_addr", &self.control_addr)
             .field("pid", &self.pid())
             .field("in_flight", &self.in_flight.map(|f| f.step_id))
             .field("restarts", &self.restarts)
@@ -55,24 +53,13 @@ impl std::fmt::Debug for AgentLink {
 }
 
 impl AgentLink {
-    /// Listens on the agent's control port, creates its segment, spawns it and completes the
+    /// Creates the agent's segment and control socket pair, spawns it and completes the
     /// handshake within `launch.startup_timeout`.
     pub fn start(spec: AgentSpec, launch: AgentLaunch) -> Result<Self, AgentFailure> {
-        let agent_id = spec.agent_id;
-        let listen_err = |source| AgentFailure::Listen {
-            agent_id,
-            addr: format!("{}:{}", launch.agent_ip, spec.port),
-            source,
-        };
-        let listener = TcpListener::bind((launch.agent_ip, spec.port)).map_err(listen_err)?;
-        listener.set_nonblocking(true).map_err(listen_err)?;
-        let control_addr = listener.local_addr().map_err(listen_err)?;
-        let (running, facts) = launch_and_handshake(&spec, &launch, &listener, control_addr)?;
+        let (running, facts) = launch_and_handshake(&spec, &launch)?;
         Ok(Self {
             spec,
             launch,
-            listener,
-            control_addr,
             running: Some(running),
             facts,
             in_flight: None,
@@ -92,11 +79,6 @@ impl AgentLink {
     /// What the agent reported about its model at the last handshake.
     pub fn facts(&self) -> &ModelFacts {
         &self.facts
-    }
-
-    /// Where the control port listens (the actual port when the spec asked for 0).
-    pub fn control_addr(&self) -> SocketAddr {
-        self.control_addr
     }
 
     /// The agent's process id while it runs.
@@ -203,6 +185,33 @@ impl AgentLink {
         Ok(None)
     }
 
+    /// Looks at an idle agent without blocking: an exited process, a closed control socket or a
+    /// frame nobody asked for is a failure, and the agent is taken down (killed, reaped, its
+    /// segment removed). None while it is fine, while a step is in flight (the step's own wait
+    /// notices), and once it is down already.
+    pub fn check_idle(&mut self) -> Option<AgentFailure> {
+        let agent_id = self.spec.agent_id;
+        if self.in_flight.is_some() {
+            return None;
+        }
+        let running = self.running.as_mut()?;
+        match running.channel.try_recv() {
+            Ok(None) => {}
+            // A Pong that arrived after its exchange timed out: harmless.
+            Ok(Some(Frame::Pong { .. })) => {}
+            Ok(Some(frame)) => return Some(self.unexpected(&frame, "nothing (idle)")),
+            Err(e) => return Some(self.channel_failure(e, "waiting idle")),
+        }
+        let running = self.running.as_mut()?;
+        if let Ok(Some(status)) = running.child.try_wait() {
+            return Some(self.fail(AgentFailure::Exited {
+                agent_id,
+                status: status.to_string(),
+            }));
+        }
+        None
+    }
+
     /// Waits for the result of the step in flight until `deadline`; a hung agent is killed.
     pub fn wait_complete(&mut self, deadline: Instant) -> Result<StepResult, AgentFailure> {
         let agent_id = self.spec.agent_id;
@@ -253,8 +262,7 @@ impl AgentLink {
     /// completes a new handshake. The step that was in flight is gone.
     pub fn restart(&mut self) -> Result<(), AgentFailure> {
         self.kill();
-        let (running, facts) =
-            launch_and_handshake(&self.spec, &self.launch, &self.listener, self.control_addr)?;
+        let (running, facts) = launch_and_handshake(&self.spec, &self.launch)?;
         self.running = Some(running);
         self.facts = facts;
         self.restarts += 1;
@@ -451,28 +459,50 @@ impl Drop for AgentLink {
     }
 }
 
-/// Creates the segment, spawns the agent and runs the handshake; on failure nothing is left.
+/// Creates the segment and the control socket pair, spawns the agent with its end, sends the
+/// Setup and runs the handshake; on failure nothing is left.
 fn launch_and_handshake(
     spec: &AgentSpec,
     launch: &AgentLaunch,
-    listener: &TcpListener,
-    control_addr: SocketAddr,
 ) -> Result<(Running, ModelFacts), AgentFailure> {
     let agent_id = spec.agent_id;
     let shm = |source| AgentFailure::Shm { agent_id, source };
+    let socket = |source| AgentFailure::Socket { agent_id, source };
     let layout = ShmLayout::new(spec.capacities).map_err(shm)?;
     let segment =
         ShmSegment::create(&segment_name(agent_id).map_err(shm)?, &layout).map_err(shm)?;
-    let (mut child, _exe) =
-        spawn_agent(launch, spec, control_addr, &segment).map_err(|(exe, source)| {
-            AgentFailure::Spawn {
-                agent_id,
-                exe,
-                source,
-            }
-        })?;
+    let token = launch_token().map_err(socket)?;
+    // Both ends are close-on-exec; `spawn_agent` lets the child keep its end only.
+    let (server_end, agent_end) = UnixStream::pair().map_err(socket)?;
+    let agent_end = OwnedFd::from(agent_end);
+    let spawned = spawn_agent(launch, spec, &agent_end);
+    // The child has its copy now: ours must go, or the agent's death would not close the socket.
+    drop(agent_end);
+    let (mut child, _exe) = spawned.map_err(|(exe, source)| AgentFailure::Spawn {
+        agent_id,
+        exe,
+        source,
+    })?;
     let deadline = Instant::now() + launch.startup_timeout;
-    match handshake(spec, launch, listener, &mut child, &segment, deadline) {
+    let setup = Setup {
+        agent_id,
+        launch_token: token,
+        segment_name: segment.name().to_string(),
+        config_json: serde_json::to_string(&spec.engine).map_err(|e| {
+            AgentFailure::StartFailed {
+                agent_id,
+                reason: format!("engine config cannot be encoded: {e}"),
+            }
+        })?,
+    };
+    let outcome = ControlChannel::new(server_end)
+        .map_err(|source| AgentFailure::Io { agent_id, source })
+        .and_then(|channel| {
+            handshake(
+                spec, launch, channel, &mut child, &segment, &setup, deadline,
+            )
+        });
+    match outcome {
         Ok((channel, facts)) => Ok((
             Running {
                 child,
@@ -492,9 +522,10 @@ fn launch_and_handshake(
 fn handshake(
     spec: &AgentSpec,
     launch: &AgentLaunch,
-    listener: &TcpListener,
+    mut channel: ControlChannel,
     child: &mut Child,
     segment: &ShmSegment,
+    setup: &Setup,
     deadline: Instant,
 ) -> Result<(ControlChannel, ModelFacts), AgentFailure> {
     let agent_id = spec.agent_id;
@@ -513,28 +544,24 @@ fn handshake(
         agent_id,
         waited: launch.startup_timeout,
     };
-    let stream = loop {
-        match listener.accept() {
-            Ok((stream, _)) => break stream,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io(e)),
+    // A closed socket here means the agent died before it read its Setup: report the exit.
+    let closed_early = |child: &mut Child, when: &str| {
+        let grace = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < grace {
+            if let Some(failure) = exited(child, when) {
+                return failure;
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
-        if let Some(failure) = exited(child, "before connecting") {
-            return Err(failure);
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(timeout());
-        }
-        wait_fd(
-            listener.as_raw_fd(),
-            libc::POLLIN,
-            left.min(launch.poll_slice),
-        )
-        .map_err(io)?;
+        AgentFailure::Disconnected { agent_id }
     };
-    let mut channel = ControlChannel::new(stream).map_err(io)?;
+    match channel.send(&Frame::Setup(setup.clone()), deadline) {
+        Ok(()) => {}
+        Err(ChannelError::Closed) => return Err(closed_early(child, "before its setup")),
+        Err(ChannelError::Timeout) => return Err(timeout()),
+        Err(ChannelError::Frame(e)) => return Err(AgentFailure::from_frame(agent_id, e)),
+        Err(ChannelError::Io(e)) => return Err(io(e)),
+    }
     let watch_child = || match child.try_wait() {
         Ok(Some(status)) => Err(status.to_string()),
         _ => Ok(()),
@@ -560,20 +587,11 @@ fn handshake(
             })
         }
         Err(ChannelError::Timeout) => return Err(timeout()),
-        Err(ChannelError::Closed) => {
-            let grace = Instant::now() + Duration::from_millis(500);
-            while Instant::now() < grace {
-                if let Some(failure) = exited(child, "before its hello") {
-                    return Err(failure);
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            return Err(AgentFailure::Disconnected { agent_id });
-        }
+        Err(ChannelError::Closed) => return Err(closed_early(child, "before its hello")),
         Err(ChannelError::Frame(e)) => return Err(AgentFailure::from_frame(agent_id, e)),
         Err(ChannelError::Io(e)) => return Err(io(e)),
     };
-    let facts = match validate_hello(&hello, agent_id, child.id(), segment) {
+    let facts = match validate_hello(&hello, agent_id, child.id(), segment, setup.launch_token) {
         Ok(facts) => facts,
         Err(reason) => {
             let _ = channel.send(

@@ -1,6 +1,12 @@
 //! The server's agents: spawning agent processes, the handshake, one link per agent (segment +
 //! control socket + child process) to drive steps, failure detection and restart, shutdown.
 //! `launch` says how agents start, `link` drives one, `pool` holds them all.
+//!
+//! The control link is private: for each launch the server creates a Unix socket pair and the
+//! agent inherits one end (the only descriptor it inherits); nothing listens, so no other
+//! process can connect, squat on or stall it. The agent learns its segment, config and a
+//! per-launch secret from the first frame on that socket (never from its command line) and
+//! echoes the secret in its Hello. Its death shows at once as end-of-file on the socket.
 
 mod control;
 pub mod launch;
@@ -21,10 +27,9 @@ pub use pool::AgentPool;
 /// Why an agent could not start, or failed or refused a step.
 #[derive(Debug, Error)]
 pub enum AgentFailure {
-    #[error("agent {agent_id}: cannot listen on {addr}: {source}")]
-    Listen {
+    #[error("agent {agent_id}: cannot create its control socket: {source}")]
+    Socket {
         agent_id: u32,
-        addr: String,
         #[source]
         source: std::io::Error,
     },
@@ -89,7 +94,7 @@ pub enum AgentFailure {
 impl AgentFailure {
     pub fn agent_id(&self) -> u32 {
         match self {
-            AgentFailure::Listen { agent_id, .. }
+            AgentFailure::Socket { agent_id, .. }
             | AgentFailure::Spawn { agent_id, .. }
             | AgentFailure::Shm { agent_id, .. }
             | AgentFailure::StartFailed { agent_id, .. }

@@ -11,6 +11,8 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault, when there is one.
     pub param: Option<String>,
+    /// OpenAI's machine-readable `code` (e.g. "model_not_found"); None: the HTTP status.
+    pub code: Option<&'static str>,
 }
 
 /// Which error body shape a route uses.
@@ -29,6 +31,7 @@ impl ApiError {
             kind,
             message: message.into(),
             param: None,
+            code: None,
         }
     }
 
@@ -39,17 +42,50 @@ impl ApiError {
             kind: "invalid_request_error",
             message: message.into(),
             param: Some(param.to_string()),
+            code: None,
+        }
+    }
+
+    /// 404 for a `model` this server does not serve, in the shape OpenAI clients expect.
+    pub fn model_not_found(name: &str, served: &[String]) -> Self {
+        Self {
+            status: 404,
+            kind: "invalid_request_error",
+            message: format!(
+                "The model `{name}` does not exist: this server serves {}",
+                served
+                    .iter()
+                    .map(|n| format!("`{n}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            param: Some("model".into()),
+            code: Some("model_not_found"),
         }
     }
 
     pub fn response(&self, shape: ErrorShape) -> Response {
-        render_error(
+        let resp = render_error(
             shape,
             self.status,
             self.kind,
             &self.message,
             self.param.as_deref(),
-        )
+        );
+        match (shape, self.code) {
+            (ErrorShape::OpenAi, Some(code)) => Response::json(
+                self.status,
+                &serde_json::json!({
+                    "error": {
+                        "message": self.message,
+                        "type": self.kind,
+                        "param": self.param,
+                        "code": code,
+                    }
+                }),
+            ),
+            _ => resp,
+        }
     }
 }
 

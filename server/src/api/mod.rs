@@ -26,10 +26,15 @@ use crate::metrics::Metrics;
 /// What the API layer needs from the config (typed, with defaults for tests).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiSettings {
-    /// Served model name (`/v1/models`, responses' `model`).
+    /// The model's name (`model_config.model_name`: llm-serving's model info).
     pub model_name: String,
+    /// Names `/v1/*` requests may give as `model` (`/v1/models` lists them); another name is
+    /// 404 `model_not_found`. Empty: `model_name` alone.
+    pub served_model_names: Vec<String>,
     /// Context limit: prompt + generated tokens.
     pub max_model_len: u32,
+    /// `model_config.max_generate_length`: another cap on prompt + generated tokens.
+    pub max_generate_length: Option<u32>,
     /// max_new_tokens / max_tokens when a request does not say.
     pub max_new_tokens_default: u32,
     pub device: DeviceKind,
@@ -42,7 +47,9 @@ impl Default for ApiSettings {
     fn default() -> Self {
         Self {
             model_name: "SmolLM2-135M-Instruct".into(),
+            served_model_names: Vec::new(),
             max_model_len: 2048,
+            max_generate_length: None,
             max_new_tokens_default: 256,
             device: DeviceKind::Cpu,
             decode_batch_size: 64,
@@ -52,11 +59,40 @@ impl Default for ApiSettings {
 }
 
 impl ApiSettings {
+    /// The names `/v1/*` answers to, the first being the one responses use by default.
+    pub fn served_names(&self) -> Vec<String> {
+        if self.served_model_names.is_empty() {
+            vec![self.model_name.clone()]
+        } else {
+            self.served_model_names.clone()
+        }
+    }
+
+    /// The most tokens a prompt may have (one generated token must fit after it), and the
+    /// setting that makes it so.
+    pub fn prompt_limit(&self) -> (u32, String) {
+        match self.max_generate_length {
+            Some(g) if g < self.max_model_len => (
+                g.saturating_sub(1),
+                format!("model_config.max_generate_length {g} minus 1 generated token"),
+            ),
+            _ => (
+                self.max_model_len.saturating_sub(1),
+                format!(
+                    "max_model_len {} minus 1 generated token",
+                    self.max_model_len
+                ),
+            ),
+        }
+    }
+
     /// `model_context` is the loaded model's context length.
     pub fn from_config(cfg: &ServerConfig, model_context: u32) -> Self {
         Self {
             model_name: cfg.model_name().to_string(),
+            served_model_names: cfg.served_model_names(),
             max_model_len: cfg.max_model_len(model_context),
+            max_generate_length: cfg.max_generate_length(),
             max_new_tokens_default: cfg.npu_serving.max_new_tokens_default,
             device: cfg.npu_serving.device,
             decode_batch_size: cfg.decode_batch_size(),
@@ -84,6 +120,10 @@ pub struct ApiContext {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
     Health,
+    Ready,
+    Live,
+    /// `GET /v1/models/{name}`.
+    Model,
     Metrics,
     Models,
     Completions,
@@ -98,6 +138,8 @@ enum Route {
 fn route(path: &str) -> Option<(Route, &'static str)> {
     let r = match path {
         "/health" => (Route::Health, "GET"),
+        "/ready" => (Route::Ready, "GET"),
+        "/live" => (Route::Live, "GET"),
         "/metrics" => (Route::Metrics, "GET"),
         "/v1/models" => (Route::Models, "GET"),
         "/v1/completions" => (Route::Completions, "POST"),
@@ -105,6 +147,7 @@ fn route(path: &str) -> Option<(Route, &'static str)> {
         "/serving/get_bs" => (Route::ServingBatchSize, "GET"),
         "/serving/get_request_numbers" => (Route::ServingRequestNumbers, "GET"),
         "/serving/get_serverd_model_info" => (Route::ServingModelInfo, "GET"),
+        _ if path.starts_with("/v1/models/") => (Route::Model, "GET"),
         _ => {
             let rest = path.strip_prefix("/models/")?;
             let (name, tail) = match rest.split_once('/') {
@@ -188,21 +231,60 @@ impl ApiContext {
         )
     }
 
+    /// Readiness: 200 only while every agent is up and the server is not draining (a load
+    /// balancer sends nothing here otherwise). /health answers for the agents alone.
+    fn ready(&self) -> Response {
+        let s = &self.stats;
+        if s.draining.load(Ordering::Relaxed) {
+            return Response::json(
+                503,
+                &serde_json::json!({"status": "draining", "error": "the server is shutting down"}),
+            );
+        }
+        self.health()
+    }
+
+    fn model_entry(&self, name: &str) -> serde_json::Value {
+        serde_json::json!({
+            "id": name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "npu-serving",
+            "root": self.settings.model_name,
+            "max_model_len": self.settings.max_model_len,
+        })
+    }
+
     fn models(&self) -> Response {
-        Response::json(
-            200,
-            &serde_json::json!({
-                "object": "list",
-                "data": [{
-                    "id": self.settings.model_name,
-                    "object": "model",
-                    "created": self.started,
-                    "owned_by": "npu-serving",
-                    "root": self.settings.model_name,
-                    "max_model_len": self.settings.max_model_len,
-                }],
-            }),
-        )
+        let data: Vec<serde_json::Value> = self
+            .settings
+            .served_names()
+            .iter()
+            .map(|n| self.model_entry(n))
+            .collect();
+        Response::json(200, &serde_json::json!({"object": "list", "data": data}))
+    }
+
+    /// `GET /v1/models/{name}`: the entry of a served name, else 404 `model_not_found`.
+    fn model(&self, path: &str) -> Response {
+        let name = path.strip_prefix("/v1/models/").unwrap_or_default();
+        let served = self.settings.served_names();
+        if served.iter().any(|n| n == name) {
+            Response::json(200, &self.model_entry(name))
+        } else {
+            ApiError::model_not_found(name, &served).response(ErrorShape::OpenAi)
+        }
+    }
+
+    /// The name a `/v1/*` request's `model` field must be one of (absent: the first served
+    /// name); the name responses carry.
+    pub(crate) fn check_model(&self, requested: Option<&str>) -> Result<String, ApiError> {
+        let served = self.settings.served_names();
+        match requested {
+            None => Ok(served[0].clone()),
+            Some(name) if served.iter().any(|n| n == name) => Ok(name.to_string()),
+            Some(name) => Err(ApiError::model_not_found(name, &served)),
+        }
     }
 
     fn serving_event(&self, data: u64) -> Response {
@@ -293,6 +375,11 @@ impl Handler for ApiContext {
         }
         let result = match route {
             Route::Health => return Reply::Full(self.health()),
+            Route::Ready => return Reply::Full(self.ready()),
+            Route::Live => {
+                return Reply::Full(Response::json(200, &serde_json::json!({"status": "alive"})))
+            }
+            Route::Model => return Reply::Full(self.model(&req.path)),
             Route::Metrics => {
                 let text = self.metrics.render(&self.stats);
                 return Reply::Full(Response::new(

@@ -16,6 +16,8 @@ use npu_tokenizer::ChatMessage;
 
 /// What both OpenAI routes share.
 struct Common {
+    /// The served name the request asked for (responses carry it).
+    model: String,
     params: SamplingParams,
     max_tokens: u32,
     stop: Vec<String>,
@@ -32,6 +34,8 @@ fn common(
     max_tokens_keys: &[&str],
 ) -> Result<Common, ApiError> {
     let s = &ctx.settings;
+    // A name this server does not serve is 404, before anything else is looked at.
+    let model = ctx.check_model(f.string("model")?)?;
     if let Some(n) = f.i64("n")? {
         if n != 1 {
             return Err(ApiError::invalid(
@@ -93,9 +97,9 @@ fn common(
         ));
     }
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
-    f.string("model")?; // any name serves the one loaded model
     f.string("user")?;
     Ok(Common {
+        model,
         params: SamplingParams {
             do_sample: temperature > 0.0,
             temperature,
@@ -139,7 +143,7 @@ fn finish(
     let writer = OpenAiWriter::new(
         kind,
         id,
-        ctx.settings.model_name.clone(),
+        c.model,
         ctx.tokenizer.clone(),
         c.stream,
         c.include_usage,

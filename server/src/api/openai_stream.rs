@@ -221,9 +221,16 @@ impl EventWriter for OpenAiWriter {
                 usage,
                 message,
             } => {
-                if *reason == FinishReason::Error {
-                    let msg = message.as_deref().unwrap_or("generation failed");
-                    let resp = render_error(ErrorShape::OpenAi, 500, "server_error", msg, None);
+                let failed = match reason {
+                    FinishReason::Error => Some((500, "server_error", "generation failed")),
+                    FinishReason::Rejected => {
+                        Some((400, "invalid_request_error", "the request cannot be served"))
+                    }
+                    _ => None,
+                };
+                if let Some((status, kind, fallback)) = failed {
+                    let msg = message.as_deref().unwrap_or(fallback);
+                    let resp = render_error(ErrorShape::OpenAi, status, kind, msg, None);
                     if !self.stream {
                         return Progress::Complete(resp);
                     }

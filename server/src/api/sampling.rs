@@ -99,7 +99,9 @@ pub(crate) fn max_new_tokens(f: &Fields, key: &str, s: &ApiSettings) -> Result<u
     }
 }
 
-/// The prompt is not empty and leaves room for one generated token.
+/// The prompt is not empty and leaves room for one generated token under every length limit
+/// (the server refuses at start a KV pool that could not hold such a sequence), so a request
+/// that passes can always run.
 pub(crate) fn check_prompt(ids: &[u32], field: &str, s: &ApiSettings) -> Result<(), ApiError> {
     if ids.is_empty() {
         return Err(ApiError::invalid(
@@ -107,14 +109,13 @@ pub(crate) fn check_prompt(ids: &[u32], field: &str, s: &ApiSettings) -> Result<
             format!("{field} is empty: give a prompt"),
         ));
     }
-    let limit = s.max_model_len.saturating_sub(1) as usize;
-    if ids.len() > limit {
+    let (limit, why) = s.prompt_limit();
+    if ids.len() > limit as usize {
         return Err(ApiError::invalid(
             field,
             format!(
-                "{field} has {} tokens, more than the limit of {limit} (max_model_len {} minus 1 generated token)",
+                "{field} has {} tokens, more than the limit of {limit} ({why})",
                 ids.len(),
-                s.max_model_len
             ),
         ));
     }

@@ -306,6 +306,9 @@ impl EventWriter for TgiStreamWriter {
                 // error event so that the client knows the text is incomplete and why.
                 let error = match (reason, message.as_deref()) {
                     (FinishReason::Error, Some(msg)) => Some((msg, "generation")),
+                    (FinishReason::Rejected, msg) => {
+                        Some((msg.unwrap_or("the request cannot be served"), "validation"))
+                    }
                     (FinishReason::Shutdown, msg) => {
                         Some((msg.unwrap_or("the server is shutting down"), "shutdown"))
                     }
@@ -358,6 +361,10 @@ impl EventWriter for TgiFullWriter {
                 if *reason == FinishReason::Error {
                     let msg = message.as_deref().unwrap_or("generation failed");
                     return Progress::Complete(Response::error(500, "generation_error", msg));
+                }
+                if *reason == FinishReason::Rejected {
+                    let msg = message.as_deref().unwrap_or("the request cannot be served");
+                    return Progress::Complete(Response::error(400, "invalid_request_error", msg));
                 }
                 #[derive(Serialize)]
                 struct Details<'a> {

@@ -29,6 +29,25 @@ pub enum ConfigError {
     },
     #[error("{path}: empty ({need})")]
     Empty { path: String, need: &'static str },
+    #[error("{path}: unknown key{hint}")]
+    UnknownKey { path: String, hint: String },
+    /// The KV pool cannot hold one sequence as long as the context limit allows.
+    #[error(
+        "{pool_path}: {num_blocks} blocks x pa_config.block_size {block_size} = {slots} token \
+         slots per agent cannot hold one sequence of {limit_path} = {limit} tokens; raise \
+         pa_config.num_blocks to at least {blocks_needed} or lower {lower} to at most {slots}"
+    )]
+    PoolTooSmall {
+        pool_path: &'static str,
+        num_blocks: u32,
+        block_size: u32,
+        slots: u64,
+        limit_path: &'static str,
+        limit: u32,
+        blocks_needed: u64,
+        /// The key to lower (for a limit that comes from the model: the one to set).
+        lower: &'static str,
+    },
 }
 
 impl ConfigError {
@@ -45,7 +64,9 @@ impl ConfigError {
         match self {
             Self::WrongType { path, .. }
             | Self::NotAllowed { path, .. }
-            | Self::Empty { path, .. } => Some(path),
+            | Self::Empty { path, .. }
+            | Self::UnknownKey { path, .. } => Some(path),
+            Self::PoolTooSmall { pool_path, .. } => Some(pool_path),
             _ => None,
         }
     }

@@ -61,9 +61,9 @@ pub enum BatchingStrategy {
 /// llm-serving's `serving_config` section.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServingConfig {
-    /// One control port per agent; the number of agents is the number of ports.
+    /// One entry per agent: the number of agents. The values are not used (agents talk to the
+    /// server over private socket pairs; no port is opened for them).
     pub agent_ports: Vec<u16>,
-    pub agent_ip: String,
     pub start_device_id: u32,
     pub server_ip: String,
     /// 0 lets the OS choose (tests).
@@ -73,8 +73,7 @@ pub struct ServingConfig {
 impl Default for ServingConfig {
     fn default() -> Self {
         Self {
-            agent_ports: vec![16002],
-            agent_ip: "127.0.0.1".into(),
+            agent_ports: vec![0],
             start_device_id: 0,
             server_ip: "127.0.0.1".into(),
             server_port: 8835,
@@ -147,6 +146,9 @@ pub struct NpuServingConfig {
     pub max_model_len: Option<u32>,
     /// On shutdown, how long running requests may take to finish before they are aborted.
     pub shutdown_grace_ms: u64,
+    /// Model names the OpenAI routes answer to (the first is listed first by /v1/models);
+    /// empty = `model_config.model_name` alone.
+    pub served_model_names: Vec<String>,
 }
 
 impl Default for NpuServingConfig {
@@ -166,6 +168,7 @@ impl Default for NpuServingConfig {
             max_new_tokens_default: 256,
             max_model_len: None,
             shutdown_grace_ms: 30_000,
+            served_model_names: Vec::new(),
         }
     }
 }
@@ -183,17 +186,28 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     pub fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        Self::from_yaml_file_with(path, false)
+    }
+
+    /// `from_yaml_file`; `strict` makes every unknown key an error (`--strict-config`).
+    pub fn from_yaml_file_with(path: impl AsRef<Path>, strict: bool) -> Result<Self, ConfigError> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::from_yaml_str(&text)
+        Self::from_yaml_str_with(&text, strict)
     }
 
-    /// Parses and validates; each warning is logged once with `tracing::warn!`.
+    /// Parses and validates; each warning is logged once with `tracing::warn!`. Unknown keys
+    /// warn in llm-serving's sections and are errors in `npu_serving`.
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
-        let cfg = sections::parse(text)?;
+        Self::from_yaml_str_with(text, false)
+    }
+
+    /// `from_yaml_str`; `strict` makes every unknown key an error (`--strict-config`).
+    pub fn from_yaml_str_with(text: &str, strict: bool) -> Result<Self, ConfigError> {
+        let cfg = sections::parse(text, strict)?;
         for w in &cfg.warnings {
             tracing::warn!(key = %w.path, "config: {}", w.message);
         }
@@ -228,6 +242,66 @@ impl ServerConfig {
         .flatten()
         .min()
         .unwrap_or(model_context)
+    }
+
+    /// The longest sequence (prompt + generated) a request may reach, and the key that sets it:
+    /// `max_model_len` and `model_config.max_generate_length`, whichever is smaller.
+    pub fn longest_sequence(&self, model_context: u32) -> (u32, &'static str) {
+        let candidates = [
+            (self.npu_serving.max_model_len, "npu_serving.max_model_len"),
+            (self.seq_length(), "model_config.seq_length"),
+            (
+                self.pa_config.decode_seq_length,
+                "pa_config.decode_seq_length",
+            ),
+            (
+                self.model_config.max_generate_length,
+                "model_config.max_generate_length",
+            ),
+            (Some(model_context), "the model's context length"),
+        ];
+        candidates
+            .into_iter()
+            .filter_map(|(v, key)| Some((v?, key)))
+            .min_by_key(|&(v, _)| v)
+            .unwrap_or((model_context, "the model's context length"))
+    }
+
+    /// Refuses a KV pool (`pa_config.num_blocks` x `block_size` token slots per agent) that
+    /// cannot hold one sequence of the longest length a request may reach: such a request
+    /// could never run. The error names both keys and the values that would work.
+    pub fn check_kv_pool(&self, model_context: u32) -> Result<(), ConfigError> {
+        let (limit, limit_path) = self.longest_sequence(model_context);
+        let pa = &self.pa_config;
+        let slots = u64::from(pa.num_blocks) * u64::from(pa.block_size);
+        if slots >= u64::from(limit) {
+            return Ok(());
+        }
+        let lower = if limit_path.starts_with("the model") {
+            "model_config.seq_length"
+        } else {
+            limit_path
+        };
+        Err(ConfigError::PoolTooSmall {
+            pool_path: "pa_config.num_blocks",
+            num_blocks: pa.num_blocks,
+            block_size: pa.block_size,
+            slots,
+            limit_path,
+            limit,
+            blocks_needed: u64::from(limit).div_ceil(u64::from(pa.block_size.max(1))),
+            lower,
+        })
+    }
+
+    /// The names `/v1/*` requests may give as `model`: `npu_serving.served_model_names`, or
+    /// `model_config.model_name` when that is not set.
+    pub fn served_model_names(&self) -> Vec<String> {
+        if self.npu_serving.served_model_names.is_empty() {
+            vec![self.model_config.model_name.clone()]
+        } else {
+            self.npu_serving.served_model_names.clone()
+        }
     }
 
     pub fn max_generate_length(&self) -> Option<u32> {

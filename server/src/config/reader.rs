@@ -1,6 +1,6 @@
 //! A typed walk over one YAML section (`serde_yaml::Value`): each getter marks its key as known,
-//! turns wrong YAML types into errors naming the key's full path, and `finish` warns about keys
-//! nobody asked for.
+//! turns wrong YAML types into errors naming the key's full path, and `finish` warns about (or
+//! refuses) keys nobody asked for, suggesting the known key closest to a misspelt one.
 
 use std::collections::BTreeSet;
 
@@ -181,19 +181,90 @@ impl<'a> Section<'a> {
         }
     }
 
-    /// Warns about every key of the section that no getter asked for.
-    pub(crate) fn finish(self, warnings: &mut Vec<ConfigWarning>) {
-        let Some(map) = self.map else { return };
+    /// Every key of the section that no getter asked for is warned about, or refused with
+    /// `Unknown::Refuse`; either names the known key it most likely meant.
+    pub(crate) fn finish(
+        self,
+        warnings: &mut Vec<ConfigWarning>,
+        unknown: Unknown,
+    ) -> Result<(), ConfigError> {
+        let Some(map) = self.map else { return Ok(()) };
         for (k, _) in map {
             let name = key_name(k);
-            if !self.used.contains(&name) {
-                warnings.push(ConfigWarning {
+            if self.used.contains(&name) {
+                continue;
+            }
+            let guess = closest(&name, self.used.iter().map(String::as_str));
+            let did_you_mean = guess
+                .map(|g| format!(" (did you mean {g}?)"))
+                .unwrap_or_default();
+            match unknown {
+                Unknown::Warn => warnings.push(ConfigWarning {
                     path: self.key_path(&name),
-                    message: "unknown key, ignored".into(),
-                });
+                    message: format!("unknown key, ignored{did_you_mean}"),
+                }),
+                Unknown::Refuse(why) => {
+                    return Err(ConfigError::UnknownKey {
+                        path: self.key_path(&name),
+                        hint: format!("{did_you_mean}; {why}"),
+                    })
+                }
             }
         }
+        Ok(())
     }
+}
+
+/// What `Section::finish` does with a key nobody asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unknown {
+    /// A warning (llm-serving's sections: configs written for it may carry more).
+    Warn,
+    /// An error; the text says why such keys are refused.
+    Refuse(&'static str),
+}
+
+/// The candidate a misspelt `name` most likely meant: the closest by edit distance (adjacent
+/// swaps count as one edit, case is ignored), if it is within a third of the name's length.
+pub(crate) fn closest<'c>(
+    name: &str,
+    candidates: impl Iterator<Item = &'c str>,
+) -> Option<&'c str> {
+    let name_lc = name.to_lowercase();
+    let limit = (name.chars().count() / 3).max(1);
+    candidates
+        .map(|c| (edit_distance(&name_lc, &c.to_lowercase()), c))
+        .filter(|&(d, _)| d <= limit)
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, c)| c)
+}
+
+/// Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of two
+/// adjacent characters each cost one.
+pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    let w = b.len() + 1;
+    let mut d = vec![0usize; (a.len() + 1) * w];
+    for i in 0..=a.len() {
+        d[i * w] = i;
+    }
+    for (j, cell) in d.iter_mut().enumerate().take(w) {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut v = (d[(i - 1) * w + j] + 1)
+                .min(d[i * w + j - 1] + 1)
+                .min(d[(i - 1) * w + j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                v = v.min(d[(i - 2) * w + j - 2] + 1);
+            }
+            d[i * w + j] = v;
+        }
+    }
+    d[a.len() * w + b.len()]
 }
 
 /// "True"/"true"/"False"/"false" (what Python-made configs and requests write).
@@ -202,5 +273,34 @@ pub fn parse_bool_str(s: &str) -> Option<bool> {
         "True" | "true" | "TRUE" => Some(true),
         "False" | "false" | "FALSE" => Some(false),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edit_distance_counts_swaps_as_one_edit() {
+        assert_eq!(edit_distance("prefix_cahce", "prefix_cache"), 1);
+        assert_eq!(edit_distance("model_confg", "model_config"), 1);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("same", "same"), 0);
+    }
+
+    #[test]
+    fn closest_suggests_only_near_names() {
+        let known = ["model_config", "serving_config", "pa_config", "npu_serving"];
+        assert_eq!(
+            closest("model_confg", known.iter().copied()),
+            Some("model_config")
+        );
+        assert_eq!(
+            closest("NPU_Serving", known.iter().copied()),
+            Some("npu_serving")
+        );
+        assert_eq!(closest("turbo", known.iter().copied()), None);
+        assert_eq!(closest("x", ["y", "xy"].iter().copied()), Some("y"));
     }
 }

@@ -1,5 +1,8 @@
 //! Reads each section of the YAML document into the typed config: llm-serving's keys that are
 //! used, those accepted with a warning saying why they mean nothing here, and our `npu_serving`.
+//! Unknown keys warn in llm-serving's sections (configs written for it may carry more) and are
+//! errors in `npu_serving` (a misspelt setting of ours would silently keep its default);
+//! strict loading makes every unknown key an error.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -8,13 +11,23 @@ use std::path::PathBuf;
 use serde_yaml::Value;
 
 use super::error::{ConfigError, ConfigWarning};
-use super::reader::{describe, Section};
+use super::reader::{describe, Section, Unknown};
 use super::{
     BatchingStrategy, DeviceKind, ModelConfig, NpuServingConfig, PaConfig, ServerConfig,
     ServingConfig,
 };
 
-pub(super) fn parse(text: &str) -> Result<ServerConfig, ConfigError> {
+/// Why `--strict-config` refuses a key.
+const STRICT: &str = "--strict-config refuses unknown keys";
+/// Why unknown keys of our own section are refused.
+const OWN_SECTION: &str = "npu_serving holds this server's own settings and refuses unknown keys";
+
+pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigError> {
+    let llm = if strict {
+        Unknown::Refuse(STRICT)
+    } else {
+        Unknown::Warn
+    };
     let doc: Value = serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
     let doc = match doc {
         Value::Null => Value::Mapping(Default::default()),
@@ -30,15 +43,15 @@ pub(super) fn parse(text: &str) -> Result<ServerConfig, ConfigError> {
 
     let mut s = top.section("model_config")?;
     let model_config = model_config(&mut s, &mut warnings)?;
-    s.finish(&mut warnings);
+    s.finish(&mut warnings, llm)?;
 
     let mut s = top.section("serving_config")?;
     let serving_config = serving_config(&mut s, &mut warnings)?;
-    s.finish(&mut warnings);
+    s.finish(&mut warnings, llm)?;
 
     let mut s = top.section("pa_config")?;
     let pa_config = pa_config(&mut s)?;
-    s.finish(&mut warnings);
+    s.finish(&mut warnings, llm)?;
 
     let mut s = top.section("tokenizer")?;
     s.ignored(
@@ -51,7 +64,7 @@ pub(super) fn parse(text: &str) -> Result<ServerConfig, ConfigError> {
         "the tokenizer is read from the GGUF file (or a tokenizer.json beside it)",
         &mut warnings,
     );
-    s.finish(&mut warnings);
+    s.finish(&mut warnings, llm)?;
 
     for key in ["basic_inputs", "extra_inputs", "warmup_inputs"] {
         top.ignored(
@@ -68,9 +81,12 @@ pub(super) fn parse(text: &str) -> Result<ServerConfig, ConfigError> {
 
     let mut s = top.section("npu_serving")?;
     let npu_serving = npu_serving(&mut s)?;
-    s.finish(&mut warnings);
+    s.finish(
+        &mut warnings,
+        Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
+    )?;
 
-    top.finish(&mut warnings);
+    top.finish(&mut warnings, llm)?;
 
     Ok(ServerConfig {
         model_config,
@@ -243,34 +259,30 @@ fn serving_config(
     w: &mut Vec<ConfigWarning>,
 ) -> Result<ServingConfig, ConfigError> {
     let mut c = ServingConfig::default();
-    if let Some(list) = s.u64_list("agent_ports", "need one port per agent")? {
+    // One entry per agent. Agents talk to the server over private socket pairs, so the values
+    // are not ports any more: any 0..=65535 is accepted, repeats included.
+    let need = "one entry per agent";
+    if let Some(list) = s.u64_list("agent_ports", need)? {
         let path = s.key_path("agent_ports");
-        let mut seen = BTreeSet::new();
         c.agent_ports = Vec::with_capacity(list.len());
         for v in list {
-            let port = match u16::try_from(v) {
-                Ok(p) if p >= 1 => p,
-                _ => return Err(ConfigError::not_allowed(&path, v, "a port in 1..=65535")),
-            };
-            if !seen.insert(port) {
-                return Err(ConfigError::not_allowed(
-                    &path,
-                    format!("port {port} twice"),
-                    "one distinct port per agent",
-                ));
-            }
+            let port = u16::try_from(v).map_err(|_| {
+                ConfigError::not_allowed(&path, v, "0..=65535 (one entry per agent)")
+            })?;
             c.agent_ports.push(port);
         }
     }
     if c.agent_ports.is_empty() {
         return Err(ConfigError::Empty {
             path: s.key_path("agent_ports"),
-            need: "need one port per agent",
+            need,
         });
     }
-    if let Some(ip) = s.string("agent_ip")? {
-        c.agent_ip = check_host(&s.key_path("agent_ip"), ip)?;
-    }
+    s.ignored(
+        "agent_ip",
+        "agents talk to the server over private socket pairs, not over the network",
+        w,
+    );
     if let Some(v) = s.u64("start_device_id")? {
         c.start_device_id = to_u32(&s.key_path("start_device_id"), v, 0)?;
     }
@@ -285,13 +297,6 @@ fn serving_config(
                 "0..=65535 (0 = any free port)",
             )
         })?;
-    }
-    if c.server_port != 0 && c.agent_ports.contains(&c.server_port) {
-        return Err(ConfigError::not_allowed(
-            &s.key_path("server_port"),
-            c.server_port,
-            "different from every serving_config.agent_ports entry",
-        ));
     }
     for key in ["prefill_batch_waiting_time", "decode_batch_waiting_time"] {
         if let Some(t) = s.f64(key)? {
@@ -442,7 +447,65 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
     if let Some(v) = s.u64("max_model_len")? {
         c.max_model_len = Some(to_u32(&s.key_path("max_model_len"), v, 2)?);
     }
+    c.served_model_names = served_model_names(s)?;
     Ok(c)
+}
+
+/// `served_model_names`: one name or a list of distinct, non-empty names without spaces.
+fn served_model_names(s: &mut Section) -> Result<Vec<String>, ConfigError> {
+    let key = "served_model_names";
+    let path = s.key_path(key);
+    let names: Vec<String> = match s.raw(key) {
+        None => return Ok(Vec::new()),
+        Some(Value::String(n)) => vec![n.clone()],
+        Some(Value::Sequence(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(n) => out.push(n.clone()),
+                    other => {
+                        return Err(ConfigError::WrongType {
+                            path: format!("{path}[{i}]"),
+                            expected: "a model name (string)",
+                            found: describe(other),
+                        })
+                    }
+                }
+            }
+            out
+        }
+        Some(other) => {
+            return Err(ConfigError::WrongType {
+                path,
+                expected: "a model name or a list of names",
+                found: describe(other),
+            })
+        }
+    };
+    if names.is_empty() {
+        return Err(ConfigError::Empty {
+            path,
+            need: "give at least one name, or leave the key out to serve model_config.model_name",
+        });
+    }
+    let mut seen = BTreeSet::new();
+    for n in &names {
+        if n.trim().is_empty() || n.chars().any(char::is_whitespace) {
+            return Err(ConfigError::not_allowed(
+                &path,
+                format!("{n:?}"),
+                "non-empty names without whitespace",
+            ));
+        }
+        if !seen.insert(n.as_str()) {
+            return Err(ConfigError::not_allowed(
+                &path,
+                format!("{n:?} twice"),
+                "distinct names",
+            ));
+        }
+    }
+    Ok(names)
 }
 
 /// `~/x` -> `$HOME/x` (configs are written by hand; the shell does not expand YAML values).

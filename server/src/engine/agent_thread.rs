@@ -1,11 +1,13 @@
 //! One thread per agent: it owns the agent's connection, runs each step plan the engine sends
-//! under the step deadline, restarts the agent when asked (with a few attempts), shuts it down,
-//! and reports every outcome on a channel shared by all agents.
+//! under the step deadline, watches the agent while it is idle (a death is reported when it
+//! happens, not at the next request), restarts the agent when asked (at once, then with
+//! growing pauses for as long as the server lives), shuts it down, and reports every outcome
+//! on a channel shared by all agents.
 
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use npu_protocol::{StepPlan, StepResult};
 
 use crate::agents::{AgentFailure, AgentLink};
@@ -19,6 +21,11 @@ pub trait StepAgent: Send {
     fn restart(&mut self) -> Result<(), AgentFailure>;
     /// Stops the agent for good (its resources are released).
     fn shutdown(&mut self);
+    /// Called while no step runs: the failure that took the agent down if it died (or broke
+    /// the protocol) since the last look; None while it is fine or already known to be down.
+    fn check_idle(&mut self) -> Option<AgentFailure> {
+        None
+    }
     /// The agent's process id while it runs, when it has one (logs, tests).
     fn pid(&self) -> Option<u32> {
         None
@@ -35,20 +42,25 @@ impl StepAgent for AgentLink {
     fn shutdown(&mut self) {
         AgentLink::shutdown(self)
     }
+    fn check_idle(&mut self) -> Option<AgentFailure> {
+        AgentLink::check_idle(self)
+    }
     fn pid(&self) -> Option<u32> {
         AgentLink::pid(self)
     }
 }
 
-/// How the agent thread runs steps and restarts.
+/// How the agent thread runs steps, watches an idle agent and restarts it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AgentThreadSettings {
     /// A step taking longer counts as a hung agent (it is killed).
     pub step_deadline: Duration,
-    /// Restart attempts before the agent is given up.
-    pub restart_attempts: u32,
-    /// Wait before the second attempt; doubled after each failed attempt.
+    /// Wait after the first failed restart attempt; doubled after each further one.
     pub restart_backoff: Duration,
+    /// The longest wait between two restart attempts (they never stop while the server runs).
+    pub restart_backoff_max: Duration,
+    /// How often an idle agent is looked at (process exit, closed socket).
+    pub watch_interval: Duration,
 }
 
 /// Work for an agent thread.
@@ -67,8 +79,16 @@ pub(crate) enum AgentEvent {
         outcome: Result<StepResult, AgentFailure>,
         took: Duration,
     },
-    /// The outcome of the last restart attempt.
-    Restarted(Result<(), AgentFailure>),
+    /// The agent died (or broke the protocol) while no step was running; it is down.
+    Died(AgentFailure),
+    /// The agent is back after `attempt` attempts.
+    Restarted { attempt: u32 },
+    /// Restart attempt `attempt` failed; the next one follows after `retry_in`.
+    RestartFailed {
+        failure: AgentFailure,
+        attempt: u32,
+        retry_in: Duration,
+    },
 }
 
 #[derive(Debug)]
@@ -137,7 +157,17 @@ fn agent_loop(
             event,
         });
     };
-    while let Ok(job) = jobs.recv() {
+    loop {
+        let job = match jobs.recv_timeout(settings.watch_interval) {
+            Ok(job) => job,
+            Err(RecvTimeoutError::Timeout) => {
+                if let Some(failure) = agent.check_idle() {
+                    report(AgentEvent::Died(failure));
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
         match job {
             AgentJob::Step(plan) => {
                 let started = Instant::now();
@@ -148,38 +178,81 @@ fn agent_loop(
                     took: started.elapsed(),
                 });
             }
-            AgentJob::Restart => report(AgentEvent::Restarted(restart(
-                index,
-                agent.as_mut(),
-                settings,
-            ))),
+            AgentJob::Restart => {
+                if !restart(index, agent.as_mut(), &jobs, settings, &report) {
+                    break;
+                }
+            }
             AgentJob::Shutdown => break,
         }
     }
     agent.shutdown();
 }
 
+/// Restarts the agent until it is back: at once, then after `restart_backoff`, doubling up to
+/// `restart_backoff_max`. Every failed attempt is logged and reported with its cause. Returns
+/// false when a Shutdown (or the engine's end) came while it was waiting to try again.
 fn restart(
     index: usize,
     agent: &mut dyn StepAgent,
+    jobs: &Receiver<AgentJob>,
     settings: AgentThreadSettings,
-) -> Result<(), AgentFailure> {
-    let attempts = settings.restart_attempts.max(1);
+    report: &dyn Fn(AgentEvent),
+) -> bool {
     let mut wait = settings.restart_backoff;
     let mut attempt = 1;
     loop {
         match agent.restart() {
             Ok(()) => {
                 tracing::info!(agent = index, pid = ?agent.pid(), attempt, "agent restarted");
-                return Ok(());
+                report(AgentEvent::Restarted { attempt });
+                return true;
             }
-            Err(failure) if attempt >= attempts => return Err(failure),
             Err(failure) => {
-                tracing::warn!(agent = index, attempt, %failure, "agent restart failed; retrying");
-                std::thread::sleep(wait);
-                wait = wait.saturating_mul(2);
+                tracing::warn!(
+                    agent = index,
+                    attempt,
+                    retry_in_ms = wait.as_millis() as u64,
+                    %failure,
+                    "agent restart failed; trying again"
+                );
+                report(AgentEvent::RestartFailed {
+                    failure,
+                    attempt,
+                    retry_in: wait,
+                });
+                if !pause_unless_shutdown(index, jobs, wait, report) {
+                    return false;
+                }
+                wait = wait.saturating_mul(2).min(settings.restart_backoff_max);
                 attempt += 1;
             }
+        }
+    }
+}
+
+/// Waits `pause`, but returns false at once on Shutdown or when the engine is gone. Other jobs
+/// cannot be served by a down agent: a stray step is answered as failed.
+fn pause_unless_shutdown(
+    index: usize,
+    jobs: &Receiver<AgentJob>,
+    pause: Duration,
+    report: &dyn Fn(AgentEvent),
+) -> bool {
+    let until = Instant::now() + pause;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match jobs.recv_timeout(left) {
+            Err(RecvTimeoutError::Timeout) => return true,
+            Ok(AgentJob::Shutdown) | Err(RecvTimeoutError::Disconnected) => return false,
+            Ok(AgentJob::Restart) => {}
+            Ok(AgentJob::Step(plan)) => report(AgentEvent::Stepped {
+                step_id: plan.step_id,
+                outcome: Err(AgentFailure::Down {
+                    agent_id: index as u32,
+                }),
+                took: Duration::ZERO,
+            }),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The engine loop's typed settings (the scheduler limits of each agent, step deadline, restart
-//! policy, shutdown grace), their defaults, and how they follow from the server config.
+//! policy and idle watch, shutdown grace), their defaults, and how they follow from the server config.
 
 use std::time::Duration;
 
@@ -14,10 +14,13 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// A step taking longer counts as a hung agent: it is killed and restarted.
     pub step_deadline: Duration,
-    /// Restart attempts for a failed agent before its requests are failed.
-    pub restart_attempts: u32,
-    /// Wait before the second restart attempt (doubled after each failed attempt).
+    /// A failed agent is restarted at once; after a failed attempt the next one waits this
+    /// long, doubled after each further failure up to `restart_backoff_max`. Attempts go on
+    /// for as long as the server runs.
     pub restart_backoff: Duration,
+    pub restart_backoff_max: Duration,
+    /// How often an idle agent is looked at (process exit, closed control socket).
+    pub agent_watch_interval: Duration,
     /// After a shutdown request, how long running requests may take before they are ended
     /// with `FinishReason::Shutdown`.
     pub shutdown_grace: Duration,
@@ -30,8 +33,9 @@ impl Default for EngineConfig {
         Self {
             scheduler: SchedulerConfig::default(),
             step_deadline: Duration::from_secs(30),
-            restart_attempts: 3,
             restart_backoff: Duration::from_millis(500),
+            restart_backoff_max: Duration::from_secs(30),
+            agent_watch_interval: Duration::from_millis(50),
             shutdown_grace: Duration::from_secs(29),
             idle_tick: Duration::from_millis(20),
         }
@@ -75,8 +79,9 @@ impl EngineConfig {
     pub(crate) fn thread_settings(&self) -> AgentThreadSettings {
         AgentThreadSettings {
             step_deadline: self.step_deadline,
-            restart_attempts: self.restart_attempts,
             restart_backoff: self.restart_backoff,
+            restart_backoff_max: self.restart_backoff_max,
+            watch_interval: self.agent_watch_interval,
         }
     }
 }

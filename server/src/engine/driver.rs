@@ -1,7 +1,8 @@
 //! The engine thread, the one owner of every scheduler and request: it takes commands from the
 //! HTTP side, dispatches each request to the least-loaded live agent, keeps every agent busy
 //! with the next step as soon as its last one comes back, turns results into events, recovers
-//! the requests of a failed agent on a restarted (or another) agent, and drains on shutdown.
+//! the requests of a failed agent (busy or idle when it died) on a restarted (or another)
+//! agent, and drains on shutdown.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -120,9 +121,27 @@ pub fn start_engine(
 #[derive(Debug, Clone, PartialEq)]
 enum Health {
     Up,
-    Restarting,
-    /// Could not be restarted; the message says why.
+    /// Its thread is restarting it; `failed_attempts` attempts have failed so far, the last
+    /// for `last_failure`. Requests wait for it only while no attempt has failed.
+    Restarting {
+        failed_attempts: u32,
+        last_failure: Option<String>,
+    },
+    /// Its thread is gone: it cannot come back; the message says why.
     Failed(String),
+}
+
+impl Health {
+    /// Down, and the restart under way has not failed yet: worth waiting for.
+    fn coming_back(&self) -> bool {
+        matches!(
+            self,
+            Health::Restarting {
+                failed_attempts: 0,
+                ..
+            }
+        )
+    }
 }
 
 struct AgentState {
@@ -288,6 +307,7 @@ impl Engine {
             "engine: draining; new requests are refused"
         );
         self.drain_deadline = Some(Instant::now() + self.cfg.shutdown_grace);
+        self.stats.draining.store(true, Ordering::Relaxed);
     }
 
     /// Starts the drain on a shutdown signal, ends what is left when the grace is over, and
@@ -344,7 +364,7 @@ impl Engine {
             .min_by_key(|(_, a)| a.sched.load())
             .map(|(i, _)| i);
         let Some(i) = target else {
-            if self.agents.iter().any(|a| a.health == Health::Restarting) {
+            if self.agents.iter().any(|a| a.health.coming_back()) {
                 self.pending.push_back(p);
             } else {
                 let msg = format!("no agent can serve requests: {}", self.failures());
@@ -352,6 +372,7 @@ impl Engine {
             }
             return;
         };
+        let fresh = matches!(p, Pending::Fresh(_));
         let sched = &mut self.agents[i].sched;
         let added = match p {
             Pending::Fresh(req) => sched.add(&req),
@@ -362,6 +383,11 @@ impl Engine {
                 if let Some(e) = self.requests.get_mut(&id) {
                     e.agent = Some(i);
                 }
+            }
+            // A new request that can never run is refused, not answered with empty text (the
+            // API checks the same limits first, so this is a last line of defence).
+            Err(e @ (SchedError::TooLong { .. } | SchedError::ExceedsPool { .. })) if fresh => {
+                self.emit_finished(id, FinishReason::Rejected, Some(e.to_string()))
             }
             Err(e @ (SchedError::TooLong { .. } | SchedError::ExceedsPool { .. })) => {
                 self.emit_finished(id, FinishReason::ContextLength, Some(e.to_string()))
@@ -380,6 +406,12 @@ impl Engine {
             .enumerate()
             .filter_map(|(i, a)| match &a.health {
                 Health::Failed(why) => Some(format!("agent {i}: {why}")),
+                Health::Restarting {
+                    failed_attempts,
+                    last_failure: Some(why),
+                } => Some(format!(
+                    "agent {i}: {why} (restart attempt {failed_attempts} failed; still trying)"
+                )),
                 _ => None,
             })
             .collect();
@@ -420,6 +452,12 @@ impl Engine {
                 outcome,
                 took,
             } => {
+                if self.agents[i].step_in_flight != Some(step_id) {
+                    // A step sent before the agent was found dead: its requests are already
+                    // recovered elsewhere.
+                    tracing::debug!(agent = i, step_id, "outcome of an abandoned step ignored");
+                    return;
+                }
                 self.agents[i].step_in_flight = None;
                 match outcome {
                     Ok(result) => {
@@ -439,22 +477,42 @@ impl Engine {
                     Err(failure) => self.on_step_failure(i, step_id, failure),
                 }
             }
-            AgentEvent::Restarted(Ok(())) => {
+            AgentEvent::Died(failure) => {
+                if self.agents[i].health == Health::Up {
+                    self.agent_down(i, failure);
+                }
+            }
+            AgentEvent::Restarted { attempt } => {
                 self.agents[i].health = Health::Up;
                 EngineStats::add(&self.stats.agent_restarts_total, 1);
+                tracing::info!(agent = i, attempt, "agent is back; serving");
                 for p in std::mem::take(&mut self.pending) {
                     self.dispatch(p);
                 }
             }
-            AgentEvent::Restarted(Err(failure)) => {
-                tracing::error!(agent = i, %failure, "agent could not be restarted; giving it up");
-                self.agents[i].health = Health::Failed(failure.to_string());
+            AgentEvent::RestartFailed {
+                failure,
+                attempt,
+                retry_in,
+            } => {
+                self.agents[i].health = Health::Restarting {
+                    failed_attempts: attempt,
+                    last_failure: Some(failure.to_string()),
+                };
                 if !self
                     .agents
                     .iter()
-                    .any(|a| matches!(a.health, Health::Up | Health::Restarting))
+                    .any(|a| a.health == Health::Up || a.health.coming_back())
+                    && !self.pending.is_empty()
                 {
                     let msg = format!("no agent can serve requests: {}", self.failures());
+                    tracing::error!(
+                        agent = i,
+                        attempt,
+                        retry_in_ms = retry_in.as_millis() as u64,
+                        requests = self.pending.len(),
+                        "no agent is up and a restart failed: ending the waiting requests"
+                    );
                     for p in std::mem::take(&mut self.pending) {
                         self.emit_finished(p.id(), FinishReason::Error, Some(msg.clone()));
                     }
@@ -505,9 +563,15 @@ impl Engine {
     /// The agent is gone: its requests (with the tokens they have) move to live agents or wait
     /// for it to come back, and its thread restarts it.
     fn agent_down(&mut self, i: usize, failure: AgentFailure) {
+        if self.agents[i].health != Health::Up {
+            return;
+        }
         tracing::warn!(agent = i, %failure, "agent down; restarting it and re-queueing its requests");
         let a = &mut self.agents[i];
-        a.health = Health::Restarting;
+        a.health = Health::Restarting {
+            failed_attempts: 0,
+            last_failure: None,
+        };
         a.step_in_flight = None;
         let recovered = a.sched.take_all();
         if !a.worker.send(AgentJob::Restart) {
@@ -531,6 +595,7 @@ impl Engine {
     fn publish_stats(&self) {
         let s = &self.stats;
         let (mut running, mut waiting, mut used, mut total, mut preempted) = (0, 0, 0, 0, 0);
+        let (mut queried, mut hit) = (0, 0);
         for a in &self.agents {
             let st = a.sched.stats();
             running += st.running as u64;
@@ -538,6 +603,8 @@ impl Engine {
             used += st.blocks_used as u64;
             total += st.blocks_total as u64;
             preempted += st.preemptions;
+            queried += st.prefix_query_tokens;
+            hit += st.prefix_hit_tokens;
         }
         waiting += self.pending.len() as u64;
         let up = self
@@ -550,6 +617,8 @@ impl Engine {
         EngineStats::set(&s.kv_blocks_used, used);
         EngineStats::set(&s.kv_blocks_total, total);
         EngineStats::set(&s.preemptions_total, preempted);
+        EngineStats::set(&s.prefix_cache_queried_tokens_total, queried);
+        EngineStats::set(&s.prefix_cache_hit_tokens_total, hit);
         EngineStats::set(&s.agents_total, self.agents.len() as u64);
         let up = if self.agents_stopped { 0 } else { up };
         EngineStats::set(&s.agents_up, up);

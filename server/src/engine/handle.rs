@@ -25,6 +25,8 @@ pub enum EngineCommand {
 pub struct EngineStats {
     /// All agents have completed their handshake and none is down.
     pub ready: AtomicBool,
+    /// Shutting down: requests still running may finish, new ones are refused.
+    pub draining: AtomicBool,
     pub agents_total: AtomicU64,
     pub agents_up: AtomicU64,
     pub running: AtomicU64,
@@ -35,6 +37,10 @@ pub struct EngineStats {
     pub generated_tokens_total: AtomicU64,
     pub requests_finished_total: AtomicU64,
     pub preemptions_total: AtomicU64,
+    /// Tokens of admitted requests looked up in the prefix cache.
+    pub prefix_cache_queried_tokens_total: AtomicU64,
+    /// Of those, tokens whose KV came from the cache.
+    pub prefix_cache_hit_tokens_total: AtomicU64,
     pub agent_restarts_total: AtomicU64,
     pub steps_total: AtomicU64,
 }

@@ -41,6 +41,9 @@ pub enum FinishReason {
     Shutdown,
     /// An internal error ended it (the message says which).
     Error,
+    /// It can never run under the server's limits (the message says which); nothing was
+    /// generated. The API answers it as a client error.
+    Rejected,
 }
 
 impl FinishReason {
@@ -49,7 +52,7 @@ impl FinishReason {
         match self {
             Self::Eos | Self::Stop => "stop",
             Self::Length | Self::ContextLength => "length",
-            Self::Aborted | Self::Shutdown | Self::Error => "abort",
+            Self::Aborted | Self::Shutdown | Self::Error | Self::Rejected => "abort",
         }
     }
     /// The name the llm-serving / TGI API uses.
@@ -61,6 +64,7 @@ impl FinishReason {
             Self::Aborted => "aborted",
             Self::Shutdown => "shutdown",
             Self::Error => "error",
+            Self::Rejected => "rejected",
         }
     }
 }

@@ -129,11 +129,14 @@ pub(crate) fn parse_head(buf: &[u8], max_body_bytes: u64) -> HeadParse {
         let value = value.trim();
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
-            let Ok(n) = value.parse::<u64>() else {
+            // Digits only (RFC 9110 8.6): "+5", "5 ", "0x5" or "5, 5" could be read differently
+            // by a proxy in front, and two readings of one body are a smuggling risk.
+            let digits = !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit());
+            let Some(n) = digits.then(|| value.parse::<u64>().ok()).flatten() else {
                 return refuse(
                     400,
                     "bad_request",
-                    format!("Content-Length {value:?} is not a number"),
+                    format!("Content-Length {value:?} is not a length in digits only (0..=2^64-1)"),
                 );
             };
             if content_length.is_some_and(|old| old != n) {
@@ -284,6 +287,21 @@ mod tests {
         let r = refused(b"POST /x HTTP/1.1\r\nContent-Length: abc\r\n\r\n");
         assert_eq!(r.status, 400);
         assert!(r.message.contains("Content-Length"));
+        for bad in [
+            "+5",
+            "-5",
+            "5.0",
+            "0x5",
+            "5, 5",
+            "5 5",
+            "",
+            "99999999999999999999999",
+        ] {
+            let head = format!("POST /x HTTP/1.1\r\nContent-Length: {bad}\r\n\r\nhello");
+            let r = refused(head.as_bytes());
+            assert_eq!(r.status, 400, "Content-Length {bad:?}");
+            assert!(r.message.contains("digits only"), "{}", r.message);
+        }
         let r = refused(b"POST /x HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n");
         assert_eq!(r.status, 400);
         assert_eq!(refused(b"GARBAGE\r\n\r\n").status, 400);

@@ -249,6 +249,13 @@ impl Loop {
                 }
             }
             if r.failed {
+                // A reset (or another socket error) under a running generation is a client
+                // going away just as a clean close is.
+                if conn.request_id().is_some() {
+                    self.metrics
+                        .client_aborts_total
+                        .fetch_add(1, Ordering::Relaxed);
+                }
                 self.close(tok, "socket error");
                 return;
             }

@@ -48,6 +48,8 @@ pub struct SchedStats {
     pub preemptions: u64,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     pub prefix_hit_tokens: u64,
+    /// Tokens of admitted sequences looked up in the prefix cache (0 while caching is off).
+    pub prefix_query_tokens: u64,
     /// Tokens sent to the agent for computing (prefill chunks and decode tokens).
     pub scheduled_tokens: u64,
     pub steps_in_flight: usize,
@@ -88,6 +90,7 @@ pub struct Scheduler {
     next_step_id: u64,
     preemptions: u64,
     prefix_hit_tokens: u64,
+    prefix_query_tokens: u64,
     scheduled_tokens: u64,
 }
 
@@ -107,6 +110,7 @@ impl Scheduler {
             next_step_id: 1,
             preemptions: 0,
             prefix_hit_tokens: 0,
+            prefix_query_tokens: 0,
             scheduled_tokens: 0,
         })
     }
@@ -242,6 +246,7 @@ impl Scheduler {
             blocks_total: self.blocks.num_total(),
             preemptions: self.preemptions,
             prefix_hit_tokens: self.prefix_hit_tokens,
+            prefix_query_tokens: self.prefix_query_tokens,
             scheduled_tokens: self.scheduled_tokens,
             steps_in_flight: self.in_flight.len(),
             slots_in_use: self.cfg.slots() - self.free_slots.len() - self.pending_forget.len(),

@@ -152,6 +152,9 @@ impl Scheduler {
             in_flight: None,
         });
         self.prefix_hit_tokens += (n_hit * bs) as u64;
+        if self.blocks.caching() {
+            self.prefix_query_tokens += total as u64;
+        }
         self.waiting.pop_front();
         self.running.push(id);
         Some(slot)
