@@ -15,6 +15,8 @@ const OP_HEADERS: &[&str] = &[
     "aclnn_nan_to_num.h",
     "aclnn_log_softmax.h",
     "aclnn_gather.h",
+    "aclnn_mul.h",
+    "aclnn_dynamic_quant.h",
     "aclnn_rms_norm.h",
     "aclnn_swi_glu.h",
     "aclnn_embedding.h",

@@ -7,6 +7,7 @@
 //! Sources (operator API reference, "aclnnXxx" pages; headers `aclnnop/aclnn_*.h`):
 //! Add/InplaceAdd (`aclnn_add.h`), Cast (`aclnn_cast.h`), InplaceCopy (`aclnn_copy.h`),
 //! NanToNum (`aclnn_nan_to_num.h`), LogSoftmax (`aclnn_log_softmax.h`), Gather (`aclnn_gather.h`),
+//! Mul (`aclnn_mul.h`), DynamicQuant (`aclnn_dynamic_quant.h`),
 //! RmsNorm (`aclnn_rms_norm.h`), SwiGlu (`aclnn_swi_glu.h`), Embedding (`aclnn_embedding.h`),
 //! ArgMax (`aclnn_argmax.h`),
 //! Matmul (`aclnn_matmul.h`), WeightQuantBatchMatmulV2 (`aclnn_weight_quant_batch_matmul_v2.h`),
@@ -66,6 +67,10 @@ pub mod ops {
                 fn aclnnLogSoftmax(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnGatherGetWorkspaceSize(self_: *const aclTensor, dim: i64, index: *const aclTensor, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnGather(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnMulGetWorkspaceSize(self_: *const aclTensor, other: *const aclTensor, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnMul(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnDynamicQuantGetWorkspaceSize(x: *const aclTensor, smoothScalesOptional: *const aclTensor, yOut: *const aclTensor, scaleOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnDynamicQuant(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnRmsNormGetWorkspaceSize(x: *const aclTensor, gamma: *const aclTensor, epsilon: f64, yOut: *const aclTensor, rstdOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnRmsNorm(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnSwiGluGetWorkspaceSize(x: *const aclTensor, dim: i64, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;

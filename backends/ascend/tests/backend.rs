@@ -392,9 +392,69 @@ fn matmul_ref(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// `x` as llama.cpp's 8-bit activations stand for it: per 32-value block, `q = round(x·127/amax)`
+/// (half to even), times the scale `amax/127` rounded through f16.
+fn q8_ref(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|blk| {
+            let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = f16::from_f32(amax / 127.0).to_f32();
+            let id = if amax == 0.0 { 0.0 } else { 127.0 / amax };
+            blk.iter()
+                .map(move |v| (v * id).round_ties_even() * d)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn matmul_with_8_bit_activations_matches_llama_cpp_arithmetic() {
+    let _g = serial();
+    let mut b = backend(AscendConfig {
+        q8_activations: true,
+        ..AscendConfig::default()
+    });
+    let (m, k, n) = (3usize, 128usize, 40usize);
+    let x = h(&rand_vec(100, m * k, 2.0));
+    let xb = up(&mut b, &x, k);
+    let (d, w) = q4_1_rows(101, n, k);
+    let mat = b
+        .load_matrix(&[HostTensor {
+            ty: GgmlType::Q4_1,
+            data: &d,
+            rows: n,
+            cols: k,
+        }])
+        .unwrap()
+        .unwrap();
+    let mut y = b.alloc(DType::F16, m * n).unwrap();
+    b.matmul(
+        View::rows(&xb, m, k).unwrap(),
+        &mat,
+        ViewMut::rows(&mut y, m, n).unwrap(),
+    )
+    .unwrap();
+    let got = down(&mut b, &y, Layout::contiguous(m, n));
+    let want = matmul_ref(&q8_ref(&x), &w, m, k, n);
+    // Against the quantized activations: f16 output and weights only.
+    assert_close(&got, &want, 4e-3, "8-bit activation matmul");
+    // Unquantized activations differ by more: the check can tell the two apart.
+    let plain = matmul_ref(&x, &w, m, k, n);
+    let worst = got
+        .iter()
+        .zip(&plain)
+        .map(|(g, p)| (g - p).abs() / (1.0 + p.abs()))
+        .fold(0f32, f32::max);
+    assert!(
+        worst > 4e-3,
+        "8-bit activations made no difference ({worst})"
+    );
+}
+
 #[test]
 fn matmul_in_every_weight_form_matches_reference() {
     let _g = serial();
+    // Activations as they come (the 8-bit form is checked above).
     let mut b = default_backend();
     let (m, k) = (3usize, 128usize);
     let x = h(&rand_vec(10, m * k, 1.0));

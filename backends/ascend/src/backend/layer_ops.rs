@@ -248,8 +248,11 @@ impl AscendBackend {
             return Ok(());
         }
         self.pending = true;
-        // The matmul operators take contiguous rows: strided ones go through scratch copies.
-        let x_contig = xl.is_contiguous();
+        let quant = matches!(w.form, MatrixForm::Quant { .. });
+        let q8 = quant && self.cfg.q8_activations;
+        // The matmul operators take contiguous rows: strided ones go through scratch copies
+        // (DynamicQuant reads strided rows itself).
+        let x_contig = xl.is_contiguous() || q8;
         let y_contig = ol.is_contiguous();
         if !x_contig {
             self.scratch.ensure(&self.dev, "mm_x", m * w.k * 2)?;
@@ -257,9 +260,14 @@ impl AscendBackend {
         if !y_contig {
             self.scratch.ensure(&self.dev, "mm_y", m * w.n * 2)?;
         }
+        if q8 {
+            self.quantize_acts(&x, w.k)?;
+        }
         let xin = TView::contiguous(tensor::DType::F16, &[m as i64, w.k as i64]);
         let yout = TView::contiguous(tensor::DType::F16, &[m as i64, w.n as i64]);
-        let (xm, xv) = if x_contig {
+        let (xm, xv) = if q8 {
+            (self.scratch.get("q8_x"), xin)
+        } else if x_contig {
             (&x.buf().mem, tview(x.dtype(), xl))
         } else {
             let s = self.scratch.get("mm_x");
@@ -366,6 +374,108 @@ impl AscendBackend {
             )?;
         }
         Ok(())
+    }
+
+    /// `x`'s rows quantized to 8 bits per 32 values and back, into scratch "q8_x" (f16): per
+    /// block, `q = round(x / s)` with `s = max|x| / 127` (DynamicQuant over 32-value rows), then
+    /// `q · f16(s)` — the values llama.cpp's 8-bit activations stand for.
+    fn quantize_acts(&mut self, x: &View<'_, AscendBuffer>, k: usize) -> Result<(), BackendError> {
+        let l = x.layout();
+        let (m, g) = (l.rows(), k / GROUP);
+        for (name, bytes) in [
+            ("q8_y", m * k),
+            ("q8_s", m * g * 4),
+            ("q8_s16", m * g * 2),
+            ("q8_x", m * k * 2),
+        ] {
+            self.scratch.ensure(&self.dev, name, bytes)?;
+        }
+        let blocks = |dt| TView::contiguous(dt, &[m as i64, g as i64, GROUP as i64]);
+        let scales = |dt| TView::contiguous(dt, &[m as i64, g as i64]);
+        let api = self.dev.acl.api.ops;
+        let (pq, pc, pm) = (
+            api.aclnnDynamicQuantGetWorkspaceSize,
+            api.aclnnCastGetWorkspaceSize,
+            api.aclnnMulGetWorkspaceSize,
+        );
+        let (y, s, s16, xq) = (
+            self.scratch.get("q8_y"),
+            self.scratch.get("q8_s"),
+            self.scratch.get("q8_s16"),
+            self.scratch.get("q8_x"),
+        );
+        self.ops
+            .call(
+                "aclnnDynamicQuant",
+                api.aclnnDynamicQuant,
+                &[
+                    Arg::input(
+                        "x",
+                        0,
+                        &x.buf().mem,
+                        TView::strided(
+                            tensor::DType::F16,
+                            &[m as i64, g as i64, GROUP as i64],
+                            &[l.stride() as i64, GROUP as i64, 1],
+                            l.offset() as i64,
+                        ),
+                    ),
+                    Arg::output("yOut", 0, y, blocks(tensor::DType::I8)),
+                    Arg::output("scaleOut", 1, s, scales(tensor::DType::F32)),
+                ],
+                &[],
+                &[],
+                // SAFETY (closure): live tensors, a null optional and out-pointers.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pq(
+                        ts[0].raw(),
+                        std::ptr::null(),
+                        ts[1].raw(),
+                        ts[2].raw(),
+                        w,
+                        e,
+                    )
+                }),
+            )
+            .map_err(err)?;
+        self.ops
+            .call(
+                "aclnnCast",
+                api.aclnnCast,
+                &[
+                    Arg::input("self", 0, s, scales(tensor::DType::F32)),
+                    Arg::output("out", 0, s16, scales(tensor::DType::F16)),
+                ],
+                &[npu_ffi::types::ACL_FLOAT16 as i64],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT16, ts[1].raw(), w, e)
+                }),
+            )
+            .map_err(err)?;
+        self.ops
+            .call(
+                "aclnnMul",
+                api.aclnnMul,
+                &[
+                    Arg::input("self", 0, y, blocks(tensor::DType::I8)),
+                    Arg::input(
+                        "other",
+                        1,
+                        s16,
+                        TView::contiguous(tensor::DType::F16, &[m as i64, g as i64, 1]),
+                    ),
+                    Arg::output("out", 0, xq, blocks(tensor::DType::F16)),
+                ],
+                &[],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pm(ts[0].raw(), ts[1].raw(), ts[2].raw(), w, e)
+                }),
+            )
+            .map_err(err)
     }
 
     /// `x += y` (y broadcast over x's rows when it is one row), in place.

@@ -77,6 +77,13 @@ pub struct AscendConfig {
     /// Reuse executors of repeated operator shapes where the release supports it.
     pub reuse_executors: bool,
     pub rope: RopeKernel,
+    /// Quantize the activations of 4- and 8-bit matmuls to 8 bits per 32 values first
+    /// (DynamicQuant over 32-value rows, then back to f16), the arithmetic of llama.cpp and the
+    /// CPU backend: three more calls per such matmul. Off by default: measured on the default
+    /// model, it moves logits as far from the CPU backend's as from exact arithmetic (the 8-bit
+    /// rounding amplifies the f16 path's small differences into noise of its own), so it buys no
+    /// agreement, while f16 activations stay within ~0.1 of exact arithmetic.
+    pub q8_activations: bool,
 }
 
 impl Default for AscendConfig {
@@ -86,6 +93,7 @@ impl Default for AscendConfig {
             agent_index: 0,
             reuse_executors: true,
             rope: RopeKernel::Auto,
+            q8_activations: false,
         }
     }
 }

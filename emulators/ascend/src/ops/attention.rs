@@ -7,7 +7,8 @@
 //! S > 1 takes the prompt branch, where blockSize must be a multiple of 128 in [128, 512].
 //! sparseMode 0 (no mask) and 3 (rightDownCausal, with the documented 2048×2048 lower-triangular
 //! mask) are implemented: with mode 3, query row i of a sequence with q queries and L cached
-//! tokens sees cache positions 0..=L-q+i.
+//! tokens sees cache positions 0..=L-q+i. Scores and softmax are computed in f32; the
+//! probabilities are rounded to the 16-bit type before they weigh V (the cube unit's inputs).
 
 use core::ffi::{c_char, CStr};
 
@@ -118,7 +119,8 @@ impl Kernel for Fia {
                     }
                     acc.iter_mut().for_each(|a| *a = 0.0);
                     for (j, p) in scores.iter().enumerate() {
-                        let w = p / sum;
+                        // The probabilities meet V on the cube unit, in the query's 16-bit type.
+                        let w = half::f16::from_f32(p / sum).to_f32();
                         let vrow = &values[j * kvd + kvh * d..j * kvd + kvh * d + d];
                         for (a, v) in acc.iter_mut().zip(vrow) {
                             *a += w * v;

@@ -19,7 +19,7 @@ const NUMERIC: &[DType] = &[
     DType::U8,
 ];
 
-fn broadcast_shape(op: &str, a: &[i64], b: &[i64]) -> Result<Vec<i64>, Fail> {
+pub(crate) fn broadcast_shape(op: &str, a: &[i64], b: &[i64]) -> Result<Vec<i64>, Fail> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
@@ -44,7 +44,7 @@ fn broadcast_shape(op: &str, a: &[i64], b: &[i64]) -> Result<Vec<i64>, Fail> {
 }
 
 /// `v` seen with shape `dims` (broadcast dimensions get stride 0).
-fn broadcast_to(op: &str, v: &View, dims: &[i64]) -> Result<View, Fail> {
+pub(crate) fn broadcast_to(op: &str, v: &View, dims: &[i64]) -> Result<View, Fail> {
     if v.rank() > dims.len() {
         return invalid(
             op,

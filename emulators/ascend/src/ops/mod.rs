@@ -10,7 +10,7 @@
 //! message saying so — never silently computed wrong.
 
 mod attention;
-mod elementwise;
+pub(crate) mod elementwise;
 mod kv_cache;
 mod matmul;
 mod reduce;
@@ -304,6 +304,8 @@ launchers!(
     aclnnNanToNum,
     aclnnLogSoftmax,
     aclnnGather,
+    aclnnMul,
+    aclnnDynamicQuant,
     aclnnRmsNorm,
     aclnnSwiGlu,
     aclnnEmbedding,

@@ -1,6 +1,8 @@
-//! Row-wise operators of a greedy pick on the device: NanToNum (NaN and ±inf replaced by given
-//! values), LogSoftmax along a dimension, and Gather (`out[..i..] = self[..index[..i..]..]` along
-//! one dimension, torch.gather's rule), with the shape and dtype rules of their aclnn pages.
+//! Row-wise operators: NanToNum (NaN and ±inf replaced by given values), LogSoftmax along a
+//! dimension and Gather (`out[..i..] = self[..index[..i..]..]` along one dimension, torch.gather's
+//! rule) for a greedy pick on the device; Mul (broadcast, with type promotion) and DynamicQuant
+//! (per-row symmetric INT8 quantization: scale = max|x| / 127, y = round(x / scale)) for 8-bit
+//! activations. Shape and dtype rules are those of their aclnn pages.
 
 use npu_ffi::types::*;
 
@@ -260,4 +262,179 @@ const _: () = {
     let _: sig::aclnnNanToNumGetWorkspaceSize = aclnnNanToNumGetWorkspaceSize;
     let _: sig::aclnnLogSoftmaxGetWorkspaceSize = aclnnLogSoftmaxGetWorkspaceSize;
     let _: sig::aclnnGatherGetWorkspaceSize = aclnnGatherGetWorkspaceSize;
+};
+
+// ---- Mul ------------------------------------------------------------------------------------
+
+#[derive(Clone)]
+struct Mul {
+    io: Io,
+}
+
+impl Kernel for Mul {
+    kernel_common!("aclnnMul");
+    fn run(&self, st: &mut State) -> Result<(), Fail> {
+        let out = &self.io.outs[0];
+        let a = read(
+            st,
+            &super::elementwise::broadcast_to(self.name(), &self.io.ins[0], &out.dims)?,
+        )?;
+        let b = read(
+            st,
+            &super::elementwise::broadcast_to(self.name(), &self.io.ins[1], &out.dims)?,
+        )?;
+        let r: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x * y).collect();
+        write(st, out, &r)
+    }
+}
+
+/// # Safety
+/// Out-pointers valid (documented contract).
+#[no_mangle]
+pub unsafe extern "C" fn aclnnMulGetWorkspaceSize(
+    self_: *const aclTensor,
+    other: *const aclTensor,
+    out: *mut aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
+    prepare("aclnnMul", workspaceSize, executor, |st| {
+        let op = "aclnnMul";
+        let a = st.tensor(self_, "self")?;
+        let b = st.tensor(other, "other")?;
+        let o = st.tensor(out, "out")?;
+        let numeric = [
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::I32,
+            DType::I64,
+            DType::I8,
+            DType::U8,
+        ];
+        for (w, v) in [("self", &a), ("other", &b), ("out", &o)] {
+            dtype_in(op, w, v, &numeric)?;
+            nd(op, w, v)?;
+        }
+        // Type promotion: a float operand makes the result float; out must hold it.
+        if (a.dtype.is_float() || b.dtype.is_float()) && !o.dtype.is_float() {
+            return invalid(
+                op,
+                format!(
+                    "{} x {} promotes to a float type; out is {}",
+                    a.dtype.name(),
+                    b.dtype.name(),
+                    o.dtype.name()
+                ),
+            );
+        }
+        let shape = super::elementwise::broadcast_shape(op, &a.dims, &b.dims)?;
+        if shape != o.dims {
+            return invalid(
+                op,
+                format!(
+                    "out shape {:?} is not the broadcast shape {shape:?}",
+                    o.dims
+                ),
+            );
+        }
+        Ok(Box::new(Mul {
+            io: Io {
+                ins: vec![a, b],
+                outs: vec![o],
+            },
+        }))
+    })
+}
+
+// ---- DynamicQuant ---------------------------------------------------------------------------
+
+#[derive(Clone)]
+struct DynamicQuant {
+    io: Io,
+}
+
+impl Kernel for DynamicQuant {
+    kernel_common!("aclnnDynamicQuant");
+    fn run(&self, st: &mut State) -> Result<(), Fail> {
+        let x = &self.io.ins[0];
+        let vals: Vec<f32> = read(st, x)?.into_iter().map(|v| v as f32).collect();
+        let len = *x.dims.last().expect("rank checked") as usize;
+        let mut y = Vec::with_capacity(vals.len());
+        let mut scales = Vec::with_capacity(vals.len() / len.max(1));
+        for row in vals.chunks(len) {
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = amax / 127.0;
+            scales.push(scale as f64);
+            for &v in row {
+                // Round half to even, as the vector unit's default rounding does.
+                let q = if scale == 0.0 {
+                    0.0
+                } else {
+                    (v / scale).round_ties_even().clamp(-127.0, 127.0)
+                };
+                y.push(q as f64);
+            }
+        }
+        write(st, &self.io.outs[0], &y)?;
+        write(st, &self.io.outs[1], &scales)
+    }
+}
+
+/// # Safety
+/// Out-pointers valid (documented contract).
+#[no_mangle]
+pub unsafe extern "C" fn aclnnDynamicQuantGetWorkspaceSize(
+    x: *const aclTensor,
+    smoothScalesOptional: *const aclTensor,
+    yOut: *const aclTensor,
+    scaleOut: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
+    prepare("aclnnDynamicQuant", workspaceSize, executor, |st| {
+        let op = "aclnnDynamicQuant";
+        let xv = st.tensor(x, "x")?;
+        let y = st.tensor(yOut, "yOut")?;
+        let s = st.tensor(scaleOut, "scaleOut")?;
+        if !smoothScalesOptional.is_null() {
+            return invalid(
+                op,
+                "smoothScalesOptional is not implemented by this emulation (pass nullptr)",
+            );
+        }
+        dtype_in(op, "x", &xv, &[DType::F16, DType::Bf16])?;
+        dtype_in(op, "yOut", &y, &[DType::I8])?;
+        dtype_in(op, "scaleOut", &s, &[DType::F32])?;
+        if !(2..=8).contains(&xv.rank()) {
+            return invalid(
+                op,
+                format!("x must have 2 to 8 dimensions, got {:?}", xv.dims),
+            );
+        }
+        if y.dims != xv.dims || s.dims[..] != xv.dims[..xv.rank() - 1] {
+            return invalid(
+                op,
+                format!(
+                    "yOut {:?} must be x's shape {:?} and scaleOut {:?} x's shape without its last dimension",
+                    y.dims, xv.dims, s.dims
+                ),
+            );
+        }
+        if !y.is_contiguous() || !s.is_contiguous() {
+            return invalid(op, "yOut and scaleOut must be contiguous");
+        }
+        Ok(Box::new(DynamicQuant {
+            io: Io {
+                ins: vec![xv],
+                outs: vec![y, s],
+            },
+        }))
+    })
+}
+
+const _: () = {
+    use npu_ffi::aclnn::ops::sig;
+    let _: sig::aclnnMulGetWorkspaceSize = aclnnMulGetWorkspaceSize;
+    let _: sig::aclnnDynamicQuantGetWorkspaceSize = aclnnDynamicQuantGetWorkspaceSize;
 };
