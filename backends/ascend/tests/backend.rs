@@ -230,7 +230,7 @@ fn element_and_row_ops_match_reference() {
         ViewMut::rows(&mut xn, t, hd).unwrap(),
     )
     .unwrap();
-    let want_n = rms_ref(&want_x, &h(&w), 1e-5);
+    let want_n = rms_ref(&want_x, &w, 1e-5);
     assert_close(
         &down(&mut b, &xn, Layout::contiguous(t, hd)),
         &want_n,
@@ -1059,4 +1059,52 @@ fn greedy_picks_on_the_device_read_nan_and_inf_as_the_sampler_does() {
         );
     }
     assert_eq!(&got_ids[1..5], &[3, 5, 4, 0]);
+}
+
+#[test]
+fn token_ops_work_before_the_kv_pool_exists_and_kv_ops_say_why_not() {
+    let _g = serial();
+    let mut b = default_backend();
+    let table = rand_vec(110, 8 * 16, 1.0);
+    let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let emb = b
+        .load_embedding(HostTensor {
+            ty: GgmlType::F32,
+            data: &bytes,
+            rows: 8,
+            cols: 16,
+        })
+        .unwrap();
+    b.begin_step(&step_of(&[(0, 2, vec![0])], 16, &[3, 5]))
+        .unwrap();
+    let mut x = b.alloc(DType::F16, 2 * 16).unwrap();
+    b.embed(&emb, ViewMut::rows(&mut x, 2, 16).unwrap())
+        .unwrap();
+    let got = down(&mut b, &x, Layout::contiguous(2, 16));
+    assert_eq!(
+        got,
+        h(&[&table[3 * 16..4 * 16], &table[5 * 16..6 * 16]].concat())
+    );
+    let g = AttnGeometry {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 16,
+        rope: Rope {
+            style: RopeStyle::Interleaved,
+            dims: 16,
+            base: 10000.0,
+            freq_scale: 1.0,
+        },
+        scale: 0.25,
+    };
+    let e = b
+        .kv_write(
+            View::rows(&x, 2, 16).unwrap(),
+            View::rows(&x, 2, 16).unwrap(),
+            &g,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("KV pool is not initialised"), "{e}");
 }

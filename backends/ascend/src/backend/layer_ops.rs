@@ -110,6 +110,36 @@ pub(super) fn gather(
     .map_err(err)
 }
 
+/// `x += y` (y broadcast over x's rows when it is one row), in place (aclnnInplaceAdd).
+fn inplace_add(
+    ops: &mut Launcher,
+    op: &'static str,
+    x: &Mem,
+    xv: TView,
+    y: &Mem,
+    yv: TView,
+) -> Result<(), BackendError> {
+    let api = ops.runner.acl().api.ops;
+    let prep = api.aclnnInplaceAddGetWorkspaceSize;
+    ops.call(
+        "aclnnInplaceAdd",
+        api.aclnnInplaceAdd,
+        &[Arg::fixed("selfRef", x, xv), Arg::fixed("other", y, yv)],
+        &[],
+        &[1.0],
+        // SAFETY (closure): live tensors, scalar and out-pointers from the launcher.
+        Box::new(move |ts, sc, w, e| unsafe { prep(ts[0].raw(), ts[1].raw(), sc[0].raw(), w, e) }),
+    )
+    .map_err(err)
+    .map_err(|e| match e {
+        BackendError::Device { backend, message } => BackendError::Device {
+            backend,
+            message: format!("{op}: {message}"),
+        },
+        e => e,
+    })
+}
+
 impl AscendBackend {
     fn check_rows(&self, op: &'static str, rows: usize) -> Result<(), BackendError> {
         if rows != self.plan.n_tokens {
@@ -193,6 +223,7 @@ impl AscendBackend {
                         &w.mem,
                         TView::contiguous(acl_dtype(w.dtype()), &[w.len() as i64]),
                     ),
+                    // (gamma may be f32 or f16 with f16 x: RmsNorm computes in f32.)
                     Arg::output("yOut", 0, &out.buf().mem, tview(out.dtype(), ol)),
                     Arg::output(
                         "rstdOut",
@@ -478,40 +509,6 @@ impl AscendBackend {
             .map_err(err)
     }
 
-    /// `x += y` (y broadcast over x's rows when it is one row), in place.
-    fn inplace_add(
-        &mut self,
-        op: &'static str,
-        x: &Mem,
-        xv: TView,
-        y: &Mem,
-        yv: TView,
-    ) -> Result<(), BackendError> {
-        let api = self.dev.acl.api.ops;
-        let prep = api.aclnnInplaceAddGetWorkspaceSize;
-        self.pending = true;
-        self.ops
-            .call(
-                "aclnnInplaceAdd",
-                api.aclnnInplaceAdd,
-                &[Arg::fixed("selfRef", x, xv), Arg::fixed("other", y, yv)],
-                &[],
-                &[1.0],
-                // SAFETY (closure): live tensors, scalar and out-pointers from the launcher.
-                Box::new(move |ts, sc, w, e| unsafe {
-                    prep(ts[0].raw(), ts[1].raw(), sc[0].raw(), w, e)
-                }),
-            )
-            .map_err(err)
-            .map_err(|e| match e {
-                BackendError::Device { backend, message } => BackendError::Device {
-                    backend,
-                    message: format!("{op}: {message}"),
-                },
-                e => e,
-            })
-    }
-
     pub(super) fn op_add_bias(
         &mut self,
         x: ViewMut<'_, AscendBuffer>,
@@ -520,7 +517,6 @@ impl AscendBackend {
         use npu_backend::DeviceBuffer as _;
         let l = x.layout();
         want_f16("add_bias", "x", x.dtype())?;
-        want_f16("add_bias", "bias", bias.dtype())?;
         if bias.len() != l.cols() {
             return Err(bad(
                 "add_bias",
@@ -528,7 +524,54 @@ impl AscendBackend {
             ));
         }
         let bv = TView::contiguous(tensor::DType::F16, &[l.cols() as i64]);
-        self.inplace_add("add_bias", &x.buf().mem, tview(x.dtype(), l), &bias.mem, bv)
+        let b16 = match (bias.dtype(), &bias.half) {
+            (DType::F16, _) => &bias.mem,
+            (DType::F32, Some(h)) => h,
+            (DType::F32, None) => {
+                // An f32 bias written since it was loaded: cast it for this add.
+                self.scratch.ensure(&self.dev, "bias16", l.cols() * 2)?;
+                let s = self.scratch.get("bias16");
+                let api = self.dev.acl.api.ops;
+                let pc = api.aclnnCastGetWorkspaceSize;
+                self.ops
+                    .call(
+                        "aclnnCast",
+                        api.aclnnCast,
+                        &[
+                            Arg::input(
+                                "self",
+                                0,
+                                &bias.mem,
+                                TView::contiguous(tensor::DType::F32, &[l.cols() as i64]),
+                            ),
+                            Arg::output("out", 0, s, bv.clone()),
+                        ],
+                        &[npu_ffi::types::ACL_FLOAT16 as i64],
+                        &[],
+                        // SAFETY (closure): live tensors and out-pointers from the launcher.
+                        Box::new(move |ts, _, w, e| unsafe {
+                            pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT16, ts[1].raw(), w, e)
+                        }),
+                    )
+                    .map_err(err)?;
+                s
+            }
+            (dt, _) => {
+                return Err(bad(
+                    "add_bias",
+                    format!("a {} bias for f16 activations", dt.name()),
+                ))
+            }
+        };
+        self.pending = true;
+        inplace_add(
+            &mut self.ops,
+            "add_bias",
+            &x.buf().mem,
+            tview(x.dtype(), l),
+            b16,
+            bv,
+        )
     }
 
     pub(super) fn op_add(
@@ -545,7 +588,9 @@ impl AscendBackend {
                 format!("{}x{} += {}x{}", xl.rows(), xl.cols(), yl.rows(), yl.cols()),
             ));
         }
-        self.inplace_add(
+        self.pending = true;
+        inplace_add(
+            &mut self.ops,
             "add",
             &x.buf().mem,
             tview(x.dtype(), xl),

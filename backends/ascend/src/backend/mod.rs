@@ -387,6 +387,7 @@ impl Backend for AscendBackend {
         }
         self.bind()?;
         let es = dst.dtype().size();
+        dst.buf_mut().half = None;
         let mem = &mut dst.buf_mut().mem;
         if l.is_contiguous() {
             mem.upload(l.offset() * es, &bytes).map_err(err)?;
@@ -468,14 +469,19 @@ impl Backend for AscendBackend {
 
     fn load_vector(&mut self, v: HostTensor<'_>) -> Result<AscendBuffer, BackendError> {
         self.bind()?;
+        // f32 for RmsNorm's gamma (one rounding fewer than f16), with an f16 copy for biases
+        // added to f16 activations.
         let vals = objects::dequantize(&v)?;
-        let bytes = objects::f16_bytes(vals.iter().map(|&x| half::f16::from_f32(x)));
-        let mem = objects::upload_new(&self.dev, &bytes, "a vector")?;
+        let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f16s = objects::f16_bytes(vals.iter().map(|&x| half::f16::from_f32(x)));
+        let mem = objects::upload_new(&self.dev, &f32s, "a vector")?;
+        let half = objects::upload_new(&self.dev, &f16s, "a vector")?;
         Ok(AscendBuffer::from_mem(
             &self.dev,
             mem,
-            DType::F16,
+            DType::F32,
             vals.len(),
+            Some(half),
         ))
     }
 
@@ -513,11 +519,10 @@ impl Backend for AscendBackend {
 
     fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError> {
         self.bind()?;
-        let (num_blocks, block_size) = {
-            let kv = self.kv()?;
-            (kv.spec.num_blocks, kv.spec.block_size)
+        let plan = match &self.kv {
+            Some(kv) => StepPlan::new(step, kv.spec.num_blocks, kv.spec.block_size)?,
+            None => StepPlan::without_kv(step)?,
         };
-        let plan = StepPlan::new(step, num_blocks, block_size)?;
         let bytes = plan.bytes();
         if self
             .step_mem

@@ -84,6 +84,9 @@ pub struct AscendBuffer {
     pub(crate) mem: Mem,
     dtype: DType,
     len: usize,
+    /// For a loaded f32 vector: the same values in f16, for ops whose other operands are f16
+    /// activations (a bias added in place). Dropped when the buffer is written.
+    pub(crate) half: Option<Mem>,
     _dev: Arc<Device>,
 }
 
@@ -98,15 +101,23 @@ impl AscendBuffer {
             )?,
             dtype,
             len,
+            half: None,
             _dev: dev.clone(),
         })
     }
 
-    pub(crate) fn from_mem(dev: &Arc<Device>, mem: Mem, dtype: DType, len: usize) -> Self {
+    pub(crate) fn from_mem(
+        dev: &Arc<Device>,
+        mem: Mem,
+        dtype: DType,
+        len: usize,
+        half: Option<Mem>,
+    ) -> Self {
         Self {
             mem,
             dtype,
             len,
+            half,
             _dev: dev.clone(),
         }
     }

@@ -62,6 +62,15 @@ impl StepPlan {
         num_blocks: usize,
         block_size: usize,
     ) -> Result<Self, BackendError> {
+        Self::plan(step, Some((num_blocks, block_size)))
+    }
+
+    /// A step before the KV pool exists: the token-wise ops work, KV write and attention refuse.
+    pub fn without_kv(step: &StepInputs) -> Result<Self, BackendError> {
+        Self::plan(step, None)
+    }
+
+    fn plan(step: &StepInputs, pool: Option<(usize, usize)>) -> Result<Self, BackendError> {
         let t = step.tokens.len();
         if t == 0 {
             return Err(bad("a step needs at least one token".into()));
@@ -72,13 +81,14 @@ impl StepPlan {
             ));
         }
         let (nseq, mb) = (step.seqs.len(), step.max_blocks);
+        let (num_blocks, block_size) = pool.unwrap_or((usize::MAX / 2, 1));
         if nseq == 0 || mb == 0 || step.block_tables.len() != nseq * mb {
             return Err(bad(format!(
                 "{} block-table entries for {nseq} sequences of {mb} blocks",
                 step.block_tables.len()
             )));
         }
-        let slots = (num_blocks * block_size) as u32;
+        let slots = num_blocks.saturating_mul(block_size).min(u32::MAX as usize) as u32;
         if let Some(s) = step.slot_mapping.iter().find(|&&s| s >= slots) {
             return Err(bad(format!("slot {s} is outside the pool's {slots} slots")));
         }
@@ -105,7 +115,7 @@ impl StepPlan {
             }
             next += s.n_q;
             let end = s.start_pos as usize + s.n_q as usize;
-            if end.div_ceil(block_size) > mb {
+            if pool.is_some() && end.div_ceil(block_size) > mb {
                 return Err(bad(format!(
                     "sequence {i}: {end} positions need more than its {mb} blocks"
                 )));
@@ -115,6 +125,24 @@ impl StepPlan {
             return Err(bad("the sequences do not cover the step's tokens".into()));
         }
         let chunked = step.seqs.iter().any(|s| s.n_q > 1);
+        if pool.is_none() {
+            let mut p = StepPlan {
+                n_tokens: t,
+                n_logit_rows: step.logit_rows.len(),
+                max_blocks: mb,
+                max_position: step.positions.iter().copied().max().unwrap_or(0),
+                ..Default::default()
+            };
+            p.tokens = 0;
+            p.data.extend(step.tokens.iter().map(|&v| v as i32));
+            p.positions = p.data.len();
+            p.data.extend(step.positions.iter().map(|&v| v as i32));
+            p.slots = p.data.len();
+            p.data.extend(step.slot_mapping.iter().map(|&v| v as i32));
+            p.logit_rows = p.data.len();
+            p.data.extend(step.logit_rows.iter().map(|&v| v as i32));
+            return Ok(p);
+        }
         let path = if chunked && block_size.is_multiple_of(128) {
             AttnPath::Prompt {
                 s_max: step.seqs.iter().map(|s| s.n_q as usize).max().unwrap_or(1),
@@ -274,6 +302,15 @@ mod tests {
         assert_eq!(p.kv_lens, vec![6, 10]);
         assert_eq!(&p.data[p.pad_rows..p.pad_rows + 6], &[0, 1, 2, 3, 3, 3]);
         assert_eq!(&p.data[p.unpad_rows..p.unpad_rows + 4], &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn without_a_pool_only_the_token_arrays_are_packed() {
+        let s = step(&[(3, 2), (9, 1)], 16);
+        let p = StepPlan::without_kv(&s).unwrap();
+        assert_eq!(p.path, None);
+        assert_eq!(&p.data[p.positions..p.positions + 3], &[3, 4, 9]);
+        assert_eq!(&p.data[p.logit_rows..p.logit_rows + 2], &[1, 2]);
     }
 
     #[test]
