@@ -171,7 +171,7 @@ impl AscendBackend {
         let path = self
             .plan
             .path
-            .ok_or_else(|| BackendError::BadStep("no step has begun".into()))?;
+            .ok_or_else(|| BackendError::BadStep("the step has no sequences to attend".into()))?;
         let acl = self.dev.acl;
         self.pending = true;
         let groups = self.plan.groups.clone();

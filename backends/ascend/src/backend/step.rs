@@ -82,7 +82,7 @@ impl StepPlan {
         }
         let (nseq, mb) = (step.seqs.len(), step.max_blocks);
         let (num_blocks, block_size) = pool.unwrap_or((usize::MAX / 2, 1));
-        if nseq == 0 || mb == 0 || step.block_tables.len() != nseq * mb {
+        if step.block_tables.len() != nseq * mb || (nseq > 0 && mb == 0) {
             return Err(bad(format!(
                 "{} block-table entries for {nseq} sequences of {mb} blocks",
                 step.block_tables.len()
@@ -121,11 +121,12 @@ impl StepPlan {
                 )));
             }
         }
-        if next as usize != t {
+        if nseq > 0 && next as usize != t {
             return Err(bad("the sequences do not cover the step's tokens".into()));
         }
         let chunked = step.seqs.iter().any(|s| s.n_q > 1);
-        if pool.is_none() {
+        // Without a pool or without sequences there is nothing to attend: token ops only.
+        if pool.is_none() || nseq == 0 {
             let mut p = StepPlan {
                 n_tokens: t,
                 n_logit_rows: step.logit_rows.len(),
@@ -311,6 +312,16 @@ mod tests {
         assert_eq!(p.path, None);
         assert_eq!(&p.data[p.positions..p.positions + 3], &[3, 4, 9]);
         assert_eq!(&p.data[p.logit_rows..p.logit_rows + 2], &[1, 2]);
+    }
+
+    #[test]
+    fn a_step_of_tokens_without_sequences_has_no_attention() {
+        let mut s = step(&[(3, 2)], 16);
+        s.seqs.clear();
+        s.block_tables.clear();
+        s.logit_rows.clear();
+        let p = StepPlan::new(&s, 16, 16).unwrap();
+        assert_eq!((p.path, p.n_tokens), (None, 2));
     }
 
     #[test]
