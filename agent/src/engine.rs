@@ -12,8 +12,8 @@ use thiserror::Error;
 use crate::model::{Model, ModelConfig, ModelError, ModelOptions};
 use crate::sampler::{SampleOutput, Sampler, SamplerError, TokenHistory};
 use npu_backend::legacy::{Backend, SeqMeta, StepMeta};
-use npu_backend_cpu::kernels::SharedOut;
-use npu_backend_cpu::threadpool::ThreadPool;
+use npu_backend_cpu::disjoint::TileGrid;
+use npu_backend_cpu::threadpool::{PoolError, ThreadPool};
 use npu_backend_cpu::{CpuBackend, CpuConfig};
 use npu_gguf::{GgufError, GgufFile};
 
@@ -34,6 +34,8 @@ pub enum EngineError {
     BadPlan(String),
     #[error("bad engine configuration: {0}")]
     BadConfig(String),
+    #[error("sampling: {0}")]
+    Sampling(#[from] PoolError),
 }
 
 struct Slot {
@@ -207,7 +209,12 @@ impl AgentEngine {
         let t_sample = Instant::now();
         let vocab = self.model.config().vocab;
         let n = self.logit_seq.len();
-        let logits = SharedOut(self.logits.as_mut_ptr());
+        let have = self.logits.len();
+        let rows = self.logits.get_mut(..n * vocab).ok_or_else(|| {
+            EngineError::BadPlan(format!("{have} logits for {n} rows of {vocab}"))
+        })?;
+        let logits = TileGrid::rows(rows, vocab, (0..n).map(|r| r..r + 1).collect())
+            .map_err(|e| EngineError::BadPlan(format!("logits: {e}")))?;
         let outs: Vec<Mutex<Option<Result<SampleOutput, SamplerError>>>> =
             (0..n).map(|_| Mutex::new(None)).collect();
         let (slots, logit_seq) = (&self.slots, &self.logit_seq);
@@ -216,15 +223,15 @@ impl AgentEngine {
             let slot = slots[seq.slot as usize]
                 .as_ref()
                 .expect("checked in build_meta");
-            // SAFETY: each task samples its own logits row.
-            let row_logits = unsafe { logits.rows(row..row + 1, vocab) };
+            let mut row_tile = logits.take(row, 0);
+            let row_logits = row_tile.contiguous_mut();
             let gen_index = slot.history.n_generated();
             let out = SAMPLER.with(|s| {
                 s.borrow_mut()
                     .sample(row_logits, &slot.params, &slot.history, gen_index)
             });
             *outs[row].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
-        });
+        })?;
         let mut seqs = Vec::with_capacity(n);
         for (row, out) in outs.into_iter().enumerate() {
             let out = out

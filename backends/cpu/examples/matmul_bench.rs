@@ -56,7 +56,8 @@ fn main() {
                         },
                         &mut out,
                         n,
-                    );
+                    )
+                    .expect("benchmark matmul");
                 }
                 dt = dt.min(t.elapsed().as_secs_f64() / iters as f64);
             }

@@ -6,12 +6,13 @@ use std::sync::Arc;
 
 use half::f16;
 
+use crate::disjoint::{Tile, TileGrid};
 use crate::kernels::attention::{self, AttnParams, AttnSeq, KvLayout};
 use crate::kernels::elementwise;
 use crate::kernels::elementwise::Rope;
 use crate::kernels::matmul;
 use crate::kernels::quantize::quantize_acts;
-use crate::kernels::{Isa, SharedOut};
+use crate::kernels::{Isa, KernelError};
 use crate::quant::{QuantizedActs, WeightMatrix};
 use crate::threadpool::ThreadPool;
 use npu_backend::legacy::{AttnGeometry, Backend, BackendError, KvSpec, StepMeta, TensorPart};
@@ -99,16 +100,32 @@ impl CpuBackend {
         self.pool.threads()
     }
 
-    /// Runs `f` over row ranges covering `0..rows`, in parallel when there are enough rows.
-    fn par_rows<F: Fn(std::ops::Range<usize>) + Sync>(&self, rows: usize, f: F) {
+    /// Row ranges covering `0..rows`: one per thread when there are enough rows, else one.
+    fn row_parts(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
         let threads = self.pool.threads();
-        if rows < 8 || threads == 1 {
-            f(0..rows);
-            return;
-        }
-        let tasks = threads.min(rows);
+        let tasks = if rows < 8 || threads == 1 {
+            1
+        } else {
+            threads.min(rows)
+        };
+        (0..tasks)
+            .map(|t| crate::threadpool::split_range(rows, tasks, t))
+            .collect()
+    }
+
+    /// Runs `f` on every tile of `grid`, in parallel.
+    fn par_tiles<T: Send, F: Fn(&mut Tile<T>) + Sync>(
+        &self,
+        grid: Result<TileGrid<T>, crate::disjoint::GridError>,
+        f: F,
+    ) -> Result<(), BackendError> {
+        let grid = grid.map_err(|e| BackendError::BadStep(e.to_string()))?;
+        let cols = grid.n_col_parts();
         self.pool
-            .run(tasks, |t| f(crate::threadpool::split_range(rows, tasks, t)));
+            .run(grid.n_row_parts() * cols, |t| {
+                f(&mut grid.take(t / cols, t % cols))
+            })
+            .map_err(|e| KernelError::from(e).into())
     }
 
     fn kv(&self) -> Result<&KvPool, BackendError> {
@@ -294,13 +311,16 @@ impl Backend for CpuBackend {
         rows: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let o = SharedOut(out.as_mut_ptr());
-        self.par_rows(rows, |r| {
-            // SAFETY: each task writes its own rows of `out`.
-            let dst = unsafe { o.rows(r.clone(), dim) };
-            elementwise::rms_norm(&x[r.start * dim..r.end * dim], &w[..dim], eps, dst);
-        });
-        Ok(())
+        let grid = TileGrid::rows(&mut out[..rows * dim], dim, self.row_parts(rows));
+        self.par_tiles(grid, |t| {
+            let r = t.rows();
+            elementwise::rms_norm(
+                &x[r.start * dim..r.end * dim],
+                &w[..dim],
+                eps,
+                t.contiguous_mut(),
+            );
+        })
     }
 
     fn matmul(
@@ -321,7 +341,7 @@ impl Backend for CpuBackend {
                 rows,
                 k,
                 &mut self.acts,
-            );
+            )?;
         }
         matmul::matmul(
             &self.pool,
@@ -334,7 +354,7 @@ impl Backend for CpuBackend {
             },
             &mut out[col0..],
             ldo,
-        );
+        )?;
         Ok(())
     }
 
@@ -372,17 +392,14 @@ impl Backend for CpuBackend {
         }
         let rows = self.step.positions.len();
         let cs = &self.rope_cs;
-        let o = SharedOut(qkv.as_mut_ptr());
         let heads = g.n_heads + g.n_kv_heads;
-        self.par_rows(rows, |rr| {
-            for r in rr {
-                // SAFETY: each task rotates its own rows.
-                let row =
-                    unsafe { std::slice::from_raw_parts_mut(o.ptr().add(r * ld), heads * hd) };
+        let grid = TileGrid::row_parts(qkv, ld, self.row_parts(rows), 0..heads * hd);
+        self.par_tiles(grid, |t| {
+            for r in t.rows() {
+                let row = t.row_mut(r);
                 elementwise::rope_apply(&g.rope, row, heads, hd, &cs[r * dims..(r + 1) * dims]);
             }
-        });
-        Ok(())
+        })
     }
 
     fn kv_write(
@@ -459,7 +476,7 @@ impl Backend for CpuBackend {
             &kv.v[layer],
             out,
             g.n_heads * g.head_dim,
-        );
+        )?;
         Ok(())
     }
 
@@ -470,14 +487,13 @@ impl Backend for CpuBackend {
         rows: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let o = SharedOut(out.as_mut_ptr());
         let isa = self.isa;
-        self.par_rows(rows, |r| {
-            // SAFETY: each task writes its own rows of `out`.
-            let dst = unsafe { o.rows(r.clone(), ff) };
-            elementwise::swiglu(isa, &gate_up[r.start * 2 * ff..r.end * 2 * ff], ff, dst);
-        });
-        Ok(())
+        let grid = TileGrid::rows(&mut out[..rows * ff], ff, self.row_parts(rows));
+        self.par_tiles(grid, |t| {
+            let r = t.rows();
+            let src = &gate_up[r.start * 2 * ff..r.end * 2 * ff];
+            elementwise::swiglu(isa, src, ff, t.contiguous_mut());
+        })
     }
 
     fn add_assign(
@@ -486,15 +502,18 @@ impl Backend for CpuBackend {
         y: &Vec<f32>,
         len: usize,
     ) -> Result<(), BackendError> {
-        let o = SharedOut(x.as_mut_ptr());
+        // One row of `len` values, cut into runs of whole 4096-value chunks.
         let chunk = 4096;
-        self.par_rows(len.div_ceil(chunk), |r| {
-            let (a, b) = (r.start * chunk, (r.end * chunk).min(len));
-            // SAFETY: each task adds into its own range of `x`.
-            let dst = unsafe { std::slice::from_raw_parts_mut(o.ptr().add(a), b - a) };
-            elementwise::add_assign(dst, &y[a..b]);
-        });
-        Ok(())
+        let parts = self
+            .row_parts(len.div_ceil(chunk))
+            .into_iter()
+            .map(|r| r.start * chunk..(r.end * chunk).min(len))
+            .collect();
+        let grid = TileGrid::column_parts(&mut x[..len], len, 0..1, parts);
+        self.par_tiles(grid, |t| {
+            let c = t.cols();
+            elementwise::add_assign(t.contiguous_mut(), &y[c]);
+        })
     }
 
     fn gather_logit_rows(

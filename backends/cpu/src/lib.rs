@@ -1,9 +1,11 @@
 //! npu-backend-cpu: the CPU implementation of the `npu_backend::legacy::Backend` trait. It owns the CPU
 //! kernels (`kernels`: quantized and f32 matmuls, paged attention, element-wise ops, with run-time
 //! instruction-set dispatch), the weight and activation formats they read (`quant`), and the
-//! fork-join thread pool they run on (`threadpool`).
+//! fork-join thread pool they run on (`threadpool`), with the disjoint output tiles its tasks
+//! write (`disjoint`).
 
 mod backend;
+pub mod disjoint;
 pub mod kernels;
 pub mod quant;
 pub mod threadpool;

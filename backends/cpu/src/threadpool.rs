@@ -5,7 +5,16 @@
 //! for a worker that has not started (a busy machine may deschedule it): it does the work itself.
 //! Workers spin briefly between jobs (a step issues hundreds back to back) and then sleep, so an
 //! idle agent costs no CPU.
+//!
+//! A task that panics is caught where it ran: the job's unclaimed tasks are cancelled, the tasks
+//! already running finish, and `run` returns [`PoolError::TaskPanicked`] only then, so no thread
+//! ever touches the job's closure after `run` has returned. Workers survive and the pool stays
+//! usable. A `run` issued from inside a task (of any pool) runs inline on that thread (it would
+//! otherwise wait for itself).
 
+use std::any::Any;
+use std::cell::Cell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -14,21 +23,44 @@ use std::time::{Duration, Instant};
 /// How long an idle worker spins before it sleeps.
 const SPIN: Duration = Duration::from_micros(300);
 
+/// Waiting spins of the caller between yields of its time slice (a worker it waits for may be
+/// descheduled on a busy machine).
+const WAIT_SPINS_BEFORE_YIELD: u32 = 1 << 12;
+
+/// Why a parallel call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    /// A task panicked; the job's other tasks either finished or never started, and whatever the
+    /// job was writing must be treated as garbage.
+    #[error("a compute task panicked: {0}")]
+    TaskPanicked(String),
+}
+
 type Job = dyn Fn(usize) + Sync;
 
 #[derive(Clone, Copy)]
 struct JobPtr(*const Job);
-// SAFETY: the pointee is Sync and outlives every use (see `run`).
+// SAFETY: the pointee is Sync (so it may be called from any thread) and outlives every use:
+// workers dereference it only while they hold an unfinished task of its job, and `run_job` does
+// not return before every task of the job is finished or cancelled (see `run_job` and `worker`).
 unsafe impl Send for JobPtr {}
+// SAFETY: as for Send; the pointer itself is only copied.
 unsafe impl Sync for JobPtr {}
+
+thread_local! {
+    /// Set while this thread runs a pool task: a nested `run` then runs inline.
+    static IN_TASK: Cell<bool> = const { Cell::new(false) };
+}
 
 struct Shared {
     /// Bits 32..64: job generation; 16..32: its task count; 0..16: next task index.
     state: AtomicU64,
-    /// Tasks of the current job finished.
+    /// Tasks of the current job finished (run, or cancelled after a panic).
     done: AtomicUsize,
     /// The current job, valid while its generation is current and tasks remain.
     job: Mutex<Option<JobPtr>>,
+    /// The message of the first task of the current job that panicked.
+    panic: Mutex<Option<String>>,
     sleeping: Mutex<usize>,
     wake: Condvar,
     shutdown: AtomicBool,
@@ -42,26 +74,35 @@ pub struct ThreadPool {
 }
 
 impl ThreadPool {
-    /// A pool that runs jobs on `threads` threads in total (the caller counts as one).
+    /// A pool that runs jobs on `threads` threads in total (the caller counts as one). If the
+    /// system refuses to start a thread, the pool runs with the ones it has (and says so).
     pub fn new(threads: usize) -> Self {
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
             state: AtomicU64::new(0),
             done: AtomicUsize::new(0),
             job: Mutex::new(None),
+            panic: Mutex::new(None),
             sleeping: Mutex::new(0),
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
         });
-        let workers = (1..threads)
-            .map(|i| {
-                let s = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("compute-{i}"))
-                    .spawn(move || worker(s))
-                    .expect("spawning a compute thread")
-            })
-            .collect();
+        let mut workers = Vec::with_capacity(threads - 1);
+        for i in 1..threads {
+            let s = shared.clone();
+            match std::thread::Builder::new()
+                .name(format!("compute-{i}"))
+                .spawn(move || worker(s))
+            {
+                Ok(handle) => workers.push(handle),
+                Err(e) => {
+                    tracing::warn!(
+                        "could not start compute thread {i} of {threads} ({e}); running with {i}"
+                    );
+                    break;
+                }
+            }
+        }
         Self {
             shared,
             workers,
@@ -80,28 +121,33 @@ impl ThreadPool {
         self.workers.len() + 1
     }
 
-    /// Calls `f(i)` for i in 0..n_tasks across the pool; returns when all calls returned.
-    pub fn run<F: Fn(usize) + Sync>(&self, n_tasks: usize, f: F) {
-        if n_tasks <= 1 || self.workers.is_empty() {
-            (0..n_tasks).for_each(f);
-            return;
+    /// Calls `f(i)` for i in 0..n_tasks across the pool; returns when every call returned (or,
+    /// after a task panicked, when every call that had started returned: the rest never run).
+    /// A pool of one thread, a single task, or a call from inside a task runs inline on the
+    /// calling thread and spawns nothing.
+    pub fn run<F: Fn(usize) + Sync>(&self, n_tasks: usize, f: F) -> Result<(), PoolError> {
+        if n_tasks <= 1 || self.workers.is_empty() || IN_TASK.with(Cell::get) {
+            return run_inline(n_tasks, &f);
         }
         let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         let mut start = 0;
         while start < n_tasks {
             let n = (n_tasks - start).min(MAX_TASKS);
-            self.run_job(n, &|i| f(start + i));
+            self.run_job(n, &|i| f(start + i))?;
             start += n;
         }
+        Ok(())
     }
 
-    fn run_job(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    fn run_job(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) -> Result<(), PoolError> {
         let s = &*self.shared;
         // SAFETY: the lifetime is erased only for the workers; a worker calls the job only after
-        // claiming a task of this generation, and we return only after every task is done.
+        // claiming a task of this generation, and we return only after every task is done or
+        // cancelled, so no call through this reference outlives `f`.
         let job: &'static Job =
             unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static Job>(f) };
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(job as *const Job));
+        *s.panic.lock().unwrap_or_else(|e| e.into_inner()) = None;
         s.done.store(0, Ordering::Relaxed);
         let gen = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xFFFF_FFFF;
         s.state
@@ -113,9 +159,56 @@ impl ThreadPool {
             }
         }
         work(s, gen, job);
+        let mut spins = 0u32;
         while s.done.load(Ordering::Acquire) != n_tasks {
-            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(WAIT_SPINS_BEFORE_YIELD) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
+        // Every task is finished or cancelled: no worker can reach the job any more (a claim of
+        // this generation fails from now on), so forgetting the pointer is only tidiness.
+        *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        match s.panic.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(message) => Err(PoolError::TaskPanicked(message)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Runs the tasks one after another on this thread, stopping at the first that panics.
+fn run_inline(n_tasks: usize, f: &(dyn Fn(usize) + Sync)) -> Result<(), PoolError> {
+    for i in 0..n_tasks {
+        call_task(f, i).map_err(PoolError::TaskPanicked)?;
+    }
+    Ok(())
+}
+
+/// Calls one task with this thread marked as running a task; a panic comes back as its message.
+fn call_task(f: &(dyn Fn(usize) + Sync), i: usize) -> Result<(), String> {
+    let outer = IN_TASK.with(|t| t.replace(true));
+    // AssertUnwindSafe: a panicking task's partial writes are never trusted; its job reports
+    // the panic as an error and the caller discards what the job produced.
+    let r = catch_unwind(AssertUnwindSafe(|| f(i)));
+    IN_TASK.with(|t| t.set(outer));
+    r.map_err(|payload| {
+        let message = panic_message(payload.as_ref());
+        // A payload whose drop panics too must not unwind out of the pool's bookkeeping.
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+        message
+    })
+}
+
+/// The text of a panic payload (`panic!` with a message gives a `&str` or a `String`).
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(a panic without a message)".to_string()
     }
 }
 
@@ -142,11 +235,52 @@ fn claim(s: &Shared, gen: u64) -> Option<usize> {
     }
 }
 
+/// Cancels the unclaimed tasks of generation `gen` (no one can claim them any more) and counts
+/// them as done.
+fn cancel_rest(s: &Shared, gen: u64) {
+    let mut cur = s.state.load(Ordering::Acquire);
+    loop {
+        let idx = cur & 0xFFFF;
+        let n = (cur >> 16) & 0xFFFF;
+        if cur >> 32 != gen || idx >= n {
+            return;
+        }
+        match s.state.compare_exchange_weak(
+            cur,
+            (cur & !0xFFFF) | n,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => {
+                s.done.fetch_add((n - idx) as usize, Ordering::Release);
+                return;
+            }
+            Err(now) => cur = now,
+        }
+    }
+}
+
+/// Runs claimed task `i` of generation `gen`: a panic is recorded and cancels the rest of the
+/// job. The task counts as done only afterwards, so the caller sees the panic when it sees the
+/// job finished.
+#[inline]
+fn run_claimed(s: &Shared, gen: u64, job: &Job, i: usize) {
+    if let Err(message) = call_task(job, i) {
+        {
+            let mut first = s.panic.lock().unwrap_or_else(|e| e.into_inner());
+            if first.is_none() {
+                *first = Some(message);
+            }
+        }
+        cancel_rest(s, gen);
+    }
+    s.done.fetch_add(1, Ordering::Release);
+}
+
 /// Claims and runs tasks of generation `gen` until none are left.
 fn work(s: &Shared, gen: u64, job: &Job) {
     while let Some(i) = claim(s, gen) {
-        job(i);
-        s.done.fetch_add(1, Ordering::Release);
+        run_claimed(s, gen, job, i);
     }
 }
 
@@ -180,15 +314,18 @@ fn worker(s: Arc<Shared>) {
         seen_gen = gen;
         // A claim of this generation means the job is still alive: only then read its pointer.
         if let Some(first) = claim(&s, gen) {
-            let job = s
-                .job
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .expect("a job is set while its tasks remain");
-            // SAFETY: we hold an unfinished task of this job, so `run` has not returned.
-            let job = unsafe { &*job.0 };
-            job(first);
-            s.done.fetch_add(1, Ordering::Release);
+            let ptr = *s.job.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(ptr) = ptr else {
+                // Unreachable: the job is set before its generation is published and cleared
+                // only after all its tasks are done, one of which this worker holds.
+                s.done.fetch_add(1, Ordering::Release);
+                continue;
+            };
+            // SAFETY: we hold an unfinished task of this job (claimed above), so `run_job` has
+            // not returned and the closure behind the pointer is alive; it stays alive while we
+            // run further tasks claimed from the same generation.
+            let job = unsafe { &*ptr.0 };
+            run_claimed(&s, gen, job, first);
             work(&s, gen, job);
         }
     }
@@ -222,100 +359,4 @@ pub fn split_range(n: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::AtomicU64;
-
-    #[test]
-    fn every_task_runs_once() {
-        let pool = ThreadPool::new(3);
-        for n in [1usize, 2, 7, 100, 1000] {
-            let hits: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
-            pool.run(n, |i| {
-                hits[i].fetch_add(1, Ordering::Relaxed);
-            });
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
-        }
-    }
-
-    #[test]
-    fn many_small_jobs_back_to_back() {
-        let pool = ThreadPool::new(4);
-        let total = AtomicU64::new(0);
-        for _ in 0..20_000 {
-            pool.run(3, |i| {
-                total.fetch_add(i as u64 + 1, Ordering::Relaxed);
-            });
-        }
-        assert_eq!(total.load(Ordering::Relaxed), 20_000 * 6);
-    }
-
-    #[test]
-    fn survives_sleep_between_jobs() {
-        let pool = ThreadPool::new(2);
-        let total = AtomicU64::new(0);
-        for round in 0..5 {
-            pool.run(10, |i| {
-                total.fetch_add(i as u64, Ordering::Relaxed);
-            });
-            if round == 2 {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        }
-        assert_eq!(total.load(Ordering::Relaxed), 5 * 45);
-    }
-
-    #[test]
-    fn split_range_covers_everything() {
-        for n in 0..50 {
-            for parts in 1..7 {
-                let mut next = 0;
-                for i in 0..parts {
-                    let r = split_range(n, parts, i);
-                    assert_eq!(r.start, next);
-                    next = r.end;
-                }
-                assert_eq!(next, n);
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod stress {
-    use super::*;
-    use std::sync::atomic::AtomicU64;
-
-    #[test]
-    fn jobs_with_sleeps_between_never_hang() {
-        let pool = ThreadPool::new(2);
-        let total = AtomicU64::new(0);
-        for i in 0..3000u64 {
-            pool.run(8, |t| {
-                total.fetch_add(t as u64, Ordering::Relaxed);
-            });
-            if i % 7 == 0 {
-                std::thread::sleep(Duration::from_micros(250 + (i % 5) * 40));
-            }
-        }
-        assert_eq!(total.load(Ordering::Relaxed), 3000 * 28);
-    }
-
-    /// A worker that saw an old job must never claim a task of the next one by index alone
-    /// (jobs of different sizes back to back once ran a task twice and hung the caller).
-    #[test]
-    fn alternating_job_sizes_run_each_task_once() {
-        let pool = ThreadPool::new(3);
-        let hits: Vec<AtomicU64> = (0..96).map(|_| AtomicU64::new(0)).collect();
-        for i in 0..20_000usize {
-            let n = if i % 2 == 0 { 8 } else { 96 };
-            pool.run(n, |t| {
-                hits[t].fetch_add(1, Ordering::Relaxed);
-            });
-        }
-        for (t, h) in hits.iter().enumerate() {
-            let want = if t < 8 { 20_000 } else { 10_000 };
-            assert_eq!(h.load(Ordering::Relaxed), want, "task {t}");
-        }
-    }
-}
+mod tests;

@@ -10,7 +10,8 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::vecmath::{exp_approx, round_through_f16};
-use super::{Isa, SharedOut};
+use super::{Isa, KernelError};
+use crate::disjoint::{Tile, TileGrid};
 use crate::threadpool::ThreadPool;
 
 /// Shape of one layer's paged cache.
@@ -101,8 +102,62 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+/// Checks what the tasks will read: the head shape, every query row, and every block a sequence
+/// attends to (inside its block table and inside the caches).
+#[allow(clippy::too_many_arguments)]
+fn check_args(
+    p: &AttnParams,
+    q: &[f32],
+    ldq: usize,
+    seqs: &[AttnSeq],
+    k_cache: &[f16],
+    v_cache: &[f16],
+) -> Result<(), String> {
+    let lay = p.lay;
+    if lay.n_kv_heads == 0 || lay.head_dim == 0 || lay.block_size == 0 {
+        return Err(format!("empty layout {lay:?}"));
+    }
+    if p.n_heads == 0 || !p.n_heads.is_multiple_of(lay.n_kv_heads) {
+        return Err(format!(
+            "{} query heads are not a multiple of {} KV heads",
+            p.n_heads, lay.n_kv_heads
+        ));
+    }
+    let q_cols = p.n_heads * lay.head_dim;
+    if ldq < q_cols {
+        return Err(format!(
+            "query rows {ldq} apart hold fewer than {q_cols} values"
+        ));
+    }
+    let cache_blocks = k_cache.len().min(v_cache.len()) / lay.block_elems();
+    for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.n_q > 0) {
+        let last_row = s.q_row + s.n_q - 1;
+        if last_row * ldq + q_cols > q.len() {
+            return Err(format!(
+                "sequence {i}: query row {last_row} is beyond the {} query values",
+                q.len()
+            ));
+        }
+        let blocks = (s.start_pos + s.n_q).div_ceil(lay.block_size);
+        let Some(table) = s.block_table.get(..blocks) else {
+            return Err(format!(
+                "sequence {i}: {} positions need {blocks} blocks, its table has {}",
+                s.start_pos + s.n_q,
+                s.block_table.len()
+            ));
+        };
+        if let Some(b) = table.iter().find(|&&b| b as usize >= cache_blocks) {
+            return Err(format!(
+                "sequence {i}: block {b} is beyond the cache's {cache_blocks} blocks"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// `out[row][h*hd..]` = softmax(q . K^T * scale) V for every query row and head. `q` rows are `ldq`
-/// apart (queries in the first `n_heads * hd` columns), `out` rows `ldo` apart.
+/// apart (queries in the first `n_heads * hd` columns), `out` rows `ldo` apart. Sequences must
+/// have their own query rows (no two share one).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     pool: &ThreadPool,
@@ -115,34 +170,57 @@ pub fn paged_attention(
     v_cache: &[f16],
     out: &mut [f32],
     ldo: usize,
-) {
+) -> Result<(), KernelError> {
+    let bad = |message: String| KernelError::BadShape {
+        op: "paged attention",
+        message,
+    };
+    check_args(p, q, ldq, seqs, k_cache, v_cache).map_err(bad)?;
+    let isa = isa.checked();
+    let hd = p.lay.head_dim;
     let group = p.n_heads / p.lay.n_kv_heads;
-    let mut tasks = Vec::new();
+    // Query-row chunks (output row ranges) in row order: (rows, sequence, t0, t1).
+    let mut chunks = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
-        for kvh in 0..p.lay.n_kv_heads {
-            let mut t0 = 0;
-            while t0 < s.n_q {
-                let t1 = (t0 + TOKENS_PER_TASK).min(s.n_q);
-                tasks.push((si, kvh, t0, t1, 0, group));
-                t0 = t1;
-            }
+        let mut t0 = 0;
+        while t0 < s.n_q {
+            let t1 = (t0 + TOKENS_PER_TASK).min(s.n_q);
+            chunks.push((s.q_row + t0..s.q_row + t1, si, t0, t1));
+            t0 = t1;
         }
     }
+    chunks.sort_by_key(|c| c.0.start);
     // Few tasks (one sequence decoding, say): give each query head of a group its own task so
     // every thread has work; they then share K/V block reads through the cache instead — only
     // while the history is short enough to stay cached (else it would be read from memory again).
     let max_ctx = seqs.iter().map(|s| s.start_pos + s.n_q).max().unwrap_or(0);
-    if tasks.len() < 2 * pool.threads() && group > 1 && max_ctx <= 1024 {
-        tasks = tasks
-            .into_iter()
-            .flat_map(|(si, kvh, t0, t1, _, _)| {
-                (0..group).map(move |g| (si, kvh, t0, t1, g, g + 1))
-            })
-            .collect();
-    }
-    let out_ptr = SharedOut(out.as_mut_ptr());
-    pool.run(tasks.len(), |ti| {
-        let (si, kvh, t0, t1, g0, g1) = tasks[ti];
+    let per_head =
+        chunks.len() * p.lay.n_kv_heads < 2 * pool.threads() && group > 1 && max_ctx <= 1024;
+    // Output columns: one part per query head, or per KV head's group of query heads.
+    let (col_parts, heads_per_part): (Vec<_>, usize) = if per_head {
+        ((0..p.n_heads).map(|h| h * hd..(h + 1) * hd).collect(), 1)
+    } else {
+        (
+            (0..p.lay.n_kv_heads)
+                .map(|kvh| kvh * group * hd..(kvh + 1) * group * hd)
+                .collect(),
+            group,
+        )
+    };
+    let grid = TileGrid::new(
+        out,
+        ldo,
+        chunks.iter().map(|c| c.0.clone()).collect(),
+        col_parts,
+    )
+    .map_err(|e| bad(e.to_string()))?;
+    // Tasks: (chunk, column part); the part's heads are g0..g0 + heads_per_part of its KV head.
+    let n_parts = grid.n_col_parts();
+    pool.run(chunks.len() * n_parts, |ti| {
+        let (ci, part) = (ti / n_parts, ti % n_parts);
+        let (_, si, t0, t1) = chunks[ci].clone();
+        let first_head = part * heads_per_part;
+        let (kvh, g0) = (first_head / group, first_head % group);
         let task = Task {
             isa,
             p,
@@ -153,14 +231,14 @@ pub fn paged_attention(
             t0,
             t1,
             g0,
-            g1,
+            g1: g0 + heads_per_part,
             k_cache,
             v_cache,
-            out: out_ptr,
-            ldo,
         };
-        SCRATCH.with(|s| run_task(isa, &task, &mut s.borrow_mut()));
-    });
+        let mut tile = grid.take(ci, part);
+        SCRATCH.with(|s| run_task(isa, &task, &mut s.borrow_mut(), &mut tile));
+    })?;
+    Ok(())
 }
 
 struct Task<'a> {
@@ -177,39 +255,42 @@ struct Task<'a> {
     g1: usize,
     k_cache: &'a [f16],
     v_cache: &'a [f16],
-    out: SharedOut,
-    ldo: usize,
 }
 
-fn run_task(isa: Isa, t: &Task, s: &mut Scratch) {
+fn run_task(isa: Isa, t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: chosen only when the CPU has these features.
-        Isa::Avx512Vnni => unsafe { task_avx512(t, s) },
+        // SAFETY: `isa` passed `Isa::checked`, so the CPU has these features.
+        Isa::Avx512Vnni => unsafe { task_avx512(t, s, out) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: chosen only when the CPU has these features.
-        Isa::Avx2 => unsafe { task_avx2(t, s) },
-        _ => task_body(t, s),
+        // SAFETY: `isa` passed `Isa::checked`, so the CPU has these features.
+        Isa::Avx2 => unsafe { task_avx2(t, s, out) },
+        _ => task_body(t, s, out),
+    }
+    if let Some(first) = out.rows().next() {
+        super::inject_fault(isa, out.row_mut(first).first_mut());
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma,f16c")]
-unsafe fn task_avx512(t: &Task, s: &mut Scratch) {
-    task_body(t, s)
+unsafe fn task_avx512(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
+    task_body(t, s, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2(t: &Task, s: &mut Scratch) {
-    task_body(t, s)
+unsafe fn task_avx2(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
+    task_body(t, s, out)
 }
 
 /// Lanes of the fixed-width accumulators below (one AVX-512 register).
 const LANES: usize = 16;
 
+/// One task: query heads `g0..g1` of KV head `kvh` for tokens `t0..t1` of one sequence, written
+/// into the task's tile of the output.
 #[inline(always)]
-fn task_body(t: &Task, s: &mut Scratch) {
+fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
     let lay = t.p.lay;
     let (hd, bs) = (lay.head_dim, lay.block_size);
     let group = t.p.n_heads / lay.n_kv_heads;
@@ -248,8 +329,11 @@ fn task_body(t: &Task, s: &mut Scratch) {
         };
         let mut bi = 0;
         while bi < n_blocks {
-            // SAFETY: `fast` checked the CPU and the shapes; the blocks lie inside the cache
-            // (sliced above) and the scores buffer holds rows x span values.
+            // SAFETY: `fast` means the CPU has AVX-512 (the isa passed `Isa::checked`) and hd, bs
+            // are multiples of 16 with hd <= 256; each K pointer starts an `hd * bs` slice of the
+            // cache (sliced in `k_ptr`); `s.q` holds rows x hd values; the call writes scores
+            // `r * span + bi * bs + t` for r < rows, t < 2 * bs (or bs), inside the rows x span
+            // buffer because bi + 2 <= n_blocks (or bi + 1) and span = n_blocks * bs.
             unsafe {
                 let out = s.scores.as_mut_ptr().add(bi * bs);
                 if bi + 1 < n_blocks {
@@ -363,10 +447,13 @@ fn task_body(t: &Task, s: &mut Scratch) {
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let v0 = lay.v_at(blk, t.kvh, 0, 0);
+        #[cfg(target_arch = "x86_64")]
         if fast {
             let n_t = (max_ctx - bi * bs).min(bs);
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as for the scores; probabilities beyond each row's context are zero.
+            // SAFETY: as for the scores: V is an `bs * hd` slice of the cache; probabilities are
+            // read at `r * span + bi * bs + t` for r < rows, t < n_t <= bs, inside the scores
+            // buffer; `s.o` holds rows x hd values (resized above). Probabilities beyond each
+            // row's context are zero, so reading them adds nothing.
             unsafe {
                 super::attention_avx512::block_pv(
                     t.v_cache[v0..v0 + bs * hd].as_ptr(),
@@ -410,15 +497,13 @@ fn task_body(t: &Task, s: &mut Scratch) {
             }
         }
     }
+    let c0 = out.cols().start;
     for tok in 0..n_tok {
+        let orow = out.row_mut(t.seq.q_row + t.t0 + tok);
         for g in t.g0..t.g1 {
             let h = t.kvh * group + g;
             let r = tok * ng + g - t.g0;
-            let dst = (t.seq.q_row + t.t0 + tok) * t.ldo + h * hd;
-            // SAFETY: each task writes its own (token, head) rows; out is sized by the caller.
-            unsafe {
-                std::ptr::copy_nonoverlapping(s.o[r * hd..].as_ptr(), t.out.0.add(dst), hd);
-            }
+            orow[h * hd - c0..(h + 1) * hd - c0].copy_from_slice(&s.o[r * hd..(r + 1) * hd]);
         }
     }
 }

@@ -41,15 +41,17 @@ pub fn rope_apply(rope: &Rope, v: &mut [f32], n_heads: usize, head_dim: usize, c
 
 /// `out[i] = silu(gate[i]) * up[i]` where each row of `gate_up` is `[gate | up]` (`ff` each).
 pub fn swiglu(isa: Isa, gate_up: &[f32], ff: usize, out: &mut [f32]) {
+    let isa = isa.checked();
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: chosen only when the CPU has AVX-512F.
+        // SAFETY: `Isa::checked` found AVX-512F on this CPU; the body is safe slice code.
         Isa::Avx512Vnni => unsafe { swiglu_avx512(gate_up, ff, out) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: chosen only when the CPU has AVX2 and FMA.
+        // SAFETY: `Isa::checked` found AVX2 and FMA on this CPU; the body is safe slice code.
         Isa::Avx2 => unsafe { swiglu_avx2(gate_up, ff, out) },
         _ => swiglu_body(gate_up, ff, out),
     }
+    super::inject_fault(isa, out.first_mut());
 }
 
 #[inline(always)]

@@ -6,16 +6,22 @@ pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx512;
 pub mod elementwise;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod matmul;
 pub mod quantize;
 pub mod vecmath;
 
 use std::sync::OnceLock;
 
+use crate::threadpool::PoolError;
+
 /// The instruction set a kernel runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
+    /// ARMv8 NEON (baseline on aarch64).
+    Neon,
     /// ARMv8 NEON with the dot-product extension (sdot).
     NeonDot,
     /// AVX2 + FMA + F16C.
@@ -28,6 +34,7 @@ impl Isa {
     pub fn name(self) -> &'static str {
         match self {
             Self::Scalar => "scalar",
+            Self::Neon => "neon",
             Self::NeonDot => "neon-dotprod",
             Self::Avx2 => "avx2",
             Self::Avx512Vnni => "avx512-vnni",
@@ -60,13 +67,29 @@ impl Isa {
             if std::arch::is_aarch64_feature_detected!("dotprod") {
                 v.push(Isa::NeonDot);
             }
+            if std::arch::is_aarch64_feature_detected!("neon") {
+                v.push(Isa::Neon);
+            }
         }
         v.push(Isa::Scalar);
         v
     }
 
+    /// `self` when this machine can run it, else `Scalar`. Every dispatch goes through this, so a
+    /// caller naming an instruction set the CPU lacks gets the scalar kernel, never an illegal
+    /// instruction.
+    #[inline]
+    pub fn checked(self) -> Isa {
+        static AVAILABLE: OnceLock<Vec<Isa>> = OnceLock::new();
+        if AVAILABLE.get_or_init(Isa::available).contains(&self) {
+            self
+        } else {
+            Isa::Scalar
+        }
+    }
+
     /// The instruction set kernels use: the best available, or `NPU_SERVING_ISA` (scalar, avx2,
-    /// avx512-vnni, neon-dotprod) when it names an available one.
+    /// avx512-vnni, neon, neon-dotprod) when it names an available one.
     pub fn active() -> Isa {
         static ACTIVE: OnceLock<Isa> = OnceLock::new();
         *ACTIVE.get_or_init(|| {
@@ -86,26 +109,47 @@ impl Isa {
     }
 }
 
-/// A raw output pointer that parallel tasks write disjoint parts of.
-#[derive(Clone, Copy)]
-pub struct SharedOut(pub *mut f32);
-// SAFETY: users guarantee tasks write disjoint elements and the buffer outlives the job.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
+/// Why a kernel call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// The arguments do not describe buffers of the sizes the operation needs.
+    #[error("{op}: {message}")]
+    BadShape { op: &'static str, message: String },
+    /// A task of the parallel call panicked (its output is garbage).
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
 
-impl SharedOut {
-    /// The pointer (a method, so closures capture the whole Sync wrapper).
-    #[inline]
-    pub fn ptr(&self) -> *mut f32 {
-        self.0
+impl From<KernelError> for npu_backend::legacy::BackendError {
+    fn from(e: KernelError) -> Self {
+        match e {
+            KernelError::BadShape { .. } => Self::BadStep(e.to_string()),
+            KernelError::Pool(p) => Self::Device {
+                backend: "cpu",
+                message: p.to_string(),
+            },
+        }
     }
+}
 
-    /// Rows `r` of a row-major matrix with `cols` columns.
-    ///
-    /// # Safety
-    /// The rows must lie inside the buffer, and no one else may access them meanwhile.
-    #[inline]
-    pub unsafe fn rows<'a>(&self, r: std::ops::Range<usize>, cols: usize) -> &'a mut [f32] {
-        std::slice::from_raw_parts_mut(self.0.add(r.start * cols), (r.end - r.start) * cols)
+impl From<KernelError> for npu_backend::BackendError {
+    fn from(e: KernelError) -> Self {
+        match e {
+            KernelError::BadShape { op, message } => Self::BadArgument { op, message },
+            KernelError::Pool(p) => Self::Device {
+                backend: "cpu",
+                message: p.to_string(),
+            },
+        }
     }
+}
+
+/// Corrupts one output value of a SIMD kernel when the check program's fault is on (only with the
+/// `fault-injection` feature; otherwise nothing).
+#[inline(always)]
+fn inject_fault(isa: Isa, v: Option<&mut f32>) {
+    #[cfg(feature = "fault-injection")]
+    fault::apply(isa, v);
+    #[cfg(not(feature = "fault-injection"))]
+    let _ = (isa, v);
 }

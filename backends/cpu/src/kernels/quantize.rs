@@ -2,13 +2,14 @@
 //! `quant::acts`: per 32-value block, scale `amax/127` rounded through f16, values rounded to
 //! nearest-even, and the block's integer sum. Many rows are split across the thread pool.
 
-use half::f16;
+use std::ops::Range;
 
-use super::{Isa, SharedOut};
+use super::{Isa, KernelError};
+use crate::disjoint::{GridError, TileGrid};
 use crate::quant::acts::{quantize_row, QuantizedActs, QBLOCK};
 use crate::threadpool::ThreadPool;
 
-/// Quantizes `rows` rows of `k` values of `x` into `acts`.
+/// Quantizes `rows` rows of `k` values of `x` into `acts` (`k` a multiple of 32).
 pub fn quantize_acts(
     pool: &ThreadPool,
     isa: Isa,
@@ -16,52 +17,77 @@ pub fn quantize_acts(
     rows: usize,
     k: usize,
     acts: &mut QuantizedActs,
-) {
+) -> Result<(), KernelError> {
+    let bad = |message: String| KernelError::BadShape {
+        op: "activation quantization",
+        message,
+    };
+    if !k.is_multiple_of(QBLOCK) {
+        return Err(bad(format!("row length {k} is not a multiple of {QBLOCK}")));
+    }
+    if x.len() < rows * k {
+        return Err(bad(format!("{} values for {rows} rows of {k}", x.len())));
+    }
+    let isa = isa.checked();
     acts.resize(rows, k);
     let nb = k / QBLOCK;
-    let qs = SharedOut(acts.qs.as_mut_ptr() as *mut f32);
-    let d = SharedOut(acts.d.as_mut_ptr());
-    let s = SharedOut(acts.s.as_mut_ptr());
-    let isum = SharedOut(acts.isum.as_mut_ptr() as *mut f32);
-    let one = |r: usize| {
-        // SAFETY: each row index writes only its own row of each buffer, sized by resize().
-        let (qr, dr, sr, ir) = unsafe {
-            (
-                std::slice::from_raw_parts_mut((qs.ptr() as *mut i8).add(r * k), k),
-                std::slice::from_raw_parts_mut(d.ptr().add(r * nb), nb),
-                std::slice::from_raw_parts_mut(s.ptr().add(r * nb), nb),
-                std::slice::from_raw_parts_mut((isum.ptr() as *mut i32).add(r * nb), nb),
-            )
-        };
-        let xr = &x[r * k..(r + 1) * k];
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: chosen only when the CPU has AVX-512 F/BW.
-            Isa::Avx512Vnni => unsafe { row_avx512(xr, qr, dr, sr, ir) },
-            _ => quantize_row(xr, qr, dr, sr, ir),
-        }
-    };
-    if rows >= 8 && pool.threads() > 1 {
-        let tasks = pool.threads().min(rows);
-        pool.run(tasks, |t| {
-            for r in crate::threadpool::split_range(rows, tasks, t) {
-                one(r);
-            }
-        });
+    let tasks = if rows >= 8 && pool.threads() > 1 {
+        pool.threads().min(rows)
     } else {
-        (0..rows).for_each(one);
-    }
+        1
+    };
+    let parts: Vec<Range<usize>> = (0..tasks)
+        .map(|t| crate::threadpool::split_range(rows, tasks, t))
+        .collect();
+    let grid_err = |e: GridError| bad(e.to_string());
+    let qs = TileGrid::rows(&mut acts.qs[..rows * k], k, parts.clone()).map_err(grid_err)?;
+    let ds = TileGrid::rows(&mut acts.d[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
+    let ss = TileGrid::rows(&mut acts.s[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
+    let sums = TileGrid::rows(&mut acts.isum[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
+    pool.run(tasks, |t| {
+        let (mut q, mut d, mut s, mut i) =
+            (qs.take(t, 0), ds.take(t, 0), ss.take(t, 0), sums.take(t, 0));
+        let (q, d, s, i) = (
+            q.contiguous_mut(),
+            d.contiguous_mut(),
+            s.contiguous_mut(),
+            i.contiguous_mut(),
+        );
+        for (j, r) in parts[t].clone().enumerate() {
+            let xr = &x[r * k..(r + 1) * k];
+            let qr = &mut q[j * k..(j + 1) * k];
+            let (dr, sr, ir) = (
+                &mut d[j * nb..(j + 1) * nb],
+                &mut s[j * nb..(j + 1) * nb],
+                &mut i[j * nb..(j + 1) * nb],
+            );
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa` passed `Isa::checked`, so the CPU has AVX-512 F/BW/VL; the row
+                // function reads and writes `xr.len() / 32` blocks of its slices, which are
+                // `k` and `k / 32` long.
+                Isa::Avx512Vnni => unsafe { row_avx512(xr, qr, dr, sr, ir) },
+                _ => quantize_row(xr, qr, dr, sr, ir),
+            }
+        }
+    })?;
+    super::inject_fault(isa, acts.d.first_mut());
     // The AMX matmul reads whole 16-row tiles in tile order: lay them out once here, shared by
     // every matrix this activation multiplies.
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni && rows >= 16 && crate::kernels::matmul::amx::available() {
         acts.fill_tiles();
     }
+    Ok(())
 }
 
 #[cfg(target_arch = "x86_64")]
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL; `qs` must hold `x.len()` values rounded down to whole
+/// blocks of 32, and `d`, `s`, `isum` one per block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn row_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
+    use half::f16;
     use std::arch::x86_64::*;
     for b in 0..x.len() / QBLOCK {
         let p = x.as_ptr().add(b * QBLOCK);
@@ -107,7 +133,7 @@ mod tests {
         want.quantize(&x, rows, k);
         for isa in Isa::available() {
             let mut got = QuantizedActs::new();
-            quantize_acts(&pool, isa, &x, rows, k, &mut got);
+            quantize_acts(&pool, isa, &x, rows, k, &mut got).unwrap();
             assert_eq!(got.qs, want.qs, "{}", isa.name());
             assert_eq!(got.d, want.d, "{}", isa.name());
             assert_eq!(got.s, want.s, "{}", isa.name());

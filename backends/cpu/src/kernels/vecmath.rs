@@ -34,16 +34,19 @@ pub fn exp_approx(x: f32) -> f32 {
 
 /// Rounds every value to the nearest f16 and back (ggml feeds f16 kernels this way).
 pub fn round_through_f16(isa: Isa, x: &mut [f32]) {
+    let isa = isa.checked();
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: these instruction sets imply F16C and AVX.
+        // SAFETY: `Isa::checked` found one of these on this CPU, and both imply AVX and F16C;
+        // the function touches only whole 8-value chunks of `x` and its remainder.
         Isa::Avx512Vnni | Isa::Avx2 => unsafe { round_f16c(x) },
         _ => {
-            for v in x {
+            for v in x.iter_mut() {
                 *v = f16::from_f32(*v).to_f32();
             }
         }
     }
+    super::inject_fault(isa, x.first_mut());
 }
 
 #[cfg(target_arch = "x86_64")]

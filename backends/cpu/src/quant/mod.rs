@@ -7,5 +7,5 @@ pub mod packed;
 
 pub use acts::QuantizedActs;
 pub use packed::{PackedMatrix, WeightMatrix};
-#[cfg(test)]
+/// Test support (random well-formed tensors), shared with the instruction-set check program.
 pub mod testing;

@@ -85,8 +85,9 @@ pub struct AlignedBytes {
     len: usize,
 }
 
-// SAFETY: plain owned memory.
+// SAFETY: plain owned memory with no tie to a thread: moving the owner moves the allocation.
 unsafe impl Send for AlignedBytes {}
+// SAFETY: `&AlignedBytes` only reads (`as_slice`); writing needs `&mut`.
 unsafe impl Sync for AlignedBytes {}
 
 impl AlignedBytes {

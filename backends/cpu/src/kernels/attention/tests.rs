@@ -129,7 +129,8 @@ fn paged_matches_dense_for_mixed_sequences() {
         let mut out = vec![0f32; total_new * ldo];
         paged_attention(
             &pool, isa, &p, &qkv, ld, &seqs, &k_cache, &v_cache, &mut out, ldo,
-        );
+        )
+        .unwrap();
         for (i, s) in seqs.iter().enumerate() {
             for tq in 0..s.n_q {
                 let r = s.q_row + tq;
@@ -156,4 +157,59 @@ fn paged_matches_dense_for_mixed_sequences() {
             }
         }
     }
+}
+
+/// Two sequences that claim the same query rows would write the same output: refused, as are
+/// block tables pointing past the cache.
+#[test]
+fn overlapping_query_rows_and_stray_blocks_are_refused() {
+    let pool = ThreadPool::new(2);
+    let lay = KvLayout {
+        n_kv_heads: 1,
+        head_dim: 16,
+        block_size: 4,
+    };
+    let p = AttnParams {
+        lay,
+        n_heads: 2,
+        scale: 0.25,
+    };
+    let k_cache = vec![f16::ZERO; 4 * lay.block_elems()];
+    let v_cache = k_cache.clone();
+    let ld = 4 * 16;
+    let q = vec![0.5f32; 6 * ld];
+    let mut out = vec![0f32; 6 * 32];
+    let table = [0u32, 1];
+    let seq = |q_row, n_q| AttnSeq {
+        q_row,
+        n_q,
+        start_pos: 0,
+        block_table: &table,
+    };
+    let run = |seqs: &[AttnSeq], out: &mut [f32]| {
+        paged_attention(
+            &pool,
+            Isa::active(),
+            &p,
+            &q,
+            ld,
+            seqs,
+            &k_cache,
+            &v_cache,
+            out,
+            32,
+        )
+    };
+    assert!(run(&[seq(0, 3), seq(3, 3)], &mut out).is_ok());
+    let r = run(&[seq(0, 4), seq(3, 3)], &mut out);
+    assert!(matches!(r, Err(KernelError::BadShape { .. })), "{r:?}");
+    let stray = [0u32, 9];
+    let r = run(
+        &[AttnSeq {
+            block_table: &stray,
+            ..seq(0, 6)
+        }],
+        &mut out,
+    );
+    assert!(matches!(r, Err(KernelError::BadShape { .. })), "{r:?}");
 }

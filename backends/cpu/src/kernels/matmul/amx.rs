@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 use std::cell::Cell;
 use std::sync::OnceLock;
 
-use super::PackedJob;
+use super::{PackedJob, RawOut};
 use crate::quant::acts::QBLOCK;
 use crate::quant::packed::{PackKind, GROUP};
 
@@ -149,24 +149,26 @@ macro_rules! store_sums {
 ///
 /// # Safety
 /// `available()` must be true; the activation buffers hold whole rows for every row touched.
+/// The job must have passed `check_job`, and `out` must be writable, by this call alone, at rows
+/// `job.rows` x the output columns of `job.groups` (what `packed_job` guarantees).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-pub unsafe fn packed_full_tiles(job: &PackedJob) {
+pub(crate) unsafe fn packed_full_tiles(job: &PackedJob, out: RawOut) {
     configure();
     let f = job.w.format;
     match (f.kind == PackKind::Nibble, f.f16_scales, f.has_min) {
-        (true, true, true) => run::<true, true, true>(job),
-        (true, true, false) => run::<true, true, false>(job),
-        (true, false, true) => run::<true, false, true>(job),
-        (true, false, false) => run::<true, false, false>(job),
-        (false, true, true) => run::<false, true, true>(job),
-        (false, true, false) => run::<false, true, false>(job),
-        (false, false, true) => run::<false, false, true>(job),
-        (false, false, false) => run::<false, false, false>(job),
+        (true, true, true) => run::<true, true, true>(job, out),
+        (true, true, false) => run::<true, true, false>(job, out),
+        (true, false, true) => run::<true, false, true>(job, out),
+        (true, false, false) => run::<true, false, false>(job, out),
+        (false, true, true) => run::<false, true, true>(job, out),
+        (false, true, false) => run::<false, true, false>(job, out),
+        (false, false, true) => run::<false, false, true>(job, out),
+        (false, false, false) => run::<false, false, false>(job, out),
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob) {
+unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob, out: RawOut) {
     let w = job.w;
     let a = job.acts;
     let k = a.k;
@@ -282,7 +284,7 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
                 }
             }
             for (r, acc_r) in acc.iter().enumerate() {
-                let dst = job.out.0.add((m0 + r) * job.ldo + g * GROUP);
+                let dst = out.base.add((m0 + r) * out.ld + g * GROUP);
                 _mm512_mask_storeu_ps(dst, mask, *acc_r);
             }
         }

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::PackedJob;
+use super::{PackedJob, RawOut};
 use crate::quant::acts::QBLOCK;
 use crate::quant::packed::{PackKind, GROUP};
 
@@ -13,33 +13,35 @@ const R2: usize = 2;
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `job` must describe valid buffers.
+/// The job must have passed `check_job`, and `out` must be writable, by this call alone, at rows
+/// `job.rows` x the output columns of `job.groups` (what `packed_job` guarantees).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn packed(job: &PackedJob) {
+pub unsafe fn packed(job: &PackedJob, out: RawOut) {
     let f = job.w.format;
     match (f.kind == PackKind::Nibble, f.f16_scales, f.has_min) {
-        (true, true, true) => run::<true, true, true>(job),
-        (true, true, false) => run::<true, true, false>(job),
-        (true, false, true) => run::<true, false, true>(job),
-        (true, false, false) => run::<true, false, false>(job),
-        (false, true, true) => run::<false, true, true>(job),
-        (false, true, false) => run::<false, true, false>(job),
-        (false, false, true) => run::<false, false, true>(job),
-        (false, false, false) => run::<false, false, false>(job),
+        (true, true, true) => run::<true, true, true>(job, out),
+        (true, true, false) => run::<true, true, false>(job, out),
+        (true, false, true) => run::<true, false, true>(job, out),
+        (true, false, false) => run::<true, false, false>(job, out),
+        (false, true, true) => run::<false, true, true>(job, out),
+        (false, true, false) => run::<false, true, false>(job, out),
+        (false, false, true) => run::<false, false, true>(job, out),
+        (false, false, false) => run::<false, false, false>(job, out),
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob) {
+unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob, out: RawOut) {
     let rows = job.rows.end;
     for g in job.groups.clone() {
         let valid = (job.w.n - g * GROUP).min(GROUP);
         let mut m0 = job.rows.start;
         while m0 + R2 <= rows {
-            tile::<R2, NIB, F16S, MIN>(job, g, m0, valid);
+            tile::<R2, NIB, F16S, MIN>(job, out, g, m0, valid);
             m0 += R2;
         }
         if m0 < rows {
-            tile::<1, NIB, F16S, MIN>(job, g, m0, valid);
+            tile::<1, NIB, F16S, MIN>(job, out, g, m0, valid);
         }
     }
 }
@@ -69,6 +71,7 @@ unsafe fn load_scales<const F16S: bool>(p: *const u8, half: usize) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: bool>(
     job: &PackedJob,
+    out: RawOut,
     g: usize,
     m0: usize,
     valid: usize,
@@ -142,7 +145,7 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
         let mut tmp = [0f32; GROUP];
         _mm256_storeu_ps(tmp.as_mut_ptr(), acc_r[0]);
         _mm256_storeu_ps(tmp.as_mut_ptr().add(8), acc_r[1]);
-        let dst = job.out.0.add((m0 + r) * job.ldo + g * GROUP);
+        let dst = out.base.add((m0 + r) * out.ld + g * GROUP);
         std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid);
     }
 }

@@ -5,29 +5,31 @@
 
 use std::arch::x86_64::*;
 
-use super::{PackedJob, MR};
+use super::{PackedJob, RawOut, MR};
 use crate::quant::acts::QBLOCK;
 use crate::quant::packed::{PackKind, GROUP};
 
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/VNNI, FMA and F16C; `job` must describe valid buffers.
+/// The job must have passed `check_job`, and `out` must be writable, by this call alone, at rows
+/// `job.rows` x the output columns of `job.groups` (what `packed_job` guarantees).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-pub unsafe fn packed(job: &PackedJob) {
+pub unsafe fn packed(job: &PackedJob, out: RawOut) {
     let f = job.w.format;
     match (f.kind == PackKind::Nibble, f.f16_scales, f.has_min) {
-        (true, true, true) => run::<true, true, true>(job),
-        (true, true, false) => run::<true, true, false>(job),
-        (true, false, true) => run::<true, false, true>(job),
-        (true, false, false) => run::<true, false, false>(job),
-        (false, true, true) => run::<false, true, true>(job),
-        (false, true, false) => run::<false, true, false>(job),
-        (false, false, true) => run::<false, false, true>(job),
-        (false, false, false) => run::<false, false, false>(job),
+        (true, true, true) => run::<true, true, true>(job, out),
+        (true, true, false) => run::<true, true, false>(job, out),
+        (true, false, true) => run::<true, false, true>(job, out),
+        (true, false, false) => run::<true, false, false>(job, out),
+        (false, true, true) => run::<false, true, true>(job, out),
+        (false, true, false) => run::<false, true, false>(job, out),
+        (false, false, true) => run::<false, false, true>(job, out),
+        (false, false, false) => run::<false, false, false>(job, out),
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob) {
+unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob, out: RawOut) {
     let rows = job.rows.end;
     for g in job.groups.clone() {
         let valid = (job.w.n - g * GROUP).min(GROUP);
@@ -38,17 +40,17 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
         };
         let mut m0 = job.rows.start;
         while m0 + MR <= rows {
-            tile::<MR, NIB, F16S, MIN>(job, g, m0, mask);
+            tile::<MR, NIB, F16S, MIN>(job, out, g, m0, mask);
             m0 += MR;
         }
         match rows - m0 {
-            1 => tile::<1, NIB, F16S, MIN>(job, g, m0, mask),
-            2 => tile::<2, NIB, F16S, MIN>(job, g, m0, mask),
-            3 => tile::<3, NIB, F16S, MIN>(job, g, m0, mask),
-            4 => tile::<4, NIB, F16S, MIN>(job, g, m0, mask),
-            5 => tile::<5, NIB, F16S, MIN>(job, g, m0, mask),
-            6 => tile::<6, NIB, F16S, MIN>(job, g, m0, mask),
-            7 => tile::<7, NIB, F16S, MIN>(job, g, m0, mask),
+            1 => tile::<1, NIB, F16S, MIN>(job, out, g, m0, mask),
+            2 => tile::<2, NIB, F16S, MIN>(job, out, g, m0, mask),
+            3 => tile::<3, NIB, F16S, MIN>(job, out, g, m0, mask),
+            4 => tile::<4, NIB, F16S, MIN>(job, out, g, m0, mask),
+            5 => tile::<5, NIB, F16S, MIN>(job, out, g, m0, mask),
+            6 => tile::<6, NIB, F16S, MIN>(job, out, g, m0, mask),
+            7 => tile::<7, NIB, F16S, MIN>(job, out, g, m0, mask),
             _ => {}
         }
     }
@@ -69,6 +71,7 @@ fn prefetch_distance(unit: usize) -> usize {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: bool>(
     job: &PackedJob,
+    out: RawOut,
     g: usize,
     m0: usize,
     mask: __mmask16,
@@ -91,10 +94,12 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
     let pf_dist = prefetch_distance(unit);
     for b in 0..nb {
         let u = gd.add(b * unit);
-        // Weights stream from memory once per step: ask for the units ahead early.
+        // Weights stream from memory once per step: ask for the units ahead early (a prefetch
+        // never faults; the address may lie past the matrix, so it is formed with wrapping
+        // arithmetic and never dereferenced).
         let mut l = 0;
         while l < unit {
-            _mm_prefetch::<_MM_HINT_T0>(u.add(pf_dist + l) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(u.wrapping_add(pf_dist + l) as *const i8);
             l += 64;
         }
         let wv: [__m512i; 8] = if NIB {
@@ -158,7 +163,7 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
         }
     }
     for (r, acc_r) in acc.iter().enumerate() {
-        let dst = job.out.0.add((m0 + r) * job.ldo + g * GROUP);
+        let dst = out.base.add((m0 + r) * out.ld + g * GROUP);
         _mm512_mask_storeu_ps(dst, mask, *acc_r);
     }
 }

@@ -1,8 +1,8 @@
 //! f32 weights (models stored as F32/F16/BF16): plain dot products written so the compiler
 //! vectorizes them, compiled once per instruction set.
 
-use super::super::{Isa, SharedOut};
-use std::ops::Range;
+use super::super::Isa;
+use crate::disjoint::Tile;
 
 const LANES: usize = 16;
 
@@ -23,73 +23,45 @@ fn dot(x: &[f32], w: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `out[m][n] = x[m] . w[n]` for every row of the tile and its columns.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn body(
-    w: &[f32],
-    k: usize,
-    x: &[f32],
-    rows: usize,
-    cols: Range<usize>,
-    out: SharedOut,
-    ldo: usize,
-) {
-    for m in 0..rows {
+fn body(w: &[f32], k: usize, x: &[f32], out: &mut Tile<f32>) {
+    let cols = out.cols();
+    for m in out.rows() {
         let xr = &x[m * k..(m + 1) * k];
-        for n in cols.clone() {
-            let v = dot(xr, &w[n * k..(n + 1) * k]);
-            // SAFETY: tasks own disjoint column ranges; out is sized rows x ldo.
-            unsafe { *out.0.add(m * ldo + n) = v };
+        let orow = out.row_mut(m);
+        for (o, n) in orow.iter_mut().zip(cols.clone()) {
+            *o = dot(xr, &w[n * k..(n + 1) * k]);
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn body_avx512(
-    w: &[f32],
-    k: usize,
-    x: &[f32],
-    rows: usize,
-    cols: Range<usize>,
-    out: SharedOut,
-    ldo: usize,
-) {
-    body(w, k, x, rows, cols, out, ldo)
+unsafe fn body_avx512(w: &[f32], k: usize, x: &[f32], out: &mut Tile<f32>) {
+    body(w, k, x, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn body_avx2(
-    w: &[f32],
-    k: usize,
-    x: &[f32],
-    rows: usize,
-    cols: Range<usize>,
-    out: SharedOut,
-    ldo: usize,
-) {
-    body(w, k, x, rows, cols, out, ldo)
+unsafe fn body_avx2(w: &[f32], k: usize, x: &[f32], out: &mut Tile<f32>) {
+    body(w, k, x, out)
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_f32(
-    isa: Isa,
-    w: &[f32],
-    k: usize,
-    x: &[f32],
-    rows: usize,
-    cols: Range<usize>,
-    out: SharedOut,
-    ldo: usize,
-) {
+/// The tile's rows of `x` (rows of `k` values) times the tile's columns of `w` (row-major `n x k`).
+/// Panics if `x` or `w` are too short for them.
+pub fn matmul_f32(isa: Isa, w: &[f32], k: usize, x: &[f32], out: &mut Tile<f32>) {
+    let isa = isa.checked();
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx512Vnni is only chosen when these features are present.
-        Isa::Avx512Vnni => unsafe { body_avx512(w, k, x, rows, cols, out, ldo) },
+        // SAFETY: `Isa::checked` found these features; the body is safe slice code.
+        Isa::Avx512Vnni => unsafe { body_avx512(w, k, x, out) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx2 is only chosen when these features are present.
-        Isa::Avx2 => unsafe { body_avx2(w, k, x, rows, cols, out, ldo) },
-        _ => body(w, k, x, rows, cols, out, ldo),
+        // SAFETY: `Isa::checked` found these features; the body is safe slice code.
+        Isa::Avx2 => unsafe { body_avx2(w, k, x, out) },
+        _ => body(w, k, x, out),
+    }
+    if let Some(first) = out.rows().next() {
+        super::super::inject_fault(isa, out.row_mut(first).first_mut());
     }
 }

@@ -18,66 +18,157 @@ mod tests;
 
 use std::ops::Range;
 
-use super::{Isa, SharedOut};
-use crate::quant::packed::{PackKind, PackedMatrix, WeightMatrix};
+use super::{Isa, KernelError};
+use crate::disjoint::{Tile, TileGrid};
+use crate::quant::acts::QBLOCK;
+use crate::quant::packed::{PackKind, PackedMatrix, WeightMatrix, GROUP};
 use crate::quant::QuantizedActs;
 use crate::threadpool::ThreadPool;
 
 /// Activation rows processed together against one unpacked weight block.
 pub const MR: usize = 4;
 
-/// The arguments every packed kernel takes: a range of 16-row groups of `w`, all rows of `acts`,
-/// and the output (row stride `ldo`).
+/// What one packed kernel call computes: the 16-row groups `groups` of `w` against the
+/// activation rows `rows` of `acts`.
 #[derive(Clone)]
 pub struct PackedJob<'a> {
     pub w: &'a PackedMatrix,
     pub acts: &'a QuantizedActs,
     pub groups: Range<usize>,
-    /// Activation rows to compute (all of them unless a kernel split the work).
     pub rows: Range<usize>,
-    pub out: SharedOut,
-    pub ldo: usize,
+}
+
+/// Where a kernel writes: element `(m, n)` of the output at `base + m * ld + n`. Made only by
+/// `packed_job`, from a tile it checked covers the job's rows and columns.
+#[derive(Clone, Copy)]
+pub(crate) struct RawOut {
+    pub(crate) base: *mut f32,
+    pub(crate) ld: usize,
+}
+
+/// Checks everything the kernels rely on to stay inside their buffers: the matrix's bytes match
+/// its shape, the activations hold the rows asked for, the job stays inside both, and the tile
+/// covers the job's output rows and columns.
+fn check_job(job: &PackedJob, out: &Tile<f32>) {
+    let (w, a) = (job.w, job.acts);
+    assert_eq!(a.k, w.k, "activation and weight inner dimensions differ");
+    assert!(
+        w.k.is_multiple_of(QBLOCK),
+        "inner dimension {} is not a multiple of {QBLOCK}",
+        w.k
+    );
+    let nb = w.blocks();
+    assert!(
+        w.data().len() >= w.groups() * nb * w.format.unit_bytes(),
+        "packed matrix bytes do not cover {} x {}",
+        w.n,
+        w.k
+    );
+    assert!(
+        a.qs.len() >= a.rows * a.k
+            && a.d.len() >= a.rows * nb
+            && a.s.len() >= a.rows * nb
+            && a.isum.len() >= a.rows * nb,
+        "quantized activations are shorter than {} rows of {}",
+        a.rows,
+        a.k
+    );
+    assert!(
+        job.rows.end <= a.rows,
+        "rows {:?} of {} activation rows",
+        job.rows,
+        a.rows
+    );
+    assert!(
+        job.groups.end <= w.groups(),
+        "groups {:?} of {}",
+        job.groups,
+        w.groups()
+    );
+    let cols = job.groups.start * GROUP..(job.groups.end * GROUP).min(w.n);
+    let (tr, tc) = (out.rows(), out.cols());
+    assert!(
+        tr.start <= job.rows.start
+            && job.rows.end <= tr.end
+            && tc.start <= cols.start
+            && cols.end <= tc.end,
+        "output tile rows {tr:?} x columns {tc:?} does not cover rows {:?} x columns {cols:?}",
+        job.rows
+    );
+}
+
+/// Whether the activations carry their AMX tile layout for every whole 16-row tile.
+#[cfg(target_arch = "x86_64")]
+fn amx_tiles_ready(a: &QuantizedActs) -> bool {
+    a.k >= QBLOCK
+        && !a.tiles.is_empty()
+        && a.tiles.len() >= a.rows / amx::TILE_ROWS * a.blocks_per_row() * amx::TILE_ROWS * QBLOCK
 }
 
 /// Runs one packed job with the given instruction set (falls back to scalar when `isa` is not
-/// compiled for this target).
-pub fn packed_job(isa: Isa, job: &PackedJob) {
-    assert_eq!(
-        job.acts.k, job.w.k,
-        "activation and weight inner dimensions differ"
-    );
-    assert!(job.rows.end <= job.acts.rows);
+/// compiled for this target), writing `out[m][n]` for the job's rows and its groups' output
+/// columns. Panics if the job or the tile do not fit the buffers.
+pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
+    check_job(job, out);
+    let isa = isa.checked();
+    if job.rows.is_empty() || job.groups.is_empty() {
+        return;
+    }
+    let raw = RawOut {
+        base: out.raw_base(),
+        ld: out.ld(),
+    };
+    // SAFETY (every arm): `check_job` proved that the job's reads stay inside the matrix and the
+    // activations and that its writes, rows `job.rows` x columns of `job.groups`, lie inside the
+    // tile we hold mutably; `Isa::checked` found the arm's instruction set on this CPU.
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni
             if job.rows.len() >= amx::TILE_ROWS
                 && job.rows.start.is_multiple_of(amx::TILE_ROWS)
                 && job.w.format.kind == PackKind::Nibble
-                && !job.acts.tiles.is_empty()
+                && amx_tiles_ready(job.acts)
                 && amx::available() =>
         {
             // Whole 16-row tiles on AMX, the remaining rows on AVX-512 (identical arithmetic).
             // 4-bit weights only: for 8-bit ones the AVX-512 kernel measured faster.
             let full = job.rows.start + job.rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
+            // SAFETY: as above; AMX permission was granted (`amx::available`), the tile layout
+            // covers every whole 16-row tile (`amx_tiles_ready`), and the two sub-jobs split
+            // the checked rows.
             unsafe {
-                amx::packed_full_tiles(&PackedJob {
-                    rows: job.rows.start..full,
-                    ..job.clone()
-                });
-                avx512::packed(&PackedJob {
-                    rows: full..job.rows.end,
-                    ..job.clone()
-                });
+                amx::packed_full_tiles(
+                    &PackedJob {
+                        rows: job.rows.start..full,
+                        ..job.clone()
+                    },
+                    raw,
+                );
+                avx512::packed(
+                    &PackedJob {
+                        rows: full..job.rows.end,
+                        ..job.clone()
+                    },
+                    raw,
+                );
             }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => unsafe { avx512::packed(job) },
+        // SAFETY: as above (checked job and tile, AVX-512 VNNI detected).
+        Isa::Avx512Vnni => unsafe { avx512::packed(job, raw) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::packed(job) },
+        // SAFETY: as above (checked job and tile, AVX2/FMA/F16C detected).
+        Isa::Avx2 => unsafe { avx2::packed(job, raw) },
         #[cfg(target_arch = "aarch64")]
-        Isa::NeonDot => unsafe { neon::packed(job) },
-        _ => scalar::packed(job),
+        // SAFETY: as above (checked job and tile; NEON is baseline on aarch64).
+        Isa::Neon => unsafe { neon::packed(job, raw) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above (checked job and tile, the dot-product extension detected).
+        Isa::NeonDot => unsafe { neon::packed_dot(job, raw) },
+        _ => scalar::packed(job, out),
     }
+    let first_col = job.groups.start * GROUP - out.cols().start;
+    super::inject_fault(isa, out.row_mut(job.rows.start).get_mut(first_col));
 }
 
 /// The input rows of a matmul in both forms.
@@ -98,43 +189,62 @@ pub fn matmul(
     x: MatmulInput,
     out: &mut [f32],
     ldo: usize,
-) {
+) -> Result<(), KernelError> {
     let (x_f32, acts, rows) = (x.f32, x.quantized, x.rows);
-    assert!(out.len() >= (rows.max(1) - 1) * ldo + w.n());
-    let out_ptr = SharedOut(out.as_mut_ptr());
-    match w {
+    let bad = |message: String| KernelError::BadShape {
+        op: "matmul",
+        message,
+    };
+    let n = w.n();
+    // Output columns are cut into runs of whole 16-column groups, one per task.
+    let units = n.div_ceil(GROUP);
+    let tasks = match w {
         WeightMatrix::Packed(p) => {
-            assert_eq!(acts.rows, rows);
-            let groups = p.groups();
-            let tasks = task_count(pool, groups, rows * p.blocks());
-            pool.run(tasks, |t| {
-                let r = crate::threadpool::split_range(groups, tasks, t);
-                packed_job(
-                    isa,
-                    &PackedJob {
-                        w: p,
-                        acts,
-                        groups: r,
-                        rows: 0..rows,
-                        out: out_ptr,
-                        ldo,
-                    },
-                );
-            });
+            if acts.rows != rows || acts.k != p.k {
+                return Err(bad(format!(
+                    "quantized activations are {} x {}, the matmul needs {rows} x {}",
+                    acts.rows, acts.k, p.k
+                )));
+            }
+            task_count(pool, units, rows * p.blocks())
         }
-        WeightMatrix::F32 { n, k, data } => {
-            let n = *n;
-            let k = *k;
-            assert!(x_f32.len() >= rows * k);
-            let cols = n.div_ceil(16);
-            let tasks = task_count(pool, cols, rows * k.div_ceil(32));
-            pool.run(tasks, |t| {
-                let r = crate::threadpool::split_range(cols, tasks, t);
-                let cr = r.start * 16..(r.end * 16).min(n);
-                f32mm::matmul_f32(isa, data, k, x_f32, rows, cr, out_ptr, ldo);
-            });
+        WeightMatrix::F32 { k, .. } => {
+            if x_f32.len() < rows * k {
+                return Err(bad(format!(
+                    "{} input values for {rows} rows of {k}",
+                    x_f32.len()
+                )));
+            }
+            task_count(pool, units, rows * k.div_ceil(32))
         }
+    };
+    let col_parts: Vec<Range<usize>> = (0..tasks)
+        .map(|t| {
+            let g = crate::threadpool::split_range(units, tasks, t);
+            g.start * GROUP..(g.end * GROUP).min(n)
+        })
+        .collect();
+    let grid =
+        TileGrid::column_parts(out, ldo, 0..rows, col_parts).map_err(|e| bad(e.to_string()))?;
+    match w {
+        WeightMatrix::Packed(p) => pool.run(tasks, |t| {
+            let groups = crate::threadpool::split_range(units, tasks, t);
+            packed_job(
+                isa,
+                &PackedJob {
+                    w: p,
+                    acts,
+                    groups,
+                    rows: 0..rows,
+                },
+                &mut grid.take(0, t),
+            );
+        })?,
+        WeightMatrix::F32 { k, data, .. } => pool.run(tasks, |t| {
+            f32mm::matmul_f32(isa, data, *k, x_f32, &mut grid.take(0, t));
+        })?,
     }
+    Ok(())
 }
 
 /// How many tasks to cut `units` independent 16-column groups into, when each group costs

@@ -3,19 +3,23 @@
 //! same fused multiply-adds, in the same order, as the vector kernels.
 
 use super::PackedJob;
+use crate::disjoint::Tile;
 use crate::quant::acts::QBLOCK;
 use crate::quant::packed::{unit_scale_min, unit_value, GROUP};
 
-pub fn packed(job: &PackedJob) {
+/// Writes the job's outputs through the tile's checked rows (the tile covers the job).
+pub fn packed(job: &PackedJob, out: &mut Tile<f32>) {
     let w = job.w;
     let a = job.acts;
     let f = w.format;
     let unit = f.unit_bytes();
     let nb = w.blocks();
+    let c0 = out.cols().start;
     for g in job.groups.clone() {
         let gd = w.group_data(g);
         for m in job.rows.clone() {
             let xq = &a.qs[m * a.k..(m + 1) * a.k];
+            let orow = out.row_mut(m);
             for i in 0..GROUP {
                 let n = g * GROUP + i;
                 if n >= w.n {
@@ -35,9 +39,7 @@ pub fn packed(job: &PackedJob) {
                         acc = mn.mul_add(a.s[m * nb + b], acc);
                     }
                 }
-                // SAFETY: n < w.n and m < rows; the caller sized `out` for rows x ldo and gives
-                // each task disjoint groups.
-                unsafe { *job.out.0.add(m * job.ldo + n) = acc };
+                orow[n - c0] = acc;
             }
         }
     }

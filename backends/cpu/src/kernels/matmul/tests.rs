@@ -2,6 +2,7 @@
 //! SIMD kernel this machine can run against the scalar one, bit for bit.
 
 use super::*;
+use crate::disjoint::Tile;
 use crate::quant::testing::{random_ggml_rows, TestRng};
 use npu_gguf::GgmlType;
 
@@ -37,6 +38,7 @@ fn acts(rows: usize, k: usize, seed: u64) -> (Vec<f32>, QuantizedActs) {
 
 fn run(isa: Isa, w: &PackedMatrix, a: &QuantizedActs, ldo: usize) -> Vec<f32> {
     let mut out = vec![f32::NAN; a.rows * ldo];
+    let mut tile = Tile::whole(&mut out, ldo, 0..a.rows, 0..w.n).unwrap();
     packed_job(
         isa,
         &PackedJob {
@@ -44,9 +46,8 @@ fn run(isa: Isa, w: &PackedMatrix, a: &QuantizedActs, ldo: usize) -> Vec<f32> {
             acts: a,
             groups: 0..w.groups(),
             rows: 0..a.rows,
-            out: SharedOut(out.as_mut_ptr()),
-            ldo,
         },
+        &mut tile,
     );
     out
 }
@@ -167,7 +168,8 @@ fn parallel_matmul_matches_single_job() {
             },
             &mut par,
             n,
-        );
+        )
+        .unwrap();
         let WeightMatrix::Packed(p) = &w else {
             unreachable!()
         };
@@ -201,7 +203,8 @@ fn f32_weights_match_naive() {
             },
             &mut out,
             n,
-        );
+        )
+        .unwrap();
         for m in 0..rows {
             for nn in 0..n {
                 let want: f32 = (0..k).map(|kk| x[m * k + kk] * data[nn * k + kk]).sum();
@@ -209,4 +212,59 @@ fn f32_weights_match_naive() {
             }
         }
     }
+}
+
+/// Activations whose buffers do not match their shape (fields are public) are refused inside the
+/// kernel's task: the parallel call returns an error instead of reading past them, and the pool
+/// runs the next matmul normally.
+#[test]
+fn inconsistent_activations_are_an_error_and_the_pool_survives() {
+    let pool = ThreadPool::new(3);
+    let (rows, n, k) = (4usize, 256usize, 576usize);
+    let w = WeightMatrix::Packed(packed(GgmlType::Q4_1, n, k, 2));
+    let (x, good) = acts(rows, k, 3);
+    let mut bad = QuantizedActs::new();
+    bad.quantize(&x, rows, k);
+    bad.qs.truncate(k);
+    for isa in Isa::available() {
+        let mut out = vec![0f32; rows * n];
+        let input = MatmulInput {
+            f32: &x,
+            quantized: &bad,
+            rows,
+        };
+        let r = matmul(&pool, isa, &w, input, &mut out, n);
+        assert!(
+            matches!(r, Err(KernelError::Pool(crate::threadpool::PoolError::TaskPanicked(ref m))) if m.contains("shorter")),
+            "{}: {r:?}",
+            isa.name()
+        );
+        let input = MatmulInput {
+            f32: &x,
+            quantized: &good,
+            rows,
+        };
+        matmul(&pool, isa, &w, input, &mut out, n).unwrap();
+        let WeightMatrix::Packed(p) = &w else {
+            unreachable!()
+        };
+        assert_eq!(out, run(isa, p, &good, n), "{}", isa.name());
+    }
+}
+
+/// An output buffer too small for the result is refused before anything runs.
+#[test]
+fn a_short_output_is_refused() {
+    let pool = ThreadPool::new(2);
+    let (rows, n, k) = (3usize, 48usize, 64usize);
+    let w = WeightMatrix::Packed(packed(GgmlType::Q8_0, n, k, 2));
+    let (x, a) = acts(rows, k, 3);
+    let mut out = vec![0f32; rows * n - 1];
+    let input = MatmulInput {
+        f32: &x,
+        quantized: &a,
+        rows,
+    };
+    let r = matmul(&pool, Isa::active(), &w, input, &mut out, n);
+    assert!(matches!(r, Err(KernelError::BadShape { .. })), "{r:?}");
 }
