@@ -1108,3 +1108,24 @@ fn token_ops_work_before_the_kv_pool_exists_and_kv_ops_say_why_not() {
         .to_string();
     assert!(e.contains("KV pool is not initialised"), "{e}");
 }
+
+#[test]
+fn a_kv_pool_larger_than_free_memory_is_refused_with_what_fits() {
+    let _g = serial();
+    let mut b = default_backend();
+    let free = b.mem_info().unwrap().free as usize;
+    // Blocks of 2 layers x K/V x 128 slots x 32 values x 2 bytes.
+    let per_block = 2 * 2 * 128 * 32 * 2;
+    let e = b
+        .init_kv(kv_spec(128, free / per_block + 10))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("out of memory")
+            && e.contains("pa_config.num_blocks")
+            && e.contains("room for about"),
+        "{e}"
+    );
+    // Nothing was allocated: a pool that fits still does.
+    b.init_kv(kv_spec(128, 4)).unwrap();
+}

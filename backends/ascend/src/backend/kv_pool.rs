@@ -38,13 +38,17 @@ impl KvPool {
                 message: format!("an empty KV pool: {spec:?}"),
             });
         }
+        // Sized against aclrtGetMemInfo before anything is allocated, so that a pool too large
+        // fails at start with what would fit, not midway through the layers.
         let (free, _) = dev.mem_info().map_err(err)?;
         let total = layout.total_bytes();
         if total > free {
+            let fits = layout.blocks_for_memory(free, 0.95, 0);
             return Err(BackendError::OutOfMemory {
                 backend: super::NAME,
                 what: format!(
-                    "the KV pool ({} blocks of {}; {free} bytes of device memory free — lower pa_config.num_blocks)",
+                    "the KV pool of {} blocks of {} tokens: {free} bytes of device memory are free, \
+                     room for about {fits} blocks — lower pa_config.num_blocks",
                     spec.num_blocks, spec.block_size
                 ),
                 bytes: total,
