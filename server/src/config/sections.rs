@@ -88,6 +88,16 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
 
     top.finish(&mut warnings, llm)?;
 
+    // The Ascend attention operator pages its KV cache in blocks of a multiple of 16 tokens.
+    if npu_serving.device == DeviceKind::Ascend && !pa_config.block_size.is_multiple_of(16) {
+        return Err(ConfigError::not_allowed(
+            "pa_config.block_size",
+            pa_config.block_size,
+            "a multiple of 16 with npu_serving.device: ascend (128 recommended: prefill attention \
+             takes multiples of 128; smaller sizes prefill token by token)",
+        ));
+    }
+
     Ok(ServerConfig {
         model_config,
         serving_config,
