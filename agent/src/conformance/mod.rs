@@ -235,7 +235,7 @@ pub fn run_suite<B: Backend>(
         Err(e) => report.error("construct the backend", &e),
     }
     match make() {
-        Ok(dev) => model::check_greedy(dev, file, refs, &mut report),
+        Ok(dev) => model::check_greedy(dev, reference(), file, refs, &mut report),
         Err(e) => report.error("construct the backend", &e),
     }
     report

@@ -664,12 +664,10 @@ impl Backend for AscendBackend {
         self.op_argmax(logits, out)?;
         Ok(true)
     }
-}
 
-impl AscendBackend {
     /// The log-probability of `argmax_rows`' pick in each row, into an f32 buffer (the device
     /// half of a greedy step: only ids and log-probabilities are read back).
-    pub fn argmax_logprob_rows(
+    fn argmax_logprob_rows(
         &mut self,
         logits: View<'_, AscendBuffer>,
         out: ViewMut<'_, AscendBuffer>,

@@ -3,8 +3,6 @@
 
 #![allow(dead_code)]
 
-pub mod llama;
-
 use std::path::PathBuf;
 use std::sync::OnceLock;
 

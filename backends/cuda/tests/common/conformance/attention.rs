@@ -48,10 +48,11 @@ fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
         n_kv_heads: n_kv,
         head_dim: hd,
         block_size: s.block_size,
+        block_stride: n_kv * hd * s.block_size,
     };
+    // One layer's K blocks, then its V blocks.
     let per_layer = s.num_blocks * lay.block_elems();
-    let mut k_cache = vec![half::f16::ZERO; per_layer];
-    let mut v_cache = vec![half::f16::ZERO; per_layer];
+    let mut cache = vec![half::f16::ZERO; 2 * per_layer];
     // Two steps: the history (positions 0..start), then the new tokens.
     let make_step = |history: bool| {
         let mut st = StepInputs {
@@ -109,11 +110,12 @@ fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
             &lay,
             &kv,
             2 * kvw,
-            0,
-            kvw,
+            &kv[kvw..],
+            2 * kvw,
             &st.slot_mapping,
-            &mut k_cache,
-            &mut v_cache,
+            &mut cache,
+            0,
+            per_layer,
         );
         if history {
             continue;
@@ -160,11 +162,12 @@ fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
             &q,
             qw,
             &seqs,
-            &k_cache,
-            &v_cache,
+            &cache[..per_layer],
+            &cache[per_layer..],
             &mut want,
             qw,
-        );
+        )
+        .unwrap();
         // The reference rounds queries and probabilities through f16.
         let e = worst(&got, &want, 3e-3, 3e-3 + out_rtol(dt));
         assert!(

@@ -1,80 +1,95 @@
-//! The real default model (SmolLM2-135M-Instruct Q4_1) on the Ascend backend over the emulation,
-//! driven through the device seam layer by layer: its logits against the CPU backend's on the
-//! same steps, and its greedy tokens (picked on the device) against llama.cpp's reference up to
-//! each prompt's first near-tie — with 128-token blocks (prefill through the prompt branch of
-//! FusedInferAttentionScore) and 16-token blocks (token-wise through the incremental branch).
+//! The real default model (SmolLM2-135M-Instruct Q4_1) on the Ascend backend, run by the agent's
+//! own model (`npu_agent::model::Model`) as an agent runs it: its logits against the CPU
+//! backend's on the same steps, and its greedy tokens (picked on the device) against the CPU
+//! backend's and llama.cpp's up to each one's first near-tie — with 128-token blocks (prefill
+//! through the prompt branch of FusedInferAttentionScore) and 16-token blocks (token-wise through
+//! the incremental branch). Built with the `ascend` feature; runs over the CANN install that
+//! `ASCEND_HOME_PATH` names, else over the emulation `scripts/ascend-emulator.sh` builds.
+
+#![cfg(feature = "ascend")]
 
 mod common;
 
 use std::path::PathBuf;
 
-use common::llama::{seq_step, Llama};
-use npu_agent::model::{Model, ModelOptions};
-use npu_backend::legacy::{SeqMeta, StepMeta};
-use npu_backend::StepInputs;
-use npu_backend_ascend::{AscendBackend, AscendConfig};
+use common::{model_path, refs};
+use npu_agent::model::{Model, ModelOptions, StepOutput};
+use npu_backend::{SeqSpan, StepInputs};
+use npu_backend_ascend::{Acl, AscendBackend, AscendConfig};
 use npu_backend_cpu::{CpuBackend, CpuConfig};
 use npu_gguf::GgufFile;
 
-fn model_path() -> PathBuf {
-    npu_gguf::store::resolve_model(None).expect("the default model is needed by this test")
+/// Where a gap between the top two logits counts as a near-tie (as everywhere in the project).
+const NEAR_TIE: f32 = 0.15;
+
+/// The CANN install: `ASCEND_HOME_PATH`, else the emulation (built on first use).
+fn cann_root() -> PathBuf {
+    if let Some(p) = std::env::var_os("ASCEND_HOME_PATH") {
+        return PathBuf::from(p);
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/ascend-emulator.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .output()
+        .expect("run ascend-emulator.sh");
+    assert!(
+        out.status.success(),
+        "ascend-emulator.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
-struct Ref {
-    prompt: String,
-    prompt_ids: Vec<u32>,
-    output_ids: Vec<u32>,
-    first_near_tie: Option<usize>,
-}
-
-fn refs() -> Vec<Ref> {
-    let text = include_str!("../../../agent/tests/data/greedy_smollm2_q4_1.jsonl");
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            let ids = |k: &str| -> Vec<u32> {
-                v[k].as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_u64().unwrap() as u32)
-                    .collect()
-            };
-            Ref {
-                prompt: v["prompt"].as_str().unwrap().to_string(),
-                prompt_ids: ids("prompt_ids"),
-                output_ids: ids("output_ids"),
-                first_near_tie: v["first_step_gap_below_0.15"].as_u64().map(|x| x as usize),
-            }
-        })
-        .collect()
-}
-
-fn ascend(f: &GgufFile, block_size: usize) -> Llama<AscendBackend> {
-    let b = AscendBackend::with_runtime(common::acl(), AscendConfig::default()).unwrap();
-    Llama::load(f, b, 2048 / block_size, block_size, 64)
-}
-
-fn legacy(s: &StepInputs) -> StepMeta {
-    StepMeta {
-        tokens: s.tokens.clone(),
-        positions: s.positions.clone(),
-        slot_mapping: s.slot_mapping.clone(),
-        seqs: s
-            .seqs
-            .iter()
-            .map(|q| SeqMeta {
-                q_row: q.q_row,
-                n_q: q.n_q,
-                start_pos: q.start_pos,
-            })
-            .collect(),
-        block_tables: s.block_tables.clone(),
-        max_blocks: s.max_blocks,
-        logit_rows: s.logit_rows.clone(),
+fn options(block_size: usize) -> ModelOptions {
+    ModelOptions {
+        max_tokens: 64,
+        max_logit_rows: 1,
+        num_blocks: 2048 / block_size,
+        block_size,
     }
 }
 
+fn ascend(f: &GgufFile, block_size: usize) -> Model<AscendBackend> {
+    let acl = Acl::init(&npu_ffi::SearchPaths::root(&cann_root())).expect("CANN loads");
+    let b = AscendBackend::with_runtime(acl, AscendConfig::default()).expect("device 0 opens");
+    Model::load(f, b, options(block_size)).expect("the model loads on the Ascend backend")
+}
+
+fn cpu(f: &GgufFile, f32_reference: bool) -> Model<CpuBackend> {
+    let b = CpuBackend::new(CpuConfig {
+        threads: 0,
+        f32_reference,
+    });
+    Model::load(f, b, options(128)).unwrap()
+}
+
+/// The step that feeds `new` tokens of one sequence after `start` cached ones, on blocks
+/// `0, 1, 2, …` of the pool (so each token's slot is its position).
+fn seq_step(new: &[u32], start: usize, max_blocks: usize) -> StepInputs {
+    let n = new.len();
+    StepInputs {
+        tokens: new.to_vec(),
+        positions: (start..start + n).map(|p| p as u32).collect(),
+        slot_mapping: (start..start + n).map(|p| p as u32).collect(),
+        seqs: vec![SeqSpan {
+            q_row: 0,
+            n_q: n as u32,
+            start_pos: start as u32,
+        }],
+        block_tables: (0..max_blocks as u32).collect(),
+        max_blocks,
+        logit_rows: vec![n as u32 - 1],
+    }
+}
+
+fn logits<B: npu_backend::Backend>(m: &mut Model<B>, s: &StepInputs) -> Vec<f32> {
+    let mut out = StepOutput::default();
+    m.forward(s, false, &mut out).unwrap();
+    assert!(!out.picked_on_device);
+    out.logits
+}
+
+/// (top-1 index, gap to the second).
 fn top2(l: &[f32]) -> (usize, f32) {
     let mut best = (0, f32::MIN, f32::MIN);
     for (i, &v) in l.iter().enumerate() {
@@ -87,29 +102,6 @@ fn top2(l: &[f32]) -> (usize, f32) {
     (best.0, best.1 - best.2)
 }
 
-fn cpu(f: &GgufFile, f32_reference: bool) -> Model<CpuBackend> {
-    Model::load(
-        f,
-        CpuBackend::new(CpuConfig {
-            threads: 0,
-            f32_reference,
-        }),
-        ModelOptions {
-            max_tokens: 64,
-            max_logit_rows: 4,
-            num_blocks: 16,
-            block_size: 128,
-        },
-    )
-    .unwrap()
-}
-
-fn cpu_logits(m: &mut Model<CpuBackend>, s: &StepInputs) -> Vec<f32> {
-    let mut out = Vec::new();
-    m.forward(&legacy(s), &mut out).unwrap();
-    out
-}
-
 /// Teacher-forced along llama.cpp's tokens, the Ascend backend's logits against the CPU backend's
 /// plain-arithmetic reference (f32, weights dequantized exactly) and against the CPU backend as
 /// it serves (8-bit activations, as llama.cpp): the f16 device path stays within a small
@@ -118,8 +110,7 @@ fn cpu_logits(m: &mut Model<CpuBackend>, s: &StepInputs) -> Vec<f32> {
 /// smaller gaps the two may pick differently).
 #[test]
 fn logits_follow_exact_arithmetic_and_the_cpu_backend() {
-    let path = model_path();
-    let f = GgufFile::open(&path).unwrap();
+    let f = GgufFile::open(model_path()).unwrap();
     let mut npu = ascend(&f, 128);
     let (mut exact, mut served) = (cpu(&f, true), cpu(&f, false));
     let (mut worst, mut ratio, mut decided, mut steps) = (0f32, f32::MAX, 0, 0);
@@ -128,8 +119,8 @@ fn logits_follow_exact_arithmetic_and_the_cpu_backend() {
         let mut start = 0;
         for (i, &next) in r.output_ids.iter().take(16).enumerate() {
             let s = seq_step(&tokens[start..], start, 16);
-            let got = npu.logits(&s);
-            let want = cpu_logits(&mut exact, &s);
+            let got = logits(&mut npu, &s);
+            let want = logits(&mut exact, &s);
             let diff = got
                 .iter()
                 .zip(&want)
@@ -152,8 +143,8 @@ fn logits_follow_exact_arithmetic_and_the_cpu_backend() {
                     r.prompt
                 );
             }
-            let (cpu_top, cpu_gap) = top2(&cpu_logits(&mut served, &s));
-            if cpu_gap >= 0.15 {
+            let (cpu_top, cpu_gap) = top2(&logits(&mut served, &s));
+            if cpu_gap >= NEAR_TIE {
                 decided += 1;
                 assert_eq!(
                     npu_top, cpu_top,
@@ -169,6 +160,7 @@ fn logits_follow_exact_arithmetic_and_the_cpu_backend() {
     eprintln!(
         "{steps} steps: largest |ascend - exact| logit difference {worst:.4}, smallest signal/error {ratio:.0}; the CPU backend's top-1 matched at all {decided} steps where it was decided"
     );
+    assert!(decided > 0, "no step was decided");
     assert!(
         worst < 0.25,
         "a logit differs from exact arithmetic by {worst}"
@@ -179,13 +171,13 @@ fn logits_follow_exact_arithmetic_and_the_cpu_backend() {
     );
 }
 
-/// Greedy generation: tokens and the top-2 gap of each step's logits.
+/// Greedy generation on the CPU: tokens and the top-2 gap of each step's logits.
 fn cpu_greedy(m: &mut Model<CpuBackend>, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     let mut tokens = prompt.to_vec();
     let (mut start, mut gaps) = (0, Vec::new());
     for _ in 0..n {
         let s = seq_step(&tokens[start..], start, 16);
-        let (top, gap) = top2(&cpu_logits(m, &s));
+        let (top, gap) = top2(&logits(m, &s));
         gaps.push(gap);
         start = tokens.len();
         tokens.push(top as u32);
@@ -193,50 +185,62 @@ fn cpu_greedy(m: &mut Model<CpuBackend>, prompt: &[u32], n: usize) -> (Vec<u32>,
     (tokens[prompt.len()..].to_vec(), gaps)
 }
 
-fn greedy_run(npu: &mut Llama<AscendBackend>, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<String>) {
+/// Greedy generation on the device (its argmax; only ids and log-probabilities read back), with
+/// the aclnn calls of each step.
+fn device_greedy(
+    npu: &mut Model<AscendBackend>,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, Vec<String>) {
     let mut tokens = prompt.to_vec();
     let mut start = 0;
     let mut stats = Vec::new();
+    let mut out = StepOutput::default();
+    let max_blocks = npu.opts.num_blocks;
     for _ in 0..n {
-        let s = seq_step(&tokens[start..], start, 2048 / npu.block_size);
-        let id = npu.greedy(&s)[0];
-        let st = npu.b.step_stats();
+        let s = seq_step(&tokens[start..], start, max_blocks);
+        npu.forward(&s, true, &mut out).unwrap();
+        assert!(
+            out.picked_on_device,
+            "the Ascend backend picks on the device"
+        );
+        let st = npu.backend().step_stats();
         stats.push(format!(
             "{} first phases + {} launches ({} of reused executors)",
             st.prepares, st.launches, st.reused_launches
         ));
         start = tokens.len();
-        tokens.push(id as u32);
+        tokens.push(out.ids[0] as u32);
     }
     (tokens[prompt.len()..].to_vec(), stats)
 }
 
-/// 32 greedy tokens per reference prompt, picked on the device (argmax; only ids read back),
-/// equal to exact arithmetic's (the CPU backend's f32 reference) and to the CPU backend's as it
-/// serves, each up to its own first near tie (top-2 gap below 0.15) — with 128-token blocks
-/// (prefill through the prompt branch) and 16-token blocks (token-wise).
+/// 32 greedy tokens per reference prompt, picked on the device, equal to exact arithmetic's (the
+/// CPU backend's f32 reference) and to the CPU backend's as it serves, each up to its own first
+/// near tie (top-2 gap below 0.15), and to llama.cpp's up to the first near tie of either —
+/// with 128-token blocks (prefill through the prompt branch) and 16-token blocks (token-wise).
 #[test]
 fn greedy_tokens_match_the_cpu_backend_up_to_near_ties_on_both_attention_paths() {
-    let path = model_path();
-    let f = GgufFile::open(&path).unwrap();
+    let f = GgufFile::open(model_path()).unwrap();
+    let refs = refs();
     let mut served = cpu(&f, false);
-    let cpu_runs: Vec<(Vec<u32>, Vec<f32>)> = refs()
+    let cpu_runs: Vec<(Vec<u32>, Vec<f32>)> = refs
         .iter()
         .map(|r| cpu_greedy(&mut served, &r.prompt_ids, 32))
         .collect();
     let mut exact = cpu(&f, true);
-    let exact_runs: Vec<(Vec<u32>, Vec<f32>)> = refs()
+    let exact_runs: Vec<(Vec<u32>, Vec<f32>)> = refs
         .iter()
         .map(|r| cpu_greedy(&mut exact, &r.prompt_ids, 32))
         .collect();
     for block_size in [128, 16] {
         let mut npu = ascend(&f, block_size);
         for ((r, (want, gaps)), (exact_want, exact_gaps)) in
-            refs().iter().zip(&cpu_runs).zip(&exact_runs)
+            refs.iter().zip(&cpu_runs).zip(&exact_runs)
         {
             let t0 = std::time::Instant::now();
-            let (got, stats) = greedy_run(&mut npu, &r.prompt_ids, 32);
-            let sure = gaps.iter().position(|&g| g < 0.15).unwrap_or(32);
+            let (got, stats) = device_greedy(&mut npu, &r.prompt_ids, 32);
+            let sure = gaps.iter().position(|&g| g < NEAR_TIE).unwrap_or(32);
             let same = got.iter().zip(want).take_while(|(a, b)| a == b).count();
             eprintln!(
                 "block size {block_size}, {:?}: 32 tokens in {:.1}s, {same} as the CPU backend (its first near tie at {sure}), {} as llama.cpp; aclnn calls: prefill {}, decode {}",
@@ -259,7 +263,7 @@ fn greedy_tokens_match_the_cpu_backend_up_to_near_ties_on_both_attention_paths()
                 "{:?}: differs from llama.cpp",
                 r.prompt
             );
-            let exact_sure = exact_gaps.iter().position(|&g| g < 0.15).unwrap_or(32);
+            let exact_sure = exact_gaps.iter().position(|&g| g < NEAR_TIE).unwrap_or(32);
             assert_eq!(
                 &got[..exact_sure],
                 &exact_want[..exact_sure],
