@@ -265,3 +265,61 @@ __device__ __forceinline__ void argmax_body(const T* x, int ldx, int cols, int* 
         argmax_body<T>(x, ldx, cols, out, ldo, out_cols);                                         \
     }
 NPU_FOR_EACH_ACT(ARGMAX)
+
+// ---- log-probability of the argmax -----------------------------------------------------------
+
+// A logit as the sampler reads it: NaN as -inf, +inf as the largest finite float.
+__device__ __forceinline__ float sanitized_logit(float v) {
+    return v != v ? NEG_INF : fminf(v, 3.402823466e38f);
+}
+
+// Max over the whole block; every thread gets it (the pattern of block_sum).
+__device__ __forceinline__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int n_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) {
+        red[warp] = v;
+    }
+    __syncthreads();
+    float t = lane < n_warps ? red[lane] : NEG_INF;
+    t = warp_max(t);
+    __syncthreads();
+    return t;
+}
+
+// grid (rows): out element r (f32, of a window with `out_cols` columns, rows `ldo` apart) = the
+// log-probability of row r's largest value, -ln(sum_c exp(x_c - max)) over the values read as
+// the sampler reads them (sanitized_logit), summed in f32; a row with nothing finite is uniform:
+// -ln(cols). With argmax it answers a greedy step without reading logits back.
+template <typename T>
+__device__ __forceinline__ void argmax_logprob_body(const T* x, int ldx, int cols, float* out,
+                                                    int ldo, int out_cols) {
+    __shared__ float red[32];
+    const int r = blockIdx.x;
+    const T* xr = x + (i64)r * ldx;
+    float m = NEG_INF;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        m = fmaxf(m, sanitized_logit(to_f32(xr[c])));
+    }
+    m = block_max(m, red);
+    float s = 0.0f;
+    if (m != NEG_INF) {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            s += expf(sanitized_logit(to_f32(xr[c])) - m);
+        }
+    }
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) {
+        out[(i64)(r / out_cols) * ldo + r % out_cols] =
+            m == NEG_INF ? -logf((float)cols) : -logf(s);
+    }
+}
+
+#define ARGMAX_LOGPROB(T, S)                                                                       \
+    extern "C" __global__ void argmax_logprob_##S(const T* x, int ldx, int cols, float* out,      \
+                                                  int ldo, int out_cols) {                         \
+        argmax_logprob_body<T>(x, ldx, cols, out, ldo, out_cols);                                 \
+    }
+NPU_FOR_EACH_ACT(ARGMAX_LOGPROB)

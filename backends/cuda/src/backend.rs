@@ -628,4 +628,13 @@ impl Backend for CudaBackend {
         self.op_argmax_rows(logits, out)?;
         Ok(true)
     }
+
+    fn argmax_logprob_rows(
+        &mut self,
+        logits: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<bool, BackendError> {
+        self.op_argmax_logprob_rows(logits, out)?;
+        Ok(true)
+    }
 }

@@ -38,10 +38,11 @@ pub enum Op {
     Attention,
     AttentionCombine,
     QuantizeQ8,
+    ArgmaxLogprob,
 }
 
 impl Op {
-    pub const ALL: [Op; 12] = [
+    pub const ALL: [Op; 13] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -54,6 +55,7 @@ impl Op {
         Op::Attention,
         Op::AttentionCombine,
         Op::QuantizeQ8,
+        Op::ArgmaxLogprob,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -69,6 +71,7 @@ impl Op {
             Op::Attention => "attention",
             Op::AttentionCombine => "attention_combine",
             Op::QuantizeQ8 => "quantize_q8",
+            Op::ArgmaxLogprob => "argmax_logprob",
         }
     }
 }

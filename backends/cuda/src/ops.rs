@@ -685,4 +685,41 @@ impl CudaBackend {
                 .i32(int(OP, ol.cols())?),
         )
     }
+
+    pub(crate) fn op_argmax_logprob_rows(
+        &mut self,
+        logits: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "argmax_logprob_rows";
+        self.own(logits.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, logits.dtype())?;
+        need(out.dtype() == DType::F32, OP, || {
+            format!("a {} output (f32 expected)", out.dtype().name())
+        })?;
+        let (ll, ol) = (logits.layout(), out.layout());
+        need(ol.elements() == ll.rows(), OP, || {
+            format!(
+                "{} rows into a window of {} elements",
+                ll.rows(),
+                ol.elements()
+            )
+        })?;
+        if ll.rows() == 0 {
+            return Ok(());
+        }
+        need(ll.cols() > 0, OP, || "rows of no values".into())?;
+        self.launch(
+            op_kernel(Op::ArgmaxLogprob, dt),
+            LaunchDims::linear([int(OP, ll.rows())? as u32, 1, 1], 256),
+            Args::new()
+                .ptr(addr(&logits))
+                .i32(int(OP, ll.stride())?)
+                .i32(int(OP, ll.cols())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?)
+                .i32(int(OP, ol.cols())?),
+        )
+    }
 }

@@ -36,7 +36,10 @@ extern "C" fn report_at_exit() {
 
 fn print_report(st: &State, when: &str) {
     let leaks = st.leak_report();
-    if !leaks.is_empty() {
+    if leaks.is_empty() {
+        // A positive line, so a test can tell a clean finalize from one that never ran.
+        eprintln!("ascend-emulator: nothing left alive at {when}");
+    } else {
         eprintln!(
             "ascend-emulator: {} object(s) never destroyed at {when}:",
             leaks.len()

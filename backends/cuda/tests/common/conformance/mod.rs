@@ -391,6 +391,31 @@ pub fn gather_and_argmax_pick_the_right_rows(make: Make) {
         }])
         .unwrap();
         assert_eq!(out, [17, 600, 0, cols as i32 - 1], "{}", dt.name());
+        // The pick's log-probability, as the sampler computes it from the same values (an +inf
+        // counts as the largest float; a row with nothing finite is uniform).
+        l[cols + 7] = f32::INFINITY;
+        let lb = put(&mut b, dt, &l, 4, cols);
+        let held = get(&mut b, &lb);
+        let mut lps = b.alloc(DType::F32, 4).unwrap();
+        take_launches(&b);
+        let ran = b
+            .argmax_logprob_rows(
+                View::rows(&lb, 4, cols).unwrap(),
+                ViewMut::rows(&mut lps, 4, 1).unwrap(),
+            )
+            .unwrap();
+        assert!(ran, "the CUDA backend has a device log-probability");
+        assert_launched(&b, vec![format!("argmax_logprob_{}", dt.name())]);
+        let got = get(&mut b, &lps);
+        for (r, row) in held.chunks(cols).enumerate() {
+            let want = npu_backend_cpu::kernels::scan::max_logprob_sanitized(row);
+            assert!(
+                (got[r] - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{} row {r}: {} vs {want}",
+                dt.name(),
+                got[r]
+            );
+        }
     }
 }
 
