@@ -442,6 +442,7 @@ impl Backend for CudaBackend {
                 bytes: usize::MAX,
             })?;
         self.kv = None;
+        self.layout = None;
         let mem = self.alloc_mem(bytes).map_err(|e| match e {
             BackendError::OutOfMemory { bytes, .. } => BackendError::OutOfMemory {
                 backend: NAME,
@@ -520,9 +521,11 @@ impl Backend for CudaBackend {
     }
 
     fn begin_step(&mut self, s: &StepInputs) -> Result<(), BackendError> {
-        let spec = self.kv_pool()?.spec;
+        // Token ops may run before the pool exists; KV ops then refuse (no pool), and making
+        // the pool forgets the step, so every step a KV op reads was checked against the pool.
+        let spec = self.kv.as_ref().map(|k| k.spec);
         self.layout = None;
-        let lay = step::pack(s, &spec, &mut self.meta_host)?;
+        let lay = step::pack(s, spec.as_ref(), &mut self.meta_host)?;
         let bytes = lay.total * 4;
         let big_enough = matches!(&self.meta, Some(m) if m.bytes() >= bytes);
         if !big_enough {

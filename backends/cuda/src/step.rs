@@ -32,8 +32,14 @@ fn bad(m: String) -> Result<StepLayout, BackendError> {
     Err(BackendError::BadStep(m))
 }
 
-/// Checks `s` against the KV pool and packs it into `out` (cleared first).
-pub fn pack(s: &StepInputs, kv: &KvSpec, out: &mut Vec<i32>) -> Result<StepLayout, BackendError> {
+/// Checks `s` (against the KV pool when there is one) and packs it into `out` (cleared first).
+/// Without a pool (`kv` None) slots, block ids and context lengths are not checked: only the
+/// token ops may run on such a step, and the backend forgets it when a pool is made.
+pub fn pack(
+    s: &StepInputs,
+    kv: Option<&KvSpec>,
+    out: &mut Vec<i32>,
+) -> Result<StepLayout, BackendError> {
     let t = s.tokens.len();
     if s.positions.len() != t || s.slot_mapping.len() != t {
         return bad(format!(
@@ -45,7 +51,9 @@ pub fn pack(s: &StepInputs, kv: &KvSpec, out: &mut Vec<i32>) -> Result<StepLayou
     if t > i32::MAX as usize / 2 {
         return bad(format!("{t} tokens in one step"));
     }
-    let slots = kv.num_blocks * kv.block_size;
+    // With no pool, nothing can be beyond it.
+    let (num_blocks, block_size) = kv.map_or((usize::MAX, 1), |k| (k.num_blocks, k.block_size));
+    let slots = num_blocks.saturating_mul(block_size);
     if let Some(bad_slot) = s.slot_mapping.iter().find(|&&x| x as usize >= slots) {
         return bad(format!(
             "slot {bad_slot} is beyond the KV pool ({slots} slots)"
@@ -65,14 +73,9 @@ pub fn pack(s: &StepInputs, kv: &KvSpec, out: &mut Vec<i32>) -> Result<StepLayou
             s.max_blocks
         ));
     }
-    if let Some(b) = s
-        .block_tables
-        .iter()
-        .find(|&&b| b as usize >= kv.num_blocks)
-    {
+    if let Some(b) = s.block_tables.iter().find(|&&b| b as usize >= num_blocks) {
         return bad(format!(
-            "block {b} is beyond the KV pool ({} blocks)",
-            kv.num_blocks
+            "block {b} is beyond the KV pool ({num_blocks} blocks)"
         ));
     }
     let mut next_row = 0usize;
@@ -89,7 +92,7 @@ pub fn pack(s: &StepInputs, kv: &KvSpec, out: &mut Vec<i32>) -> Result<StepLayou
         if end > i32::MAX as usize {
             return bad(format!("sequence {i}: context of {end} positions"));
         }
-        if end.div_ceil(kv.block_size) > s.max_blocks {
+        if kv.is_some() && end.div_ceil(block_size) > s.max_blocks {
             return bad(format!(
                 "sequence {i}: {end} positions need more than its {} blocks",
                 s.max_blocks
@@ -184,7 +187,7 @@ mod tests {
     #[test]
     fn packs_every_part_and_the_work_lists() {
         let mut out = Vec::new();
-        let l = pack(&step(), &spec(), &mut out).unwrap();
+        let l = pack(&step(), Some(&spec()), &mut out).unwrap();
         assert_eq!(&out[l.tokens..l.tokens + 4], &[10, 11, 12, 13]);
         assert_eq!(&out[l.seq_info..l.seq_info + 6], &[0, 3, 0, 3, 1, 5]);
         assert_eq!(&out[l.block_tables..l.block_tables + 4], &[2, 0, 1, 3]);
@@ -202,21 +205,35 @@ mod tests {
         let mut out = Vec::new();
         let mut s = step();
         s.slot_mapping[0] = 32;
-        assert!(pack(&s, &spec(), &mut out).is_err());
+        assert!(pack(&s, Some(&spec()), &mut out).is_err());
         let mut s = step();
         s.block_tables[1] = 8;
-        assert!(pack(&s, &spec(), &mut out).is_err());
+        assert!(pack(&s, Some(&spec()), &mut out).is_err());
         let mut s = step();
         s.seqs[1].start_pos = 8; // 9 positions need 3 blocks of 4
-        assert!(pack(&s, &spec(), &mut out).is_err());
+        assert!(pack(&s, Some(&spec()), &mut out).is_err());
         let mut s = step();
         s.logit_rows[0] = 4;
-        assert!(pack(&s, &spec(), &mut out).is_err());
+        assert!(pack(&s, Some(&spec()), &mut out).is_err());
         let mut s = step();
         s.seqs[1].n_q = 2; // rows beyond the tokens
-        assert!(pack(&s, &spec(), &mut out).is_err());
+        assert!(pack(&s, Some(&spec()), &mut out).is_err());
         let mut s = step();
         s.positions.pop();
-        assert!(pack(&s, &spec(), &mut out).is_err());
+        assert!(pack(&s, Some(&spec()), &mut out).is_err());
+    }
+
+    #[test]
+    fn without_a_pool_only_the_pool_checks_are_left_out() {
+        let mut out = Vec::new();
+        let mut s = step();
+        s.slot_mapping[0] = 1000;
+        s.block_tables[1] = 1000;
+        assert!(pack(&s, Some(&spec()), &mut out).is_err());
+        let l = pack(&s, None, &mut out).unwrap();
+        assert_eq!(l.n_tokens, 4);
+        // The step's own consistency is still checked.
+        s.logit_rows[0] = 4;
+        assert!(pack(&s, None, &mut out).is_err());
     }
 }

@@ -86,3 +86,79 @@ fn every_kernel_has_a_conformance_case() {
         .collect();
     assert!(missing.is_empty(), "kernels no case launched: {missing:?}");
 }
+
+/// A step may begin before the KV pool exists: token ops run, KV ops say there is no pool, and
+/// making the pool forgets that step (a KV op then needs a step checked against the pool).
+#[test]
+fn token_ops_run_before_the_kv_pool_exists() {
+    use npu_backend::{Backend, DType, KvSpec, SeqSpan, StepInputs, View, ViewMut};
+    use npu_gguf::hparams::{Rope, RopeStyle};
+    let Some(mut b) = emulated(DType::F32, npu_backend_cuda::MatmulMode::Auto) else {
+        return;
+    };
+    let s = StepInputs {
+        tokens: vec![1, 2],
+        positions: vec![0, 1],
+        slot_mapping: vec![0, 1],
+        seqs: vec![SeqSpan {
+            q_row: 0,
+            n_q: 2,
+            start_pos: 0,
+        }],
+        block_tables: vec![0],
+        max_blocks: 1,
+        logit_rows: vec![1],
+    };
+    b.begin_step(&s).unwrap();
+    let g = npu_backend::AttnGeometry {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 32,
+        rope: Rope {
+            style: RopeStyle::Interleaved,
+            dims: 32,
+            base: 10000.0,
+            freq_scale: 1.0,
+        },
+        scale: 1.0,
+    };
+    let mut qk = b.alloc(DType::F32, 2 * 64).unwrap();
+    b.rope(ViewMut::rows(&mut qk, 2, 64).unwrap(), &g).unwrap();
+    let kv = b.alloc(DType::F32, 2 * 32).unwrap();
+    let e = b
+        .kv_write(
+            View::rows(&kv, 2, 32).unwrap(),
+            View::rows(&kv, 2, 32).unwrap(),
+            &g,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("KV pool is not initialised"), "{e}");
+    b.init_kv(KvSpec {
+        n_layers: 1,
+        num_blocks: 4,
+        block_size: 16,
+        n_kv_heads: 1,
+        head_dim: 32,
+    })
+    .unwrap();
+    let e = b
+        .kv_write(
+            View::rows(&kv, 2, 32).unwrap(),
+            View::rows(&kv, 2, 32).unwrap(),
+            &g,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no step has begun"), "{e}");
+    b.begin_step(&s).unwrap();
+    b.kv_write(
+        View::rows(&kv, 2, 32).unwrap(),
+        View::rows(&kv, 2, 32).unwrap(),
+        &g,
+        0,
+    )
+    .unwrap();
+}
