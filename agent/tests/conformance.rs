@@ -213,3 +213,70 @@ fn tolerances_admit_other_valid_arithmetic() {
         .iter()
         .any(|c| c.error.is_some_and(|e| e > 1e-3)));
 }
+
+/// With each of a few ops made wrong in turn, the backend `make` builds fails the op checks on
+/// that op.
+#[allow(dead_code)]
+fn catches_faults<B: npu_backend::Backend>(
+    name: &str,
+    make: impl Fn() -> B,
+    file: &GgufFile,
+    expected: &[Result<Vec<ops::Output>, npu_backend::BackendError>],
+) {
+    for fault in [
+        Fault::Matmul,
+        Fault::Rope,
+        Fault::Attention,
+        Fault::ArgmaxRows,
+    ] {
+        let mut dev = Faulty {
+            inner: make(),
+            fault,
+        };
+        let mut report = Report::new(format!("{name}, faulty {fault:?}"));
+        ops::check_ops_against(&mut dev, expected, file, &mut report);
+        assert!(
+            report
+                .failures()
+                .iter()
+                .any(|c| fault.check_names().iter().any(|n| c.name.contains(n))),
+            "{name}: a faulty {fault:?} was not caught:\n{}",
+            report.render()
+        );
+    }
+}
+
+/// Device backends with one op made wrong fail the suite on that op too (their tolerances are
+/// looser than the CPU's, never loose enough to pass a wrong result).
+#[test]
+fn a_deliberately_wrong_op_on_a_device_backend_fails_the_suite() {
+    let file = model();
+    let expected = ops::reference_outputs(&file);
+    let _ = &expected;
+    #[cfg(feature = "cuda")]
+    {
+        use npu_backend::DType;
+        use npu_backend_cuda::{CudaBackend, CudaConfig};
+        let make = || {
+            let cfg = CudaConfig {
+                act_dtype: DType::F16,
+                kernel_cache: None,
+                ..CudaConfig::default()
+            };
+            CudaBackend::emulated(cfg).expect("the CUDA emulation builds")
+        };
+        catches_faults("cuda emulated kernels (f16)", make, &file, &expected);
+    }
+    #[cfg(not(feature = "cuda"))]
+    eprintln!("cuda: skipped, built without the `cuda` feature");
+    #[cfg(feature = "ascend")]
+    if std::env::var_os("ASCEND_HOME_PATH").is_some() {
+        use npu_backend_ascend::{AscendBackend, AscendConfig};
+        let make = || AscendBackend::new(AscendConfig::default()).expect("CANN loads");
+        catches_faults("ascend", make, &file, &expected);
+    } else {
+        eprintln!("ascend: skipped, ASCEND_HOME_PATH is not set");
+    }
+    #[cfg(not(feature = "ascend"))]
+    eprintln!("ascend: skipped, built without the `ascend` feature");
+}

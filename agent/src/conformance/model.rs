@@ -4,7 +4,7 @@
 //! and llama.cpp, up to each prompt's first near-tie (see `check_greedy`). Steps are made as the agent makes them: a `StepPlan`, read and checked by
 //! `crate::step_input` into the device's inputs.
 
-use npu_backend::Backend;
+use npu_backend::{Backend, SeqSpan, StepInputs};
 use npu_backend_cpu::kernels::scan;
 use npu_gguf::GgufFile;
 use npu_protocol::{SeqStep, StepPlan};
@@ -34,6 +34,22 @@ fn options(max_seqs: usize) -> ModelOptions {
         max_tokens: 256,
         max_logit_rows: max_seqs,
         num_blocks: max_seqs * BLOCKS_PER_SEQ as usize,
+        block_size: BLOCK as usize,
+    }
+}
+
+/// Options for the greedy checks: room for every reference prompt with all of llama.cpp's
+/// tokens in one step (teacher forcing), and a logit row for each of those tokens.
+fn greedy_options(refs: &[GreedyRef]) -> ModelOptions {
+    let tokens: usize = refs
+        .iter()
+        .map(|r| r.prompt_ids.len() + r.output_ids.len())
+        .sum();
+    let rows: usize = refs.iter().map(|r| r.output_ids.len()).sum();
+    ModelOptions {
+        max_tokens: tokens.max(256),
+        max_logit_rows: rows.max(refs.len()),
+        num_blocks: refs.len() * BLOCKS_PER_SEQ as usize,
         block_size: BLOCK as usize,
     }
 }
@@ -189,23 +205,21 @@ fn top2(row: &[f32]) -> (u32, f32) {
     (top as u32, val(row[top]) - second)
 }
 
-/// What a run over the reference prompts gave: per prompt and step, the token picked and (when
-/// the logits were read back) the top-1/top-2 gap.
+/// What greedy generation of the reference prompts gave: per prompt and step, the token picked
+/// and (when the logits were read back) the top-1/top-2 gap.
 struct Run {
     picks: Vec<Vec<u32>>,
     gaps: Vec<Vec<f32>>,
     on_device: bool,
 }
 
-/// Runs every reference prompt (all in one batch) for as many steps as the shortest reference
-/// has tokens. Each step feeds the token picked at the step before (`forced: false`: greedy
-/// generation) or llama.cpp's token (`forced: true`: teacher forcing). `greedy` lets the backend
-/// pick on the device (no gaps then).
-fn drive<B: Backend>(
+/// Greedy generation of every reference prompt (all in one batch) for as many steps as the
+/// shortest reference has tokens, each step feeding the token picked at the step before.
+/// `greedy` lets the backend pick on the device (no gaps then).
+fn generate<B: Backend>(
     model: &mut Model<B>,
     refs: &[GreedyRef],
     greedy: bool,
-    forced: bool,
 ) -> Result<Run, String> {
     let vocab = model.cfg.vocab;
     let steps = refs.iter().map(|r| r.output_ids.len()).min().unwrap_or(0);
@@ -224,13 +238,8 @@ fn drive<B: Backend>(
                 if step == 0 {
                     return seq(i as u32, 0, &r.prompt_ids, true);
                 }
-                let fed = if forced {
-                    r.output_ids[step - 1]
-                } else {
-                    res.picks[i][step - 1]
-                };
                 let start = (r.prompt_ids.len() + step - 1) as u32;
-                let mut s = seq(i as u32, start, &[fed], true);
+                let mut s = seq(i as u32, start, &res.picks[i][step - 1..step], true);
                 s.n_prompt_tokens = 0;
                 s
             })
@@ -263,6 +272,53 @@ fn drive<B: Backend>(
     Ok(res)
 }
 
+/// Teacher forcing in one step: every reference prompt followed by llama.cpp's tokens (its own
+/// sequence on its own blocks, all prefilled together), with the logits of every position that
+/// predicts one of those tokens. Per prompt and token: (top-1, top-1/top-2 gap).
+fn teacher_forced<B: Backend>(
+    model: &mut Model<B>,
+    refs: &[GreedyRef],
+) -> Result<Vec<Vec<(u32, f32)>>, String> {
+    let vocab = model.cfg.vocab;
+    let mut s = StepInputs {
+        max_blocks: BLOCKS_PER_SEQ as usize,
+        ..StepInputs::default()
+    };
+    for (i, r) in refs.iter().enumerate() {
+        let tokens: Vec<u32> = r.prompt_ids.iter().chain(&r.output_ids).copied().collect();
+        let n = tokens.len() as u32;
+        let table: Vec<u32> = (0..BLOCKS_PER_SEQ)
+            .map(|b| i as u32 * BLOCKS_PER_SEQ + b)
+            .collect();
+        if n > BLOCKS_PER_SEQ * BLOCK {
+            return Err(format!("prompt {i}: {n} tokens do not fit its blocks"));
+        }
+        let row0 = s.tokens.len() as u32;
+        s.seqs.push(SeqSpan {
+            q_row: row0,
+            n_q: n,
+            start_pos: 0,
+        });
+        s.positions.extend(0..n);
+        s.slot_mapping
+            .extend((0..n).map(|p| table[(p / BLOCK) as usize] * BLOCK + p % BLOCK));
+        s.block_tables.extend(&table);
+        let first = row0 + r.prompt_ids.len() as u32 - 1;
+        s.logit_rows
+            .extend(first..first + r.output_ids.len() as u32);
+        s.tokens.extend(tokens);
+    }
+    let mut out = StepOutput::default();
+    model
+        .forward(&s, false, &mut out)
+        .map_err(|e| e.to_string())?;
+    let mut rows = out.logits.chunks(vocab).map(top2);
+    Ok(refs
+        .iter()
+        .map(|r| rows.by_ref().take(r.output_ids.len()).collect())
+        .collect())
+}
+
 /// The first step of a prompt that is a near-tie for llama.cpp (its gaps) or for the CPU backend
 /// (`cpu_gaps`, along its own greedy path): tokens after it may differ on any valid backend.
 fn first_near_tie(r: &GreedyRef, cpu_gaps: &[f32]) -> usize {
@@ -280,8 +336,9 @@ fn first_near_tie(r: &GreedyRef, cpu_gaps: &[f32]) -> usize {
 ///   either (top-1/top-2 gap below `NEAR_TIE`: llama.cpp's gap, or the CPU backend's own). An
 ///   f16 device legitimately parts from the CPU backend's 8-bit activations at such a step (at
 ///   step 6 of "The capital of France is" the CPU backend's gap is 0.008);
-/// - teacher-forced along llama.cpp's tokens, the top-1 token equals the CPU backend's at every
-///   step where neither llama.cpp's nor the CPU backend's gap is a near-tie.
+/// - teacher-forced along llama.cpp's tokens (one prefill step of every prompt with all its
+///   tokens), the top-1 token equals the CPU backend's at every position where neither
+///   llama.cpp's nor the CPU backend's gap is a near-tie.
 pub fn check_greedy<B: Backend, R: Backend>(
     dev: B,
     reference: R,
@@ -297,22 +354,23 @@ pub fn check_greedy<B: Backend, R: Backend>(
         );
         return;
     }
-    let mut model = match Model::load(file, dev, options(refs.len())) {
+    let opts = greedy_options(refs);
+    let mut model = match Model::load(file, dev, opts) {
         Ok(m) => m,
         Err(e) => return report.error("greedy: load the model", &e),
     };
-    let mut cpu = match Model::load(file, reference, options(refs.len())) {
+    let mut cpu = match Model::load(file, reference, opts) {
         Ok(m) => m,
         Err(e) => return report.error("greedy: load the model (reference)", &e),
     };
     let (cpu_greedy, cpu_forced) = match (
-        drive(&mut cpu, refs, false, false),
-        drive(&mut cpu, refs, false, true),
+        generate(&mut cpu, refs, false),
+        teacher_forced(&mut cpu, refs),
     ) {
         (Ok(g), Ok(f)) => (g, f),
         (Err(e), _) | (_, Err(e)) => return report.error("greedy (reference)", &e),
     };
-    let got = match drive(&mut model, refs, true, false) {
+    let got = match generate(&mut model, refs, true) {
         Ok(g) => g,
         Err(e) => return report.error("greedy", &e),
     };
@@ -350,17 +408,13 @@ pub fn check_greedy<B: Backend, R: Backend>(
         vs_llama.is_empty(),
         differ(&vs_llama),
     );
-    let forced = match drive(&mut model, refs, false, true) {
+    let forced = match teacher_forced(&mut model, refs) {
         Ok(f) => f,
         Err(e) => return report.error("teacher-forced", &e),
     };
     let (mut wrong, mut decided) = (Vec::new(), 0);
     for (i, r) in refs.iter().enumerate() {
-        for (s, (&got, (&want, &gap))) in forced.picks[i]
-            .iter()
-            .zip(cpu_forced.picks[i].iter().zip(&cpu_forced.gaps[i]))
-            .enumerate()
-        {
+        for (s, (&(got, _), &(want, gap))) in forced[i].iter().zip(&cpu_forced[i]).enumerate() {
             let llama_gap = r.gaps.get(s).copied().unwrap_or(f32::INFINITY);
             if gap < NEAR_TIE || llama_gap < NEAR_TIE {
                 continue;
