@@ -417,6 +417,11 @@ impl CudaBackend {
         if lay.n_tokens == 0 {
             return Ok(());
         }
+        if lay.n_seqs == 0 {
+            return Err(BackendError::BadStep(
+                "attention in a step without sequences (its tokens belong to none)".into(),
+            ));
+        }
         let group = g.n_heads / g.n_kv_heads;
         // Tokens per block: as many as fill the target warps, but no more than the longest
         // sequence of the step has (a decode-only step gets one token per block).

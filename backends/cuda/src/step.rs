@@ -100,7 +100,8 @@ pub fn pack(
         }
         max_ctx = max_ctx.max(end);
     }
-    if next_row != t {
+    // A step without sequences runs token ops only (no attention work): its rows need no cover.
+    if next_row != t && !s.seqs.is_empty() {
         return bad(format!(
             "the sequences cover {next_row} of the step's {t} token rows"
         ));
@@ -232,6 +233,13 @@ mod tests {
         assert!(pack(&s, Some(&spec()), &mut out).is_err());
         let l = pack(&s, None, &mut out).unwrap();
         assert_eq!(l.n_tokens, 4);
+        // A step of tokens without sequences (token ops only) packs, with no attention work.
+        let mut t = step();
+        t.seqs.clear();
+        t.block_tables.clear();
+        t.logit_rows.clear();
+        let l = pack(&t, None, &mut out).unwrap();
+        assert_eq!((l.n_seqs, l.items[0].1), (0, 0));
         // The step's own consistency is still checked.
         s.logit_rows[0] = 4;
         assert!(pack(&s, None, &mut out).is_err());

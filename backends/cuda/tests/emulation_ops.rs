@@ -88,7 +88,8 @@ fn every_kernel_has_a_conformance_case() {
 }
 
 /// A step may begin before the KV pool exists: token ops run, KV ops say there is no pool, and
-/// making the pool forgets that step (a KV op then needs a step checked against the pool).
+/// making the pool forgets that step (a KV op then needs a step checked against the pool). A
+/// step's tokens may belong to no sequence: token ops run, attention refuses.
 #[test]
 fn token_ops_run_before_the_kv_pool_exists() {
     use npu_backend::{Backend, DType, KvSpec, SeqSpan, StepInputs, View, ViewMut};
@@ -161,4 +162,24 @@ fn token_ops_run_before_the_kv_pool_exists() {
         0,
     )
     .unwrap();
+    // Tokens that belong to no sequence: token ops run, attention says why not.
+    let lone = StepInputs {
+        seqs: Vec::new(),
+        block_tables: Vec::new(),
+        logit_rows: Vec::new(),
+        ..s
+    };
+    b.begin_step(&lone).unwrap();
+    b.rope(ViewMut::rows(&mut qk, 2, 64).unwrap(), &g).unwrap();
+    let mut out = b.alloc(DType::F32, 2 * 32).unwrap();
+    let e = b
+        .attention(
+            View::rows(&qk, 2, 32).unwrap(),
+            &g,
+            0,
+            ViewMut::rows(&mut out, 2, 32).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("without sequences"), "{e}");
 }
