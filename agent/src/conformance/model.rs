@@ -246,9 +246,8 @@ fn generate<B: Backend>(
             .collect();
         let plan = StepPlan {
             step_id: step as u64,
-            admit: Vec::new(),
-            forget: Vec::new(),
             seqs,
+            ..Default::default()
         };
         run(model, &mut read, &plan, greedy, &mut out).map_err(|e| format!("step {step}: {e}"))?;
         res.on_device |= out.picked_on_device;

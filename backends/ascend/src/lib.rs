@@ -46,8 +46,8 @@
 //! attention's sequence lengths are host arguments of its first phase today: captured graphs need
 //! them as device tensors (the tiling-sink form of FusedInferAttentionScore), so the lengths would
 //! join the step's device inputs. Until then, repeatable executors ([`reuse`]) remove the first
-//! phase of every operator whose shape repeats — a decode step of the default model is 369
-//! launches with 30 first phases, the attention calls — and [`ops::StepStats`] reports how many
+//! phase of every operator whose shape repeats — a greedy decode step of the default model is
+//! 372 launches with 30 first phases, the attention calls — and [`ops::StepStats`] reports how many
 //! calls a step makes.
 
 pub mod backend;
