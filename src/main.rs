@@ -39,12 +39,15 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    match Cli::parse().command {
+    let result = match Cli::parse().command {
         Command::Serve(a) => npu_server::serve::run(a, &npu_agent::device::built_devices()),
         Command::Generate(a) => npu_agent::cli::generate::run(a),
         Command::Score(a) => npu_agent::cli::score::run(a),
         Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),
         Command::Bench(a) => client_bench::run(a),
-        Command::Agent(a) => Ok(npu_agent::worker::run(a)?),
-    }
+        Command::Agent(a) => npu_agent::worker::run(a).map_err(Into::into),
+    };
+    // Every command has dropped its devices by now: device runtimes can be released.
+    npu_agent::device::release_runtimes();
+    result
 }

@@ -1,6 +1,8 @@
 //! End to end: the device an agent runs on comes from the config (`npu_serving.device`) or
 //! `--device`; a device whose backend this binary was not built with is refused at start with
-//! the cargo feature that builds it, before any agent starts.
+//! the cargo feature that builds it, before any agent starts; a device that is built in but whose
+//! vendor libraries this machine lacks (CUDA, CANN) fails at start naming the missing library,
+//! never with a panic.
 
 mod e2e_support;
 
@@ -88,4 +90,81 @@ fn local_commands_take_a_device_and_refuse_one_not_built_in() {
         "--json",
     ]);
     assert!(ok, "{err}");
+}
+
+/// Whether this machine has the NVIDIA driver's CUDA library where the loader looks by default.
+#[cfg(feature = "cuda")]
+fn cuda_driver_present() -> bool {
+    [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/local/cuda/lib64",
+        "/usr/lib/wsl/lib",
+    ]
+    .iter()
+    .any(|d| std::path::Path::new(d).join("libcuda.so.1").exists())
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn serve_on_cuda_without_cuda_fails_at_start_naming_the_library() {
+    let _serial = serial();
+    if cuda_driver_present() {
+        eprintln!("SKIPPED: this machine has a CUDA driver (libcuda.so.1), so CUDA is not missing");
+        return;
+    }
+    let opts = ServerOpts {
+        device: "cuda",
+        ..ServerOpts::default()
+    };
+    let (status, err) = serve_refused_env(
+        "cuda-missing",
+        &opts.yaml(),
+        &[],
+        &[("NPU_SERVING_CUDA_LIB_DIR", None)],
+    );
+    assert!(!status.success());
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "not a clean error exit: {status:?}\n{err}"
+    );
+    assert!(err.contains("libcuda.so"), "{err}");
+    assert!(err.contains("NVIDIA driver"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[cfg(feature = "ascend")]
+#[test]
+fn serve_on_ascend_without_cann_fails_at_start_naming_the_library_and_set_env() {
+    let _serial = serial();
+    if std::path::Path::new("/usr/local/Ascend").exists() {
+        eprintln!("SKIPPED: CANN is installed at its default path on this machine");
+        return;
+    }
+    let opts = ServerOpts {
+        device: "ascend",
+        ..ServerOpts::default()
+    };
+    let (status, err) = serve_refused_env(
+        "ascend-missing",
+        &opts.yaml(),
+        &[],
+        &[
+            ("ASCEND_HOME_PATH", None),
+            ("ASCEND_TOOLKIT_HOME", None),
+            ("LD_LIBRARY_PATH", None),
+        ],
+    );
+    assert!(!status.success());
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "not a clean error exit: {status:?}\n{err}"
+    );
+    assert!(err.contains("libascendcl.so"), "{err}");
+    assert!(err.contains("set_env.sh"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }

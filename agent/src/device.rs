@@ -3,9 +3,11 @@
 //! names a backend type; everything else calls it. A device whose backend is not compiled in
 //! answers `BackendError::NotBuilt` naming the cargo feature that builds it.
 //!
-//! Adding a backend crate is a few cfg lines here: a variant
-//! (`#[cfg(feature = "cuda")] Cuda(Model<npu_backend_cuda::CudaBackend>)`), its arm in
-//! `dispatch!`, its constructor in `DeviceModel::load`, and its kind in `built_devices`.
+//! Each backend crate beyond the CPU's is a few cfg lines here: a variant, its arm in
+//! `dispatch!`, its constructor in `DeviceModel::load`, and its kind in `built_devices`. The
+//! `cuda` feature builds `npu_backend_cuda::CudaBackend` (settings from `NPU_SERVING_CUDA_*`),
+//! the `ascend` feature `npu_backend_ascend::AscendBackend`; a process that opened an Ascend
+//! device calls [`release_runtimes`] once every device is closed (`aclFinalize`).
 
 use std::sync::Arc;
 
@@ -20,11 +22,14 @@ use crate::model::{Model, ModelConfig, ModelError, ModelOptions, StepOutput};
 
 /// The devices this build has backends for.
 pub fn built_devices() -> Vec<DeviceKind> {
-    vec![DeviceKind::Cpu]
+    DeviceKind::ALL
+        .into_iter()
+        .filter(|&k| backend_compiled_in(k))
+        .collect()
 }
 
-/// Whether this build was asked for `kind`'s backend (its cargo feature is on).
-fn feature_enabled(kind: DeviceKind) -> bool {
+/// Whether this build has a backend crate for `kind`.
+fn backend_compiled_in(kind: DeviceKind) -> bool {
     match kind {
         DeviceKind::Cpu => true,
         DeviceKind::Cuda => cfg!(feature = "cuda"),
@@ -32,22 +37,21 @@ fn feature_enabled(kind: DeviceKind) -> bool {
     }
 }
 
-/// The error for a device this build has no backend for.
-pub fn not_built(kind: DeviceKind) -> BackendError {
-    match kind.cargo_feature() {
-        Some(feature) if !feature_enabled(kind) => BackendError::NotBuilt {
-            device: kind.name(),
-            feature,
-        },
-        _ => BackendError::Unsupported {
-            backend: kind.name(),
-            what: format!(
-                "running a model: the `{}` feature is on, but this source tree has no {} \
-                 backend crate yet",
-                kind.name(),
-                kind.name()
-            ),
-        },
+/// Releases the process-wide runtimes of the device backends (ACL's `aclFinalize`), once, when
+/// the process is done with every device: after the last model and its buffers are dropped.
+/// A no-op for runtimes that never started; a failure is logged (the process is ending).
+pub fn release_runtimes() {
+    #[cfg(feature = "ascend")]
+    if let Err(e) = npu_backend_ascend::Acl::finalize() {
+        tracing::warn!("releasing the Ascend runtime (aclFinalize): {e}");
+    }
+}
+
+/// The error for a device this build has no backend for: the cargo feature that builds it.
+fn not_built(kind: DeviceKind) -> BackendError {
+    BackendError::NotBuilt {
+        device: kind.name(),
+        feature: kind.cargo_feature().unwrap_or("default"),
     }
 }
 
@@ -61,7 +65,12 @@ pub struct DeviceSpec {
 
 /// A model on one of the backends compiled in.
 pub enum DeviceModel {
-    Cpu(Model<CpuBackend>),
+    // Boxed: the models differ in size by backend, and the enum is moved around whole.
+    Cpu(Box<Model<CpuBackend>>),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<Model<npu_backend_cuda::CudaBackend>>),
+    #[cfg(feature = "ascend")]
+    Ascend(Box<Model<npu_backend_ascend::AscendBackend>>),
 }
 
 /// `dispatch!(model, m => expr)`: `expr` with `m` bound to the `Model<B>` inside.
@@ -69,6 +78,10 @@ macro_rules! dispatch {
     ($dm:expr, $m:ident => $body:expr) => {
         match $dm {
             DeviceModel::Cpu($m) => $body,
+            #[cfg(feature = "cuda")]
+            DeviceModel::Cuda($m) => $body,
+            #[cfg(feature = "ascend")]
+            DeviceModel::Ascend($m) => $body,
         }
     };
 }
@@ -95,8 +108,30 @@ impl DeviceModel {
                     f32_reference: false,
                 };
                 let backend = CpuBackend::on_pool(pool.clone(), cfg);
-                Ok(Self::Cpu(Model::load(file, backend, opts)?))
+                Ok(Self::Cpu(Box::new(Model::load(file, backend, opts)?)))
             }
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda => {
+                use npu_backend_cuda::{CudaBackend, CudaConfig};
+                let cfg = CudaConfig::from_env().map_err(|message| BackendError::BadArgument {
+                    op: "cuda settings",
+                    message,
+                })?;
+                let backend = CudaBackend::new(spec.device_id as usize, cfg)?;
+                Ok(Self::Cuda(Box::new(Model::load(file, backend, opts)?)))
+            }
+            #[cfg(feature = "ascend")]
+            DeviceKind::Ascend => {
+                use npu_backend_ascend::{AscendBackend, AscendConfig};
+                // `spec.device_id` is already `start_device_id` + the agent's index.
+                let backend = AscendBackend::new(AscendConfig {
+                    start_device_id: spec.device_id,
+                    agent_index: 0,
+                    ..AscendConfig::default()
+                })?;
+                Ok(Self::Ascend(Box::new(Model::load(file, backend, opts)?)))
+            }
+            #[allow(unreachable_patterns)]
             other => Err(not_built(other).into()),
         }
     }
@@ -163,11 +198,14 @@ mod tests {
 
     #[test]
     fn a_device_not_built_in_names_its_feature() {
-        assert!(built_devices().contains(&DeviceKind::Cpu));
+        let built = built_devices();
+        assert!(built.contains(&DeviceKind::Cpu));
+        assert_eq!(built.contains(&DeviceKind::Cuda), cfg!(feature = "cuda"));
+        assert_eq!(
+            built.contains(&DeviceKind::Ascend),
+            cfg!(feature = "ascend")
+        );
         for kind in [DeviceKind::Cuda, DeviceKind::Ascend] {
-            if built_devices().contains(&kind) {
-                continue;
-            }
             let e = not_built(kind).to_string();
             assert!(e.contains(&format!("--features {}", kind.name())), "{e}");
         }

@@ -92,6 +92,13 @@ fn long_context_layout(
     cfg: &AgentEngineConfig,
     lc: npu_protocol::LongContextConfig,
 ) -> Result<npu_protocol::LongContextLayout, EngineError> {
+    if cfg.device != npu_protocol::agent::DeviceKind::Cpu {
+        return Err(EngineError::BadConfig(format!(
+            "long_context: long-context mode runs on the cpu device only (its per-layer block \
+             copies are not built for {})",
+            cfg.device.name()
+        )));
+    }
     let layout = npu_protocol::LongContextLayout::new(lc, cfg.block_size)
         .map_err(|e| EngineError::BadConfig(format!("long_context.{e}")))?;
     let room = cfg.num_blocks.min(cfg.max_blocks_per_seq);

@@ -1,7 +1,10 @@
 //! The backend conformance suite (`npu_agent::conformance`) on every backend this build has and
-//! this machine can run: the CPU backend under each instruction set. Skipped ones are printed
-//! with the reason, never counted as passed. Later backends plug in with one line in `candidates`. Run with `--nocapture` to see
-//! every check's error against its tolerance.
+//! this machine can run: the CPU backend under each instruction set; with the `cuda` feature, the
+//! CUDA backend on a GPU (when one is present) and on the CPU emulation of its kernels; with the
+//! `ascend` feature, the Ascend backend over the CANN install `ASCEND_HOME_PATH` names (in CI the
+//! strict emulation that `scripts/ascend-emulator.sh` builds). Skipped ones are printed with the
+//! reason, never counted as passed. Run with `--nocapture` to see every check's error against
+//! its tolerance.
 
 mod common;
 
@@ -11,12 +14,76 @@ use npu_agent::conformance::{self, ops, Candidate, Report};
 use npu_backend_cpu::{CpuBackend, CpuConfig};
 use npu_gguf::GgufFile;
 
-/// Every backend to check: the CPU ones, then one line per device backend compiled in, e.g.
-/// `#[cfg(feature = "cuda")] run.push(Candidate::new("cuda:0", || CudaBackend::new(0)));`
-/// (a constructor that fails because the device is absent is reported, not skipped silently).
+/// Every backend to check (a constructor that fails because the device is absent makes a skip
+/// line with its reason; any other failure is a failed check).
 fn candidates() -> (Vec<Candidate>, Vec<String>) {
-    let (run, skipped) = conformance::cpu_candidates();
+    let (mut run, mut skipped) = conformance::cpu_candidates();
+    cuda_candidates(&mut run, &mut skipped);
+    ascend_candidates(&mut run, &mut skipped);
     (run, skipped)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_candidates(_: &mut Vec<Candidate>, skipped: &mut Vec<String>) {
+    skipped.push("cuda: skipped, built without the `cuda` feature".into());
+}
+
+/// CUDA device 0 when this machine has one, and always the emulation of the kernels (f32
+/// activations, the default, and f16).
+#[cfg(feature = "cuda")]
+fn cuda_candidates(run: &mut Vec<Candidate>, skipped: &mut Vec<String>) {
+    use npu_backend::{BackendError, DType};
+    use npu_backend_cuda::{CudaBackend, CudaConfig};
+    match CudaBackend::new(0, CudaConfig::default()) {
+        Ok(_) => run.push(Candidate::new("cuda:0 (GPU)", || {
+            CudaBackend::new(0, CudaConfig::default())
+        })),
+        Err(e @ (BackendError::MissingLibrary { .. } | BackendError::Device { .. })) => skipped
+            .push(format!(
+                "cuda:0 (GPU): skipped, no usable CUDA device here: {e}"
+            )),
+        Err(e) => panic!("opening CUDA device 0 failed for another reason than its absence: {e}"),
+    }
+    for dt in [DType::F32, DType::F16] {
+        let cfg = CudaConfig {
+            act_dtype: dt,
+            kernel_cache: None,
+            ..CudaConfig::default()
+        };
+        run.push(Candidate::new(
+            format!("cuda emulated kernels ({} activations)", dt.name()),
+            move || CudaBackend::emulated(cfg.clone()),
+        ));
+    }
+}
+
+#[cfg(not(feature = "ascend"))]
+fn ascend_candidates(_: &mut Vec<Candidate>, skipped: &mut Vec<String>) {
+    skipped.push("ascend: skipped, built without the `ascend` feature".into());
+}
+
+/// The Ascend backend on device 0 of the CANN install `ASCEND_HOME_PATH` names (the emulation
+/// in CI: `ASCEND_HOME_PATH=$(scripts/ascend-emulator.sh)`).
+#[cfg(feature = "ascend")]
+fn ascend_candidates(run: &mut Vec<Candidate>, skipped: &mut Vec<String>) {
+    use npu_backend_ascend::{AscendBackend, AscendConfig};
+    let Some(root) = std::env::var_os("ASCEND_HOME_PATH") else {
+        skipped.push(
+            "ascend: skipped, ASCEND_HOME_PATH is not set (source CANN's set_env.sh, or point it \
+             at the emulation: ASCEND_HOME_PATH=$(scripts/ascend-emulator.sh))"
+                .into(),
+        );
+        return;
+    };
+    let emulated = std::path::Path::new(&root).join("EMULATION.txt").is_file();
+    let name = if emulated {
+        "ascend:0 (CANN emulation)"
+    } else {
+        "ascend:0 (CANN)"
+    };
+    run.push(Candidate::new(name, || {
+        AscendBackend::new(AscendConfig::default())
+    }));
 }
 
 fn greedy_refs() -> Vec<GreedyRef> {
@@ -26,6 +93,7 @@ fn greedy_refs() -> Vec<GreedyRef> {
             prompt_ids: r.prompt_ids,
             output_ids: r.output_ids,
             first_near_tie: r.first_near_tie,
+            gaps: r.gaps.iter().map(|&g| g as f32).collect(),
         })
         .collect()
 }
@@ -144,4 +212,71 @@ fn tolerances_admit_other_valid_arithmetic() {
         .checks
         .iter()
         .any(|c| c.error.is_some_and(|e| e > 1e-3)));
+}
+
+/// With each of a few ops made wrong in turn, the backend `make` builds fails the op checks on
+/// that op.
+#[allow(dead_code)]
+fn catches_faults<B: npu_backend::Backend>(
+    name: &str,
+    make: impl Fn() -> B,
+    file: &GgufFile,
+    expected: &[Result<Vec<ops::Output>, npu_backend::BackendError>],
+) {
+    for fault in [
+        Fault::Matmul,
+        Fault::Rope,
+        Fault::Attention,
+        Fault::ArgmaxRows,
+    ] {
+        let mut dev = Faulty {
+            inner: make(),
+            fault,
+        };
+        let mut report = Report::new(format!("{name}, faulty {fault:?}"));
+        ops::check_ops_against(&mut dev, expected, file, &mut report);
+        assert!(
+            report
+                .failures()
+                .iter()
+                .any(|c| fault.check_names().iter().any(|n| c.name.contains(n))),
+            "{name}: a faulty {fault:?} was not caught:\n{}",
+            report.render()
+        );
+    }
+}
+
+/// Device backends with one op made wrong fail the suite on that op too (their tolerances are
+/// looser than the CPU's, never loose enough to pass a wrong result).
+#[test]
+fn a_deliberately_wrong_op_on_a_device_backend_fails_the_suite() {
+    let file = model();
+    let expected = ops::reference_outputs(&file);
+    let _ = &expected;
+    #[cfg(feature = "cuda")]
+    {
+        use npu_backend::DType;
+        use npu_backend_cuda::{CudaBackend, CudaConfig};
+        let make = || {
+            let cfg = CudaConfig {
+                act_dtype: DType::F16,
+                kernel_cache: None,
+                ..CudaConfig::default()
+            };
+            CudaBackend::emulated(cfg).expect("the CUDA emulation builds")
+        };
+        catches_faults("cuda emulated kernels (f16)", make, &file, &expected);
+    }
+    #[cfg(not(feature = "cuda"))]
+    eprintln!("cuda: skipped, built without the `cuda` feature");
+    #[cfg(feature = "ascend")]
+    if std::env::var_os("ASCEND_HOME_PATH").is_some() {
+        use npu_backend_ascend::{AscendBackend, AscendConfig};
+        let make = || AscendBackend::new(AscendConfig::default()).expect("CANN loads");
+        catches_faults("ascend", make, &file, &expected);
+    } else {
+        eprintln!("ascend: skipped, ASCEND_HOME_PATH is not set");
+    }
+    #[cfg(not(feature = "ascend"))]
+    eprintln!("ascend: skipped, built without the `ascend` feature");
 }

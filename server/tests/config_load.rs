@@ -539,3 +539,27 @@ fn long_context_is_a_checked_mapping_of_its_settings() {
     let e = cfg.check_kv_pool(8192).unwrap_err();
     assert_eq!(e.key_path(), Some("npu_serving.long_context.device_blocks"));
 }
+
+#[test]
+fn ascend_refuses_block_sizes_that_are_not_a_multiple_of_16_naming_the_key() {
+    for bs in [1, 2, 4, 8] {
+        let yaml = format!("pa_config:\n  block_size: {bs}\nnpu_serving:\n  device: ascend\n");
+        let e = err(&yaml);
+        assert_eq!(e.key_path(), Some("pa_config.block_size"), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("{bs} is not allowed"))
+                && msg.contains("multiple of 16")
+                && msg.contains("ascend"),
+            "{msg}"
+        );
+        // The same size is fine on the CPU.
+        let cpu = format!("pa_config:\n  block_size: {bs}\nnpu_serving:\n  device: cpu\n");
+        assert!(ServerConfig::from_yaml_str(&cpu).is_ok());
+    }
+    for bs in [16, 32, 128, 256] {
+        let yaml = format!("pa_config:\n  block_size: {bs}\nnpu_serving:\n  device: ascend\n");
+        let cfg = ServerConfig::from_yaml_str(&yaml).unwrap();
+        assert_eq!(cfg.pa_config.block_size, bs);
+    }
+}

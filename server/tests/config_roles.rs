@@ -104,3 +104,16 @@ fn a_split_is_refused_with_long_context_mode() {
     ))
     .unwrap();
 }
+
+#[test]
+fn long_context_mode_is_refused_on_devices_without_its_block_copies() {
+    for device in ["cuda", "ascend"] {
+        let e = load(&format!(
+            "pa_config:\n  block_size: 16\nnpu_serving:\n  device: {device}\n  long_context: {{}}\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("npu_serving.long_context"), "{e}");
+        assert!(e.contains(device), "{e}");
+    }
+}

@@ -48,6 +48,8 @@ pub struct ServerOpts {
     pub swap_space_mb: u64,
     /// `npu_serving.agent_roles` as YAML (e.g. `[prefill, decode]`); None: left out.
     pub agent_roles: Option<&'static str>,
+    /// Environment variables set for the server (and so for its agents).
+    pub env: Vec<(String, PathBuf)>,
 }
 
 impl Default for ServerOpts {
@@ -67,6 +69,7 @@ impl Default for ServerOpts {
             device: "cpu",
             swap_space_mb: 0,
             agent_roles: None,
+            env: Vec::new(),
         }
     }
 }
@@ -123,10 +126,27 @@ fn scratch_dir(name: &str) -> PathBuf {
 
 /// Runs `npu-serving serve` on a config that must be refused: its exit status and stderr.
 pub fn serve_refused(name: &str, yaml: &str, extra_args: &[&str]) -> (ExitStatus, String) {
+    serve_refused_env(name, yaml, extra_args, &[])
+}
+
+/// As `serve_refused`, with environment variables set (`Some`) or removed (`None`) for the server.
+pub fn serve_refused_env(
+    name: &str,
+    yaml: &str,
+    extra_args: &[&str],
+    env: &[(&str, Option<&str>)],
+) -> (ExitStatus, String) {
     let dir = scratch_dir(name);
     let config = dir.join("config.yaml");
     std::fs::write(&config, yaml).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_npu-serving"));
+    for (k, v) in env {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let mut child = cmd
         .arg("serve")
         .arg("--config")
         .arg(&config)
@@ -162,18 +182,18 @@ impl Server {
         let dir = scratch_dir(name);
         let config = dir.join("config.yaml");
         std::fs::write(&config, opts.yaml()).unwrap();
-        Self::start_config(name, dir, &config)
+        Self::start_config(dir, &config, &opts.env)
     }
 
     /// Starts the server on an existing config file (e.g. a shipped one) with `--port 0`.
     pub fn start_file(name: &str, config: &std::path::Path) -> Server {
-        Self::start_config(name, scratch_dir(name), config)
+        Self::start_config(scratch_dir(name), config, &[])
     }
 
-    fn start_config(name: &str, dir: PathBuf, config: &std::path::Path) -> Server {
-        let _ = name;
+    fn start_config(dir: PathBuf, config: &std::path::Path, env: &[(String, PathBuf)]) -> Server {
         let log = dir.join("server.log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .arg("serve")
             .arg("--config")
             .arg(config)
@@ -480,6 +500,25 @@ pub fn reference_prompts() -> Vec<(String, String)> {
             )
         })
         .collect()
+}
+
+/// The strict CANN emulation's install directory, for `ASCEND_HOME_PATH`: the variable's value
+/// when set, else the directory `scripts/ascend-emulator.sh` builds and prints.
+pub fn ascend_emulator() -> PathBuf {
+    if let Some(p) = std::env::var_os("ASCEND_HOME_PATH") {
+        return PathBuf::from(p);
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ascend-emulator.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .output()
+        .expect("bash runs scripts/ascend-emulator.sh");
+    assert!(
+        out.status.success(),
+        "scripts/ascend-emulator.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
 /// Assorted prompts of different lengths and kinds.

@@ -222,9 +222,12 @@ pub fn check_ops_against<B: Backend>(
                         continue;
                     };
                     match wo.expect {
-                        Expect::Like(class) => {
-                            report.compare(&wo.name, &go.values, &wo.values, tol.of(class))
-                        }
+                        Expect::Like(class) => report.compare_within(
+                            &wo.name,
+                            &go.values,
+                            &wo.values,
+                            tol.bound(class),
+                        ),
                         Expect::AtMost(limit) => own_verdict(report, go, limit),
                     }
                 }

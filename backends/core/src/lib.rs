@@ -302,14 +302,22 @@ pub trait Backend: Send {
 
     /// Copies one layer of one block to host rows: `k` and `v` get `block_size` rows of
     /// `n_kv_heads * head_dim` values (token by token, heads in order) as f32. Waits for queued
-    /// ops. Long-context mode reads the blocks leaving its local window so.
+    /// ops. Long-context mode reads the blocks leaving its local window so. Only the CPU
+    /// backend has it today: the others answer `Unsupported` (and long-context mode is refused
+    /// on their devices at start).
     fn kv_layer_block_to_host(
         &mut self,
         layer: usize,
         block: u32,
         k: &mut [f32],
         v: &mut [f32],
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        let _ = (layer, block, k, v);
+        Err(BackendError::Unsupported {
+            backend: self.kind().name(),
+            what: "per-layer KV block copies (long-context mode)".into(),
+        })
+    }
     /// Writes host rows (shaped as `kv_layer_block_to_host` gives them) into one layer of one
     /// block, converting to the cache's dtype; the slices may be reused when this returns.
     fn kv_layer_block_from_host(
@@ -318,7 +326,13 @@ pub trait Backend: Send {
         block: u32,
         k: &[f32],
         v: &[f32],
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        let _ = (layer, block, k, v);
+        Err(BackendError::Unsupported {
+            backend: self.kind().name(),
+            what: "per-layer KV block copies (long-context mode)".into(),
+        })
+    }
 
     // --- one step -------------------------------------------------------------------------
     /// Takes the step's inputs to the device; the ops below read them.

@@ -96,12 +96,33 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
             "every agent `both` while npu_serving.long_context is set",
         ));
     }
+    if npu_serving.long_context.is_some() && npu_serving.device != DeviceKind::Cpu {
+        // Only the CPU backend has the per-layer block copies the mode's memory units need.
+        return Err(ConfigError::not_allowed(
+            "npu_serving.long_context",
+            "set",
+            format!(
+                "only with npu_serving.device: cpu (not built for {})",
+                npu_serving.device.name()
+            ),
+        ));
+    }
     s.finish(
         &mut warnings,
         Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
     )?;
 
     top.finish(&mut warnings, llm)?;
+
+    // The Ascend attention operator pages its KV cache in blocks of a multiple of 16 tokens.
+    if npu_serving.device == DeviceKind::Ascend && !pa_config.block_size.is_multiple_of(16) {
+        return Err(ConfigError::not_allowed(
+            "pa_config.block_size",
+            pa_config.block_size,
+            "a multiple of 16 with npu_serving.device: ascend (128 recommended: prefill attention \
+             takes multiples of 128; smaller sizes prefill token by token)",
+        ));
+    }
 
     Ok(ServerConfig {
         model_config,

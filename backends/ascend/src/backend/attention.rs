@@ -1,0 +1,303 @@
+//! Writing the step's K/V into the paged cache by slot mapping (ScatterPaKvCache, or
+//! ScatterNdUpdate on releases without it) and paged attention through
+//! FusedInferAttentionScoreV2 with an INT32 block table and actual sequence lengths, on the path
+//! the step's plan chose ([`super::step::AttnPath`]).
+
+use npu_backend::{AttnGeometry, BackendError, View, ViewMut};
+
+use super::layer_ops::{bad, gather, step_slice, tview, want_f16};
+use super::objects::AscendBuffer;
+use super::step::AttnPath;
+use super::{err, AscendBackend};
+use crate::ops::{Attention, KvWrite};
+use crate::reuse::Arg;
+use crate::tensor::{self, Tensor, View as TView};
+
+impl AscendBackend {
+    fn check_geometry(&self, op: &'static str, g: &AttnGeometry) -> Result<(), BackendError> {
+        let spec = self.kv()?.spec;
+        if g.n_kv_heads != spec.n_kv_heads || g.head_dim != spec.head_dim {
+            return Err(bad(
+                op,
+                format!(
+                    "{} KV heads of {} for a pool of {} of {}",
+                    g.n_kv_heads, g.head_dim, spec.n_kv_heads, spec.head_dim
+                ),
+            ));
+        }
+        if g.n_heads == 0 || !g.n_heads.is_multiple_of(g.n_kv_heads) {
+            return Err(bad(
+                op,
+                format!("{} heads over {} KV heads", g.n_heads, g.n_kv_heads),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn op_kv_write(
+        &mut self,
+        k: View<'_, AscendBuffer>,
+        v: View<'_, AscendBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        let op = "kv_write";
+        self.check_geometry(op, g)?;
+        let (kl, vl) = (k.layout(), v.layout());
+        want_f16(op, "k", k.dtype())?;
+        want_f16(op, "v", v.dtype())?;
+        let t = self.plan.n_tokens;
+        let kvd = g.kv_width();
+        for (w, l) in [("k", kl), ("v", vl)] {
+            if l.rows() != t || l.cols() != kvd {
+                return Err(bad(
+                    op,
+                    format!("{w} is {}x{}, the step needs {t}x{kvd}", l.rows(), l.cols()),
+                ));
+            }
+        }
+        let kv = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))?;
+        let spec = kv.spec;
+        let (kc, vc) = kv.layer(layer)?;
+        let (slots, sv) = step_slice(&self.step_mem, self.plan.slots, t)?;
+        let api = self.dev.acl.api.ops;
+        let (n, d) = (g.n_kv_heads as i64, g.head_dim as i64);
+        let rows = |l: npu_backend::Layout| {
+            TView::strided(
+                tensor::DType::F16,
+                &[t as i64, n, d],
+                &[l.stride() as i64, d, 1],
+                l.offset() as i64,
+            )
+        };
+        let cache = TView::contiguous(
+            tensor::DType::F16,
+            &[spec.num_blocks as i64, spec.block_size as i64, n, d],
+        );
+        self.pending = true;
+        if let (Some(prep), Some(launch)) = (
+            api.aclnnScatterPaKvCacheGetWorkspaceSize,
+            api.aclnnScatterPaKvCache,
+        ) {
+            return self
+                .ops
+                .call(
+                    "aclnnScatterPaKvCache",
+                    launch,
+                    &[
+                        Arg::fixed("key", &k.buf().mem, rows(kl)),
+                        Arg::fixed("keyCacheRef", kc, cache.clone()),
+                        Arg::fixed("slotMapping", slots, sv),
+                        Arg::fixed("value", &v.buf().mem, rows(vl)),
+                        Arg::fixed("valueCacheRef", vc, cache),
+                    ],
+                    &[],
+                    &[],
+                    // SAFETY (closure): live tensors, a NUL-terminated mode and out-pointers.
+                    Box::new(move |ts, _, w, e| unsafe {
+                        let mut norm = *b"Norm\0";
+                        prep(
+                            ts[0].raw(),
+                            ts[1].raw(),
+                            ts[2].raw(),
+                            ts[3].raw(),
+                            ts[4].raw(),
+                            std::ptr::null(),
+                            std::ptr::null(),
+                            std::ptr::null(),
+                            norm.as_mut_ptr().cast(),
+                            std::ptr::null_mut(),
+                            std::ptr::null(),
+                            std::ptr::null(),
+                            w,
+                            e,
+                        )
+                    }),
+                )
+                .map_err(err);
+        }
+        // Releases without ScatterPaKvCache: its documented equivalent, per cache.
+        if kl.stride() != vl.stride() || !std::ptr::eq(k.buf(), v.buf()) {
+            return Err(bad(
+                op,
+                "without ScatterPaKvCache, K and V must be column ranges of one buffer",
+            ));
+        }
+        let w = KvWrite {
+            dtype: tensor::DType::F16,
+            tokens: t,
+            kv_heads: g.n_kv_heads,
+            head_dim: g.head_dim,
+            row_stride: kl.stride(),
+            key: &k.buf().mem,
+            key_offset: kl.offset(),
+            value: &v.buf().mem,
+            value_offset: vl.offset(),
+            key_cache: kc,
+            value_cache: vc,
+            slots,
+            slots_offset: self.plan.slots,
+            num_blocks: spec.num_blocks,
+            block_size: spec.block_size,
+        };
+        self.ops.runner.write_kv_rows(&w).map_err(err)
+    }
+
+    pub(super) fn op_attention(
+        &mut self,
+        q: View<'_, AscendBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let op = "attention";
+        self.check_geometry(op, g)?;
+        let (ql, ol) = (q.layout(), out.layout());
+        want_f16(op, "q", q.dtype())?;
+        want_f16(op, "out", out.dtype())?;
+        let t = self.plan.n_tokens;
+        let h = g.q_width();
+        for (w, l) in [("q", ql), ("out", ol)] {
+            if l.rows() != t || l.cols() != h {
+                return Err(bad(
+                    op,
+                    format!("{w} is {}x{}, the step needs {t}x{h}", l.rows(), l.cols()),
+                ));
+            }
+        }
+        let path = self
+            .plan
+            .path
+            .ok_or_else(|| BackendError::BadStep("the step has no sequences to attend".into()))?;
+        let acl = self.dev.acl;
+        self.pending = true;
+        let groups = self.plan.groups.clone();
+        match path {
+            AttnPath::TokenWise => {
+                // (B, 1, H) over the step's rows: one query per batch entry.
+                let rows = |l: npu_backend::Layout, r: &std::ops::Range<usize>| {
+                    TView::strided(
+                        tensor::DType::F16,
+                        &[r.len() as i64, 1, h as i64],
+                        &[l.stride() as i64, l.stride() as i64, 1],
+                        (l.offset() + r.start * l.stride()) as i64,
+                    )
+                };
+                for r in &groups {
+                    let query = Tensor::new(acl, &q.buf().mem, rows(ql, r)).map_err(err)?;
+                    let outt = Tensor::new(acl, &out.buf().mem, rows(ol, r)).map_err(err)?;
+                    self.fia(&query, &outt, layer, g, None, r.clone())?;
+                }
+                Ok(())
+            }
+            AttnPath::Prompt { s_max } => {
+                let rows = self.plan.batch * s_max;
+                for name in ["attn_q", "attn_o"] {
+                    self.scratch.ensure(&self.dev, name, rows * h * 2)?;
+                }
+                if self.mask.is_none() {
+                    // sparseMode 3 takes the 2048×2048 mask with 1 above the diagonal.
+                    let m: Vec<u8> = (0..2048 * 2048)
+                        .map(|i| ((i % 2048) > (i / 2048)) as u8)
+                        .collect();
+                    self.mask = Some(super::objects::upload_new(
+                        &self.dev,
+                        &m,
+                        "the causal mask",
+                    )?);
+                }
+                let padded = TView::contiguous(tensor::DType::F16, &[rows as i64, h as i64]);
+                gather(
+                    &mut self.ops,
+                    (&q.buf().mem, tview(q.dtype(), ql)),
+                    step_slice(&self.step_mem, self.plan.pad_rows, rows)?,
+                    (self.scratch.get("attn_q"), padded.clone()),
+                )?;
+                let mask = Tensor::new(
+                    acl,
+                    self.mask.as_ref().expect("just made"),
+                    TView::contiguous(tensor::DType::I8, &[2048, 2048]),
+                )
+                .map_err(err)?;
+                for r in &groups {
+                    // (sequences, s_max, H) of the padded batch.
+                    let bsh = TView::strided(
+                        tensor::DType::F16,
+                        &[r.len() as i64, s_max as i64, h as i64],
+                        &[(s_max * h) as i64, h as i64, 1],
+                        (r.start * s_max * h) as i64,
+                    );
+                    let query =
+                        Tensor::new(acl, self.scratch.get("attn_q"), bsh.clone()).map_err(err)?;
+                    let outt = Tensor::new(acl, self.scratch.get("attn_o"), bsh).map_err(err)?;
+                    self.fia(&query, &outt, layer, g, Some(&mask), r.clone())?;
+                }
+                gather(
+                    &mut self.ops,
+                    (self.scratch.get("attn_o"), padded),
+                    step_slice(&self.step_mem, self.plan.unpad_rows, t)?,
+                    (&out.buf().mem, tview(out.dtype(), ol)),
+                )
+            }
+        }
+    }
+
+    /// One FusedInferAttentionScoreV2 call over `layer`'s caches with the step's block tables and
+    /// lengths (its first phase reads the lengths on the host, so it is never reused).
+    fn fia(
+        &mut self,
+        query: &Tensor,
+        out: &Tensor,
+        layer: usize,
+        g: &AttnGeometry,
+        mask: Option<&Tensor>,
+        entries: std::ops::Range<usize>,
+    ) -> Result<(), BackendError> {
+        let acl = self.dev.acl;
+        let kv = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))?;
+        let spec = kv.spec;
+        let (kc, vc) = kv.layer(layer)?;
+        let (b, mb) = (entries.len(), self.plan.max_blocks);
+        let (tables, _) = step_slice(&self.step_mem, self.plan.tables, self.plan.batch * mb)?;
+        let table = Tensor::new(
+            acl,
+            tables,
+            TView::strided(
+                tensor::DType::I32,
+                &[b as i64, mb as i64],
+                &[mb as i64, 1],
+                (self.plan.tables + entries.start * mb) as i64,
+            ),
+        )
+        .map_err(err)?;
+        let a = Attention {
+            query,
+            out,
+            key_cache: kc,
+            value_cache: vc,
+            cache_view: TView::contiguous(
+                tensor::DType::F16,
+                &[
+                    spec.num_blocks as i64,
+                    spec.block_size as i64,
+                    (spec.n_kv_heads * spec.head_dim) as i64,
+                ],
+            ),
+            block_table: &table,
+            mask,
+            q_lens: &self.plan.q_lens[entries.clone()],
+            kv_lens: &self.plan.kv_lens[entries],
+            heads: g.n_heads as i64,
+            kv_heads: g.n_kv_heads as i64,
+            block_size: spec.block_size as i64,
+            scale: g.scale as f64,
+        };
+        self.ops.runner.attention(&a).map_err(err)
+    }
+}

@@ -1,0 +1,200 @@
+//! The paged KV pool on the device: per layer one key and one value cache of shape
+//! (num_blocks, block_size, KV_N·D) f16 ([`crate::kv`] checks the block size the attention
+//! operator takes). A block's bytes in one cache are contiguous and a multiple of 64, so blocks
+//! move with `aclrtMemcpyAsync` (which needs 64-byte aligned addresses): device→device on the
+//! stream, and device↔host through pinned memory, every layer's K then V in turn.
+
+use std::sync::Arc;
+
+use npu_backend::{BackendError, KvSpec};
+
+use super::objects::zeroed;
+use super::{err, AscendBackend};
+use crate::device::Device;
+use crate::memory::DeviceBuffer as Mem;
+
+pub struct KvPool {
+    pub spec: KvSpec,
+    k: Vec<Mem>,
+    v: Vec<Mem>,
+}
+
+impl KvPool {
+    pub(super) fn new(dev: &Arc<Device>, spec: KvSpec) -> Result<Self, BackendError> {
+        let layout = crate::kv::KvSpec {
+            layers: spec.n_layers,
+            num_blocks: spec.num_blocks,
+            block_size: spec.block_size,
+            kv_heads: spec.n_kv_heads,
+            head_dim: spec.head_dim,
+        };
+        layout.validate().map_err(|e| BackendError::Unsupported {
+            backend: super::NAME,
+            what: e.to_string(),
+        })?;
+        if spec.n_layers == 0 || spec.num_blocks == 0 || spec.n_kv_heads == 0 {
+            return Err(BackendError::BadArgument {
+                op: "init_kv",
+                message: format!("an empty KV pool: {spec:?}"),
+            });
+        }
+        // Sized against aclrtGetMemInfo before anything is allocated, so that a pool too large
+        // fails at start with what would fit, not midway through the layers.
+        let (free, _) = dev.mem_info().map_err(err)?;
+        let total = layout.total_bytes();
+        if total > free {
+            let fits = layout.blocks_for_memory(free, 0.95, 0);
+            return Err(BackendError::OutOfMemory {
+                backend: super::NAME,
+                what: format!(
+                    "the KV pool of {} blocks of {} tokens: {free} bytes of device memory are free, \
+                     room for about {fits} blocks — lower pa_config.num_blocks",
+                    spec.num_blocks, spec.block_size
+                ),
+                bytes: total,
+            });
+        }
+        let bytes = layout.layer_bytes();
+        let mut k = Vec::with_capacity(spec.n_layers);
+        let mut v = Vec::with_capacity(spec.n_layers);
+        for l in 0..spec.n_layers {
+            k.push(zeroed(dev, bytes, &format!("layer {l}'s key cache"))?);
+            v.push(zeroed(dev, bytes, &format!("layer {l}'s value cache"))?);
+        }
+        Ok(Self { spec, k, v })
+    }
+
+    /// Bytes of one block in one cache.
+    fn cache_block_bytes(&self) -> usize {
+        self.spec.block_size * self.spec.n_kv_heads * self.spec.head_dim * 2
+    }
+
+    /// Bytes of one block over every layer's K and V.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.spec.n_layers * self.cache_block_bytes()
+    }
+
+    pub fn layer(&self, layer: usize) -> Result<(&Mem, &Mem), BackendError> {
+        match (self.k.get(layer), self.v.get(layer)) {
+            (Some(k), Some(v)) => Ok((k, v)),
+            _ => Err(BackendError::BadArgument {
+                op: "kv",
+                message: format!("layer {layer} of a {}-layer pool", self.spec.n_layers),
+            }),
+        }
+    }
+
+    fn check_block(&self, b: u32) -> Result<(), BackendError> {
+        if b as usize >= self.spec.num_blocks {
+            return Err(BackendError::BadArgument {
+                op: "kv blocks",
+                message: format!("block {b} of a {}-block pool", self.spec.num_blocks),
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn copy_blocks(
+        &mut self,
+        dev: &Device,
+        pairs: &[(u32, u32)],
+    ) -> Result<(), BackendError> {
+        for &(s, d) in pairs {
+            self.check_block(s)?;
+            self.check_block(d)?;
+        }
+        let cb = self.cache_block_bytes();
+        for &(s, d) in pairs {
+            if s == d {
+                continue;
+            }
+            for cache in self.k.iter_mut().chain(self.v.iter_mut()) {
+                cache
+                    .copy_within_async(d as usize * cb, s as usize * cb, cb, dev)
+                    .map_err(err)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AscendBackend {
+    pub(super) fn kv_to_host(
+        &mut self,
+        blocks: &[u32],
+        dst: &mut [u8],
+    ) -> Result<(), BackendError> {
+        self.bind()?;
+        let kv = self.kv()?;
+        let bb = kv.block_bytes();
+        if dst.len() != blocks.len() * bb {
+            return Err(BackendError::BadArgument {
+                op: "kv_blocks_to_host",
+                message: format!("{} bytes for {} blocks of {bb}", dst.len(), blocks.len()),
+            });
+        }
+        for &b in blocks {
+            kv.check_block(b)?;
+        }
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let cb = kv.cache_block_bytes();
+        let staging = self.staging.get(self.dev.acl, dst.len())?;
+        let kv = self.kv.as_ref().expect("checked");
+        let mut at = 0;
+        for &b in blocks {
+            for l in 0..kv.spec.n_layers {
+                for cache in [&kv.k[l], &kv.v[l]] {
+                    cache
+                        .download_async(b as usize * cb, staging, at, cb, &self.dev)
+                        .map_err(err)?;
+                    at += cb;
+                }
+            }
+        }
+        self.staging.busy = true;
+        self.pending = true;
+        self.sync()?;
+        let staging = self.staging.buf.as_ref().expect("just used");
+        dst.copy_from_slice(&staging.as_slice()[..dst.len()]);
+        Ok(())
+    }
+
+    pub(super) fn kv_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
+        self.bind()?;
+        let kv = self.kv()?;
+        let bb = kv.block_bytes();
+        if src.len() != blocks.len() * bb {
+            return Err(BackendError::BadArgument {
+                op: "kv_blocks_from_host",
+                message: format!("{} bytes for {} blocks of {bb}", src.len(), blocks.len()),
+            });
+        }
+        for &b in blocks {
+            kv.check_block(b)?;
+        }
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let cb = kv.cache_block_bytes();
+        let staging = self.staging.get(self.dev.acl, src.len())?;
+        staging.as_mut_slice()[..src.len()].copy_from_slice(src);
+        let kv = self.kv.as_mut().expect("checked");
+        let mut at = 0;
+        for &b in blocks {
+            for l in 0..kv.spec.n_layers {
+                for cache in [&mut kv.k[l], &mut kv.v[l]] {
+                    cache
+                        .upload_async(b as usize * cb, staging, at, cb, &self.dev)
+                        .map_err(err)?;
+                    at += cb;
+                }
+            }
+        }
+        // The copies read the staging memory when they run: it stays until the next sync.
+        self.staging.busy = true;
+        self.pending = true;
+        Ok(())
+    }
+}

@@ -1,0 +1,1215 @@
+//! The per-token operators of a step, each one aclnn call (or a documented pair) on the agent's
+//! stream: Embedding (token rows, logit rows), RmsNorm, WeightQuantBatchMatmulV2 / Matmul,
+//! InplaceAdd (bias, residual), RotaryPositionEmbedding or ApplyRotaryPosEmb, SwiGlu, and ArgMax
+//! with a Cast to INT32. Views of the seam become strided aclTensors over the same memory; where an
+//! operator needs contiguous rows a copy (InplaceCopy) goes through a scratch buffer.
+
+use npu_backend::{AttnGeometry, BackendError, DType, Layout, View, ViewMut};
+use npu_gguf::hparams::RopeStyle;
+
+use super::objects::{acl_dtype, AscendBuffer, AscendEmbedding, AscendMatrix, MatrixForm};
+use super::{err, AscendBackend, RopeKernel, RopeTable};
+use crate::memory::DeviceBuffer as Mem;
+use crate::reuse::{Arg, Launcher};
+use crate::tensor::{self, View as TView};
+use crate::weights::GROUP;
+
+pub(super) fn bad(op: &'static str, message: impl Into<String>) -> BackendError {
+    BackendError::BadArgument {
+        op,
+        message: message.into(),
+    }
+}
+
+/// A 2-D seam layout as an aclTensor view.
+pub(super) fn tview(dtype: DType, l: Layout) -> TView {
+    TView::strided(
+        acl_dtype(dtype),
+        &[l.rows() as i64, l.cols() as i64],
+        &[l.stride() as i64, 1],
+        l.offset() as i64,
+    )
+}
+
+/// Refuses activations that are not f16 (the backend's activation type).
+pub(super) fn want_f16(op: &'static str, what: &str, dt: DType) -> Result<(), BackendError> {
+    if dt != DType::F16 {
+        return Err(bad(
+            op,
+            format!(
+                "{what} is {}; the Ascend backend computes in f16",
+                dt.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `dst = src` (same shapes) through aclnnInplaceCopy.
+pub(super) fn copy(
+    ops: &mut Launcher,
+    dst: &Mem,
+    dst_view: TView,
+    src: &Mem,
+    src_view: TView,
+) -> Result<(), BackendError> {
+    let api = ops.runner.acl().api.ops;
+    let prep = api.aclnnInplaceCopyGetWorkspaceSize;
+    ops.call(
+        "aclnnInplaceCopy",
+        api.aclnnInplaceCopy,
+        &[
+            Arg::fixed("selfRef", dst, dst_view),
+            Arg::fixed("src", src, src_view),
+        ],
+        &[],
+        &[],
+        // SAFETY (closure): live tensors and out-pointers from the launcher.
+        Box::new(move |ts, _, w, e| unsafe { prep(ts[0].raw(), ts[1].raw(), w, e) }),
+    )
+    .map_err(err)
+}
+
+/// The step's INT32 inputs from element `at`, `n` values (as a 1-D view).
+pub(super) fn step_slice(
+    step_mem: &Option<Mem>,
+    at: usize,
+    n: usize,
+) -> Result<(&Mem, TView), BackendError> {
+    let mem = step_mem
+        .as_ref()
+        .ok_or_else(|| BackendError::BadStep("no step has begun".into()))?;
+    Ok((
+        mem,
+        TView::strided(tensor::DType::I32, &[n as i64], &[1], at as i64),
+    ))
+}
+
+/// `dst` row i = `src` row `idx[i]` (aclnnEmbedding over any rows).
+pub(super) fn gather(
+    ops: &mut Launcher,
+    src: (&Mem, TView),
+    idx: (&Mem, TView),
+    dst: (&Mem, TView),
+) -> Result<(), BackendError> {
+    let api = ops.runner.acl().api.ops;
+    let prep = api.aclnnEmbeddingGetWorkspaceSize;
+    ops.call(
+        "aclnnEmbedding",
+        api.aclnnEmbedding,
+        &[
+            Arg::input("weight", 0, src.0, src.1),
+            Arg::input("indices", 1, idx.0, idx.1),
+            Arg::output("out", 0, dst.0, dst.1),
+        ],
+        &[],
+        &[],
+        // SAFETY (closure): live tensors and out-pointers from the launcher.
+        Box::new(move |ts, _, w, e| unsafe { prep(ts[0].raw(), ts[1].raw(), ts[2].raw(), w, e) }),
+    )
+    .map_err(err)
+}
+
+/// `x += y` (y broadcast over x's rows when it is one row), in place (aclnnInplaceAdd).
+fn inplace_add(
+    ops: &mut Launcher,
+    op: &'static str,
+    x: &Mem,
+    xv: TView,
+    y: &Mem,
+    yv: TView,
+) -> Result<(), BackendError> {
+    let api = ops.runner.acl().api.ops;
+    let prep = api.aclnnInplaceAddGetWorkspaceSize;
+    ops.call(
+        "aclnnInplaceAdd",
+        api.aclnnInplaceAdd,
+        &[Arg::fixed("selfRef", x, xv), Arg::fixed("other", y, yv)],
+        &[],
+        &[1.0],
+        // SAFETY (closure): live tensors, scalar and out-pointers from the launcher.
+        Box::new(move |ts, sc, w, e| unsafe { prep(ts[0].raw(), ts[1].raw(), sc[0].raw(), w, e) }),
+    )
+    .map_err(err)
+    .map_err(|e| match e {
+        BackendError::Device { backend, message } => BackendError::Device {
+            backend,
+            message: format!("{op}: {message}"),
+        },
+        e => e,
+    })
+}
+
+impl AscendBackend {
+    fn check_rows(&self, op: &'static str, rows: usize) -> Result<(), BackendError> {
+        if rows != self.plan.n_tokens {
+            return Err(bad(
+                op,
+                format!("{rows} rows for a step of {} tokens", self.plan.n_tokens),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn op_embed(
+        &mut self,
+        table: &AscendEmbedding,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let op = "embed";
+        let l = out.layout();
+        want_f16(op, "out", out.dtype())?;
+        self.check_rows(op, l.rows())?;
+        if l.cols() != table.cols {
+            return Err(bad(
+                op,
+                format!("{} columns for {}-wide embeddings", l.cols(), table.cols),
+            ));
+        }
+        let idx = step_slice(&self.step_mem, self.plan.tokens, self.plan.n_tokens)?;
+        self.pending = true;
+        gather(
+            &mut self.ops,
+            (&table.table, table.view()),
+            idx,
+            (&out.buf().mem, tview(out.dtype(), l)),
+        )
+    }
+
+    pub(super) fn op_rms_norm(
+        &mut self,
+        x: View<'_, AscendBuffer>,
+        w: &AscendBuffer,
+        eps: f32,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        use npu_backend::DeviceBuffer as _;
+        let op = "rms_norm";
+        let (xl, ol) = (x.layout(), out.layout());
+        want_f16(op, "x", x.dtype())?;
+        want_f16(op, "out", out.dtype())?;
+        if xl.rows() != ol.rows() || xl.cols() != ol.cols() || w.len() != xl.cols() {
+            return Err(bad(
+                op,
+                format!(
+                    "x {}x{}, weight {}, out {}x{}",
+                    xl.rows(),
+                    xl.cols(),
+                    w.len(),
+                    ol.rows(),
+                    ol.cols()
+                ),
+            ));
+        }
+        if eps.is_nan() || eps <= 0.0 {
+            return Err(bad(op, format!("epsilon {eps} must be positive")));
+        }
+        let rows = xl.rows();
+        self.scratch.ensure(&self.dev, "rstd", rows * 4)?;
+        let rstd = self.scratch.get("rstd");
+        let api = self.dev.acl.api.ops;
+        let prep = api.aclnnRmsNormGetWorkspaceSize;
+        let eps = eps as f64;
+        self.pending = true;
+        self.ops
+            .call(
+                "aclnnRmsNorm",
+                api.aclnnRmsNorm,
+                &[
+                    Arg::input("x", 0, &x.buf().mem, tview(x.dtype(), xl)),
+                    Arg::input(
+                        "gamma",
+                        1,
+                        &w.mem,
+                        TView::contiguous(acl_dtype(w.dtype()), &[w.len() as i64]),
+                    ),
+                    // (gamma may be f32 or f16 with f16 x: RmsNorm computes in f32.)
+                    Arg::output("yOut", 0, &out.buf().mem, tview(out.dtype(), ol)),
+                    Arg::output(
+                        "rstdOut",
+                        1,
+                        rstd,
+                        TView::contiguous(tensor::DType::F32, &[rows as i64, 1]),
+                    ),
+                ],
+                &[eps.to_bits() as i64],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    prep(
+                        ts[0].raw(),
+                        ts[1].raw(),
+                        eps,
+                        ts[2].raw(),
+                        ts[3].raw(),
+                        w,
+                        e,
+                    )
+                }),
+            )
+            .map_err(err)
+    }
+
+    pub(super) fn op_matmul(
+        &mut self,
+        x: View<'_, AscendBuffer>,
+        w: &AscendMatrix,
+        mut out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let op = "matmul";
+        let (xl, ol) = (x.layout(), out.layout());
+        want_f16(op, "x", x.dtype())?;
+        want_f16(op, "out", out.dtype())?;
+        if xl.cols() != w.k || ol.cols() != w.n || xl.rows() != ol.rows() {
+            return Err(bad(
+                op,
+                format!(
+                    "x {}x{} times a {}x{} matrix into {}x{}",
+                    xl.rows(),
+                    xl.cols(),
+                    w.k,
+                    w.n,
+                    ol.rows(),
+                    ol.cols()
+                ),
+            ));
+        }
+        let m = xl.rows();
+        if m == 0 {
+            return Ok(());
+        }
+        self.pending = true;
+        let quant = matches!(w.form, MatrixForm::Quant { .. });
+        let q8 = quant && self.cfg.q8_activations;
+        // The matmul operators take contiguous rows: strided ones go through scratch copies
+        // (DynamicQuant reads strided rows itself).
+        let x_contig = xl.is_contiguous() || q8;
+        let y_contig = ol.is_contiguous();
+        if !x_contig {
+            self.scratch.ensure(&self.dev, "mm_x", m * w.k * 2)?;
+        }
+        if !y_contig {
+            self.scratch.ensure(&self.dev, "mm_y", m * w.n * 2)?;
+        }
+        if q8 {
+            self.quantize_acts(&x, w.k)?;
+        }
+        let xin = TView::contiguous(tensor::DType::F16, &[m as i64, w.k as i64]);
+        let yout = TView::contiguous(tensor::DType::F16, &[m as i64, w.n as i64]);
+        let (xm, xv) = if q8 {
+            (self.scratch.get("q8_x"), xin)
+        } else if x_contig {
+            (&x.buf().mem, tview(x.dtype(), xl))
+        } else {
+            let s = self.scratch.get("mm_x");
+            copy(
+                &mut self.ops,
+                s,
+                xin.clone(),
+                &x.buf().mem,
+                tview(x.dtype(), xl),
+            )?;
+            (s, xin)
+        };
+        let (ym, yv) = if y_contig {
+            (&out.buf().mem, tview(out.dtype(), ol))
+        } else {
+            (self.scratch.get("mm_y"), yout.clone())
+        };
+        let api = self.dev.acl.api.ops;
+        match &w.form {
+            MatrixForm::Quant {
+                weight,
+                scale,
+                offset,
+                ..
+            } => {
+                let prep = api.aclnnWeightQuantBatchMatmulV2GetWorkspaceSize;
+                let mut args = vec![
+                    Arg::input("x", 0, xm, xv),
+                    Arg::input("weight", 1, weight, w.weight_view()),
+                    Arg::input("antiquantScale", 2, scale, w.group_view()),
+                ];
+                if let Some(o) = offset {
+                    args.push(Arg::input("antiquantOffset", 3, o, w.group_view()));
+                }
+                args.push(Arg::output("y", 0, ym, yv));
+                let has_offset = offset.is_some();
+                self.ops
+                    .call(
+                        "aclnnWeightQuantBatchMatmulV2",
+                        api.aclnnWeightQuantBatchMatmulV2,
+                        &args,
+                        &[GROUP as i64],
+                        &[],
+                        // SAFETY (closure): live tensors (or null optionals) and out-pointers.
+                        Box::new(move |ts, _, w, e| unsafe {
+                            let (off, y) = if has_offset {
+                                (ts[3].raw() as *const _, ts[4].raw())
+                            } else {
+                                (std::ptr::null(), ts[3].raw())
+                            };
+                            prep(
+                                ts[0].raw(),
+                                ts[1].raw(),
+                                ts[2].raw(),
+                                off,
+                                std::ptr::null(),
+                                std::ptr::null(),
+                                std::ptr::null(),
+                                GROUP as i32,
+                                y,
+                                w,
+                                e,
+                            )
+                        }),
+                    )
+                    .map_err(err)?;
+            }
+            MatrixForm::Half { data } => {
+                let prep = api.aclnnMatmulGetWorkspaceSize;
+                self.ops
+                    .call(
+                        "aclnnMatmul",
+                        api.aclnnMatmul,
+                        &[
+                            Arg::input("self", 0, xm, xv),
+                            Arg::input("mat2", 1, data, w.weight_view()),
+                            Arg::output("out", 0, ym, yv),
+                        ],
+                        &[],
+                        &[],
+                        // SAFETY (closure): live tensors and out-pointers from the launcher.
+                        Box::new(move |ts, _, w, e| unsafe {
+                            prep(
+                                ts[0].raw(),
+                                ts[1].raw(),
+                                ts[2].raw(),
+                                npu_ffi::types::KEEP_DTYPE,
+                                w,
+                                e,
+                            )
+                        }),
+                    )
+                    .map_err(err)?;
+            }
+        }
+        if !y_contig {
+            let dt = out.dtype();
+            copy(
+                &mut self.ops,
+                &out.buf_mut().mem,
+                tview(dt, ol),
+                self.scratch.get("mm_y"),
+                yout,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `x`'s rows quantized to 8 bits per 32 values and back, into scratch "q8_x" (f16): per
+    /// block, `q = round(x / s)` with `s = max|x| / 127` (DynamicQuant over 32-value rows), then
+    /// `q · f16(s)` — the values llama.cpp's 8-bit activations stand for.
+    fn quantize_acts(&mut self, x: &View<'_, AscendBuffer>, k: usize) -> Result<(), BackendError> {
+        let l = x.layout();
+        let (m, g) = (l.rows(), k / GROUP);
+        for (name, bytes) in [
+            ("q8_y", m * k),
+            ("q8_s", m * g * 4),
+            ("q8_s16", m * g * 2),
+            ("q8_x", m * k * 2),
+        ] {
+            self.scratch.ensure(&self.dev, name, bytes)?;
+        }
+        let blocks = |dt| TView::contiguous(dt, &[m as i64, g as i64, GROUP as i64]);
+        let scales = |dt| TView::contiguous(dt, &[m as i64, g as i64]);
+        let api = self.dev.acl.api.ops;
+        let (pq, pc, pm) = (
+            api.aclnnDynamicQuantGetWorkspaceSize,
+            api.aclnnCastGetWorkspaceSize,
+            api.aclnnMulGetWorkspaceSize,
+        );
+        let (y, s, s16, xq) = (
+            self.scratch.get("q8_y"),
+            self.scratch.get("q8_s"),
+            self.scratch.get("q8_s16"),
+            self.scratch.get("q8_x"),
+        );
+        self.ops
+            .call(
+                "aclnnDynamicQuant",
+                api.aclnnDynamicQuant,
+                &[
+                    Arg::input(
+                        "x",
+                        0,
+                        &x.buf().mem,
+                        TView::strided(
+                            tensor::DType::F16,
+                            &[m as i64, g as i64, GROUP as i64],
+                            &[l.stride() as i64, GROUP as i64, 1],
+                            l.offset() as i64,
+                        ),
+                    ),
+                    Arg::output("yOut", 0, y, blocks(tensor::DType::I8)),
+                    Arg::output("scaleOut", 1, s, scales(tensor::DType::F32)),
+                ],
+                &[],
+                &[],
+                // SAFETY (closure): live tensors, a null optional and out-pointers.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pq(
+                        ts[0].raw(),
+                        std::ptr::null(),
+                        ts[1].raw(),
+                        ts[2].raw(),
+                        w,
+                        e,
+                    )
+                }),
+            )
+            .map_err(err)?;
+        self.ops
+            .call(
+                "aclnnCast",
+                api.aclnnCast,
+                &[
+                    Arg::input("self", 0, s, scales(tensor::DType::F32)),
+                    Arg::output("out", 0, s16, scales(tensor::DType::F16)),
+                ],
+                &[npu_ffi::types::ACL_FLOAT16 as i64],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT16, ts[1].raw(), w, e)
+                }),
+            )
+            .map_err(err)?;
+        self.ops
+            .call(
+                "aclnnMul",
+                api.aclnnMul,
+                &[
+                    Arg::input("self", 0, y, blocks(tensor::DType::I8)),
+                    Arg::input(
+                        "other",
+                        1,
+                        s16,
+                        TView::contiguous(tensor::DType::F16, &[m as i64, g as i64, 1]),
+                    ),
+                    Arg::output("out", 0, xq, blocks(tensor::DType::F16)),
+                ],
+                &[],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pm(ts[0].raw(), ts[1].raw(), ts[2].raw(), w, e)
+                }),
+            )
+            .map_err(err)
+    }
+
+    pub(super) fn op_add_bias(
+        &mut self,
+        x: ViewMut<'_, AscendBuffer>,
+        bias: &AscendBuffer,
+    ) -> Result<(), BackendError> {
+        use npu_backend::DeviceBuffer as _;
+        let l = x.layout();
+        want_f16("add_bias", "x", x.dtype())?;
+        if bias.len() != l.cols() {
+            return Err(bad(
+                "add_bias",
+                format!("a {}-value bias for {} columns", bias.len(), l.cols()),
+            ));
+        }
+        let bv = TView::contiguous(tensor::DType::F16, &[l.cols() as i64]);
+        let b16 = match (bias.dtype(), &bias.half) {
+            (DType::F16, _) => &bias.mem,
+            (DType::F32, Some(h)) => h,
+            (DType::F32, None) => {
+                // An f32 bias written since it was loaded: cast it for this add.
+                self.scratch.ensure(&self.dev, "bias16", l.cols() * 2)?;
+                let s = self.scratch.get("bias16");
+                let api = self.dev.acl.api.ops;
+                let pc = api.aclnnCastGetWorkspaceSize;
+                self.ops
+                    .call(
+                        "aclnnCast",
+                        api.aclnnCast,
+                        &[
+                            Arg::input(
+                                "self",
+                                0,
+                                &bias.mem,
+                                TView::contiguous(tensor::DType::F32, &[l.cols() as i64]),
+                            ),
+                            Arg::output("out", 0, s, bv.clone()),
+                        ],
+                        &[npu_ffi::types::ACL_FLOAT16 as i64],
+                        &[],
+                        // SAFETY (closure): live tensors and out-pointers from the launcher.
+                        Box::new(move |ts, _, w, e| unsafe {
+                            pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT16, ts[1].raw(), w, e)
+                        }),
+                    )
+                    .map_err(err)?;
+                s
+            }
+            (dt, _) => {
+                return Err(bad(
+                    "add_bias",
+                    format!("a {} bias for f16 activations", dt.name()),
+                ))
+            }
+        };
+        self.pending = true;
+        inplace_add(
+            &mut self.ops,
+            "add_bias",
+            &x.buf().mem,
+            tview(x.dtype(), l),
+            b16,
+            bv,
+        )
+    }
+
+    pub(super) fn op_add(
+        &mut self,
+        x: ViewMut<'_, AscendBuffer>,
+        y: View<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let (xl, yl) = (x.layout(), y.layout());
+        want_f16("add", "x", x.dtype())?;
+        want_f16("add", "y", y.dtype())?;
+        if xl.rows() != yl.rows() || xl.cols() != yl.cols() {
+            return Err(bad(
+                "add",
+                format!("{}x{} += {}x{}", xl.rows(), xl.cols(), yl.rows(), yl.cols()),
+            ));
+        }
+        self.pending = true;
+        inplace_add(
+            &mut self.ops,
+            "add",
+            &x.buf().mem,
+            tview(x.dtype(), xl),
+            &y.buf().mem,
+            tview(y.dtype(), yl),
+        )
+    }
+
+    pub(super) fn op_swiglu(
+        &mut self,
+        gate: View<'_, AscendBuffer>,
+        up: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let op = "swiglu";
+        let (gl, ul, ol) = (gate.layout(), up.layout(), out.layout());
+        for (w, dt) in [
+            ("gate", gate.dtype()),
+            ("up", up.dtype()),
+            ("out", out.dtype()),
+        ] {
+            want_f16(op, w, dt)?;
+        }
+        if gl.rows() != ul.rows()
+            || gl.cols() != ul.cols()
+            || ol.rows() != gl.rows()
+            || ol.cols() != gl.cols()
+        {
+            return Err(bad(op, "gate, up and out must have one shape"));
+        }
+        let (rows, ff) = (gl.rows(), gl.cols());
+        self.pending = true;
+        // SwiGlu takes [gate | up] rows: adjacent column ranges of one buffer are that already.
+        let adjacent = std::ptr::eq(gate.buf(), up.buf())
+            && gl.stride() == ul.stride()
+            && ul.offset() == gl.offset() + ff;
+        let (xm, xv) = if adjacent {
+            (
+                &gate.buf().mem,
+                TView::strided(
+                    tensor::DType::F16,
+                    &[rows as i64, 2 * ff as i64],
+                    &[gl.stride() as i64, 1],
+                    gl.offset() as i64,
+                ),
+            )
+        } else {
+            self.scratch
+                .ensure(&self.dev, "swiglu_x", rows * 2 * ff * 2)?;
+            let s = self.scratch.get("swiglu_x");
+            for (i, v) in [gate, up].into_iter().enumerate() {
+                let dst = TView::strided(
+                    tensor::DType::F16,
+                    &[rows as i64, ff as i64],
+                    &[2 * ff as i64, 1],
+                    (i * ff) as i64,
+                );
+                copy(
+                    &mut self.ops,
+                    s,
+                    dst,
+                    &v.buf().mem,
+                    tview(v.dtype(), v.layout()),
+                )?;
+            }
+            (
+                s,
+                TView::contiguous(tensor::DType::F16, &[rows as i64, 2 * ff as i64]),
+            )
+        };
+        let api = self.dev.acl.api.ops;
+        let prep = api.aclnnSwiGluGetWorkspaceSize;
+        self.ops
+            .call(
+                "aclnnSwiGlu",
+                api.aclnnSwiGlu,
+                &[
+                    Arg::input("x", 0, xm, xv),
+                    Arg::output("out", 0, &out.buf().mem, tview(out.dtype(), ol)),
+                ],
+                &[-1],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe { prep(ts[0].raw(), -1, ts[1].raw(), w, e) }),
+            )
+            .map_err(err)
+    }
+
+    pub(super) fn op_gather_rows(
+        &mut self,
+        x: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let op = "gather_logit_rows";
+        let (xl, ol) = (x.layout(), out.layout());
+        want_f16(op, "x", x.dtype())?;
+        want_f16(op, "out", out.dtype())?;
+        self.check_rows(op, xl.rows())?;
+        let n = self.plan.n_logit_rows;
+        if ol.rows() != n || ol.cols() != xl.cols() {
+            return Err(bad(
+                op,
+                format!(
+                    "{}x{} out for {n} logit rows of {} columns",
+                    ol.rows(),
+                    ol.cols(),
+                    xl.cols()
+                ),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let idx = step_slice(&self.step_mem, self.plan.logit_rows, n)?;
+        self.pending = true;
+        gather(
+            &mut self.ops,
+            (&x.buf().mem, tview(x.dtype(), xl)),
+            idx,
+            (&out.buf().mem, tview(out.dtype(), ol)),
+        )
+    }
+
+    /// The greedy pick of each `logits` row into the INT64 scratch "argmax" (values read as the
+    /// sampler reads them: f32, NaN as −inf, +inf as `f32::MAX`; first index on ties), leaving
+    /// the sanitized f32 rows in scratch "pick_x". Done once per step and logits view.
+    fn pick(
+        &mut self,
+        op: &'static str,
+        logits: &View<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let l = logits.layout();
+        want_f16(op, "logits", logits.dtype())?;
+        let key = (self.serial, logits.buf().mem.ptr() as usize, l);
+        if self.picked == Some(key) {
+            return Ok(());
+        }
+        let (rows, cols) = (l.rows(), l.cols());
+        self.scratch.ensure(&self.dev, "pick_x", rows * cols * 4)?;
+        self.scratch.ensure(&self.dev, "pick_y", rows * cols * 4)?;
+        self.scratch.ensure(&self.dev, "argmax", rows * 8)?;
+        let f32v = TView::contiguous(tensor::DType::F32, &[rows as i64, cols as i64]);
+        let (x, y) = (self.scratch.get("pick_x"), self.scratch.get("pick_y"));
+        let api = self.dev.acl.api.ops;
+        let (pc, pn, pa) = (
+            api.aclnnCastGetWorkspaceSize,
+            api.aclnnNanToNumGetWorkspaceSize,
+            api.aclnnArgMaxGetWorkspaceSize,
+        );
+        self.pending = true;
+        self.ops
+            .call(
+                "aclnnCast",
+                api.aclnnCast,
+                &[
+                    Arg::input("self", 0, &logits.buf().mem, tview(logits.dtype(), l)),
+                    Arg::output("out", 0, y, f32v.clone()),
+                ],
+                &[npu_ffi::types::ACL_FLOAT as i64],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT, ts[1].raw(), w, e)
+                }),
+            )
+            .map_err(err)?;
+        self.ops
+            .call(
+                "aclnnNanToNum",
+                api.aclnnNanToNum,
+                &[
+                    Arg::input("self", 0, y, f32v.clone()),
+                    Arg::output("out", 0, x, f32v.clone()),
+                ],
+                &[],
+                &[f32::NEG_INFINITY, f32::MAX, f32::NEG_INFINITY],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pn(
+                        ts[0].raw(),
+                        f32::NEG_INFINITY,
+                        f32::MAX,
+                        f32::NEG_INFINITY,
+                        ts[1].raw(),
+                        w,
+                        e,
+                    )
+                }),
+            )
+            .map_err(err)?;
+        self.ops
+            .call(
+                "aclnnArgMax",
+                api.aclnnArgMax,
+                &[
+                    Arg::input("self", 0, x, f32v),
+                    Arg::output(
+                        "out",
+                        0,
+                        self.scratch.get("argmax"),
+                        TView::contiguous(tensor::DType::I64, &[rows as i64]),
+                    ),
+                ],
+                &[1],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pa(ts[0].raw(), 1, false, ts[1].raw(), w, e)
+                }),
+            )
+            .map_err(err)?;
+        self.picked = Some(key);
+        Ok(())
+    }
+
+    /// One value per row of a `rows`-row output view: down a column or along a row.
+    fn per_row(
+        op: &'static str,
+        ol: npu_backend::Layout,
+        rows: usize,
+        dt: tensor::DType,
+    ) -> Result<TView, BackendError> {
+        if ol.elements() != rows || (ol.rows() != rows && ol.rows() != 1) {
+            return Err(bad(
+                op,
+                format!("{}x{} out for {rows} rows", ol.rows(), ol.cols()),
+            ));
+        }
+        let stride = if ol.rows() == rows && rows > 1 {
+            ol.stride()
+        } else {
+            1
+        };
+        Ok(TView::strided(
+            dt,
+            &[rows as i64],
+            &[stride as i64],
+            ol.offset() as i64,
+        ))
+    }
+
+    pub(super) fn op_argmax(
+        &mut self,
+        logits: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let op = "argmax_rows";
+        if out.dtype() != DType::I32 {
+            return Err(bad(op, format!("out is {}, not i32", out.dtype().name())));
+        }
+        let rows = logits.layout().rows();
+        let ov = Self::per_row(op, out.layout(), rows, tensor::DType::I32)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        self.pick(op, &logits)?;
+        let api = self.dev.acl.api.ops;
+        let pc = api.aclnnCastGetWorkspaceSize;
+        self.ops
+            .call(
+                "aclnnCast",
+                api.aclnnCast,
+                &[
+                    Arg::input(
+                        "self",
+                        0,
+                        self.scratch.get("argmax"),
+                        TView::contiguous(tensor::DType::I64, &[rows as i64]),
+                    ),
+                    Arg::output("out", 0, &out.buf().mem, ov),
+                ],
+                &[npu_ffi::types::ACL_INT32 as i64],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pc(ts[0].raw(), npu_ffi::types::ACL_INT32, ts[1].raw(), w, e)
+                }),
+            )
+            .map_err(err)
+    }
+
+    /// The log-probability of each row's greedy pick: LogSoftmax over the sanitized f32 rows,
+    /// gathered at the pick; a row with nothing finite (NaN there) is uniform, −ln(cols).
+    pub(super) fn op_argmax_logprob(
+        &mut self,
+        logits: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        let op = "argmax_logprob_rows";
+        if out.dtype() != DType::F32 {
+            return Err(bad(op, format!("out is {}, not f32", out.dtype().name())));
+        }
+        let (rows, cols) = (logits.layout().rows(), logits.layout().cols());
+        let ov = Self::per_row(op, out.layout(), rows, tensor::DType::F32)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        self.pick(op, &logits)?;
+        let f32v = TView::contiguous(tensor::DType::F32, &[rows as i64, cols as i64]);
+        let (x, y) = (self.scratch.get("pick_x"), self.scratch.get("pick_y"));
+        let api = self.dev.acl.api.ops;
+        let (pl, pg, pn) = (
+            api.aclnnLogSoftmaxGetWorkspaceSize,
+            api.aclnnGatherGetWorkspaceSize,
+            api.aclnnNanToNumGetWorkspaceSize,
+        );
+        self.ops
+            .call(
+                "aclnnLogSoftmax",
+                api.aclnnLogSoftmax,
+                &[
+                    Arg::input("self", 0, x, f32v.clone()),
+                    Arg::output("out", 0, y, f32v),
+                ],
+                &[1],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe { pl(ts[0].raw(), 1, ts[1].raw(), w, e) }),
+            )
+            .map_err(err)?;
+        let col = |v: TView| TView {
+            dims: vec![rows as i64, 1],
+            strides: vec![v.strides[0], 1],
+            ..v
+        };
+        self.ops
+            .call(
+                "aclnnGather",
+                api.aclnnGather,
+                &[
+                    Arg::input(
+                        "self",
+                        0,
+                        y,
+                        TView::contiguous(tensor::DType::F32, &[rows as i64, cols as i64]),
+                    ),
+                    Arg::input(
+                        "index",
+                        1,
+                        self.scratch.get("argmax"),
+                        TView::contiguous(tensor::DType::I64, &[rows as i64, 1]),
+                    ),
+                    Arg::output("out", 0, &out.buf().mem, col(ov.clone())),
+                ],
+                &[1],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pg(ts[0].raw(), 1, ts[1].raw(), ts[2].raw(), w, e)
+                }),
+            )
+            .map_err(err)?;
+        let uniform = -(cols as f32).ln();
+        self.ops
+            .call(
+                "aclnnNanToNum",
+                api.aclnnNanToNum,
+                &[
+                    Arg::fixed("self", &out.buf().mem, col(ov.clone())),
+                    Arg::fixed("out", &out.buf().mem, col(ov)),
+                ],
+                &[],
+                &[uniform, 0.0, f32::NEG_INFINITY],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    pn(
+                        ts[0].raw(),
+                        uniform,
+                        0.0,
+                        f32::NEG_INFINITY,
+                        ts[1].raw(),
+                        w,
+                        e,
+                    )
+                }),
+            )
+            .map_err(err)
+    }
+
+    /// Makes the cos/sin table cover the step's positions for `rope`, laid out for the kernel.
+    fn ensure_rope_table(
+        &mut self,
+        rope: &npu_gguf::hparams::Rope,
+        interleaved: bool,
+    ) -> Result<(), BackendError> {
+        let need = self.plan.max_position as usize + 1;
+        if self
+            .rope_table
+            .as_ref()
+            .is_some_and(|t| t.rope == *rope && t.interleaved == interleaved && t.rows >= need)
+        {
+            return Ok(());
+        }
+        let rows = need.max(4096).next_power_of_two();
+        let d = rope.dims;
+        let mut host = Vec::with_capacity(rows * 2 * d);
+        let mut cs = vec![0f32; d];
+        let mut row = vec![half::f16::ZERO; 2 * d];
+        for pos in 0..rows {
+            rope.angles(pos as u32, &mut cs);
+            for i in 0..d / 2 {
+                let (c, s) = (
+                    half::f16::from_f32(cs[2 * i]),
+                    half::f16::from_f32(cs[2 * i + 1]),
+                );
+                let (a, b) = if interleaved {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + d / 2)
+                };
+                row[a] = c;
+                row[b] = c;
+                row[d + a] = s;
+                row[d + b] = s;
+            }
+            host.extend_from_slice(&row);
+        }
+        // A fresh allocation: no queued work can touch it, so the copy needs no synchronization.
+        let mem = super::objects::upload_new(
+            &self.dev,
+            &super::objects::f16_bytes(host),
+            "the rotary table",
+        )?;
+        let generation = self.rope_table.as_ref().map_or(1, |t| t.generation + 1);
+        if let Some(old) = self.rope_table.take() {
+            self.retired_mem.push(old.mem);
+        }
+        self.rope_table = Some(RopeTable {
+            rope: *rope,
+            interleaved,
+            rows,
+            mem,
+            generation,
+        });
+        Ok(())
+    }
+
+    /// The step's cos/sin rows (T rows of [cos | sin]), gathered once per step by position.
+    fn rope_rows(&mut self, width: usize) -> Result<(), BackendError> {
+        let table = self.rope_table.as_ref().expect("ensured by the caller");
+        let want = (self.serial, table.generation);
+        if self.rope_rows_for == Some(want) {
+            return Ok(());
+        }
+        let t = self.plan.n_tokens;
+        self.scratch.ensure(&self.dev, "rope_cs", t * width * 2)?;
+        let table = self.rope_table.as_ref().expect("ensured by the caller");
+        let idx = step_slice(&self.step_mem, self.plan.positions, t)?;
+        gather(
+            &mut self.ops,
+            (
+                &table.mem,
+                TView::contiguous(tensor::DType::F16, &[table.rows as i64, width as i64]),
+            ),
+            idx,
+            (
+                self.scratch.get("rope_cs"),
+                TView::contiguous(tensor::DType::F16, &[t as i64, width as i64]),
+            ),
+        )?;
+        self.rope_rows_for = Some(want);
+        Ok(())
+    }
+
+    pub(super) fn op_rope(
+        &mut self,
+        qk: ViewMut<'_, AscendBuffer>,
+        g: &AttnGeometry,
+    ) -> Result<(), BackendError> {
+        let op = "rope";
+        let l = qk.layout();
+        want_f16(op, "qk", qk.dtype())?;
+        self.check_rows(op, l.rows())?;
+        let heads = g.n_heads + g.n_kv_heads;
+        let (hd, d) = (g.head_dim, g.rope.dims);
+        if l.cols() != heads * hd {
+            return Err(bad(
+                op,
+                format!("{} columns for {heads} heads of {hd}", l.cols()),
+            ));
+        }
+        if d == 0 || d > hd || !d.is_multiple_of(2) {
+            return Err(bad(
+                op,
+                format!("{d} rotated dimensions of a {hd}-wide head"),
+            ));
+        }
+        let api = self.dev.acl.api.ops;
+        let native = match self.cfg.rope {
+            RopeKernel::Auto => api
+                .aclnnRotaryPositionEmbeddingGetWorkspaceSize
+                .zip(api.aclnnRotaryPositionEmbedding),
+            RopeKernel::ApplyRotaryPosEmb => None,
+        };
+        let interleaved = g.rope.style == RopeStyle::Interleaved;
+        // The table's pairing follows the kernel: the native one rotates interleaved pairs itself;
+        // ApplyRotaryPosEmb rotates halves (interleaved heads are regrouped into halves first).
+        self.ensure_rope_table(&g.rope, interleaved && native.is_some())?;
+        self.rope_rows(2 * d)?;
+        if native.is_none() && interleaved {
+            self.scratch
+                .ensure(&self.dev, "rope_x", l.rows() * heads * d * 2)?;
+        }
+        self.pending = true;
+        let t = l.rows() as i64;
+        let cs = self.scratch.get("rope_cs");
+        let cos = TView::strided(
+            tensor::DType::F16,
+            &[1, t, 1, d as i64],
+            &[t * 2 * d as i64, 2 * d as i64, d as i64, 1],
+            0,
+        );
+        let sin = TView {
+            offset: d as i64,
+            ..cos.clone()
+        };
+        let qkm = &qk.buf().mem;
+        // (1, T, heads, d): the rotated part of every head, rows `stride` apart.
+        let x = TView::strided(
+            tensor::DType::F16,
+            &[1, t, heads as i64, d as i64],
+            &[t * l.stride() as i64, l.stride() as i64, hd as i64, 1],
+            l.offset() as i64,
+        );
+        if let Some((prep, launch)) = native {
+            let mode = if interleaved { 1 } else { 0 };
+            return self
+                .ops
+                .call(
+                    "aclnnRotaryPositionEmbedding",
+                    launch,
+                    &[
+                        Arg::input("x", 0, qkm, x.clone()),
+                        Arg::input("cos", 1, cs, cos),
+                        Arg::input("sin", 2, cs, sin),
+                        Arg::output("out", 0, qkm, x),
+                    ],
+                    &[mode],
+                    &[],
+                    // SAFETY (closure): live tensors and out-pointers from the launcher.
+                    Box::new(move |ts, _, w, e| unsafe {
+                        prep(
+                            ts[0].raw(),
+                            ts[1].raw(),
+                            ts[2].raw(),
+                            mode,
+                            ts[3].raw(),
+                            w,
+                            e,
+                        )
+                    }),
+                )
+                .map_err(err);
+        }
+        // ApplyRotaryPosEmb: q and k in place, rotating halves.
+        let (work, wv) = if interleaved {
+            // Pairs (2i, 2i+1) regrouped as (i, i + d/2) in a scratch copy, rotated, put back.
+            let s = self.scratch.get("rope_x");
+            let (src, dst) = regroup_views(t, heads, hd, d, l);
+            copy(&mut self.ops, s, dst, qkm, src)?;
+            (
+                s,
+                TView::strided(
+                    tensor::DType::F16,
+                    &[1, t, heads as i64, d as i64],
+                    &[t * (heads * d) as i64, (heads * d) as i64, d as i64, 1],
+                    0,
+                ),
+            )
+        } else {
+            (qkm, x)
+        };
+        let q = TView {
+            dims: vec![1, t, g.n_heads as i64, d as i64],
+            ..wv.clone()
+        };
+        let k = TView {
+            dims: vec![1, t, g.n_kv_heads as i64, d as i64],
+            offset: wv.offset + g.n_heads as i64 * wv.strides[2],
+            ..wv.clone()
+        };
+        let prep = api.aclnnApplyRotaryPosEmbGetWorkspaceSize;
+        self.ops
+            .call(
+                "aclnnApplyRotaryPosEmb",
+                api.aclnnApplyRotaryPosEmb,
+                &[
+                    Arg::fixed("queryRef", work, q),
+                    Arg::fixed("keyRef", work, k),
+                    Arg::fixed("cos", cs, cos),
+                    Arg::fixed("sin", cs, sin),
+                ],
+                &[1],
+                &[],
+                // SAFETY (closure): live tensors and out-pointers from the launcher.
+                Box::new(move |ts, _, w, e| unsafe {
+                    prep(ts[0].raw(), ts[1].raw(), ts[2].raw(), ts[3].raw(), 1, w, e)
+                }),
+            )
+            .map_err(err)?;
+        if interleaved {
+            let (orig, grouped) = regroup_views(t, heads, hd, d, l);
+            let s = self.scratch.get("rope_x");
+            copy(&mut self.ops, qkm, orig, s, grouped)?;
+        }
+        Ok(())
+    }
+}
+
+/// The rotated part of each head seen as (T, heads, 2, d/2): over the step's rows with pairs
+/// interleaved (element 2i + j at [.., j, i]), and over a dense scratch with the halves apart.
+fn regroup_views(t: i64, heads: usize, hd: usize, d: usize, l: Layout) -> (TView, TView) {
+    let dims = [t, heads as i64, 2, d as i64 / 2];
+    let interleaved = TView::strided(
+        tensor::DType::F16,
+        &dims,
+        &[l.stride() as i64, hd as i64, 1, 2],
+        l.offset() as i64,
+    );
+    let halves = TView::contiguous(tensor::DType::F16, &dims);
+    (interleaved, halves)
+}

@@ -1,0 +1,687 @@
+//! `AscendBackend`: the agent's device seam (`npu_backend::Backend`) on CANN. One context and one
+//! stream per agent; every op is an aclnn two-phase call on that stream ([`crate::reuse`] reuses
+//! executors of repeated shapes); activations are f16; the paged KV cache is per layer one key
+//! and one value tensor in the layout FusedInferAttentionScore takes; step inputs go up in one
+//! host→device copy (`begin_step`) and the host waits once per step (`read_back`).
+//!
+//! Where each op lives: buffers, weights and embeddings in [`objects`], step inputs and the
+//! attention path of a step in [`step`], the per-token ops in `layer_ops`, KV write and paged
+//! attention in `attention`, the pool and its block copies in `kv_pool`.
+
+mod attention;
+mod kv_pool;
+mod layer_ops;
+pub mod objects;
+pub mod step;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::ThreadId;
+
+use npu_backend::{
+    AttnGeometry, Backend, BackendError, DType, DeviceKind, HostSlice, HostSliceMut, HostTensor,
+    KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
+};
+use tracing::{debug, info};
+
+use crate::device::{self, Device};
+use crate::error::AscendError;
+use crate::memory::{DeviceBuffer as Mem, PinnedBuffer};
+use crate::ops::StepStats;
+use crate::reuse::Launcher;
+use crate::runtime::Acl;
+
+pub use kv_pool::KvPool;
+pub use objects::{AscendBuffer, AscendEmbedding, AscendMatrix};
+use step::StepPlan;
+
+pub const NAME: &str = "ascend";
+
+/// An Ascend-layer error as the seam's error.
+pub fn err(e: AscendError) -> BackendError {
+    match e {
+        AscendError::Load(l) => BackendError::MissingLibrary {
+            backend: NAME,
+            message: l.to_string(),
+        },
+        AscendError::Unavailable {
+            missing_library: true,
+            message,
+        } => BackendError::MissingLibrary {
+            backend: NAME,
+            message,
+        },
+        e => BackendError::Device {
+            backend: NAME,
+            message: e.to_string(),
+        },
+    }
+}
+
+/// Which operator applies rotary embeddings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeKernel {
+    /// RotaryPositionEmbedding (half or interleave mode) where the release has it, else
+    /// ApplyRotaryPosEmb.
+    Auto,
+    /// ApplyRotaryPosEmb (half rotation; interleaved pairs are gathered into halves and back).
+    ApplyRotaryPosEmb,
+}
+
+/// Settings of one agent's Ascend backend.
+#[derive(Debug, Clone)]
+pub struct AscendConfig {
+    /// `serving_config.start_device_id`: agent `i` runs on logical device `start + i`.
+    pub start_device_id: u32,
+    pub agent_index: u32,
+    /// Reuse executors of repeated operator shapes where the release supports it.
+    pub reuse_executors: bool,
+    pub rope: RopeKernel,
+    /// Quantize the activations of 4- and 8-bit matmuls to 8 bits per 32 values first
+    /// (DynamicQuant over 32-value rows, then back to f16), the arithmetic of llama.cpp and the
+    /// CPU backend: three more calls per such matmul. Off by default: measured on the default
+    /// model, it moves logits as far from the CPU backend's as from exact arithmetic (the 8-bit
+    /// rounding amplifies the f16 path's small differences into noise of its own), so it buys no
+    /// agreement, while f16 activations stay within ~0.1 of exact arithmetic.
+    pub q8_activations: bool,
+}
+
+impl Default for AscendConfig {
+    fn default() -> Self {
+        Self {
+            start_device_id: 0,
+            agent_index: 0,
+            reuse_executors: true,
+            rope: RopeKernel::Auto,
+            q8_activations: false,
+        }
+    }
+}
+
+/// Device scratch buffers by purpose, grown on demand (a replaced one is kept until the stream
+/// is next synchronized, as queued kernels may still use it).
+#[derive(Default)]
+struct Scratch {
+    bufs: HashMap<&'static str, Mem>,
+    retired: Vec<Mem>,
+}
+
+impl Scratch {
+    /// Makes `name` at least `bytes` long.
+    fn ensure(
+        &mut self,
+        dev: &Device,
+        name: &'static str,
+        bytes: usize,
+    ) -> Result<(), BackendError> {
+        if self.bufs.get(name).is_some_and(|m| m.bytes() >= bytes) {
+            return Ok(());
+        }
+        let grown = objects::zeroed(dev, bytes.next_power_of_two(), name)?;
+        if let Some(old) = self.bufs.insert(name, grown) {
+            self.retired.push(old);
+        }
+        Ok(())
+    }
+
+    fn get(&self, name: &'static str) -> &Mem {
+        &self.bufs[name]
+    }
+}
+
+/// Pinned host memory for async copies: reused when no queued copy reads it, else replaced (the
+/// old one kept until the next synchronization).
+#[derive(Default)]
+struct Staging {
+    buf: Option<PinnedBuffer>,
+    /// `buf` feeds a copy queued since the last synchronization.
+    busy: bool,
+    retired: Vec<PinnedBuffer>,
+}
+
+impl Staging {
+    fn get(&mut self, acl: &'static Acl, bytes: usize) -> Result<&mut PinnedBuffer, BackendError> {
+        let fits = self.buf.as_ref().is_some_and(|p| p.bytes() >= bytes);
+        if self.busy || !fits {
+            let fresh =
+                PinnedBuffer::alloc(acl, bytes.max(4096).next_power_of_two()).map_err(err)?;
+            if let Some(old) = self.buf.replace(fresh) {
+                if self.busy {
+                    self.retired.push(old);
+                }
+            }
+            self.busy = false;
+        }
+        Ok(self.buf.as_mut().expect("just ensured"))
+    }
+
+    fn synchronized(&mut self) {
+        self.busy = false;
+        self.retired.clear();
+    }
+}
+
+/// Rotary cos/sin for positions `0..rows`: per row `dims` cosines then `dims` sines, laid out
+/// for the kernel's pairing (`interleaved`: each pair's value twice in a row; else the halves
+/// repeated).
+struct RopeTable {
+    rope: npu_gguf::hparams::Rope,
+    interleaved: bool,
+    rows: usize,
+    mem: Mem,
+    generation: u64,
+}
+
+pub struct AscendBackend {
+    ops: Launcher,
+    kv: Option<KvPool>,
+    plan: StepPlan,
+    step_mem: Option<Mem>,
+    staging: Staging,
+    retired_mem: Vec<Mem>,
+    scratch: Scratch,
+    rope_table: Option<RopeTable>,
+    /// The step serial and table generation the step's cos/sin rows were gathered for.
+    rope_rows_for: Option<(u64, u64)>,
+    mask: Option<Mem>,
+    /// The step serial, logits buffer and view whose greedy picks are in scratch "argmax".
+    picked: Option<(u64, usize, npu_backend::Layout)>,
+    serial: u64,
+    last_stats: StepStats,
+    /// Work queued since the last synchronization.
+    pending: bool,
+    bound: Option<ThreadId>,
+    cfg: AscendConfig,
+    emulated: bool,
+    /// Last: every allocation above is freed before the context goes.
+    dev: Arc<Device>,
+}
+
+impl AscendBackend {
+    /// Loads CANN from the environment (`ASCEND_HOME_PATH`, `set_env.sh`'s variables, default
+    /// install paths), checks its version and opens the agent's device.
+    pub fn new(cfg: AscendConfig) -> Result<Self, BackendError> {
+        let acl = Acl::from_env().map_err(err)?;
+        Self::with_runtime(acl, cfg)
+    }
+
+    pub fn with_runtime(acl: &'static Acl, cfg: AscendConfig) -> Result<Self, BackendError> {
+        let id = device::select_device(acl, cfg.start_device_id, cfg.agent_index).map_err(err)?;
+        let dev = Arc::new(Device::open(acl, id).map_err(err)?);
+        let ops = Launcher::new(&dev, cfg.reuse_executors);
+        let emulated = acl
+            .api
+            .root
+            .as_ref()
+            .is_some_and(|r| r.join("EMULATION.txt").is_file());
+        info!(
+            target: "npu_serving::acl",
+            "ascend: device {id} (physical {}), CANN {}{}, executor reuse {}",
+            device::physical_device(id),
+            acl.version,
+            if emulated { " (emulation)" } else { "" },
+            if ops.reusing() { "on" } else { "off" }
+        );
+        Ok(Self {
+            ops,
+            kv: None,
+            plan: StepPlan::default(),
+            step_mem: None,
+            staging: Staging::default(),
+            retired_mem: Vec::new(),
+            scratch: Scratch::default(),
+            rope_table: None,
+            rope_rows_for: None,
+            mask: None,
+            picked: None,
+            serial: 0,
+            last_stats: StepStats::default(),
+            pending: false,
+            bound: Some(std::thread::current().id()),
+            cfg,
+            emulated,
+            dev,
+        })
+    }
+
+    /// aclnn calls of the last finished step (counted from one `begin_step` to the next).
+    pub fn last_step_stats(&self) -> StepStats {
+        self.last_stats
+    }
+
+    /// aclnn calls since the current step began.
+    pub fn step_stats(&self) -> StepStats {
+        self.ops.stats()
+    }
+
+    /// Executors kept for reuse.
+    pub fn cached_executors(&self) -> usize {
+        self.ops.cached()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Makes this agent's context current on the calling thread (once per thread).
+    fn bind(&mut self) -> Result<(), BackendError> {
+        let me = std::thread::current().id();
+        if self.bound != Some(me) {
+            self.dev.bind().map_err(err)?;
+            self.bound = Some(me);
+        }
+        Ok(())
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        self.bind()?;
+        self.dev.synchronize().map_err(err)?;
+        self.ops.synchronized();
+        self.scratch.retired.clear();
+        self.retired_mem.clear();
+        self.staging.synchronized();
+        self.pending = false;
+        Ok(())
+    }
+
+    fn kv(&self) -> Result<&KvPool, BackendError> {
+        self.kv
+            .as_ref()
+            .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))
+    }
+}
+
+fn check_len(op: &'static str, want: usize, got: usize) -> Result<(), BackendError> {
+    if want != got {
+        return Err(BackendError::BadArgument {
+            op,
+            message: format!("{got} host values for a {want}-element view"),
+        });
+    }
+    Ok(())
+}
+
+/// Host values as bytes of `dtype`.
+fn to_device_bytes(src: HostSlice<'_>, dtype: DType) -> Result<Vec<u8>, BackendError> {
+    Ok(match (src, dtype) {
+        (HostSlice::F32(v), DType::F32) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (HostSlice::F32(v), DType::F16) => {
+            objects::f16_bytes(v.iter().map(|&x| half::f16::from_f32(x)))
+        }
+        (HostSlice::F32(v), DType::BF16) => v
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        (HostSlice::I32(v), DType::I32) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (s, d) => {
+            return Err(BackendError::BadArgument {
+                op: "upload",
+                message: format!(
+                    "{} host values into a {} buffer",
+                    match s {
+                        HostSlice::F32(_) => "f32",
+                        HostSlice::I32(_) => "i32",
+                    },
+                    d.name()
+                ),
+            })
+        }
+    })
+}
+
+impl Backend for AscendBackend {
+    type Buffer = AscendBuffer;
+    type Matrix = AscendMatrix;
+    type Embedding = AscendEmbedding;
+
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Ascend
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "ascend (device {} = physical {}, CANN {}{})",
+            self.dev.id,
+            device::physical_device(self.dev.id),
+            self.dev.acl.version,
+            if self.emulated {
+                ", an emulation of the documented API, not an NPU"
+            } else {
+                ""
+            }
+        )
+    }
+
+    fn act_dtype(&self) -> DType {
+        DType::F16
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        let (free, total) = self.dev.mem_info().map_err(err)?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn alloc(&mut self, dtype: DType, len: usize) -> Result<AscendBuffer, BackendError> {
+        self.bind()?;
+        AscendBuffer::new(&self.dev, dtype, len)
+    }
+
+    fn upload(
+        &mut self,
+        src: HostSlice<'_>,
+        mut dst: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        let l = dst.layout();
+        check_len("upload", l.elements(), src.len())?;
+        let bytes = to_device_bytes(src, dst.dtype())?;
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // A synchronous copy is not ordered with the stream: let queued work finish first.
+        if self.pending {
+            self.sync()?;
+        }
+        self.bind()?;
+        let es = dst.dtype().size();
+        dst.buf_mut().half = None;
+        let mem = &mut dst.buf_mut().mem;
+        if l.is_contiguous() {
+            mem.upload(l.offset() * es, &bytes).map_err(err)?;
+        } else {
+            let row = l.cols() * es;
+            for (r, chunk) in bytes.chunks_exact(row).enumerate() {
+                mem.upload((l.offset() + r * l.stride()) * es, chunk)
+                    .map_err(err)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn read_back(&mut self, reads: &mut [Readback<'_, AscendBuffer>]) -> Result<(), BackendError> {
+        self.sync()?;
+        for rd in reads.iter_mut() {
+            let l = rd.src.layout();
+            check_len("read_back", l.elements(), rd.dst.len())?;
+            if l.elements() == 0 {
+                continue;
+            }
+            let dt = rd.src.dtype();
+            let es = dt.size();
+            let mut raw = vec![0u8; (l.end() - l.offset()) * es];
+            rd.src
+                .buf()
+                .mem
+                .download(l.offset() * es, &mut raw)
+                .map_err(err)?;
+            let rows = (0..l.rows()).map(|r| &raw[r * l.stride() * es..][..l.cols() * es]);
+            match (&mut rd.dst, dt) {
+                (HostSliceMut::F32(out), DType::F32) => {
+                    for (o, c) in out.iter_mut().zip(rows.flat_map(|r| r.chunks_exact(4))) {
+                        *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+                    }
+                }
+                (HostSliceMut::F32(out), DType::F16) => {
+                    for (o, c) in out.iter_mut().zip(rows.flat_map(|r| r.chunks_exact(2))) {
+                        *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+                    }
+                }
+                (HostSliceMut::F32(out), DType::BF16) => {
+                    for (o, c) in out.iter_mut().zip(rows.flat_map(|r| r.chunks_exact(2))) {
+                        *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                    }
+                }
+                (HostSliceMut::I32(out), DType::I32) => {
+                    for (o, c) in out.iter_mut().zip(rows.flat_map(|r| r.chunks_exact(4))) {
+                        *o = i32::from_le_bytes(c.try_into().expect("4 bytes"));
+                    }
+                }
+                (_, dt) => {
+                    return Err(BackendError::BadArgument {
+                        op: "read_back",
+                        message: format!("a {} buffer into host memory of another type", dt.name()),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.sync()
+    }
+
+    fn load_matrix(
+        &mut self,
+        parts: &[HostTensor<'_>],
+    ) -> Result<Option<AscendMatrix>, BackendError> {
+        self.bind()?;
+        AscendMatrix::load(&self.dev, parts)
+    }
+
+    fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<AscendEmbedding, BackendError> {
+        self.bind()?;
+        AscendEmbedding::load(&self.dev, &table)
+    }
+
+    fn load_vector(&mut self, v: HostTensor<'_>) -> Result<AscendBuffer, BackendError> {
+        self.bind()?;
+        // f32 for RmsNorm's gamma (one rounding fewer than f16), with an f16 copy for biases
+        // added to f16 activations.
+        let vals = objects::dequantize(&v)?;
+        let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f16s = objects::f16_bytes(vals.iter().map(|&x| half::f16::from_f32(x)));
+        let mem = objects::upload_new(&self.dev, &f32s, "a vector")?;
+        let half = objects::upload_new(&self.dev, &f16s, "a vector")?;
+        Ok(AscendBuffer::from_mem(
+            &self.dev,
+            mem,
+            DType::F32,
+            vals.len(),
+            Some(half),
+        ))
+    }
+
+    fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
+        self.bind()?;
+        self.kv = Some(KvPool::new(&self.dev, spec)?);
+        Ok(())
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        self.kv.as_ref().map_or(0, |k| k.block_bytes())
+    }
+
+    fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError> {
+        self.bind()?;
+        self.picked = None;
+        let dev = self.dev.clone();
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))?;
+        kv.copy_blocks(&dev, pairs)?;
+        self.pending |= !pairs.is_empty();
+        Ok(())
+    }
+
+    fn kv_blocks_to_host(&mut self, blocks: &[u32], dst: &mut [u8]) -> Result<(), BackendError> {
+        self.kv_to_host(blocks, dst)
+    }
+
+    fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
+        self.picked = None;
+        self.kv_from_host(src, blocks)
+    }
+
+    fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError> {
+        self.bind()?;
+        let plan = match &self.kv {
+            Some(kv) => StepPlan::new(step, kv.spec.num_blocks, kv.spec.block_size)?,
+            None => StepPlan::without_kv(step)?,
+        };
+        let bytes = plan.bytes();
+        if self
+            .step_mem
+            .as_ref()
+            .is_none_or(|m| m.bytes() < bytes.len())
+        {
+            let fresh = objects::zeroed(&self.dev, bytes.len().next_power_of_two(), "step inputs")?;
+            if let Some(old) = self.step_mem.replace(fresh) {
+                self.retired_mem.push(old);
+            }
+        }
+        let staging = self.staging.get(self.dev.acl, bytes.len())?;
+        staging.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
+        let mem = self.step_mem.as_mut().expect("just ensured");
+        mem.upload_async(0, staging, 0, bytes.len(), &self.dev)
+            .map_err(err)?;
+        self.staging.busy = true;
+        self.pending = true;
+        self.plan = plan;
+        self.serial += 1;
+        let stats = self.ops.take_stats();
+        if self.serial > 1 {
+            self.last_stats = stats;
+            debug!(
+                target: "npu_serving::acl",
+                "step {}: aclnn first phases {}, launches {} ({} of reused executors)",
+                self.serial - 1,
+                stats.prepares,
+                stats.launches,
+                stats.reused_launches
+            );
+        }
+        Ok(())
+    }
+
+    fn embed(
+        &mut self,
+        table: &AscendEmbedding,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_embed(table, out)
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: View<'_, AscendBuffer>,
+        w: &AscendBuffer,
+        eps: f32,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_rms_norm(x, w, eps, out)
+    }
+
+    fn matmul(
+        &mut self,
+        x: View<'_, AscendBuffer>,
+        w: &AscendMatrix,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_matmul(x, w, out)
+    }
+
+    fn add_bias(
+        &mut self,
+        x: ViewMut<'_, AscendBuffer>,
+        bias: &AscendBuffer,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_add_bias(x, bias)
+    }
+
+    fn rope(
+        &mut self,
+        qk: ViewMut<'_, AscendBuffer>,
+        g: &AttnGeometry,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_rope(qk, g)
+    }
+
+    fn kv_write(
+        &mut self,
+        k: View<'_, AscendBuffer>,
+        v: View<'_, AscendBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_kv_write(k, v, g, layer)
+    }
+
+    fn attention(
+        &mut self,
+        q: View<'_, AscendBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_attention(q, g, layer, out)
+    }
+
+    fn swiglu(
+        &mut self,
+        gate: View<'_, AscendBuffer>,
+        up: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_swiglu(gate, up, out)
+    }
+
+    fn add(
+        &mut self,
+        x: ViewMut<'_, AscendBuffer>,
+        y: View<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_add(x, y)
+    }
+
+    fn gather_logit_rows(
+        &mut self,
+        x: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_gather_rows(x, out)
+    }
+
+    fn argmax_rows(
+        &mut self,
+        logits: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<bool, BackendError> {
+        self.op_argmax(logits, out)?;
+        Ok(true)
+    }
+
+    /// The log-probability of `argmax_rows`' pick in each row, into an f32 buffer (the device
+    /// half of a greedy step: only ids and log-probabilities are read back).
+    fn argmax_logprob_rows(
+        &mut self,
+        logits: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<bool, BackendError> {
+        self.op_argmax_logprob(logits, out)?;
+        Ok(true)
+    }
+}
+
+impl Drop for AscendBackend {
+    fn drop(&mut self) {
+        // Queued work may still use buffers about to be freed.
+        if self.pending {
+            let _ = self.sync();
+        }
+    }
+}

@@ -1,0 +1,366 @@
+//! The backend's device objects: typed activation buffers ([`AscendBuffer`]), weight matrices in
+//! the form their aclnn operator takes ([`AscendMatrix`]: INT4/INT8 with per-group antiquant
+//! scale/offset for WeightQuantBatchMatmulV2, or f16 for Matmul) and f16 embedding tables
+//! ([`AscendEmbedding`]). Each holds the device it lives on, so the context outlives every
+//! allocation made in it whatever order the owners drop in.
+
+use std::sync::Arc;
+
+use half::f16;
+use npu_backend::{BackendError, DType, HostTensor};
+use npu_gguf::quants::dequantize_row;
+use npu_gguf::GgmlType;
+
+use crate::device::Device;
+use crate::memory::DeviceBuffer as Mem;
+use crate::tensor::{self, View};
+use crate::weights::{self, QuantWeight};
+
+use super::{err, NAME};
+
+/// Bytes of `n` elements of `dtype`.
+pub fn dtype_bytes(dtype: DType, n: usize) -> usize {
+    n * dtype.size()
+}
+
+/// The aclnn element type of a buffer dtype.
+pub fn acl_dtype(dtype: DType) -> tensor::DType {
+    match dtype {
+        DType::F32 => tensor::DType::F32,
+        DType::F16 => tensor::DType::F16,
+        DType::BF16 => tensor::DType::Bf16,
+        DType::I32 => tensor::DType::I32,
+    }
+}
+
+/// A zeroed device allocation of `bytes` (at least 64, so that an empty buffer still has an
+/// address).
+pub fn zeroed(dev: &Device, bytes: usize, what: &str) -> Result<Mem, BackendError> {
+    let bytes = bytes.max(64);
+    let mut m = Mem::alloc(dev.acl, bytes).map_err(|e| match e {
+        crate::AscendError::Call { code, .. }
+            if code == npu_ffi::types::ACL_ERROR_RT_MEMORY_ALLOCATION =>
+        {
+            BackendError::OutOfMemory {
+                backend: NAME,
+                what: what.to_string(),
+                bytes,
+            }
+        }
+        e => err(e),
+    })?;
+    m.fill(0, 0, bytes).map_err(err)?;
+    Ok(m)
+}
+
+/// A device allocation holding `data` (synchronous copy into fresh memory, which no queued work
+/// can touch).
+pub fn upload_new(dev: &Device, data: &[u8], what: &str) -> Result<Mem, BackendError> {
+    let bytes = data.len().max(64);
+    let mut m = Mem::alloc(dev.acl, bytes).map_err(|e| match e {
+        crate::AscendError::Call { code, .. }
+            if code == npu_ffi::types::ACL_ERROR_RT_MEMORY_ALLOCATION =>
+        {
+            BackendError::OutOfMemory {
+                backend: NAME,
+                what: what.to_string(),
+                bytes,
+            }
+        }
+        e => err(e),
+    })?;
+    if !data.is_empty() {
+        m.upload(0, data).map_err(err)?;
+    }
+    Ok(m)
+}
+
+pub fn f16_bytes(v: impl IntoIterator<Item = f16>) -> Vec<u8> {
+    v.into_iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A typed device buffer of `len` elements.
+pub struct AscendBuffer {
+    pub(crate) mem: Mem,
+    dtype: DType,
+    len: usize,
+    /// For a loaded f32 vector: the same values in f16, for ops whose other operands are f16
+    /// activations (a bias added in place). Dropped when the buffer is written.
+    pub(crate) half: Option<Mem>,
+    _dev: Arc<Device>,
+}
+
+impl AscendBuffer {
+    pub(crate) fn new(dev: &Arc<Device>, dtype: DType, len: usize) -> Result<Self, BackendError> {
+        let bytes = dtype_bytes(dtype, len);
+        Ok(Self {
+            mem: zeroed(
+                dev,
+                bytes,
+                &format!("a {len}-element {} buffer", dtype.name()),
+            )?,
+            dtype,
+            len,
+            half: None,
+            _dev: dev.clone(),
+        })
+    }
+
+    pub(crate) fn from_mem(
+        dev: &Arc<Device>,
+        mem: Mem,
+        dtype: DType,
+        len: usize,
+        half: Option<Mem>,
+    ) -> Self {
+        Self {
+            mem,
+            dtype,
+            len,
+            half,
+            _dev: dev.clone(),
+        }
+    }
+
+    /// The device allocation (for code that builds its own aclnn calls over it).
+    pub fn device_memory(&self) -> &Mem {
+        &self.mem
+    }
+}
+
+/// Waits for the stream's queued work before an allocation is freed: a kernel may still use it.
+fn quiesce(dev: &Device) {
+    if dev.bind().is_ok() {
+        let _ = dev.synchronize();
+    }
+}
+
+impl Drop for AscendBuffer {
+    fn drop(&mut self) {
+        quiesce(&self._dev);
+    }
+}
+
+impl npu_backend::DeviceBuffer for AscendBuffer {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// How a matrix is stored on the device.
+pub enum MatrixForm {
+    /// WeightQuantBatchMatmulV2: `weight` (n, k) INT4 or INT8, `scale` and `offset` (n, k/32)
+    /// f16; the operator sees them transposed.
+    Quant {
+        weight: Mem,
+        scale: Mem,
+        offset: Option<Mem>,
+        int4: bool,
+    },
+    /// Matmul: (n, k) f16, seen transposed.
+    Half { data: Mem },
+}
+
+/// A weight matrix of `n` outputs of `k` inputs.
+pub struct AscendMatrix {
+    pub n: usize,
+    pub k: usize,
+    pub form: MatrixForm,
+    /// The file's type(s), for descriptions.
+    pub source: GgmlType,
+    _dev: Arc<Device>,
+}
+
+/// Which form a GGUF type takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Quant(GgmlType),
+    Half,
+}
+
+fn route(ty: GgmlType, k: usize) -> Route {
+    // Per-group antiquant needs the group (32) below k.
+    let grouped = k > weights::GROUP && k.is_multiple_of(weights::GROUP);
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if grouped => Route::Quant(ty),
+        _ => Route::Half,
+    }
+}
+
+fn bad(op: &'static str, message: String) -> BackendError {
+    BackendError::BadArgument { op, message }
+}
+
+fn check_part(p: &HostTensor<'_>, k: usize) -> Result<(), BackendError> {
+    if p.cols != k {
+        return Err(bad(
+            "load_matrix",
+            format!("parts have {} and {k} inputs", p.cols),
+        ));
+    }
+    match p.ty.row_bytes(p.cols) {
+        Some(rb) if rb * p.rows == p.data.len() => Ok(()),
+        _ => Err(bad(
+            "load_matrix",
+            format!(
+                "{} bytes are not {} rows of {} {} values",
+                p.data.len(),
+                p.rows,
+                p.cols,
+                p.ty.name()
+            ),
+        )),
+    }
+}
+
+/// Every value of `t` as f32, row by row.
+pub fn dequantize(t: &HostTensor<'_>) -> Result<Vec<f32>, BackendError> {
+    let rb = t.ty.row_bytes(t.cols).ok_or_else(|| {
+        bad(
+            "dequantize",
+            format!("rows of {} {} values", t.cols, t.ty.name()),
+        )
+    })?;
+    if rb * t.rows != t.data.len() {
+        return Err(bad(
+            "dequantize",
+            format!(
+                "{} bytes are not {} rows of {} {} values",
+                t.data.len(),
+                t.rows,
+                t.cols,
+                t.ty.name()
+            ),
+        ));
+    }
+    let mut out = vec![0f32; t.rows * t.cols];
+    for (src, dst) in t.data.chunks_exact(rb).zip(out.chunks_exact_mut(t.cols)) {
+        dequantize_row(t.ty, src, dst);
+    }
+    Ok(out)
+}
+
+impl Drop for AscendMatrix {
+    fn drop(&mut self) {
+        quiesce(&self._dev);
+    }
+}
+
+impl AscendMatrix {
+    /// The parts stacked in one matrix, or `None` when they take different forms.
+    pub(crate) fn load(
+        dev: &Arc<Device>,
+        parts: &[HostTensor<'_>],
+    ) -> Result<Option<Self>, BackendError> {
+        let Some(first) = parts.first() else {
+            return Err(bad("load_matrix", "no parts".into()));
+        };
+        let k = first.cols;
+        for p in parts {
+            check_part(p, k)?;
+        }
+        let r = route(first.ty, k);
+        if parts.iter().any(|p| route(p.ty, k) != r) {
+            return Ok(None);
+        }
+        let n: usize = parts.iter().map(|p| p.rows).sum();
+        let what = format!("a {n}x{k} {} matrix", first.ty.name());
+        let form = match r {
+            Route::Quant(ty) => {
+                let mut qs = Vec::with_capacity(parts.len());
+                for p in parts {
+                    let q = match ty {
+                        GgmlType::Q4_1 => weights::from_q4_1(p.data, p.rows, k),
+                        GgmlType::Q4_0 => weights::from_q4_0(p.data, p.rows, k),
+                        _ => weights::from_q8_0(p.data, p.rows, k),
+                    }
+                    .map_err(err)?;
+                    qs.push(q);
+                }
+                let QuantWeight {
+                    weight,
+                    int4,
+                    scale,
+                    offset,
+                    ..
+                } = weights::stack(qs).map_err(err)?;
+                MatrixForm::Quant {
+                    weight: upload_new(dev, &weight, &what)?,
+                    scale: upload_new(dev, &f16_bytes(scale), &what)?,
+                    offset: match offset {
+                        Some(o) => Some(upload_new(dev, &f16_bytes(o), &what)?),
+                        None => None,
+                    },
+                    int4,
+                }
+            }
+            Route::Half => {
+                let mut bytes = Vec::with_capacity(n * k * 2);
+                for p in parts {
+                    bytes.extend(f16_bytes(dequantize(p)?.into_iter().map(f16::from_f32)));
+                }
+                MatrixForm::Half {
+                    data: upload_new(dev, &bytes, &what)?,
+                }
+            }
+        };
+        Ok(Some(Self {
+            n,
+            k,
+            form,
+            source: first.ty,
+            _dev: dev.clone(),
+        }))
+    }
+
+    /// The weight as the operator sees it: (k, n), transposed over the (n, k) storage.
+    pub fn weight_view(&self) -> View {
+        let (k, n) = (self.k as i64, self.n as i64);
+        let dt = match &self.form {
+            MatrixForm::Quant { int4: true, .. } => tensor::DType::I4,
+            MatrixForm::Quant { int4: false, .. } => tensor::DType::I8,
+            MatrixForm::Half { .. } => tensor::DType::F16,
+        };
+        View::strided(dt, &[k, n], &[1, k], 0)
+    }
+
+    /// Antiquant scale/offset as the operator sees them: (k/32, n) over (n, k/32) storage.
+    pub fn group_view(&self) -> View {
+        let g = (self.k / weights::GROUP) as i64;
+        View::strided(tensor::DType::F16, &[g, self.n as i64], &[1, g], 0)
+    }
+}
+
+/// An embedding table: `rows` rows of `cols` f16 values.
+pub struct AscendEmbedding {
+    pub table: Mem,
+    pub rows: usize,
+    pub cols: usize,
+    _dev: Arc<Device>,
+}
+
+impl Drop for AscendEmbedding {
+    fn drop(&mut self) {
+        quiesce(&self._dev);
+    }
+}
+
+impl AscendEmbedding {
+    pub(crate) fn load(dev: &Arc<Device>, t: &HostTensor<'_>) -> Result<Self, BackendError> {
+        let vals = dequantize(t)?;
+        let bytes = f16_bytes(vals.into_iter().map(f16::from_f32));
+        Ok(Self {
+            table: upload_new(dev, &bytes, "the embedding table")?,
+            rows: t.rows,
+            cols: t.cols,
+            _dev: dev.clone(),
+        })
+    }
+
+    pub fn view(&self) -> View {
+        View::contiguous(tensor::DType::F16, &[self.rows as i64, self.cols as i64])
+    }
+}

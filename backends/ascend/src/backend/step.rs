@@ -1,0 +1,339 @@
+//! One step's inputs on the device: every index array the step's operators read, packed into one
+//! INT32 buffer so that `begin_step` moves them host→device in a single copy, plus what the
+//! host keeps of them (attention's per-sequence lengths are host arguments of its first phase).
+//!
+//! Attention takes one of two documented paths of FusedInferAttentionScore's paged mode:
+//! - **token-wise** (the incremental branch, S = 1): each new token is its own batch entry whose
+//!   KV length is its position + 1 and whose block-table row is its sequence's, so causality is
+//!   the KV length and prefill chunks need no mask. A decode-only step is exactly this with one
+//!   token per sequence (the block tables as they come). Any block size that is a multiple of 16.
+//! - **prompt** (S > 1, right-down causal mask): for steps with prefill chunks when the block size
+//!   is a multiple of 128, as that branch requires. Queries are gathered into a (sequences,
+//!   longest chunk) padded batch and the results gathered back to the step's rows.
+
+use npu_backend::{BackendError, StepInputs};
+
+/// Which attention path a step takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnPath {
+    /// One batch entry per token (incremental branch).
+    TokenWise,
+    /// One batch entry per sequence, padded to `s_max` queries (prompt branch).
+    Prompt { s_max: usize },
+}
+
+/// Offsets (in INT32 elements) of each array in the step's device buffer, and the host copies of
+/// what attention's first phase takes.
+#[derive(Debug, Clone, Default)]
+pub struct StepPlan {
+    pub tokens: usize,
+    pub n_tokens: usize,
+    pub positions: usize,
+    pub slots: usize,
+    pub logit_rows: usize,
+    pub n_logit_rows: usize,
+    /// Block tables: one row per attention batch entry (`batch` rows of `max_blocks`).
+    pub tables: usize,
+    pub batch: usize,
+    pub max_blocks: usize,
+    /// Prompt path: step row of each padded query row, and padded row of each step row.
+    pub pad_rows: usize,
+    pub unpad_rows: usize,
+    /// Per batch entry: query count and KV length.
+    pub q_lens: Vec<i64>,
+    pub kv_lens: Vec<i64>,
+    pub path: Option<AttnPath>,
+    /// Batch entries split into runs whose blocks add up to at most the pool's: the attention
+    /// operator takes no more blocks per call than the cache holds (one call per run).
+    pub groups: Vec<std::ops::Range<usize>>,
+    pub max_position: u32,
+    /// The packed arrays.
+    pub data: Vec<i32>,
+}
+
+fn bad(s: String) -> BackendError {
+    BackendError::BadStep(s)
+}
+
+impl StepPlan {
+    /// Checks `step` against the pool (`num_blocks` blocks of `block_size`) and packs it.
+    pub fn new(
+        step: &StepInputs,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, BackendError> {
+        Self::plan(step, Some((num_blocks, block_size)))
+    }
+
+    /// A step before the KV pool exists: the token-wise ops work, KV write and attention refuse.
+    pub fn without_kv(step: &StepInputs) -> Result<Self, BackendError> {
+        Self::plan(step, None)
+    }
+
+    fn plan(step: &StepInputs, pool: Option<(usize, usize)>) -> Result<Self, BackendError> {
+        let t = step.tokens.len();
+        if t == 0 {
+            return Err(bad("a step needs at least one token".into()));
+        }
+        if step.positions.len() != t || step.slot_mapping.len() != t {
+            return Err(bad(
+                "positions and slot mapping need one entry per token".into()
+            ));
+        }
+        let (nseq, mb) = (step.seqs.len(), step.max_blocks);
+        let (num_blocks, block_size) = pool.unwrap_or((usize::MAX / 2, 1));
+        if step.block_tables.len() != nseq * mb || (nseq > 0 && mb == 0) {
+            return Err(bad(format!(
+                "{} block-table entries for {nseq} sequences of {mb} blocks",
+                step.block_tables.len()
+            )));
+        }
+        let slots = num_blocks.saturating_mul(block_size).min(u32::MAX as usize) as u32;
+        if let Some(s) = step.slot_mapping.iter().find(|&&s| s >= slots) {
+            return Err(bad(format!("slot {s} is outside the pool's {slots} slots")));
+        }
+        if let Some(b) = step
+            .block_tables
+            .iter()
+            .find(|&&b| b as usize >= num_blocks)
+        {
+            return Err(bad(format!(
+                "block {b} is outside the pool's {num_blocks} blocks"
+            )));
+        }
+        if let Some(r) = step.logit_rows.iter().find(|&&r| r as usize >= t) {
+            return Err(bad(format!(
+                "logit row {r} is beyond the step's {t} tokens"
+            )));
+        }
+        let mut next = 0u32;
+        for (i, s) in step.seqs.iter().enumerate() {
+            if s.q_row != next || s.n_q == 0 {
+                return Err(bad(format!(
+                    "sequence {i}: rows must follow each other and be non-empty"
+                )));
+            }
+            next += s.n_q;
+            let end = s.start_pos as usize + s.n_q as usize;
+            if pool.is_some() && end.div_ceil(block_size) > mb {
+                return Err(bad(format!(
+                    "sequence {i}: {end} positions need more than its {mb} blocks"
+                )));
+            }
+        }
+        if nseq > 0 && next as usize != t {
+            return Err(bad("the sequences do not cover the step's tokens".into()));
+        }
+        let chunked = step.seqs.iter().any(|s| s.n_q > 1);
+        // Without a pool or without sequences there is nothing to attend: token ops only.
+        if pool.is_none() || nseq == 0 {
+            let mut p = StepPlan {
+                n_tokens: t,
+                n_logit_rows: step.logit_rows.len(),
+                max_blocks: mb,
+                max_position: step.positions.iter().copied().max().unwrap_or(0),
+                ..Default::default()
+            };
+            p.tokens = 0;
+            p.data.extend(step.tokens.iter().map(|&v| v as i32));
+            p.positions = p.data.len();
+            p.data.extend(step.positions.iter().map(|&v| v as i32));
+            p.slots = p.data.len();
+            p.data.extend(step.slot_mapping.iter().map(|&v| v as i32));
+            p.logit_rows = p.data.len();
+            p.data.extend(step.logit_rows.iter().map(|&v| v as i32));
+            return Ok(p);
+        }
+        let path = if chunked && block_size.is_multiple_of(128) {
+            AttnPath::Prompt {
+                s_max: step.seqs.iter().map(|s| s.n_q as usize).max().unwrap_or(1),
+            }
+        } else {
+            AttnPath::TokenWise
+        };
+
+        let mut p = StepPlan {
+            n_tokens: t,
+            n_logit_rows: step.logit_rows.len(),
+            max_blocks: mb,
+            path: Some(path),
+            max_position: step.positions.iter().copied().max().unwrap_or(0),
+            ..Default::default()
+        };
+        let d = &mut p.data;
+        let push = |d: &mut Vec<i32>, vals: &mut dyn Iterator<Item = i32>| -> usize {
+            let at = d.len();
+            d.extend(vals);
+            at
+        };
+        p.tokens = push(d, &mut step.tokens.iter().map(|&v| v as i32));
+        p.positions = push(d, &mut step.positions.iter().map(|&v| v as i32));
+        p.slots = push(d, &mut step.slot_mapping.iter().map(|&v| v as i32));
+        p.logit_rows = push(d, &mut step.logit_rows.iter().map(|&v| v as i32));
+        match path {
+            AttnPath::TokenWise if !chunked => {
+                p.tables = push(d, &mut step.block_tables.iter().map(|&v| v as i32));
+                p.batch = nseq;
+                p.q_lens = vec![1; nseq];
+                p.kv_lens = step.seqs.iter().map(|s| s.start_pos as i64 + 1).collect();
+            }
+            AttnPath::TokenWise => {
+                p.tables = d.len();
+                for (i, s) in step.seqs.iter().enumerate() {
+                    let row = &step.block_tables[i * mb..(i + 1) * mb];
+                    for j in 0..s.n_q {
+                        d.extend(row.iter().map(|&v| v as i32));
+                        p.kv_lens.push(s.start_pos as i64 + j as i64 + 1);
+                    }
+                }
+                p.batch = t;
+                p.q_lens = vec![1; t];
+            }
+            AttnPath::Prompt { s_max } => {
+                p.tables = push(d, &mut step.block_tables.iter().map(|&v| v as i32));
+                p.batch = nseq;
+                p.q_lens = step.seqs.iter().map(|s| s.n_q as i64).collect();
+                p.kv_lens = step
+                    .seqs
+                    .iter()
+                    .map(|s| (s.start_pos + s.n_q) as i64)
+                    .collect();
+                p.pad_rows = d.len();
+                for s in &step.seqs {
+                    for j in 0..s_max as u32 {
+                        // Padding rows repeat the sequence's first row (their results are unused).
+                        let row = if j < s.n_q { s.q_row + j } else { s.q_row };
+                        d.push(row as i32);
+                    }
+                }
+                p.unpad_rows = d.len();
+                for (b, s) in step.seqs.iter().enumerate() {
+                    for j in 0..s.n_q as usize {
+                        d.push((b * s_max + j) as i32);
+                    }
+                }
+            }
+        }
+        let mut start = 0;
+        let mut used = 0;
+        for (i, &len) in p.kv_lens.iter().enumerate() {
+            let need = (len as usize).div_ceil(block_size);
+            if used + need > num_blocks && i > start {
+                p.groups.push(start..i);
+                start = i;
+                used = 0;
+            }
+            used += need;
+        }
+        p.groups.push(start..p.kv_lens.len());
+        Ok(p)
+    }
+
+    /// The packed arrays as bytes.
+    pub fn bytes(&self) -> Vec<u8> {
+        self.data.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use npu_backend::SeqSpan;
+
+    fn step(seqs: &[(u32, u32)], block_size: u32) -> StepInputs {
+        let mut s = StepInputs {
+            max_blocks: 4,
+            ..Default::default()
+        };
+        let mut row = 0;
+        for (i, &(start, n)) in seqs.iter().enumerate() {
+            s.seqs.push(SeqSpan {
+                q_row: row,
+                n_q: n,
+                start_pos: start,
+            });
+            let table = [
+                i as u32 * 4,
+                i as u32 * 4 + 1,
+                i as u32 * 4 + 2,
+                i as u32 * 4 + 3,
+            ];
+            s.block_tables.extend(table);
+            for j in 0..n {
+                let pos = start + j;
+                s.tokens.push(7);
+                s.positions.push(pos);
+                s.slot_mapping
+                    .push(table[(pos / block_size) as usize] * block_size + pos % block_size);
+            }
+            row += n;
+            s.logit_rows.push(row - 1);
+        }
+        s
+    }
+
+    #[test]
+    fn decode_steps_use_the_tables_as_they_come() {
+        let p = StepPlan::new(&step(&[(5, 1), (9, 1)], 16), 16, 16).unwrap();
+        assert_eq!(p.path, Some(AttnPath::TokenWise));
+        assert_eq!((p.batch, p.kv_lens.clone()), (2, vec![6, 10]));
+        assert_eq!(&p.data[p.tables..p.tables + 8], &[0, 1, 2, 3, 4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn chunks_with_small_blocks_go_token_wise() {
+        let p = StepPlan::new(&step(&[(3, 2), (9, 1)], 16), 16, 16).unwrap();
+        assert_eq!(p.path, Some(AttnPath::TokenWise));
+        assert_eq!((p.batch, p.kv_lens.clone()), (3, vec![4, 5, 10]));
+        assert_eq!(&p.data[p.tables + 4..p.tables + 8], &[0, 1, 2, 3]);
+        assert_eq!(&p.data[p.tables + 8..p.tables + 12], &[4, 5, 6, 7]);
+        assert_eq!(p.groups, vec![0..3]);
+        // Token entries re-reading a sequence's blocks may add up to more than the pool:
+        // they are split into calls that each stay within it.
+        let p = StepPlan::new(&step(&[(30, 3)], 16), 4, 16).unwrap();
+        assert_eq!(p.kv_lens, vec![31, 32, 33]);
+        assert_eq!(p.groups, vec![0..2, 2..3]);
+    }
+
+    #[test]
+    fn chunks_with_128_blocks_go_through_the_prompt_branch() {
+        let p = StepPlan::new(&step(&[(3, 3), (9, 1)], 128), 16, 128).unwrap();
+        assert_eq!(p.path, Some(AttnPath::Prompt { s_max: 3 }));
+        assert_eq!(p.q_lens, vec![3, 1]);
+        assert_eq!(p.kv_lens, vec![6, 10]);
+        assert_eq!(&p.data[p.pad_rows..p.pad_rows + 6], &[0, 1, 2, 3, 3, 3]);
+        assert_eq!(&p.data[p.unpad_rows..p.unpad_rows + 4], &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn without_a_pool_only_the_token_arrays_are_packed() {
+        let s = step(&[(3, 2), (9, 1)], 16);
+        let p = StepPlan::without_kv(&s).unwrap();
+        assert_eq!(p.path, None);
+        assert_eq!(&p.data[p.positions..p.positions + 3], &[3, 4, 9]);
+        assert_eq!(&p.data[p.logit_rows..p.logit_rows + 2], &[1, 2]);
+    }
+
+    #[test]
+    fn a_step_of_tokens_without_sequences_has_no_attention() {
+        let mut s = step(&[(3, 2)], 16);
+        s.seqs.clear();
+        s.block_tables.clear();
+        s.logit_rows.clear();
+        let p = StepPlan::new(&s, 16, 16).unwrap();
+        assert_eq!((p.path, p.n_tokens), (None, 2));
+    }
+
+    #[test]
+    fn inconsistent_steps_are_refused() {
+        let mut s = step(&[(3, 2)], 16);
+        s.slot_mapping[0] = 10_000;
+        assert!(StepPlan::new(&s, 16, 16).is_err());
+        let mut s = step(&[(3, 2)], 16);
+        s.seqs[0].n_q = 1;
+        assert!(StepPlan::new(&s, 16, 16).is_err());
+        let mut s = step(&[(3, 2)], 16);
+        s.logit_rows = vec![2];
+        assert!(StepPlan::new(&s, 16, 16).is_err());
+    }
+}

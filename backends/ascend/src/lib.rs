@@ -1,0 +1,67 @@
+//! npu-backend-ascend: the Ascend backend. Safe wrappers over CANN's ACL runtime and aclnn
+//! operators (declared in `npu-ffi`, loaded at run time): the process-wide runtime and the CANN
+//! version check ([`runtime`], [`version`]), an agent's device, context and stream ([`device`]),
+//! device and pinned memory ([`memory`]), aclnn objects ([`tensor`]), the two-phase operator
+//! calls with a growable workspace and per-step call counts ([`ops`]), executor reuse for repeated
+//! shapes ([`reuse`]), the paged KV layout ([`kv`]) and GGUF weights in WeightQuantBatchMatmulV2's
+//! form ([`weights`]); and on them [`AscendBackend`], the agent's device seam
+//! (`npu_backend::Backend`) on one NPU ([`backend`]).
+//!
+//! In CI every call goes to a strict emulation of the documented API (`emulators/ascend`,
+//! `scripts/ascend-emulator.sh`); none of this has run on Ascend hardware.
+//!
+//! # Design
+//!
+//! - Buffers are device allocations with a dtype and a length; the seam's strided views of them
+//!   become aclTensors (`aclCreateTensor` with strides and an offset), so the Q/K/V parts of a
+//!   fused QKV row, or the logit rows of a step, are addressed without copies.
+//! - Activations are f16; matmuls take INT4/INT8 weights through WeightQuantBatchMatmulV2 with
+//!   per-group (32) antiquant scale/offset — exactly Q4_1's `d·q + m`, Q4_0's `d·(q − 8)` and
+//!   Q8_0's `d·q` — or f16 weights through Matmul.
+//! - The KV pool is two tensors per layer, (blocks, block_size, KV_N·D), the layout
+//!   FusedInferAttentionScore takes with a BSH query; new tokens are written by slot mapping
+//!   (ScatterPaKvCache, or ScatterNdUpdate on releases without it). Decode steps are one batch
+//!   entry per sequence through the incremental branch (block size a multiple of 16); steps with
+//!   prefill chunks take the prompt branch with the right-down causal mask when the block size is a
+//!   multiple of 128 (the sequences padded to the longest chunk), else go token by token through
+//!   the incremental branch (each token its own entry, causality by KV length) — hence 128 is the
+//!   recommended `pa_config.block_size`.
+//! - One host synchronization per step: the step's inputs go up in one async copy from pinned
+//!   memory (`begin_step`), the kernels are queued behind it, and the host waits when it reads the
+//!   sampled ids (or logits) back.
+//!
+//! # Graph capture per padded batch bucket (not built yet)
+//!
+//! Host-side launch overhead dominates small-batch decode on Ascend: a Llama step is ~10 aclnn
+//! calls per layer, each a first phase (argument checks, tiling) plus a launch. The biggest lever
+//! other Ascend stacks found is capturing the whole decode step once per padded batch size
+//! (e.g. 1, 2, 4, 8, 16, 32, …) and replaying it: CANN's `aclmdlRICaptureBegin/End` (ACL graph,
+//! 8.1+) records a stream's launches into a model run instance that `aclmdlRIExecuteAsync` replays
+//! with one call. The plan: pad decode batches up to the next bucket (padded rows get a dummy
+//! slot and a zero KV length), keep every per-step input at a fixed device address (tokens,
+//! positions, slots, block table with a fixed maximum width; the attention workspace sized for
+//! the bucket's maximum, as the graph-mode `…GetMaxWorkspaceSize` variants newer releases add
+//! for FusedInferAttentionScore do), capture
+//! on first use of a bucket, and replay afterwards; prefill and mixed steps stay eager. The
+//! attention's sequence lengths are host arguments of its first phase today: captured graphs need
+//! them as device tensors (the tiling-sink form of FusedInferAttentionScore), so the lengths would
+//! join the step's device inputs. Until then, repeatable executors ([`reuse`]) remove the first
+//! phase of every operator whose shape repeats — a greedy decode step of the default model is
+//! 372 launches with 30 first phases, the attention calls — and [`ops::StepStats`] reports how many
+//! calls a step makes.
+
+pub mod backend;
+pub mod device;
+pub mod error;
+pub mod kv;
+pub mod memory;
+pub mod ops;
+pub mod reuse;
+pub mod runtime;
+pub mod tensor;
+pub mod version;
+pub mod weights;
+
+pub use backend::{AscendBackend, AscendConfig, RopeKernel};
+pub use error::{AscendError, Result};
+pub use runtime::Acl;

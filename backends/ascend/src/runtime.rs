@@ -1,0 +1,148 @@
+//! The process-wide ACL runtime: CANN's libraries are loaded and `aclInit` is called once per
+//! process (ACL allows one `aclInit`), the CANN version is read, logged and refused when older
+//! than [`crate::version::MINIMUM`]. Every call's status goes through [`Acl::check`], which turns a
+//! failure into an error naming the call, the documented status name and CANN's own message.
+//! `NPU_SERVING_ACL_LOG=1` logs every ACL/aclnn call with its shapes and dtypes (target
+//! `npu_serving::acl`), for whoever first runs the backend on hardware.
+
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+use npu_ffi::{AscendApi, SearchPaths};
+use tracing::info;
+
+use crate::error::{AscendError, Result};
+use crate::version::{self, CannVersion};
+
+pub struct Acl {
+    pub api: AscendApi,
+    pub version: CannVersion,
+    pub log_calls: bool,
+}
+
+/// Why the runtime could not start: (a library or symbol was missing, the message).
+type StartFailure = (bool, String);
+
+static ACL: OnceLock<std::result::Result<Acl, StartFailure>> = OnceLock::new();
+static FINALIZED: AtomicBool = AtomicBool::new(false);
+
+impl Acl {
+    /// Loads CANN from `paths` and initialises ACL, once per process; later calls return the
+    /// same runtime (or the same error).
+    pub fn init(paths: &SearchPaths) -> Result<&'static Acl> {
+        if FINALIZED.load(Ordering::SeqCst) {
+            return Err(AscendError::Unavailable {
+                missing_library: false,
+                message: "the Ascend runtime was finalized (aclFinalize) in this process".into(),
+            });
+        }
+        ACL.get_or_init(|| {
+            Self::start(paths).map_err(|e| (matches!(e, AscendError::Load(_)), e.to_string()))
+        })
+        .as_ref()
+        .map_err(|(missing_library, e)| AscendError::Unavailable {
+            missing_library: *missing_library,
+            message: e.clone(),
+        })
+    }
+
+    /// Releases ACL (`aclFinalize`) once, at process exit, after every device of the process is
+    /// closed; a no-op when ACL never started. The runtime cannot start again afterwards.
+    pub fn finalize() -> Result<()> {
+        if FINALIZED.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        match ACL.get() {
+            Some(Ok(acl)) => {
+                acl.log("aclFinalize", String::new);
+                // SAFETY: called once; every context and stream of this process is closed.
+                acl.check("aclFinalize", unsafe { (acl.api.rt.aclFinalize)() })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Acl::init`] from the environment (`ASCEND_HOME_PATH`, `ASCEND_TOOLKIT_HOME`,
+    /// `LD_LIBRARY_PATH`, default install paths).
+    pub fn from_env() -> Result<&'static Acl> {
+        Self::init(&SearchPaths::from_env())
+    }
+
+    fn start(paths: &SearchPaths) -> Result<Acl> {
+        let api = AscendApi::load(paths)?;
+        let log_calls =
+            std::env::var("NPU_SERVING_ACL_LOG").is_ok_and(|v| v != "0" && !v.is_empty());
+        let acl = Acl {
+            api,
+            version: MINIMUM_PLACEHOLDER,
+            log_calls,
+        };
+        // SAFETY: aclInit with a null config path is the documented default initialisation.
+        acl.check("aclInit", unsafe { (acl.api.rt.aclInit)(std::ptr::null()) })?;
+        let version = acl.read_version()?;
+        info!(target: "npu_serving::acl", "CANN {version} loaded from {:?}", acl.api.library_paths);
+        version.check_supported()?;
+        Ok(Acl { version, ..acl })
+    }
+
+    fn read_version(&self) -> Result<CannVersion> {
+        if let Some(get) = self.api.rt.aclsysGetCANNVersion {
+            // SAFETY: all-zero bytes are a valid aclCANNPackageVersion (char arrays).
+            let mut v: npu_ffi::types::aclCANNPackageVersion = unsafe { std::mem::zeroed() };
+            // SAFETY: `v` is a valid out-pointer of the documented struct.
+            let rc = unsafe { get(npu_ffi::types::ACL_PKG_NAME_CANN, &mut v) };
+            if rc == 0 {
+                // SAFETY: the runtime wrote a NUL-terminated string into the zeroed array.
+                let s = unsafe { CStr::from_ptr(v.version.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned();
+                if let Some(parsed) = CannVersion::parse(&s) {
+                    return Ok(parsed);
+                }
+            }
+        }
+        let root = self.api.root.clone();
+        root.as_deref()
+            .and_then(version::from_install)
+            .ok_or_else(|| {
+                AscendError::UnknownVersion(format!(
+                    "no aclsysGetCANNVersion and no version file under {root:?}"
+                ))
+            })
+    }
+
+    /// CANN's most recent error message on this thread.
+    pub fn last_message(&self) -> String {
+        // SAFETY: aclGetRecentErrMsg takes no arguments and returns null or a NUL-terminated string.
+        let p = unsafe { (self.api.rt.aclGetRecentErrMsg)() };
+        if p.is_null() {
+            return String::new();
+        }
+        // SAFETY: non-null, NUL-terminated, owned by the runtime until the next call on this thread.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
+    /// Turns an ACL/aclnn status into a result.
+    pub fn check(&self, call: &'static str, code: i32) -> Result<()> {
+        if code == 0 {
+            return Ok(());
+        }
+        Err(AscendError::Call {
+            call,
+            code,
+            name: npu_ffi::types::status_name(code),
+            message: self.last_message(),
+        })
+    }
+
+    /// Logs one call when `NPU_SERVING_ACL_LOG` is set.
+    pub fn log(&self, call: &str, detail: impl FnOnce() -> String) {
+        if self.log_calls {
+            info!(target: "npu_serving::acl", "{call} {}", detail());
+        }
+    }
+}
+
+/// Placeholder until the version is read (never escapes `start`).
+const MINIMUM_PLACEHOLDER: CannVersion = version::MINIMUM;

@@ -1,0 +1,1131 @@
+//! `AscendBackend` through the device seam (`npu_backend::Backend`), every op run on the emulated
+//! CANN and compared with a plain Rust reference computed in f32 from the same f16-rounded inputs.
+//!
+//! Tolerances: the device holds activations in f16 (11-bit significand: one rounding is at most
+//! 4.9e-4 relative), so each op's result is compared as |got − want| ≤ tol · (1 + |want|) with
+//! tol = 4e-3 for element-wise ops and norms (a few roundings), 1e-2 for products over up to a few
+//! hundred inputs (f16 inputs and output, f32 sums), and 5e-3 absolute for attention outputs
+//! (convex combinations of f16 values). Integer results (indices, copies) must be exact.
+//!
+//! The tests share one process-wide emulated device and run one at a time (`serial`), so the
+//! leak test sees only its own objects.
+
+mod common;
+
+use std::sync::{Mutex, MutexGuard};
+
+use common::*;
+use half::f16;
+use npu_backend::*;
+use npu_backend_ascend::backend::{AscendBuffer, AscendMatrix};
+use npu_backend_ascend::{AscendBackend, AscendConfig, RopeKernel};
+use npu_gguf::hparams::{Rope, RopeStyle};
+use npu_gguf::GgmlType;
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn backend(cfg: AscendConfig) -> AscendBackend {
+    AscendBackend::with_runtime(acl(), cfg).expect("the emulated device opens")
+}
+
+fn default_backend() -> AscendBackend {
+    backend(AscendConfig::default())
+}
+
+/// A zeroed f16 buffer holding `v` in its first rows.
+fn up(b: &mut AscendBackend, v: &[f32], cols: usize) -> AscendBuffer {
+    let mut buf = b.alloc(DType::F16, v.len()).unwrap();
+    b.upload(
+        HostSlice::F32(v),
+        ViewMut::rows(&mut buf, v.len() / cols, cols).unwrap(),
+    )
+    .unwrap();
+    buf
+}
+
+fn down(b: &mut AscendBackend, buf: &AscendBuffer, layout: Layout) -> Vec<f32> {
+    let mut out = vec![0f32; layout.elements()];
+    b.read_back(&mut [Readback {
+        src: View::new(buf, layout).unwrap(),
+        dst: HostSliceMut::F32(&mut out),
+    }])
+    .unwrap();
+    out
+}
+
+fn kv_spec(block_size: usize, num_blocks: usize) -> KvSpec {
+    KvSpec {
+        n_layers: 2,
+        num_blocks,
+        block_size,
+        n_kv_heads: 2,
+        head_dim: 16,
+    }
+}
+
+/// A step of sequences `(start_pos, n_new, blocks)`, every sequence sampled.
+fn step_of(seqs: &[(u32, u32, Vec<u32>)], block_size: u32, tokens: &[u32]) -> StepInputs {
+    let max_blocks = seqs.iter().map(|s| s.2.len()).max().unwrap();
+    let mut s = StepInputs {
+        max_blocks,
+        ..Default::default()
+    };
+    let mut row = 0u32;
+    for (start, n, blocks) in seqs {
+        s.seqs.push(SeqSpan {
+            q_row: row,
+            n_q: *n,
+            start_pos: *start,
+        });
+        s.block_tables
+            .extend((0..max_blocks).map(|i| *blocks.get(i).unwrap_or(&0)));
+        for j in 0..*n {
+            let pos = start + j;
+            s.tokens.push(tokens[(row + j) as usize % tokens.len()]);
+            s.positions.push(pos);
+            s.slot_mapping
+                .push(blocks[(pos / block_size) as usize] * block_size + pos % block_size);
+        }
+        row += n;
+        s.logit_rows.push(row - 1);
+    }
+    s
+}
+
+fn rms_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let n = w.len();
+    x.chunks(n)
+        .flat_map(|r| {
+            let inv = 1.0 / (r.iter().map(|v| v * v).sum::<f32>() / n as f32 + eps).sqrt();
+            r.iter().zip(w).map(move |(v, g)| v * inv * g)
+        })
+        .collect()
+}
+
+#[test]
+fn buffers_round_trip_through_strided_windows() {
+    let _g = serial();
+    let mut b = default_backend();
+    let mut buf = b.alloc(DType::F16, 32).unwrap();
+    let vals: Vec<f32> = (0..8).map(|i| i as f32 * 0.3 - 1.0).collect();
+    let window = Layout::new(9, 2, 4, 8).unwrap();
+    b.upload(
+        HostSlice::F32(&vals),
+        ViewMut::new(&mut buf, window).unwrap(),
+    )
+    .unwrap();
+    let all = down(&mut b, &buf, Layout::contiguous(4, 8));
+    for (i, v) in all.iter().enumerate() {
+        let (r, c) = (i / 8, i % 8);
+        let want = if (1..3).contains(&r) && (1..5).contains(&c) {
+            h(&[vals[(r - 1) * 4 + c - 1]])[0]
+        } else {
+            0.0
+        };
+        assert_eq!(*v, want, "element {i}");
+    }
+    assert_eq!(down(&mut b, &buf, window), h(&vals));
+    // f32, bf16 and i32 buffers keep their types.
+    let mut f = b.alloc(DType::F32, 3).unwrap();
+    b.upload(
+        HostSlice::F32(&[1.0e-7, 2.5, -3.0]),
+        ViewMut::rows(&mut f, 1, 3).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        down(&mut b, &f, Layout::contiguous(1, 3)),
+        vec![1.0e-7, 2.5, -3.0]
+    );
+    let mut bf = b.alloc(DType::BF16, 2).unwrap();
+    b.upload(
+        HostSlice::F32(&[1.0, 3.140625]),
+        ViewMut::rows(&mut bf, 1, 2).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        down(&mut b, &bf, Layout::contiguous(1, 2)),
+        vec![1.0, 3.140625]
+    );
+    let mut ib = b.alloc(DType::I32, 4).unwrap();
+    b.upload(
+        HostSlice::I32(&[7, -1, 1 << 30, 0]),
+        ViewMut::rows(&mut ib, 2, 2).unwrap(),
+    )
+    .unwrap();
+    let mut got = [0i32; 2];
+    b.read_back(&mut [Readback {
+        src: View::new(&ib, Layout::new(1, 2, 1, 2).unwrap()).unwrap(),
+        dst: HostSliceMut::I32(&mut got),
+    }])
+    .unwrap();
+    assert_eq!(got, [-1, 0]);
+    // Host values of the wrong kind or count are refused by name.
+    let e = b
+        .upload(
+            HostSlice::I32(&[1, 2]),
+            ViewMut::rows(&mut buf, 1, 2).unwrap(),
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("i32 host values into a f16 buffer"),
+        "{e}"
+    );
+    assert!(b
+        .upload(
+            HostSlice::F32(&[1.0]),
+            ViewMut::rows(&mut buf, 1, 2).unwrap()
+        )
+        .is_err());
+}
+
+#[test]
+fn element_and_row_ops_match_reference() {
+    let _g = serial();
+    let mut b = default_backend();
+    b.init_kv(kv_spec(16, 8)).unwrap();
+    let (vocab, hd) = (40usize, 64usize);
+    // An embedding table as the file stores it (f32 here), looked up by the step's tokens.
+    let table = rand_vec(1, vocab * hd, 1.0);
+    let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let emb = b
+        .load_embedding(HostTensor {
+            ty: GgmlType::F32,
+            data: &bytes,
+            rows: vocab,
+            cols: hd,
+        })
+        .unwrap();
+    let step = step_of(&[(0, 2, vec![0]), (4, 1, vec![1])], 16, &[5, 39, 0]);
+    b.begin_step(&step).unwrap();
+    let t = step.tokens.len();
+    let mut x = b.alloc(DType::F16, t * hd).unwrap();
+    b.embed(&emb, ViewMut::rows(&mut x, t, hd).unwrap())
+        .unwrap();
+    let want_x: Vec<f32> = step
+        .tokens
+        .iter()
+        .flat_map(|&tok| h(&table[tok as usize * hd..][..hd]))
+        .collect();
+    assert_eq!(down(&mut b, &x, Layout::contiguous(t, hd)), want_x);
+
+    // RMS norm with an f32 weight vector from the file.
+    let w = rand_vec(2, hd, 1.0);
+    let wb: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let wv = b
+        .load_vector(HostTensor {
+            ty: GgmlType::F32,
+            data: &wb,
+            rows: 1,
+            cols: hd,
+        })
+        .unwrap();
+    let mut xn = b.alloc(DType::F16, t * hd).unwrap();
+    b.rms_norm(
+        View::rows(&x, t, hd).unwrap(),
+        &wv,
+        1e-5,
+        ViewMut::rows(&mut xn, t, hd).unwrap(),
+    )
+    .unwrap();
+    let want_n = rms_ref(&want_x, &w, 1e-5);
+    assert_close(
+        &down(&mut b, &xn, Layout::contiguous(t, hd)),
+        &want_n,
+        4e-3,
+        "rms_norm",
+    );
+
+    // Residual add and bias add, in place.
+    b.add(
+        ViewMut::rows(&mut x, t, hd).unwrap(),
+        View::rows(&xn, t, hd).unwrap(),
+    )
+    .unwrap();
+    let got_n = down(&mut b, &xn, Layout::contiguous(t, hd));
+    let want_sum: Vec<f32> = h(&want_x
+        .iter()
+        .zip(&got_n)
+        .map(|(a, c)| a + c)
+        .collect::<Vec<_>>());
+    assert_close(
+        &down(&mut b, &x, Layout::contiguous(t, hd)),
+        &want_sum,
+        4e-3,
+        "add",
+    );
+    let bias = rand_vec(3, 16, 1.0);
+    let bb: Vec<u8> = bias.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bv = b
+        .load_vector(HostTensor {
+            ty: GgmlType::F32,
+            data: &bb,
+            rows: 1,
+            cols: 16,
+        })
+        .unwrap();
+    // Columns 8..24 of every row only.
+    let cols = Layout::new(8, t, 16, hd).unwrap();
+    b.add_bias(ViewMut::new(&mut x, cols).unwrap(), &bv)
+        .unwrap();
+    let after = down(&mut b, &x, Layout::contiguous(t, hd));
+    for r in 0..t {
+        for c in 0..hd {
+            let base = want_sum[r * hd + c];
+            let want = if (8..24).contains(&c) {
+                base + h(&bias)[c - 8]
+            } else {
+                base
+            };
+            assert!((after[r * hd + c] - want).abs() <= 4e-3 * (1.0 + want.abs()));
+        }
+    }
+
+    // SwiGLU from [gate | up] column ranges of one buffer, and from two buffers.
+    let ff = 24;
+    let gu = h(&rand_vec(4, t * 2 * ff, 3.0));
+    let gub = up(&mut b, &gu, 2 * ff);
+    let mut o = b.alloc(DType::F16, t * ff).unwrap();
+    let want_sw: Vec<f32> = (0..t * ff)
+        .map(|i| {
+            let (r, c) = (i / ff, i % ff);
+            let (g, u) = (gu[r * 2 * ff + c], gu[r * 2 * ff + ff + c]);
+            g / (1.0 + (-g).exp()) * u
+        })
+        .collect();
+    b.swiglu(
+        View::new(&gub, Layout::new(0, t, ff, 2 * ff).unwrap()).unwrap(),
+        View::new(&gub, Layout::new(ff, t, ff, 2 * ff).unwrap()).unwrap(),
+        ViewMut::rows(&mut o, t, ff).unwrap(),
+    )
+    .unwrap();
+    assert_close(
+        &down(&mut b, &o, Layout::contiguous(t, ff)),
+        &want_sw,
+        4e-3,
+        "swiglu",
+    );
+    let gates: Vec<f32> = (0..t)
+        .flat_map(|r| gu[r * 2 * ff..][..ff].to_vec())
+        .collect();
+    let ups: Vec<f32> = (0..t)
+        .flat_map(|r| gu[r * 2 * ff + ff..][..ff].to_vec())
+        .collect();
+    let (gb, ub) = (up(&mut b, &gates, ff), up(&mut b, &ups, ff));
+    let mut o2 = b.alloc(DType::F16, t * ff).unwrap();
+    b.swiglu(
+        View::rows(&gb, t, ff).unwrap(),
+        View::rows(&ub, t, ff).unwrap(),
+        ViewMut::rows(&mut o2, t, ff).unwrap(),
+    )
+    .unwrap();
+    assert_close(
+        &down(&mut b, &o2, Layout::contiguous(t, ff)),
+        &want_sw,
+        4e-3,
+        "swiglu apart",
+    );
+
+    // Logit rows gathered, then argmax on the device (ties to the first).
+    let mut lx = b.alloc(DType::F16, 2 * hd).unwrap();
+    b.gather_logit_rows(
+        View::rows(&x, t, hd).unwrap(),
+        ViewMut::rows(&mut lx, 2, hd).unwrap(),
+    )
+    .unwrap();
+    let gathered = down(&mut b, &lx, Layout::contiguous(2, hd));
+    assert_eq!(&gathered[..hd], &after[hd..2 * hd]);
+    assert_eq!(&gathered[hd..], &after[2 * hd..3 * hd]);
+    let mut logits = vec![0.0f32; 3 * 50];
+    logits[7] = 2.0;
+    logits[50 + 3] = 1.5;
+    logits[50 + 9] = 1.5;
+    logits[100 + 49] = -0.5;
+    for v in logits[100..149].iter_mut() {
+        *v = -1.0;
+    }
+    let lb = up(&mut b, &logits, 50);
+    let mut ids = b.alloc(DType::I32, 3).unwrap();
+    assert!(b
+        .argmax_rows(
+            View::rows(&lb, 3, 50).unwrap(),
+            ViewMut::rows(&mut ids, 3, 1).unwrap()
+        )
+        .unwrap());
+    let mut got = [0i32; 3];
+    b.read_back(&mut [Readback {
+        src: View::rows(&ids, 3, 1).unwrap(),
+        dst: HostSliceMut::I32(&mut got),
+    }])
+    .unwrap();
+    assert_eq!(got, [7, 3, 49]);
+}
+
+/// Random rows in Q4_0 and their dequantized values.
+fn q4_0_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    let vals = rand_vec(seed, n * k, 1.0);
+    let (mut data, mut deq) = (Vec::new(), Vec::new());
+    for blk in vals.chunks(32) {
+        let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = f16::from_f32(amax / 8.0);
+        let q: Vec<u8> = blk
+            .iter()
+            .map(|v| ((v / d.to_f32()).round() + 8.0).clamp(0.0, 15.0) as u8)
+            .collect();
+        data.extend(d.to_le_bytes());
+        for i in 0..16 {
+            data.push(q[i] | (q[i + 16] << 4));
+        }
+        deq.extend(q.iter().map(|&q| d.to_f32() * (q as f32 - 8.0)));
+    }
+    (data, deq)
+}
+
+/// A weight's bytes as the file stores them, and its values.
+type Rows = (Vec<u8>, Vec<f32>);
+
+fn matmul_ref(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    (0..m * n)
+        .map(|i| (0..k).map(|kk| x[i / n * k + kk] * w[i % n * k + kk]).sum())
+        .collect()
+}
+
+/// `x` as llama.cpp's 8-bit activations stand for it: per 32-value block, `q = round(x·127/amax)`
+/// (half to even), times the scale `amax/127` rounded through f16.
+fn q8_ref(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|blk| {
+            let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = f16::from_f32(amax / 127.0).to_f32();
+            let id = if amax == 0.0 { 0.0 } else { 127.0 / amax };
+            blk.iter()
+                .map(move |v| (v * id).round_ties_even() * d)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn matmul_with_8_bit_activations_matches_llama_cpp_arithmetic() {
+    let _g = serial();
+    let mut b = backend(AscendConfig {
+        q8_activations: true,
+        ..AscendConfig::default()
+    });
+    let (m, k, n) = (3usize, 128usize, 40usize);
+    let x = h(&rand_vec(100, m * k, 2.0));
+    let xb = up(&mut b, &x, k);
+    let (d, w) = q4_1_rows(101, n, k);
+    let mat = b
+        .load_matrix(&[HostTensor {
+            ty: GgmlType::Q4_1,
+            data: &d,
+            rows: n,
+            cols: k,
+        }])
+        .unwrap()
+        .unwrap();
+    let mut y = b.alloc(DType::F16, m * n).unwrap();
+    b.matmul(
+        View::rows(&xb, m, k).unwrap(),
+        &mat,
+        ViewMut::rows(&mut y, m, n).unwrap(),
+    )
+    .unwrap();
+    let got = down(&mut b, &y, Layout::contiguous(m, n));
+    let want = matmul_ref(&q8_ref(&x), &w, m, k, n);
+    // Against the quantized activations: f16 output and weights only.
+    assert_close(&got, &want, 4e-3, "8-bit activation matmul");
+    // Unquantized activations differ by more: the check can tell the two apart.
+    let plain = matmul_ref(&x, &w, m, k, n);
+    let worst = got
+        .iter()
+        .zip(&plain)
+        .map(|(g, p)| (g - p).abs() / (1.0 + p.abs()))
+        .fold(0f32, f32::max);
+    assert!(
+        worst > 4e-3,
+        "8-bit activations made no difference ({worst})"
+    );
+}
+
+#[test]
+fn matmul_in_every_weight_form_matches_reference() {
+    let _g = serial();
+    // Activations as they come (the 8-bit form is checked above).
+    let mut b = default_backend();
+    let (m, k) = (3usize, 128usize);
+    let x = h(&rand_vec(10, m * k, 1.0));
+    let xb = up(&mut b, &x, k);
+    let f32_rows = |seed, n: usize| {
+        let v = rand_vec(seed, n * k, 0.5);
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        (bytes, h(&v))
+    };
+    let f16_rows = |seed, n: usize| {
+        let v = h(&rand_vec(seed, n * k, 0.5));
+        let bytes: Vec<u8> = v
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+            .collect();
+        (bytes, v)
+    };
+    let forms: Vec<(GgmlType, Rows, Rows)> = vec![
+        (GgmlType::Q4_1, q4_1_rows(11, 40, k), q4_1_rows(12, 24, k)),
+        (GgmlType::Q8_0, q8_0_rows(13, 40, k), q8_0_rows(14, 24, k)),
+        (GgmlType::Q4_0, q4_0_rows(15, 40, k), q4_0_rows(16, 24, k)),
+        (GgmlType::F16, f16_rows(17, 40), f16_rows(18, 24)),
+        (GgmlType::F32, f32_rows(19, 40), f32_rows(20, 24)),
+    ];
+    for (ty, (d1, w1), (d2, w2)) in &forms {
+        let parts = [
+            HostTensor {
+                ty: *ty,
+                data: d1,
+                rows: 40,
+                cols: k,
+            },
+            HostTensor {
+                ty: *ty,
+                data: d2,
+                rows: 24,
+                cols: k,
+            },
+        ];
+        let w = b.load_matrix(&parts).unwrap().expect("one form stacks");
+        let mut y = b.alloc(DType::F16, m * 64).unwrap();
+        b.matmul(
+            View::rows(&xb, m, k).unwrap(),
+            &w,
+            ViewMut::rows(&mut y, m, 64).unwrap(),
+        )
+        .unwrap();
+        let all_w = [w1.clone(), w2.clone()].concat();
+        let want = matmul_ref(&x, &all_w, m, k, 64);
+        let got = down(&mut b, &y, Layout::contiguous(m, 64));
+        assert_close(&got, &want, 1e-2, &format!("{} matmul", ty.name()));
+    }
+    // Parts of different forms do not stack; each still loads alone.
+    let mixed = [
+        HostTensor {
+            ty: GgmlType::Q4_1,
+            data: &forms[0].1 .0,
+            rows: 40,
+            cols: k,
+        },
+        HostTensor {
+            ty: GgmlType::Q8_0,
+            data: &forms[1].2 .0,
+            rows: 24,
+            cols: k,
+        },
+    ];
+    assert!(b.load_matrix(&mixed).unwrap().is_none());
+    let q8 = b.load_matrix(&mixed[1..]).unwrap().unwrap();
+    // Strided input rows and an output column range (copies through scratch buffers).
+    // Each row twice: [x_r | x_r]; the view takes the second copy.
+    let doubled: Vec<f32> = x.chunks(k).flat_map(|r| [r, r].concat()).collect();
+    let wide = up(&mut b, &doubled, 2 * k);
+    let mut y = b.alloc(DType::F16, m * 100).unwrap();
+    b.matmul(
+        View::new(&wide, Layout::new(k, m, k, 2 * k).unwrap()).unwrap(),
+        &q8,
+        ViewMut::new(&mut y, Layout::new(50, m, 24, 100).unwrap()).unwrap(),
+    )
+    .unwrap();
+    let want = matmul_ref(&x, &forms[1].2 .1, m, k, 24);
+    let got = down(&mut b, &y, Layout::new(50, m, 24, 100).unwrap());
+    assert_close(&got, &want, 1e-2, "strided matmul");
+    assert!(down(&mut b, &y, Layout::new(0, m, 50, 100).unwrap())
+        .iter()
+        .all(|&v| v == 0.0));
+    // A matrix of 32 inputs (a single quantization group) goes through f16.
+    let (d, wv) = q8_0_rows(21, 8, 32);
+    let small = b
+        .load_matrix(&[HostTensor {
+            ty: GgmlType::Q8_0,
+            data: &d,
+            rows: 8,
+            cols: 32,
+        }])
+        .unwrap()
+        .unwrap();
+    let mut y = b.alloc(DType::F16, m * 8).unwrap();
+    b.matmul(
+        View::new(&xb, Layout::new(0, m, 32, k).unwrap()).unwrap(),
+        &small,
+        ViewMut::rows(&mut y, m, 8).unwrap(),
+    )
+    .unwrap();
+    let x32: Vec<f32> = (0..m).flat_map(|r| x[r * k..r * k + 32].to_vec()).collect();
+    assert_close(
+        &down(&mut b, &y, Layout::contiguous(m, 8)),
+        &matmul_ref(&x32, &h(&wv), m, 32, 8),
+        1e-2,
+        "32-input matmul",
+    );
+}
+
+fn rope_ref(rope: &Rope, x: &[f32], heads: usize, hd: usize, positions: &[u32]) -> Vec<f32> {
+    let mut out = x.to_vec();
+    let mut cs = vec![0f32; rope.dims];
+    for (t, &p) in positions.iter().enumerate() {
+        rope.angles(p, &mut cs);
+        // The device's table holds cos/sin in f16.
+        let cs = h(&cs);
+        for hh in 0..heads {
+            let head = &mut out[(t * heads + hh) * hd..][..hd];
+            for i in 0..rope.dims / 2 {
+                let (a, bb) = match rope.style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Halves => (i, i + rope.dims / 2),
+                };
+                let (x0, x1) = (head[a], head[bb]);
+                head[a] = x0 * cs[2 * i] - x1 * cs[2 * i + 1];
+                head[bb] = x0 * cs[2 * i + 1] + x1 * cs[2 * i];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn rope_matches_reference_in_both_styles_and_kernels() {
+    let _g = serial();
+    for kernel in [RopeKernel::Auto, RopeKernel::ApplyRotaryPosEmb] {
+        let mut b = backend(AscendConfig {
+            rope: kernel,
+            ..AscendConfig::default()
+        });
+        b.init_kv(kv_spec(16, 400)).unwrap();
+        for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+            for dims in [16, 8] {
+                let g = AttnGeometry {
+                    n_heads: 4,
+                    n_kv_heads: 2,
+                    head_dim: 16,
+                    rope: Rope {
+                        style,
+                        dims,
+                        base: 10000.0,
+                        freq_scale: 0.5,
+                    },
+                    scale: 0.25,
+                };
+                // Positions beyond the first table (4096) make it grow.
+                let blocks: Vec<u32> = (0..375).collect();
+                let step = step_of(&[(0, 2, blocks.clone()), (5990, 1, blocks)], 16, &[1]);
+                b.begin_step(&step).unwrap();
+                let (t, w) = (3, 6 * 16 + 16);
+                let qkv = h(&rand_vec(30 + dims as u64, t * w, 1.0));
+                let mut buf = up(&mut b, &qkv, w);
+                b.rope(
+                    ViewMut::new(&mut buf, Layout::new(0, t, 6 * 16, w).unwrap()).unwrap(),
+                    &g,
+                )
+                .unwrap();
+                let got = down(&mut b, &buf, Layout::contiguous(t, w));
+                let heads: Vec<f32> = (0..t)
+                    .flat_map(|r| qkv[r * w..r * w + 96].to_vec())
+                    .collect();
+                let want = rope_ref(&g.rope, &heads, 6, 16, &step.positions);
+                for r in 0..t {
+                    assert_close(
+                        &got[r * w..r * w + 96],
+                        &want[r * 96..(r + 1) * 96],
+                        4e-3,
+                        &format!("{kernel:?} {style:?} dims {dims} row {r}"),
+                    );
+                    // The columns after the heads are untouched.
+                    assert_eq!(&got[r * w + 96..(r + 1) * w], &qkv[r * w + 96..(r + 1) * w]);
+                }
+            }
+        }
+    }
+}
+
+/// One sequence's K/V history on the host, for the reference.
+#[derive(Default, Clone)]
+struct Hist {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+fn attention_ref(
+    q: &[f32],
+    hist: &Hist,
+    upto: usize,
+    heads: usize,
+    kvh: usize,
+    d: usize,
+) -> Vec<f32> {
+    let (kvd, group) = (kvh * d, heads / kvh);
+    let mut out = vec![0f32; heads * d];
+    for hh in 0..heads {
+        let kh = hh / group;
+        let s: Vec<f32> = (0..upto)
+            .map(|j| {
+                (0..d)
+                    .map(|c| q[hh * d + c] * hist.k[j * kvd + kh * d + c])
+                    .sum::<f32>()
+                    * 0.25
+            })
+            .collect();
+        let mx = s.iter().copied().fold(f32::MIN, f32::max);
+        let e: Vec<f32> = s.iter().map(|x| (x - mx).exp()).collect();
+        let sum: f32 = e.iter().sum();
+        for c in 0..d {
+            out[hh * d + c] = (0..upto)
+                .map(|j| e[j] / sum * hist.v[j * kvd + kh * d + c])
+                .sum();
+        }
+    }
+    out
+}
+
+/// Runs steps of (sequence, new tokens) through kv_write + attention on layer 1 with block
+/// size `bs`, checking every output row against the reference over each sequence's history.
+fn attention_case(bs: usize, steps: &[Vec<(usize, u32)>], seed: u64) -> AscendBackend {
+    let mut b = default_backend();
+    b.init_kv(kv_spec(bs, 12)).unwrap();
+    let (heads, kvh, d) = (4usize, 2usize, 16usize);
+    let g = AttnGeometry {
+        n_heads: heads,
+        n_kv_heads: kvh,
+        head_dim: d,
+        rope: Rope {
+            style: RopeStyle::Interleaved,
+            dims: d,
+            base: 10000.0,
+            freq_scale: 1.0,
+        },
+        scale: 0.25,
+    };
+    let tables: [Vec<u32>; 3] = [vec![3, 7, 1], vec![0, 5, 9], vec![11, 2, 4]];
+    let mut hist = vec![Hist::default(); 3];
+    let (qd, kvd) = (heads * d, kvh * d);
+    let w = qd + 2 * kvd;
+    for (si, step) in steps.iter().enumerate() {
+        let seqs: Vec<(u32, u32, Vec<u32>)> = step
+            .iter()
+            .map(|&(s, n)| ((hist[s].k.len() / kvd) as u32, n, tables[s].clone()))
+            .collect();
+        let inputs = step_of(&seqs, bs as u32, &[1]);
+        b.begin_step(&inputs).unwrap();
+        let t = inputs.tokens.len();
+        let qkv = h(&rand_vec(seed + si as u64, t * w, 1.0));
+        let buf = up(&mut b, &qkv, w);
+        b.kv_write(
+            View::new(&buf, Layout::new(qd, t, kvd, w).unwrap()).unwrap(),
+            View::new(&buf, Layout::new(qd + kvd, t, kvd, w).unwrap()).unwrap(),
+            &g,
+            1,
+        )
+        .unwrap();
+        let mut out = b.alloc(DType::F16, t * qd).unwrap();
+        b.attention(
+            View::new(&buf, Layout::new(0, t, qd, w).unwrap()).unwrap(),
+            &g,
+            1,
+            ViewMut::rows(&mut out, t, qd).unwrap(),
+        )
+        .unwrap();
+        let got = down(&mut b, &out, Layout::contiguous(t, qd));
+        let mut row = 0;
+        for &(s, n) in step {
+            for j in 0..n as usize {
+                let r = &qkv[(row + j) * w..(row + j + 1) * w];
+                hist[s].k.extend_from_slice(&r[qd..qd + kvd]);
+                hist[s].v.extend_from_slice(&r[qd + kvd..]);
+            }
+            let len = hist[s].k.len() / kvd;
+            for j in 0..n as usize {
+                let q = &qkv[(row + j) * w..(row + j) * w + qd];
+                let upto = len - n as usize + j + 1;
+                let want = attention_ref(q, &hist[s], upto, heads, kvh, d);
+                let got_row = &got[(row + j) * qd..(row + j + 1) * qd];
+                for (c, (g, wv)) in got_row.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - wv).abs() < 5e-3,
+                        "block size {bs}, step {si}, sequence {s}, query {j}, column {c}: got {g}, want {wv}"
+                    );
+                }
+            }
+            row += n as usize;
+        }
+    }
+    b
+}
+
+#[test]
+fn attention_matches_reference_on_both_paths() {
+    let _g = serial();
+    let steps = vec![
+        // Prefill chunks of two sequences.
+        vec![(0, 5), (1, 3)],
+        // A chunk after cached tokens with a decode token and a new sequence's prompt.
+        vec![(0, 3), (1, 1), (2, 20)],
+        // Decode only.
+        vec![(0, 1), (1, 1), (2, 1)],
+    ];
+    // Block size 16: every step token-wise through the incremental branch.
+    let b = attention_case(16, &steps, 40);
+    drop(b);
+    // Block size 128: steps with chunks through the prompt branch (padded batch, causal mask).
+    let b = attention_case(128, &steps, 50);
+    drop(b);
+}
+
+#[test]
+fn kv_blocks_move_between_device_and_host() {
+    let _g = serial();
+    let mut b = default_backend();
+    let spec = kv_spec(16, 8);
+    b.init_kv(spec).unwrap();
+    let bb = b.kv_block_bytes();
+    assert_eq!(bb, 2 * 2 * 16 * 2 * 16 * 2);
+    let (qd, kvd) = (64usize, 32usize);
+    let g = AttnGeometry {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        rope: Rope {
+            style: RopeStyle::Interleaved,
+            dims: 16,
+            base: 10000.0,
+            freq_scale: 1.0,
+        },
+        scale: 0.25,
+    };
+    // 10 tokens of one sequence in block 2, both layers.
+    let step = step_of(&[(0, 10, vec![2])], 16, &[1]);
+    b.begin_step(&step).unwrap();
+    let w = qd + 2 * kvd;
+    let qkv = h(&rand_vec(60, 10 * w, 1.0));
+    let buf = up(&mut b, &qkv, w);
+    for layer in 0..2 {
+        b.kv_write(
+            View::new(&buf, Layout::new(qd, 10, kvd, w).unwrap()).unwrap(),
+            View::new(&buf, Layout::new(qd + kvd, 10, kvd, w).unwrap()).unwrap(),
+            &g,
+            layer,
+        )
+        .unwrap();
+    }
+    let mut host = vec![0u8; bb];
+    b.kv_blocks_to_host(&[2], &mut host).unwrap();
+    // Layer 0's keys lead the block: token 3's key is at row 3.
+    let key3: Vec<f32> = host[3 * kvd * 2..4 * kvd * 2]
+        .chunks(2)
+        .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
+    assert_eq!(key3, qkv[3 * w + qd..3 * w + qd + kvd].to_vec());
+    // Back into block 5, and device-to-device into block 6: all three read the same.
+    b.kv_blocks_from_host(&host, &[5]).unwrap();
+    b.kv_copy_blocks(&[(2, 6)]).unwrap();
+    let mut again = vec![0u8; 3 * bb];
+    b.kv_blocks_to_host(&[5, 6, 2], &mut again).unwrap();
+    for i in 0..3 {
+        assert!(
+            again[i * bb..(i + 1) * bb] == host[..],
+            "block copy {i} differs"
+        );
+    }
+    // Attention over block 6 equals attention over block 2.
+    let mut outs = Vec::new();
+    for block in [2u32, 6] {
+        let mut s = step_of(&[(9, 1, vec![block])], 16, &[1]);
+        s.slot_mapping = vec![block * 16 + 9];
+        b.begin_step(&s).unwrap();
+        let q = up(&mut b, &qkv[9 * w..9 * w + qd], qd);
+        let mut out = b.alloc(DType::F16, qd).unwrap();
+        b.attention(
+            View::rows(&q, 1, qd).unwrap(),
+            &g,
+            1,
+            ViewMut::rows(&mut out, 1, qd).unwrap(),
+        )
+        .unwrap();
+        outs.push(down(&mut b, &out, Layout::contiguous(1, qd)));
+    }
+    assert_eq!(outs[0], outs[1]);
+    // Wrong sizes and blocks are refused.
+    assert!(b.kv_blocks_to_host(&[2], &mut vec![0u8; bb - 1]).is_err());
+    assert!(b.kv_copy_blocks(&[(2, 8)]).is_err());
+}
+
+#[test]
+fn block_sizes_the_attention_operator_refuses_are_refused_at_init() {
+    let _g = serial();
+    let mut b = default_backend();
+    let e = b.init_kv(kv_spec(24, 8)).unwrap_err().to_string();
+    assert!(e.contains("pa_config.block_size = 24"), "{e}");
+    b.init_kv(kv_spec(16, 8)).unwrap();
+}
+
+/// A two-layer toy step's ops in the order a Llama step calls them.
+fn toy_step(
+    b: &mut AscendBackend,
+    w: &[AscendMatrix],
+    x: &mut AscendBuffer,
+    y: &mut AscendBuffer,
+    t: usize,
+) {
+    for m in w {
+        b.matmul(
+            View::rows(x, t, 64).unwrap(),
+            m,
+            ViewMut::rows(y, t, 64).unwrap(),
+        )
+        .unwrap();
+        b.add(
+            ViewMut::rows(x, t, 64).unwrap(),
+            View::rows(y, t, 64).unwrap(),
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn executors_of_repeated_shapes_are_reused() {
+    let _g = serial();
+    for reuse in [true, false] {
+        let mut b = backend(AscendConfig {
+            reuse_executors: reuse,
+            ..AscendConfig::default()
+        });
+        b.init_kv(kv_spec(16, 8)).unwrap();
+        let layers: Vec<AscendMatrix> = (0..2)
+            .map(|i| {
+                let (d, _) = q4_1_rows(70 + i, 64, 64);
+                b.load_matrix(&[HostTensor {
+                    ty: GgmlType::Q4_1,
+                    data: &d,
+                    rows: 64,
+                    cols: 64,
+                }])
+                .unwrap()
+                .unwrap()
+            })
+            .collect();
+        let mut x = up(&mut b, &h(&rand_vec(80, 64, 0.1)), 64);
+        let mut y = b.alloc(DType::F16, 64).unwrap();
+        let mut results = Vec::new();
+        for _ in 0..3 {
+            let step = step_of(&[(0, 1, vec![0])], 16, &[1]);
+            b.begin_step(&step).unwrap();
+            toy_step(&mut b, &layers, &mut x, &mut y, 1);
+            results.push(down(&mut b, &x, Layout::contiguous(1, 64)));
+        }
+        let s = b.step_stats();
+        assert_eq!(s.launches, 4, "two matmuls and two adds per step");
+        if reuse {
+            // Steps after the first prepare nothing: every launch reuses an executor.
+            assert_eq!((s.prepares, s.reused_launches), (0, 4), "{s:?}");
+            assert_eq!(b.last_step_stats().prepares, 0);
+        } else {
+            assert_eq!((s.prepares, s.reused_launches), (4, 0), "{s:?}");
+        }
+        // Reused executors compute what fresh ones do.
+        assert_ne!(results[0], results[1]);
+    }
+}
+
+#[test]
+fn nothing_is_left_alive_after_the_backend_and_its_buffers_drop() {
+    let _g = serial();
+    {
+        let mut b = default_backend();
+        b.init_kv(kv_spec(128, 4)).unwrap();
+        let (d, _) = q4_1_rows(90, 64, 64);
+        let m = b
+            .load_matrix(&[HostTensor {
+                ty: GgmlType::Q4_1,
+                data: &d,
+                rows: 64,
+                cols: 64,
+            }])
+            .unwrap()
+            .unwrap();
+        let step = step_of(&[(0, 3, vec![1])], 128, &[1]);
+        b.begin_step(&step).unwrap();
+        let x = up(&mut b, &rand_vec(91, 3 * 64, 1.0), 64);
+        let mut y = b.alloc(DType::F16, 3 * 64).unwrap();
+        b.matmul(
+            View::rows(&x, 3, 64).unwrap(),
+            &m,
+            ViewMut::rows(&mut y, 3, 64).unwrap(),
+        )
+        .unwrap();
+        let mut host = vec![0u8; b.kv_block_bytes()];
+        b.kv_blocks_to_host(&[1], &mut host).unwrap();
+        b.kv_blocks_from_host(&host, &[2]).unwrap();
+        // The backend goes first: the buffers keep the device until they are freed.
+        drop(b);
+        drop((m, x, y));
+    }
+    let report = leak_report();
+    assert!(report.is_empty(), "objects left alive:\n{report}");
+}
+
+#[test]
+fn greedy_picks_on_the_device_read_nan_and_inf_as_the_sampler_does() {
+    let _g = serial();
+    let mut b = default_backend();
+    let cols = 12;
+    let nan = f32::NAN;
+    let inf = f32::INFINITY;
+    let mut rows: Vec<Vec<f32>> = vec![
+        (0..cols).map(|i| (i as f32 * 0.7).sin()).collect(),
+        vec![0.0; cols],
+        vec![-1.0; cols],
+        vec![0.5; cols],
+        vec![nan; cols],
+        vec![-inf; cols],
+    ];
+    rows[1][3] = 2.0;
+    rows[1][9] = 2.0;
+    rows[2][0] = nan;
+    rows[2][5] = 1.0;
+    rows[3][4] = inf;
+    rows[3][8] = inf;
+    rows[5][6] = -3.0;
+    let flat: Vec<f32> = rows.concat();
+    let lb = up(&mut b, &flat, cols);
+    let n = rows.len();
+    let (mut ids, mut lps) = (
+        b.alloc(DType::I32, n).unwrap(),
+        b.alloc(DType::F32, n).unwrap(),
+    );
+    assert!(b
+        .argmax_logprob_rows(
+            View::rows(&lb, n, cols).unwrap(),
+            ViewMut::rows(&mut lps, n, 1).unwrap()
+        )
+        .unwrap());
+    assert!(b
+        .argmax_rows(
+            View::rows(&lb, n, cols).unwrap(),
+            ViewMut::rows(&mut ids, n, 1).unwrap()
+        )
+        .unwrap());
+    let (mut got_ids, mut got_lp) = (vec![0i32; n], vec![0f32; n]);
+    b.read_back(&mut [
+        Readback {
+            src: View::rows(&ids, n, 1).unwrap(),
+            dst: HostSliceMut::I32(&mut got_ids),
+        },
+        Readback {
+            src: View::rows(&lps, n, 1).unwrap(),
+            dst: HostSliceMut::F32(&mut got_lp),
+        },
+    ])
+    .unwrap();
+    // The sampler's reading: NaN as −inf, +inf as f32::MAX, first index on ties, a row with
+    // nothing finite picks 0 with a uniform log-probability.
+    let read = |v: f32| {
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else if v == inf {
+            f32::MAX
+        } else {
+            v
+        }
+    };
+    for (r, row) in rows.iter().enumerate() {
+        let vals: Vec<f32> = h(row).into_iter().map(read).collect();
+        let (mut best, mut arg) = (f32::NEG_INFINITY, 0);
+        for (i, &v) in vals.iter().enumerate() {
+            if v > best {
+                (best, arg) = (v, i);
+            }
+        }
+        assert_eq!(got_ids[r], arg as i32, "row {r}");
+        let want = if best == f32::NEG_INFINITY {
+            -(cols as f32).ln()
+        } else {
+            -vals
+                .iter()
+                .map(|&v| ((v as f64) - best as f64).exp())
+                .sum::<f64>()
+                .ln() as f32
+        };
+        assert!(
+            (got_lp[r] - want).abs() < 1e-5,
+            "row {r}: log-probability {} vs {want}",
+            got_lp[r]
+        );
+    }
+    assert_eq!(&got_ids[1..5], &[3, 5, 4, 0]);
+}
+
+#[test]
+fn token_ops_work_before_the_kv_pool_exists_and_kv_ops_say_why_not() {
+    let _g = serial();
+    let mut b = default_backend();
+    let table = rand_vec(110, 8 * 16, 1.0);
+    let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let emb = b
+        .load_embedding(HostTensor {
+            ty: GgmlType::F32,
+            data: &bytes,
+            rows: 8,
+            cols: 16,
+        })
+        .unwrap();
+    b.begin_step(&step_of(&[(0, 2, vec![0])], 16, &[3, 5]))
+        .unwrap();
+    let mut x = b.alloc(DType::F16, 2 * 16).unwrap();
+    b.embed(&emb, ViewMut::rows(&mut x, 2, 16).unwrap())
+        .unwrap();
+    let got = down(&mut b, &x, Layout::contiguous(2, 16));
+    assert_eq!(
+        got,
+        h(&[&table[3 * 16..4 * 16], &table[5 * 16..6 * 16]].concat())
+    );
+    let g = AttnGeometry {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 16,
+        rope: Rope {
+            style: RopeStyle::Interleaved,
+            dims: 16,
+            base: 10000.0,
+            freq_scale: 1.0,
+        },
+        scale: 0.25,
+    };
+    let e = b
+        .kv_write(
+            View::rows(&x, 2, 16).unwrap(),
+            View::rows(&x, 2, 16).unwrap(),
+            &g,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("KV pool is not initialised"), "{e}");
+}
+
+#[test]
+fn a_kv_pool_larger_than_free_memory_is_refused_with_what_fits() {
+    let _g = serial();
+    let mut b = default_backend();
+    let free = b.mem_info().unwrap().free as usize;
+    // Blocks of 2 layers x K/V x 128 slots x 32 values x 2 bytes.
+    let per_block = 2 * 2 * 128 * 32 * 2;
+    let e = b
+        .init_kv(kv_spec(128, free / per_block + 10))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("out of memory")
+            && e.contains("pa_config.num_blocks")
+            && e.contains("room for about"),
+        "{e}"
+    );
+    // Nothing was allocated: a pool that fits still does.
+    b.init_kv(kv_spec(128, 4)).unwrap();
+}

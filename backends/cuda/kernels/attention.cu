@@ -1,0 +1,238 @@
+// The paged KV pool and attention over it.
+//
+// Pool layout (f16): [block][layer][K, V][kv_head][block_pos][head_dim]. One block's K and V for
+// every layer are contiguous (a block moves with one copy), and one KV head's slice of a block is
+// a contiguous [block_size][head_dim] tile, so attention reads it with straight, coalesced loads.
+// `layer_off` is the element offset of a layer's K inside a block; its V follows
+// n_kv * block_size * head_dim elements later.
+
+// ---- KV write ----------------------------------------------------------------------------------
+
+// grid (rows): token r's K and V rows go to slot slots[r] (block slot / bs, position slot % bs).
+template <typename T>
+__device__ __forceinline__ void kv_write_body(const T* k, int ldk, const T* v, int ldv,
+                                              const int* slots, u16* pool, i64 block_stride,
+                                              i64 layer_off, int n_kv, int hd, int bs) {
+    const int r = blockIdx.x;
+    const int slot = slots[r];
+    const i64 head_elems = (i64)bs * hd;
+    const i64 base = (i64)(slot / bs) * block_stride + layer_off + (i64)(slot % bs) * hd;
+    const i64 v_off = (i64)n_kv * head_elems;
+    for (int e = threadIdx.x; e < n_kv * hd; e += blockDim.x) {
+        const i64 at = base + (i64)(e / hd) * head_elems + e % hd;
+        pool[at] = f32_to_f16_bits(to_f32(k[(i64)r * ldk + e]));
+        pool[at + v_off] = f32_to_f16_bits(to_f32(v[(i64)r * ldv + e]));
+    }
+}
+
+#define KV_WRITE(T, S)                                                                             \
+    extern "C" __global__ void kv_write_##S(const T* k, int ldk, const T* v, int ldv,             \
+                                            const int* slots, u16* pool, i64 block_stride,         \
+                                            i64 layer_off, int n_kv, int hd, int bs) {             \
+        kv_write_body<T>(k, ldk, v, ldv, slots, pool, block_stride, layer_off, n_kv, hd, bs);     \
+    }
+NPU_FOR_EACH_ACT(KV_WRITE)
+
+// ---- paged attention -----------------------------------------------------------------------------
+//
+// Flash-decoding style: grid (work items, kv heads, context splits). A work item is up to `qt`
+// consecutive query tokens of one sequence (items[2i] = sequence, items[2i+1] = first token); the
+// block holds qt * group warps, one per (token, query head of the KV head's group), so the
+// group's heads and the item's tokens share every K/V tile the block loads into shared memory.
+// Each warp keeps an online softmax (running max m, sum l, output accumulator) over 32-position
+// tiles; lane j scores position p0 + j, and lanes own pairs of output dimensions.
+//
+// Causality: token t of a sequence (position start + t) sees positions 0..=start + t. Decode tokens
+// (n_q = 1) and prefill chunks (n_q > 1) of different sequences run in the same launch.
+//
+// With one split the block writes normalised outputs; with several, split s covers tiles
+// [s * tiles_per_split, (s + 1) * tiles_per_split) and writes (m, l, acc) to `partial`
+// ([row][head][split][hd + 2] f32), merged by attention_combine.
+
+#define ATT_TILE 32
+#define ATT_MAX_HD 256
+#define ATT_MAX_WORDS (ATT_MAX_HD / 64)
+// Blocks have at most 16 warps (groups of at most 16 query heads per KV head), so the compiler
+// may give each thread up to 128 registers.
+#define ATT_MAX_THREADS 512
+
+template <typename T>
+__device__ __forceinline__ void attention_body(
+    const T* q, int ldq, T* out, int ldo, const u16* pool, i64 block_stride, i64 layer_off,
+    const int* items, int qt, const int* seq_info, const int* block_tables, int max_blocks,
+    int n_heads, int n_kv, int hd, int bs, float scale, int n_splits, int tiles_per_split,
+    float* partial) {
+    const int group = n_heads / n_kv;
+    const int item = blockIdx.x;
+    const int kvh = blockIdx.y;
+    const int split = blockIdx.z;
+    const int seq = items[2 * item];
+    const int tok0 = items[2 * item + 1];
+    const int q_row0 = seq_info[3 * seq];
+    const int n_q = seq_info[3 * seq + 1];
+    const int start = seq_info[3 * seq + 2];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int tok = tok0 + warp / group;
+    const int head = kvh * group + warp % group;
+    const bool active = tok < n_q; // uniform in the warp
+    const i64 row = (i64)q_row0 + tok;
+    const int ctx = start + tok + 1;
+    const int last_tok = min(tok0 + qt, n_q) - 1;
+    const int block_ctx = start + last_tok + 1;
+    const int n_tiles = (block_ctx + ATT_TILE - 1) / ATT_TILE;
+    const int t_begin = split * tiles_per_split;
+    const int t_end = min(n_tiles, t_begin + tiles_per_split);
+    const int half_hd = hd >> 1;
+    const int words = half_hd + 1; // padded shared row: conflict-free column reads
+
+    u32* ks = (u32*)DYN_SMEM;
+    u32* vs = ks + ATT_TILE * words;
+    float* qs = (float*)(vs + ATT_TILE * words) + warp * hd;
+
+    if (active) {
+        for (int d = lane; d < hd; d += 32) {
+            qs[d] = to_f32(q[row * ldq + (i64)head * hd + d]);
+        }
+    }
+    float m = NEG_INF;
+    float l = 0.0f;
+    float acc[2 * ATT_MAX_WORDS];
+    for (int i = 0; i < 2 * ATT_MAX_WORDS; ++i) {
+        acc[i] = 0.0f;
+    }
+    const int* bt = block_tables + (i64)seq * max_blocks;
+    const i64 head_off = layer_off + (i64)kvh * bs * hd;
+    const i64 v_off = (i64)n_kv * bs * hd;
+
+    for (int tile = t_begin; tile < t_end; ++tile) {
+        const int p0 = tile * ATT_TILE;
+        __syncthreads(); // the previous tile's readers are done (and q is in place)
+        for (int w = threadIdx.x; w < ATT_TILE * half_hd; w += blockDim.x) {
+            const int j = w / half_hd;
+            const int c = w - j * half_hd;
+            const int p = p0 + j;
+            u32 kw = 0;
+            u32 vw = 0;
+            if (p < block_ctx) {
+                const i64 at = (i64)bt[p / bs] * block_stride + head_off + (i64)(p % bs) * hd + 2 * c;
+                kw = *(const u32*)(pool + at);
+                vw = *(const u32*)(pool + at + v_off);
+            }
+            ks[j * words + c] = kw;
+            vs[j * words + c] = vw;
+        }
+        __syncthreads();
+        if (active && p0 < ctx) {
+            const int p = p0 + lane;
+            float s = NEG_INF;
+            if (p < ctx) {
+                float dot = 0.0f;
+                const u32* kr = ks + lane * words;
+                for (int c = 0; c < half_hd; ++c) {
+                    const u32 kw = kr[c];
+                    dot = fmaf(qs[2 * c], lo_f16(kw), dot);
+                    dot = fmaf(qs[2 * c + 1], hi_f16(kw), dot);
+                }
+                s = dot * scale;
+            }
+            const float m_new = fmaxf(m, warp_max(s));
+            const float pj = p < ctx ? expf(s - m_new) : 0.0f;
+            const float alpha = expf(m - m_new);
+            l = l * alpha + warp_sum(pj);
+            for (int i = 0; i < 2 * ATT_MAX_WORDS; ++i) {
+                acc[i] *= alpha;
+            }
+            for (int j = 0; j < ATT_TILE; ++j) {
+                const float pb = __shfl_sync(FULL_MASK, pj, j);
+                const u32* vr = vs + j * words;
+                for (int i = 0; i < ATT_MAX_WORDS; ++i) {
+                    const int c = lane + 32 * i;
+                    if (c < half_hd) {
+                        const u32 vw = vr[c];
+                        acc[2 * i] = fmaf(pb, lo_f16(vw), acc[2 * i]);
+                        acc[2 * i + 1] = fmaf(pb, hi_f16(vw), acc[2 * i + 1]);
+                    }
+                }
+            }
+            m = m_new;
+        }
+    }
+    if (!active) {
+        return;
+    }
+    if (n_splits == 1) {
+        const float inv = 1.0f / l;
+        T* o = out + row * ldo + (i64)head * hd;
+        for (int i = 0; i < ATT_MAX_WORDS; ++i) {
+            const int c = lane + 32 * i;
+            if (c < half_hd) {
+                o[2 * c] = from_f32<T>(acc[2 * i] * inv);
+                o[2 * c + 1] = from_f32<T>(acc[2 * i + 1] * inv);
+            }
+        }
+    } else {
+        float* pp = partial + ((row * n_heads + head) * n_splits + split) * (i64)(hd + 2);
+        if (lane == 0) {
+            pp[0] = m;
+            pp[1] = l;
+        }
+        for (int i = 0; i < ATT_MAX_WORDS; ++i) {
+            const int c = lane + 32 * i;
+            if (c < half_hd) {
+                pp[2 + 2 * c] = acc[2 * i];
+                pp[3 + 2 * c] = acc[2 * i + 1];
+            }
+        }
+    }
+}
+
+#define ATTENTION(T, S)                                                                            \
+    extern "C" __global__ void __launch_bounds__(ATT_MAX_THREADS) attention_##S(                   \
+        const T* q, int ldq, T* out, int ldo, const u16* pool, i64 block_stride, i64 layer_off,   \
+        const int* items, int qt, const int* seq_info, const int* block_tables, int max_blocks,    \
+        int n_heads, int n_kv, int hd, int bs, float scale, int n_splits, int tiles_per_split,     \
+        float* partial) {                                                                          \
+        attention_body<T>(q, ldq, out, ldo, pool, block_stride, layer_off, items, qt, seq_info,   \
+                          block_tables, max_blocks, n_heads, n_kv, hd, bs, scale, n_splits,       \
+                          tiles_per_split, partial);                                               \
+    }
+NPU_FOR_EACH_ACT(ATTENTION)
+
+// grid (rows, heads): merges the splits of one (row, head): out = sum_s e^(m_s - M) acc_s /
+// sum_s e^(m_s - M) l_s. Split 0 always saw position 0, so M is finite.
+template <typename T>
+__device__ __forceinline__ void attention_combine_body(const float* partial, int n_splits,
+                                                       int n_heads, int hd, T* out, int ldo) {
+    const i64 row = blockIdx.x;
+    const int head = blockIdx.y;
+    const float* pp = partial + (row * n_heads + head) * n_splits * (i64)(hd + 2);
+    float mx = NEG_INF;
+    for (int s = 0; s < n_splits; ++s) {
+        mx = fmaxf(mx, pp[s * (hd + 2)]);
+    }
+    float den = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float ms = pp[s * (hd + 2)];
+        if (ms != NEG_INF) {
+            den += pp[s * (hd + 2) + 1] * expf(ms - mx);
+        }
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float num = 0.0f;
+        for (int s = 0; s < n_splits; ++s) {
+            const float ms = pp[s * (hd + 2)];
+            if (ms != NEG_INF) {
+                num += pp[s * (hd + 2) + 2 + d] * expf(ms - mx);
+            }
+        }
+        out[row * ldo + (i64)head * hd + d] = from_f32<T>(num / den);
+    }
+}
+
+#define ATTENTION_COMBINE(T, S)                                                                    \
+    extern "C" __global__ void attention_combine_##S(const float* partial, int n_splits,          \
+                                                     int n_heads, int hd, T* out, int ldo) {       \
+        attention_combine_body<T>(partial, n_splits, n_heads, hd, out, ldo);                      \
+    }
+NPU_FOR_EACH_ACT(ATTENTION_COMBINE)

@@ -1,0 +1,325 @@
+// The element-wise and row-wise ops of a Llama step: embedding lookup (dequantized from the
+// file's format), RMS normalisation, rotary embedding, SwiGLU, residual and bias adds, row
+// gathers and copies, and the per-row argmax. They follow the CPU reference's arithmetic
+// (rms_norm: 1 / sqrt(mean + eps) in f32; rope: the angle recurrence theta *= theta_scale;
+// products kept unfused where the reference rounds them apart).
+
+// ---- embedding ---------------------------------------------------------------------------------
+
+// Element e of a table row stored in ggml format `ty`.
+__device__ __forceinline__ float dequant_elem(const u8* row, int ty, int e) {
+    switch (ty) {
+    case GGML_F32:
+        return ((const float*)row)[e];
+    case GGML_F16:
+        return f16_bits_to_f32(((const u16*)row)[e]);
+    case GGML_BF16:
+        return bf16_bits_to_f32(((const u16*)row)[e]);
+    case GGML_Q8_0: {
+        const u8* b = row + (e >> 5) * 34;
+        const float d = f16_bits_to_f32(*(const u16*)b);
+        return __fmul_rn((float)(signed char)b[2 + (e & 31)], d);
+    }
+    case GGML_Q4_0: {
+        const u8* b = row + (e >> 5) * 18;
+        const float d = f16_bits_to_f32(*(const u16*)b);
+        const int j = e & 31;
+        const int q = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
+        return __fmul_rn((float)(q - 8), d);
+    }
+    case GGML_Q4_1: {
+        const u8* b = row + (e >> 5) * 20;
+        const float d = f16_bits_to_f32(*(const u16*)b);
+        const float m = f16_bits_to_f32(*(const u16*)(b + 2));
+        const int j = e & 31;
+        const int q = j < 16 ? (b[4 + j] & 15) : (b[4 + j - 16] >> 4);
+        return __fadd_rn(__fmul_rn((float)q, d), m);
+    }
+    default:
+        return 0.0f;
+    }
+}
+
+// grid (ceil(dim / blockDim), rows): out row r = table row tokens[r].
+template <typename T>
+__device__ __forceinline__ void embed_body(const u8* table, int ty, i64 row_bytes, int dim,
+                                           const int* tokens, T* out, int ldo) {
+    const int r = blockIdx.y;
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < dim) {
+        const u8* row = table + (i64)tokens[r] * row_bytes;
+        out[(i64)r * ldo + e] = from_f32<T>(dequant_elem(row, ty, e));
+    }
+}
+
+#define EMBED(T, S)                                                                                \
+    extern "C" __global__ void embed_##S(const u8* table, int ty, i64 row_bytes, int dim,         \
+                                         const int* tokens, T* out, int ldo) {                     \
+        embed_body<T>(table, ty, row_bytes, dim, tokens, out, ldo);                               \
+    }
+NPU_FOR_EACH_ACT(EMBED)
+
+// ---- RMS norm ----------------------------------------------------------------------------------
+
+// grid (rows): out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w.
+template <typename T>
+__device__ __forceinline__ void rms_norm_body(const T* x, int ldx, const void* w, int wdt,
+                                              float eps, int cols, T* out, int ldo) {
+    __shared__ float red[32];
+    const T* xr = x + (i64)blockIdx.x * ldx;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = to_f32(xr[c]);
+        s = fmaf(v, v, s);
+    }
+    s = block_sum(s, red);
+    const float scale = 1.0f / sqrtf(s / (float)cols + eps);
+    T* o = out + (i64)blockIdx.x * ldo;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        o[c] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(xr[c]), scale), load_dt(w, wdt, c)));
+    }
+}
+
+#define RMS_NORM(T, S)                                                                             \
+    extern "C" __global__ void rms_norm_##S(const T* x, int ldx, const void* w, int wdt,          \
+                                            float eps, int cols, T* out, int ldo) {                \
+        rms_norm_body<T>(x, ldx, w, wdt, eps, cols, out, ldo);                                    \
+    }
+NPU_FOR_EACH_ACT(RMS_NORM)
+
+// ---- rotary embedding ----------------------------------------------------------------------------
+
+// grid (rows): rotates `heads` heads of `hd` values of row r in place at position pos[r]. Pair i
+// is (2i, 2i+1) when `halves` is 0 (interleaved), (i, i + dims/2) when 1. The angle of pair i is
+// freq_scale * pos * theta_scale^i, the power taken by repeated multiplication as ggml does.
+template <typename T>
+__device__ __forceinline__ void rope_body(T* qk, int ld, int heads, int hd, int dims, int halves,
+                                          float theta_scale, float freq_scale, const int* pos) {
+    const int r = blockIdx.x;
+    T* row = qk + (i64)r * ld;
+    const int half_dims = dims >> 1;
+    for (int i = threadIdx.x; i < half_dims; i += blockDim.x) {
+        float theta = (float)(u32)pos[r];
+        for (int k = 0; k < i; ++k) {
+            theta = __fmul_rn(theta, theta_scale);
+        }
+        const float t = __fmul_rn(freq_scale, theta);
+        const float c = cosf(t);
+        const float s = sinf(t);
+        const int a = halves ? i : 2 * i;
+        const int b = halves ? i + half_dims : 2 * i + 1;
+        for (int h = 0; h < heads; ++h) {
+            T* hp = row + h * hd;
+            const float x0 = to_f32(hp[a]);
+            const float x1 = to_f32(hp[b]);
+            hp[a] = from_f32<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+            hp[b] = from_f32<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+        }
+    }
+}
+
+#define ROPE(T, S)                                                                                 \
+    extern "C" __global__ void rope_##S(T* qk, int ld, int heads, int hd, int dims, int halves,   \
+                                        float theta_scale, float freq_scale, const int* pos) {     \
+        rope_body<T>(qk, ld, heads, hd, dims, halves, theta_scale, freq_scale, pos);              \
+    }
+NPU_FOR_EACH_ACT(ROPE)
+
+// ---- SwiGLU, adds, copies ------------------------------------------------------------------------
+// All: grid (ceil(cols / blockDim), rows), one element per thread.
+
+template <typename T>
+__device__ __forceinline__ void swiglu_body(const T* gate, int ldg, const T* up, int ldu, T* out,
+                                            int ldo, int cols) {
+    const int r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) {
+        const float g = to_f32(gate[(i64)r * ldg + c]);
+        const float u = to_f32(up[(i64)r * ldu + c]);
+        out[(i64)r * ldo + c] = from_f32<T>(__fmul_rn(g / (1.0f + expf(-g)), u));
+    }
+}
+
+#define SWIGLU(T, S)                                                                               \
+    extern "C" __global__ void swiglu_##S(const T* gate, int ldg, const T* up, int ldu, T* out,   \
+                                          int ldo, int cols) {                                     \
+        swiglu_body<T>(gate, ldg, up, ldu, out, ldo, cols);                                       \
+    }
+NPU_FOR_EACH_ACT(SWIGLU)
+
+template <typename T>
+__device__ __forceinline__ void add_body(T* x, int ldx, const T* y, int ldy, int cols) {
+    const int r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) {
+        T* p = x + (i64)r * ldx + c;
+        *p = from_f32<T>(to_f32(*p) + to_f32(y[(i64)r * ldy + c]));
+    }
+}
+
+#define ADD(T, S)                                                                                  \
+    extern "C" __global__ void add_##S(T* x, int ldx, const T* y, int ldy, int cols) {            \
+        add_body<T>(x, ldx, y, ldy, cols);                                                        \
+    }
+NPU_FOR_EACH_ACT(ADD)
+
+template <typename T>
+__device__ __forceinline__ void add_bias_body(T* x, int ldx, const void* bias, int bdt, int cols) {
+    const int r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) {
+        T* p = x + (i64)r * ldx + c;
+        *p = from_f32<T>(to_f32(*p) + load_dt(bias, bdt, c));
+    }
+}
+
+#define ADD_BIAS(T, S)                                                                             \
+    extern "C" __global__ void add_bias_##S(T* x, int ldx, const void* bias, int bdt, int cols) { \
+        add_bias_body<T>(x, ldx, bias, bdt, cols);                                                \
+    }
+NPU_FOR_EACH_ACT(ADD_BIAS)
+
+// out row r = x row idx[r]; with idx null, out row r = x row r (a strided copy).
+template <typename T>
+__device__ __forceinline__ void gather_rows_body(const T* x, int ldx, const int* idx, int cols,
+                                                 T* out, int ldo) {
+    const int r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) {
+        const i64 src = idx ? (i64)idx[r] : (i64)r;
+        out[(i64)r * ldo + c] = x[src * ldx + c];
+    }
+}
+
+#define GATHER_ROWS(T, S)                                                                          \
+    extern "C" __global__ void gather_rows_##S(const T* x, int ldx, const int* idx, int cols,     \
+                                               T* out, int ldo) {                                  \
+        gather_rows_body<T>(x, ldx, idx, cols, out, ldo);                                         \
+    }
+NPU_FOR_EACH_ACT(GATHER_ROWS)
+
+// ---- argmax ----------------------------------------------------------------------------------
+
+// True when (v, i) beats (bv, bi): larger, or equal and earlier; bi < 0 is "nothing yet".
+__device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) {
+    return bi < 0 || (i >= 0 && (v > bv || (v == bv && i < bi)));
+}
+
+// grid (rows): out element r (of a window with `out_cols` columns, rows `ldo` apart) = index of
+// the largest value of x row r, the first on ties; NaN counts as -inf.
+template <typename T>
+__device__ __forceinline__ void argmax_body(const T* x, int ldx, int cols, int* out, int ldo,
+                                            int out_cols) {
+    __shared__ float red_v[32];
+    __shared__ int red_i[32];
+    const int r = blockIdx.x;
+    const T* xr = x + (i64)r * ldx;
+    float bv = NEG_INF;
+    int bi = -1;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = to_f32(xr[c]);
+        if (v != v) {
+            v = NEG_INF;
+        }
+        if (argmax_better(v, c, bv, bi)) {
+            bv = v;
+            bi = c;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+        if (argmax_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        red_v[warp] = bv;
+        red_i[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int n_warps = blockDim.x >> 5;
+        bv = lane < n_warps ? red_v[lane] : NEG_INF;
+        bi = lane < n_warps ? red_i[lane] : -1;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (argmax_better(ov, oi, bv, bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            out[(i64)(r / out_cols) * ldo + r % out_cols] = bi < 0 ? 0 : bi;
+        }
+    }
+}
+
+#define ARGMAX(T, S)                                                                               \
+    extern "C" __global__ void argmax_##S(const T* x, int ldx, int cols, int* out, int ldo,       \
+                                          int out_cols) {                                          \
+        argmax_body<T>(x, ldx, cols, out, ldo, out_cols);                                         \
+    }
+NPU_FOR_EACH_ACT(ARGMAX)
+
+// ---- log-probability of the argmax -----------------------------------------------------------
+
+// A logit as the sampler reads it: NaN as -inf, +inf as the largest finite float.
+__device__ __forceinline__ float sanitized_logit(float v) {
+    return v != v ? NEG_INF : fminf(v, 3.402823466e38f);
+}
+
+// Max over the whole block; every thread gets it (the pattern of block_sum).
+__device__ __forceinline__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int n_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) {
+        red[warp] = v;
+    }
+    __syncthreads();
+    float t = lane < n_warps ? red[lane] : NEG_INF;
+    t = warp_max(t);
+    __syncthreads();
+    return t;
+}
+
+// grid (rows): out element r (f32, of a window with `out_cols` columns, rows `ldo` apart) = the
+// log-probability of row r's largest value, -ln(sum_c exp(x_c - max)) over the values read as
+// the sampler reads them (sanitized_logit), summed in f32; a row with nothing finite is uniform:
+// -ln(cols). With argmax it answers a greedy step without reading logits back.
+template <typename T>
+__device__ __forceinline__ void argmax_logprob_body(const T* x, int ldx, int cols, float* out,
+                                                    int ldo, int out_cols) {
+    __shared__ float red[32];
+    const int r = blockIdx.x;
+    const T* xr = x + (i64)r * ldx;
+    float m = NEG_INF;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        m = fmaxf(m, sanitized_logit(to_f32(xr[c])));
+    }
+    m = block_max(m, red);
+    float s = 0.0f;
+    if (m != NEG_INF) {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            s += expf(sanitized_logit(to_f32(xr[c])) - m);
+        }
+    }
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) {
+        out[(i64)(r / out_cols) * ldo + r % out_cols] =
+            m == NEG_INF ? -logf((float)cols) : -logf(s);
+    }
+}
+
+#define ARGMAX_LOGPROB(T, S)                                                                       \
+    extern "C" __global__ void argmax_logprob_##S(const T* x, int ldx, int cols, float* out,      \
+                                                  int ldo, int out_cols) {                         \
+        argmax_logprob_body<T>(x, ldx, cols, out, ldo, out_cols);                                 \
+    }
+NPU_FOR_EACH_ACT(ARGMAX_LOGPROB)

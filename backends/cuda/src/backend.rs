@@ -1,0 +1,643 @@
+//! `CudaBackend`: the `npu_backend::Backend` implementation over a `Gpu` (the real device, or the
+//! emulation). This file holds construction, memory, weights, the KV pool and step inputs; the
+//! kernels of a step are launched from `ops.rs`.
+
+use std::sync::Arc;
+
+use npu_backend::{
+    AttnGeometry, Backend, BackendError, DType, DeviceKind, HostSlice, HostSliceMut, HostTensor,
+    KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
+};
+use npu_gguf::quants::dequantize_row;
+
+use crate::buffer::{CudaBuffer, DeviceId, DeviceMem, Scratch};
+use crate::config::{CudaConfig, MatmulMode};
+use crate::gpu::{DevPtr, Gpu};
+use crate::libs::{self, CudaLib};
+use crate::step::{self, StepLayout};
+use crate::weights::{self, CudaEmbedding, CudaMatrix};
+
+pub(crate) const NAME: &str = "cuda";
+
+/// The paged KV pool: `num_blocks` blocks, each holding K and V of every layer (f16).
+pub(crate) struct KvPool {
+    pub spec: KvSpec,
+    pub mem: DeviceMem,
+    /// f16 elements of one block.
+    pub block_elems: usize,
+}
+
+impl KvPool {
+    /// Element offset of `layer`'s K inside a block (its V follows `n_kv * bs * hd` later).
+    pub fn layer_offset(&self, layer: usize) -> usize {
+        let s = &self.spec;
+        layer * 2 * s.n_kv_heads * s.block_size * s.head_dim
+    }
+}
+
+/// f16 elements of one KV block (K and V of every layer).
+pub fn kv_block_elems(spec: &KvSpec) -> usize {
+    spec.n_layers * 2 * spec.n_kv_heads * spec.block_size * spec.head_dim
+}
+
+/// Bytes one KV block takes on a CUDA device: what `num_blocks` costs before `init_kv`.
+pub fn kv_block_bytes_for(spec: &KvSpec) -> usize {
+    kv_block_elems(spec) * 2
+}
+
+/// A CUDA device running the kernels of a Llama step.
+pub struct CudaBackend {
+    pub(crate) gpu: Arc<dyn Gpu>,
+    pub(crate) device: DeviceId,
+    pub(crate) cfg: CudaConfig,
+    pub(crate) kv: Option<KvPool>,
+    /// The step inputs on the device (one packed i32 array) and where each part lies.
+    pub(crate) meta: Option<DeviceMem>,
+    pub(crate) meta_host: Vec<i32>,
+    pub(crate) step: StepInputs,
+    pub(crate) layout: Option<StepLayout>,
+    /// Dequantized weights for cuBLAS, aligned activation rows for the GEMV kernels, and the
+    /// partial results of split attention.
+    pub(crate) scratch_w: Scratch,
+    pub(crate) scratch_x: Scratch,
+    pub(crate) scratch_attn: Scratch,
+    read_buf: Vec<u8>,
+    #[cfg(feature = "emulation")]
+    emu: Option<Arc<crate::emu::EmuGpu>>,
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `device` (0-based). Checks first that the driver library, NVRTC and
+    /// cuBLAS can be loaded, and fails with `BackendError::MissingLibrary` naming what is missing
+    /// and how to get it; a machine without CUDA never reaches cudarc.
+    pub fn new(device: usize, cfg: CudaConfig) -> Result<Self, BackendError> {
+        libs::require(&CudaLib::ALL, &cfg.lib_dirs).map_err(|message| {
+            BackendError::MissingLibrary {
+                backend: NAME,
+                message,
+            }
+        })?;
+        let cache = cfg.kernel_cache.clone();
+        let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            crate::driver::CudaGpu::open(device, cache)
+        }))
+        .map_err(|p| BackendError::Device {
+            backend: NAME,
+            message: format!(
+                "opening CUDA device {device} failed inside the CUDA bindings: {}",
+                panic_message(p)
+            ),
+        })??;
+        Ok(Self::with_gpu(Arc::new(opened), cfg))
+    }
+
+    /// The backend on a CPU emulation of the kernels (same sources, compiled as C++): for tests
+    /// on machines without a GPU. It is an emulation, not a GPU.
+    #[cfg(feature = "emulation")]
+    pub fn emulated(cfg: CudaConfig) -> Result<Self, BackendError> {
+        let gpu = Arc::new(crate::emu::EmuGpu::new()?);
+        let mut b = Self::with_gpu(gpu.clone(), cfg);
+        b.emu = Some(gpu);
+        Ok(b)
+    }
+
+    /// The emulated device, when this backend runs on the emulation.
+    #[cfg(feature = "emulation")]
+    pub fn emulation(&self) -> Option<&crate::emu::EmuGpu> {
+        self.emu.as_deref()
+    }
+
+    pub(crate) fn with_gpu(gpu: Arc<dyn Gpu>, cfg: CudaConfig) -> Self {
+        Self {
+            gpu,
+            device: DeviceId::fresh(),
+            cfg,
+            kv: None,
+            meta: None,
+            meta_host: Vec::new(),
+            step: StepInputs::default(),
+            layout: None,
+            scratch_w: Scratch::default(),
+            scratch_x: Scratch::default(),
+            scratch_attn: Scratch::default(),
+            read_buf: Vec::new(),
+            #[cfg(feature = "emulation")]
+            emu: None,
+        }
+    }
+
+    pub fn config(&self) -> &CudaConfig {
+        &self.cfg
+    }
+
+    pub(crate) fn own(&self, b: &CudaBuffer, op: &'static str) -> Result<(), BackendError> {
+        if b.device() != self.device {
+            return Err(BackendError::BadArgument {
+                op,
+                message: "a buffer of another backend instance".into(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn alloc_mem(&self, bytes: usize) -> Result<DeviceMem, BackendError> {
+        DeviceMem::alloc(&self.gpu, self.device, bytes)
+    }
+
+    pub(crate) fn kv_pool(&self) -> Result<&KvPool, BackendError> {
+        self.kv
+            .as_ref()
+            .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))
+    }
+
+    /// The current step's layout and the device address of its packed inputs.
+    pub(crate) fn step_meta(&self) -> Result<(StepLayout, DevPtr), BackendError> {
+        match (&self.layout, &self.meta) {
+            (Some(l), Some(m)) => Ok((*l, m.ptr())),
+            _ => Err(BackendError::BadStep("no step has begun".into())),
+        }
+    }
+
+    fn upload_matrix(&mut self, p: weights::PackedHost) -> Result<CudaMatrix, BackendError> {
+        let mem = self.alloc_mem(p.bytes.len())?;
+        self.gpu.htod(mem.ptr(), &p.bytes)?;
+        Ok(CudaMatrix {
+            n: p.n,
+            k: p.k,
+            kind: p.kind,
+            mem,
+            scales_at: p.scales_at,
+            mins_at: p.mins_at,
+        })
+    }
+
+    fn check_block_ids(&self, ids: &[u32], op: &'static str) -> Result<&KvPool, BackendError> {
+        let kv = self.kv_pool()?;
+        if let Some(b) = ids.iter().find(|&&b| b as usize >= kv.spec.num_blocks) {
+            return Err(BackendError::BadArgument {
+                op,
+                message: format!(
+                    "block {b} is beyond the KV pool ({} blocks)",
+                    kv.spec.num_blocks
+                ),
+            });
+        }
+        Ok(kv)
+    }
+}
+
+/// Converts `src` to `dst`'s element type, as bytes.
+fn host_bytes(src: HostSlice<'_>, dt: DType, out: &mut Vec<u8>) -> Result<(), BackendError> {
+    out.clear();
+    match (src, dt) {
+        (HostSlice::I32(s), DType::I32) => out.extend(s.iter().flat_map(|v| v.to_le_bytes())),
+        (HostSlice::F32(s), DType::F32 | DType::F16 | DType::BF16) => {
+            weights::f32_to_bytes(s, dt, out)
+        }
+        (HostSlice::I32(_), _) | (HostSlice::F32(_), DType::I32) => {
+            return Err(BackendError::BadArgument {
+                op: "upload",
+                message: format!("host data of the wrong kind for a {} buffer", dt.name()),
+            })
+        }
+    }
+    Ok(())
+}
+
+/// Decodes `bytes` (one view's window, from its first element) into `dst`, row by row.
+fn decode_rows(
+    bytes: &[u8],
+    dt: DType,
+    rows: usize,
+    cols: usize,
+    stride: usize,
+    dst: &mut HostSliceMut<'_>,
+) {
+    let es = dt.size();
+    for r in 0..rows {
+        let row = &bytes[r * stride * es..(r * stride + cols) * es];
+        match dst {
+            HostSliceMut::I32(d) => {
+                for (o, b) in d[r * cols..(r + 1) * cols]
+                    .iter_mut()
+                    .zip(row.chunks_exact(4))
+                {
+                    *o = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            HostSliceMut::F32(d) => {
+                let out = &mut d[r * cols..(r + 1) * cols];
+                match dt {
+                    DType::F32 => {
+                        for (o, b) in out.iter_mut().zip(row.chunks_exact(4)) {
+                            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        }
+                    }
+                    DType::F16 => {
+                        for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                            *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                        }
+                    }
+                    DType::BF16 => {
+                        for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                            *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+                        }
+                    }
+                    DType::I32 => unreachable!("checked by read_back"),
+                }
+            }
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+    type Matrix = CudaMatrix;
+    type Embedding = CudaEmbedding;
+
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "cuda: {}, {} activations, matmul {}",
+            self.gpu.describe(),
+            self.cfg.act_dtype.name(),
+            self.cfg.matmul.name()
+        )
+    }
+
+    fn act_dtype(&self) -> DType {
+        self.cfg.act_dtype
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        self.gpu.mem_info()
+    }
+
+    fn alloc(&mut self, dtype: DType, len: usize) -> Result<CudaBuffer, BackendError> {
+        let bytes = len
+            .checked_mul(dtype.size())
+            .ok_or_else(|| BackendError::OutOfMemory {
+                backend: NAME,
+                what: format!("{len} {} elements", dtype.name()),
+                bytes: usize::MAX,
+            })?;
+        Ok(CudaBuffer::new(self.alloc_mem(bytes)?, dtype, len))
+    }
+
+    fn upload(
+        &mut self,
+        src: HostSlice<'_>,
+        dst: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.own(dst.buf(), "upload")?;
+        let l = dst.layout();
+        if src.len() != l.elements() {
+            return Err(BackendError::BadArgument {
+                op: "upload",
+                message: format!("{} values for a window of {}", src.len(), l.elements()),
+            });
+        }
+        let dt = dst.dtype();
+        let mut bytes = Vec::new();
+        host_bytes(src, dt, &mut bytes)?;
+        let es = dt.size();
+        if l.is_contiguous() {
+            return self.gpu.htod(dst.buf().addr(l.offset()), &bytes);
+        }
+        for r in 0..l.rows() {
+            let row = &bytes[r * l.cols() * es..(r + 1) * l.cols() * es];
+            self.gpu
+                .htod(dst.buf().addr(l.offset() + r * l.stride()), row)?;
+        }
+        Ok(())
+    }
+
+    fn read_back(&mut self, reads: &mut [Readback<'_, CudaBuffer>]) -> Result<(), BackendError> {
+        let mut regions = Vec::with_capacity(reads.len());
+        for rd in reads.iter() {
+            self.own(rd.src.buf(), "read_back")?;
+            let l = rd.src.layout();
+            let dt = rd.src.dtype();
+            let kinds_match = matches!(
+                (&rd.dst, dt),
+                (HostSliceMut::I32(_), DType::I32)
+                    | (HostSliceMut::F32(_), DType::F32 | DType::F16 | DType::BF16)
+            );
+            if !kinds_match || rd.dst.len() != l.elements() {
+                return Err(BackendError::BadArgument {
+                    op: "read_back",
+                    message: format!(
+                        "a {} window of {} elements into host memory of {} {}",
+                        dt.name(),
+                        l.elements(),
+                        rd.dst.len(),
+                        match rd.dst {
+                            HostSliceMut::F32(_) => "f32",
+                            HostSliceMut::I32(_) => "i32",
+                        }
+                    ),
+                });
+            }
+            regions.push((
+                rd.src.buf().addr(l.offset()),
+                (l.end() - l.offset()) * dt.size(),
+            ));
+        }
+        let mut bytes = std::mem::take(&mut self.read_buf);
+        let res = self.gpu.read(&regions, &mut bytes);
+        if res.is_ok() {
+            let mut at = 0;
+            for (rd, &(_, n)) in reads.iter_mut().zip(&regions) {
+                let l = rd.src.layout();
+                decode_rows(
+                    &bytes[at..at + n],
+                    rd.src.dtype(),
+                    l.rows(),
+                    l.cols(),
+                    l.stride(),
+                    &mut rd.dst,
+                );
+                at += n;
+            }
+        }
+        self.read_buf = bytes;
+        res
+    }
+
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.gpu.synchronize()
+    }
+
+    fn load_matrix(
+        &mut self,
+        parts: &[HostTensor<'_>],
+    ) -> Result<Option<CudaMatrix>, BackendError> {
+        let dense = (self.cfg.matmul == MatmulMode::Dequantized).then_some(self.cfg.act_dtype);
+        match weights::pack_matrix(parts, dense)? {
+            Some(p) => Ok(Some(self.upload_matrix(p)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<CudaEmbedding, BackendError> {
+        let (ty, row_bytes, bytes) = weights::pack_embedding(&table)?;
+        let mem = self.alloc_mem(bytes.len())?;
+        self.gpu.htod(mem.ptr(), &bytes)?;
+        Ok(CudaEmbedding {
+            ty,
+            rows: table.rows,
+            dim: table.cols,
+            row_bytes,
+            mem,
+        })
+    }
+
+    fn load_vector(&mut self, v: HostTensor<'_>) -> Result<CudaBuffer, BackendError> {
+        let rb = weights::check_tensor("load_vector", &v)?;
+        let n = v.rows * v.cols;
+        let mut vals = vec![0f32; n];
+        for r in 0..v.rows {
+            dequantize_row(
+                v.ty,
+                &v.data[r * rb..(r + 1) * rb],
+                &mut vals[r * v.cols..(r + 1) * v.cols],
+            );
+        }
+        let mut buf = self.alloc(DType::F32, n)?;
+        self.upload(HostSlice::F32(&vals), ViewMut::rows(&mut buf, 1, n)?)?;
+        Ok(buf)
+    }
+
+    fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
+        let block_elems = kv_block_elems(&spec);
+        let slots = spec.num_blocks.checked_mul(spec.block_size);
+        if block_elems == 0
+            || spec.num_blocks == 0
+            || !matches!(slots, Some(n) if n <= i32::MAX as usize)
+        {
+            return Err(BackendError::BadArgument {
+                op: "init_kv",
+                message: format!("unusable KV pool shape {spec:?}"),
+            });
+        }
+        let bytes = spec
+            .num_blocks
+            .checked_mul(block_elems * 2)
+            .ok_or_else(|| BackendError::OutOfMemory {
+                backend: NAME,
+                what: "the KV pool".into(),
+                bytes: usize::MAX,
+            })?;
+        self.kv = None;
+        self.layout = None;
+        let mem = self.alloc_mem(bytes).map_err(|e| match e {
+            BackendError::OutOfMemory { bytes, .. } => BackendError::OutOfMemory {
+                backend: NAME,
+                what: format!("the KV pool ({} blocks)", spec.num_blocks),
+                bytes,
+            },
+            e => e,
+        })?;
+        self.kv = Some(KvPool {
+            spec,
+            mem,
+            block_elems,
+        });
+        Ok(())
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        self.kv.as_ref().map(|k| k.block_elems * 2).unwrap_or(0)
+    }
+
+    fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError> {
+        let ids: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+        let kv = self.check_block_ids(&ids, "kv_copy_blocks")?;
+        let bb = kv.block_elems * 2;
+        let base = kv.mem.ptr();
+        for &(s, d) in pairs {
+            if s != d {
+                self.gpu.dtod(
+                    base + (d as usize * bb) as u64,
+                    base + (s as usize * bb) as u64,
+                    bb,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_blocks_to_host(&mut self, blocks: &[u32], dst: &mut [u8]) -> Result<(), BackendError> {
+        let kv = self.check_block_ids(blocks, "kv_blocks_to_host")?;
+        let bb = kv.block_elems * 2;
+        if dst.len() != blocks.len() * bb {
+            return Err(BackendError::BadArgument {
+                op: "kv_blocks_to_host",
+                message: format!("{} bytes for {} blocks of {bb}", dst.len(), blocks.len()),
+            });
+        }
+        let base = kv.mem.ptr();
+        let regions: Vec<(DevPtr, usize)> = blocks
+            .iter()
+            .map(|&b| (base + (b as usize * bb) as u64, bb))
+            .collect();
+        let mut bytes = std::mem::take(&mut self.read_buf);
+        let res = self.gpu.read(&regions, &mut bytes);
+        if res.is_ok() {
+            dst.copy_from_slice(&bytes[..dst.len()]);
+        }
+        self.read_buf = bytes;
+        res
+    }
+
+    fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
+        let kv = self.check_block_ids(blocks, "kv_blocks_from_host")?;
+        let bb = kv.block_elems * 2;
+        if src.len() != blocks.len() * bb {
+            return Err(BackendError::BadArgument {
+                op: "kv_blocks_from_host",
+                message: format!("{} bytes for {} blocks of {bb}", src.len(), blocks.len()),
+            });
+        }
+        let base = kv.mem.ptr();
+        for (i, &b) in blocks.iter().enumerate() {
+            self.gpu
+                .htod(base + (b as usize * bb) as u64, &src[i * bb..(i + 1) * bb])?;
+        }
+        Ok(())
+    }
+
+    fn begin_step(&mut self, s: &StepInputs) -> Result<(), BackendError> {
+        // Token ops may run before the pool exists; KV ops then refuse (no pool), and making
+        // the pool forgets the step, so every step a KV op reads was checked against the pool.
+        let spec = self.kv.as_ref().map(|k| k.spec);
+        self.layout = None;
+        let lay = step::pack(s, spec.as_ref(), &mut self.meta_host)?;
+        let bytes = lay.total * 4;
+        let big_enough = matches!(&self.meta, Some(m) if m.bytes() >= bytes);
+        if !big_enough {
+            self.meta = None;
+            self.meta = Some(self.alloc_mem(bytes.next_power_of_two().max(4096))?);
+        }
+        let ptr = self.meta.as_ref().map(|m| m.ptr()).unwrap_or(0);
+        self.gpu.htod(ptr, bytemuck::cast_slice(&self.meta_host))?;
+        self.step.clone_from(s);
+        self.layout = Some(lay);
+        Ok(())
+    }
+
+    fn embed(
+        &mut self,
+        table: &CudaEmbedding,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_embed(table, out)
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_rms_norm(x, w, eps, out)
+    }
+
+    fn matmul(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        w: &CudaMatrix,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_matmul(x, w, out)
+    }
+
+    fn add_bias(
+        &mut self,
+        x: ViewMut<'_, CudaBuffer>,
+        bias: &CudaBuffer,
+    ) -> Result<(), BackendError> {
+        self.op_add_bias(x, bias)
+    }
+
+    fn rope(&mut self, qk: ViewMut<'_, CudaBuffer>, g: &AttnGeometry) -> Result<(), BackendError> {
+        self.op_rope(qk, g)
+    }
+
+    fn kv_write(
+        &mut self,
+        k: View<'_, CudaBuffer>,
+        v: View<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        self.op_kv_write(k, v, g, layer)
+    }
+
+    fn attention(
+        &mut self,
+        q: View<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_attention(q, g, layer, out)
+    }
+
+    fn swiglu(
+        &mut self,
+        gate: View<'_, CudaBuffer>,
+        up: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_swiglu(gate, up, out)
+    }
+
+    fn add(
+        &mut self,
+        x: ViewMut<'_, CudaBuffer>,
+        y: View<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_add(x, y)
+    }
+
+    fn gather_logit_rows(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_gather_logit_rows(x, out)
+    }
+
+    fn argmax_rows(
+        &mut self,
+        logits: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<bool, BackendError> {
+        self.op_argmax_rows(logits, out)?;
+        Ok(true)
+    }
+
+    fn argmax_logprob_rows(
+        &mut self,
+        logits: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<bool, BackendError> {
+        self.op_argmax_logprob_rows(logits, out)?;
+        Ok(true)
+    }
+}

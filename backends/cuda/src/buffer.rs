@@ -1,0 +1,117 @@
+//! Device memory owned by Rust values: `DeviceMem` (bytes, freed stream-ordered on drop), the
+//! typed `CudaBuffer` the Backend trait hands out, and `Scratch`, a grow-only work area.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use npu_backend::{BackendError, DType, DeviceBuffer};
+
+use crate::gpu::{DevPtr, Gpu};
+
+/// Identifies the device (backend instance) an allocation belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceId(u64);
+
+impl DeviceId {
+    pub fn fresh() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        DeviceId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// A device allocation; zero bytes allocate nothing.
+pub struct DeviceMem {
+    gpu: Arc<dyn Gpu>,
+    device: DeviceId,
+    ptr: DevPtr,
+    bytes: usize,
+}
+
+impl DeviceMem {
+    pub fn alloc(gpu: &Arc<dyn Gpu>, device: DeviceId, bytes: usize) -> Result<Self, BackendError> {
+        let ptr = if bytes == 0 { 0 } else { gpu.alloc(bytes)? };
+        Ok(Self {
+            gpu: gpu.clone(),
+            device,
+            ptr,
+            bytes,
+        })
+    }
+    pub fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+}
+
+impl std::fmt::Debug for DeviceMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceMem({:#x}, {} bytes)", self.ptr, self.bytes)
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.gpu.free(self.ptr, self.bytes);
+        }
+    }
+}
+
+/// A typed device buffer of `len` elements.
+#[derive(Debug)]
+pub struct CudaBuffer {
+    mem: DeviceMem,
+    dtype: DType,
+    len: usize,
+}
+
+impl CudaBuffer {
+    pub(crate) fn new(mem: DeviceMem, dtype: DType, len: usize) -> Self {
+        debug_assert!(mem.bytes() >= len * dtype.size());
+        Self { mem, dtype, len }
+    }
+    /// Device address of element `i`.
+    pub(crate) fn addr(&self, i: usize) -> DevPtr {
+        self.mem.ptr() + (i * self.dtype.size()) as u64
+    }
+    pub(crate) fn device(&self) -> DeviceId {
+        self.mem.device()
+    }
+}
+
+impl DeviceBuffer for CudaBuffer {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A work area that grows to the largest size asked of it (reuse is safe: ops are stream-ordered).
+#[derive(Default)]
+pub struct Scratch {
+    mem: Option<DeviceMem>,
+}
+
+impl Scratch {
+    /// At least `bytes` of device memory (contents undefined).
+    pub fn ensure(
+        &mut self,
+        gpu: &Arc<dyn Gpu>,
+        device: DeviceId,
+        bytes: usize,
+    ) -> Result<DevPtr, BackendError> {
+        let big_enough = matches!(&self.mem, Some(m) if m.bytes() >= bytes);
+        if !big_enough {
+            self.mem = None;
+            self.mem = Some(DeviceMem::alloc(gpu, device, bytes.max(256))?);
+        }
+        Ok(self.mem.as_ref().map(|m| m.ptr()).unwrap_or(0))
+    }
+}

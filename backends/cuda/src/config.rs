@@ -1,0 +1,134 @@
+//! Settings of the CUDA backend, with their environment overrides (read once, when the agent
+//! builds the backend): activation dtype, matmul strategy, kernel cache and library directories.
+
+use std::path::PathBuf;
+
+use npu_backend::DType;
+
+/// How weight matrices are kept and multiplied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulMode {
+    /// Weights stay quantized on the device (Q4_0, Q4_1, Q8_0 repacked; F16 as is; other types
+    /// dequantized to F16 at load) and multiply 8-bit quantized activations with integer dot
+    /// products, for every step size: ggml's arithmetic, so greedy tokens follow llama.cpp's.
+    Quantized,
+    /// As `Quantized` for steps of at most `gemv_max_rows` token rows; larger steps dequantize
+    /// each matrix into a scratch buffer and run cuBLAS (faster long prefills, exact products:
+    /// tokens can differ from llama.cpp's where its top two logits are close).
+    Auto,
+    /// Every matrix dequantized once at load to the activation dtype; cuBLAS for every product
+    /// (the same arithmetic caveat as `Auto`, and 2-4x the weight memory).
+    Dequantized,
+}
+
+impl MatmulMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulMode::Quantized => "quantized",
+            MatmulMode::Auto => "auto",
+            MatmulMode::Dequantized => "dequantized",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "quantized" | "gemv" => MatmulMode::Quantized,
+            "auto" => MatmulMode::Auto,
+            "dequantized" | "cublas" => MatmulMode::Dequantized,
+            _ => return None,
+        })
+    }
+}
+
+/// Environment variable: activation dtype (`f16`, `bf16`, `f32`).
+pub const ENV_DTYPE: &str = "NPU_SERVING_CUDA_DTYPE";
+/// Environment variable: matmul strategy (`quantized`, `auto`, `dequantized`).
+pub const ENV_MATMUL: &str = "NPU_SERVING_CUDA_MATMUL";
+/// Environment variable: most token rows a step may have for the GEMV kernels in `auto` mode.
+pub const ENV_GEMV_MAX_ROWS: &str = "NPU_SERVING_CUDA_GEMV_MAX_ROWS";
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaConfig {
+    /// Activations are stored in this dtype (f32 by default, as ggml keeps them; f16 or bf16
+    /// halve activation traffic but change greedy tokens against llama.cpp on the reference
+    /// prompts); arithmetic accumulates in f32 either way.
+    pub act_dtype: DType,
+    pub matmul: MatmulMode,
+    /// `Auto` mode: steps with at most this many token rows use the GEMV kernels.
+    pub gemv_max_rows: usize,
+    /// Where compiled kernels are cached on disk (`None`: memory only).
+    pub kernel_cache: Option<PathBuf>,
+    /// Directories searched for the CUDA libraries when the loader does not find them by name.
+    pub lib_dirs: Vec<PathBuf>,
+}
+
+impl Default for CudaConfig {
+    /// f32 activations, quantized matmuls (GEMV up to 16 rows in `auto` mode), the default
+    /// kernel cache and library directories.
+    fn default() -> Self {
+        Self {
+            act_dtype: DType::F32,
+            matmul: MatmulMode::Quantized,
+            gemv_max_rows: 16,
+            kernel_cache: crate::nvrtc::default_cache_dir(),
+            lib_dirs: crate::libs::default_search_dirs(),
+        }
+    }
+}
+
+impl CudaConfig {
+    /// The defaults with `NPU_SERVING_CUDA_DTYPE`, `NPU_SERVING_CUDA_MATMUL` and
+    /// `NPU_SERVING_CUDA_GEMV_MAX_ROWS` applied; a bad value is an error naming the variable.
+    pub fn from_env() -> Result<Self, String> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// As `from_env`, reading variables through `get`.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let mut c = Self::default();
+        if let Some(v) = get(ENV_DTYPE) {
+            c.act_dtype = match v.as_str() {
+                "f16" => DType::F16,
+                "bf16" => DType::BF16,
+                "f32" => DType::F32,
+                _ => return Err(format!("{ENV_DTYPE}={v:?}: expected f16, bf16 or f32")),
+            };
+        }
+        if let Some(v) = get(ENV_MATMUL) {
+            c.matmul = MatmulMode::parse(&v).ok_or_else(|| {
+                format!("{ENV_MATMUL}={v:?}: expected quantized, auto or dequantized")
+            })?;
+        }
+        if let Some(v) = get(ENV_GEMV_MAX_ROWS) {
+            c.gemv_max_rows = v
+                .parse()
+                .map_err(|_| format!("{ENV_GEMV_MAX_ROWS}={v:?}: expected a number of rows"))?;
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn environment_overrides_and_errors() {
+        let c = CudaConfig::from_vars(|k| match k {
+            ENV_DTYPE => Some("bf16".into()),
+            ENV_MATMUL => Some("gemv".into()),
+            ENV_GEMV_MAX_ROWS => Some("4".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(
+            (c.act_dtype, c.matmul, c.gemv_max_rows),
+            (DType::BF16, MatmulMode::Quantized, 4)
+        );
+        let e = CudaConfig::from_vars(|k| (k == ENV_DTYPE).then(|| "fp8".into())).unwrap_err();
+        assert!(e.contains(ENV_DTYPE), "{e}");
+        let e = CudaConfig::from_vars(|k| (k == ENV_MATMUL).then(|| "fast".into())).unwrap_err();
+        assert!(e.contains(ENV_MATMUL), "{e}");
+        let d = CudaConfig::from_vars(|_| None).unwrap();
+        assert_eq!((d.act_dtype, d.matmul), (DType::F32, MatmulMode::Quantized));
+    }
+}

@@ -1,0 +1,137 @@
+//! The emulated device memory: each allocation is its own mapping with an inaccessible page on
+//! either side and a canary pattern filling the rest of its last page, so a kernel that writes
+//! before an allocation faults at once and one that writes past its end is reported after the
+//! launch. Copies must lie inside one live allocation, as on a device.
+
+use std::collections::BTreeMap;
+
+const PAGE: usize = 4096;
+const CANARY: u8 = 0xa5;
+
+struct Region {
+    /// Start of the mapping (the leading guard page).
+    base: usize,
+    map_len: usize,
+    len: usize,
+}
+
+impl Region {
+    fn data(&self) -> usize {
+        self.base + PAGE
+    }
+    /// The bytes between the end of the data and the trailing guard page.
+    fn slack(&self) -> &[u8] {
+        let data_pages = self.len.div_ceil(PAGE) * PAGE;
+        // SAFETY: the slack lies inside the mapping's readable data pages.
+        unsafe {
+            std::slice::from_raw_parts((self.data() + self.len) as *const u8, data_pages - self.len)
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Memory {
+    regions: BTreeMap<u64, Region>,
+}
+
+// SAFETY: the mappings are owned by this value alone (addresses are plain integers here).
+unsafe impl Send for Memory {}
+
+impl Memory {
+    /// A zeroed allocation of `bytes` (page aligned).
+    pub fn alloc(&mut self, bytes: usize) -> Result<u64, String> {
+        let data_pages = bytes.div_ceil(PAGE).max(1) * PAGE;
+        let map_len = data_pages + 2 * PAGE;
+        // SAFETY: an anonymous private mapping; the result is checked.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(format!("out of memory mapping {bytes} bytes"));
+        }
+        let base = base as usize;
+        // SAFETY: both guard pages lie inside the fresh mapping; the canary fill writes the
+        // data pages' tail, also inside it.
+        unsafe {
+            libc::mprotect(base as *mut libc::c_void, PAGE, libc::PROT_NONE);
+            libc::mprotect(
+                (base + PAGE + data_pages) as *mut libc::c_void,
+                PAGE,
+                libc::PROT_NONE,
+            );
+            std::ptr::write_bytes((base + PAGE + bytes) as *mut u8, CANARY, data_pages - bytes);
+        }
+        let r = Region {
+            base,
+            map_len,
+            len: bytes,
+        };
+        let addr = r.data() as u64;
+        self.regions.insert(addr, r);
+        Ok(addr)
+    }
+
+    pub fn free(&mut self, addr: u64) -> Result<(), String> {
+        let r = self
+            .regions
+            .remove(&addr)
+            .ok_or_else(|| format!("free of {addr:#x}, which is not an allocation"))?;
+        let intact = r.slack().iter().all(|&b| b == CANARY);
+        // SAFETY: the mapping is ours and nothing refers to it any more.
+        unsafe { libc::munmap(r.base as *mut libc::c_void, r.map_len) };
+        if intact {
+            Ok(())
+        } else {
+            Err(format!(
+                "the allocation at {addr:#x} was written past its end"
+            ))
+        }
+    }
+
+    /// The allocation holding `[addr, addr + bytes)`, as (start, length).
+    pub fn find(&self, addr: u64, bytes: usize) -> Option<(u64, usize)> {
+        let (&start, r) = self.regions.range(..=addr).next_back()?;
+        let end = addr.checked_add(bytes as u64)?;
+        (end <= start + r.len as u64).then_some((start, r.len))
+    }
+
+    /// Checks that `[addr, addr + bytes)` lies inside one allocation.
+    pub fn check(&self, addr: u64, bytes: usize, what: &str) -> Result<(), String> {
+        if bytes == 0 || self.find(addr, bytes).is_some() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what}: [{addr:#x}, +{bytes}) is not inside one device allocation \
+                 (CUDA_ERROR_INVALID_VALUE)"
+            ))
+        }
+    }
+
+    /// Whether the allocation starting at `start` still has its canary intact.
+    pub fn intact(&self, start: u64) -> bool {
+        match self.regions.get(&start) {
+            Some(r) => r.slack().iter().all(|&b| b == CANARY),
+            None => true,
+        }
+    }
+
+    pub fn live(&self) -> usize {
+        self.regions.len()
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        for r in self.regions.values() {
+            // SAFETY: each mapping is ours; the device is gone.
+            unsafe { libc::munmap(r.base as *mut libc::c_void, r.map_len) };
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! The CUDA C kernel sources (compiled at run time by NVRTC, or as C++ by the emulation) and the
+//! table of kernel entry points: every instantiation's name and its index, which both the real
+//! device and the emulation load in this order.
+
+use npu_backend::DType;
+
+/// The kernel sources, concatenated in this order into one program.
+pub const SOURCES: [(&str, &str); 4] = [
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
+    ("attention.cu", include_str!("../kernels/attention.cu")),
+    ("matmul.cu", include_str!("../kernels/matmul.cu")),
+];
+
+/// The whole program, with `#line` markers so compiler messages name the original file.
+pub fn program_source() -> String {
+    let mut s = String::new();
+    for (name, text) in SOURCES {
+        s.push_str(&format!("#line 1 \"{name}\"\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
+    s
+}
+
+/// Ops instantiated once per activation type (`{name}_{f32,f16,bf16}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Embed,
+    RmsNorm,
+    Rope,
+    Swiglu,
+    Add,
+    AddBias,
+    GatherRows,
+    Argmax,
+    KvWrite,
+    Attention,
+    AttentionCombine,
+    QuantizeQ8,
+    ArgmaxLogprob,
+}
+
+impl Op {
+    pub const ALL: [Op; 13] = [
+        Op::Embed,
+        Op::RmsNorm,
+        Op::Rope,
+        Op::Swiglu,
+        Op::Add,
+        Op::AddBias,
+        Op::GatherRows,
+        Op::Argmax,
+        Op::KvWrite,
+        Op::Attention,
+        Op::AttentionCombine,
+        Op::QuantizeQ8,
+        Op::ArgmaxLogprob,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Embed => "embed",
+            Op::RmsNorm => "rms_norm",
+            Op::Rope => "rope",
+            Op::Swiglu => "swiglu",
+            Op::Add => "add",
+            Op::AddBias => "add_bias",
+            Op::GatherRows => "gather_rows",
+            Op::Argmax => "argmax",
+            Op::KvWrite => "kv_write",
+            Op::Attention => "attention",
+            Op::AttentionCombine => "attention_combine",
+            Op::QuantizeQ8 => "quantize_q8",
+            Op::ArgmaxLogprob => "argmax_logprob",
+        }
+    }
+}
+
+/// Weight formats the matrix kernels read (codes `WF_*` in matmul.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    F16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl WeightFormat {
+    pub const ALL: [WeightFormat; 4] = [
+        WeightFormat::F16,
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q8_0,
+    ];
+    /// The name part of its kernels.
+    pub fn kernel_name(self) -> &'static str {
+        match self {
+            WeightFormat::F16 => "f16w",
+            WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q4_1 => "q4_1",
+            WeightFormat::Q8_0 => "q8_0",
+        }
+    }
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Activation rows a GEMV launch handles: 1, or up to 8.
+pub const GEMV_ROWS: [usize; 2] = [1, 8];
+
+/// Activation dtypes kernels are instantiated for, in suffix order.
+const ACTS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// The kernel-name suffix of an activation dtype; `None` for I32.
+pub fn act_suffix(dt: DType) -> Option<&'static str> {
+    match dt {
+        DType::F32 => Some("f32"),
+        DType::F16 => Some("f16"),
+        DType::BF16 => Some("bf16"),
+        DType::I32 => None,
+    }
+}
+
+fn act_index(dt: DType) -> usize {
+    match dt {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::I32 => unreachable!("no kernel takes i32 activations"),
+    }
+}
+
+/// Index of an op's kernel for activation dtype `dt` (a float dtype).
+pub fn op_kernel(op: Op, dt: DType) -> usize {
+    op as usize * ACTS.len() + act_index(dt)
+}
+
+const GEMV_BASE: usize = Op::ALL.len() * ACTS.len();
+const DEQUANT_BASE: usize = GEMV_BASE + WeightFormat::ALL.len() * GEMV_ROWS.len() * ACTS.len();
+
+/// Index of the GEMV kernel for `fmt` handling up to `GEMV_ROWS[rows_variant]` rows.
+pub fn gemv_kernel(fmt: WeightFormat, rows_variant: usize, dt: DType) -> usize {
+    GEMV_BASE + (fmt.index() * GEMV_ROWS.len() + rows_variant) * ACTS.len() + act_index(dt)
+}
+
+/// Index of the kernel that dequantizes a `fmt` matrix to `dt`.
+pub fn dequant_kernel(fmt: WeightFormat, dt: DType) -> usize {
+    DEQUANT_BASE + fmt.index() * ACTS.len() + act_index(dt)
+}
+
+/// Every kernel's name, at its index.
+pub fn kernel_names() -> Vec<String> {
+    let mut names = Vec::new();
+    for op in Op::ALL {
+        for dt in ACTS {
+            names.push(format!("{}_{}", op.name(), act_suffix(dt).unwrap()));
+        }
+    }
+    for fmt in WeightFormat::ALL {
+        for r in GEMV_ROWS {
+            for dt in ACTS {
+                names.push(format!(
+                    "gemv_{}_r{r}_{}",
+                    fmt.kernel_name(),
+                    act_suffix(dt).unwrap()
+                ));
+            }
+        }
+    }
+    for fmt in WeightFormat::ALL {
+        for dt in ACTS {
+            names.push(format!(
+                "dequant_{}_{}",
+                fmt.kernel_name(),
+                act_suffix(dt).unwrap()
+            ));
+        }
+    }
+    names
+}
+
+/// Kernels that may need more than the default 48 KiB of dynamic shared memory.
+pub fn large_smem_kernels() -> Vec<usize> {
+    ACTS.iter()
+        .map(|&dt| op_kernel(Op::Attention, dt))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn indices_match_the_name_table() {
+        let names = kernel_names();
+        assert_eq!(names[op_kernel(Op::Rope, DType::BF16)], "rope_bf16");
+        assert_eq!(
+            names[op_kernel(Op::AttentionCombine, DType::F32)],
+            "attention_combine_f32"
+        );
+        assert_eq!(
+            names[gemv_kernel(WeightFormat::Q4_1, 1, DType::F16)],
+            "gemv_q4_1_r8_f16"
+        );
+        assert_eq!(
+            names[dequant_kernel(WeightFormat::Q8_0, DType::BF16)],
+            "dequant_q8_0_bf16"
+        );
+        assert_eq!(names.len(), DEQUANT_BASE + 12);
+        let mut sorted = names.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), names.len(), "kernel names are unique");
+    }
+
+    #[test]
+    fn every_kernel_is_defined_in_the_sources() {
+        let src = program_source();
+        // Each name is made by one instantiation macro; check the macro's stem is there.
+        for op in Op::ALL {
+            assert!(
+                src.contains(&format!(" {}_##S(", op.name())),
+                "{}",
+                op.name()
+            );
+        }
+        assert!(src.contains("void gemv_##FS##_r##R##_##S("));
+        assert!(src.contains("void dequant_##FS##_##S("));
+    }
+}

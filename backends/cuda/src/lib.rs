@@ -1,0 +1,36 @@
+//! npu-backend-cuda: the CUDA implementation of the `npu_backend::Backend` trait.
+//!
+//! - `libs`: finds libcuda, libnvrtc and libcublas at run time before anything touches them, so
+//!   a machine without CUDA gets `BackendError::MissingLibrary` naming what is missing.
+//! - `kernels` + `kernels/*.cu`: the CUDA C kernels of a Llama step, compiled at run time by
+//!   NVRTC (`nvrtc`, cached per architecture in memory and on disk).
+//! - `gpu`: the seam under the backend (memory, copies, launches, one GEMM, one waiting read);
+//!   `driver` implements it with cudarc on a real device, `emu` (feature `emulation`) on a CPU
+//!   emulation of the same kernel sources.
+//! - `backend` + `ops`: `CudaBackend`, the trait implementation: weights (`weights`), the paged
+//!   KV pool, step inputs in one host→device copy (`step`), and the ops.
+//!
+//! CUDA graphs are not used. A decode step of the default model is ~15 launches per layer; a
+//! graph per (batch size, context bucket) would cut their launch cost, but the attention grid
+//! and split count depend on each step's contexts and the step inputs' addresses would have to
+//! stay fixed, so graphs wait until a GPU can show they pay for that bookkeeping.
+
+pub mod backend;
+pub mod buffer;
+pub mod config;
+mod driver;
+#[cfg(feature = "emulation")]
+pub mod emu;
+pub mod gpu;
+pub mod kernels;
+pub mod libs;
+mod matmul;
+pub mod nvrtc;
+mod ops;
+pub mod step;
+pub mod weights;
+
+pub use backend::{kv_block_bytes_for, CudaBackend};
+pub use buffer::CudaBuffer;
+pub use config::{CudaConfig, MatmulMode};
+pub use weights::{CudaEmbedding, CudaMatrix};

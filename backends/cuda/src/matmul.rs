@@ -1,0 +1,201 @@
+//! Matrix products: the quantized GEMV kernels (activations quantized to 8 bits first), or cuBLAS
+//! on weights dequantized at load or into a scratch buffer, as the matmul mode says.
+
+use npu_backend::{BackendError, DType, View, ViewMut};
+
+use crate::backend::CudaBackend;
+use crate::buffer::CudaBuffer;
+use crate::config::MatmulMode;
+use crate::gpu::{blocks, Args, DevPtr, Gemm, LaunchDims};
+use crate::kernels::{self, dequant_kernel, gemv_kernel, op_kernel, Op, WeightFormat};
+use crate::ops::{addr, addr_mut, float, grid_rows, int, need, same, EW_THREADS};
+use crate::weights::{CudaMatrix, MatrixKind};
+
+/// Warps per block of the GEMV kernels (one output each).
+const GEMV_WARPS: usize = 4;
+
+impl CudaBackend {
+    pub(crate) fn op_matmul(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        w: &CudaMatrix,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "matmul";
+        self.own(x.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        need(w.mem.device() == self.device, OP, || {
+            "a matrix of another backend instance".into()
+        })?;
+        let dt = float(OP, x.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let (xl, ol) = (x.layout(), out.layout());
+        need(
+            xl.cols() == w.k && ol.cols() == w.n && xl.rows() == ol.rows(),
+            OP,
+            || {
+                format!(
+                    "x {}x{} times a {}x{} matrix into {}x{}",
+                    xl.rows(),
+                    xl.cols(),
+                    w.n,
+                    w.k,
+                    ol.rows(),
+                    ol.cols()
+                )
+            },
+        )?;
+        let rows = xl.rows();
+        if rows == 0 {
+            return Ok(());
+        }
+        match w.kind {
+            MatrixKind::Dense(wdt) => {
+                need(wdt == dt, OP, || {
+                    format!("a {} matrix with {} activations", wdt.name(), dt.name())
+                })?;
+                self.cublas(w.mem.ptr(), w, &x, &out, dt)
+            }
+            MatrixKind::Packed(fmt) => {
+                let gemv = self.cfg.matmul == MatmulMode::Quantized
+                    || (self.cfg.matmul == MatmulMode::Auto && rows <= self.cfg.gemv_max_rows);
+                if gemv {
+                    return self.gemv(fmt, w, x, out, dt);
+                }
+                let a = if fmt == WeightFormat::F16 && dt == DType::F16 {
+                    w.mem.ptr()
+                } else {
+                    self.dequantize(fmt, w, dt)?
+                };
+                self.cublas(a, w, &x, &out, dt)
+            }
+        }
+    }
+
+    /// Dequantizes `w` into the weight scratch as a dense `dt` matrix; returns its address.
+    fn dequantize(
+        &mut self,
+        fmt: WeightFormat,
+        w: &CudaMatrix,
+        dt: DType,
+    ) -> Result<DevPtr, BackendError> {
+        const OP: &str = "matmul";
+        let bytes = w.n * w.k * dt.size();
+        let dst = self.scratch_w.ensure(&self.gpu, self.device, bytes)?;
+        let units = if fmt == WeightFormat::F16 {
+            w.n * w.k
+        } else {
+            w.n * (w.k / 32)
+        };
+        let grid = blocks(units, EW_THREADS).min(self.gpu.sm_count().max(1) * 32);
+        self.launch(
+            dequant_kernel(fmt, dt),
+            LaunchDims::linear([grid, 1, 1], EW_THREADS as u32),
+            Args::new()
+                .ptr(w.mem.ptr())
+                .ptr(w.mem.ptr() + w.scales_at as u64)
+                .ptr(w.mem.ptr() + w.mins_at as u64)
+                .i32(int(OP, w.n)?)
+                .i32(int(OP, w.k)?)
+                .ptr(dst),
+        )?;
+        Ok(dst)
+    }
+
+    /// out = x . a^T with cuBLAS, `a` a dense `n x k` matrix of `dt`.
+    fn cublas(
+        &self,
+        a: DevPtr,
+        w: &CudaMatrix,
+        x: &View<'_, CudaBuffer>,
+        out: &ViewMut<'_, CudaBuffer>,
+        dt: DType,
+    ) -> Result<(), BackendError> {
+        self.gpu.gemm(&Gemm {
+            m: w.n,
+            n: x.layout().rows(),
+            k: w.k,
+            a,
+            lda: w.k,
+            b: addr(x),
+            ldb: x.layout().stride(),
+            c: addr_mut(out),
+            ldc: out.layout().stride(),
+            ab_type: dt,
+            c_type: dt,
+        })
+    }
+
+    /// The GEMV kernels, up to 8 activation rows per pass over the weights; quantized weights
+    /// multiply the activations quantized to 8 bits first.
+    fn gemv(
+        &mut self,
+        fmt: WeightFormat,
+        w: &CudaMatrix,
+        x: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+        dt: DType,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "matmul";
+        let xl = x.layout();
+        let (rows, es) = (xl.rows(), dt.size());
+        let (n, k) = (int(OP, w.n)?, int(OP, w.k)?);
+        let nb = w.k / 32;
+        let quantized = if fmt == WeightFormat::F16 {
+            None
+        } else {
+            let xq_bytes = rows * w.k;
+            let dst = self
+                .scratch_x
+                .ensure(&self.gpu, self.device, xq_bytes + rows * nb * 16)?;
+            let xs = dst + xq_bytes as u64;
+            self.launch(
+                op_kernel(Op::QuantizeQ8, dt),
+                LaunchDims::linear([blocks(nb, 8), grid_rows(OP, rows)?, 1], 256),
+                Args::new()
+                    .ptr(addr(&x))
+                    .i32(int(OP, xl.stride())?)
+                    .i32(k)
+                    .ptr(dst)
+                    .ptr(xs),
+            )?;
+            Some((dst, xs))
+        };
+        let ol = out.layout();
+        let op = addr_mut(&out);
+        let variant = usize::from(rows > 1);
+        let per = kernels::GEMV_ROWS[variant];
+        let dims = LaunchDims::linear([blocks(w.n, GEMV_WARPS), 1, 1], (GEMV_WARPS * 32) as u32);
+        let wp = w.mem.ptr();
+        let mut r0 = 0;
+        while r0 < rows {
+            let n_r = per.min(rows - r0) as i32;
+            let out_at = op + (r0 * ol.stride() * es) as u64;
+            let args = match quantized {
+                Some((xq, xs)) => Args::new()
+                    .ptr(wp)
+                    .ptr(wp + w.scales_at as u64)
+                    .ptr(wp + w.mins_at as u64)
+                    .i32(n)
+                    .i32(k)
+                    .ptr(xq + (r0 * w.k) as u64)
+                    .ptr(xs + (r0 * nb * 16) as u64)
+                    .i32(n_r),
+                None => Args::new()
+                    .ptr(wp)
+                    .i32(n)
+                    .i32(k)
+                    .ptr(addr(&x) + (r0 * xl.stride() * es) as u64)
+                    .i32(int(OP, xl.stride())?)
+                    .i32(n_r),
+            };
+            self.launch(
+                gemv_kernel(fmt, variant, dt),
+                dims,
+                args.ptr(out_at).i32(int(OP, ol.stride())?),
+            )?;
+            r0 += per;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,730 @@
+//! The kernels of one step, launched on the backend's stream: each op checks its views (shapes,
+//! dtypes, owner) against the step and the KV pool, so that no kernel reads or writes outside
+//! the memory it is given, then packs the kernel's parameters and launches it. Matrix products
+//! are in `matmul.rs`.
+
+use npu_backend::{AttnGeometry, BackendError, DType, DeviceBuffer, Layout, View, ViewMut};
+use npu_gguf::hparams::RopeStyle;
+
+use crate::backend::CudaBackend;
+use crate::buffer::CudaBuffer;
+use crate::gpu::{blocks, Args, DevPtr, LaunchDims};
+use crate::kernels::{op_kernel, Op};
+use crate::step::QUERY_TILES;
+use crate::weights::CudaEmbedding;
+
+/// Threads of the element-wise kernels' blocks.
+pub(crate) const EW_THREADS: usize = 256;
+/// Query rows (warps) an attention block aims for.
+const ATT_TARGET_WARPS: usize = 8;
+const ATT_TILE: usize = 32;
+const ATT_MAX_HD: usize = 256;
+/// Most query heads per KV head (a block's warps; ATT_MAX_THREADS in attention.cu).
+const ATT_MAX_GROUP: usize = 16;
+/// Fewest context tiles a split of attention should cover.
+const ATT_MIN_TILES_PER_SPLIT: usize = 4;
+
+pub(crate) fn bad(op: &'static str, message: String) -> BackendError {
+    BackendError::BadArgument { op, message }
+}
+
+pub(crate) fn need(
+    ok: bool,
+    op: &'static str,
+    message: impl FnOnce() -> String,
+) -> Result<(), BackendError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(bad(op, message()))
+    }
+}
+
+/// `dt` if it is a float dtype.
+pub(crate) fn float(op: &'static str, dt: DType) -> Result<DType, BackendError> {
+    match dt {
+        DType::I32 => Err(bad(op, "an i32 view where floats are expected".into())),
+        d => Ok(d),
+    }
+}
+
+pub(crate) fn same(op: &'static str, a: DType, b: DType) -> Result<(), BackendError> {
+    need(a == b, op, || {
+        format!("views of {} and {} (one dtype per op)", a.name(), b.name())
+    })
+}
+
+/// The runtime dtype code kernels use for weight vectors (DT_* in common.cuh).
+fn dt_code(dt: DType) -> i32 {
+    match dt {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::I32 => -1,
+    }
+}
+
+pub(crate) fn int(op: &'static str, v: usize) -> Result<i32, BackendError> {
+    i32::try_from(v).map_err(|_| BackendError::Unsupported {
+        backend: "cuda",
+        what: format!("{op} with a size or stride of {v} (over i32)"),
+    })
+}
+
+/// Rows as a grid dimension (y and z are limited to 65535).
+pub(crate) fn grid_rows(op: &'static str, rows: usize) -> Result<u32, BackendError> {
+    if rows > 65535 {
+        return Err(BackendError::Unsupported {
+            backend: "cuda",
+            what: format!("{op} over {rows} rows (at most 65535)"),
+        });
+    }
+    Ok(rows as u32)
+}
+
+/// Threads for a row kernel over `n` columns: a multiple of 32, at most `max`.
+fn row_threads(n: usize, max: usize) -> u32 {
+    (n.div_ceil(32) * 32).clamp(32, max) as u32
+}
+
+pub(crate) fn addr(v: &View<'_, CudaBuffer>) -> DevPtr {
+    v.buf().addr(v.layout().offset())
+}
+
+pub(crate) fn addr_mut(v: &ViewMut<'_, CudaBuffer>) -> DevPtr {
+    v.buf().addr(v.layout().offset())
+}
+
+impl CudaBackend {
+    pub(crate) fn launch(
+        &self,
+        kernel: usize,
+        dims: LaunchDims,
+        mut args: Args,
+    ) -> Result<(), BackendError> {
+        self.gpu.launch(kernel, dims, &mut args)
+    }
+
+    pub(crate) fn op_embed(
+        &mut self,
+        table: &CudaEmbedding,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "embed";
+        self.own(out.buf(), OP)?;
+        need(table.mem.device() == self.device, OP, || {
+            "a table of another backend instance".into()
+        })?;
+        let (lay, meta) = self.step_meta()?;
+        let dt = float(OP, out.dtype())?;
+        let l = out.layout();
+        need(
+            l.rows() == lay.n_tokens && l.cols() == table.dim,
+            OP,
+            || {
+                format!(
+                    "output window {}x{} for {} tokens of {} values",
+                    l.rows(),
+                    l.cols(),
+                    lay.n_tokens,
+                    table.dim
+                )
+            },
+        )?;
+        if let Some(t) = self.step.tokens.iter().find(|&&t| t as usize >= table.rows) {
+            return Err(BackendError::BadStep(format!(
+                "token id {t} is beyond the vocabulary ({})",
+                table.rows
+            )));
+        }
+        if l.rows() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::Embed, dt),
+            LaunchDims::linear(
+                [blocks(table.dim, EW_THREADS), grid_rows(OP, l.rows())?, 1],
+                EW_THREADS as u32,
+            ),
+            Args::new()
+                .ptr(table.mem.ptr())
+                .i32(table.ty.id() as i32)
+                .i64(table.row_bytes as i64)
+                .i32(int(OP, table.dim)?)
+                .ptr(meta + 4 * lay.tokens as u64)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, l.stride())?),
+        )
+    }
+
+    pub(crate) fn op_rms_norm(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "rms_norm";
+        self.own(x.buf(), OP)?;
+        self.own(w, OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, x.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let wdt = float(OP, w.dtype())?;
+        let (xl, ol) = (x.layout(), out.layout());
+        need(
+            xl.rows() == ol.rows() && xl.cols() == ol.cols() && w.len() == xl.cols(),
+            OP,
+            || {
+                format!(
+                    "x {}x{}, out {}x{}, weight of {}",
+                    xl.rows(),
+                    xl.cols(),
+                    ol.rows(),
+                    ol.cols(),
+                    w.len()
+                )
+            },
+        )?;
+        if xl.rows() == 0 || xl.cols() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::RmsNorm, dt),
+            LaunchDims::linear(
+                [int(OP, xl.rows())? as u32, 1, 1],
+                row_threads(xl.cols(), 256),
+            ),
+            Args::new()
+                .ptr(addr(&x))
+                .i32(int(OP, xl.stride())?)
+                .ptr(w.addr(0))
+                .i32(dt_code(wdt))
+                .f32(eps)
+                .i32(int(OP, xl.cols())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?),
+        )
+    }
+
+    pub(crate) fn op_add_bias(
+        &mut self,
+        x: ViewMut<'_, CudaBuffer>,
+        bias: &CudaBuffer,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "add_bias";
+        self.own(x.buf(), OP)?;
+        self.own(bias, OP)?;
+        let dt = float(OP, x.dtype())?;
+        let bdt = float(OP, bias.dtype())?;
+        let l = x.layout();
+        need(bias.len() == l.cols(), OP, || {
+            format!("a bias of {} for rows of {}", bias.len(), l.cols())
+        })?;
+        if l.elements() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::AddBias, dt),
+            LaunchDims::linear(
+                [blocks(l.cols(), EW_THREADS), grid_rows(OP, l.rows())?, 1],
+                EW_THREADS as u32,
+            ),
+            Args::new()
+                .ptr(addr_mut(&x))
+                .i32(int(OP, l.stride())?)
+                .ptr(bias.addr(0))
+                .i32(dt_code(bdt))
+                .i32(int(OP, l.cols())?),
+        )
+    }
+
+    pub(crate) fn op_rope(
+        &mut self,
+        qk: ViewMut<'_, CudaBuffer>,
+        g: &AttnGeometry,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "rope";
+        self.own(qk.buf(), OP)?;
+        let (lay, meta) = self.step_meta()?;
+        let dt = float(OP, qk.dtype())?;
+        let l = qk.layout();
+        let heads = g.n_heads + g.n_kv_heads;
+        let dims = g.rope.dims;
+        need(
+            l.rows() == lay.n_tokens && l.cols() >= heads * g.head_dim,
+            OP,
+            || {
+                format!(
+                    "a {}x{} window for {} tokens of {heads} heads of {}",
+                    l.rows(),
+                    l.cols(),
+                    lay.n_tokens,
+                    g.head_dim
+                )
+            },
+        )?;
+        need(dims <= g.head_dim && dims.is_multiple_of(2), OP, || {
+            format!("{dims} rotary dimensions of a {}-value head", g.head_dim)
+        })?;
+        if l.rows() == 0 || dims == 0 {
+            return Ok(());
+        }
+        let theta_scale = g.rope.base.powf(-2.0 / dims as f32);
+        self.launch(
+            op_kernel(Op::Rope, dt),
+            LaunchDims::linear(
+                [int(OP, l.rows())? as u32, 1, 1],
+                row_threads(dims / 2, 128),
+            ),
+            Args::new()
+                .ptr(addr_mut(&qk))
+                .i32(int(OP, l.stride())?)
+                .i32(int(OP, heads)?)
+                .i32(int(OP, g.head_dim)?)
+                .i32(int(OP, dims)?)
+                .i32(i32::from(g.rope.style == RopeStyle::Halves))
+                .f32(theta_scale)
+                .f32(g.rope.freq_scale)
+                .ptr(meta + 4 * lay.positions as u64),
+        )
+    }
+
+    /// Checks the geometry against the pool and the layer index.
+    fn check_kv_geometry(
+        &self,
+        op: &'static str,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        let s = self.kv_pool()?.spec;
+        need(
+            g.n_kv_heads == s.n_kv_heads && g.head_dim == s.head_dim && layer < s.n_layers,
+            op,
+            || {
+                format!(
+                    "layer {layer} with {} KV heads of {} for a pool of {} layers, {} KV heads of {}",
+                    g.n_kv_heads, g.head_dim, s.n_layers, s.n_kv_heads, s.head_dim
+                )
+            },
+        )
+    }
+
+    pub(crate) fn op_kv_write(
+        &mut self,
+        k: View<'_, CudaBuffer>,
+        v: View<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "kv_write";
+        self.own(k.buf(), OP)?;
+        self.own(v.buf(), OP)?;
+        let (lay, meta) = self.step_meta()?;
+        self.check_kv_geometry(OP, g, layer)?;
+        let dt = float(OP, k.dtype())?;
+        same(OP, dt, v.dtype())?;
+        let width = g.kv_width();
+        let (kl, vl) = (k.layout(), v.layout());
+        for (name, l) in [("K", kl), ("V", vl)] {
+            need(l.rows() == lay.n_tokens && l.cols() == width, OP, || {
+                format!(
+                    "{name} window {}x{} for {} tokens of {width}",
+                    l.rows(),
+                    l.cols(),
+                    lay.n_tokens
+                )
+            })?;
+        }
+        if lay.n_tokens == 0 {
+            return Ok(());
+        }
+        let kv = self.kv_pool()?;
+        self.launch(
+            op_kernel(Op::KvWrite, dt),
+            LaunchDims::linear(
+                [int(OP, lay.n_tokens)? as u32, 1, 1],
+                row_threads(width, 256),
+            ),
+            Args::new()
+                .ptr(addr(&k))
+                .i32(int(OP, kl.stride())?)
+                .ptr(addr(&v))
+                .i32(int(OP, vl.stride())?)
+                .ptr(meta + 4 * lay.slots as u64)
+                .ptr(kv.mem.ptr())
+                .i64(kv.block_elems as i64)
+                .i64(kv.layer_offset(layer) as i64)
+                .i32(int(OP, g.n_kv_heads)?)
+                .i32(int(OP, g.head_dim)?)
+                .i32(int(OP, kv.spec.block_size)?),
+        )
+    }
+
+    pub(crate) fn op_attention(
+        &mut self,
+        q: View<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "attention";
+        self.own(q.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        let (lay, meta) = self.step_meta()?;
+        self.check_kv_geometry(OP, g, layer)?;
+        let dt = float(OP, q.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let hd = g.head_dim;
+        need(
+            g.n_heads > 0
+                && g.n_kv_heads > 0
+                && g.n_heads.is_multiple_of(g.n_kv_heads)
+                && g.n_heads / g.n_kv_heads <= ATT_MAX_GROUP,
+            OP,
+            || {
+                format!(
+                    "{} query heads over {} KV heads (groups of at most {ATT_MAX_GROUP})",
+                    g.n_heads, g.n_kv_heads
+                )
+            },
+        )?;
+        if !hd.is_multiple_of(2) || hd > ATT_MAX_HD {
+            return Err(BackendError::Unsupported {
+                backend: "cuda",
+                what: format!("attention heads of {hd} values (even, at most {ATT_MAX_HD})"),
+            });
+        }
+        let (ql, ol) = (q.layout(), out.layout());
+        let width = g.q_width();
+        need(
+            ql.rows() == lay.n_tokens
+                && ol.rows() == lay.n_tokens
+                && ql.cols() >= width
+                && ol.cols() == width,
+            OP,
+            || {
+                format!(
+                    "q {}x{} and out {}x{} for {} tokens of {width}",
+                    ql.rows(),
+                    ql.cols(),
+                    ol.rows(),
+                    ol.cols(),
+                    lay.n_tokens
+                )
+            },
+        )?;
+        if lay.n_tokens == 0 {
+            return Ok(());
+        }
+        if lay.n_seqs == 0 {
+            return Err(BackendError::BadStep(
+                "attention in a step without sequences (its tokens belong to none)".into(),
+            ));
+        }
+        let group = g.n_heads / g.n_kv_heads;
+        // Tokens per block: as many as fill the target warps, but no more than the longest
+        // sequence of the step has (a decode-only step gets one token per block).
+        let max_nq = self
+            .step
+            .seqs
+            .iter()
+            .map(|s| s.n_q as usize)
+            .max()
+            .unwrap_or(1);
+        let tile_idx = QUERY_TILES
+            .iter()
+            .rposition(|&qt| qt * group <= ATT_TARGET_WARPS && qt <= max_nq.next_power_of_two())
+            .unwrap_or(0);
+        let qt = QUERY_TILES[tile_idx];
+        let warps = qt * group;
+        let (items_at, n_items) = lay.items[tile_idx];
+        let smem = 2 * ATT_TILE * (hd / 2 + 1) * 4 + warps * hd * 4;
+        if smem > self.gpu.max_dynamic_smem() as usize {
+            return Err(BackendError::Unsupported {
+                backend: "cuda",
+                what: format!(
+                    "attention needing {smem} bytes of shared memory (the device allows {})",
+                    self.gpu.max_dynamic_smem()
+                ),
+            });
+        }
+        // Split the context when the blocks would not fill the device (flash-decoding).
+        let max_tiles = lay.max_ctx.div_ceil(ATT_TILE).max(1);
+        let base_blocks = n_items * g.n_kv_heads;
+        let target = 2 * self.gpu.sm_count().max(1) as usize;
+        let mut n_splits = if base_blocks >= target {
+            1
+        } else {
+            target
+                .div_ceil(base_blocks)
+                .min(max_tiles / ATT_MIN_TILES_PER_SPLIT)
+                .max(1)
+        };
+        let tiles_per_split = max_tiles.div_ceil(n_splits);
+        n_splits = max_tiles.div_ceil(tiles_per_split);
+        let partial = if n_splits > 1 {
+            let bytes = lay.n_tokens * g.n_heads * n_splits * (hd + 2) * 4;
+            self.scratch_attn.ensure(&self.gpu, self.device, bytes)?
+        } else {
+            0
+        };
+        let kv = self.kv_pool()?;
+        let out_ptr = addr_mut(&out);
+        self.launch(
+            op_kernel(Op::Attention, dt),
+            LaunchDims {
+                grid: [
+                    int(OP, n_items)? as u32,
+                    grid_rows(OP, g.n_kv_heads)?,
+                    grid_rows(OP, n_splits)?,
+                ],
+                block: [(warps * 32) as u32, 1, 1],
+                smem: smem as u32,
+            },
+            Args::new()
+                .ptr(addr(&q))
+                .i32(int(OP, ql.stride())?)
+                .ptr(out_ptr)
+                .i32(int(OP, ol.stride())?)
+                .ptr(kv.mem.ptr())
+                .i64(kv.block_elems as i64)
+                .i64(kv.layer_offset(layer) as i64)
+                .ptr(meta + 4 * items_at as u64)
+                .i32(qt as i32)
+                .ptr(meta + 4 * lay.seq_info as u64)
+                .ptr(meta + 4 * lay.block_tables as u64)
+                .i32(int(OP, lay.max_blocks)?)
+                .i32(int(OP, g.n_heads)?)
+                .i32(int(OP, g.n_kv_heads)?)
+                .i32(int(OP, hd)?)
+                .i32(int(OP, kv.spec.block_size)?)
+                .f32(g.scale)
+                .i32(n_splits as i32)
+                .i32(int(OP, tiles_per_split)?)
+                .ptr(partial),
+        )?;
+        if n_splits > 1 {
+            self.launch(
+                op_kernel(Op::AttentionCombine, dt),
+                LaunchDims::linear(
+                    [int(OP, lay.n_tokens)? as u32, grid_rows(OP, g.n_heads)?, 1],
+                    row_threads(hd, 256),
+                ),
+                Args::new()
+                    .ptr(partial)
+                    .i32(n_splits as i32)
+                    .i32(int(OP, g.n_heads)?)
+                    .i32(int(OP, hd)?)
+                    .ptr(out_ptr)
+                    .i32(int(OP, ol.stride())?),
+            )?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn op_swiglu(
+        &mut self,
+        gate: View<'_, CudaBuffer>,
+        up: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "swiglu";
+        self.own(gate.buf(), OP)?;
+        self.own(up.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, gate.dtype())?;
+        same(OP, dt, up.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let (gl, ul, ol) = (gate.layout(), up.layout(), out.layout());
+        let shape = |l: Layout| (l.rows(), l.cols());
+        need(shape(gl) == shape(ul) && shape(gl) == shape(ol), OP, || {
+            format!(
+                "gate {:?}, up {:?}, out {:?} (rows, cols)",
+                shape(gl),
+                shape(ul),
+                shape(ol)
+            )
+        })?;
+        if gl.elements() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::Swiglu, dt),
+            LaunchDims::linear(
+                [blocks(gl.cols(), EW_THREADS), grid_rows(OP, gl.rows())?, 1],
+                EW_THREADS as u32,
+            ),
+            Args::new()
+                .ptr(addr(&gate))
+                .i32(int(OP, gl.stride())?)
+                .ptr(addr(&up))
+                .i32(int(OP, ul.stride())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?)
+                .i32(int(OP, gl.cols())?),
+        )
+    }
+
+    pub(crate) fn op_add(
+        &mut self,
+        x: ViewMut<'_, CudaBuffer>,
+        y: View<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "add";
+        self.own(x.buf(), OP)?;
+        self.own(y.buf(), OP)?;
+        let dt = float(OP, x.dtype())?;
+        same(OP, dt, y.dtype())?;
+        let (xl, yl) = (x.layout(), y.layout());
+        need(xl.rows() == yl.rows() && xl.cols() == yl.cols(), OP, || {
+            format!(
+                "x {}x{} and y {}x{}",
+                xl.rows(),
+                xl.cols(),
+                yl.rows(),
+                yl.cols()
+            )
+        })?;
+        if xl.elements() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::Add, dt),
+            LaunchDims::linear(
+                [blocks(xl.cols(), EW_THREADS), grid_rows(OP, xl.rows())?, 1],
+                EW_THREADS as u32,
+            ),
+            Args::new()
+                .ptr(addr_mut(&x))
+                .i32(int(OP, xl.stride())?)
+                .ptr(addr(&y))
+                .i32(int(OP, yl.stride())?)
+                .i32(int(OP, xl.cols())?),
+        )
+    }
+
+    pub(crate) fn op_gather_logit_rows(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "gather_logit_rows";
+        self.own(x.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        let (lay, meta) = self.step_meta()?;
+        let dt = float(OP, x.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let (xl, ol) = (x.layout(), out.layout());
+        let max_row = self.step.logit_rows.iter().max().map(|&r| r as usize);
+        let rows_inside = match max_row {
+            Some(r) => r < xl.rows(),
+            None => true,
+        };
+        need(
+            ol.rows() == lay.n_logit_rows && ol.cols() == xl.cols() && rows_inside,
+            OP,
+            || {
+                format!(
+                    "{} logit rows (largest {max_row:?}) of a {}x{} window into {}x{}",
+                    lay.n_logit_rows,
+                    xl.rows(),
+                    xl.cols(),
+                    ol.rows(),
+                    ol.cols()
+                )
+            },
+        )?;
+        if ol.elements() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::GatherRows, dt),
+            LaunchDims::linear(
+                [blocks(xl.cols(), EW_THREADS), grid_rows(OP, ol.rows())?, 1],
+                EW_THREADS as u32,
+            ),
+            Args::new()
+                .ptr(addr(&x))
+                .i32(int(OP, xl.stride())?)
+                .ptr(meta + 4 * lay.logit_rows as u64)
+                .i32(int(OP, xl.cols())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?),
+        )
+    }
+
+    pub(crate) fn op_argmax_rows(
+        &mut self,
+        logits: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "argmax_rows";
+        self.own(logits.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, logits.dtype())?;
+        need(out.dtype() == DType::I32, OP, || {
+            format!("a {} output (i32 expected)", out.dtype().name())
+        })?;
+        let (ll, ol) = (logits.layout(), out.layout());
+        need(ol.elements() == ll.rows(), OP, || {
+            format!(
+                "{} rows into a window of {} elements",
+                ll.rows(),
+                ol.elements()
+            )
+        })?;
+        if ll.rows() == 0 {
+            return Ok(());
+        }
+        need(ll.cols() > 0, OP, || "rows of no values".into())?;
+        self.launch(
+            op_kernel(Op::Argmax, dt),
+            LaunchDims::linear([int(OP, ll.rows())? as u32, 1, 1], 256),
+            Args::new()
+                .ptr(addr(&logits))
+                .i32(int(OP, ll.stride())?)
+                .i32(int(OP, ll.cols())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?)
+                .i32(int(OP, ol.cols())?),
+        )
+    }
+
+    pub(crate) fn op_argmax_logprob_rows(
+        &mut self,
+        logits: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "argmax_logprob_rows";
+        self.own(logits.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, logits.dtype())?;
+        need(out.dtype() == DType::F32, OP, || {
+            format!("a {} output (f32 expected)", out.dtype().name())
+        })?;
+        let (ll, ol) = (logits.layout(), out.layout());
+        need(ol.elements() == ll.rows(), OP, || {
+            format!(
+                "{} rows into a window of {} elements",
+                ll.rows(),
+                ol.elements()
+            )
+        })?;
+        if ll.rows() == 0 {
+            return Ok(());
+        }
+        need(ll.cols() > 0, OP, || "rows of no values".into())?;
+        self.launch(
+            op_kernel(Op::ArgmaxLogprob, dt),
+            LaunchDims::linear([int(OP, ll.rows())? as u32, 1, 1], 256),
+            Args::new()
+                .ptr(addr(&logits))
+                .i32(int(OP, ll.stride())?)
+                .i32(int(OP, ll.cols())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?)
+                .i32(int(OP, ol.cols())?),
+        )
+    }
+}

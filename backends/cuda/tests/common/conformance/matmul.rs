@@ -1,0 +1,170 @@
+//! Conformance case of the matrix products: every weight format, activation dtype and matmul
+//! mode against ggml's quantized arithmetic (GEMV path) or the exact product (cuBLAS path).
+
+use super::{out_rtol, Make, DTYPES};
+use crate::common::*;
+use npu_backend::{Backend, DType, HostTensor, Layout, View, ViewMut};
+use npu_backend_cpu::quant::QuantizedActs;
+use npu_backend_cuda::MatmulMode;
+use npu_gguf::GgmlType;
+
+/// The CPU backend's quantized product of one activation row with one weight row: activations
+/// quantized to 8 bits per block of 32, integer dot products, `(dot - offset isum) dw dx`
+/// accumulated block by block, plus `mw sx` for Q4_1 (ggml's arithmetic).
+fn quantized_dot(ty: GgmlType, w_row: &[u8], acts: &QuantizedActs, r: usize) -> f32 {
+    let nb = acts.k / 32;
+    let bb = ty.block_bytes();
+    let mut acc = 0f32;
+    for b in 0..nb {
+        let blk = &w_row[b * bb..(b + 1) * bb];
+        let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+        let xq = &acts.qs[r * acts.k + b * 32..r * acts.k + (b + 1) * 32];
+        let (dot, min) = match ty {
+            GgmlType::Q8_0 => (
+                (0..32)
+                    .map(|j| blk[2 + j] as i8 as i32 * xq[j] as i32)
+                    .sum::<i32>(),
+                None,
+            ),
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let qs = if ty == GgmlType::Q4_0 {
+                    &blk[2..18]
+                } else {
+                    &blk[4..20]
+                };
+                let mut dot = 0i32;
+                for j in 0..16 {
+                    dot += (qs[j] & 15) as i32 * xq[j] as i32;
+                    dot += (qs[j] >> 4) as i32 * xq[j + 16] as i32;
+                }
+                if ty == GgmlType::Q4_0 {
+                    (dot - 8 * acts.isum[r * nb + b], None)
+                } else {
+                    (
+                        dot,
+                        Some(half::f16::from_le_bytes([blk[2], blk[3]]).to_f32()),
+                    )
+                }
+            }
+            _ => unreachable!(),
+        };
+        acc = (dot as f32).mul_add(d * acts.d[r * nb + b], acc);
+        if let Some(m) = min {
+            acc = m.mul_add(acts.s[r * nb + b], acc);
+        }
+    }
+    acc
+}
+
+pub fn matmul_paths_match_their_references(make: Make) {
+    let mut rng = Rng::new(7);
+    let (n, k) = (72, 160);
+    for dt in DTYPES {
+        for mode in [
+            MatmulMode::Quantized,
+            MatmulMode::Auto,
+            MatmulMode::Dequantized,
+        ] {
+            let Some(mut b) = make(dt, mode) else {
+                return;
+            };
+            for ty in [
+                GgmlType::Q4_0,
+                GgmlType::Q4_1,
+                GgmlType::Q8_0,
+                GgmlType::F16,
+                GgmlType::F32,
+            ] {
+                // Two stacked parts, as Q/K/V or gate/up are fused.
+                let d1 = random_tensor(&mut rng, ty, 40, k);
+                let d2 = random_tensor(&mut rng, ty, n - 40, k);
+                let m = b
+                    .load_matrix(&[
+                        HostTensor {
+                            ty,
+                            data: &d1,
+                            rows: 40,
+                            cols: k,
+                        },
+                        HostTensor {
+                            ty,
+                            data: &d2,
+                            rows: n - 40,
+                            cols: k,
+                        },
+                    ])
+                    .unwrap()
+                    .expect("one type stacks");
+                let mut raw = d1.clone();
+                raw.extend(&d2);
+                let mut w = dequantized(ty, &raw, n, k);
+                if ty == GgmlType::F32 && mode != MatmulMode::Dequantized {
+                    // Types without a packed form are kept as F16.
+                    w = rounded(&w, DType::F16);
+                }
+                let packed = matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
+                // 1 row, 5 rows, 13 rows (two GEMV passes, or cuBLAS), and a strided view.
+                for (rows, col0, ld) in [(1, 0, k), (5, 0, k), (13, 0, k), (3, 1, k + 3)] {
+                    let x = rounded(&rng.vec(rows * ld, -1.0, 1.0), dt);
+                    let xb = put(&mut b, dt, &x, rows, ld);
+                    let xv = View::new(&xb, Layout::new(col0, rows, k, ld).unwrap()).unwrap();
+                    let mut out = b.alloc(dt, rows * (n + 2)).unwrap();
+                    take_launches(&b);
+                    b.matmul(
+                        xv,
+                        &m,
+                        ViewMut::new(&mut out, Layout::new(1, rows, n, n + 2).unwrap()).unwrap(),
+                    )
+                    .unwrap();
+                    let launched = take_launches(&b).unwrap_or_default();
+                    let all = get(&mut b, &out);
+                    let xs: Vec<f32> = (0..rows)
+                        .flat_map(|r| x[r * ld + col0..r * ld + col0 + k].to_vec())
+                        .collect();
+                    let gemv_path =
+                        mode == MatmulMode::Quantized || (mode == MatmulMode::Auto && rows <= 8);
+                    let mut acts = QuantizedActs::new();
+                    acts.quantize(&xs, rows, k);
+                    let rb = ty.row_bytes(k).unwrap();
+                    let mut worst_e = 0f32;
+                    for r in 0..rows {
+                        for o in 0..n {
+                            let xr = &xs[r * k..(r + 1) * k];
+                            let wr = &w[o * k..(o + 1) * k];
+                            let mag: f64 =
+                                xr.iter().zip(wr).map(|(&a, &c)| (a * c).abs() as f64).sum();
+                            let (want, tol) = if packed && gemv_path {
+                                // ggml's arithmetic: only the summation order may differ.
+                                let q = quantized_dot(ty, &raw[o * rb..(o + 1) * rb], &acts, r);
+                                (
+                                    q as f64,
+                                    1e-5 * mag + out_rtol(dt) as f64 * (q.abs() as f64),
+                                )
+                            } else {
+                                let e: f64 =
+                                    xr.iter().zip(wr).map(|(&a, &c)| a as f64 * c as f64).sum();
+                                (e, (1e-5 + 2.0 * out_rtol(dt) as f64) * mag)
+                            };
+                            let got = all[r * (n + 2) + 1 + o] as f64;
+                            worst_e = worst_e.max(((got - want).abs() / (tol + 1e-6)) as f32);
+                        }
+                    }
+                    assert!(
+                        worst_e <= 1.0,
+                        "{} {} {:?} rows {rows}: worst {worst_e} ({launched:?})",
+                        ty.name(),
+                        dt.name(),
+                        mode
+                    );
+                    if launched.is_empty() {
+                        continue; // a real device: launches are not recorded
+                    }
+                    let used_gemv = launched.iter().any(|l| l.starts_with("gemv_"));
+                    assert_eq!(used_gemv, gemv_path, "{mode:?} rows {rows}: {launched:?}");
+                    let quantized_acts = launched.iter().any(|l| l.starts_with("quantize_q8"));
+                    assert_eq!(quantized_acts, gemv_path && packed, "{launched:?}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,520 @@
+//! The conformance cases of the CUDA backend: each op (and the KV pool) checked against the CPU
+//! backend's reference kernels and the reference dequantization. They take a factory, so the
+//! same cases run on the CPU emulation of the kernels (tests/emulation_ops.rs) and on a real GPU
+//! (tests/gpu_conformance.rs).
+
+mod attention;
+mod matmul;
+
+pub use attention::*;
+pub use matmul::*;
+
+use super::*;
+use npu_backend::{
+    AttnGeometry, Backend, BackendError, DType, HostSlice, HostSliceMut, HostTensor, KvSpec,
+    Layout, Readback, SeqSpan, StepInputs, View, ViewMut,
+};
+use npu_backend_cpu::kernels::{elementwise as cpu_ew, Isa};
+use npu_backend_cuda::{CudaBackend, MatmulMode};
+use npu_gguf::hparams::{Rope, RopeStyle};
+use npu_gguf::GgmlType;
+
+/// Makes a backend computing in a dtype with a matmul mode (`None`: skip, reason printed).
+pub type Make<'a> = &'a dyn Fn(DType, MatmulMode) -> Option<CudaBackend>;
+
+/// A conformance case.
+pub type Case = fn(Make);
+
+/// Every case, by name.
+pub const CASES: &[(&str, Case)] = &[
+    (
+        "embed_dequantizes_each_table_format_on_lookup",
+        embed_dequantizes_each_table_format_on_lookup,
+    ),
+    (
+        "rms_norm_matches_the_reference",
+        rms_norm_matches_the_reference,
+    ),
+    (
+        "rope_matches_the_reference_in_both_styles",
+        rope_matches_the_reference_in_both_styles,
+    ),
+    (
+        "swiglu_add_and_bias_match_the_reference",
+        swiglu_add_and_bias_match_the_reference,
+    ),
+    (
+        "gather_and_argmax_pick_the_right_rows",
+        gather_and_argmax_pick_the_right_rows,
+    ),
+    (
+        "paged_attention_mixes_prefill_chunks_and_decodes_with_gqa",
+        paged_attention_mixes_prefill_chunks_and_decodes_with_gqa,
+    ),
+    (
+        "paged_attention_splits_long_contexts",
+        paged_attention_splits_long_contexts,
+    ),
+    ("kv_blocks_copy_on_the_device", kv_blocks_copy_on_the_device),
+    (
+        "matmul_paths_match_their_references",
+        matmul_paths_match_their_references,
+    ),
+    (
+        "uploads_and_reads_strided_windows",
+        uploads_and_reads_strided_windows,
+    ),
+    (
+        "ops_refuse_bad_shapes_steps_and_foreign_buffers",
+        ops_refuse_bad_shapes_steps_and_foreign_buffers,
+    ),
+];
+
+pub(crate) const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Output rounding tolerance of a dtype (relative).
+pub(crate) fn out_rtol(dt: DType) -> f32 {
+    match dt {
+        DType::F32 => 1e-5,
+        DType::F16 => 1e-3,
+        _ => 8e-3,
+    }
+}
+
+/// A KV pool and a step of `n` tokens: one sequence at positions 0..n.
+fn one_seq_step(b: &mut CudaBackend, tokens: Vec<u32>) -> StepInputs {
+    b.init_kv(KvSpec {
+        n_layers: 1,
+        num_blocks: 8,
+        block_size: 16,
+        n_kv_heads: 1,
+        head_dim: 32,
+    })
+    .unwrap();
+    let n = tokens.len();
+    let s = StepInputs {
+        positions: (0..n as u32).collect(),
+        slot_mapping: (0..n as u32).collect(),
+        seqs: vec![SeqSpan {
+            q_row: 0,
+            n_q: n as u32,
+            start_pos: 0,
+        }],
+        block_tables: (0..8).collect(),
+        max_blocks: 8,
+        logit_rows: vec![],
+        tokens,
+    };
+    b.begin_step(&s).unwrap();
+    s
+}
+
+pub fn embed_dequantizes_each_table_format_on_lookup(make: Make) {
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Auto) else {
+            return;
+        };
+        let mut rng = Rng::new(1);
+        let (vocab, dim) = (50, 96);
+        let tokens = vec![3, 49, 0, 17, 3];
+        one_seq_step(&mut b, tokens.clone());
+        for ty in [
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::F16,
+            GgmlType::F32,
+            GgmlType::BF16,
+        ] {
+            let data = random_tensor(&mut rng, ty, vocab, dim);
+            let table = b
+                .load_embedding(HostTensor {
+                    ty,
+                    data: &data,
+                    rows: vocab,
+                    cols: dim,
+                })
+                .unwrap();
+            let mut out = b.alloc(dt, tokens.len() * dim).unwrap();
+            take_launches(&b);
+            b.embed(&table, ViewMut::rows(&mut out, tokens.len(), dim).unwrap())
+                .unwrap();
+            assert_launched(&b, vec![format!("embed_{}", dt.name())]);
+            let all = dequantized(ty, &data, vocab, dim);
+            let want: Vec<f32> = tokens
+                .iter()
+                .flat_map(|&t| all[t as usize * dim..(t as usize + 1) * dim].to_vec())
+                .collect();
+            assert_eq!(
+                get(&mut b, &out),
+                rounded(&want, dt),
+                "{} {}",
+                ty.name(),
+                dt.name()
+            );
+        }
+        // A token beyond the table is refused before any kernel runs, and a tensor whose bytes
+        // do not match its shape is refused at load.
+        let data = random_tensor(&mut rng, GgmlType::Q8_0, 10, dim);
+        let small = HostTensor {
+            ty: GgmlType::Q8_0,
+            data: &data,
+            rows: 10,
+            cols: dim,
+        };
+        let table = b.load_embedding(small).unwrap();
+        let mut out = b.alloc(dt, tokens.len() * dim).unwrap();
+        take_launches(&b);
+        let e = b
+            .embed(&table, ViewMut::rows(&mut out, tokens.len(), dim).unwrap())
+            .unwrap_err();
+        assert!(e.to_string().contains("token id 49"), "{e}");
+        assert!(take_launches(&b).unwrap_or_default().is_empty());
+        let e = b
+            .load_embedding(HostTensor { rows: 11, ..small })
+            .unwrap_err();
+        assert!(matches!(e, BackendError::BadArgument { .. }), "{e}");
+    }
+}
+
+pub fn rms_norm_matches_the_reference(make: Make) {
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Auto) else {
+            return;
+        };
+        let mut rng = Rng::new(2);
+        let (rows, cols) = (5, 576);
+        let x = rounded(&rng.vec(rows * cols, -3.0, 3.0), dt);
+        let w = rng.vec(cols, 0.5, 1.5);
+        let xb = put(&mut b, dt, &x, rows, cols);
+        let wb = b
+            .load_vector(HostTensor {
+                ty: GgmlType::F32,
+                data: bytemuck::cast_slice(&w),
+                rows: 1,
+                cols,
+            })
+            .unwrap();
+        // Output into a strided window (rows 700 apart, from column 3).
+        let mut out = b.alloc(dt, rows * 700).unwrap();
+        let win = Layout::new(3, rows, cols, 700).unwrap();
+        take_launches(&b);
+        b.rms_norm(
+            View::rows(&xb, rows, cols).unwrap(),
+            &wb,
+            1e-5,
+            ViewMut::new(&mut out, win).unwrap(),
+        )
+        .unwrap();
+        assert_launched(&b, vec![format!("rms_norm_{}", dt.name())]);
+        let mut want = vec![0f32; rows * cols];
+        cpu_ew::rms_norm(&x, &w, 1e-5, &mut want);
+        let all = get(&mut b, &out);
+        let got: Vec<f32> = (0..rows)
+            .flat_map(|r| all[r * 700 + 3..r * 700 + 3 + cols].to_vec())
+            .collect();
+        let e = worst(&got, &want, 1e-6, out_rtol(dt) + 1e-6);
+        assert!(e <= 1.0, "{}: worst {e}", dt.name());
+    }
+}
+
+pub fn rope_matches_the_reference_in_both_styles(make: Make) {
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Auto) else {
+            return;
+        };
+        let mut rng = Rng::new(3);
+        let (n_heads, n_kv, hd) = (4, 2, 64);
+        let heads = n_heads + n_kv;
+        let n = 6;
+        let mut s = one_seq_step(&mut b, vec![0; n]);
+        // Positions far apart (the reference takes them from the step too).
+        s.positions = vec![0, 1, 17, 900, 4095, 33];
+        b.begin_step(&s).unwrap();
+        for (style, dims, base, freq_scale) in [
+            (RopeStyle::Interleaved, 64, 10000.0, 1.0),
+            (RopeStyle::Halves, 64, 1_000_000.0, 1.0),
+            (RopeStyle::Interleaved, 32, 100000.0, 0.25),
+        ] {
+            let rope = Rope {
+                style,
+                dims,
+                base,
+                freq_scale,
+            };
+            let g = AttnGeometry {
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+                rope,
+                scale: 0.125,
+            };
+            // The q/k heads sit in a wider row (V after them, untouched).
+            let ld = (heads + n_kv) * hd;
+            let x = rounded(&rng.vec(n * ld, -2.0, 2.0), dt);
+            let mut buf = put(&mut b, dt, &x, n, ld);
+            take_launches(&b);
+            b.rope(ViewMut::rows(&mut buf, n, ld).unwrap(), &g).unwrap();
+            assert_launched(&b, vec![format!("rope_{}", dt.name())]);
+            let mut want = x.clone();
+            let mut cs = vec![0f32; dims];
+            for (r, &pos) in s.positions.iter().enumerate() {
+                rope.angles(pos, &mut cs);
+                cpu_ew::rope_apply(
+                    &rope,
+                    &mut want[r * ld..r * ld + heads * hd],
+                    heads,
+                    hd,
+                    &cs,
+                );
+            }
+            let got = get(&mut b, &buf);
+            let e = worst(&got, &want, 2e-5, out_rtol(dt) + 1e-5);
+            assert!(e <= 1.0, "{style:?} dims {dims} {}: worst {e}", dt.name());
+        }
+    }
+}
+
+pub fn swiglu_add_and_bias_match_the_reference(make: Make) {
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Auto) else {
+            return;
+        };
+        let mut rng = Rng::new(4);
+        let (rows, ff) = (3, 300);
+        // gate | up in one row, as the fused projection writes them.
+        let gu = rounded(&rng.vec(rows * 2 * ff, -6.0, 6.0), dt);
+        let gub = put(&mut b, dt, &gu, rows, 2 * ff);
+        let mut out = b.alloc(dt, rows * ff).unwrap();
+        let v = View::rows(&gub, rows, 2 * ff).unwrap();
+        take_launches(&b);
+        b.swiglu(
+            v.col_range(0, ff).unwrap(),
+            v.col_range(ff, ff).unwrap(),
+            ViewMut::rows(&mut out, rows, ff).unwrap(),
+        )
+        .unwrap();
+        assert_launched(&b, vec![format!("swiglu_{}", dt.name())]);
+        let mut want = vec![0f32; rows * ff];
+        for ((g_u, w), _) in gu.chunks(2 * ff).zip(want.chunks_mut(ff)).zip(0..rows) {
+            cpu_ew::swiglu(Isa::Scalar, &g_u[..ff], &g_u[ff..], w);
+        }
+        let got = get(&mut b, &out);
+        assert!(worst(&got, &want, 1e-5, out_rtol(dt) + 1e-5) <= 1.0);
+
+        // x += y, then x += bias (a bf16 bias vector: vectors may be of any float dtype).
+        let x = rounded(&rng.vec(rows * ff, -1.0, 1.0), dt);
+        let y = rounded(&rng.vec(rows * ff, -1.0, 1.0), dt);
+        let bias = rounded(&rng.vec(ff, -1.0, 1.0), DType::BF16);
+        let mut xb = put(&mut b, dt, &x, rows, ff);
+        let yb = put(&mut b, dt, &y, rows, ff);
+        let bb = put(&mut b, DType::BF16, &bias, 1, ff);
+        b.add(
+            ViewMut::rows(&mut xb, rows, ff).unwrap(),
+            View::rows(&yb, rows, ff).unwrap(),
+        )
+        .unwrap();
+        b.add_bias(ViewMut::rows(&mut xb, rows, ff).unwrap(), &bb)
+            .unwrap();
+        assert_launched(
+            &b,
+            vec![
+                format!("add_{}", dt.name()),
+                format!("add_bias_{}", dt.name()),
+            ],
+        );
+        let want: Vec<f32> = (0..rows * ff)
+            .map(|i| {
+                let s = rounded(&[x[i] + y[i]], dt)[0];
+                s + bias[i % ff]
+            })
+            .collect();
+        let got = get(&mut b, &xb);
+        assert!(
+            worst(&got, &want, 1e-6, out_rtol(dt)) <= 1.0,
+            "{}",
+            dt.name()
+        );
+    }
+}
+
+pub fn gather_and_argmax_pick_the_right_rows(make: Make) {
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Auto) else {
+            return;
+        };
+        let mut rng = Rng::new(5);
+        let (n, cols) = (7, 1000);
+        let mut s = one_seq_step(&mut b, vec![1; n]);
+        s.logit_rows = vec![6, 0, 3];
+        b.begin_step(&s).unwrap();
+        let x = rounded(&rng.vec(n * cols, -4.0, 4.0), dt);
+        let xb = put(&mut b, dt, &x, n, cols);
+        let mut g = b.alloc(dt, 3 * cols).unwrap();
+        b.gather_logit_rows(
+            View::rows(&xb, n, cols).unwrap(),
+            ViewMut::rows(&mut g, 3, cols).unwrap(),
+        )
+        .unwrap();
+        let got = get(&mut b, &g);
+        for (i, &r) in s.logit_rows.iter().enumerate() {
+            assert_eq!(
+                &got[i * cols..(i + 1) * cols],
+                &x[r as usize * cols..(r as usize + 1) * cols]
+            );
+        }
+        // Argmax: a tie (first index wins), a NaN (counts as -inf), an all -inf row.
+        let mut l = rounded(&rng.vec(4 * cols, -4.0, 4.0), dt);
+        l[17] = 50.0;
+        l[900] = 50.0;
+        l[cols + 5] = f32::NAN;
+        l[cols + 600] = 9.0;
+        for v in &mut l[2 * cols..3 * cols] {
+            *v = f32::NEG_INFINITY;
+        }
+        l[3 * cols + cols - 1] = 99.0;
+        let lb = put(&mut b, dt, &l, 4, cols);
+        let mut ids = b.alloc(DType::I32, 4).unwrap();
+        take_launches(&b);
+        let ran = b
+            .argmax_rows(
+                View::rows(&lb, 4, cols).unwrap(),
+                ViewMut::rows(&mut ids, 4, 1).unwrap(),
+            )
+            .unwrap();
+        assert!(ran, "the CUDA backend has a device argmax");
+        assert_launched(&b, vec![format!("argmax_{}", dt.name())]);
+        let mut out = [0i32; 4];
+        b.read_back(&mut [Readback {
+            src: View::rows(&ids, 4, 1).unwrap(),
+            dst: HostSliceMut::I32(&mut out),
+        }])
+        .unwrap();
+        assert_eq!(out, [17, 600, 0, cols as i32 - 1], "{}", dt.name());
+        // The pick's log-probability, as the sampler computes it from the same values (an +inf
+        // counts as the largest float; a row with nothing finite is uniform).
+        l[cols + 7] = f32::INFINITY;
+        let lb = put(&mut b, dt, &l, 4, cols);
+        let held = get(&mut b, &lb);
+        let mut lps = b.alloc(DType::F32, 4).unwrap();
+        take_launches(&b);
+        let ran = b
+            .argmax_logprob_rows(
+                View::rows(&lb, 4, cols).unwrap(),
+                ViewMut::rows(&mut lps, 4, 1).unwrap(),
+            )
+            .unwrap();
+        assert!(ran, "the CUDA backend has a device log-probability");
+        assert_launched(&b, vec![format!("argmax_logprob_{}", dt.name())]);
+        let got = get(&mut b, &lps);
+        for (r, row) in held.chunks(cols).enumerate() {
+            let want = npu_backend_cpu::kernels::scan::max_logprob_sanitized(row);
+            assert!(
+                (got[r] - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{} row {r}: {} vs {want}",
+                dt.name(),
+                got[r]
+            );
+        }
+    }
+}
+
+pub fn uploads_and_reads_strided_windows(make: Make) {
+    let Some(mut b) = make(DType::BF16, MatmulMode::Auto) else {
+        return;
+    };
+    let mut buf = b.alloc(DType::F32, 20).unwrap();
+    let win = Layout::new(2, 3, 4, 6).unwrap();
+    let v: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    b.upload(HostSlice::F32(&v), ViewMut::new(&mut buf, win).unwrap())
+        .unwrap();
+    let all = get(&mut b, &buf);
+    assert_eq!(&all[2..6], &v[0..4]);
+    assert_eq!(&all[6..8], &[0.0, 0.0]);
+    assert_eq!(&all[8..12], &v[4..8]);
+    let mut back = vec![0f32; 12];
+    b.read_back(&mut [Readback {
+        src: View::new(&buf, win).unwrap(),
+        dst: HostSliceMut::F32(&mut back),
+    }])
+    .unwrap();
+    assert_eq!(back, v);
+    // Wrong kinds and lengths are refused with the op's name.
+    let mut ib = b.alloc(DType::I32, 4).unwrap();
+    let e = b
+        .upload(
+            HostSlice::F32(&v[..4]),
+            ViewMut::rows(&mut ib, 1, 4).unwrap(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("upload"), "{e}");
+    let e = b
+        .upload(HostSlice::F32(&v), ViewMut::rows(&mut buf, 1, 4).unwrap())
+        .unwrap_err();
+    assert!(e.to_string().contains("upload"), "{e}");
+}
+
+pub fn ops_refuse_bad_shapes_steps_and_foreign_buffers(make: Make) {
+    let Some(mut b) = make(DType::F16, MatmulMode::Auto) else {
+        return;
+    };
+    let Some(mut other) = make(DType::F16, MatmulMode::Auto) else {
+        return;
+    };
+    let x = b.alloc(DType::F16, 64).unwrap();
+    let mut y = b.alloc(DType::F16, 64).unwrap();
+    let foreign = other.alloc(DType::F16, 64).unwrap();
+    let e = b
+        .add(
+            ViewMut::rows(&mut y, 2, 32).unwrap(),
+            View::rows(&foreign, 2, 32).unwrap(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("another backend"), "{e}");
+    let e = b
+        .add(
+            ViewMut::rows(&mut y, 2, 32).unwrap(),
+            View::rows(&x, 4, 16).unwrap(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(e, BackendError::BadArgument { op: "add", .. }),
+        "{e}"
+    );
+    let f = b.alloc(DType::F32, 64).unwrap();
+    let e = b
+        .add(
+            ViewMut::rows(&mut y, 2, 32).unwrap(),
+            View::rows(&f, 2, 32).unwrap(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("one dtype"), "{e}");
+    // A step may begin before the KV pool exists (token ops only); KV ops need the pool.
+    b.begin_step(&StepInputs::default()).unwrap();
+    let e = b.kv_copy_blocks(&[(0, 1)]).unwrap_err();
+    assert!(e.to_string().contains("KV pool"), "{e}");
+    b.init_kv(KvSpec {
+        n_layers: 1,
+        num_blocks: 2,
+        block_size: 4,
+        n_kv_heads: 1,
+        head_dim: 8,
+    })
+    .unwrap();
+    let bad = StepInputs {
+        tokens: vec![1],
+        positions: vec![0],
+        slot_mapping: vec![8],
+        seqs: vec![SeqSpan {
+            q_row: 0,
+            n_q: 1,
+            start_pos: 0,
+        }],
+        block_tables: vec![0],
+        max_blocks: 1,
+        logit_rows: vec![0],
+    };
+    let e = b.begin_step(&bad).unwrap_err();
+    assert!(matches!(e, BackendError::BadStep(_)), "{e}");
+    drop(other);
+}

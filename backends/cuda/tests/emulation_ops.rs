@@ -1,0 +1,185 @@
+//! Each op of the CUDA backend run on the CPU EMULATION of its kernels (the same .cu sources
+//! compiled as C++, see src/emu), checked against the CPU backend's reference kernels. This
+//! verifies the kernels' arithmetic and indexing and the backend's checks and parameter packing;
+//! it is not a GPU run (tests/gpu_conformance.rs runs the same cases on a GPU).
+
+mod common;
+
+use common::conformance;
+use common::emulated;
+
+#[test]
+fn embed_dequantizes_each_table_format_on_lookup() {
+    conformance::embed_dequantizes_each_table_format_on_lookup(&emulated);
+}
+
+#[test]
+fn rms_norm_matches_the_reference() {
+    conformance::rms_norm_matches_the_reference(&emulated);
+}
+
+#[test]
+fn rope_matches_the_reference_in_both_styles() {
+    conformance::rope_matches_the_reference_in_both_styles(&emulated);
+}
+
+#[test]
+fn swiglu_add_and_bias_match_the_reference() {
+    conformance::swiglu_add_and_bias_match_the_reference(&emulated);
+}
+
+#[test]
+fn gather_and_argmax_pick_the_right_rows() {
+    conformance::gather_and_argmax_pick_the_right_rows(&emulated);
+}
+
+#[test]
+fn paged_attention_mixes_prefill_chunks_and_decodes_with_gqa() {
+    conformance::paged_attention_mixes_prefill_chunks_and_decodes_with_gqa(&emulated);
+}
+
+#[test]
+fn paged_attention_splits_long_contexts() {
+    conformance::paged_attention_splits_long_contexts(&emulated);
+}
+
+#[test]
+fn kv_blocks_copy_on_the_device() {
+    conformance::kv_blocks_copy_on_the_device(&emulated);
+}
+
+#[test]
+fn matmul_paths_match_their_references() {
+    conformance::matmul_paths_match_their_references(&emulated);
+}
+
+#[test]
+fn uploads_and_reads_strided_windows() {
+    conformance::uploads_and_reads_strided_windows(&emulated);
+}
+
+#[test]
+fn ops_refuse_bad_shapes_steps_and_foreign_buffers() {
+    conformance::ops_refuse_bad_shapes_steps_and_foreign_buffers(&emulated);
+}
+
+/// Every kernel of the program is launched, and checked, by some case above: no op runs a
+/// kernel the conformance cases never exercise.
+#[test]
+fn every_kernel_has_a_conformance_case() {
+    if emulated(
+        npu_backend::DType::F32,
+        npu_backend_cuda::MatmulMode::Quantized,
+    )
+    .is_none()
+    {
+        return;
+    }
+    for (_, case) in conformance::CASES {
+        case(&emulated);
+    }
+    let launched = npu_backend_cuda::emu::kernels_launched_in_process();
+    let missing: Vec<String> = npu_backend_cuda::kernels::kernel_names()
+        .into_iter()
+        // f16 weights with f16 activations go to cuBLAS as they are: no dequantization.
+        .filter(|n| n != "dequant_f16w_f16" && !launched.contains(n))
+        .collect();
+    assert!(missing.is_empty(), "kernels no case launched: {missing:?}");
+}
+
+/// A step may begin before the KV pool exists: token ops run, KV ops say there is no pool, and
+/// making the pool forgets that step (a KV op then needs a step checked against the pool). A
+/// step's tokens may belong to no sequence: token ops run, attention refuses.
+#[test]
+fn token_ops_run_before_the_kv_pool_exists() {
+    use npu_backend::{Backend, DType, KvSpec, SeqSpan, StepInputs, View, ViewMut};
+    use npu_gguf::hparams::{Rope, RopeStyle};
+    let Some(mut b) = emulated(DType::F32, npu_backend_cuda::MatmulMode::Auto) else {
+        return;
+    };
+    let s = StepInputs {
+        tokens: vec![1, 2],
+        positions: vec![0, 1],
+        slot_mapping: vec![0, 1],
+        seqs: vec![SeqSpan {
+            q_row: 0,
+            n_q: 2,
+            start_pos: 0,
+        }],
+        block_tables: vec![0],
+        max_blocks: 1,
+        logit_rows: vec![1],
+    };
+    b.begin_step(&s).unwrap();
+    let g = npu_backend::AttnGeometry {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 32,
+        rope: Rope {
+            style: RopeStyle::Interleaved,
+            dims: 32,
+            base: 10000.0,
+            freq_scale: 1.0,
+        },
+        scale: 1.0,
+    };
+    let mut qk = b.alloc(DType::F32, 2 * 64).unwrap();
+    b.rope(ViewMut::rows(&mut qk, 2, 64).unwrap(), &g).unwrap();
+    let kv = b.alloc(DType::F32, 2 * 32).unwrap();
+    let e = b
+        .kv_write(
+            View::rows(&kv, 2, 32).unwrap(),
+            View::rows(&kv, 2, 32).unwrap(),
+            &g,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("KV pool is not initialised"), "{e}");
+    b.init_kv(KvSpec {
+        n_layers: 1,
+        num_blocks: 4,
+        block_size: 16,
+        n_kv_heads: 1,
+        head_dim: 32,
+    })
+    .unwrap();
+    let e = b
+        .kv_write(
+            View::rows(&kv, 2, 32).unwrap(),
+            View::rows(&kv, 2, 32).unwrap(),
+            &g,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no step has begun"), "{e}");
+    b.begin_step(&s).unwrap();
+    b.kv_write(
+        View::rows(&kv, 2, 32).unwrap(),
+        View::rows(&kv, 2, 32).unwrap(),
+        &g,
+        0,
+    )
+    .unwrap();
+    // Tokens that belong to no sequence: token ops run, attention says why not.
+    let lone = StepInputs {
+        seqs: Vec::new(),
+        block_tables: Vec::new(),
+        logit_rows: Vec::new(),
+        ..s
+    };
+    b.begin_step(&lone).unwrap();
+    b.rope(ViewMut::rows(&mut qk, 2, 64).unwrap(), &g).unwrap();
+    let mut out = b.alloc(DType::F32, 2 * 32).unwrap();
+    let e = b
+        .attention(
+            View::rows(&qk, 2, 32).unwrap(),
+            &g,
+            0,
+            ViewMut::rows(&mut out, 2, 32).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("without sequences"), "{e}");
+}

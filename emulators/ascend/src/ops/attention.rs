@@ -1,0 +1,432 @@
+//! FusedInferAttentionScoreV2 in its page-attention mode (the only mode this emulation
+//! implements; others are refused as not implemented): query in BSH (B, S, N·D) or BSND layout,
+//! key/value caches as one-tensor lists of shape (blockNum, blockSize, KV_N·D), an INT32 block
+//! table (B, maxBlocksPerSeq), per-batch `actualSeqLengthsKv` (required) and, for S > 1,
+//! per-batch `actualSeqLengths`. S = 1 takes the incremental (IncreFlashAttention) branch,
+//! where blockSize must be a non-zero multiple of 16 up to 512 for FLOAT16/BFLOAT16 caches;
+//! S > 1 takes the prompt branch, where blockSize must be a multiple of 128 in [128, 512].
+//! sparseMode 0 (no mask) and 3 (rightDownCausal, with the documented 2048×2048 lower-triangular
+//! mask) are implemented: with mode 3, query row i of a sequence with q queries and L cached
+//! tokens sees cache positions 0..=L-q+i. Scores and softmax are computed in f32; the
+//! probabilities are rounded to the 16-bit type before they weigh V (the cube unit's inputs).
+
+use core::ffi::{c_char, CStr};
+
+use npu_ffi::types::*;
+
+use super::{dot, dtype_in, invalid, kernel_common, prepare, read, read_f32, write, Io, Kernel};
+use crate::state::*;
+use crate::view::{f16_at, read_elem, DType, View};
+
+#[derive(Clone)]
+struct Fia {
+    io: Io,
+    n: i64,
+    kv_n: i64,
+    d: i64,
+    scale: f64,
+    causal: bool,
+    block_size: i64,
+    q_lens: Vec<i64>,
+    kv_lens: Vec<i64>,
+}
+
+impl Kernel for Fia {
+    kernel_common!("aclnnFusedInferAttentionScoreV2");
+
+    fn workspace(&self) -> u64 {
+        let max_kv = self.kv_lens.iter().copied().max().unwrap_or(0).max(1);
+        (self.n * max_kv * 4 + 1024) as u64
+    }
+
+    fn run(&self, st: &mut State) -> Result<(), Fail> {
+        let (q, kc, vc, bt) = (
+            &self.io.ins[0],
+            &self.io.ins[1],
+            &self.io.ins[2],
+            &self.io.ins[3],
+        );
+        let b = q.dims[0] as usize;
+        let s = q.dims[1] as usize;
+        let (n, kv_n, d) = (self.n as usize, self.kv_n as usize, self.d as usize);
+        let h = n * d;
+        let kvd = kv_n * d;
+        let bs = self.block_size as usize;
+        let qv = read_f32(st, q)?;
+        let table: Vec<i64> = read(st, bt)?.into_iter().map(|v| v as i64).collect();
+        let max_blocks = bt.dims[1] as usize;
+        let num_blocks = kc.dims[0];
+        let kb = st.bytes(kc.addr, kc.storage_bytes())?;
+        let vb = st.bytes(vc.addr, vc.storage_bytes())?;
+        // Rows 0..len of one sequence's cache, gathered through its block table, as f32.
+        let gather = |bytes: &[u8], v: &View, blocks: &[i64], len: usize| -> Vec<f32> {
+            let mut out = Vec::with_capacity(len * kvd);
+            for j in 0..len {
+                let base =
+                    v.offset + blocks[j / bs] * v.strides[0] + (j % bs) as i64 * v.strides[1];
+                for c in 0..kvd as i64 {
+                    let p = (base + c * v.strides[2]) as usize;
+                    out.push(if v.dtype == DType::F16 {
+                        f16_at(bytes, p)
+                    } else {
+                        read_elem(bytes, v.dtype, p) as f32
+                    });
+                }
+            }
+            out
+        };
+        let group = n / kv_n;
+        let scale = self.scale as f32;
+        let mut out = vec![0.0f64; b * s * h];
+        let mut scores = Vec::new();
+        let mut acc = vec![0.0f32; d];
+        for bi in 0..b {
+            let kv_len = self.kv_lens[bi] as usize;
+            let q_len = if s == 1 { 1 } else { self.q_lens[bi] as usize };
+            let need = kv_len.div_ceil(bs);
+            let mut blocks = Vec::with_capacity(need);
+            for t in 0..need {
+                let blk = table[bi * max_blocks + t];
+                if blk < 0 || blk >= num_blocks {
+                    return fail(
+                        ACL_ERROR_RT_AICORE_EXCEPTION,
+                        format!("aclnnFusedInferAttentionScoreV2: blockTable[{bi}][{t}] = {blk} is outside [0, {num_blocks})"),
+                    );
+                }
+                blocks.push(blk);
+            }
+            let keys = gather(kb, kc, &blocks, kv_len);
+            let values = gather(vb, vc, &blocks, kv_len);
+            for i in 0..q_len {
+                let visible = if self.causal {
+                    (kv_len + i + 1).saturating_sub(q_len).min(kv_len)
+                } else {
+                    kv_len
+                };
+                for hd in 0..n {
+                    let kvh = hd / group;
+                    let row = (bi * s + i) * h + hd * d;
+                    let qrow = &qv[row..row + d];
+                    scores.clear();
+                    scores.extend((0..visible).map(|j| {
+                        dot(qrow, &keys[j * kvd + kvh * d..j * kvd + kvh * d + d]) * scale
+                    }));
+                    let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0.0f32;
+                    for sc in scores.iter_mut() {
+                        *sc = (*sc - mx).exp();
+                        sum += *sc;
+                    }
+                    acc.iter_mut().for_each(|a| *a = 0.0);
+                    for (j, p) in scores.iter().enumerate() {
+                        // The probabilities meet V on the cube unit, in the query's 16-bit type.
+                        let w = half::f16::from_f32(p / sum).to_f32();
+                        let vrow = &values[j * kvd + kvh * d..j * kvd + kvh * d + d];
+                        for (a, v) in acc.iter_mut().zip(vrow) {
+                            *a += w * v;
+                        }
+                    }
+                    for (o, a) in out[row..row + d].iter_mut().zip(&acc) {
+                        *o = *a as f64;
+                    }
+                }
+            }
+        }
+        write(st, &self.io.outs[0], &out)
+    }
+}
+
+/// # Safety
+/// Pointer arguments follow the documented contract.
+#[no_mangle]
+pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
+    query: *const aclTensor,
+    key: *const aclTensorList,
+    value: *const aclTensorList,
+    pseShiftOptional: *const aclTensor,
+    attenMaskOptional: *const aclTensor,
+    actualSeqLengthsOptional: *const aclIntArray,
+    actualSeqLengthsKvOptional: *const aclIntArray,
+    deqScale1Optional: *const aclTensor,
+    quantScale1Optional: *const aclTensor,
+    deqScale2Optional: *const aclTensor,
+    quantScale2Optional: *const aclTensor,
+    quantOffset2Optional: *const aclTensor,
+    antiquantScaleOptional: *const aclTensor,
+    antiquantOffsetOptional: *const aclTensor,
+    blockTableOptional: *const aclTensor,
+    queryPaddingSizeOptional: *const aclTensor,
+    kvPaddingSizeOptional: *const aclTensor,
+    keyAntiquantScaleOptional: *const aclTensor,
+    keyAntiquantOffsetOptional: *const aclTensor,
+    valueAntiquantScaleOptional: *const aclTensor,
+    valueAntiquantOffsetOptional: *const aclTensor,
+    keySharedPrefixOptional: *const aclTensor,
+    valueSharedPrefixOptional: *const aclTensor,
+    actualSharedPrefixLenOptional: *const aclIntArray,
+    numHeads: i64,
+    scaleValue: f64,
+    _preTokens: i64,
+    _nextTokens: i64,
+    inputLayout: *mut c_char,
+    numKeyValueHeads: i64,
+    sparseMode: i64,
+    innerPrecise: i64,
+    blockSize: i64,
+    antiquantMode: i64,
+    softmaxLseFlag: bool,
+    _keyAntiquantMode: i64,
+    _valueAntiquantMode: i64,
+    attentionOut: *const aclTensor,
+    softmaxLse: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
+    let unimplemented = [
+        ("pseShiftOptional", pseShiftOptional),
+        ("deqScale1Optional", deqScale1Optional),
+        ("quantScale1Optional", quantScale1Optional),
+        ("deqScale2Optional", deqScale2Optional),
+        ("quantScale2Optional", quantScale2Optional),
+        ("quantOffset2Optional", quantOffset2Optional),
+        ("antiquantScaleOptional", antiquantScaleOptional),
+        ("antiquantOffsetOptional", antiquantOffsetOptional),
+        ("queryPaddingSizeOptional", queryPaddingSizeOptional),
+        ("kvPaddingSizeOptional", kvPaddingSizeOptional),
+        ("keyAntiquantScaleOptional", keyAntiquantScaleOptional),
+        ("keyAntiquantOffsetOptional", keyAntiquantOffsetOptional),
+        ("valueAntiquantScaleOptional", valueAntiquantScaleOptional),
+        ("valueAntiquantOffsetOptional", valueAntiquantOffsetOptional),
+        ("keySharedPrefixOptional", keySharedPrefixOptional),
+        ("valueSharedPrefixOptional", valueSharedPrefixOptional),
+        ("softmaxLse", softmaxLse),
+    ];
+    let layout = if inputLayout.is_null() {
+        None
+    } else {
+        // SAFETY: inputLayout is a NUL-terminated string (documented contract).
+        Some(
+            unsafe { CStr::from_ptr(inputLayout) }
+                .to_string_lossy()
+                .into_owned(),
+        )
+    };
+    prepare(
+        "aclnnFusedInferAttentionScoreV2",
+        workspaceSize,
+        executor,
+        |st| {
+            let op = "aclnnFusedInferAttentionScoreV2";
+            let q = st.tensor(query, "query")?;
+            let out = st.tensor(attentionOut, "attentionOut")?;
+            let keys = st.tensor_list(key, "key")?;
+            let values = st.tensor_list(value, "value")?;
+            for (name, p) in unimplemented {
+                if !p.is_null() {
+                    return invalid(
+                        op,
+                        format!("{name} is not implemented by this emulation (pass nullptr)"),
+                    );
+                }
+            }
+            if !actualSharedPrefixLenOptional.is_null() {
+                return invalid(
+                    op,
+                    "actualSharedPrefixLenOptional is not implemented by this emulation",
+                );
+            }
+            if softmaxLseFlag || antiquantMode != 0 {
+                return invalid(op, "softmaxLseFlag and antiquantMode are not implemented by this emulation (pass false and 0)");
+            }
+            if !(0..=3).contains(&innerPrecise) {
+                return invalid(op, format!("innerPrecise {innerPrecise} is not 0..=3"));
+            }
+            dtype_in(op, "query", &q, &[DType::F16, DType::Bf16])?;
+            if out.dtype != q.dtype || out.dims != q.dims {
+                return invalid(
+                    op,
+                    format!(
+                        "attentionOut {} must match query {}",
+                        out.shape_string(),
+                        q.shape_string()
+                    ),
+                );
+            }
+            let Some(bt) = st.opt_tensor(blockTableOptional, "blockTableOptional")? else {
+                return invalid(op, "only the page-attention mode (blockTableOptional set) is implemented by this emulation");
+            };
+            if keys.len() != 1 || values.len() != 1 {
+                return invalid(
+                    op,
+                    "page attention does not support tensor lists of more than one tensor",
+                );
+            }
+            let (kc, vc) = (keys[0].clone(), values[0].clone());
+            let layout = layout.unwrap_or_default();
+            let (b, s, n_from_shape, d_from_shape) = match (layout.as_str(), q.rank()) {
+                ("BSH", 3) => (q.dims[0], q.dims[1], None, None),
+                ("BSND", 4) => (q.dims[0], q.dims[1], Some(q.dims[2]), Some(q.dims[3])),
+                ("BSH" | "BSND", _) => {
+                    return invalid(
+                        op,
+                        format!("query {:?} does not fit inputLayout {layout}", q.dims),
+                    )
+                }
+                ("BNSD" | "TND" | "BNSD_BSND" | "NTD_TND", _) => {
+                    return invalid(
+                        op,
+                        format!(
+                        "inputLayout {layout} is not implemented by this emulation (BSH, BSND are)"
+                    ),
+                    )
+                }
+                _ => {
+                    return invalid(
+                        op,
+                        format!("inputLayout {layout:?} is not a documented layout"),
+                    )
+                }
+            };
+            if numHeads <= 0 || numHeads > 256 {
+                return invalid(op, format!("numHeads {numHeads} must be in [1, 256]"));
+            }
+            let kv_n = if numKeyValueHeads == 0 {
+                numHeads
+            } else {
+                numKeyValueHeads
+            };
+            if kv_n <= 0 || numHeads % kv_n != 0 || numHeads / kv_n > 64 {
+                return invalid(op, format!("numHeads {numHeads} must be a multiple of numKeyValueHeads {kv_n}, at most 64 times it"));
+            }
+            let h = if q.rank() == 3 {
+                q.dims[2]
+            } else {
+                q.dims[2] * q.dims[3]
+            };
+            if h % numHeads != 0 || n_from_shape.is_some_and(|n| n != numHeads) {
+                return invalid(
+                    op,
+                    format!("query {:?} does not hold numHeads {numHeads} heads", q.dims),
+                );
+            }
+            let d = d_from_shape.unwrap_or(h / numHeads);
+            if d % 16 != 0 || d > 512 {
+                return invalid(op, format!("head dim D = {d} must be a multiple of 16 (FLOAT16/BFLOAT16) and at most 512"));
+            }
+            for (w, c) in [("key", &kc), ("value", &vc)] {
+                if c.dtype != q.dtype {
+                    return invalid(
+                        op,
+                        format!("{w} cache {} must have query's data type", c.dtype.name()),
+                    );
+                }
+                if c.rank() != 3 || c.dims[2] != kv_n * d {
+                    return invalid(op, format!("{w} cache {:?} must be (blockNum, blockSize, KV_N*D = {}) with inputLayout {layout}", c.dims, kv_n * d));
+                }
+            }
+            if kc.dims != vc.dims {
+                return invalid(op, "key and value caches must have one shape");
+            }
+            if s == 1 {
+                if blockSize <= 0 || blockSize > 512 || blockSize % 16 != 0 {
+                    return invalid(op, format!("blockSize {blockSize}: page attention with FLOAT16/BFLOAT16 caches needs a non-zero multiple of 16 up to 512"));
+                }
+            } else if !(128..=512).contains(&blockSize) || blockSize % 128 != 0 {
+                return invalid(op, format!("blockSize {blockSize}: page attention with query S > 1 needs a multiple of 128 in [128, 512]"));
+            }
+            if kc.dims[1] != blockSize {
+                return invalid(
+                    op,
+                    format!(
+                        "cache block dimension {} differs from blockSize {blockSize}",
+                        kc.dims[1]
+                    ),
+                );
+            }
+            dtype_in(op, "blockTableOptional", &bt, &[DType::I32])?;
+            if bt.rank() != 2 || bt.dims[0] != b {
+                return invalid(
+                    op,
+                    format!(
+                        "blockTableOptional {:?} must be 2-D with B = {b} rows",
+                        bt.dims
+                    ),
+                );
+            }
+            let per_batch = |v: Vec<i64>, what: &str| -> Result<Vec<i64>, Fail> {
+                match v.len() {
+                    1 => Ok(vec![v[0]; b as usize]),
+                    l if l as i64 >= b => Ok(v[..b as usize].to_vec()),
+                    l => invalid(op, format!("{what} has {l} values for B = {b}")),
+                }
+            };
+            let Some(kv) =
+                st.int_array(actualSeqLengthsKvOptional, "actualSeqLengthsKvOptional")?
+            else {
+                return invalid(op, "page attention requires actualSeqLengthsKvOptional");
+            };
+            let kv_lens = per_batch(kv, "actualSeqLengthsKvOptional")?;
+            for (i, &l) in kv_lens.iter().enumerate() {
+                if l < 0 || l > bt.dims[1] * blockSize {
+                    return invalid(op, format!("actualSeqLengthsKv[{i}] = {l} exceeds the block table's {} blocks of {blockSize}", bt.dims[1]));
+                }
+            }
+            let blocks_needed: i64 = kv_lens
+                .iter()
+                .map(|l| (l + blockSize - 1) / blockSize)
+                .sum();
+            if kc.dims[0] < blocks_needed {
+                return invalid(
+                    op,
+                    format!(
+                        "blockNum {} is below the {blocks_needed} blocks the sequence lengths need",
+                        kc.dims[0]
+                    ),
+                );
+            }
+            let q_lens = match st.int_array(actualSeqLengthsOptional, "actualSeqLengthsOptional")? {
+                Some(v) if s > 1 => per_batch(v, "actualSeqLengthsOptional")?,
+                _ => vec![s; b as usize],
+            };
+            for (i, &l) in q_lens.iter().enumerate() {
+                if l < 0 || l > s || l > kv_lens[i] {
+                    return invalid(op, format!("actualSeqLengths[{i}] = {l} must be within [0, min(S = {s}, actualSeqLengthsKv = {})]", kv_lens[i]));
+                }
+            }
+            let mask = st.opt_tensor(attenMaskOptional, "attenMaskOptional")?;
+            let causal = match (sparseMode, &mask) {
+            (0, None) => false,
+            (0, Some(_)) | (1, _) | (2, _) | (4, _) => {
+                return invalid(op, format!("sparseMode {sparseMode} with this mask is not implemented by this emulation (0 without mask, 3 are)"))
+            }
+            (3, None) => return invalid(op, "sparseMode 3 requires the 2048x2048 lower-triangular attenMaskOptional"),
+            (3, Some(m)) => {
+                dtype_in(op, "attenMaskOptional", m, &[DType::Bool, DType::I8, DType::U8])?;
+                let ok = matches!(m.dims.as_slice(), [2048, 2048] | [1, 2048, 2048] | [1, 1, 2048, 2048]);
+                if !ok {
+                    return invalid(op, format!("sparseMode 3 needs attenMask of shape (2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048), got {:?}", m.dims));
+                }
+                true
+            }
+            _ => return invalid(op, format!("sparseMode {sparseMode} is not documented (0..=4)")),
+        };
+            Ok(Box::new(Fia {
+                io: Io {
+                    ins: vec![q, kc, vc, bt],
+                    outs: vec![out],
+                },
+                n: numHeads,
+                kv_n,
+                d,
+                scale: scaleValue,
+                causal,
+                block_size: blockSize,
+                q_lens,
+                kv_lens,
+            }))
+        },
+    )
+}
+
+const _: npu_ffi::aclnn::ops::sig::aclnnFusedInferAttentionScoreV2GetWorkspaceSize =
+    aclnnFusedInferAttentionScoreV2GetWorkspaceSize;

@@ -1,0 +1,103 @@
+//! aclnn prototypes: the tensor/array/executor objects of `libnnopbase.so`
+//! (`aclnn/acl_meta.h`) and the operators a Llama step needs from `libopapi.so` (and, in the
+//! split packaging of newer CANN, `libopapi_transformer.so` / `libopapi_nn.so` /
+//! `libopapi_math.so`), each as its documented two-phase pair: `aclnnXxxGetWorkspaceSize(...,
+//! &workspaceSize, &executor)` then `aclnnXxx(workspace, workspaceSize, executor, stream)`.
+//!
+//! Sources (operator API reference, "aclnnXxx" pages; headers `aclnnop/aclnn_*.h`):
+//! Add/InplaceAdd (`aclnn_add.h`), Cast (`aclnn_cast.h`), InplaceCopy (`aclnn_copy.h`),
+//! NanToNum (`aclnn_nan_to_num.h`), LogSoftmax (`aclnn_log_softmax.h`), Gather (`aclnn_gather.h`),
+//! Mul (`aclnn_mul.h`), DynamicQuant (`aclnn_dynamic_quant.h`),
+//! RmsNorm (`aclnn_rms_norm.h`), SwiGlu (`aclnn_swi_glu.h`), Embedding (`aclnn_embedding.h`),
+//! ArgMax (`aclnn_argmax.h`),
+//! Matmul (`aclnn_matmul.h`), WeightQuantBatchMatmulV2 (`aclnn_weight_quant_batch_matmul_v2.h`),
+//! FusedInferAttentionScoreV2 (`aclnn_fused_infer_attention_score_v2.h`), IncreFlashAttentionV4
+//! (`aclnn_incre_flash_attention_v4.h`), ApplyRotaryPosEmb (`aclnn_apply_rotary_pos_emb.h`),
+//! ScatterNdUpdate (`aclnn_scatter_nd_update.h`); newer releases only: RotaryPositionEmbedding
+//! (`aclnn_rotary_position_embedding.h`) and ScatterPaKvCache (`aclnn_scatter_pa_kv_cache.h`).
+
+use core::ffi::{c_char, c_int, c_void};
+
+pub use crate::types::*;
+
+/// Executor reuse and tensor objects, resolved from `libnnopbase.so`.
+pub mod base {
+    use super::*;
+    crate::api_table! {
+        /// aclnn's object API: tensors, scalars, int arrays, tensor lists, executor reuse.
+        pub struct AclnnBaseApi ("libnnopbase.so") {
+            required {
+                fn aclCreateTensor(viewDims: *const i64, viewDimsNum: u64, dataType: aclDataType, stride: *const i64, offset: i64, format: aclFormat, storageDims: *const i64, storageDimsNum: u64, tensorData: *mut c_void) -> *mut aclTensor;
+                fn aclDestroyTensor(tensor: *const aclTensor) -> aclnnStatus;
+                fn aclCreateScalar(value: *mut c_void, dataType: aclDataType) -> *mut aclScalar;
+                fn aclDestroyScalar(scalar: *const aclScalar) -> aclnnStatus;
+                fn aclCreateIntArray(value: *const i64, size: u64) -> *mut aclIntArray;
+                fn aclDestroyIntArray(array: *const aclIntArray) -> aclnnStatus;
+                fn aclCreateTensorList(value: *const *const aclTensor, size: u64) -> *mut aclTensorList;
+                fn aclDestroyTensorList(array: *const aclTensorList) -> aclnnStatus;
+            }
+            optional {
+                fn aclSetAclOpExecutorRepeatable(executor: *mut aclOpExecutor) -> aclnnStatus;
+                fn aclDestroyAclOpExecutor(executor: *mut aclOpExecutor) -> aclnnStatus;
+                fn aclSetInputTensorAddr(executor: *mut aclOpExecutor, index: usize, tensor: *mut aclTensor, addr: *mut c_void) -> aclnnStatus;
+                fn aclSetOutputTensorAddr(executor: *mut aclOpExecutor, index: usize, tensor: *mut aclTensor, addr: *mut c_void) -> aclnnStatus;
+            }
+        }
+    }
+}
+
+/// The operators, resolved from `libopapi.so` (and the split `libopapi_*.so` where present).
+pub mod ops {
+    use super::*;
+    crate::api_table! {
+        /// The aclnn operators of one Llama step, each a documented two-phase pair.
+        pub struct AclnnOpsApi ("libopapi.so, libopapi_transformer.so, libopapi_nn.so, libopapi_math.so") {
+            required {
+                fn aclnnAddGetWorkspaceSize(self_: *const aclTensor, other: *const aclTensor, alpha: *const aclScalar, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnAdd(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnInplaceAddGetWorkspaceSize(selfRef: *const aclTensor, other: *const aclTensor, alpha: *const aclScalar, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnInplaceAdd(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnCastGetWorkspaceSize(self_: *const aclTensor, dtype: aclDataType, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnCast(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnInplaceCopyGetWorkspaceSize(selfRef: *mut aclTensor, src: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnInplaceCopy(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnNanToNumGetWorkspaceSize(self_: *const aclTensor, nan: f32, posinf: f32, neginf: f32, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnNanToNum(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnLogSoftmaxGetWorkspaceSize(self_: *const aclTensor, dim: i64, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnLogSoftmax(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnGatherGetWorkspaceSize(self_: *const aclTensor, dim: i64, index: *const aclTensor, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnGather(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnMulGetWorkspaceSize(self_: *const aclTensor, other: *const aclTensor, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnMul(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnDynamicQuantGetWorkspaceSize(x: *const aclTensor, smoothScalesOptional: *const aclTensor, yOut: *const aclTensor, scaleOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnDynamicQuant(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnRmsNormGetWorkspaceSize(x: *const aclTensor, gamma: *const aclTensor, epsilon: f64, yOut: *const aclTensor, rstdOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnRmsNorm(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnSwiGluGetWorkspaceSize(x: *const aclTensor, dim: i64, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnSwiGlu(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnEmbeddingGetWorkspaceSize(weight: *const aclTensor, indices: *const aclTensor, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnEmbedding(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnArgMaxGetWorkspaceSize(self_: *const aclTensor, dim: i64, keepdim: bool, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnArgMax(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnMatmulGetWorkspaceSize(self_: *const aclTensor, mat2: *const aclTensor, out: *mut aclTensor, cubeMathType: i8, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnMatmul(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnWeightQuantBatchMatmulV2GetWorkspaceSize(x: *const aclTensor, weight: *const aclTensor, antiquantScale: *const aclTensor, antiquantOffsetOptional: *const aclTensor, quantScaleOptional: *const aclTensor, quantOffsetOptional: *const aclTensor, biasOptional: *const aclTensor, antiquantGroupSize: c_int, y: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnWeightQuantBatchMatmulV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(query: *const aclTensor, key: *const aclTensorList, value: *const aclTensorList, pseShiftOptional: *const aclTensor, attenMaskOptional: *const aclTensor, actualSeqLengthsOptional: *const aclIntArray, actualSeqLengthsKvOptional: *const aclIntArray, deqScale1Optional: *const aclTensor, quantScale1Optional: *const aclTensor, deqScale2Optional: *const aclTensor, quantScale2Optional: *const aclTensor, quantOffset2Optional: *const aclTensor, antiquantScaleOptional: *const aclTensor, antiquantOffsetOptional: *const aclTensor, blockTableOptional: *const aclTensor, queryPaddingSizeOptional: *const aclTensor, kvPaddingSizeOptional: *const aclTensor, keyAntiquantScaleOptional: *const aclTensor, keyAntiquantOffsetOptional: *const aclTensor, valueAntiquantScaleOptional: *const aclTensor, valueAntiquantOffsetOptional: *const aclTensor, keySharedPrefixOptional: *const aclTensor, valueSharedPrefixOptional: *const aclTensor, actualSharedPrefixLenOptional: *const aclIntArray, numHeads: i64, scaleValue: f64, preTokens: i64, nextTokens: i64, inputLayout: *mut c_char, numKeyValueHeads: i64, sparseMode: i64, innerPrecise: i64, blockSize: i64, antiquantMode: i64, softmaxLseFlag: bool, keyAntiquantMode: i64, valueAntiquantMode: i64, attentionOut: *const aclTensor, softmaxLse: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnFusedInferAttentionScoreV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnScatterNdUpdateGetWorkspaceSize(varRef: *mut aclTensor, indices: *const aclTensor, updates: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnScatterNdUpdate(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnApplyRotaryPosEmbGetWorkspaceSize(queryRef: *mut aclTensor, keyRef: *mut aclTensor, cos: *const aclTensor, sin: *const aclTensor, layout: i64, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnApplyRotaryPosEmb(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+            }
+            optional {
+                fn aclnnIncreFlashAttentionV4GetWorkspaceSize(query: *const aclTensor, key: *const aclTensorList, value: *const aclTensorList, pseShift: *const aclTensor, attenMask: *const aclTensor, actualSeqLengths: *const aclIntArray, dequantScale1: *const aclTensor, quantScale1: *const aclTensor, dequantScale2: *const aclTensor, quantScale2: *const aclTensor, quantOffset2: *const aclTensor, antiquantScale: *const aclTensor, antiquantOffset: *const aclTensor, blocktable: *const aclTensor, kvPaddingSize: *const aclTensor, numHeads: i64, scaleValue: f64, inputLayout: *mut c_char, numKeyValueHeads: i64, blockSize: i64, innerPrecise: i64, attentionOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnIncreFlashAttentionV4(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(x: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, mode: i64, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnRotaryPositionEmbedding(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnScatterPaKvCacheGetWorkspaceSize(key: *const aclTensor, keyCacheRef: *mut aclTensor, slotMapping: *const aclTensor, value: *const aclTensor, valueCacheRef: *mut aclTensor, compressLensOptional: *const aclTensor, compressSeqOffsetOptional: *const aclTensor, seqLensOptional: *const aclTensor, cacheModeOptional: *mut c_char, scatterModeOptional: *mut c_char, stridesOptional: *const aclIntArray, offsetsOptional: *const aclIntArray, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnScatterPaKvCache(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+            }
+        }
+    }
+}

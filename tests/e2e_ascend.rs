@@ -1,0 +1,260 @@
+//! End to end on the Ascend backend over the strict CANN emulation (`ASCEND_HOME_PATH`, else the
+//! directory `scripts/ascend-emulator.sh` builds): `generate --device ascend` and the real server
+//! with `npu_serving.device: ascend` give the CPU backend's greedy tokens up to each prompt's first
+//! near-tie (a top-1/top-2 gap below 0.15 for llama.cpp or for the CPU backend: there an f16
+//! device legitimately picks the other token), answer both APIs, streaming and concurrent, with
+//! the same tokens as single requests, and leave nothing alive in the emulation at exit
+//! (`aclFinalize` once, after the model is dropped). Built with the `ascend` feature.
+
+#![cfg(feature = "ascend")]
+
+mod e2e_support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use e2e_support::*;
+use serde_json::Value;
+
+const NEAR_TIE: f64 = 0.15;
+const NEW_TOKENS: usize = 32;
+
+/// What the emulation prints at a clean `aclFinalize`; leaks print "never destroyed" instead.
+const CLEAN_FINALIZE: &str = "ascend-emulator: nothing left alive at aclFinalize";
+
+/// Runs `npu-serving` with `args` and the emulation as CANN; (stdout, stderr), asserting success.
+fn npu_serving(args: &[&str]) -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+        .env("ASCEND_HOME_PATH", ascend_emulator())
+        .args(args)
+        .output()
+        .expect("npu-serving runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "{args:?} failed:\n{stderr}");
+    (stdout, stderr)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// `generate --json` greedy output ids on `device`, and the stderr of the run.
+fn generate(device: &str, prompt: &str) -> (Vec<u32>, String) {
+    let n = NEW_TOKENS.to_string();
+    let (out, err) = npu_serving(&[
+        "generate",
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &n,
+        "--temperature",
+        "0",
+        "--device",
+        device,
+        "--json",
+    ]);
+    let v: Value = serde_json::from_str(out.trim()).expect("generate --json prints JSON");
+    (ids(&v["output_ids"]), err)
+}
+
+/// The CPU backend's top-1/top-2 gaps along `continuation` (teacher-forced, `score`).
+fn cpu_gaps(prompt: &str, continuation: &[u32]) -> Vec<f64> {
+    let list: Vec<String> = continuation.iter().map(|t| t.to_string()).collect();
+    let (out, _) = npu_serving(&[
+        "score",
+        "--prompt",
+        prompt,
+        "--continuation-ids",
+        &list.join(","),
+        "--device",
+        "cpu",
+        "--json",
+    ]);
+    let v: Value = serde_json::from_str(out.trim()).expect("score --json prints JSON");
+    v["positions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["gap"].as_f64().unwrap())
+        .collect()
+}
+
+/// One prompt's CPU greedy tokens and how many of them are decided: up to the first near-tie of
+/// the CPU backend or (for the reference prompts) of llama.cpp.
+struct CpuRef {
+    prompt: String,
+    tokens: Vec<u32>,
+    decided: usize,
+}
+
+/// llama.cpp's first near-tie of each reference prompt (`../shared/refs/`, as copied into the
+/// agent's test data).
+fn llama_near_ties() -> Vec<(String, usize)> {
+    let text = include_str!("../agent/tests/data/greedy_smollm2_q4_1.jsonl");
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            let n = v["output_ids"].as_array().unwrap().len();
+            let tie = v["first_step_gap_below_0.15"]
+                .as_u64()
+                .map_or(n, |k| k as usize);
+            (v["prompt"].as_str().unwrap().to_string(), tie)
+        })
+        .collect()
+}
+
+/// The reference prompts and two others, with the CPU backend's greedy tokens.
+fn cpu_refs() -> Vec<CpuRef> {
+    let mut prompts = llama_near_ties();
+    for p in ["Water boils at", "The three primary colours are"] {
+        prompts.push((p.to_string(), NEW_TOKENS));
+    }
+    prompts
+        .into_iter()
+        .map(|(prompt, llama_tie)| {
+            let (tokens, _) = generate("cpu", &prompt);
+            let gaps = cpu_gaps(&prompt, &tokens);
+            let cpu_tie = gaps
+                .iter()
+                .position(|&g| g < NEAR_TIE)
+                .unwrap_or(gaps.len());
+            CpuRef {
+                decided: cpu_tie.min(llama_tie).min(tokens.len()),
+                prompt,
+                tokens,
+            }
+        })
+        .collect()
+}
+
+fn decode(ids: &[u32]) -> String {
+    let model = npu_gguf::store::resolve_model(None).unwrap();
+    let gguf = npu_gguf::GgufFile::open(&model).unwrap();
+    let tokenizer = npu_tokenizer::Tokenizer::for_model(&gguf, &model).unwrap();
+    tokenizer.decode_continuation(ids, true)
+}
+
+#[test]
+fn generate_on_ascend_gives_the_cpu_tokens_up_to_the_first_near_tie() {
+    let _serial = serial();
+    for r in cpu_refs() {
+        let (got, err) = generate("ascend", &r.prompt);
+        let same = got
+            .iter()
+            .zip(&r.tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        eprintln!(
+            "{:?}: {same} tokens as the CPU backend, {} decided",
+            r.prompt, r.decided
+        );
+        assert!(
+            got.len() >= r.decided && got[..r.decided] == r.tokens[..r.decided],
+            "{:?}: ascend {got:?} differs from the CPU backend's {:?} before step {}",
+            r.prompt,
+            r.tokens,
+            r.decided
+        );
+        assert!(err.contains("(emulation)"), "not on the emulation:\n{err}");
+        assert!(!err.contains("never destroyed"), "leaks:\n{err}");
+        assert_eq!(err.matches(CLEAN_FINALIZE).count(), 1, "{err}");
+    }
+}
+
+/// The single-request text of each prompt on `api`.
+fn singles(server: &Server, api: Api, prompts: &[(String, usize)]) -> Vec<String> {
+    prompts
+        .iter()
+        .map(|(p, n)| {
+            let r = server.stream(api, p, *n);
+            assert!(r.success, "{p:?}: {:?}", r.error);
+            r.resp_text
+        })
+        .collect()
+}
+
+fn assert_concurrent_equal_singles(server: &Server, api: Api, prompts: &[(String, usize)]) {
+    let want = singles(server, api, prompts);
+    let records = server.stream_concurrently(api, prompts, 2 * prompts.len());
+    for (i, r) in records.iter().enumerate() {
+        assert!(r.success, "{api:?} client {i}: {:?}", r.error);
+        assert_eq!(
+            r.resp_text,
+            want[i % want.len()],
+            "{api:?} client {i}: concurrent output differs from the single request's"
+        );
+    }
+}
+
+#[test]
+fn serve_on_ascend_answers_both_apis_with_the_cpu_tokens() {
+    let _serial = serial();
+    let refs = cpu_refs();
+    // The CPU server's greedy text: the CPU tokens (as `generate` gives them) in full.
+    let cpu = Server::start("ascend-e2e-cpu", &ServerOpts::default());
+    for r in &refs {
+        let got = cpu.stream(Api::LlmServing, &r.prompt, NEW_TOKENS);
+        assert!(got.success, "{:?}", got.error);
+        assert_eq!(
+            got.resp_text,
+            decode(&r.tokens),
+            "{:?} on the CPU",
+            r.prompt
+        );
+    }
+    drop(cpu);
+
+    let opts = ServerOpts {
+        device: "ascend",
+        block_size: 128,
+        num_blocks: 96,
+        decode_batch_size: 16,
+        env: vec![("ASCEND_HOME_PATH".into(), ascend_emulator())],
+        ..ServerOpts::default()
+    };
+    let mut server = Server::start("ascend-e2e", &opts);
+    for api in [Api::LlmServing, Api::Completions] {
+        for r in &refs {
+            let got = server.stream(api, &r.prompt, NEW_TOKENS);
+            assert!(got.success, "{api:?} {:?}: {:?}", r.prompt, got.error);
+            let want = decode(&r.tokens[..r.decided]);
+            assert!(
+                got.resp_text.starts_with(&want),
+                "{api:?} {:?}: {:?} does not start with the CPU server's {want:?}",
+                r.prompt,
+                got.resp_text
+            );
+        }
+    }
+    let prompts: Vec<(String, usize)> = prompts()
+        .into_iter()
+        .take(6)
+        .enumerate()
+        .map(|(i, p)| (p, 12 + (i % 3) * 6))
+        .collect();
+    assert_concurrent_equal_singles(&server, Api::LlmServing, &prompts);
+    assert_concurrent_equal_singles(&server, Api::Completions, &prompts);
+    assert_concurrent_equal_singles(&server, Api::Chat, &prompts[..3]);
+    assert_eq!(server.metric("npu_serving_http_responses_5xx_total"), 0.0);
+
+    // A drained server's agent releases everything it made, then finalizes the runtime once.
+    server.signal(libc::SIGTERM);
+    let status = server.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "{status:?}\n{}", server.log_tail());
+    let log = server.log_text();
+    assert!(!log.contains("never destroyed"), "leaks:\n{log}");
+    assert_eq!(
+        log.matches(CLEAN_FINALIZE).count(),
+        1,
+        "{}",
+        server.log_tail()
+    );
+}
