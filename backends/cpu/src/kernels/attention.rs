@@ -292,6 +292,18 @@ unsafe fn task_avx2(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
     task_body(t, s, out)
 }
 
+/// KV blocks asked for ahead of use (a tunable, `NPU_SERVING_ATTN_PREFETCH`).
+#[cfg(target_arch = "x86_64")]
+fn prefetch_blocks() -> usize {
+    static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BLOCKS.get_or_init(|| {
+        std::env::var("NPU_SERVING_ATTN_PREFETCH")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4)
+    })
+}
+
 /// Lanes of the fixed-width accumulators below (one AVX-512 register).
 const LANES: usize = 16;
 
@@ -335,8 +347,22 @@ fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
             let k0 = lay.k_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
             t.k_cache[k0..k0 + hd * bs].as_ptr()
         };
+        // The blocks of a sequence lie far apart (each holds every layer), so the hardware
+        // prefetcher cannot follow the block table: the K of the next `PREFETCH_BLOCKS` blocks
+        // are asked for ahead of use (and the V likewise below).
+        let prefetch_k = |bi: usize| {
+            if bi < n_blocks {
+                super::attention_avx512::prefetch(k_ptr(bi) as *const u8, hd * bs * 2);
+            }
+        };
+        let ahead = prefetch_blocks();
+        for bi in 0..ahead {
+            prefetch_k(bi);
+        }
         let mut bi = 0;
         while bi < n_blocks {
+            prefetch_k(bi + ahead);
+            prefetch_k(bi + ahead + 1);
             // SAFETY: `fast` means the CPU has AVX-512 (the isa passed `Isa::checked`) and hd, bs
             // are multiples of 16 with hd <= 256; each K pointer starts an `hd * bs` slice of the
             // cache (sliced in `k_ptr`); `s.q` holds rows x hd values; the call writes scores
@@ -452,11 +478,26 @@ fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
     }
     // Weighted sum of V, one block at a time; 16 dimensions per register-held accumulator.
     s.o.fill(0.0);
+    #[cfg(target_arch = "x86_64")]
+    let prefetch_v = |bi: usize| {
+        if fast && bi < n_blocks {
+            let v0 = lay.v_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
+            let v = t.v_cache[v0..v0 + bs * hd].as_ptr();
+            super::attention_avx512::prefetch(v as *const u8, bs * hd * 2);
+        }
+    };
+    #[cfg(target_arch = "x86_64")]
+    let ahead = prefetch_blocks();
+    #[cfg(target_arch = "x86_64")]
+    for bi in 0..ahead {
+        prefetch_v(bi);
+    }
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let v0 = lay.v_at(blk, t.kvh, 0, 0);
         #[cfg(target_arch = "x86_64")]
         if fast {
+            prefetch_v(bi + ahead);
             let n_t = (max_ctx - bi * bs).min(bs);
             // SAFETY: as for the scores: V is an `bs * hd` slice of the cache; probabilities are
             // read at `r * span + bi * bs + t` for r < rows, t < n_t <= bs, inside the scores

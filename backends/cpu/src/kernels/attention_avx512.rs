@@ -7,6 +7,20 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+/// Asks for the cache lines of `[p, p + bytes)` ahead of use. A prefetch never faults and
+/// reads nothing architecturally, so this is safe for any address.
+#[inline]
+pub fn prefetch(p: *const u8, bytes: usize) {
+    let mut off = 0;
+    while off < bytes {
+        // SAFETY: `prefetcht0` is SSE (baseline on x86-64) and is only a hint: it cannot fault
+        // or change memory, whatever the address; the address is formed with wrapping
+        // arithmetic and never dereferenced.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
+        off += 64;
+    }
+}
+
 /// Query rows handled together when scoring.
 const SCORE_ROWS: usize = 8;
 
