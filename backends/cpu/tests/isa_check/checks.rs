@@ -158,6 +158,9 @@ fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
         (3usize, 64usize, 16usize, 9usize),
         (2, 32, 8, 2),
         (1, 48, 5, 4),
+        // One register per output row (up to 16 rows of a GQA group together), and eight.
+        (1, 16, 16, 2),
+        (2, 128, 16, 4),
     ] {
         // One layer's K and V interleaved block by block, as the backend lays them out.
         let block_elems = n_kv * hd * bs;
