@@ -264,8 +264,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             ));
         }
     }
-    roofline(&args, &engine, &mut rep)?;
+    // Peak memory of the engine's runs, before the bandwidth measurement's buffer.
     rep.peak_rss_mb = peak_rss_mb();
+    roofline(&args, &engine, &mut rep)?;
     if args.json {
         println!("{}", serde_json::to_string(&rep)?);
     } else {

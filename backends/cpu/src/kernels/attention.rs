@@ -3,7 +3,8 @@
 //! query value per dimension) and V is `[kv_head][block_pos][head_dim]`, both f16; consecutive
 //! blocks of a layer lie `block_stride` elements apart (the backend interleaves the layers' K
 //! and V block by block). Attention reads history through each sequence's block table, with
-//! causal masking inside the new chunk, grouped-query heads sharing each K/V block load.
+//! causal masking inside the new chunk, grouped-query heads sharing each K/V block load; a long
+//! history of a decoding sequence is split over the KV into parts merged by their softmax mass.
 
 use std::cell::RefCell;
 use std::sync::Mutex;
