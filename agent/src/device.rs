@@ -160,6 +160,27 @@ impl DeviceModel {
         dispatch!(self, m => m.backend_mut().kv_blocks_from_host(src, blocks))
     }
 
+    /// Bytes of weight matrices one decode step reads, in the device's own format, where the
+    /// backend says (the CPU backend does).
+    pub fn weight_bytes_per_step(&self) -> Option<u64> {
+        match self {
+            DeviceModel::Cpu(m) => Some(
+                m.weights()
+                    .matrices()
+                    .iter()
+                    .map(|w| w.bytes() as u64)
+                    .sum(),
+            ),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
+    /// See `Model::matmul_macs_per_token`.
+    pub fn matmul_macs_per_token(&self) -> (u64, u64) {
+        dispatch!(self, m => m.matmul_macs_per_token())
+    }
+
     /// One step (see `Model::forward`).
     pub fn forward(
         &mut self,

@@ -278,6 +278,11 @@ impl AgentEngine {
         self.model.config()
     }
 
+    /// The loaded model, for what benchmarks report about it.
+    pub fn device_model(&self) -> &DeviceModel {
+        &self.model
+    }
+
     /// Forget every slot (after a server-side reset).
     pub fn reset(&mut self) {
         self.slots.iter_mut().for_each(|s| *s = None);

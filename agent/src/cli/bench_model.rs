@@ -1,7 +1,9 @@
 //! `npu-serving bench-model`: the engine's raw speed on this machine — prefill at 128 and 512
 //! prompt tokens, decode at batch 1..64 (128 tokens of context each), decode time per token at long
-//! contexts, KV block copy bandwidth each way, and peak memory — with the same engine, scheduler, step plans and paged KV the server
-//! uses, on the device `--device` names.
+//! contexts, KV block copy bandwidth each way, and peak memory — with the same engine,
+//! scheduler, step plans and paged KV the server uses, on the device `--device` names; beside
+//! them, the batch-1 weight-read GB/s and prefill GOP/s against this machine's measured memory
+//! bandwidth and int8 peak (`npu_backend_cpu::roofline`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -14,6 +16,9 @@ use serde::Serialize;
 use super::DeviceArgs;
 use crate::engine::{AgentEngine, AgentEngineConfig};
 use crate::inproc::{self, Arrival, RunOutput, RunTiming};
+use npu_backend_cpu::kernels::Isa;
+use npu_backend_cpu::roofline;
+use npu_backend_cpu::threadpool::ThreadPool;
 use npu_scheduler::GenerateRequest;
 
 #[derive(Debug, Args)]
@@ -48,6 +53,9 @@ pub struct BenchModelArgs {
     /// Decode batch sizes to measure (subset of 1,4,8,16,32,64).
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4, 8, 16, 32, 64])]
     pub batches: Vec<usize>,
+    /// Skip measuring this machine's memory read bandwidth and int8 dot-product peak.
+    #[arg(long)]
+    pub skip_roofline: bool,
 }
 
 #[derive(Debug, Serialize, Default)]
@@ -71,6 +79,16 @@ pub struct BenchModelReport {
     pub peak_rss_mb: f64,
     pub backend: String,
     pub threads: u32,
+    /// Bytes of weight matrices one decode step reads (the device's format), where known.
+    pub weight_bytes_per_step: Option<u64>,
+    /// Weight bytes read per second at the batch-1 decode rate (GB/s = 10^9 B/s).
+    pub decode_b1_weight_gb_s: Option<f64>,
+    /// This machine's measured memory read bandwidth (all threads, a buffer far beyond the L3).
+    pub mem_read_gb_s: Option<f64>,
+    /// Weight-matmul operations per second (a multiply-add is 2) in the 512-token prefill.
+    pub prefill_gop_s: Option<f64>,
+    /// This machine's measured int8 dot-product peak (AVX-512 VNNI on registers, all threads).
+    pub vnni_peak_gop_s: Option<f64>,
 }
 
 /// SplitMix64: reproducible synthetic prompts.
@@ -275,7 +293,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             ));
         }
     }
+    // Peak memory of the engine's runs, before the bandwidth measurement's buffer.
     rep.peak_rss_mb = peak_rss_mb();
+    roofline(&args, &engine, &mut rep)?;
     if args.json {
         println!("{}", serde_json::to_string(&rep)?);
     } else {
@@ -305,7 +325,57 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             "KV block copy      {:8.2} GB/s device->host, {:.2} GB/s host->device ({} B blocks)",
             rep.kv_block_copy_d2h_gb_s, rep.kv_block_copy_h2d_gb_s, rep.kv_block_bytes
         );
+        print_roofline(&rep);
         println!("peak RSS           {:8.1} MiB", rep.peak_rss_mb);
     }
     Ok(())
+}
+
+/// The achieved rates beside this machine's measured limits: weight bytes read per second in
+/// batch-1 decode against the memory read bandwidth, prefill matmul GOP/s against the int8 peak.
+fn roofline(
+    args: &BenchModelArgs,
+    engine: &AgentEngine,
+    rep: &mut BenchModelReport,
+) -> anyhow::Result<()> {
+    let model = engine.device_model();
+    rep.weight_bytes_per_step = model.weight_bytes_per_step();
+    if rep.decode_tok_s_b1 > 0.0 {
+        rep.decode_b1_weight_gb_s = rep
+            .weight_bytes_per_step
+            .map(|b| b as f64 * rep.decode_tok_s_b1 / 1e9);
+    }
+    if rep.prefill_tok_s_512 > 0.0 {
+        // One 512-token prompt: every token through the layers, one row through the head.
+        let (layers, head) = model.matmul_macs_per_token();
+        let ops = 2.0 * (512.0 * layers as f64 + head as f64);
+        rep.prefill_gop_s = Some(ops / (512.0 / rep.prefill_tok_s_512) / 1e9);
+    }
+    if args.skip_roofline || engine.facts().backend.split_whitespace().next() != Some("cpu") {
+        return Ok(());
+    }
+    let pool = ThreadPool::new(rep.threads as usize);
+    rep.mem_read_gb_s = roofline::read_bandwidth_gb_s(&pool, roofline::READ_BYTES)?;
+    rep.vnni_peak_gop_s = roofline::int8_peak_gop_s(&pool, Isa::active())?;
+    Ok(())
+}
+
+fn print_roofline(rep: &BenchModelReport) {
+    let show = |v: Option<f64>| v.map_or("       -".to_string(), |v| format!("{v:8.1}"));
+    let pct = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!(" ({:.0}% of it)", 100.0 * a / b),
+        _ => String::new(),
+    };
+    println!(
+        "decode b1 weights  {} GB/s read, memory read {} GB/s{}",
+        show(rep.decode_b1_weight_gb_s),
+        show(rep.mem_read_gb_s),
+        pct(rep.decode_b1_weight_gb_s, rep.mem_read_gb_s)
+    );
+    println!(
+        "prefill 512 matmul {} GOP/s, int8 VNNI peak {} GOP/s{}",
+        show(rep.prefill_gop_s),
+        show(rep.vnni_peak_gop_s),
+        pct(rep.prefill_gop_s, rep.vnni_peak_gop_s)
+    );
 }

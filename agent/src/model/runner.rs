@@ -125,6 +125,19 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
+    /// The weights as loaded on the backend.
+    pub fn weights(&self) -> &Weights<B> {
+        &self.weights
+    }
+
+    /// Multiply-adds of the weight matrices per token: (every layer's projections, the output
+    /// head). Attention over the context is not counted.
+    pub fn matmul_macs_per_token(&self) -> (u64, u64) {
+        let c = &self.cfg;
+        let per_layer = c.hidden * c.qkv_width() + c.attn_width() * c.hidden + 3 * c.hidden * c.ff;
+        ((c.n_layers * per_layer) as u64, (c.vocab * c.hidden) as u64)
+    }
+
     /// The backend, for KV block moves between steps.
     pub fn backend_mut(&mut self) -> &mut B {
         &mut self.backend

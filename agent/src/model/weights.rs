@@ -31,6 +31,31 @@ pub struct Weights<B: Backend> {
     pub head: B::Matrix,
 }
 
+impl<M> Proj<M> {
+    /// The matrices of the projection.
+    pub fn matrices(&self) -> Vec<&M> {
+        match self {
+            Proj::Fused(m) => vec![m],
+            Proj::Split(parts) => parts.iter().map(|(m, _, _)| m).collect(),
+        }
+    }
+}
+
+impl<B: Backend> Weights<B> {
+    /// Every matrix one decode token reads: each layer's projections, then the output head.
+    pub fn matrices(&self) -> Vec<&B::Matrix> {
+        let mut all = Vec::new();
+        for l in &self.layers {
+            all.extend(l.qkv.matrices());
+            all.push(&l.wo);
+            all.extend(l.gate_up.matrices());
+            all.push(&l.down);
+        }
+        all.push(&self.head);
+        all
+    }
+}
+
 /// Looks up a tensor and checks its shape (ggml order: row length first).
 fn tensor<'a>(
     f: &'a GgufFile,

@@ -53,6 +53,50 @@ pub(crate) fn alloc_vec<T: Clone>(len: usize, v: T, what: &str) -> Result<Vec<T>
     Ok(out)
 }
 
+/// Like `alloc_vec`, for a large allocation that is read in scattered pieces (the KV pool): the
+/// kernel is asked, before any page is touched, to back it with transparent huge pages where it
+/// can, so strided reads across it miss the TLB far less. The advice is only a hint: where the
+/// kernel declines (THP off, not Linux) this is `alloc_vec`.
+pub(crate) fn alloc_vec_huge<T: Clone>(
+    len: usize,
+    v: T,
+    what: &str,
+) -> Result<Vec<T>, BackendError> {
+    let oom = || BackendError::OutOfMemory {
+        backend: NAME,
+        what: what.to_string(),
+        bytes: len.saturating_mul(std::mem::size_of::<T>()),
+    };
+    let mut out: Vec<T> = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| oom())?;
+    advise_huge_pages(
+        out.as_mut_ptr() as usize,
+        out.capacity() * std::mem::size_of::<T>(),
+    );
+    out.resize(len, v);
+    Ok(out)
+}
+
+/// Asks for transparent huge pages on the whole pages inside `[start, start + bytes)`.
+fn advise_huge_pages(start: usize, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let first = start.next_multiple_of(PAGE);
+        let end = (start + bytes) / PAGE * PAGE;
+        if end > first {
+            // SAFETY: madvise only changes how the kernel backs the pages of this range, which
+            // lies inside an allocation this process owns (whole pages within it); it never
+            // changes the memory's contents (MADV_HUGEPAGE is not a destructive advice).
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (start, bytes);
+}
+
 impl CpuBuffer {
     /// A zeroed buffer of `len` elements of `dtype`.
     pub fn zeroed(dtype: DType, len: usize) -> Result<Self, BackendError> {

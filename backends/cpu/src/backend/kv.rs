@@ -6,7 +6,7 @@
 use half::f16;
 use npu_backend::{BackendError, KvSpec};
 
-use super::buffer::{alloc_vec, bad};
+use super::buffer::{alloc_vec_huge, bad};
 use crate::kernels::attention::KvLayout;
 
 pub(crate) struct KvPool {
@@ -44,7 +44,7 @@ impl KvPool {
         }
         Ok(Self {
             spec,
-            data: alloc_vec(total, f16::ZERO, "the KV cache")?,
+            data: alloc_vec_huge(total, f16::ZERO, "the KV cache")?,
             block_elems,
             block_len,
         })

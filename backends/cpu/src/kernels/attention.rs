@@ -3,9 +3,11 @@
 //! query value per dimension) and V is `[kv_head][block_pos][head_dim]`, both f16; consecutive
 //! blocks of a layer lie `block_stride` elements apart (the backend interleaves the layers' K
 //! and V block by block). Attention reads history through each sequence's block table, with
-//! causal masking inside the new chunk, grouped-query heads sharing each K/V block load.
+//! causal masking inside the new chunk, grouped-query heads sharing each K/V block load; a long
+//! history of a decoding sequence is split over the KV into parts merged by their softmax mass.
 
 use std::cell::RefCell;
+use std::sync::Mutex;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -104,6 +106,49 @@ struct Scratch {
     kbuf: Vec<f32>,
     vbuf: Vec<f32>,
     o: Vec<f32>,
+    /// Per row of the last task: its scaled score maximum and its sum of exponentials.
+    row_max: Vec<f32>,
+    row_sum: Vec<f64>,
+}
+
+/// A sequence's history is split over the KV, into parts of this many blocks, when one query
+/// chunk would otherwise read all of a long context on one thread per KV head.
+const SPLIT_BLOCKS: usize = 64;
+
+/// The KV parts `[b0, b1)` (in blocks) that one query chunk of `s` (tokens `t0..t1`) is split
+/// into: one part for short histories and for sequences of more than one chunk; else parts of
+/// `SPLIT_BLOCKS` over the blocks every query row sees in full, the last part taking the rest
+/// (so every row sees at least one position of every part).
+/// Depends on the sequence alone (never on the rest of the batch), so a sequence's result does
+/// not depend on what it is batched with.
+fn kv_parts(s: &AttnSeq, t0: usize, t1: usize, bs: usize) -> Vec<(usize, usize)> {
+    let n_blocks = (s.start_pos + t1).div_ceil(bs);
+    // Blocks every query row sees in full.
+    let full = (s.start_pos + 1) / bs;
+    let parts = full.div_ceil(SPLIT_BLOCKS);
+    // Only a sequence whose queries make one chunk (so `t0` is 0) is split.
+    if s.n_q > TOKENS_PER_TASK || t0 != 0 || parts < 2 {
+        return vec![(0, n_blocks)];
+    }
+    (0..parts)
+        .map(|i| {
+            let b1 = if i + 1 == parts {
+                n_blocks
+            } else {
+                (i + 1) * SPLIT_BLOCKS
+            };
+            (i * SPLIT_BLOCKS, b1)
+        })
+        .collect()
+}
+
+/// What one KV part of a split task leaves for the merge: normalized outputs (rows x hd) and
+/// each row's softmax statistics over the part.
+#[derive(Default)]
+struct Partial {
+    o: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f64>,
 }
 
 thread_local! {
@@ -222,19 +267,64 @@ pub fn paged_attention(
         col_parts,
     )
     .map_err(|e| bad(e.to_string()))?;
-    // Tasks: (chunk, column part); the part's heads are g0..g0 + heads_per_part of its KV head.
+    // Each chunk's KV parts, with its sequence seen from each part's first block: positions
+    // counted from there, its block table starting there, and how many positions it may see.
+    let bs = p.lay.block_size;
+    let mut windows: Vec<Vec<(AttnSeq, usize)>> = Vec::with_capacity(chunks.len());
+    for &(_, si, t0, t1) in &chunks {
+        let s = &seqs[si];
+        let parts = kv_parts(s, t0, t1, bs);
+        let last = parts.len() - 1;
+        windows.push(
+            parts
+                .into_iter()
+                .enumerate()
+                .map(|(i, (b0, b1))| {
+                    let w = AttnSeq {
+                        start_pos: s.start_pos - b0 * bs,
+                        block_table: &s.block_table[b0..],
+                        ..*s
+                    };
+                    (
+                        w,
+                        if i == last {
+                            usize::MAX
+                        } else {
+                            (b1 - b0) * bs
+                        },
+                    )
+                })
+                .collect(),
+        );
+    }
+    // Tasks: (chunk, column part, KV part); the column part's heads are g0..g0 + heads_per_part
+    // of its KV head. A chunk of one KV part writes its tile; the parts of a split one leave
+    // partial results, merged below.
     let n_parts = grid.n_col_parts();
-    pool.run(chunks.len() * n_parts, |ti| {
-        let (ci, part) = (ti / n_parts, ti % n_parts);
-        let (_, si, t0, t1) = chunks[ci].clone();
+    let mut tasks = Vec::new();
+    for (ci, w) in windows.iter().enumerate() {
+        for part in 0..n_parts {
+            for kp in 0..w.len() {
+                tasks.push((ci, part, kp));
+            }
+        }
+    }
+    let partials: Vec<Mutex<Partial>> = tasks
+        .iter()
+        .map(|_| Mutex::new(Partial::default()))
+        .collect();
+    let task_of = |ci: usize, part: usize, kp: usize| {
+        let (_, _, t0, t1) = chunks[ci].clone();
         let first_head = part * heads_per_part;
         let (kvh, g0) = (first_head / group, first_head % group);
-        let task = Task {
+        let (seq, cap) = &windows[ci][kp];
+        Task {
             isa,
             p,
             q,
             ldq,
-            seq: &seqs[si],
+            seq,
+            cap: *cap,
             kvh,
             t0,
             t1,
@@ -242,10 +332,70 @@ pub fn paged_attention(
             g1: g0 + heads_per_part,
             k_cache,
             v_cache,
-        };
-        let mut tile = grid.take(ci, part);
-        SCRATCH.with(|s| run_task(isa, &task, &mut s.borrow_mut(), &mut tile));
+        }
+    };
+    pool.run(tasks.len(), |ti| {
+        let (ci, part, kp) = tasks[ti];
+        let task = task_of(ci, part, kp);
+        SCRATCH.with(|s| {
+            let s = &mut s.borrow_mut();
+            run_task(isa, &task, s);
+            if windows[ci].len() == 1 {
+                let mut tile = grid.take(ci, part);
+                write_out(&task, &s.o, &mut tile);
+                if let Some(first) = tile.rows().next() {
+                    super::inject_fault(isa, tile.row_mut(first).first_mut());
+                }
+            } else {
+                let mut pt = partials[ti].lock().unwrap_or_else(|e| e.into_inner());
+                pt.o.clone_from(&s.o);
+                pt.max.clone_from(&s.row_max);
+                pt.sum.clone_from(&s.row_sum);
+            }
+        });
     })?;
+    // Merge the KV parts of split chunks: each part's outputs weighted by its share of the
+    // softmax mass, sum_p exp(max_p - max) * sum_p, in part order.
+    let mut ti = 0;
+    for (ci, w) in windows.iter().enumerate() {
+        for part in 0..n_parts {
+            if w.len() == 1 {
+                ti += 1;
+                continue;
+            }
+            let parts: Vec<_> = partials[ti..ti + w.len()]
+                .iter()
+                .map(|m| std::mem::take(&mut *m.lock().unwrap_or_else(|e| e.into_inner())))
+                .collect();
+            ti += w.len();
+            let task = task_of(ci, part, 0);
+            let rows = parts[0].max.len();
+            let mut merged = vec![0f32; rows * hd];
+            for (r, out_r) in merged.chunks_exact_mut(hd).enumerate() {
+                let m = parts
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, pt| m.max(pt.max[r]));
+                let weights: Vec<f64> = parts
+                    .iter()
+                    .map(|pt| ((pt.max[r] - m) as f64).exp() * pt.sum[r])
+                    .collect();
+                let total: f64 = weights.iter().sum();
+                for (d, o) in out_r.iter_mut().enumerate() {
+                    let v: f64 = parts
+                        .iter()
+                        .zip(&weights)
+                        .map(|(pt, &wt)| wt * pt.o[r * hd + d] as f64)
+                        .sum();
+                    *o = (v / total) as f32;
+                }
+            }
+            let mut tile = grid.take(ci, part);
+            write_out(&task, &merged, &mut tile);
+            if let Some(first) = tile.rows().next() {
+                super::inject_fault(isa, tile.row_mut(first).first_mut());
+            }
+        }
+    }
     Ok(())
 }
 
@@ -255,6 +405,8 @@ struct Task<'a> {
     q: &'a [f32],
     ldq: usize,
     seq: &'a AttnSeq<'a>,
+    /// Positions (from the start of `seq`'s table) this task may see at most.
+    cap: usize,
     kvh: usize,
     t0: usize,
     t1: usize,
@@ -265,47 +417,74 @@ struct Task<'a> {
     v_cache: &'a [f16],
 }
 
-fn run_task(isa: Isa, t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
+/// Computes one task into `s.o` (rows x hd, row `tok * (g1 - g0) + g - g0`) and the rows'
+/// softmax statistics.
+fn run_task(isa: Isa, t: &Task, s: &mut Scratch) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` passed `Isa::checked`, so the CPU has these features.
-        Isa::Avx512Vnni => unsafe { task_avx512(t, s, out) },
+        Isa::Avx512Vnni => unsafe { task_avx512(t, s) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` passed `Isa::checked`, so the CPU has these features.
-        Isa::Avx2 => unsafe { task_avx2(t, s, out) },
-        _ => task_body(t, s, out),
+        Isa::Avx2 => unsafe { task_avx2(t, s) },
+        _ => task_body(t, s),
     }
-    if let Some(first) = out.rows().next() {
-        super::inject_fault(isa, out.row_mut(first).first_mut());
+}
+
+/// Writes a task's output rows `o` into its tile of the output.
+fn write_out(t: &Task, o: &[f32], out: &mut Tile<f32>) {
+    let hd = t.p.lay.head_dim;
+    let group = t.p.n_heads / t.p.lay.n_kv_heads;
+    let ng = t.g1 - t.g0;
+    let c0 = out.cols().start;
+    for tok in 0..t.t1 - t.t0 {
+        let orow = out.row_mut(t.seq.q_row + t.t0 + tok);
+        for g in t.g0..t.g1 {
+            let h = t.kvh * group + g;
+            let r = tok * ng + g - t.g0;
+            orow[h * hd - c0..(h + 1) * hd - c0].copy_from_slice(&o[r * hd..(r + 1) * hd]);
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma,f16c")]
-unsafe fn task_avx512(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
-    task_body(t, s, out)
+unsafe fn task_avx512(t: &Task, s: &mut Scratch) {
+    task_body(t, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
-    task_body(t, s, out)
+unsafe fn task_avx2(t: &Task, s: &mut Scratch) {
+    task_body(t, s)
+}
+
+/// KV blocks asked for ahead of use (a tunable, `NPU_SERVING_ATTN_PREFETCH`).
+#[cfg(target_arch = "x86_64")]
+fn prefetch_blocks() -> usize {
+    static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BLOCKS.get_or_init(|| {
+        std::env::var("NPU_SERVING_ATTN_PREFETCH")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4)
+    })
 }
 
 /// Lanes of the fixed-width accumulators below (one AVX-512 register).
 const LANES: usize = 16;
 
-/// One task: query heads `g0..g1` of KV head `kvh` for tokens `t0..t1` of one sequence, written
-/// into the task's tile of the output.
+/// One task: query heads `g0..g1` of KV head `kvh` for tokens `t0..t1` of one sequence (at
+/// most `cap` positions of it), into `s.o` and the softmax statistics.
 #[inline(always)]
-fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
+fn task_body(t: &Task, s: &mut Scratch) {
     let lay = t.p.lay;
     let (hd, bs) = (lay.head_dim, lay.block_size);
     let group = t.p.n_heads / lay.n_kv_heads;
     let ng = t.g1 - t.g0;
     let n_tok = t.t1 - t.t0;
     let rows = n_tok * ng;
-    let max_ctx = t.seq.start_pos + t.t1;
+    let max_ctx = (t.seq.start_pos + t.t1).min(t.cap);
     let n_blocks = max_ctx.div_ceil(bs);
     let span = n_blocks * bs;
     s.q.resize(rows * hd, 0.0);
@@ -323,7 +502,9 @@ fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
         }
     }
     round_through_f16(t.isa, &mut s.q);
-    let ctx_of = |r: usize| t.seq.start_pos + t.t0 + r / ng + 1;
+    let ctx_of = |r: usize| (t.seq.start_pos + t.t0 + r / ng + 1).min(t.cap);
+    s.row_max.resize(rows, 0.0);
+    s.row_sum.resize(rows, 0.0);
     #[cfg(target_arch = "x86_64")]
     let fast = t.isa == Isa::Avx512Vnni && hd % LANES == 0 && bs % LANES == 0 && hd <= 256;
     #[cfg(not(target_arch = "x86_64"))]
@@ -335,8 +516,22 @@ fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
             let k0 = lay.k_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
             t.k_cache[k0..k0 + hd * bs].as_ptr()
         };
+        // The blocks of a sequence lie far apart (each holds every layer), so the hardware
+        // prefetcher cannot follow the block table: the K of the next `PREFETCH_BLOCKS` blocks
+        // are asked for ahead of use (and the V likewise below).
+        let prefetch_k = |bi: usize| {
+            if bi < n_blocks {
+                super::attention_avx512::prefetch(k_ptr(bi) as *const u8, hd * bs * 2);
+            }
+        };
+        let ahead = prefetch_blocks();
+        for bi in 0..ahead {
+            prefetch_k(bi);
+        }
         let mut bi = 0;
         while bi < n_blocks {
+            prefetch_k(bi + ahead);
+            prefetch_k(bi + ahead + 1);
             // SAFETY: `fast` means the CPU has AVX-512 (the isa passed `Isa::checked`) and hd, bs
             // are multiples of 16 with hd <= 256; each K pointer starts an `hd * bs` slice of the
             // cache (sliced in `k_ptr`); `s.q` holds rows x hd values; the call writes scores
@@ -442,6 +637,8 @@ fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
             *v = exp_approx(*v - max);
             sum += *v as f64;
         }
+        s.row_max[r] = max;
+        s.row_sum[r] = sum;
         let inv = (1.0 / sum) as f32;
         for v in sc.iter_mut() {
             *v *= inv;
@@ -452,11 +649,26 @@ fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
     }
     // Weighted sum of V, one block at a time; 16 dimensions per register-held accumulator.
     s.o.fill(0.0);
+    #[cfg(target_arch = "x86_64")]
+    let prefetch_v = |bi: usize| {
+        if fast && bi < n_blocks {
+            let v0 = lay.v_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
+            let v = t.v_cache[v0..v0 + bs * hd].as_ptr();
+            super::attention_avx512::prefetch(v as *const u8, bs * hd * 2);
+        }
+    };
+    #[cfg(target_arch = "x86_64")]
+    let ahead = prefetch_blocks();
+    #[cfg(target_arch = "x86_64")]
+    for bi in 0..ahead {
+        prefetch_v(bi);
+    }
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let v0 = lay.v_at(blk, t.kvh, 0, 0);
         #[cfg(target_arch = "x86_64")]
         if fast {
+            prefetch_v(bi + ahead);
             let n_t = (max_ctx - bi * bs).min(bs);
             // SAFETY: as for the scores: V is an `bs * hd` slice of the cache; probabilities are
             // read at `r * span + bi * bs + t` for r < rows, t < n_t <= bs, inside the scores
@@ -503,15 +715,6 @@ fn task_body(t: &Task, s: &mut Scratch, out: &mut Tile<f32>) {
                     }
                 }
             }
-        }
-    }
-    let c0 = out.cols().start;
-    for tok in 0..n_tok {
-        let orow = out.row_mut(t.seq.q_row + t.t0 + tok);
-        for g in t.g0..t.g1 {
-            let h = t.kvh * group + g;
-            let r = tok * ng + g - t.g0;
-            orow[h * hd - c0..(h + 1) * hd - c0].copy_from_slice(&s.o[r * hd..(r + 1) * hd]);
         }
     }
 }

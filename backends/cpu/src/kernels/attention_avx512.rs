@@ -7,6 +7,20 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+/// Asks for the cache lines of `[p, p + bytes)` ahead of use. A prefetch never faults and
+/// reads nothing architecturally, so this is safe for any address.
+#[inline]
+pub fn prefetch(p: *const u8, bytes: usize) {
+    let mut off = 0;
+    while off < bytes {
+        // SAFETY: `prefetcht0` is SSE (baseline on x86-64) and is only a hint: it cannot fault
+        // or change memory, whatever the address; the address is formed with wrapping
+        // arithmetic and never dereferenced.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
+        off += 64;
+    }
+}
+
 /// Query rows handled together when scoring.
 const SCORE_ROWS: usize = 8;
 
@@ -100,7 +114,9 @@ pub unsafe fn block_pv(
     }
 }
 
-/// D = hd / 16 registers per output row; rows are taken as many at a time as registers allow.
+/// D = hd / 16 registers per output row; rows are taken as many at a time as registers allow
+/// (16 accumulators), each group by a kernel whose row count is a constant, so the accumulators
+/// stay in registers.
 #[inline]
 #[target_feature(enable = "avx512f,f16c,fma")]
 unsafe fn pv_rows<const D: usize>(
@@ -111,35 +127,76 @@ unsafe fn pv_rows<const D: usize>(
     rows: usize,
     o: &mut [f32],
 ) {
-    let hd = D * 16;
     let per = (16 / D).max(1);
     let mut r0 = 0;
     while r0 < rows {
         let n = (rows - r0).min(per);
-        let mut acc = [[_mm512_setzero_ps(); D]; 16];
-        for (r, a) in acc.iter_mut().enumerate().take(n) {
-            for (j, x) in a.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(o.as_ptr().add((r0 + r) * hd + j * 16));
-            }
-        }
-        for t in 0..n_t {
-            let mut vv = [_mm512_setzero_ps(); D];
-            for (j, x) in vv.iter_mut().enumerate() {
-                *x = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(t * hd + j * 16) as *const __m256i));
-            }
-            for (r, a) in acc.iter_mut().enumerate().take(n) {
-                let pt = _mm512_set1_ps(*p.add((r0 + r) * stride + t));
-                for j in 0..D {
-                    a[j] = _mm512_fmadd_ps(pt, vv[j], a[j]);
+        let (p0, o0) = (p.add(r0 * stride), &mut o[r0 * D * 16..]);
+        match n {
+            1 => pv_tile::<D, 1>(v, n_t, p0, stride, o0),
+            2 => pv_tile::<D, 2>(v, n_t, p0, stride, o0),
+            3 => pv_tile::<D, 3>(v, n_t, p0, stride, o0),
+            4 => pv_tile::<D, 4>(v, n_t, p0, stride, o0),
+            5 => pv_tile::<D, 5>(v, n_t, p0, stride, o0),
+            6 => pv_tile::<D, 6>(v, n_t, p0, stride, o0),
+            7 => pv_tile::<D, 7>(v, n_t, p0, stride, o0),
+            8 => pv_tile::<D, 8>(v, n_t, p0, stride, o0),
+            _ => {
+                // 9..16 rows of one register each (D = 1): two tiles.
+                pv_tile::<D, 8>(v, n_t, p0, stride, o0);
+                let rest = n - 8;
+                let (p1, o1) = (p0.add(8 * stride), &mut o0[8 * D * 16..]);
+                match rest {
+                    1 => pv_tile::<D, 1>(v, n_t, p1, stride, o1),
+                    2 => pv_tile::<D, 2>(v, n_t, p1, stride, o1),
+                    3 => pv_tile::<D, 3>(v, n_t, p1, stride, o1),
+                    4 => pv_tile::<D, 4>(v, n_t, p1, stride, o1),
+                    5 => pv_tile::<D, 5>(v, n_t, p1, stride, o1),
+                    6 => pv_tile::<D, 6>(v, n_t, p1, stride, o1),
+                    7 => pv_tile::<D, 7>(v, n_t, p1, stride, o1),
+                    _ => pv_tile::<D, 8>(v, n_t, p1, stride, o1),
                 }
             }
         }
-        for (r, a) in acc.iter().enumerate().take(n) {
-            for (j, x) in a.iter().enumerate() {
-                _mm512_storeu_ps(o.as_mut_ptr().add((r0 + r) * hd + j * 16), *x);
+        r0 += n;
+    }
+}
+
+/// `R` rows of `D` registers: `o[r] += sum_t p[r * stride + t] * V[t, :]`, each accumulator
+/// updated in `t` order (the same sums as any other row grouping).
+#[inline]
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn pv_tile<const D: usize, const R: usize>(
+    v: *const f16,
+    n_t: usize,
+    p: *const f32,
+    stride: usize,
+    o: &mut [f32],
+) {
+    let hd = D * 16;
+    assert!(o.len() >= R * hd, "output rows beyond the buffer");
+    let mut acc = [[_mm512_setzero_ps(); D]; R];
+    for (r, a) in acc.iter_mut().enumerate() {
+        for (j, x) in a.iter_mut().enumerate() {
+            *x = _mm512_loadu_ps(o.as_ptr().add(r * hd + j * 16));
+        }
+    }
+    for t in 0..n_t {
+        let mut vv = [_mm512_setzero_ps(); D];
+        for (j, x) in vv.iter_mut().enumerate() {
+            *x = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(t * hd + j * 16) as *const __m256i));
+        }
+        for (r, a) in acc.iter_mut().enumerate() {
+            let pt = _mm512_set1_ps(*p.add(r * stride + t));
+            for j in 0..D {
+                a[j] = _mm512_fmadd_ps(pt, vv[j], a[j]);
             }
         }
-        r0 += n;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        for (j, x) in a.iter().enumerate() {
+            _mm512_storeu_ps(o.as_mut_ptr().add(r * hd + j * 16), *x);
+        }
     }
 }
 

@@ -151,13 +151,16 @@ fn matmul_through_pool(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
     }
 }
 
-/// Paged attention over scrambled block tables: prefill chunks, decode rows, and a sequence
-/// whose history ends inside a block; grouped-query heads.
+/// Paged attention over scrambled block tables: prefill chunks, decode rows, a sequence whose
+/// history ends inside a block, and long histories split over the KV; grouped-query heads.
 fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
     for &(n_kv, hd, bs, n_heads) in &[
         (3usize, 64usize, 16usize, 9usize),
         (2, 32, 8, 2),
         (1, 48, 5, 4),
+        // One register per output row (up to 16 rows of a GQA group together), and eight.
+        (1, 16, 16, 2),
+        (2, 128, 16, 4),
     ] {
         // One layer's K and V interleaved block by block, as the backend lays them out.
         let block_elems = n_kv * hd * bs;
@@ -167,12 +170,20 @@ fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
             block_size: bs,
             block_stride: 2 * block_elems,
         };
-        let num_blocks = 64;
+        let num_blocks = 512;
         let mut rng = TestRng::new(5 + hd as u64);
         let mut cache = vec![f16::ZERO; num_blocks * 2 * block_elems];
         let (k_base, v_base) = (0, block_elems);
         // (history already cached, new tokens this step)
-        let shapes = [(0usize, 5usize), (37, 1), (16, 20), (100, 1), (3, 9)];
+        let shapes = [
+            (0usize, 5usize),
+            (37, 1),
+            (16, 20),
+            (100, 1),
+            (3, 9),
+            (1100, 1),
+            (1060, 4),
+        ];
         let mut free: Vec<u32> = (0..num_blocks as u32).collect();
         free.sort_by_key(|b| (b * 7919) % num_blocks as u32);
         let ld = (n_heads + 2 * n_kv) * hd;

@@ -1,0 +1,154 @@
+//! Measured limits of this machine, so a benchmark can print how far the kernels are from them:
+//! the memory read bandwidth (every thread streaming its part of a buffer far larger than the
+//! last-level cache) and the int8 dot-product peak (every thread running independent `vpdpbusd`
+//! chains on registers, nothing loaded). Both are best-of-several measurements on the caller's
+//! pool; on a shared machine they read low, like everything else measured there.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use crate::kernels::Isa;
+use crate::threadpool::{split_range, PoolError, ThreadPool};
+
+/// Bytes streamed by `read_bandwidth_gb_s`: eight times a 32 MiB last-level cache.
+pub const READ_BYTES: usize = 256 << 20;
+
+/// Reads of the whole buffer; the best one counts.
+const READ_PASSES: usize = 4;
+
+/// Memory read bandwidth in GB/s (10^9 bytes per second): every thread of `pool` sums its share
+/// of a `bytes`-byte buffer (touched once beforehand), best of several passes. `bytes` is rounded
+/// down to whole 64-byte lines; a buffer the system cannot allocate gives None.
+pub fn read_bandwidth_gb_s(pool: &ThreadPool, bytes: usize) -> Result<Option<f64>, PoolError> {
+    let words = bytes / 64 * 8;
+    let mut buf: Vec<u64> = Vec::new();
+    if words == 0 || buf.try_reserve_exact(words).is_err() {
+        return Ok(None);
+    }
+    buf.extend((0..words as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+    let tasks = pool.threads();
+    let sink = AtomicU64::new(0);
+    let mut best = f64::INFINITY;
+    for _ in 0..READ_PASSES {
+        let t0 = Instant::now();
+        pool.run(tasks, |t| {
+            let lines = split_range(words / 8, tasks, t);
+            let part = &buf[lines.start * 8..lines.end * 8];
+            sink.fetch_add(sum_lines(part), Ordering::Relaxed);
+        })?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink.load(Ordering::Relaxed));
+    Ok(Some((words * 8) as f64 / best / 1e9))
+}
+
+/// A sum over every word, eight independent lanes (one 64-byte line per step) so the loop is
+/// bound by loads, not by one addition chain.
+fn sum_lines(words: &[u64]) -> u64 {
+    let mut lanes = [0u64; 8];
+    for line in words.chunks_exact(8) {
+        for (l, &w) in lanes.iter_mut().zip(line) {
+            *l = l.wrapping_add(w);
+        }
+    }
+    lanes.iter().fold(0, |a, &l| a.wrapping_add(l))
+}
+
+/// `vpdpbusd` instructions per chain per measurement; 64 multiply-adds each.
+const DOT_STEPS: u64 = 1 << 22;
+
+/// The int8 dot-product peak in GOP/s (one multiply-add counts as two operations): every thread
+/// of `pool` runs independent chains of 512-bit `vpdpbusd` on registers, best of three. None
+/// where `isa` has no 8-bit dot product measured here (only AVX-512 VNNI is).
+pub fn int8_peak_gop_s(pool: &ThreadPool, isa: Isa) -> Result<Option<f64>, PoolError> {
+    #[cfg(target_arch = "x86_64")]
+    if isa.checked() == Isa::Avx512Vnni {
+        let tasks = pool.threads();
+        let sink = AtomicU64::new(0);
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            pool.run(tasks, |_| {
+                // SAFETY: `Isa::checked` found AVX-512 F and VNNI on this CPU.
+                let v = unsafe { vnni_chains(DOT_STEPS) };
+                sink.fetch_add(v as u64, Ordering::Relaxed);
+            })?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(sink.load(Ordering::Relaxed));
+        let ops = tasks as f64 * DOT_STEPS as f64 * VNNI_CHAINS as f64 * 64.0 * 2.0;
+        return Ok(Some(ops / best / 1e9));
+    }
+    let _ = (pool, isa);
+    Ok(None)
+}
+
+/// Independent accumulator chains: more than the instruction's latency times its throughput.
+#[cfg(target_arch = "x86_64")]
+const VNNI_CHAINS: usize = 12;
+
+/// `steps` rounds of `VNNI_CHAINS` independent `vpdpbusd` on registers; returns a value that
+/// depends on every one of them.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn vnni_chains(steps: u64) -> i32 {
+    use std::arch::x86_64::*;
+    let a = _mm512_set1_epi8(std::hint::black_box(1));
+    let b = _mm512_set1_epi8(std::hint::black_box(-1));
+    let mut acc = [_mm512_setzero_si512(); VNNI_CHAINS];
+    for _ in 0..steps {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbusd_epi32(*x, a, b);
+        }
+    }
+    let mut total = _mm512_setzero_si512();
+    for x in acc {
+        total = _mm512_add_epi32(total, x);
+    }
+    _mm512_reduce_add_epi32(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_sum_adds_every_word() {
+        let words: Vec<u64> = (1..=64).collect();
+        assert_eq!(sum_lines(&words), 64 * 65 / 2);
+    }
+
+    #[test]
+    fn read_bandwidth_is_positive_and_finite() {
+        let pool = ThreadPool::new(2);
+        let gb_s = read_bandwidth_gb_s(&pool, 8 << 20).unwrap().unwrap();
+        assert!(gb_s.is_finite() && gb_s > 0.0, "{gb_s}");
+        assert_eq!(read_bandwidth_gb_s(&pool, 0).unwrap(), None);
+    }
+
+    #[test]
+    fn int8_peak_is_measured_on_vnni_only() {
+        let pool = ThreadPool::new(2);
+        assert_eq!(int8_peak_gop_s(&pool, Isa::Scalar).unwrap(), None);
+        let vnni = int8_peak_gop_s(&pool, Isa::active()).unwrap();
+        assert_eq!(vnni.is_some(), Isa::active() == Isa::Avx512Vnni);
+        if let Some(g) = vnni {
+            assert!(g.is_finite() && g > 0.0, "{g}");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_chains_compute_the_dot_products() {
+        if Isa::active() != Isa::Avx512Vnni {
+            return;
+        }
+        // Each step adds 4 * (1 * -1) to each of 16 lanes of each chain.
+        // SAFETY: AVX-512 VNNI was detected.
+        let v = unsafe { vnni_chains(10) };
+        assert_eq!(v, -(10 * 4 * 16 * VNNI_CHAINS as i32));
+    }
+}
