@@ -247,9 +247,6 @@ fn generate<B: Backend>(
             .collect();
         let plan = StepPlan {
             step_id: step as u64,
-            admit: Vec::new(),
-            forget: Vec::new(),
-            kv_copies: Vec::new(),
             seqs,
             ..Default::default()
         };
