@@ -55,6 +55,7 @@ fn sum_lines(words: &[u64]) -> u64 {
 }
 
 /// `vpdpbusd` instructions per chain per measurement; 64 multiply-adds each.
+#[cfg(target_arch = "x86_64")]
 const DOT_STEPS: u64 = 1 << 22;
 
 /// The int8 dot-product peak in GOP/s (one multiply-add counts as two operations): every thread
