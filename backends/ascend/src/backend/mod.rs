@@ -12,6 +12,8 @@ mod attention;
 mod kv_pool;
 mod layer_ops;
 pub mod objects;
+mod pick_ops;
+mod rope_ops;
 pub mod step;
 
 use std::collections::HashMap;
