@@ -171,3 +171,4 @@ pub fn q8_0_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     }
     (data, deq)
 }
+pub mod seam;
