@@ -167,6 +167,7 @@ fn spec(agent_id: u32) -> AgentSpec {
         AgentEngineConfig {
             swap_space_mb: 0,
             handoff: None,
+            kv_memory_fraction: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: PathBuf::from("/echo/model.gguf"),

@@ -258,3 +258,78 @@ fn serve_on_ascend_answers_both_apis_with_the_cpu_tokens() {
         server.log_tail()
     );
 }
+
+/// Bytes of one KV block of the default model at block size 128 (f16 K and V, 30 layers, 3 KV
+/// heads of 64).
+const ASCEND_BLOCK_BYTES: u64 = 30 * 2 * 128 * 3 * 64 * 2;
+
+/// The server with `device: ascend` on an emulated device of `hbm_mb` MiB whose KV pool takes
+/// `fraction` of the memory free after the weights.
+fn memory_sized_opts(hbm_mb: u32, fraction: f64) -> ServerOpts {
+    ServerOpts {
+        device: "ascend",
+        block_size: 128,
+        // A cap out of reach: the free memory decides.
+        num_blocks: 100_000,
+        kv_cache_memory_fraction: Some(fraction),
+        env: vec![
+            ("ASCEND_HOME_PATH".into(), ascend_emulator()),
+            ("ASCEND_EMULATOR_HBM_MB".into(), hbm_mb.to_string().into()),
+        ],
+        ..ServerOpts::default()
+    }
+}
+
+#[test]
+fn serve_on_ascend_sizes_the_kv_pool_from_free_device_memory() {
+    let _serial = serial();
+    let prompt = "The capital of France is";
+    let (cpu_tokens, _) = generate("cpu", prompt);
+    let want = decode(&cpu_tokens[..4]);
+
+    // The same model on a device with 1 GiB more: half of that GiB more blocks, in whole
+    // blocks (the weights and step buffers take the same bytes on both).
+    let mut pools = Vec::new();
+    for hbm_mb in [1024, 2048] {
+        let server = Server::start(
+            &format!("ascend-kv-{hbm_mb}"),
+            &memory_sized_opts(hbm_mb, 0.5),
+        );
+        let blocks = server.metric("npu_serving_kv_blocks_total") as u64;
+        let got = server.stream(Api::LlmServing, prompt, 8);
+        assert!(got.success, "{:?}", got.error);
+        assert!(got.resp_text.starts_with(&want), "{:?}", got.resp_text);
+        assert!(
+            server
+                .log_text()
+                .contains("KV pool sized from free device memory"),
+            "{}",
+            server.log_tail()
+        );
+        pools.push(blocks);
+    }
+    let more = pools[1] - pools[0];
+    let half_gib = (512u64 << 20) / ASCEND_BLOCK_BYTES;
+    assert!(
+        (half_gib..=half_gib + 1).contains(&more),
+        "pools {pools:?}: {more} more blocks, expected {half_gib} (or one more)"
+    );
+    // The 1 GiB device: its pool at a fraction of 0.5 says how much was free; a fraction that
+    // leaves room for fewer blocks than one 1,024-token sequence needs (8) is refused naming
+    // the setting, before any request is taken.
+    let free = pools[0] * ASCEND_BLOCK_BYTES * 2;
+    let fraction = 4.5 * ASCEND_BLOCK_BYTES as f64 / free as f64;
+    let opts = memory_sized_opts(1024, fraction);
+    let env: Vec<(&str, Option<&str>)> = opts
+        .env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.to_str()))
+        .collect();
+    let (status, stderr) = serve_refused_env("ascend-kv-small", &opts.yaml(), &[], &env);
+    assert!(!status.success());
+    assert!(
+        stderr.contains("npu_serving.kv_cache_memory_fraction: 4 blocks"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("at least 8"), "{stderr}");
+}

@@ -2,7 +2,8 @@
 //! swap preemption under a small device pool keeps every greedy output equal to the request
 //! run alone; a repeated prefix that was evicted from the device is served from the host tier
 //! (and gives the same text as recomputing it); the host->device bytes of a step do not grow
-//! with context length except for the block table, one 4-byte entry per block.
+//! with context length except for the block table, one 4-byte entry per block; a pool sized
+//! from free memory (`npu_serving.kv_cache_memory_fraction`) is what the scheduler plans with.
 
 mod e2e_support;
 
@@ -239,4 +240,27 @@ fn bench_model_reports_block_copy_bandwidth_both_ways() {
     }
     // SmolLM2-135M: 30 layers x K and V x 3 KV heads x 64 dims x 16 tokens x 2 bytes.
     assert_eq!(v["kv_block_bytes"].as_u64(), Some(30 * 2 * 3 * 64 * 16 * 2));
+}
+
+#[test]
+fn a_pool_sized_from_free_memory_is_the_schedulers_pool() {
+    let _serial = serial();
+    // Half this host's free memory is far more than 300 blocks: the cap the config gives binds,
+    // and the scheduler plans with what the agent allocated.
+    let opts = ServerOpts {
+        num_blocks: 300,
+        kv_cache_memory_fraction: Some(0.5),
+        ..ServerOpts::default()
+    };
+    let server = Server::start("kv-fraction", &opts);
+    assert_eq!(server.metric("npu_serving_kv_blocks_total"), 300.0);
+    let got = server.stream(Api::LlmServing, "The capital of France is", 8);
+    assert!(got.success, "{:?}", got.error);
+    assert!(
+        server
+            .log_text()
+            .contains("KV pool sized from free device memory"),
+        "{}",
+        server.log_tail()
+    );
 }

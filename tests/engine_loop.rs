@@ -166,6 +166,7 @@ impl Harness {
         let agent_cfg = AgentEngineConfig {
             swap_space_mb: 0,
             handoff: None,
+            kv_memory_fraction: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: model(),

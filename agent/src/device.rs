@@ -145,6 +145,11 @@ impl DeviceModel {
         dispatch!(self, m => m.backend().describe())
     }
 
+    /// The capacities the model was loaded with (`num_blocks`: the blocks its KV pool has).
+    pub fn options(&self) -> ModelOptions {
+        dispatch!(self, m => m.opts)
+    }
+
     /// Bytes of one KV block (every layer's K and V): the unit of host copies.
     pub fn kv_block_bytes(&self) -> usize {
         dispatch!(self, m => m.backend().kv_block_bytes())

@@ -130,6 +130,9 @@ fn eos_ids(f: &GgufFile) -> Vec<u32> {
 }
 
 impl AgentEngine {
+    /// Loads the model and sizes the pools `cfg` asks for. With `kv_memory_fraction` the device
+    /// pool is sized from free memory: `config().num_blocks` and the facts' `device_blocks` say
+    /// what it got.
     pub fn load(cfg: &AgentEngineConfig) -> Result<Self, EngineError> {
         if cfg.max_slots == 0
             || cfg.max_tokens_per_step == 0
@@ -148,6 +151,7 @@ impl AgentEngine {
             max_logit_rows: cfg.max_slots as usize,
             num_blocks: cfg.num_blocks as usize,
             block_size: cfg.block_size as usize,
+            kv_memory_fraction: cfg.kv_memory_fraction,
         };
         let threads = match cfg.threads {
             0 => ThreadPool::available_threads(),
@@ -159,6 +163,13 @@ impl AgentEngine {
             device_id: cfg.device_id,
         };
         let mut model = DeviceModel::load(&file, spec, &pool, opts)?;
+        // With a memory fraction the pool has what free memory gave; from here on the config
+        // says what was built.
+        let opts = model.options();
+        let mut cfg = cfg.clone();
+        cfg.num_blocks = opts.num_blocks as u32;
+        cfg.kv_memory_fraction = None;
+        let cfg = &cfg;
         let block_bytes = model.kv_block_bytes();
         let host_kv = HostKvPool::new(cfg.host_kv_blocks(block_bytes as u64), block_bytes)?;
         let handoff = match &cfg.handoff {
@@ -180,6 +191,7 @@ impl AgentEngine {
         };
         let bandwidth = measure_copy_bandwidth(&mut model, cfg.num_blocks.min(32))?;
         let kv = KvFacts {
+            device_blocks: cfg.num_blocks,
             block_bytes: block_bytes as u64,
             host_blocks: host_kv.blocks(),
             // The CPU backend's device pool is host memory: nothing to page-lock.

@@ -46,6 +46,7 @@ fn options(block_size: usize) -> ModelOptions {
         max_logit_rows: 1,
         num_blocks: 2048 / block_size,
         block_size,
+        kv_memory_fraction: None,
     }
 }
 

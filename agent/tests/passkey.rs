@@ -77,6 +77,7 @@ fn engine_config(tokens: usize, long: bool) -> AgentEngineConfig {
         swap_space_mb: 0,
         long_context: long.then_some(lc),
         handoff: None,
+        kv_memory_fraction: None,
     }
 }
 

@@ -74,7 +74,8 @@ pub struct AgentEngineConfig {
     #[serde(default)]
     pub device_id: u32,
     pub model_path: PathBuf,
-    /// KV pool: blocks of `block_size` token slots (per layer).
+    /// KV pool: blocks of `block_size` token slots (per layer); with `kv_memory_fraction`, the
+    /// most blocks the agent may allocate.
     pub num_blocks: u32,
     pub block_size: u32,
     /// Request slots (most sequences held at once).
@@ -97,6 +98,11 @@ pub struct AgentEngineConfig {
     /// The KV handoff region (prefill/decode disaggregation) this agent maps; None: no handoff.
     #[serde(default)]
     pub handoff: Option<HandoffSpec>,
+    /// `npu_serving.kv_cache_memory_fraction`: when set, the agent sizes its KV pool to this
+    /// fraction of the device memory free after its weights and step buffers are placed (at
+    /// most `num_blocks` blocks) and reports the blocks it took in `KvFacts::device_blocks`.
+    #[serde(default)]
+    pub kv_memory_fraction: Option<f64>,
 }
 
 /// Where the KV handoff region lies (`shm::HandoffRegion`): its name and bytes of block data.
@@ -105,6 +111,14 @@ pub struct HandoffSpec {
     pub name: String,
     pub data_bytes: u64,
 }
+
+/// The largest `kv_memory_fraction` (`npu_serving.kv_cache_memory_fraction`): the rest of the
+/// free memory stays for the device's own workspaces and allocator slack.
+pub const MAX_KV_MEMORY_FRACTION: f64 = 0.99;
+
+/// The most blocks a KV pool sized from free memory may have when `pa_config.num_blocks` does
+/// not cap it (the segment's copy lists are sized for it).
+pub const KV_AUTO_MAX_BLOCKS: u32 = 1 << 16;
 
 /// Most KV block copies one step may carry through the handoff region: every block of the pool
 /// handed out or taken in, twice over.
@@ -147,6 +161,9 @@ impl AgentEngineConfig {
 /// The agent's KV pools and how fast blocks move between them (sent in the handshake).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvFacts {
+    /// Blocks in the agent's device KV pool (`num_blocks`, or what the memory fraction gave).
+    #[serde(default)]
+    pub device_blocks: u32,
     /// Bytes of one KV block (every layer's K and V): the unit of every device<->host copy.
     pub block_bytes: u64,
     /// Blocks in the agent's host KV pool (0: none).

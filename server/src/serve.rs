@@ -133,8 +133,18 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
          over its own private socket pair, no port is opened)"
     );
     let pool = AgentPool::start(specs, launch).context("starting the agents")?;
-    let links = pool.into_links();
+    let mut links = pool.into_links();
     let mut engine_cfg = engine_cfg;
+    if cfg.npu_serving.kv_cache_memory_fraction.is_some() {
+        let blocks = kv_pool_from_agents(&mut links)?;
+        cfg.check_kv_pool_blocks(model.context, blocks)
+            .with_context(|| format!("config {}", args.config.display()))?;
+        engine_cfg.scheduler.num_blocks = blocks as usize;
+        engine_cfg
+            .scheduler
+            .validate()
+            .context("the KV pool the agents sized does not work with the config's limits")?;
+    }
     let num_blocks = engine_cfg.scheduler.num_blocks as u32;
     engine_cfg.scheduler.kv_host = links
         .first()
@@ -217,6 +227,39 @@ fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Re
     })
 }
 
+/// The KV pool the server plans with when the agents sized theirs from free device memory: the
+/// smallest any agent reported (the scheduler gives every agent the same pool). Each agent is
+/// pinned to it, so a restarted one allocates exactly that many blocks.
+fn kv_pool_from_agents(links: &mut [crate::agents::AgentLink]) -> anyhow::Result<u32> {
+    let reported: Vec<u32> = links.iter().map(|l| l.facts().kv.device_blocks).collect();
+    let blocks = reported.iter().copied().min().unwrap_or(0);
+    if blocks == 0 {
+        bail!(
+            "npu_serving.kv_cache_memory_fraction: an agent reported no KV pool in its handshake \
+             (agents {reported:?})"
+        );
+    }
+    let block_bytes = links.first().map_or(0, |l| l.facts().kv.block_bytes);
+    tracing::info!(
+        blocks,
+        per_agent = ?reported,
+        pool_bytes = u64::from(blocks) * block_bytes,
+        "KV pool sized from free device memory (npu_serving.kv_cache_memory_fraction)"
+    );
+    if reported.iter().any(|&r| r != blocks) {
+        tracing::warn!(
+            per_agent = ?reported,
+            blocks,
+            "the agents found different free memory: every agent's pool is used up to the \
+             smallest"
+        );
+    }
+    for link in links.iter_mut() {
+        link.pin_kv_blocks(blocks);
+    }
+    Ok(blocks)
+}
+
 /// The scheduler's view of an agent's host KV pool, from its handshake (every agent has the
 /// same pool and model); None without one.
 fn kv_host_config(kv: &KvFacts, num_blocks: u32, swap_space_mb: u64) -> Option<KvHostConfig> {
@@ -272,6 +315,7 @@ fn agent_specs(
                 swap_space_mb: cfg.npu_serving.swap_space_mb,
                 long_context: cfg.npu_serving.long_context,
                 handoff: handoff.clone(),
+                kv_memory_fraction: cfg.npu_serving.kv_cache_memory_fraction,
             };
             AgentSpec::new(i as u32, engine)
         })

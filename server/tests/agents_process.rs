@@ -64,6 +64,7 @@ fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
     AgentEngineConfig {
         swap_space_mb: 0,
         handoff: None,
+        kv_memory_fraction: None,
         device: DeviceKind::Cpu,
         device_id: 0,
         model_path,
@@ -283,4 +284,72 @@ fn end_to_end_with_the_real_model_step_kill_restart() {
     link.shutdown();
     assert!(!pid_alive(pid));
     assert!(our_segments(32).is_empty());
+}
+
+#[test]
+fn a_kv_pool_sized_from_free_memory_is_capped_reported_and_pinned_across_restarts() {
+    let deadline = Duration::from_secs(120);
+    // Half of this host's free memory holds far more than 40 blocks: the cap binds.
+    let mut cfg = engine_config(model_path());
+    cfg.num_blocks = 40;
+    cfg.kv_memory_fraction = Some(0.5);
+    let mut link = AgentLink::start(AgentSpec::new(33, cfg), launch()).unwrap();
+    assert_eq!(link.facts().kv.device_blocks, 40);
+    // Without a cap binding, the pool is the fraction of free memory in whole blocks: a
+    // fraction this small of what /proc/meminfo says is free gives a handful of blocks.
+    let block_bytes = link.facts().kv.block_bytes;
+    assert_eq!(block_bytes, 30 * 2 * 16 * 3 * 64 * 2);
+
+    // Pinned: a restart allocates exactly the pinned pool and still computes the reference.
+    link.pin_kv_blocks(24);
+    assert_eq!(link.spec().engine.kv_memory_fraction, None);
+    let pid = link.pid().unwrap();
+    kill_9(pid);
+    assert!(link
+        .step(&prefill(1, 0, 0), deadline)
+        .unwrap_err()
+        .agent_is_down());
+    link.restart().unwrap();
+    assert_eq!(link.facts().kv.device_blocks, 24);
+    let r = link.step(&prefill(2, 0, 23), deadline).unwrap();
+    assert_eq!(r.seqs[0].token.token, GREEDY_IDS[0]);
+    link.shutdown();
+
+    // The fraction of free memory sets the pool when the cap is out of reach.
+    let free = meminfo_available();
+    let mut cfg = engine_config(model_path());
+    cfg.num_blocks = u32::MAX;
+    cfg.kv_memory_fraction = Some(20.0 * block_bytes as f64 / free as f64);
+    let mut link = AgentLink::start(AgentSpec::new(34, cfg), launch()).unwrap();
+    let got = link.facts().kv.device_blocks;
+    // Free memory moves between our reading and the agent's (other processes, the agent's own
+    // weights): within a factor of two of 20 blocks.
+    assert!(
+        (10..=40).contains(&got),
+        "{got} blocks from a fraction sized for 20"
+    );
+    let r = link.step(&prefill(1, 0, 3), deadline).unwrap();
+    assert_eq!(r.seqs[0].token.token, GREEDY_IDS[0]);
+    link.shutdown();
+
+    // Not one block fits: the handshake fails naming the setting.
+    let mut cfg = engine_config(model_path());
+    cfg.kv_memory_fraction = Some(1e-12);
+    let err = AgentLink::start(AgentSpec::new(35, cfg), launch()).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("kv_cache_memory_fraction"), "{text}");
+    assert!(text.contains("less than one KV block"), "{text}");
+    assert!(our_segments(35).is_empty());
+}
+
+/// MemAvailable from /proc/meminfo, bytes: what the CPU backend counts as free device memory.
+fn meminfo_available() -> u64 {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kb: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .map(|v| v.trim().parse().unwrap())
+        .unwrap();
+    kb * 1024
 }

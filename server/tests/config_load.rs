@@ -563,3 +563,50 @@ fn ascend_refuses_block_sizes_that_are_not_a_multiple_of_16_naming_the_key() {
         assert_eq!(cfg.pa_config.block_size, bs);
     }
 }
+
+#[test]
+fn a_kv_pool_sized_from_free_memory_is_planned_at_its_cap_and_checked_once_sized() {
+    let cfg = ServerConfig::from_yaml_str("").unwrap();
+    assert_eq!(cfg.npu_serving.kv_cache_memory_fraction, None);
+    assert_eq!(cfg.kv_pool_blocks_planned(), 2048);
+
+    // No num_blocks: the agents may take up to the automatic cap.
+    let cfg =
+        ServerConfig::from_yaml_str("npu_serving:\n  kv_cache_memory_fraction: 0.9\n").unwrap();
+    assert_eq!(cfg.npu_serving.kv_cache_memory_fraction, Some(0.9));
+    assert_eq!(
+        cfg.kv_pool_blocks_planned(),
+        npu_protocol::agent::KV_AUTO_MAX_BLOCKS
+    );
+    // Not checked before the agents have sized their pools; afterwards on the blocks they have,
+    // naming the fraction.
+    cfg.check_kv_pool(8192).unwrap();
+    let e = cfg.check_kv_pool_blocks(8192, 100).unwrap_err();
+    assert_eq!(e.key_path(), Some("npu_serving.kv_cache_memory_fraction"));
+    assert_eq!(
+        e.to_string(),
+        "npu_serving.kv_cache_memory_fraction: 100 blocks x pa_config.block_size 16 = 1600 token \
+         slots per agent cannot hold one sequence of the model's context length = 8192 tokens; \
+         raise npu_serving.kv_cache_memory_fraction (or free device memory) so the pool has at \
+         least 512 or lower model_config.seq_length to at most 1600"
+    );
+    cfg.check_kv_pool_blocks(8192, 512).unwrap();
+
+    // num_blocks given: the most blocks the pool may have.
+    let cfg = ServerConfig::from_yaml_str(
+        "pa_config:\n  num_blocks: 300\nnpu_serving:\n  kv_cache_memory_fraction: 0.5\n",
+    )
+    .unwrap();
+    assert_eq!(cfg.kv_pool_blocks_planned(), 300);
+
+    for bad in ["0", "-0.1", "1.0", "1.5", "'lots'"] {
+        let e = err(&format!(
+            "npu_serving:\n  kv_cache_memory_fraction: {bad}\n"
+        ));
+        assert_eq!(
+            e.key_path(),
+            Some("npu_serving.kv_cache_memory_fraction"),
+            "{bad}: {e}"
+        );
+    }
+}

@@ -50,6 +50,8 @@ pub struct ServerOpts {
     pub agent_roles: Option<&'static str>,
     /// Environment variables set for the server (and so for its agents).
     pub env: Vec<(String, PathBuf)>,
+    /// `npu_serving.kv_cache_memory_fraction` (`num_blocks` is then the cap); None: left out.
+    pub kv_cache_memory_fraction: Option<f64>,
 }
 
 impl Default for ServerOpts {
@@ -70,6 +72,7 @@ impl Default for ServerOpts {
             swap_space_mb: 0,
             agent_roles: None,
             env: Vec::new(),
+            kv_cache_memory_fraction: None,
         }
     }
 }
@@ -104,7 +107,10 @@ impl ServerOpts {
             self.shutdown_grace_ms,
             self.swap_space_mb,
         );
-        yaml + &roles
+        let fraction = self.kv_cache_memory_fraction.map_or(String::new(), |f| {
+            format!("  kv_cache_memory_fraction: {f}\n")
+        });
+        yaml + &roles + &fraction
     }
 }
 

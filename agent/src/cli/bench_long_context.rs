@@ -73,6 +73,7 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<()> {
         swap_space_mb: 0,
         long_context: Some(lc),
         handoff: None,
+        kv_memory_fraction: None,
     };
     let mut rep = LongContextReport {
         long_context: LongContextSummary {

@@ -179,6 +179,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         swap_space_mb: 0,
         long_context: None,
         handoff: None,
+        kv_memory_fraction: None,
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

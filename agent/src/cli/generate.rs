@@ -96,6 +96,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         swap_space_mb: 0,
         long_context: None,
         handoff: None,
+        kv_memory_fraction: None,
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;

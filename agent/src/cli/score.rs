@@ -87,6 +87,7 @@ pub fn score_ids(
             max_logit_rows: continuation.len(),
             num_blocks: blocks,
             block_size,
+            kv_memory_fraction: None,
         },
     )?;
     let vocab = model.config().vocab;

@@ -35,6 +35,7 @@ fn options(max_seqs: usize) -> ModelOptions {
         max_logit_rows: max_seqs,
         num_blocks: max_seqs * BLOCKS_PER_SEQ as usize,
         block_size: BLOCK as usize,
+        kv_memory_fraction: None,
     }
 }
 
@@ -51,6 +52,7 @@ fn greedy_options(refs: &[GreedyRef]) -> ModelOptions {
         max_logit_rows: rows.max(refs.len()),
         num_blocks: refs.len() * BLOCKS_PER_SEQ as usize,
         block_size: BLOCK as usize,
+        kv_memory_fraction: None,
     }
 }
 

@@ -1,7 +1,8 @@
 //! A Llama-family model on a Backend: hyper-parameters (from `npu_gguf::hparams`), weights handed
 //! to the device as the file stores them (`weights`), and the batched forward step over a paged
-//! KV cache (`runner`).
+//! KV cache (`runner`), whose pool may be sized from free device memory (`kv_sizing`).
 
+pub mod kv_sizing;
 pub mod runner;
 pub mod weights;
 
@@ -28,6 +29,8 @@ pub enum ModelError {
     Inconsistent(String),
     #[error("bad model options: {0}")]
     BadOptions(String),
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
     #[error("long-context mode: {0}")]
     LongContext(String),
 }

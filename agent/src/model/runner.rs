@@ -15,14 +15,20 @@ use super::{ModelConfig, ModelError};
 use crate::long_context::LongContext;
 
 /// Capacities fixed when the model is loaded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ModelOptions {
     /// Most new tokens in one step.
     pub max_tokens: usize,
     /// Most sequences that want logits in one step.
     pub max_logit_rows: usize,
+    /// KV pool blocks; with `kv_memory_fraction`, the most it may have (once loaded: the blocks
+    /// it has).
     pub num_blocks: usize,
     pub block_size: usize,
+    /// When set, the KV pool takes this fraction of the device memory free after the weights
+    /// and step buffers are placed (whole blocks, at most `num_blocks`); `Model::load` writes
+    /// the resulting count into `num_blocks`.
+    pub kv_memory_fraction: Option<f64>,
 }
 
 /// What a step hands back to the host.
@@ -77,13 +83,6 @@ impl<B: Backend> Model<B> {
             )));
         }
         let weights = Weights::load(f, &cfg, &mut backend)?;
-        backend.init_kv(KvSpec {
-            n_layers: cfg.n_layers,
-            num_blocks: opts.num_blocks,
-            block_size: opts.block_size,
-            n_kv_heads: cfg.n_kv_heads,
-            head_dim: cfg.head_dim,
-        })?;
         let t = opts.max_tokens;
         let l = opts.max_logit_rows;
         let h = cfg.hidden;
@@ -103,6 +102,9 @@ impl<B: Backend> Model<B> {
             ids: alloc(DType::I32, l)?,
             logprobs: alloc(DType::F32, l)?,
         };
+        // The pool last: sized from free memory, it sees what the weights and buffers left.
+        let mut opts = opts;
+        opts.num_blocks = init_kv_pool(&mut backend, &cfg, &opts)?;
         let geometry = AttnGeometry {
             n_heads: cfg.n_heads,
             n_kv_heads: cfg.n_kv_heads,
@@ -311,6 +313,46 @@ impl<B: Backend> Model<B> {
 }
 
 /// Runs a (possibly split) projection of `x` into the columns of `out`.
+/// Allocates the KV pool `opts` asks for (a fixed number of blocks, or a fraction of the free
+/// device memory) and returns its blocks.
+fn init_kv_pool<B: Backend>(
+    backend: &mut B,
+    cfg: &ModelConfig,
+    opts: &ModelOptions,
+) -> Result<usize, ModelError> {
+    let mut spec = KvSpec {
+        n_layers: cfg.n_layers,
+        num_blocks: opts.num_blocks,
+        block_size: opts.block_size,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+    };
+    let block_bytes = backend.kv_block_bytes_for(&spec);
+    if let Some(fraction) = opts.kv_memory_fraction {
+        let mem = backend.mem_info()?;
+        spec.num_blocks =
+            super::kv_sizing::blocks_for_memory(mem.free, fraction, block_bytes, opts.num_blocks)?;
+        tracing::info!(
+            device = %backend.describe(),
+            free_bytes = mem.free,
+            total_bytes = mem.total,
+            fraction,
+            block_bytes,
+            num_blocks = spec.num_blocks,
+            most_blocks = opts.num_blocks,
+            "KV pool sized from the device memory free after the weights and step buffers"
+        );
+    }
+    backend.init_kv(spec)?;
+    let got = backend.kv_block_bytes();
+    if got != block_bytes {
+        return Err(ModelError::Inconsistent(format!(
+            "the backend planned {block_bytes} bytes per KV block and allocated {got}"
+        )));
+    }
+    Ok(spec.num_blocks)
+}
+
 fn project<B: Backend>(
     b: &mut B,
     x: View<'_, B::Buffer>,

@@ -229,6 +229,7 @@ mod tests {
         AgentEngineConfig {
             swap_space_mb: 0,
             handoff: None,
+            kv_memory_fraction: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: "/nonexistent/npu-serving-test/model.gguf".into(),

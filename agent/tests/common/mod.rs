@@ -56,6 +56,7 @@ pub fn engine_config(max_slots: u32, num_blocks: u32) -> AgentEngineConfig {
     AgentEngineConfig {
         swap_space_mb: 0,
         handoff: None,
+        kv_memory_fraction: None,
         device: DeviceKind::Cpu,
         device_id: 0,
         model_path: model_path(),

@@ -195,6 +195,22 @@ pub struct KvSpec {
     pub head_dim: usize,
 }
 
+impl KvSpec {
+    /// Bytes of one block stored as f16 (K and V of every layer), saturating on overflow.
+    pub fn f16_block_bytes(&self) -> usize {
+        [
+            self.n_layers,
+            2,
+            self.block_size,
+            self.n_kv_heads,
+            self.head_dim,
+            2,
+        ]
+        .into_iter()
+        .fold(1usize, usize::saturating_mul)
+    }
+}
+
 /// Model-wide attention geometry.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnGeometry {
@@ -292,6 +308,12 @@ pub trait Backend: Send {
     fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError>;
     /// Bytes one block occupies (K and V of every layer): the unit of the host copies below.
     fn kv_block_bytes(&self) -> usize;
+    /// Bytes one block of a pool of `spec` would take, before `init_kv` (to size a pool from
+    /// free memory). Every backend here stores the cache in f16; one storing another dtype
+    /// overrides this.
+    fn kv_block_bytes_for(&self, spec: &KvSpec) -> usize {
+        spec.f16_block_bytes()
+    }
     /// Copies whole blocks device→device, `(src, dst)` pairs, stream-ordered.
     fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError>;
     /// Copies `blocks` to host memory, `kv_block_bytes()` each, in order (waits for queued ops).

@@ -76,6 +76,13 @@ impl AgentLink {
         &self.spec
     }
 
+    /// Fixes the agent's KV pool at `blocks` for every later start (a restart allocates exactly
+    /// that, instead of sizing it from free memory again). The segment keeps its capacities.
+    pub fn pin_kv_blocks(&mut self, blocks: u32) {
+        self.spec.engine.num_blocks = blocks;
+        self.spec.engine.kv_memory_fraction = None;
+    }
+
     /// What the agent reported about its model at the last handshake.
     pub fn facts(&self) -> &ModelFacts {
         &self.facts

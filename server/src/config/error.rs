@@ -35,10 +35,12 @@ pub enum ConfigError {
     #[error(
         "{pool_path}: {num_blocks} blocks x pa_config.block_size {block_size} = {slots} token \
          slots per agent cannot hold one sequence of {limit_path} = {limit} tokens; raise \
-         pa_config.num_blocks to at least {blocks_needed} or lower {lower} to at most {slots}"
+         {raise} at least {blocks_needed} or lower {lower} to at most {slots}"
     )]
     PoolTooSmall {
         pool_path: &'static str,
+        /// What to raise, up to "at least N".
+        raise: &'static str,
         num_blocks: u32,
         block_size: u32,
         slots: u64,

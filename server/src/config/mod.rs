@@ -87,6 +87,9 @@ impl Default for ServingConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PaConfig {
     pub num_blocks: u32,
+    /// Whether the file gave `num_blocks` (with `npu_serving.kv_cache_memory_fraction` it is
+    /// then the most blocks the pool may have).
+    pub num_blocks_set: bool,
     pub block_size: u32,
     /// Longest sequence paged decoding serves, when set (another cap on the context length).
     pub decode_seq_length: Option<u32>,
@@ -96,6 +99,7 @@ impl Default for PaConfig {
     fn default() -> Self {
         Self {
             num_blocks: 2048,
+            num_blocks_set: false,
             block_size: 16,
             decode_seq_length: None,
         }
@@ -148,6 +152,10 @@ pub struct NpuServingConfig {
     /// Shared memory through which prefill agents hand KV blocks to decode agents, in MiB
     /// (used only when some agent's role is not `both`).
     pub handoff_space_mb: u64,
+    /// When set, each agent's KV pool takes this fraction of the device memory free after its
+    /// weights and step buffers are placed (at most `pa_config.num_blocks` blocks when that key
+    /// is given); None: exactly `pa_config.num_blocks`.
+    pub kv_cache_memory_fraction: Option<f64>,
 }
 
 impl Default for NpuServingConfig {
@@ -171,6 +179,7 @@ impl Default for NpuServingConfig {
             long_context: None,
             agent_roles: Vec::new(),
             handoff_space_mb: 256,
+            kv_cache_memory_fraction: None,
         }
     }
 }
@@ -281,19 +290,49 @@ impl ServerConfig {
         }
     }
 
-    /// Refuses a KV pool (`pa_config.num_blocks` x `block_size` token slots per agent) that
-    /// cannot hold one sequence of the longest length a request may reach: such a request
-    /// could never run (in long-context mode: one sequence's `device_blocks`). The error names
-    /// both keys and the values that would work.
+    /// The blocks the server plans for before the agents start: `pa_config.num_blocks`, or with
+    /// a memory fraction the most the agents may allocate (`pa_config.num_blocks` when given,
+    /// else `KV_AUTO_MAX_BLOCKS`). The agents' handshakes then say what they have.
+    pub fn kv_pool_blocks_planned(&self) -> u32 {
+        match self.npu_serving.kv_cache_memory_fraction {
+            Some(_) if !self.pa_config.num_blocks_set => npu_protocol::agent::KV_AUTO_MAX_BLOCKS,
+            _ => self.pa_config.num_blocks,
+        }
+    }
+
+    /// `check_kv_pool_blocks` on `pa_config.num_blocks`; with a memory fraction nothing yet (the
+    /// pool's size is known once the agents have sized theirs).
     pub fn check_kv_pool(&self, model_context: u32) -> Result<(), ConfigError> {
+        if self.npu_serving.kv_cache_memory_fraction.is_some() {
+            return Ok(());
+        }
+        self.check_kv_pool_blocks(model_context, self.pa_config.num_blocks)
+    }
+
+    /// Refuses a KV pool (`num_blocks` x `block_size` token slots per agent) that cannot hold
+    /// one sequence of the longest length a request may reach: such a request could never run
+    /// (in long-context mode: one sequence's `device_blocks`). The error names the keys and
+    /// the values that would work.
+    pub fn check_kv_pool_blocks(
+        &self,
+        model_context: u32,
+        num_blocks: u32,
+    ) -> Result<(), ConfigError> {
+        let (pool_path, raise) = match self.npu_serving.kv_cache_memory_fraction {
+            Some(_) => (
+                "npu_serving.kv_cache_memory_fraction",
+                "npu_serving.kv_cache_memory_fraction (or free device memory) so the pool has",
+            ),
+            None => ("pa_config.num_blocks", "pa_config.num_blocks to"),
+        };
         if let Some(lc) = &self.npu_serving.long_context {
-            if self.pa_config.num_blocks < lc.device_blocks {
+            if num_blocks < lc.device_blocks {
                 return Err(ConfigError::not_allowed(
                     "npu_serving.long_context.device_blocks",
                     lc.device_blocks,
                     format!(
-                        "at most pa_config.num_blocks ({}): one sequence holds that many blocks",
-                        self.pa_config.num_blocks
+                        "at most the KV pool's {num_blocks} blocks ({pool_path}): one sequence \
+                         holds that many blocks"
                     ),
                 ));
             }
@@ -301,7 +340,7 @@ impl ServerConfig {
         }
         let (limit, limit_path) = self.longest_sequence(model_context);
         let pa = &self.pa_config;
-        let slots = u64::from(pa.num_blocks) * u64::from(pa.block_size);
+        let slots = u64::from(num_blocks) * u64::from(pa.block_size);
         if slots >= u64::from(limit) {
             return Ok(());
         }
@@ -311,8 +350,9 @@ impl ServerConfig {
             limit_path
         };
         Err(ConfigError::PoolTooSmall {
-            pool_path: "pa_config.num_blocks",
-            num_blocks: pa.num_blocks,
+            pool_path,
+            raise,
+            num_blocks,
             block_size: pa.block_size,
             slots,
             limit_path,

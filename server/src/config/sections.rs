@@ -8,10 +8,8 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use npu_protocol::agent::MAX_KV_MEMORY_FRACTION;
 use npu_protocol::LongContextConfig;
-/// Largest host KV pool per agent we accept (1 TiB).
-const MAX_SWAP_SPACE_MB: u64 = 1 << 20;
-
 use serde_yaml::Value;
 
 use super::error::{ConfigError, ConfigWarning};
@@ -21,6 +19,9 @@ use super::{
     BatchingStrategy, DeviceKind, ModelConfig, NpuServingConfig, PaConfig, ServerConfig,
     ServingConfig,
 };
+
+/// Largest host KV pool per agent we accept (1 TiB).
+const MAX_SWAP_SPACE_MB: u64 = 1 << 20;
 
 /// Why `--strict-config` refuses a key.
 const STRICT: &str = "--strict-config refuses unknown keys";
@@ -373,6 +374,7 @@ fn pa_config(s: &mut Section) -> Result<PaConfig, ConfigError> {
     let mut c = PaConfig::default();
     if let Some(v) = s.u64("num_blocks")? {
         c.num_blocks = to_u32(&s.key_path("num_blocks"), v, 1)?;
+        c.num_blocks_set = true;
     }
     if let Some(v) = s.u64("block_size")? {
         if !(1..=256).contains(&v) || !v.is_power_of_two() {
@@ -485,6 +487,20 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
     c.agent_roles = roles::agent_roles(s)?;
     if let Some(v) = roles::handoff_space_mb(s)? {
         c.handoff_space_mb = v;
+    }
+    if let Some(v) = s.f64("kv_cache_memory_fraction")? {
+        if !(v > 0.0 && v <= MAX_KV_MEMORY_FRACTION) {
+            return Err(ConfigError::not_allowed(
+                &s.key_path("kv_cache_memory_fraction"),
+                v,
+                format!(
+                    "above 0 and at most {MAX_KV_MEMORY_FRACTION} (the share of the device memory \
+                     free after the weights that the KV pool takes; leave the key out for \
+                     exactly pa_config.num_blocks)"
+                ),
+            ));
+        }
+        c.kv_cache_memory_fraction = Some(v);
     }
     Ok(c)
 }

@@ -57,7 +57,7 @@ impl EngineConfig {
         let block_size = cfg.pa_config.block_size as usize;
         let scheduler = SchedulerConfig {
             kv_host: None,
-            num_blocks: cfg.pa_config.num_blocks as usize,
+            num_blocks: cfg.kv_pool_blocks_planned() as usize,
             block_size,
             max_running: cfg.decode_batch_size() as usize,
             max_new_prompts_per_step: cfg.prefill_batch_size() as usize,

@@ -1,11 +1,15 @@
 //! The emulated device memory: each allocation is its own mapping with an inaccessible page on
 //! either side and a canary pattern filling the rest of its last page, so a kernel that writes
 //! before an allocation faults at once and one that writes past its end is reported after the
-//! launch. Copies must lie inside one live allocation, as on a device.
+//! launch. Copies must lie inside one live allocation, as on a device. The space is bounded
+//! (`EMULATED_DEVICE_BYTES`): an allocation past it fails as cuMemAlloc would, and the free
+//! bytes reported are what the live allocations leave.
 
 use std::collections::BTreeMap;
 
 const PAGE: usize = 4096;
+/// Bytes of the emulated device (what `mem_info` reports as total).
+pub const EMULATED_DEVICE_BYTES: u64 = 4 << 30;
 const CANARY: u8 = 0xa5;
 
 struct Region {
@@ -40,6 +44,12 @@ unsafe impl Send for Memory {}
 impl Memory {
     /// A zeroed allocation of `bytes` (page aligned).
     pub fn alloc(&mut self, bytes: usize) -> Result<u64, String> {
+        if (bytes as u64).saturating_add(self.used()) > EMULATED_DEVICE_BYTES {
+            return Err(format!(
+                "out of memory: {bytes} bytes asked, {} of {EMULATED_DEVICE_BYTES} free",
+                EMULATED_DEVICE_BYTES - self.used()
+            ));
+        }
         let data_pages = bytes.div_ceil(PAGE).max(1) * PAGE;
         let map_len = data_pages + 2 * PAGE;
         // SAFETY: an anonymous private mapping; the result is checked.
@@ -76,6 +86,11 @@ impl Memory {
         let addr = r.data() as u64;
         self.regions.insert(addr, r);
         Ok(addr)
+    }
+
+    /// Bytes the live allocations hold.
+    pub fn used(&self) -> u64 {
+        self.regions.values().map(|r| r.len as u64).sum()
     }
 
     pub fn free(&mut self, addr: u64) -> Result<(), String> {

@@ -169,8 +169,8 @@ impl Gpu for EmuGpu {
 
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         Ok(MemInfo {
-            free: 4 << 30,
-            total: 4 << 30,
+            free: memory::EMULATED_DEVICE_BYTES - self.mem().used(),
+            total: memory::EMULATED_DEVICE_BYTES,
         })
     }
 
