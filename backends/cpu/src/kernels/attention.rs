@@ -249,24 +249,6 @@ pub fn paged_attention(
     let max_ctx = seqs.iter().map(|s| s.start_pos + s.n_q).max().unwrap_or(0);
     let per_head =
         chunks.len() * p.lay.n_kv_heads < 2 * pool.threads() && group > 1 && max_ctx <= 1024;
-    // Output columns: one part per query head, or per KV head's group of query heads.
-    let (col_parts, heads_per_part): (Vec<_>, usize) = if per_head {
-        ((0..p.n_heads).map(|h| h * hd..(h + 1) * hd).collect(), 1)
-    } else {
-        (
-            (0..p.lay.n_kv_heads)
-                .map(|kvh| kvh * group * hd..(kvh + 1) * group * hd)
-                .collect(),
-            group,
-        )
-    };
-    let grid = TileGrid::new(
-        out,
-        ldo,
-        chunks.iter().map(|c| c.0.clone()).collect(),
-        col_parts,
-    )
-    .map_err(|e| bad(e.to_string()))?;
     // Each chunk's KV parts, with its sequence seen from each part's first block: positions
     // counted from there, its block table starting there, and how many positions it may see.
     let bs = p.lay.block_size;
@@ -297,6 +279,31 @@ pub fn paged_attention(
                 .collect(),
         );
     }
+    // Many chunks (a decoding batch), none split over the KV: one task per chunk for all its KV
+    // heads in turn, so each task walks whole blocks (every KV head's K, then V, lie together)
+    // and asks for the next head's K while it works on this one's V.
+    let all_heads =
+        !per_head && chunks.len() >= 4 * pool.threads() && windows.iter().all(|w| w.len() == 1);
+    // Output columns: one part per query head, per KV head's group of query heads, or all.
+    let (col_parts, heads_per_part): (Vec<_>, usize) = if per_head {
+        ((0..p.n_heads).map(|h| h * hd..(h + 1) * hd).collect(), 1)
+    } else if all_heads {
+        (vec![0..p.n_heads * hd], p.n_heads)
+    } else {
+        (
+            (0..p.lay.n_kv_heads)
+                .map(|kvh| kvh * group * hd..(kvh + 1) * group * hd)
+                .collect(),
+            group,
+        )
+    };
+    let grid = TileGrid::new(
+        out,
+        ldo,
+        chunks.iter().map(|c| c.0.clone()).collect(),
+        col_parts,
+    )
+    .map_err(|e| bad(e.to_string()))?;
     // Tasks: (chunk, column part, KV part); the column part's heads are g0..g0 + heads_per_part
     // of its KV head. A chunk of one KV part writes its tile; the parts of a split one leave
     // partial results, merged below.
@@ -313,10 +320,9 @@ pub fn paged_attention(
         .iter()
         .map(|_| Mutex::new(Partial::default()))
         .collect();
-    let task_of = |ci: usize, part: usize, kp: usize| {
+    // Query heads g0..g1 of KV head `kvh` for chunk `ci`, KV part `kp`.
+    let task_at = |ci: usize, kvh: usize, g0: usize, g1: usize, kp: usize| {
         let (_, _, t0, t1) = chunks[ci].clone();
-        let first_head = part * heads_per_part;
-        let (kvh, g0) = (first_head / group, first_head % group);
         let (seq, cap) = &windows[ci][kp];
         Task {
             isa,
@@ -329,13 +335,37 @@ pub fn paged_attention(
             t0,
             t1,
             g0,
-            g1: g0 + heads_per_part,
+            g1,
+            next_kvh: None,
             k_cache,
             v_cache,
         }
     };
+    let task_of = |ci: usize, part: usize, kp: usize| {
+        let first_head = part * heads_per_part;
+        let (kvh, g0) = (first_head / group, first_head % group);
+        task_at(ci, kvh, g0, g0 + heads_per_part, kp)
+    };
     pool.run(tasks.len(), |ti| {
         let (ci, part, kp) = tasks[ti];
+        if all_heads {
+            SCRATCH.with(|s| {
+                let s = &mut s.borrow_mut();
+                let mut tile = grid.take(ci, part);
+                for kvh in 0..p.lay.n_kv_heads {
+                    let task = Task {
+                        next_kvh: (kvh + 1 < p.lay.n_kv_heads).then_some(kvh + 1),
+                        ..task_at(ci, kvh, 0, group, kp)
+                    };
+                    run_task(isa, &task, s);
+                    write_out(&task, &s.o, &mut tile);
+                }
+                if let Some(first) = tile.rows().next() {
+                    super::inject_fault(isa, tile.row_mut(first).first_mut());
+                }
+            });
+            return;
+        }
         let task = task_of(ci, part, kp);
         SCRATCH.with(|s| {
             let s = &mut s.borrow_mut();
@@ -413,6 +443,8 @@ struct Task<'a> {
     /// Query heads `g0..g1` of the KV head's group.
     g0: usize,
     g1: usize,
+    /// The KV head the same thread works on next for this sequence (its K is asked for ahead).
+    next_kvh: Option<usize>,
     k_cache: &'a [f16],
     v_cache: &'a [f16],
 }
@@ -524,6 +556,15 @@ fn task_body(t: &Task, s: &mut Scratch) {
                 super::attention_avx512::prefetch(k_ptr(bi) as *const u8, hd * bs * 2);
             }
         };
+        // The V of the blocks scored now is asked for too: it is needed right after the
+        // softmax, and asking early keeps more of the task's reads in flight.
+        let prefetch_v = |bi: usize| {
+            if bi < n_blocks {
+                let v0 = lay.v_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
+                let v = t.v_cache[v0..v0 + bs * hd].as_ptr();
+                super::attention_avx512::prefetch(v as *const u8, bs * hd * 2);
+            }
+        };
         let ahead = prefetch_blocks();
         for bi in 0..ahead {
             prefetch_k(bi);
@@ -532,6 +573,8 @@ fn task_body(t: &Task, s: &mut Scratch) {
         while bi < n_blocks {
             prefetch_k(bi + ahead);
             prefetch_k(bi + ahead + 1);
+            prefetch_v(bi);
+            prefetch_v(bi + 1);
             // SAFETY: `fast` means the CPU has AVX-512 (the isa passed `Isa::checked`) and hd, bs
             // are multiples of 16 with hd <= 256; each K pointer starts an `hd * bs` slice of the
             // cache (sliced in `k_ptr`); `s.q` holds rows x hd values; the call writes scores
@@ -649,26 +692,21 @@ fn task_body(t: &Task, s: &mut Scratch) {
     }
     // Weighted sum of V, one block at a time; 16 dimensions per register-held accumulator.
     s.o.fill(0.0);
+    // While this head's V is summed, the next head's K (same blocks) is asked for.
     #[cfg(target_arch = "x86_64")]
-    let prefetch_v = |bi: usize| {
-        if fast && bi < n_blocks {
-            let v0 = lay.v_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
-            let v = t.v_cache[v0..v0 + bs * hd].as_ptr();
-            super::attention_avx512::prefetch(v as *const u8, bs * hd * 2);
+    let prefetch_next_k = |bi: usize| {
+        if let Some(kvh) = t.next_kvh.filter(|_| fast && bi < n_blocks) {
+            let k0 = lay.k_at(t.seq.block_table[bi] as usize, kvh, 0, 0);
+            let k = t.k_cache[k0..k0 + hd * bs].as_ptr();
+            super::attention_avx512::prefetch(k as *const u8, hd * bs * 2);
         }
     };
-    #[cfg(target_arch = "x86_64")]
-    let ahead = prefetch_blocks();
-    #[cfg(target_arch = "x86_64")]
-    for bi in 0..ahead {
-        prefetch_v(bi);
-    }
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let v0 = lay.v_at(blk, t.kvh, 0, 0);
         #[cfg(target_arch = "x86_64")]
         if fast {
-            prefetch_v(bi + ahead);
+            prefetch_next_k(bi);
             let n_t = (max_ctx - bi * bs).min(bs);
             // SAFETY: as for the scores: V is an `bs * hd` slice of the cache; probabilities are
             // read at `r * span + bi * bs + t` for r < rows, t < n_t <= bs, inside the scores

@@ -16,7 +16,7 @@ pub fn prefetch(p: *const u8, bytes: usize) {
         // SAFETY: `prefetcht0` is SSE (baseline on x86-64) and is only a hint: it cannot fault
         // or change memory, whatever the address; the address is formed with wrapping
         // arithmetic and never dereferenced.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8) };
         off += 64;
     }
 }
