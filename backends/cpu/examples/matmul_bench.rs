@@ -1,5 +1,7 @@
 //! Micro-benchmark of the packed matmul kernels on model-shaped matrices: prints time, GMAC/s and
-//! weight bandwidth per shape and batch size. `cargo run --release -p npu-agent --example matmul_bench [threads]`.
+//! weight bandwidth per shape and batch size. `ONLY=Q4_1` picks a type, `M=1,32` the row counts,
+//! `CYCLE=60` cycles through 60 copies of each matrix so the weights stream from memory.
+//! `cargo run --release -p npu-backend-cpu --example matmul_bench [threads]`.
 
 use npu_backend_cpu::kernels::matmul::{matmul, MatmulInput};
 use npu_backend_cpu::kernels::Isa;
@@ -30,7 +32,17 @@ fn main() {
             bytes[r * ty.block_bytes()] = 0;
             bytes[r * ty.block_bytes() + 1] = 0x1c;
         }
-        let w = WeightMatrix::from_ggml_parts(&[(ty, &bytes, n)], k).unwrap();
+        // With `CYCLE=n`, n copies of the matrix taken in turn (beyond the caches, as a model
+        // step's weights are).
+        let copies: usize = std::env::var("CYCLE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+            .max(1);
+        let ws: Vec<WeightMatrix> = (0..copies)
+            .map(|_| WeightMatrix::from_ggml_parts(&[(ty, &bytes, n)], k).unwrap())
+            .collect();
+        let w = &ws[0];
         let ms: Vec<usize> = match std::env::var("M") {
             Ok(v) => v.split(',').filter_map(|x| x.parse().ok()).collect(),
             Err(_) => vec![1, 4, 32, 128],
@@ -49,11 +61,11 @@ fn main() {
             for _ in 0..7 {
                 let t = Instant::now();
                 let c0 = thread_cpu_s();
-                for _ in 0..iters {
+                for it in 0..iters {
                     matmul(
                         &pool,
                         Isa::active(),
-                        &w,
+                        &ws[it % copies],
                         MatmulInput {
                             f32: &x,
                             quantized: &a,

@@ -99,7 +99,7 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
         // arithmetic and never dereferenced).
         let mut l = 0;
         while l < unit {
-            _mm_prefetch::<_MM_HINT_T0>(u.wrapping_add(pf_dist + l) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(u.wrapping_add(pf_dist + l) as *const i8);
             l += 64;
         }
         let wv: [__m512i; 8] = if NIB {
