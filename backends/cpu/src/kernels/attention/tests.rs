@@ -211,6 +211,20 @@ fn split_kv_result_does_not_depend_on_the_batch() {
     }
 }
 
+/// A decoding batch (a task per sequence for all its KV heads) gives a sequence the bits it gets
+/// alone (a task per query head).
+#[test]
+fn a_decoding_batch_gives_each_sequence_its_bits_alone() {
+    let mut shapes = vec![(100usize, 1usize)];
+    shapes.extend([0usize, 5, 15, 16, 17, 40, 63, 150].iter().map(|&h| (h, 1)));
+    let alone = check_against_dense(&shapes[..1], 200);
+    let batched = check_against_dense(&shapes, 200);
+    let ldo = 9 * 64;
+    for (a, b) in alone.iter().zip(&batched) {
+        assert_eq!(a[..ldo], b[..ldo]);
+    }
+}
+
 /// Two sequences that claim the same query rows would write the same output: refused, as are
 /// block tables pointing past the cache.
 #[test]
