@@ -61,6 +61,9 @@ pub fn kv_write(
 ) {
     let hd = lay.head_dim;
     let width = lay.n_kv_heads * hd;
+    // A token's K values are converted together (vector instructions where the CPU has them,
+    // the same rounding either way), then scattered down their block's columns.
+    let mut k16 = vec![f16::ZERO; width];
     for (i, &slot) in slots.iter().enumerate() {
         let (block, t) = (
             slot as usize / lay.block_size,
@@ -68,9 +71,10 @@ pub fn kv_write(
         );
         let k_row = &k[i * ldk..i * ldk + width];
         let v_row = &v[i * ldv..i * ldv + width];
+        k16.convert_from_f32_slice(k_row);
         for kvh in 0..lay.n_kv_heads {
             for d in 0..hd {
-                cache[k_base + lay.k_at(block, kvh, d, t)] = f16::from_f32(k_row[kvh * hd + d]);
+                cache[k_base + lay.k_at(block, kvh, d, t)] = k16[kvh * hd + d];
             }
             let v0 = v_base + lay.v_at(block, kvh, t, 0);
             cache[v0..v0 + hd].convert_from_f32_slice(&v_row[kvh * hd..(kvh + 1) * hd]);
