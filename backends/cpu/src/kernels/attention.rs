@@ -510,6 +510,31 @@ fn prefetch_blocks() -> usize {
 /// Lanes of the fixed-width accumulators below (one AVX-512 register).
 const LANES: usize = 16;
 
+/// Multiplies `x` (whole chunks of `LANES`) by `scale` in place and returns each lane's maximum
+/// (lane j over values j, j + LANES, ...), kept as `if v > max { v } else { max }`.
+#[inline(always)]
+fn scale_lane_max(fast: bool, x: &mut [f32], scale: f32) -> [f32; LANES] {
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        // SAFETY: `fast` holds only for an instruction set that passed `Isa::checked` as AVX-512
+        // VNNI, which includes AVX-512F; the function touches only whole chunks of `x`.
+        return unsafe { super::attention_avx512::scale_lane_max(x, scale) };
+    }
+    let _ = fast;
+    let mut lane_max = [f32::NEG_INFINITY; LANES];
+    for c in x.chunks_exact_mut(LANES) {
+        for j in 0..LANES {
+            c[j] *= scale;
+            lane_max[j] = if c[j] > lane_max[j] {
+                c[j]
+            } else {
+                lane_max[j]
+            };
+        }
+    }
+    lane_max
+}
+
 /// One task: query heads `g0..g1` of KV head `kvh` for tokens `t0..t1` of one sequence (at
 /// most `cap` positions of it), into `s.o` and the softmax statistics.
 #[inline(always)]
@@ -649,23 +674,13 @@ fn task_body(t: &Task, s: &mut Scratch) {
     for r in 0..rows {
         let ctx = ctx_of(r);
         let sc = &mut s.scores[r * span..r * span + ctx];
-        // Scale and maximum, lane-wise so it vectorizes (plain comparisons, no NaN rules).
-        let mut lane_max = [f32::NEG_INFINITY; LANES];
-        let mut chunks = sc.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for j in 0..LANES {
-                c[j] *= t.p.scale;
-                lane_max[j] = if c[j] > lane_max[j] {
-                    c[j]
-                } else {
-                    lane_max[j]
-                };
-            }
-        }
+        // Scale and maximum, lane-wise (plain comparisons, no NaN rules).
+        let whole = ctx / LANES * LANES;
+        let lane_max = scale_lane_max(fast, &mut sc[..whole], t.p.scale);
         let mut max = lane_max
             .iter()
             .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-        for v in chunks.into_remainder() {
+        for v in &mut sc[whole..] {
             *v *= t.p.scale;
             if *v > max {
                 max = *v;
