@@ -447,7 +447,9 @@ struct Task<'a> {
     /// Query heads `g0..g1` of the KV head's group.
     g0: usize,
     g1: usize,
-    /// The KV head the same thread works on next for this sequence (its K is asked for ahead).
+    /// The KV head the same thread works on next for this sequence (its K is asked for ahead
+    /// where the machine has prefetch instructions we use).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     next_kvh: Option<usize>,
     k_cache: &'a [f16],
     v_cache: &'a [f16],
