@@ -4,7 +4,8 @@
 //! blocks of a layer lie `block_stride` elements apart (the backend interleaves the layers' K
 //! and V block by block). Attention reads history through each sequence's block table, with
 //! causal masking inside the new chunk, grouped-query heads sharing each K/V block load; a long
-//! history of a decoding sequence is split over the KV into parts merged by their softmax mass.
+//! history of a decoding sequence is split over the KV into parts merged by their softmax mass,
+//! and a decoding batch takes one task per sequence for all its KV heads.
 
 use std::cell::RefCell;
 use std::sync::Mutex;
@@ -292,7 +293,7 @@ pub fn paged_attention(
     let (col_parts, heads_per_part): (Vec<_>, usize) = if per_head {
         ((0..p.n_heads).map(|h| h * hd..(h + 1) * hd).collect(), 1)
     } else if all_heads {
-        (vec![0..p.n_heads * hd], p.n_heads)
+        (std::iter::once(0..p.n_heads * hd).collect(), p.n_heads)
     } else {
         (
             (0..p.lay.n_kv_heads)
