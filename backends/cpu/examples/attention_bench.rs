@@ -3,6 +3,7 @@
 //! for each of `batch` sequences at a given context, blocks handed out scattered as a long-running
 //! server would. Prints the best time of several windows, in CPU time of this process when run
 //! on one thread (a shared machine deschedules it; CPU time does not count that), else wall time.
+//! `CYCLE=1` reads every layer in turn, as a model step does, so the cache streams from memory.
 //! `cargo run --release -p npu-backend-cpu --example attention_bench [threads] [batch] [ctx]`.
 
 use half::f16;
@@ -79,13 +80,19 @@ fn main() {
         n_heads,
         scale: 0.125,
     };
-    // Layer 15's K and V, as a middle layer of the model.
-    let (k_base, v_base) = (2 * 15 * block_elems, (2 * 15 + 1) * block_elems);
+    // Layer 15's K and V, as a middle layer of the model; with `CYCLE` set, every layer in turn,
+    // as a model step reads them (the whole cache then streams from memory, not from the caches).
+    let cycle = std::env::var_os("CYCLE").is_some();
+    let bases = |it: usize| {
+        let l = if cycle { it % layers } else { 15 };
+        (2 * l * block_elems, (2 * l + 1) * block_elems)
+    };
     let iters = (20_000_000 / (batch * ctx)).max(3);
     let mut best = f64::MAX;
     for _ in 0..9 {
         let (t, c) = (Instant::now(), cpu_time());
-        for _ in 0..iters {
+        for it in 0..iters {
+            let (k_base, v_base) = bases(it);
             paged_attention(
                 &pool,
                 Isa::active(),

@@ -4,7 +4,8 @@
 //! blocks of a layer lie `block_stride` elements apart (the backend interleaves the layers' K
 //! and V block by block). Attention reads history through each sequence's block table, with
 //! causal masking inside the new chunk, grouped-query heads sharing each K/V block load; a long
-//! history of a decoding sequence is split over the KV into parts merged by their softmax mass.
+//! history of a decoding sequence is split over the KV into parts merged by their softmax mass,
+//! and a decoding batch takes one task per sequence for all its KV heads.
 
 use std::cell::RefCell;
 use std::sync::Mutex;
@@ -61,6 +62,9 @@ pub fn kv_write(
 ) {
     let hd = lay.head_dim;
     let width = lay.n_kv_heads * hd;
+    // A token's K values are converted together (vector instructions where the CPU has them,
+    // the same rounding either way), then scattered down their block's columns.
+    let mut k16 = vec![f16::ZERO; width];
     for (i, &slot) in slots.iter().enumerate() {
         let (block, t) = (
             slot as usize / lay.block_size,
@@ -68,9 +72,10 @@ pub fn kv_write(
         );
         let k_row = &k[i * ldk..i * ldk + width];
         let v_row = &v[i * ldv..i * ldv + width];
+        k16.convert_from_f32_slice(k_row);
         for kvh in 0..lay.n_kv_heads {
             for d in 0..hd {
-                cache[k_base + lay.k_at(block, kvh, d, t)] = f16::from_f32(k_row[kvh * hd + d]);
+                cache[k_base + lay.k_at(block, kvh, d, t)] = k16[kvh * hd + d];
             }
             let v0 = v_base + lay.v_at(block, kvh, t, 0);
             cache[v0..v0 + hd].convert_from_f32_slice(&v_row[kvh * hd..(kvh + 1) * hd]);
@@ -249,24 +254,6 @@ pub fn paged_attention(
     let max_ctx = seqs.iter().map(|s| s.start_pos + s.n_q).max().unwrap_or(0);
     let per_head =
         chunks.len() * p.lay.n_kv_heads < 2 * pool.threads() && group > 1 && max_ctx <= 1024;
-    // Output columns: one part per query head, or per KV head's group of query heads.
-    let (col_parts, heads_per_part): (Vec<_>, usize) = if per_head {
-        ((0..p.n_heads).map(|h| h * hd..(h + 1) * hd).collect(), 1)
-    } else {
-        (
-            (0..p.lay.n_kv_heads)
-                .map(|kvh| kvh * group * hd..(kvh + 1) * group * hd)
-                .collect(),
-            group,
-        )
-    };
-    let grid = TileGrid::new(
-        out,
-        ldo,
-        chunks.iter().map(|c| c.0.clone()).collect(),
-        col_parts,
-    )
-    .map_err(|e| bad(e.to_string()))?;
     // Each chunk's KV parts, with its sequence seen from each part's first block: positions
     // counted from there, its block table starting there, and how many positions it may see.
     let bs = p.lay.block_size;
@@ -297,6 +284,31 @@ pub fn paged_attention(
                 .collect(),
         );
     }
+    // Many chunks (a decoding batch), none split over the KV: one task per chunk for all its KV
+    // heads in turn, so each task walks whole blocks (every KV head's K, then V, lie together)
+    // and asks for the next head's K while it works on this one's V.
+    let all_heads =
+        !per_head && chunks.len() >= 4 * pool.threads() && windows.iter().all(|w| w.len() == 1);
+    // Output columns: one part per query head, per KV head's group of query heads, or all.
+    let (col_parts, heads_per_part): (Vec<_>, usize) = if per_head {
+        ((0..p.n_heads).map(|h| h * hd..(h + 1) * hd).collect(), 1)
+    } else if all_heads {
+        (std::iter::once(0..p.n_heads * hd).collect(), p.n_heads)
+    } else {
+        (
+            (0..p.lay.n_kv_heads)
+                .map(|kvh| kvh * group * hd..(kvh + 1) * group * hd)
+                .collect(),
+            group,
+        )
+    };
+    let grid = TileGrid::new(
+        out,
+        ldo,
+        chunks.iter().map(|c| c.0.clone()).collect(),
+        col_parts,
+    )
+    .map_err(|e| bad(e.to_string()))?;
     // Tasks: (chunk, column part, KV part); the column part's heads are g0..g0 + heads_per_part
     // of its KV head. A chunk of one KV part writes its tile; the parts of a split one leave
     // partial results, merged below.
@@ -313,10 +325,9 @@ pub fn paged_attention(
         .iter()
         .map(|_| Mutex::new(Partial::default()))
         .collect();
-    let task_of = |ci: usize, part: usize, kp: usize| {
+    // Query heads g0..g1 of KV head `kvh` for chunk `ci`, KV part `kp`.
+    let task_at = |ci: usize, kvh: usize, g0: usize, g1: usize, kp: usize| {
         let (_, _, t0, t1) = chunks[ci].clone();
-        let first_head = part * heads_per_part;
-        let (kvh, g0) = (first_head / group, first_head % group);
         let (seq, cap) = &windows[ci][kp];
         Task {
             isa,
@@ -329,13 +340,37 @@ pub fn paged_attention(
             t0,
             t1,
             g0,
-            g1: g0 + heads_per_part,
+            g1,
+            next_kvh: None,
             k_cache,
             v_cache,
         }
     };
+    let task_of = |ci: usize, part: usize, kp: usize| {
+        let first_head = part * heads_per_part;
+        let (kvh, g0) = (first_head / group, first_head % group);
+        task_at(ci, kvh, g0, g0 + heads_per_part, kp)
+    };
     pool.run(tasks.len(), |ti| {
         let (ci, part, kp) = tasks[ti];
+        if all_heads {
+            SCRATCH.with(|s| {
+                let s = &mut s.borrow_mut();
+                let mut tile = grid.take(ci, part);
+                for kvh in 0..p.lay.n_kv_heads {
+                    let task = Task {
+                        next_kvh: (kvh + 1 < p.lay.n_kv_heads).then_some(kvh + 1),
+                        ..task_at(ci, kvh, 0, group, kp)
+                    };
+                    run_task(isa, &task, s);
+                    write_out(&task, &s.o, &mut tile);
+                }
+                if let Some(first) = tile.rows().next() {
+                    super::inject_fault(isa, tile.row_mut(first).first_mut());
+                }
+            });
+            return;
+        }
         let task = task_of(ci, part, kp);
         SCRATCH.with(|s| {
             let s = &mut s.borrow_mut();
@@ -413,6 +448,10 @@ struct Task<'a> {
     /// Query heads `g0..g1` of the KV head's group.
     g0: usize,
     g1: usize,
+    /// The KV head the same thread works on next for this sequence (its K is asked for ahead
+    /// where the machine has prefetch instructions we use).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    next_kvh: Option<usize>,
     k_cache: &'a [f16],
     v_cache: &'a [f16],
 }
@@ -474,6 +513,31 @@ fn prefetch_blocks() -> usize {
 /// Lanes of the fixed-width accumulators below (one AVX-512 register).
 const LANES: usize = 16;
 
+/// Multiplies `x` (whole chunks of `LANES`) by `scale` in place and returns each lane's maximum
+/// (lane j over values j, j + LANES, ...), kept as `if v > max { v } else { max }`.
+#[inline(always)]
+fn scale_lane_max(fast: bool, x: &mut [f32], scale: f32) -> [f32; LANES] {
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        // SAFETY: `fast` holds only for an instruction set that passed `Isa::checked` as AVX-512
+        // VNNI, which includes AVX-512F; the function touches only whole chunks of `x`.
+        return unsafe { super::attention_avx512::scale_lane_max(x, scale) };
+    }
+    let _ = fast;
+    let mut lane_max = [f32::NEG_INFINITY; LANES];
+    for c in x.chunks_exact_mut(LANES) {
+        for j in 0..LANES {
+            c[j] *= scale;
+            lane_max[j] = if c[j] > lane_max[j] {
+                c[j]
+            } else {
+                lane_max[j]
+            };
+        }
+    }
+    lane_max
+}
+
 /// One task: query heads `g0..g1` of KV head `kvh` for tokens `t0..t1` of one sequence (at
 /// most `cap` positions of it), into `s.o` and the softmax statistics.
 #[inline(always)]
@@ -524,6 +588,15 @@ fn task_body(t: &Task, s: &mut Scratch) {
                 super::attention_avx512::prefetch(k_ptr(bi) as *const u8, hd * bs * 2);
             }
         };
+        // The V of the blocks scored now is asked for too: it is needed right after the
+        // softmax, and asking early keeps more of the task's reads in flight.
+        let prefetch_v = |bi: usize| {
+            if bi < n_blocks {
+                let v0 = lay.v_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
+                let v = t.v_cache[v0..v0 + bs * hd].as_ptr();
+                super::attention_avx512::prefetch(v as *const u8, bs * hd * 2);
+            }
+        };
         let ahead = prefetch_blocks();
         for bi in 0..ahead {
             prefetch_k(bi);
@@ -532,6 +605,8 @@ fn task_body(t: &Task, s: &mut Scratch) {
         while bi < n_blocks {
             prefetch_k(bi + ahead);
             prefetch_k(bi + ahead + 1);
+            prefetch_v(bi);
+            prefetch_v(bi + 1);
             // SAFETY: `fast` means the CPU has AVX-512 (the isa passed `Isa::checked`) and hd, bs
             // are multiples of 16 with hd <= 256; each K pointer starts an `hd * bs` slice of the
             // cache (sliced in `k_ptr`); `s.q` holds rows x hd values; the call writes scores
@@ -602,23 +677,13 @@ fn task_body(t: &Task, s: &mut Scratch) {
     for r in 0..rows {
         let ctx = ctx_of(r);
         let sc = &mut s.scores[r * span..r * span + ctx];
-        // Scale and maximum, lane-wise so it vectorizes (plain comparisons, no NaN rules).
-        let mut lane_max = [f32::NEG_INFINITY; LANES];
-        let mut chunks = sc.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for j in 0..LANES {
-                c[j] *= t.p.scale;
-                lane_max[j] = if c[j] > lane_max[j] {
-                    c[j]
-                } else {
-                    lane_max[j]
-                };
-            }
-        }
+        // Scale and maximum, lane-wise (plain comparisons, no NaN rules).
+        let whole = ctx / LANES * LANES;
+        let lane_max = scale_lane_max(fast, &mut sc[..whole], t.p.scale);
         let mut max = lane_max
             .iter()
             .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-        for v in chunks.into_remainder() {
+        for v in &mut sc[whole..] {
             *v *= t.p.scale;
             if *v > max {
                 max = *v;
@@ -649,26 +714,21 @@ fn task_body(t: &Task, s: &mut Scratch) {
     }
     // Weighted sum of V, one block at a time; 16 dimensions per register-held accumulator.
     s.o.fill(0.0);
+    // While this head's V is summed, the next head's K (same blocks) is asked for.
     #[cfg(target_arch = "x86_64")]
-    let prefetch_v = |bi: usize| {
-        if fast && bi < n_blocks {
-            let v0 = lay.v_at(t.seq.block_table[bi] as usize, t.kvh, 0, 0);
-            let v = t.v_cache[v0..v0 + bs * hd].as_ptr();
-            super::attention_avx512::prefetch(v as *const u8, bs * hd * 2);
+    let prefetch_next_k = |bi: usize| {
+        if let Some(kvh) = t.next_kvh.filter(|_| fast && bi < n_blocks) {
+            let k0 = lay.k_at(t.seq.block_table[bi] as usize, kvh, 0, 0);
+            let k = t.k_cache[k0..k0 + hd * bs].as_ptr();
+            super::attention_avx512::prefetch(k as *const u8, hd * bs * 2);
         }
     };
-    #[cfg(target_arch = "x86_64")]
-    let ahead = prefetch_blocks();
-    #[cfg(target_arch = "x86_64")]
-    for bi in 0..ahead {
-        prefetch_v(bi);
-    }
     for bi in 0..n_blocks {
         let blk = t.seq.block_table[bi] as usize;
         let v0 = lay.v_at(blk, t.kvh, 0, 0);
         #[cfg(target_arch = "x86_64")]
         if fast {
-            prefetch_v(bi + ahead);
+            prefetch_next_k(bi);
             let n_t = (max_ctx - bi * bs).min(bs);
             // SAFETY: as for the scores: V is an `bs * hd` slice of the cache; probabilities are
             // read at `r * span + bi * bs + t` for r < rows, t < n_t <= bs, inside the scores

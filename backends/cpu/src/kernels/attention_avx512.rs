@@ -1,7 +1,8 @@
 //! AVX-512 inner loops of paged attention: the scores of a whole K block for several query rows
-//! (each f16 K row is converted once and shared by the rows of a GQA group), and the probability-
-//! weighted sum of a V block into register-held output rows. Used for head dims and block sizes
-//! that are multiples of 16; everything else takes the portable path.
+//! (each f16 K row is converted once and shared by the rows of a GQA group), the scaling and lane
+//! maxima of a row of scores, and the probability-weighted sum of a V block into register-held
+//! output rows. Used for head dims and block sizes that are multiples of 16; everything else
+//! takes the portable path.
 
 use std::arch::x86_64::*;
 
@@ -16,9 +17,29 @@ pub fn prefetch(p: *const u8, bytes: usize) {
         // SAFETY: `prefetcht0` is SSE (baseline on x86-64) and is only a hint: it cannot fault
         // or change memory, whatever the address; the address is formed with wrapping
         // arithmetic and never dereferenced.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8) };
         off += 64;
     }
+}
+
+/// Multiplies the whole 16-value chunks of `x` by `scale` in place and returns each lane's
+/// maximum, `if v > max { v } else { max }` from negative infinity (what `vmaxps` computes with
+/// the new value first), lane j over values j, j + 16, ...
+///
+/// # Safety
+/// AVX-512F must be present.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn scale_lane_max(x: &mut [f32], scale: f32) -> [f32; 16] {
+    let s = _mm512_set1_ps(scale);
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    for c in x.chunks_exact_mut(16) {
+        let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), s);
+        _mm512_storeu_ps(c.as_mut_ptr(), v);
+        m = _mm512_max_ps(v, m);
+    }
+    let mut out = [0f32; 16];
+    _mm512_storeu_ps(out.as_mut_ptr(), m);
+    out
 }
 
 /// Query rows handled together when scoring.

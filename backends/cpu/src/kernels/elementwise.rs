@@ -1,7 +1,7 @@
 //! The element-wise parts of a Llama layer: RMS normalisation, rotary position embedding, SwiGLU,
 //! residual adds, and embedding-row lookup. They follow ggml's arithmetic (f64 sum of squares,
-//! `1/sqrt(mean + eps)` in f32, rotation angles by repeated multiplication) so hidden states track
-//! llama.cpp's closely.
+//! here over interleaved lanes, `1/sqrt(mean + eps)` in f32, rotation angles by repeated
+//! multiplication) so hidden states track llama.cpp's closely.
 
 use half::f16;
 
@@ -10,10 +10,24 @@ use super::Isa;
 pub use npu_gguf::hparams::{Rope, RopeStyle};
 
 /// `out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w` for every row of `x` (row length `w.len()`).
+/// The squares are summed in f64 over `SUM_LANES` interleaved lanes (then the lanes in order):
+/// independent chains the compiler vectorizes, where one in-order chain waits on every add. The
+/// f32 mean equals the in-order sum's except when the two f64 sums round to different f32s.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    const SUM_LANES: usize = 8;
     let n = w.len();
     for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
+        let mut lanes = [0f64; SUM_LANES];
+        let mut chunks = xr.chunks_exact(SUM_LANES);
+        for c in &mut chunks {
+            for (l, &v) in lanes.iter_mut().zip(c) {
+                *l += (v * v) as f64;
+            }
+        }
+        for (l, &v) in lanes.iter_mut().zip(chunks.remainder()) {
+            *l += (v * v) as f64;
+        }
+        let sum: f64 = lanes.iter().sum();
         let mean = (sum / n as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
@@ -141,5 +155,44 @@ mod tests {
         swiglu(Isa::Scalar, &gu[..2], &gu[2..], &mut out);
         assert_eq!(out[0], 0.0);
         assert!((out[1] - (1.0 / (1.0 + (-1f32).exp())) * 3.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rms_norm_lanes_agree_with_the_in_order_sum() {
+        // Hidden-state-like rows (values over several orders of magnitude), odd lengths too.
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let (mut same, mut total) = (0usize, 0usize);
+        for &n in &[576usize, 1536, 13, 8, 3] {
+            for _ in 0..50 {
+                let x: Vec<f32> = (0..n)
+                    .map(|_| (next() - 0.5) * 10f32.powi((next() * 6.0) as i32 - 3))
+                    .collect();
+                let w: Vec<f32> = (0..n).map(|_| next() + 0.5).collect();
+                let mut got = vec![0f32; n];
+                rms_norm(&x, &w, 1e-5, &mut got);
+                let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+                let scale = 1.0 / ((sum / n as f64) as f32 + 1e-5).sqrt();
+                for ((&g, &v), &wv) in got.iter().zip(&x).zip(&w) {
+                    let want = (v * scale) * wv;
+                    total += 1;
+                    same += (g.to_bits() == want.to_bits()) as usize;
+                    // At most one f32 step of the scale apart.
+                    assert!(
+                        (g - want).abs() <= want.abs() * 4.0 * f32::EPSILON,
+                        "{g} vs {want}"
+                    );
+                }
+            }
+        }
+        assert!(
+            same * 100 >= total * 99,
+            "{same} of {total} values bit-identical"
+        );
     }
 }

@@ -152,8 +152,29 @@ fn matmul_through_pool(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
 }
 
 /// Paged attention over scrambled block tables: prefill chunks, decode rows, a sequence whose
-/// history ends inside a block, and long histories split over the KV; grouped-query heads.
+/// history ends inside a block, and long histories split over the KV; then a decoding batch (a
+/// task per sequence for all its KV heads); grouped-query heads.
 fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
+    // (history already cached, new tokens this step)
+    let mixed = [
+        (0usize, 5usize),
+        (37, 1),
+        (16, 20),
+        (100, 1),
+        (3, 9),
+        (1100, 1),
+        (1060, 4),
+    ];
+    let decoding: Vec<(usize, usize)> = [0usize, 5, 15, 16, 17, 40, 63, 100, 150]
+        .iter()
+        .map(|&h| (h, 1))
+        .collect();
+    for shapes in [&mixed[..], &decoding[..]] {
+        attention_shapes(pool, isas, shapes, r);
+    }
+}
+
+fn attention_shapes(pool: &ThreadPool, isas: &[Isa], shapes: &[(usize, usize)], r: &mut Report) {
     for &(n_kv, hd, bs, n_heads) in &[
         (3usize, 64usize, 16usize, 9usize),
         (2, 32, 8, 2),
@@ -175,15 +196,6 @@ fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
         let mut cache = vec![f16::ZERO; num_blocks * 2 * block_elems];
         let (k_base, v_base) = (0, block_elems);
         // (history already cached, new tokens this step)
-        let shapes = [
-            (0usize, 5usize),
-            (37, 1),
-            (16, 20),
-            (100, 1),
-            (3, 9),
-            (1100, 1),
-            (1060, 4),
-        ];
         let mut free: Vec<u32> = (0..num_blocks as u32).collect();
         free.sort_by_key(|b| (b * 7919) % num_blocks as u32);
         let ld = (n_heads + 2 * n_kv) * hd;
@@ -191,7 +203,7 @@ fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
         let mut qkv = vec![0f32; total_new * ld];
         let mut tables = Vec::new();
         let mut row = 0;
-        for &(hist, new) in &shapes {
+        for &(hist, new) in shapes {
             let len = hist + new;
             let table: Vec<u32> = (0..len.div_ceil(bs))
                 .map(|_| free.pop().expect("enough blocks"))
@@ -258,8 +270,10 @@ fn attention(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
         let want = run(Isa::Scalar).expect("scalar attention");
         for &isa in isas {
             let what = format!(
-                "{} attention kv_heads={n_kv} heads={n_heads} head_dim={hd} block={bs}",
-                isa.name()
+                "{} attention kv_heads={n_kv} heads={n_heads} head_dim={hd} block={bs} \
+                 sequences={}",
+                isa.name(),
+                shapes.len()
             );
             match run(isa) {
                 Ok(got) => r.f32s("paged attention", &what, &got, &want),

@@ -211,6 +211,20 @@ fn split_kv_result_does_not_depend_on_the_batch() {
     }
 }
 
+/// A decoding batch (a task per sequence for all its KV heads) gives a sequence the bits it gets
+/// alone (a task per query head).
+#[test]
+fn a_decoding_batch_gives_each_sequence_its_bits_alone() {
+    let mut shapes = vec![(100usize, 1usize)];
+    shapes.extend([0usize, 5, 15, 16, 17, 40, 63, 150].iter().map(|&h| (h, 1)));
+    let alone = check_against_dense(&shapes[..1], 200);
+    let batched = check_against_dense(&shapes, 200);
+    let ldo = 9 * 64;
+    for (a, b) in alone.iter().zip(&batched) {
+        assert_eq!(a[..ldo], b[..ldo]);
+    }
+}
+
 /// Two sequences that claim the same query rows would write the same output: refused, as are
 /// block tables pointing past the cache.
 #[test]
@@ -265,4 +279,60 @@ fn overlapping_query_rows_and_stray_blocks_are_refused() {
         &mut out,
     );
     assert!(matches!(r, Err(KernelError::BadShape { .. })), "{r:?}");
+}
+
+/// Every K and V value lands in its slot as the f16 nearest to it (ties to even, subnormals,
+/// overflow to infinity), whatever instructions convert it.
+#[test]
+fn kv_write_stores_each_value_rounded_to_f16() {
+    let lay = KvLayout {
+        n_kv_heads: 2,
+        head_dim: 16,
+        block_size: 4,
+        block_stride: 2 * 2 * 16 * 4,
+    };
+    let width = lay.n_kv_heads * lay.head_dim;
+    let mut rng = TestRng::new(11);
+    let special = [
+        1.0 + f32::EPSILON * 4096.0, // 1 + 2^-11, halfway between two f16s: ties to even
+        6.0e-8,                      // subnormal in f16
+        70000.0,                     // beyond f16: infinity
+        -0.0,
+    ];
+    let rows = 6;
+    let k: Vec<f32> = (0..rows * width)
+        .map(|i| {
+            special
+                .get(i)
+                .copied()
+                .unwrap_or_else(|| rng.uniform(-4.0, 4.0))
+        })
+        .collect();
+    let v: Vec<f32> = k.iter().map(|x| -x * 0.5).collect();
+    let slots = [0u32, 5, 6, 11, 2, 13];
+    let mut cache = vec![f16::from_f32(9.0); 4 * lay.block_stride];
+    let (k_base, v_base) = (0, lay.block_elems());
+    kv_write(
+        &lay, &k, width, &v, width, &slots, &mut cache, k_base, v_base,
+    );
+    for (i, &slot) in slots.iter().enumerate() {
+        let (b, t) = (slot as usize / 4, slot as usize % 4);
+        for kvh in 0..lay.n_kv_heads {
+            for d in 0..lay.head_dim {
+                let j = i * width + kvh * lay.head_dim + d;
+                let got_k = cache[k_base + lay.k_at(b, kvh, d, t)];
+                let got_v = cache[v_base + lay.v_at(b, kvh, t, d)];
+                assert_eq!(
+                    got_k.to_bits(),
+                    f16::from_f32(k[j]).to_bits(),
+                    "K {i} {kvh} {d}"
+                );
+                assert_eq!(
+                    got_v.to_bits(),
+                    f16::from_f32(v[j]).to_bits(),
+                    "V {i} {kvh} {d}"
+                );
+            }
+        }
+    }
 }

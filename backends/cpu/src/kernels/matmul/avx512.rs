@@ -40,17 +40,17 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
         };
         let mut m0 = job.rows.start;
         while m0 + MR <= rows {
-            tile::<MR, NIB, F16S, MIN>(job, out, g, m0, mask);
+            tile::<MR, NIB, F16S, MIN>(job, out, g, m0, mask, m0 == job.rows.start);
             m0 += MR;
         }
         match rows - m0 {
-            1 => tile::<1, NIB, F16S, MIN>(job, out, g, m0, mask),
-            2 => tile::<2, NIB, F16S, MIN>(job, out, g, m0, mask),
-            3 => tile::<3, NIB, F16S, MIN>(job, out, g, m0, mask),
-            4 => tile::<4, NIB, F16S, MIN>(job, out, g, m0, mask),
-            5 => tile::<5, NIB, F16S, MIN>(job, out, g, m0, mask),
-            6 => tile::<6, NIB, F16S, MIN>(job, out, g, m0, mask),
-            7 => tile::<7, NIB, F16S, MIN>(job, out, g, m0, mask),
+            1 => tile::<1, NIB, F16S, MIN>(job, out, g, m0, mask, m0 == job.rows.start),
+            2 => tile::<2, NIB, F16S, MIN>(job, out, g, m0, mask, m0 == job.rows.start),
+            3 => tile::<3, NIB, F16S, MIN>(job, out, g, m0, mask, m0 == job.rows.start),
+            4 => tile::<4, NIB, F16S, MIN>(job, out, g, m0, mask, m0 == job.rows.start),
+            5 => tile::<5, NIB, F16S, MIN>(job, out, g, m0, mask, m0 == job.rows.start),
+            6 => tile::<6, NIB, F16S, MIN>(job, out, g, m0, mask, m0 == job.rows.start),
+            7 => tile::<7, NIB, F16S, MIN>(job, out, g, m0, mask, m0 == job.rows.start),
             _ => {}
         }
     }
@@ -75,6 +75,7 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
     g: usize,
     m0: usize,
     mask: __mmask16,
+    first_pass: bool,
 ) {
     let w = job.w;
     let a = job.acts;
@@ -91,15 +92,18 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
     let xsum = a.isum.as_ptr();
     let low = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); R];
+    // Only the group's first pass over its rows asks for the units ahead: later passes find
+    // them asked for already, and the requests would only take load slots.
     let pf_dist = prefetch_distance(unit);
+    let pf_bytes = if first_pass { unit } else { 0 };
     for b in 0..nb {
         let u = gd.add(b * unit);
         // Weights stream from memory once per step: ask for the units ahead early (a prefetch
         // never faults; the address may lie past the matrix, so it is formed with wrapping
         // arithmetic and never dereferenced).
         let mut l = 0;
-        while l < unit {
-            _mm_prefetch::<_MM_HINT_T0>(u.wrapping_add(pf_dist + l) as *const i8);
+        while l < pf_bytes {
+            _mm_prefetch::<_MM_HINT_T1>(u.wrapping_add(pf_dist + l) as *const i8);
             l += 64;
         }
         let wv: [__m512i; 8] = if NIB {
