@@ -312,7 +312,6 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Runs a (possibly split) projection of `x` into the columns of `out`.
 /// Allocates the KV pool `opts` asks for (a fixed number of blocks, or a fraction of the free
 /// device memory) and returns its blocks.
 fn init_kv_pool<B: Backend>(
@@ -353,6 +352,7 @@ fn init_kv_pool<B: Backend>(
     Ok(spec.num_blocks)
 }
 
+/// Runs a (possibly split) projection of `x` into the columns of `out`.
 fn project<B: Backend>(
     b: &mut B,
     x: View<'_, B::Buffer>,

@@ -40,11 +40,6 @@ pub fn kv_block_elems(spec: &KvSpec) -> usize {
     spec.n_layers * 2 * spec.n_kv_heads * spec.block_size * spec.head_dim
 }
 
-/// Bytes one KV block takes on a CUDA device: what `num_blocks` costs before `init_kv`.
-pub fn kv_block_bytes_for(spec: &KvSpec) -> usize {
-    kv_block_elems(spec) * 2
-}
-
 /// A CUDA device running the kernels of a Llama step.
 pub struct CudaBackend {
     pub(crate) gpu: Arc<dyn Gpu>,

@@ -30,7 +30,7 @@ mod ops;
 pub mod step;
 pub mod weights;
 
-pub use backend::{kv_block_bytes_for, CudaBackend};
+pub use backend::CudaBackend;
 pub use buffer::CudaBuffer;
 pub use config::{CudaConfig, MatmulMode};
 pub use weights::{CudaEmbedding, CudaMatrix};
