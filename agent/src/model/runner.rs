@@ -285,8 +285,11 @@ impl<B: Backend> Model<B> {
         )?;
         let logits = View::rows(&bufs.logits, n, vocab)?;
         if greedy
-            && b.argmax_logprob_rows(logits, ViewMut::rows(&mut bufs.logprobs, n, 1)?)?
-            && b.argmax_rows(logits, ViewMut::rows(&mut bufs.ids, n, 1)?)?
+            && b.argmax_and_logprob_rows(
+                logits,
+                ViewMut::rows(&mut bufs.ids, n, 1)?,
+                ViewMut::rows(&mut bufs.logprobs, n, 1)?,
+            )?
         {
             out.ids.resize(n, 0);
             out.logprobs.resize(n, 0.0);

@@ -450,4 +450,15 @@ pub trait Backend: Send {
         let _ = (logits, out);
         Ok(false)
     }
+    /// `argmax_logprob_rows` into `logprobs`, then `argmax_rows` into `ids`, of the same logits
+    /// (a backend may share the scans: the maximum is the pick's logit). `Ok(false)` when either
+    /// is not available (the caller then reads logits back).
+    fn argmax_and_logprob_rows(
+        &mut self,
+        logits: View<'_, Self::Buffer>,
+        ids: ViewMut<'_, Self::Buffer>,
+        logprobs: ViewMut<'_, Self::Buffer>,
+    ) -> Result<bool, BackendError> {
+        Ok(self.argmax_logprob_rows(logits, logprobs)? && self.argmax_rows(logits, ids)?)
+    }
 }

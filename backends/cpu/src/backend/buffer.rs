@@ -8,9 +8,25 @@ use npu_backend::{BackendError, DType, DeviceBuffer, HostSlice, HostSliceMut, Vi
 use super::NAME;
 
 /// A typed allocation in host memory.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct CpuBuffer {
     data: Data,
+    /// Changes (to a value no buffer ever had) whenever the contents may change: every mutable
+    /// access takes a fresh one. The backend keys what it derived from a buffer's contents (the
+    /// quantized form of an op's output rows) by it, so a stale derivation can never be used.
+    stamp: u64,
+}
+
+impl PartialEq for CpuBuffer {
+    fn eq(&self, other: &Self) -> bool {
+        self.data == other.data
+    }
+}
+
+/// A stamp no buffer has had before (process-wide).
+fn fresh_stamp() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -107,13 +123,17 @@ impl CpuBuffer {
             DType::BF16 => Data::BF16(alloc_vec(len, bf16::ZERO, WHAT)?),
             DType::I32 => Data::I32(alloc_vec(len, 0, WHAT)?),
         };
-        Ok(Self { data })
+        Ok(Self {
+            data,
+            stamp: fresh_stamp(),
+        })
     }
 
     /// An f32 buffer holding `values`.
     pub fn from_f32(values: Vec<f32>) -> Self {
         Self {
             data: Data::F32(values),
+            stamp: fresh_stamp(),
         }
     }
 
@@ -138,6 +158,12 @@ impl CpuBuffer {
             .ok_or_else(|| wrong_dtype(op, DType::F32, self.dtype()))
     }
 
+    /// The buffer's content stamp (see the field).
+    pub(crate) fn stamp(&self) -> u64 {
+        self.stamp
+    }
+
+    /// The values, writable (the caller gives the buffer a fresh content stamp first).
     fn f32s_mut(&mut self, op: &'static str) -> Result<&mut [f32], BackendError> {
         let dtype = self.dtype();
         match &mut self.data {
@@ -173,12 +199,35 @@ pub(crate) struct Rows<'a> {
     pub rows: usize,
     pub cols: usize,
     pub stride: usize,
+    /// The buffer's content stamp.
+    pub stamp: u64,
+}
+
+/// Which rows of which contents: a window of a buffer as it was at one content stamp. Two equal
+/// keys name the same values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RowsKey {
+    stamp: u64,
+    start: usize,
+    rows: usize,
+    cols: usize,
+    stride: usize,
 }
 
 impl<'a> Rows<'a> {
     #[inline]
     pub fn row(&self, r: usize) -> &'a [f32] {
         &self.data[r * self.stride..r * self.stride + self.cols]
+    }
+    /// The window and the contents it holds now.
+    pub fn key(&self) -> RowsKey {
+        RowsKey {
+            stamp: self.stamp,
+            start: self.data.as_ptr() as usize,
+            rows: self.rows,
+            cols: self.cols,
+            stride: self.stride,
+        }
     }
     /// All rows as one slice when they follow each other without gaps.
     pub fn contiguous(&self) -> Option<&'a [f32]> {
@@ -192,9 +241,22 @@ pub(crate) struct RowsMut<'a> {
     pub rows: usize,
     pub cols: usize,
     pub stride: usize,
+    /// The buffer's content stamp taken for this write.
+    pub stamp: u64,
 }
 
 impl RowsMut<'_> {
+    /// The window and the contents it will hold once this write is done (what a later `Rows`
+    /// of the same window has for `key` while nothing else writes the buffer).
+    pub fn key(&self) -> RowsKey {
+        RowsKey {
+            stamp: self.stamp,
+            start: self.data.as_ptr() as usize,
+            rows: self.rows,
+            cols: self.cols,
+            stride: self.stride,
+        }
+    }
     #[inline]
     pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
         &mut self.data[r * self.stride..r * self.stride + self.cols]
@@ -207,6 +269,7 @@ pub(crate) fn rows<'a>(
     op: &'static str,
 ) -> Result<Rows<'a>, BackendError> {
     let l = v.layout();
+    let stamp = v.buf().stamp();
     let all = v.buf().f32s(op)?;
     let data = all
         .get(l.offset()..l.end())
@@ -216,6 +279,7 @@ pub(crate) fn rows<'a>(
         rows: l.rows(),
         cols: l.cols(),
         stride: l.stride(),
+        stamp,
     })
 }
 
@@ -225,7 +289,11 @@ pub(crate) fn rows_mut<'a>(
     op: &'static str,
 ) -> Result<RowsMut<'a>, BackendError> {
     let l = v.layout();
-    let all = v.buf_mut().f32s_mut(op)?;
+    let buf = v.buf_mut();
+    // The stamp this write takes (nothing else can change it while the rows borrow the buffer).
+    let stamp = fresh_stamp();
+    buf.stamp = stamp;
+    let all = buf.f32s_mut(op)?;
     let data = all
         .get_mut(l.offset()..l.end())
         .ok_or_else(|| bad(op, format!("{l:?} lies outside its buffer")))?;
@@ -234,6 +302,7 @@ pub(crate) fn rows_mut<'a>(
         rows: l.rows(),
         cols: l.cols(),
         stride: l.stride(),
+        stamp,
     })
 }
 
@@ -243,7 +312,9 @@ pub(crate) fn i32_rows_mut<'a>(
     op: &'static str,
 ) -> Result<(&'a mut [i32], usize), BackendError> {
     let l = v.layout();
-    let all = v.buf_mut().i32s_mut(op)?;
+    let buf = v.buf_mut();
+    buf.stamp = fresh_stamp();
+    let all = buf.i32s_mut(op)?;
     let data = all
         .get_mut(l.offset()..l.end())
         .ok_or_else(|| bad(op, format!("{l:?} lies outside its buffer")))?;
@@ -289,7 +360,9 @@ pub(crate) fn upload(
     let window = l.offset()..l.end();
     let outside = || bad(OP, format!("{l:?} lies outside its buffer"));
     let rows = |n: usize| (0..l.rows()).map(move |r| (r * l.stride(), r * n));
-    match (src, &mut dst.buf_mut().data) {
+    let buf = dst.buf_mut();
+    buf.stamp = fresh_stamp();
+    match (src, &mut buf.data) {
         (HostSlice::F32(s), Data::F32(d)) => {
             let d = d.get_mut(window).ok_or_else(outside)?;
             for (at, from) in rows(l.cols()) {

@@ -9,13 +9,14 @@ mod kv;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::kernels::attention::{self, AttnParams, AttnSeq};
 use crate::kernels::elementwise::{self, Rope};
-use crate::kernels::quantize::quantize_acts;
+use crate::kernels::quantize::{self, quantize_acts};
 use crate::kernels::{matmul, scan, Isa, KernelError};
+use crate::quant::acts::QBLOCK;
 use crate::quant::packed::PackFormat;
 use crate::quant::{QuantizedActs, WeightMatrix};
 use crate::threadpool::{split_range, ThreadPool};
@@ -27,7 +28,7 @@ use npu_gguf::quants::dequantize_row;
 use npu_gguf::GgmlType;
 
 pub use buffer::CpuBuffer;
-use buffer::{bad, rows, rows_mut, shape, RowsMut};
+use buffer::{bad, rows, rows_mut, shape, RowsKey, RowsMut};
 use kv::KvPool;
 
 pub(crate) const NAME: &str = "cpu";
@@ -60,6 +61,8 @@ pub struct CpuBackend {
     staging: Vec<f32>,
     kv: Option<KvPool>,
     step: StepInputs,
+    /// Which rows `acts` holds quantized, as they were when quantized (`None`: nothing usable).
+    acts_key: Option<RowsKey>,
     /// Counts steps, so per-step caches know when they are stale.
     step_serial: u64,
     /// Rotary cos/sin of every token of the step, and what they were computed for.
@@ -96,6 +99,7 @@ impl CpuBackend {
             pool,
             isa: Isa::active(),
             acts: QuantizedActs::new(),
+            acts_key: None,
             staging: Vec::new(),
             kv: None,
             step: StepInputs::default(),
@@ -142,6 +146,7 @@ impl CpuBackend {
             rows,
             cols,
             stride,
+            ..
         } = out;
         let threads = self.pool.threads();
         if rows < 8 || threads == 1 {
@@ -178,12 +183,39 @@ impl CpuBackend {
         Ok(())
     }
 
-    /// `f(r)` for every row in `0..rows` on the pool, collected in order.
-    fn par_map_rows<F>(&self, rows: usize, f: F) -> Result<Vec<u32>, BackendError>
+    /// `par_rows_mut`, each row then quantized for the matmul that reads these rows next (the
+    /// matmul finds them under the rows' key and skips its own quantization pass). Where the
+    /// rows cannot feed a packed matmul (f32 reference mode, a width not in whole 32-value
+    /// blocks) this is `par_rows_mut`.
+    fn par_rows_mut_quantized<F>(&mut self, out: RowsMut<'_>, f: F) -> Result<(), BackendError>
     where
-        F: Fn(usize) -> u32 + Sync,
+        F: Fn(usize, &mut [f32]) + Sync,
     {
-        let out: Vec<AtomicU32> = (0..rows).map(|_| AtomicU32::new(0)).collect();
+        if self.f32_reference || !out.cols.is_multiple_of(QBLOCK) {
+            return self.par_rows_mut(out, f);
+        }
+        let key = out.key();
+        self.acts_key = None;
+        quantize::map_rows_quantized(
+            &self.pool,
+            self.isa,
+            out.data,
+            out.rows,
+            out.cols,
+            out.stride,
+            &mut self.acts,
+            f,
+        )?;
+        self.acts_key = Some(key);
+        Ok(())
+    }
+
+    /// `f(r)` for every row in `0..rows` on the pool, collected in order.
+    fn par_map_rows<F>(&self, rows: usize, f: F) -> Result<Vec<u64>, BackendError>
+    where
+        F: Fn(usize) -> u64 + Sync,
+    {
+        let out: Vec<AtomicU64> = (0..rows).map(|_| AtomicU64::new(0)).collect();
         let tasks = self.pool.threads().min(rows);
         self.pool
             .run(tasks, |t| {
@@ -192,7 +224,7 @@ impl CpuBackend {
                 }
             })
             .map_err(KernelError::from)?;
-        Ok(out.into_iter().map(AtomicU32::into_inner).collect())
+        Ok(out.into_iter().map(AtomicU64::into_inner).collect())
     }
 }
 
@@ -450,7 +482,7 @@ impl Backend for CpuBackend {
                 format!("{} weights for rows of {}", w.len(), x.cols),
             ));
         }
-        self.par_rows_mut(o, |r, dst| elementwise::rms_norm(x.row(r), w, eps, dst))
+        self.par_rows_mut_quantized(o, |r, dst| elementwise::rms_norm(x.row(r), w, eps, dst))
     }
 
     fn matmul(
@@ -477,8 +509,13 @@ impl Backend for CpuBackend {
                 &self.staging
             }
         };
-        if let WeightMatrix::Packed(_) = w {
+        // Rows an op has just written may have been quantized as it wrote them (the key
+        // names the same contents only while nothing wrote the buffer since).
+        let key = x.key();
+        if matches!(w, WeightMatrix::Packed(_)) && self.acts_key != Some(key) {
+            self.acts_key = None;
             quantize_acts(&self.pool, self.isa, input, x.rows, x.cols, &mut self.acts)?;
+            self.acts_key = Some(key);
         }
         matmul::matmul(
             &self.pool,
@@ -576,7 +613,8 @@ impl Backend for CpuBackend {
         check_geometry(OP, &kv.spec, g)?;
         let (k_base, v_base) = kv.bases(OP, layer)?;
         let lay = kv.layout();
-        attention::kv_write(
+        attention::kv_write_parallel(
+            &self.pool,
             &lay,
             k.data,
             k.stride,
@@ -586,7 +624,7 @@ impl Backend for CpuBackend {
             kv.data_mut(),
             k_base,
             v_base,
-        );
+        )?;
         Ok(())
     }
 
@@ -662,7 +700,7 @@ impl Backend for CpuBackend {
         shape(OP, "up", up.rows, up.cols, gate.rows, gate.cols)?;
         shape(OP, "out", o.rows, o.cols, gate.rows, gate.cols)?;
         let isa = self.isa;
-        self.par_rows_mut(o, |r, dst| {
+        self.par_rows_mut_quantized(o, |r, dst| {
             elementwise::swiglu(isa, gate.row(r), up.row(r), dst)
         })
     }
@@ -716,7 +754,7 @@ impl Backend for CpuBackend {
         let x = rows(&logits, OP)?;
         let l = out.layout();
         shape(OP, "out", l.rows(), l.cols(), x.rows, 1)?;
-        let ids = self.par_map_rows(x.rows, |r| scan::argmax_sanitized(x.row(r)))?;
+        let ids = self.par_map_rows(x.rows, |r| u64::from(scan::argmax_sanitized(x.row(r))))?;
         let (o, stride) = buffer::i32_rows_mut(&mut out, OP)?;
         for (r, id) in ids.into_iter().enumerate() {
             o[r * stride] = id as i32;
@@ -733,10 +771,38 @@ impl Backend for CpuBackend {
         let x = rows(&logits, OP)?;
         let mut o = rows_mut(&mut out, OP)?;
         shape(OP, "out", o.rows, o.cols, x.rows, 1)?;
-        let bits =
-            self.par_map_rows(x.rows, |r| scan::max_logprob_sanitized(x.row(r)).to_bits())?;
+        let bits = self.par_map_rows(x.rows, |r| {
+            u64::from(scan::max_logprob_sanitized(x.row(r)).to_bits())
+        })?;
         for (r, b) in bits.into_iter().enumerate() {
-            o.row_mut(r)[0] = f32::from_bits(b);
+            o.row_mut(r)[0] = f32::from_bits(b as u32);
+        }
+        Ok(true)
+    }
+
+    fn argmax_and_logprob_rows(
+        &mut self,
+        logits: View<'_, CpuBuffer>,
+        mut ids: ViewMut<'_, CpuBuffer>,
+        mut logprobs: ViewMut<'_, CpuBuffer>,
+    ) -> Result<bool, BackendError> {
+        const OP: &str = "argmax_and_logprob_rows";
+        let x = rows(&logits, OP)?;
+        let l = ids.layout();
+        shape(OP, "ids", l.rows(), l.cols(), x.rows, 1)?;
+        let mut lp = rows_mut(&mut logprobs, OP)?;
+        shape(OP, "logprobs", lp.rows, lp.cols, x.rows, 1)?;
+        // One pass finds the pick and the maximum, a second sums the exponentials.
+        let picks = self.par_map_rows(x.rows, |r| {
+            let (id, logprob) = scan::pick_sanitized(x.row(r));
+            u64::from(id) << 32 | u64::from(logprob.to_bits())
+        })?;
+        for (r, &p) in picks.iter().enumerate() {
+            lp.row_mut(r)[0] = f32::from_bits(p as u32);
+        }
+        let (o, stride) = buffer::i32_rows_mut(&mut ids, OP)?;
+        for (r, p) in picks.into_iter().enumerate() {
+            o[r * stride] = (p >> 32) as i32;
         }
         Ok(true)
     }

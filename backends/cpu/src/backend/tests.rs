@@ -318,3 +318,127 @@ fn ops_refuse_views_of_the_wrong_shape_or_dtype() {
         .embed(&table, ViewMut::rows(&mut out, 1, 8).unwrap())
         .is_err());
 }
+
+/// Q8_0 bytes of a `rows x cols` matrix with varied scales and values.
+fn q8_0_matrix(rows: usize, cols: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for r in 0..rows {
+        for b in 0..cols / 32 {
+            let d = half::f16::from_f32(0.01 + 0.003 * ((r + b) % 7) as f32);
+            out.extend_from_slice(&d.to_bits().to_le_bytes());
+            out.extend((0..32).map(|i| ((r * 31 + b * 17 + i * 7) % 255) as u8));
+        }
+    }
+    out
+}
+
+/// A matmul reads the quantized rows an op left only while they are that op's output: after
+/// RMSNorm (which quantizes as it writes) it gives what a fresh backend computes from the same
+/// values; once the rows were written again (an upload, another op), or for a different window
+/// of them, it quantizes anew and still matches.
+#[test]
+fn a_matmul_reuses_quantized_rows_only_while_they_are_current() {
+    let (rows, cols, n) = (12, 64, 48);
+    let bytes = q8_0_matrix(n, cols);
+    let tensor = HostTensor {
+        ty: GgmlType::Q8_0,
+        data: &bytes,
+        rows: n,
+        cols,
+    };
+    // The product of `x` rows by the matrix on a backend that has done nothing else.
+    let fresh = |x: &[f32], r: usize| -> Vec<f32> {
+        let mut b = backend();
+        let w = b.load_matrix(&[tensor]).unwrap().unwrap();
+        let mut xb = b.alloc(DType::F32, r * cols).unwrap();
+        b.upload(HostSlice::F32(x), ViewMut::rows(&mut xb, r, cols).unwrap())
+            .unwrap();
+        let mut ob = b.alloc(DType::F32, r * n).unwrap();
+        b.matmul(
+            View::rows(&xb, r, cols).unwrap(),
+            &w,
+            ViewMut::rows(&mut ob, r, n).unwrap(),
+        )
+        .unwrap();
+        ob.as_f32().unwrap().to_vec()
+    };
+    let mut b = backend();
+    let w = b.load_matrix(&[tensor]).unwrap().unwrap();
+    let x: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.21)
+        .collect();
+    let norm_w = b
+        .load_vector(HostTensor {
+            ty: GgmlType::F32,
+            data: &vec![1.5f32; cols]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+            rows: 1,
+            cols,
+        })
+        .unwrap();
+    let mut xb = b.alloc(DType::F32, rows * cols).unwrap();
+    b.upload(
+        HostSlice::F32(&x),
+        ViewMut::rows(&mut xb, rows, cols).unwrap(),
+    )
+    .unwrap();
+    let mut xn = b.alloc(DType::F32, rows * cols).unwrap();
+    let mut out = b.alloc(DType::F32, rows * n).unwrap();
+    let matmul = |b: &mut CpuBackend, xn: &CpuBuffer, out: &mut CpuBuffer, r: usize| {
+        b.matmul(
+            View::rows(xn, r, cols).unwrap(),
+            &w,
+            ViewMut::rows(out, r, n).unwrap(),
+        )
+        .unwrap();
+        out.as_f32().unwrap()[..r * n].to_vec()
+    };
+    b.rms_norm(
+        View::rows(&xb, rows, cols).unwrap(),
+        &norm_w,
+        1e-5,
+        ViewMut::rows(&mut xn, rows, cols).unwrap(),
+    )
+    .unwrap();
+    let normed = xn.as_f32().unwrap().to_vec();
+    assert_eq!(matmul(&mut b, &xn, &mut out, rows), fresh(&normed, rows));
+    // Again (the same rows, still current), and a window of fewer rows (a different key).
+    assert_eq!(matmul(&mut b, &xn, &mut out, rows), fresh(&normed, rows));
+    assert_eq!(
+        matmul(&mut b, &xn, &mut out, 5),
+        fresh(&normed[..5 * cols], 5)
+    );
+    // The rows rewritten by an upload: the product follows the new values.
+    let y: Vec<f32> = x.iter().map(|v| -0.5 * v + 0.25).collect();
+    b.rms_norm(
+        View::rows(&xb, rows, cols).unwrap(),
+        &norm_w,
+        1e-5,
+        ViewMut::rows(&mut xn, rows, cols).unwrap(),
+    )
+    .unwrap();
+    b.upload(
+        HostSlice::F32(&y),
+        ViewMut::rows(&mut xn, rows, cols).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(matmul(&mut b, &xn, &mut out, rows), fresh(&y, rows));
+    // Rewritten by another op (an add) after the RMSNorm: likewise.
+    b.rms_norm(
+        View::rows(&xb, rows, cols).unwrap(),
+        &norm_w,
+        1e-5,
+        ViewMut::rows(&mut xn, rows, cols).unwrap(),
+    )
+    .unwrap();
+    b.add(
+        ViewMut::rows(&mut xn, rows, cols).unwrap(),
+        View::rows(&xb, rows, cols).unwrap(),
+    )
+    .unwrap();
+    let summed = xn.as_f32().unwrap().to_vec();
+    assert_ne!(summed, normed);
+    assert_eq!(matmul(&mut b, &xn, &mut out, rows), fresh(&summed, rows));
+}

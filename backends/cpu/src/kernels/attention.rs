@@ -83,6 +83,100 @@ pub fn kv_write(
     }
 }
 
+/// Tokens a step must write before `kv_write_parallel` splits them over the pool.
+const PARALLEL_KV_WRITE_TOKENS: usize = 16;
+
+/// `kv_write` with the tokens split over the pool: each token's K scatters down 16-position
+/// block columns (a cache line per two dimensions, rarely cached), so one thread waits on its
+/// misses; several threads keep more in flight. Falls back to `kv_write` (same result) for
+/// few tokens, for a slot named twice (the last write wins there, as in order), or a layout
+/// whose K and V block windows could overlap. Panics (never writes out of bounds) when a slot
+/// or a row lies outside its slice; an error only if a task panicked (the cache then holds
+/// some of the tokens).
+#[allow(clippy::too_many_arguments)]
+pub fn kv_write_parallel(
+    pool: &ThreadPool,
+    lay: &KvLayout,
+    k: &[f32],
+    ldk: usize,
+    v: &[f32],
+    ldv: usize,
+    slots: &[u32],
+    cache: &mut [f16],
+    k_base: usize,
+    v_base: usize,
+) -> Result<(), KernelError> {
+    let n = slots.len();
+    let width = lay.n_kv_heads * lay.head_dim;
+    let be = lay.block_elems();
+    let stride = lay.block_stride;
+    // K windows [k_base + b * stride, + be) and V windows [v_base + b * stride, + be) of all
+    // blocks are pairwise disjoint when a block's window fits in the stride and the two bases
+    // sit at least a window apart modulo the stride.
+    let gap = k_base.abs_diff(v_base) % stride.max(1);
+    let disjoint_windows = be > 0 && stride >= 2 * be && gap >= be && stride - gap >= be;
+    let mut sorted = slots.to_vec();
+    sorted.sort_unstable();
+    let distinct = sorted.windows(2).all(|w| w[0] != w[1]);
+    if n < PARALLEL_KV_WRITE_TOKENS || pool.threads() == 1 || !disjoint_windows || !distinct {
+        kv_write(lay, k, ldk, v, ldv, slots, cache, k_base, v_base);
+        return Ok(());
+    }
+    // Everything a task touches, checked here: the rows it reads and, for the largest slot,
+    // the last element of its K and V windows (the windows grow with the block index).
+    let last_row = |ld: usize| (n - 1) * ld + width;
+    assert!(
+        k.len() >= last_row(ldk) && v.len() >= last_row(ldv),
+        "{n} K/V rows of {width} do not fit the inputs"
+    );
+    let max_block = *sorted.last().expect("n >= 16") as usize / lay.block_size;
+    let window_end = |base: usize| {
+        max_block
+            .checked_mul(stride)
+            .and_then(|o| o.checked_add(base))
+            .and_then(|o| o.checked_add(be))
+    };
+    assert!(
+        window_end(k_base).is_some_and(|e| e <= cache.len())
+            && window_end(v_base).is_some_and(|e| e <= cache.len()),
+        "slot {} lies beyond the cache",
+        sorted[n - 1]
+    );
+    struct CachePtr(*mut f16);
+    // SAFETY: the tasks write pairwise disjoint elements (below), so sharing the base pointer
+    // between them is like handing each its own `&mut` elements.
+    unsafe impl Sync for CachePtr {}
+    let base = CachePtr(cache.as_mut_ptr());
+    let tasks = pool.threads().min(n);
+    pool.run(tasks, |task| {
+        let base = &base;
+        let mut k16 = vec![f16::ZERO; width];
+        let mut v16 = vec![f16::ZERO; width];
+        for i in crate::threadpool::split_range(n, tasks, task) {
+            let slot = slots[i] as usize;
+            let (block, t) = (slot / lay.block_size, slot % lay.block_size);
+            k16.convert_from_f32_slice(&k[i * ldk..i * ldk + width]);
+            v16.convert_from_f32_slice(&v[i * ldv..i * ldv + width]);
+            for kvh in 0..lay.n_kv_heads {
+                for d in 0..lay.head_dim {
+                    let at = k_base + lay.k_at(block, kvh, d, t);
+                    // SAFETY: `at` lies in block `block`'s K window (kvh, d, t inside the
+                    // block), which ends inside `cache` (checked for the largest block above);
+                    // slots are distinct and the K and V windows of all blocks disjoint, so
+                    // no other task writes this element.
+                    unsafe { *base.0.add(at) = k16[kvh * lay.head_dim + d] };
+                }
+                for d in 0..lay.head_dim {
+                    let at = v_base + lay.v_at(block, kvh, t, d);
+                    // SAFETY: as for K, in the block's V window.
+                    unsafe { *base.0.add(at) = v16[kvh * lay.head_dim + d] };
+                }
+            }
+        }
+    })?;
+    Ok(())
+}
+
 /// One sequence's queries in a step: rows `q_row..q_row + n_q` of the query matrix, at positions
 /// `start_pos..start_pos + n_q`, attending to positions `0..=own position` through `block_table`.
 #[derive(Debug, Clone, Copy)]

@@ -61,23 +61,127 @@ pub fn quantize_acts(
                 &mut s[j * nb..(j + 1) * nb],
                 &mut i[j * nb..(j + 1) * nb],
             );
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa` passed `Isa::checked`, so the CPU has AVX-512 F/BW/VL; the row
-                // function reads and writes `xr.len() / 32` blocks of its slices, which are
-                // `k` and `k / 32` long.
-                Isa::Avx512Vnni => unsafe { row_avx512(xr, qr, dr, sr, ir) },
-                _ => quantize_row(xr, qr, dr, sr, ir),
-            }
+            quantize_row_isa(isa, xr, qr, dr, sr, ir);
         }
     })?;
+    finish(isa, rows, acts);
+    Ok(())
+}
+
+/// One row with the instruction set `isa` (which passed `Isa::checked`): `qs` as long as `x`
+/// (a multiple of 32), `d`, `s`, `isum` one per block.
+#[inline]
+fn quantize_row_isa(
+    isa: Isa,
+    x: &[f32],
+    qs: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    i: &mut [i32],
+) {
+    assert!(
+        qs.len() == x.len() && [d.len(), s.len(), i.len()] == [x.len() / QBLOCK; 3],
+        "a row of {} values with {} quantized values and {} / {} / {} block fields",
+        x.len(),
+        qs.len(),
+        d.len(),
+        s.len(),
+        i.len()
+    );
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` passed `Isa::checked`, so the CPU has AVX-512 F/BW/VL; the row
+        // function reads and writes `x.len() / 32` blocks of its slices, whose lengths were
+        // checked above.
+        Isa::Avx512Vnni => unsafe { row_avx512(x, qs, d, s, i) },
+        _ => quantize_row(x, qs, d, s, i),
+    }
+}
+
+/// What follows the rows: the ISA check's fault hook, and the AMX tile layout (whole 16-row
+/// tiles, shared by every matrix this activation multiplies).
+fn finish(isa: Isa, rows: usize, acts: &mut QuantizedActs) {
     super::inject_fault(isa, acts.d.first_mut());
-    // The AMX matmul reads whole 16-row tiles in tile order: lay them out once here, shared by
-    // every matrix this activation multiplies.
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni && rows >= 16 && crate::kernels::matmul::amx::available() {
         acts.fill_tiles();
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = rows;
+}
+
+/// Calls `f(r, row)` for every row `r < rows` of `out` (rows `ld` apart, `cols` values each), in
+/// parallel as `quantize_acts` splits rows, and quantizes each row into `acts` right after `f`
+/// wrote it, while it is in this core's cache: the same `acts` as `quantize_acts` of the rows
+/// `f` left (an op's output quantized for the matmul that reads it next, without a pass of its
+/// own). `cols` must be a multiple of 32.
+#[allow(clippy::too_many_arguments)]
+pub fn map_rows_quantized<F>(
+    pool: &ThreadPool,
+    isa: Isa,
+    out: &mut [f32],
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    acts: &mut QuantizedActs,
+    f: F,
+) -> Result<(), KernelError>
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    let bad = |message: String| KernelError::BadShape {
+        op: "row map with quantization",
+        message,
+    };
+    if !cols.is_multiple_of(QBLOCK) {
+        return Err(bad(format!(
+            "row length {cols} is not a multiple of {QBLOCK}"
+        )));
+    }
+    let isa = isa.checked();
+    acts.resize(rows, cols);
+    if rows == 0 {
+        return Ok(());
+    }
+    let nb = cols / QBLOCK;
+    let tasks = if rows >= 8 && pool.threads() > 1 {
+        pool.threads().min(rows)
+    } else {
+        1
+    };
+    let parts: Vec<Range<usize>> = (0..tasks)
+        .map(|t| crate::threadpool::split_range(rows, tasks, t))
+        .collect();
+    let grid_err = |e: GridError| bad(e.to_string());
+    let xs = TileGrid::row_parts(out, ld, parts.clone(), 0..cols).map_err(grid_err)?;
+    let qs = TileGrid::rows(&mut acts.qs[..rows * cols], cols, parts.clone()).map_err(grid_err)?;
+    let ds = TileGrid::rows(&mut acts.d[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
+    let ss = TileGrid::rows(&mut acts.s[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
+    let sums = TileGrid::rows(&mut acts.isum[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
+    pool.run(tasks, |t| {
+        let mut x = xs.take(t, 0);
+        let (mut q, mut d, mut s, mut i) =
+            (qs.take(t, 0), ds.take(t, 0), ss.take(t, 0), sums.take(t, 0));
+        let (q, d, s, i) = (
+            q.contiguous_mut(),
+            d.contiguous_mut(),
+            s.contiguous_mut(),
+            i.contiguous_mut(),
+        );
+        for (j, r) in parts[t].clone().enumerate() {
+            let xr = x.row_mut(r);
+            f(r, xr);
+            quantize_row_isa(
+                isa,
+                xr,
+                &mut q[j * cols..(j + 1) * cols],
+                &mut d[j * nb..(j + 1) * nb],
+                &mut s[j * nb..(j + 1) * nb],
+                &mut i[j * nb..(j + 1) * nb],
+            );
+        }
+    })?;
+    finish(isa, rows, acts);
     Ok(())
 }
 
@@ -134,6 +238,36 @@ mod tests {
         for isa in Isa::available() {
             let mut got = QuantizedActs::new();
             quantize_acts(&pool, isa, &x, rows, k, &mut got).unwrap();
+            assert_eq!(got.qs, want.qs, "{}", isa.name());
+            assert_eq!(got.d, want.d, "{}", isa.name());
+            assert_eq!(got.s, want.s, "{}", isa.name());
+            assert_eq!(got.isum, want.isum, "{}", isa.name());
+        }
+    }
+
+    /// Quantizing rows as they are written gives what quantizing them afterwards gives, on
+    /// every instruction set, for rows inside a wider buffer (the op writes only its window).
+    #[test]
+    fn rows_quantized_as_written_equal_a_separate_pass() {
+        let pool = ThreadPool::new(2);
+        let (rows, k, ld) = (13, 96, 100);
+        let value = |r: usize, c: usize| ((r * 31 + c * 7) % 23) as f32 * 0.3 - 3.0;
+        let want_rows: Vec<f32> = (0..rows * k).map(|i| value(i / k, i % k)).collect();
+        let mut want = QuantizedActs::new();
+        want.quantize(&want_rows, rows, k);
+        for isa in Isa::available() {
+            let mut buf = vec![7f32; rows * ld];
+            let mut got = QuantizedActs::new();
+            map_rows_quantized(&pool, isa, &mut buf, rows, k, ld, &mut got, |r, row| {
+                for (c, x) in row.iter_mut().enumerate() {
+                    *x = value(r, c);
+                }
+            })
+            .unwrap();
+            for r in 0..rows {
+                assert_eq!(&buf[r * ld..r * ld + k], &want_rows[r * k..(r + 1) * k]);
+                assert!(buf[r * ld + k..(r + 1) * ld].iter().all(|&x| x == 7.0));
+            }
             assert_eq!(got.qs, want.qs, "{}", isa.name());
             assert_eq!(got.d, want.d, "{}", isa.name());
             assert_eq!(got.s, want.s, "{}", isa.name());

@@ -158,6 +158,158 @@ fn max_logprob_body(logits: &[f32]) -> f32 {
     logprob(max, log_norm)
 }
 
+/// `(argmax_sanitized(row), max_logprob_sanitized(row))` bit for bit, in two passes over the
+/// row where the CPU has AVX-512 (the lane maxima are the argmax's lane bests, so one pass finds
+/// both; the second sums the exponentials) instead of three.
+pub fn pick_sanitized(logits: &[f32]) -> (u32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { pick_sanitized_avx512(logits) };
+    }
+    (argmax_of(logits, sanitized), max_logprob_body(logits))
+}
+
+/// The explicit AVX-512 form of `argmax_of` + `log_sum_exp_of` with sanitising reads: the same
+/// comparisons lane by lane (`vmaxps` keeps the old value unless the new one is greater, as
+/// `if v > m`), the same merges in the same order, the same polynomial with separate multiplies
+/// and adds (no fused multiply-add, as the scalar code), the same eight f64 partial sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pick_sanitized_avx512(logits: &[f32]) -> (u32, f32) {
+    use std::arch::x86_64::*;
+    let len = logits.len();
+    let full = len / SCAN_LANES * SCAN_LANES;
+    let p = logits.as_ptr();
+    let read = |i: usize| {
+        // SAFETY (for every caller below): i + 16 <= full <= len, inside the row.
+        let v = _mm512_loadu_ps(p.add(i));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        let v = _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(f32::NEG_INFINITY));
+        let inf = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(v, _mm512_set1_ps(f32::INFINITY));
+        _mm512_mask_mov_ps(v, inf, _mm512_set1_ps(f32::MAX))
+    };
+    // Pass 1: lane bests (values and first indices); the values are also the lane maxima.
+    // Chunk c goes to accumulator c % 4 (four independent compare chains); the four are then
+    // merged lane by lane, greater value first, lower index on ties, which gives each lane's
+    // first occurrence of its maximum: exactly the single chain's lane bests.
+    let mut best_v = [_mm512_set1_ps(f32::NEG_INFINITY); 4];
+    let mut best_i = [_mm512_setzero_si512(); 4];
+    let mut idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let step = _mm512_set1_epi32(SCAN_LANES as i32);
+    let mut i = 0;
+    let mut a = 0;
+    while i < full {
+        let v = read(i);
+        let better = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, best_v[a]);
+        best_v[a] = _mm512_mask_mov_ps(best_v[a], better, v);
+        best_i[a] = _mm512_mask_mov_epi32(best_i[a], better, idx);
+        idx = _mm512_add_epi32(idx, step);
+        i += SCAN_LANES;
+        a = (a + 1) % 4;
+    }
+    let (mut bv, mut bi) = (best_v[0], best_i[0]);
+    for (v, ix) in best_v[1..].iter().zip(&best_i[1..]) {
+        let greater = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(*v, bv);
+        let tie = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(*v, bv) & _mm512_cmplt_epu32_mask(*ix, bi);
+        bv = _mm512_mask_mov_ps(bv, greater | tie, *v);
+        bi = _mm512_mask_mov_epi32(bi, greater | tie, *ix);
+    }
+    let (best_v, best_i) = (bv, bi);
+    let mut lane_v = [0f32; SCAN_LANES];
+    let mut lane_i = [0u32; SCAN_LANES];
+    _mm512_storeu_ps(lane_v.as_mut_ptr(), best_v);
+    _mm512_storeu_si512(lane_i.as_mut_ptr() as *mut _, best_i);
+    let rest = &logits[full..];
+    // The argmax merge, as `argmax_of`.
+    let (mut v, mut id) = (f32::NEG_INFINITY, 0u32);
+    for (&bv, &bi) in lane_v.iter().zip(&lane_i) {
+        if bv > v || (bv == v && bi < id) {
+            (v, id) = (bv, bi);
+        }
+    }
+    for (k, &x) in rest.iter().enumerate() {
+        let x = sanitized(x);
+        if x > v {
+            (v, id) = (x, (full + k) as u32);
+        }
+    }
+    if v == f32::NEG_INFINITY {
+        id = 0;
+    }
+    // The maximum, as `log_sum_exp_of` folds it: the remainder first, then the lanes.
+    let max = rest
+        .iter()
+        .map(|&x| sanitized(x))
+        .chain(lane_v.iter().copied())
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
+    if max == f32::NEG_INFINITY {
+        // Nothing finite: the uniform row's log-probability, as `max_logprob_body`.
+        return (id, max_logprob_body(logits));
+    }
+    // Pass 2: exponentials into eight f64 lanes, values 0..8 then 8..16 of each chunk of 16
+    // (the scalar code's chunks of 8 in order).
+    let mut acc = _mm512_setzero_pd();
+    let vmax = _mm512_set1_ps(max);
+    let mut i = 0;
+    while i < full {
+        let e = exp_approx_avx512(_mm512_sub_ps(read(i), vmax));
+        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)));
+        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(hi));
+        i += SCAN_LANES;
+    }
+    let mut lanes = [0f64; 8];
+    _mm512_storeu_pd(lanes.as_mut_ptr(), acc);
+    // A last chunk of 8 (when the length leaves 8..15 over), then the scalar remainder.
+    let mut k = full;
+    if len - full >= 8 {
+        for (j, lane) in lanes.iter_mut().enumerate() {
+            *lane += exp_approx(sanitized(logits[k + j]) - max) as f64;
+        }
+        k += 8;
+    }
+    let mut sum: f64 = lanes.iter().sum();
+    for &x in &logits[k..] {
+        sum += exp_approx(sanitized(x) - max) as f64;
+    }
+    (id, logprob(max, max as f64 + sum.ln()))
+}
+
+/// `exp_approx` on 16 lanes, the same operations in the same order.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_approx_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    const ROUND: f32 = 12_582_912.0;
+    let x = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(-87.3)),
+        _mm512_set1_ps(88.3),
+    );
+    let t = _mm512_add_ps(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        _mm512_set1_ps(ROUND),
+    );
+    let n = _mm512_sub_ps(t, _mm512_set1_ps(ROUND));
+    let ni = _mm512_sub_epi32(
+        _mm512_castps_si512(t),
+        _mm512_set1_epi32(ROUND.to_bits() as i32),
+    );
+    let r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693_359_4)));
+    let r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.121_944_4e-4)));
+    let step = |p: __m512, c: f32| _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+    let mut p = _mm512_set1_ps(1.0 / 720.0);
+    p = step(p, 1.0 / 120.0);
+    p = step(p, 1.0 / 24.0);
+    p = step(p, 1.0 / 6.0);
+    p = step(p, 0.5);
+    p = step(p, 1.0);
+    p = step(p, 1.0);
+    let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
+    _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
+}
+
 /// `logit - log_norm`, rounded to f32: a token's log-probability.
 pub fn logprob(logit: f32, log_norm: f64) -> f32 {
     (logit as f64 - log_norm) as f32
@@ -243,6 +395,42 @@ mod tests {
             }
         }
         assert_eq!(fast_argmax(&[f32::NEG_INFINITY; 40]), 0);
+    }
+
+    /// The two-pass pick gives the three-pass scans' token and log-probability bit for bit:
+    /// lengths with every remainder shape, specials sprinkled in, rows with nothing finite, ties,
+    /// and spreads wide enough to reach the exponential's clamp.
+    #[test]
+    fn two_pass_pick_equals_the_separate_scans() {
+        let mut seed = 0x5eed_1234_abcd_0042u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX];
+        for len in [1usize, 7, 8, 15, 16, 17, 24, 31, 40, 100, 4099, 49_152] {
+            for case in 0..24 {
+                let spread = [0.37f32, 3.7, 37.0][case % 3];
+                let row: Vec<f32> = (0..len)
+                    .map(|_| match next() % 97 {
+                        0..=3 if case % 4 == 1 => specials[(next() % 4) as usize],
+                        _ if case == 23 => f32::NAN,
+                        v if case % 4 == 2 => (v % 5) as f32,
+                        v => (v as f32 - 48.0) * spread,
+                    })
+                    .collect();
+                let (id, lp) = pick_sanitized(&row);
+                assert_eq!(id, argmax_sanitized(&row), "len {len} case {case}");
+                assert_eq!(
+                    lp.to_bits(),
+                    max_logprob_sanitized(&row).to_bits(),
+                    "len {len} case {case}: {lp} vs {}",
+                    max_logprob_sanitized(&row)
+                );
+            }
+        }
     }
 
     /// The reads that sanitise on the fly give what the sampler gets from a sanitised copy, bit

@@ -336,3 +336,54 @@ fn kv_write_stores_each_value_rounded_to_f16() {
         }
     }
 }
+
+/// The parallel write leaves the cache exactly as the serial one: a decoding batch of scattered
+/// slots over the model's interleaved layout, and a slot named twice (falls back, last wins).
+#[test]
+fn parallel_kv_write_equals_the_serial_one() {
+    let layers = 3;
+    let lay = KvLayout {
+        n_kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+        block_stride: 2 * layers * 3 * 64 * 16,
+    };
+    let width = lay.n_kv_heads * lay.head_dim;
+    let pool = ThreadPool::new(2);
+    let mut rng = TestRng::new(29);
+    let rows = 40;
+    let k: Vec<f32> = (0..rows * width).map(|_| rng.uniform(-4.0, 4.0)).collect();
+    let v: Vec<f32> = (0..rows * width).map(|_| rng.uniform(-4.0, 4.0)).collect();
+    let blocks = 50;
+    let mut slots: Vec<u32> = (0..rows as u32)
+        .map(|i| (i * 37 + 5) % (blocks * 16))
+        .collect();
+    for dup in [false, true] {
+        if dup {
+            slots[7] = slots[30];
+        }
+        for layer in [0, 2] {
+            let (k_base, v_base) = (
+                2 * layer * lay.block_elems(),
+                (2 * layer + 1) * lay.block_elems(),
+            );
+            let fill = f16::from_f32(9.0);
+            let mut want = vec![fill; blocks as usize * lay.block_stride];
+            let mut got = want.clone();
+            kv_write(
+                &lay, &k, width, &v, width, &slots, &mut want, k_base, v_base,
+            );
+            kv_write_parallel(
+                &pool, &lay, &k, width, &v, width, &slots, &mut got, k_base, v_base,
+            )
+            .unwrap();
+            assert!(want != vec![fill; want.len()]);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "dup {dup} layer {layer}"
+            );
+        }
+    }
+}
