@@ -214,6 +214,18 @@ pub(crate) struct RowsKey {
     stride: usize,
 }
 
+impl RowsKey {
+    fn of(stamp: u64, start: *const f32, rows: usize, cols: usize, stride: usize) -> Self {
+        Self {
+            stamp,
+            start: start as usize,
+            rows,
+            cols,
+            stride,
+        }
+    }
+}
+
 impl<'a> Rows<'a> {
     #[inline]
     pub fn row(&self, r: usize) -> &'a [f32] {
@@ -221,13 +233,13 @@ impl<'a> Rows<'a> {
     }
     /// The window and the contents it holds now.
     pub fn key(&self) -> RowsKey {
-        RowsKey {
-            stamp: self.stamp,
-            start: self.data.as_ptr() as usize,
-            rows: self.rows,
-            cols: self.cols,
-            stride: self.stride,
-        }
+        RowsKey::of(
+            self.stamp,
+            self.data.as_ptr(),
+            self.rows,
+            self.cols,
+            self.stride,
+        )
     }
     /// All rows as one slice when they follow each other without gaps.
     pub fn contiguous(&self) -> Option<&'a [f32]> {
@@ -249,13 +261,13 @@ impl RowsMut<'_> {
     /// The window and the contents it will hold once this write is done (what a later `Rows`
     /// of the same window has for `key` while nothing else writes the buffer).
     pub fn key(&self) -> RowsKey {
-        RowsKey {
-            stamp: self.stamp,
-            start: self.data.as_ptr() as usize,
-            rows: self.rows,
-            cols: self.cols,
-            stride: self.stride,
-        }
+        RowsKey::of(
+            self.stamp,
+            self.data.as_ptr(),
+            self.rows,
+            self.cols,
+            self.stride,
+        )
     }
     #[inline]
     pub fn row_mut(&mut self, r: usize) -> &mut [f32] {

@@ -386,6 +386,15 @@ fn a_matmul_reuses_quantized_rows_only_while_they_are_current() {
     .unwrap();
     let mut xn = b.alloc(DType::F32, rows * cols).unwrap();
     let mut out = b.alloc(DType::F32, rows * n).unwrap();
+    let norm = |b: &mut CpuBackend, xn: &mut CpuBuffer| {
+        b.rms_norm(
+            View::rows(&xb, rows, cols).unwrap(),
+            &norm_w,
+            1e-5,
+            ViewMut::rows(xn, rows, cols).unwrap(),
+        )
+        .unwrap();
+    };
     let matmul = |b: &mut CpuBackend, xn: &CpuBuffer, out: &mut CpuBuffer, r: usize| {
         b.matmul(
             View::rows(xn, r, cols).unwrap(),
@@ -395,13 +404,7 @@ fn a_matmul_reuses_quantized_rows_only_while_they_are_current() {
         .unwrap();
         out.as_f32().unwrap()[..r * n].to_vec()
     };
-    b.rms_norm(
-        View::rows(&xb, rows, cols).unwrap(),
-        &norm_w,
-        1e-5,
-        ViewMut::rows(&mut xn, rows, cols).unwrap(),
-    )
-    .unwrap();
+    norm(&mut b, &mut xn);
     let normed = xn.as_f32().unwrap().to_vec();
     assert_eq!(matmul(&mut b, &xn, &mut out, rows), fresh(&normed, rows));
     // Again (the same rows, still current), and a window of fewer rows (a different key).
@@ -412,13 +415,7 @@ fn a_matmul_reuses_quantized_rows_only_while_they_are_current() {
     );
     // The rows rewritten by an upload: the product follows the new values.
     let y: Vec<f32> = x.iter().map(|v| -0.5 * v + 0.25).collect();
-    b.rms_norm(
-        View::rows(&xb, rows, cols).unwrap(),
-        &norm_w,
-        1e-5,
-        ViewMut::rows(&mut xn, rows, cols).unwrap(),
-    )
-    .unwrap();
+    norm(&mut b, &mut xn);
     b.upload(
         HostSlice::F32(&y),
         ViewMut::rows(&mut xn, rows, cols).unwrap(),
@@ -426,13 +423,7 @@ fn a_matmul_reuses_quantized_rows_only_while_they_are_current() {
     .unwrap();
     assert_eq!(matmul(&mut b, &xn, &mut out, rows), fresh(&y, rows));
     // Rewritten by another op (an add) after the RMSNorm: likewise.
-    b.rms_norm(
-        View::rows(&xb, rows, cols).unwrap(),
-        &norm_w,
-        1e-5,
-        ViewMut::rows(&mut xn, rows, cols).unwrap(),
-    )
-    .unwrap();
+    norm(&mut b, &mut xn);
     b.add(
         ViewMut::rows(&mut xn, rows, cols).unwrap(),
         View::rows(&xb, rows, cols).unwrap(),

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::{Isa, KernelError};
-use crate::disjoint::{GridError, TileGrid};
+use crate::disjoint::{GridError, Tile, TileGrid};
 use crate::quant::acts::{quantize_row, QuantizedActs, QBLOCK};
 use crate::threadpool::ThreadPool;
 
@@ -30,42 +30,92 @@ pub fn quantize_acts(
     }
     let isa = isa.checked();
     acts.resize(rows, k);
-    let nb = k / QBLOCK;
-    let tasks = if rows >= 8 && pool.threads() > 1 {
-        pool.threads().min(rows)
-    } else {
-        1
-    };
-    let parts: Vec<Range<usize>> = (0..tasks)
-        .map(|t| crate::threadpool::split_range(rows, tasks, t))
-        .collect();
-    let grid_err = |e: GridError| bad(e.to_string());
-    let qs = TileGrid::rows(&mut acts.qs[..rows * k], k, parts.clone()).map_err(grid_err)?;
-    let ds = TileGrid::rows(&mut acts.d[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
-    let ss = TileGrid::rows(&mut acts.s[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
-    let sums = TileGrid::rows(&mut acts.isum[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
-    pool.run(tasks, |t| {
-        let (mut q, mut d, mut s, mut i) =
-            (qs.take(t, 0), ds.take(t, 0), ss.take(t, 0), sums.take(t, 0));
-        let (q, d, s, i) = (
-            q.contiguous_mut(),
-            d.contiguous_mut(),
-            s.contiguous_mut(),
-            i.contiguous_mut(),
-        );
-        for (j, r) in parts[t].clone().enumerate() {
-            let xr = &x[r * k..(r + 1) * k];
-            let qr = &mut q[j * k..(j + 1) * k];
-            let (dr, sr, ir) = (
-                &mut d[j * nb..(j + 1) * nb],
-                &mut s[j * nb..(j + 1) * nb],
-                &mut i[j * nb..(j + 1) * nb],
-            );
-            quantize_row_isa(isa, xr, qr, dr, sr, ir);
+    let split = Split::new(pool, acts, rows, k).map_err(|e| bad(e.to_string()))?;
+    pool.run(split.parts.len(), |t| {
+        let mut part = split.take(isa, t);
+        for (j, r) in split.parts[t].clone().enumerate() {
+            part.put(j, &x[r * k..(r + 1) * k]);
         }
     })?;
+    drop(split);
     finish(isa, rows, acts);
     Ok(())
+}
+
+/// The rows of `acts` cut into one part per task (several tasks only for 8 rows or more), each
+/// part's quantized values, scales, scaled sums and integer sums a tile of its own.
+struct Split<'a> {
+    parts: Vec<Range<usize>>,
+    qs: TileGrid<'a, i8>,
+    ds: TileGrid<'a, f32>,
+    ss: TileGrid<'a, f32>,
+    sums: TileGrid<'a, i32>,
+    k: usize,
+}
+
+impl<'a> Split<'a> {
+    /// `acts` must be sized for `rows` rows of `k` (a multiple of 32) already.
+    fn new(
+        pool: &ThreadPool,
+        acts: &'a mut QuantizedActs,
+        rows: usize,
+        k: usize,
+    ) -> Result<Self, GridError> {
+        let nb = k / QBLOCK;
+        let tasks = if rows >= 8 && pool.threads() > 1 {
+            pool.threads().min(rows)
+        } else {
+            1
+        };
+        let parts: Vec<Range<usize>> = (0..tasks)
+            .map(|t| crate::threadpool::split_range(rows, tasks, t))
+            .collect();
+        Ok(Self {
+            qs: TileGrid::rows(&mut acts.qs[..rows * k], k, parts.clone())?,
+            ds: TileGrid::rows(&mut acts.d[..rows * nb], nb, parts.clone())?,
+            ss: TileGrid::rows(&mut acts.s[..rows * nb], nb, parts.clone())?,
+            sums: TileGrid::rows(&mut acts.isum[..rows * nb], nb, parts.clone())?,
+            parts,
+            k,
+        })
+    }
+
+    /// Part `t`'s writer (each part taken once, by its task).
+    fn take(&self, isa: Isa, t: usize) -> PartWriter<'_> {
+        PartWriter {
+            q: self.qs.take(t, 0),
+            d: self.ds.take(t, 0),
+            s: self.ss.take(t, 0),
+            i: self.sums.take(t, 0),
+            k: self.k,
+            isa,
+        }
+    }
+}
+
+/// One part's tiles of the quantized activations.
+struct PartWriter<'g> {
+    q: Tile<'g, i8>,
+    d: Tile<'g, f32>,
+    s: Tile<'g, f32>,
+    i: Tile<'g, i32>,
+    k: usize,
+    isa: Isa,
+}
+
+impl PartWriter<'_> {
+    /// Quantizes `x` (`k` values) as the part's row `j`.
+    fn put(&mut self, j: usize, x: &[f32]) {
+        let (k, nb) = (self.k, self.k / QBLOCK);
+        quantize_row_isa(
+            self.isa,
+            x,
+            &mut self.q.contiguous_mut()[j * k..(j + 1) * k],
+            &mut self.d.contiguous_mut()[j * nb..(j + 1) * nb],
+            &mut self.s.contiguous_mut()[j * nb..(j + 1) * nb],
+            &mut self.i.contiguous_mut()[j * nb..(j + 1) * nb],
+        );
+    }
 }
 
 /// One row with the instruction set `isa` (which passed `Isa::checked`): `qs` as long as `x`
@@ -143,44 +193,19 @@ where
     if rows == 0 {
         return Ok(());
     }
-    let nb = cols / QBLOCK;
-    let tasks = if rows >= 8 && pool.threads() > 1 {
-        pool.threads().min(rows)
-    } else {
-        1
-    };
-    let parts: Vec<Range<usize>> = (0..tasks)
-        .map(|t| crate::threadpool::split_range(rows, tasks, t))
-        .collect();
-    let grid_err = |e: GridError| bad(e.to_string());
-    let xs = TileGrid::row_parts(out, ld, parts.clone(), 0..cols).map_err(grid_err)?;
-    let qs = TileGrid::rows(&mut acts.qs[..rows * cols], cols, parts.clone()).map_err(grid_err)?;
-    let ds = TileGrid::rows(&mut acts.d[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
-    let ss = TileGrid::rows(&mut acts.s[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
-    let sums = TileGrid::rows(&mut acts.isum[..rows * nb], nb, parts.clone()).map_err(grid_err)?;
-    pool.run(tasks, |t| {
+    let split = Split::new(pool, acts, rows, cols).map_err(|e| bad(e.to_string()))?;
+    let xs = TileGrid::row_parts(out, ld, split.parts.clone(), 0..cols)
+        .map_err(|e| bad(e.to_string()))?;
+    pool.run(split.parts.len(), |t| {
         let mut x = xs.take(t, 0);
-        let (mut q, mut d, mut s, mut i) =
-            (qs.take(t, 0), ds.take(t, 0), ss.take(t, 0), sums.take(t, 0));
-        let (q, d, s, i) = (
-            q.contiguous_mut(),
-            d.contiguous_mut(),
-            s.contiguous_mut(),
-            i.contiguous_mut(),
-        );
-        for (j, r) in parts[t].clone().enumerate() {
+        let mut part = split.take(isa, t);
+        for (j, r) in split.parts[t].clone().enumerate() {
             let xr = x.row_mut(r);
             f(r, xr);
-            quantize_row_isa(
-                isa,
-                xr,
-                &mut q[j * cols..(j + 1) * cols],
-                &mut d[j * nb..(j + 1) * nb],
-                &mut s[j * nb..(j + 1) * nb],
-                &mut i[j * nb..(j + 1) * nb],
-            );
+            part.put(j, xr);
         }
     })?;
+    drop((split, xs));
     finish(isa, rows, acts);
     Ok(())
 }
