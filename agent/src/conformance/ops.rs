@@ -679,5 +679,43 @@ fn greedy_pick<B: Backend>(b: &mut B) -> Result<Vec<Output>, BackendError> {
         1e-3,
         vec![lp_err],
     ));
+    // Both through the one call the engine makes (a backend may share the scans).
+    let mut lp2 = b.alloc(DType::F32, 4)?;
+    let mut ids2 = b.alloc(DType::I32, 4)?;
+    let (got_ids, got_lp) = if b.argmax_and_logprob_rows(
+        view,
+        ViewMut::rows(&mut ids2, 4, 1)?,
+        ViewMut::rows(&mut lp2, 4, 1)?,
+    )? {
+        let mut v = vec![0i32; 4];
+        b.read_back(&mut [Readback {
+            src: View::rows(&ids2, 4, 1)?,
+            dst: HostSliceMut::I32(&mut v),
+        }])?;
+        let ids: Vec<f32> = v.iter().map(|&i| i as f32).collect();
+        (ids, read(b, &lp2, Layout::contiguous(4, 1))?)
+    } else {
+        (host_ids.clone(), host_lp.clone())
+    };
+    let wrong = got_ids
+        .iter()
+        .zip(&host_ids)
+        .filter(|(a, c)| a != c)
+        .count() as f32;
+    let lp_err = got_lp
+        .iter()
+        .zip(&host_lp)
+        .map(|(a, c)| (a - c).abs())
+        .fold(0f32, f32::max);
+    outputs.push(own(
+        "argmax_and_logprob_rows: picks (vs its own logits)",
+        0.0,
+        vec![wrong],
+    ));
+    outputs.push(own(
+        "argmax_and_logprob_rows: log-probabilities (vs its own logits)",
+        1e-3,
+        vec![lp_err],
+    ));
     Ok(outputs)
 }
