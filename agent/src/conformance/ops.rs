@@ -658,22 +658,19 @@ fn greedy_pick<B: Backend>(b: &mut B) -> Result<Vec<Output>, BackendError> {
     } else {
         host_lp.clone()
     };
-    // Compared with the host's pick of the same values, not with the reference's values.
-    let wrong_ids = got_ids
-        .iter()
-        .zip(&host_ids)
-        .filter(|(a, c)| a != c)
-        .count();
-    outputs.push(own(
-        "argmax_rows (vs its own logits)",
-        0.0,
-        vec![wrong_ids as f32],
-    ));
-    let lp_err = got_lp
-        .iter()
-        .zip(&host_lp)
-        .map(|(a, c)| (a - c).abs())
-        .fold(0f32, f32::max);
+    // Compared with the host's pick of the same values, not with the reference's values:
+    // (ids that differ, largest log-probability error).
+    let pick_errors = |ids: &[f32], lp: &[f32]| {
+        let wrong = ids.iter().zip(&host_ids).filter(|(a, c)| a != c).count() as f32;
+        let err = lp
+            .iter()
+            .zip(&host_lp)
+            .map(|(a, c)| (a - c).abs())
+            .fold(0f32, f32::max);
+        (wrong, err)
+    };
+    let (wrong_ids, lp_err) = pick_errors(&got_ids, &got_lp);
+    outputs.push(own("argmax_rows (vs its own logits)", 0.0, vec![wrong_ids]));
     outputs.push(own(
         "argmax_logprob_rows (vs its own logits)",
         1e-3,
@@ -697,16 +694,7 @@ fn greedy_pick<B: Backend>(b: &mut B) -> Result<Vec<Output>, BackendError> {
     } else {
         (host_ids.clone(), host_lp.clone())
     };
-    let wrong = got_ids
-        .iter()
-        .zip(&host_ids)
-        .filter(|(a, c)| a != c)
-        .count() as f32;
-    let lp_err = got_lp
-        .iter()
-        .zip(&host_lp)
-        .map(|(a, c)| (a - c).abs())
-        .fold(0f32, f32::max);
+    let (wrong, lp_err) = pick_errors(&got_ids, &got_lp);
     outputs.push(own(
         "argmax_and_logprob_rows: picks (vs its own logits)",
         0.0,

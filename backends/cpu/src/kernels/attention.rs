@@ -115,13 +115,18 @@ pub fn kv_write_parallel(
     // sit at least a window apart modulo the stride.
     let gap = k_base.abs_diff(v_base) % stride.max(1);
     let disjoint_windows = be > 0 && stride >= 2 * be && gap >= be && stride - gap >= be;
-    let mut sorted = slots.to_vec();
-    sorted.sort_unstable();
-    let distinct = sorted.windows(2).all(|w| w[0] != w[1]);
-    if n < PARALLEL_KV_WRITE_TOKENS || pool.threads() == 1 || !disjoint_windows || !distinct {
+    // The slots in order, only where the write may go parallel (then checked distinct).
+    let sorted = (n >= PARALLEL_KV_WRITE_TOKENS && pool.threads() > 1 && disjoint_windows)
+        .then(|| {
+            let mut sorted = slots.to_vec();
+            sorted.sort_unstable();
+            sorted
+        })
+        .filter(|sorted| sorted.windows(2).all(|w| w[0] != w[1]));
+    let Some(sorted) = sorted else {
         kv_write(lay, k, ldk, v, ldv, slots, cache, k_base, v_base);
         return Ok(());
-    }
+    };
     // Everything a task touches, checked here: the rows it reads and, for the largest slot,
     // the last element of its K and V windows (the windows grow with the block index).
     let last_row = |ld: usize| (n - 1) * ld + width;

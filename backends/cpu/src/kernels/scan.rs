@@ -361,18 +361,22 @@ fn argmax_of(logits: &[f32], read: impl Fn(f32) -> f32) -> u32 {
 mod tests {
     use super::*;
 
+    /// A xorshift64 stream from `seed`.
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+
     /// The vectorized scans equal plain ones: argmax (lowest id on ties, coarse values so ties
     /// are common, lengths around the lane count) and the log-normalizer against an f64
     /// reference.
     #[test]
     fn vocabulary_scans_match_plain_scans() {
-        let mut seed = 0x1234_5678_9abc_def0u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x1234_5678_9abc_def0u64);
         for len in [1usize, 5, 15, 16, 17, 31, 33, 100, 1000, 49_152] {
             for _ in 0..20 {
                 let l: Vec<f32> = (0..len).map(|_| (next() % 7) as f32 - 3.0).collect();
@@ -402,13 +406,7 @@ mod tests {
     /// and spreads wide enough to reach the exponential's clamp.
     #[test]
     fn two_pass_pick_equals_the_separate_scans() {
-        let mut seed = 0x5eed_1234_abcd_0042u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x5eed_1234_abcd_0042u64);
         let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX];
         for len in [1usize, 7, 8, 15, 16, 17, 24, 31, 40, 100, 4099, 49_152] {
             for case in 0..24 {
@@ -437,13 +435,7 @@ mod tests {
     /// for bit, with NaN and infinities sprinkled in and rows with nothing finite.
     #[test]
     fn sanitising_reads_equal_a_sanitised_copy() {
-        let mut seed = 0x0bad_cafe_f00d_1234u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x0bad_cafe_f00d_1234u64);
         let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX];
         for len in [1usize, 7, 16, 17, 100, 4099] {
             for case in 0..30 {
