@@ -217,6 +217,15 @@ impl AgentEngine {
             backend: model.describe(),
             kv,
         };
+        if cfg.long_context.is_some()
+            && (mc.has_sliding_window() || mc.layers.iter().any(|l| l.rope != mc.rope))
+        {
+            return Err(EngineError::BadConfig(format!(
+                "long-context mode is not available for architecture {:?} (its layers differ in \
+                 attention window or rope)",
+                mc.arch.name()
+            )));
+        }
         let long_layout = match cfg.long_context {
             Some(lc) => Some(long_context_layout(cfg, lc)?),
             None => None,

@@ -1,9 +1,17 @@
-//! Model hyper-parameters read from GGUF metadata for the Llama family (`llama`, `mistral`,
-//! `qwen2`), checked for consistency before any weight is touched.
+//! Model hyper-parameters read from GGUF metadata, checked for consistency before any weight is
+//! touched. One reader of what every family shares (the Llama-shaped block: heads, widths, rope),
+//! then a small per-family hook for where it differs (`family`): Qwen2's biases, Qwen3's per-head
+//! Q/K norms, Gemma 3's norms, GELU, embedding scale and sliding-window layers, Llama 3's rope
+//! frequency factors, Qwen3-MoE's experts. The result is plain data: which blocks a layer has,
+//! and each layer's rope and attention window.
+
+use std::sync::Mutex;
 
 use thiserror::Error;
 
-use crate::{GgufError, GgufFile};
+use crate::{GgmlType, GgufError, GgufFile};
+
+mod family;
 
 /// Why a file's hyper-parameters cannot be used.
 #[derive(Debug, Error)]
@@ -21,7 +29,7 @@ pub enum HparamsError {
 pub enum RopeStyle {
     /// Adjacent pairs (2i, 2i+1): Llama/Mistral GGUF layout.
     Interleaved,
-    /// Halves (i, i + d/2): Qwen2 / GPT-NeoX.
+    /// Halves (i, i + d/2): Qwen2/Qwen3/Gemma 3 (GPT-NeoX).
     Halves,
 }
 
@@ -34,46 +42,126 @@ pub struct Rope {
     pub base: f32,
     /// Position scale (linear rope scaling: 1 / factor).
     pub freq_scale: f32,
+    /// Per-pair frequency divisors (`dims / 2` values; Llama 3's `rope_freqs.weight`): pair i
+    /// turns at `base^(-2i/dims) / factors[i]`. Interned for the life of the process (see
+    /// [`intern_factors`]) so that a rope stays plain copyable data.
+    pub factors: Option<&'static [f32]>,
 }
 
 impl Rope {
+    /// A rope without frequency factors.
+    pub fn plain(style: RopeStyle, dims: usize, base: f32, freq_scale: f32) -> Self {
+        Self {
+            style,
+            dims,
+            base,
+            freq_scale,
+            factors: None,
+        }
+    }
+
     /// Cosines and sines for `pos`, `dims / 2` pairs each, into `cs` (len dims).
     pub fn angles(&self, pos: u32, cs: &mut [f32]) {
         let theta_scale = self.base.powf(-2.0 / self.dims as f32);
         let mut theta = pos as f32;
         for i in 0..self.dims / 2 {
-            let t = self.freq_scale * theta;
+            let extrap = match self.factors {
+                Some(f) => theta / f[i],
+                None => theta,
+            };
+            let t = self.freq_scale * extrap;
             cs[2 * i] = t.cos();
             cs[2 * i + 1] = t.sin();
             theta *= theta_scale;
         }
     }
+
+    /// The frequency divisor of pair `i` (1 without factors).
+    pub fn factor(&self, i: usize) -> f32 {
+        self.factors.map_or(1.0, |f| f[i])
+    }
 }
 
-/// The architectures we run, and where they differ.
+/// Interns a table of rope frequency factors: equal tables share one allocation, kept for the
+/// life of the process (a model has one; a process loads a handful), so `Rope` stays `Copy`.
+pub fn intern_factors(values: &[f32]) -> &'static [f32] {
+    static TABLES: Mutex<Vec<&'static [f32]>> = Mutex::new(Vec::new());
+    let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(t) = tables.iter().find(|t| {
+        t.len() == values.len()
+            && t.iter()
+                .zip(values)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+    }) {
+        return t;
+    }
+    let t: &'static [f32] = Box::leak(values.to_vec().into_boxed_slice());
+    tables.push(t);
+    t
+}
+
+/// The architectures we run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
+    Qwen3Moe,
+    Gemma3,
 }
 
 impl Arch {
+    pub const ALL: [Arch; 6] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Qwen3Moe,
+        Self::Gemma3,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Self::Llama => "llama",
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3moe",
+            Self::Gemma3 => "gemma3",
         }
     }
     fn from_name(s: &str) -> Option<Self> {
-        Some(match s {
-            "llama" => Self::Llama,
-            "mistral" => Self::Mistral,
-            "qwen2" => Self::Qwen2,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|a| a.name() == s)
     }
+}
+
+/// The activation of the gated feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnAct {
+    /// `silu(gate) * up` (Llama, Qwen).
+    Silu,
+    /// `gelu_tanh(gate) * up` (Gemma).
+    GeluTanh,
+}
+
+/// A mixture-of-experts feed-forward block (Qwen3-MoE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeSpec {
+    pub n_experts: usize,
+    /// Experts each token is routed to.
+    pub n_used: usize,
+    /// Width of one expert's gate/up projections.
+    pub expert_ff: usize,
+    /// Whether the chosen experts' weights are renormalised to sum to one.
+    pub norm_top_k: bool,
+}
+
+/// What differs between layers: the rope (Gemma 3's local layers turn at their own base) and
+/// the attention window (`None`: every earlier position).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerSpec {
+    pub rope: Rope,
+    pub window: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -89,9 +177,24 @@ pub struct ModelConfig {
     pub vocab: usize,
     pub context_length: usize,
     pub rms_eps: f32,
+    /// The model's main rope (global layers); `layers` holds each layer's own.
     pub rope: Rope,
     /// Q/K/V projections carry bias vectors (Qwen2).
     pub qkv_bias: bool,
+    /// Each query and key head is RMS-normalised with its own weights before the rope (Qwen3,
+    /// Gemma 3: `attn_q_norm`, `attn_k_norm`).
+    pub qk_norm: bool,
+    /// The attention and FFN outputs are RMS-normalised before their residual adds (Gemma 3:
+    /// `post_attention_norm`, `post_ffw_norm`).
+    pub post_norms: bool,
+    /// Embedding rows are multiplied by this (Gemma: sqrt(hidden)).
+    pub embed_scale: Option<f32>,
+    pub ffn_act: FfnAct,
+    /// Softmax scale of attention scores.
+    pub attn_scale: f32,
+    /// Every layer's rope and window (`n_layers` entries).
+    pub layers: Vec<LayerSpec>,
+    pub moe: Option<MoeSpec>,
 }
 
 impl ModelConfig {
@@ -100,15 +203,36 @@ impl ModelConfig {
             HparamsError::Gguf(GgufError::MissingKey("general.architecture".into()))
         })?;
         let arch = Arch::from_name(arch_name).ok_or_else(|| {
+            let names: Vec<&str> = Arch::ALL.iter().map(|a| a.name()).collect();
             HparamsError::Unsupported(format!(
-                "architecture {arch_name:?} (supported: llama, mistral, qwen2)"
+                "architecture {arch_name:?} (supported: {})",
+                names.join(", ")
             ))
         })?;
+        let mut cfg = Self::shared(f, arch, arch_name)?;
+        family::adjust(f, &mut cfg)?;
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// What every family reads the same way: the Llama-shaped block.
+    fn shared(f: &GgufFile, arch: Arch, arch_name: &str) -> Result<Self, HparamsError> {
         let key = |k: &str| format!("{arch_name}.{k}");
-        let req = |k: &str| -> Result<usize, HparamsError> { Ok(f.require_u64(&key(k))? as usize) };
+        let req = |k: &str| -> Result<usize, HparamsError> {
+            let v = f.require_u64(&key(k))?;
+            usize::try_from(v).map_err(|_| {
+                HparamsError::Inconsistent(format!("{} = {v} does not fit this machine", key(k)))
+            })
+        };
         let n_layers = req("block_count")?;
         let hidden = req("embedding_length")?;
-        let ff = req("feed_forward_length")?;
+        let ff = match arch {
+            // A MoE file may have no dense FFN width (every layer's FFN is the experts').
+            Arch::Qwen3Moe => f
+                .get_u64(&key("feed_forward_length"))
+                .map_or(0, |v| v as usize),
+            _ => req("feed_forward_length")?,
+        };
         let n_heads = req("attention.head_count")?;
         let n_kv_heads = f
             .get_u64(&key("attention.head_count_kv"))
@@ -127,6 +251,14 @@ impl ModelConfig {
             return Err(HparamsError::Inconsistent(format!(
                 "head dimension {head_dim} must be even and non-zero"
             )));
+        }
+        if let Some(v) = f.get_u64(&key("attention.value_length")) {
+            if v as usize != head_dim {
+                return Err(HparamsError::Unsupported(format!(
+                    "{} = {v} differs from the key length {head_dim}",
+                    key("attention.value_length")
+                )));
+            }
         }
         let vocab = match f.get_u64(&key("vocab_size")) {
             Some(v) => v as usize,
@@ -165,13 +297,18 @@ impl ModelConfig {
             }
             Some(other) => {
                 return Err(HparamsError::Unsupported(format!(
-                    "rope scaling type {other:?} (supported: none, linear)"
+                    "{} {other:?} (supported: none, linear; Llama 3's frequency factors come \
+                     from the rope_freqs.weight tensor)",
+                    key("rope.scaling.type")
                 )))
             }
         };
-        let style = match arch {
-            Arch::Qwen2 => RopeStyle::Halves,
-            Arch::Llama | Arch::Mistral => RopeStyle::Interleaved,
+        let rope = Rope {
+            style: RopeStyle::Interleaved,
+            dims: rope_dims,
+            base,
+            freq_scale,
+            factors: rope_factors(f, rope_dims)?,
         };
         Ok(Self {
             arch,
@@ -185,14 +322,43 @@ impl ModelConfig {
             vocab,
             context_length,
             rms_eps,
-            rope: Rope {
-                style,
-                dims: rope_dims,
-                base,
-                freq_scale,
-            },
-            qkv_bias: arch == Arch::Qwen2,
+            rope,
+            qkv_bias: false,
+            qk_norm: false,
+            post_norms: false,
+            embed_scale: None,
+            ffn_act: FfnAct::Silu,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            layers: vec![LayerSpec { rope, window: None }; n_layers],
+            moe: None,
         })
+    }
+
+    fn check(&self) -> Result<(), HparamsError> {
+        if self.n_layers == 0 {
+            return Err(HparamsError::Inconsistent(
+                "the file declares 0 layers".into(),
+            ));
+        }
+        if self.hidden == 0 || self.vocab == 0 {
+            return Err(HparamsError::Inconsistent(format!(
+                "embedding length {} and vocabulary {} must be non-zero",
+                self.hidden, self.vocab
+            )));
+        }
+        if self.moe.is_none() && self.ff == 0 {
+            return Err(HparamsError::Inconsistent(
+                "feed_forward_length is 0".into(),
+            ));
+        }
+        if self.layers.len() != self.n_layers {
+            return Err(HparamsError::Inconsistent(format!(
+                "{} layer specs for {} layers",
+                self.layers.len(),
+                self.n_layers
+            )));
+        }
+        Ok(())
     }
 
     /// Width of a fused Q|K|V row.
@@ -204,4 +370,41 @@ impl ModelConfig {
     pub fn attn_width(&self) -> usize {
         self.n_heads * self.head_dim
     }
+
+    /// The widest FFN hidden activation of a layer (dense `ff`, or one expert's).
+    pub fn ffn_width(&self) -> usize {
+        self.moe.map_or(self.ff, |m| m.expert_ff.max(self.ff))
+    }
+
+    /// Whether any layer attends through a sliding window.
+    pub fn has_sliding_window(&self) -> bool {
+        self.layers.iter().any(|l| l.window.is_some())
+    }
+}
+
+/// Llama 3's per-pair rope frequency divisors, from the `rope_freqs.weight` tensor when the
+/// file has one.
+fn rope_factors(f: &GgufFile, rope_dims: usize) -> Result<Option<&'static [f32]>, HparamsError> {
+    let Some(info) = f.tensor_info("rope_freqs.weight") else {
+        return Ok(None);
+    };
+    let n = rope_dims / 2;
+    if info.ty != GgmlType::F32 || info.n_elements() != n as u64 {
+        return Err(HparamsError::Inconsistent(format!(
+            "rope_freqs.weight is {} with {} values; expected f32 with {n} (rope dimensions / 2)",
+            info.ty.name(),
+            info.n_elements()
+        )));
+    }
+    let (_, data) = f.tensor("rope_freqs.weight")?;
+    let values: Vec<f32> = data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    if values.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
+        return Err(HparamsError::Inconsistent(
+            "rope_freqs.weight holds a value that is not a positive finite number".into(),
+        ));
+    }
+    Ok(Some(intern_factors(&values)))
 }

@@ -65,6 +65,7 @@ impl<'f> Ctx<'f> {
             head_dim: self.cfg.head_dim,
             rope: self.cfg.rope,
             scale: 1.0 / (self.cfg.head_dim as f32).sqrt(),
+            window: None,
         }
     }
 }

@@ -9,7 +9,8 @@ pub fn angles(rope: &Rope, delta: f64, cs: &mut Vec<f32>) {
     cs.clear();
     let dims = rope.dims as f64;
     for i in 0..rope.dims / 2 {
-        let inv_freq = f64::from(rope.base).powf(-2.0 * i as f64 / dims);
+        let inv_freq =
+            f64::from(rope.base).powf(-2.0 * i as f64 / dims) / f64::from(rope.factor(i));
         let t = delta * f64::from(rope.freq_scale) * inv_freq;
         cs.push(t.cos() as f32);
         cs.push(t.sin() as f32);
@@ -42,6 +43,8 @@ mod tests {
             dims: 8,
             base: 10000.0,
             freq_scale: 0.5,
+            factors: None,
+            factors: None,
         }
     }
 

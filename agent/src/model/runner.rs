@@ -6,8 +6,10 @@
 //! their log-probabilities.
 
 use npu_backend::{
-    AttnGeometry, Backend, DType, HostSliceMut, KvSpec, Readback, StepInputs, View, ViewMut,
+    AttnGeometry, Backend, Capability, DType, HostSliceMut, KvSpec, Readback, StepInputs, View,
+    ViewMut,
 };
+use npu_gguf::hparams::FfnAct;
 use npu_gguf::GgufFile;
 
 use super::weights::{Proj, Weights};
@@ -65,7 +67,8 @@ pub struct Model<B: Backend> {
     weights: Weights<B>,
     backend: B,
     bufs: Buffers<B>,
-    geometry: AttnGeometry,
+    /// Each layer's attention geometry (its rope and window).
+    geometry: Vec<AttnGeometry>,
     /// Host copy of a layer's queries, read back only for long-context memory selection.
     q_host: Vec<f32>,
 }
@@ -73,6 +76,7 @@ pub struct Model<B: Backend> {
 impl<B: Backend> Model<B> {
     pub fn load(f: &GgufFile, mut backend: B, opts: ModelOptions) -> Result<Self, ModelError> {
         let cfg = ModelConfig::from_gguf(f)?;
+        check_capabilities(&cfg, &backend)?;
         if opts.max_tokens == 0
             || opts.max_logit_rows == 0
             || opts.num_blocks == 0
@@ -94,8 +98,8 @@ impl<B: Backend> Model<B> {
             qkv: alloc(act, t * cfg.qkv_width())?,
             attn: alloc(act, t * cfg.attn_width())?,
             tmp: alloc(act, t * h)?,
-            gate_up: alloc(act, t * 2 * cfg.ff)?,
-            h: alloc(act, t * cfg.ff)?,
+            gate_up: alloc(act, t * 2 * cfg.ffn_width())?,
+            h: alloc(act, t * cfg.ffn_width())?,
             lx: alloc(act, l * h)?,
             lxn: alloc(act, l * h)?,
             logits: alloc(act, l * cfg.vocab)?,
@@ -105,13 +109,18 @@ impl<B: Backend> Model<B> {
         // The pool last: sized from free memory, it sees what the weights and buffers left.
         let mut opts = opts;
         opts.num_blocks = init_kv_pool(&mut backend, &cfg, &opts)?;
-        let geometry = AttnGeometry {
-            n_heads: cfg.n_heads,
-            n_kv_heads: cfg.n_kv_heads,
-            head_dim: cfg.head_dim,
-            rope: cfg.rope,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-        };
+        let geometry = cfg
+            .layers
+            .iter()
+            .map(|l| AttnGeometry {
+                n_heads: cfg.n_heads,
+                n_kv_heads: cfg.n_kv_heads,
+                head_dim: cfg.head_dim,
+                rope: l.rope,
+                scale: cfg.attn_scale,
+                window: l.window,
+            })
+            .collect();
         Ok(Self {
             cfg,
             opts,
@@ -183,25 +192,32 @@ impl<B: Backend> Model<B> {
         let w = &self.weights;
         let bufs = &mut self.bufs;
         let cfg = &self.cfg;
-        let g = &self.geometry;
         let t = step.tokens.len();
         let h = cfg.hidden;
-        let (qw, kvw) = (g.q_width(), g.kv_width());
         let qkv_w = cfg.qkv_width();
         let ff = cfg.ff;
+        let eps = cfg.rms_eps;
         b.begin_step(step)?;
         b.embed(&w.embed, ViewMut::rows(&mut bufs.x, t, h)?)?;
-        for (li, layer) in w.layers.iter().enumerate() {
+        if let Some(s) = cfg.embed_scale {
+            b.scale_rows(ViewMut::rows(&mut bufs.x, t, h)?, s)?;
+        }
+        for (li, (layer, g)) in w.layers.iter().zip(&self.geometry).enumerate() {
+            let (qw, kvw) = (g.q_width(), g.kv_width());
             b.rms_norm(
                 View::rows(&bufs.x, t, h)?,
                 &layer.attn_norm,
-                cfg.rms_eps,
+                eps,
                 ViewMut::rows(&mut bufs.xn, t, h)?,
             )?;
             let mut qkv = ViewMut::rows(&mut bufs.qkv, t, qkv_w)?;
             project(b, View::rows(&bufs.xn, t, h)?, &layer.qkv, &mut qkv)?;
             if let Some(bias) = &layer.qkv_bias {
                 b.add_bias(qkv.col_range(0, qkv_w)?, bias)?;
+            }
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                b.rms_norm_heads(qkv.col_range(0, qw)?, qn, eps, g.head_dim)?;
+                b.rms_norm_heads(qkv.col_range(qw, kvw)?, kn, eps, g.head_dim)?;
             }
             b.rope(qkv.col_range(0, qw + kvw)?, g)?;
             let qkv = qkv.as_view();
@@ -230,33 +246,31 @@ impl<B: Backend> Model<B> {
                 &layer.wo,
                 ViewMut::rows(&mut bufs.tmp, t, h)?,
             )?;
-            b.add(
-                ViewMut::rows(&mut bufs.x, t, h)?,
-                View::rows(&bufs.tmp, t, h)?,
-            )?;
+            residual_add(b, bufs, layer.post_attn_norm.as_ref(), eps, t, h)?;
             b.rms_norm(
                 View::rows(&bufs.x, t, h)?,
                 &layer.ffn_norm,
-                cfg.rms_eps,
+                eps,
                 ViewMut::rows(&mut bufs.xn, t, h)?,
             )?;
             let mut gate_up = ViewMut::rows(&mut bufs.gate_up, t, 2 * ff)?;
             project(b, View::rows(&bufs.xn, t, h)?, &layer.gate_up, &mut gate_up)?;
             let gate_up = gate_up.as_view();
-            b.swiglu(
+            let (gate, up, out) = (
                 gate_up.col_range(0, ff)?,
                 gate_up.col_range(ff, ff)?,
                 ViewMut::rows(&mut bufs.h, t, ff)?,
-            )?;
+            );
+            match cfg.ffn_act {
+                FfnAct::Silu => b.swiglu(gate, up, out)?,
+                FfnAct::GeluTanh => b.geglu(gate, up, out)?,
+            }
             b.matmul(
                 View::rows(&bufs.h, t, ff)?,
                 &layer.down,
                 ViewMut::rows(&mut bufs.tmp, t, h)?,
             )?;
-            b.add(
-                ViewMut::rows(&mut bufs.x, t, h)?,
-                View::rows(&bufs.tmp, t, h)?,
-            )?;
+            residual_add(b, bufs, layer.post_ffn_norm.as_ref(), eps, t, h)?;
         }
         let n = step.logit_rows.len();
         out.picked_on_device = false;
@@ -374,4 +388,75 @@ fn project<B: Backend>(
         }
     }
     Ok(())
+}
+
+/// `x += tmp`, with `tmp` first RMS-normalised by `norm` into `xn` where the family has a
+/// post-norm (Gemma 3's post-attention and post-FFN norms).
+fn residual_add<B: Backend>(
+    b: &mut B,
+    bufs: &mut Buffers<B>,
+    norm: Option<&B::Buffer>,
+    eps: f32,
+    t: usize,
+    h: usize,
+) -> Result<(), ModelError> {
+    let y = match norm {
+        Some(norm) => {
+            b.rms_norm(
+                View::rows(&bufs.tmp, t, h)?,
+                norm,
+                eps,
+                ViewMut::rows(&mut bufs.xn, t, h)?,
+            )?;
+            &bufs.xn
+        }
+        None => &bufs.tmp,
+    };
+    b.add(ViewMut::rows(&mut bufs.x, t, h)?, View::rows(y, t, h)?)?;
+    Ok(())
+}
+
+/// What the model's family needs of a backend beyond the Llama step.
+pub fn required_capabilities(cfg: &ModelConfig) -> Vec<Capability> {
+    let mut need = Vec::new();
+    if cfg.qk_norm {
+        need.push(Capability::HeadNorm);
+    }
+    if cfg.ffn_act == FfnAct::GeluTanh {
+        need.push(Capability::GeluGate);
+    }
+    if cfg.embed_scale.is_some() {
+        need.push(Capability::ScaleRows);
+    }
+    if cfg.has_sliding_window() {
+        need.push(Capability::SlidingWindow);
+    }
+    if cfg.layers.iter().any(|l| l.rope.factors.is_some()) {
+        need.push(Capability::RopeFactors);
+    }
+    if cfg.layers.iter().any(|l| l.rope != cfg.rope) {
+        need.push(Capability::PerLayerRope);
+    }
+    if cfg.moe.is_some() {
+        need.push(Capability::Moe);
+    }
+    need
+}
+
+/// Refuses, before any weight is read, a model whose family needs what the backend lacks.
+fn check_capabilities<B: Backend>(cfg: &ModelConfig, backend: &B) -> Result<(), ModelError> {
+    let missing: Vec<&str> = required_capabilities(cfg)
+        .into_iter()
+        .filter(|&c| !backend.supports(c))
+        .map(Capability::name)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(ModelError::Unsupported(format!(
+        "architecture {:?} needs {}, which the {} backend does not have yet",
+        cfg.arch.name(),
+        missing.join(", "),
+        backend.kind().name()
+    )))
 }

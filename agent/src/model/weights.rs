@@ -1,6 +1,8 @@
-//! Loads a Llama-family model's tensors from GGUF onto a Backend, checking every shape, and fusing
-//! Q/K/V and gate/up projections into single matrices where the backend's format allows. Tensors
-//! are handed over as the file stores them; the backend picks its own format.
+//! Loads a model's tensors from GGUF onto a Backend, checking every shape, and fusing Q/K/V and
+//! gate/up projections into single matrices where the backend's format allows. Tensors are
+//! handed over as the file stores them; the backend picks its own format. The tensors a family
+//! adds to the Llama block (Qwen2's biases, per-head Q/K norms, Gemma's post-norms) are read
+//! where its `ModelConfig` says it has them.
 
 use npu_backend::{Backend, HostTensor};
 use npu_gguf::{GgmlType, GgufFile, TensorInfo};
@@ -18,10 +20,17 @@ pub struct Layer<B: Backend> {
     pub attn_norm: B::Buffer,
     pub qkv: Proj<B::Matrix>,
     pub qkv_bias: Option<B::Buffer>,
+    /// Per-head RMS norm weights of the queries and keys (`head_dim` each).
+    pub q_norm: Option<B::Buffer>,
+    pub k_norm: Option<B::Buffer>,
     pub wo: B::Matrix,
+    /// RMS norm of the attention output before its residual add (Gemma 3).
+    pub post_attn_norm: Option<B::Buffer>,
     pub ffn_norm: B::Buffer,
     pub gate_up: Proj<B::Matrix>,
     pub down: B::Matrix,
+    /// RMS norm of the FFN output before its residual add (Gemma 3).
+    pub post_ffn_norm: Option<B::Buffer>,
 }
 
 pub struct Weights<B: Backend> {
@@ -169,6 +178,24 @@ impl<B: Backend> Weights<B> {
             } else {
                 None
             };
+            let hd = cfg.head_dim;
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(vector(f, b, &n("attn_q_norm.weight"), hd)?),
+                    Some(vector(f, b, &n("attn_k_norm.weight"), hd)?),
+                )
+            } else {
+                (None, None)
+            };
+            let post = |b: &mut B, name: &str| -> Result<Option<B::Buffer>, ModelError> {
+                if cfg.post_norms {
+                    Ok(Some(vector(f, b, &n(name), h)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let post_attn_norm = post(b, "post_attention_norm.weight")?;
+            let post_ffn_norm = post(b, "post_ffw_norm.weight")?;
             let wo = single(b, part(f, &n("attn_output.weight"), qd, h)?)?;
             let gate = part(f, &n("ffn_gate.weight"), h, cfg.ff)?;
             let up = part(f, &n("ffn_up.weight"), h, cfg.ff)?;
@@ -178,10 +205,14 @@ impl<B: Backend> Weights<B> {
                 attn_norm: vector(f, b, &n("attn_norm.weight"), h)?,
                 qkv,
                 qkv_bias,
+                q_norm,
+                k_norm,
                 wo,
+                post_attn_norm,
                 ffn_norm: vector(f, b, &n("ffn_norm.weight"), h)?,
                 gate_up,
                 down,
+                post_ffn_norm,
             });
         }
         let out_norm = vector(f, b, "output_norm.weight", h)?;

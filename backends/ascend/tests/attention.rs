@@ -65,8 +65,10 @@ fn attention_case(bs: usize, steps: &[Vec<(usize, u32)>], seed: u64) -> AscendBa
             dims: d,
             base: 10000.0,
             freq_scale: 1.0,
+            factors: None,
         },
         scale: 0.25,
+        window: None,
     };
     let tables: [Vec<u32>; 3] = [vec![3, 7, 1], vec![0, 5, 9], vec![11, 2, 4]];
     let mut hist = vec![Hist::default(); 3];
@@ -161,8 +163,10 @@ fn kv_blocks_move_between_device_and_host() {
             dims: 16,
             base: 10000.0,
             freq_scale: 1.0,
+            factors: None,
         },
         scale: 0.25,
+        window: None,
     };
     // 10 tokens of one sequence in block 2, both layers.
     let step = step_of(&[(0, 10, vec![2])], 16, &[1]);

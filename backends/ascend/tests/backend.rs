@@ -527,8 +527,10 @@ fn rope_matches_reference_in_both_styles_and_kernels() {
                         dims,
                         base: 10000.0,
                         freq_scale: 0.5,
+                        factors: None,
                     },
                     scale: 0.25,
+                    window: None,
                 };
                 // Positions beyond the first table (4096) make it grow.
                 let blocks: Vec<u32> = (0..375).collect();
@@ -791,8 +793,10 @@ fn token_ops_work_before_the_kv_pool_exists_and_kv_ops_say_why_not() {
             dims: 16,
             base: 10000.0,
             freq_scale: 1.0,
+            factors: None,
         },
         scale: 0.25,
+        window: None,
     };
     let e = b
         .kv_write(

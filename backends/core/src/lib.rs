@@ -122,6 +122,42 @@ pub enum BackendError {
     },
 }
 
+/// What a backend may have beyond the Llama step. A new op joins the trait with a default that
+/// refuses it, and a backend reports here what it has built; a model that needs a capability its
+/// backend lacks is refused at load, naming the family, the capability and the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Capability {
+    /// `rms_norm_heads`: each head of Q and K RMS-normalised with its own weights (Qwen3,
+    /// Gemma 3).
+    HeadNorm,
+    /// `geglu`: the GELU(tanh)-gated feed-forward activation (Gemma).
+    GeluGate,
+    /// `scale_rows`: rows multiplied by a constant (Gemma's embedding scale).
+    ScaleRows,
+    /// `attention` with `AttnGeometry::window` set (Gemma 3's local layers).
+    SlidingWindow,
+    /// `rope` with per-pair frequency factors (`Rope::factors`, Llama 3).
+    RopeFactors,
+    /// `rope` whose base differs from layer to layer in one step (Gemma 3).
+    PerLayerRope,
+    /// `moe_route`, `gather_rows` and `scatter_add_rows`: a mixture-of-experts FFN (Qwen3-MoE).
+    Moe,
+}
+
+impl Capability {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::HeadNorm => "per-head Q/K RMS norm",
+            Self::GeluGate => "GELU-gated FFN",
+            Self::ScaleRows => "row scaling",
+            Self::SlidingWindow => "sliding-window attention",
+            Self::RopeFactors => "rope frequency factors",
+            Self::PerLayerRope => "per-layer rope bases",
+            Self::Moe => "mixture-of-experts routing",
+        }
+    }
+}
+
 /// Free and total memory of the device (bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemInfo {
@@ -220,6 +256,10 @@ pub struct AttnGeometry {
     pub rope: Rope,
     /// Softmax scale (1 / sqrt(head_dim) for Llama).
     pub scale: f32,
+    /// Sliding-window attention: a query at position p sees positions `p - window + 1 ..= p`
+    /// (Gemma 3's local layers; `None`: every earlier position). Only backends that report
+    /// [`Capability::SlidingWindow`] take a window; the others refuse it.
+    pub window: Option<u32>,
 }
 
 impl AttnGeometry {
@@ -276,6 +316,11 @@ pub trait Backend: Send {
     /// The dtype this backend computes activations in (the model allocates its buffers so).
     fn act_dtype(&self) -> DType;
     fn mem_info(&self) -> Result<MemInfo, BackendError>;
+    /// Whether this backend has `c` (see [`Capability`]); none by default.
+    fn supports(&self, c: Capability) -> bool {
+        let _ = c;
+        false
+    }
 
     // --- memory ---------------------------------------------------------------------------
     /// A zeroed buffer of `len` elements.
@@ -373,6 +418,40 @@ pub trait Backend: Send {
         eps: f32,
         out: ViewMut<'_, Self::Buffer>,
     ) -> Result<(), BackendError>;
+    /// Each `head_dim` slice of each row of `x` RMS-normalised and times `w` (`head_dim`
+    /// weights), in place ([`Capability::HeadNorm`]).
+    fn rms_norm_heads(
+        &mut self,
+        x: ViewMut<'_, Self::Buffer>,
+        w: &Self::Buffer,
+        eps: f32,
+        head_dim: usize,
+    ) -> Result<(), BackendError> {
+        let _ = (x, w, eps, head_dim);
+        Err(self.unsupported(Capability::HeadNorm))
+    }
+    /// `x *= s`, element-wise ([`Capability::ScaleRows`]).
+    fn scale_rows(&mut self, x: ViewMut<'_, Self::Buffer>, s: f32) -> Result<(), BackendError> {
+        let _ = (x, s);
+        Err(self.unsupported(Capability::ScaleRows))
+    }
+    /// `out = gelu_tanh(gate) * up`, element-wise ([`Capability::GeluGate`]).
+    fn geglu(
+        &mut self,
+        gate: View<'_, Self::Buffer>,
+        up: View<'_, Self::Buffer>,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let _ = (gate, up, out);
+        Err(self.unsupported(Capability::GeluGate))
+    }
+    /// The refusal of an op this backend has not built.
+    fn unsupported(&self, c: Capability) -> BackendError {
+        BackendError::Unsupported {
+            backend: self.kind().name(),
+            what: c.name().into(),
+        }
+    }
     /// `out[r][n] = x[r] . w[n]`: `x` has the matrix's input count of columns, `out` its output
     /// count.
     fn matmul(

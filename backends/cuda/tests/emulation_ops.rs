@@ -120,8 +120,10 @@ fn token_ops_run_before_the_kv_pool_exists() {
             dims: 32,
             base: 10000.0,
             freq_scale: 1.0,
+            factors: None,
         },
         scale: 1.0,
+        window: None,
     };
     let mut qk = b.alloc(DType::F32, 2 * 64).unwrap();
     b.rope(ViewMut::rows(&mut qk, 2, 64).unwrap(), &g).unwrap();

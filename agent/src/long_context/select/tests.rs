@@ -27,6 +27,7 @@ fn heads(style: RopeStyle) -> Heads {
             dims: 8,
             base: 10000.0,
             freq_scale: 1.0,
+            factors: None,
         },
     }
 }

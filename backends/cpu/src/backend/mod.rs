@@ -5,6 +5,7 @@
 //! inside the kernels, and each op checks the shapes those rely on before calling them.
 
 mod buffer;
+mod family_ops;
 mod kv;
 #[cfg(test)]
 mod tests;
@@ -21,8 +22,8 @@ use crate::quant::packed::PackFormat;
 use crate::quant::{QuantizedActs, WeightMatrix};
 use crate::threadpool::{split_range, ThreadPool};
 use npu_backend::{
-    AttnGeometry, Backend, BackendError, DType, DeviceKind, HostSlice, HostTensor, KvSpec, MemInfo,
-    Readback, StepInputs, View, ViewMut,
+    AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostTensor,
+    KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
 };
 use npu_gguf::quants::dequantize_row;
 use npu_gguf::GgmlType;
@@ -65,9 +66,9 @@ pub struct CpuBackend {
     acts_key: Option<RowsKey>,
     /// Counts steps, so per-step caches know when they are stale.
     step_serial: u64,
-    /// Rotary cos/sin of every token of the step, and what they were computed for.
-    rope_cs: Vec<f32>,
-    rope_for: Option<(Rope, u64)>,
+    /// Rope angles of the step's positions, per rope (a model may turn at several bases) and
+    /// the step they were made for.
+    rope_tables: Vec<(Rope, u64, Vec<f32>)>,
     /// Some weights were re-quantized on load (formats without an exact packed form).
     lossy_weights: bool,
 }
@@ -104,8 +105,7 @@ impl CpuBackend {
             kv: None,
             step: StepInputs::default(),
             step_serial: 0,
-            rope_cs: Vec::new(),
-            rope_for: None,
+            rope_tables: Vec::new(),
             lossy_weights: false,
         }
     }
@@ -291,6 +291,33 @@ impl Backend for CpuBackend {
 
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         host_mem_info()
+    }
+
+    fn supports(&self, c: Capability) -> bool {
+        family_ops::supports(c)
+    }
+
+    fn rms_norm_heads(
+        &mut self,
+        x: ViewMut<'_, CpuBuffer>,
+        w: &CpuBuffer,
+        eps: f32,
+        head_dim: usize,
+    ) -> Result<(), BackendError> {
+        self.rms_norm_heads_op(x, w, eps, head_dim)
+    }
+
+    fn scale_rows(&mut self, x: ViewMut<'_, CpuBuffer>, s: f32) -> Result<(), BackendError> {
+        self.scale_rows_op(x, s)
+    }
+
+    fn geglu(
+        &mut self,
+        gate: View<'_, CpuBuffer>,
+        up: View<'_, CpuBuffer>,
+        out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        self.geglu_op(gate, up, out)
     }
 
     fn alloc(&mut self, dtype: DType, len: usize) -> Result<CpuBuffer, BackendError> {
@@ -575,19 +602,22 @@ impl Backend for CpuBackend {
             self.step.positions.len(),
             heads * hd,
         )?;
-        // The angles depend on the position only: computed once per step, used by every layer.
-        if self.rope_for != Some((g.rope, self.step_serial)) {
-            self.rope_cs.resize(self.step.positions.len() * dims, 0.0);
-            for (cs, &pos) in self
-                .rope_cs
-                .chunks_exact_mut(dims.max(1))
-                .zip(&self.step.positions)
-            {
-                g.rope.angles(pos, cs);
+        // The angles depend on the position only: computed once per step and rope, used by
+        // every layer that turns with that rope.
+        let serial = self.step_serial;
+        self.rope_tables.retain(|(_, s, _)| *s == serial);
+        let at = match self.rope_tables.iter().position(|(r, _, _)| *r == g.rope) {
+            Some(at) => at,
+            None => {
+                let mut cs = vec![0.0; self.step.positions.len() * dims];
+                for (cs, &pos) in cs.chunks_exact_mut(dims.max(1)).zip(&self.step.positions) {
+                    g.rope.angles(pos, cs);
+                }
+                self.rope_tables.push((g.rope, serial, cs));
+                self.rope_tables.len() - 1
             }
-            self.rope_for = Some((g.rope, self.step_serial));
-        }
-        let cs = &self.rope_cs;
+        };
+        let cs = &self.rope_tables[at].2;
         let rope = g.rope;
         self.par_rows_mut(qk, |r, row| {
             elementwise::rope_apply(&rope, row, heads, hd, &cs[r * dims..(r + 1) * dims]);
@@ -672,6 +702,7 @@ impl Backend for CpuBackend {
             lay: kv.layout(),
             n_heads: g.n_heads,
             scale: g.scale,
+            window: g.window.map(|w| w as usize),
         };
         attention::paged_attention(
             &self.pool,

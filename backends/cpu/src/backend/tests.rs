@@ -104,8 +104,10 @@ fn fill_pool(b: &mut CpuBackend) {
             dims: s.head_dim,
             base: 10000.0,
             freq_scale: 1.0,
+            factors: None,
         },
         scale: 1.0,
+        window: None,
     };
     let slots = (s.num_blocks * s.block_size) as u32;
     let w = g.kv_width();

@@ -198,6 +198,8 @@ pub struct AttnParams {
     pub lay: KvLayout,
     pub n_heads: usize,
     pub scale: f32,
+    /// Sliding window: a query at position p sees positions `p + 1 - window ..= p` only.
+    pub window: Option<usize>,
 }
 
 /// Query tokens per task.
@@ -359,6 +361,20 @@ pub fn paged_attention(
     let mut windows: Vec<Vec<(AttnSeq, usize)>> = Vec::with_capacity(chunks.len());
     for &(_, si, t0, t1) in &chunks {
         let s = &seqs[si];
+        if let Some(w) = p.window {
+            // One part from the block holding the first position the chunk's first query sees;
+            // the chunk is seen from there (its rows start at its first query, so the
+            // positions stay non-negative), and each row masks what lies before its window.
+            let b0 = (s.start_pos + t0 + 1).saturating_sub(w) / bs;
+            let shifted = AttnSeq {
+                q_row: s.q_row + t0,
+                n_q: t1 - t0,
+                start_pos: s.start_pos + t0 - b0 * bs,
+                block_table: &s.block_table[b0..],
+            };
+            windows.push(vec![(shifted, usize::MAX)]);
+            continue;
+        }
         let parts = kv_parts(s, t0, t1, bs);
         let last = parts.len() - 1;
         windows.push(
@@ -427,6 +443,12 @@ pub fn paged_attention(
     // Query heads g0..g1 of KV head `kvh` for chunk `ci`, KV part `kp`.
     let task_at = |ci: usize, kvh: usize, g0: usize, g1: usize, kp: usize| {
         let (_, _, t0, t1) = chunks[ci].clone();
+        // A windowed chunk's sequence starts at the chunk's first query (see above).
+        let (t0, t1) = if p.window.is_some() {
+            (0, t1 - t0)
+        } else {
+            (t0, t1)
+        };
         let (seq, cap) = &windows[ci][kp];
         Task {
             isa,
@@ -666,6 +688,12 @@ fn task_body(t: &Task, s: &mut Scratch) {
     }
     round_through_f16(t.isa, &mut s.q);
     let ctx_of = |r: usize| (t.seq.start_pos + t.t0 + r / ng + 1).min(t.cap);
+    // The first position each row sees (beyond 0 only through a sliding window).
+    let lo_of = |r: usize| {
+        t.p.window.map_or(0, |w| {
+            (t.seq.start_pos + t.t0 + r / ng + 1).saturating_sub(w)
+        })
+    };
     s.row_max.resize(rows, 0.0);
     s.row_sum.resize(rows, 0.0);
     #[cfg(target_arch = "x86_64")]
@@ -774,10 +802,12 @@ fn task_body(t: &Task, s: &mut Scratch) {
     }
     // Softmax per row over its own context; probabilities rounded through f16 for the V product.
     for r in 0..rows {
-        let ctx = ctx_of(r);
-        let sc = &mut s.scores[r * span..r * span + ctx];
+        let (lo, ctx) = (lo_of(r), ctx_of(r));
+        // Positions before the window weigh nothing in the V sum.
+        s.scores[r * span..r * span + lo].fill(0.0);
+        let sc = &mut s.scores[r * span + lo..r * span + ctx];
         // Scale and maximum, lane-wise (plain comparisons, no NaN rules).
-        let whole = ctx / LANES * LANES;
+        let whole = sc.len() / LANES * LANES;
         let lane_max = scale_lane_max(fast, &mut sc[..whole], t.p.scale);
         let mut max = lane_max
             .iter()

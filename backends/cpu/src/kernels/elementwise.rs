@@ -1,5 +1,6 @@
-//! The element-wise parts of a Llama layer: RMS normalisation, rotary position embedding, SwiGLU,
-//! residual adds, and embedding-row lookup. They follow ggml's arithmetic (f64 sum of squares,
+//! The element-wise parts of a layer: RMS normalisation (of rows, and of each head of a row),
+//! rotary position embedding, SwiGLU and GELU-gated activations, scaling, residual adds, and
+//! embedding-row lookup. They follow ggml's arithmetic (f64 sum of squares,
 //! here over interleaved lanes, `1/sqrt(mean + eps)` in f32, rotation angles by repeated
 //! multiplication) so hidden states track llama.cpp's closely.
 
@@ -14,26 +15,42 @@ pub use npu_gguf::hparams::{Rope, RopeStyle};
 /// independent chains the compiler vectorizes, where one in-order chain waits on every add. The
 /// f32 mean equals the in-order sum's except when the two f64 sums round to different f32s.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    const SUM_LANES: usize = 8;
     let n = w.len();
     for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let mut lanes = [0f64; SUM_LANES];
-        let mut chunks = xr.chunks_exact(SUM_LANES);
-        for c in &mut chunks {
-            for (l, &v) in lanes.iter_mut().zip(c) {
-                *l += (v * v) as f64;
-            }
-        }
-        for (l, &v) in lanes.iter_mut().zip(chunks.remainder()) {
-            *l += (v * v) as f64;
-        }
-        let sum: f64 = lanes.iter().sum();
-        let mean = (sum / n as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
+        let scale = rms_scale(xr, eps);
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = (v * scale) * g;
         }
     }
+}
+
+/// `rms_norm` in place: every `w.len()` values of `x` (each head of a row, for per-head norms).
+pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    for xr in x.chunks_exact_mut(w.len()) {
+        let scale = rms_scale(xr, eps);
+        for (v, &g) in xr.iter_mut().zip(w) {
+            *v = (*v * scale) * g;
+        }
+    }
+}
+
+/// `1 / sqrt(mean(x^2) + eps)`, the squares summed as `rms_norm` documents.
+#[inline(always)]
+fn rms_scale(xr: &[f32], eps: f32) -> f32 {
+    const SUM_LANES: usize = 8;
+    let mut lanes = [0f64; SUM_LANES];
+    let mut chunks = xr.chunks_exact(SUM_LANES);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += (v * v) as f64;
+        }
+    }
+    for (l, &v) in lanes.iter_mut().zip(chunks.remainder()) {
+        *l += (v * v) as f64;
+    }
+    let sum: f64 = lanes.iter().sum();
+    let mean = (sum / xr.len() as f64) as f32;
+    1.0 / (mean + eps).sqrt()
 }
 
 /// Rotates `n_heads` heads of `head_dim` values (one token) in place with precomputed angles.
@@ -87,6 +104,47 @@ unsafe fn swiglu_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
     swiglu_body(gate, up, out)
 }
 
+/// GELU with the tanh approximation, in f32 (ggml's `ggml_gelu_f32`).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044_715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+}
+
+/// `gelu_tanh` of every f16 value, rounded to f16: ggml's CPU table, through which llama.cpp
+/// computes GELU (inputs rounded to f16 first), so hidden states track its values.
+fn gelu_f16_table() -> &'static [f16] {
+    static TABLE: std::sync::OnceLock<Vec<f16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| f16::from_f32(gelu_tanh(f16::from_bits(bits).to_f32())))
+            .collect()
+    })
+}
+
+/// `out[i] = gelu_tanh(gate[i]) * up[i]` as ggml computes it on the CPU: 0 at or below -10, the
+/// gate itself at or above 10, else the f16 table's value at the gate rounded to f16.
+pub fn geglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let table = gelu_f16_table();
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let act = if g <= -10.0 {
+            0.0
+        } else if g >= 10.0 {
+            g
+        } else {
+            table[usize::from(f16::from_f32(g).to_bits())].to_f32()
+        };
+        *o = act * u;
+    }
+}
+
+/// `x *= s`.
+pub fn scale(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
 /// `x += y`.
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
@@ -123,6 +181,7 @@ mod tests {
             dims: 4,
             base: 10000.0,
             freq_scale: 1.0,
+            factors: None,
         };
         let mut cs = [0f32; 4];
         rope.angles(3, &mut cs);

@@ -146,6 +146,7 @@ impl<B: Backend> Llama<B> {
             head_dim: cfg.head_dim,
             rope: cfg.rope,
             scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            window: None,
         };
         Self {
             cfg,

@@ -9,12 +9,12 @@ struct Case {
     num_blocks: usize,
 }
 
-/// Dense reference: for query row at position `pos`, attend to keys 0..=pos.
+/// Dense reference: for query row at position `pos`, attend to keys `lo..=pos`.
 fn dense(
     q: &[f32],
     keys: &[Vec<f32>],
     vals: &[Vec<f32>],
-    pos: usize,
+    (lo, pos): (usize, usize),
     hd: usize,
     scale: f32,
 ) -> Vec<f32> {
@@ -22,7 +22,7 @@ fn dense(
         .iter()
         .map(|&v| f16::from_f32(v).to_f32() as f64)
         .collect();
-    let scores: Vec<f64> = (0..=pos)
+    let scores: Vec<f64> = (lo..=pos)
         .map(|j| (0..hd).map(|d| q16[d] * keys[j][d] as f64).sum::<f64>() * scale as f64)
         .collect();
     let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -30,8 +30,8 @@ fn dense(
     let sum: f64 = e.iter().sum();
     (0..hd)
         .map(|d| {
-            (0..=pos)
-                .map(|j| e[j] / sum * vals[j][d] as f64)
+            (lo..=pos)
+                .map(|j| e[j - lo] / sum * vals[j][d] as f64)
                 .sum::<f64>() as f32
         })
         .collect()
@@ -65,6 +65,29 @@ fn split_kv_matches_dense_for_long_histories() {
 /// Outputs of every query row, for `shapes` as (history, new tokens) batched in one call, with
 /// the cache and the queries a fixed seed makes; checks each against the dense reference.
 fn check_against_dense(shapes: &[(usize, usize)], num_blocks: usize) -> Vec<Vec<f32>> {
+    check_window_against_dense(shapes, num_blocks, None)
+}
+
+/// A sliding window (Gemma 3's local layers): each row sees only its last `window` positions,
+/// in prefill chunks that start past the window and in decode tokens far beyond it; windows
+/// shorter than, equal to and longer than a block.
+#[test]
+fn sliding_window_matches_dense() {
+    for window in [5, 16, 37] {
+        check_window_against_dense(
+            &[(0, 40), (37, 1), (16, 20), (300, 1), (3, 2)],
+            96,
+            Some(window),
+        );
+    }
+}
+
+/// `check_against_dense` with a sliding window.
+fn check_window_against_dense(
+    shapes: &[(usize, usize)],
+    num_blocks: usize,
+    window: Option<usize>,
+) -> Vec<Vec<f32>> {
     let pool = ThreadPool::new(2);
     let c = Case {
         lay: KvLayout {
@@ -151,6 +174,7 @@ fn check_against_dense(shapes: &[(usize, usize)], num_blocks: usize) -> Vec<Vec<
         lay: c.lay,
         n_heads: c.n_heads,
         scale: 1.0 / (hd as f32).sqrt(),
+        window,
     };
     let ldo = c.n_heads * hd;
     let mut outs = Vec::new();
@@ -178,7 +202,10 @@ fn check_against_dense(shapes: &[(usize, usize)], num_blocks: usize) -> Vec<Vec<
                         &qkv[r * ld + h * hd..r * ld + (h + 1) * hd],
                         &all_keys[i][kvh],
                         &all_vals[i][kvh],
-                        s.start_pos + tq,
+                        (
+                            window.map_or(0, |w| (s.start_pos + tq + 1).saturating_sub(w)),
+                            s.start_pos + tq,
+                        ),
                         hd,
                         p.scale,
                     );
@@ -240,6 +267,7 @@ fn overlapping_query_rows_and_stray_blocks_are_refused() {
         lay,
         n_heads: 2,
         scale: 0.25,
+        window: None,
     };
     let k_cache = vec![f16::ZERO; 4 * lay.block_elems()];
     let v_cache = k_cache.clone();

@@ -38,8 +38,10 @@ fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
             dims: hd,
             base: 10000.0,
             freq_scale: 1.0,
+            factors: None,
         },
         scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
     };
     b.init_kv(s).unwrap();
     let max_blocks = case.seqs.iter().map(|q| q.2.len()).max().unwrap();

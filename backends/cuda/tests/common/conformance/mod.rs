@@ -241,6 +241,7 @@ pub fn rope_matches_the_reference_in_both_styles(make: Make) {
                 dims,
                 base,
                 freq_scale,
+                factors: None,
             };
             let g = AttnGeometry {
                 n_heads,
@@ -248,6 +249,7 @@ pub fn rope_matches_the_reference_in_both_styles(make: Make) {
                 head_dim: hd,
                 rope,
                 scale: 0.125,
+                window: None,
             };
             // The q/k heads sit in a wider row (V after them, untouched).
             let ld = (heads + n_kv) * hd;
