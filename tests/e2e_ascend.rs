@@ -94,8 +94,7 @@ struct CpuRef {
     decided: usize,
 }
 
-/// llama.cpp's first near-tie of each reference prompt (`../shared/refs/`, as copied into the
-/// agent's test data).
+/// llama.cpp's first near-tie of each reference prompt (the agent's test data).
 fn llama_near_ties() -> Vec<(String, usize)> {
     let text = include_str!("../agent/tests/data/greedy_smollm2_q4_1.jsonl");
     text.lines()

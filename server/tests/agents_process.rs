@@ -117,7 +117,7 @@ fn the_real_agent_refuses_a_bad_command_line() {
 }
 
 /// The reference prompt "The capital of France is" and llama.cpp's first greedy tokens on
-/// SmolLM2-135M-Instruct Q4_1 (from shared/refs/greedy_smollm2_q4_1.jsonl).
+/// SmolLM2-135M-Instruct Q4_1 (from agent/tests/data/greedy_smollm2_q4_1.jsonl).
 const PROMPT_IDS: [u32; 5] = [504, 3575, 282, 4649, 314];
 const GREEDY_IDS: [u32; 3] = [7042, 30, 198];
 

@@ -478,16 +478,15 @@ pub fn token_counter() -> &'static TokenCounter {
 pub fn reference_prompts() -> Vec<(String, String)> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../shared/refs/greedy_smollm2_q4_1.jsonl"
+        "/agent/tests/data/greedy_smollm2_q4_1.jsonl"
     );
-    let Ok(text) = std::fs::read_to_string(path) else {
-        eprintln!("no reference file at {path}; reference comparisons skipped");
-        return Vec::new();
-    };
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("reading the greedy reference {path}: {e}"));
     let model = npu_gguf::store::resolve_model(None).unwrap();
     let gguf = npu_gguf::GgufFile::open(&model).unwrap();
     let tokenizer = npu_tokenizer::Tokenizer::for_model(&gguf, &model).unwrap();
-    text.lines()
+    let refs: Vec<(String, String)> = text
+        .lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
             let v: Value = serde_json::from_str(l).unwrap();
@@ -505,7 +504,9 @@ pub fn reference_prompts() -> Vec<(String, String)> {
                 tokenizer.decode_continuation(&ids[..sure], true),
             )
         })
-        .collect()
+        .collect();
+    assert!(!refs.is_empty(), "{path} has no references");
+    refs
 }
 
 /// The strict CANN emulation's install directory, for `ASCEND_HOME_PATH`: the variable's value

@@ -52,15 +52,9 @@ fn data_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer")
 }
 
-/// The shared reference file of the project, else the copy kept with these tests.
+/// llama.cpp's greedy references for the default model, kept with these tests.
 fn refs_lines() -> Vec<Value> {
-    let shared = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/refs/greedy_smollm2_q4_1.jsonl");
-    let path = std::env::var_os("NPU_SERVING_REFS")
-        .map(PathBuf::from)
-        .filter(|p| p.is_file())
-        .or_else(|| shared.is_file().then_some(shared))
-        .unwrap_or_else(|| data_dir().join("greedy_smollm2_q4_1.jsonl"));
+    let path = data_dir().join("greedy_smollm2_q4_1.jsonl");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let lines: Vec<Value> = text
@@ -90,8 +84,9 @@ fn oracle_cases() -> Vec<Value> {
 
 #[test]
 fn reference_prompts_encode_to_llama_cpp_ids() {
+    let refs = refs_lines();
     let Some(tok) = tokenizer() else { return };
-    for line in refs_lines() {
+    for line in refs {
         let prompt = line["prompt"].as_str().expect("prompt");
         assert_eq!(
             tok.encode(prompt).unwrap(),
@@ -103,8 +98,9 @@ fn reference_prompts_encode_to_llama_cpp_ids() {
 
 #[test]
 fn reference_outputs_decode_to_llama_cpp_text() {
+    let refs = refs_lines();
     let Some(tok) = tokenizer() else { return };
-    for line in refs_lines() {
+    for line in refs {
         let output = ids(&line["output_ids"]);
         let expected = line["output_text"].as_str().expect("output_text");
         assert_eq!(tok.decode(&output, true), expected);
