@@ -223,7 +223,7 @@ fn llm_serving_string_booleans_and_parameter_mapping() {
             "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.25,
             "seed": 1234, "stop": ["\n\n", "END"], "top_n_tokens": 5, "ignore_eos": "True",
             "typical_p": 0.9, "decoder_input_details": true, "truncate": 3, "watermark": "False",
-            "some_future_parameter": {"x": 1}
+            "best_of": 1, "grammar": null, "adapter_id": null
         }}),
     );
     let p = &r.params;
@@ -256,6 +256,68 @@ fn llm_serving_string_booleans_and_parameter_mapping() {
         json!({"inputs": "one two three four five six", "parameters": {"truncate": 3}}),
     );
     assert_eq!(r.prompt_ids, ids[ids.len() - 3..]);
+}
+
+#[test]
+fn llm_serving_unknown_fields_get_400_naming_them_with_the_closest_known_name() {
+    let ctx = ctx();
+    for path in [
+        "/models/llama2/generate",
+        "/models/llama2/generate_stream",
+        "/models/llama2",
+    ] {
+        // A misspelt parameter: refused (not silently ignored with the default used).
+        let body = json!({"inputs": "hi", "parameters": {"max_new_token": 5}});
+        let (status, msg, v) = refuse(&ctx, path, body.to_string().as_bytes());
+        assert_eq!(status, 400, "{path}: {msg}");
+        assert_eq!(
+            msg, "unknown field: parameters.max_new_token (did you mean max_new_tokens?)",
+            "{path}"
+        );
+        assert_eq!(v["type"], "invalid_request_error", "{v}");
+    }
+    // Every unknown field is named, each with its suggestion (none when nothing is close), at
+    // the top level too; a parameter at the top level is pointed into `parameters`.
+    let body = json!({"inputs": "hi", "strem": true, "max_new_tokens": 4, "parameters": {
+        "temprature": 0.5, "do_sample": true, "zzz": 1, "top_p": 0.9, "stop_sequences": ["x"]}});
+    let (status, msg, _) = refuse(&ctx, "/models/m/generate", body.to_string().as_bytes());
+    assert_eq!(status, 400, "{msg}");
+    for part in [
+        "unknown fields: ",
+        "strem (did you mean stream?)",
+        "max_new_tokens (it belongs in parameters: parameters.max_new_tokens)",
+        "parameters.temprature (did you mean temperature?)",
+        "parameters.zzz",
+        "parameters.stop_sequences",
+    ] {
+        assert!(msg.contains(part), "{msg:?} lacks {part:?}");
+    }
+    assert!(!msg.contains("zzz ("), "no suggestion for zzz: {msg}");
+    // TGI's own parameters are known: served at their defaults, refused otherwise.
+    for (params, field) in [
+        (json!({"best_of": 2}), "parameters.best_of"),
+        (
+            json!({"grammar": {"type": "json", "value": {}}}),
+            "parameters.grammar",
+        ),
+        (json!({"adapter_id": "lora"}), "parameters.adapter_id"),
+    ] {
+        let body = json!({"inputs": "hi", "parameters": params});
+        let (status, msg, _) = refuse(&ctx, "/models/m/generate", body.to_string().as_bytes());
+        assert_eq!(status, 400, "{msg}");
+        assert!(msg.contains(field) && !msg.contains("unknown"), "{msg}");
+    }
+    // The OpenAI routes keep ignoring fields they do not know.
+    submit(
+        &ctx,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 2, "max_new_token": 5, "some_vendor_field": {"x": 1}}),
+    );
+    submit(
+        &ctx,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temprature": 0}),
+    );
 }
 
 #[test]

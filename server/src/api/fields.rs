@@ -1,16 +1,57 @@
 //! Typed reading of JSON request fields: numbers (also as numeric strings, as pydantic-based
 //! servers accept), booleans (also "True"/"False"/"true"/"false"), strings and string lists.
-//! A known field of the wrong type is a 400 that names it; null counts as absent.
+//! A known field of the wrong type is a 400 that names it; null counts as absent. Every key a
+//! route asks for is remembered, so that a route may refuse the keys it never asked for
+//! (`unknown`), with the known key each one most likely meant.
+
+use std::cell::RefCell;
 
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use crate::config::parse_bool_str;
+use crate::config::{closest, parse_bool_str};
 
 /// The fields of one JSON object, with the path prefix used in error messages.
 pub(crate) struct Fields<'a> {
     obj: Option<&'a Map<String, Value>>,
     prefix: &'static str,
+    /// The keys asked for so far (known to the route, present or not).
+    asked: RefCell<Vec<String>>,
+}
+
+/// A key of the object that the route never asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct UnknownField {
+    /// Its full name (with the object's prefix).
+    pub name: String,
+    /// The key it most likely meant, when one is close.
+    pub hint: Option<String>,
+}
+
+impl UnknownField {
+    /// `name (did you mean known?)`, or just the name.
+    pub fn describe(&self) -> String {
+        match &self.hint {
+            Some(h) => format!("{} ({h})", self.name),
+            None => self.name.clone(),
+        }
+    }
+}
+
+/// The 400 for unknown fields: names every one of them, each with its suggestion.
+pub(crate) fn unknown_fields_error(unknown: &[UnknownField]) -> ApiError {
+    let list = unknown
+        .iter()
+        .map(UnknownField::describe)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let what = if unknown.len() == 1 {
+        "unknown field"
+    } else {
+        "unknown fields"
+    };
+    let param = unknown.first().map_or("", |u| u.name.as_str());
+    ApiError::invalid(param, format!("{what}: {list}"))
 }
 
 fn kind_of(v: &Value) -> &'static str {
@@ -29,13 +70,18 @@ impl<'a> Fields<'a> {
         Self {
             obj: Some(obj),
             prefix,
+            asked: RefCell::default(),
         }
     }
 
     /// A nested object field (absent or null = no fields).
     pub fn object(&self, key: &str, prefix: &'static str) -> Result<Fields<'a>, ApiError> {
         match self.get(key) {
-            None => Ok(Fields { obj: None, prefix }),
+            None => Ok(Fields {
+                obj: None,
+                prefix,
+                asked: RefCell::default(),
+            }),
             Some(Value::Object(m)) => Ok(Fields::new(m, prefix)),
             Some(v) => Err(self.wrong(key, "an object", v)),
         }
@@ -45,7 +91,35 @@ impl<'a> Fields<'a> {
         format!("{}{key}", self.prefix)
     }
 
+    /// Whether the route asked for `key` (by any getter).
+    pub fn was_asked(&self, key: &str) -> bool {
+        self.asked.borrow().iter().any(|k| k == key)
+    }
+
+    /// The keys of the object the route has not asked for, in the body's order, each with the
+    /// asked-for key it most likely meant.
+    pub fn unknown(&self) -> Vec<UnknownField> {
+        let Some(obj) = self.obj else {
+            return Vec::new();
+        };
+        let asked = self.asked.borrow();
+        obj.keys()
+            .filter(|k| !asked.iter().any(|a| a == *k))
+            .map(|k| UnknownField {
+                name: self.name(k),
+                hint: closest(k, asked.iter().map(String::as_str))
+                    .map(|g| format!("did you mean {g}?")),
+            })
+            .collect()
+    }
+
     pub fn get(&self, key: &str) -> Option<&'a Value> {
+        {
+            let mut asked = self.asked.borrow_mut();
+            if !asked.iter().any(|k| k == key) {
+                asked.push(key.to_string());
+            }
+        }
         match self.obj?.get(key) {
             None | Some(Value::Null) => None,
             Some(v) => Some(v),

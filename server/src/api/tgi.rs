@@ -10,7 +10,7 @@ use npu_tokenizer::Tokenizer;
 use serde::Serialize;
 
 use super::error::ApiError;
-use super::fields::{parse_body, Fields};
+use super::fields::{parse_body, unknown_fields_error, Fields};
 use super::pyjson::{f32_json, to_python_json};
 use super::sampling;
 use super::ApiContext;
@@ -93,6 +93,33 @@ pub(super) fn submission(
         None | Some("sse") => true,
         Some(_) => false,
     };
+    // TGI's other parameters: known, but only their defaults are served.
+    if let Some(b) = p.i64("best_of")? {
+        if b != 1 {
+            return Err(ApiError::invalid(
+                "parameters.best_of",
+                format!("parameters.best_of must be 1, got {b}"),
+            ));
+        }
+    }
+    for key in ["grammar", "adapter_id"] {
+        if p.get(key).is_some() {
+            let name = p.name(key);
+            return Err(ApiError::invalid(&name, format!("{name} is not supported")));
+        }
+    }
+    // A misspelt field would otherwise be ignored silently (and its default used): refuse
+    // every field this route does not know, naming the one each most likely meant.
+    let mut unknown = top.unknown();
+    for u in &mut unknown {
+        if p.was_asked(&u.name) {
+            u.hint = Some(format!("it belongs in parameters: parameters.{}", u.name));
+        }
+    }
+    unknown.extend(p.unknown());
+    if !unknown.is_empty() {
+        return Err(unknown_fields_error(&unknown));
+    }
 
     let mut prompt_ids = ctx
         .tokenizer
