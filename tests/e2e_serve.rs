@@ -477,7 +477,8 @@ fn llm_serving_stream_is_read_exactly_as_the_load_tester_reads_it() {
     assert!(want.success, "{:?}", want.error);
 
     // performance_serving: json.loads(line)["data"][0]["generated_text"] of each line of
-    // iter_lines(decode_unicode=True); with return_full_text the last line is the whole text.
+    // iter_lines(decode_unicode=True); with return_full_text the last line is the prompt and the
+    // whole generated text (as TGI's last stream response).
     let body = json!({"inputs": prompt, "parameters": {"max_new_tokens": n, "do_sample": "False",
                       "return_full_text": "True"}});
     let mut s = send_raw(&server, &format!("/models/{MODEL}/generate_stream"), &body);
@@ -531,12 +532,13 @@ fn llm_serving_stream_is_read_exactly_as_the_load_tester_reads_it() {
         .collect();
     let (full, deltas) = texts.split_last().unwrap();
     assert_eq!(
-        full, &want.resp_text,
-        "the last line carries the whole text"
+        full,
+        &format!("{prompt}{}", want.resp_text),
+        "the last line carries the prompt and the whole text"
     );
     assert_eq!(
-        &deltas.concat(),
-        full,
+        deltas.concat(),
+        want.resp_text,
         "the deltas add up to the whole text"
     );
     assert!(deltas.len() <= n);
@@ -565,10 +567,11 @@ fn llm_serving_stream_is_read_exactly_as_the_load_tester_reads_it() {
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["status"], 200);
         assert_eq!(v["chunked"], "chunked");
-        assert_eq!(v["resp_text"], json!(want.resp_text));
+        let full = format!("{prompt}{}", want.resp_text);
+        assert_eq!(v["resp_text"], json!(full));
         assert_eq!(v["joined"], json!(want.resp_text));
         assert_eq!(v["all_status"], 200);
-        assert_eq!(v["all_text"], json!(want.resp_text));
+        assert_eq!(v["all_text"], json!(full));
     }
     assert_idle_and_blocks_free(&server);
 }

@@ -101,13 +101,17 @@ fn sigterm_drains_running_requests_then_exits_and_removes_the_segments() {
     });
     assert!(status.success(), "exit status {status}");
 
-    // The short request finished normally: its last line has the whole text.
+    // The short request finished normally: its last line has the whole text (after the prompt:
+    // return_full_text).
     let last = short_body
         .lines()
         .rfind(|l| l.starts_with('{'))
         .unwrap_or_else(|| panic!("no stream lines: {short_body}"));
     let v: Value = serde_json::from_str(last).unwrap();
-    assert_eq!(v["data"][0]["generated_text"], json!(short.resp_text));
+    assert_eq!(
+        v["data"][0]["generated_text"],
+        json!(format!("The capital of France is{}", short.resp_text))
+    );
     assert_eq!(v["data"][0]["finish_reason"], "length");
 
     // The long one was cut: its stream ends with an error event saying why.

@@ -184,9 +184,19 @@ fn read_stream(
         }
     }
     if let Some(full) = full_text {
-        rec.resp_text = full;
+        rec.resp_text = generated_part(full, &rec.prompt, &rec.resp_text);
     }
     Ok(())
+}
+
+/// The generated text of llm-serving's closing full-text line. With `return_full_text` a
+/// TGI-style server puts the prompt first: then the line is the prompt followed by the streamed
+/// deltas (and perhaps characters they held back), and the prompt is not output.
+fn generated_part(full: String, prompt: &str, deltas: &str) -> String {
+    match full.strip_prefix(prompt) {
+        Some(rest) if !prompt.is_empty() && rest.starts_with(deltas) => rest.to_string(),
+        _ => full,
+    }
 }
 
 /// Counts in-flight requests against a cap.
@@ -369,5 +379,25 @@ fn failed_to_start(i: usize, sample: &Sample, start: Instant, why: &str) -> Requ
         e2e_s: 0.0,
         chunk_times_s: Vec::new(),
         server_completion_tokens: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::generated_part;
+
+    #[test]
+    fn the_prompt_before_the_full_text_is_not_output() {
+        let g = |full: &str, prompt: &str, deltas: &str| {
+            generated_part(full.to_string(), prompt, deltas)
+        };
+        // The prompt first (TGI's return_full_text): only what follows was generated.
+        assert_eq!(g("Hi there! Hello", "Hi there!", " Hello"), " Hello");
+        assert_eq!(g("Hi there! Hello", "Hi there!", " Hel"), " Hello");
+        assert_eq!(g("Hi", "Hi", ""), "");
+        // The generated text alone, even one that repeats the prompt.
+        assert_eq!(g(" Hello", "Hi", " Hello"), " Hello");
+        assert_eq!(g("Hi Hi", "Hi", "Hi Hi"), "Hi Hi");
+        assert_eq!(g("Hi Hi", "", "Hi Hi"), "Hi Hi");
     }
 }

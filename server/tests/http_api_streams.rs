@@ -92,7 +92,11 @@ fn llm_serving_stream_lines_match_its_format_exactly() {
     assert_eq!(lines[0], expected);
     let full: Value = serde_json::from_str(lines[4]).unwrap();
     let d = &full["data"][0];
-    assert_eq!(d["generated_text"], echo_text(&ids, 4));
+    assert_eq!(
+        d["generated_text"],
+        format!("{prompt}{}", echo_text(&ids, 4)),
+        "return_full_text: the prompt, then the generated text"
+    );
     assert_eq!(d["finish_reason"], "length");
     assert_eq!(d["generated_tokens"], 4);
     assert_eq!(d["tokens"].as_array().unwrap().len(), 4);
@@ -113,8 +117,8 @@ fn load_tester_reading_works_unmodified_even_with_unicode_line_separators() {
     let expected = echo_text(&ids, n);
     assert_eq!(
         texts.last().unwrap(),
-        &expected,
-        "return_full_text: the last line is the whole text"
+        &format!("{prompt}{expected}"),
+        "return_full_text: the last line is the prompt and the whole generated text"
     );
     assert_eq!(texts[..n].concat(), expected, "the deltas add up to it");
     // Without return_full_text the deltas alone make the text.
@@ -155,10 +159,12 @@ fn the_python_load_tester_client_reads_the_stream() {
     assert_eq!(v["status"], 200);
     assert_eq!(v["chunked"], "chunked");
     assert_eq!(v["texts"].as_array().unwrap().len(), 25);
-    assert_eq!(v["resp_text"], expected);
+    // return_full_text (which the load tester always sends): the last line and the whole
+    // response start with the prompt, as TGI's do; the deltas are the generated text.
+    assert_eq!(v["resp_text"], format!("{prompt}{expected}"));
     assert_eq!(v["joined"], expected);
     assert_eq!(v["all_status"], 200);
-    assert_eq!(v["all_text"], expected);
+    assert_eq!(v["all_text"], format!("{prompt}{expected}"));
 }
 
 #[test]
@@ -208,6 +214,45 @@ fn whole_generate_response_with_and_without_details() {
     assert_eq!(d["tokens"][1]["logprob"], -0.25);
     assert_eq!(d["top_tokens"][0].as_array().unwrap().len(), 2);
     assert_eq!(d["top_tokens"][0][1]["logprob"], -0.5);
+}
+
+#[test]
+fn return_full_text_puts_the_prompt_before_the_generated_text_as_tgi_does() {
+    let server = TestServer::quick();
+    let prompt = "The capital of France is";
+    let ids = tokenizer().encode(prompt).unwrap();
+    let generated = echo_text(&ids, 5);
+    for (flag, want) in [
+        (json!(true), format!("{prompt}{generated}")),
+        (json!("True"), format!("{prompt}{generated}")),
+        (json!(false), generated.clone()),
+        (Value::Null, generated.clone()),
+    ] {
+        // Whole response: generated_text.
+        let r = stream(
+            &server,
+            "/models/llama2/generate",
+            json!({"inputs": prompt, "parameters": {"max_new_tokens": 5, "return_full_text": flag}}),
+        );
+        assert_eq!(r.status, 200);
+        let v = r.json();
+        assert_eq!(v["generated_text"], json!(want), "return_full_text {flag}");
+        assert_eq!(v["generated_tokens"], 5);
+        // Stream: only the final response's generated_text carries the prompt (as TGI's last
+        // stream response does); the token lines carry their own text.
+        let r = stream(
+            &server,
+            "/models/llama2/generate_stream",
+            json!({"inputs": prompt, "parameters": {"max_new_tokens": 5, "return_full_text": flag}}),
+        );
+        let texts = load_tester_texts(&r.text());
+        let full = flag == json!(true) || flag == json!("True");
+        assert_eq!(texts.len(), if full { 6 } else { 5 }, "{flag}: {texts:?}");
+        assert_eq!(texts[..5].concat(), generated, "{flag}");
+        if full {
+            assert_eq!(texts[5], want, "{flag}");
+        }
+    }
 }
 
 /// Splits an SSE body into its events' data, checking the framing.

@@ -4,7 +4,8 @@ Usage: python3 http_load_tester_compat.py PORT PROMPT MAX_NEW_TOKENS
 Posts {"inputs", "parameters": {"max_new_tokens", "do_sample": "False", "return_full_text": "True"}}
 to /models/llama2/generate_stream with `Connection: close`, reads the response with
 requests' iter_lines(decode_unicode=True), takes json.loads(line)["data"][0]["generated_text"]
-of every non-empty line, and prints a JSON summary for the Rust test to check.
+of every non-empty line, and prints a JSON summary for the Rust test to check (with
+return_full_text the last line and the whole response start with the prompt).
 """
 import json
 import sys

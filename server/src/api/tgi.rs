@@ -1,7 +1,9 @@
 //! The llm-serving (TGI-style) front end: `POST /models/{name}[/generate|/generate_stream]` with
 //! `{"inputs", "parameters", "stream"}`; newline-delimited JSON stream lines exactly as
 //! llm-serving writes them (`{"event": "message", "retry": 30000, "data": [{...}]}`), with a last
-//! full-text line when `return_full_text`; whole responses with details.
+//! full-text line when `return_full_text`; whole responses with details. `return_full_text`
+//! puts the prompt before the generated text, as TGI does, in the whole response and in the
+//! stream's last line (the per-token lines carry the generated text alone).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -162,6 +164,11 @@ pub(super) fn submission(
     };
     let state = TgiState {
         tokenizer: ctx.tokenizer.clone(),
+        prompt: if return_full_text {
+            inputs.to_string()
+        } else {
+            String::new()
+        },
         text: String::new(),
         tokens: Vec::new(),
         tops: Vec::new(),
@@ -192,6 +199,9 @@ pub(crate) struct TgiToken {
 /// What both writers collect.
 struct TgiState {
     tokenizer: Tokenizer,
+    /// What the full text starts with: the request's `inputs` with `return_full_text`, else
+    /// nothing.
+    prompt: String,
     text: String,
     tokens: Vec<TgiToken>,
     /// Per token: the alternatives (or the token itself when top_n_tokens was not asked).
@@ -229,7 +239,7 @@ impl TgiState {
     fn summary(&self, reason: FinishReason, generated: u32) -> FullText<'_> {
         FullText {
             details: None,
-            generated_text: &self.text,
+            generated_text: format!("{}{}", self.prompt, self.text),
             finish_reason: reason.tgi(),
             generated_tokens: generated,
             prefill: self.tokens.first().into_iter().collect(),
@@ -262,7 +272,7 @@ struct TokenData<'a> {
 #[derive(Serialize)]
 struct FullText<'a> {
     details: Option<()>,
-    generated_text: &'a str,
+    generated_text: String,
     finish_reason: &'static str,
     generated_tokens: u32,
     prefill: Vec<&'a TgiToken>,
@@ -404,7 +414,7 @@ impl EventWriter for TgiFullWriter {
                 }
                 #[derive(Serialize)]
                 struct Whole<'a> {
-                    generated_text: &'a str,
+                    generated_text: String,
                     finish_reason: &'static str,
                     generated_tokens: u32,
                     prefill: Vec<&'a TgiToken>,
