@@ -11,7 +11,7 @@ use crate::api::{ApiKind, ApiSettings};
 use crate::args::{BenchArgs, BenchPlan};
 use crate::dataset::{read_dataset, resolve_samples, synthetic, Sample};
 use crate::error::BenchError;
-use crate::http_client::{fetch_text, HttpRequest, HttpTarget, Timeouts};
+use crate::http_client::{self, fetch_text, HttpRequest, HttpTarget, Timeouts};
 use crate::metrics::{summarize, Summary};
 use crate::plots::{write_run_plots, write_sweep_plot};
 use crate::report::{
@@ -23,6 +23,9 @@ use crate::tokens::TokenCounter;
 
 /// Most distinct synthetic prompts generated; longer runs cycle through them.
 const MAX_SYNTHETIC_PROMPTS: usize = 4096;
+
+/// How long the one connection check before a run may take.
+const REACHABLE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What a whole invocation measured.
 #[derive(Debug, Clone)]
@@ -36,6 +39,17 @@ pub struct BenchReport {
 /// Runs the invocation described by `args`.
 pub fn execute(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let plan = args.validate()?;
+    if args.sweep_config.is_none() {
+        // A server that is not there (wrong port, not started) fails the run at once, rather
+        // than after a timed run of requests that all fail the same way.
+        let target = HttpTarget::new(args.host.clone(), args.port);
+        http_client::check_reachable(&target, REACHABLE_TIMEOUT).map_err(|reason| {
+            BenchError::Unreachable {
+                addr: target.authority(),
+                reason,
+            }
+        })?;
+    }
     std::fs::create_dir_all(&args.out_dir)
         .map_err(|e| BenchError::io("creating", &args.out_dir, e))?;
     let counter = TokenCounter::load(args.model.as_deref())?;

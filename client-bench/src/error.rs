@@ -19,6 +19,12 @@ pub enum BenchError {
     #[error("tokenizer: {0}")]
     Tokenizer(String),
 
+    /// The server cannot be reached at all (checked once before a run starts).
+    #[error(
+        "cannot connect to the server at {addr}: {reason} (is it running there? --host and -P/--port say where)"
+    )]
+    Unreachable { addr: String, reason: String },
+
     /// An HTTP exchange failed outside of a measured request (health check, model list).
     #[error("http: {0}")]
     Http(#[from] crate::http_client::HttpError),

@@ -223,6 +223,23 @@ pub fn fetch_text(
     Ok((head.status, String::from_utf8_lossy(&bytes).into_owned()))
 }
 
+/// Whether a TCP connection to `target` can be opened within `timeout` (it is closed again at
+/// once); Err says why not in a few words ("connection refused", "timed out after 2s", ...).
+pub fn check_reachable(target: &HttpTarget, timeout: Duration) -> Result<(), String> {
+    match connect(target, timeout) {
+        Ok(_) => Ok(()),
+        Err(HttpError::Resolve(addr)) => Err(format!("cannot resolve {addr}")),
+        Err(HttpError::Connect { source, .. }) => Err(match source.kind() {
+            std::io::ErrorKind::ConnectionRefused => "connection refused".to_string(),
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+                format!("timed out after {}s", timeout.as_secs_f64())
+            }
+            _ => source.to_string(),
+        }),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn connect(target: &HttpTarget, timeout: Duration) -> Result<TcpStream, HttpError> {
     let addrs: Vec<_> = (target.host.as_str(), target.port)
         .to_socket_addrs()
