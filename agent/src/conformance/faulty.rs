@@ -23,10 +23,13 @@ pub enum Fault {
     GatherLogitRows,
     ArgmaxRows,
     KvCopyBlocks,
+    RmsNormHeads,
+    ScaleRows,
+    Geglu,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 13] = [
+    pub const ALL: [Fault; 16] = [
         Fault::Upload,
         Fault::Embed,
         Fault::RmsNorm,
@@ -38,6 +41,9 @@ impl Fault {
         Fault::Swiglu,
         Fault::Add,
         Fault::GatherLogitRows,
+        Fault::RmsNormHeads,
+        Fault::ScaleRows,
+        Fault::Geglu,
         Fault::ArgmaxRows,
         Fault::KvCopyBlocks,
     ];
@@ -58,6 +64,9 @@ impl Fault {
             Fault::GatherLogitRows => &["gather_logit_rows"],
             Fault::ArgmaxRows => &["argmax_rows"],
             Fault::KvCopyBlocks => &["kv_copy_blocks"],
+            Fault::RmsNormHeads => &["per-head Q/K RMS norm"],
+            Fault::ScaleRows => &["row scaling"],
+            Fault::Geglu => &["GELU-gated FFN"],
         }
     }
 }
@@ -131,6 +140,31 @@ impl<B: Backend> Backend for Faulty<B> {
     }
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         self.inner.mem_info()
+    }
+    fn supports(&self, c: npu_backend::Capability) -> bool {
+        self.inner.supports(c)
+    }
+    fn rms_norm_heads(
+        &mut self,
+        mut x: ViewMut<'_, Self::Buffer>,
+        w: &Self::Buffer,
+        eps: f32,
+        head_dim: usize,
+    ) -> Result<(), BackendError> {
+        self.then_perturb(Fault::RmsNormHeads, &mut x, |b, o| {
+            b.rms_norm_heads(o, w, eps, head_dim)
+        })
+    }
+    fn scale_rows(&mut self, mut x: ViewMut<'_, Self::Buffer>, s: f32) -> Result<(), BackendError> {
+        self.then_perturb(Fault::ScaleRows, &mut x, |b, o| b.scale_rows(o, s))
+    }
+    fn geglu(
+        &mut self,
+        gate: View<'_, Self::Buffer>,
+        up: View<'_, Self::Buffer>,
+        mut out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        self.then_perturb(Fault::Geglu, &mut out, |b, o| b.geglu(gate, up, o))
     }
     fn alloc(&mut self, dtype: DType, len: usize) -> Result<Self::Buffer, BackendError> {
         self.inner.alloc(dtype, len)

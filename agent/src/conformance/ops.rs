@@ -15,6 +15,8 @@ use npu_gguf::{GgmlType, GgufFile};
 
 use super::{Class, Report, Tolerance};
 
+mod family;
+
 /// What an output is checked against.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Expect {
@@ -192,6 +194,10 @@ pub fn run_cases<B: Backend>(b: &mut B, file: &GgufFile) -> Vec<Result<Vec<Outpu
         rope(b, &ctx),
         attention(b, &ctx),
         greedy_pick(b),
+        family::head_norm(b),
+        family::gelu_gate_and_scale(b),
+        family::window_attention(b, &ctx),
+        family::ropes(b, &ctx),
     ]
 }
 
@@ -218,6 +224,18 @@ pub fn check_ops_against<B: Backend>(
             }
             (Ok(g), Ok(w)) => {
                 for wo in w {
+                    if let Some(c) = family::capability_of(&wo.name).filter(|&c| !dev.supports(c)) {
+                        report.verdict(
+                            &wo.name,
+                            true,
+                            format!(
+                                "not built on {}: families needing {} are refused at load",
+                                dev.kind().name(),
+                                c.name()
+                            ),
+                        );
+                        continue;
+                    }
                     let Some(go) = g.iter().find(|o| o.name == wo.name) else {
                         report.verdict(&wo.name, false, "no such output");
                         continue;
