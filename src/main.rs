@@ -1,4 +1,11 @@
 //! The one user-facing binary: parses the command line and hands over to the library crates.
+//! An error ends it with its message and causes on one line (`error: ...`) and exit status 1,
+//! never a backtrace, whatever RUST_BACKTRACE says (`--debug` shows the causes one per line and
+//! the backtrace when one was captured); panics keep theirs. Log lines carry colour codes only
+//! when stderr is a terminal.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
@@ -9,6 +16,9 @@ use clap::{Parser, Subcommand};
     about = "LLM serving for Ascend NPUs, CUDA GPUs and CPUs"
 )]
 struct Cli {
+    /// On an error, show each cause on its own line and the backtrace when RUST_BACKTRACE=1.
+    #[arg(long, global = true)]
+    debug: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -31,15 +41,18 @@ enum Command {
     Agent(npu_agent::worker::AgentArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let result = match Cli::parse().command {
+    let cli = Cli::parse();
+    let debug = cli.debug;
+    let result = match cli.command {
         Command::Serve(a) => npu_server::serve::run(a, &npu_agent::device::built_devices()),
         Command::Generate(a) => npu_agent::cli::generate::run(a),
         Command::Score(a) => npu_agent::cli::score::run(a),
@@ -49,5 +62,15 @@ fn main() -> anyhow::Result<()> {
     };
     // Every command has dropped its devices by now: device runtimes can be released.
     npu_agent::device::release_runtimes();
-    result
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            if debug {
+                eprintln!("error: {e:?}");
+            } else {
+                eprintln!("error: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,0 +1,115 @@
+//! How the binary reports trouble to a person: user-facing errors (a bad config value, a file
+//! that is not a model, a misused command line) print their message and causes without a
+//! backtrace even under RUST_BACKTRACE=1, exit 1 (usage errors: clap's 2); `--debug` shows the
+//! causes one per line; log lines carry no colour codes when stderr is not a terminal.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("npu-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Runs the binary with piped stdout/stderr (not terminals) and RUST_BACKTRACE=1.
+fn run(args: &[&str]) -> (Output, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .env("RUST_LIB_BACKTRACE", "1")
+        .env_remove("RUST_LOG")
+        .env_remove("NO_COLOR")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("npu-serving runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stderr)
+}
+
+fn assert_plain_error(out: &Output, stderr: &str, code: i32) {
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
+    assert!(!stderr.contains('\x1b'), "colour codes: {stderr:?}");
+    for noise in ["backtrace", "Backtrace", "Caused by", "panicked"] {
+        assert!(!stderr.contains(noise), "{noise:?} in {stderr}");
+    }
+}
+
+/// The default config with a key llm-serving's section does not know (a warning, so that a log
+/// line is written before a later error), and `from` replaced by `to`.
+fn config_with_warning(d: &std::path::Path, from: &str, to: &str) -> PathBuf {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/smollm2-cpu.yaml"
+    ))
+    .unwrap();
+    assert!(text.contains(from), "{from:?}");
+    let text = text
+        .replace(
+            "model_config:\n",
+            "model_config:\n    no_such_key_here: 1\n",
+        )
+        .replace(from, to);
+    let path = d.join("config.yaml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_bad_config_value_is_one_plain_line_and_exit_1() {
+    let d = dir("badvalue");
+    let cfg = config_with_warning(&d, "max_queue: 1024", "max_queue: -3");
+    let (out, stderr) = run(&["serve", "--config", cfg.to_str().unwrap()]);
+    assert_plain_error(&out, &stderr, 1);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("error: config "), "{stderr}");
+    assert!(last.contains("max_queue"), "{stderr}");
+    // The chain on one line: the context, then the cause.
+    assert!(last.contains(cfg.to_str().unwrap()), "{stderr}");
+
+    // --debug: the causes one per line (anyhow's report).
+    let (out, stderr) = run(&["--debug", "serve", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("Caused by:"), "{stderr}");
+    assert!(stderr.contains("max_queue"), "{stderr}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_file_that_is_not_a_model_is_a_plain_error_after_uncoloured_log_lines() {
+    let d = dir("notamodel");
+    let cfg = config_with_warning(&d, "max_queue: 1024", "max_queue: 1024");
+    let model = d.join("model.gguf");
+    std::fs::write(&model, b"this is not a GGUF file at all").unwrap();
+    let (out, stderr) = run(&[
+        "serve",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+    ]);
+    assert_plain_error(&out, &stderr, 1);
+    // The config warning was logged first, without colour codes (stderr is a pipe).
+    assert!(
+        stderr.contains("WARN") && stderr.contains("no_such_key_here"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("\x1b["), "{stderr:?}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("error: "), "{stderr}");
+    assert!(last.contains("model.gguf"), "{stderr}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn command_line_misuse_is_a_usage_message_without_backtrace() {
+    let (out, stderr) = run(&["serve", "--no-such-flag"]);
+    assert_plain_error(&out, &stderr, 2);
+    assert!(stderr.contains("--no-such-flag"), "{stderr}");
+    let (out, stderr) = run(&["no-such-command"]);
+    assert_plain_error(&out, &stderr, 2);
+    assert!(stderr.contains("no-such-command"), "{stderr}");
+}
