@@ -26,10 +26,11 @@ pub enum Fault {
     RmsNormHeads,
     ScaleRows,
     Geglu,
+    MoeFfn,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 16] = [
+    pub const ALL: [Fault; 17] = [
         Fault::Upload,
         Fault::Embed,
         Fault::RmsNorm,
@@ -44,6 +45,7 @@ impl Fault {
         Fault::RmsNormHeads,
         Fault::ScaleRows,
         Fault::Geglu,
+        Fault::MoeFfn,
         Fault::ArgmaxRows,
         Fault::KvCopyBlocks,
     ];
@@ -67,6 +69,7 @@ impl Fault {
             Fault::RmsNormHeads => &["per-head Q/K RMS norm"],
             Fault::ScaleRows => &["row scaling"],
             Fault::Geglu => &["GELU-gated FFN"],
+            Fault::MoeFfn => &["mixture-of-experts routing: expert FFN"],
         }
     }
 }
@@ -165,6 +168,30 @@ impl<B: Backend> Backend for Faulty<B> {
         mut out: ViewMut<'_, Self::Buffer>,
     ) -> Result<(), BackendError> {
         self.then_perturb(Fault::Geglu, &mut out, |b, o| b.geglu(gate, up, o))
+    }
+    fn moe_route(
+        &mut self,
+        logits: View<'_, Self::Buffer>,
+        k: usize,
+        normalize: bool,
+        ids: ViewMut<'_, Self::Buffer>,
+        weights: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        self.inner.moe_route(logits, k, normalize, ids, weights)
+    }
+    fn moe_ffn(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        ids: View<'_, Self::Buffer>,
+        weights: View<'_, Self::Buffer>,
+        gate_up: &[Self::Matrix],
+        down: &[Self::Matrix],
+        ff: usize,
+        mut out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        self.then_perturb(Fault::MoeFfn, &mut out, |b, o| {
+            b.moe_ffn(x, ids, weights, gate_up, down, ff, o)
+        })
     }
     fn alloc(&mut self, dtype: DType, len: usize) -> Result<Self::Buffer, BackendError> {
         self.inner.alloc(dtype, len)

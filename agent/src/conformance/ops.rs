@@ -198,6 +198,7 @@ pub fn run_cases<B: Backend>(b: &mut B, file: &GgufFile) -> Vec<Result<Vec<Outpu
         family::gelu_gate_and_scale(b),
         family::window_attention(b, &ctx),
         family::ropes(b, &ctx),
+        family::moe(b),
     ]
 }
 

@@ -12,7 +12,7 @@ use npu_backend::{
 use npu_gguf::hparams::FfnAct;
 use npu_gguf::GgufFile;
 
-use super::weights::{Proj, Weights};
+use super::weights::{Ffn, Proj, Weights};
 use super::{ModelConfig, ModelError};
 use crate::long_context::LongContext;
 
@@ -59,6 +59,10 @@ struct Buffers<B: Backend> {
     logits: B::Buffer,
     ids: B::Buffer,
     logprobs: B::Buffer,
+    /// Router logits, chosen experts and their weights (MoE models; empty otherwise).
+    router: B::Buffer,
+    route_ids: B::Buffer,
+    route_w: B::Buffer,
 }
 
 pub struct Model<B: Backend> {
@@ -105,6 +109,9 @@ impl<B: Backend> Model<B> {
             logits: alloc(act, l * cfg.vocab)?,
             ids: alloc(DType::I32, l)?,
             logprobs: alloc(DType::F32, l)?,
+            router: alloc(act, cfg.moe.map_or(1, |m| t * m.n_experts))?,
+            route_ids: alloc(DType::I32, cfg.moe.map_or(1, |m| t * m.n_used))?,
+            route_w: alloc(DType::F32, cfg.moe.map_or(1, |m| t * m.n_used))?,
         };
         // The pool last: sized from free memory, it sees what the weights and buffers left.
         let mut opts = opts;
@@ -145,7 +152,12 @@ impl<B: Backend> Model<B> {
     /// head). Attention over the context is not counted.
     pub fn matmul_macs_per_token(&self) -> (u64, u64) {
         let c = &self.cfg;
-        let per_layer = c.hidden * c.qkv_width() + c.attn_width() * c.hidden + 3 * c.hidden * c.ff;
+        // An MoE token runs the router and its routed experts.
+        let ffn = match c.moe {
+            None => 3 * c.hidden * c.ff,
+            Some(m) => c.hidden * m.n_experts + m.n_used * 3 * c.hidden * m.expert_ff,
+        };
+        let per_layer = c.hidden * c.qkv_width() + c.attn_width() * c.hidden + ffn;
         ((c.n_layers * per_layer) as u64, (c.vocab * c.hidden) as u64)
     }
 
@@ -253,23 +265,42 @@ impl<B: Backend> Model<B> {
                 eps,
                 ViewMut::rows(&mut bufs.xn, t, h)?,
             )?;
-            let mut gate_up = ViewMut::rows(&mut bufs.gate_up, t, 2 * ff)?;
-            project(b, View::rows(&bufs.xn, t, h)?, &layer.gate_up, &mut gate_up)?;
-            let gate_up = gate_up.as_view();
-            let (gate, up, out) = (
-                gate_up.col_range(0, ff)?,
-                gate_up.col_range(ff, ff)?,
-                ViewMut::rows(&mut bufs.h, t, ff)?,
-            );
-            match cfg.ffn_act {
-                FfnAct::Silu => b.swiglu(gate, up, out)?,
-                FfnAct::GeluTanh => b.geglu(gate, up, out)?,
+            match &layer.ffn {
+                Ffn::Dense { gate_up, down } => {
+                    dense_ffn(b, bufs, gate_up, down, cfg.ffn_act, t, h, ff)?
+                }
+                Ffn::Moe {
+                    router,
+                    gate_up,
+                    down,
+                } => {
+                    let moe = cfg.moe.ok_or_else(|| {
+                        ModelError::Inconsistent("expert weights without MoE settings".into())
+                    })?;
+                    let (ne, k) = (moe.n_experts, moe.n_used);
+                    b.matmul(
+                        View::rows(&bufs.xn, t, h)?,
+                        router,
+                        ViewMut::rows(&mut bufs.router, t, ne)?,
+                    )?;
+                    b.moe_route(
+                        View::rows(&bufs.router, t, ne)?,
+                        k,
+                        moe.norm_top_k,
+                        ViewMut::rows(&mut bufs.route_ids, t, k)?,
+                        ViewMut::rows(&mut bufs.route_w, t, k)?,
+                    )?;
+                    b.moe_ffn(
+                        View::rows(&bufs.xn, t, h)?,
+                        View::rows(&bufs.route_ids, t, k)?,
+                        View::rows(&bufs.route_w, t, k)?,
+                        gate_up,
+                        down,
+                        moe.expert_ff,
+                        ViewMut::rows(&mut bufs.tmp, t, h)?,
+                    )?;
+                }
             }
-            b.matmul(
-                View::rows(&bufs.h, t, ff)?,
-                &layer.down,
-                ViewMut::rows(&mut bufs.tmp, t, h)?,
-            )?;
             residual_add(b, bufs, layer.post_ffn_norm.as_ref(), eps, t, h)?;
         }
         let n = step.logit_rows.len();
@@ -387,6 +418,38 @@ fn project<B: Backend>(
             }
         }
     }
+    Ok(())
+}
+
+/// The dense gated FFN of `xn` into `tmp`.
+#[allow(clippy::too_many_arguments)]
+fn dense_ffn<B: Backend>(
+    b: &mut B,
+    bufs: &mut Buffers<B>,
+    gate_up: &Proj<B::Matrix>,
+    down: &B::Matrix,
+    act: FfnAct,
+    t: usize,
+    h: usize,
+    ff: usize,
+) -> Result<(), ModelError> {
+    let mut gu = ViewMut::rows(&mut bufs.gate_up, t, 2 * ff)?;
+    project(b, View::rows(&bufs.xn, t, h)?, gate_up, &mut gu)?;
+    let gu = gu.as_view();
+    let (gate, up, out) = (
+        gu.col_range(0, ff)?,
+        gu.col_range(ff, ff)?,
+        ViewMut::rows(&mut bufs.h, t, ff)?,
+    );
+    match act {
+        FfnAct::Silu => b.swiglu(gate, up, out)?,
+        FfnAct::GeluTanh => b.geglu(gate, up, out)?,
+    }
+    b.matmul(
+        View::rows(&bufs.h, t, ff)?,
+        down,
+        ViewMut::rows(&mut bufs.tmp, t, h)?,
+    )?;
     Ok(())
 }
 

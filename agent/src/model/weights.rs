@@ -27,10 +27,25 @@ pub struct Layer<B: Backend> {
     /// RMS norm of the attention output before its residual add (Gemma 3).
     pub post_attn_norm: Option<B::Buffer>,
     pub ffn_norm: B::Buffer,
-    pub gate_up: Proj<B::Matrix>,
-    pub down: B::Matrix,
+    pub ffn: Ffn<B>,
     /// RMS norm of the FFN output before its residual add (Gemma 3).
     pub post_ffn_norm: Option<B::Buffer>,
+}
+
+/// A layer's feed-forward block.
+pub enum Ffn<B: Backend> {
+    /// One gated FFN for every token: gate and up (`2 * ff` outputs), then down.
+    Dense {
+        gate_up: Proj<B::Matrix>,
+        down: B::Matrix,
+    },
+    /// Routed experts (Qwen3-MoE): the router (one logit per expert), then each expert's
+    /// gate+up (`2 * expert_ff` outputs) and down projections.
+    Moe {
+        router: B::Matrix,
+        gate_up: Vec<B::Matrix>,
+        down: Vec<B::Matrix>,
+    },
 }
 
 pub struct Weights<B: Backend> {
@@ -57,8 +72,22 @@ impl<B: Backend> Weights<B> {
         for l in &self.layers {
             all.extend(l.qkv.matrices());
             all.push(&l.wo);
-            all.extend(l.gate_up.matrices());
-            all.push(&l.down);
+            match &l.ffn {
+                Ffn::Dense { gate_up, down } => {
+                    all.extend(gate_up.matrices());
+                    all.push(down);
+                }
+                // A decode token reads its routed experts only; all are listed here.
+                Ffn::Moe {
+                    router,
+                    gate_up,
+                    down,
+                } => {
+                    all.push(router);
+                    all.extend(gate_up);
+                    all.extend(down);
+                }
+            }
         }
         all.push(&self.head);
         all
@@ -197,10 +226,17 @@ impl<B: Backend> Weights<B> {
             let post_attn_norm = post(b, "post_attention_norm.weight")?;
             let post_ffn_norm = post(b, "post_ffw_norm.weight")?;
             let wo = single(b, part(f, &n("attn_output.weight"), qd, h)?)?;
-            let gate = part(f, &n("ffn_gate.weight"), h, cfg.ff)?;
-            let up = part(f, &n("ffn_up.weight"), h, cfg.ff)?;
-            let gate_up = matrix(b, &[gate, up])?;
-            let down = single(b, part(f, &n("ffn_down.weight"), cfg.ff, h)?)?;
+            let ffn = match cfg.moe {
+                None => {
+                    let gate = part(f, &n("ffn_gate.weight"), h, cfg.ff)?;
+                    let up = part(f, &n("ffn_up.weight"), h, cfg.ff)?;
+                    Ffn::Dense {
+                        gate_up: matrix(b, &[gate, up])?,
+                        down: single(b, part(f, &n("ffn_down.weight"), cfg.ff, h)?)?,
+                    }
+                }
+                Some(moe) => moe_ffn(f, b, &n, h, moe)?,
+            };
             layers.push(Layer {
                 attn_norm: vector(f, b, &n("attn_norm.weight"), h)?,
                 qkv,
@@ -210,8 +246,7 @@ impl<B: Backend> Weights<B> {
                 wo,
                 post_attn_norm,
                 ffn_norm: vector(f, b, &n("ffn_norm.weight"), h)?,
-                gate_up,
-                down,
+                ffn,
                 post_ffn_norm,
             });
         }
@@ -229,4 +264,67 @@ impl<B: Backend> Weights<B> {
             head,
         })
     }
+}
+
+/// One expert's slice of a 3-D expert tensor (`[cols, rows, n_experts]` in ggml order).
+fn expert_part<'a>(
+    f: &'a GgufFile,
+    name: &str,
+    cols: usize,
+    rows: usize,
+    n_experts: usize,
+    e: usize,
+) -> Result<HostTensor<'a>, ModelError> {
+    let (info, data) = tensor(f, name, &[cols, rows, n_experts])?;
+    let row_bytes = info.ty.row_bytes(cols).ok_or_else(|| {
+        ModelError::Inconsistent(format!(
+            "tensor {name}: rows of {cols} values do not fill whole {} blocks",
+            info.ty.name()
+        ))
+    })?;
+    let bytes = row_bytes * rows;
+    let slice = data.get(e * bytes..(e + 1) * bytes).ok_or_else(|| {
+        ModelError::Inconsistent(format!("tensor {name} is shorter than {n_experts} experts"))
+    })?;
+    Ok(HostTensor {
+        ty: info.ty,
+        data: slice,
+        rows,
+        cols,
+    })
+}
+
+/// A Qwen3-MoE layer's router and experts (each expert's gate and up fused into one matrix).
+fn moe_ffn<B: Backend>(
+    f: &GgufFile,
+    b: &mut B,
+    n: &dyn Fn(&str) -> String,
+    h: usize,
+    moe: npu_gguf::hparams::MoeSpec,
+) -> Result<Ffn<B>, ModelError> {
+    let (ne, ff) = (moe.n_experts, moe.expert_ff);
+    let router = single(b, part(f, &n("ffn_gate_inp.weight"), h, ne)?)?;
+    let mut gate_up = Vec::with_capacity(ne);
+    let mut down = Vec::with_capacity(ne);
+    for e in 0..ne {
+        let gate = expert_part(f, &n("ffn_gate_exps.weight"), h, ff, ne, e)?;
+        let up = expert_part(f, &n("ffn_up_exps.weight"), h, ff, ne, e)?;
+        let fused = b.load_matrix(&[gate, up])?.ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "expert gate ({}) and up ({}) projections the backend cannot fuse",
+                gate.ty.name(),
+                up.ty.name()
+            ))
+        })?;
+        gate_up.push(fused);
+        down.push(single(
+            b,
+            expert_part(f, &n("ffn_down_exps.weight"), ff, h, ne, e)?,
+        )?);
+    }
+    Ok(Ffn::Moe {
+        router,
+        gate_up,
+        down,
+    })
 }

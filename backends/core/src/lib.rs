@@ -445,6 +445,39 @@ pub trait Backend: Send {
         let _ = (gate, up, out);
         Err(self.unsupported(Capability::GeluGate))
     }
+    /// Mixture-of-experts routing ([`Capability::Moe`]): for each row of `logits` (a token's
+    /// router logits, one column per expert), the softmax over the experts, then the `k` most
+    /// probable experts in descending order (ties: the lower index first) into `ids` (i32, rows
+    /// of `k`) and their probabilities into `weights` (f32, rows of `k`), divided by their sum
+    /// when `normalize`.
+    fn moe_route(
+        &mut self,
+        logits: View<'_, Self::Buffer>,
+        k: usize,
+        normalize: bool,
+        ids: ViewMut<'_, Self::Buffer>,
+        weights: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let _ = (logits, k, normalize, ids, weights);
+        Err(self.unsupported(Capability::Moe))
+    }
+    /// The routed experts' SwiGLU FFN ([`Capability::Moe`]): `out[r] = sum_j weights[r][j] *
+    /// down[e](silu(gate_e(x[r])) * up_e(x[r]))` with `e = ids[r][j]`, the terms added in `j`
+    /// order; `gate_up[e]` holds expert e's gate rows then its up rows (`2 * ff` outputs).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        ids: View<'_, Self::Buffer>,
+        weights: View<'_, Self::Buffer>,
+        gate_up: &[Self::Matrix],
+        down: &[Self::Matrix],
+        ff: usize,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let _ = (x, ids, weights, gate_up, down, ff, out);
+        Err(self.unsupported(Capability::Moe))
+    }
     /// The refusal of an op this backend has not built.
     fn unsupported(&self, c: Capability) -> BackendError {
         BackendError::Unsupported {

@@ -234,3 +234,78 @@ pub(super) fn ropes<B: Backend>(b: &mut B, ctx: &Ctx) -> Result<Vec<Output>, Bac
     }
     Ok(outputs)
 }
+
+/// Router softmax and top-k over logits with a tie, then the experts' FFN over tokens routed to
+/// overlapping experts (f32 expert weights, gate and up fused).
+pub(super) fn moe<B: Backend>(b: &mut B) -> Result<Vec<Output>, BackendError> {
+    let c = Capability::Moe;
+    if !b.supports(c) {
+        return Ok(Vec::new());
+    }
+    let act = b.act_dtype();
+    let (t, h, ff, ne, k) = (5usize, 64usize, 32usize, 4usize, 2usize);
+    let mut rng = Rng(101);
+    let mut logits = rng.values(t * ne, 3.0);
+    logits[1] = logits[2]; // a tie: the lower index goes first
+    let lg = filled(b, act, t * ne, Layout::contiguous(t, ne), &logits)?;
+    let mut ids = b.alloc(npu_backend::DType::I32, t * k)?;
+    let mut w = b.alloc(npu_backend::DType::F32, t * k)?;
+    b.moe_route(
+        View::rows(&lg, t, ne)?,
+        k,
+        true,
+        ViewMut::rows(&mut ids, t, k)?,
+        ViewMut::rows(&mut w, t, k)?,
+    )?;
+    let mut id_host = vec![0i32; t * k];
+    b.read_back(&mut [npu_backend::Readback {
+        src: View::rows(&ids, t, k)?,
+        dst: npu_backend::HostSliceMut::I32(&mut id_host),
+    }])?;
+    let weights = read(b, &w, Layout::contiguous(t, k))?;
+    let mut gate_up = Vec::new();
+    let mut down = Vec::new();
+    for _ in 0..ne {
+        let gu = rng.values(2 * ff * h, 0.2);
+        let d = rng.values(h * ff, 0.2);
+        let m = |b: &mut B, v: &[f32], rows, cols| {
+            b.load_matrix(&[f32_tensor(v, rows, cols)])?
+                .ok_or_else(|| BackendError::BadArgument {
+                    op: "conformance",
+                    message: "an f32 expert matrix was not loaded".into(),
+                })
+        };
+        gate_up.push(m(b, &gu, 2 * ff, h)?);
+        down.push(m(b, &d, h, ff)?);
+    }
+    let x = filled(
+        b,
+        act,
+        t * h,
+        Layout::contiguous(t, h),
+        &rng.values(t * h, 1.0),
+    )?;
+    let mut o = b.alloc(act, t * h)?;
+    b.moe_ffn(
+        View::rows(&x, t, h)?,
+        View::rows(&ids, t, k)?,
+        View::rows(&w, t, k)?,
+        &gate_up,
+        &down,
+        ff,
+        ViewMut::rows(&mut o, t, h)?,
+    )?;
+    Ok(vec![
+        out(
+            named(c, "routed expert ids"),
+            Class::Exact,
+            id_host.iter().map(|&v| v as f32).collect(),
+        ),
+        out(named(c, "routing weights"), Class::Elementwise, weights),
+        out(
+            named(c, "expert FFN"),
+            Class::Reduction,
+            read(b, &o, Layout::contiguous(t, h))?,
+        ),
+    ])
+}

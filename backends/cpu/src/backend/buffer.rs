@@ -318,6 +318,22 @@ pub(crate) fn rows_mut<'a>(
     })
 }
 
+/// The i32 rows `v` names (as one slice spanning the window and a stride).
+pub(crate) fn i32_rows<'a>(
+    v: &View<'a, CpuBuffer>,
+    op: &'static str,
+) -> Result<(&'a [i32], usize), BackendError> {
+    let l = v.layout();
+    let all = v
+        .buf()
+        .as_i32()
+        .ok_or_else(|| wrong_dtype(op, DType::I32, v.buf().dtype()))?;
+    let data = all
+        .get(l.offset()..l.end())
+        .ok_or_else(|| bad(op, format!("{l:?} lies outside its buffer")))?;
+    Ok((data, l.stride()))
+}
+
 /// The i32 rows `v` names, writable (as one slice and a stride).
 pub(crate) fn i32_rows_mut<'a>(
     v: &'a mut ViewMut<'_, CpuBuffer>,

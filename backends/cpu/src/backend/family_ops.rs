@@ -1,14 +1,16 @@
 //! The CPU's ops beyond the Llama step, for the families that need them: per-head Q/K RMS norm
-//! (Qwen3, Gemma 3), the GELU-gated FFN and row scaling (Gemma). The trait methods of
-//! `CpuBackend` call these; the shapes are checked here before any kernel runs.
+//! (Qwen3, Gemma 3), the GELU-gated FFN and row scaling (Gemma), and the mixture-of-experts
+//! routing and expert FFN (Qwen3-MoE: each expert runs once over the tokens routed to it). The
+//! trait methods of `CpuBackend` call these; the shapes are checked here before any kernel runs.
 
-use npu_backend::{BackendError, Capability, View, ViewMut};
+use npu_backend::{Backend, BackendError, Capability, DType, View, ViewMut};
 
-use super::buffer::{bad, rows, rows_mut, shape};
+use super::buffer::{bad, i32_rows, i32_rows_mut, rows, rows_mut, shape};
 use super::{CpuBackend, CpuBuffer};
 use crate::kernels::elementwise;
+use crate::quant::WeightMatrix;
 
-/// What the CPU backend has of [`Capability`]: all of it but the mixture-of-experts ops.
+/// What the CPU backend has of [`Capability`]: all of it.
 pub(super) fn supports(c: Capability) -> bool {
     match c {
         Capability::HeadNorm
@@ -16,8 +18,33 @@ pub(super) fn supports(c: Capability) -> bool {
         | Capability::ScaleRows
         | Capability::SlidingWindow
         | Capability::RopeFactors
-        | Capability::PerLayerRope => true,
-        Capability::Moe => false,
+        | Capability::PerLayerRope
+        | Capability::Moe => true,
+    }
+}
+
+/// Softmax of one row of router logits, then its `k` most probable experts (descending; ties to
+/// the lower index) and their probabilities, renormalised when asked, as ggml computes them
+/// (f64 sum of the exponentials, f32 sum of the chosen weights).
+pub(crate) fn route_row(logits: &[f32], k: usize, normalize: bool, ids: &mut [i32], w: &mut [f32]) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut p: Vec<f32> = logits.iter().map(|&v| (v - max).exp()).collect();
+    let sum: f64 = p.iter().map(|&v| f64::from(v)).sum();
+    let inv = (1.0 / sum) as f32;
+    for v in &mut p {
+        *v *= inv;
+    }
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    for j in 0..k {
+        ids[j] = order[j] as i32;
+        w[j] = p[order[j]];
+    }
+    if normalize {
+        let s = w[..k].iter().fold(0f32, |s, &v| s + v);
+        for v in &mut w[..k] {
+            *v /= s;
+        }
     }
 }
 
@@ -66,5 +93,150 @@ impl CpuBackend {
         shape(OP, "up", up.rows, up.cols, gate.rows, gate.cols)?;
         shape(OP, "out", o.rows, o.cols, gate.rows, gate.cols)?;
         self.par_rows_mut_quantized(o, |r, dst| elementwise::geglu(gate.row(r), up.row(r), dst))
+    }
+}
+
+impl CpuBackend {
+    pub(super) fn moe_route_op(
+        &mut self,
+        logits: View<'_, CpuBuffer>,
+        k: usize,
+        normalize: bool,
+        mut ids: ViewMut<'_, CpuBuffer>,
+        mut weights: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "moe_route";
+        let l = rows(&logits, OP)?;
+        if k == 0 || k > l.cols {
+            return Err(bad(OP, format!("{k} experts of {}", l.cols)));
+        }
+        let il = ids.layout();
+        shape(OP, "ids", il.rows(), il.cols(), l.rows, k)?;
+        let mut w = rows_mut(&mut weights, OP)?;
+        shape(OP, "weights", w.rows, w.cols, l.rows, k)?;
+        let (id_data, id_stride) = i32_rows_mut(&mut ids, OP)?;
+        for r in 0..l.rows {
+            route_row(
+                l.row(r),
+                k,
+                normalize,
+                &mut id_data[r * id_stride..r * id_stride + k],
+                w.row_mut(r),
+            );
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_ffn_op(
+        &mut self,
+        x: View<'_, CpuBuffer>,
+        ids: View<'_, CpuBuffer>,
+        weights: View<'_, CpuBuffer>,
+        gate_up: &[WeightMatrix],
+        down: &[WeightMatrix],
+        ff: usize,
+        mut out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "moe_ffn";
+        let x = rows(&x, OP)?;
+        let (t, h) = (x.rows, x.cols);
+        let il = ids.layout();
+        let k = il.cols();
+        shape(OP, "ids", il.rows(), k, t, k)?;
+        let w = rows(&weights, OP)?;
+        shape(OP, "weights", w.rows, w.cols, t, k)?;
+        if gate_up.len() != down.len() {
+            return Err(bad(
+                OP,
+                format!("{} gate/up and {} down experts", gate_up.len(), down.len()),
+            ));
+        }
+        for (e, (gu, d)) in gate_up.iter().zip(down).enumerate() {
+            if gu.k() != h || gu.n() != 2 * ff || d.k() != ff || d.n() != h {
+                return Err(bad(
+                    OP,
+                    format!(
+                        "expert {e} is {}x{} then {}x{}, expected {h}x{} then {ff}x{h}",
+                        gu.k(),
+                        gu.n(),
+                        d.k(),
+                        d.n(),
+                        2 * ff
+                    ),
+                ));
+            }
+        }
+        // Which (token, slot) pairs each expert serves.
+        let (id_data, id_stride) = i32_rows(&ids, OP)?;
+        let mut served: Vec<Vec<(usize, usize)>> = vec![Vec::new(); gate_up.len()];
+        for r in 0..t {
+            for j in 0..k {
+                let e = id_data[r * id_stride + j];
+                let list = usize::try_from(e)
+                    .ok()
+                    .and_then(|e| served.get_mut(e))
+                    .ok_or_else(|| {
+                        bad(
+                            OP,
+                            format!("token {r} is routed to expert {e} of {}", down.len()),
+                        )
+                    })?;
+                list.push((r, j));
+            }
+        }
+        // Each expert once, over the rows routed to it; its outputs kept per (token, slot).
+        let mut y = vec![0f32; t * k * h];
+        for (e, list) in served.iter().enumerate().filter(|(_, l)| !l.is_empty()) {
+            let n = list.len();
+            let mut xs = Vec::with_capacity(n * h);
+            for &(r, _) in list {
+                xs.extend_from_slice(x.row(r));
+            }
+            let xs = CpuBuffer::from_f32(xs);
+            let mut gu = CpuBuffer::zeroed(DType::F32, n * 2 * ff)?;
+            self.matmul(
+                View::rows(&xs, n, h)?,
+                &gate_up[e],
+                ViewMut::rows(&mut gu, n, 2 * ff)?,
+            )?;
+            let mut act = CpuBuffer::zeroed(DType::F32, n * ff)?;
+            let guv = View::rows(&gu, n, 2 * ff)?;
+            self.swiglu(
+                guv.col_range(0, ff)?,
+                guv.col_range(ff, ff)?,
+                ViewMut::rows(&mut act, n, ff)?,
+            )?;
+            let mut ye = CpuBuffer::zeroed(DType::F32, n * h)?;
+            self.matmul(
+                View::rows(&act, n, ff)?,
+                &down[e],
+                ViewMut::rows(&mut ye, n, h)?,
+            )?;
+            let ye = ye.f32s(OP)?;
+            for (i, &(r, j)) in list.iter().enumerate() {
+                y[(r * k + j) * h..(r * k + j + 1) * h].copy_from_slice(&ye[i * h..(i + 1) * h]);
+            }
+        }
+        // Weighted, added in slot order.
+        let mut o = rows_mut(&mut out, OP)?;
+        shape(OP, "out", o.rows, o.cols, t, h)?;
+        for r in 0..t {
+            let wr = w.row(r);
+            let dst = o.row_mut(r);
+            for j in 0..k {
+                let yj = &y[(r * k + j) * h..(r * k + j + 1) * h];
+                if j == 0 {
+                    for (d, &v) in dst.iter_mut().zip(yj) {
+                        *d = v * wr[0];
+                    }
+                } else {
+                    for (d, &v) in dst.iter_mut().zip(yj) {
+                        *d += v * wr[j];
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }

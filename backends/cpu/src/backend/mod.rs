@@ -8,6 +8,8 @@ mod buffer;
 mod family_ops;
 mod kv;
 #[cfg(test)]
+mod moe_tests;
+#[cfg(test)]
 mod tests;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -309,6 +311,30 @@ impl Backend for CpuBackend {
 
     fn scale_rows(&mut self, x: ViewMut<'_, CpuBuffer>, s: f32) -> Result<(), BackendError> {
         self.scale_rows_op(x, s)
+    }
+
+    fn moe_route(
+        &mut self,
+        logits: View<'_, CpuBuffer>,
+        k: usize,
+        normalize: bool,
+        ids: ViewMut<'_, CpuBuffer>,
+        weights: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        self.moe_route_op(logits, k, normalize, ids, weights)
+    }
+
+    fn moe_ffn(
+        &mut self,
+        x: View<'_, CpuBuffer>,
+        ids: View<'_, CpuBuffer>,
+        weights: View<'_, CpuBuffer>,
+        gate_up: &[WeightMatrix],
+        down: &[WeightMatrix],
+        ff: usize,
+        out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        self.moe_ffn_op(x, ids, weights, gate_up, down, ff, out)
     }
 
     fn geglu(
