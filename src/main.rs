@@ -35,6 +35,8 @@ enum Command {
     Score(npu_agent::cli::score::ScoreArgs),
     /// Measure the engine's prefill and decode speed on this machine.
     BenchModel(npu_agent::cli::bench_model::BenchModelArgs),
+    /// Write a tiny random-weight GGUF of a model family (llama.cpp conventions) for fidelity tests.
+    SynthModel(npu_agent::cli::synth::SynthArgs),
     /// Load generator against a running server (performance_serving's interface).
     Bench(client_bench::BenchArgs),
     /// Run one worker agent (started by the server, not by hand).
@@ -57,6 +59,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => npu_agent::cli::generate::run(a),
         Command::Score(a) => npu_agent::cli::score::run(a),
         Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),
+        Command::SynthModel(a) => npu_agent::cli::synth::run(a),
         Command::Bench(a) => client_bench::run(a),
         Command::Agent(a) => npu_agent::worker::run(a).map_err(Into::into),
     };

@@ -637,6 +637,7 @@ impl GgufFile {
 pub mod hparams;
 pub mod quants;
 pub mod store;
+pub mod synth;
 #[cfg(test)]
 mod tests;
 pub mod writer;

@@ -1,10 +1,12 @@
 //! The agent-side commands of the `npu-serving` binary that run a model in-process: `generate`,
 //! `score` and `bench-model`. Each takes `--device` (and `--device-id`) like an agent's config.
+//! `synth-model` writes the tiny random-weight models of the family fidelity tests.
 
 pub mod bench_long_context;
 pub mod bench_model;
 pub mod generate;
 pub mod score;
+pub mod synth;
 
 use clap::Args;
 use npu_protocol::agent::DeviceKind;
