@@ -8,6 +8,8 @@ mod http_support;
 use std::io::Write;
 
 use http_support::*;
+use npu_server::api::ApiSettings;
+use npu_server::http::HttpLimits;
 use serde_json::{json, Value};
 
 /// Python's `str.splitlines()`, which `requests`' `iter_lines(decode_unicode=True)` uses.
@@ -343,6 +345,13 @@ fn openai_chat_stream_and_whole_response() {
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"], streamed);
+    // The default model does not think: no reasoning_content at all.
+    assert!(
+        v["choices"][0]["message"]
+            .get("reasoning_content")
+            .is_none(),
+        "{v}"
+    );
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 4);
     let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
@@ -362,6 +371,170 @@ fn openai_chat_stream_and_whole_response() {
     assert!(tokenizer()
         .decode(&submitted, false)
         .ends_with("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"));
+}
+
+/// A template in Qwen3's manner: the conversation's text, and with `enable_thinking: false` an
+/// empty think block where the reply begins (so the model answers without thinking). The echo
+/// engine sends the prompt back as the reply, so a user message written like a Qwen3 reply
+/// comes back as one.
+const THINKING_TEMPLATE: &str = "{% for m in messages %}{{ m.content }}{% endfor %}\
+{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}\
+<think>\n\n</think>\n\n{% endif %}";
+
+fn chat_chunks(r: &HttpResponse) -> Vec<Value> {
+    let events = sse_events(&r.text());
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect()
+}
+
+#[test]
+fn chat_replies_that_think_carry_reasoning_content_apart_from_content() {
+    let server = TestServer::start_with_template(
+        HttpLimits::default(),
+        ApiSettings::default(),
+        std::time::Duration::ZERO,
+        Some(THINKING_TEMPLATE),
+    );
+    let reply = "<think>\nTwo and two make four.\n</think>\n\nThe answer is 4.";
+    // The chat route encodes the rendered prompt without BOS, control tokens recognised.
+    let n = tokenizer().encode_with(reply, false, true).unwrap().len();
+    let messages = json!([{"role": "user", "content": reply}]);
+
+    // Whole response: message.reasoning_content and message.content.
+    let r = stream(
+        &server,
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": n}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let m = &v["choices"][0]["message"];
+    assert_eq!(m["reasoning_content"], "Two and two make four.", "{v}");
+    assert_eq!(m["content"], "The answer is 4.", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], n);
+
+    // Stream: reasoning_content deltas while inside the block, then content deltas; this
+    // tokenizer has no think tokens, so "<think>" and "</think>" arrive in several pieces.
+    let r = stream(
+        &server,
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": n, "stream": true, "logprobs": true}),
+    );
+    let chunks = chat_chunks(&r);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let deltas: Vec<&Value> = chunks[1..chunks.len() - 1]
+        .iter()
+        .map(|c| &c["choices"][0]["delta"])
+        .collect();
+    let joined = |key: &str| -> String {
+        deltas
+            .iter()
+            .filter_map(|d| d[key].as_str())
+            .collect::<String>()
+    };
+    assert_eq!(joined("reasoning_content"), "Two and two make four.");
+    assert_eq!(joined("content"), "The answer is 4.");
+    let first_content = deltas
+        .iter()
+        .position(|d| d["content"].is_string())
+        .unwrap();
+    let last_reasoning = deltas
+        .iter()
+        .rposition(|d| d["reasoning_content"].is_string())
+        .unwrap();
+    assert!(last_reasoning < first_content, "{deltas:?}");
+    assert!(
+        deltas.iter().all(|d| !d.to_string().contains("think>")),
+        "no tag text in any delta: {deltas:?}"
+    );
+    // With logprobs asked, every token has its chunk (those of the tags with an empty delta).
+    let lp_tokens: usize = chunks[1..chunks.len() - 1]
+        .iter()
+        .map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .len()
+        })
+        .sum();
+    assert_eq!(lp_tokens, n);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // A reply without a think block is all content; reasoning_content is null.
+    let plain = "Just the answer.";
+    let n = tokenizer().encode_with(plain, false, true).unwrap().len();
+    let r = stream(
+        &server,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": plain}], "max_tokens": n}),
+    );
+    let v = r.json();
+    assert_eq!(v["choices"][0]["message"]["content"], plain);
+    assert!(
+        v["choices"][0]["message"]["reasoning_content"].is_null(),
+        "{v}"
+    );
+    // The completions route is not split.
+    let r = stream(
+        &server,
+        "/v1/completions",
+        json!({"prompt": reply, "max_tokens": 200}),
+    );
+    assert!(r.json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .starts_with("<think>\nTwo"));
+}
+
+#[test]
+fn chat_template_kwargs_reach_the_template() {
+    let server = TestServer::start_with_template(
+        HttpLimits::default(),
+        ApiSettings::default(),
+        std::time::Duration::ZERO,
+        Some(THINKING_TEMPLATE),
+    );
+    let messages = json!([{"role": "user", "content": "What is 2+2?"}]);
+    let prompt_of = |body: Value| -> String {
+        let r = stream(&server, "/v1/chat/completions", body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let log = server.log.lock().unwrap();
+        tokenizer().decode(&log.submitted.last().unwrap().prompt_ids, false)
+    };
+    assert_eq!(
+        prompt_of(json!({"messages": messages, "max_tokens": 1})),
+        "What is 2+2?"
+    );
+    assert_eq!(
+        prompt_of(json!({"messages": messages, "max_tokens": 1,
+                         "chat_template_kwargs": {"enable_thinking": false}})),
+        "What is 2+2?<think>\n\n</think>\n\n"
+    );
+    assert_eq!(
+        prompt_of(json!({"messages": messages, "max_tokens": 1,
+                         "chat_template_kwargs": {"enable_thinking": true}})),
+        "What is 2+2?"
+    );
+    // The standard variables keep their values.
+    assert_eq!(
+        prompt_of(json!({"messages": messages, "max_tokens": 1,
+                         "chat_template_kwargs": {"messages": [], "add_generation_prompt": false}})),
+        "What is 2+2?"
+    );
+    // Not an object: 400 naming the field.
+    let r = stream(
+        &server,
+        "/v1/chat/completions",
+        json!({"messages": messages, "chat_template_kwargs": true}),
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("chat_template_kwargs"), "{}", r.text());
 }
 
 #[test]

@@ -41,6 +41,19 @@ const CHATML: &str = "{% for message in messages %}\
 {% endfor %}\
 {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
+/// Gemma's turn format (`<start_of_turn>user\n...<end_of_turn>\n`, the assistant named
+/// `model`, a system message joined to the first user turn), used for a model without a
+/// template whose vocabulary has Gemma's turn tokens.
+const GEMMA: &str = "{{ bos_token }}\
+{% if messages and messages[0].role == 'system' %}\
+{% set first_user_prefix = messages[0].content ~ '\n\n' %}{% set loop_messages = messages[1:] %}\
+{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}\
+{% for message in loop_messages %}\
+{% set role = 'model' if message.role == 'assistant' else message.role %}\
+{{ '<start_of_turn>' ~ role ~ '\n' ~ (first_user_prefix if loop.first else '') ~ (message.content | trim) ~ '<end_of_turn>\n' }}\
+{% endfor %}\
+{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
+
 const TEMPLATE_NAME: &str = "chat_template";
 
 /// A compiled chat template.
@@ -74,6 +87,12 @@ impl ChatTemplate {
     pub fn chatml(bos_token: impl Into<String>, eos_token: impl Into<String>) -> Self {
         Self::compile(CHATML.to_string(), bos_token.into(), eos_token.into(), true)
             .expect("the built-in ChatML template compiles")
+    }
+
+    /// Gemma's turn format (see `GEMMA`), for a Gemma model whose file has no template.
+    pub fn gemma(bos_token: impl Into<String>, eos_token: impl Into<String>) -> Self {
+        Self::compile(GEMMA.to_string(), bos_token.into(), eos_token.into(), true)
+            .expect("the built-in Gemma template compiles")
     }
 
     fn compile(
@@ -123,6 +142,44 @@ impl ChatTemplate {
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
             })
+            .map_err(|e| template_error("cannot render", e))
+    }
+
+    /// `render` with extra template variables, such as a chat request's `chat_template_kwargs`
+    /// (`{"enable_thinking": false}` for Qwen3): each key of `extra` is a variable of the
+    /// template; `messages`, `add_generation_prompt`, `bos_token` and `eos_token` keep the
+    /// values `render` gives them.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TokenizerError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| template_error("missing", e))?;
+        const STANDARD: [&str; 4] = [
+            "messages",
+            "add_generation_prompt",
+            "bos_token",
+            "eos_token",
+        ];
+        let extra: serde_json::Map<String, serde_json::Value> = extra
+            .iter()
+            .filter(|(k, _)| !STANDARD.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let standard = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        };
+        let vars =
+            minijinja::value::merge_maps([standard, minijinja::Value::from_serialize(&extra)]);
+        template
+            .render(vars)
             .map_err(|e| template_error("cannot render", e))
     }
 
@@ -226,6 +283,29 @@ impl std::fmt::Debug for ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemma_fallback_renders_turns_with_the_system_message_in_the_first() {
+        let t = ChatTemplate::gemma("<bos>", "<eos>");
+        let text = t
+            .render(
+                &[
+                    ChatMessage::system("Be brief."),
+                    ChatMessage::user("Hi "),
+                    ChatMessage::assistant("Hello."),
+                    ChatMessage::user("Why?"),
+                ],
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            text,
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+             <start_of_turn>model\nHello.<end_of_turn>\n\
+             <start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert!(t.is_fallback());
+    }
 
     #[test]
     fn chatml_fallback_renders_roles_and_generation_prompt() {

@@ -7,6 +7,7 @@ mod fields;
 mod openai;
 mod openai_stream;
 mod pyjson;
+mod reasoning;
 mod sampling;
 mod tgi;
 
@@ -110,6 +111,9 @@ pub struct ApiContext {
     pub settings: ApiSettings,
     tokenizer: Tokenizer,
     chat_template: Result<ChatTemplate, String>,
+    /// The model thinks in `<think>...</think>` blocks (Qwen3 style): chat replies are split
+    /// into `reasoning_content` and `content`.
+    thinks: bool,
     stats: Arc<EngineStats>,
     metrics: Arc<Metrics>,
     /// Unix time the server started (OpenAI `created` of the model).
@@ -169,6 +173,15 @@ fn route(path: &str) -> Option<(Route, &'static str)> {
     Some(r)
 }
 
+/// Whether a model thinks in `<think>...</think>` blocks: its vocabulary has both tags as
+/// tokens, or its chat template handles them.
+fn thinks(tokenizer: &Tokenizer, template: Option<&str>) -> bool {
+    let tokens = [reasoning::THINK_START, reasoning::THINK_END]
+        .iter()
+        .all(|t| tokenizer.token_id(t).is_some());
+    tokens || template.is_some_and(|t| t.contains(reasoning::THINK_END))
+}
+
 fn shape_for(path: &str) -> ErrorShape {
     if path.starts_with("/v1/") {
         ErrorShape::OpenAi
@@ -194,10 +207,12 @@ impl ApiContext {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        let thinks = thinks(&tokenizer, tokenizer.chat_template_source());
         Self {
             settings,
             tokenizer,
             chat_template,
+            thinks,
             stats,
             metrics,
             started,
@@ -206,6 +221,23 @@ impl ApiContext {
 
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
+    }
+
+    /// Uses `source` as the chat template instead of the model's (with the model's BOS and EOS
+    /// texts); whether replies are split at `<think>` follows the template too.
+    pub fn with_chat_template(
+        mut self,
+        source: &str,
+    ) -> Result<Self, npu_tokenizer::TokenizerError> {
+        let text = |id: Option<u32>| {
+            id.and_then(|i| self.tokenizer.token_text(i))
+                .unwrap_or_default()
+                .to_string()
+        };
+        let (bos, eos) = (text(self.tokenizer.bos_id()), text(self.tokenizer.eos_id()));
+        self.chat_template = Ok(ChatTemplate::new(source, bos, eos)?);
+        self.thinks = thinks(&self.tokenizer, Some(source));
+        Ok(self)
     }
 
     fn health(&self) -> Response {

@@ -8,6 +8,7 @@ use serde_json::Value;
 use super::error::ApiError;
 use super::fields::{parse_body, token_id_list, Fields};
 use super::openai_stream::{OpenAiKind, OpenAiWriter};
+use super::reasoning;
 use super::sampling;
 use super::ApiContext;
 use crate::engine::{GenerateRequest, RequestId};
@@ -121,6 +122,8 @@ fn common(
     })
 }
 
+/// `think`: Some(inside) to split the reply into reasoning and content, starting inside the
+/// think block when the prompt opened it.
 fn finish(
     ctx: &ApiContext,
     id: RequestId,
@@ -128,6 +131,7 @@ fn finish(
     prompt_ids: Vec<u32>,
     kind: OpenAiKind,
     logprobs: Option<u32>,
+    think: Option<bool>,
 ) -> Submission {
     let mut params = c.params;
     params.top_n = logprobs.unwrap_or(0);
@@ -148,7 +152,8 @@ fn finish(
         c.stream,
         c.include_usage,
         logprobs,
-    );
+    )
+    .with_think_split(think);
     Submission {
         request,
         writer: Box::new(writer),
@@ -214,6 +219,7 @@ pub(super) fn completion_submission(
         prompt_ids,
         OpenAiKind::Completion,
         logprobs,
+        None,
     ))
 }
 
@@ -298,6 +304,12 @@ pub(super) fn chat_submission(
         }
     }
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    // Extra variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}.
+    let template_kwargs = match f.get("chat_template_kwargs") {
+        None => serde_json::Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(v) => return Err(f.wrong("chat_template_kwargs", "an object", v)),
+    };
     let messages = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "messages is missing")),
         Some(Value::Array(m)) if m.is_empty() => {
@@ -349,12 +361,14 @@ pub(super) fn chat_submission(
             format!("the model's chat template is unusable: {e}"),
         )
     })?;
-    let text = template.render(&chat, add_generation_prompt).map_err(|e| {
-        ApiError::invalid(
-            "messages",
-            format!("messages cannot be rendered with the chat template: {e}"),
-        )
-    })?;
+    let text = template
+        .render_with(&chat, add_generation_prompt, &template_kwargs)
+        .map_err(|e| {
+            ApiError::invalid(
+                "messages",
+                format!("messages cannot be rendered with the chat template: {e}"),
+            )
+        })?;
     // The template writes any BOS itself; special tokens in it are recognised.
     let prompt_ids = ctx
         .tokenizer
@@ -362,5 +376,6 @@ pub(super) fn chat_submission(
         .map_err(|e| ApiError::invalid("messages", format!("messages cannot be tokenized: {e}")))?;
     sampling::check_prompt(&prompt_ids, "messages", &ctx.settings)?;
     let lp = logprobs.then_some(top_logprobs.unwrap_or(0));
-    Ok(finish(ctx, id, c, prompt_ids, OpenAiKind::Chat, lp))
+    let think = ctx.thinks.then(|| reasoning::prompt_opens_think(&text));
+    Ok(finish(ctx, id, c, prompt_ids, OpenAiKind::Chat, lp, think))
 }

@@ -1,6 +1,8 @@
 //! OpenAI responses: whole `text_completion` / `chat.completion` objects, or SSE streams of
 //! chunks (`data: {...}\n\n`, an optional usage chunk, then `data: [DONE]\n\n`), with log
-//! probabilities in each API's shape, usage counts and finish reasons.
+//! probabilities in each API's shape, usage counts and finish reasons. Chat replies of models
+//! that think (`<think>...</think>`) carry the thinking as `reasoning_content` (in the message,
+//! or in the deltas while the model thinks) and the rest as `content`.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -10,6 +12,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::{render_error, ErrorShape};
 use super::pyjson::{escape_line_breaks, f32_json};
+use super::reasoning::{Split, ThinkSplitter};
 use super::sampling::token_text;
 use crate::engine::{FinishReason, GenEvent, RequestId, Usage};
 use crate::http::{EventWriter, Progress, Response};
@@ -35,6 +38,10 @@ pub(crate) struct OpenAiWriter {
     lp_entries: Vec<Value>,
     /// Completions' `text_offset` of the next token.
     offset: usize,
+    /// Chat replies of a thinking model: the splitter into reasoning and content, and (not
+    /// streaming) the parts so far.
+    think: Option<ThinkSplitter>,
+    parts: Split,
 }
 
 impl OpenAiWriter {
@@ -66,7 +73,32 @@ impl OpenAiWriter {
             text: String::new(),
             lp_entries: Vec::new(),
             offset: 0,
+            think: None,
+            parts: Split::default(),
         }
+    }
+
+    /// Some(inside): a chat reply is split into `reasoning_content` and `content` at its think
+    /// block (starting inside it when the prompt opened it).
+    pub(crate) fn with_think_split(mut self, think: Option<bool>) -> Self {
+        if self.kind == OpenAiKind::Chat {
+            self.think = think.map(ThinkSplitter::new);
+        }
+        self
+    }
+
+    /// A streamed chat chunk with the parts of a piece of the reply.
+    fn think_chunk(&self, part: &Split, logprobs: Value) -> Value {
+        let mut delta = Map::new();
+        if !part.reasoning.is_empty() {
+            delta.insert("reasoning_content".into(), part.reasoning.clone().into());
+        }
+        if !part.content.is_empty() {
+            delta.insert("content".into(), part.content.clone().into());
+        }
+        let choice =
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null});
+        Value::Object(self.envelope(Value::Array(vec![choice])))
     }
 
     fn object(&self) -> &'static str {
@@ -155,12 +187,22 @@ impl OpenAiWriter {
             (OpenAiKind::Completion, _) => json!({
                 "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
             }),
-            (OpenAiKind::Chat, false) => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }),
+            (OpenAiKind::Chat, false) => {
+                let message = match &self.think {
+                    None => json!({"role": "assistant", "content": text}),
+                    Some(t) => json!({
+                        "role": "assistant",
+                        "content": self.parts.content,
+                        "reasoning_content": t.thought().then_some(&self.parts.reasoning),
+                    }),
+                };
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                })
+            }
             (OpenAiKind::Chat, true) => {
                 let mut delta = Map::new();
                 if first {
@@ -204,6 +246,21 @@ impl EventWriter for OpenAiWriter {
                 let entry = self.logprobs.map(|_| self.lp_entry(token, top, text));
                 self.offset += text.len();
                 self.text.push_str(text);
+                if let Some(think) = &mut self.think {
+                    let part = think.push(text);
+                    if !self.stream {
+                        self.parts.reasoning.push_str(&part.reasoning);
+                        self.parts.content.push_str(&part.content);
+                        self.lp_entries.extend(entry);
+                        return Progress::More;
+                    }
+                    if part.is_empty() && entry.is_none() {
+                        return Progress::More;
+                    }
+                    let lp = self.lp_value(entry.as_slice());
+                    Self::sse(body, &self.think_chunk(&part, lp));
+                    return Progress::More;
+                }
                 if !self.stream {
                     self.lp_entries.extend(entry);
                     return Progress::More;
@@ -240,6 +297,15 @@ impl EventWriter for OpenAiWriter {
                     return Progress::StreamDone;
                 }
                 let finish = Some(reason.openai());
+                // What the splitter held back (an unfinished tag, newlines) belongs to the end.
+                if let Some(rest) = self.think.as_mut().map(ThinkSplitter::finish) {
+                    if !self.stream {
+                        self.parts.reasoning.push_str(&rest.reasoning);
+                        self.parts.content.push_str(&rest.content);
+                    } else if !rest.is_empty() {
+                        Self::sse(body, &self.think_chunk(&rest, Value::Null));
+                    }
+                }
                 if !self.stream {
                     let lp = self.lp_value(&self.lp_entries);
                     let mut whole = self.envelope(Value::Array(vec![

@@ -186,6 +186,16 @@ pub struct TestServer {
 
 impl TestServer {
     pub fn start(limits: HttpLimits, settings: ApiSettings, token_delay: Duration) -> Self {
+        Self::start_with_template(limits, settings, token_delay, None)
+    }
+
+    /// `start`, with `chat_template` (Jinja source) in place of the model's chat template.
+    pub fn start_with_template(
+        limits: HttpLimits,
+        settings: ApiSettings,
+        token_delay: Duration,
+        chat_template: Option<&str>,
+    ) -> Self {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let metrics = Arc::new(Metrics::default());
         let server = HttpServer::new(listener, limits, metrics.clone()).unwrap();
@@ -193,12 +203,13 @@ impl TestServer {
         let log = Arc::new(Mutex::new(EngineLog::default()));
         let (engine, engine_thread) =
             spawn_echo_engine(server.event_sink(), tokenizer(), token_delay, log.clone());
-        let api = Arc::new(ApiContext::new(
-            settings,
-            tokenizer(),
-            engine.stats.clone(),
-            metrics.clone(),
-        ));
+        let mut api = ApiContext::new(settings, tokenizer(), engine.stats.clone(), metrics.clone());
+        if let Some(source) = chat_template {
+            api = api
+                .with_chat_template(source)
+                .expect("the test's chat template compiles");
+        }
+        let api = Arc::new(api);
         let shutdown = ShutdownSignal::new();
         let sd = shutdown.clone();
         let eng = engine.clone();
