@@ -415,7 +415,8 @@ impl Tokenizer {
         self.inner.chat_template.as_deref()
     }
 
-    /// The model's chat template, or the ChatML fallback when it has none.
+    /// The model's chat template; without one, Gemma's turn format when the vocabulary has its
+    /// turn tokens, else ChatML.
     pub fn chat_template(&self) -> Result<ChatTemplate, TokenizerError> {
         let token = |id: Option<u32>| {
             id.and_then(|i| self.token_text(i))
@@ -425,6 +426,11 @@ impl Tokenizer {
         let (bos, eos) = (token(self.inner.bos), token(self.inner.eos));
         match &self.inner.chat_template {
             Some(source) => ChatTemplate::new(source.clone(), bos, eos),
+            None if self.token_id("<start_of_turn>").is_some()
+                && self.token_id("<end_of_turn>").is_some() =>
+            {
+                Ok(ChatTemplate::gemma(bos, eos))
+            }
             None => Ok(ChatTemplate::chatml(bos, eos)),
         }
     }
