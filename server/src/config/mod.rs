@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use error::{ConfigError, ConfigWarning};
-pub use reader::parse_bool_str;
 pub(crate) use reader::closest;
+pub use reader::parse_bool_str;
 pub use roles::{AgentRole, MAX_HANDOFF_SPACE_MB};
 
 use crate::http::HttpLimits;
