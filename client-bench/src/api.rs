@@ -104,7 +104,8 @@ impl ApiSettings {
 pub enum StreamItem {
     /// Newly generated text (may be empty, e.g. a held-back partial character).
     Delta(String),
-    /// llm-serving's closing line with the whole generated text (return_full_text).
+    /// llm-serving's closing line with the whole text (return_full_text; when the server puts
+    /// the prompt first, as TGI does, the runner keeps only what follows it).
     FullText(String),
     /// Token counts reported by an OpenAI server.
     Usage {
