@@ -83,10 +83,11 @@ inline unsigned __float_as_uint(float f) {
     return v;
 }
 
-// Round-to-nearest products and sums, never fused (the build uses -ffp-contract=off).
+// Round-to-nearest products, sums and quotients, never fused (the build uses -ffp-contract=off).
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }

@@ -43,11 +43,16 @@ NPU_FOR_EACH_ACT(KV_WRITE)
 // tiles; lane j scores position p0 + j, and lanes own pairs of output dimensions.
 //
 // Causality: token t of a sequence (position start + t) sees positions 0..=start + t. Decode tokens
-// (n_q = 1) and prefill chunks (n_q > 1) of different sequences run in the same launch.
+// (n_q = 1) and prefill chunks (n_q > 1) of different sequences run in the same launch. With a
+// sliding window (`window` > 0; 0: none) it sees start + t + 1 - window ..= start + t only: the
+// block starts at the tile holding the first position its first token sees, never loads (nor
+// reads the block table for) a position before it, and each warp masks what lies before its own
+// window.
 //
 // With one split the block writes normalised outputs; with several, split s covers tiles
-// [s * tiles_per_split, (s + 1) * tiles_per_split) and writes (m, l, acc) to `partial`
-// ([row][head][split][hd + 2] f32), merged by attention_combine.
+// [first + s * tiles_per_split, first + (s + 1) * tiles_per_split), first being the block's first
+// tile, and writes (m, l, acc) to `partial` ([row][head][split][hd + 2] f32), merged by
+// attention_combine. A split past the block's last tile writes m = -inf, l = 0.
 
 #define ATT_TILE 32
 #define ATT_MAX_HD 256
@@ -60,8 +65,8 @@ template <typename T>
 __device__ __forceinline__ void attention_body(
     const T* q, int ldq, T* out, int ldo, const u16* pool, i64 block_stride, i64 layer_off,
     const int* items, int qt, const int* seq_info, const int* block_tables, int max_blocks,
-    int n_heads, int n_kv, int hd, int bs, float scale, int n_splits, int tiles_per_split,
-    float* partial) {
+    int n_heads, int n_kv, int hd, int bs, float scale, int window, int n_splits,
+    int tiles_per_split, float* partial) {
     const int group = n_heads / n_kv;
     const int item = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -78,10 +83,13 @@ __device__ __forceinline__ void attention_body(
     const bool active = tok < n_q; // uniform in the warp
     const i64 row = (i64)q_row0 + tok;
     const int ctx = start + tok + 1;
+    // The first position this warp's token sees, and the first any token of the block sees.
+    const int lo = window > 0 ? max(0, ctx - window) : 0;
+    const int block_lo = window > 0 ? max(0, start + tok0 + 1 - window) : 0;
     const int last_tok = min(tok0 + qt, n_q) - 1;
     const int block_ctx = start + last_tok + 1;
     const int n_tiles = (block_ctx + ATT_TILE - 1) / ATT_TILE;
-    const int t_begin = split * tiles_per_split;
+    const int t_begin = block_lo / ATT_TILE + split * tiles_per_split;
     const int t_end = min(n_tiles, t_begin + tiles_per_split);
     const int half_hd = hd >> 1;
     const int words = half_hd + 1; // padded shared row: conflict-free column reads
@@ -114,7 +122,7 @@ __device__ __forceinline__ void attention_body(
             const int p = p0 + j;
             u32 kw = 0;
             u32 vw = 0;
-            if (p < block_ctx) {
+            if (p >= block_lo && p < block_ctx) {
                 const i64 at = (i64)bt[p / bs] * block_stride + head_off + (i64)(p % bs) * hd + 2 * c;
                 kw = *(const u32*)(pool + at);
                 vw = *(const u32*)(pool + at + v_off);
@@ -123,10 +131,11 @@ __device__ __forceinline__ void attention_body(
             vs[j * words + c] = vw;
         }
         __syncthreads();
-        if (active && p0 < ctx) {
+        if (active && p0 < ctx && p0 + ATT_TILE > lo) { // the tile holds a position it sees
             const int p = p0 + lane;
+            const bool seen = p >= lo && p < ctx;
             float s = NEG_INF;
-            if (p < ctx) {
+            if (seen) {
                 float dot = 0.0f;
                 const u32* kr = ks + lane * words;
                 for (int c = 0; c < half_hd; ++c) {
@@ -137,7 +146,7 @@ __device__ __forceinline__ void attention_body(
                 s = dot * scale;
             }
             const float m_new = fmaxf(m, warp_max(s));
-            const float pj = p < ctx ? expf(s - m_new) : 0.0f;
+            const float pj = seen ? expf(s - m_new) : 0.0f;
             const float alpha = expf(m - m_new);
             l = l * alpha + warp_sum(pj);
             for (int i = 0; i < 2 * ATT_MAX_WORDS; ++i) {
@@ -191,16 +200,18 @@ __device__ __forceinline__ void attention_body(
     extern "C" __global__ void __launch_bounds__(ATT_MAX_THREADS) attention_##S(                   \
         const T* q, int ldq, T* out, int ldo, const u16* pool, i64 block_stride, i64 layer_off,   \
         const int* items, int qt, const int* seq_info, const int* block_tables, int max_blocks,    \
-        int n_heads, int n_kv, int hd, int bs, float scale, int n_splits, int tiles_per_split,     \
-        float* partial) {                                                                          \
+        int n_heads, int n_kv, int hd, int bs, float scale, int window, int n_splits,              \
+        int tiles_per_split, float* partial) {                                                     \
         attention_body<T>(q, ldq, out, ldo, pool, block_stride, layer_off, items, qt, seq_info,   \
-                          block_tables, max_blocks, n_heads, n_kv, hd, bs, scale, n_splits,       \
-                          tiles_per_split, partial);                                               \
+                          block_tables, max_blocks, n_heads, n_kv, hd, bs, scale, window,         \
+                          n_splits, tiles_per_split, partial);                                     \
     }
 NPU_FOR_EACH_ACT(ATTENTION)
 
 // grid (rows, heads): merges the splits of one (row, head): out = sum_s e^(m_s - M) acc_s /
-// sum_s e^(m_s - M) l_s. Split 0 always saw position 0, so M is finite.
+// sum_s e^(m_s - M) l_s. Split 0 always holds the row's first visible position (a split covers
+// at least 4 tiles, and the block's tokens' windows start at most qt - 1 < 32 positions apart),
+// so M is finite; splits that saw nothing (m = -inf) are left out.
 template <typename T>
 __device__ __forceinline__ void attention_combine_body(const float* partial, int n_splits,
                                                        int n_heads, int hd, T* out, int ldo) {

@@ -1,8 +1,9 @@
-// The element-wise and row-wise ops of a Llama step: embedding lookup (dequantized from the
-// file's format), RMS normalisation, rotary embedding, SwiGLU, residual and bias adds, row
-// gathers and copies, and the per-row argmax. They follow the CPU reference's arithmetic
-// (rms_norm: 1 / sqrt(mean + eps) in f32; rope: the angle recurrence theta *= theta_scale;
-// products kept unfused where the reference rounds them apart).
+// The element-wise and row-wise ops of a step: embedding lookup (dequantized from the file's
+// format), RMS normalisation (of whole rows, or of each head in place), rotary embedding (with
+// optional per-pair frequency factors), SwiGLU and GELU-gated activations, row scaling, residual
+// and bias adds, row gathers and copies, and the per-row argmax. They follow the CPU reference's
+// arithmetic (rms_norm: 1 / sqrt(mean + eps) in f32; rope: the angle recurrence theta *=
+// theta_scale; products kept unfused where the reference rounds them apart).
 
 // ---- embedding ---------------------------------------------------------------------------------
 
@@ -87,14 +88,45 @@ __device__ __forceinline__ void rms_norm_body(const T* x, int ldx, const void* w
     }
 NPU_FOR_EACH_ACT(RMS_NORM)
 
+// grid (heads, rows): head h of row r (the `hd` values from column h * hd) normalised in place,
+// each head with the same `hd` weights: x * (1 / sqrt(mean(x^2) + eps)) * w (Qwen3's and Gemma 3's
+// per-head Q and K norms). Each thread rewrites only the values it read, after the block's sum.
+template <typename T>
+__device__ __forceinline__ void rms_norm_heads_body(T* x, int ldx, int hd, const void* w, int wdt,
+                                                    float eps) {
+    __shared__ float red[32];
+    T* xh = x + (i64)blockIdx.y * ldx + (i64)blockIdx.x * hd;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        const float v = to_f32(xh[c]);
+        s = fmaf(v, v, s);
+    }
+    s = block_sum(s, red);
+    const float scale = 1.0f / sqrtf(s / (float)hd + eps);
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        xh[c] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(xh[c]), scale), load_dt(w, wdt, c)));
+    }
+}
+
+#define RMS_NORM_HEADS(T, S)                                                                       \
+    extern "C" __global__ void rms_norm_heads_##S(T* x, int ldx, int hd, const void* w, int wdt,  \
+                                                  float eps) {                                     \
+        rms_norm_heads_body<T>(x, ldx, hd, w, wdt, eps);                                          \
+    }
+NPU_FOR_EACH_ACT(RMS_NORM_HEADS)
+
 // ---- rotary embedding ----------------------------------------------------------------------------
 
 // grid (rows): rotates `heads` heads of `hd` values of row r in place at position pos[r]. Pair i
 // is (2i, 2i+1) when `halves` is 0 (interleaved), (i, i + dims/2) when 1. The angle of pair i is
-// freq_scale * pos * theta_scale^i, the power taken by repeated multiplication as ggml does.
+// freq_scale * pos * theta_scale^i, the power taken by repeated multiplication as ggml does; with
+// a factor table (`factors`, dims/2 values; null: none) pos * theta_scale^i is divided by
+// factors[i] first (Llama 3's rope_freqs). theta_scale = base^(-2/dims) comes with each call, so
+// layers with different bases (Gemma 3's local and global layers) share the kernel.
 template <typename T>
 __device__ __forceinline__ void rope_body(T* qk, int ld, int heads, int hd, int dims, int halves,
-                                          float theta_scale, float freq_scale, const int* pos) {
+                                          float theta_scale, float freq_scale, const int* pos,
+                                          const float* factors) {
     const int r = blockIdx.x;
     T* row = qk + (i64)r * ld;
     const int half_dims = dims >> 1;
@@ -103,7 +135,8 @@ __device__ __forceinline__ void rope_body(T* qk, int ld, int heads, int hd, int 
         for (int k = 0; k < i; ++k) {
             theta = __fmul_rn(theta, theta_scale);
         }
-        const float t = __fmul_rn(freq_scale, theta);
+        const float e = factors ? __fdiv_rn(theta, factors[i]) : theta;
+        const float t = __fmul_rn(freq_scale, e);
         const float c = cosf(t);
         const float s = sinf(t);
         const int a = halves ? i : 2 * i;
@@ -120,12 +153,13 @@ __device__ __forceinline__ void rope_body(T* qk, int ld, int heads, int hd, int 
 
 #define ROPE(T, S)                                                                                 \
     extern "C" __global__ void rope_##S(T* qk, int ld, int heads, int hd, int dims, int halves,   \
-                                        float theta_scale, float freq_scale, const int* pos) {     \
-        rope_body<T>(qk, ld, heads, hd, dims, halves, theta_scale, freq_scale, pos);              \
+                                        float theta_scale, float freq_scale, const int* pos,       \
+                                        const float* factors) {                                    \
+        rope_body<T>(qk, ld, heads, hd, dims, halves, theta_scale, freq_scale, pos, factors);     \
     }
 NPU_FOR_EACH_ACT(ROPE)
 
-// ---- SwiGLU, adds, copies ------------------------------------------------------------------------
+// ---- SwiGLU, GELU gate, scaling, adds, copies --------------------------------------------------
 // All: grid (ceil(cols / blockDim), rows), one element per thread.
 
 template <typename T>
@@ -146,6 +180,63 @@ __device__ __forceinline__ void swiglu_body(const T* gate, int ldg, const T* up,
         swiglu_body<T>(gate, ldg, up, ldu, out, ldo, cols);                                       \
     }
 NPU_FOR_EACH_ACT(SWIGLU)
+
+// GELU with the tanh approximation in f32, as the CPU reference writes it (ggml_gelu_f32; the
+// constants as the reference spells them, products unfused and in its order).
+#define GELU_SQRT_2_OVER_PI 0.7978846f
+#define GELU_COEF_A 0.044715f
+__device__ __forceinline__ float gelu_tanh_f32(float x) {
+    const float inner = __fmul_rn(__fmul_rn(GELU_SQRT_2_OVER_PI, x),
+                                  __fadd_rn(1.0f, __fmul_rn(__fmul_rn(GELU_COEF_A, x), x)));
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
+}
+
+// out = gelu_tanh(gate) * up with the values of ggml's f16 GELU table, which llama.cpp's CPU
+// path reads: 0 at or below -10, the gate itself at or above 10, else gelu_tanh of the gate
+// rounded to f16, computed in f32 and rounded to f16.
+template <typename T>
+__device__ __forceinline__ void geglu_body(const T* gate, int ldg, const T* up, int ldu, T* out,
+                                           int ldo, int cols) {
+    const int r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) {
+        const float g = to_f32(gate[(i64)r * ldg + c]);
+        const float u = to_f32(up[(i64)r * ldu + c]);
+        float a;
+        if (g <= -10.0f) {
+            a = 0.0f;
+        } else if (g >= 10.0f) {
+            a = g;
+        } else {
+            const float g16 = f16_bits_to_f32(f32_to_f16_bits(g));
+            a = f16_bits_to_f32(f32_to_f16_bits(gelu_tanh_f32(g16)));
+        }
+        out[(i64)r * ldo + c] = from_f32<T>(__fmul_rn(a, u));
+    }
+}
+
+#define GEGLU(T, S)                                                                                \
+    extern "C" __global__ void geglu_##S(const T* gate, int ldg, const T* up, int ldu, T* out,    \
+                                         int ldo, int cols) {                                      \
+        geglu_body<T>(gate, ldg, up, ldu, out, ldo, cols);                                        \
+    }
+NPU_FOR_EACH_ACT(GEGLU)
+
+// x *= s (Gemma's embedding scale).
+template <typename T> __device__ __forceinline__ void scale_body(T* x, int ldx, int cols, float s) {
+    const int r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) {
+        T* p = x + (i64)r * ldx + c;
+        *p = from_f32<T>(__fmul_rn(to_f32(*p), s));
+    }
+}
+
+#define SCALE(T, S)                                                                                \
+    extern "C" __global__ void scale_##S(T* x, int ldx, int cols, float s) {                      \
+        scale_body<T>(x, ldx, cols, s);                                                           \
+    }
+NPU_FOR_EACH_ACT(SCALE)
 
 template <typename T>
 __device__ __forceinline__ void add_body(T* x, int ldx, const T* y, int ldy, int cols) {

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use npu_backend::{
-    AttnGeometry, Backend, BackendError, DType, DeviceKind, HostSlice, HostSliceMut, HostTensor,
-    KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
+    AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostSliceMut,
+    HostTensor, KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
 };
 use npu_gguf::quants::dequantize_row;
 
@@ -40,7 +40,30 @@ pub fn kv_block_elems(spec: &KvSpec) -> usize {
     spec.n_layers * 2 * spec.n_kv_heads * spec.block_size * spec.head_dim
 }
 
-/// A CUDA device running the kernels of a Llama step.
+/// Rope frequency-factor tables on the device: each distinct table uploaded once, found by the
+/// address of the (interned, `'static`) host table that asked for it.
+#[derive(Default)]
+pub(crate) struct RopeFactorTables {
+    /// (host table, index into `tables`); equal tables at different addresses share an entry.
+    pub keys: Vec<(&'static [f32], usize)>,
+    pub tables: Vec<DeviceMem>,
+}
+
+/// What the CUDA backend has of [`Capability`]: every op of the newer families but the
+/// mixture-of-experts ones.
+pub(crate) fn supports(c: Capability) -> bool {
+    match c {
+        Capability::HeadNorm
+        | Capability::GeluGate
+        | Capability::ScaleRows
+        | Capability::SlidingWindow
+        | Capability::RopeFactors
+        | Capability::PerLayerRope => true,
+        Capability::Moe => false,
+    }
+}
+
+/// A CUDA device running the kernels of a step.
 pub struct CudaBackend {
     pub(crate) gpu: Arc<dyn Gpu>,
     pub(crate) device: DeviceId,
@@ -56,6 +79,7 @@ pub struct CudaBackend {
     pub(crate) scratch_w: Scratch,
     pub(crate) scratch_x: Scratch,
     pub(crate) scratch_attn: Scratch,
+    pub(crate) rope_factors: RopeFactorTables,
     read_buf: Vec<u8>,
     #[cfg(feature = "emulation")]
     emu: Option<Arc<crate::emu::EmuGpu>>,
@@ -125,6 +149,7 @@ impl CudaBackend {
             scratch_w: Scratch::default(),
             scratch_x: Scratch::default(),
             scratch_attn: Scratch::default(),
+            rope_factors: RopeFactorTables::default(),
             read_buf: Vec::new(),
             #[cfg(feature = "emulation")]
             emu: None,
@@ -279,6 +304,10 @@ impl Backend for CudaBackend {
 
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         self.gpu.mem_info()
+    }
+
+    fn supports(&self, c: Capability) -> bool {
+        supports(c)
     }
 
     fn alloc(&mut self, dtype: DType, len: usize) -> Result<CudaBuffer, BackendError> {
@@ -550,6 +579,29 @@ impl Backend for CudaBackend {
         out: ViewMut<'_, CudaBuffer>,
     ) -> Result<(), BackendError> {
         self.op_rms_norm(x, w, eps, out)
+    }
+
+    fn rms_norm_heads(
+        &mut self,
+        x: ViewMut<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        head_dim: usize,
+    ) -> Result<(), BackendError> {
+        self.op_rms_norm_heads(x, w, eps, head_dim)
+    }
+
+    fn scale_rows(&mut self, x: ViewMut<'_, CudaBuffer>, s: f32) -> Result<(), BackendError> {
+        self.op_scale_rows(x, s)
+    }
+
+    fn geglu(
+        &mut self,
+        gate: View<'_, CudaBuffer>,
+        up: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_geglu(gate, up, out)
     }
 
     fn matmul(

@@ -23,7 +23,8 @@ pub fn program_source() -> String {
     s
 }
 
-/// Ops instantiated once per activation type (`{name}_{f32,f16,bf16}`).
+/// Ops instantiated once per activation type (`{name}_{f32,f16,bf16}`). `ALL` lists them in
+/// declaration order (a kernel's index is computed from the discriminant).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     Embed,
@@ -39,10 +40,13 @@ pub enum Op {
     AttentionCombine,
     QuantizeQ8,
     ArgmaxLogprob,
+    RmsNormHeads,
+    Geglu,
+    Scale,
 }
 
 impl Op {
-    pub const ALL: [Op; 13] = [
+    pub const ALL: [Op; 16] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -56,6 +60,9 @@ impl Op {
         Op::AttentionCombine,
         Op::QuantizeQ8,
         Op::ArgmaxLogprob,
+        Op::RmsNormHeads,
+        Op::Geglu,
+        Op::Scale,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -72,6 +79,9 @@ impl Op {
             Op::AttentionCombine => "attention_combine",
             Op::QuantizeQ8 => "quantize_q8",
             Op::ArgmaxLogprob => "argmax_logprob",
+            Op::RmsNormHeads => "rms_norm_heads",
+            Op::Geglu => "geglu",
+            Op::Scale => "scale",
         }
     }
 }
@@ -193,6 +203,9 @@ mod tests {
 
     #[test]
     fn indices_match_the_name_table() {
+        for (i, op) in Op::ALL.into_iter().enumerate() {
+            assert_eq!(op as usize, i, "{} out of order in Op::ALL", op.name());
+        }
         let names = kernel_names();
         assert_eq!(names[op_kernel(Op::Rope, DType::BF16)], "rope_bf16");
         assert_eq!(
@@ -207,6 +220,11 @@ mod tests {
             names[dequant_kernel(WeightFormat::Q8_0, DType::BF16)],
             "dequant_q8_0_bf16"
         );
+        assert_eq!(
+            names[op_kernel(Op::RmsNormHeads, DType::F16)],
+            "rms_norm_heads_f16"
+        );
+        assert_eq!(names[op_kernel(Op::Scale, DType::BF16)], "scale_bf16");
         assert_eq!(names.len(), DEQUANT_BASE + 12);
         let mut sorted = names.clone();
         sorted.sort();

@@ -207,6 +207,53 @@ impl CudaBackend {
         )
     }
 
+    pub(crate) fn op_rms_norm_heads(
+        &mut self,
+        x: ViewMut<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        head_dim: usize,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "rms_norm_heads";
+        self.own(x.buf(), OP)?;
+        self.own(w, OP)?;
+        let dt = float(OP, x.dtype())?;
+        let wdt = float(OP, w.dtype())?;
+        let l = x.layout();
+        need(
+            head_dim > 0 && w.len() == head_dim && l.cols().is_multiple_of(head_dim),
+            OP,
+            || {
+                format!(
+                    "{} weights for heads of {head_dim} in rows of {}",
+                    w.len(),
+                    l.cols()
+                )
+            },
+        )?;
+        if l.elements() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::RmsNormHeads, dt),
+            LaunchDims::linear(
+                [
+                    int(OP, l.cols() / head_dim)? as u32,
+                    grid_rows(OP, l.rows())?,
+                    1,
+                ],
+                row_threads(head_dim, 256),
+            ),
+            Args::new()
+                .ptr(addr_mut(&x))
+                .i32(int(OP, l.stride())?)
+                .i32(int(OP, head_dim)?)
+                .ptr(w.addr(0))
+                .i32(dt_code(wdt))
+                .f32(eps),
+        )
+    }
+
     pub(crate) fn op_add_bias(
         &mut self,
         x: ViewMut<'_, CudaBuffer>,
@@ -267,9 +314,22 @@ impl CudaBackend {
         need(dims <= g.head_dim && dims.is_multiple_of(2), OP, || {
             format!("{dims} rotary dimensions of a {}-value head", g.head_dim)
         })?;
+        if let Some(f) = g.rope.factors {
+            need(f.len() == dims / 2, OP, || {
+                format!(
+                    "{} frequency factors for {} rotary pairs",
+                    f.len(),
+                    dims / 2
+                )
+            })?;
+        }
         if l.rows() == 0 || dims == 0 {
             return Ok(());
         }
+        let factors = match g.rope.factors {
+            Some(f) => self.rope_factor_table(f)?,
+            None => 0,
+        };
         let theta_scale = g.rope.base.powf(-2.0 / dims as f32);
         self.launch(
             op_kernel(Op::Rope, dt),
@@ -286,8 +346,33 @@ impl CudaBackend {
                 .i32(i32::from(g.rope.style == RopeStyle::Halves))
                 .f32(theta_scale)
                 .f32(g.rope.freq_scale)
-                .ptr(meta + 4 * lay.positions as u64),
+                .ptr(meta + 4 * lay.positions as u64)
+                .ptr(factors),
         )
+    }
+
+    /// The device copy of a rope's frequency factors, uploaded the first time a table is seen
+    /// (by address, then by contents: the tables are interned, so a model uploads one) and kept
+    /// for the backend's life.
+    fn rope_factor_table(&mut self, f: &'static [f32]) -> Result<DevPtr, BackendError> {
+        let t = &mut self.rope_factors;
+        if let Some(&(_, i)) = t.keys.iter().find(|(k, _)| std::ptr::eq(*k, f)) {
+            return Ok(t.tables[i].ptr());
+        }
+        let same = |k: &[f32]| {
+            k.len() == f.len() && k.iter().zip(f).all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        let i = match t.keys.iter().find(|(k, _)| same(k)) {
+            Some(&(_, i)) => i,
+            None => {
+                let mem = self.alloc_mem(std::mem::size_of_val(f))?;
+                self.gpu.htod(mem.ptr(), bytemuck::cast_slice(f))?;
+                self.rope_factors.tables.push(mem);
+                self.rope_factors.tables.len() - 1
+            }
+        };
+        self.rope_factors.keys.push((f, i));
+        Ok(self.rope_factors.tables[i].ptr())
     }
 
     /// Checks the geometry against the pool and the layer index.
@@ -395,6 +480,16 @@ impl CudaBackend {
                 what: format!("attention heads of {hd} values (even, at most {ATT_MAX_HD})"),
             });
         }
+        let window = match g.window {
+            None => 0,
+            Some(0) => {
+                return Err(bad(
+                    OP,
+                    "a sliding window of 0 positions (a query would see nothing)".into(),
+                ))
+            }
+            Some(w) => w.min(i32::MAX as u32) as i32,
+        };
         let (ql, ol) = (q.layout(), out.layout());
         let width = g.q_width();
         need(
@@ -449,8 +544,12 @@ impl CudaBackend {
                 ),
             });
         }
-        // Split the context when the blocks would not fill the device (flash-decoding).
-        let max_tiles = lay.max_ctx.div_ceil(ATT_TILE).max(1);
+        // Split the context when the blocks would not fill the device (flash-decoding). Through a
+        // window a block sees at most window + qt - 1 positions, from anywhere in its first tile.
+        let mut max_tiles = lay.max_ctx.div_ceil(ATT_TILE).max(1);
+        if window > 0 {
+            max_tiles = max_tiles.min((window as usize + qt - 1).div_ceil(ATT_TILE) + 1);
+        }
         let base_blocks = n_items * g.n_kv_heads;
         let target = 2 * self.gpu.sm_count().max(1) as usize;
         let mut n_splits = if base_blocks >= target {
@@ -500,6 +599,7 @@ impl CudaBackend {
                 .i32(int(OP, hd)?)
                 .i32(int(OP, kv.spec.block_size)?)
                 .f32(g.scale)
+                .i32(window)
                 .i32(n_splits as i32)
                 .i32(int(OP, tiles_per_split)?)
                 .ptr(partial),
@@ -563,6 +663,75 @@ impl CudaBackend {
                 .ptr(addr_mut(&out))
                 .i32(int(OP, ol.stride())?)
                 .i32(int(OP, gl.cols())?),
+        )
+    }
+
+    pub(crate) fn op_geglu(
+        &mut self,
+        gate: View<'_, CudaBuffer>,
+        up: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "geglu";
+        self.own(gate.buf(), OP)?;
+        self.own(up.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, gate.dtype())?;
+        same(OP, dt, up.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let (gl, ul, ol) = (gate.layout(), up.layout(), out.layout());
+        let shape = |l: Layout| (l.rows(), l.cols());
+        need(shape(gl) == shape(ul) && shape(gl) == shape(ol), OP, || {
+            format!(
+                "gate {:?}, up {:?}, out {:?} (rows, cols)",
+                shape(gl),
+                shape(ul),
+                shape(ol)
+            )
+        })?;
+        if gl.elements() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::Geglu, dt),
+            LaunchDims::linear(
+                [blocks(gl.cols(), EW_THREADS), grid_rows(OP, gl.rows())?, 1],
+                EW_THREADS as u32,
+            ),
+            Args::new()
+                .ptr(addr(&gate))
+                .i32(int(OP, gl.stride())?)
+                .ptr(addr(&up))
+                .i32(int(OP, ul.stride())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?)
+                .i32(int(OP, gl.cols())?),
+        )
+    }
+
+    pub(crate) fn op_scale_rows(
+        &mut self,
+        x: ViewMut<'_, CudaBuffer>,
+        s: f32,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "scale_rows";
+        self.own(x.buf(), OP)?;
+        let dt = float(OP, x.dtype())?;
+        let l = x.layout();
+        if l.elements() == 0 {
+            return Ok(());
+        }
+        self.launch(
+            op_kernel(Op::Scale, dt),
+            LaunchDims::linear(
+                [blocks(l.cols(), EW_THREADS), grid_rows(OP, l.rows())?, 1],
+                EW_THREADS as u32,
+            ),
+            Args::new()
+                .ptr(addr_mut(&x))
+                .i32(int(OP, l.stride())?)
+                .i32(int(OP, l.cols())?)
+                .f32(s),
         )
     }
 

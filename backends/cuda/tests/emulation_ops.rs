@@ -44,6 +44,21 @@ fn paged_attention_splits_long_contexts() {
 }
 
 #[test]
+fn paged_attention_slides_a_window() {
+    conformance::paged_attention_slides_a_window(&emulated);
+}
+
+#[test]
+fn head_norm_geglu_and_scale_match_the_reference() {
+    conformance::head_norm_geglu_and_scale_match_the_reference(&emulated);
+}
+
+#[test]
+fn rope_factors_and_per_layer_bases_match_the_reference() {
+    conformance::rope_factors_and_per_layer_bases_match_the_reference(&emulated);
+}
+
+#[test]
 fn kv_blocks_copy_on_the_device() {
     conformance::kv_blocks_copy_on_the_device(&emulated);
 }

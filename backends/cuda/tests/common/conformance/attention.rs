@@ -20,6 +20,8 @@ struct AttnCase {
     layer: usize,
     /// Whether the context is long enough (and the step small enough) to be split.
     split: bool,
+    /// Sliding window (positions a query sees, itself included).
+    window: Option<u32>,
 }
 
 fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
@@ -41,7 +43,7 @@ fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
             factors: None,
         },
         scale: 1.0 / (hd as f32).sqrt(),
-        window: None,
+        window: case.window,
     };
     b.init_kv(s).unwrap();
     let max_blocks = case.seqs.iter().map(|q| q.2.len()).max().unwrap();
@@ -120,6 +122,9 @@ fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
             per_layer,
         );
         if history {
+            if let Some(w) = case.window {
+                poison_blocks_before_the_window(&mut b, case, w as usize, &mut cache, &lay);
+            }
             continue;
         }
         let qw = g.q_width();
@@ -160,6 +165,7 @@ fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
                 lay,
                 n_heads: g.n_heads,
                 scale: g.scale,
+                window: case.window.map(|w| w as usize),
             },
             &q,
             qw,
@@ -191,6 +197,36 @@ fn run_attention_case(make: Make, case: &AttnCase, dt: DType, seed: u64) {
     assert_eq!(host, back);
 }
 
+/// Fills every block that lies wholly before the first position a sequence's new tokens see
+/// with NaN, on the device and in the reference's cache: windowed attention must not read them
+/// (a model may reuse them).
+fn poison_blocks_before_the_window(
+    b: &mut npu_backend_cuda::CudaBackend,
+    case: &AttnCase,
+    window: usize,
+    cache: &mut [half::f16],
+    lay: &KvLayout,
+) {
+    let bs = case.spec.block_size;
+    let per_layer = case.spec.num_blocks * lay.block_elems();
+    let bb = b.kv_block_bytes();
+    for (start, _, table) in &case.seqs {
+        let first_seen = (start + 1).saturating_sub(window);
+        let dead: Vec<u32> = table[..first_seen / bs].to_vec();
+        if dead.is_empty() {
+            continue;
+        }
+        b.kv_blocks_from_host(&vec![0xff; dead.len() * bb], &dead)
+            .unwrap();
+        for &blk in &dead {
+            let at = blk as usize * lay.block_elems();
+            for base in [at, per_layer + at] {
+                cache[base..base + lay.block_elems()].fill(half::f16::NAN);
+            }
+        }
+    }
+}
+
 pub fn paged_attention_mixes_prefill_chunks_and_decodes_with_gqa(make: Make) {
     let case = AttnCase {
         spec: KvSpec {
@@ -209,6 +245,7 @@ pub fn paged_attention_mixes_prefill_chunks_and_decodes_with_gqa(make: Make) {
         ],
         layer: 1,
         split: false,
+        window: None,
     };
     for (i, dt) in DTYPES.into_iter().enumerate() {
         run_attention_case(make, &case, dt, 10 + i as u64);
@@ -229,6 +266,7 @@ pub fn paged_attention_splits_long_contexts(make: Make) {
         seqs: vec![(699, 1, (0..22).rev().collect())],
         layer: 0,
         split: true,
+        window: None,
     };
     for (i, dt) in DTYPES.into_iter().enumerate() {
         run_attention_case(make, &case, dt, 20 + i as u64);
@@ -246,8 +284,89 @@ pub fn paged_attention_splits_long_contexts(make: Make) {
         seqs: vec![(41, 9, (0..10).collect()), (7, 1, vec![11, 10])],
         layer: 0,
         split: false,
+        window: None,
     };
     run_attention_case(make, &case, DType::F16, 21);
+}
+
+/// Sliding-window attention (Gemma 3's local layers): prefill chunks longer than the window mixed
+/// with decodes far past it, windows starting inside a tile and a block, split contexts whose
+/// first split starts at the window's tile, and a window wider than the context (no masking).
+pub fn paged_attention_slides_a_window(make: Make) {
+    let mixed = AttnCase {
+        spec: KvSpec {
+            n_layers: 2,
+            num_blocks: 32,
+            block_size: 16,
+            n_kv_heads: 2,
+            head_dim: 64,
+        },
+        n_heads: 6,
+        seqs: vec![
+            (20, 37, vec![5, 9, 2, 14]),
+            (100, 1, vec![0, 1, 3, 4, 6, 7, 8]),
+            (3, 1, vec![31]),
+            (0, 5, vec![20]),
+        ],
+        layer: 1,
+        split: false,
+        window: Some(7),
+    };
+    for (i, dt) in DTYPES.into_iter().enumerate() {
+        run_attention_case(make, &mixed, dt, 30 + i as u64);
+    }
+    // One decode over 700 positions seeing the last 200: two splits of four tiles, from the
+    // window's first tile. Then a window wider than the context.
+    let mut long = AttnCase {
+        spec: KvSpec {
+            n_layers: 1,
+            num_blocks: 24,
+            block_size: 32,
+            n_kv_heads: 1,
+            head_dim: 128,
+        },
+        n_heads: 4,
+        seqs: vec![(699, 1, (0..22).rev().collect())],
+        layer: 0,
+        split: true,
+        window: Some(200),
+    };
+    run_attention_case(make, &long, DType::F32, 33);
+    long.window = Some(1000);
+    run_attention_case(make, &long, DType::F16, 34);
+    // A prefill chunk of 8 past 300 positions through a window of 250, split in two: every
+    // token's window starts in the first split, at a different position.
+    let chunk = AttnCase {
+        spec: KvSpec {
+            n_layers: 1,
+            num_blocks: 24,
+            block_size: 16,
+            n_kv_heads: 1,
+            head_dim: 64,
+        },
+        n_heads: 2,
+        seqs: vec![(300, 8, (0..20).collect())],
+        layer: 0,
+        split: true,
+        window: Some(250),
+    };
+    run_attention_case(make, &chunk, DType::BF16, 35);
+    // Odd head and block sizes, a window of 6 starting mid-block, 8 tokens per attention block.
+    let odd = AttnCase {
+        spec: KvSpec {
+            n_layers: 1,
+            num_blocks: 12,
+            block_size: 5,
+            n_kv_heads: 3,
+            head_dim: 80,
+        },
+        n_heads: 3,
+        seqs: vec![(41, 9, (0..10).collect()), (7, 1, vec![11, 10])],
+        layer: 0,
+        split: false,
+        window: Some(6),
+    };
+    run_attention_case(make, &odd, DType::F32, 36);
 }
 
 pub fn kv_blocks_copy_on_the_device(make: Make) {

@@ -11,12 +11,12 @@ pub use matmul::*;
 
 use super::*;
 use npu_backend::{
-    AttnGeometry, Backend, BackendError, DType, HostSlice, HostSliceMut, HostTensor, KvSpec,
-    Layout, Readback, SeqSpan, StepInputs, View, ViewMut,
+    AttnGeometry, Backend, BackendError, Capability, DType, HostSlice, HostSliceMut, HostTensor,
+    KvSpec, Layout, Readback, SeqSpan, StepInputs, View, ViewMut,
 };
 use npu_backend_cpu::kernels::{elementwise as cpu_ew, Isa};
 use npu_backend_cuda::{CudaBackend, MatmulMode};
-use npu_gguf::hparams::{Rope, RopeStyle};
+use npu_gguf::hparams::{intern_factors, Rope, RopeStyle};
 use npu_gguf::GgmlType;
 
 /// Makes a backend computing in a dtype with a matmul mode (`None`: skip, reason printed).
@@ -54,6 +54,18 @@ pub const CASES: &[(&str, Case)] = &[
     (
         "paged_attention_splits_long_contexts",
         paged_attention_splits_long_contexts,
+    ),
+    (
+        "paged_attention_slides_a_window",
+        paged_attention_slides_a_window,
+    ),
+    (
+        "head_norm_geglu_and_scale_match_the_reference",
+        head_norm_geglu_and_scale_match_the_reference,
+    ),
+    (
+        "rope_factors_and_per_layer_bases_match_the_reference",
+        rope_factors_and_per_layer_bases_match_the_reference,
     ),
     ("kv_blocks_copy_on_the_device", kv_blocks_copy_on_the_device),
     (
@@ -274,6 +286,287 @@ pub fn rope_matches_the_reference_in_both_styles(make: Make) {
             let e = worst(&got, &want, 2e-5, out_rtol(dt) + 1e-5);
             assert!(e <= 1.0, "{style:?} dims {dims} {}: worst {e}", dt.name());
         }
+    }
+}
+
+/// Rows `r` of `all` (rows `ld` apart), columns `c0..c0 + cols`.
+fn window_of(all: &[f32], rows: usize, ld: usize, c0: usize, cols: usize) -> Vec<f32> {
+    (0..rows)
+        .flat_map(|r| all[r * ld + c0..r * ld + c0 + cols].to_vec())
+        .collect()
+}
+
+/// The ops of the newer families: per-head Q/K RMS norm in place on a QKV window (V untouched),
+/// the GELU-gated activation with ggml's f16-table values (around its ±10 cut-offs too), and
+/// row scaling of a strided window.
+pub fn head_norm_geglu_and_scale_match_the_reference(make: Make) {
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Auto) else {
+            return;
+        };
+        for c in [
+            Capability::HeadNorm,
+            Capability::GeluGate,
+            Capability::ScaleRows,
+            Capability::SlidingWindow,
+            Capability::RopeFactors,
+            Capability::PerLayerRope,
+        ] {
+            assert!(b.supports(c), "{}", c.name());
+        }
+        assert!(!b.supports(Capability::Moe));
+        let mut rng = Rng::new(6);
+
+        // Per-head norm: rows of 4 Q heads, 2 K heads, 2 V heads of 64, 520 apart from column
+        // 3; Q weights f32 (a loaded vector), K weights bf16.
+        let (rows, hd, nq, nkv, ld) = (5, 64, 4, 2, 520);
+        let width = (nq + 2 * nkv) * hd;
+        let x = rounded(&rng.vec(rows * ld, -3.0, 3.0), dt);
+        let wq = rng.vec(hd, 0.5, 1.5);
+        let wk = rounded(&rng.vec(hd, 0.5, 1.5), DType::BF16);
+        let mut xb = put(&mut b, dt, &x, rows, ld);
+        let wqb = b
+            .load_vector(HostTensor {
+                ty: GgmlType::F32,
+                data: bytemuck::cast_slice(&wq),
+                rows: 1,
+                cols: hd,
+            })
+            .unwrap();
+        let wkb = put(&mut b, DType::BF16, &wk, 1, hd);
+        let win = Layout::new(3, rows, width, ld).unwrap();
+        take_launches(&b);
+        {
+            let mut v = ViewMut::new(&mut xb, win).unwrap();
+            b.rms_norm_heads(v.col_range(0, nq * hd).unwrap(), &wqb, 1e-6, hd)
+                .unwrap();
+            b.rms_norm_heads(v.col_range(nq * hd, nkv * hd).unwrap(), &wkb, 1e-6, hd)
+                .unwrap();
+        }
+        assert_launched(&b, vec![format!("rms_norm_heads_{}", dt.name()); 2]);
+        let mut want = x.clone();
+        for r in 0..rows {
+            let row = &mut want[r * ld + 3..r * ld + 3 + width];
+            cpu_ew::rms_norm_in_place(&mut row[..nq * hd], &wq, 1e-6);
+            cpu_ew::rms_norm_in_place(&mut row[nq * hd..(nq + nkv) * hd], &wk, 1e-6);
+        }
+        let got = get(&mut b, &xb);
+        let (g_qk, w_qk) = (
+            window_of(&got, rows, ld, 3, (nq + nkv) * hd),
+            window_of(&want, rows, ld, 3, (nq + nkv) * hd),
+        );
+        let e = worst(&g_qk, &w_qk, 1e-6, out_rtol(dt) + 1e-6);
+        assert!(e <= 1.0, "rms_norm_heads {}: worst {e}", dt.name());
+        // V and everything outside the window are untouched.
+        let v0 = 3 + (nq + nkv) * hd;
+        assert_eq!(
+            window_of(&got, rows, ld, v0, ld - v0),
+            window_of(&x, rows, ld, v0, ld - v0)
+        );
+        assert_eq!(
+            window_of(&got, rows, ld, 0, 3),
+            window_of(&x, rows, ld, 0, 3)
+        );
+        // Weights that are not one head's, and rows that are not whole heads, are refused.
+        let v = ViewMut::new(&mut xb, win).unwrap();
+        let e = b.rms_norm_heads(v, &wqb, 1e-6, 32).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                BackendError::BadArgument {
+                    op: "rms_norm_heads",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let mut v = ViewMut::new(&mut xb, win).unwrap();
+        let e = b
+            .rms_norm_heads(v.col_range(0, 100).unwrap(), &wqb, 1e-6, hd)
+            .unwrap_err();
+        assert!(e.to_string().contains("rows of 100"), "{e}");
+
+        // GELU gate: gate | up in one row; the gates cover ±10, beyond, and the f16 grid.
+        let (rows, ff) = (4, 300);
+        let mut gu = rng.vec(rows * 2 * ff, -6.0, 6.0);
+        let edges = [12.5, -11.0, 10.0, -10.0, 0.0, 9.99, -9.99, 1e-3, -0.5];
+        for r in 0..rows {
+            for (i, &e) in edges.iter().enumerate() {
+                gu[r * 2 * ff + 7 * i + r] = e;
+            }
+        }
+        let gu = rounded(&gu, dt);
+        let gub = put(&mut b, dt, &gu, rows, 2 * ff);
+        let ow = Layout::new(2, rows, ff, ff + 5).unwrap();
+        let mut out = b.alloc(dt, rows * (ff + 5)).unwrap();
+        let v = View::rows(&gub, rows, 2 * ff).unwrap();
+        take_launches(&b);
+        b.geglu(
+            v.col_range(0, ff).unwrap(),
+            v.col_range(ff, ff).unwrap(),
+            ViewMut::new(&mut out, ow).unwrap(),
+        )
+        .unwrap();
+        assert_launched(&b, vec![format!("geglu_{}", dt.name())]);
+        let mut want = vec![0f32; rows * ff];
+        for (g_u, w) in gu.chunks(2 * ff).zip(want.chunks_mut(ff)) {
+            cpu_ew::geglu(&g_u[..ff], &g_u[ff..], w);
+        }
+        let got = window_of(&get(&mut b, &out), rows, ff + 5, 2, ff);
+        if b.emulation().is_some() && dt == DType::F32 {
+            // The emulation computes with the host's tanhf, as the reference does: the same
+            // f16 values, bit for bit.
+            assert_eq!(got, want, "geglu on the emulation");
+        }
+        // A device's tanhf may land the f16 rounding of the activation one step away.
+        let e = worst(&got, &want, 1e-6, out_rtol(dt) + 1.0 / 2048.0);
+        assert!(e <= 1.0, "geglu {}: worst {e}", dt.name());
+        let e = b
+            .geglu(
+                v.col_range(0, ff).unwrap(),
+                v.col_range(ff, ff - 1).unwrap(),
+                ViewMut::new(&mut out, ow).unwrap(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, BackendError::BadArgument { op: "geglu", .. }),
+            "{e}"
+        );
+
+        // Row scaling of a window (Gemma's sqrt(hidden) embedding scale).
+        let (rows, cols, ld) = (3, 640, 650);
+        let x = rounded(&rng.vec(rows * ld, -2.0, 2.0), dt);
+        let mut xb = put(&mut b, dt, &x, rows, ld);
+        let win = Layout::new(4, rows, cols, ld).unwrap();
+        take_launches(&b);
+        b.scale_rows(ViewMut::new(&mut xb, win).unwrap(), 25.298_222)
+            .unwrap();
+        assert_launched(&b, vec![format!("scale_{}", dt.name())]);
+        let got = get(&mut b, &xb);
+        let mut want = x.clone();
+        for r in 0..rows {
+            cpu_ew::scale(&mut want[r * ld + 4..r * ld + 4 + cols], 25.298_222);
+        }
+        let want = rounded(&want, dt);
+        assert_eq!(got, want, "scale_rows {}", dt.name());
+    }
+}
+
+/// Rope with per-pair frequency factors (Llama 3), and ropes of two bases applied to one step
+/// one after the other (Gemma 3's local and global layers). A factor table is uploaded once:
+/// again, or equal at another address, it is found.
+pub fn rope_factors_and_per_layer_bases_match_the_reference(make: Make) {
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Auto) else {
+            return;
+        };
+        let mut rng = Rng::new(7);
+        let (n_heads, n_kv, hd) = (4, 2, 64);
+        let heads = n_heads + n_kv;
+        let n = 6;
+        let mut s = one_seq_step(&mut b, vec![0; n]);
+        s.positions = vec![0, 1, 17, 900, 4095, 9000];
+        b.begin_step(&s).unwrap();
+        let geometry = |rope: Rope| AttnGeometry {
+            n_heads,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            rope,
+            scale: 0.125,
+            window: None,
+        };
+        let ld = (heads + n_kv) * hd;
+        let reference = |x: &[f32], ropes: &[Rope]| {
+            let mut want = x.to_vec();
+            for rope in ropes {
+                let mut cs = vec![0f32; rope.dims];
+                for (r, &pos) in s.positions.iter().enumerate() {
+                    rope.angles(pos, &mut cs);
+                    cpu_ew::rope_apply(
+                        rope,
+                        &mut want[r * ld..r * ld + heads * hd],
+                        heads,
+                        hd,
+                        &cs,
+                    );
+                    // The device stores each rope's output in its dtype.
+                    let row = &mut want[r * ld..r * ld + heads * hd];
+                    row.copy_from_slice(&rounded(row, dt));
+                }
+            }
+            want
+        };
+        // Llama 3-style factors (1 for high frequencies up to 8 for low ones), both styles.
+        let factors: Vec<f32> = (0..32).map(|i| 1.0 + 7.0 * i as f32 / 31.0).collect();
+        let table = intern_factors(&factors);
+        for (i, style) in [RopeStyle::Interleaved, RopeStyle::Halves]
+            .into_iter()
+            .enumerate()
+        {
+            let rope = Rope {
+                style,
+                dims: 64,
+                base: 500_000.0,
+                freq_scale: 1.0,
+                factors: Some(table),
+            };
+            let x = rounded(&rng.vec(n * ld, -2.0, 2.0), dt);
+            let mut buf = put(&mut b, dt, &x, n, ld);
+            let before = b.emulation().map(|e| e.live_allocations());
+            take_launches(&b);
+            b.rope(ViewMut::rows(&mut buf, n, ld).unwrap(), &geometry(rope))
+                .unwrap();
+            assert_launched(&b, vec![format!("rope_{}", dt.name())]);
+            let after = b.emulation().map(|e| e.live_allocations());
+            if let (Some(x0), Some(x1)) = (before, after) {
+                // The first rope with factors uploads the table; the second finds it.
+                assert_eq!(x1 - x0, usize::from(i == 0), "{style:?}");
+            }
+            let got = get(&mut b, &buf);
+            let want = reference(&x, &[rope]);
+            let e = worst(&got, &want, 2e-5, out_rtol(dt) + 1e-5);
+            assert!(e <= 1.0, "factors {style:?} {}: worst {e}", dt.name());
+        }
+        // An equal table at another address shares the upload; one of the wrong length is
+        // refused.
+        let copy: &'static [f32] = Box::leak(factors.clone().into_boxed_slice());
+        let mut rope = Rope {
+            style: RopeStyle::Halves,
+            dims: 64,
+            base: 10_000.0,
+            freq_scale: 0.5,
+            factors: Some(copy),
+        };
+        let x = rounded(&rng.vec(n * ld, -2.0, 2.0), dt);
+        let mut buf = put(&mut b, dt, &x, n, ld);
+        let before = b.emulation().map(|e| e.live_allocations());
+        b.rope(ViewMut::rows(&mut buf, n, ld).unwrap(), &geometry(rope))
+            .unwrap();
+        assert_eq!(before, b.emulation().map(|e| e.live_allocations()));
+        let want = reference(&x, &[rope]);
+        let e = worst(&get(&mut b, &buf), &want, 2e-5, out_rtol(dt) + 1e-5);
+        assert!(e <= 1.0, "copied factors {}: worst {e}", dt.name());
+        rope.factors = Some(&copy[..31]);
+        let e = b
+            .rope(ViewMut::rows(&mut buf, n, ld).unwrap(), &geometry(rope))
+            .unwrap_err();
+        assert!(e.to_string().contains("31 frequency factors"), "{e}");
+
+        // Two bases on one step, one after the other: local, global, local.
+        let local = Rope::plain(RopeStyle::Halves, 64, 10_000.0, 1.0);
+        let global = Rope::plain(RopeStyle::Halves, 64, 1_000_000.0, 1.0);
+        let x = rounded(&rng.vec(n * ld, -2.0, 2.0), dt);
+        let mut buf = put(&mut b, dt, &x, n, ld);
+        take_launches(&b);
+        for rope in [local, global, local] {
+            b.rope(ViewMut::rows(&mut buf, n, ld).unwrap(), &geometry(rope))
+                .unwrap();
+        }
+        assert_launched(&b, vec![format!("rope_{}", dt.name()); 3]);
+        let got = get(&mut b, &buf);
+        let want = reference(&x, &[local, global, local]);
+        let e = worst(&got, &want, 4e-5, 3.0 * out_rtol(dt) + 2e-5);
+        assert!(e <= 1.0, "two bases {}: worst {e}", dt.name());
     }
 }
 
