@@ -210,7 +210,6 @@ fn qwen3() {
 }
 
 #[test]
-#[ignore = "engine support for qwen3moe pending (the CPU MoE path is not committed yet)"]
 fn qwen3moe() {
     check("qwen3moe");
 }

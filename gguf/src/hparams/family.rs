@@ -29,12 +29,17 @@ pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsE
             set_style(cfg, RopeStyle::Halves);
             let req =
                 |k: &str| -> Result<usize, HparamsError> { Ok(f.require_u64(&key(k))? as usize) };
+            let n_used = req("expert_used_count")?;
             let moe = MoeSpec {
                 n_experts: req("expert_count")?,
-                n_used: req("expert_used_count")?,
-                expert_ff: req("expert_feed_forward_length")?,
-                // llama.cpp's qwen3moe renormalises the chosen experts' weights.
-                norm_top_k: f.get_bool(&key("expert_weights_norm")).unwrap_or(true),
+                n_used,
+                // As llama.cpp: the key, else the dense width shared among the used experts.
+                expert_ff: match f.get_u64(&key("expert_feed_forward_length")) {
+                    Some(v) => v as usize,
+                    None => cfg.ff.checked_div(n_used).unwrap_or(0),
+                },
+                // llama.cpp's qwen3moe always renormalises the chosen experts' weights.
+                norm_top_k: true,
             };
             if moe.n_experts == 0 || moe.n_used == 0 || moe.n_used > moe.n_experts {
                 return Err(HparamsError::Inconsistent(format!(
@@ -105,8 +110,9 @@ fn gemma3(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsError> {
         local.base = local_base;
         local.freq_scale = 1.0;
         local.factors = None;
-        for (il, l) in cfg.layers.iter_mut().enumerate() {
-            *l = if il % GEMMA3_SWA_PATTERN < GEMMA3_SWA_PATTERN - 1 {
+        let local_layers = swa_layers(f, &key("attention.sliding_window_pattern"), cfg.n_layers)?;
+        for (l, is_local) in cfg.layers.iter_mut().zip(local_layers) {
+            *l = if is_local {
                 LayerSpec {
                     rope: local,
                     window: Some(w),
@@ -120,4 +126,33 @@ fn gemma3(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsError> {
         }
     }
     Ok(())
+}
+
+/// Which layers attend through the sliding window: the file's `sliding_window_pattern` (one
+/// bool per layer, or a period n whose last layer is global), else every sixth layer global.
+fn swa_layers(f: &GgufFile, key: &str, n_layers: usize) -> Result<Vec<bool>, HparamsError> {
+    let period = |n: usize| -> Result<Vec<bool>, HparamsError> {
+        if n == 0 {
+            return Err(HparamsError::Inconsistent(format!("{key} = 0")));
+        }
+        Ok((0..n_layers).map(|il| il % n < n - 1).collect())
+    };
+    match f.get(key) {
+        None => period(GEMMA3_SWA_PATTERN),
+        Some(v) => {
+            if let Some(n) = v.as_u64() {
+                return period(n as usize);
+            }
+            let flags: Option<Vec<bool>> = v
+                .as_array()
+                .map(|a| a.iter().map(crate::MetaValue::as_bool).collect())
+                .and_then(|f: Option<Vec<bool>>| f);
+            match flags {
+                Some(flags) if flags.len() == n_layers => Ok(flags),
+                _ => Err(HparamsError::Inconsistent(format!(
+                    "{key} must be a period or one bool per layer ({n_layers})"
+                ))),
+            }
+        }
+    }
 }

@@ -41,7 +41,8 @@ pub(crate) fn route_row(logits: &[f32], k: usize, normalize: bool, ids: &mut [i3
         w[j] = p[order[j]];
     }
     if normalize {
-        let s = w[..k].iter().fold(0f32, |s, &v| s + v);
+        // As ggml: the sum clamped away from zero.
+        let s = w[..k].iter().fold(0f32, |s, &v| s + v).max(6.103_515_6e-5);
         for v in &mut w[..k] {
             *v /= s;
         }
