@@ -29,6 +29,7 @@ const OP_HEADERS: &[&str] = &[
     "aclnn_apply_rotary_pos_emb.h",
     "aclnn_rotary_position_embedding.h",
     "aclnn_scatter_pa_kv_cache.h",
+    "aclnn_gelu_v2.h",
 ];
 
 fn roots() -> Vec<PathBuf> {

@@ -15,6 +15,9 @@
 //! (`aclnn_incre_flash_attention_v4.h`), ApplyRotaryPosEmb (`aclnn_apply_rotary_pos_emb.h`),
 //! ScatterNdUpdate (`aclnn_scatter_nd_update.h`); newer releases only: RotaryPositionEmbedding
 //! (`aclnn_rotary_position_embedding.h`) and ScatterPaKvCache (`aclnn_scatter_pa_kv_cache.h`).
+//! Optional too, for the newer model families (the backend reports the capabilities they serve
+//! only where the release has them): GeluV2 (`aclnn_gelu_v2.h`, GELU with `approximate` 0 erf /
+//! 1 tanh), InplaceMul and InplaceMuls (`aclnn_mul.h`, by a broadcast tensor / a host scalar).
 
 use core::ffi::{c_char, c_int, c_void};
 
@@ -97,6 +100,12 @@ pub mod ops {
                 fn aclnnRotaryPositionEmbedding(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnScatterPaKvCacheGetWorkspaceSize(key: *const aclTensor, keyCacheRef: *mut aclTensor, slotMapping: *const aclTensor, value: *const aclTensor, valueCacheRef: *mut aclTensor, compressLensOptional: *const aclTensor, compressSeqOffsetOptional: *const aclTensor, seqLensOptional: *const aclTensor, cacheModeOptional: *mut c_char, scatterModeOptional: *mut c_char, stridesOptional: *const aclIntArray, offsetsOptional: *const aclIntArray, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnScatterPaKvCache(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnGeluV2GetWorkspaceSize(x: *const aclTensor, approximate: i64, y: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnGeluV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnInplaceMulGetWorkspaceSize(selfRef: *mut aclTensor, other: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnInplaceMul(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnInplaceMulsGetWorkspaceSize(selfRef: *mut aclTensor, other: *const aclScalar, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnInplaceMuls(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
             }
         }
     }

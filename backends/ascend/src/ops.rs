@@ -587,8 +587,10 @@ impl OpRunner {
 
     /// Paged attention (FusedInferAttentionScoreV2, BSH layout): `q` (B, S, N·D), caches
     /// (blocks, block_size, KV_N·D), INT32 `block_table` (B, max_blocks), per-sequence query and
-    /// KV lengths; S > 1 uses the right-down causal mask (`mask`: the 2048×2048 lower-triangular
-    /// INT8 matrix), S = 1 none.
+    /// KV lengths. S > 1 uses the right-down causal mask (`mask`: the 2048×2048 lower-triangular
+    /// INT8 matrix, sparseMode 3), or with `band` the band mode over the same mask (sparseMode 4,
+    /// preTokens = band, nextTokens = 0: a sliding window). S = 1 takes `mask` as the per-entry
+    /// (B, 1, 1, KV_S) mask of the incremental branch (1 = masked), or none.
     pub fn attention(&mut self, a: &Attention) -> Result<()> {
         let acl = self.acl;
         let ops = acl.api.ops;
@@ -603,10 +605,18 @@ impl OpRunner {
         let kv_lens = IntArray::new(acl, a.kv_lens)?;
         let q_lens = IntArray::new(acl, a.q_lens)?;
         let s = a.query.view().dims[1];
-        let (mask, sparse) = match (s, a.mask) {
-            (1, _) => (std::ptr::null(), 0),
-            (_, Some(m)) => (m.raw() as *const aclTensor, 3),
-            (_, None) => {
+        // S = 1 (the incremental branch): sparseMode and the token counts have no effect there;
+        // a mask, if any, is the per-entry (B, 1, 1, KV_S) one. S > 1: the 2048×2048 mask with
+        // rightDownCausal, or band for a sliding window (preTokens back from the diagonal).
+        let (mask, sparse, pre_tokens) = match (s, a.mask, a.band) {
+            (1, m, _) => (
+                m.map_or(std::ptr::null(), |m| m.raw() as *const aclTensor),
+                0,
+                i32::MAX as i64,
+            ),
+            (_, Some(m), None) => (m.raw() as *const aclTensor, 3, i32::MAX as i64),
+            (_, Some(m), Some(pre)) => (m.raw() as *const aclTensor, 4, pre),
+            (_, None, _) => {
                 return Err(AscendError::Invalid(
                     "prefill attention needs the causal mask".into(),
                 ))
@@ -619,8 +629,13 @@ impl OpRunner {
             ("attentionOut", a.out),
         ]);
         detail.push_str(&format!(
-            " kv={:?} q={:?} blockSize={} heads={}/{}",
-            a.kv_lens, a.q_lens, a.block_size, a.heads, a.kv_heads
+            " kv={:?} q={:?} blockSize={} heads={}/{} sparseMode={sparse} preTokens={pre_tokens}{}",
+            a.kv_lens,
+            a.q_lens,
+            a.block_size,
+            a.heads,
+            a.kv_heads,
+            if mask.is_null() { "" } else { " masked" }
         ));
         let null = std::ptr::null::<aclTensor>();
         // SAFETY (closure): live handles (or null optionals), NUL-terminated layout, out-pointers.
@@ -655,7 +670,7 @@ impl OpRunner {
                     std::ptr::null(),
                     a.heads,
                     a.scale,
-                    i32::MAX as i64,
+                    pre_tokens,
                     0,
                     layout.as_mut_ptr() as *mut c_char,
                     a.kv_heads,
@@ -707,7 +722,10 @@ pub struct Attention<'a> {
     pub value_cache: &'a DeviceBuffer,
     pub cache_view: crate::tensor::View,
     pub block_table: &'a Tensor,
+    /// S > 1: the 2048×2048 causal mask; S = 1: a per-entry key mask, or none.
     pub mask: Option<&'a Tensor>,
+    /// S > 1: a sliding window of `band + 1` positions (band mode's preTokens).
+    pub band: Option<i64>,
     pub q_lens: &'a [i64],
     pub kv_lens: &'a [i64],
     pub heads: i64,

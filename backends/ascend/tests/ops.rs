@@ -373,7 +373,9 @@ fn paged_attention_case(block_size: usize, seqs: &[Seq], seed: u64) {
             &[num_blocks as i64, block_size as i64, kvh as i64],
         ),
         block_table: &bt,
-        mask: Some(&mask),
+        // The causal mask is the prompt branch's; the incremental branch takes none here.
+        mask: (s_max > 1).then_some(&mask),
+        band: None,
         q_lens: &q_lens,
         kv_lens: &kv_lens,
         heads: heads as i64,

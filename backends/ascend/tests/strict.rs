@@ -55,6 +55,7 @@ fn attention_with_block_size(block_size: i64) -> Result<(), AscendError> {
         cache_view: View::contiguous(DType::F16, &[blocks, block_size, heads * d]),
         block_table: &bt,
         mask: None,
+        band: None,
         q_lens: &[1],
         kv_lens: &[3],
         heads,

@@ -16,10 +16,25 @@ use crate::state::*;
 use crate::view::{DType, View};
 
 pub enum Obj {
-    Tensor { view: View, alive: bool },
-    Scalar { value: f64, alive: bool },
-    IntArray { values: Vec<i64>, alive: bool },
-    TensorList { items: Vec<u64>, alive: bool },
+    Tensor {
+        view: View,
+        alive: bool,
+    },
+    /// `float`: created with a floating-point data type (FLOAT, FLOAT16, DOUBLE), which type
+    /// promotion with an integer tensor turns into a float result.
+    Scalar {
+        value: f64,
+        float: bool,
+        alive: bool,
+    },
+    IntArray {
+        values: Vec<i64>,
+        alive: bool,
+    },
+    TensorList {
+        items: Vec<u64>,
+        alive: bool,
+    },
 }
 
 impl Obj {
@@ -108,11 +123,16 @@ impl State {
     }
 
     pub fn scalar(&self, h: *const aclScalar, what: &str) -> Result<f64, Fail> {
+        self.typed_scalar(h, what).map(|(v, _)| v)
+    }
+
+    /// A live scalar's value and whether its data type is a floating-point one.
+    pub fn typed_scalar(&self, h: *const aclScalar, what: &str) -> Result<(f64, bool), Fail> {
         lookup(self, h as u64, KIND_SCALAR, what)?;
-        let Some(Obj::Scalar { value, .. }) = self.handles.get(&(h as u64)) else {
+        let Some(Obj::Scalar { value, float, .. }) = self.handles.get(&(h as u64)) else {
             unreachable!()
         };
-        Ok(*value)
+        Ok((*value, *float))
     }
 
     pub fn int_array(&self, h: *const aclIntArray, what: &str) -> Result<Option<Vec<i64>>, Fail> {
@@ -355,6 +375,7 @@ pub unsafe extern "C" fn aclCreateScalar(
             h,
             Obj::Scalar {
                 value: v,
+                float: matches!(dataType, ACL_FLOAT | ACL_DOUBLE | ACL_FLOAT16),
                 alive: true,
             },
         );

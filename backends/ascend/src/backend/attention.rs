@@ -2,6 +2,13 @@
 //! ScatterNdUpdate on releases without it) and paged attention through
 //! FusedInferAttentionScoreV2 with an INT32 block table and actual sequence lengths, on the path
 //! the step's plan chose ([`super::step::AttnPath`]).
+//!
+//! Sliding windows (`AttnGeometry::window`, a query at p sees p + 1 − window ..= p): the prompt
+//! branch takes band mode (sparseMode 4, preTokens = window − 1, nextTokens = 0, counted from
+//! the bottom-right corner of each entry's actual lengths) over the causal mask; the incremental
+//! branch ignores sparseMode and the token counts, so each entry gets a (1, 1, KV_S) key mask
+//! hiding the keys before `kv_len − window`, packed into the step's upload
+//! ([`super::step::StepPlan::window_mask`]).
 
 use npu_backend::{AttnGeometry, BackendError, View, ViewMut};
 
@@ -172,6 +179,9 @@ impl AscendBackend {
             .plan
             .path
             .ok_or_else(|| BackendError::BadStep("the step has no sequences to attend".into()))?;
+        if g.window == Some(0) {
+            return Err(bad(op, "a sliding window of 0 positions"));
+        }
         let acl = self.dev.acl;
         self.pending = true;
         let groups = self.plan.groups.clone();
@@ -186,10 +196,35 @@ impl AscendBackend {
                         (l.offset() + r.start * l.stride()) as i64,
                     )
                 };
+                let masked = match g.window {
+                    Some(w) => self.window_mask(w)?,
+                    None => None,
+                };
+                let width = self.plan.mask_width() as i64;
                 for r in &groups {
                     let query = Tensor::new(acl, &q.buf().mem, rows(ql, r)).map_err(err)?;
                     let outt = Tensor::new(acl, &out.buf().mem, rows(ol, r)).map_err(err)?;
-                    self.fia(&query, &outt, layer, g, None, r.clone())?;
+                    // The entries' key-mask rows, (B, 1, 1, KV_S) bytes.
+                    let mask = match masked {
+                        Some((own, at)) => Some(
+                            Tensor::new(
+                                acl,
+                                match own {
+                                    Some(i) => &self.step_masks[i].1,
+                                    None => self.step_mem.as_ref().expect("a step has begun"),
+                                },
+                                TView::strided(
+                                    tensor::DType::I8,
+                                    &[r.len() as i64, 1, 1, width],
+                                    &[width, width, width, 1],
+                                    at as i64 + r.start as i64 * width,
+                                ),
+                            )
+                            .map_err(err)?,
+                        ),
+                        None => None,
+                    };
+                    self.fia(&query, &outt, layer, g, mask.as_ref(), None, r.clone())?;
                 }
                 Ok(())
             }
@@ -233,7 +268,8 @@ impl AscendBackend {
                     let query =
                         Tensor::new(acl, self.scratch.get("attn_q"), bsh.clone()).map_err(err)?;
                     let outt = Tensor::new(acl, self.scratch.get("attn_o"), bsh).map_err(err)?;
-                    self.fia(&query, &outt, layer, g, Some(&mask), r.clone())?;
+                    let band = g.window.map(|w| w as i64 - 1);
+                    self.fia(&query, &outt, layer, g, Some(&mask), band, r.clone())?;
                 }
                 gather(
                     &mut self.ops,
@@ -245,8 +281,41 @@ impl AscendBackend {
         }
     }
 
+    /// The token-wise path's key mask for `window`: where it is (`None`: the step's inputs,
+    /// `Some(i)`: `step_masks[i]`) and the byte offset of its first row there, or `None` when no
+    /// entry of the step reaches past the window. Packed into the step's upload for windows met
+    /// before; a window met for the first time is uploaded on its own now (and packed from the
+    /// next step on).
+    fn window_mask(&mut self, window: u32) -> Result<Option<(Option<usize>, usize)>, BackendError> {
+        if let Some(&(_, at)) = self.plan.window_masks.iter().find(|m| m.0 == window) {
+            if self.step_mem.is_none() {
+                return Err(BackendError::BadStep("no step has begun".into()));
+            }
+            return Ok(Some((None, at * 4)));
+        }
+        if !self.windows.contains(&window) {
+            self.windows.push(window);
+        }
+        let Some(bytes) = self.plan.window_mask(window) else {
+            return Ok(None);
+        };
+        let i = match self.step_masks.iter().position(|m| m.0 == window) {
+            Some(i) => i,
+            None => {
+                // A fresh allocation: no queued work can touch it, so the copy needs no
+                // synchronization.
+                let mem = super::objects::upload_new(&self.dev, &bytes, "a sliding-window mask")?;
+                self.step_masks.push((window, mem));
+                self.step_masks.len() - 1
+            }
+        };
+        Ok(Some((Some(i), 0)))
+    }
+
     /// One FusedInferAttentionScoreV2 call over `layer`'s caches with the step's block tables and
-    /// lengths (its first phase reads the lengths on the host, so it is never reused).
+    /// lengths (its first phase reads the lengths on the host, so it is never reused); `mask` and
+    /// `band` as [`crate::ops::Attention`] takes them.
+    #[allow(clippy::too_many_arguments)]
     fn fia(
         &mut self,
         query: &Tensor,
@@ -254,6 +323,7 @@ impl AscendBackend {
         layer: usize,
         g: &AttnGeometry,
         mask: Option<&Tensor>,
+        band: Option<i64>,
         entries: std::ops::Range<usize>,
     ) -> Result<(), BackendError> {
         let acl = self.dev.acl;
@@ -291,6 +361,7 @@ impl AscendBackend {
             ),
             block_table: &table,
             mask,
+            band,
             q_lens: &self.plan.q_lens[entries.clone()],
             kv_lens: &self.plan.kv_lens[entries],
             heads: g.n_heads as i64,

@@ -6,9 +6,11 @@
 //!
 //! Where each op lives: buffers, weights and embeddings in [`objects`], step inputs and the
 //! attention path of a step in [`step`], the per-token ops in `layer_ops`, KV write and paged
-//! attention in `attention`, the pool and its block copies in `kv_pool`.
+//! attention in `attention`, the pool and its block copies in `kv_pool`, the ops of the newer
+//! families (per-head norm, GELU gate, row scaling; [`Capability`]) in `family_ops`.
 
 mod attention;
+mod family_ops;
 mod kv_pool;
 mod layer_ops;
 pub mod objects;
@@ -21,8 +23,8 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 
 use npu_backend::{
-    AttnGeometry, Backend, BackendError, DType, DeviceKind, HostSlice, HostSliceMut, HostTensor,
-    KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
+    AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostSliceMut,
+    HostTensor, KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
 };
 use tracing::{debug, info};
 
@@ -163,16 +165,25 @@ impl Staging {
     }
 }
 
-/// Rotary cos/sin for positions `0..rows`: per row `dims` cosines then `dims` sines, laid out
-/// for the kernel's pairing (`interleaved`: each pair's value twice in a row; else the halves
-/// repeated).
+/// Rotary cos/sin for positions `0..rows` of one rope (base, scaling and frequency factors, as
+/// `Rope::angles` gives them): per row `dims` cosines then `dims` sines, laid out for the
+/// kernel's pairing (`interleaved`: each pair's value twice in a row; else the halves repeated).
+/// One table per rope the model uses, so layers with different bases (Gemma 3's local and
+/// global layers) each keep theirs; `step_rows` holds the step's rows of it, gathered by
+/// position once per step (`rows_for`: the step serial they were gathered for).
 struct RopeTable {
     rope: npu_gguf::hparams::Rope,
     interleaved: bool,
     rows: usize,
     mem: Mem,
-    generation: u64,
+    step_rows: Option<Mem>,
+    rows_for: Option<u64>,
+    /// The step serial that last used this table (the least recent is replaced when full).
+    used: u64,
 }
+
+/// Rope tables kept at once (a model has one or two ropes; a few more tolerate tests that mix).
+const ROPE_TABLES: usize = 4;
 
 pub struct AscendBackend {
     ops: Launcher,
@@ -182,10 +193,13 @@ pub struct AscendBackend {
     staging: Staging,
     retired_mem: Vec<Mem>,
     scratch: Scratch,
-    rope_table: Option<RopeTable>,
-    /// The step serial and table generation the step's cos/sin rows were gathered for.
-    rope_rows_for: Option<(u64, u64)>,
+    rope_tables: Vec<RopeTable>,
+    /// The prompt branch's 2048×2048 causal mask (made on first use).
     mask: Option<Mem>,
+    /// Sliding windows met so far: `begin_step` packs their key masks into the step's upload.
+    windows: Vec<u32>,
+    /// Key masks of windows first met during this step, uploaded on their own.
+    step_masks: Vec<(u32, Mem)>,
     /// The step serial, logits buffer and view whose greedy picks are in scratch "argmax".
     picked: Option<(u64, usize, npu_backend::Layout)>,
     serial: u64,
@@ -232,9 +246,10 @@ impl AscendBackend {
             staging: Staging::default(),
             retired_mem: Vec::new(),
             scratch: Scratch::default(),
-            rope_table: None,
-            rope_rows_for: None,
+            rope_tables: Vec::new(),
             mask: None,
+            windows: Vec::new(),
+            step_masks: Vec::new(),
             picked: None,
             serial: 0,
             last_stats: StepStats::default(),
@@ -356,6 +371,27 @@ impl Backend for AscendBackend {
 
     fn act_dtype(&self) -> DType {
         DType::F16
+    }
+
+    /// Everything but the mixture-of-experts ops, where the release has the operators: per-head
+    /// norm (RmsNorm over a heads view), row scaling (InplaceMuls), the GELU gate (GeluV2 with
+    /// the tanh approximation, then InplaceMul), sliding windows (FusedInferAttentionScoreV2's
+    /// band mode, or key masks in its incremental branch), rope frequency factors and per-layer
+    /// rope bases (host cos/sin tables per rope).
+    fn supports(&self, c: Capability) -> bool {
+        let api = &self.dev.acl.api.ops;
+        match c {
+            Capability::HeadNorm
+            | Capability::SlidingWindow
+            | Capability::RopeFactors
+            | Capability::PerLayerRope => true,
+            Capability::ScaleRows => api.aclnnInplaceMulsGetWorkspaceSize.is_some(),
+            Capability::GeluGate => {
+                api.aclnnGeluV2GetWorkspaceSize.is_some()
+                    && api.aclnnInplaceMulGetWorkspaceSize.is_some()
+            }
+            Capability::Moe => false,
+        }
     }
 
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
@@ -521,10 +557,14 @@ impl Backend for AscendBackend {
 
     fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError> {
         self.bind()?;
-        let plan = match &self.kv {
+        let mut plan = match &self.kv {
             Some(kv) => StepPlan::new(step, kv.spec.num_blocks, kv.spec.block_size)?,
             None => StepPlan::without_kv(step)?,
         };
+        plan.pack_window_masks(&self.windows);
+        let old_masks = std::mem::take(&mut self.step_masks);
+        self.retired_mem
+            .extend(old_masks.into_iter().map(|(_, m)| m));
         let bytes = plan.bytes();
         if self
             .step_mem
@@ -578,6 +618,32 @@ impl Backend for AscendBackend {
     ) -> Result<(), BackendError> {
         self.picked = None;
         self.op_rms_norm(x, w, eps, out)
+    }
+
+    fn rms_norm_heads(
+        &mut self,
+        x: ViewMut<'_, AscendBuffer>,
+        w: &AscendBuffer,
+        eps: f32,
+        head_dim: usize,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_rms_norm_heads(x, w, eps, head_dim)
+    }
+
+    fn scale_rows(&mut self, x: ViewMut<'_, AscendBuffer>, s: f32) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_scale_rows(x, s)
+    }
+
+    fn geglu(
+        &mut self,
+        gate: View<'_, AscendBuffer>,
+        up: View<'_, AscendBuffer>,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_geglu(gate, up, out)
     }
 
     fn matmul(

@@ -1,29 +1,34 @@
-//! RoPE on the device: the cos/sin table for the step's positions and the rotation of the
-//! query and key heads (RotaryPositionEmbedding or ApplyRotaryPosEmb, by the model's style).
+//! RoPE on the device: host-built cos/sin tables, one per rope (base, scaling, frequency
+//! factors), the step's rows of each gathered by position, and the rotation of the query and
+//! key heads (RotaryPositionEmbedding or ApplyRotaryPosEmb, by the model's style).
 
 use npu_backend::{AttnGeometry, BackendError, Layout, ViewMut};
 use npu_gguf::hparams::RopeStyle;
 
 use super::layer_ops::{bad, copy, gather, step_slice, want_f16};
 use super::objects::AscendBuffer;
-use super::{err, AscendBackend, RopeKernel, RopeTable};
+use super::{err, AscendBackend, RopeKernel, RopeTable, ROPE_TABLES};
 use crate::reuse::Arg;
 use crate::tensor::{self, View as TView};
 
 impl AscendBackend {
-    /// Makes the cos/sin table cover the step's positions for `rope`, laid out for the kernel.
+    /// The index of `rope`'s cos/sin table, laid out for the kernel, made (or grown) to cover the
+    /// step's positions. Each rope keeps its own table, so ropes alternating from layer to layer
+    /// (Gemma 3's local and global bases) never rebuild one another's.
     fn ensure_rope_table(
         &mut self,
         rope: &npu_gguf::hparams::Rope,
         interleaved: bool,
-    ) -> Result<(), BackendError> {
+    ) -> Result<usize, BackendError> {
         let need = self.plan.max_position as usize + 1;
-        if self
-            .rope_table
-            .as_ref()
-            .is_some_and(|t| t.rope == *rope && t.interleaved == interleaved && t.rows >= need)
-        {
-            return Ok(());
+        let serial = self.serial;
+        let found = self
+            .rope_tables
+            .iter()
+            .position(|t| t.rope == *rope && t.interleaved == interleaved);
+        if let Some(i) = found.filter(|&i| self.rope_tables[i].rows >= need) {
+            self.rope_tables[i].used = serial;
+            return Ok(i);
         }
         let rows = need.max(4096).next_power_of_two();
         let d = rope.dims;
@@ -31,6 +36,7 @@ impl AscendBackend {
         let mut cs = vec![0f32; d];
         let mut row = vec![half::f16::ZERO; 2 * d];
         for pos in 0..rows {
+            // Base, position scale and frequency factors, as the CPU backend turns them.
             rope.angles(pos as u32, &mut cs);
             for i in 0..d / 2 {
                 let (c, s) = (
@@ -55,30 +61,55 @@ impl AscendBackend {
             &super::objects::f16_bytes(host),
             "the rotary table",
         )?;
-        let generation = self.rope_table.as_ref().map_or(1, |t| t.generation + 1);
-        if let Some(old) = self.rope_table.take() {
-            self.retired_mem.push(old.mem);
-        }
-        self.rope_table = Some(RopeTable {
+        let table = RopeTable {
             rope: *rope,
             interleaved,
             rows,
             mem,
-            generation,
+            step_rows: None,
+            rows_for: None,
+            used: serial,
+        };
+        // Replaced: the same rope's smaller table, else the least recently used one when full.
+        let slot = found.or_else(|| {
+            (self.rope_tables.len() >= ROPE_TABLES).then(|| {
+                (0..self.rope_tables.len())
+                    .min_by_key(|&i| self.rope_tables[i].used)
+                    .expect("full")
+            })
         });
-        Ok(())
+        Ok(match slot {
+            Some(i) => {
+                let old = std::mem::replace(&mut self.rope_tables[i], table);
+                // Queued kernels may still read the old table and rows.
+                self.retired_mem.push(old.mem);
+                self.retired_mem.extend(old.step_rows);
+                i
+            }
+            None => {
+                self.rope_tables.push(table);
+                self.rope_tables.len() - 1
+            }
+        })
     }
 
-    /// The step's cos/sin rows (T rows of [cos | sin]), gathered once per step by position.
-    fn rope_rows(&mut self, width: usize) -> Result<(), BackendError> {
-        let table = self.rope_table.as_ref().expect("ensured by the caller");
-        let want = (self.serial, table.generation);
-        if self.rope_rows_for == Some(want) {
+    /// The step's cos/sin rows of table `i` (T rows of [cos | sin]), gathered once per step by
+    /// position.
+    fn rope_rows(&mut self, i: usize, width: usize) -> Result<(), BackendError> {
+        let t = self.plan.n_tokens;
+        let table = &mut self.rope_tables[i];
+        if table.rows_for == Some(self.serial) {
             return Ok(());
         }
-        let t = self.plan.n_tokens;
-        self.scratch.ensure(&self.dev, "rope_cs", t * width * 2)?;
-        let table = self.rope_table.as_ref().expect("ensured by the caller");
+        let bytes = t * width * 2;
+        if table.step_rows.as_ref().is_none_or(|m| m.bytes() < bytes) {
+            let fresh =
+                super::objects::zeroed(&self.dev, bytes.next_power_of_two(), "rotary rows")?;
+            if let Some(old) = table.step_rows.replace(fresh) {
+                self.retired_mem.push(old);
+            }
+        }
+        let table = &self.rope_tables[i];
         let idx = step_slice(&self.step_mem, self.plan.positions, t)?;
         gather(
             &mut self.ops,
@@ -88,11 +119,11 @@ impl AscendBackend {
             ),
             idx,
             (
-                self.scratch.get("rope_cs"),
+                table.step_rows.as_ref().expect("just ensured"),
                 TView::contiguous(tensor::DType::F16, &[t as i64, width as i64]),
             ),
         )?;
-        self.rope_rows_for = Some(want);
+        self.rope_tables[i].rows_for = Some(self.serial);
         Ok(())
     }
 
@@ -129,15 +160,18 @@ impl AscendBackend {
         let interleaved = g.rope.style == RopeStyle::Interleaved;
         // The table's pairing follows the kernel: the native one rotates interleaved pairs itself;
         // ApplyRotaryPosEmb rotates halves (interleaved heads are regrouped into halves first).
-        self.ensure_rope_table(&g.rope, interleaved && native.is_some())?;
-        self.rope_rows(2 * d)?;
+        let ti = self.ensure_rope_table(&g.rope, interleaved && native.is_some())?;
+        self.rope_rows(ti, 2 * d)?;
         if native.is_none() && interleaved {
             self.scratch
                 .ensure(&self.dev, "rope_x", l.rows() * heads * d * 2)?;
         }
         self.pending = true;
         let t = l.rows() as i64;
-        let cs = self.scratch.get("rope_cs");
+        let cs = self.rope_tables[ti]
+            .step_rows
+            .as_ref()
+            .expect("gathered above");
         let cos = TView::strided(
             tensor::DType::F16,
             &[1, t, 1, d as i64],

@@ -10,6 +10,11 @@
 //! - **prompt** (S > 1, right-down causal mask): for steps with prefill chunks when the block size
 //!   is a multiple of 128, as that branch requires. Queries are gathered into a (sequences,
 //!   longest chunk) padded batch and the results gathered back to the step's rows.
+//!
+//! Sliding-window layers: the prompt branch takes band mode over the same mask (the window is
+//! preTokens back from the diagonal); the incremental branch has no such parameter, so each
+//! entry gets a key mask (1 before `kv_len − window`), built here on the host and packed into
+//! the step's upload for every window the backend has met ([`StepPlan::pack_window_masks`]).
 
 use npu_backend::{BackendError, StepInputs};
 
@@ -47,6 +52,11 @@ pub struct StepPlan {
     /// operator takes no more blocks per call than the cache holds (one call per run).
     pub groups: Vec<std::ops::Range<usize>>,
     pub max_position: u32,
+    /// The pool's block size (1 without a pool).
+    pub block_size: usize,
+    /// Token-wise path: key masks of sliding windows packed into `data`, as (window, offset in
+    /// INT32 elements of its bytes); a window whose entries all fit in it has none.
+    pub window_masks: Vec<(u32, usize)>,
     /// The packed arrays.
     pub data: Vec<i32>,
 }
@@ -156,6 +166,7 @@ impl StepPlan {
             n_tokens: t,
             n_logit_rows: step.logit_rows.len(),
             max_blocks: mb,
+            block_size,
             path: Some(path),
             max_position: step.positions.iter().copied().max().unwrap_or(0),
             ..Default::default()
@@ -232,6 +243,50 @@ impl StepPlan {
     /// The packed arrays as bytes.
     pub fn bytes(&self) -> Vec<u8> {
         self.data.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    /// Bytes of one entry's key mask: the block table's reach (at least maxBlockNumPerSeq ·
+    /// blockSize, as the incremental branch requires of a mask with page attention).
+    pub fn mask_width(&self) -> usize {
+        self.max_blocks * self.block_size
+    }
+
+    /// The token-wise path's key mask for a window of `window` positions: per batch entry
+    /// [`Self::mask_width`] bytes, 1 for the keys before `kv_len − window` (outside the window of
+    /// the entry's query at position `kv_len − 1`), 0 elsewhere. `None` when no entry reaches
+    /// past its window (nothing to mask) or the step does not go token-wise.
+    pub fn window_mask(&self, window: u32) -> Option<Vec<u8>> {
+        if self.path != Some(AttnPath::TokenWise)
+            || self.kv_lens.iter().all(|&l| l <= window as i64)
+        {
+            return None;
+        }
+        let width = self.mask_width();
+        let mut m = vec![0u8; self.kv_lens.len() * width];
+        for (row, &l) in m.chunks_exact_mut(width).zip(&self.kv_lens) {
+            let hidden = (l - window as i64).max(0) as usize;
+            row[..hidden.min(width)].fill(1);
+        }
+        Some(m)
+    }
+
+    /// Packs the key masks of `windows` (those [`Self::window_mask`] gives) into the step's data,
+    /// so they go up with the step's one copy.
+    pub fn pack_window_masks(&mut self, windows: &[u32]) {
+        for &w in windows {
+            if self.window_masks.iter().any(|&(x, _)| x == w) {
+                continue;
+            }
+            if let Some(m) = self.window_mask(w) {
+                let at = self.data.len();
+                self.data.extend(m.chunks(4).map(|c| {
+                    let mut b = [0u8; 4];
+                    b[..c.len()].copy_from_slice(c);
+                    i32::from_le_bytes(b)
+                }));
+                self.window_masks.push((w, at));
+            }
+        }
     }
 }
 
@@ -322,6 +377,33 @@ mod tests {
         s.logit_rows.clear();
         let p = StepPlan::new(&s, 16, 16).unwrap();
         assert_eq!((p.path, p.n_tokens), (None, 2));
+    }
+
+    #[test]
+    fn window_masks_hide_the_keys_before_each_entrys_window() {
+        // Token-wise: a 3-token chunk at positions 30..33 and a decode token at 9.
+        let mut p = StepPlan::new(&step(&[(30, 3), (9, 1)], 16), 16, 16).unwrap();
+        assert_eq!(p.kv_lens, vec![31, 32, 33, 10]);
+        assert_eq!(p.mask_width(), 64);
+        assert_eq!(p.window_mask(40), None, "every entry fits in the window");
+        let m = p.window_mask(8).unwrap();
+        for (e, &l) in p.kv_lens.iter().enumerate() {
+            let row = &m[e * 64..(e + 1) * 64];
+            let hidden = (l as usize).saturating_sub(8);
+            assert!(row[..hidden].iter().all(|&b| b == 1), "entry {e}");
+            assert!(row[hidden..].iter().all(|&b| b == 0), "entry {e}");
+        }
+        let before = p.data.len();
+        p.pack_window_masks(&[8, 40, 8]);
+        assert_eq!(p.window_masks, vec![(8, before)]);
+        let packed: Vec<u8> = p.data[before..]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(&packed[..m.len()], &m[..]);
+        // The prompt branch takes band mode instead: no key masks.
+        let p = StepPlan::new(&step(&[(30, 3), (9, 1)], 128), 16, 128).unwrap();
+        assert_eq!(p.window_mask(8), None);
     }
 
     #[test]

@@ -5,10 +5,23 @@
 //! per-batch `actualSeqLengths`. S = 1 takes the incremental (IncreFlashAttention) branch,
 //! where blockSize must be a non-zero multiple of 16 up to 512 for FLOAT16/BFLOAT16 caches;
 //! S > 1 takes the prompt branch, where blockSize must be a multiple of 128 in [128, 512].
-//! sparseMode 0 (no mask) and 3 (rightDownCausal, with the documented 2048×2048 lower-triangular
-//! mask) are implemented: with mode 3, query row i of a sequence with q queries and L cached
-//! tokens sees cache positions 0..=L-q+i. Scores and softmax are computed in f32; the
-//! probabilities are rounded to the 16-bit type before they weigh V (the cube unit's inputs).
+//!
+//! Masks, as documented:
+//! - S = 1: sparseMode, preTokens and nextTokens have no effect ("Q_S为1时…无效"); an
+//!   attenMask of shape (B, KV_S), (B, 1, KV_S) or (B, 1, 1, KV_S), BOOL/INT8/UINT8, masks
+//!   each batch entry's keys where it holds 1 (INT8/UINT8 values must be 0 or 1; the emulation
+//!   fails the kernel otherwise), and with page attention KV_S must be at least
+//!   maxBlockNumPerSeq · blockSize (the blocks the longest actualSeqLengthsKv needs).
+//! - S > 1: sparseMode 0 without a mask (none), 3 (rightDownCausal) and 4 (band), both with the
+//!   documented 2048×2048 lower-triangular mask, are implemented; 0 with a full mask, 1 and 2
+//!   are refused as not implemented. Both count from the bottom-right corner of each batch
+//!   entry's actual lengths: query row i of an entry with q queries and L cached tokens sits at
+//!   c = L − q + i; mode 3 sees cache positions 0..=c, mode 4 sees c − preTokens ..= c +
+//!   nextTokens (clipped to 0..L), and needs preTokens + nextTokens ≥ 0.
+//!
+//! A query that sees no key gets zeros (as an empty KV does). Scores and softmax are computed
+//! in f32; the probabilities are rounded to the 16-bit type before they weigh V (the cube unit's
+//! inputs).
 
 use core::ffi::{c_char, CStr};
 
@@ -18,6 +31,19 @@ use super::{dot, dtype_in, invalid, kernel_common, prepare, read, read_f32, writ
 use crate::state::*;
 use crate::view::{f16_at, read_elem, DType, View};
 
+/// Which keys each query sees (beyond the entry's KV length).
+#[derive(Clone, Copy)]
+enum Masking {
+    /// Every cached key.
+    None,
+    /// Cache positions 0..=c (sparseMode 3).
+    Causal,
+    /// c − pre ..= c + next (sparseMode 4).
+    Band { pre: i64, next: i64 },
+    /// The incremental branch's per-entry mask (ins[4]): keys where it holds 0.
+    PerKey,
+}
+
 #[derive(Clone)]
 struct Fia {
     io: Io,
@@ -25,7 +51,7 @@ struct Fia {
     kv_n: i64,
     d: i64,
     scale: f64,
-    causal: bool,
+    masking: Masking,
     block_size: i64,
     q_lens: Vec<i64>,
     kv_lens: Vec<i64>,
@@ -75,8 +101,26 @@ impl Kernel for Fia {
             }
             out
         };
+        // The incremental branch's mask, one row of `mask_s` values per batch entry.
+        let (mask, mask_s) = match self.masking {
+            Masking::PerKey => {
+                let m = &self.io.ins[4];
+                let vals = super::read(st, m)?;
+                if m.dtype != DType::Bool {
+                    if let Some(v) = vals.iter().find(|&&v| v != 0.0 && v != 1.0) {
+                        return fail(
+                            ACL_ERROR_RT_AICORE_EXCEPTION,
+                            format!("aclnnFusedInferAttentionScoreV2: attenMask holds {v}; INT8/UINT8 masks must hold 0 or 1"),
+                        );
+                    }
+                }
+                (vals, *m.dims.last().expect("rank checked") as usize)
+            }
+            _ => (Vec::new(), 0),
+        };
         let group = n / kv_n;
         let scale = self.scale as f32;
+        let mut visible: Vec<usize> = Vec::new();
         let mut out = vec![0.0f64; b * s * h];
         let mut scores = Vec::new();
         let mut acc = vec![0.0f32; d];
@@ -98,17 +142,30 @@ impl Kernel for Fia {
             let keys = gather(kb, kc, &blocks, kv_len);
             let values = gather(vb, vc, &blocks, kv_len);
             for i in 0..q_len {
-                let visible = if self.causal {
-                    (kv_len + i + 1).saturating_sub(q_len).min(kv_len)
-                } else {
-                    kv_len
-                };
+                // Position of this query on the bottom-right diagonal.
+                let c = kv_len as i64 - q_len as i64 + i as i64;
+                let last = kv_len as i64 - 1;
+                visible.clear();
+                match self.masking {
+                    Masking::None => visible.extend(0..kv_len),
+                    Masking::Causal => visible.extend(0..(c.min(last) + 1).max(0) as usize),
+                    Masking::Band { pre, next } => {
+                        let lo = c.saturating_sub(pre).max(0);
+                        let hi = c.saturating_add(next).min(last);
+                        if lo <= hi {
+                            visible.extend(lo as usize..=hi as usize);
+                        }
+                    }
+                    Masking::PerKey => {
+                        visible.extend((0..kv_len).filter(|&j| mask[bi * mask_s + j] == 0.0))
+                    }
+                }
                 for hd in 0..n {
                     let kvh = hd / group;
                     let row = (bi * s + i) * h + hd * d;
                     let qrow = &qv[row..row + d];
                     scores.clear();
-                    scores.extend((0..visible).map(|j| {
+                    scores.extend(visible.iter().map(|&j| {
                         dot(qrow, &keys[j * kvd + kvh * d..j * kvd + kvh * d + d]) * scale
                     }));
                     let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -118,7 +175,7 @@ impl Kernel for Fia {
                         sum += *sc;
                     }
                     acc.iter_mut().for_each(|a| *a = 0.0);
-                    for (j, p) in scores.iter().enumerate() {
+                    for (&j, p) in visible.iter().zip(&scores) {
                         // The probabilities meet V on the cube unit, in the query's 16-bit type.
                         let w = half::f16::from_f32(p / sum).to_f32();
                         let vrow = &values[j * kvd + kvh * d..j * kvd + kvh * d + d];
@@ -166,8 +223,8 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
     actualSharedPrefixLenOptional: *const aclIntArray,
     numHeads: i64,
     scaleValue: f64,
-    _preTokens: i64,
-    _nextTokens: i64,
+    preTokens: i64,
+    nextTokens: i64,
     inputLayout: *mut c_char,
     numKeyValueHeads: i64,
     sparseMode: i64,
@@ -394,32 +451,72 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
                 }
             }
             let mask = st.opt_tensor(attenMaskOptional, "attenMaskOptional")?;
-            let causal = match (sparseMode, &mask) {
-            (0, None) => false,
-            (0, Some(_)) | (1, _) | (2, _) | (4, _) => {
-                return invalid(op, format!("sparseMode {sparseMode} with this mask is not implemented by this emulation (0 without mask, 3 are)"))
-            }
-            (3, None) => return invalid(op, "sparseMode 3 requires the 2048x2048 lower-triangular attenMaskOptional"),
-            (3, Some(m)) => {
-                dtype_in(op, "attenMaskOptional", m, &[DType::Bool, DType::I8, DType::U8])?;
-                let ok = matches!(m.dims.as_slice(), [2048, 2048] | [1, 2048, 2048] | [1, 1, 2048, 2048]);
-                if !ok {
-                    return invalid(op, format!("sparseMode 3 needs attenMask of shape (2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048), got {:?}", m.dims));
+            let mask_types = [DType::Bool, DType::I8, DType::U8];
+            let masking = if s == 1 {
+                // The incremental branch: sparseMode, preTokens and nextTokens have no effect.
+                match &mask {
+                    None => Masking::None,
+                    Some(m) => {
+                        dtype_in(op, "attenMaskOptional", m, &mask_types)?;
+                        let ok = match m.dims.as_slice() {
+                            [mb, _] | [mb, 1, _] | [mb, 1, 1, _] => *mb == b,
+                            _ => false,
+                        };
+                        if !ok {
+                            return invalid(op, format!("with query S = 1, attenMask must be (B, KV_S), (B, 1, KV_S) or (B, 1, 1, KV_S) with B = {b}, got {:?}", m.dims));
+                        }
+                        let max_blocks = kv_lens
+                            .iter()
+                            .map(|l| (l + blockSize - 1) / blockSize)
+                            .max()
+                            .unwrap_or(0);
+                        let ms = *m.dims.last().expect("rank checked");
+                        if ms < max_blocks * blockSize {
+                            return invalid(op, format!("page attention needs the attenMask's KV_S ({ms}) to be at least maxBlockNumPerSeq * blockSize = {max_blocks} * {blockSize}"));
+                        }
+                        Masking::PerKey
+                    }
                 }
-                true
+            } else {
+                match (sparseMode, &mask) {
+                    (0, None) => Masking::None,
+                    (0, Some(_)) | (1, _) | (2, _) => {
+                        return invalid(op, format!("sparseMode {sparseMode} with this mask is not implemented by this emulation (0 without mask, 3 and 4 are)"))
+                    }
+                    (3 | 4, None) => return invalid(op, format!("sparseMode {sparseMode} requires the 2048x2048 lower-triangular attenMaskOptional")),
+                    (3 | 4, Some(m)) => {
+                        dtype_in(op, "attenMaskOptional", m, &mask_types)?;
+                        let ok = matches!(m.dims.as_slice(), [2048, 2048] | [1, 2048, 2048] | [1, 1, 2048, 2048]);
+                        if !ok {
+                            return invalid(op, format!("sparseMode {sparseMode} needs attenMask of shape (2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048), got {:?}", m.dims));
+                        }
+                        if sparseMode == 3 {
+                            Masking::Causal
+                        } else {
+                            if preTokens.checked_add(nextTokens).is_none_or(|t| t < 0) {
+                                return invalid(op, format!("sparseMode 4 (band) needs preTokens + nextTokens >= 0, got {preTokens} + {nextTokens}"));
+                            }
+                            Masking::Band { pre: preTokens, next: nextTokens }
+                        }
+                    }
+                    (5..=8, _) => return invalid(op, format!("sparseMode {sparseMode} is documented as not supported yet")),
+                    _ => return invalid(op, format!("sparseMode {sparseMode} is not documented (0..=8)")),
+                }
+            };
+            let mut ins = vec![q, kc, vc, bt];
+            if let (Masking::PerKey, Some(m)) = (masking, mask) {
+                ins.push(m);
             }
-            _ => return invalid(op, format!("sparseMode {sparseMode} is not documented (0..=4)")),
-        };
             Ok(Box::new(Fia {
                 io: Io {
-                    ins: vec![q, kc, vc, bt],
+                    ins,
                     outs: vec![out],
                 },
                 n: numHeads,
                 kv_n,
                 d,
                 scale: scaleValue,
-                causal,
+                masking,
                 block_size: blockSize,
                 q_lens,
                 kv_lens,

@@ -9,6 +9,7 @@
 //! Features the emulation does not implement are refused with ACLNN_ERR_PARAM_INVALID and a
 //! message saying so — never silently computed wrong.
 
+mod activation;
 mod attention;
 pub(crate) mod elementwise;
 mod kv_cache;
@@ -317,6 +318,9 @@ launchers!(
     aclnnApplyRotaryPosEmb,
     aclnnRotaryPositionEmbedding,
     aclnnScatterPaKvCache,
+    aclnnGeluV2,
+    aclnnInplaceMul,
+    aclnnInplaceMuls,
 );
 
 /// Checks a dtype is one of `allowed`.
