@@ -12,6 +12,8 @@ use thiserror::Error;
 use crate::{GgmlType, GgufError, GgufFile};
 
 mod family;
+#[cfg(test)]
+mod tests;
 
 /// Why a file's hyper-parameters cannot be used.
 #[derive(Debug, Error)]
@@ -225,6 +227,15 @@ impl ModelConfig {
             })
         };
         let n_layers = req("block_count")?;
+        // Every layer has tensors of its own: a count beyond the file's tensors is a damaged
+        // header (checked before anything is sized by it).
+        if n_layers > f.tensors().len() {
+            return Err(HparamsError::Inconsistent(format!(
+                "{} = {n_layers} layers, but the file holds {} tensors",
+                key("block_count"),
+                f.tensors().len()
+            )));
+        }
         let hidden = req("embedding_length")?;
         let ff = match arch {
             // A MoE file may have no dense FFN width (every layer's FFN is the experts').
