@@ -1,5 +1,6 @@
 //! End to end with a second model family: Gemma 3 270M (Q4_K_M) served by `npu-serving serve`
-//! with a real agent process. llm-serving's stream gives llama.cpp's greedy text up to each
+//! on the shipped `configs/gemma3-cpu.yaml` (the model named there is fetched by name) with a
+//! real agent process. llm-serving's stream gives llama.cpp's greedy text up to each
 //! reference prompt's first near-tie; the OpenAI chat route renders Gemma's turn format (the
 //! file carries no template) and answers; MindSpore performance_serving's way of reading the
 //! stream (tests/http_load_tester_compat.py in the server crate) works unmodified.
@@ -38,13 +39,10 @@ fn references() -> Vec<(String, Vec<u32>)> {
         .collect()
 }
 
+/// The shipped Gemma 3 config, whose `model_file: gemma3-270m` names the model to fetch.
 fn server() -> Server {
-    let opts = ServerOpts {
-        env: vec![("NPU_SERVING_MODEL".into(), gemma3())],
-        num_blocks: 256,
-        ..ServerOpts::default()
-    };
-    Server::start("gemma3", &opts)
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/gemma3-cpu.yaml");
+    Server::start_file("gemma3", std::path::Path::new(config))
 }
 
 #[test]
@@ -70,7 +68,7 @@ fn gemma3_is_served_on_both_apis() {
     let (status, body) = server.post_json(
         "/v1/chat/completions",
         &json!({
-            "model": MODEL,
+            "model": "gemma-3-270m",
             "messages": [
                 {"role": "system", "content": "Answer in one short sentence."},
                 {"role": "user", "content": "What is the capital of France?"}
@@ -101,9 +99,19 @@ fn gemma3_is_served_on_both_apis() {
         prompt_tokens,
         "{body}"
     );
-    // OpenAI completions, streamed.
-    let r = server.stream(Api::Completions, "The capital of France is", 16);
-    assert!(r.success && !r.resp_text.is_empty(), "{:?}", r.error);
+    // OpenAI completions: llama.cpp's greedy text.
+    let (status, body) = server.post_json(
+        "/v1/completions",
+        &json!({"model": "gemma-3-270m", "prompt": "The capital of France is",
+                "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (_, first) = &references()[0];
+    let want = tok.decode(&first[..first.len().min(12)], true);
+    assert!(
+        body["choices"][0]["text"].as_str().unwrap().starts_with(&want),
+        "{body} does not begin with llama.cpp's {want:?}"
+    );
     // performance_serving's client reads the stream unmodified.
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -125,7 +133,6 @@ fn gemma3_is_served_on_both_apis() {
     );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["status"], 200, "{v}");
-    let (_, first) = &references()[0];
     assert!(
         v["joined"]
             .as_str()

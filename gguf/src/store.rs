@@ -181,6 +181,10 @@ impl StoreEnv {
     /// [`resolve_model`] against this environment.
     pub fn resolve(&self, requested: Option<&Path>) -> Result<PathBuf, ModelStoreError> {
         if let Some(path) = requested {
+            // A name of a model the store knows (and no file of that name): fetched into the cache.
+            if let Some(model) = known_model(path).filter(|_| !path.exists()) {
+                return ensure_chunked_model(&self.cache_dir()?, model);
+            }
             return check_local_file(path, "--model or `model_file:`");
         }
         if let Some(path) = &self.npu_serving_model {
@@ -557,6 +561,17 @@ pub struct ChunkedModel {
     pub size: u64,
     /// (pip requirement, wheel member) of each chunk, in order.
     pub chunks: &'static [(&'static str, &'static str)],
+}
+
+/// Models that `--model NAME` or `model_file: NAME` fetch by name (when no file has that name).
+pub const KNOWN_MODELS: &[(&str, &ChunkedModel)] = &[("gemma3-270m", &GEMMA3_270M_Q4_K_M)];
+
+fn known_model(path: &Path) -> Option<&'static ChunkedModel> {
+    let name = path.to_str()?;
+    KNOWN_MODELS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, m)| *m)
 }
 
 /// Gemma 3 270M in Q4_K_M (llama.cpp's conversion), from four chunk packages on PyPI.
