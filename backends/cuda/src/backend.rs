@@ -99,7 +99,18 @@ impl CudaBackend {
     /// Opens CUDA device `device` (0-based). Checks first that the driver library, NVRTC and
     /// cuBLAS can be loaded, and fails with `BackendError::MissingLibrary` naming what is missing
     /// and how to get it; a machine without CUDA never reaches cudarc.
+    ///
+    /// With the `emulation` feature and `NPU_SERVING_CUDA_EMULATION=1` it opens the CPU
+    /// emulation of the kernels instead (see [`crate::config::ENV_EMULATION`]).
     pub fn new(device: usize, cfg: CudaConfig) -> Result<Self, BackendError> {
+        #[cfg(feature = "emulation")]
+        if std::env::var(crate::config::ENV_EMULATION).is_ok_and(|v| v == "1") {
+            tracing::warn!(
+                "{}=1: CUDA device {device} is the CPU emulation of the kernels, not a GPU",
+                crate::config::ENV_EMULATION
+            );
+            return Self::emulated(cfg);
+        }
         libs::require(&CudaLib::ALL, &cfg.lib_dirs).map_err(|message| {
             BackendError::MissingLibrary {
                 backend: NAME,

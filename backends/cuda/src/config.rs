@@ -45,6 +45,12 @@ pub const ENV_DTYPE: &str = "NPU_SERVING_CUDA_DTYPE";
 pub const ENV_MATMUL: &str = "NPU_SERVING_CUDA_MATMUL";
 /// Environment variable: most token rows a step may have for the GEMV kernels in `auto` mode.
 pub const ENV_GEMV_MAX_ROWS: &str = "NPU_SERVING_CUDA_GEMV_MAX_ROWS";
+/// Environment variable: `1` makes `CudaBackend::new` open the CPU emulation of the kernels
+/// instead of a GPU, in builds where this crate has its `emulation` feature (test builds of the
+/// crates that use it; a binary whose `npu-backend-cuda` dependency enables it): whole-model
+/// checks of the kernels through the usual device path on machines without a GPU. Other builds
+/// ignore it. Slow, and not a GPU.
+pub const ENV_EMULATION: &str = "NPU_SERVING_CUDA_EMULATION";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaConfig {
