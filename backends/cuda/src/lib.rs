@@ -2,8 +2,10 @@
 //!
 //! - `libs`: finds libcuda, libnvrtc and libcublas at run time before anything touches them, so
 //!   a machine without CUDA gets `BackendError::MissingLibrary` naming what is missing.
-//! - `kernels` + `kernels/*.cu`: the CUDA C kernels of a Llama step, compiled at run time by
-//!   NVRTC (`nvrtc`, cached per architecture in memory and on disk).
+//! - `kernels` + `kernels/*.cu`: the CUDA C kernels of a Llama step and of the newer families'
+//!   ops (per-head Q/K norm, GELU gate, row scaling, sliding-window attention, rope frequency
+//!   factors and per-layer bases: every `Capability` but Moe), compiled at run time by NVRTC
+//!   (`nvrtc`, cached per architecture in memory and on disk).
 //! - `gpu`: the seam under the backend (memory, copies, launches, one GEMM, one waiting read);
 //!   `driver` implements it with cudarc on a real device, `emu` (feature `emulation`) on a CPU
 //!   emulation of the same kernel sources.
