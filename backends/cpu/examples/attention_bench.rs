@@ -79,6 +79,7 @@ fn main() {
         lay,
         n_heads,
         scale: 0.125,
+        window: None,
     };
     // Layer 15's K and V, as a middle layer of the model; with `CYCLE` set, every layer in turn,
     // as a model step reads them (the whole cache then streams from memory, not from the caches).

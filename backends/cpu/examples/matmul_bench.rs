@@ -17,21 +17,32 @@ fn main() {
         .unwrap_or(1);
     let pool = ThreadPool::new(threads);
     let only = std::env::var("ONLY").ok();
-    for (ty, n, k) in [
+    // `SHAPES=Q4_K:2048x2048,Q6_K:2048x8192` (type:n x k) replaces the default shapes.
+    let mut shapes = vec![
         (GgmlType::Q4_1, 3072usize, 576usize),
         (GgmlType::Q4_1, 576, 1536),
         (GgmlType::Q8_0, 49152, 576),
-    ] {
+    ];
+    if let Ok(v) = std::env::var("SHAPES") {
+        shapes = v
+            .split(',')
+            .map(|s| {
+                let (t, nk) = s.split_once(':').expect("type:NxK");
+                let (n, k) = nk.split_once('x').expect("NxK");
+                let ty = (0..32)
+                    .filter_map(GgmlType::from_id)
+                    .find(|ty| ty.name() == t)
+                    .expect("a ggml type name");
+                (ty, n.parse().unwrap(), k.parse().unwrap())
+            })
+            .collect();
+    }
+    for (ty, n, k) in shapes {
         if only.as_deref().is_some_and(|o| o != ty.name()) {
             continue;
         }
-        let rb = ty.row_bytes(k).unwrap();
-        let bytes: Vec<u8> = (0..n * rb).map(|i| (i * 7 % 251) as u8).collect();
-        let mut bytes = bytes;
-        for r in 0..n * rb / ty.block_bytes() {
-            bytes[r * ty.block_bytes()] = 0;
-            bytes[r * ty.block_bytes() + 1] = 0x1c;
-        }
+        // Random well-formed rows (finite scales) of the type.
+        let bytes = npu_backend_cpu::quant::testing::random_ggml_rows(ty, n, k, 7);
         // With `CYCLE=n`, n copies of the matrix taken in turn (beyond the caches, as a model
         // step's weights are).
         let copies: usize = std::env::var("CYCLE")

@@ -1,7 +1,10 @@
 //! 8-bit activation quantization for the quantized matmuls: each row of activations is cut into
 //! blocks of 32, each block gets a scale `d = amax / 127` and int8 values, the integer sum of its
 //! values, and `s = d * sum` (both rounded through f16 as llama.cpp's Q8_1 does, so results agree
-//! with it).
+//! with it). The K-quant kernels also read, per block, the integer sums of its two 16-value halves
+//! and the exact `d * sum` (`ActSums`, made from the quantized rows the first time a matmul asks).
+
+use std::sync::OnceLock;
 
 use half::f16;
 
@@ -23,6 +26,18 @@ pub struct QuantizedActs {
     /// The values of whole 16-row tiles in tile order (`[tile][block][16 rows][32]`), for AMX;
     /// filled by `fill_tiles` (empty otherwise).
     pub tiles: Vec<i8>,
+    /// Sums the K-quant kernels read, made from `qs`, `d` and `isum` when first asked for
+    /// (`sums`); every write through `resize` or `quantize_row_into` drops them.
+    sums: OnceLock<ActSums>,
+}
+
+/// Per-block sums of quantized activations beyond `isum` and `s`.
+#[derive(Debug, Default)]
+pub struct ActSums {
+    /// Per block, the integer sums of its values 0..16 and 16..32 (two per block).
+    pub s16: Vec<i32>,
+    /// Per block, `d * isum` in f32 (not rounded through f16 as `s` is).
+    pub sx: Vec<f32>,
 }
 
 impl QuantizedActs {
@@ -48,6 +63,21 @@ impl QuantizedActs {
         self.s.resize(nb, 0.0);
         self.isum.resize(nb, 0);
         self.tiles.clear();
+        self.sums = OnceLock::new();
+    }
+
+    /// The per-16 integer sums and exact block sums of the current rows, made on first use (the
+    /// rows must not change until the next `resize` or `quantize_row_into`).
+    pub fn sums(&self) -> &ActSums {
+        self.sums.get_or_init(|| {
+            let nb = self.rows * self.k / QBLOCK;
+            let mut s16 = vec![0i32; 2 * nb];
+            for (half, q) in s16.iter_mut().zip(self.qs[..nb * QBLOCK].chunks_exact(16)) {
+                *half = q.iter().map(|&v| v as i32).sum();
+            }
+            let sx = (0..nb).map(|b| self.d[b] * self.isum[b] as f32).collect();
+            ActSums { s16, sx }
+        })
     }
 
     /// Copies the values of the whole 16-row tiles into `tiles` (tile order).
@@ -79,6 +109,7 @@ impl QuantizedActs {
 
     /// Quantizes one row in place (rows must already be sized by `resize`).
     pub fn quantize_row_into(&mut self, r: usize, x: &[f32], nb: usize) {
+        self.sums = OnceLock::new();
         let qs = &mut self.qs[r * self.k..(r + 1) * self.k];
         let d = &mut self.d[r * nb..(r + 1) * nb];
         let s = &mut self.s[r * nb..(r + 1) * nb];

@@ -19,8 +19,9 @@ use npu_gguf::GgmlType;
 
 use crate::Report;
 
-/// Every ggml type that packs (each packed format: 4- and 8-bit values, f16 and f32 scales, with
-/// and without minimums, every offset).
+/// Every ggml type that packs (each packed format: 4-, 5-, 6- and 8-bit values, the K-quants'
+/// 2- and 3-bit values, per-block f16 scales with and without minimums, super-block f32 scales,
+/// the K-quants' integer sub-block scales, every offset).
 const PACKED_TYPES: [GgmlType; 11] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
@@ -114,13 +115,15 @@ fn packed_matmul(isas: &[Isa], r: &mut Report) {
 
 /// The parallel entry point (one thread here) for packed and f32 weights.
 fn matmul_through_pool(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
-    let k = 576;
+    let k = 768;
     let rows = 7;
     let (x, a) = acts(rows, k, 3);
-    let mut weights = vec![(
-        "Q4_1",
-        WeightMatrix::Packed(packed(GgmlType::Q4_1, 96, k, 2)),
-    )];
+    // Q4_1 and the K-quants of a Q4_K_M file (the latter read the activations' extra sums, made
+    // on first use inside the call).
+    let mut weights: Vec<(&str, WeightMatrix)> = [GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K]
+        .into_iter()
+        .map(|ty| (ty.name(), WeightMatrix::Packed(packed(ty, 96, k, 2))))
+        .collect();
     for (ty, n) in [(GgmlType::F32, 40usize), (GgmlType::F16, 33)] {
         let bytes = random_ggml_rows(ty, n, k, 8);
         let w = WeightMatrix::from_ggml_parts(&[(ty, &bytes, n)], k).expect("float weights");
@@ -249,6 +252,7 @@ fn attention_shapes(pool: &ThreadPool, isas: &[Isa], shapes: &[(usize, usize)], 
             lay,
             n_heads,
             scale: 1.0 / (hd as f32).sqrt(),
+            window: None,
         };
         let ldo = n_heads * hd;
         let run = |isa: Isa| {

@@ -1,8 +1,9 @@
 //! Intel AMX packed matmul for 16 activation rows at a time. One `tdpbsud` multiplies a 16x32
 //! tile of int8 activations by a 32x16 tile of unsigned weights: the packed layout's value
-//! registers are already the B tile (rows of 4 consecutive values per output lane), so byte
-//! weights load straight from the matrix and 4-bit ones after one unpack. The int32 block sums then
-//! get the same scale epilogue, in the same order, as the AVX-512 kernel — results are identical.
+//! registers are already the B tile (rows of 4 consecutive values per output lane), so 4-bit
+//! weights load after one unpack. The int32 block sums then get the same scale epilogue, in the
+//! same order, as the AVX-512 kernel — results are identical. It takes the formats with 4-bit
+//! values and per-block f16 scales (Q4_0, Q4_1); `packed_job` sends it nothing else.
 //! Needs Linux's permission for AMX state (arch_prctl), requested once per process.
 
 use std::arch::asm;
@@ -12,7 +13,7 @@ use std::sync::OnceLock;
 
 use super::{PackedJob, RawOut};
 use crate::quant::acts::QBLOCK;
-use crate::quant::packed::{PackKind, GROUP};
+use crate::quant::packed::{code, Scales, Values, GROUP};
 
 /// Activation rows per AMX tile.
 pub const TILE_ROWS: usize = 16;
@@ -155,27 +156,26 @@ macro_rules! store_sums {
 pub(crate) unsafe fn packed_full_tiles(job: &PackedJob, out: RawOut) {
     configure();
     let f = job.w.format;
-    match (f.kind == PackKind::Nibble, f.f16_scales, f.has_min) {
-        (true, true, true) => run::<true, true, true>(job, out),
-        (true, true, false) => run::<true, true, false>(job, out),
-        (true, false, true) => run::<true, false, true>(job, out),
-        (true, false, false) => run::<true, false, false>(job, out),
-        (false, true, true) => run::<false, true, true>(job, out),
-        (false, true, false) => run::<false, true, false>(job, out),
-        (false, false, true) => run::<false, false, true>(job, out),
-        (false, false, false) => run::<false, false, false>(job, out),
+    assert!(
+        f.values == Values::Q4,
+        "the AMX kernel takes 4-bit values only"
+    );
+    match f.scales {
+        Scales::F16 => run::<false>(job, out),
+        Scales::F16Min => run::<true>(job, out),
+        _ => panic!("the AMX kernel takes per-block f16 scales only"),
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob, out: RawOut) {
+unsafe fn run<const MIN: bool>(job: &PackedJob, out: RawOut) {
     let w = job.w;
     let a = job.acts;
     let k = a.k;
     let nb = k / QBLOCK;
-    let unit = w.format.unit_bytes();
-    let vb = w.format.values_bytes();
-    let sb = w.format.scale_bytes();
+    // Each block: its 16 f16 scales (and 16 f16 minimums), then its 256 bytes of nibbles.
+    let sb = code::scale_bytes(if MIN { code::F16MIN } else { code::F16 });
+    let unit = sb + code::values_bytes(code::Q4);
     let offset = w.format.offset;
     let full = job.rows.start + job.rows.len() / TILE_ROWS * TILE_ROWS;
     let low = _mm512_set1_epi8(0x0F);
@@ -193,24 +193,17 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
     let xd = a.d.as_ptr();
     let xs = a.s.as_ptr();
     let xsum = a.isum.as_ptr();
-    // The B tile of block `b`, staged in an aligned buffer: nibbles unpacked, bytes copied (units
-    // are not cache-line aligned, and a tile load of split lines is slow).
+    // The B tile of block `b`, staged in an aligned buffer, nibbles unpacked (blocks are not
+    // cache-line aligned, and a tile load of split lines is slow).
     let b_tile = |gd: *const u8, b: usize, buf: *mut u8| -> *const u8 {
-        let u = gd.add(b * unit);
-        if NIB {
-            for j in 0..4 {
-                let v = _mm512_loadu_si512(u.add(j * 64) as *const _);
-                _mm512_store_si512(buf.add(j * 64) as *mut _, _mm512_and_si512(v, low));
-                _mm512_store_si512(
-                    buf.add((j + 4) * 64) as *mut _,
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), low),
-                );
-            }
-        } else {
-            for c in 0..8 {
-                let v = _mm512_loadu_si512(u.add(c * 64) as *const _);
-                _mm512_store_si512(buf.add(c * 64) as *mut _, v);
-            }
+        let u = gd.add(b * unit + sb);
+        for j in 0..4 {
+            let v = _mm512_loadu_si512(u.add(j * 64) as *const _);
+            _mm512_store_si512(buf.add(j * 64) as *mut _, _mm512_and_si512(v, low));
+            _mm512_store_si512(
+                buf.add((j + 4) * 64) as *mut _,
+                _mm512_and_si512(_mm512_srli_epi16::<4>(v), low),
+            );
         }
         buf
     };
@@ -245,17 +238,9 @@ unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJo
                     }
                 }
                 let u = gd.add(b * unit);
-                let dw = if F16S {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(u.add(vb) as *const __m256i))
-                } else {
-                    _mm512_loadu_ps(u.add(vb) as *const f32)
-                };
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(u as *const __m256i));
                 let mw = if MIN {
-                    if F16S {
-                        _mm512_cvtph_ps(_mm256_loadu_si256(u.add(vb + sb) as *const __m256i))
-                    } else {
-                        _mm512_loadu_ps(u.add(vb + sb) as *const f32)
-                    }
+                    _mm512_cvtph_ps(_mm256_loadu_si256(u.add(32) as *const __m256i))
                 } else {
                     _mm512_setzero_ps()
                 };

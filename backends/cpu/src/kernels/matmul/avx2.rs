@@ -1,76 +1,358 @@
 //! AVX2 packed matmul (no VNNI): a group's 16 rows are handled as two 8-lane halves; byte
-//! products go through `vpmaddubsw`, which is exact for 4-bit weights and, by splitting each byte
-//! into two nibbles, for 8-bit weights too.
+//! products go through `vpmaddubsw` over as many 4-value registers as its 16-bit sums allow (four
+//! for values below 32, two for 6-bit values; 8-bit values are split into two nibbles). The
+//! arithmetic is the scalar kernel's, in its order.
 
 use std::arch::x86_64::*;
 
 use super::{PackedJob, RawOut};
-use crate::quant::acts::QBLOCK;
-use crate::quant::packed::{PackKind, GROUP};
+use crate::quant::acts::{ActSums, QBLOCK};
+use crate::quant::packed::{code, GROUP};
 
 /// Activation rows per tile (AVX2 has 16 registers).
 const R2: usize = 2;
 
+/// The activations' per-16 sums and exact block sums (null where the format needs none).
+type SumPtrs = (*const i32, *const f32);
+
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `job` must describe valid buffers.
-/// The job must have passed `check_job`, and `out` must be writable, by this call alone, at rows
-/// `job.rows` x the output columns of `job.groups` (what `packed_job` guarantees).
+/// The job must have passed `check_job`, `sums` must be the activations' sums where the format
+/// needs them, and `out` must be writable, by this call alone, at rows `job.rows` x the output
+/// columns of `job.groups` (what `packed_job` guarantees).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn packed(job: &PackedJob, out: RawOut) {
+pub unsafe fn packed(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
     let f = job.w.format;
-    match (f.kind == PackKind::Nibble, f.f16_scales, f.has_min) {
-        (true, true, true) => run::<true, true, true>(job, out),
-        (true, true, false) => run::<true, true, false>(job, out),
-        (true, false, true) => run::<true, false, true>(job, out),
-        (true, false, false) => run::<true, false, false>(job, out),
-        (false, true, true) => run::<false, true, true>(job, out),
-        (false, true, false) => run::<false, true, false>(job, out),
-        (false, false, true) => run::<false, false, true>(job, out),
-        (false, false, false) => run::<false, false, false>(job, out),
+    let s = sums.map_or((std::ptr::null(), std::ptr::null()), |s| {
+        (s.s16.as_ptr(), s.sx.as_ptr())
+    });
+    macro_rules! go {
+        ($($v:ident $s:ident),*) => {
+            match (code::values(f.values), code::scales(f.scales)) {
+                $((code::$v, code::$s) => run::<{ code::$v }, { code::$s }>(job, s, out),)*
+                _ => unreachable!("a packed format without a kernel: {f:?}"),
+            }
+        };
     }
+    go!(Q4 F16, Q4 F16MIN, Q5 F16, Q5 F16MIN, Q8 F16, Q8 F32SUPER, Q4 K4, Q5 K4, Q6 K6, Q3 K3, Q2 K2);
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run<const NIB: bool, const F16S: bool, const MIN: bool>(job: &PackedJob, out: RawOut) {
+unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: RawOut) {
     let rows = job.rows.end;
     for g in job.groups.clone() {
         let valid = (job.w.n - g * GROUP).min(GROUP);
         let mut m0 = job.rows.start;
         while m0 + R2 <= rows {
-            tile::<R2, NIB, F16S, MIN>(job, out, g, m0, valid);
+            tile::<R2, V, S>(job, sums, out, g, m0, valid);
             m0 += R2;
         }
         if m0 < rows {
-            tile::<1, NIB, F16S, MIN>(job, out, g, m0, valid);
+            tile::<1, V, S>(job, sums, out, g, m0, valid);
         }
     }
 }
 
-/// Sum over 4-byte lanes of u8 x i8 products, for u8 values below 16 (no i16 saturation).
+/// Shifts each 16-bit lane left by `L` or right by `R` (at most one non-zero); bit planes only
+/// move bits within their byte.
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_nibbles(w: &[__m256i; 8], x: &[__m256i; 8]) -> __m256i {
-    let mut s = _mm256_maddubs_epi16(w[0], x[0]);
-    for c in 1..8 {
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[c], x[c]));
-    }
-    _mm256_madd_epi16(s, _mm256_set1_epi16(1))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load_scales<const F16S: bool>(p: *const u8, half: usize) -> __m256 {
-    if F16S {
-        _mm256_cvtph_ps(_mm_loadu_si128(p.add(half * 16) as *const __m128i))
+#[target_feature(enable = "avx2")]
+unsafe fn sh<const L: i32, const R: i32>(v: __m256i) -> __m256i {
+    if L > 0 {
+        _mm256_slli_epi16::<L>(v)
+    } else if R > 0 {
+        _mm256_srli_epi16::<R>(v)
     } else {
-        _mm256_loadu_ps((p as *const f32).add(half * 8))
+        v
+    }
+}
+
+/// `a | (b & c)`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn or_and(a: __m256i, b: __m256i, c: __m256i) -> __m256i {
+    _mm256_or_si256(a, _mm256_and_si256(b, c))
+}
+
+/// The 8 value registers (this half's 32 bytes of each) of the block at `vp`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn unpack<const V: u8>(vp: *const u8, half: usize) -> [__m256i; 8] {
+    let ld = |o: usize| _mm256_loadu_si256(vp.add(o + half * 32) as *const __m256i);
+    match V {
+        code::Q8 => [
+            ld(0),
+            ld(64),
+            ld(128),
+            ld(192),
+            ld(256),
+            ld(320),
+            ld(384),
+            ld(448),
+        ],
+        code::Q4 | code::Q5 | code::Q6 => {
+            let low = _mm256_set1_epi8(0x0F);
+            let mut w = [_mm256_setzero_si256(); 8];
+            for j in 0..4 {
+                let v = ld(j * 64);
+                w[j] = _mm256_and_si256(v, low);
+                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+            }
+            if V == code::Q5 {
+                let (h, b4) = (ld(256), _mm256_set1_epi8(0x10));
+                w[0] = or_and(w[0], sh::<4, 0>(h), b4);
+                w[1] = or_and(w[1], sh::<3, 0>(h), b4);
+                w[2] = or_and(w[2], sh::<2, 0>(h), b4);
+                w[3] = or_and(w[3], sh::<1, 0>(h), b4);
+                w[4] = or_and(w[4], h, b4);
+                w[5] = or_and(w[5], sh::<0, 1>(h), b4);
+                w[6] = or_and(w[6], sh::<0, 2>(h), b4);
+                w[7] = or_and(w[7], sh::<0, 3>(h), b4);
+            } else if V == code::Q6 {
+                let b45 = _mm256_set1_epi8(0x30);
+                for (p, h) in [ld(256), ld(320)].into_iter().enumerate() {
+                    w[4 * p] = or_and(w[4 * p], sh::<4, 0>(h), b45);
+                    w[4 * p + 1] = or_and(w[4 * p + 1], sh::<2, 0>(h), b45);
+                    w[4 * p + 2] = or_and(w[4 * p + 2], h, b45);
+                    w[4 * p + 3] = or_and(w[4 * p + 3], sh::<0, 2>(h), b45);
+                }
+            }
+            w
+        }
+        _ => {
+            let b01 = _mm256_set1_epi8(3);
+            let mut w = [_mm256_setzero_si256(); 8];
+            for (p, l) in [ld(0), ld(64)].into_iter().enumerate() {
+                w[4 * p] = _mm256_and_si256(l, b01);
+                w[4 * p + 1] = _mm256_and_si256(sh::<0, 2>(l), b01);
+                w[4 * p + 2] = _mm256_and_si256(sh::<0, 4>(l), b01);
+                w[4 * p + 3] = _mm256_and_si256(sh::<0, 6>(l), b01);
+            }
+            if V == code::Q3 {
+                let (h, b2) = (ld(128), _mm256_set1_epi8(4));
+                w[0] = or_and(w[0], sh::<2, 0>(h), b2);
+                w[1] = or_and(w[1], sh::<1, 0>(h), b2);
+                w[2] = or_and(w[2], h, b2);
+                w[3] = or_and(w[3], sh::<0, 1>(h), b2);
+                w[4] = or_and(w[4], sh::<0, 2>(h), b2);
+                w[5] = or_and(w[5], sh::<0, 3>(h), b2);
+                w[6] = or_and(w[6], sh::<0, 4>(h), b2);
+                w[7] = or_and(w[7], sh::<0, 5>(h), b2);
+            }
+            w
+        }
+    }
+}
+
+/// Sums over 4-byte lanes of u8 x i8 products of registers `w[0..4]` against `x[0..4]`, adding
+/// `PAIR` registers' 16-bit sums before widening (4 for values below 32, 2 for 6-bit values).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dot4<const PAIR: usize>(w: &[__m256i], x: &[__m256i]) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    let p = |c: usize| _mm256_maddubs_epi16(w[c], x[c]);
+    if PAIR == 4 {
+        let s = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
+        _mm256_madd_epi16(s, ones)
+    } else {
+        let s01 = _mm256_madd_epi16(_mm256_add_epi16(p(0), p(1)), ones);
+        let s23 = _mm256_madd_epi16(_mm256_add_epi16(p(2), p(3)), ones);
+        _mm256_add_epi32(s01, s23)
+    }
+}
+
+/// The integer products of the block's two 16-value halves for this half's 8 rows.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dots<const V: u8>(w: &[__m256i; 8], x: &[__m256i; 8]) -> (__m256i, __m256i) {
+    match V {
+        code::Q8 => {
+            let low = _mm256_set1_epi8(0x0F);
+            let mut lo = [_mm256_setzero_si256(); 8];
+            let mut hi = [_mm256_setzero_si256(); 8];
+            for c in 0..8 {
+                lo[c] = _mm256_and_si256(w[c], low);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(w[c]), low);
+            }
+            let half = |c: usize| {
+                let l = dot4::<4>(&lo[c..c + 4], &x[c..c + 4]);
+                let h = dot4::<4>(&hi[c..c + 4], &x[c..c + 4]);
+                _mm256_add_epi32(l, _mm256_slli_epi32::<4>(h))
+            };
+            (half(0), half(4))
+        }
+        code::Q6 => (dot4::<2>(&w[0..4], &x[0..4]), dot4::<2>(&w[4..8], &x[4..8])),
+        _ => (dot4::<4>(&w[0..4], &x[0..4]), dot4::<4>(&w[4..8], &x[4..8])),
+    }
+}
+
+/// `-v`, as scalar negation gives it.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn neg(v: __m256) -> __m256 {
+    _mm256_xor_ps(v, _mm256_set1_ps(-0.0))
+}
+
+/// This half's `d` and `-dmin` from the super-block header at `hp`.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn header<const S: u8>(hp: *const u8, half: usize) -> (__m256, __m256) {
+    let f16s = |o: usize| _mm256_cvtph_ps(_mm_loadu_si128(hp.add(o + half * 16) as *const __m128i));
+    match S {
+        code::F32SUPER => (
+            _mm256_loadu_ps((hp as *const f32).add(half * 8)),
+            _mm256_setzero_ps(),
+        ),
+        code::K4 | code::K2 => (f16s(0), neg(f16s(32))),
+        code::K6 | code::K3 => (f16s(0), _mm256_setzero_ps()),
+        _ => (_mm256_setzero_ps(), _mm256_setzero_ps()),
+    }
+}
+
+/// A block's weight-side scales for this half's 8 rows (as the AVX-512 kernel's).
+#[derive(Clone, Copy)]
+struct BlockScales {
+    dw: __m256,
+    mw: __m256,
+    sc0: __m256i,
+    sc1: __m256i,
+    mn0: __m256i,
+    mn1: __m256i,
+}
+
+/// Eight bytes at `p` widened to 32-bit lanes, unsigned.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn bytes8(p: *const u8) -> __m256i {
+    _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn block_scales<const S: u8>(
+    sp: *const u8,
+    half: usize,
+    hd: __m256,
+    hm: __m256,
+) -> BlockScales {
+    let z = _mm256_setzero_si256();
+    let mut s = BlockScales {
+        dw: hd,
+        mw: hm,
+        sc0: z,
+        sc1: z,
+        mn0: z,
+        mn1: z,
+    };
+    let f16s = |o: usize| _mm256_cvtph_ps(_mm_loadu_si128(sp.add(o + half * 16) as *const __m128i));
+    // The two 6-bit numbers of this half's rows (K4/K3).
+    let pairs = || {
+        let b = bytes8(sp.add(half * 8));
+        let nib = bytes8(sp.add(16));
+        let nib = if half == 0 {
+            _mm256_and_si256(nib, _mm256_set1_epi32(15))
+        } else {
+            _mm256_srli_epi32::<4>(nib)
+        };
+        let first = _mm256_and_si256(b, _mm256_set1_epi32(63));
+        let second = _mm256_or_si256(
+            nib,
+            _mm256_and_si256(_mm256_srli_epi32::<2>(b), _mm256_set1_epi32(0x30)),
+        );
+        (first, second)
+    };
+    match S {
+        code::F16 => s.dw = f16s(0),
+        code::F16MIN => {
+            s.dw = f16s(0);
+            s.mw = f16s(32);
+        }
+        code::K4 => {
+            let (sc, m) = pairs();
+            s.dw = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), hd);
+            s.mw = _mm256_mul_ps(_mm256_cvtepi32_ps(m), hm);
+        }
+        code::K3 => {
+            let (s0, s1) = pairs();
+            s.sc0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32));
+            s.sc1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32));
+        }
+        code::K6 => {
+            s.sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sp.add(half * 8) as *const __m128i));
+            s.sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sp.add(16 + half * 8) as *const __m128i));
+        }
+        code::K2 => {
+            let (b0, b1) = (bytes8(sp.add(half * 8)), bytes8(sp.add(16 + half * 8)));
+            let low = _mm256_set1_epi32(15);
+            s.sc0 = _mm256_and_si256(b0, low);
+            s.sc1 = _mm256_and_si256(b1, low);
+            s.mn0 = _mm256_srli_epi32::<4>(b0);
+            s.mn1 = _mm256_srli_epi32::<4>(b1);
+        }
+        _ => {}
+    }
+    s
+}
+
+/// One block's contribution to one output row's half (the scalar kernel's `block_step`).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_step<const S: u8>(
+    s: &BlockScales,
+    offset: i32,
+    i0: __m256i,
+    i1: __m256i,
+    a: (*const f32, *const f32, *const i32),
+    sums: SumPtrs,
+    blk: usize,
+    acc: __m256,
+) -> __m256 {
+    let (xd, xs, xsum) = a;
+    let xdv = _mm256_set1_ps(*xd.add(blk));
+    match S {
+        code::F16 | code::F16MIN | code::F32SUPER => {
+            let mut ia = _mm256_add_epi32(i0, i1);
+            if offset != 0 {
+                ia = _mm256_sub_epi32(ia, _mm256_set1_epi32(offset * *xsum.add(blk)));
+            }
+            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc);
+            if S == code::F16MIN {
+                _mm256_fmadd_ps(s.mw, _mm256_set1_ps(*xs.add(blk)), acc)
+            } else {
+                acc
+            }
+        }
+        code::K4 => {
+            let ia = _mm256_add_epi32(i0, i1);
+            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc);
+            _mm256_fmadd_ps(s.mw, _mm256_set1_ps(*sums.1.add(blk)), acc)
+        }
+        code::K6 | code::K3 => {
+            let (s0, s1) = (*sums.0.add(2 * blk), *sums.0.add(2 * blk + 1));
+            let t0 = _mm256_sub_epi32(i0, _mm256_set1_epi32(offset * s0));
+            let t1 = _mm256_sub_epi32(i1, _mm256_set1_epi32(offset * s1));
+            let ia = _mm256_add_epi32(_mm256_mullo_epi32(s.sc0, t0), _mm256_mullo_epi32(s.sc1, t1));
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc)
+        }
+        _ => {
+            let (s0, s1) = (*sums.0.add(2 * blk), *sums.0.add(2 * blk + 1));
+            let ia = _mm256_add_epi32(_mm256_mullo_epi32(s.sc0, i0), _mm256_mullo_epi32(s.sc1, i1));
+            let im = _mm256_add_epi32(
+                _mm256_mullo_epi32(s.mn0, _mm256_set1_epi32(s0)),
+                _mm256_mullo_epi32(s.mn1, _mm256_set1_epi32(s1)),
+            );
+            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc);
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(s.mw, xdv), acc)
+        }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: bool>(
+unsafe fn tile<const R: usize, const V: u8, const S: u8>(
     job: &PackedJob,
+    sums: SumPtrs,
     out: RawOut,
     g: usize,
     m0: usize,
@@ -80,63 +362,35 @@ unsafe fn tile<const R: usize, const NIB: bool, const F16S: bool, const MIN: boo
     let a = job.acts;
     let k = a.k;
     let nb = k / QBLOCK;
-    let unit = w.format.unit_bytes();
-    let vb = w.format.values_bytes();
-    let sb = w.format.scale_bytes();
+    let bps = code::blocks_per_super(S);
+    let (hb, sb, vb) = (
+        code::header_bytes(S),
+        code::scale_bytes(S),
+        code::values_bytes(V),
+    );
+    let super_bytes = code::super_bytes(V, S);
     let offset = w.format.offset;
     let gd = w.group_data(g).as_ptr();
-    let low = _mm256_set1_epi8(0x0F);
+    let xa = (a.d.as_ptr(), a.s.as_ptr(), a.isum.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for b in 0..nb {
-        let u = gd.add(b * unit);
-        for half in 0..2 {
-            // The 8 value registers of this half: 32 bytes per 64-byte row of the unit.
-            let mut wv = [_mm256_setzero_si256(); 8];
-            if NIB {
-                for j in 0..4 {
-                    let v = _mm256_loadu_si256(u.add(j * 64 + half * 32) as *const __m256i);
-                    wv[j] = _mm256_and_si256(v, low);
-                    wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                }
-            } else {
-                for (c, wc) in wv.iter_mut().enumerate() {
-                    *wc = _mm256_loadu_si256(u.add(c * 64 + half * 32) as *const __m256i);
-                }
-            }
-            let dw = load_scales::<F16S>(u.add(vb), half);
-            let mw = if MIN {
-                load_scales::<F16S>(u.add(vb + sb), half)
-            } else {
-                _mm256_setzero_ps()
-            };
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let row = m0 + r;
-                let xq = a.qs.as_ptr().add(row * k + b * QBLOCK) as *const i32;
-                let mut xv = [_mm256_setzero_si256(); 8];
-                for (c, xc) in xv.iter_mut().enumerate() {
-                    *xc = _mm256_set1_epi32(xq.add(c).read_unaligned());
-                }
-                let mut ia = if NIB {
-                    dot_nibbles(&wv, &xv)
-                } else {
-                    let mut lo = [_mm256_setzero_si256(); 8];
-                    let mut hi = [_mm256_setzero_si256(); 8];
-                    for c in 0..8 {
-                        lo[c] = _mm256_and_si256(wv[c], low);
-                        hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(wv[c]), low);
+    for sup in 0..nb / bps {
+        let base = gd.add(sup * super_bytes);
+        let heads = [header::<S>(base, 0), header::<S>(base, 1)];
+        for j in 0..bps {
+            let b = sup * bps + j;
+            for (half, &(hd, hm)) in heads.iter().enumerate() {
+                let wv = unpack::<V>(base.add(hb + bps * sb + j * vb), half);
+                let s = block_scales::<S>(base.add(hb + j * sb), half, hd, hm);
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let row = m0 + r;
+                    let xq = a.qs.as_ptr().add(row * k + b * QBLOCK) as *const i32;
+                    let mut xv = [_mm256_setzero_si256(); 8];
+                    for (c, xc) in xv.iter_mut().enumerate() {
+                        *xc = _mm256_set1_epi32(xq.add(c).read_unaligned());
                     }
-                    let l = dot_nibbles(&lo, &xv);
-                    let h = dot_nibbles(&hi, &xv);
-                    _mm256_add_epi32(l, _mm256_slli_epi32::<4>(h))
-                };
-                let blk = row * nb + b;
-                if offset != 0 {
-                    ia = _mm256_sub_epi32(ia, _mm256_set1_epi32(offset * a.isum[blk]));
-                }
-                let sc = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[blk]));
-                acc_r[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sc, acc_r[half]);
-                if MIN {
-                    acc_r[half] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[blk]), acc_r[half]);
+                    let (i0, i1) = dots::<V>(&wv, &xv);
+                    acc_r[half] =
+                        block_step::<S>(&s, offset, i0, i1, xa, sums, row * nb + b, acc_r[half]);
                 }
             }
         }

@@ -20,8 +20,8 @@ use std::ops::Range;
 
 use super::{Isa, KernelError};
 use crate::disjoint::{Tile, TileGrid};
-use crate::quant::acts::QBLOCK;
-use crate::quant::packed::{PackKind, PackedMatrix, WeightMatrix, GROUP};
+use crate::quant::acts::{ActSums, QBLOCK};
+use crate::quant::packed::{PackedMatrix, Scales, Values, WeightMatrix, GROUP};
 use crate::quant::QuantizedActs;
 use crate::threadpool::ThreadPool;
 
@@ -59,7 +59,7 @@ fn check_job(job: &PackedJob, out: &Tile<f32>) {
     );
     let nb = w.blocks();
     assert!(
-        w.data().len() >= w.groups() * nb * w.format.unit_bytes(),
+        w.k.is_multiple_of(w.format.super_len()) && w.data().len() >= w.groups() * w.group_bytes(),
         "packed matrix bytes do not cover {} x {}",
         w.n,
         w.k
@@ -97,6 +97,23 @@ fn check_job(job: &PackedJob, out: &Tile<f32>) {
     );
 }
 
+/// The activations' extra sums when the weight format needs them (made on first use), checked to
+/// cover every block of the activations.
+fn job_sums<'a>(job: &PackedJob<'a>) -> Option<&'a ActSums> {
+    if !job.w.format.needs_act_sums() {
+        return None;
+    }
+    let a = job.acts;
+    let s = a.sums();
+    let nb = a.rows * a.blocks_per_row();
+    assert!(
+        s.s16.len() >= 2 * nb && s.sx.len() >= nb,
+        "activation sums are shorter than {} rows",
+        a.rows
+    );
+    Some(s)
+}
+
 /// Whether the activations carry their AMX tile layout for every whole 16-row tile.
 #[cfg(target_arch = "x86_64")]
 fn amx_tiles_ready(a: &QuantizedActs) -> bool {
@@ -114,6 +131,7 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
     if job.rows.is_empty() || job.groups.is_empty() {
         return;
     }
+    let sums = job_sums(job);
     let raw = RawOut {
         base: out.raw_base(),
         ld: out.ld(),
@@ -126,12 +144,14 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
         Isa::Avx512Vnni
             if job.rows.len() >= amx::TILE_ROWS
                 && job.rows.start.is_multiple_of(amx::TILE_ROWS)
-                && job.w.format.kind == PackKind::Nibble
+                && job.w.format.values == Values::Q4
+                && matches!(job.w.format.scales, Scales::F16 | Scales::F16Min)
                 && amx_tiles_ready(job.acts)
                 && amx::available() =>
         {
             // Whole 16-row tiles on AMX, the remaining rows on AVX-512 (identical arithmetic).
-            // 4-bit weights only: for 8-bit ones the AVX-512 kernel measured faster.
+            // 4-bit weights with per-block f16 scales only (Q4_0, Q4_1): for 8-bit ones the
+            // AVX-512 kernel measured faster, and the K-quants' scales are not written for it.
             let full = job.rows.start + job.rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
             // SAFETY: as above; AMX permission was granted (`amx::available`), the tile layout
             // covers every whole 16-row tile (`amx_tiles_ready`), and the two sub-jobs split
@@ -149,23 +169,24 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
                         rows: full..job.rows.end,
                         ..job.clone()
                     },
+                    sums,
                     raw,
                 );
             }
         }
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above (checked job and tile, AVX-512 VNNI detected).
-        Isa::Avx512Vnni => unsafe { avx512::packed(job, raw) },
+        Isa::Avx512Vnni => unsafe { avx512::packed(job, sums, raw) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above (checked job and tile, AVX2/FMA/F16C detected).
-        Isa::Avx2 => unsafe { avx2::packed(job, raw) },
+        Isa::Avx2 => unsafe { avx2::packed(job, sums, raw) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: as above (checked job and tile; NEON is baseline on aarch64).
-        Isa::Neon => unsafe { neon::packed(job, raw) },
+        Isa::Neon => unsafe { neon::packed(job, sums, raw) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: as above (checked job and tile, the dot-product extension detected).
-        Isa::NeonDot => unsafe { neon::packed_dot(job, raw) },
-        _ => scalar::packed(job, out),
+        Isa::NeonDot => unsafe { neon::packed_dot(job, sums, raw) },
+        _ => scalar::packed(job, sums, out),
     }
     let first_col = job.groups.start * GROUP - out.cols().start;
     super::inject_fault(isa, out.row_mut(job.rows.start).get_mut(first_col));
@@ -262,5 +283,5 @@ fn task_count(pool: &ThreadPool, units: usize, blocks_per_unit: usize) -> usize 
 
 /// Whether a packed matrix's values are 4-bit.
 pub fn is_nibble(w: &PackedMatrix) -> bool {
-    w.format.kind == PackKind::Nibble
+    w.format.values == Values::Q4
 }

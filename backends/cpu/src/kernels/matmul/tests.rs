@@ -1,17 +1,19 @@
-//! The scalar packed kernel against plain f32 arithmetic on the dequantized operands, and every
-//! SIMD kernel this machine can run against the scalar one, bit for bit.
+//! The scalar packed kernel against f64 arithmetic on the operands as the reference dequantizer
+//! gives them (the file's weights, the quantized activations), and every SIMD kernel this machine
+//! can run against the scalar one, bit for bit.
 
 use super::*;
 use crate::disjoint::Tile;
 use crate::quant::testing::{random_ggml_rows, TestRng};
 use npu_gguf::GgmlType;
 
-const TYPES: [GgmlType; 10] = [
+const TYPES: [GgmlType; 11] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
+    GgmlType::Q8K,
     GgmlType::Q2K,
     GgmlType::Q3K,
     GgmlType::Q4K,
@@ -52,37 +54,44 @@ fn run(isa: Isa, w: &PackedMatrix, a: &QuantizedActs, ldo: usize) -> Vec<f32> {
     out
 }
 
+/// The kernel's result is the exact product of the file's weights with the quantized activations,
+/// up to f32 rounding: for Q4_1/Q5_1 the minimum multiplies the activation block sum rounded
+/// through f16 (`s`, as llama.cpp's Q8_1 has it), which the reference takes as the kernel does.
 #[test]
 fn scalar_matches_dequantized_arithmetic() {
     for ty in TYPES {
         for &(rows, n, k) in &[(1usize, 16usize, 256usize), (3, 21, 512), (6, 48, 256)] {
-            let w = packed(ty, n, k, 5);
+            let bytes = random_ggml_rows(ty, n, k, 5);
+            let rb = ty.row_bytes(k).unwrap();
+            let w = match WeightMatrix::from_ggml_parts(&[(ty, &bytes, n)], k).unwrap() {
+                WeightMatrix::Packed(p) => p,
+                WeightMatrix::F32 { .. } => panic!("expected packed"),
+            };
             let (_, a) = acts(rows, k, 9);
             let got = run(Isa::Scalar, &w, &a, n);
             let mut wrow = vec![0f32; k];
             let f = w.format;
-            let unit = f.unit_bytes();
+            let f16_min = f.scales == crate::quant::packed::Scales::F16Min;
             for nn in 0..n {
-                w.dequantize_row(nn, &mut wrow);
+                npu_gguf::quants::dequantize_row(ty, &bytes[nn * rb..(nn + 1) * rb], &mut wrow);
                 let gd = w.group_data(nn / 16);
                 for m in 0..rows {
-                    // Per block: the exact product with the block's minimum taken out, plus the
-                    // minimum times the activation block sum as the kernel has it (s, f16-rounded).
                     let mut want = 0f64;
                     let mut mag = 0f64;
                     for b in 0..k / 32 {
-                        let (_, mn) = crate::quant::packed::unit_scale_min(
-                            f,
-                            &gd[b * unit..(b + 1) * unit],
-                            nn % 16,
-                        );
+                        let blk = m * k / 32 + b;
+                        let mn = if f16_min {
+                            crate::quant::packed::lane_scales(f, gd, f.block_at(b), nn % 16).m
+                        } else {
+                            0.0
+                        };
                         let span = b * 32..b * 32 + 32;
                         for (&q, &w) in a.qs[m * k..][span.clone()].iter().zip(&wrow[span]) {
-                            let xv = q as f64 * a.d[m * k / 32 + b] as f64;
+                            let xv = q as f64 * a.d[blk] as f64;
                             want += xv * (w - mn) as f64;
                             mag += (xv * w as f64).abs();
                         }
-                        want += mn as f64 * a.s[m * k / 32 + b] as f64;
+                        want += mn as f64 * a.s[blk] as f64;
                     }
                     let g = got[m * n + nn] as f64;
                     let tol = 1e-5 * mag + 1e-5;
