@@ -21,7 +21,7 @@ use std::ops::Range;
 use super::{Isa, KernelError};
 use crate::disjoint::{Tile, TileGrid};
 use crate::quant::acts::{ActSums, QBLOCK};
-use crate::quant::packed::{PackedMatrix, Scales, Values, WeightMatrix, GROUP};
+use crate::quant::packed::{PackedMatrix, Values, WeightMatrix, GROUP};
 use crate::quant::QuantizedActs;
 use crate::threadpool::ThreadPool;
 
@@ -145,7 +145,10 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
             if job.rows.len() >= amx::TILE_ROWS
                 && job.rows.start.is_multiple_of(amx::TILE_ROWS)
                 && job.w.format.values == Values::Q4
-                && matches!(job.w.format.scales, Scales::F16 | Scales::F16Min)
+                && matches!(
+                    job.w.format.scales,
+                    crate::quant::packed::Scales::F16 | crate::quant::packed::Scales::F16Min
+                )
                 && amx_tiles_ready(job.acts)
                 && amx::available() =>
         {
