@@ -2,6 +2,7 @@
 //! emulation). This file holds construction, memory, weights, the KV pool and step inputs; the
 //! kernels of a step are launched from `ops.rs`.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use npu_backend::{
@@ -12,8 +13,10 @@ use npu_gguf::quants::dequantize_row;
 
 use crate::buffer::{CudaBuffer, DeviceId, DeviceMem, Scratch};
 use crate::config::{CudaConfig, MatmulMode};
+use crate::cublas::{self, CublasApi};
 use crate::gpu::{DevPtr, Gpu};
 use crate::libs::{self, CudaLib};
+use crate::nvrtc::{self, NvrtcApi};
 use crate::step::{self, StepLayout};
 use crate::weights::{self, CudaEmbedding, CudaMatrix};
 
@@ -95,10 +98,64 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
+/// Loads the driver library, reads the CUDA version it supports, and loads NVRTC and cuBLAS of
+/// the newest major (13, else 12) that driver runs; `MissingLibrary` names each library missing
+/// and how to get it (CUDA 13's and CUDA 12's packages).
+pub fn open_libraries(
+    dirs: &[PathBuf],
+) -> Result<(Arc<NvrtcApi>, Arc<CublasApi>, (u32, u32)), BackendError> {
+    let missing = |message: String| BackendError::MissingLibrary {
+        backend: NAME,
+        message,
+    };
+    libs::require_driver(dirs).map_err(missing)?;
+    let driver = std::panic::catch_unwind(libs::driver_version)
+        .map_err(|p| BackendError::Device {
+            backend: NAME,
+            message: format!("the NVIDIA driver library failed: {}", panic_message(p)),
+        })?
+        .map_err(|message| BackendError::Device {
+            backend: NAME,
+            message,
+        })?;
+    if driver.0 < 12 {
+        return Err(BackendError::Device {
+            backend: NAME,
+            message: format!(
+                "this machine's NVIDIA driver supports CUDA {}.{}; the CUDA backend needs a \
+                 driver for CUDA 12 (525 or newer) or CUDA 13 (580 or newer)",
+                driver.0, driver.1
+            ),
+        });
+    }
+    let search = libs::Search::with_dirs(dirs.to_vec());
+    let n = nvrtc::api(&search, Some(driver.0));
+    let b = cublas::api(&search, Some(driver.0));
+    match (n, b) {
+        (Ok(n), Ok(b)) => Ok((n, b, driver)),
+        (n, b) => {
+            let mut why = Vec::new();
+            for (lib, e) in [(CudaLib::Nvrtc, n.err()), (CudaLib::Cublas, b.err())] {
+                if let Some(e) = e {
+                    why.push(format!("{e}. {}", lib.how_to_get()));
+                }
+            }
+            Err(missing(format!(
+                "{} (the driver supports CUDA {}.{}). A directory outside those paths is named \
+                 with NPU_SERVING_CUDA_LIB_DIR.",
+                why.join(". "),
+                driver.0,
+                driver.1
+            )))
+        }
+    }
+}
+
 impl CudaBackend {
-    /// Opens CUDA device `device` (0-based). Checks first that the driver library, NVRTC and
-    /// cuBLAS can be loaded, and fails with `BackendError::MissingLibrary` naming what is missing
-    /// and how to get it; a machine without CUDA never reaches cudarc.
+    /// Opens CUDA device `device` (0-based). Loads the driver library, NVRTC and cuBLAS first
+    /// (CUDA 13's or 12's, as the driver allows: `open_libraries`) and fails with
+    /// `BackendError::MissingLibrary` naming what is missing and how to get it; a machine
+    /// without CUDA never reaches cudarc's device calls.
     ///
     /// With the `emulation` feature and `NPU_SERVING_CUDA_EMULATION=1` it opens the CPU
     /// emulation of the kernels instead (see [`crate::config::ENV_EMULATION`]).
@@ -111,15 +168,10 @@ impl CudaBackend {
             );
             return Self::emulated(cfg);
         }
-        libs::require(&CudaLib::ALL, &cfg.lib_dirs).map_err(|message| {
-            BackendError::MissingLibrary {
-                backend: NAME,
-                message,
-            }
-        })?;
+        let (nvrtc, blas, driver) = open_libraries(&cfg.lib_dirs)?;
         let cache = cfg.kernel_cache.clone();
         let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            crate::driver::CudaGpu::open(device, cache)
+            crate::driver::CudaGpu::open(device, cache, &nvrtc, blas, driver)
         }))
         .map_err(|p| BackendError::Device {
             backend: NAME,

@@ -1,22 +1,27 @@
-//! The real device: a CUDA context and stream through cudarc's driver API (loaded at run time),
-//! the kernel program compiled by NVRTC and loaded as a module, cuBLAS for the GEMM, and a
-//! pinned host buffer that reads land in.
+//! The real device: a CUDA context and stream through cudarc's driver API (loaded at run time,
+//! versioned entry points of CUDA 12.4 that CUDA 12 and 13 drivers export), the kernel program
+//! compiled by NVRTC (13 or 12, see `nvrtc`) and loaded as a module, cuBLAS (13 or 12, see
+//! `cublas`) for the GEMM, pinned staging buffers for host→device copies and a capped pinned
+//! buffer that reads land in (`staging`).
 //!
 //! Every call first makes the context current on the calling thread (the backend may move between
-//! threads). Raw driver calls go through cudarc's `result` layer; each is checked and turned into
-//! a `BackendError::Device` naming the call.
+//! threads). Raw driver calls go through cudarc's `result`/`sys` layers; each is checked and
+//! turned into a `BackendError::Device` naming the call. An error that leaves the context
+//! unusable is remembered and answers every later call (`fault`).
 
 use std::ffi::{c_void, CString};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::{result as cublas, sys as cublas_sys};
-use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
+use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream, DriverError};
 use npu_backend::{BackendError, DType, MemInfo};
 
+use crate::cublas::{self, CublasApi};
+use crate::fault::{self, Fault};
 use crate::gpu::{Args, DevPtr, Gemm, Gpu, LaunchDims};
 use crate::kernels;
-use crate::nvrtc;
+use crate::nvrtc::{self, Image, NvrtcApi};
+use crate::staging::{self, StageDevice, Staging, STAGE_BUFFERS, STAGE_BYTES};
 
 const NAME: &str = "cuda";
 
@@ -27,10 +32,33 @@ fn dev_err(call: &str, e: impl std::fmt::Debug) -> BackendError {
     }
 }
 
-/// Pinned host memory that device→host reads land in.
+/// Pinned host memory.
 struct Pinned {
     ptr: *mut u8,
     bytes: usize,
+}
+
+impl Pinned {
+    const fn empty() -> Self {
+        Self {
+            ptr: std::ptr::null_mut(),
+            bytes: 0,
+        }
+    }
+}
+
+/// The host→device staging ring: its pinned buffers and the event after each one's last copy.
+struct Stage {
+    ring: Staging,
+    bufs: [*mut u8; STAGE_BUFFERS],
+    events: [drv_sys::CUevent; STAGE_BUFFERS],
+}
+
+/// The versions the device runs with, for its description and error messages.
+#[derive(Debug, Clone, Copy)]
+pub struct Versions {
+    pub driver: (u32, u32),
+    pub nvrtc: (i32, i32),
 }
 
 /// The device, its stream, the loaded kernels and the cuBLAS handle.
@@ -39,25 +67,90 @@ pub struct CudaGpu {
     stream: Arc<CudaStream>,
     module: drv_sys::CUmodule,
     functions: Vec<drv_sys::CUfunction>,
-    cublas: cublas_sys::cublasHandle_t,
-    pinned: Mutex<Pinned>,
+    blas: Arc<CublasApi>,
+    handle: cublas::Handle,
+    stage: Mutex<Stage>,
+    read_buf: Mutex<Pinned>,
+    fault: Fault,
+    sync_each: bool,
     description: String,
     sm_count: u32,
     max_smem: u32,
 }
 
-// SAFETY: the raw handles (module, functions, cuBLAS handle, pinned pointer) are owned by this
-// value and used only through its methods; the driver API and cuBLAS are thread-safe for these
-// uses once the context is current, which every method ensures; the pinned buffer is behind a
-// mutex.
+// SAFETY: the raw handles (module, functions, cuBLAS handle, pinned pointers, events) are owned
+// by this value and used only through its methods; the driver API and cuBLAS are thread-safe for
+// these uses once the context is current, which every method ensures; the pinned buffers are
+// behind mutexes.
 unsafe impl Send for CudaGpu {}
 // SAFETY: as above.
 unsafe impl Sync for CudaGpu {}
 
+/// cuModuleLoadDataEx with an error-log buffer: the JIT's log names what it refused in a PTX
+/// image.
+fn load_module(image: &Image, v: &Versions) -> Result<drv_sys::CUmodule, String> {
+    const LOG: usize = 16 << 10;
+    let mut log = vec![0u8; LOG];
+    let mut opts = [
+        drv_sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        drv_sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ];
+    let mut vals: [*mut c_void; 2] = [log.as_mut_ptr() as *mut c_void, LOG as *mut c_void];
+    let mut module: drv_sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: the image is a complete CUBIN, or PTX text ending in NUL, and outlives the call;
+    // the option arrays hold two entries whose values are a writable buffer and its size.
+    let r = unsafe {
+        drv_sys::cuModuleLoadDataEx(
+            &mut module,
+            image.bytes.as_ptr() as *const c_void,
+            2,
+            opts.as_mut_ptr(),
+            vals.as_mut_ptr(),
+        )
+    };
+    if r == drv_sys::CUresult::CUDA_SUCCESS {
+        return Ok(module);
+    }
+    let end = log.iter().position(|&b| b == 0).unwrap_or(0);
+    let jit_log = String::from_utf8_lossy(&log[..end]).trim().to_string();
+    let mut msg = format!(
+        "cuModuleLoadDataEx ({} from NVRTC {}.{}, driver for CUDA {}.{}) failed: {r:?}",
+        image.target.tag(),
+        v.nvrtc.0,
+        v.nvrtc.1,
+        v.driver.0,
+        v.driver.1
+    );
+    if r == drv_sys::CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+        || (v.nvrtc.0 as u32, v.nvrtc.1 as u32) > v.driver
+    {
+        msg.push_str(&format!(
+            " (NVRTC {}.{} is newer than this driver's CUDA {}.{}: use the NVRTC of CUDA {}.{} or \
+             older, or update the driver)",
+            v.nvrtc.0, v.nvrtc.1, v.driver.0, v.driver.1, v.driver.0, v.driver.1
+        ));
+    }
+    if !jit_log.is_empty() {
+        msg.push_str(&format!("; JIT log: {jit_log}"));
+    }
+    Err(msg)
+}
+
 impl CudaGpu {
-    /// Opens device `ordinal`: context, stream, kernels (compiled or from the cache), cuBLAS.
-    /// The libraries must have been checked (`libs::require`) before this is called.
-    pub fn open(ordinal: usize, kernel_cache: Option<PathBuf>) -> Result<Self, BackendError> {
+    /// Opens device `ordinal`: context, stream, kernels (compiled by `nvrtc` or from the cache),
+    /// cuBLAS. The driver library must have been checked (`libs::require_driver`) and the
+    /// libraries loaded before this is called.
+    pub fn open(
+        ordinal: usize,
+        kernel_cache: Option<PathBuf>,
+        nvrtc: &NvrtcApi,
+        blas: Arc<CublasApi>,
+        driver: (u32, u32),
+    ) -> Result<Self, BackendError> {
+        let versions = Versions {
+            driver,
+            nvrtc: nvrtc.version,
+        };
         let count = CudaContext::device_count().map_err(|e| BackendError::Device {
             backend: NAME,
             message: format!(
@@ -94,84 +187,116 @@ impl CudaGpu {
         let total = ctx.total_mem().unwrap_or(0);
 
         let target =
-            nvrtc::target_for(major as u32, minor as u32).map_err(|m| BackendError::Device {
+            nvrtc
+                .target_for(major as u32, minor as u32)
+                .map_err(|m| BackendError::Device {
+                    backend: NAME,
+                    message: m,
+                })?;
+        ctx.bind_to_thread()
+            .map_err(|e| dev_err("cuCtxSetCurrent", e))?;
+        let source = kernels::program_source();
+        let key = nvrtc::cache_key(&source, target, nvrtc.version);
+        let compile = || nvrtc.compile_source(&source, target);
+        let load = |img: &Image| load_module(img, &versions);
+        let module = nvrtc::load_with_retry(&key, target, kernel_cache.as_deref(), &compile, &load)
+            .map_err(|m| BackendError::Device {
                 backend: NAME,
                 message: m,
             })?;
-        let image = nvrtc::kernel_image(target, kernel_cache.as_deref()).map_err(|m| {
-            BackendError::Device {
-                backend: NAME,
-                message: m,
-            }
-        })?;
-        ctx.bind_to_thread()
-            .map_err(|e| dev_err("cuCtxSetCurrent", e))?;
-        // SAFETY: the image is a complete CUBIN, or PTX text ending in NUL, as cuModuleLoadData
-        // requires; it outlives the call.
-        let module = unsafe { drv::module::load_data(image.bytes.as_ptr() as *const c_void) }
-            .map_err(|e| dev_err("cuModuleLoadData", e))?;
         // Everything fallible after the module load releases what it made on failure.
-        let setup =
-            || -> Result<(Vec<drv_sys::CUfunction>, cublas_sys::cublasHandle_t), BackendError> {
-                let mut functions = Vec::new();
-                for name in kernels::kernel_names() {
-                    let c = CString::new(name.clone()).expect("kernel names have no NUL");
-                    // SAFETY: `module` was loaded above and stays loaded while it is used.
-                    let f = unsafe { drv::module::get_function(module, c) }
-                        .map_err(|e| dev_err(&format!("cuModuleGetFunction({name})"), e))?;
-                    functions.push(f);
-                }
-                for k in kernels::large_smem_kernels() {
-                    // SAFETY: a function of the loaded module; the value is the device's opt-in
-                    // limit.
-                    unsafe {
+        let mut made = Made::default();
+        let setup = |made: &mut Made| -> Result<(), BackendError> {
+            for name in kernels::kernel_names() {
+                let c = CString::new(name.clone()).expect("kernel names have no NUL");
+                // SAFETY: `module` was loaded above and stays loaded while it is used.
+                let f = unsafe { drv::module::get_function(module, c) }
+                    .map_err(|e| dev_err(&format!("cuModuleGetFunction({name})"), e))?;
+                made.functions.push(f);
+            }
+            for k in kernels::large_smem_kernels() {
+                // SAFETY: a function of the loaded module; the value is the device's opt-in
+                // limit.
+                unsafe {
                     drv::function::set_function_attribute(
-                        functions[k],
+                        made.functions[k],
                         drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         max_smem as i32,
                     )
                 }
                 .map_err(|e| dev_err("cuFuncSetAttribute", e))?;
-                }
-                let handle = cublas::create_handle().map_err(|e| dev_err("cublasCreate", e))?;
-                // SAFETY: a live handle and a live stream of the current context.
-                let bound = unsafe {
-                    cublas::set_stream(handle, stream.cu_stream() as cublas_sys::cudaStream_t)
-                };
-                if let Err(e) = bound {
-                    // SAFETY: the handle was created above and is not used again.
-                    let _ = unsafe { cublas::destroy_handle(handle) };
-                    return Err(dev_err("cublasSetStream", e));
-                }
-                Ok((functions, handle))
-            };
-        let (functions, handle) = match setup() {
-            Ok(v) => v,
-            Err(e) => {
-                // SAFETY: nothing refers to the module any more.
-                let _ = unsafe { drv::module::unload(module) };
-                return Err(e);
             }
+            let handle = blas.create().map_err(|m| dev_err("cublasCreate", m))?;
+            made.handle = Some(handle);
+            // SAFETY: a live handle and a live stream of the current context.
+            unsafe { blas.set_stream(handle, stream.cu_stream() as *mut c_void) }
+                .map_err(|m| dev_err("cublasSetStream", m))?;
+            for _ in 0..STAGE_BUFFERS {
+                // SAFETY: a fresh pinned allocation, freed on failure or by Drop.
+                let p = unsafe { drv::malloc_host(STAGE_BYTES, 0) }
+                    .map_err(|e| dev_err("cuMemHostAlloc (staging)", e))?;
+                made.pinned.push(p as *mut u8);
+                let ev = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| dev_err("cuEventCreate", e))?;
+                made.events.push(ev);
+            }
+            Ok(())
         };
+        if let Err(e) = setup(&mut made) {
+            // SAFETY: nothing else refers to what was made.
+            unsafe {
+                for &ev in &made.events {
+                    let _ = drv::event::destroy(ev);
+                }
+                for &p in &made.pinned {
+                    let _ = drv::free_host(p as *mut c_void);
+                }
+                if let Some(h) = made.handle {
+                    let _ = blas.destroy(h);
+                }
+                let _ = drv::module::unload(module);
+            }
+            return Err(e);
+        }
         let description = format!(
-            "{name} (device {ordinal}, sm_{major}{minor}, {} SMs, {:.1} GiB, kernels as {})",
+            "{name} (device {ordinal}, sm_{major}{minor}, {} SMs, {:.1} GiB; driver for CUDA \
+             {}.{}, NVRTC {}.{}, cuBLAS {}.{}.{}; kernels as {})",
             sm_count,
             total as f64 / (1u64 << 30) as f64,
+            driver.0,
+            driver.1,
+            nvrtc.version.0,
+            nvrtc.version.1,
+            blas.version.0,
+            blas.version.1,
+            blas.version.2,
             match target {
                 nvrtc::Target::Cubin(..) => "CUBIN".to_string(),
                 nvrtc::Target::Ptx(a, b) => format!("PTX for compute_{a}{b}"),
             }
         );
+        let sync_each = fault::sync_each_launch();
+        if sync_each {
+            tracing::warn!(
+                "cuda: {}=1: synchronizing after every launch (slow)",
+                fault::ENV_SYNC
+            );
+        }
         let gpu = Self {
             ctx,
             stream,
             module,
-            functions,
-            cublas: handle,
-            pinned: Mutex::new(Pinned {
-                ptr: std::ptr::null_mut(),
-                bytes: 0,
+            functions: made.functions,
+            blas,
+            handle: made.handle.expect("made above"),
+            stage: Mutex::new(Stage {
+                ring: Staging::new(STAGE_BYTES),
+                bufs: [made.pinned[0], made.pinned[1]],
+                events: [made.events[0], made.events[1]],
             }),
+            read_buf: Mutex::new(Pinned::empty()),
+            fault: Fault::default(),
+            sync_each,
             description,
             sm_count,
             max_smem,
@@ -228,32 +353,97 @@ impl CudaGpu {
         Ok(())
     }
 
+    /// Checks for an earlier fatal fault, then makes the context current.
     fn bind(&self) -> Result<(), BackendError> {
+        self.fault.check()?;
         self.ctx
             .bind_to_thread()
-            .map_err(|e| dev_err("cuCtxSetCurrent", e))
+            .map_err(|e| self.err("cuCtxSetCurrent", e))
+    }
+
+    /// The error for a failed driver call; a context-killing one is remembered.
+    fn err(&self, call: &str, e: DriverError) -> BackendError {
+        if fault::is_sticky(e.0 as u32) {
+            self.fault.fatal(call, &format!("{:?}", e.0))
+        } else {
+            dev_err(call, e.0)
+        }
     }
 
     fn cu_stream(&self) -> drv_sys::CUstream {
         self.stream.cu_stream()
     }
+
+    fn sync_stream(&self, call: &str) -> Result<(), BackendError> {
+        // SAFETY: our own stream.
+        unsafe { drv::stream::synchronize(self.cu_stream()) }.map_err(|e| self.err(call, e))
+    }
+}
+
+/// What `open` made after the module load, released on failure.
+#[derive(Default)]
+struct Made {
+    functions: Vec<drv_sys::CUfunction>,
+    handle: Option<cublas::Handle>,
+    pinned: Vec<*mut u8>,
+    events: Vec<drv_sys::CUevent>,
 }
 
 impl Drop for CudaGpu {
     fn drop(&mut self) {
-        if self.bind().is_err() {
+        if self.ctx.bind_to_thread().is_err() {
             return;
         }
-        // SAFETY: after the stream drained, nothing uses the pinned buffer, the cuBLAS handle or
-        // the module; each is released once.
+        // SAFETY: after the stream drained, nothing uses the pinned buffers, the events, the
+        // cuBLAS handle or the module; each is released once.
         unsafe {
             let _ = drv::stream::synchronize(self.cu_stream());
-            let p = self.pinned.get_mut().unwrap_or_else(|e| e.into_inner());
+            let st = self.stage.get_mut().unwrap_or_else(|e| e.into_inner());
+            for i in 0..STAGE_BUFFERS {
+                let _ = drv::event::destroy(st.events[i]);
+                let _ = drv::free_host(st.bufs[i] as *mut c_void);
+            }
+            let p = self.read_buf.get_mut().unwrap_or_else(|e| e.into_inner());
             if !p.ptr.is_null() {
                 let _ = drv::free_host(p.ptr as *mut c_void);
             }
-            let _ = cublas::destroy_handle(self.cublas);
+            let _ = self.blas.destroy(self.handle);
             let _ = drv::module::unload(self.module);
+        }
+    }
+}
+
+/// The staging ring's view of the device.
+struct RingDevice<'a> {
+    gpu: &'a CudaGpu,
+    bufs: [*mut u8; STAGE_BUFFERS],
+    events: [drv_sys::CUevent; STAGE_BUFFERS],
+}
+
+impl StageDevice for RingDevice<'_> {
+    fn buffer(&self, i: usize) -> *mut u8 {
+        self.bufs[i]
+    }
+    fn wait(&self, i: usize) -> Result<(), BackendError> {
+        // SAFETY: an event of ours, recorded on our stream.
+        unsafe { drv::event::synchronize(self.events[i]) }
+            .map_err(|e| self.gpu.err("cuEventSynchronize (staging)", e))
+    }
+    fn copy(&self, i: usize, dst: DevPtr, len: usize) -> Result<(), BackendError> {
+        // SAFETY: the source is pinned buffer `i` holding `len` valid bytes, not written again
+        // before the event recorded after this copy completes; the caller names a device range
+        // of `len` bytes inside one allocation.
+        unsafe {
+            drv_sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                self.bufs[i] as *const c_void,
+                len,
+                self.gpu.cu_stream(),
+            )
+            .result()
+            .map_err(|e| self.gpu.err("cuMemcpyHtoDAsync", e))?;
+            drv::event::record(self.events[i], self.gpu.cu_stream())
+                .map_err(|e| self.gpu.err("cuEventRecord", e))
         }
     }
 }
@@ -273,7 +463,7 @@ impl Gpu for CudaGpu {
 
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         self.bind()?;
-        let (free, total) = drv::mem_get_info().map_err(|e| dev_err("cuMemGetInfo", e))?;
+        let (free, total) = drv::mem_get_info().map_err(|e| self.err("cuMemGetInfo", e))?;
         Ok(MemInfo {
             free: free as u64,
             total: total as u64,
@@ -295,12 +485,13 @@ impl Gpu for CudaGpu {
                 drv::malloc_sync(bytes).map_err(oom)?
             };
             drv::memset_d8_async(ptr, 0, bytes, self.cu_stream())
-                .map_err(|e| dev_err("cuMemsetD8Async", e))?;
+                .map_err(|e| self.err("cuMemsetD8Async", e))?;
             Ok(ptr)
         }
     }
 
     fn free(&self, ptr: DevPtr, _bytes: usize) {
+        // After a fault the context is gone: nothing to free into, nothing to report again.
         if self.bind().is_err() {
             return;
         }
@@ -314,7 +505,8 @@ impl Gpu for CudaGpu {
             }
         };
         if let Err(e) = r {
-            tracing::warn!("cuda: freeing device memory failed: {e:?}");
+            let e = self.err("cuMemFree", e);
+            tracing::warn!("cuda: freeing device memory failed: {e}");
         }
     }
 
@@ -323,10 +515,13 @@ impl Gpu for CudaGpu {
             return Ok(());
         }
         self.bind()?;
-        // SAFETY: the caller names a device range of src.len() bytes inside one allocation.
-        // From pageable memory the driver stages `src` before returning, so it may be reused.
-        unsafe { drv::memcpy_htod_async(dst, src, self.cu_stream()) }
-            .map_err(|e| dev_err("cuMemcpyHtoDAsync", e))
+        let mut st = self.stage.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = RingDevice {
+            gpu: self,
+            bufs: st.bufs,
+            events: st.events,
+        };
+        st.ring.htod(&dev, dst, src)
     }
 
     fn dtod(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), BackendError> {
@@ -336,64 +531,75 @@ impl Gpu for CudaGpu {
         self.bind()?;
         // SAFETY: the caller names two device ranges of `bytes` inside live allocations.
         unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }
-            .map_err(|e| dev_err("cuMemcpyDtoDAsync", e))
+            .map_err(|e| self.err("cuMemcpyDtoDAsync", e))
     }
 
     fn read(&self, regions: &[(DevPtr, usize)], out: &mut Vec<u8>) -> Result<(), BackendError> {
         self.bind()?;
-        let total: usize = regions.iter().map(|r| r.1).sum();
-        let mut pinned = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
-        if pinned.bytes < total {
-            // SAFETY: the old buffer is idle (reads complete before `read` returns) and replaced
-            // by a fresh one of `total` bytes.
-            unsafe {
-                if !pinned.ptr.is_null() {
-                    drv::free_host(pinned.ptr as *mut c_void)
-                        .map_err(|e| dev_err("cuMemFreeHost", e))?;
-                    pinned.ptr = std::ptr::null_mut();
-                    pinned.bytes = 0;
-                }
-                let p = drv::malloc_host(total, 0).map_err(|e| dev_err("cuMemHostAlloc", e))?;
-                pinned.ptr = p as *mut u8;
-                pinned.bytes = total;
-            }
-        }
-        let mut at = 0usize;
-        for &(src, bytes) in regions {
-            if bytes == 0 {
-                continue;
-            }
-            // SAFETY: `pinned` holds `total` bytes, so [at, at + bytes) is inside it and no other
-            // read uses it (mutex); the device range is the caller's; the stream sync below
-            // completes the copy before the host reads the buffer.
-            unsafe {
-                let dst = std::slice::from_raw_parts_mut(pinned.ptr.add(at), bytes);
-                drv::memcpy_dtoh_async(dst, src, self.cu_stream())
-                    .map_err(|e| dev_err("cuMemcpyDtoHAsync", e))?;
-            }
-            at += bytes;
-        }
-        // SAFETY: our own stream.
-        unsafe { drv::stream::synchronize(self.cu_stream()) }
-            .map_err(|e| dev_err("cuStreamSynchronize", e))?;
         out.clear();
-        if total > 0 {
+        let batches = staging::read_batches(regions, staging::READ_CAP);
+        if batches.is_empty() {
+            // Nothing to copy, but the read still waits for the queued work.
+            return self.sync_stream("cuStreamSynchronize");
+        }
+        let mut pinned = self.read_buf.lock().unwrap_or_else(|e| e.into_inner());
+        for batch in batches {
+            let total: usize = batch.iter().map(|p| p.1).sum();
+            if pinned.bytes < total {
+                // SAFETY: the old buffer is idle (each batch completes before the next) and
+                // replaced by a fresh one of `total` bytes (at most READ_CAP).
+                unsafe {
+                    if !pinned.ptr.is_null() {
+                        drv::free_host(pinned.ptr as *mut c_void)
+                            .map_err(|e| self.err("cuMemFreeHost", e))?;
+                        *pinned = Pinned::empty();
+                    }
+                    let p =
+                        drv::malloc_host(total, 0).map_err(|e| self.err("cuMemHostAlloc", e))?;
+                    *pinned = Pinned {
+                        ptr: p as *mut u8,
+                        bytes: total,
+                    };
+                }
+            }
+            let mut at = 0usize;
+            for &(src, bytes) in &batch {
+                // SAFETY: `pinned` holds at least `total` bytes, so [at, at + bytes) is inside
+                // it and no other read uses it (mutex); the device range is the caller's; the
+                // stream sync below completes the copy before the host reads the buffer.
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(pinned.ptr.add(at), bytes);
+                    drv::memcpy_dtoh_async(dst, src, self.cu_stream())
+                        .map_err(|e| self.err("cuMemcpyDtoHAsync", e))?;
+                }
+                at += bytes;
+            }
+            self.sync_stream("cuStreamSynchronize")?;
             // SAFETY: the copies above completed and filled `total` bytes.
             out.extend_from_slice(unsafe { std::slice::from_raw_parts(pinned.ptr, total) });
         }
+        // Every staged upload completed with the stream.
+        self.stage
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ring
+            .drained();
         Ok(())
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {
         self.bind()?;
-        // SAFETY: our own stream.
-        unsafe { drv::stream::synchronize(self.cu_stream()) }
-            .map_err(|e| dev_err("cuStreamSynchronize", e))
+        self.sync_stream("cuStreamSynchronize")
     }
 
     fn launch(&self, kernel: usize, dims: LaunchDims, args: &mut Args) -> Result<(), BackendError> {
         self.bind()?;
         let f = self.functions[kernel];
+        let name = &kernels::kernel_names()[kernel];
+        self.fault.launched(format!(
+            "{name} grid {:?} block {:?} smem {}",
+            dims.grid, dims.block, dims.smem
+        ));
         let mut params = args.params();
         // SAFETY: `f` is a kernel of the loaded module; the backend packs exactly the parameters
         // its signature declares (checked against the CPU reference on the emulation), with
@@ -408,20 +614,22 @@ impl Gpu for CudaGpu {
                 &mut params,
             )
         }
-        .map_err(|e| {
-            dev_err(
-                &format!("cuLaunchKernel({})", kernels::kernel_names()[kernel]),
-                e,
-            )
-        })
+        .map_err(|e| self.err(&format!("cuLaunchKernel({name})"), e))?;
+        if self.sync_each {
+            self.sync_stream(&format!(
+                "{name} (grid {:?}, block {:?}, NPU_SERVING_CUDA_SYNC=1)",
+                dims.grid, dims.block
+            ))?;
+        }
+        Ok(())
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), BackendError> {
         self.bind()?;
         let ty = |d: DType| match d {
-            DType::F16 => Ok(cublas_sys::cudaDataType::CUDA_R_16F),
-            DType::BF16 => Ok(cublas_sys::cudaDataType::CUDA_R_16BF),
-            DType::F32 => Ok(cublas_sys::cudaDataType::CUDA_R_32F),
+            DType::F16 => Ok(cublas::R_16F),
+            DType::BF16 => Ok(cublas::R_16BF),
+            DType::F32 => Ok(cublas::R_32F),
             DType::I32 => Err(BackendError::Unsupported {
                 backend: NAME,
                 what: "an i32 GEMM".into(),
@@ -435,32 +643,30 @@ impl Gpu for CudaGpu {
             })
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
+        self.fault
+            .launched(format!("cublasGemmEx m {} n {} k {}", g.m, g.n, g.k));
         // SAFETY: the handle is bound to our stream; A, B and C are device ranges the caller
         // checked against the sizes given; alpha and beta are host f32 values (the handle's
         // default pointer mode) matching the f32 compute type.
         unsafe {
-            cublas::gemm_ex(
-                self.cublas,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                int(g.m, "m")?,
-                int(g.n, "n")?,
-                int(g.k, "k")?,
+            self.blas.gemm_ex(
+                self.handle,
+                (cublas::OP_T, cublas::OP_N),
+                (int(g.m, "m")?, int(g.n, "n")?, int(g.k, "k")?),
                 &alpha as *const f32 as *const c_void,
-                g.a as *const c_void,
-                ab,
-                int(g.lda, "lda")?,
-                g.b as *const c_void,
-                ab,
-                int(g.ldb, "ldb")?,
+                (g.a as *const c_void, ab, int(g.lda, "lda")?),
+                (g.b as *const c_void, ab, int(g.ldb, "ldb")?),
                 &beta as *const f32 as *const c_void,
-                g.c as *mut c_void,
-                c,
-                int(g.ldc, "ldc")?,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                (g.c as *mut c_void, c, int(g.ldc, "ldc")?),
             )
         }
-        .map_err(|e| dev_err("cublasGemmEx", e))
+        .map_err(|m| dev_err("cublasGemmEx", m))?;
+        if self.sync_each {
+            self.sync_stream(&format!(
+                "cublasGemmEx m {} n {} k {} (NPU_SERVING_CUDA_SYNC=1)",
+                g.m, g.n, g.k
+            ))?;
+        }
+        Ok(())
     }
 }

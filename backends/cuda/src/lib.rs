@@ -20,19 +20,22 @@
 pub mod backend;
 pub mod buffer;
 pub mod config;
+pub mod cublas;
 mod driver;
 #[cfg(feature = "emulation")]
 pub mod emu;
+pub mod fault;
 pub mod gpu;
 pub mod kernels;
 pub mod libs;
 mod matmul;
 pub mod nvrtc;
 mod ops;
+pub mod staging;
 pub mod step;
 pub mod weights;
 
-pub use backend::CudaBackend;
+pub use backend::{open_libraries, CudaBackend};
 pub use buffer::CudaBuffer;
 pub use config::{CudaConfig, MatmulMode};
 pub use weights::{CudaEmbedding, CudaMatrix};

@@ -3,11 +3,10 @@
 //! on a machine with the driver but no GPU the error names the device instead.
 
 use npu_backend::BackendError;
-use npu_backend_cuda::libs::CudaLib;
 use npu_backend_cuda::{CudaBackend, CudaConfig};
 
 fn driver_present() -> bool {
-    npu_backend_cuda::libs::require(&[CudaLib::Driver], &[]).is_ok()
+    npu_backend_cuda::libs::require_driver(&[]).is_ok()
 }
 
 #[test]
