@@ -168,6 +168,7 @@ fn spec(agent_id: u32) -> AgentSpec {
             swap_space_mb: 0,
             handoff: None,
             kv_memory_fraction: None,
+            tensor_parallel: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: PathBuf::from("/echo/model.gguf"),

@@ -167,6 +167,7 @@ impl Harness {
             swap_space_mb: 0,
             handoff: None,
             kv_memory_fraction: None,
+            tensor_parallel: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: model(),

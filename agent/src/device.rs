@@ -11,9 +11,10 @@
 
 use std::sync::Arc;
 
-use npu_backend::{Backend, BackendError, StepInputs};
+use npu_backend::{Backend, BackendError, Collective, HostCollective, HostStaged, StepInputs};
 use npu_backend_cpu::threadpool::ThreadPool;
 use npu_backend_cpu::{CpuBackend, CpuConfig};
+use npu_gguf::hparams::shard::RankShard;
 use npu_gguf::GgufFile;
 pub use npu_protocol::agent::DeviceKind;
 
@@ -63,6 +64,20 @@ pub struct DeviceSpec {
     pub device_id: u32,
 }
 
+/// One rank's part of a tensor-parallel group: its shard and the group's collectives in host
+/// memory. Every backend runs them staged through the host (`HostStaged`); a backend with a
+/// device library of its own (NCCL, HCCL) would take a `Collective` of its own here instead.
+pub struct TpSetup {
+    pub shard: RankShard,
+    pub host: Box<dyn HostCollective>,
+}
+
+impl TpSetup {
+    fn staged<B: Backend>(self) -> Option<(RankShard, Box<dyn Collective<B>>)> {
+        Some((self.shard, Box::new(HostStaged::new(self.host))))
+    }
+}
+
 /// A model on one of the backends compiled in.
 pub enum DeviceModel {
     // Boxed: the models differ in size by backend, and the enum is moved around whole.
@@ -95,6 +110,17 @@ impl DeviceModel {
         pool: &Arc<ThreadPool>,
         opts: ModelOptions,
     ) -> Result<Self, ModelError> {
+        Self::load_shard(file, spec, pool, opts, None)
+    }
+
+    /// `load` of one rank's shard of a tensor-parallel group (None: the whole model).
+    pub fn load_shard(
+        file: &GgufFile,
+        spec: DeviceSpec,
+        pool: &Arc<ThreadPool>,
+        opts: ModelOptions,
+        tp: Option<TpSetup>,
+    ) -> Result<Self, ModelError> {
         match spec.kind {
             DeviceKind::Cpu => {
                 if spec.device_id != 0 {
@@ -108,7 +134,10 @@ impl DeviceModel {
                     f32_reference: false,
                 };
                 let backend = CpuBackend::on_pool(pool.clone(), cfg);
-                Ok(Self::Cpu(Box::new(Model::load(file, backend, opts)?)))
+                let tp = tp.and_then(TpSetup::staged);
+                Ok(Self::Cpu(Box::new(Model::load_shard(
+                    file, backend, opts, tp,
+                )?)))
             }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda => {
@@ -118,7 +147,10 @@ impl DeviceModel {
                     message,
                 })?;
                 let backend = CudaBackend::new(spec.device_id as usize, cfg)?;
-                Ok(Self::Cuda(Box::new(Model::load(file, backend, opts)?)))
+                let tp = tp.and_then(TpSetup::staged);
+                Ok(Self::Cuda(Box::new(Model::load_shard(
+                    file, backend, opts, tp,
+                )?)))
             }
             #[cfg(feature = "ascend")]
             DeviceKind::Ascend => {
@@ -129,7 +161,10 @@ impl DeviceModel {
                     agent_index: 0,
                     ..AscendConfig::default()
                 })?;
-                Ok(Self::Ascend(Box::new(Model::load(file, backend, opts)?)))
+                let tp = tp.and_then(TpSetup::staged);
+                Ok(Self::Ascend(Box::new(Model::load_shard(
+                    file, backend, opts, tp,
+                )?)))
             }
             #[allow(unreachable_patterns)]
             other => Err(not_built(other).into()),
@@ -138,6 +173,16 @@ impl DeviceModel {
 
     pub fn config(&self) -> &ModelConfig {
         dispatch!(self, m => &m.cfg)
+    }
+
+    /// This rank's shard (the whole model without tensor parallelism).
+    pub fn shard(&self) -> RankShard {
+        dispatch!(self, m => m.shard())
+    }
+
+    /// What carries the collectives of a tensor-parallel rank (None otherwise).
+    pub fn describe_collectives(&self) -> Option<String> {
+        dispatch!(self, m => m.describe_collectives())
     }
 
     /// The backend, instruction set or architecture, for logs and the handshake.

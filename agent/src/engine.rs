@@ -16,7 +16,7 @@ use npu_protocol::{
 };
 use thiserror::Error;
 
-use crate::device::{DeviceModel, DeviceSpec};
+use crate::device::{DeviceModel, DeviceSpec, TpSetup};
 use crate::kv_host::{measure_copy_bandwidth, CopyBandwidth, HostKvPool};
 use crate::long_context::select::Heads;
 use crate::long_context::{LongContext, LongContextStats};
@@ -75,6 +75,9 @@ pub struct AgentEngine {
     /// The region shared with the other agents through which KV blocks are handed over
     /// (prefill/decode disaggregation); None when the server set none up.
     handoff: Option<HandoffRegion>,
+    /// This agent's rank in its tensor-parallel group (0 without one): only rank 0 samples
+    /// and answers with tokens.
+    rank: u32,
 }
 
 /// Bytes of a step's inputs that go host->device (`begin_step`: tokens, positions, slot
@@ -110,6 +113,59 @@ fn long_context_layout(
         )));
     }
     Ok(layout)
+}
+
+/// Joins the tensor-parallel group `cfg` names, if any, and works out this rank's shard;
+/// refuses what cannot run split over ranks.
+fn tensor_parallel(
+    cfg: &AgentEngineConfig,
+    file: &GgufFile,
+) -> Result<Option<TpSetup>, EngineError> {
+    let Some(spec) = &cfg.tensor_parallel else {
+        return Ok(None);
+    };
+    let refuse = |what: &str| {
+        Err(EngineError::BadConfig(format!(
+            "tensor_parallel_size {}: {what} cannot run over a tensor-parallel group yet",
+            spec.size
+        )))
+    };
+    if spec.size < 2 || spec.rank >= spec.size {
+        return Err(EngineError::BadConfig(format!(
+            "tensor-parallel rank {} of a group of {}",
+            spec.rank, spec.size
+        )));
+    }
+    if cfg.long_context.is_some() {
+        return refuse("long-context mode");
+    }
+    if cfg.swap_space_mb > 0 {
+        return refuse("a host KV pool (swap_space_mb)");
+    }
+    if cfg.handoff.is_some() {
+        return refuse("a prefill/decode split");
+    }
+    let mc = ModelConfig::from_gguf(file).map_err(ModelError::from)?;
+    let shard =
+        npu_gguf::hparams::shard::shard(&mc, Some(file), spec.size as usize, spec.rank as usize)
+            .map_err(|e| {
+                EngineError::BadConfig(format!("tensor_parallel_size {}: {e}", spec.size))
+            })?;
+    let host = crate::tp::ShmCollective::join(spec)
+        .map_err(|e| EngineError::BadConfig(format!("joining the group: {e}")))?;
+    tracing::info!(
+        rank = spec.rank,
+        size = spec.size,
+        q_heads = ?shard.q_heads,
+        kv_heads = ?shard.kv_heads,
+        ff = ?shard.ff,
+        vocab = ?shard.vocab,
+        "joined the tensor-parallel group; loading this rank's shard"
+    );
+    Ok(Some(TpSetup {
+        shard,
+        host: Box::new(host),
+    }))
 }
 
 /// End-of-generation token ids from the metadata (eos, and eot/eom where present).
@@ -162,7 +218,9 @@ impl AgentEngine {
             kind: cfg.device,
             device_id: cfg.device_id,
         };
-        let mut model = DeviceModel::load(&file, spec, &pool, opts)?;
+        let tp = tensor_parallel(cfg, &file)?;
+        let rank = cfg.tensor_parallel.as_ref().map_or(0, |t| t.rank);
+        let mut model = DeviceModel::load_shard(&file, spec, &pool, opts, tp)?;
         // With a memory fraction the pool has what free memory gave; from here on the config
         // says what was built.
         let opts = model.options();
@@ -261,6 +319,7 @@ impl AgentEngine {
             long_context,
             step_slots: Vec::new(),
             handoff,
+            rank,
         })
     }
 
@@ -401,7 +460,9 @@ impl AgentEngine {
         )?;
         let forward_us = t_fwd.elapsed().as_micros() as u64;
         let t_sample = Instant::now();
-        let seqs = if self.out.picked_on_device {
+        let seqs = if self.rank != 0 {
+            Vec::new()
+        } else if self.out.picked_on_device {
             self.read
                 .logit_slots
                 .iter()
@@ -419,6 +480,8 @@ impl AgentEngine {
             self.sample()?
         };
         let sample_us = t_sample.elapsed().as_micros() as u64;
+        // A tensor-parallel rank other than 0 ran its shard; rank 0 answers for the group.
+        let seqs = if self.rank == 0 { seqs } else { Vec::new() };
         Ok(StepResult {
             step_id,
             seqs,

@@ -112,6 +112,18 @@ pub fn run(
     arrivals: &[Arrival],
     on_token: &mut dyn FnMut(usize, &TokenLogprob),
 ) -> Result<(Vec<RunOutput>, RunTiming), InprocError> {
+    run_steps(&mut |plan| engine.step(plan), cfg, arrivals, on_token)
+}
+
+/// `run` with each step run by `step` (an engine, or a tensor-parallel group of them).
+pub fn run_steps(
+    run_step: &mut dyn FnMut(
+        &npu_protocol::StepPlan,
+    ) -> Result<npu_protocol::StepResult, EngineError>,
+    cfg: SchedulerConfig,
+    arrivals: &[Arrival],
+    on_token: &mut dyn FnMut(usize, &TokenLogprob),
+) -> Result<(Vec<RunOutput>, RunTiming), InprocError> {
     let mut sched = Scheduler::new(cfg)?;
     let index: std::collections::HashMap<u64, usize> = arrivals
         .iter()
@@ -142,7 +154,7 @@ pub fn run(
         timing.peak_blocks_used = timing.peak_blocks_used.max(sched.stats().blocks_used);
         let prompt_tokens: usize = plan.seqs.iter().map(|s| s.n_prompt_tokens as usize).sum();
         let t0 = Instant::now();
-        let res = engine.step(&plan)?;
+        let res = run_step(&plan)?;
         let dt = t0.elapsed();
         if !plan.seqs.is_empty() {
             timing.steps += 1;

@@ -2,8 +2,9 @@
 //! (`device`: the backends compiled in), reads each step plan once into the device's inputs
 //! (`step_input`), runs batched Llama steps with a paged KV cache (`model`), samples next tokens
 //! (`sampler`), moves KV blocks between the device pool and its host pool (`kv_host`), keeps
-//! the host memory of long-context sequences (`long_context`), and serves step plans from the
-//! server over shared memory (`worker`). The local
+//! the host memory of long-context sequences (`long_context`), runs as one rank of a
+//! tensor-parallel group (`tp`), and serves step plans from the server over shared memory
+//! (`worker`). The local
 //! commands (`generate`, `score`, `bench-model`) live in `cli` and run the real scheduler
 //! in-process (`inproc`).
 
@@ -17,4 +18,5 @@ pub mod long_context;
 pub mod model;
 pub mod sampler;
 pub mod step_input;
+pub mod tp;
 pub mod worker;

@@ -178,7 +178,7 @@ fn check(family_name: &str) {
         .collect();
     let mut sched = inproc::scheduler_config(&cfg);
     sched.max_tokens_per_step = 7;
-    let (out, _) = inproc::run(&mut eng, sched, &reqs, &mut |_, _| {}).unwrap();
+    let (out, _) = inproc::run(&mut eng, sched.clone(), &reqs, &mut |_, _| {}).unwrap();
     for (i, o) in out.iter().enumerate() {
         assert_eq!(
             o.token_ids(),
@@ -186,6 +186,16 @@ fn check(family_name: &str) {
             "{family_name}: {:?} batched vs alone",
             refs[i].prompt
         );
+    }
+    drop(eng);
+
+    // Split over a tensor-parallel group of two ranks (each its heads or KV-head replica, half
+    // of the FFN or of each expert, half of the vocabulary): llama.cpp's tokens up to the
+    // near-ties, batched as alone.
+    let mut group = npu_agent::tp::LocalGroup::load(&cfg, 2).expect("two ranks of the model");
+    let (out, _) = inproc::run_steps(&mut |p| group.step(p), sched, &reqs, &mut |_, _| {}).unwrap();
+    for (r, o) in refs.iter().zip(&out) {
+        check_prefix(family_name, r, &o.token_ids(), "tensor-parallel 2, batched");
     }
 }
 

@@ -78,6 +78,7 @@ fn engine_config(tokens: usize, long: bool) -> AgentEngineConfig {
         long_context: long.then_some(lc),
         handoff: None,
         kv_memory_fraction: None,
+        tensor_parallel: None,
     }
 }
 

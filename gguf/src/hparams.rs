@@ -12,6 +12,7 @@ use thiserror::Error;
 use crate::{GgmlType, GgufError, GgufFile};
 
 mod family;
+pub mod shard;
 #[cfg(test)]
 mod tests;
 

@@ -103,6 +103,26 @@ pub struct AgentEngineConfig {
     /// most `num_blocks` blocks) and reports the blocks it took in `KvFacts::device_blocks`.
     #[serde(default)]
     pub kv_memory_fraction: Option<f64>,
+    /// This agent's place in a tensor-parallel group (`npu_serving.tensor_parallel_size` > 1);
+    /// None: the agent runs the whole model.
+    #[serde(default)]
+    pub tensor_parallel: Option<TensorParallelSpec>,
+}
+
+/// An agent's place in a tensor-parallel group: its rank, the group's size and the group's
+/// shared-memory region (`shm::GroupRegion`, created by the server) through which the ranks
+/// sum and gather activations. Rank 0 samples and answers the step; every rank runs its shard
+/// of every layer on the same plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorParallelSpec {
+    pub rank: u32,
+    pub size: u32,
+    /// The name of the group's region.
+    pub region: String,
+    /// How long one collective waits for the slowest rank before the group gives up (ms).
+    pub wait_ms: u64,
+    /// How long a rank waits at start for the others to load their shards and join (ms).
+    pub join_ms: u64,
 }
 
 /// Where the KV handoff region lies (`shm::HandoffRegion`): its name and bytes of block data.

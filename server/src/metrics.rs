@@ -138,7 +138,7 @@ impl Metrics {
             "# HELP npu_serving_kv_cache_usage_perc Fraction of KV cache blocks in use (0 to 1).\n\
              # TYPE npu_serving_kv_cache_usage_perc gauge\nnpu_serving_kv_cache_usage_perc {usage}"
         );
-        let gauges: [(&str, &str, u64); 10] = [
+        let gauges: [(&str, &str, u64); 12] = [
             (
                 "npu_serving_requests_running",
                 "Requests being prefilled or decoded.",
@@ -173,6 +173,17 @@ impl Metrics {
                 "npu_serving_agents_total",
                 "Agents configured.",
                 g(&stats.agents_total),
+            ),
+            (
+                "npu_serving_groups_up",
+                "Model replicas up: tensor-parallel groups with every rank up (agents without \
+                 tensor parallelism).",
+                g(&stats.groups_up),
+            ),
+            (
+                "npu_serving_groups_total",
+                "Model replicas configured: agents / npu_serving.tensor_parallel_size.",
+                g(&stats.groups_total),
             ),
             (
                 "npu_serving_ready",

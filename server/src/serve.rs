@@ -10,13 +10,17 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use npu_gguf::hparams::ModelConfig;
 use npu_gguf::GgufFile;
+use npu_protocol::agent::TensorParallelSpec;
 use npu_protocol::agent::{
     handoff_copies_per_step, kv_copies_per_step, AgentEngineConfig, HandoffSpec, KvFacts,
 };
-use npu_protocol::shm::{handoff_blocks, segment_name, HandoffRegion, HANDOFF_REGION_ID};
+use npu_protocol::shm::{
+    handoff_blocks, segment_name, slot_floats_for, GroupRegion, HandoffRegion, HANDOFF_REGION_ID,
+};
 use npu_tokenizer::Tokenizer;
 
-use crate::agents::{AgentLaunch, AgentPool, AgentSpec};
+use crate::agents::group::create_region;
+use crate::agents::{AgentLaunch, AgentLink, AgentPool, AgentSpec, GroupLink};
 use crate::api::{ApiContext, ApiSettings};
 use crate::config::{DeviceKind, ServerConfig};
 use crate::engine::scheduler::KvHostConfig;
@@ -52,6 +56,7 @@ struct ModelInfo {
     tokenizer: Tokenizer,
     vocab: u32,
     context: u32,
+    hidden: usize,
 }
 
 /// Refuses a configured device this binary has no backend for, naming the cargo feature that
@@ -123,20 +128,47 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         name: r.name().to_string(),
         data_bytes: r.data_bytes(),
     });
-    let specs = agent_specs(&cfg, &engine_cfg, &model.path, handoff);
+    let tp = cfg.tensor_parallel_size();
+    // Tensor parallelism: one region per group, through which its ranks sum and gather.
+    let slot_floats = slot_floats_for(model.hidden, cfg.npu_serving.max_tokens_per_step as usize);
+    let regions: Vec<GroupRegion> = if tp > 1 {
+        (0..cfg.num_groups() as u32)
+            .map(|g| create_region(g, tp as u32, slot_floats))
+            .collect::<Result<_, _>>()
+            .context("creating the tensor-parallel groups' shared memory")?
+    } else {
+        Vec::new()
+    };
+    let region_names: Vec<String> = regions.iter().map(|r| r.name().to_string()).collect();
+    let specs = agent_specs(&cfg, &engine_cfg, &model.path, handoff, &region_names);
     let launch = AgentLaunch::default();
     tracing::info!(
         agents = specs.len(),
+        tensor_parallel_size = tp,
+        groups = cfg.num_groups(),
         threads_per_agent = specs[0].engine.threads,
         model = %model.path.display(),
         "starting agents (one per serving_config.agent_ports entry; each talks to this server \
          over its own private socket pair, no port is opened)"
     );
-    let pool = AgentPool::start(specs, launch).context("starting the agents")?;
-    let mut links = pool.into_links();
+    let mut groups: Vec<GroupLink> = Vec::new();
+    let mut links: Vec<AgentLink> = Vec::new();
+    if tp > 1 {
+        groups = start_groups(specs, &launch, regions, tp)?;
+    } else {
+        links = AgentPool::start(specs, launch)
+            .context("starting the agents")?
+            .into_links();
+    }
     let mut engine_cfg = engine_cfg;
     if cfg.npu_serving.kv_cache_memory_fraction.is_some() {
-        let blocks = kv_pool_from_agents(&mut links)?;
+        let blocks = if groups.is_empty() {
+            kv_pool_from_agents(&mut links)?
+        } else {
+            let mut ranks: Vec<&mut AgentLink> =
+                groups.iter_mut().flat_map(|g| g.ranks_mut()).collect();
+            kv_pool_from_agent_refs(&mut ranks)?
+        };
         cfg.check_kv_pool_blocks(model.context, blocks)
             .with_context(|| format!("config {}", args.config.display()))?;
         engine_cfg.scheduler.num_blocks = blocks as usize;
@@ -171,10 +203,18 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
             );
         }
     }
-    let agents: Vec<Box<dyn StepAgent>> = links
-        .into_iter()
-        .map(|l| Box::new(l) as Box<dyn StepAgent>)
-        .collect();
+    let agents: Vec<Box<dyn StepAgent>> = if groups.is_empty() {
+        links
+            .into_iter()
+            .map(|l| Box::new(l) as Box<dyn StepAgent>)
+            .collect()
+    } else {
+        groups
+            .into_iter()
+            .map(|g| Box::new(g) as Box<dyn StepAgent>)
+            .collect()
+    };
+    engine_cfg.tensor_parallel_size = tp as u32;
 
     let metrics = Arc::new(Metrics::default());
     let server = HttpServer::new(listener, cfg.http_limits(), metrics.clone())?;
@@ -219,18 +259,123 @@ fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Re
     let mc = ModelConfig::from_gguf(&gguf).with_context(|| format!("model {}", path.display()))?;
     let tokenizer = Tokenizer::for_model(&gguf, &path)
         .with_context(|| format!("the tokenizer of {}", path.display()))?;
+    check_tensor_parallel(cfg, &mc, &gguf)?;
     Ok(ModelInfo {
         path,
         tokenizer,
         vocab: mc.vocab as u32,
         context: mc.context_length as u32,
+        hidden: mc.hidden,
     })
+}
+
+/// Refuses a `tensor_parallel_size` the model cannot be split over, naming the key, the
+/// dimension that does not divide and the sizes that would work.
+pub fn check_tensor_parallel(
+    cfg: &ServerConfig,
+    mc: &ModelConfig,
+    gguf: &GgufFile,
+) -> anyhow::Result<()> {
+    use npu_gguf::hparams::shard;
+    let t = cfg.tensor_parallel_size();
+    if t <= 1 {
+        return Ok(());
+    }
+    if let Err(e) = shard::check(mc, Some(gguf), t) {
+        let agents = cfg.num_agents();
+        let work: Vec<String> = shard::workable_sizes(mc, Some(gguf), agents.max(8))
+            .into_iter()
+            .map(|s| s.to_string())
+            .collect();
+        bail!(
+            "npu_serving.tensor_parallel_size: {t} is not allowed for the model {} ({}: {} \
+             attention heads, {} KV heads, FFN width {}): {e}; sizes that would work with this \
+             model: {}",
+            mc.name,
+            mc.arch.name(),
+            mc.n_heads,
+            mc.n_kv_heads,
+            mc.ff,
+            work.join(", ")
+        );
+    }
+    if shard::is_uneven(mc, Some(gguf), t) {
+        tracing::info!(
+            tensor_parallel_size = t,
+            heads = mc.n_heads,
+            kv_heads = mc.n_kv_heads,
+            "the model's heads (or FFN blocks) do not split evenly over the ranks: some ranks \
+             compute more than others, and each step waits for the busiest"
+        );
+    }
+    Ok(())
+}
+
+/// Starts every tensor-parallel group (the groups in parallel, each group's ranks together).
+fn start_groups(
+    specs: Vec<AgentSpec>,
+    launch: &AgentLaunch,
+    regions: Vec<GroupRegion>,
+    tp: usize,
+) -> anyhow::Result<Vec<GroupLink>> {
+    let removed = npu_protocol::shm::cleanup_stale_segments();
+    if !removed.is_empty() {
+        tracing::info!(
+            ?removed,
+            "removed shared-memory segments of a crashed earlier run"
+        );
+    }
+    let mut per_group: Vec<Vec<AgentSpec>> = Vec::new();
+    for (i, spec) in specs.into_iter().enumerate() {
+        if i % tp == 0 {
+            per_group.push(Vec::new());
+        }
+        if let Some(g) = per_group.last_mut() {
+            g.push(spec);
+        }
+    }
+    let outcomes: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = per_group
+            .into_iter()
+            .zip(regions)
+            .enumerate()
+            .map(|(g, (specs, region))| {
+                s.spawn(move || GroupLink::start(g as u32, specs, launch, region))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a group's start-up thread panicked"))
+            .collect()
+    });
+    let mut groups = Vec::new();
+    let mut first = None;
+    for o in outcomes {
+        match o {
+            Ok(g) => groups.push(g),
+            Err(f) if first.is_none() => first = Some(f),
+            Err(f) => tracing::warn!(%f, "another group failed to start too"),
+        }
+    }
+    match first {
+        Some(f) => {
+            drop(groups);
+            Err(anyhow::Error::new(f).context("starting the tensor-parallel groups"))
+        }
+        None => Ok(groups),
+    }
 }
 
 /// The KV pool the server plans with when the agents sized theirs from free device memory: the
 /// smallest any agent reported (the scheduler gives every agent the same pool). Each agent is
 /// pinned to it, so a restarted one allocates exactly that many blocks.
 fn kv_pool_from_agents(links: &mut [crate::agents::AgentLink]) -> anyhow::Result<u32> {
+    let mut refs: Vec<&mut AgentLink> = links.iter_mut().collect();
+    kv_pool_from_agent_refs(&mut refs)
+}
+
+/// `kv_pool_from_agents` over the agents however they are held (every rank of every group).
+fn kv_pool_from_agent_refs(links: &mut [&mut AgentLink]) -> anyhow::Result<u32> {
     let reported: Vec<u32> = links.iter().map(|l| l.facts().kv.device_blocks).collect();
     let blocks = reported.iter().copied().min().unwrap_or(0);
     if blocks == 0 {
@@ -285,12 +430,17 @@ fn kv_host_config(kv: &KvFacts, num_blocks: u32, swap_space_mb: u64) -> Option<K
 
 /// One spec per `serving_config.agent_ports` entry (only their number matters: agents talk to
 /// the server over private socket pairs), sized by the engine's scheduler limits.
+/// With tensor parallelism (`group_regions`: one region per group), agent `i` is rank
+/// `i % tensor_parallel_size` of group `i / tensor_parallel_size` (its device is still
+/// `start_device_id + i`, as llm-serving's rank `i` runs on).
 fn agent_specs(
     cfg: &ServerConfig,
     engine: &EngineConfig,
     model: &std::path::Path,
     handoff: Option<HandoffSpec>,
+    group_regions: &[String],
 ) -> Vec<AgentSpec> {
+    let tp = cfg.tensor_parallel_size();
     let agents = cfg.num_agents().max(1);
     let threads = match cfg.npu_serving.threads_per_agent {
         0 => {
@@ -316,6 +466,13 @@ fn agent_specs(
                 long_context: cfg.npu_serving.long_context,
                 handoff: handoff.clone(),
                 kv_memory_fraction: cfg.npu_serving.kv_cache_memory_fraction,
+                tensor_parallel: group_regions.get(i / tp).map(|region| TensorParallelSpec {
+                    rank: (i % tp) as u32,
+                    size: tp as u32,
+                    region: region.clone(),
+                    wait_ms: cfg.npu_serving.step_deadline_ms,
+                    join_ms: AgentLaunch::default().startup_timeout.as_millis() as u64,
+                }),
             };
             AgentSpec::new(i as u32, engine)
         })

@@ -65,6 +65,7 @@ fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
         swap_space_mb: 0,
         handoff: None,
         kv_memory_fraction: None,
+        tensor_parallel: None,
         device: DeviceKind::Cpu,
         device_id: 0,
         model_path,

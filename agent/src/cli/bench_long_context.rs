@@ -74,6 +74,7 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<()> {
         long_context: Some(lc),
         handoff: None,
         kv_memory_fraction: None,
+        tensor_parallel: None,
     };
     let mut rep = LongContextReport {
         long_context: LongContextSummary {

@@ -180,6 +180,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         long_context: None,
         handoff: None,
         kv_memory_fraction: None,
+        tensor_parallel: None,
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

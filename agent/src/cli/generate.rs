@@ -97,6 +97,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         long_context: None,
         handoff: None,
         kv_memory_fraction: None,
+        tensor_parallel: None,
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;

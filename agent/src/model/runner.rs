@@ -4,15 +4,21 @@
 //! op is handed checked views of the model's buffers; the step ends with one read back: the
 //! logits, or, for an all-greedy step on a backend that picks on the device, the token ids and
 //! their log-probabilities.
+//!
+//! On a rank of a tensor-parallel group (`Model::load_shard`) the same step runs on the rank's
+//! shard: the embedding rows are read on the host, the attention output and FFN down
+//! projections are followed by an all-reduce of their partial sums, and each rank's logits (its
+//! vocabulary rows) are gathered into rank 0's host memory, where they are sampled.
 
 use npu_backend::{
-    AttnGeometry, Backend, Capability, DType, HostSliceMut, KvSpec, Readback, StepInputs, View,
-    ViewMut,
+    AttnGeometry, Backend, Capability, Collective, DType, HostSlice, HostSliceMut, KvSpec,
+    Readback, StepInputs, View, ViewMut,
 };
+use npu_gguf::hparams::shard::RankShard;
 use npu_gguf::hparams::FfnAct;
 use npu_gguf::GgufFile;
 
-use super::weights::{Ffn, Proj, Weights};
+use super::weights::{Embedding, Ffn, Proj, Weights};
 use super::{ModelConfig, ModelError};
 use crate::long_context::LongContext;
 
@@ -65,10 +71,25 @@ struct Buffers<B: Backend> {
     route_w: B::Buffer,
 }
 
+/// This rank's part of a tensor-parallel group.
+struct Tp<B: Backend> {
+    shard: RankShard,
+    comm: Box<dyn Collective<B>>,
+    /// Host rows of the step's embeddings (reused).
+    embed: Vec<f32>,
+    /// Rank 0: every rank's logit rows, rank after rank (reused).
+    gathered: Vec<f32>,
+}
+
 pub struct Model<B: Backend> {
+    /// The whole model's hyper-parameters.
     pub cfg: ModelConfig,
+    /// What this rank computes: `cfg` with its heads and FFN widths (`cfg` itself without
+    /// tensor parallelism).
+    local: ModelConfig,
     pub opts: ModelOptions,
     weights: Weights<B>,
+    tp: Option<Tp<B>>,
     backend: B,
     bufs: Buffers<B>,
     /// Each layer's attention geometry (its rope and window).
@@ -78,7 +99,18 @@ pub struct Model<B: Backend> {
 }
 
 impl<B: Backend> Model<B> {
-    pub fn load(f: &GgufFile, mut backend: B, opts: ModelOptions) -> Result<Self, ModelError> {
+    pub fn load(f: &GgufFile, backend: B, opts: ModelOptions) -> Result<Self, ModelError> {
+        Self::load_shard(f, backend, opts, None)
+    }
+
+    /// `load` of one rank's shard of a tensor-parallel group (`tp`: the shard and the group's
+    /// collectives; None: the whole model).
+    pub fn load_shard(
+        f: &GgufFile,
+        mut backend: B,
+        opts: ModelOptions,
+        tp: Option<(RankShard, Box<dyn Collective<B>>)>,
+    ) -> Result<Self, ModelError> {
         let cfg = ModelConfig::from_gguf(f)?;
         check_capabilities(&cfg, &backend)?;
         if opts.max_tokens == 0
@@ -90,7 +122,30 @@ impl<B: Backend> Model<B> {
                 "model options must be non-zero: {opts:?}"
             )));
         }
-        let weights = Weights::load(f, &cfg, &mut backend)?;
+        let shard = match &tp {
+            Some((shard, comm)) => {
+                if comm.rank() != shard.rank || comm.size() != shard.size {
+                    return Err(ModelError::BadOptions(format!(
+                        "shard of rank {} of {} on the collectives of rank {} of {}",
+                        shard.rank,
+                        shard.size,
+                        comm.rank(),
+                        comm.size()
+                    )));
+                }
+                let want = npu_gguf::hparams::shard::shard(&cfg, Some(f), shard.size, shard.rank)
+                    .map_err(|e| ModelError::Unsupported(e.to_string()))?;
+                if &want != shard {
+                    return Err(ModelError::BadOptions(format!(
+                        "shard {shard:?} is not the model's {want:?}"
+                    )));
+                }
+                shard.clone()
+            }
+            None => RankShard::whole(&cfg),
+        };
+        let local = shard.local_config(&cfg);
+        let weights = Weights::load_shard(f, &cfg, &shard, &mut backend)?;
         let t = opts.max_tokens;
         let l = opts.max_logit_rows;
         let h = cfg.hidden;
@@ -99,14 +154,14 @@ impl<B: Backend> Model<B> {
         let bufs = Buffers {
             x: alloc(act, t * h)?,
             xn: alloc(act, t * h)?,
-            qkv: alloc(act, t * cfg.qkv_width())?,
-            attn: alloc(act, t * cfg.attn_width())?,
+            qkv: alloc(act, t * local.qkv_width())?,
+            attn: alloc(act, t * local.attn_width())?,
             tmp: alloc(act, t * h)?,
-            gate_up: alloc(act, t * 2 * cfg.ffn_width())?,
-            h: alloc(act, t * cfg.ffn_width())?,
+            gate_up: alloc(act, t * 2 * local.ffn_width())?,
+            h: alloc(act, t * local.ffn_width())?,
             lx: alloc(act, l * h)?,
             lxn: alloc(act, l * h)?,
-            logits: alloc(act, l * cfg.vocab)?,
+            logits: alloc(act, l * shard.vocab_chunk)?,
             ids: alloc(DType::I32, l)?,
             logprobs: alloc(DType::F32, l)?,
             router: alloc(act, cfg.moe.map_or(1, |m| t * m.n_experts))?,
@@ -115,28 +170,49 @@ impl<B: Backend> Model<B> {
         };
         // The pool last: sized from free memory, it sees what the weights and buffers left.
         let mut opts = opts;
-        opts.num_blocks = init_kv_pool(&mut backend, &cfg, &opts)?;
-        let geometry = cfg
+        opts.num_blocks = init_kv_pool(&mut backend, &local, &opts)?;
+        let geometry = local
             .layers
             .iter()
             .map(|l| AttnGeometry {
-                n_heads: cfg.n_heads,
-                n_kv_heads: cfg.n_kv_heads,
-                head_dim: cfg.head_dim,
+                n_heads: local.n_heads,
+                n_kv_heads: local.n_kv_heads,
+                head_dim: local.head_dim,
                 rope: l.rope,
-                scale: cfg.attn_scale,
+                scale: local.attn_scale,
                 window: l.window,
             })
             .collect();
+        let tp = tp.map(|(shard, comm)| Tp {
+            shard,
+            comm,
+            embed: Vec::new(),
+            gathered: Vec::new(),
+        });
         Ok(Self {
             cfg,
+            local,
             opts,
             weights,
+            tp,
             backend,
             bufs,
             geometry,
             q_host: Vec::new(),
         })
+    }
+
+    /// This rank's shard (the whole model without tensor parallelism).
+    pub fn shard(&self) -> RankShard {
+        match &self.tp {
+            Some(tp) => tp.shard.clone(),
+            None => RankShard::whole(&self.cfg),
+        }
+    }
+
+    /// What carries this rank's collectives (None without tensor parallelism).
+    pub fn describe_collectives(&self) -> Option<String> {
+        self.tp.as_ref().map(|tp| tp.comm.describe())
     }
 
     pub fn backend(&self) -> &B {
@@ -148,17 +224,18 @@ impl<B: Backend> Model<B> {
         &self.weights
     }
 
-    /// Multiply-adds of the weight matrices per token: (every layer's projections, the output
-    /// head). Attention over the context is not counted.
+    /// Multiply-adds of the weight matrices per token on this rank: (every layer's projections,
+    /// the output head). Attention over the context is not counted.
     pub fn matmul_macs_per_token(&self) -> (u64, u64) {
-        let c = &self.cfg;
+        let c = &self.local;
+        let vocab = self.shard().vocab.len();
         // An MoE token runs the router and its routed experts.
         let ffn = match c.moe {
             None => 3 * c.hidden * c.ff,
             Some(m) => c.hidden * m.n_experts + m.n_used * 3 * c.hidden * m.expert_ff,
         };
         let per_layer = c.hidden * c.qkv_width() + c.attn_width() * c.hidden + ffn;
-        ((c.n_layers * per_layer) as u64, (c.vocab * c.hidden) as u64)
+        ((c.n_layers * per_layer) as u64, (vocab * c.hidden) as u64)
     }
 
     /// The backend, for KV block moves between steps.
@@ -197,20 +274,50 @@ impl<B: Backend> Model<B> {
         step: &StepInputs,
         greedy: bool,
         out: &mut StepOutput,
+        lc: Option<&mut LongContext>,
+    ) -> Result<(), ModelError> {
+        let outcome = self.forward_inner(step, greedy, out, lc);
+        if outcome.is_err() {
+            // The other ranks may be waiting for this one in a collective.
+            if let Some(tp) = self.tp.as_mut() {
+                tp.comm.abort();
+            }
+        }
+        outcome
+    }
+
+    fn forward_inner(
+        &mut self,
+        step: &StepInputs,
+        greedy: bool,
+        out: &mut StepOutput,
         mut lc: Option<&mut LongContext>,
     ) -> Result<(), ModelError> {
         let b = &mut self.backend;
         let q_host = &mut self.q_host;
         let w = &self.weights;
         let bufs = &mut self.bufs;
-        let cfg = &self.cfg;
+        let mut tp = self.tp.as_mut();
+        let cfg = &self.local;
         let t = step.tokens.len();
         let h = cfg.hidden;
         let qkv_w = cfg.qkv_width();
         let ff = cfg.ff;
         let eps = cfg.rms_eps;
         b.begin_step(step)?;
-        b.embed(&w.embed, ViewMut::rows(&mut bufs.x, t, h)?)?;
+        match (&w.embed, tp.as_deref_mut()) {
+            (Embedding::Device(table), _) => b.embed(table, ViewMut::rows(&mut bufs.x, t, h)?)?,
+            (Embedding::Host(table), Some(tp)) => {
+                tp.embed.resize(t * h, 0.0);
+                table.lookup(&step.tokens, &mut tp.embed)?;
+                b.upload(HostSlice::F32(&tp.embed), ViewMut::rows(&mut bufs.x, t, h)?)?;
+            }
+            (Embedding::Host(_), None) => {
+                return Err(ModelError::Inconsistent(
+                    "a host embedding table outside a tensor-parallel group".into(),
+                ))
+            }
+        }
         if let Some(s) = cfg.embed_scale {
             b.scale_rows(ViewMut::rows(&mut bufs.x, t, h)?, s)?;
         }
@@ -258,6 +365,10 @@ impl<B: Backend> Model<B> {
                 &layer.wo,
                 ViewMut::rows(&mut bufs.tmp, t, h)?,
             )?;
+            if let Some(tp) = tp.as_deref_mut() {
+                tp.comm
+                    .all_reduce_sum(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+            }
             residual_add(b, bufs, layer.post_attn_norm.as_ref(), eps, t, h)?;
             b.rms_norm(
                 View::rows(&bufs.x, t, h)?,
@@ -301,6 +412,10 @@ impl<B: Backend> Model<B> {
                     )?;
                 }
             }
+            if let Some(tp) = tp.as_deref_mut() {
+                tp.comm
+                    .all_reduce_sum(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+            }
             residual_add(b, bufs, layer.post_ffn_norm.as_ref(), eps, t, h)?;
         }
         let n = step.logit_rows.len();
@@ -322,6 +437,33 @@ impl<B: Backend> Model<B> {
             cfg.rms_eps,
             ViewMut::rows(&mut bufs.lxn, n, h)?,
         )?;
+        if let Some(tp) = tp {
+            // This rank's vocabulary rows, then every rank's gathered into rank 0's host.
+            let chunk = tp.shard.vocab_chunk;
+            let mine = tp.shard.vocab.len();
+            b.matmul(
+                View::rows(&bufs.lxn, n, h)?,
+                &w.head,
+                ViewMut::rows(&mut bufs.logits, n, chunk)?.col_range(0, mine)?,
+            )?;
+            let root = tp.shard.rank == 0;
+            let size = tp.shard.size;
+            tp.gathered
+                .resize(if root { size * n * chunk } else { 0 }, 0.0);
+            tp.comm
+                .gather_to_host(b, View::rows(&bufs.logits, n, chunk)?, &mut tp.gathered)?;
+            if root {
+                let vocab = self.cfg.vocab;
+                out.logits.resize(n * vocab, 0.0);
+                for (r, row) in out.logits.chunks_exact_mut(vocab).enumerate() {
+                    for (k, part) in row.chunks_mut(chunk).enumerate() {
+                        let at = (k * n + r) * chunk;
+                        part.copy_from_slice(&tp.gathered[at..at + part.len()]);
+                    }
+                }
+            }
+            return Ok(());
+        }
         let vocab = cfg.vocab;
         b.matmul(
             View::rows(&bufs.lxn, n, h)?,

@@ -3,8 +3,18 @@
 //! handed over as the file stores them; the backend picks its own format. The tensors a family
 //! adds to the Llama block (Qwen2's biases, per-head Q/K norms, Gemma's post-norms) are read
 //! where its `ModelConfig` says it has them.
+//!
+//! A rank of a tensor-parallel group (`RankShard`) loads only its shard, Megatron style: the
+//! rows of Q/K/V, gate/up and each expert's gate/up that its heads and FFN columns produce
+//! (a slice of the mapped file), the columns of the attention output and of the down
+//! projections that its heads and FFN columns feed (each row's column range copied), its rows
+//! of the output head; norms and the MoE router whole. It holds no embedding table: the rows a
+//! step needs are read from the file as the step runs (`HostEmbedding`).
+
+use std::ops::Range;
 
 use npu_backend::{Backend, HostTensor};
+use npu_gguf::hparams::shard::RankShard;
 use npu_gguf::{GgmlType, GgufFile, TensorInfo};
 
 use super::{ModelConfig, ModelError};
@@ -48,8 +58,66 @@ pub enum Ffn<B: Backend> {
     },
 }
 
+/// The token embedding table.
+pub enum Embedding<B: Backend> {
+    /// On the device, whole.
+    Device(B::Embedding),
+    /// Left in the file: each step's rows are read and dequantized on the host (the ranks of
+    /// a tensor-parallel group, so that none holds the whole table).
+    Host(HostEmbedding),
+}
+
+/// An embedding table read from a mapped GGUF file row by row, as steps need them.
+pub struct HostEmbedding {
+    file: GgufFile,
+    name: String,
+    rows: usize,
+    cols: usize,
+}
+
+impl HostEmbedding {
+    /// Maps the file afresh (a mapping of its own, so that what loading the weights paged in is
+    /// not kept resident by it).
+    pub fn open(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Self, ModelError> {
+        let file = GgufFile::open(f.path())?;
+        tensor(&file, name, &[cols, rows])?;
+        Ok(Self {
+            file,
+            name: name.to_string(),
+            rows,
+            cols,
+        })
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// `out` row i = the dequantized row of `tokens[i]`.
+    pub fn lookup(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ModelError> {
+        let (info, data) = self.file.tensor(&self.name)?;
+        let rb = info.ty.row_bytes(self.cols).ok_or_else(|| {
+            ModelError::Inconsistent(format!("{}: rows of partial blocks", self.name))
+        })?;
+        for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(self.cols)) {
+            let t = t as usize;
+            let src = data
+                .get(t * rb..(t + 1) * rb)
+                .filter(|_| t < self.rows)
+                .ok_or_else(|| {
+                    ModelError::Inconsistent(format!(
+                        "token id {t} is beyond the vocabulary ({})",
+                        self.rows
+                    ))
+                })?;
+            npu_gguf::quants::dequantize_row(info.ty, src, row);
+        }
+        Ok(())
+    }
+}
+
 pub struct Weights<B: Backend> {
-    pub embed: B::Embedding,
+    pub embed: Embedding<B>,
     pub layers: Vec<Layer<B>>,
     pub out_norm: B::Buffer,
     pub head: B::Matrix,
@@ -135,6 +203,84 @@ fn part<'a>(
     })
 }
 
+/// Output rows `r` of a weight matrix: a slice of its bytes.
+fn rows_of<'a>(
+    t: HostTensor<'a>,
+    r: &Range<usize>,
+    name: &str,
+) -> Result<HostTensor<'a>, ModelError> {
+    if *r == (0..t.rows) {
+        return Ok(t);
+    }
+    let rb = t.ty.row_bytes(t.cols).ok_or_else(|| {
+        ModelError::Inconsistent(format!("tensor {name}: rows of partial blocks"))
+    })?;
+    let data = t
+        .data
+        .get(r.start * rb..r.end * rb)
+        .filter(|_| r.end <= t.rows)
+        .ok_or_else(|| {
+            ModelError::Inconsistent(format!("tensor {name}: rows {r:?} of {}", t.rows))
+        })?;
+    Ok(HostTensor {
+        data,
+        rows: r.len(),
+        ..t
+    })
+}
+
+/// Input columns `c` of every row of a weight matrix, copied into `buf` (None: all of them,
+/// nothing copied). The cut must fall on the type's blocks (the shard plan checks it).
+fn cols_of(
+    t: HostTensor<'_>,
+    c: &Range<usize>,
+    name: &str,
+    buf: &mut Vec<u8>,
+) -> Result<Option<(usize, usize)>, ModelError> {
+    if *c == (0..t.cols) {
+        return Ok(None);
+    }
+    let bl = t.ty.block_len();
+    let bad = || {
+        ModelError::Inconsistent(format!(
+            "tensor {name}: columns {c:?} of {} do not fall on its {bl}-column {} blocks",
+            t.cols,
+            t.ty.name()
+        ))
+    };
+    if !c.start.is_multiple_of(bl) || !c.end.is_multiple_of(bl) || c.end > t.cols {
+        return Err(bad());
+    }
+    let rb = t.ty.row_bytes(t.cols).ok_or_else(bad)?;
+    let (from, len) = (
+        c.start / bl * t.ty.block_bytes(),
+        c.len() / bl * t.ty.block_bytes(),
+    );
+    buf.clear();
+    buf.reserve(len * t.rows);
+    for row in t.data.chunks_exact(rb).take(t.rows) {
+        buf.extend_from_slice(&row[from..from + len]);
+    }
+    Ok(Some((c.len(), len)))
+}
+
+/// The columns `c` of `t` as a tensor (borrowing `buf` when they had to be copied).
+fn with_cols<'a>(
+    t: HostTensor<'a>,
+    c: &Range<usize>,
+    name: &str,
+    buf: &'a mut Vec<u8>,
+) -> Result<HostTensor<'a>, ModelError> {
+    Ok(match cols_of(t, c, name, buf)? {
+        None => t,
+        Some((cols, _)) => HostTensor {
+            data: buf.as_slice(),
+            cols,
+            ..t
+        },
+    })
+}
+
 fn vector<B: Backend>(
     f: &GgufFile,
     b: &mut B,
@@ -174,29 +320,51 @@ fn single<B: Backend>(b: &mut B, p: HostTensor) -> Result<B::Matrix, ModelError>
 }
 
 impl<B: Backend> Weights<B> {
+    /// The whole model.
     pub fn load(f: &GgufFile, cfg: &ModelConfig, b: &mut B) -> Result<Self, ModelError> {
+        Self::load_shard(f, cfg, &RankShard::whole(cfg), b)
+    }
+
+    /// The part of the model `shard` computes (`cfg` is the whole model's).
+    pub fn load_shard(
+        f: &GgufFile,
+        cfg: &ModelConfig,
+        shard: &RankShard,
+        b: &mut B,
+    ) -> Result<Self, ModelError> {
         let h = cfg.hidden;
-        let qd = cfg.n_heads * cfg.head_dim;
-        let kvd = cfg.n_kv_heads * cfg.head_dim;
+        let hd = cfg.head_dim;
+        let qd = cfg.n_heads * hd;
+        let kvd = cfg.n_kv_heads * hd;
+        let qr = shard.q_heads.start * hd..shard.q_heads.end * hd;
+        let kvr = shard.kv_heads.start * hd..shard.kv_heads.end * hd;
         let emb = part(f, "token_embd.weight", h, cfg.vocab)?;
-        let embed = b.load_embedding(emb)?;
+        let embed = if shard.is_split() {
+            Embedding::Host(HostEmbedding::open(f, "token_embd.weight", cfg.vocab, h)?)
+        } else {
+            Embedding::Device(b.load_embedding(emb)?)
+        };
+        let mut buf = Vec::new();
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{i}.{s}");
-            let q = part(f, &n("attn_q.weight"), h, qd)?;
-            let k = part(f, &n("attn_k.weight"), h, kvd)?;
-            let v = part(f, &n("attn_v.weight"), h, kvd)?;
+            let q = rows_of(part(f, &n("attn_q.weight"), h, qd)?, &qr, &n("attn_q"))?;
+            let k = rows_of(part(f, &n("attn_k.weight"), h, kvd)?, &kvr, &n("attn_k"))?;
+            let v = rows_of(part(f, &n("attn_v.weight"), h, kvd)?, &kvr, &n("attn_v"))?;
             let qkv = matrix(b, &[q, k, v])?;
             let qkv_bias = if cfg.qkv_bias {
-                // The three biases as one f32 vector (the backend converts it as it likes).
-                let mut bias = vec![0f32; qd + 2 * kvd];
-                for (name, at, len) in [
-                    ("attn_q.bias", 0, qd),
-                    ("attn_k.bias", qd, kvd),
-                    ("attn_v.bias", qd + kvd, kvd),
+                // The three biases (this rank's heads) as one f32 vector (the backend converts
+                // it as it likes).
+                let mut bias = Vec::with_capacity(qr.len() + 2 * kvr.len());
+                for (name, len, r) in [
+                    ("attn_q.bias", qd, &qr),
+                    ("attn_k.bias", kvd, &kvr),
+                    ("attn_v.bias", kvd, &kvr),
                 ] {
                     let (info, data) = tensor(f, &n(name), &[len])?;
-                    npu_gguf::quants::dequantize_row(info.ty, data, &mut bias[at..at + len]);
+                    let mut all = vec![0f32; len];
+                    npu_gguf::quants::dequantize_row(info.ty, data, &mut all);
+                    bias.extend_from_slice(&all[r.clone()]);
                 }
                 Some(b.load_vector(HostTensor {
                     ty: GgmlType::F32,
@@ -207,7 +375,7 @@ impl<B: Backend> Weights<B> {
             } else {
                 None
             };
-            let hd = cfg.head_dim;
+            // The norms are per head, the same weights for every head: whole on every rank.
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (
                     Some(vector(f, b, &n("attn_q_norm.weight"), hd)?),
@@ -225,17 +393,20 @@ impl<B: Backend> Weights<B> {
             };
             let post_attn_norm = post(b, "post_attention_norm.weight")?;
             let post_ffn_norm = post(b, "post_ffw_norm.weight")?;
-            let wo = single(b, part(f, &n("attn_output.weight"), qd, h)?)?;
+            let wo = part(f, &n("attn_output.weight"), qd, h)?;
+            let wo = single(b, with_cols(wo, &qr, &n("attn_output"), &mut buf)?)?;
             let ffn = match cfg.moe {
                 None => {
-                    let gate = part(f, &n("ffn_gate.weight"), h, cfg.ff)?;
-                    let up = part(f, &n("ffn_up.weight"), h, cfg.ff)?;
+                    let ffr = &shard.ff;
+                    let gate = rows_of(part(f, &n("ffn_gate.weight"), h, cfg.ff)?, ffr, "gate")?;
+                    let up = rows_of(part(f, &n("ffn_up.weight"), h, cfg.ff)?, ffr, "up")?;
+                    let down = part(f, &n("ffn_down.weight"), cfg.ff, h)?;
                     Ffn::Dense {
                         gate_up: matrix(b, &[gate, up])?,
-                        down: single(b, part(f, &n("ffn_down.weight"), cfg.ff, h)?)?,
+                        down: single(b, with_cols(down, ffr, &n("ffn_down"), &mut buf)?)?,
                     }
                 }
-                Some(moe) => moe_ffn(f, b, &n, h, moe)?,
+                Some(moe) => moe_ffn(f, b, &n, h, moe, &shard.expert_ff, &mut buf)?,
             };
             layers.push(Layer {
                 attn_norm: vector(f, b, &n("attn_norm.weight"), h)?,
@@ -256,7 +427,7 @@ impl<B: Backend> Weights<B> {
         } else {
             emb
         };
-        let head = single(b, head_part)?;
+        let head = single(b, rows_of(head_part, &shard.vocab, "output head")?)?;
         Ok(Self {
             embed,
             layers,
@@ -294,13 +465,16 @@ fn expert_part<'a>(
     })
 }
 
-/// A Qwen3-MoE layer's router and experts (each expert's gate and up fused into one matrix).
+/// A Qwen3-MoE layer's router (whole) and experts (each expert's gate and up fused into one
+/// matrix), each expert's FFN columns `ffr`.
 fn moe_ffn<B: Backend>(
     f: &GgufFile,
     b: &mut B,
     n: &dyn Fn(&str) -> String,
     h: usize,
     moe: npu_gguf::hparams::MoeSpec,
+    ffr: &Range<usize>,
+    buf: &mut Vec<u8>,
 ) -> Result<Ffn<B>, ModelError> {
     let (ne, ff) = (moe.n_experts, moe.expert_ff);
     let router = single(b, part(f, &n("ffn_gate_inp.weight"), h, ne)?)?;
@@ -309,6 +483,7 @@ fn moe_ffn<B: Backend>(
     for e in 0..ne {
         let gate = expert_part(f, &n("ffn_gate_exps.weight"), h, ff, ne, e)?;
         let up = expert_part(f, &n("ffn_up_exps.weight"), h, ff, ne, e)?;
+        let (gate, up) = (rows_of(gate, ffr, "gate")?, rows_of(up, ffr, "up")?);
         let fused = b.load_matrix(&[gate, up])?.ok_or_else(|| {
             ModelError::Unsupported(format!(
                 "expert gate ({}) and up ({}) projections the backend cannot fuse",
@@ -317,10 +492,8 @@ fn moe_ffn<B: Backend>(
             ))
         })?;
         gate_up.push(fused);
-        down.push(single(
-            b,
-            expert_part(f, &n("ffn_down_exps.weight"), ff, h, ne, e)?,
-        )?);
+        let d = expert_part(f, &n("ffn_down_exps.weight"), ff, h, ne, e)?;
+        down.push(single(b, with_cols(d, ffr, &n("ffn_down_exps"), buf)?)?);
     }
     Ok(Ffn::Moe {
         router,

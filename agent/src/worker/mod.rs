@@ -230,6 +230,7 @@ mod tests {
             swap_space_mb: 0,
             handoff: None,
             kv_memory_fraction: None,
+            tensor_parallel: None,
             device: DeviceKind::Cpu,
             device_id: 0,
             model_path: "/nonexistent/npu-serving-test/model.gguf".into(),

@@ -75,6 +75,7 @@ pub fn engine_config(max_slots: u32, num_blocks: u32) -> AgentEngineConfig {
         swap_space_mb: 0,
         handoff: None,
         kv_memory_fraction: None,
+        tensor_parallel: None,
         device: DeviceKind::Cpu,
         device_id: 0,
         model_path: model_path(),

@@ -17,12 +17,14 @@
 //! - The KV pool holds `num_blocks` blocks; block ids index it for every layer. Blocks move by id
 //!   between device blocks, and between device blocks and host memory the caller owns.
 
+pub mod collective;
 pub mod view;
 
 use npu_gguf::hparams::Rope;
 use npu_gguf::GgmlType;
 use thiserror::Error;
 
+pub use collective::{Collective, HostCollective, HostStaged};
 pub use view::{DeviceBuffer, Layout, View, ViewMut};
 
 /// Element types of device buffers.

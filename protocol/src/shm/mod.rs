@@ -3,6 +3,7 @@
 //! step result at a time. Layout in `layout`, plan/result coding in `codec`, names in `names`.
 
 mod codec;
+pub mod group;
 pub mod handoff;
 pub mod layout;
 pub mod names;
@@ -16,6 +17,7 @@ use memmap2::MmapMut;
 use thiserror::Error;
 
 pub use codec::PlanView;
+pub use group::{slot_floats_for, GroupError, GroupMember, GroupRegion, GROUP_REGION_ID_BASE};
 pub use handoff::{handoff_blocks, HandoffRegion, HANDOFF_REGION_ID};
 pub use layout::{
     Region, ShmCapacities, ShmHeader, ShmLayout, MAX_SEGMENT_BYTES, PROTOCOL_VERSION, SHM_MAGIC,

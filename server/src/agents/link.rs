@@ -83,6 +83,20 @@ impl AgentLink {
         self.spec.engine.kv_memory_fraction = None;
     }
 
+    /// Points every later start at a fresh region of its tensor-parallel group (the server
+    /// makes a new one for each restart of the group).
+    pub fn set_group_region(&mut self, name: &str) {
+        if let Some(tp) = self.spec.engine.tensor_parallel.as_mut() {
+            tp.region = name.to_string();
+        }
+    }
+
+    /// Kills and reaps the agent now (no Shutdown, no grace: its tensor-parallel group is
+    /// going down) and removes its segment. Nothing when it is down already.
+    pub fn kill_now(&mut self) {
+        self.kill();
+    }
+
     /// What the agent reported about its model at the last handshake.
     pub fn facts(&self) -> &ModelFacts {
         &self.facts

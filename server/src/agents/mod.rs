@@ -9,6 +9,7 @@
 //! echoes the secret in its Hello. Its death shows at once as end-of-file on the socket.
 
 mod control;
+pub mod group;
 pub mod launch;
 pub mod link;
 pub mod pool;
@@ -20,6 +21,7 @@ use npu_protocol::frame::FrameError;
 use npu_protocol::shm::ShmError;
 use thiserror::Error;
 
+pub use group::GroupLink;
 pub use launch::{validate_hello, AgentLaunch, AgentSpec};
 pub use link::AgentLink;
 pub use pool::AgentPool;
@@ -89,6 +91,13 @@ pub enum AgentFailure {
     Busy { agent_id: u32, step_id: u64 },
     #[error("agent {agent_id} has no step in flight")]
     NothingInFlight { agent_id: u32 },
+    /// A rank of a tensor-parallel group failed: the whole group is down.
+    #[error("tensor-parallel group {group} is down (rank {rank}): {failure}")]
+    Rank {
+        group: u32,
+        rank: u32,
+        failure: Box<AgentFailure>,
+    },
 }
 
 impl AgentFailure {
@@ -110,6 +119,7 @@ impl AgentFailure {
             | AgentFailure::Down { agent_id }
             | AgentFailure::Busy { agent_id, .. }
             | AgentFailure::NothingInFlight { agent_id } => *agent_id,
+            AgentFailure::Rank { failure, .. } => failure.agent_id(),
         }
     }
 

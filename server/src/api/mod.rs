@@ -247,20 +247,33 @@ impl ApiContext {
         if s.ready.load(Ordering::Relaxed) {
             return Response::json(200, &serde_json::json!({"status": "ok"}));
         }
+        let tp = EngineStats::get(&s.tensor_parallel_size).max(1);
+        let (groups_up, groups) = (
+            EngineStats::get(&s.groups_up),
+            EngineStats::get(&s.groups_total),
+        );
         let error = if total == 0 {
             "the engine has not started its agents yet".to_string()
+        } else if tp > 1 {
+            format!(
+                "{groups_up} of {groups} tensor-parallel groups are up (a group of {tp} agents \
+                 is up only with every rank)"
+            )
         } else {
             format!("{up} of {total} agents are up")
         };
-        Response::json(
-            503,
-            &serde_json::json!({
-                "status": "unavailable",
-                "error": error,
-                "agents_up": up,
-                "agents_total": total,
-            }),
-        )
+        let mut body = serde_json::json!({
+            "status": "unavailable",
+            "error": error,
+            "agents_up": up,
+            "agents_total": total,
+        });
+        if tp > 1 {
+            body["groups_up"] = groups_up.into();
+            body["groups_total"] = groups.into();
+            body["tensor_parallel_size"] = tp.into();
+        }
+        Response::json(503, &body)
     }
 
     /// Readiness: 200 only while every agent is up and the server is not draining (a load

@@ -157,6 +157,10 @@ pub struct NpuServingConfig {
     /// weights and step buffers are placed (at most `pa_config.num_blocks` blocks when that key
     /// is given); None: exactly `pa_config.num_blocks`.
     pub kv_cache_memory_fraction: Option<f64>,
+    /// Ranks of one tensor-parallel group: the agents form `agents / tensor_parallel_size`
+    /// groups of this many ranks, each group one model split over its ranks (1: every agent
+    /// runs the whole model, as before).
+    pub tensor_parallel_size: u32,
 }
 
 impl Default for NpuServingConfig {
@@ -181,6 +185,7 @@ impl Default for NpuServingConfig {
             agent_roles: Vec::new(),
             handoff_space_mb: 256,
             kv_cache_memory_fraction: None,
+            tensor_parallel_size: 1,
         }
     }
 }
@@ -379,6 +384,16 @@ impl ServerConfig {
 
     pub fn num_agents(&self) -> usize {
         self.serving_config.agent_ports.len()
+    }
+
+    /// Ranks of a tensor-parallel group (`npu_serving.tensor_parallel_size`).
+    pub fn tensor_parallel_size(&self) -> usize {
+        self.npu_serving.tensor_parallel_size.max(1) as usize
+    }
+
+    /// Groups the agents form (each runs one copy of the model; with a size of 1, the agents).
+    pub fn num_groups(&self) -> usize {
+        (self.num_agents() / self.tensor_parallel_size()).max(1)
     }
 
     /// Each agent's role (every agent `both` unless `npu_serving.agent_roles` says otherwise).

@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use npu_protocol::agent::MAX_KV_MEMORY_FRACTION;
+use npu_protocol::shm::group::MAX_GROUP_RANKS;
 use npu_protocol::LongContextConfig;
 use serde_yaml::Value;
 
@@ -112,6 +113,7 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
         &mut warnings,
         Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
     )?;
+    check_tensor_parallel(&npu_serving, serving_config.agent_ports.len())?;
 
     top.finish(&mut warnings, llm)?;
 
@@ -488,6 +490,19 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
     if let Some(v) = roles::handoff_space_mb(s)? {
         c.handoff_space_mb = v;
     }
+    if let Some(v) = s.u64("tensor_parallel_size")? {
+        if !(1..=MAX_GROUP_RANKS as u64).contains(&v) {
+            return Err(ConfigError::not_allowed(
+                &s.key_path("tensor_parallel_size"),
+                v,
+                format!(
+                    "1..={MAX_GROUP_RANKS} (ranks of one tensor-parallel group; 1: every agent \
+                     runs the whole model)"
+                ),
+            ));
+        }
+        c.tensor_parallel_size = v as u32;
+    }
     if let Some(v) = s.f64("kv_cache_memory_fraction")? {
         if !(v > 0.0 && v <= MAX_KV_MEMORY_FRACTION) {
             return Err(ConfigError::not_allowed(
@@ -503,6 +518,64 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
         c.kv_cache_memory_fraction = Some(v);
     }
     Ok(c)
+}
+
+/// `tensor_parallel_size` against the agents and the features that do not run over a group yet.
+fn check_tensor_parallel(c: &NpuServingConfig, agents: usize) -> Result<(), ConfigError> {
+    const KEY: &str = "npu_serving.tensor_parallel_size";
+    let t = c.tensor_parallel_size as usize;
+    if t <= 1 {
+        return Ok(());
+    }
+    if !agents.is_multiple_of(t) {
+        let divisors: Vec<String> = (1..=agents)
+            .filter(|d| agents.is_multiple_of(*d))
+            .map(|d| d.to_string())
+            .collect();
+        return Err(ConfigError::not_allowed(
+            KEY,
+            t,
+            format!(
+                "a divisor of the {agents} agents of serving_config.agent_ports (the agents form \
+                 groups of tensor_parallel_size ranks): one of {}, or {t} x N entries in \
+                 serving_config.agent_ports",
+                divisors.join(", ")
+            ),
+        ));
+    }
+    let not_with = |key: &str, what: &str, value: String| {
+        Err(ConfigError::not_allowed(
+            key,
+            value,
+            format!(
+                "{what} with {KEY}: {t} ({what_key} does not run over tensor-parallel groups \
+                 yet; set {KEY}: 1 to use it)",
+                what_key = key.trim_start_matches("npu_serving.")
+            ),
+        ))
+    };
+    if c.swap_space_mb > 0 {
+        return not_with(
+            "npu_serving.swap_space_mb",
+            "0 (no swap preemption or prefix-cache host tier)",
+            c.swap_space_mb.to_string(),
+        );
+    }
+    if roles::splits(&c.agent_roles) {
+        return not_with(
+            "npu_serving.agent_roles",
+            "every agent `both` (no prefill/decode split)",
+            "a prefill/decode split".into(),
+        );
+    }
+    if c.long_context.is_some() {
+        return not_with(
+            "npu_serving.long_context",
+            "absent (no long-context mode)",
+            "set".into(),
+        );
+    }
+    Ok(())
 }
 
 /// `long_context`: a mapping of the mode's settings (absent keys take their defaults), or absent

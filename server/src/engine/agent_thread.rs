@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use npu_protocol::{StepPlan, StepResult};
 
-use crate::agents::{AgentFailure, AgentLink};
+use crate::agents::{AgentFailure, AgentLink, GroupLink};
 
 /// What the engine needs from an agent: run a step, come back after a failure, stop.
 /// `AgentLink` (a real agent process) in production.
@@ -47,6 +47,26 @@ impl StepAgent for AgentLink {
     }
     fn pid(&self) -> Option<u32> {
         AgentLink::pid(self)
+    }
+}
+
+/// A tensor-parallel group is driven as one agent: every rank runs each step, rank 0 answers,
+/// and a rank's failure takes (and a restart brings back) the whole group.
+impl StepAgent for GroupLink {
+    fn step(&mut self, plan: &StepPlan, deadline: Duration) -> Result<StepResult, AgentFailure> {
+        GroupLink::step(self, plan, deadline)
+    }
+    fn restart(&mut self) -> Result<(), AgentFailure> {
+        GroupLink::restart(self)
+    }
+    fn shutdown(&mut self) {
+        GroupLink::shutdown(self)
+    }
+    fn check_idle(&mut self) -> Option<AgentFailure> {
+        GroupLink::check_idle(self)
+    }
+    fn pid(&self) -> Option<u32> {
+        GroupLink::pid(self)
     }
 }
 

@@ -10,7 +10,8 @@ use crate::config::{AgentRole, BatchingStrategy, ServerConfig};
 /// Settings of the engine loop.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
-    /// Limits of each agent's scheduler (every agent is a full replica with the same pool).
+    /// Limits of each agent's scheduler (every agent, or tensor-parallel group, is a full
+    /// replica with the same pool).
     pub scheduler: SchedulerConfig,
     /// A step taking longer counts as a hung agent: it is killed and restarted.
     pub step_deadline: Duration,
@@ -31,6 +32,9 @@ pub struct EngineConfig {
     /// Blocks of the KV handoff region (0: prefill and decode colocated), and their size.
     pub handoff_blocks: u32,
     pub handoff_block_bytes: u64,
+    /// Agent processes behind each engine agent: the ranks of a tensor-parallel group (1: each
+    /// engine agent is one agent process). Only counted (/health, /metrics).
+    pub tensor_parallel_size: u32,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +50,7 @@ impl Default for EngineConfig {
             roles: Vec::new(),
             handoff_blocks: 0,
             handoff_block_bytes: 0,
+            tensor_parallel_size: 1,
         }
     }
 }

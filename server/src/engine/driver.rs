@@ -672,7 +672,6 @@ impl Engine {
         EngineStats::set(&s.preemptions_total, preempted);
         EngineStats::set(&s.prefix_cache_queried_tokens_total, queried);
         EngineStats::set(&s.prefix_cache_hit_tokens_total, hit);
-        EngineStats::set(&s.agents_total, self.agents.len() as u64);
         let k = &s.kv;
         for (stat, v) in [
             &k.preemptions_swap_total,
@@ -693,7 +692,13 @@ impl Engine {
         }
         pd.publish(&s.pd, &self.handoff, self.cfg.handoff_block_bytes);
         let up = if self.agents_stopped { 0 } else { up };
-        EngineStats::set(&s.agents_up, up);
+        // Each engine agent is a group of `tp` agent processes (one without tensor parallelism).
+        let tp = u64::from(self.cfg.tensor_parallel_size.max(1));
+        EngineStats::set(&s.groups_total, self.agents.len() as u64);
+        EngineStats::set(&s.groups_up, up);
+        EngineStats::set(&s.tensor_parallel_size, tp);
+        EngineStats::set(&s.agents_total, self.agents.len() as u64 * tp);
+        EngineStats::set(&s.agents_up, up * tp);
         s.ready
             .store(up == self.agents.len() as u64, Ordering::Relaxed);
     }

@@ -27,8 +27,15 @@ pub struct EngineStats {
     pub ready: AtomicBool,
     /// Shutting down: requests still running may finish, new ones are refused.
     pub draining: AtomicBool,
+    /// Agent processes configured and up (with tensor parallelism: the ranks of the groups
+    /// that are up; a group is up only with all its ranks).
     pub agents_total: AtomicU64,
     pub agents_up: AtomicU64,
+    /// Model replicas: tensor-parallel groups (one agent each without tensor parallelism).
+    pub groups_total: AtomicU64,
+    pub groups_up: AtomicU64,
+    /// Ranks per group (`npu_serving.tensor_parallel_size`).
+    pub tensor_parallel_size: AtomicU64,
     pub running: AtomicU64,
     pub waiting: AtomicU64,
     pub kv_blocks_used: AtomicU64,
