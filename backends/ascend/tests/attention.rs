@@ -18,10 +18,11 @@ struct Hist {
     v: Vec<f32>,
 }
 
+/// Attention of `q` over the history's positions `from..upto`.
 fn attention_ref(
     q: &[f32],
     hist: &Hist,
-    upto: usize,
+    (from, upto): (usize, usize),
     heads: usize,
     kvh: usize,
     d: usize,
@@ -30,7 +31,7 @@ fn attention_ref(
     let mut out = vec![0f32; heads * d];
     for hh in 0..heads {
         let kh = hh / group;
-        let s: Vec<f32> = (0..upto)
+        let s: Vec<f32> = (from..upto)
             .map(|j| {
                 (0..d)
                     .map(|c| q[hh * d + c] * hist.k[j * kvd + kh * d + c])
@@ -42,8 +43,8 @@ fn attention_ref(
         let e: Vec<f32> = s.iter().map(|x| (x - mx).exp()).collect();
         let sum: f32 = e.iter().sum();
         for c in 0..d {
-            out[hh * d + c] = (0..upto)
-                .map(|j| e[j] / sum * hist.v[j * kvd + kh * d + c])
+            out[hh * d + c] = (from..upto)
+                .map(|j| e[j - from] / sum * hist.v[j * kvd + kh * d + c])
                 .sum();
         }
     }
@@ -51,8 +52,18 @@ fn attention_ref(
 }
 
 /// Runs steps of (sequence, new tokens) through kv_write + attention on layer 1 with block
-/// size `bs`, checking every output row against the reference over each sequence's history.
+/// size `bs`, checking every output row against the reference over each sequence's history
+/// (the last `windows[step]` positions of it when that step's layer has a sliding window).
 fn attention_case(bs: usize, steps: &[Vec<(usize, u32)>], seed: u64) -> AscendBackend {
+    attention_case_windowed(bs, steps, &[], seed)
+}
+
+fn attention_case_windowed(
+    bs: usize,
+    steps: &[Vec<(usize, u32)>],
+    windows: &[Option<u32>],
+    seed: u64,
+) -> AscendBackend {
     let mut b = default_backend();
     b.init_kv(kv_spec(bs, 12)).unwrap();
     let (heads, kvh, d) = (4usize, 2usize, 16usize);
@@ -75,6 +86,8 @@ fn attention_case(bs: usize, steps: &[Vec<(usize, u32)>], seed: u64) -> AscendBa
     let (qd, kvd) = (heads * d, kvh * d);
     let w = qd + 2 * kvd;
     for (si, step) in steps.iter().enumerate() {
+        let window = windows.get(si).copied().flatten();
+        let g = AttnGeometry { window, ..g };
         let seqs: Vec<(u32, u32, Vec<u32>)> = step
             .iter()
             .map(|&(s, n)| ((hist[s].k.len() / kvd) as u32, n, tables[s].clone()))
@@ -111,12 +124,13 @@ fn attention_case(bs: usize, steps: &[Vec<(usize, u32)>], seed: u64) -> AscendBa
             for j in 0..n as usize {
                 let q = &qkv[(row + j) * w..(row + j) * w + qd];
                 let upto = len - n as usize + j + 1;
-                let want = attention_ref(q, &hist[s], upto, heads, kvh, d);
+                let from = window.map_or(0, |w| upto.saturating_sub(w as usize));
+                let want = attention_ref(q, &hist[s], (from, upto), heads, kvh, d);
                 let got_row = &got[(row + j) * qd..(row + j + 1) * qd];
                 for (c, (g, wv)) in got_row.iter().zip(&want).enumerate() {
                     assert!(
                         (g - wv).abs() < 5e-3,
-                        "block size {bs}, step {si}, sequence {s}, query {j}, column {c}: got {g}, want {wv}"
+                        "block size {bs}, window {window:?}, step {si}, sequence {s}, query {j}, column {c}: got {g}, want {wv}"
                     );
                 }
             }
@@ -143,6 +157,57 @@ fn attention_matches_reference_on_both_paths() {
     // Block size 128: steps with chunks through the prompt branch (padded batch, causal mask).
     let b = attention_case(128, &steps, 50);
     drop(b);
+}
+
+#[test]
+fn sliding_windows_match_reference_on_both_paths() {
+    let _g = serial();
+    let steps = vec![
+        // Prompts longer than the window.
+        vec![(0, 12), (1, 3)],
+        // A chunk and decode tokens past it, a new sequence's prompt.
+        vec![(0, 9), (1, 1), (2, 20)],
+        // Decode only, with the window met before (its key mask goes up with the step).
+        vec![(0, 1), (1, 1), (2, 1)],
+        // A window met for the first time mid-run (its mask is uploaded on its own), then
+        // decode with no window (a global layer) and with one wider than every sequence.
+        vec![(0, 1), (2, 1)],
+        vec![(0, 1), (1, 1), (2, 1)],
+        vec![(0, 1), (1, 1), (2, 1)],
+    ];
+    let windows = [Some(7), Some(7), Some(7), Some(5), None, Some(100)];
+    // Block size 16: token-wise, windows as key masks of the incremental branch.
+    drop(attention_case_windowed(16, &steps, &windows, 60));
+    // Block size 128: chunked steps through the prompt branch's band mode.
+    drop(attention_case_windowed(128, &steps, &windows, 70));
+}
+
+#[test]
+fn a_window_of_zero_positions_is_refused() {
+    let _g = serial();
+    let mut b = default_backend();
+    b.init_kv(kv_spec(16, 4)).unwrap();
+    let g = AttnGeometry {
+        n_heads: 2,
+        n_kv_heads: 2,
+        head_dim: 16,
+        rope: Rope::plain(RopeStyle::Halves, 16, 10000.0, 1.0),
+        scale: 0.25,
+        window: Some(0),
+    };
+    b.begin_step(&step_of(&[(0, 2, vec![1])], 16, &[1]))
+        .unwrap();
+    let q = up(&mut b, &[0.5; 64], 32);
+    let mut o = b.alloc(DType::F16, 64).unwrap();
+    let e = b
+        .attention(
+            View::rows(&q, 2, 32).unwrap(),
+            &g,
+            0,
+            ViewMut::rows(&mut o, 2, 32).unwrap(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("window of 0"), "{e}");
 }
 
 #[test]

@@ -78,6 +78,146 @@ fn block_size_24_is_refused_and_16_accepted() {
     attention_with_block_size(16).unwrap();
 }
 
+/// One attention call of `q_s` queries over `kv_len` cached positions (block size `bs`) with
+/// `mask` (a buffer, its dtype and shape) and `band`.
+fn attention_masked(
+    q_s: i64,
+    kv_len: i64,
+    bs: i64,
+    mask: Option<(&npu_backend_ascend::memory::DeviceBuffer, DType, &[i64])>,
+    band: Option<i64>,
+) -> Result<(), AscendError> {
+    let dev = device();
+    let mut ops = OpRunner::new(&dev);
+    let (heads, d, blocks) = (2i64, 16i64, 4i64);
+    let kc = zeros((blocks * bs * heads * d * 2) as usize);
+    let vc = zeros((blocks * bs * heads * d * 2) as usize);
+    let (qb, ob, tb) = (
+        upload_f16(&vec![0.5; (q_s * heads * d) as usize]),
+        zeros((q_s * heads * d * 2) as usize),
+        upload_i32(&[0, 1, 2, 3]),
+    );
+    let (qt, ot) = (
+        t(&qb, DType::F16, &[1, q_s, heads * d]),
+        t(&ob, DType::F16, &[1, q_s, heads * d]),
+    );
+    let bt = t(&tb, DType::I32, &[1, 4]);
+    let mt = mask.map(|(b, dt, dims)| t(b, dt, dims));
+    let r = ops.attention(&Attention {
+        query: &qt,
+        out: &ot,
+        key_cache: &kc,
+        value_cache: &vc,
+        cache_view: View::contiguous(DType::F16, &[blocks, bs, heads * d]),
+        block_table: &bt,
+        mask: mt.as_ref(),
+        band,
+        q_lens: &[q_s],
+        kv_lens: &[kv_len],
+        heads,
+        kv_heads: heads,
+        block_size: bs,
+        scale: 0.25,
+    });
+    dev.synchronize()?;
+    r
+}
+
+#[test]
+fn sliding_window_masks_outside_the_documented_forms_are_refused() {
+    let _dev = device();
+    let causal: Vec<u8> = (0..2048 * 2048)
+        .map(|i| ((i % 2048) > (i / 2048)) as u8)
+        .collect();
+    let big = upload(&causal);
+    let keys = zeros(64);
+    // The incremental branch (S = 1): a (B, 1, 1, KV_S) key mask reaching the blocks the KV
+    // length needs (2 blocks of 16 for 20 positions) is taken...
+    attention_masked(1, 20, 16, Some((&keys, DType::I8, &[1, 1, 1, 32])), None).unwrap();
+    // ...one shorter than maxBlockNumPerSeq · blockSize is refused,
+    let (c, msg) = code(
+        attention_masked(1, 20, 16, Some((&keys, DType::I8, &[1, 1, 1, 16])), None).unwrap_err(),
+    );
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("maxBlockNumPerSeq * blockSize"), "{msg}");
+    // ...and so are a mask for another batch and the prompt branch's 2048×2048 one.
+    let (c, msg) =
+        code(attention_masked(1, 20, 16, Some((&keys, DType::I8, &[2, 32])), None).unwrap_err());
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("(B, 1, 1, KV_S)"), "{msg}");
+    let (c, msg) = code(
+        attention_masked(1, 20, 16, Some((&big, DType::I8, &[2048, 2048])), None).unwrap_err(),
+    );
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    // The prompt branch (S > 1): band mode over the 2048×2048 mask is taken...
+    attention_masked(3, 9, 128, Some((&big, DType::I8, &[2048, 2048])), Some(4)).unwrap();
+    // ...with preTokens + nextTokens below 0 it is refused,
+    let (c, msg) = code(
+        attention_masked(3, 9, 128, Some((&big, DType::I8, &[2048, 2048])), Some(-1)).unwrap_err(),
+    );
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("preTokens + nextTokens >= 0"), "{msg}");
+    // ...and so is a mask of another size.
+    let (c, msg) =
+        code(attention_masked(3, 9, 128, Some((&keys, DType::I8, &[8, 8])), Some(4)).unwrap_err());
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("2048"), "{msg}");
+}
+
+/// A first phase's status and the emulation's message.
+fn first_phase(rc: i32) -> (i32, String) {
+    (rc, acl().last_message())
+}
+
+#[test]
+fn gelu_and_multiply_misuses_are_refused() {
+    let _dev = device();
+    let acl = acl();
+    let ops = acl.api.ops;
+    let (xb, yb, ib) = (upload_f16(&[0.5; 32]), zeros(128), upload_i32(&[3; 32]));
+    let x = t(&xb, DType::F16, &[4, 8]);
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    let gelu = ops
+        .aclnnGeluV2GetWorkspaceSize
+        .expect("the emulation has GeluV2");
+    // GeluV2: approximate is 0 (none) or 1 (tanh) only.
+    let y = t(&yb, DType::F16, &[4, 8]);
+    // SAFETY: live tensors and out-pointers.
+    let (c, msg) = first_phase(unsafe { gelu(x.raw(), 2, y.raw(), &mut ws, &mut exec) });
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("approximate 2"), "{msg}");
+    // y must have x's data type and shape.
+    let y32 = t(&yb, DType::F32, &[4, 8]);
+    // SAFETY: as above.
+    let (c, msg) = first_phase(unsafe { gelu(x.raw(), 1, y32.raw(), &mut ws, &mut exec) });
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("one data type"), "{msg}");
+    let y_short = t(&yb, DType::F16, &[4, 4]);
+    // SAFETY: as above.
+    let (c, msg) = first_phase(unsafe { gelu(x.raw(), 1, y_short.raw(), &mut ws, &mut exec) });
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    // InplaceMuls: a float scalar cannot scale an INT32 tensor in place (the promoted type
+    // does not convert back).
+    let muls = ops
+        .aclnnInplaceMulsGetWorkspaceSize
+        .expect("the emulation has InplaceMuls");
+    let ints = t(&ib, DType::I32, &[4, 8]);
+    let half = npu_backend_ascend::tensor::Scalar::f32(acl, 0.5).unwrap();
+    // SAFETY: live tensor, scalar and out-pointers.
+    let (c, msg) = first_phase(unsafe { muls(ints.raw(), half.raw(), &mut ws, &mut exec) });
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("cannot be stored back"), "{msg}");
+    // InplaceMul: other must broadcast to selfRef's own shape.
+    let mul = ops
+        .aclnnInplaceMulGetWorkspaceSize
+        .expect("the emulation has InplaceMul");
+    let (row, wide) = (t(&xb, DType::F16, &[1, 8]), t(&yb, DType::F16, &[8, 8]));
+    // SAFETY: live tensors and out-pointers.
+    let (c, msg) = first_phase(unsafe { mul(row.raw(), wide.raw(), &mut ws, &mut exec) });
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("must broadcast to selfRef"), "{msg}");
+}
+
 #[test]
 fn host_pointer_used_as_device_pointer_is_refused() {
     let dev = device();

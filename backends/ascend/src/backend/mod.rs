@@ -271,6 +271,11 @@ impl AscendBackend {
         self.ops.stats()
     }
 
+    /// Rotary cos/sin tables held: one per rope met (base, scaling, factors), at most 4.
+    pub fn rope_tables(&self) -> usize {
+        self.rope_tables.len()
+    }
+
     /// Executors kept for reuse.
     pub fn cached_executors(&self) -> usize {
         self.ops.cached()
