@@ -52,6 +52,8 @@ pub struct ServerOpts {
     pub env: Vec<(String, PathBuf)>,
     /// `npu_serving.kv_cache_memory_fraction` (`num_blocks` is then the cap); None: left out.
     pub kv_cache_memory_fraction: Option<f64>,
+    /// `npu_serving.tensor_parallel_size`: ranks per group of agents.
+    pub tensor_parallel_size: u32,
 }
 
 impl Default for ServerOpts {
@@ -73,6 +75,7 @@ impl Default for ServerOpts {
             agent_roles: None,
             env: Vec::new(),
             kv_cache_memory_fraction: None,
+            tensor_parallel_size: 1,
         }
     }
 }
@@ -110,7 +113,12 @@ impl ServerOpts {
         let fraction = self.kv_cache_memory_fraction.map_or(String::new(), |f| {
             format!("  kv_cache_memory_fraction: {f}\n")
         });
-        yaml + &roles + &fraction
+        let tp = if self.tensor_parallel_size > 1 {
+            format!("  tensor_parallel_size: {}\n", self.tensor_parallel_size)
+        } else {
+            String::new()
+        };
+        yaml + &roles + &fraction + &tp
     }
 }
 
@@ -335,6 +343,17 @@ impl Server {
         out
     }
 
+    /// The pid of the agent started with `--agent-id id` (with tensor parallelism: rank
+    /// `id % size` of group `id / size`).
+    pub fn agent_pid(&self, id: u32) -> Option<u32> {
+        self.agent_pids().into_iter().find(|&p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+            args.windows(2)
+                .any(|w| w[0] == b"--agent-id" && w[1] == id.to_string().as_bytes())
+        })
+    }
+
     /// The server's shared-memory segments in /dev/shm.
     pub fn segments(&self) -> Vec<String> {
         let prefix = format!("{}{}-", npu_protocol::shm::SEGMENT_PREFIX, self.pid());
@@ -453,6 +472,16 @@ impl Drop for Server {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// Resident memory of a process, in bytes (VmRSS).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
 }
 
 /// Which front end a request goes through.
