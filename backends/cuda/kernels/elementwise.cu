@@ -181,22 +181,15 @@ __device__ __forceinline__ void swiglu_body(const T* gate, int ldg, const T* up,
     }
 NPU_FOR_EACH_ACT(SWIGLU)
 
-// GELU with the tanh approximation in f32, as the CPU reference writes it (ggml_gelu_f32; the
-// constants as the reference spells them, products unfused and in its order).
-#define GELU_SQRT_2_OVER_PI 0.7978846f
-#define GELU_COEF_A 0.044715f
-__device__ __forceinline__ float gelu_tanh_f32(float x) {
-    const float inner = __fmul_rn(__fmul_rn(GELU_SQRT_2_OVER_PI, x),
-                                  __fadd_rn(1.0f, __fmul_rn(__fmul_rn(GELU_COEF_A, x), x)));
-    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
-}
-
 // out = gelu_tanh(gate) * up with the values of ggml's f16 GELU table, which llama.cpp's CPU
-// path reads: 0 at or below -10, the gate itself at or above 10, else gelu_tanh of the gate
-// rounded to f16, computed in f32 and rounded to f16.
+// path reads: 0 at or below -10, the gate itself at or above 10, else the table's value at the
+// gate rounded to f16. The table (65,536 f16 values: gelu_tanh of every f16, computed in f32 and
+// rounded to f16) is built on the host and uploaded once, so the device's values are the host's
+// bit for bit: a device tanhf may differ from the host's by an ulp or two, enough to move the
+// f16 rounding one step.
 template <typename T>
 __device__ __forceinline__ void geglu_body(const T* gate, int ldg, const T* up, int ldu, T* out,
-                                           int ldo, int cols) {
+                                           int ldo, int cols, const u16* table) {
     const int r = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < cols) {
@@ -208,8 +201,7 @@ __device__ __forceinline__ void geglu_body(const T* gate, int ldg, const T* up, 
         } else if (g >= 10.0f) {
             a = g;
         } else {
-            const float g16 = f16_bits_to_f32(f32_to_f16_bits(g));
-            a = f16_bits_to_f32(f32_to_f16_bits(gelu_tanh_f32(g16)));
+            a = f16_bits_to_f32(table[f32_to_f16_bits(g)]);
         }
         out[(i64)r * ldo + c] = from_f32<T>(__fmul_rn(a, u));
     }
@@ -217,8 +209,8 @@ __device__ __forceinline__ void geglu_body(const T* gate, int ldg, const T* up, 
 
 #define GEGLU(T, S)                                                                                \
     extern "C" __global__ void geglu_##S(const T* gate, int ldg, const T* up, int ldu, T* out,    \
-                                         int ldo, int cols) {                                      \
-        geglu_body<T>(gate, ldg, up, ldu, out, ldo, cols);                                        \
+                                         int ldo, int cols, const u16* table) {                    \
+        geglu_body<T>(gate, ldg, up, ldu, out, ldo, cols, table);                                 \
     }
 NPU_FOR_EACH_ACT(GEGLU)
 

@@ -83,6 +83,8 @@ pub struct CudaBackend {
     pub(crate) scratch_x: Scratch,
     pub(crate) scratch_attn: Scratch,
     pub(crate) rope_factors: RopeFactorTables,
+    /// The f16 GELU table on the device (uploaded at the first GELU gate).
+    pub(crate) gelu_table: Option<DeviceMem>,
     read_buf: Vec<u8>,
     #[cfg(feature = "emulation")]
     emu: Option<Arc<crate::emu::EmuGpu>>,
@@ -213,6 +215,7 @@ impl CudaBackend {
             scratch_x: Scratch::default(),
             scratch_attn: Scratch::default(),
             rope_factors: RopeFactorTables::default(),
+            gelu_table: None,
             read_buf: Vec::new(),
             #[cfg(feature = "emulation")]
             emu: None,
@@ -473,10 +476,19 @@ impl Backend for CudaBackend {
         parts: &[HostTensor<'_>],
     ) -> Result<Option<CudaMatrix>, BackendError> {
         let dense = (self.cfg.matmul == MatmulMode::Dequantized).then_some(self.cfg.act_dtype);
-        match weights::pack_matrix(parts, dense)? {
-            Some(p) => Ok(Some(self.upload_matrix(p)?)),
-            None => Ok(None),
+        let Some(p) = weights::pack_matrix(parts, dense)? else {
+            return Ok(None);
+        };
+        let m = self.upload_matrix(p)?;
+        // `Auto` dequantizes a matrix into the weight scratch for long steps: that area is
+        // made here, at its largest, while the weights load, so that it is taken before the KV
+        // pool is sized from the free memory and the first long prompt allocates nothing (review
+        // finding 6).
+        let dt = self.cfg.act_dtype;
+        if let Some(bytes) = crate::matmul::dequant_scratch_bytes(self.cfg.matmul, &m, dt) {
+            self.scratch_w.ensure(&self.gpu, self.device, bytes)?;
         }
+        Ok(Some(m))
     }
 
     fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<CudaEmbedding, BackendError> {

@@ -14,6 +14,18 @@ use crate::weights::{CudaMatrix, MatrixKind};
 /// Warps per block of the GEMV kernels (one output each).
 const GEMV_WARPS: usize = 4;
 
+/// Bytes of weight scratch a matmul of `w` may dequantize into under `mode` (`None`: never).
+pub(crate) fn dequant_scratch_bytes(mode: MatmulMode, w: &CudaMatrix, dt: DType) -> Option<usize> {
+    match (mode, w.kind) {
+        (MatmulMode::Auto, MatrixKind::Packed(fmt))
+            if !(fmt == WeightFormat::F16 && dt == DType::F16) =>
+        {
+            Some(w.n * w.k * dt.size())
+        }
+        _ => None,
+    }
+}
+
 impl CudaBackend {
     pub(crate) fn op_matmul(
         &mut self,
@@ -81,6 +93,7 @@ impl CudaBackend {
     ) -> Result<DevPtr, BackendError> {
         const OP: &str = "matmul";
         let bytes = w.n * w.k * dt.size();
+        // Made at its largest when the matrices were loaded (see `load_matrix`).
         let dst = self.scratch_w.ensure(&self.gpu, self.device, bytes)?;
         let units = if fmt == WeightFormat::F16 {
             w.n * w.k

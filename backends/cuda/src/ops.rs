@@ -24,6 +24,23 @@ const ATT_MAX_GROUP: usize = 16;
 /// Fewest context tiles a split of attention should cover.
 const ATT_MIN_TILES_PER_SPLIT: usize = 4;
 
+/// GELU with the tanh approximation in f32, as the CPU reference writes it (ggml's
+/// `ggml_gelu_f32`: the constants as it spells them, products unfused and in its order, the
+/// host's `tanh`).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044_715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+}
+
+/// `gelu_tanh` of every f16 value, rounded to f16, by bit pattern: ggml's CPU table, which the
+/// GELU-gate kernel reads (built here so that the device's values are the host's).
+pub fn gelu_f16_table() -> Vec<u16> {
+    (0..=u16::MAX)
+        .map(|bits| half::f16::from_f32(gelu_tanh(half::f16::from_bits(bits).to_f32())).to_bits())
+        .collect()
+}
+
 pub(crate) fn bad(op: &'static str, message: String) -> BackendError {
     BackendError::BadArgument { op, message }
 }
@@ -692,6 +709,7 @@ impl CudaBackend {
         if gl.elements() == 0 {
             return Ok(());
         }
+        let table = self.gelu_table()?;
         self.launch(
             op_kernel(Op::Geglu, dt),
             LaunchDims::linear(
@@ -705,8 +723,23 @@ impl CudaBackend {
                 .i32(int(OP, ul.stride())?)
                 .ptr(addr_mut(&out))
                 .i32(int(OP, ol.stride())?)
-                .i32(int(OP, gl.cols())?),
+                .i32(int(OP, gl.cols())?)
+                .ptr(table),
         )
+    }
+
+    /// The device copy of the f16 GELU table (`gelu_f16_table`), uploaded at the first GELU
+    /// gate and kept for the backend's life.
+    fn gelu_table(&mut self) -> Result<DevPtr, BackendError> {
+        if let Some(t) = &self.gelu_table {
+            return Ok(t.ptr());
+        }
+        let table = gelu_f16_table();
+        let mem = self.alloc_mem(table.len() * 2)?;
+        self.gpu.htod(mem.ptr(), bytemuck::cast_slice(&table))?;
+        let p = mem.ptr();
+        self.gelu_table = Some(mem);
+        Ok(p)
     }
 
     pub(crate) fn op_scale_rows(
@@ -895,5 +928,25 @@ impl CudaBackend {
                 .i32(int(OP, ol.stride())?)
                 .i32(int(OP, ol.cols())?),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gelu_table_is_the_cpu_reference_s() {
+        let table = gelu_f16_table();
+        let mut out = [0f32];
+        for bits in 0..=u16::MAX {
+            let g = half::f16::from_bits(bits).to_f32();
+            if !g.is_finite() || g.abs() >= 10.0 {
+                continue;
+            }
+            npu_backend_cpu::kernels::elementwise::geglu(&[g], &[1.0], &mut out);
+            let t = half::f16::from_bits(table[bits as usize]).to_f32();
+            assert_eq!(t.to_bits(), out[0].to_bits(), "gate {g} ({bits:#06x})");
+        }
     }
 }

@@ -200,3 +200,51 @@ fn token_ops_run_before_the_kv_pool_exists() {
         .to_string();
     assert!(e.contains("without sequences"), "{e}");
 }
+
+/// Review finding 6: in `auto` mode a long step dequantizes each matrix into a scratch area as
+/// large as the largest matrix in the activation dtype (2 GiB for a 128k x 4096 head in f32).
+/// It is made while the matrices load, before the KV pool is sized from the free memory, so
+/// the first long prompt allocates nothing on the device.
+#[test]
+fn auto_mode_takes_its_weight_scratch_while_loading() {
+    use npu_backend::{Backend, DType, HostTensor, View, ViewMut};
+    use npu_backend_cuda::MatmulMode;
+    let Some(mut b) = emulated(DType::F32, MatmulMode::Auto) else {
+        return;
+    };
+    let mut rng = common::Rng::new(3);
+    let (n, k) = (512, 256);
+    let before = b.mem_info().unwrap().free;
+    let data = common::random_tensor(&mut rng, npu_gguf::GgmlType::Q4_0, n, k);
+    let m = b
+        .load_matrix(&[HostTensor {
+            ty: npu_gguf::GgmlType::Q4_0,
+            data: &data,
+            rows: n,
+            cols: k,
+        }])
+        .unwrap()
+        .unwrap();
+    let loaded = b.mem_info().unwrap().free;
+    assert!(
+        before - loaded >= (n * k * 4) as u64,
+        "the scratch of a {n}x{k} matrix in f32 is taken at load ({} bytes taken)",
+        before - loaded
+    );
+    let rows = 40; // beyond the GEMV limit: dequantize + GEMM
+    let x = common::put(&mut b, DType::F32, &rng.vec(rows * k, -1.0, 1.0), rows, k);
+    let mut out = b.alloc(DType::F32, rows * n).unwrap();
+    let ready = b.mem_info().unwrap().free;
+    b.matmul(
+        View::rows(&x, rows, k).unwrap(),
+        &m,
+        ViewMut::rows(&mut out, rows, n).unwrap(),
+    )
+    .unwrap();
+    b.synchronize().unwrap();
+    assert_eq!(
+        b.mem_info().unwrap().free,
+        ready,
+        "the first long matmul allocated device memory"
+    );
+}

@@ -13,6 +13,7 @@ use crate::kernels;
 const SHIM: &str = include_str!("../../emulation/cuda_shim.h");
 const RUNTIME: &str = include_str!("../../emulation/runtime.cpp");
 const LAUNCH: &str = include_str!("../../emulation/launch.h");
+const DEVICE_MATH: &str = include_str!("../../emulation/device_math.h");
 const FLAGS: [&str; 7] = [
     "-std=c++17",
     "-O2",
@@ -24,7 +25,7 @@ const FLAGS: [&str; 7] = [
 ];
 
 fn kernels_cpp() -> String {
-    let mut s = String::from("#include \"cuda_shim.h\"\n");
+    let mut s = String::from("#include \"cuda_shim.h\"\n#include \"device_math.h\"\n");
     s.push_str(&kernels::program_source());
     s.push_str("\n#include \"launch.h\"\n");
     for n in kernels::kernel_names() {
@@ -49,7 +50,14 @@ pub fn library() -> Result<PathBuf, String> {
     let cpp = kernels_cpp();
     let cxx = compiler();
     let mut h = Sha256::new();
-    for part in [SHIM, RUNTIME, LAUNCH, cpp.as_str(), cxx.as_str()] {
+    for part in [
+        SHIM,
+        RUNTIME,
+        LAUNCH,
+        DEVICE_MATH,
+        cpp.as_str(),
+        cxx.as_str(),
+    ] {
         h.update(part.as_bytes());
         h.update([0]);
     }
@@ -77,6 +85,7 @@ fn compile(work: &Path, cpp: &str, cxx: &str, lib: &Path) -> Result<(), String> 
         ("cuda_shim.h", SHIM),
         ("runtime.cpp", RUNTIME),
         ("launch.h", LAUNCH),
+        ("device_math.h", DEVICE_MATH),
         ("kernels.cpp", cpp),
     ] {
         std::fs::write(work.join(name), text).map_err(|e| format!("{name}: {e}"))?;

@@ -17,6 +17,7 @@ use std::sync::{Mutex, OnceLock};
 
 use npu_backend::{BackendError, DType, MemInfo};
 
+use crate::fault::Fault;
 use crate::gpu::{ArgKind, Args, DevPtr, Gemm, Gpu, LaunchDims};
 use crate::kernels;
 use memory::Memory;
@@ -132,6 +133,8 @@ pub struct EmuGpu {
     /// Launches so far (tests check ops really ran kernels).
     launches: Mutex<Vec<usize>>,
     bad_frees: Mutex<Vec<String>>,
+    /// A kernel that faulted leaves the emulated context unusable, as on a GPU.
+    fault: Fault,
 }
 
 impl EmuGpu {
@@ -146,6 +149,7 @@ impl EmuGpu {
             mem: Mutex::new(Memory::default()),
             launches: Mutex::new(Vec::new()),
             bad_frees: Mutex::new(Vec::new()),
+            fault: Fault::default(),
         })
     }
 
@@ -168,6 +172,7 @@ impl Gpu for EmuGpu {
     }
 
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        self.fault.check()?;
         Ok(MemInfo {
             free: memory::EMULATED_DEVICE_BYTES - self.mem().used(),
             total: memory::EMULATED_DEVICE_BYTES,
@@ -175,6 +180,7 @@ impl Gpu for EmuGpu {
     }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr, BackendError> {
+        self.fault.check()?;
         self.mem()
             .alloc(bytes)
             .map_err(|_| BackendError::OutOfMemory {
@@ -194,6 +200,7 @@ impl Gpu for EmuGpu {
     }
 
     fn htod(&self, dst: DevPtr, src: &[u8]) -> Result<(), BackendError> {
+        self.fault.check()?;
         self.mem()
             .check(dst, src.len(), "cuMemcpyHtoDAsync")
             .map_err(emu_err)?;
@@ -203,6 +210,7 @@ impl Gpu for EmuGpu {
     }
 
     fn dtod(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), BackendError> {
+        self.fault.check()?;
         let m = self.mem();
         m.check(dst, bytes, "cuMemcpyDtoDAsync").map_err(emu_err)?;
         m.check(src, bytes, "cuMemcpyDtoDAsync").map_err(emu_err)?;
@@ -213,6 +221,7 @@ impl Gpu for EmuGpu {
     }
 
     fn read(&self, regions: &[(DevPtr, usize)], out: &mut Vec<u8>) -> Result<(), BackendError> {
+        self.fault.check()?;
         let m = self.mem();
         out.clear();
         for &(src, bytes) in regions {
@@ -224,6 +233,7 @@ impl Gpu for EmuGpu {
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {
+        self.fault.check()?;
         let bad = self.bad_frees.lock().unwrap_or_else(|e| e.into_inner());
         match bad.first() {
             Some(e) => Err(emu_err(e.clone())),
@@ -232,6 +242,7 @@ impl Gpu for EmuGpu {
     }
 
     fn launch(&self, kernel: usize, dims: LaunchDims, args: &mut Args) -> Result<(), BackendError> {
+        self.fault.check()?;
         let k = &self.lib.kernels[kernel];
         let kinds: Vec<(ArgKind, u64)> = args.values().collect();
         let sizes: Vec<u32> = kinds.iter().map(|(k, _)| k.size() as u32).collect();
@@ -264,6 +275,10 @@ impl Gpu for EmuGpu {
                 }
             }
         }
+        self.fault.launched(format!(
+            "{} grid {:?} block {:?} smem {}",
+            k.name, dims.grid, dims.block, dims.smem
+        ));
         let mut params = args.params();
         let mut err = vec![0u8; 512];
         let rc = {
@@ -283,18 +298,26 @@ impl Gpu for EmuGpu {
         };
         if rc != 0 {
             let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
-            return Err(emu_err(format!(
-                "{}: {}",
-                k.name,
-                String::from_utf8_lossy(&err[..end])
-            )));
+            let what = String::from_utf8_lossy(&err[..end]).into_owned();
+            // A bad launch configuration is refused before anything runs (not sticky on a
+            // GPU); anything that went wrong while the kernel ran leaves the context unusable.
+            if what.starts_with("invalid launch configuration") {
+                return Err(emu_err(format!("{}: {what}", k.name)));
+            }
+            return Err(self.fault.fatal(
+                &format!("emulation: {}", k.name),
+                &format!("{what} (on a GPU: a device fault)"),
+            ));
         }
         let m = self.mem();
         if let Some(s) = touched.iter().find(|&&s| !m.intact(s)) {
-            return Err(emu_err(format!(
-                "{} wrote past the end of the allocation at {s:#x}",
-                k.name
-            )));
+            return Err(self.fault.fatal(
+                &format!("emulation: {}", k.name),
+                &format!(
+                    "wrote past the end of the allocation at {s:#x} (on a GPU: \
+                     CUDA_ERROR_ILLEGAL_ADDRESS or silent corruption)"
+                ),
+            ));
         }
         self.launches
             .lock()
@@ -309,6 +332,7 @@ impl Gpu for EmuGpu {
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), BackendError> {
+        self.fault.check()?;
         let supported = matches!(
             (g.ab_type, g.c_type),
             (DType::F16, DType::F16 | DType::F32)
@@ -444,9 +468,6 @@ mod tests {
             .launch(k, dims, &mut add_args(host.as_ptr() as u64, y, 16))
             .unwrap_err();
         assert!(e.to_string().contains("not device memory"), "{e}");
-        // Writing 32 floats into a 64-byte allocation is caught.
-        let e = g.launch(k, dims, &mut add_args(x, y, 32)).unwrap_err();
-        assert!(e.to_string().contains("wrote past the end"), "{e}");
         // Bad launch shapes, too much shared memory, copies outside an allocation.
         let e = g
             .launch(
@@ -490,5 +511,22 @@ mod tests {
         assert!(e.to_string().contains("INVALID_VALUE"), "{e}");
         g.free(y, 256);
         assert_eq!(g.live_allocations(), 1);
+        // Writing 32 floats into a 64-byte allocation is caught, and, as a device fault on a
+        // GPU, leaves the context unusable: every later call says so, naming the first fault.
+        let e = g.launch(k, dims, &mut add_args(x, x, 32)).unwrap_err();
+        assert!(e.to_string().contains("wrote past the end"), "{e}");
+        assert!(e.to_string().contains("add_f32 grid [1, 1, 1]"), "{e}");
+        for e in [
+            g.synchronize().unwrap_err(),
+            g.htod(x, &[0u8; 4]).unwrap_err(),
+            g.launch(k, dims, &mut add_args(x, x, 16)).unwrap_err(),
+            g.alloc(64).unwrap_err(),
+        ] {
+            let e = e.to_string();
+            assert!(
+                e.contains("unusable") && e.contains("wrote past the end"),
+                "{e}"
+            );
+        }
     }
 }
