@@ -484,27 +484,41 @@ pub fn lane_value(kind: Values, v: &[u8], i: usize, kk: usize) -> u8 {
     }
 }
 
-/// Writes row `i`'s 32 values `u` into a block's values `v` (row `i`'s bytes are cleared first).
+/// Writes row `i`'s 32 values `u` into a block's values `v` (every byte of the row, so a row
+/// packed again replaces what it held).
 fn put_values(kind: Values, v: &mut [u8], i: usize, u: &[u8; 32]) {
-    for plane in 0..v.len() / 64 {
-        v[plane * 64 + i * 4..plane * 64 + i * 4 + 4].fill(0);
-    }
-    for (kk, &val) in u.iter().enumerate() {
-        let (c, p) = (kk / 4, i * 4 + kk % 4);
+    // The bits of register c's value at byte position t, `bits` wide from bit `from`, packed
+    // `bits` apart for registers `cs`.
+    let field = |t: usize, cs: std::ops::Range<usize>, from: u32, bits: u32| -> u8 {
+        let mask = (1u8 << bits) - 1;
+        cs.clone().fold(0u8, |acc, c| {
+            acc | (((u[4 * c + t] >> from) & mask) << (bits as usize * (c - cs.start)))
+        })
+    };
+    for t in 0..4 {
+        let p = i * 4 + t;
         match kind {
-            Values::Q8 => v[c * 64 + p] = val,
+            Values::Q8 => {
+                for c in 0..8 {
+                    v[c * 64 + p] = u[4 * c + t];
+                }
+            }
             Values::Q4 | Values::Q5 | Values::Q6 => {
-                v[(c % 4) * 64 + p] |= (val & 15) << if c < 4 { 0 } else { 4 };
-                match kind {
-                    Values::Q5 => v[256 + p] |= ((val >> 4) & 1) << c,
-                    Values::Q6 => v[256 + (c / 4) * 64 + p] |= ((val >> 4) & 3) << (2 * (c % 4)),
-                    _ => {}
+                for j in 0..4 {
+                    v[j * 64 + p] = (u[4 * j + t] & 15) | ((u[16 + 4 * j + t] & 15) << 4);
+                }
+                if kind == Values::Q5 {
+                    v[256 + p] = field(t, 0..8, 4, 1);
+                } else if kind == Values::Q6 {
+                    v[256 + p] = field(t, 0..4, 4, 2);
+                    v[320 + p] = field(t, 4..8, 4, 2);
                 }
             }
             Values::Q2 | Values::Q3 => {
-                v[(c / 4) * 64 + p] |= (val & 3) << (2 * (c % 4));
+                v[p] = field(t, 0..4, 0, 2);
+                v[64 + p] = field(t, 4..8, 0, 2);
                 if kind == Values::Q3 {
-                    v[128 + p] |= ((val >> 2) & 1) << c;
+                    v[128 + p] = field(t, 0..8, 2, 1);
                 }
             }
         }
