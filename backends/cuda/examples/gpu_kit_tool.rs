@@ -1,0 +1,409 @@
+//! The GPU check kit's helper (scripts/gpu-kit.sh builds it, scripts/gpu-check.sh runs it on the
+//! device machine, which has no Rust and no network):
+//!
+//! ```text
+//! gpu_kit_tool donor --from MODEL.gguf --out DONOR.gguf
+//!     a GGUF holding only MODEL's tokenizer (tokenizer.* metadata): the donor that
+//!     `npu-serving synth-model --tokenizer-from` needs, without the model's weights
+//! gpu_kit_tool shaped --shape 1b|8b --donor DONOR.gguf --out OUT.gguf [--seed N]
+//!     a random-weight Llama GGUF of a 1B-class (hidden 2048, 16 layers, 32/8 heads, ff 8192) or
+//!     8B-class (hidden 4096, 32 layers, 32/8 heads, ff 14336) shape: Q4_0 matrices, Q8_0
+//!     token embedding and output head, the donor's tokenizer and vocabulary
+//! gpu_kit_tool ids GENERATE.json
+//!     the output ids of `npu-serving generate --json`, comma-separated
+//! gpu_kit_tool fidelity --cpu-gen A --cpu-score B --dev-gen C --dev-score D
+//!                       [--margin 0.15] [--ref FAMILY.jsonl --line N]
+//!     one line of agreement between the device and the CPU backend (and llama.cpp's recorded
+//!     greedy tokens): greedy tokens equal up to the first near tie (a top-1/top-2 gap below
+//!     the margin, the CPU backend's, the device's, or llama.cpp's), teacher-forced top-1 equal
+//!     wherever the CPU backend is decided; exit status 1 when they disagree
+//! gpu_kit_tool bench-row --label L --npu BENCH.json [--llama-bench LB.json]
+//!                        [--llama-batched LBB.txt]
+//!     one markdown table row: prefill 512 and decode at batch 1 and 32, npu-serving beside
+//!     llama.cpp on the same file
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use npu_gguf::writer::GgufWriter;
+use npu_gguf::{GgmlType, GgufFile, MetaValue};
+use serde_json::Value;
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn need(args: &[String], name: &str) -> Result<String, String> {
+    arg(args, name).ok_or_else(|| format!("missing {name}"))
+}
+
+fn read_json(p: &str) -> Result<Value, String> {
+    let s = std::fs::read_to_string(p).map_err(|e| format!("{p}: {e}"))?;
+    // `generate --json` prints the object on one line; anything else on stdout comes before.
+    let line = s
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .ok_or_else(|| format!("{p}: no JSON object"))?;
+    serde_json::from_str(line).map_err(|e| format!("{p}: {e}"))
+}
+
+fn u32s(v: &Value, key: &str) -> Vec<u32> {
+    v[key]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A GGUF with only the tokenizer of `from`.
+fn donor(from: &Path, out: &Path) -> Result<(), String> {
+    let f = GgufFile::open(from).map_err(|e| format!("{}: {e}", from.display()))?;
+    let mut w = GgufWriter::new();
+    w.add_meta(
+        "general.architecture",
+        MetaValue::String(f.get_str("general.architecture").unwrap_or("llama").into()),
+    );
+    w.add_meta(
+        "general.name",
+        MetaValue::String("tokenizer donor (no weights)".into()),
+    );
+    let mut n = 0;
+    for k in f.keys() {
+        if k.starts_with("tokenizer.") {
+            w.add_meta(k.clone(), f.get(k).cloned().expect("a listed key"));
+            n += 1;
+        }
+    }
+    if n == 0 {
+        return Err(format!("{} has no tokenizer.* metadata", from.display()));
+    }
+    w.write_to(out)
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    println!(
+        "{}: {n} tokenizer keys of {}",
+        out.display(),
+        from.display()
+    );
+    Ok(())
+}
+
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn fill(&mut self, out: &mut [u8]) {
+        for c in out.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+}
+
+/// Random blocks of `ty` (Q4_0 or Q8_0) for a `rows x cols` matrix whose values have a standard
+/// deviation of about `std`.
+fn blocks(rng: &mut XorShift, ty: GgmlType, rows: u64, cols: u64, std: f32) -> Vec<u8> {
+    let nb = (rows * cols / 32) as usize;
+    let (bb, qstd) = match ty {
+        GgmlType::Q4_0 => (18, 4.6f32),
+        GgmlType::Q8_0 => (34, 74.0),
+        _ => unreachable!("Q4_0 and Q8_0 only"),
+    };
+    let mut out = vec![0u8; nb * bb];
+    rng.fill(&mut out);
+    let d = half::f16::from_f32(std / qstd).to_le_bytes();
+    for b in out.chunks_mut(bb) {
+        b[..2].copy_from_slice(&d);
+    }
+    out
+}
+
+/// A random-weight Llama of a 1B- or 8B-class shape with the donor's tokenizer.
+fn shaped(shape: &str, donor: &Path, out: &Path, seed: u64) -> Result<(), String> {
+    let (h, layers, heads, kv, ff): (u64, u64, u64, u64, u64) = match shape {
+        "1b" => (2048, 16, 32, 8, 8192),
+        "8b" => (4096, 32, 32, 8, 14336),
+        other => return Err(format!("unknown shape {other:?} (1b or 8b)")),
+    };
+    let d = GgufFile::open(donor).map_err(|e| format!("{}: {e}", donor.display()))?;
+    let vocab = d
+        .get("tokenizer.ggml.tokens")
+        .and_then(MetaValue::as_array)
+        .map(|a| a.len() as u64)
+        .ok_or_else(|| format!("{} has no tokenizer.ggml.tokens", donor.display()))?;
+    let hd = h / heads;
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15 ^ seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1);
+    let mut w = GgufWriter::new();
+    let u = |v: u64| MetaValue::U32(v as u32);
+    w.add_meta("general.architecture", MetaValue::String("llama".into()));
+    w.add_meta(
+        "general.name",
+        MetaValue::String(format!("random-weight {shape}-class llama (Q4_0)")),
+    );
+    w.add_meta("general.file_type", u(2)); // MOSTLY_Q4_0
+    w.add_meta("llama.block_count", u(layers));
+    w.add_meta("llama.context_length", u(8192));
+    w.add_meta("llama.embedding_length", u(h));
+    w.add_meta("llama.feed_forward_length", u(ff));
+    w.add_meta("llama.attention.head_count", u(heads));
+    w.add_meta("llama.attention.head_count_kv", u(kv));
+    w.add_meta("llama.rope.dimension_count", u(hd));
+    w.add_meta("llama.vocab_size", u(vocab));
+    w.add_meta("llama.rope.freq_base", MetaValue::F32(500000.0));
+    w.add_meta(
+        "llama.attention.layer_norm_rms_epsilon",
+        MetaValue::F32(1e-5),
+    );
+    for k in d.keys() {
+        if k.starts_with("tokenizer.") {
+            w.add_meta(k.clone(), d.get(k).cloned().expect("a listed key"));
+        }
+    }
+    let (q4, q8) = (GgmlType::Q4_0, GgmlType::Q8_0);
+    let s = |k: u64| 0.5 / (k as f32).sqrt();
+    w.add_tensor(
+        "token_embd.weight",
+        q8,
+        &[h, vocab],
+        blocks(&mut rng, q8, vocab, h, 1.0),
+    );
+    let ones = vec![1.0f32; h as usize];
+    for l in 0..layers {
+        let n = |x: &str| format!("blk.{l}.{x}");
+        w.add_f32_tensor(n("attn_norm.weight"), &[h], &ones);
+        w.add_f32_tensor(n("ffn_norm.weight"), &[h], &ones);
+        for (name, rows, cols) in [
+            ("attn_q.weight", h, h),
+            ("attn_k.weight", kv * hd, h),
+            ("attn_v.weight", kv * hd, h),
+            ("attn_output.weight", h, h),
+            ("ffn_gate.weight", ff, h),
+            ("ffn_up.weight", ff, h),
+            ("ffn_down.weight", h, ff),
+        ] {
+            w.add_tensor(
+                n(name),
+                q4,
+                &[cols, rows],
+                blocks(&mut rng, q4, rows, cols, s(cols)),
+            );
+        }
+    }
+    w.add_f32_tensor("output_norm.weight", &[h], &ones);
+    w.add_tensor(
+        "output.weight",
+        q8,
+        &[h, vocab],
+        blocks(&mut rng, q8, vocab, h, s(h)),
+    );
+    w.write_to(out)
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
+    println!(
+        "{}: {shape}-class llama, hidden {h}, {layers} layers, {heads}/{kv} heads, ff {ff}, vocab \
+         {vocab}, {:.2} GB",
+        out.display(),
+        bytes as f64 / 1e9
+    );
+    Ok(())
+}
+
+/// Agreement of a device run with the CPU backend's (and llama.cpp's reference).
+fn fidelity(args: &[String]) -> Result<bool, String> {
+    let cpu_gen = read_json(&need(args, "--cpu-gen")?)?;
+    let dev_gen = read_json(&need(args, "--dev-gen")?)?;
+    let cpu_score = read_json(&need(args, "--cpu-score")?)?;
+    let dev_score = read_json(&need(args, "--dev-score")?)?;
+    let margin: f32 = arg(args, "--margin")
+        .map(|m| m.parse().map_err(|_| format!("bad --margin {m}")))
+        .transpose()?
+        .unwrap_or(0.15);
+    let cpu_ids = u32s(&cpu_gen, "output_ids");
+    let dev_ids = u32s(&dev_gen, "output_ids");
+    let pos = |v: &Value| -> Vec<(u32, f32, f32)> {
+        v["positions"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|p| {
+                        (
+                            p["top1_id"].as_u64().unwrap_or(u64::MAX) as u32,
+                            p["gap"].as_f64().unwrap_or(0.0) as f32,
+                            p["logprob"].as_f64().unwrap_or(f64::NAN) as f32,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (cs, ds) = (pos(&cpu_score), pos(&dev_score));
+    if cs.len() != cpu_ids.len() || ds.len() != cpu_ids.len() {
+        return Err(format!(
+            "scores of {} and {} positions for {} tokens",
+            cs.len(),
+            ds.len(),
+            cpu_ids.len()
+        ));
+    }
+    // llama.cpp's recorded greedy run, when given.
+    let reference = match (arg(args, "--ref"), arg(args, "--line")) {
+        (Some(r), Some(n)) => {
+            let text = std::fs::read_to_string(&r).map_err(|e| format!("{r}: {e}"))?;
+            let n: usize = n.parse().map_err(|_| format!("bad --line {n}"))?;
+            let line = text
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .nth(n)
+                .ok_or_else(|| format!("{r}: no line {n}"))?;
+            let v: Value = serde_json::from_str(line).map_err(|e| format!("{r}: {e}"))?;
+            Some((
+                u32s(&v, "output_ids"),
+                v["first_near_tie"].as_u64().map(|x| x as usize),
+            ))
+        }
+        _ => None,
+    };
+    let n = cpu_ids.len();
+    // Greedy: up to the first near tie of the CPU backend or the device (teacher-forced along
+    // the CPU's path, which is the device's up to the first difference).
+    let tie = (0..n)
+        .find(|&i| cs[i].1 < margin || ds[i].1 < margin)
+        .unwrap_or(n);
+    let same = dev_ids
+        .iter()
+        .zip(&cpu_ids)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let greedy_ok = same >= tie.min(dev_ids.len()) && dev_ids.len() >= tie;
+    // Teacher-forced: top-1 equal wherever the CPU backend is decided.
+    let decided: Vec<usize> = (0..n).filter(|&i| cs[i].1 >= margin).collect();
+    let top1_same = decided.iter().filter(|&&i| cs[i].0 == ds[i].0).count();
+    let tf_ok = top1_same == decided.len();
+    let max_dlp = (0..n)
+        .map(|i| (cs[i].2 - ds[i].2).abs())
+        .fold(0f32, f32::max);
+    let mut line = format!(
+        "greedy {same}/{n} as the CPU backend (checked up to step {tie}, the first near tie); \
+         teacher-forced top-1 {top1_same}/{} where the CPU backend is decided; max |Δ logprob| \
+         {max_dlp:.4}",
+        decided.len()
+    );
+    let mut ref_ok = true;
+    if let Some((ref_ids, ref_tie)) = reference {
+        let ref_same = dev_ids
+            .iter()
+            .zip(&ref_ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let upto = tie.min(ref_tie.unwrap_or(ref_ids.len())).min(ref_ids.len());
+        ref_ok = ref_same >= upto;
+        line.push_str(&format!(
+            "; llama.cpp's greedy tokens {ref_same}/{} (checked up to step {upto})",
+            ref_ids.len()
+        ));
+    }
+    let ok = greedy_ok && tf_ok && ref_ok;
+    println!("{} {line}", if ok { "PASS" } else { "FAIL" });
+    Ok(ok)
+}
+
+/// A markdown row: prefill 512, decode batch 1 and 32 for npu-serving and llama.cpp.
+fn bench_row(args: &[String]) -> Result<(), String> {
+    let label = need(args, "--label")?;
+    let f = |v: Option<f64>| v.map_or("—".to_string(), |x| format!("{x:.0}"));
+    let npu = arg(args, "--npu").and_then(|p| read_json(&p).ok());
+    let n = |k: &str| npu.as_ref().and_then(|v| v[k].as_f64());
+    // llama-bench -o json: a list of tests with n_prompt, n_gen, avg_ts.
+    let lb = arg(args, "--llama-bench")
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|s| serde_json::from_str::<Value>(&s).ok());
+    let lb_ts = |pp: u64, tg: u64| {
+        lb.as_ref().and_then(|v| {
+            v.as_array()?
+                .iter()
+                .find(|t| t["n_prompt"].as_u64() == Some(pp) && t["n_gen"].as_u64() == Some(tg))
+                .and_then(|t| t["avg_ts"].as_f64())
+        })
+    };
+    // llama-batched-bench's table: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
+    let lbb = arg(args, "--llama-batched")
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .unwrap_or_default();
+    let lbb_tg = |b: u64| {
+        lbb.lines().find_map(|l| {
+            let c: Vec<&str> = l.split('|').map(str::trim).collect();
+            (c.len() > 8 && c[3].parse::<u64>().ok() == Some(b))
+                .then(|| c[8].parse::<f64>().ok())
+                .flatten()
+        })
+    };
+    println!(
+        "| {label} | {} | {} | {} | {} | {} | {} |",
+        f(n("prefill_tok_s_512")),
+        f(lb_ts(512, 0)),
+        f(n("decode_tok_s_b1")),
+        f(lb_ts(0, 128).or(lbb_tg(1))),
+        f(n("decode_tok_s_b32")),
+        f(lbb_tg(32)),
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let r = match args.first().map(String::as_str) {
+        Some("donor") => need(&args, "--from")
+            .and_then(|from| donor(Path::new(&from), &PathBuf::from(need(&args, "--out")?))),
+        Some("shaped") => (|| {
+            let seed = arg(&args, "--seed")
+                .map(|s| s.parse().map_err(|_| format!("bad --seed {s}")))
+                .transpose()?
+                .unwrap_or(1);
+            shaped(
+                &need(&args, "--shape")?,
+                Path::new(&need(&args, "--donor")?),
+                Path::new(&need(&args, "--out")?),
+                seed,
+            )
+        })(),
+        Some("ids") => args
+            .get(1)
+            .ok_or_else(|| "ids FILE".to_string())
+            .and_then(|p| read_json(p))
+            .map(|v| {
+                let ids: Vec<String> = u32s(&v, "output_ids")
+                    .iter()
+                    .map(|i| i.to_string())
+                    .collect();
+                println!("{}", ids.join(","));
+            }),
+        Some("fidelity") => match fidelity(&args) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
+        Some("bench-row") => bench_row(&args),
+        _ => Err(
+            "usage: gpu_kit_tool donor|shaped|ids|fidelity|bench-row ... (see the source)".into(),
+        ),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu_kit_tool: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
