@@ -180,6 +180,11 @@ impl DeviceModel {
         dispatch!(self, m => m.shard())
     }
 
+    /// See `Model::collective_time`.
+    pub fn collective_time(&self) -> Option<(u64, std::time::Duration)> {
+        dispatch!(self, m => m.collective_time())
+    }
+
     /// What carries the collectives of a tensor-parallel rank (None otherwise).
     pub fn describe_collectives(&self) -> Option<String> {
         dispatch!(self, m => m.describe_collectives())

@@ -78,6 +78,52 @@ pub struct AgentEngine {
     /// This agent's rank in its tensor-parallel group (0 without one): only rank 0 samples
     /// and answers with tokens.
     rank: u32,
+    /// Steps run and the time their forwards took (for the tensor-parallel summary).
+    steps: u64,
+    forward: std::time::Duration,
+}
+
+/// Where a tensor-parallel rank's forwards spent their time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TpTime {
+    pub steps: u64,
+    pub forward: std::time::Duration,
+    /// All-reduces and logit gathers run, and their time (waiting for the other ranks
+    /// included).
+    pub collectives: u64,
+    pub in_collectives: std::time::Duration,
+}
+
+impl AgentEngine {
+    /// Where this rank's forwards spent their time (None without tensor parallelism).
+    pub fn tensor_parallel_time(&self) -> Option<TpTime> {
+        let (collectives, in_collectives) = self.model.collective_time()?;
+        Some(TpTime {
+            steps: self.steps,
+            forward: self.forward,
+            collectives,
+            in_collectives,
+        })
+    }
+}
+
+impl Drop for AgentEngine {
+    /// A tensor-parallel rank says where its forwards' time went.
+    fn drop(&mut self) {
+        let Some(t) = self.tensor_parallel_time().filter(|t| t.steps > 0) else {
+            return;
+        };
+        tracing::info!(
+            rank = self.rank,
+            steps = t.steps,
+            forward_s = t.forward.as_secs_f64(),
+            collectives = t.collectives,
+            collective_s = t.in_collectives.as_secs_f64(),
+            collective_share = t.in_collectives.as_secs_f64() / t.forward.as_secs_f64().max(1e-9),
+            "tensor-parallel rank: time in collectives (all-reduces and the logit gather, \
+             waiting for the other ranks included)"
+        );
+    }
 }
 
 /// Bytes of a step's inputs that go host->device (`begin_step`: tokens, positions, slot
@@ -320,6 +366,8 @@ impl AgentEngine {
             step_slots: Vec::new(),
             handoff,
             rank,
+            steps: 0,
+            forward: std::time::Duration::ZERO,
         })
     }
 
@@ -459,6 +507,8 @@ impl AgentEngine {
             self.long_context.as_mut(),
         )?;
         let forward_us = t_fwd.elapsed().as_micros() as u64;
+        self.steps += 1;
+        self.forward += t_fwd.elapsed();
         let t_sample = Instant::now();
         let seqs = if self.rank != 0 {
             Vec::new()

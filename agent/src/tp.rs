@@ -50,6 +50,21 @@ impl ShmCollective {
     }
 }
 
+impl Drop for ShmCollective {
+    /// Says how much of the collectives' time was waiting for the other ranks.
+    fn drop(&mut self) {
+        let (rounds, waited) = self.member.stats();
+        if rounds > 0 {
+            tracing::info!(
+                rank = self.member.rank(),
+                rounds,
+                waited_s = waited.as_secs_f64(),
+                "tensor-parallel rank: time waiting at the group's barriers for the other ranks"
+            );
+        }
+    }
+}
+
 impl HostCollective for ShmCollective {
     fn rank(&self) -> usize {
         self.member.rank() as usize

@@ -1,7 +1,9 @@
 //! The agent-side commands of the `npu-serving` binary that run a model in-process: `generate`,
 //! `score` and `bench-model`. Each takes `--device` (and `--device-id`) like an agent's config.
-//! `synth-model` writes the tiny random-weight models of the family fidelity tests.
+//! `synth-model` writes the tiny random-weight models of the family fidelity tests;
+//! `bench-collective` times the all-reduce of tensor-parallel groups.
 
+pub mod bench_collective;
 pub mod bench_long_context;
 pub mod bench_model;
 pub mod generate;

@@ -79,6 +79,20 @@ struct Tp<B: Backend> {
     embed: Vec<f32>,
     /// Rank 0: every rank's logit rows, rank after rank (reused).
     gathered: Vec<f32>,
+    /// Collectives run so far, and the time spent in them (waiting for the other ranks
+    /// included).
+    calls: u64,
+    spent: std::time::Duration,
+}
+
+impl<B: Backend> Tp<B> {
+    fn all_reduce(&mut self, b: &mut B, x: ViewMut<'_, B::Buffer>) -> Result<(), ModelError> {
+        let t = std::time::Instant::now();
+        let r = self.comm.all_reduce_sum(b, x);
+        self.calls += 1;
+        self.spent += t.elapsed();
+        Ok(r?)
+    }
 }
 
 pub struct Model<B: Backend> {
@@ -188,6 +202,8 @@ impl<B: Backend> Model<B> {
             comm,
             embed: Vec::new(),
             gathered: Vec::new(),
+            calls: 0,
+            spent: std::time::Duration::ZERO,
         });
         Ok(Self {
             cfg,
@@ -208,6 +224,12 @@ impl<B: Backend> Model<B> {
             Some(tp) => tp.shard.clone(),
             None => RankShard::whole(&self.cfg),
         }
+    }
+
+    /// Collectives this rank has run and the time they took, waiting for the other ranks
+    /// included (None without tensor parallelism).
+    pub fn collective_time(&self) -> Option<(u64, std::time::Duration)> {
+        self.tp.as_ref().map(|tp| (tp.calls, tp.spent))
     }
 
     /// What carries this rank's collectives (None without tensor parallelism).
@@ -366,8 +388,7 @@ impl<B: Backend> Model<B> {
                 ViewMut::rows(&mut bufs.tmp, t, h)?,
             )?;
             if let Some(tp) = tp.as_deref_mut() {
-                tp.comm
-                    .all_reduce_sum(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
             }
             residual_add(b, bufs, layer.post_attn_norm.as_ref(), eps, t, h)?;
             b.rms_norm(
@@ -413,8 +434,7 @@ impl<B: Backend> Model<B> {
                 }
             }
             if let Some(tp) = tp.as_deref_mut() {
-                tp.comm
-                    .all_reduce_sum(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
             }
             residual_add(b, bufs, layer.post_ffn_norm.as_ref(), eps, t, h)?;
         }
@@ -450,8 +470,11 @@ impl<B: Backend> Model<B> {
             let size = tp.shard.size;
             tp.gathered
                 .resize(if root { size * n * chunk } else { 0 }, 0.0);
+            let started = std::time::Instant::now();
             tp.comm
                 .gather_to_host(b, View::rows(&bufs.logits, n, chunk)?, &mut tp.gathered)?;
+            tp.calls += 1;
+            tp.spent += started.elapsed();
             if root {
                 let vocab = self.cfg.vocab;
                 out.logits.resize(n * vocab, 0.0);

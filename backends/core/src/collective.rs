@@ -125,6 +125,10 @@ impl<H: HostCollective> HostStaged<H> {
     pub fn host(&self) -> &H {
         &self.host
     }
+
+    pub fn host_mut(&mut self) -> &mut H {
+        &mut self.host
+    }
 }
 
 impl<B: Backend, H: HostCollective> Collective<B> for HostStaged<H> {

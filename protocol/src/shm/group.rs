@@ -447,6 +447,7 @@ impl GroupRegion {
             peers,
             wait,
             poisoned: false,
+            waited: Duration::ZERO,
         })
     }
 }
@@ -547,6 +548,8 @@ pub struct GroupMember {
     peers: Vec<Peer>,
     wait: Duration,
     poisoned: bool,
+    /// Time spent at barriers waiting for the other ranks to arrive.
+    waited: Duration,
 }
 
 impl std::fmt::Debug for GroupMember {
@@ -571,6 +574,12 @@ impl GroupMember {
 
     pub fn region_name(&self) -> &str {
         &self.region.name
+    }
+
+    /// Collective rounds so far, and the time spent waiting at their barriers for the other
+    /// ranks (the rest of a collective's time is copying and summing).
+    pub fn stats(&self) -> (u64, Duration) {
+        (self.generation, self.waited)
     }
 
     /// Values one collective round moves per rank (longer data goes in several rounds).
@@ -725,6 +734,7 @@ impl GroupMember {
             }
             if (0..ranks).all(|r| region.arrived_word(r).load(Ordering::Acquire) >= g) {
                 fence(Ordering::Acquire);
+                self.waited += started.elapsed();
                 return Ok(());
             }
             spins = spins.wrapping_add(1);
