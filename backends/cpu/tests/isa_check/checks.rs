@@ -80,7 +80,9 @@ fn packed_matmul(isas: &[Isa], r: &mut Report) {
             (5, 37, 512),
             (9, 64, 256),
             (16, 48, 512),
-            (37, 21, 256),
+            (12, 40, 256),
+            (15, 32, 256),
+            (38, 21, 256),
         ] {
             let k = if ty.block_len() == 256 { k.max(256) } else { k };
             let w = packed(ty, n, k, 21 + rows as u64);

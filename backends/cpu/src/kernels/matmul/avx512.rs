@@ -7,7 +7,11 @@
 
 use std::arch::x86_64::*;
 
-use super::{PackedJob, RawOut, MR};
+use super::{PackedJob, RawOut};
+
+/// Activation rows per tile: one block's unpacked values and scales serve 8 rows (8
+/// accumulators, 8 value registers and the scales fit the 32 registers).
+const MR: usize = 8;
 use crate::quant::acts::{ActSums, QBLOCK};
 use crate::quant::packed::{code, GROUP};
 
@@ -56,6 +60,10 @@ unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: Raw
             1 => tile::<1, V, S>(job, sums, out, g, m0, mask, first(m0)),
             2 => tile::<2, V, S>(job, sums, out, g, m0, mask, first(m0)),
             3 => tile::<3, V, S>(job, sums, out, g, m0, mask, first(m0)),
+            4 => tile::<4, V, S>(job, sums, out, g, m0, mask, first(m0)),
+            5 => tile::<5, V, S>(job, sums, out, g, m0, mask, first(m0)),
+            6 => tile::<6, V, S>(job, sums, out, g, m0, mask, first(m0)),
+            7 => tile::<7, V, S>(job, sums, out, g, m0, mask, first(m0)),
             _ => {}
         }
     }

@@ -1,6 +1,6 @@
 //! Matrix products `out[m][n] = sum_k x[m][k] * w[n][k]` for packed quantized weights against
 //! 8-bit quantized activations, and for f32 weights. The packed kernels unpack each weight block
-//! once and reuse it across up to `MR` activation rows, which is what makes prefill and batched
+//! once and reuse it across several activation rows, which is what makes prefill and batched
 //! decode fast. Work is split over output-row groups across the thread pool.
 
 #[cfg(target_arch = "x86_64")]
@@ -24,9 +24,6 @@ use crate::quant::acts::{ActSums, QBLOCK};
 use crate::quant::packed::{PackedMatrix, Values, WeightMatrix, GROUP};
 use crate::quant::QuantizedActs;
 use crate::threadpool::ThreadPool;
-
-/// Activation rows processed together against one unpacked weight block.
-pub const MR: usize = 4;
 
 /// What one packed kernel call computes: the 16-row groups `groups` of `w` against the
 /// activation rows `rows` of `acts`.
