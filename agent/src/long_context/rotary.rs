@@ -44,7 +44,6 @@ mod tests {
             base: 10000.0,
             freq_scale: 0.5,
             factors: None,
-            factors: None,
         }
     }
 
