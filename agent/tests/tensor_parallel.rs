@@ -281,3 +281,35 @@ fn group_noise_is_below_the_near_tie_margin() {
     cfg.model_path = gemma3_path();
     check_noise(&cfg, &gemma3_refs(), "Gemma 3");
 }
+
+/// A plain-greedy step on a group combines each rank's (largest, index, exp-sum) on rank 0
+/// instead of gathering the logits; asking for one top alternative gathers them and samples.
+/// Both give the same tokens and log-probabilities.
+#[test]
+fn combined_greedy_picks_equal_the_sampler_on_gathered_logits() {
+    let mut cfg = engine_config(4, 64);
+    cfg.threads = 1;
+    let mut group = LocalGroup::load(&cfg, 2).unwrap();
+    let refs = refs();
+    let mut run = |top_n: u32| {
+        let reqs: Vec<Arrival> = refs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let mut a = greedy(i as u64, &r.prompt_ids, 12, 0);
+                a.request.params.top_n = top_n;
+                a
+            })
+            .collect();
+        run_group(&mut group, &cfg, inproc::scheduler_config(&cfg), &reqs)
+    };
+    let combined = run(0);
+    let sampled = run(1);
+    for (c, s) in combined.iter().zip(&sampled) {
+        assert_eq!(c.token_ids(), s.token_ids());
+        for (a, b) in c.tokens.iter().zip(&s.tokens) {
+            assert!((a.logprob - b.logprob).abs() < 1e-4, "{a:?} vs {b:?}");
+            assert!(a.logprob < 0.0);
+        }
+    }
+}

@@ -79,13 +79,119 @@ struct Tp<B: Backend> {
     embed: Vec<f32>,
     /// Rank 0: every rank's logit rows, rank after rank (reused).
     gathered: Vec<f32>,
+    /// The whole model's vocabulary.
+    vocab_size: usize,
     /// Collectives run so far, and the time spent in them (waiting for the other ranks
     /// included).
     calls: u64,
     spent: std::time::Duration,
 }
 
+/// A row's greedy pick on one rank, in the terms of `Backend::argmax_rows` and
+/// `argmax_logprob_rows` (NaN read as -inf, +inf as `f32::MAX`, the first index on ties):
+/// (the largest value, its index, the sum of `exp(x - largest)` over the row).
+fn local_pick(row: &[f32]) -> (f32, usize, f32) {
+    let read = |v: f32| {
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else if v == f32::INFINITY {
+            f32::MAX
+        } else {
+            v
+        }
+    };
+    let (mut m, mut at) = (f32::NEG_INFINITY, 0);
+    for (i, &v) in row.iter().enumerate() {
+        let v = read(v);
+        if v > m {
+            (m, at) = (v, i);
+        }
+    }
+    if m == f32::NEG_INFINITY {
+        return (m, 0, 0.0);
+    }
+    // In f64, as the sampler adds its probabilities.
+    let sum: f64 = row.iter().map(|&v| ((read(v) - m) as f64).exp()).sum();
+    (m, at, sum as f32)
+}
+
+/// The pick of a row split over ranks from each rank's `local_pick` (rank k's columns start at
+/// `k * chunk`): the largest value (the lowest rank on ties, so the lowest index), and its
+/// log-probability over the whole row (`-ln(vocab)` for a row with nothing finite, id 0).
+fn combine_picks(parts: &[(f32, usize, f32)], chunk: usize, vocab: usize) -> (usize, f32) {
+    let mut best: Option<(usize, f32, usize)> = None;
+    for (k, &(m, at, _)) in parts.iter().enumerate() {
+        if best.is_none_or(|(_, bm, _)| m > bm) {
+            best = Some((k, m, at));
+        }
+    }
+    let Some((k, m, at)) = best.filter(|&(_, m, _)| m != f32::NEG_INFINITY) else {
+        return (0, -(vocab as f32).ln());
+    };
+    let sum: f64 = parts
+        .iter()
+        .filter(|&&(mk, _, _)| mk != f32::NEG_INFINITY)
+        .map(|&(mk, _, sk)| sk as f64 * ((mk - m) as f64).exp())
+        .sum();
+    (k * chunk + at, -sum.ln() as f32)
+}
+
 impl<B: Backend> Tp<B> {
+    /// Greedy picks over vocabulary-split logits without gathering them: each rank reduces its
+    /// rows to (largest, index, exp-sum) triples, rank 0 gathers those and combines them into
+    /// the pick and its log-probability, `-ln(sum over the vocabulary of exp(x - largest))`,
+    /// as one rank's `argmax_and_logprob_rows` would (rows with nothing finite: id 0,
+    /// `-ln(vocab)`).
+    fn greedy_picks(
+        &mut self,
+        b: &mut B,
+        logits: View<'_, B::Buffer>,
+        out: &mut StepOutput,
+    ) -> Result<(), ModelError> {
+        let started = std::time::Instant::now();
+        let (n, cols) = (logits.layout().rows(), logits.layout().cols());
+        self.embed.resize(n * cols, 0.0);
+        b.read_back(&mut [Readback {
+            src: logits,
+            dst: HostSliceMut::F32(&mut self.embed),
+        }])?;
+        let mine: Vec<f32> = self
+            .embed
+            .chunks_exact(cols)
+            .flat_map(|row| {
+                let (m, at, sum) = local_pick(row);
+                [m, at as f32, sum]
+            })
+            .collect();
+        let size = self.shard.size;
+        let root = self.shard.rank == 0;
+        self.gathered
+            .resize(if root { size * mine.len() } else { 0 }, 0.0);
+        self.comm
+            .gather_host_to_root(b, &mine, &mut self.gathered)?;
+        self.calls += 1;
+        self.spent += started.elapsed();
+        if !root {
+            return Ok(());
+        }
+        out.ids.clear();
+        out.logprobs.clear();
+        let mut parts = Vec::with_capacity(size);
+        for r in 0..n {
+            parts.clear();
+            parts.extend((0..size).map(|k| {
+                let at = (k * n + r) * 3;
+                let g = &self.gathered[at..at + 3];
+                (g[0], g[1] as usize, g[2])
+            }));
+            let (id, logprob) = combine_picks(&parts, self.shard.vocab_chunk, self.vocab_size);
+            out.ids.push(id as i32);
+            out.logprobs.push(logprob);
+        }
+        out.picked_on_device = true;
+        Ok(())
+    }
+
     fn all_reduce(&mut self, b: &mut B, x: ViewMut<'_, B::Buffer>) -> Result<(), ModelError> {
         let t = std::time::Instant::now();
         let r = self.comm.all_reduce_sum(b, x);
@@ -202,6 +308,7 @@ impl<B: Backend> Model<B> {
             comm,
             embed: Vec::new(),
             gathered: Vec::new(),
+            vocab_size: cfg.vocab,
             calls: 0,
             spent: std::time::Duration::ZERO,
         });
@@ -468,6 +575,10 @@ impl<B: Backend> Model<B> {
             )?;
             let root = tp.shard.rank == 0;
             let size = tp.shard.size;
+            if greedy {
+                // Every row's pick from each rank's (max, index, exp-sum) alone.
+                return tp.greedy_picks(b, View::rows(&bufs.logits, n, mine)?, out);
+            }
             tp.gathered
                 .resize(if root { size * n * chunk } else { 0 }, 0.0);
             let started = std::time::Instant::now();
@@ -642,6 +753,39 @@ fn residual_add<B: Backend>(
     };
     b.add(ViewMut::rows(&mut bufs.x, t, h)?, View::rows(y, t, h)?)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tp_tests {
+    use super::{combine_picks, local_pick};
+
+    /// Splitting a row over ranks and combining the parts gives the whole row's pick.
+    #[test]
+    fn split_picks_combine_into_the_whole_rows_pick() {
+        let rows: [&[f32]; 5] = [
+            &[0.5, 3.0, -1.0, 3.0, 2.0, 0.0],
+            &[f32::NAN, -2.0, 1.0, f32::INFINITY, 0.0, 5.0],
+            &[f32::NEG_INFINITY; 6],
+            &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+            &[-7.0, f32::NAN, f32::NAN, f32::NAN, -3.0, -9.0],
+        ];
+        for row in rows {
+            let (m, at, sum) = local_pick(row);
+            let whole = if m == f32::NEG_INFINITY {
+                (0, -(6f32).ln())
+            } else {
+                (at, -sum.ln())
+            };
+            for chunk in [2, 3, 4, 6] {
+                let parts: Vec<_> = row.chunks(chunk).map(local_pick).collect();
+                let (id, lp) = combine_picks(&parts, chunk, 6);
+                assert_eq!(id, whole.0, "{row:?} in chunks of {chunk}");
+                assert!((lp - whole.1).abs() < 1e-6, "{row:?}: {lp} vs {}", whole.1);
+            }
+        }
+        // Ties go to the first index, across ranks too.
+        assert_eq!(combine_picks(&[(1.0, 1, 2.0), (1.0, 0, 1.0)], 4, 8).0, 1);
+    }
 }
 
 /// What the model's family needs of a backend beyond the Llama step.

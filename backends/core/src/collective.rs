@@ -6,7 +6,9 @@
 //!   rank's partial sums become the total, in place, with the same bits on every rank;
 //! - `all_gather`: rows of every rank, rank after rank;
 //! - `gather_to_host`: the vocabulary-split logit rows, rank after rank, into rank 0's host
-//!   memory (rank 0 samples).
+//!   memory (rank 0 samples);
+//! - `gather_host_to_root`: a few host values per rank to rank 0 (a greedy step's picks: each
+//!   rank's largest logit, its index and its exp-sum per row, combined on rank 0).
 //!
 //! [`Collective`] is that contract for any backend. A device library implements it directly
 //! on device buffers: NCCL (`ncclAllReduce` with `ncclSum` on f32 or the activation dtype,
@@ -55,6 +57,15 @@ pub trait Collective<B: Backend>: Send {
         &mut self,
         b: &mut B,
         x: View<'_, B::Buffer>,
+        out: &mut [f32],
+    ) -> Result<(), BackendError>;
+    /// Rank 0's `out` (`size()` x `mine.len()`) gets every rank's host values `mine`, rank
+    /// after rank; the other ranks' `out` is not touched. Small data (a few values per logit
+    /// row: greedy picks combined on rank 0).
+    fn gather_host_to_root(
+        &mut self,
+        b: &mut B,
+        mine: &[f32],
         out: &mut [f32],
     ) -> Result<(), BackendError>;
     /// This rank's step failed: the others should stop waiting for it. The group is unusable
@@ -199,6 +210,17 @@ impl<B: Backend, H: HostCollective> Collective<B> for HostStaged<H> {
         let root = self.host.rank() == 0;
         self.host
             .gather_to_root(&self.a, if root { Some(out) } else { None })
+    }
+
+    fn gather_host_to_root(
+        &mut self,
+        _b: &mut B,
+        mine: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let root = self.host.rank() == 0;
+        self.host
+            .gather_to_root(mine, if root { Some(out) } else { None })
     }
 
     fn abort(&mut self) {
