@@ -136,39 +136,93 @@ fn combine_picks(parts: &[(f32, usize, f32)], chunk: usize, vocab: usize) -> (us
     (k * chunk + at, -sum.ln() as f32)
 }
 
+/// Each row of `logits` as (largest, index, exp-sum) (`local_pick`), three values a row: from
+/// the backend's own greedy ops where it has them (the pick, its log-probability, and the
+/// picked value read back), else from the logits read back.
+fn local_triples<B: Backend>(
+    b: &mut B,
+    logits: View<'_, B::Buffer>,
+    ids: &mut B::Buffer,
+    logprobs: &mut B::Buffer,
+    host: &mut Vec<f32>,
+) -> Result<Vec<f32>, ModelError> {
+    let (n, cols) = (logits.layout().rows(), logits.layout().cols());
+    if b.argmax_and_logprob_rows(
+        logits,
+        ViewMut::rows(ids, n, 1)?,
+        ViewMut::rows(logprobs, n, 1)?,
+    )? {
+        let (mut id, mut lp) = (vec![0i32; n], vec![0f32; n]);
+        b.read_back(&mut [
+            Readback {
+                src: View::rows(ids, n, 1)?,
+                dst: HostSliceMut::I32(&mut id),
+            },
+            Readback {
+                src: View::rows(logprobs, n, 1)?,
+                dst: HostSliceMut::F32(&mut lp),
+            },
+        ])?;
+        // The largest value of a row is the value at its pick.
+        host.resize(n, 0.0);
+        let mut reads = Vec::with_capacity(n);
+        for (r, dst) in host.chunks_exact_mut(1).enumerate() {
+            let at = (id[r].max(0) as usize).min(cols.saturating_sub(1));
+            reads.push(Readback {
+                src: logits.row_range(r, 1)?.col_range(at, 1)?,
+                dst: HostSliceMut::F32(dst),
+            });
+        }
+        b.read_back(&mut reads)?;
+        return Ok((0..n)
+            .flat_map(|r| {
+                let m = match host[r] {
+                    v if v.is_nan() || v == f32::NEG_INFINITY => f32::NEG_INFINITY,
+                    f32::INFINITY => f32::MAX,
+                    v => v,
+                };
+                let sum = if m == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (-lp[r]).exp()
+                };
+                [m, id[r].max(0) as f32, sum]
+            })
+            .collect());
+    }
+    host.resize(n * cols, 0.0);
+    b.read_back(&mut [Readback {
+        src: logits,
+        dst: HostSliceMut::F32(host),
+    }])?;
+    Ok(host
+        .chunks_exact(cols)
+        .flat_map(|row| {
+            let (m, at, sum) = local_pick(row);
+            [m, at as f32, sum]
+        })
+        .collect())
+}
+
 impl<B: Backend> Tp<B> {
     /// Greedy picks over vocabulary-split logits without gathering them: each rank reduces its
-    /// rows to (largest, index, exp-sum) triples, rank 0 gathers those and combines them into
-    /// the pick and its log-probability, `-ln(sum over the vocabulary of exp(x - largest))`,
-    /// as one rank's `argmax_and_logprob_rows` would (rows with nothing finite: id 0,
-    /// `-ln(vocab)`).
+    /// rows to (largest, index, exp-sum) triples (`mine`, see `local_triples`), rank 0 gathers
+    /// those and combines them into the pick and its log-probability, `-ln(sum over the
+    /// vocabulary of exp(x - largest))`, as one rank's `argmax_and_logprob_rows` would (rows
+    /// with nothing finite: id 0, `-ln(vocab)`).
     fn greedy_picks(
         &mut self,
         b: &mut B,
-        logits: View<'_, B::Buffer>,
+        mine: &[f32],
+        n: usize,
         out: &mut StepOutput,
     ) -> Result<(), ModelError> {
         let started = std::time::Instant::now();
-        let (n, cols) = (logits.layout().rows(), logits.layout().cols());
-        self.embed.resize(n * cols, 0.0);
-        b.read_back(&mut [Readback {
-            src: logits,
-            dst: HostSliceMut::F32(&mut self.embed),
-        }])?;
-        let mine: Vec<f32> = self
-            .embed
-            .chunks_exact(cols)
-            .flat_map(|row| {
-                let (m, at, sum) = local_pick(row);
-                [m, at as f32, sum]
-            })
-            .collect();
         let size = self.shard.size;
         let root = self.shard.rank == 0;
         self.gathered
             .resize(if root { size * mine.len() } else { 0 }, 0.0);
-        self.comm
-            .gather_host_to_root(b, &mine, &mut self.gathered)?;
+        self.comm.gather_host_to_root(b, mine, &mut self.gathered)?;
         self.calls += 1;
         self.spent += started.elapsed();
         if !root {
@@ -577,7 +631,14 @@ impl<B: Backend> Model<B> {
             let size = tp.shard.size;
             if greedy {
                 // Every row's pick from each rank's (max, index, exp-sum) alone.
-                return tp.greedy_picks(b, View::rows(&bufs.logits, n, mine)?, out);
+                let triples = local_triples(
+                    b,
+                    View::rows(&bufs.logits, n, chunk)?.col_range(0, mine)?,
+                    &mut bufs.ids,
+                    &mut bufs.logprobs,
+                    &mut tp.embed,
+                )?;
+                return tp.greedy_picks(b, &triples, n, out);
             }
             tp.gathered
                 .resize(if root { size * n * chunk } else { 0 }, 0.0);
@@ -785,6 +846,40 @@ mod tp_tests {
         }
         // Ties go to the first index, across ranks too.
         assert_eq!(combine_picks(&[(1.0, 1, 2.0), (1.0, 0, 1.0)], 4, 8).0, 1);
+    }
+
+    /// The backend's greedy ops give each row's triple as the host scan does, on a window of a
+    /// wider buffer (a last rank whose vocabulary rows are fewer than the others').
+    #[test]
+    fn device_triples_equal_the_host_scan() {
+        use npu_backend::{Backend, DType, HostSlice, View, ViewMut};
+        use npu_backend_cpu::{CpuBackend, CpuConfig};
+        let mut b = CpuBackend::new(CpuConfig {
+            threads: 1,
+            f32_reference: false,
+        });
+        let (n, chunk, mine) = (3, 8, 5);
+        let values: Vec<f32> = (0..n * chunk)
+            .map(|i| ((i * 7919) % 23) as f32 * 0.37 - 4.0)
+            .collect();
+        let mut logits = b.alloc(DType::F32, n * chunk).unwrap();
+        b.upload(
+            HostSlice::F32(&values),
+            ViewMut::rows(&mut logits, n, chunk).unwrap(),
+        )
+        .unwrap();
+        let mut ids = b.alloc(DType::I32, n).unwrap();
+        let mut lps = b.alloc(DType::F32, n).unwrap();
+        let view = View::rows(&logits, n, chunk)
+            .unwrap()
+            .col_range(0, mine)
+            .unwrap();
+        let got = super::local_triples(&mut b, view, &mut ids, &mut lps, &mut Vec::new()).unwrap();
+        for r in 0..n {
+            let (m, at, sum) = local_pick(&values[r * chunk..r * chunk + mine]);
+            assert_eq!((got[3 * r], got[3 * r + 1] as usize), (m, at), "row {r}");
+            assert!((got[3 * r + 2] - sum).abs() < 1e-5 * sum, "row {r}");
+        }
     }
 }
 
