@@ -26,6 +26,15 @@
 //!   multiple of 128 (the sequences padded to the longest chunk), else go token by token through
 //!   the incremental branch (each token its own entry, causality by KV length) — hence 128 is the
 //!   recommended `pa_config.block_size`.
+//! - The newer families' ops ([`npu_backend::Capability`]; all but mixture-of-experts):
+//!   per-head Q/K norm as RmsNorm over a (rows, heads, head_dim) view, row scaling as
+//!   InplaceMuls, the GELU gate as GeluV2 (tanh) then InplaceMul, sliding windows through
+//!   FusedInferAttentionScore (band mode in the prompt branch; per-entry key masks, packed into
+//!   the step's upload, in the incremental branch, which has no window parameter), rope
+//!   frequency factors and per-layer bases through host cos/sin tables kept per rope.
+//!   f16 activations bound hidden states by 65504: Gemma 3 270M's residual stream passes that
+//!   at layer 8 (measured on the emulation), so that model needs wider activations (f32 or bf16,
+//!   not built here yet) — its family ops themselves agree with the CPU backend.
 //! - One host synchronization per step: the step's inputs go up in one async copy from pinned
 //!   memory (`begin_step`), the kernels are queued behind it, and the host waits when it reads the
 //!   sampled ids (or logits) back.
