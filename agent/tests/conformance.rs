@@ -280,3 +280,72 @@ fn a_deliberately_wrong_op_on_a_device_backend_fails_the_suite() {
     #[cfg(not(feature = "ascend"))]
     eprintln!("ascend: skipped, built without the `ascend` feature");
 }
+
+/// The collectives of tensor parallelism on two ranks of the CPU backend (the staged
+/// collective through a group's shared memory), and one model step split over them against the
+/// reference; a collective that leaves out the other rank's part fails.
+#[test]
+fn collectives_conform_and_a_wrong_one_fails() {
+    use npu_agent::conformance::collective::{check_collectives, staged};
+    use npu_backend::{BackendError, HostCollective, HostStaged};
+    let file = model();
+    let mut report = Report::new("cpu, 2 ranks");
+    check_collectives(
+        (cpu(), cpu()),
+        &staged,
+        conformance::reference(),
+        &file,
+        &mut report,
+    );
+    eprintln!("{}", report.render());
+    assert!(report.checks.len() >= 9, "{}", report.render());
+    assert!(report.failures().is_empty(), "{}", report.render());
+
+    /// Sums nothing: each rank keeps its own part.
+    struct Alone(npu_agent::tp::ShmCollective);
+    impl HostCollective for Alone {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn size(&self) -> usize {
+            self.0.size()
+        }
+        fn describe(&self) -> String {
+            "a collective that leaves the other rank out".into()
+        }
+        fn all_reduce_sum(&mut self, x: &mut [f32]) -> Result<(), BackendError> {
+            let mut scratch = x.to_vec();
+            self.0.all_reduce_sum(&mut scratch)
+        }
+        fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
+            self.0.all_gather(mine, out)
+        }
+        fn gather_to_root(
+            &mut self,
+            mine: &[f32],
+            out: Option<&mut [f32]>,
+        ) -> Result<(), BackendError> {
+            self.0.gather_to_root(mine, out)
+        }
+    }
+    let wrong = |m| -> Box<dyn npu_backend::Collective<CpuBackend>> {
+        Box::new(HostStaged::new(Alone(
+            npu_agent::tp::ShmCollective::from_member(m),
+        )))
+    };
+    let mut report = Report::new("cpu, 2 ranks, wrong all-reduce");
+    check_collectives(
+        (cpu(), cpu()),
+        &wrong,
+        conformance::reference(),
+        &file,
+        &mut report,
+    );
+    let failed: Vec<&str> = report.failures().iter().map(|c| c.name.as_str()).collect();
+    assert!(
+        failed.iter().any(|n| n.starts_with("all_reduce_sum"))
+            && failed.iter().any(|n| n.starts_with("model step")),
+        "a wrong all-reduce was not caught:\n{}",
+        report.render()
+    );
+}

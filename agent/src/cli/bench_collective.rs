@@ -54,7 +54,7 @@ pub struct CollectiveTiming {
 const WARMUP: usize = 200;
 
 pub fn run(args: BenchCollectiveArgs) -> anyhow::Result<()> {
-    if args.ranks < 2 || args.hidden == 0 || args.rows.iter().any(|&r| r == 0) {
+    if args.ranks < 2 || args.hidden == 0 || args.rows.contains(&0) {
         bail!("bench-collective needs --ranks >= 2, --hidden > 0 and row counts > 0");
     }
     let max_rows = args.rows.iter().copied().max().unwrap_or(1);

@@ -4,7 +4,8 @@
 //! reference. A backend plugs in with one line, a `Candidate` built from its constructor; the
 //! suite's own test (`agent/tests/conformance.rs`) lists the candidates compiled in and present
 //! and fails on any check that does not pass. `faulty` holds a backend that is wrong on purpose,
-//! to prove the suite can fail.
+//! to prove the suite can fail. `collective` checks the collectives of tensor parallelism on two
+//! ranks of a backend, and one model step split over them.
 //!
 //! Comparisons are in units of the reference output's RMS, plus, for data movement and
 //! elementwise ops on f16/bf16 devices, the rounding those formats make on each value: a check
@@ -40,6 +41,7 @@
 //! a backend that changes decided tokens is a bug), and teacher-forced top-1 tokens must equal
 //! the CPU backend's wherever neither gap is a near-tie.
 
+pub mod collective;
 pub mod faulty;
 pub mod model;
 pub mod ops;

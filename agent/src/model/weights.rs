@@ -64,7 +64,7 @@ pub enum Embedding<B: Backend> {
     Device(B::Embedding),
     /// Left in the file: each step's rows are read and dequantized on the host (the ranks of
     /// a tensor-parallel group, so that none holds the whole table).
-    Host(HostEmbedding),
+    Host(Box<HostEmbedding>),
 }
 
 /// An embedding table read from a mapped GGUF file row by row, as steps need them.
@@ -340,7 +340,12 @@ impl<B: Backend> Weights<B> {
         let kvr = shard.kv_heads.start * hd..shard.kv_heads.end * hd;
         let emb = part(f, "token_embd.weight", h, cfg.vocab)?;
         let embed = if shard.is_split() {
-            Embedding::Host(HostEmbedding::open(f, "token_embd.weight", cfg.vocab, h)?)
+            Embedding::Host(Box::new(HostEmbedding::open(
+                f,
+                "token_embd.weight",
+                cfg.vocab,
+                h,
+            )?))
         } else {
             Embedding::Device(b.load_embedding(emb)?)
         };

@@ -738,7 +738,7 @@ impl GroupMember {
                 return Ok(());
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 != 0 || started.elapsed() < SPIN {
+            if !spins.is_multiple_of(64) || started.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }
@@ -890,7 +890,8 @@ mod tests {
         for ranks in [1u32, 2, 3] {
             let r = region(ranks, 16);
             let members = join_all(&r, Duration::from_secs(10));
-            let results: Vec<(Vec<f32>, Vec<f32>, Option<Vec<f32>>)> = std::thread::scope(|s| {
+            type Out = (Vec<f32>, Vec<f32>, Option<Vec<f32>>);
+            let results: Vec<Out> = std::thread::scope(|s| {
                 let handles: Vec<_> = members
                     .into_iter()
                     .map(|mut m| {
