@@ -281,3 +281,18 @@ fn greedy_tokens_match_the_cpu_backend_up_to_near_ties_on_both_attention_paths()
         }
     }
 }
+
+/// Gemma 3's residual stream passes f16's range (its ninth layer, on the 270M model): on a
+/// backend whose activations are f16 it is refused at load, naming why, instead of answering
+/// token 0 for everything.
+#[test]
+fn gemma3_is_refused_on_f16_activations() {
+    let f = GgufFile::open(common::gemma3_path()).unwrap();
+    let acl = Acl::init(&npu_ffi::SearchPaths::root(&cann_root())).expect("CANN loads");
+    let b = AscendBackend::with_runtime(acl, AscendConfig::default()).expect("device 0 opens");
+    let e = Model::load(&f, b, options(16))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("gemma3") && e.contains("f16"), "{e}");
+}

@@ -198,6 +198,9 @@ pub struct ModelConfig {
     /// Every layer's rope and window (`n_layers` entries).
     pub layers: Vec<LayerSpec>,
     pub moe: Option<MoeSpec>,
+    /// Hidden states outgrow f16's range (Gemma 3's residual stream passes 65504): activations
+    /// must be f32 or bf16.
+    pub wide_activations: bool,
 }
 
 impl ModelConfig {
@@ -343,6 +346,7 @@ impl ModelConfig {
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             layers: vec![LayerSpec { rope, window: None }; n_layers],
             moe: None,
+            wide_activations: false,
         })
     }
 

@@ -912,6 +912,14 @@ pub fn required_capabilities(cfg: &ModelConfig) -> Vec<Capability> {
 
 /// Refuses, before any weight is read, a model whose family needs what the backend lacks.
 fn check_capabilities<B: Backend>(cfg: &ModelConfig, backend: &B) -> Result<(), ModelError> {
+    if cfg.wide_activations && backend.act_dtype() == DType::F16 {
+        return Err(ModelError::Unsupported(format!(
+            "architecture {:?} has hidden states beyond f16's range (65504), and the {} backend \
+             computes activations in f16; run it on a backend with f32 or bf16 activations",
+            cfg.arch.name(),
+            backend.kind().name()
+        )));
+    }
     let missing: Vec<&str> = required_capabilities(cfg)
         .into_iter()
         .filter(|&c| !backend.supports(c))

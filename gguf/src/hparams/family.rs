@@ -77,6 +77,9 @@ fn gemma3(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsError> {
     cfg.post_norms = true;
     cfg.ffn_act = FfnAct::GeluTanh;
     cfg.embed_scale = Some((cfg.hidden as f32).sqrt());
+    // Gemma 3 270M's residual stream passes 65504 by its ninth layer (seen over the Ascend
+    // emulation's f16 activations: every token became id 0).
+    cfg.wide_activations = true;
     // As llama.cpp: the 27B model (62 layers) scales by the hidden size per head, the others
     // by the key length.
     cfg.attn_scale = if cfg.n_layers == 62 {

@@ -332,6 +332,7 @@ mod tests {
             attn_scale: 1.0,
             layers: vec![LayerSpec { rope, window: None }; 2],
             moe: None,
+            wide_activations: false,
         }
     }
 
