@@ -14,8 +14,8 @@
 //! arrived at the collective in between, which each does only once it has read that set. Sums
 //! are taken in rank order, so every rank gets the same bits.
 //!
-//! Waiting is bounded and notices a dead peer: it spins briefly, then sleeps on the futex word
-//! in short slices, between which it looks at the peers' process descriptors (pidfd; a peer
+//! Waiting is bounded and notices a dead peer: it spins briefly, polls yielding its core for up
+//! to 2 ms, then sleeps on the futex word in short slices, between which it looks at the peers' process descriptors (pidfd; a peer
 //! that exited, zombie or not, is dead) and at the abort word, and gives up at its deadline.
 //! Any failure poisons the member (later collectives fail at once) and raises the abort word,
 //! so the other ranks stop waiting too; the server then restarts the whole group on a fresh
@@ -536,6 +536,11 @@ impl Peer {
 
 /// How long a waiting rank spins before it sleeps on the futex word.
 const SPIN: Duration = Duration::from_micros(50);
+/// How long a waiting rank keeps polling (yielding its core between looks) before it sleeps on
+/// the futex word. A sleeping rank is woken by the last arrival, and a woken rank may take the
+/// arriving rank's core from it on a busy machine; the ranks' compute between two collectives is
+/// a fraction of a millisecond at decode, so most waits end within this time without a sleep.
+const POLL: Duration = Duration::from_millis(2);
 /// The longest sleep between looks at the peers and the abort word.
 const SLICE: Duration = Duration::from_millis(2);
 
@@ -738,9 +743,21 @@ impl GroupMember {
                 return Ok(());
             }
             spins = spins.wrapping_add(1);
-            if !spins.is_multiple_of(64) || started.elapsed() < SPIN {
+            if !spins.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
+            }
+            let elapsed = started.elapsed();
+            if elapsed < SPIN {
+                continue;
+            }
+            if elapsed < POLL {
+                if spins.is_multiple_of(64 * 64) && self.peers.iter().any(Peer::dead) {
+                    // Noticed below.
+                } else {
+                    std::thread::yield_now();
+                    continue;
+                }
             }
             if let Some(p) = self.peers.iter().find(|p| p.dead()) {
                 let e = GroupError::PeerDied {
