@@ -368,6 +368,12 @@ fn print_roofline(rep: &BenchModelReport) {
         (Some(a), Some(b)) if b > 0.0 => format!(" ({:.0}% of it)", 100.0 * a / b),
         _ => String::new(),
     };
+    if let Some(b) = rep.weight_bytes_per_step {
+        println!(
+            "weights per step   {:8.1} MB (every weight matrix, read once per decode step)",
+            b as f64 / 1e6
+        );
+    }
     println!(
         "decode b1 weights  {} GB/s read, memory read {} GB/s{}",
         show(rep.decode_b1_weight_gb_s),

@@ -16,6 +16,11 @@ fn main() {
         .map(|s| s.parse().unwrap())
         .unwrap_or(1);
     let pool = ThreadPool::new(threads);
+    // The memory read bandwidth of these threads, beside which the weight GB/s of matrices that
+    // stream from memory (`CYCLE`) compare.
+    if let Ok(Some(bw)) = npu_backend_cpu::roofline::read_bandwidth_gb_s(&pool, 256 << 20) {
+        println!("memory read bandwidth, {threads} thread(s): {bw:.1} GB/s");
+    }
     let only = std::env::var("ONLY").ok();
     // `SHAPES=Q4_K:2048x2048,Q6_K:2048x8192` (type:n x k) replaces the default shapes.
     let mut shapes = vec![
