@@ -4,9 +4,10 @@
 //! multiply-adds, in the same order, as the vector kernels:
 //!
 //! - per-block f16/f32 scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_K):
-//!   `acc += (D0 + D1 - offset isum) (d dx)`, then `acc += m sx16` with a minimum (`s`, the
-//!   activation block sum rounded through f16 as llama.cpp's Q8_1 has it);
-//! - Q4_K/Q5_K: `acc += (D0 + D1) ((d s) dx)`, then `acc += (-dmin m) (dx isum)`;
+//!   `acc += (D0 + D1 - offset isum) (d dx)`, then `acc += m s` with a minimum (`s` the
+//!   activation block's `dx isum` rounded through f16, as llama.cpp's Q8_1 has it);
+//! - Q4_K/Q5_K: `acc += (D0 + D1) ((d s) dx)`, then `acc += (-dmin m) (dx isum)` (not rounded
+//!   through f16: llama.cpp's Q8_K keeps exact integer sums for the K-quants);
 //! - Q6_K/Q3_K: `acc += (s0 (D0 - offset S0) + s1 (D1 - offset S1)) (d dx)`;
 //! - Q2_K: `acc += (s0 D0 + s1 D1) (d dx)`, then `acc += (m0 S0 + m1 S1) ((-dmin) dx)`;
 //!
