@@ -13,6 +13,8 @@ use npu_protocol::shm::{GroupError, GroupMember, GroupRegion};
 #[derive(Debug)]
 pub struct ShmCollective {
     member: GroupMember,
+    /// Log the time spent waiting when dropped.
+    report: bool,
 }
 
 fn err(e: GroupError) -> BackendError {
@@ -37,12 +39,24 @@ impl ShmCollective {
             Duration::from_millis(spec.wait_ms.max(1)),
             Instant::now() + Duration::from_millis(spec.join_ms),
         )?;
-        Ok(Self { member })
+        Ok(Self {
+            member,
+            report: true,
+        })
     }
 
     /// A member joined already (in-process groups of tests and benchmarks).
     pub fn from_member(member: GroupMember) -> Self {
-        Self { member }
+        Self {
+            member,
+            report: true,
+        }
+    }
+
+    /// Says nothing when dropped (benchmarks print their own figures).
+    pub fn quiet(mut self) -> Self {
+        self.report = false;
+        self
     }
 
     pub fn member_mut(&mut self) -> &mut GroupMember {
@@ -54,7 +68,7 @@ impl Drop for ShmCollective {
     /// Says how much of the collectives' time was waiting for the other ranks.
     fn drop(&mut self) {
         let (rounds, waited) = self.member.stats();
-        if rounds > 0 {
+        if rounds > 0 && self.report {
             tracing::info!(
                 rank = self.member.rank(),
                 rounds,

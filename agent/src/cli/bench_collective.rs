@@ -134,7 +134,7 @@ fn measure(
             Instant::now() + Duration::from_secs(30),
         )
         .context("joining the group")?;
-    let mut staged = HostStaged::new(ShmCollective::from_member(member));
+    let mut staged = HostStaged::new(ShmCollective::from_member(member).quiet());
     let mut cpu = CpuBackend::new(CpuConfig {
         threads: 1,
         f32_reference: false,
