@@ -1,0 +1,213 @@
+//! The model families on the device backends' emulations: each family's tiny random-weight model
+//! (regenerated from the seed in tests/data/family_<family>.jsonl, sha256 checked) run by the
+//! agent's own model on the CUDA backend over the CPU emulation of its kernels and on the Ascend
+//! backend over the strict CANN emulation, greedy tokens against llama.cpp's up to each prompt's
+//! first near-tie (and the gemma3 prompt runs past its 8-token sliding window). What a backend
+//! cannot run is refused at load by name: Qwen3-MoE on both (no mixture-of-experts ops yet) and
+//! Gemma 3 on Ascend (f16 activations). Built with the `cuda` and `ascend` features.
+
+#![cfg(all(feature = "cuda", feature = "ascend"))]
+
+mod common;
+
+use std::path::PathBuf;
+
+use npu_agent::model::{Model, ModelOptions, StepOutput};
+use npu_backend::{Backend, DType, SeqSpan, StepInputs};
+use npu_backend_ascend::{Acl, AscendBackend, AscendConfig};
+use npu_backend_cuda::{CudaBackend, CudaConfig, MatmulMode};
+use npu_gguf::synth::{self, Family};
+use npu_gguf::GgufFile;
+use serde_json::Value;
+
+struct Ref {
+    prompt_ids: Vec<u32>,
+    output_ids: Vec<u32>,
+    first_near_tie: Option<usize>,
+}
+
+/// The family's references and its model regenerated into a temporary file.
+fn family(name: &str) -> (Vec<Ref>, PathBuf) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(format!("family_{name}.jsonl"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let lines: Vec<Value> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ids = |v: &Value, k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let refs = lines
+        .iter()
+        .map(|v| Ref {
+            prompt_ids: ids(v, "prompt_ids"),
+            output_ids: ids(v, "output_ids"),
+            first_near_tie: v["first_near_tie"].as_u64().map(|x| x as usize),
+        })
+        .collect();
+    let v = &lines[0];
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    let ty = synth::weight_type(v["weight_type"].as_str().unwrap()).unwrap();
+    let bytes = synth::synth_model(
+        Family::from_name(name).unwrap(),
+        v["seed"].as_u64().unwrap(),
+        ty,
+        &donor,
+    )
+    .unwrap();
+    assert_eq!(
+        synth::sha256_hex(&bytes),
+        v["model_sha256"].as_str().unwrap(),
+        "{name}: the regenerated model is not the file llama.cpp ran"
+    );
+    let file =
+        std::env::temp_dir().join(format!("npu-family-dev-{name}-{}.gguf", std::process::id()));
+    std::fs::write(&file, bytes).unwrap();
+    (refs, file)
+}
+
+fn options() -> ModelOptions {
+    ModelOptions {
+        max_tokens: 128,
+        max_logit_rows: 1,
+        num_blocks: 16,
+        block_size: 16,
+        kv_memory_fraction: None,
+    }
+}
+
+/// `n` greedy tokens of one sequence: the prompt in one step, then one token a step.
+fn greedy<B: Backend>(m: &mut Model<B>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let max_blocks = 16;
+    let step = |new: &[u32], start: usize| StepInputs {
+        tokens: new.to_vec(),
+        positions: (start..start + new.len()).map(|p| p as u32).collect(),
+        slot_mapping: (start..start + new.len()).map(|p| p as u32).collect(),
+        seqs: vec![SeqSpan {
+            q_row: 0,
+            n_q: new.len() as u32,
+            start_pos: start as u32,
+        }],
+        block_tables: (0..max_blocks as u32).collect(),
+        max_blocks,
+        logit_rows: vec![new.len() as u32 - 1],
+    };
+    let mut out = StepOutput::default();
+    let mut got = Vec::new();
+    let mut pos = 0;
+    let mut next = prompt.to_vec();
+    while got.len() < n {
+        m.forward(&step(&next, pos), true, &mut out).unwrap();
+        pos += next.len();
+        let id = if out.picked_on_device {
+            out.ids[0] as u32
+        } else {
+            let row = &out.logits;
+            (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b }) as u32
+        };
+        got.push(id);
+        next = vec![id];
+    }
+    got
+}
+
+fn check<B: Backend>(name: &str, device: &str, mut load: impl FnMut(&GgufFile) -> Model<B>) {
+    let (refs, path) = family(name);
+    let f = GgufFile::open(&path).unwrap();
+    let mut m = load(&f);
+    for (i, r) in refs.iter().enumerate() {
+        let n = r.first_near_tie.unwrap_or(r.output_ids.len());
+        let got = greedy(&mut m, &r.prompt_ids, n);
+        assert_eq!(
+            got,
+            r.output_ids[..n],
+            "{name} on {device}, prompt {i}: differs from llama.cpp before its first near-tie"
+        );
+    }
+    let _ = std::fs::remove_file(path);
+}
+
+fn cuda() -> CudaBackend {
+    CudaBackend::emulated(CudaConfig {
+        act_dtype: DType::F32,
+        matmul: MatmulMode::Quantized,
+        gemv_max_rows: 8,
+        kernel_cache: None,
+        lib_dirs: Vec::new(),
+    })
+    .expect("the CUDA emulation opens (a C++ compiler is needed)")
+}
+
+/// The CANN install: `ASCEND_HOME_PATH`, else the emulation (built on first use).
+fn cann_root() -> PathBuf {
+    if let Some(p) = std::env::var_os("ASCEND_HOME_PATH") {
+        return PathBuf::from(p);
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/ascend-emulator.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .output()
+        .expect("run ascend-emulator.sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+fn ascend() -> AscendBackend {
+    let acl = Acl::init(&npu_ffi::SearchPaths::root(&cann_root())).expect("CANN loads");
+    AscendBackend::with_runtime(acl, AscendConfig::default()).expect("device 0 opens")
+}
+
+#[test]
+fn families_on_the_cuda_emulation() {
+    for name in ["llama", "llama3", "qwen2", "qwen3", "gemma3"] {
+        check(name, "cuda", |f| Model::load(f, cuda(), options()).unwrap());
+    }
+}
+
+#[test]
+fn families_on_the_ascend_emulation() {
+    for name in ["llama", "llama3", "qwen2", "qwen3"] {
+        check(name, "ascend", |f| {
+            Model::load(f, ascend(), options()).unwrap()
+        });
+    }
+}
+
+#[test]
+fn what_a_device_cannot_run_is_refused_by_name() {
+    let (_, moe) = family("qwen3moe");
+    let f = GgufFile::open(&moe).unwrap();
+    let e = Model::load(&f, cuda(), options())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("qwen3moe") && e.contains("mixture-of-experts") && e.contains("cuda"),
+        "{e}"
+    );
+    let e = Model::load(&f, ascend(), options())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("qwen3moe") && e.contains("ascend"), "{e}");
+    let _ = std::fs::remove_file(moe);
+    let (_, gemma) = family("gemma3");
+    let f = GgufFile::open(&gemma).unwrap();
+    let e = Model::load(&f, ascend(), options())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("gemma3") && e.contains("f16"), "{e}");
+    let _ = std::fs::remove_file(gemma);
+}
