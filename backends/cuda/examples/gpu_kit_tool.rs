@@ -2,9 +2,12 @@
 //! device machine, which has no Rust and no network):
 //!
 //! ```text
-//! gpu_kit_tool donor --from MODEL.gguf --out DONOR.gguf
-//!     a GGUF holding only MODEL's tokenizer (tokenizer.* metadata): the donor that
-//!     `npu-serving synth-model --tokenizer-from` needs, without the model's weights
+//! gpu_kit_tool donor --from MODEL.gguf|default --out DONOR.gguf
+//!     a GGUF holding only MODEL's tokenizer (tokenizer.* metadata; `default`: the default
+//!     model, fetched when absent): the donor that `npu-serving synth-model --tokenizer-from`
+//!     needs, without the model's weights
+//! gpu_kit_tool prompt REFS.jsonl N
+//!     the prompt text of line N of a reference file
 //! gpu_kit_tool shaped --shape 1b|8b --donor DONOR.gguf --out OUT.gguf [--seed N]
 //!     a random-weight Llama GGUF of a 1B-class (hidden 2048, 16 layers, 32/8 heads, ff 8192) or
 //!     8B-class (hidden 4096, 32 layers, 32/8 heads, ff 14336) shape: Q4_0 matrices, Q8_0
@@ -12,11 +15,12 @@
 //! gpu_kit_tool ids GENERATE.json
 //!     the output ids of `npu-serving generate --json`, comma-separated
 //! gpu_kit_tool fidelity --cpu-gen A --cpu-score B --dev-gen C --dev-score D
-//!                       [--margin 0.15] [--ref FAMILY.jsonl --line N]
+//!                       [--margin 0.15] [--ref FAMILY.jsonl --line N] [--info]
 //!     one line of agreement between the device and the CPU backend (and llama.cpp's recorded
 //!     greedy tokens): greedy tokens equal up to the first near tie (a top-1/top-2 gap below
 //!     the margin, the CPU backend's, the device's, or llama.cpp's), teacher-forced top-1 equal
-//!     wherever the CPU backend is decided; exit status 1 when they disagree
+//!     wherever the CPU backend is decided; exit status 1 when they disagree (`--info`: the
+//!     line is reported, not judged)
 //! gpu_kit_tool bench-row --label L --npu BENCH.json [--llama-bench LB.json]
 //!                        [--llama-batched LBB.txt]
 //!     one markdown table row: prefill 512 and decode at batch 1 and 32, npu-serving beside
@@ -315,6 +319,11 @@ fn fidelity(args: &[String]) -> Result<bool, String> {
         ));
     }
     let ok = greedy_ok && tf_ok && ref_ok;
+    if args.iter().any(|a| a == "--info") {
+        // Reported, not judged (16-bit activations).
+        println!("INFO {line}");
+        return Ok(true);
+    }
     println!("{} {line}", if ok { "PASS" } else { "FAIL" });
     Ok(ok)
 }
@@ -322,7 +331,10 @@ fn fidelity(args: &[String]) -> Result<bool, String> {
 /// A markdown row: prefill 512, decode batch 1 and 32 for npu-serving and llama.cpp.
 fn bench_row(args: &[String]) -> Result<(), String> {
     let label = need(args, "--label")?;
-    let f = |v: Option<f64>| v.map_or("—".to_string(), |x| format!("{x:.0}"));
+    let f = |v: Option<f64>| {
+        v.filter(|&x| x > 0.0)
+            .map_or("—".to_string(), |x| format!("{x:.0}"))
+    };
     let npu = arg(args, "--npu").and_then(|p| read_json(&p).ok());
     let n = |k: &str| npu.as_ref().and_then(|v| v[k].as_f64());
     // llama-bench -o json: a list of tests with n_prompt, n_gen, avg_ts.
@@ -364,8 +376,14 @@ fn bench_row(args: &[String]) -> Result<(), String> {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let r = match args.first().map(String::as_str) {
-        Some("donor") => need(&args, "--from")
-            .and_then(|from| donor(Path::new(&from), &PathBuf::from(need(&args, "--out")?))),
+        Some("donor") => need(&args, "--from").and_then(|from| {
+            let from = if from == "default" {
+                npu_gguf::store::resolve_model(None).map_err(|e| e.to_string())?
+            } else {
+                PathBuf::from(from)
+            };
+            donor(&from, &PathBuf::from(need(&args, "--out")?))
+        }),
         Some("shaped") => (|| {
             let seed = arg(&args, "--seed")
                 .map(|s| s.parse().map_err(|_| format!("bad --seed {s}")))
@@ -389,6 +407,22 @@ fn main() -> ExitCode {
                     .collect();
                 println!("{}", ids.join(","));
             }),
+        Some("prompt") => (|| {
+            let p = args.get(1).ok_or("prompt REFS.jsonl N")?;
+            let n: usize = args
+                .get(2)
+                .and_then(|n| n.parse().ok())
+                .ok_or("prompt REFS.jsonl N")?;
+            let text = std::fs::read_to_string(p).map_err(|e| format!("{p}: {e}"))?;
+            let line = text
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .nth(n)
+                .ok_or_else(|| format!("{p}: no line {n}"))?;
+            let v: Value = serde_json::from_str(line).map_err(|e| format!("{p}: {e}"))?;
+            print!("{}", v["prompt"].as_str().ok_or("no prompt")?);
+            Ok(())
+        })(),
         Some("fidelity") => match fidelity(&args) {
             Ok(true) => Ok(()),
             Ok(false) => return ExitCode::FAILURE,

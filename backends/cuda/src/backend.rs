@@ -100,12 +100,13 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
+/// NVRTC, cuBLAS and the driver's CUDA version (major, minor), as `open_libraries` found them.
+pub type Libraries = (Arc<NvrtcApi>, Arc<CublasApi>, (u32, u32));
+
 /// Loads the driver library, reads the CUDA version it supports, and loads NVRTC and cuBLAS of
 /// the newest major (13, else 12) that driver runs; `MissingLibrary` names each library missing
 /// and how to get it (CUDA 13's and CUDA 12's packages).
-pub fn open_libraries(
-    dirs: &[PathBuf],
-) -> Result<(Arc<NvrtcApi>, Arc<CublasApi>, (u32, u32)), BackendError> {
+pub fn open_libraries(dirs: &[PathBuf]) -> Result<Libraries, BackendError> {
     let missing = |message: String| BackendError::MissingLibrary {
         backend: NAME,
         message,
@@ -182,7 +183,9 @@ impl CudaBackend {
                 panic_message(p)
             ),
         })??;
-        Ok(Self::with_gpu(Arc::new(opened), cfg))
+        let b = Self::with_gpu(Arc::new(opened), cfg);
+        tracing::info!("cuda: opened {}", b.describe());
+        Ok(b)
     }
 
     /// The backend on a CPU emulation of the kernels (same sources, compiled as C++): for tests

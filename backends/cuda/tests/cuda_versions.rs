@@ -420,7 +420,7 @@ fn cublas_off_the_loader_path_loads_cublaslt_first() {
     // By its path alone, libcublas cannot resolve its dependency.
     // SAFETY: a stand-in library built by this test.
     let alone = unsafe { libloading::Library::new(lib64.join("libcublas.so.12")) };
-    let e = libs::dl_error(&alone.err().expect("libcublas.so.12 alone must not load"));
+    let e = libs::dl_error(&alone.expect_err("libcublas.so.12 alone must not load"));
     assert!(e.contains("libcublasLt.so.12"), "{e}");
     let b = CublasApi::load(&fallback_only(), None).unwrap();
     assert_eq!((b.version.0, b.version.1), (12, 4), "{b:?}");

@@ -1,0 +1,444 @@
+#!/usr/bin/env bash
+# The GPU check, run on the GPU machine with the kit scripts/gpu-kit.sh built (no Rust, no
+# network there; CUDA 12 or 13). Writes $OUT/report.md and $OUT/logs/.
+#
+#   scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all] [--dry-run] [--budget S]
+#
+#   part 1: the environment; the conformance suite on the GPU (every op in f32, f16 and bf16
+#           activations, each matmul mode); greedy and teacher-forced agreement with the CPU
+#           backend (and llama.cpp's recorded tokens) on random-weight models of every family
+#           made there (`npu-serving synth-model`: llama, llama3, qwen2, qwen3, qwen3moe,
+#           gemma3; qwen3moe is refused on CUDA today); compute-sanitizer memcheck (and
+#           racecheck, synccheck) of short runs; the 1B- and 8B-shaped random Q4_0 models; and
+#           a CUDA build of llama.cpp's llama-bench and llama-batched-bench (in the background).
+#   part 2: `npu-serving bench-model --device cuda` on the 1B and 8B models (quantized and auto
+#           matmul modes) against llama.cpp CUDA on the same files: prefill 512, decode at
+#           batch 1 and 32.
+#   all:    both (about 15 minutes on a GPU: over one call's 10 minutes; the dry run uses it).
+# Each part stays within --budget seconds (default 560) and reports what it had no time for as
+# SKIPPED. Work files (models, the llama.cpp build, report parts) go to target/gpu-check-work,
+# which a warm device machine keeps between the two calls.
+#
+# --dry-run: on a machine without a GPU, over the CPU emulation of the CUDA kernels (the kit
+# built with --emulation: bin/npu-serving-emulation, NPU_SERVING_CUDA_EMULATION=1): the
+# conformance suite and the fidelity checks run on the emulation; the GPU-only steps
+# (memcheck, llama.cpp CUDA, speed) report SKIPPED with the reason.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+kit=target/gpu-kit
+out=${OUT:-target/gpu-check-out}
+part=all
+dry=0
+budget=560
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --kit) kit=$2; shift ;;
+    --out) out=$2; shift ;;
+    --part) part=$2; shift ;;
+    --dry-run) dry=1 ;;
+    --budget) budget=$2; shift ;;
+    *) echo "usage: scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all] [--dry-run] [--budget S]" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$part" in 1|2|all) ;; *) echo "--part 1, 2 or all" >&2; exit 2 ;; esac
+[ -d "$kit/bin" ] || { echo "no kit at $kit (scripts/gpu-kit.sh builds it)" >&2; exit 2; }
+kit=$(cd "$kit" && pwd)
+work=${GPU_CHECK_WORK:-$PWD/target/gpu-check-work}
+mkdir -p "$out/logs" "$work/report" "$work/models" "$work/logs" "$work/runs"
+out=$(cd "$out" && pwd)
+logs=$work/logs
+started=$(date +%s)
+left() { echo $((budget - ($(date +%s) - started))); }
+say() { echo "gpu-check [$(($(date +%s) - started))s]: $*" >&2; }
+
+bin=$kit/bin/npu-serving
+conf=$kit/bin/gpu_conformance
+tool=$kit/bin/gpu_kit_tool
+donor=$kit/models/donor-tokenizer.gguf
+mode="GPU"
+if [ $dry = 1 ]; then
+  bin=$kit/bin/npu-serving-emulation
+  [ -x "$bin" ] || { echo "the dry run needs the kit built with --emulation" >&2; exit 2; }
+  export NPU_SERVING_CUDA_EMULATION=1
+  mode="DRY RUN over the CPU emulation of the CUDA kernels (not a GPU)"
+fi
+export RUST_LOG=${RUST_LOG:-info}
+
+# A markdown part of the report: $work/report/NAME.md, rewritten by the step that owns it.
+part_file() { echo "$work/report/$1.md"; }
+skipped() { echo "SKIPPED: $*"; }
+
+find_tool() {
+  local name=$1 p
+  p=$(command -v "$name" 2>/dev/null) && { echo "$p"; return; }
+  for p in /usr/local/cuda/bin/$name /usr/local/cuda-*/bin/$name /usr/local/cuda/compute-sanitizer/$name \
+           /usr/local/cuda-*/compute-sanitizer/$name /opt/nvidia/*/bin/$name; do
+    [ -x "$p" ] && { echo "$p"; return; }
+  done
+  return 1
+}
+nvcc=$(find_tool nvcc || true)
+cmake=$(command -v cmake || true)
+sanitizer=$(find_tool compute-sanitizer || true)
+have_gpu=0
+if [ $dry = 0 ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then have_gpu=1; fi
+sm=""
+[ $have_gpu = 1 ] && sm=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
+
+# ---- the environment -------------------------------------------------------------------------
+env_part() {
+  local f
+  f=$(part_file 00-env)
+  {
+    echo "## Environment ($mode)"
+    echo
+    echo '```'
+    echo "date: $(date -u +%Y-%m-%dT%H:%MZ); host: $(uname -srm); CPUs: $(nproc); memory: $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
+    if [ $have_gpu = 1 ]; then
+      nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1
+      nvidia-smi 2>/dev/null | grep -m1 'CUDA Version' | sed 's/^[| ]*//'
+    else
+      echo "nvidia-smi: $([ $dry = 1 ] && echo 'dry run' || echo 'no GPU found')"
+    fi
+    echo "nvcc: ${nvcc:-none} $([ -n "$nvcc" ] && "$nvcc" --version | tail -1)"
+    echo "cmake: ${cmake:-none} $([ -n "$cmake" ] && "$cmake" --version | head -1)"
+    echo "compute-sanitizer: ${sanitizer:-none}"
+    echo "CUDA libraries on the loader's path:"
+    ldconfig -p 2>/dev/null | grep -E 'libcuda\.so|libnvrtc\.so|libcublas\.so' | sed 's/^/  /' | head -12
+    echo "kit: $(head -1 "$kit/MANIFEST.txt")"
+    echo '```'
+    echo
+  } >"$f"
+}
+# What the binary loaded and opened (from the first CUDA runs' logs), for the environment part.
+env_loaded() {
+  local l
+  l=$(grep -hoE 'cuda: (NVRTC|cuBLAS|opened) .*' "$logs"/fidelity-cuda.log "$logs"/bench-*.log 2>/dev/null |
+      awk '!seen[$1 $2]++' | head -3)
+  [ -n "$l" ] && printf 'Loaded by npu-serving:\n\n```\n%s\n```\n\n' "$l" >"$(part_file 01-loaded)"
+}
+
+# ---- llama.cpp, CUDA build -----------------------------------------------------------------
+llama_dir=$work/llama.cpp
+llama_bin=$llama_dir/build/bin
+llama_why=""
+llama_can_build() {
+  if [ $dry = 1 ]; then llama_why="dry run: llama.cpp is compared on the GPU only"; return 1; fi
+  if [ $have_gpu = 0 ]; then llama_why="no GPU"; return 1; fi
+  if [ -z "$nvcc" ]; then llama_why="no nvcc on this machine (the CUDA toolkit's compiler builds llama.cpp's CUDA backend)"; return 1; fi
+  if [ -z "$cmake" ]; then llama_why="no cmake on this machine"; return 1; fi
+  return 0
+}
+llama_built() { [ -x "$llama_bin/llama-bench" ] && [ -x "$llama_bin/llama-batched-bench" ]; }
+llama_build() { # returns when built or failed
+  [ -d "$llama_dir" ] || tar -C "$work" -xJf "$kit/llama.cpp-src.tar.xz"
+  (
+    cd "$llama_dir" &&
+    { [ -f build/CMakeCache.txt ] ||
+      "$cmake" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DGGML_NATIVE=ON \
+        -DCMAKE_CUDA_ARCHITECTURES="${sm:-native}" -DCMAKE_CUDA_COMPILER="$nvcc" -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_HTML=OFF -DBUILD_SHARED_LIBS=OFF; } &&
+    "$cmake" --build build -j"$(nproc)" --target llama-bench llama-batched-bench
+  ) >>"$logs/llama-build.log" 2>&1
+}
+export -f llama_build
+export llama_dir cmake nvcc sm logs work kit
+llama_pid=""
+# Starts the build in its own process group (so that it can be stopped whole).
+llama_start() {
+  setsid bash -c llama_build </dev/null >/dev/null 2>&1 &
+  llama_pid=$!
+}
+# Waits for the build while more than $1 seconds of the budget are left; stops it otherwise.
+llama_wait() {
+  [ -n "$llama_pid" ] || return 0
+  while kill -0 "$llama_pid" 2>/dev/null && [ "$(left)" -gt "$1" ]; do sleep 5; done
+  if kill -0 "$llama_pid" 2>/dev/null; then
+    kill -- -"$llama_pid" 2>/dev/null || kill "$llama_pid" 2>/dev/null
+    sleep 1
+    echo "(stopped at the end of the time budget)" >>"$logs/llama-build.log"
+    llama_pid=""
+    return 1
+  fi
+  llama_pid=""
+  return 0
+}
+
+# ---- conformance -------------------------------------------------------------------------------
+conformance_part() {
+  local f log rc
+  f=$(part_file 10-conformance)
+  log=$logs/conformance.log
+  say "conformance suite"
+  timeout $(( $(left) > 300 ? 300 : $(left) )) "$conf" >"$log" 2>&1
+  rc=$?
+  {
+    echo "## Conformance suite on the device (\`gpu_conformance\`)"
+    echo
+    echo "Every op of the CUDA backend against the CPU backend's reference kernels, each case in f32, f16 and bf16 activations (and each matmul mode where it applies); exit status $rc$([ $rc = 124 ] && echo ' (timed out)')."
+    echo
+    grep -m1 '^running on' "$log" | sed 's/^/- /'
+    echo
+    echo "| case | result |"
+    echo "|---|---|"
+    grep -E '^test .* \.\.\. ' "$log" | sed -E 's/^test ([^ ]+) \.\.\. (.*)$/| \1 | \2 |/'
+    echo
+    grep -E '^gpu_conformance:' "$log" | sed 's/^/**/; s/$/**/'
+    echo
+  } >"$f"
+}
+
+# ---- fidelity on random-weight models of every family -----------------------------------------
+declare -A SEED=([llama]=2 [llama3]=3 [qwen2]=1 [qwen3]=2 [qwen3moe]=1 [gemma3]=3)
+declare -A MARGIN=([f32]=0.15 [f16]=0.5 [bf16]=1.0)
+families=(llama llama3 qwen2 qwen3 qwen3moe gemma3)
+fidelity_part() {
+  local f fam ref model sha want p prompt r cg cs ids dt dg ds line rc fails=0 refused=0 judged=0 rows=""
+  f=$(part_file 20-fidelity)
+  say "fidelity on the families' random-weight models"
+  for fam in "${families[@]}"; do
+    ref=$kit/refs/family_$fam.jsonl
+    model=$work/models/$fam.gguf
+    sha=$("$bin" synth-model --arch "$fam" --seed "${SEED[$fam]}" --type f32 --tokenizer-from "$donor" \
+            "$model" 2>>"$logs/synth.log" | cut -d' ' -f1)
+    want=$(grep -o '"model_sha256": "[0-9a-f]*"' "$ref" | head -1 | cut -d'"' -f4)
+    if [ -z "$sha" ]; then
+      rows+="| $fam | — | — | FAIL: synth-model failed (logs/synth.log) |"$'\n'; fails=$((fails + 1)); continue
+    fi
+    [ "$sha" = "$want" ] && sha_note="the file of llama.cpp's references" || sha_note="NOT the file of llama.cpp's references ($want)"
+    for p in 0 2; do
+      if [ "$(left)" -lt 40 ]; then rows+="| $fam | $p | — | SKIPPED: out of time |"$'\n'; continue; fi
+      prompt=$("$tool" prompt "$ref" $p)
+      r=$work/runs/$fam-$p
+      cg=$r-cpu-gen.json; cs=$r-cpu-score.json
+      "$bin" generate --device cpu --model "$model" --prompt "$prompt" --max-tokens 32 --ignore-eos --json \
+        >"$cg" 2>>"$logs/fidelity-cpu.log"
+      ids=$("$tool" ids "$cg" 2>/dev/null)
+      "$bin" score --device cpu --model "$model" --prompt "$prompt" --continuation-ids "$ids" --json \
+        >"$cs" 2>>"$logs/fidelity-cpu.log"
+      for dt in f32 f16 bf16; do
+        [ "$dt" != f32 ] && [ $p != 2 ] && continue
+        dg=$r-cuda-$dt-gen.json; ds=$r-cuda-$dt-score.json
+        NPU_SERVING_CUDA_DTYPE=$dt timeout 120 "$bin" generate --device cuda --model "$model" --prompt "$prompt" \
+          --max-tokens 32 --ignore-eos --json >"$dg" 2>"$r-cuda-$dt.log"
+        rc=$?
+        if [ $rc = 0 ]; then
+          NPU_SERVING_CUDA_DTYPE=$dt timeout 120 "$bin" score --device cuda --model "$model" --prompt "$prompt" \
+            --continuation-ids "$ids" --json >"$ds" 2>>"$r-cuda-$dt.log"
+          rc=$?
+        fi
+        cat "$r-cuda-$dt.log" >>"$logs/fidelity-cuda.log"
+        if [ $rc != 0 ]; then
+          if grep -qiE 'not support|unsupported' "$r-cuda-$dt.log"; then
+            line="REFUSED: $(grep -m1 -iE 'error' "$r-cuda-$dt.log" | cut -c1-220)"
+            if [ "$fam" = qwen3moe ]; then
+              line+=" (expected today: the CUDA backend has no mixture-of-experts ops)"; refused=$((refused + 1))
+            elif [ "$dt" = f16 ] && grep -q "beyond f16's range" "$r-cuda-$dt.log"; then
+              line+=" (by design)"; refused=$((refused + 1))
+            else
+              fails=$((fails + 1))
+            fi
+          else
+            line="FAIL: exit $rc: $(grep -m1 -iE 'error|panicked' "$r-cuda-$dt.log" | cut -c1-220)"; fails=$((fails + 1))
+          fi
+        else
+          local extra=(--info)
+          [ "$dt" = f32 ] && extra=(--ref "$ref" --line $p)
+          line=$("$tool" fidelity --cpu-gen "$cg" --cpu-score "$cs" --dev-gen "$dg" --dev-score "$ds" \
+                   --margin "${MARGIN[$dt]}" "${extra[@]}" 2>&1) || fails=$((fails + 1))
+          [ "$dt" = f32 ] && judged=$((judged + 1))
+        fi
+        rows+="| $fam | $p | $dt | $line |"$'\n'
+      done
+    done
+    rows+="| $fam | | | model sha256 ${sha:0:12}…: $sha_note |"$'\n'
+  done
+  {
+    echo "## Fidelity: the device against the CPU backend on random-weight models"
+    echo
+    echo "Each family's tiny random-weight model is made here (\`npu-serving synth-model --arch F --seed N --type f32\`, the default model's tokenizer), the same file as llama.cpp's recorded references when the sha256 matches. For prompts 0 (short) and 2 (longer than gemma3's sliding window) of those references: 32 greedy tokens on the CPU backend and on the device; the device's tokens must equal the CPU backend's up to the first near tie (a top-1/top-2 logit gap below the margin: 0.15 in f32, 0.5 in f16, 1.0 in bf16 activations, the CPU backend's or the device's, teacher-forced along the CPU's tokens), its teacher-forced top-1 must equal the CPU backend's wherever that is decided, and its tokens must equal llama.cpp's up to the first near tie. Only f32 activations (the backend's default) are judged: the f16 and bf16 rows are reported (INFO), since 16-bit activations move these random models' logits by more than any fixed margin (bf16: up to about 1 in log-probability on the emulation)."
+    echo
+    echo "| family | prompt | activations | result |"
+    echo "|---|---|---|---|"
+    printf '%s' "$rows"
+    echo
+    echo "**fidelity (f32): $judged judged, $fails failed; $refused refused as expected (qwen3moe on CUDA; gemma3 with f16 activations)**"
+    echo
+  } >"$f"
+}
+
+# ---- compute-sanitizer ---------------------------------------------------------------------
+sanitizer_part() {
+  local f tool_name model log rc summary rows=""
+  f=$(part_file 30-sanitizer)
+  if [ $dry = 1 ]; then
+    printf '## compute-sanitizer\n\n%s\n\n' "$(skipped "dry run: compute-sanitizer checks a GPU's memory accesses; the emulation checks its own (guarded allocations, strict barriers and shuffles) in the conformance suite above")" >"$f"
+    return
+  fi
+  if [ -z "$sanitizer" ] || [ $have_gpu = 0 ]; then
+    printf '## compute-sanitizer\n\n%s\n\n' "$(skipped "$([ $have_gpu = 0 ] && echo 'no GPU' || echo 'compute-sanitizer not found (it comes with the CUDA toolkit)')")" >"$f"
+    return
+  fi
+  say "compute-sanitizer"
+  for spec in "memcheck llama" "memcheck gemma3" "racecheck gemma3" "synccheck gemma3" "initcheck llama"; do
+    set -- $spec
+    tool_name=$1; model=$work/models/$2.gguf
+    if [ "$(left)" -lt 60 ]; then rows+="| $tool_name | $2 | SKIPPED: out of time |"$'\n'; continue; fi
+    log=$logs/sanitizer-$tool_name-$2.log
+    timeout 150 "$sanitizer" --tool "$tool_name" --error-exitcode 9 \
+      $([ "$tool_name" = memcheck ] && echo --leak-check full) \
+      "$bin" generate --device cuda --model "$model" --prompt "The capital of France is" \
+      --max-tokens 8 --ignore-eos >"$log" 2>&1
+    rc=$?
+    summary=$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sed 's/^=* *//')
+    rows+="| $tool_name | $2 | exit $rc$([ $rc = 124 ] && echo ' (timed out)'); ${summary:-no summary line} |"$'\n'
+  done
+  {
+    echo "## compute-sanitizer on short runs"
+    echo
+    echo "\`npu-serving generate --device cuda\`, 8 tokens of \"The capital of France is\" (gemma3: sliding-window attention, per-head norms, GELU gate)."
+    echo
+    echo "| tool | model | result |"
+    echo "|---|---|---|"
+    printf '%s' "$rows"
+    echo
+  } >"$f"
+}
+
+# ---- the 1B- and 8B-shaped models ----------------------------------------------------------
+shapes=(1b 8b)
+shaped_model() { echo "$work/models/random-$1-q4_0.gguf"; }
+make_models() {
+  local s m
+  for s in "${shapes[@]}"; do
+    m=$(shaped_model "$s")
+    [ -s "$m" ] && continue
+    if [ $dry = 1 ] && [ "$s" = 8b ]; then continue; fi
+    say "making the $s-shaped model"
+    "$tool" shaped --shape "$s" --donor "$donor" --out "$m" >>"$logs/models.log" 2>&1 ||
+      echo "making $s failed" >>"$logs/models.log"
+  done
+}
+
+# ---- speed: npu-serving bench-model vs llama.cpp ---------------------------------------------
+bench_part() {
+  local f s m mode rows="" notes="" lb lbb
+  f=$(part_file 40-bench)
+  make_models
+  if [ $dry = 1 ]; then
+    # Not a measurement: the table's code path, on the emulation with the tiny llama model.
+    m=$work/models/llama.gguf
+    timeout 300 "$bin" bench-model --device cuda --model "$m" --json --skip-long --skip-roofline \
+      --batches 1 --decode-steps 2 >"$work/runs/bench-smoke.json" 2>"$logs/bench-smoke.log"
+    lb=""; lbb=""
+    if [ -x "${LLAMA_CPP_BIN:-}/llama-bench" ]; then
+      # A CPU build of llama.cpp, when given, exercises the llama.cpp columns' parsing.
+      timeout 120 "$LLAMA_CPP_BIN/llama-bench" -m "$m" -p 512 -n 128 -r 1 -o json \
+        >"$work/runs/llama-bench-smoke.json" 2>"$logs/llama-bench-smoke.log" && lb=$work/runs/llama-bench-smoke.json
+      timeout 120 "$LLAMA_CPP_BIN/llama-batched-bench" -m "$m" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 32 \
+        -npl 1,32 >"$work/runs/llama-batched-smoke.txt" 2>&1 && lbb=$work/runs/llama-batched-smoke.txt
+    fi
+    rows+="$("$tool" bench-row --label "smoke: tiny llama, npu-serving on the emulation$([ -n "$lb" ] && echo ', llama.cpp on the CPU') (not a measurement)" \
+              --npu "$work/runs/bench-smoke.json" ${lb:+--llama-bench "$lb"} ${lbb:+--llama-batched "$lbb"})"$'\n'
+    m=$(shaped_model 1b)
+    if [ -s "$m" ]; then
+      timeout 300 "$bin" generate --device cpu --model "$m" --prompt "The capital of France is" --max-tokens 2 \
+        --ignore-eos --json >"$work/runs/1b-cpu-load.json" 2>"$logs/1b-cpu-load.log" &&
+        notes+="- the 1B-shaped model ($(du -h "$m" | cut -f1)) was made and loads (CPU backend, 2 tokens); the 8B one is made on the GPU machine only"$'\n' ||
+        notes+="- FAIL: the 1B-shaped model does not load (logs/1b-cpu-load.log)"$'\n'
+    fi
+    notes+="- $(skipped "dry run: bench-model on the 1B and 8B models and llama.cpp CUDA measure a GPU; the emulation says nothing about speed")"$'\n'
+  else
+    if llama_can_build && ! llama_built; then
+      say "finishing the llama.cpp build"
+      llama_start
+      llama_wait 240
+    fi
+    llama_built || notes+="- llama.cpp: $(skipped "${llama_why:-the CUDA build did not finish (logs/llama-build.log)}")"$'\n'
+    for s in "${shapes[@]}"; do
+      m=$(shaped_model "$s")
+      [ -s "$m" ] || { rows+="| $s | $(skipped "the model could not be made (logs/models.log)") |||||| "$'\n'; continue; }
+      for mode in quantized auto; do
+        if [ "$(left)" -lt 50 ]; then rows+="| $s $mode | SKIPPED: out of time |||||| "$'\n'; continue; fi
+        say "bench-model $s $mode"
+        NPU_SERVING_CUDA_MATMUL=$mode timeout $(( $(left) > 200 ? 200 : $(left) - 10 )) "$bin" bench-model --device cuda \
+          --model "$m" --json --skip-long --skip-roofline --batches 1,32 --decode-steps 32 \
+          >"$work/runs/bench-$s-$mode.json" 2>"$logs/bench-$s-$mode.log" ||
+          notes+="- bench-model $s $mode failed: $(grep -m1 -iE 'error|panicked' "$logs/bench-$s-$mode.log" | cut -c1-200)"$'\n'
+        lb=""; lbb=""
+        if [ "$mode" = quantized ] && llama_built && [ "$(left)" -gt 60 ]; then
+          say "llama.cpp $s"
+          timeout 120 "$llama_bin/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o json \
+            >"$work/runs/llama-bench-$s.json" 2>"$logs/llama-bench-$s.log" && lb=$work/runs/llama-bench-$s.json
+          timeout 120 "$llama_bin/llama-batched-bench" -m "$m" -ngl 99 -c 8192 -b 2048 -ub 512 \
+            -npp 128 -ntg 32 -npl 1,32 >"$work/runs/llama-batched-$s.txt" 2>&1 &&
+            lbb=$work/runs/llama-batched-$s.txt
+          cp "$work/runs/llama-batched-$s.txt" "$logs/llama-batched-$s.log" 2>/dev/null
+        fi
+        rows+="$("$tool" bench-row --label "$s, npu-serving $mode" --npu "$work/runs/bench-$s-$mode.json" \
+                  ${lb:+--llama-bench "$lb"} ${lbb:+--llama-batched "$lbb"})"$'\n'
+      done
+    done
+  fi
+  {
+    echo "## Speed: npu-serving bench-model --device cuda against llama.cpp CUDA on the same files"
+    echo
+    echo "Random-weight Llama models made on the device (\`gpu_kit_tool shaped\`): 1B-class (hidden 2048, 16 layers, 32/8 heads, ff 8192) and 8B-class (hidden 4096, 32 layers, 32/8 heads, ff 14336), Q4_0 matrices, Q8_0 embedding and head, the default model's vocabulary (49,152). Tokens per second; npu-serving's f32 activations (its default); decode at batch 32 is the total over the batch. npu-serving: \`bench-model --skip-long --batches 1,32\` (prefill of a 512-token prompt; decode at 128 tokens of context). llama.cpp: \`llama-bench -ngl 99 -p 512 -n 128\` (pp512, tg128 from an empty context) and \`llama-batched-bench -npp 128 -ntg 32 -npl 1,32\` (S_TG)."
+    echo
+    echo "| model | prefill 512 | llama.cpp pp512 | decode b1 | llama.cpp b1 | decode b32 | llama.cpp b32 |"
+    echo "|---|---|---|---|---|---|---|"
+    printf '%s' "$rows"
+    echo
+    printf '%s' "$notes"
+    echo
+  } >"$f"
+}
+
+assemble() {
+  env_loaded
+  {
+    echo "# npu-serving GPU check ($mode)"
+    echo
+    echo "Kit: $kit. Parts run: see below; logs in logs/."
+    echo
+    cat "$work"/report/*.md 2>/dev/null
+  } >"$out/report.md"
+  cp -r "$logs/." "$out/logs/" 2>/dev/null
+  # Keep what comes back small: long logs are cut to their last 200 kB.
+  find "$out/logs" -type f -size +200k -exec sh -c 'tail -c 200000 "$1" >"$1.tail" && mv "$1.tail" "$1"' _ {} \;
+  say "report: $out/report.md"
+}
+
+if [ "$part" = 1 ] || [ "$part" = all ]; then
+  rm -f "$work"/report/*.md
+  env_part
+  if llama_can_build; then
+    if ! llama_built; then
+      say "building llama.cpp (CUDA, sm_$sm) in the background"
+      llama_start
+    fi
+  else
+    printf '## llama.cpp\n\n%s\n\n' "$(skipped "$llama_why")" >"$(part_file 35-llama)"
+  fi
+  conformance_part
+  fidelity_part
+  sanitizer_part
+  make_models
+  if [ -n "$llama_pid" ]; then
+    if ! llama_wait 15; then
+      printf '## llama.cpp\n\nThe CUDA build did not finish in part 1; part 2 goes on with it.\n\n' >"$(part_file 35-llama)"
+    else
+      llama_built && printf '## llama.cpp\n\nBuilt (CUDA, sm_%s): llama-bench and llama-batched-bench.\n\n' "$sm" >"$(part_file 35-llama)" ||
+        printf '## llama.cpp\n\nFAIL: the CUDA build failed (logs/llama-build.log).\n\n' >"$(part_file 35-llama)"
+    fi
+  fi
+  [ "$part" = all ] && started=$(date +%s)  # part 2 gets its own budget
+fi
+if [ "$part" = 2 ] || [ "$part" = all ]; then
+  [ -f "$(part_file 00-env)" ] || env_part
+  bench_part
+fi
+assemble
