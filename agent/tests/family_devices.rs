@@ -67,8 +67,13 @@ fn family(name: &str) -> (Vec<Ref>, PathBuf) {
         v["model_sha256"].as_str().unwrap(),
         "{name}: the regenerated model is not the file llama.cpp ran"
     );
-    let file =
-        std::env::temp_dir().join(format!("npu-family-dev-{name}-{}.gguf", std::process::id()));
+    // One file per call: tests run in parallel threads and map their files.
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let file = std::env::temp_dir().join(format!(
+        "npu-family-dev-{name}-{}-{n}.gguf",
+        std::process::id()
+    ));
     std::fs::write(&file, bytes).unwrap();
     (refs, file)
 }
