@@ -349,3 +349,27 @@ fn collectives_conform_and_a_wrong_one_fails() {
         report.render()
     );
 }
+
+/// The staged collectives and a split model step over the CUDA backend on the CPU emulation of
+/// its kernels (f32 and f16 activations): any backend runs tensor parallelism through host
+/// memory until it has a collective library of its own.
+#[cfg(feature = "cuda")]
+#[test]
+fn collectives_conform_over_the_emulated_cuda_backend() {
+    use npu_agent::conformance::collective::{check_collectives, staged};
+    use npu_backend::DType;
+    use npu_backend_cuda::{CudaBackend, CudaConfig};
+    let file = model();
+    for dt in [DType::F32, DType::F16] {
+        let cfg = CudaConfig {
+            act_dtype: dt,
+            kernel_cache: None,
+            ..CudaConfig::default()
+        };
+        let make = || CudaBackend::emulated(cfg.clone()).expect("the emulated CUDA backend");
+        let mut report = Report::new(format!("cuda emulated ({}), 2 ranks", dt.name()));
+        check_collectives((make(), make()), &staged, conformance::reference(), &file, &mut report);
+        eprintln!("{}", report.render());
+        assert!(report.failures().is_empty(), "{}", report.render());
+    }
+}
