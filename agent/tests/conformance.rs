@@ -373,3 +373,28 @@ fn collectives_conform_over_the_emulated_cuda_backend() {
         assert!(report.failures().is_empty(), "{}", report.render());
     }
 }
+
+/// The staged collectives and a model step split over two ranks of the Ascend backend, two
+/// devices of the CANN install `ASCEND_HOME_PATH` names (in CI the strict emulation).
+#[cfg(feature = "ascend")]
+#[test]
+fn collectives_conform_over_the_ascend_backend() {
+    use npu_agent::conformance::collective::{check_collectives, staged};
+    use npu_backend_ascend::{AscendBackend, AscendConfig};
+    if std::env::var_os("ASCEND_HOME_PATH").is_none() {
+        eprintln!("ascend: skipped, ASCEND_HOME_PATH is not set");
+        return;
+    }
+    let file = model();
+    let make = |device: u32| {
+        AscendBackend::new(AscendConfig {
+            start_device_id: device,
+            ..AscendConfig::default()
+        })
+        .expect("an Ascend device")
+    };
+    let mut report = Report::new("ascend, 2 ranks (devices 0 and 1)");
+    check_collectives((make(0), make(1)), &staged, conformance::reference(), &file, &mut report);
+    eprintln!("{}", report.render());
+    assert!(report.failures().is_empty(), "{}", report.render());
+}
