@@ -384,3 +384,27 @@ fn a_size_the_model_cannot_be_split_over_is_refused() {
         "{stderr}"
     );
 }
+
+/// Two ranks on two devices of the Ascend backend over the strict CANN emulation (f16
+/// activations; the collectives staged through host memory until HCCL is built): the
+/// references hold up to their near-ties, on both APIs.
+#[cfg(feature = "ascend")]
+#[test]
+fn two_ranks_on_two_emulated_ascend_devices() {
+    let _serial = serial();
+    let opts = ServerOpts {
+        device: "ascend",
+        env: vec![("ASCEND_HOME_PATH".into(), ascend_emulator())],
+        ..tp_opts(2)
+    };
+    let server = Server::start("tp-ascend", &opts);
+    assert_eq!(server.metric("npu_serving_groups_total"), 1.0);
+    let model = npu_gguf::store::resolve_model(None).unwrap();
+    // An f16 device and a split group: near-ties as for Gemma 3 above.
+    let refs = refs(
+        include_str!("../agent/tests/data/greedy_smollm2_q4_1.jsonl"),
+        &model,
+        0.5,
+    );
+    check_references(&server, &refs, 32);
+}

@@ -368,7 +368,13 @@ fn collectives_conform_over_the_emulated_cuda_backend() {
         };
         let make = || CudaBackend::emulated(cfg.clone()).expect("the emulated CUDA backend");
         let mut report = Report::new(format!("cuda emulated ({}), 2 ranks", dt.name()));
-        check_collectives((make(), make()), &staged, conformance::reference(), &file, &mut report);
+        check_collectives(
+            (make(), make()),
+            &staged,
+            conformance::reference(),
+            &file,
+            &mut report,
+        );
         eprintln!("{}", report.render());
         assert!(report.failures().is_empty(), "{}", report.render());
     }
@@ -394,7 +400,13 @@ fn collectives_conform_over_the_ascend_backend() {
         .expect("an Ascend device")
     };
     let mut report = Report::new("ascend, 2 ranks (devices 0 and 1)");
-    check_collectives((make(0), make(1)), &staged, conformance::reference(), &file, &mut report);
+    check_collectives(
+        (make(0), make(1)),
+        &staged,
+        conformance::reference(),
+        &file,
+        &mut report,
+    );
     eprintln!("{}", report.render());
     assert!(report.failures().is_empty(), "{}", report.render());
 }
