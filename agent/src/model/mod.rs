@@ -2,6 +2,7 @@
 //! to the device as the file stores them (`weights`), and the batched forward step over a paged
 //! KV cache (`runner`), whose pool may be sized from free device memory (`kv_sizing`).
 
+pub mod capabilities;
 pub mod kv_sizing;
 pub mod runner;
 pub mod weights;
