@@ -109,7 +109,10 @@ fn gemma3_is_served_on_both_apis() {
     let (_, first) = &references()[0];
     let want = tok.decode(&first[..first.len().min(12)], true);
     assert!(
-        body["choices"][0]["text"].as_str().unwrap().starts_with(&want),
+        body["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(&want),
         "{body} does not begin with llama.cpp's {want:?}"
     );
     // performance_serving's client reads the stream unmodified.
