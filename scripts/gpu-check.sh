@@ -309,7 +309,7 @@ sanitizer_part() {
 }
 
 # ---- the 1B- and 8B-shaped models ----------------------------------------------------------
-shapes=(1b 8b)
+read -r -a shapes <<<"${GPU_CHECK_SHAPES:-1b 8b}"  # override for tests of this script
 shaped_model() { echo "$work/models/random-$1-q4_0.gguf"; }
 make_models() {
   local s m
