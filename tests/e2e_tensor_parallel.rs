@@ -219,13 +219,23 @@ fn gemma3_over_two_ranks_on_both_apis() {
     check_memory(&opts, &model);
 }
 
-/// Runs `clients` concurrent greedy streams and kills `victim` with SIGKILL once they have
-/// produced tokens; returns the records and whether /health was seen 503 after the kill.
+/// Runs `clients` concurrent greedy streams and sends `victim` `signal` once they have
+/// produced tokens; returns the records and whether /health was seen 503 after the signal.
 fn load_with_a_kill(
     server: &Server,
     prompts: &[(String, usize)],
     clients: usize,
     victim: u32,
+) -> (Vec<client_bench::metrics::RequestRecord>, bool) {
+    load_with_a_signal(server, prompts, clients, victim, libc::SIGKILL)
+}
+
+fn load_with_a_signal(
+    server: &Server,
+    prompts: &[(String, usize)],
+    clients: usize,
+    victim: u32,
+    signal: i32,
 ) -> (Vec<client_bench::metrics::RequestRecord>, bool) {
     let saw_outage = AtomicBool::new(false);
     let done = AtomicU32::new(0);
@@ -237,7 +247,7 @@ fn load_with_a_kill(
                 std::thread::sleep(Duration::from_millis(10));
             }
             // SAFETY: kill(2) on one of the server's agent processes.
-            assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+            assert_eq!(unsafe { libc::kill(victim as i32, signal) }, 0);
             let until = Instant::now() + Duration::from_secs(180);
             while done.load(Ordering::SeqCst) < clients as u32 && Instant::now() < until {
                 if server.get("/health").0 == 503 {
@@ -302,6 +312,49 @@ fn killing_rank_1_under_24_streams_loses_no_request() {
     // The group is whole again: a request after recovery gives the same text.
     let r = server.stream(Api::LlmServing, &prompts[0].0, prompts[0].1);
     assert_eq!(r.resp_text, want[0]);
+}
+
+/// A rank that hangs (stopped with SIGSTOP mid-load) takes its group down once
+/// `step_deadline_ms` passes: the other rank gives up waiting for it, the server kills both and
+/// starts the group again; every request completes with the text it has without the fault.
+#[test]
+fn a_hung_rank_takes_its_group_down_and_loses_no_request() {
+    let _serial = serial();
+    let opts = ServerOpts {
+        step_deadline_ms: 5_000,
+        ..tp_opts(2)
+    };
+    let server = Server::start("tp-hang", &opts);
+    let prompts: Vec<(String, usize)> = prompts()[..4].iter().map(|p| (p.clone(), 32)).collect();
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|(p, n)| server.stream(Api::LlmServing, p, *n).resp_text)
+        .collect();
+    let rank1 = server.agent_pid(1).unwrap();
+    let started = Instant::now();
+    let (records, saw_outage) = load_with_a_signal(&server, &prompts, 8, rank1, libc::SIGSTOP);
+    for (i, r) in records.iter().enumerate() {
+        assert!(r.success, "client {i} lost its request: {:?}", r.error);
+        assert_eq!(r.resp_text, want[i % want.len()], "client {i}");
+    }
+    assert!(saw_outage, "/health never reported the group down");
+    assert!(
+        started.elapsed() > Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    server.wait_health(200, Duration::from_secs(60));
+    assert_eq!(server.metric("npu_serving_agent_restarts_total"), 1.0);
+    assert!(
+        !server.agent_pids().contains(&rank1),
+        "the stopped rank was killed"
+    );
+    let log = server.log_text();
+    assert!(
+        log.contains("tensor-parallel group 0 is down"),
+        "{}",
+        server.log_tail()
+    );
 }
 
 /// Cumulative CPU time (user + system, clock ticks) of a process.

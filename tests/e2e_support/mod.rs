@@ -54,6 +54,8 @@ pub struct ServerOpts {
     pub kv_cache_memory_fraction: Option<f64>,
     /// `npu_serving.tensor_parallel_size`: ranks per group of agents.
     pub tensor_parallel_size: u32,
+    /// `npu_serving.step_deadline_ms`: a longer step counts as a hung agent.
+    pub step_deadline_ms: u64,
 }
 
 impl Default for ServerOpts {
@@ -76,6 +78,7 @@ impl Default for ServerOpts {
             env: Vec::new(),
             kv_cache_memory_fraction: None,
             tensor_parallel_size: 1,
+            step_deadline_ms: 60_000,
         }
     }
 }
@@ -94,7 +97,7 @@ impl ServerOpts {
              serving_config:\n  agent_ports: [{}]\n  server_ip: '127.0.0.1'\n  server_port: 8835\n\
              pa_config:\n  num_blocks: {}\n  block_size: {}\n\
              npu_serving:\n  device: {}\n  threads_per_agent: {}\n  max_tokens_per_step: {}\n  \
-             prefix_cache: {}\n  shutdown_grace_ms: {}\n  step_deadline_ms: 60000\n  \
+             prefix_cache: {}\n  shutdown_grace_ms: {}\n  step_deadline_ms: {}\n  \
              swap_space_mb: {}\n",
             self.seq_length,
             self.decode_batch_size,
@@ -108,6 +111,7 @@ impl ServerOpts {
             self.max_tokens_per_step,
             self.prefix_cache,
             self.shutdown_grace_ms,
+            self.step_deadline_ms,
             self.swap_space_mb,
         );
         let fraction = self.kv_cache_memory_fraction.map_or(String::new(), |f| {
