@@ -1,5 +1,5 @@
 //! Greedy generation of the reference prompts on the CPU backend against llama.cpp's tokens
-//! (../shared/refs copied into tests/data): exact up to each prompt's first near-tie, and the
+//! (tests/data/greedy_smollm2_q4_1.jsonl): exact up to each prompt's first near-tie, and the
 //! same tokens whether the prompts run alone or batched together with chunked prefill, under the
 //! real scheduler.
 
