@@ -535,6 +535,18 @@ impl Backend for CudaBackend {
                 message: format!("unusable KV pool shape {spec:?}"),
             });
         }
+        // What the attention kernel cannot read is refused here, when the model loads, rather
+        // than at its first step (review finding 9).
+        if !spec.head_dim.is_multiple_of(2) || spec.head_dim > crate::ops::ATT_MAX_HD {
+            return Err(BackendError::Unsupported {
+                backend: NAME,
+                what: format!(
+                    "attention heads of {} values (even, at most {})",
+                    spec.head_dim,
+                    crate::ops::ATT_MAX_HD
+                ),
+            });
+        }
         let bytes = spec
             .num_blocks
             .checked_mul(block_elems * 2)

@@ -18,7 +18,7 @@ pub(crate) const EW_THREADS: usize = 256;
 /// Query rows (warps) an attention block aims for.
 const ATT_TARGET_WARPS: usize = 8;
 const ATT_TILE: usize = 32;
-const ATT_MAX_HD: usize = 256;
+pub(crate) const ATT_MAX_HD: usize = 256;
 /// Most query heads per KV head (a block's warps; ATT_MAX_THREADS in attention.cu).
 const ATT_MAX_GROUP: usize = 16;
 /// Fewest context tiles a split of attention should cover.

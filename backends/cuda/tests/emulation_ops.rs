@@ -248,3 +248,38 @@ fn auto_mode_takes_its_weight_scratch_while_loading() {
         "the first long matmul allocated device memory"
     );
 }
+
+/// Review finding 9: a head size the attention kernel cannot read (odd, or over 256) is refused
+/// when the KV pool is made, as the model loads, not at its first step.
+#[test]
+fn kv_pools_of_heads_attention_cannot_read_are_refused_when_made() {
+    use npu_backend::{Backend, BackendError, DType, KvSpec};
+    use npu_backend_cuda::MatmulMode;
+    let Some(mut b) = emulated(DType::F32, MatmulMode::Quantized) else {
+        return;
+    };
+    for head_dim in [300, 63] {
+        let e = b
+            .init_kv(KvSpec {
+                n_layers: 1,
+                num_blocks: 4,
+                block_size: 16,
+                n_kv_heads: 1,
+                head_dim,
+            })
+            .unwrap_err();
+        assert!(matches!(e, BackendError::Unsupported { .. }), "{e}");
+        assert!(
+            e.to_string().contains(&format!("heads of {head_dim}")),
+            "{e}"
+        );
+    }
+    b.init_kv(KvSpec {
+        n_layers: 1,
+        num_blocks: 4,
+        block_size: 16,
+        n_kv_heads: 1,
+        head_dim: 256,
+    })
+    .unwrap();
+}
