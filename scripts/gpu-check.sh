@@ -133,7 +133,7 @@ llama_can_build() {
 }
 llama_built() { [ -x "$llama_bin/llama-bench" ] && [ -x "$llama_bin/llama-batched-bench" ]; }
 llama_build() { # returns when built or failed
-  [ -d "$llama_dir" ] || tar -C "$work" -xJf "$kit/llama.cpp-src.tar.xz"
+  [ -d "$llama_dir" ] || tar -C "$work" -xzf "$kit/llama.cpp-src.tar.gz"
   (
     cd "$llama_dir" &&
     { [ -f build/CMakeCache.txt ] ||

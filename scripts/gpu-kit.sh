@@ -9,7 +9,7 @@
 #   models/donor-tokenizer.gguf  the default model's tokenizer without its weights (the
 #                        models are made on the GPU machine: `npu-serving synth-model`)
 #   refs/family_*.jsonl  llama.cpp's greedy tokens on those models (agent/tests/data)
-#   llama.cpp-src.tar.xz a pruned llama.cpp source tree (ggml CPU + CUDA, llama, common,
+#   llama.cpp-src.tar.gz a pruned llama.cpp source tree (ggml CPU + CUDA, llama, common,
 #                        llama-bench, llama-batched-bench) for a CUDA build on the GPU machine
 #   MANIFEST.txt, RUN.txt what is in it, and the command to run
 # Then the GPU machine runs scripts/gpu-check.sh (two calls of at most 10 minutes).
@@ -98,7 +98,7 @@ EOF
 (cd "$src" && git rev-parse --short HEAD 2>/dev/null || grep -m1 -o 'LLAMA_BUILD_NUMBER[^)]*' CMakeLists.txt || true) \
   >"$dst/KIT_SOURCE" 2>/dev/null
 echo "$src" >>"$dst/KIT_SOURCE"
-tar -C "$stage" -cJf "$kit/llama.cpp-src.tar.xz" llama.cpp
+tar -C "$stage" -czf "$kit/llama.cpp-src.tar.gz" llama.cpp
 
 commit=$(git rev-parse --short HEAD)
 {
