@@ -16,8 +16,11 @@ cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet --disable-pip-version-check requests
 # NVRTC (no GPU needed) lets the CUDA backend's tests compile every kernel; they skip without it.
+# NVRTC of CUDA 12 and of CUDA 13 (the nvidia-cuda-nvrtc wheel): every kernel is compiled by each.
 python3 -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc-cu12 ||
   echo "test.sh: nvidia-cuda-nvrtc-cu12 not installed; the CUDA kernel compile test will skip"
+python3 -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc ||
+  echo "test.sh: nvidia-cuda-nvrtc (CUDA 13) not installed; kernels are compiled with CUDA 12's only"
 
 # The strict CANN emulation, as the CANN install the Ascend backend's tests run on.
 ASCEND_HOME_PATH="$(scripts/ascend-emulator.sh)"
