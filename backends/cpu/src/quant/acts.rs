@@ -34,8 +34,9 @@ pub struct QuantizedActs {
 /// Per-block sums of quantized activations beyond `isum` and `s`.
 #[derive(Debug, Default)]
 pub struct ActSums {
-    /// Per block, the integer sums of its values 0..16 and 16..32 (two per block).
-    pub s16: Vec<i32>,
+    /// Per block, the integer sums of its values 0..16 and 16..32 (two per block; each at most
+    /// 16 * 127 in size, so the pair also reads as one 32-bit word of two 16-bit lanes).
+    pub s16: Vec<i16>,
     /// Per block, `d * isum` in f32 (not rounded through f16 as `s` is).
     pub sx: Vec<f32>,
 }
@@ -71,9 +72,9 @@ impl QuantizedActs {
     pub fn sums(&self) -> &ActSums {
         self.sums.get_or_init(|| {
             let nb = self.rows * self.k / QBLOCK;
-            let mut s16 = vec![0i32; 2 * nb];
+            let mut s16 = vec![0i16; 2 * nb];
             for (half, q) in s16.iter_mut().zip(self.qs[..nb * QBLOCK].chunks_exact(16)) {
-                *half = q.iter().map(|&v| v as i32).sum();
+                *half = q.iter().map(|&v| v as i16).sum();
             }
             let sx = (0..nb).map(|b| self.d[b] * self.isum[b] as f32).collect();
             ActSums { s16, sx }

@@ -13,7 +13,7 @@ use crate::quant::packed::{code, GROUP};
 const R2: usize = 2;
 
 /// The activations' per-16 sums and exact block sums (null where the format needs none).
-type SumPtrs = (*const i32, *const f32);
+type SumPtrs = (*const i16, *const f32);
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `job` must describe valid buffers.
@@ -329,14 +329,14 @@ unsafe fn block_step<const S: u8>(
             _mm256_fmadd_ps(s.mw, _mm256_set1_ps(*sums.1.add(blk)), acc)
         }
         code::K6 | code::K3 => {
-            let (s0, s1) = (*sums.0.add(2 * blk), *sums.0.add(2 * blk + 1));
+            let (s0, s1) = (*sums.0.add(2 * blk) as i32, *sums.0.add(2 * blk + 1) as i32);
             let t0 = _mm256_sub_epi32(i0, _mm256_set1_epi32(offset * s0));
             let t1 = _mm256_sub_epi32(i1, _mm256_set1_epi32(offset * s1));
             let ia = _mm256_add_epi32(_mm256_mullo_epi32(s.sc0, t0), _mm256_mullo_epi32(s.sc1, t1));
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc)
         }
         _ => {
-            let (s0, s1) = (*sums.0.add(2 * blk), *sums.0.add(2 * blk + 1));
+            let (s0, s1) = (*sums.0.add(2 * blk) as i32, *sums.0.add(2 * blk + 1) as i32);
             let ia = _mm256_add_epi32(_mm256_mullo_epi32(s.sc0, i0), _mm256_mullo_epi32(s.sc1, i1));
             let im = _mm256_add_epi32(
                 _mm256_mullo_epi32(s.mn0, _mm256_set1_epi32(s0)),

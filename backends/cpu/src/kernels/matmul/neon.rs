@@ -118,7 +118,7 @@ unsafe fn body<const DOT: bool>(job: &PackedJob, sums: Option<&ActSums>, out: Ra
                 let blk = row * nb + b;
                 // The activation sums of the block's halves (K-quants).
                 let hs = match s16 {
-                    Some(s) => [s[2 * blk], s[2 * blk + 1]],
+                    Some(s) => [s[2 * blk] as i32, s[2 * blk + 1] as i32],
                     None => [0, 0],
                 };
                 for (qtr, acc_q) in acc.iter_mut().enumerate() {

@@ -72,7 +72,7 @@ pub(crate) fn block_step(
     let xd = a.d[blk];
     let half_sums = || {
         let s = &sums.expect("activation sums for a K-quant format").s16;
-        [s[2 * blk], s[2 * blk + 1]]
+        [s[2 * blk] as i32, s[2 * blk + 1] as i32]
     };
     match f.scales {
         Scales::F16 | Scales::F16Min | Scales::F32Super => {
