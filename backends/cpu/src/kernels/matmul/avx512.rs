@@ -9,10 +9,11 @@ use std::arch::x86_64::*;
 
 use super::{PackedJob, RawOut};
 
-/// Activation rows per tile: one block's unpacked values and scales serve 16 rows (16
-/// accumulators, 8 value registers and the scales fit the 32 registers; measured 10-15% faster
-/// than 8 rows on prefill-sized batches). A remainder runs as a tile of 8 and one of the rest.
-const MR: usize = 16;
+/// Activation rows per tile: one block's unpacked values and scales serve 4 rows. More rows
+/// amortize the unpacking further and ran faster alone on one matrix, but inside a model step
+/// tiles of 6, 8, 12 and 16 rows measured 25-40% slower than 4 (registers run out: accumulators,
+/// value registers and scales spill to the stack), and 5 no faster than 4.
+const MR: usize = 4;
 use crate::quant::acts::{ActSums, QBLOCK};
 use crate::quant::packed::{code, GROUP};
 
@@ -61,24 +62,6 @@ unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: Raw
             1 => tile::<1, V, S>(job, sums, out, g, m0, mask, first(m0)),
             2 => tile::<2, V, S>(job, sums, out, g, m0, mask, first(m0)),
             3 => tile::<3, V, S>(job, sums, out, g, m0, mask, first(m0)),
-            4 => tile::<4, V, S>(job, sums, out, g, m0, mask, first(m0)),
-            5 => tile::<5, V, S>(job, sums, out, g, m0, mask, first(m0)),
-            6 => tile::<6, V, S>(job, sums, out, g, m0, mask, first(m0)),
-            7 => tile::<7, V, S>(job, sums, out, g, m0, mask, first(m0)),
-            8..=15 => {
-                tile::<8, V, S>(job, sums, out, g, m0, mask, first(m0));
-                let m1 = m0 + 8;
-                match rows - m1 {
-                    0 => {}
-                    1 => tile::<1, V, S>(job, sums, out, g, m1, mask, false),
-                    2 => tile::<2, V, S>(job, sums, out, g, m1, mask, false),
-                    3 => tile::<3, V, S>(job, sums, out, g, m1, mask, false),
-                    4 => tile::<4, V, S>(job, sums, out, g, m1, mask, false),
-                    5 => tile::<5, V, S>(job, sums, out, g, m1, mask, false),
-                    6 => tile::<6, V, S>(job, sums, out, g, m1, mask, false),
-                    _ => tile::<7, V, S>(job, sums, out, g, m1, mask, false),
-                }
-            }
             _ => {}
         }
     }
@@ -407,7 +390,9 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
     let gd = w.group_data(g).as_ptr();
     let qs = a.qs.as_ptr();
     let xa = (a.d.as_ptr(), a.s.as_ptr(), a.isum.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); R];
+    // Room for the most rows a tile takes (rows R.. stay unused, and vanish at compile time).
+    const { assert!(R <= 8) };
+    let mut acc = [_mm512_setzero_ps(); 8];
     // Weights stream from memory once per step: ask for the bytes ahead early (a prefetch never
     // faults; the address may lie past the matrix, so it is formed with wrapping arithmetic and
     // never dereferenced). Only the group's first pass over its rows asks: later passes find the
@@ -428,23 +413,32 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
             }
             let wv = unpack::<V>(base.add(hb + bps * sb + j * vb));
             let s = block_scales::<S>(base.add(hb + j * sb), hd, hm, offset);
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let row = m0 + r;
-                let xq = qs.add(row * k + b * QBLOCK) as *const i32;
-                let x = |c: usize| _mm512_set1_epi32(xq.add(c).read_unaligned());
-                let mut i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], x(0));
-                let mut i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[4], x(4));
-                i0 = _mm512_dpbusd_epi32(i0, wv[1], x(1));
-                i1 = _mm512_dpbusd_epi32(i1, wv[5], x(5));
-                i0 = _mm512_dpbusd_epi32(i0, wv[2], x(2));
-                i1 = _mm512_dpbusd_epi32(i1, wv[6], x(6));
-                i0 = _mm512_dpbusd_epi32(i0, wv[3], x(3));
-                i1 = _mm512_dpbusd_epi32(i1, wv[7], x(7));
-                *acc_r = block_step::<S>(&s, offset, i0, i1, xa, sums, row * nb + b, *acc_r);
+            // The rows written out one by one (a loop over the rows is not always unrolled, and
+            // then the accumulators live on the stack), each under a test `R` decides at compile
+            // time.
+            macro_rules! rows {
+                ($($r:literal)*) => {$(
+                    if $r < R {
+                        let row = m0 + $r;
+                        let xq = qs.add(row * k + b * QBLOCK) as *const i32;
+                        let x = |c: usize| _mm512_set1_epi32(xq.add(c).read_unaligned());
+                        let mut i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], x(0));
+                        let mut i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[4], x(4));
+                        i0 = _mm512_dpbusd_epi32(i0, wv[1], x(1));
+                        i1 = _mm512_dpbusd_epi32(i1, wv[5], x(5));
+                        i0 = _mm512_dpbusd_epi32(i0, wv[2], x(2));
+                        i1 = _mm512_dpbusd_epi32(i1, wv[6], x(6));
+                        i0 = _mm512_dpbusd_epi32(i0, wv[3], x(3));
+                        i1 = _mm512_dpbusd_epi32(i1, wv[7], x(7));
+                        acc[$r] =
+                            block_step::<S>(&s, offset, i0, i1, xa, sums, row * nb + b, acc[$r]);
+                    }
+                )*};
             }
+            rows!(0 1 2 3 4 5 6 7);
         }
     }
-    for (r, acc_r) in acc.iter().enumerate() {
+    for (r, acc_r) in acc.iter().enumerate().take(R) {
         let dst = out.base.add((m0 + r) * out.ld + g * GROUP);
         _mm512_mask_storeu_ps(dst, mask, *acc_r);
     }

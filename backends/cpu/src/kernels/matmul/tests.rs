@@ -126,7 +126,7 @@ fn simd_kernels_match_scalar_bit_for_bit() {
             // 16 rows and more also take the AMX path where the machine has it.
             (16, 48, 512),
             (37, 21, 256),
-            // The AVX-512 kernel's 16-row tiles and their remainders (8 and the rest).
+            // More rows than a tile, and every remainder.
             (12, 32, 256),
             (15, 16, 256),
             (24, 16, 256),
