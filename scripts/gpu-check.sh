@@ -147,23 +147,44 @@ llama_build() { # returns when built or failed
 export -f llama_build
 export llama_dir cmake nvcc sm logs work kit
 llama_pid=""
-# Starts the build in its own process group (so that it can be stopped whole).
+llama_pidfile=$work/llama-build.pid
+# Starts the build in its own process session (so that it can be stopped whole, and so that it
+# outlives the call that started it: the device machine keeps such a process while it is warm, and
+# part 2 picks it up through the pid file).
 llama_start() {
   setsid bash -c llama_build </dev/null >/dev/null 2>&1 &
   llama_pid=$!
+  echo "$llama_pid" >"$llama_pidfile"
 }
-# Waits for the build while more than $1 seconds of the budget are left; stops it otherwise.
+# A build started by an earlier call and still running (its pid file), adopted by this one.
+llama_adopt() {
+  local p
+  [ -s "$llama_pidfile" ] || return 1
+  p=$(cat "$llama_pidfile")
+  if kill -0 "$p" 2>/dev/null; then llama_pid=$p; return 0; fi
+  rm -f "$llama_pidfile"
+  return 1
+}
+llama_running() { [ -n "$llama_pid" ] && kill -0 "$llama_pid" 2>/dev/null; }
+# Waits for the build while more than $1 seconds of the budget are left; with --stop, stops it
+# when the time is up, else leaves it running for the next call.
 llama_wait() {
+  local keep=1
+  [ "${2:-}" = --stop ] && keep=0
   [ -n "$llama_pid" ] || return 0
-  while kill -0 "$llama_pid" 2>/dev/null && [ "$(left)" -gt "$1" ]; do sleep 5; done
-  if kill -0 "$llama_pid" 2>/dev/null; then
-    kill -- -"$llama_pid" 2>/dev/null || kill "$llama_pid" 2>/dev/null
-    sleep 1
-    echo "(stopped at the end of the time budget)" >>"$logs/llama-build.log"
+  while llama_running && [ "$(left)" -gt "$1" ]; do sleep 3; done
+  if llama_running; then
+    if [ $keep = 0 ]; then
+      kill -- -"$llama_pid" 2>/dev/null || kill "$llama_pid" 2>/dev/null
+      sleep 1
+      echo "(stopped at the end of the time budget)" >>"$logs/llama-build.log"
+      rm -f "$llama_pidfile"
+    fi
     llama_pid=""
     return 1
   fi
   llama_pid=""
+  rm -f "$llama_pidfile"
   return 0
 }
 
@@ -173,7 +194,7 @@ conformance_part() {
   f=$(part_file 10-conformance)
   log=$logs/conformance.log
   say "conformance suite"
-  timeout $(( $(left) > 300 ? 300 : $(left) )) "$conf" >"$log" 2>&1
+  timeout $(( $(left) > 150 ? 150 : $(left) )) "$conf" >"$log" 2>&1
   rc=$?
   {
     echo "## Conformance suite on the device (\`gpu_conformance\`)"
@@ -288,7 +309,7 @@ sanitizer_part() {
     tool_name=$1; model=$work/models/$2.gguf
     if [ "$(left)" -lt 60 ]; then rows+="| $tool_name | $2 | SKIPPED: out of time |"$'\n'; continue; fi
     log=$logs/sanitizer-$tool_name-$2.log
-    timeout 150 "$sanitizer" --tool "$tool_name" --error-exitcode 9 \
+    timeout 90 "$sanitizer" --tool "$tool_name" --error-exitcode 9 \
       $([ "$tool_name" = memcheck ] && echo --leak-check full) \
       "$bin" generate --device cuda --model "$model" --prompt "The capital of France is" \
       --max-tokens 8 --ignore-eos >"$log" 2>&1
@@ -352,34 +373,51 @@ bench_part() {
     fi
     notes+="- $(skipped "dry run: bench-model on the 1B and 8B models and llama.cpp CUDA measure a GPU; the emulation says nothing about speed")"$'\n'
   else
-    if llama_can_build && ! llama_built; then
-      say "finishing the llama.cpp build"
-      llama_start
-      llama_wait 240
-    fi
-    llama_built || notes+="- llama.cpp: $(skipped "${llama_why:-the CUDA build did not finish (logs/llama-build.log)}")"$'\n'
+    # npu-serving first (it needs nothing else), then llama.cpp, whose build may still be running
+    # (started by part 1 and left running between the calls).
     for s in "${shapes[@]}"; do
       m=$(shaped_model "$s")
-      [ -s "$m" ] || { rows+="| $s | $(skipped "the model could not be made (logs/models.log)") |||||| "$'\n'; continue; }
+      [ -s "$m" ] || continue
       for mode in quantized auto; do
-        if [ "$(left)" -lt 50 ]; then rows+="| $s $mode | SKIPPED: out of time |||||| "$'\n'; continue; fi
+        if [ "$(left)" -lt 50 ]; then continue; fi
         say "bench-model $s $mode"
         NPU_SERVING_CUDA_MATMUL=$mode timeout $(( $(left) > 200 ? 200 : $(left) - 10 )) "$bin" bench-model --device cuda \
           --model "$m" --json --skip-long --skip-roofline --batches 1,32 --decode-steps 32 \
           >"$work/runs/bench-$s-$mode.json" 2>"$logs/bench-$s-$mode.log" ||
           notes+="- bench-model $s $mode failed: $(grep -m1 -iE 'error|panicked' "$logs/bench-$s-$mode.log" | cut -c1-200)"$'\n'
-        lb=""; lbb=""
-        if [ "$mode" = quantized ] && llama_built && [ "$(left)" -gt 60 ]; then
-          say "llama.cpp $s"
-          timeout 120 "$llama_bin/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o json \
-            >"$work/runs/llama-bench-$s.json" 2>"$logs/llama-bench-$s.log" && lb=$work/runs/llama-bench-$s.json
-          timeout 120 "$llama_bin/llama-batched-bench" -m "$m" -ngl 99 -c 8192 -b 2048 -ub 512 \
-            -npp 128 -ntg 32 -npl 1,32 >"$work/runs/llama-batched-$s.txt" 2>&1 &&
-            lbb=$work/runs/llama-batched-$s.txt
-          cp "$work/runs/llama-batched-$s.txt" "$logs/llama-batched-$s.log" 2>/dev/null
+      done
+    done
+    if llama_can_build && ! llama_built; then
+      if llama_adopt; then
+        say "waiting for the llama.cpp build started by part 1"
+      else
+        say "finishing the llama.cpp build"
+        llama_start
+      fi
+      llama_wait 45 --stop
+    fi
+    llama_built || notes+="- llama.cpp: $(skipped "${llama_why:-the CUDA build did not finish in time (logs/llama-build.log)}")"$'\n'
+    for s in "${shapes[@]}"; do
+      m=$(shaped_model "$s")
+      [ -s "$m" ] || { rows+="| $s | $(skipped "the model could not be made (logs/models.log)") |||||| "$'\n'; continue; }
+      lb=""; lbb=""
+      if llama_built && [ "$(left)" -gt 20 ]; then
+        say "llama.cpp $s"
+        timeout 90 "$llama_bin/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o json \
+          >"$work/runs/llama-bench-$s.json" 2>"$logs/llama-bench-$s.log" && lb=$work/runs/llama-bench-$s.json
+        timeout 90 "$llama_bin/llama-batched-bench" -m "$m" -ngl 99 -c 8192 -b 2048 -ub 512 \
+          -npp 128 -ntg 32 -npl 1,32 >"$work/runs/llama-batched-$s.txt" 2>&1 &&
+          lbb=$work/runs/llama-batched-$s.txt
+        cp "$work/runs/llama-batched-$s.txt" "$logs/llama-batched-$s.log" 2>/dev/null
+      fi
+      for mode in quantized auto; do
+        if [ ! -s "$work/runs/bench-$s-$mode.json" ]; then rows+="| $s $mode | SKIPPED: out of time or failed |||||| "$'\n'; continue; fi
+        if [ "$mode" = quantized ]; then
+          rows+="$("$tool" bench-row --label "$s, npu-serving $mode" --npu "$work/runs/bench-$s-$mode.json" \
+                    ${lb:+--llama-bench "$lb"} ${lbb:+--llama-batched "$lbb"})"$'\n'
+        else
+          rows+="$("$tool" bench-row --label "$s, npu-serving $mode" --npu "$work/runs/bench-$s-$mode.json")"$'\n'
         fi
-        rows+="$("$tool" bench-row --label "$s, npu-serving $mode" --npu "$work/runs/bench-$s-$mode.json" \
-                  ${lb:+--llama-bench "$lb"} ${lbb:+--llama-batched "$lbb"})"$'\n'
       done
     done
   fi
@@ -423,18 +461,23 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
   else
     printf '## llama.cpp\n\n%s\n\n' "$(skipped "$llama_why")" >"$(part_file 35-llama)"
   fi
+  # The 1B and 8B models are written in the background (CPU work) while the device checks run.
+  make_models &
+  models_pid=$!
   conformance_part
   fidelity_part
   sanitizer_part
-  make_models
+  wait "$models_pid"
   if [ -n "$llama_pid" ]; then
-    if ! llama_wait 15; then
-      printf '## llama.cpp\n\nThe CUDA build did not finish in part 1; part 2 goes on with it.\n\n' >"$(part_file 35-llama)"
+    if ! llama_wait "$(left)"; then  # no waiting: part 1 ends when its own steps do
+      printf '## llama.cpp\n\nThe CUDA build did not finish in part 1: it goes on running (its own process session) and part 2 waits for it.\n\n' >"$(part_file 35-llama)"
     else
       llama_built && printf '## llama.cpp\n\nBuilt (CUDA, sm_%s): llama-bench and llama-batched-bench.\n\n' "$sm" >"$(part_file 35-llama)" ||
         printf '## llama.cpp\n\nFAIL: the CUDA build failed (logs/llama-build.log).\n\n' >"$(part_file 35-llama)"
     fi
   fi
+  # The report so far, in case a later step outlives the call (what is under $OUT comes back).
+  [ "$part" = all ] && assemble
   [ "$part" = all ] && started=$(date +%s)  # part 2 gets its own budget
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
