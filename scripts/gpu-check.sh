@@ -19,6 +19,9 @@
 # SKIPPED. Work files (models, the llama.cpp build, report parts) go to target/gpu-check-work,
 # which a warm device machine keeps between the two calls.
 #
+# GPU_CHECK_NO_LLAMA=1 leaves llama.cpp out (no build, no comparison columns); GPU_CHECK_SHAPES
+# ("1b 8b") picks the shaped models.
+#
 # --dry-run: on a machine without a GPU, over the CPU emulation of the CUDA kernels (the kit
 # built with --emulation: bin/npu-serving-emulation, NPU_SERVING_CUDA_EMULATION=1): the
 # conformance suite and the fidelity checks run on the emulation; the GPU-only steps
@@ -127,6 +130,7 @@ llama_why=""
 llama_can_build() {
   if [ $dry = 1 ]; then llama_why="dry run: llama.cpp is compared on the GPU only"; return 1; fi
   if [ $have_gpu = 0 ]; then llama_why="no GPU"; return 1; fi
+  if [ "${GPU_CHECK_NO_LLAMA:-0}" = 1 ]; then llama_why="GPU_CHECK_NO_LLAMA=1"; return 1; fi
   if [ -z "$nvcc" ]; then llama_why="no nvcc on this machine (the CUDA toolkit's compiler builds llama.cpp's CUDA backend)"; return 1; fi
   if [ -z "$cmake" ]; then llama_why="no cmake on this machine"; return 1; fi
   return 0

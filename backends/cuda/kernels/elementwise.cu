@@ -117,38 +117,41 @@ NPU_FOR_EACH_ACT(RMS_NORM_HEADS)
 
 // ---- rotary embedding ----------------------------------------------------------------------------
 
-// grid (rows): rotates `heads` heads of `hd` values of row r in place at position pos[r]. Pair i
-// is (2i, 2i+1) when `halves` is 0 (interleaved), (i, i + dims/2) when 1. The angle of pair i is
-// freq_scale * pos * theta_scale^i, the power taken by repeated multiplication as ggml does; with
-// a factor table (`factors`, dims/2 values; null: none) pos * theta_scale^i is divided by
-// factors[i] first (Llama 3's rope_freqs). theta_scale = base^(-2/dims) comes with each call, so
-// layers with different bases (Gemma 3's local and global layers) share the kernel.
+// grid (rows, ceil(heads * dims/2 / blockDim)): rotates `heads` heads of `hd` values of row r in
+// place at position pos[r], one thread per (head, pair): pair i is (2i, 2i+1) when `halves` is 0
+// (interleaved), (i, i + dims/2) when 1. The angle of pair i is freq_scale * pos * theta_scale^i,
+// the power taken by repeated multiplication as ggml does; with a factor table (`factors`, dims/2
+// values; null: none) pos * theta_scale^i is divided by factors[i] first (Llama 3's rope_freqs).
+// theta_scale = base^(-2/dims) comes with each call, so layers with different bases (Gemma 3's
+// local and global layers) share the kernel. Each (head, pair) computes its angle the same way,
+// so the split over threads changes no bit.
 template <typename T>
 __device__ __forceinline__ void rope_body(T* qk, int ld, int heads, int hd, int dims, int halves,
                                           float theta_scale, float freq_scale, const int* pos,
                                           const float* factors) {
     const int r = blockIdx.x;
-    T* row = qk + (i64)r * ld;
     const int half_dims = dims >> 1;
-    for (int i = threadIdx.x; i < half_dims; i += blockDim.x) {
-        float theta = (float)(u32)pos[r];
-        for (int k = 0; k < i; ++k) {
-            theta = __fmul_rn(theta, theta_scale);
-        }
-        const float e = factors ? __fdiv_rn(theta, factors[i]) : theta;
-        const float t = __fmul_rn(freq_scale, e);
-        const float c = cosf(t);
-        const float s = sinf(t);
-        const int a = halves ? i : 2 * i;
-        const int b = halves ? i + half_dims : 2 * i + 1;
-        for (int h = 0; h < heads; ++h) {
-            T* hp = row + h * hd;
-            const float x0 = to_f32(hp[a]);
-            const float x1 = to_f32(hp[b]);
-            hp[a] = from_f32<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
-            hp[b] = from_f32<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
-        }
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= heads * half_dims) {
+        return;
     }
+    const int h = j / half_dims;
+    const int i = j - h * half_dims;
+    float theta = (float)(u32)pos[r];
+    for (int k = 0; k < i; ++k) {
+        theta = __fmul_rn(theta, theta_scale);
+    }
+    const float e = factors ? __fdiv_rn(theta, factors[i]) : theta;
+    const float t = __fmul_rn(freq_scale, e);
+    const float c = cosf(t);
+    const float s = sinf(t);
+    const int a = halves ? i : 2 * i;
+    const int b = halves ? i + half_dims : 2 * i + 1;
+    T* hp = qk + (i64)r * ld + (i64)h * hd;
+    const float x0 = to_f32(hp[a]);
+    const float x1 = to_f32(hp[b]);
+    hp[a] = from_f32<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+    hp[b] = from_f32<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
 }
 
 #define ROPE(T, S)                                                                                 \
@@ -299,7 +302,22 @@ __device__ __forceinline__ void argmax_body(const T* x, int ldx, int cols, int* 
     const T* xr = x + (i64)r * ldx;
     float bv = NEG_INF;
     int bi = -1;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const int step = blockDim.x;
+    int c = threadIdx.x;
+    // Four loads in flight per thread; the result does not depend on the order in which
+    // (value, index) pairs are seen, argmax_better being a total order.
+    for (; c + 3 * step < cols; c += 4 * step) {
+        const float v4[4] = {to_f32(xr[c]), to_f32(xr[c + step]), to_f32(xr[c + 2 * step]),
+                             to_f32(xr[c + 3 * step])};
+        for (int u = 0; u < 4; ++u) {
+            const float v = v4[u] != v4[u] ? NEG_INF : v4[u];
+            if (argmax_better(v, c + u * step, bv, bi)) {
+                bv = v;
+                bi = c + u * step;
+            }
+        }
+    }
+    for (; c < cols; c += step) {
         float v = to_f32(xr[c]);
         if (v != v) {
             v = NEG_INF;
@@ -382,14 +400,35 @@ __device__ __forceinline__ void argmax_logprob_body(const T* x, int ldx, int col
     __shared__ float red[32];
     const int r = blockIdx.x;
     const T* xr = x + (i64)r * ldx;
+    const int step = blockDim.x;
     float m = NEG_INF;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    int c = threadIdx.x;
+    for (; c + 3 * step < cols; c += 4 * step) {  // four loads in flight; max is order-free
+        const float a0 = sanitized_logit(to_f32(xr[c]));
+        const float a1 = sanitized_logit(to_f32(xr[c + step]));
+        const float a2 = sanitized_logit(to_f32(xr[c + 2 * step]));
+        const float a3 = sanitized_logit(to_f32(xr[c + 3 * step]));
+        m = fmaxf(fmaxf(fmaxf(fmaxf(m, a0), a1), a2), a3);
+    }
+    for (; c < cols; c += step) {
         m = fmaxf(m, sanitized_logit(to_f32(xr[c])));
     }
     m = block_max(m, red);
     float s = 0.0f;
     if (m != NEG_INF) {
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        // Four loads in flight, added in the order of the plain strided loop.
+        c = threadIdx.x;
+        for (; c + 3 * step < cols; c += 4 * step) {
+            const float e0 = expf(sanitized_logit(to_f32(xr[c])) - m);
+            const float e1 = expf(sanitized_logit(to_f32(xr[c + step])) - m);
+            const float e2 = expf(sanitized_logit(to_f32(xr[c + 2 * step])) - m);
+            const float e3 = expf(sanitized_logit(to_f32(xr[c + 3 * step])) - m);
+            s += e0;
+            s += e1;
+            s += e2;
+            s += e3;
+        }
+        for (; c < cols; c += step) {
             s += expf(sanitized_logit(to_f32(xr[c])) - m);
         }
     }

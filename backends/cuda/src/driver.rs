@@ -17,7 +17,7 @@ use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream, Dri
 use npu_backend::{BackendError, DType, MemInfo};
 
 use crate::cublas::{self, CublasApi};
-use crate::fault::{self, Fault};
+use crate::fault::{self, Fault, Launch};
 use crate::gpu::{Args, DevPtr, Gemm, Gpu, LaunchDims};
 use crate::kernels;
 use crate::nvrtc::{self, Image, NvrtcApi};
@@ -595,11 +595,13 @@ impl Gpu for CudaGpu {
     fn launch(&self, kernel: usize, dims: LaunchDims, args: &mut Args) -> Result<(), BackendError> {
         self.bind()?;
         let f = self.functions[kernel];
-        let name = &kernels::kernel_names()[kernel];
-        self.fault.launched(format!(
-            "{name} grid {:?} block {:?} smem {}",
-            dims.grid, dims.block, dims.smem
-        ));
+        let name = kernels::kernel_name(kernel);
+        self.fault.launched(Launch::Kernel {
+            name,
+            grid: dims.grid,
+            block: dims.block,
+            smem: dims.smem,
+        });
         let mut params = args.params();
         // SAFETY: `f` is a kernel of the loaded module; the backend packs exactly the parameters
         // its signature declares (checked against the CPU reference on the emulation), with
@@ -643,8 +645,11 @@ impl Gpu for CudaGpu {
             })
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
-        self.fault
-            .launched(format!("cublasGemmEx m {} n {} k {}", g.m, g.n, g.k));
+        self.fault.launched(Launch::Gemm {
+            m: g.m,
+            n: g.n,
+            k: g.k,
+        });
         // SAFETY: the handle is bound to our stream; A, B and C are device ranges the caller
         // checked against the sizes given; alpha and beta are host f32 values (the handle's
         // default pointer mode) matching the f32 compute type.

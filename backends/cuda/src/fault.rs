@@ -40,11 +40,40 @@ pub fn sync_each_launch() -> bool {
     std::env::var(ENV_SYNC).is_ok_and(|v| v == "1")
 }
 
+/// One launch as a fault message names it; plain data, formatted only when a fault is reported
+/// (recording it is on the path of every launch).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Launch {
+    /// A kernel with its grid, block and dynamic shared memory.
+    Kernel {
+        name: &'static str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        smem: u32,
+    },
+    /// A cuBLAS GEMM of these sizes.
+    Gemm { m: usize, n: usize, k: usize },
+}
+
+impl std::fmt::Display for Launch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Launch::Kernel {
+                name,
+                grid,
+                block,
+                smem,
+            } => write!(f, "{name} grid {grid:?} block {block:?} smem {smem}"),
+            Launch::Gemm { m, n, k } => write!(f, "cublasGemmEx m {m} n {n} k {k}"),
+        }
+    }
+}
+
 /// The first fatal error of a device, and the launches queued last.
 #[derive(Default)]
 pub struct Fault {
     first: Mutex<Option<String>>,
-    recent: Mutex<VecDeque<String>>,
+    recent: Mutex<VecDeque<Launch>>,
 }
 
 impl Fault {
@@ -76,7 +105,7 @@ impl Fault {
     }
 
     /// Records a launch (kernel name and grid) for fault messages.
-    pub fn launched(&self, what: String) {
+    pub fn launched(&self, what: Launch) {
         let mut r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         if r.len() == RECENT {
             r.pop_front();
@@ -92,7 +121,7 @@ impl Fault {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .cloned()
+            .map(Launch::to_string)
             .collect();
         let what = if recent.is_empty() {
             format!("{call} failed: {error}")
@@ -122,9 +151,20 @@ mod tests {
     fn the_first_fault_is_kept_and_answers_every_later_call() {
         let f = Fault::default();
         assert!(f.check().is_ok());
-        f.launched("rms_norm_f32 grid [4,1,1] block [256,1,1]".into());
+        f.launched(Launch::Kernel {
+            name: "rms_norm_f32",
+            grid: [4, 1, 1],
+            block: [256, 1, 1],
+            smem: 0,
+        });
+        f.launched(Launch::Gemm { m: 8, n: 16, k: 32 });
         let e = f.fatal("cuStreamSynchronize", "CUDA_ERROR_ILLEGAL_ADDRESS");
-        assert!(e.to_string().contains("rms_norm_f32 grid [4,1,1]"), "{e}");
+        assert!(
+            e.to_string().contains(
+                "rms_norm_f32 grid [4, 1, 1] block [256, 1, 1] smem 0, cublasGemmEx m 8 n 16 k 32"
+            ),
+            "{e}"
+        );
         let _ = f.fatal("cuMemFreeAsync", "CUDA_ERROR_ILLEGAL_ADDRESS");
         let e = f.check().unwrap_err().to_string();
         assert!(e.contains("unusable"), "{e}");

@@ -159,6 +159,16 @@ pub fn dequant_kernel(fmt: WeightFormat, dt: DType) -> usize {
     DEQUANT_BASE + fmt.index() * ACTS.len() + act_index(dt)
 }
 
+/// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
+/// every launch for fault messages, and must not rebuild the list each time.
+pub fn kernel_name(i: usize) -> &'static str {
+    static NAMES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    NAMES
+        .get_or_init(kernel_names)
+        .get(i)
+        .map_or("(unknown kernel)", String::as_str)
+}
+
 /// Every kernel's name, at its index.
 pub fn kernel_names() -> Vec<String> {
     let mut names = Vec::new();

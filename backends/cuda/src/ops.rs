@@ -15,6 +15,10 @@ use crate::weights::CudaEmbedding;
 
 /// Threads of the element-wise kernels' blocks.
 pub(crate) const EW_THREADS: usize = 256;
+/// Threads of a rope block: one per (head, rotary pair) of a row, over as many blocks as needed.
+const ROPE_THREADS: usize = 256;
+/// Threads of the greedy pick's blocks (one block reads a whole row of logits).
+const PICK_THREADS: u32 = 1024;
 /// Query rows (warps) an attention block aims for.
 const ATT_TARGET_WARPS: usize = 8;
 const ATT_TILE: usize = 32;
@@ -351,8 +355,12 @@ impl CudaBackend {
         self.launch(
             op_kernel(Op::Rope, dt),
             LaunchDims::linear(
-                [int(OP, l.rows())? as u32, 1, 1],
-                row_threads(dims / 2, 128),
+                [
+                    int(OP, l.rows())? as u32,
+                    blocks(heads * (dims / 2), ROPE_THREADS),
+                    1,
+                ],
+                row_threads(heads * (dims / 2), ROPE_THREADS),
             ),
             Args::new()
                 .ptr(addr_mut(&qk))
@@ -882,7 +890,7 @@ impl CudaBackend {
         need(ll.cols() > 0, OP, || "rows of no values".into())?;
         self.launch(
             op_kernel(Op::Argmax, dt),
-            LaunchDims::linear([int(OP, ll.rows())? as u32, 1, 1], 256),
+            LaunchDims::linear([int(OP, ll.rows())? as u32, 1, 1], PICK_THREADS),
             Args::new()
                 .ptr(addr(&logits))
                 .i32(int(OP, ll.stride())?)
@@ -919,7 +927,7 @@ impl CudaBackend {
         need(ll.cols() > 0, OP, || "rows of no values".into())?;
         self.launch(
             op_kernel(Op::ArgmaxLogprob, dt),
-            LaunchDims::linear([int(OP, ll.rows())? as u32, 1, 1], 256),
+            LaunchDims::linear([int(OP, ll.rows())? as u32, 1, 1], PICK_THREADS),
             Args::new()
                 .ptr(addr(&logits))
                 .i32(int(OP, ll.stride())?)

@@ -17,7 +17,7 @@ use std::sync::{Mutex, OnceLock};
 
 use npu_backend::{BackendError, DType, MemInfo};
 
-use crate::fault::Fault;
+use crate::fault::{Fault, Launch};
 use crate::gpu::{ArgKind, Args, DevPtr, Gemm, Gpu, LaunchDims};
 use crate::kernels;
 use memory::Memory;
@@ -275,10 +275,12 @@ impl Gpu for EmuGpu {
                 }
             }
         }
-        self.fault.launched(format!(
-            "{} grid {:?} block {:?} smem {}",
-            k.name, dims.grid, dims.block, dims.smem
-        ));
+        self.fault.launched(Launch::Kernel {
+            name: kernels::kernel_name(kernel),
+            grid: dims.grid,
+            block: dims.block,
+            smem: dims.smem,
+        });
         let mut params = args.params();
         let mut err = vec![0u8; 512];
         let rc = {

@@ -236,18 +236,21 @@ pub fn rope_matches_the_reference_in_both_styles(make: Make) {
             return;
         };
         let mut rng = Rng::new(3);
-        let (n_heads, n_kv, hd) = (4, 2, 64);
-        let heads = n_heads + n_kv;
         let n = 6;
         let mut s = one_seq_step(&mut b, vec![0; n]);
         // Positions far apart (the reference takes them from the step too).
         s.positions = vec![0, 1, 17, 900, 4095, 33];
         b.begin_step(&s).unwrap();
-        for (style, dims, base, freq_scale) in [
-            (RopeStyle::Interleaved, 64, 10000.0, 1.0),
-            (RopeStyle::Halves, 64, 1_000_000.0, 1.0),
-            (RopeStyle::Interleaved, 32, 100000.0, 0.25),
+        // Few heads, and a 1B-class row (24 heads of 128: more (head, pair) items than one
+        // block of threads takes, so a row spans several blocks).
+        for (n_heads, n_kv, hd, style, dims, base, freq_scale) in [
+            (4, 2, 64, RopeStyle::Interleaved, 64, 10000.0, 1.0),
+            (4, 2, 64, RopeStyle::Halves, 64, 1_000_000.0, 1.0),
+            (4, 2, 64, RopeStyle::Interleaved, 32, 100000.0, 0.25),
+            (16, 8, 128, RopeStyle::Halves, 128, 500_000.0, 1.0),
+            (16, 8, 128, RopeStyle::Interleaved, 96, 10000.0, 1.0),
         ] {
+            let heads = n_heads + n_kv;
             let rope = Rope {
                 style,
                 dims,
@@ -284,7 +287,11 @@ pub fn rope_matches_the_reference_in_both_styles(make: Make) {
             }
             let got = get(&mut b, &buf);
             let e = worst(&got, &want, 2e-5, out_rtol(dt) + 1e-5);
-            assert!(e <= 1.0, "{style:?} dims {dims} {}: worst {e}", dt.name());
+            assert!(
+                e <= 1.0,
+                "{n_heads}+{n_kv} heads of {hd}, {style:?} dims {dims} {}: worst {e}",
+                dt.name()
+            );
         }
     }
 }
