@@ -377,8 +377,18 @@ bench_part() {
     fi
     notes+="- $(skipped "dry run: bench-model on the 1B and 8B models and llama.cpp CUDA measure a GPU; the emulation says nothing about speed")"$'\n'
   else
-    # npu-serving first (it needs nothing else), then llama.cpp, whose build may still be running
-    # (started by part 1 and left running between the calls).
+    # llama.cpp's build (started by part 1 and left running between the calls) is finished or
+    # stopped first: npu-serving's host-side launch rate is part of what is measured, and a
+    # compiler on every core beside it would slow it down. Then npu-serving, then llama.cpp.
+    if llama_can_build && ! llama_built; then
+      if llama_adopt; then
+        say "waiting for the llama.cpp build started by part 1"
+      else
+        say "finishing the llama.cpp build"
+        llama_start
+      fi
+      llama_wait 150 --stop
+    fi
     for s in "${shapes[@]}"; do
       m=$(shaped_model "$s")
       [ -s "$m" ] || continue
@@ -391,15 +401,6 @@ bench_part() {
           notes+="- bench-model $s $mode failed: $(grep -m1 -iE 'error|panicked' "$logs/bench-$s-$mode.log" | cut -c1-200)"$'\n'
       done
     done
-    if llama_can_build && ! llama_built; then
-      if llama_adopt; then
-        say "waiting for the llama.cpp build started by part 1"
-      else
-        say "finishing the llama.cpp build"
-        llama_start
-      fi
-      llama_wait 45 --stop
-    fi
     llama_built || notes+="- llama.cpp: $(skipped "${llama_why:-the CUDA build did not finish in time (logs/llama-build.log)}")"$'\n'
     for s in "${shapes[@]}"; do
       m=$(shaped_model "$s")
