@@ -2,7 +2,7 @@
 # The GPU check, run on the GPU machine with the kit scripts/gpu-kit.sh built (no Rust, no
 # network there; CUDA 12 or 13). Writes $OUT/report.md and $OUT/logs/.
 #
-#   scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all] [--dry-run] [--budget S]
+#   scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all|serve] [--dry-run] [--budget S]
 #
 #   part 1: the environment; the conformance suite on the GPU (every op in f32, f16 and bf16
 #           activations, each matmul mode); greedy and teacher-forced agreement with the CPU
@@ -14,7 +14,10 @@
 #   part 2: `npu-serving bench-model --device cuda` on the 1B and 8B models (quantized and auto
 #           matmul modes) against llama.cpp CUDA on the same files: prefill 512, decode at
 #           batch 1 and 32.
-#   all:    both (about 15 minutes on a GPU: over one call's 10 minutes; the dry run uses it).
+#           Then the real server with one agent process on the device under a load of streaming
+#           requests, and the same load with the agent killed (SIGKILL) midway: none may be lost.
+#   serve:  that served check alone.
+#   all:    both parts (about 5 minutes on an H100, llama.cpp's build included).
 # Each part stays within --budget seconds (default 560) and reports what it had no time for as
 # SKIPPED. Work files (models, the llama.cpp build, report parts) go to target/gpu-check-work,
 # which a warm device machine keeps between the two calls.
@@ -41,11 +44,11 @@ while [ $# -gt 0 ]; do
     --part) part=$2; shift ;;
     --dry-run) dry=1 ;;
     --budget) budget=$2; shift ;;
-    *) echo "usage: scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all] [--dry-run] [--budget S]" >&2; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all|serve] [--dry-run] [--budget S]" >&2; exit 2 ;;
   esac
   shift
 done
-case "$part" in 1|2|all) ;; *) echo "--part 1, 2 or all" >&2; exit 2 ;; esac
+case "$part" in 1|2|all|serve) ;; *) echo "--part 1, 2, all or serve" >&2; exit 2 ;; esac
 [ -d "$kit/bin" ] || { echo "no kit at $kit (scripts/gpu-kit.sh builds it)" >&2; exit 2; }
 kit=$(cd "$kit" && pwd)
 work=${GPU_CHECK_WORK:-$PWD/target/gpu-check-work}
@@ -440,6 +443,116 @@ bench_part() {
   } >"$f"
 }
 
+# ---- served: the real server and its agent process on the device ------------------------------
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# Waits until GET /ready answers 200 (or the server exits, or $2 seconds pass).
+wait_ready() {
+  local port=$1 pid=$2 t=0
+  while [ $t -lt "$3" ]; do
+    kill -0 "$pid" 2>/dev/null || return 1
+    python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$port/ready', timeout=2).status == 200 else 1)" \
+      2>/dev/null && return 0
+    sleep 1; t=$((t + 1))
+  done
+  return 1
+}
+# The server's children (its agent processes).
+agent_pids() { cat /proc/"$1"/task/*/children 2>/dev/null | tr ' ' '\n' | grep -E '^[0-9]+$' | sort -n; }
+# One line of a bench summary: completed/failed, output tok/s, TTFT and TPOT percentiles.
+bench_line() {
+  python3 - "$1" <<'PY'
+import glob, json, sys
+files = sorted(glob.glob(sys.argv[1] + "/summary_*.json"))
+if not files:
+    print("no summary (see the log)"); sys.exit(1)
+d = json.load(open(files[-1]))
+st = lambda k, q: (d.get(k) or {}).get(q)
+fmt = lambda v: "—" if v is None else f"{v:.0f}"
+print(f"{d['completed']}/{d['num_requests']} completed, {d['failed']} failed; output {d['output_throughput']:.0f} tok/s; "
+      f"TTFT p50 {fmt(st('ttft_ms','median'))} / p99 {fmt(st('ttft_ms','p99'))} ms; TPOT p50 {fmt(st('tpot_ms','median'))} ms")
+sys.exit(0 if d['failed'] == 0 and d['completed'] == d['num_requests'] else 1)
+PY
+}
+serve_part() {
+  local f m cfg port pid n conc out_len rows="" before after victim line rc
+  f=$(part_file 50-serve)
+  m=$(shaped_model 1b); n=64; conc=32; out_len=128
+  if [ $dry = 1 ]; then m=$work/models/llama.gguf; n=6; conc=3; out_len=8; fi
+  if [ ! -s "$m" ]; then
+    printf '## Served on the device\n\n%s\n\n' "$(skipped "no model (logs/models.log)")" >"$f"; return
+  fi
+  if [ "$(left)" -lt 60 ]; then
+    printf '## Served on the device\n\n%s\n\n' "$(skipped "out of time")" >"$f"; return
+  fi
+  say "serve: the real server with one agent process on the device"
+  cfg=$work/serve-cuda.yaml
+  cat >"$cfg" <<YAML
+model_config:
+    model_name: 'gpu-check'
+    seq_length: 2048
+    decode_batch_size: 64
+    prefill_batch_size: 16
+    batching_strategy: 'continuous'
+serving_config:
+    agent_ports: [0]
+    start_device_id: 0
+    server_ip: '127.0.0.1'
+    server_port: 8835
+pa_config:
+    num_blocks: 4096
+    block_size: 16
+npu_serving:
+    device: cuda
+    max_tokens_per_step: 512
+    prefix_cache: true
+    step_deadline_ms: 60000
+    shutdown_grace_ms: 10000
+YAML
+  port=$(free_port)
+  "$bin" serve --config "$cfg" --model "$m" --host 127.0.0.1 --port "$port" >"$logs/serve.log" 2>&1 &
+  pid=$!
+  if ! wait_ready "$port" "$pid" 180; then
+    printf '## Served on the device\n\nFAIL: the server did not become ready (logs/serve.log: %s)\n\n' \
+      "$(grep -m1 -iE 'error|panicked' "$logs/serve.log" | cut -c1-200)" >"$f"
+    kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; return
+  fi
+  # A closed loop of streaming OpenAI completions, greedy, every request its full length.
+  "$bin" bench -P "$port" --api openai --num-requests $n --max-concurrency $conc -X 1000 \
+    --input-len uniform:64,256 --output-len fixed:$out_len --ignore-eos --no-plots --no-progress \
+    --seed 1 -O "$work/runs/serve-load" >"$logs/serve-load.log" 2>&1
+  line=$(bench_line "$work/runs/serve-load"); rc=$?
+  rows+="| load: $n streaming requests, $conc at a time, $out_len tokens each | $([ $rc = 0 ] && echo PASS || echo FAIL) $line |"$'\n'
+  # The same load with the agent killed (SIGKILL) once requests are streaming: none may be lost.
+  before=$(agent_pids "$pid" | tr '\n' ' ')
+  "$bin" bench -P "$port" --api openai --num-requests $n --max-concurrency $conc -X 1000 \
+    --input-len uniform:64,256 --output-len fixed:$out_len --ignore-eos --no-plots --no-progress \
+    --seed 2 -O "$work/runs/serve-kill" >"$logs/serve-kill.log" 2>&1 &
+  local bench_pid=$!
+  sleep $([ $dry = 1 ] && echo 8 || echo 2)
+  victim=$(agent_pids "$pid" | head -1)
+  [ -n "$victim" ] && kill -9 "$victim" 2>/dev/null
+  wait "$bench_pid"
+  after=$(agent_pids "$pid" | tr '\n' ' ')
+  line=$(bench_line "$work/runs/serve-kill"); rc=$?
+  if [ -z "$victim" ]; then
+    rows+="| kill -9 of the agent under load | FAIL: no agent process found |"$'\n'
+  else
+    rows+="| kill -9 of the agent (pid $victim) under the same load | $([ $rc = 0 ] && echo PASS || echo FAIL) $line; agents before: ${before:-none}, after: ${after:-none} |"$'\n'
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  {
+    echo "## Served on the device"
+    echo
+    echo "\`npu-serving serve\` with \`device: cuda\` (one agent process, the 1B-shaped model$([ $dry = 1 ] && echo '; dry run: the tiny llama model on the emulation, a smaller load')), loaded by \`npu-serving bench --api openai\` (streaming completions, greedy, \`--ignore-eos\`); then the same load with the agent process killed (SIGKILL) while requests stream: the server restarts it and recomputes its requests."
+    echo
+    echo "| check | result |"
+    echo "|---|---|"
+    printf '%s' "$rows"
+    echo
+  } >"$f"
+}
+
 assemble() {
   env_loaded
   {
@@ -488,5 +601,11 @@ fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
   [ -f "$(part_file 00-env)" ] || env_part
   bench_part
+  serve_part
+fi
+if [ "$part" = serve ]; then
+  [ -f "$(part_file 00-env)" ] || env_part
+  make_models
+  serve_part
 fi
 assemble
