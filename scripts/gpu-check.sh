@@ -517,14 +517,14 @@ YAML
     kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; return
   fi
   # A closed loop of streaming OpenAI completions, greedy, every request its full length.
-  "$bin" bench -P "$port" --api openai --num-requests $n --max-concurrency $conc -X 1000 \
+  "$bin" bench -P "$port" --model "$m" --api openai --num-requests $n --max-concurrency $conc -X 1000 \
     --input-len uniform:64,256 --output-len fixed:$out_len --ignore-eos --no-plots --no-progress \
     --seed 1 -O "$work/runs/serve-load" >"$logs/serve-load.log" 2>&1
   line=$(bench_line "$work/runs/serve-load"); rc=$?
   rows+="| load: $n streaming requests, $conc at a time, $out_len tokens each | $([ $rc = 0 ] && echo PASS || echo FAIL) $line |"$'\n'
   # The same load with the agent killed (SIGKILL) once requests are streaming: none may be lost.
   before=$(agent_pids "$pid" | tr '\n' ' ')
-  "$bin" bench -P "$port" --api openai --num-requests $n --max-concurrency $conc -X 1000 \
+  "$bin" bench -P "$port" --model "$m" --api openai --num-requests $n --max-concurrency $conc -X 1000 \
     --input-len uniform:64,256 --output-len fixed:$out_len --ignore-eos --no-plots --no-progress \
     --seed 2 -O "$work/runs/serve-kill" >"$logs/serve-kill.log" 2>&1 &
   local bench_pid=$!
