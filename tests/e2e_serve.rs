@@ -271,6 +271,32 @@ fn finish_reasons_stop_strings_eos_and_context_length() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["text"], " Paris.");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // Several choices of one prompt: greedy, each is the single request's text; sampled with a
+    // seed, the same request gives the same choices again (each choice its own seed).
+    let (status, v) = server.post_json(
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+                "n": 3}),
+    );
+    assert_eq!(status, 200, "{v}");
+    for i in 0..3 {
+        assert_eq!(v["choices"][i]["index"], i, "{v}");
+        assert_eq!(v["choices"][i]["text"], text.as_str(), "{v}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 36, "{v}");
+    let sampled = json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0,
+                         "seed": 7, "n": 4, "ignore_eos": true});
+    let (status, a) = server.post_json("/v1/completions", &sampled);
+    assert_eq!(status, 200, "{a}");
+    let (_, b) = server.post_json("/v1/completions", &sampled);
+    let texts = |v: &Value| -> Vec<String> {
+        (0..4)
+            .map(|i| v["choices"][i]["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(texts(&a), texts(&b), "seeded choices repeat");
+    let distinct: std::collections::HashSet<String> = texts(&a).into_iter().collect();
+    assert!(distinct.len() > 1, "choices of different seeds differ: {a}");
 
     // The model's end-of-sequence token ends a chat answer.
     let (status, v) = server.post_json(
@@ -354,7 +380,8 @@ fn bad_inputs_get_their_4xx_with_a_json_body_naming_the_problem() {
     ];
     let openai: Vec<(&str, Value, &str)> = vec![
         ("/v1/completions", json!({}), "prompt"),
-        ("/v1/completions", json!({"prompt": "hi", "n": 2}), "n"),
+        ("/v1/completions", json!({"prompt": "hi", "n": 17}), "n"),
+        ("/v1/completions", json!({"prompt": "hi", "n": 0}), "n"),
         (
             "/v1/completions",
             json!({"prompt": "hi", "max_tokens": 0}),

@@ -333,7 +333,8 @@ fn openai_bad_inputs_get_400_in_openai_shape_naming_the_param() {
             "prompt",
         ),
         ("/v1/completions", json!({"prompt": []}), "prompt"),
-        ("/v1/completions", json!({"prompt": "hi", "n": 2}), "n"),
+        ("/v1/completions", json!({"prompt": "hi", "n": 17}), "n"),
+        ("/v1/completions", json!({"prompt": "hi", "n": 0}), "n"),
         (
             "/v1/completions",
             json!({"prompt": "hi", "best_of": 3}),

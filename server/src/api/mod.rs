@@ -5,6 +5,7 @@
 mod error;
 mod fields;
 mod openai;
+mod openai_choices;
 mod openai_stream;
 mod pyjson;
 mod reasoning;

@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use super::error::ApiError;
 use super::fields::{parse_body, token_id_list, Fields};
+use super::openai_choices::ChoicesWriter;
 use super::openai_stream::{OpenAiKind, OpenAiWriter};
 use super::reasoning;
 use super::sampling;
@@ -26,7 +27,12 @@ struct Common {
     ignore_eos: bool,
     stream: bool,
     include_usage: bool,
+    /// Choices to generate (`n`): one engine request each, seeds `seed`, `seed + 1`, ...
+    n: usize,
 }
+
+/// Most choices one request may ask for (`n`): each is a sequence of its own in the engine.
+const MAX_CHOICES: usize = 16;
 
 fn common(
     ctx: &ApiContext,
@@ -37,14 +43,16 @@ fn common(
     let s = &ctx.settings;
     // A name this server does not serve is 404, before anything else is looked at.
     let model = ctx.check_model(f.string("model")?)?;
-    if let Some(n) = f.i64("n")? {
-        if n != 1 {
+    let n = match f.i64("n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => {
             return Err(ApiError::invalid(
                 "n",
-                format!("n must be 1 (one choice per request), got {n}"),
-            ));
+                format!("n must be between 1 and {MAX_CHOICES} (choices of one prompt), got {n}"),
+            ))
         }
-    }
+    };
     if let Some(b) = f.i64("best_of")? {
         if b != 1 {
             return Err(ApiError::invalid(
@@ -119,6 +127,7 @@ fn common(
         ignore_eos,
         stream,
         include_usage,
+        n,
     })
 }
 
@@ -135,28 +144,44 @@ fn finish(
 ) -> Submission {
     let mut params = c.params;
     params.top_n = logprobs.unwrap_or(0);
-    let request = GenerateRequest {
+    let request = |choice: usize| GenerateRequest {
         id,
-        prompt_ids,
-        params,
+        prompt_ids: prompt_ids.clone(),
+        params: SamplingParams {
+            seed: params.seed.wrapping_add(choice as u64),
+            ..params.clone()
+        },
         max_new_tokens: c.max_tokens,
-        stop: c.stop,
-        stop_token_ids: c.stop_token_ids,
+        stop: c.stop.clone(),
+        stop_token_ids: c.stop_token_ids.clone(),
         ignore_eos: c.ignore_eos,
     };
-    let writer = OpenAiWriter::new(
-        kind,
-        id,
-        c.model,
-        ctx.tokenizer.clone(),
-        c.stream,
-        c.include_usage,
-        logprobs,
-    )
-    .with_think_split(think);
+    let writer = |include_usage: bool| {
+        OpenAiWriter::new(
+            kind,
+            id,
+            c.model.clone(),
+            ctx.tokenizer.clone(),
+            c.stream,
+            include_usage,
+            logprobs,
+        )
+        .with_think_split(think)
+    };
+    if c.n == 1 {
+        return Submission {
+            request: request(0),
+            more: Vec::new(),
+            writer: Box::new(writer(c.include_usage)),
+        };
+    }
+    // Several choices: one engine request and one writer each, merged into one response (the
+    // writers of a stream always report their usage, which the merged stream sums).
+    let writers = (0..c.n).map(|_| writer(c.stream)).collect();
     Submission {
-        request,
-        writer: Box::new(writer),
+        request: request(0),
+        more: (1..c.n).map(request).collect(),
+        writer: Box::new(ChoicesWriter::new(writers, c.stream, c.include_usage)),
     }
 }
 

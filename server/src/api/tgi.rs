@@ -184,7 +184,11 @@ pub(super) fn submission(
     } else {
         Box::new(TgiFullWriter { state, details })
     };
-    Ok(Submission { request, writer })
+    Ok(Submission {
+        request,
+        more: Vec::new(),
+        writer,
+    })
 }
 
 /// One token as llm-serving reports it.

@@ -16,9 +16,10 @@ pub(crate) enum ConnState {
     Head,
     /// Head parsed; waiting for `head.content_length` body bytes.
     Body(Head),
-    /// A generation is running; its events go to the writer.
+    /// A generation is running; its events go to the writer. `ids[i]` is the engine request of
+    /// choice `i` (one, unless the request asked for several choices).
     Generating {
-        id: RequestId,
+        ids: Vec<RequestId>,
         writer: Box<dyn EventWriter>,
         streaming: bool,
         timing: RequestTiming,
@@ -132,10 +133,11 @@ impl Conn {
         Ok(())
     }
 
-    pub fn request_id(&self) -> Option<RequestId> {
+    /// The engine requests of the generation under way (empty when none is).
+    pub fn request_ids(&self) -> &[RequestId] {
         match &self.state {
-            ConnState::Generating { id, .. } => Some(*id),
-            _ => None,
+            ConnState::Generating { ids, .. } => ids,
+            _ => &[],
         }
     }
 }

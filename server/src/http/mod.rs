@@ -78,7 +78,12 @@ pub enum Reply {
 }
 
 pub struct Submission {
+    /// The engine request (of choice 0).
     pub request: GenerateRequest,
+    /// Requests of choices 1.. when the client asked for several choices of one prompt (OpenAI's
+    /// `n`); their events reach the writer through `on_choice_event`. The HTTP layer gives each
+    /// its own id.
+    pub more: Vec<GenerateRequest>,
     pub writer: Box<dyn EventWriter>,
 }
 
@@ -91,6 +96,16 @@ pub trait EventWriter: Send {
     /// HTTP layer frames them as one chunk). At the request's end it returns `StreamDone`, or for
     /// a non-streaming writer `Complete` with the whole response.
     fn on_event(&mut self, event: &GenEvent, body: &mut Vec<u8>) -> Progress;
+    /// An event of choice `choice` (0 for the submission's `request`, i for `more[i - 1]`).
+    /// Events of one choice come in order; choices interleave. The response is over when this
+    /// returns `StreamDone` or `Complete` (the HTTP layer aborts choices still running then).
+    fn on_choice_event(&mut self, choice: usize, event: &GenEvent, body: &mut Vec<u8>) -> Progress {
+        debug_assert_eq!(
+            choice, 0,
+            "a writer of one choice got an event of choice {choice}"
+        );
+        self.on_event(event, body)
+    }
 }
 
 pub enum Progress {

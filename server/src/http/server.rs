@@ -179,7 +179,8 @@ impl HttpServer {
 struct Loop {
     listener: Option<TcpListener>,
     conns: HashMap<Token, Conn>,
-    by_request: HashMap<RequestId, Token>,
+    /// Each running engine request: its connection and which choice of that response it is.
+    by_request: HashMap<RequestId, (Token, usize)>,
     next_token: usize,
     limits: HttpLimits,
     metrics: Arc<Metrics>,
@@ -251,7 +252,7 @@ impl Loop {
             if r.failed {
                 // A reset (or another socket error) under a running generation is a client
                 // going away just as a clean close is.
-                if conn.request_id().is_some() {
+                if !conn.request_ids().is_empty() {
                     self.metrics
                         .client_aborts_total
                         .fetch_add(1, Ordering::Relaxed);
@@ -434,37 +435,52 @@ impl Loop {
                 .with_header("Retry-After", "1");
             return self.respond(tok, resp, true);
         }
-        let mut request = sub.request;
-        request.id = id;
-        match self
-            .engine
-            .commands
-            .try_send(EngineCommand::Submit(request))
-        {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) => {
-                let resp = handler
-                    .error_response(
-                        Some(&req.path),
-                        429,
-                        "queue_full",
-                        "engine queue is full; retry later",
-                    )
-                    .with_header("Retry-After", "1");
-                return self.respond(tok, resp, true);
-            }
-            Err(TrySendError::Disconnected(_)) => {
-                let resp = handler.error_response(
+        let mut requests = Vec::with_capacity(1 + sub.more.len());
+        requests.push(sub.request);
+        requests.extend(sub.more);
+        let mut ids = Vec::with_capacity(requests.len());
+        for (i, mut request) in requests.into_iter().enumerate() {
+            request.id = if i == 0 { id } else { next_request_id() };
+            let rid = request.id;
+            let refused = match self
+                .engine
+                .commands
+                .try_send(EngineCommand::Submit(request))
+            {
+                Ok(()) => None,
+                Err(TrySendError::Full(_)) => Some(
+                    handler
+                        .error_response(
+                            Some(&req.path),
+                            429,
+                            "queue_full",
+                            "engine queue is full; retry later",
+                        )
+                        .with_header("Retry-After", "1"),
+                ),
+                Err(TrySendError::Disconnected(_)) => Some(handler.error_response(
                     Some(&req.path),
                     503,
                     "engine_unavailable",
                     "the engine is not running",
-                );
-                return self.respond(tok, resp, false);
+                )),
+            };
+            if let Some(resp) = refused {
+                // Choices already submitted are withdrawn: the response is the refusal.
+                for &done in &ids {
+                    let _ = self.engine.commands.try_send(EngineCommand::Abort(done));
+                }
+                let keep_alive = resp.status == 429;
+                return self.respond(tok, resp, keep_alive);
             }
+            ids.push(rid);
         }
-        self.by_request.insert(id, tok);
-        self.metrics.inflight.fetch_add(1, Ordering::Relaxed);
+        for (choice, &rid) in ids.iter().enumerate() {
+            self.by_request.insert(rid, (tok, choice));
+        }
+        self.metrics
+            .inflight
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
         let Some(conn) = self.conns.get_mut(&tok) else {
             return;
         };
@@ -479,7 +495,7 @@ impl Loop {
             None => false,
         };
         conn.state = ConnState::Generating {
-            id,
+            ids,
             writer,
             streaming,
             timing: RequestTiming {
@@ -491,7 +507,7 @@ impl Loop {
     }
 
     fn on_engine_event(&mut self, id: RequestId, event: &GenEvent) {
-        let Some(&tok) = self.by_request.get(&id) else {
+        let Some(&(tok, choice)) = self.by_request.get(&id) else {
             return; // its client went away
         };
         let Some(conn) = self.conns.get_mut(&tok) else {
@@ -499,10 +515,10 @@ impl Loop {
             return;
         };
         let ConnState::Generating {
+            ids,
             writer,
             streaming,
             timing,
-            ..
         } = &mut conn.state
         else {
             self.by_request.remove(&id);
@@ -520,12 +536,18 @@ impl Loop {
             timing.last_token = Some(now);
         }
         let finished = matches!(event, GenEvent::Finished { .. });
+        if finished {
+            // This choice's engine request is over.
+            self.by_request.remove(&id);
+            self.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
+        }
+        let all_finished = !ids.iter().any(|r| self.by_request.contains_key(r));
         let mut body = Vec::new();
-        let progress = writer.on_event(event, &mut body);
+        let progress = writer.on_choice_event(choice, event, &mut body);
         let streaming = *streaming;
         let arrived = timing.arrived;
         let done = match progress {
-            Progress::More if !finished => {
+            Progress::More if !all_finished => {
                 if streaming {
                     write_chunk(&mut conn.out, &body);
                 }
@@ -560,13 +582,16 @@ impl Loop {
             }
         };
         if done {
+            let ids = std::mem::take(ids);
             conn.state = ConnState::Responding;
-            self.by_request.remove(&id);
-            self.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
             self.metrics.e2e_latency.observe(now - arrived);
-            if !finished {
-                // The writer ended early (e.g. it could not continue): the engine can stop.
-                let _ = self.engine.commands.try_send(EngineCommand::Abort(id));
+            // Choices still running (the writer ended early, e.g. one choice failed): the
+            // engine can stop them.
+            for rid in ids {
+                if self.by_request.remove(&rid).is_some() {
+                    self.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
+                    let _ = self.engine.commands.try_send(EngineCommand::Abort(rid));
+                }
             }
         }
         self.flush(tok);
@@ -577,7 +602,7 @@ impl Loop {
             return;
         };
         if conn.flush().is_err() {
-            if conn.request_id().is_some() {
+            if !conn.request_ids().is_empty() {
                 self.metrics
                     .client_aborts_total
                     .fetch_add(1, Ordering::Relaxed);
@@ -615,9 +640,11 @@ impl Loop {
         self.metrics
             .connections_open
             .fetch_sub(1, Ordering::Relaxed);
-        if let Some(id) = conn.request_id() {
+        for &id in conn.request_ids() {
+            if self.by_request.remove(&id).is_none() {
+                continue; // this choice had finished
+            }
             tracing::debug!(request = id, "{why}: aborting the request");
-            self.by_request.remove(&id);
             self.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
             if self
                 .engine
