@@ -297,6 +297,26 @@ fn finish_reasons_stop_strings_eos_and_context_length() {
     assert_eq!(texts(&a), texts(&b), "seeded choices repeat");
     let distinct: std::collections::HashSet<String> = texts(&a).into_iter().collect();
     assert!(distinct.len() > 1, "choices of different seeds differ: {a}");
+    // logit_bias: -100 on the greedy first token (" Paris") moves the pick; +100 on a token
+    // makes greedy decoding repeat it.
+    let file = npu_gguf::GgufFile::open(token_counter().model_path()).unwrap();
+    let tok = npu_tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let ids = tok.encode_with(" Paris", false, false).unwrap();
+    let paris = ids[0];
+    let ask_biased = |bias: Value| {
+        let (status, v) = server.post_json(
+            "/v1/completions",
+            &json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+                    "logit_bias": bias}),
+        );
+        assert_eq!(status, 200, "{v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    assert!(ask_biased(json!({})).starts_with(" Paris"));
+    let banned = ask_biased(json!({ paris.to_string(): -100 }));
+    assert!(!banned.starts_with(" Paris"), "{banned:?}");
+    let forced = ask_biased(json!({ paris.to_string(): 100 }));
+    assert_eq!(forced, tok.decode(&[paris; 4], false), "{forced:?}");
 
     // The model's end-of-sequence token ends a chat answer.
     let (status, v) = server.post_json(

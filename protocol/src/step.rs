@@ -27,10 +27,18 @@ pub struct SamplingParams {
     pub seed: u64,
     /// Number of most likely alternatives to return with their log-probabilities (0..=MAX_TOP_N).
     pub top_n: u32,
+    /// OpenAI's `logit_bias`: (token, bias) added to the token's logit before the pick, after
+    /// the penalties; each bias finite and within [-100, 100], at most MAX_LOGIT_BIAS entries.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// Most alternatives a step result can carry per sequence.
 pub const MAX_TOP_N: usize = 20;
+/// Most `logit_bias` entries one request may carry (each admission has room for this many).
+pub const MAX_LOGIT_BIAS: usize = 256;
+/// Largest magnitude of one logit bias (OpenAI's range).
+pub const MAX_LOGIT_BIAS_VALUE: f32 = 100.0;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -45,6 +53,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: 0,
             top_n: 0,
+            logit_bias: Vec::new(),
         }
     }
 }

@@ -11,7 +11,7 @@ use npu_protocol::shm::{
 };
 use npu_protocol::{
     Admission, KvCopy, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult,
-    StepTiming, StepTransfer, TokenLogprob,
+    StepTiming, StepTransfer, TokenLogprob, MAX_LOGIT_BIAS,
 };
 use proptest::prelude::*;
 
@@ -81,6 +81,7 @@ fn sample_plan() -> StepPlan {
                 frequency_penalty: 0.3,
                 seed: u64::MAX - 3,
                 top_n: 3,
+                logit_bias: vec![(7, -100.0), (11, 2.5), (49_151, 100.0)],
             },
         }],
         kv_copies: vec![
@@ -263,6 +264,9 @@ fn every_plan_overflow_is_refused_and_leaves_the_previous_plan_intact() {
         ("admission slot", |p| p.admit[0].slot = 8),
         ("forget slot", |p| p.forget[1] = 8),
         ("admission top_n", |p| p.admit[0].params.top_n = 4),
+        ("admission logit biases", |p| {
+            p.admit[0].params.logit_bias = vec![(1, 1.0); MAX_LOGIT_BIAS + 1]
+        }),
         ("slot mapping length", |p| {
             p.seqs[0].slot_mapping.pop();
         }),
@@ -384,6 +388,8 @@ fn corrupt_headers_are_refused_on_open() {
 fn corrupt_plans_and_results_are_refused_on_read() {
     let desc = |i: u64, field: u64| i * 32 + field * 4;
     let params_top_n = std::mem::offset_of!(RawAdmission, params) as u64 + 40;
+    let n_bias = std::mem::offset_of!(RawAdmission, params) as u64 + 44;
+    let first_bias = std::mem::offset_of!(RawAdmission, params) as u64 + 52;
     let plan_cases = [
         ("n_seqs over capacity", Region::PlanMeta, 8, 5),
         ("n_seqs beyond data", Region::PlanMeta, 8, 3),
@@ -403,6 +409,24 @@ fn corrupt_plans_and_results_are_refused_on_read() {
         ("admission slot", Region::Admissions, 0, 9),
         ("admission do_sample", Region::Admissions, 8, 7),
         ("admission top_n", Region::Admissions, params_top_n, 4),
+        (
+            "admission logit bias count",
+            Region::Admissions,
+            n_bias,
+            MAX_LOGIT_BIAS as u32 + 1,
+        ),
+        (
+            "admission logit bias value (NaN)",
+            Region::Admissions,
+            first_bias,
+            f32::NAN.to_bits(),
+        ),
+        (
+            "admission logit bias value (above 100)",
+            Region::Admissions,
+            first_bias,
+            100.5f32.to_bits(),
+        ),
         ("forget slot", Region::Forget, 4, 100),
     ];
     for (what, region, at, value) in plan_cases {
@@ -450,6 +474,7 @@ fn arb_params() -> impl Strategy<Value = SamplingParams> {
                 frequency_penalty: freq,
                 seed,
                 top_n,
+                logit_bias: Vec::new(),
             },
         )
 }

@@ -337,6 +337,36 @@ fn openai_bad_inputs_get_400_in_openai_shape_naming_the_param() {
         ("/v1/completions", json!({"prompt": "hi", "n": 0}), "n"),
         (
             "/v1/completions",
+            json!({"prompt": "hi", "logit_bias": [1, 2]}),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "logit_bias": {"hello": 5}}),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "logit_bias": {"49152": 5}}),
+            "logit_bias",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 100.5}}),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "logit_bias": {"42": "up"}}),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "logit_bias": (0..257).map(|i| (i.to_string(), json!(1))).collect::<serde_json::Map<_, _>>()}),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
             json!({"prompt": "hi", "best_of": 3}),
             "best_of",
         ),
@@ -394,11 +424,6 @@ fn openai_bad_inputs_get_400_in_openai_shape_naming_the_param() {
             "/v1/completions",
             json!({"prompt": "hi", "stream_options": {"include_usage": true}}),
             "stream_options",
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "hi", "logit_bias": {"1": 5}}),
-            "logit_bias",
         ),
         (
             "/v1/completions",

@@ -44,11 +44,12 @@ pub struct Sampler {
 }
 
 /// True when `Sampler::sample` answers with the argmax of the raw logits, its raw
-/// log-probability and no alternatives (greedy, no penalty, no top-n): exactly what a backend's
+/// log-probability and no alternatives (greedy, no penalty, no logit bias, no top-n): exactly what a backend's
 /// device pick (`argmax_rows` with `argmax_logprob_rows`) computes, so such rows need no logits
 /// read back.
 pub fn is_plain_greedy(params: &SamplingParams) -> bool {
     params.top_n == 0
+        && params.logit_bias.is_empty()
         && Truncation::from_params(params, usize::MAX).is_none()
         && !has_penalties(params)
 }
@@ -85,6 +86,13 @@ impl Sampler {
         self.saved_raw.clear();
         let saved = &mut self.saved_raw;
         history::penalize(logits, params, history, |t, old| saved.push((t, old)));
+        // logit_bias after the penalties. The first saved value of a token is its raw logit.
+        for &(t, bias) in &params.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                self.saved_raw.push((t, *l));
+                *l += bias;
+            }
+        }
 
         let token = match Truncation::from_params(params, vocab) {
             None => fast_argmax(logits),

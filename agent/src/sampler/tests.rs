@@ -545,3 +545,50 @@ fn scratch_buffers_are_reused_after_warm_up() {
     assert_eq!((s.candidates.as_ptr(), s.weights.as_ptr()), ptrs);
     assert_eq!((s.candidates.capacity(), s.weights.capacity()), caps);
 }
+
+#[test]
+fn logit_bias_moves_the_pick_and_reports_raw_logprobs() {
+    let expected = hand_log_softmax(&SMALL_LOGITS);
+    let mut s = Sampler::new();
+    let h = TokenHistory::new();
+    // -100 on the argmax (token 1): greedy takes the next best (token 4); +100 on a low token
+    // (token 3): greedy takes it. Each pick's log-probability is its raw one.
+    for (bias, want) in [
+        (vec![(1, -100.0)], 4u32),
+        (vec![(3, 100.0), (99_999, 5.0)], 3),
+    ] {
+        let p = SamplingParams {
+            logit_bias: bias.clone(),
+            ..SamplingParams::greedy()
+        };
+        assert!(!is_plain_greedy(&p), "a biased request needs the host pick");
+        let mut l = SMALL_LOGITS.to_vec();
+        let out = s.sample(&mut l, &p, &h, 0).unwrap();
+        assert_eq!(out.token.token, want, "{bias:?}");
+        assert!(
+            (out.token.logprob as f64 - expected[want as usize]).abs() < 1e-5,
+            "{bias:?}: {} vs {}",
+            out.token.logprob,
+            expected[want as usize]
+        );
+    }
+    // Sampling: a -100 bias takes a token out of the distribution.
+    let p = SamplingParams {
+        logit_bias: vec![(1, -100.0), (4, -100.0)],
+        ..sampled(1.0)
+    };
+    let counts = histogram(&SMALL_LOGITS, &p, 2000);
+    assert_eq!((counts[1], counts[4]), (0, 0), "{counts:?}");
+    // With a penalty on the same token, the reported log-probability is still the raw one.
+    let mut history = TokenHistory::new();
+    history.push_generated(3);
+    let p = SamplingParams {
+        repetition_penalty: 2.0,
+        logit_bias: vec![(3, 100.0)],
+        ..SamplingParams::greedy()
+    };
+    let mut l = SMALL_LOGITS.to_vec();
+    let out = s.sample(&mut l, &p, &history, 0).unwrap();
+    assert_eq!(out.token.token, 3);
+    assert!((out.token.logprob as f64 - expected[3]).abs() < 1e-5);
+}

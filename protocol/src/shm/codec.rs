@@ -2,17 +2,17 @@
 //! checks every capacity first and refuses what does not fit; reading copies the data out and
 //! validates every count, offset and slot, so a corrupt segment gives an error, never a panic.
 
-use bytemuck::Pod;
+use bytemuck::{Pod, Zeroable};
 
 use super::layout::{
-    PlanMeta, RawAdmission, RawKvCopy, RawSamplingParams, RawSeqResult, RawTokenLogprob, Region,
-    ResultMeta, SeqDesc, ShmLayout,
+    PlanMeta, RawAdmission, RawKvCopy, RawLogitBias, RawSamplingParams, RawSeqResult,
+    RawTokenLogprob, Region, ResultMeta, SeqDesc, ShmLayout,
 };
 use super::ShmError;
 use crate::source::{PlanSource, SeqRef, U32s};
 use crate::step::{
     Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, StepPlan, StepResult, StepTiming,
-    StepTransfer, TokenLogprob,
+    StepTransfer, TokenLogprob, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE,
 };
 
 /// Byte-level access to one region of the segment.
@@ -136,6 +136,13 @@ pub(crate) fn check_plan(layout: &ShmLayout, plan: &StepPlan) -> Result<(), ShmE
     )?;
     exceeds("tokens per step", plan.n_tokens(), caps.max_tokens_per_step)?;
     exceeds("admissions per step", plan.admit.len(), caps.max_admissions)?;
+    for adm in &plan.admit {
+        exceeds(
+            "logit biases per request",
+            adm.params.logit_bias.len(),
+            MAX_LOGIT_BIAS as u32,
+        )?;
+    }
     exceeds(
         "forgotten slots per step",
         plan.forget.len(),
@@ -552,15 +559,33 @@ fn raw_params(p: &SamplingParams) -> RawSamplingParams {
         frequency_penalty: p.frequency_penalty,
         seed: p.seed,
         top_n: p.top_n,
-        reserved: 0,
+        n_logit_bias: p.logit_bias.len().min(MAX_LOGIT_BIAS) as u32,
+        logit_bias: std::array::from_fn(|i| match p.logit_bias.get(i) {
+            Some(&(token, bias)) => RawLogitBias { token, bias },
+            None => RawLogitBias::zeroed(),
+        }),
     }
 }
 
 fn params_from_raw(raw: &RawSamplingParams, max_top_n: u32) -> Result<SamplingParams, ShmError> {
-    if raw.do_sample > 1 || raw.top_n > max_top_n {
+    if raw.do_sample > 1 || raw.top_n > max_top_n || raw.n_logit_bias as usize > MAX_LOGIT_BIAS {
         return Err(ShmError::Corrupt(format!(
-            "admission parameters: do_sample {} top_n {} (capacity {max_top_n})",
-            raw.do_sample, raw.top_n
+            "admission parameters: do_sample {} top_n {} (capacity {max_top_n}), {} logit biases \
+             (at most {MAX_LOGIT_BIAS})",
+            raw.do_sample, raw.top_n, raw.n_logit_bias
+        )));
+    }
+    let logit_bias: Vec<(u32, f32)> = raw.logit_bias[..raw.n_logit_bias as usize]
+        .iter()
+        .map(|b| (b.token, b.bias))
+        .collect();
+    if let Some(&(token, bias)) = logit_bias
+        .iter()
+        .find(|(_, b)| !(b.is_finite() && b.abs() <= MAX_LOGIT_BIAS_VALUE))
+    {
+        return Err(ShmError::Corrupt(format!(
+            "admission parameters: logit bias {bias} for token {token} (finite, at most \
+             {MAX_LOGIT_BIAS_VALUE} in magnitude)"
         )));
     }
     Ok(SamplingParams {
@@ -574,5 +599,6 @@ fn params_from_raw(raw: &RawSamplingParams, max_top_n: u32) -> Result<SamplingPa
         frequency_penalty: raw.frequency_penalty,
         seed: raw.seed,
         top_n: raw.top_n,
+        logit_bias,
     })
 }

@@ -6,12 +6,12 @@ use bytemuck::{Pod, Zeroable};
 use serde::{Deserialize, Serialize};
 
 use super::ShmError;
-use crate::step::MAX_TOP_N;
+use crate::step::{MAX_LOGIT_BIAS, MAX_TOP_N};
 
 /// "NPUSHM" + two version-independent bytes, read as a little-endian u64.
 pub const SHM_MAGIC: u64 = u64::from_le_bytes(*b"NPUSHM\x00\x01");
 /// Version of the segment layout and of the control frames; both sides must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Every region starts on this boundary (a cache line).
 pub const REGION_ALIGN: u64 = 64;
 /// Largest segment we agree to create or open.
@@ -143,7 +143,17 @@ pub struct RawSamplingParams {
     pub frequency_penalty: f32,
     pub seed: u64,
     pub top_n: u32,
-    pub reserved: u32,
+    /// Entries of `logit_bias` in use.
+    pub n_logit_bias: u32,
+    pub logit_bias: [RawLogitBias; MAX_LOGIT_BIAS],
+}
+
+/// One `logit_bias` entry of an admission.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct RawLogitBias {
+    pub token: u32,
+    pub bias: f32,
 }
 
 /// One admission: a slot and the sampling parameters it keeps until forgotten.
@@ -206,8 +216,9 @@ const _: () = assert!(std::mem::size_of::<RawCapacities>() == 32);
 const _: () = assert!(std::mem::size_of::<RegionRecord>() == 16);
 const _: () = assert!(std::mem::size_of::<PlanMeta>() == 32);
 const _: () = assert!(std::mem::size_of::<SeqDesc>() == 32);
-const _: () = assert!(std::mem::size_of::<RawSamplingParams>() == 48);
-const _: () = assert!(std::mem::size_of::<RawAdmission>() == 56);
+const _: () = assert!(std::mem::size_of::<RawLogitBias>() == 8);
+const _: () = assert!(std::mem::size_of::<RawSamplingParams>() == 48 + 8 * MAX_LOGIT_BIAS);
+const _: () = assert!(std::mem::size_of::<RawAdmission>() == 56 + 8 * MAX_LOGIT_BIAS);
 const _: () = assert!(std::mem::size_of::<RawKvCopy>() == 16);
 const _: () = assert!(std::mem::size_of::<ResultMeta>() == 80);
 const _: () = assert!(std::mem::size_of::<RawSeqResult>() == 16);

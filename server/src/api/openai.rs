@@ -2,7 +2,7 @@
 //! `POST /v1/chat/completions` (messages rendered with the model's chat template), validated
 //! into a `GenerateRequest` with their response writer (openai_stream.rs).
 
-use npu_protocol::SamplingParams;
+use npu_protocol::{SamplingParams, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE};
 use serde_json::Value;
 
 use super::error::ApiError;
@@ -61,17 +61,7 @@ fn common(
             ));
         }
     }
-    match f.get("logit_bias") {
-        None => {}
-        Some(Value::Object(m)) if m.is_empty() => {}
-        Some(Value::Object(_)) => {
-            return Err(ApiError::invalid(
-                "logit_bias",
-                "logit_bias is not supported",
-            ))
-        }
-        Some(v) => return Err(f.wrong("logit_bias", "an object", v)),
-    }
+    let logit_bias = logit_bias(f, ctx.tokenizer.vocab_size())?;
     let temperature = sampling::temperature(f, "temperature")?.unwrap_or(1.0);
     let top_p = sampling::top_p(f, "top_p")?.unwrap_or(1.0);
     let top_k = sampling::top_k(f, "top_k", true)?.unwrap_or(0);
@@ -120,6 +110,7 @@ fn common(
             frequency_penalty,
             seed,
             top_n: 0,
+            logit_bias,
         },
         max_tokens,
         stop,
@@ -129,6 +120,54 @@ fn common(
         include_usage,
         n,
     })
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as strings) to biases in [-100, 100], added
+/// to those tokens' logits before the pick; sorted by token id.
+fn logit_bias(f: &Fields, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    const KEY: &str = "logit_bias";
+    let m = match f.get(KEY) {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(v) => return Err(f.wrong(KEY, "an object from token ids to biases", v)),
+    };
+    if m.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            KEY,
+            format!(
+                "logit_bias has {} entries (at most {MAX_LOGIT_BIAS})",
+                m.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(m.len());
+    for (k, v) in m {
+        let token = k
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    KEY,
+                    format!(
+                        "logit_bias key {k:?} is not a token id of this model (0 to {})",
+                        vocab - 1
+                    ),
+                )
+            })?;
+        let bias = v
+            .as_f64()
+            .filter(|b| b.is_finite() && b.abs() <= f64::from(MAX_LOGIT_BIAS_VALUE))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    KEY,
+                    format!("logit_bias[{k:?}] must be a number from -100 to 100, got {v}"),
+                )
+            })?;
+        out.push((token, bias as f32));
+    }
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
 }
 
 /// `think`: Some(inside) to split the reply into reasoning and content, starting inside the

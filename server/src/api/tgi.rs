@@ -152,6 +152,7 @@ pub(super) fn submission(
         frequency_penalty,
         seed,
         top_n: top_n_tokens,
+        logit_bias: Vec::new(),
     };
     let request = GenerateRequest {
         id,
