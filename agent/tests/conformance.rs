@@ -16,10 +16,25 @@ use npu_gguf::GgufFile;
 
 /// Every backend to check (a constructor that fails because the device is absent makes a skip
 /// line with its reason; any other failure is a failed check).
+/// `NPU_SERVING_CONFORMANCE_ONLY=WORD` keeps only the backends whose name contains WORD (the
+/// others are listed as skipped): scripts/npu-check.sh runs the Ascend backend alone this way.
 fn candidates() -> (Vec<Candidate>, Vec<String>) {
     let (mut run, mut skipped) = conformance::cpu_candidates();
     cuda_candidates(&mut run, &mut skipped);
     ascend_candidates(&mut run, &mut skipped);
+    if let Some(only) = std::env::var("NPU_SERVING_CONFORMANCE_ONLY")
+        .ok()
+        .filter(|w| !w.is_empty())
+    {
+        let (keep, drop): (Vec<_>, Vec<_>) = run.into_iter().partition(|c| c.name.contains(&only));
+        skipped.extend(drop.into_iter().map(|c| {
+            format!(
+                "{}: skipped, not asked for (NPU_SERVING_CONFORMANCE_ONLY={only})",
+                c.name
+            )
+        }));
+        run = keep;
+    }
     (run, skipped)
 }
 
