@@ -78,6 +78,18 @@ impl Acl {
             version: MINIMUM_PLACEHOLDER,
             log_calls,
         };
+        // The operator package variables set_env.sh exports, where only the root was given.
+        let env = npu_ffi::complete_environment(acl.api.root.as_deref())?;
+        for (var, value) in &env.set {
+            info!(target: "npu_serving::acl", "{var} was not set (CANN's set_env.sh not sourced): set to {}", value.display());
+        }
+        if let Some(dir) = &env.tiling_dir_missing_from_ld_path {
+            tracing::warn!(
+                target: "npu_serving::acl",
+                "the op-tiling library directory {} is not on LD_LIBRARY_PATH, where CANN's set_env.sh puts it; if operators fail to find their tiling, source set_env.sh",
+                dir.display()
+            );
+        }
         // SAFETY: aclInit with a null config path is the documented default initialisation.
         acl.check("aclInit", unsafe { (acl.api.rt.aclInit)(std::ptr::null()) })?;
         let version = acl.read_version()?;

@@ -512,8 +512,8 @@ impl Backend for AscendBackend {
 
     fn load_vector(&mut self, v: HostTensor<'_>) -> Result<AscendBuffer, BackendError> {
         self.bind()?;
-        // f32 for RmsNorm's gamma (one rounding fewer than f16), with an f16 copy for biases
-        // added to f16 activations.
+        // f32 values, with an f16 copy that the ops over f16 activations take: RmsNorm's gamma
+        // (f32 gamma with f16 x is documented only from CANN 8.5) and biases added in place.
         let vals = objects::dequantize(&v)?;
         let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
         let f16s = objects::f16_bytes(vals.iter().map(|&x| half::f16::from_f32(x)));
