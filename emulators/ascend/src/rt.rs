@@ -4,8 +4,6 @@
 //! Strictness (from the AscendCL reference): nothing works before `aclInit` or after
 //! `aclFinalize`, and `aclInit` is once per process (ACL_ERROR_REPEAT_INITIALIZE); memory and
 //! stream calls need a current context on the calling thread (ACL_ERROR_RT_CONTEXT_NULL);
-//! operators' first phases need `ASCEND_OPP_PATH` naming the operator package (a directory), as
-//! `set_env.sh` exports it ([`check_operator_package`]);
 //! `aclrtMemcpyAsync` needs 64-byte aligned source and destination (ACL_ERROR_RT_ADDR_UNALIGNED),
 //! refuses host-to-host (ACL_ERROR_RT_FEATURE_NOT_SUPPORT) and host memory not from
 //! `aclrtMallocHost`; every copy's device side must be device memory and its host side must not be
@@ -20,45 +18,6 @@ use crate::state::*;
 fn run(f: impl FnOnce(&mut State) -> Result<(), Fail>) -> aclError {
     let mut st = state();
     finish(f(&mut st))
-}
-
-/// The emulated CANN version (`ASCEND_EMULATOR_CANN_VERSION`, default 8.3.RC1).
-pub fn emulated_version() -> String {
-    std::env::var("ASCEND_EMULATOR_CANN_VERSION").unwrap_or_else(|_| "8.3.RC1".to_string())
-}
-
-/// Operators find their kernels and tiling libraries through `ASCEND_OPP_PATH` (exported by
-/// CANN's `set_env.sh`): a first phase without it naming a directory fails, as the aclnn runtime
-/// does when it cannot find an operator's kernel.
-pub fn check_operator_package() -> Result<(), Fail> {
-    match std::env::var_os("ASCEND_OPP_PATH") {
-        Some(p) if std::path::Path::new(&p).is_dir() => Ok(()),
-        Some(p) => fail(
-            ACLNN_ERR_INNER,
-            format!(
-                "ASCEND_OPP_PATH={} is not a directory: no operator kernels or tiling found",
-                p.to_string_lossy()
-            ),
-        ),
-        None => fail(
-            ACLNN_ERR_INNER,
-            "ASCEND_OPP_PATH is not set (CANN's set_env.sh exports it): no operator kernels or \
-             tiling found",
-        ),
-    }
-}
-
-/// Whether the emulated release is `major.minor` or newer (`8.5.0` and `8.5.RC1` are 8.5).
-pub fn emulated_release_at_least(major: u32, minor: u32) -> bool {
-    release_at_least(&emulated_version(), major, minor)
-}
-
-fn release_at_least(version: &str, major: u32, minor: u32) -> bool {
-    let mut parts = version.trim().split('.').map(|p| p.parse::<u32>().ok());
-    match (parts.next().flatten(), parts.next().flatten()) {
-        (Some(a), Some(b)) => (a, b) >= (major, minor),
-        _ => false,
-    }
 }
 
 extern "C" fn report_at_exit() {
@@ -121,57 +80,6 @@ pub extern "C" fn aclFinalize() -> aclError {
 #[no_mangle]
 pub extern "C" fn aclGetRecentErrMsg() -> *const c_char {
     last_error_ptr()
-}
-
-/// # Safety
-/// Out-pointers are valid.
-#[no_mangle]
-pub unsafe extern "C" fn aclrtGetVersion(
-    majorVersion: *mut i32,
-    minorVersion: *mut i32,
-    patchVersion: *mut i32,
-) -> aclError {
-    if majorVersion.is_null() || minorVersion.is_null() || patchVersion.is_null() {
-        set_error("aclrtGetVersion: null out-pointer");
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    // SAFETY: checked non-null; the caller passes valid out-pointers.
-    unsafe {
-        *majorVersion = 1;
-        *minorVersion = 13;
-        *patchVersion = 0;
-    }
-    ACL_SUCCESS
-}
-
-/// # Safety
-/// `version` is valid.
-#[no_mangle]
-pub unsafe extern "C" fn aclsysGetCANNVersion(
-    name: aclCANNPackageName,
-    version: *mut aclCANNPackageVersion,
-) -> aclError {
-    if version.is_null() || name > ACL_PKG_NAME_RUNTIME {
-        set_error("aclsysGetCANNVersion: null out-pointer or package not emulated");
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    let v = emulated_version();
-    let mut parts = v.split('.');
-    // SAFETY: all-zero bytes are a valid aclCANNPackageVersion (char arrays).
-    let mut out: aclCANNPackageVersion = unsafe { std::mem::zeroed() };
-    let put = |dst: &mut [c_char], s: &str| {
-        let n = dst.len() - 1;
-        for (d, b) in dst.iter_mut().zip(s.bytes().take(n)) {
-            *d = b as c_char;
-        }
-    };
-    put(&mut out.version, &v);
-    put(&mut out.majorVersion, parts.next().unwrap_or(""));
-    put(&mut out.minorVersion, parts.next().unwrap_or(""));
-    put(&mut out.releaseVersion, parts.next().unwrap_or(""));
-    // SAFETY: `version` is a valid out-pointer (checked non-null).
-    unsafe { *version = out };
-    ACL_SUCCESS
 }
 
 fn check_device(id: i32) -> Result<(), Fail> {
@@ -976,8 +884,6 @@ const _: () = {
     let _: sig::aclInit = aclInit;
     let _: sig::aclFinalize = aclFinalize;
     let _: sig::aclGetRecentErrMsg = aclGetRecentErrMsg;
-    let _: sig::aclrtGetVersion = aclrtGetVersion;
-    let _: sig::aclsysGetCANNVersion = aclsysGetCANNVersion;
     let _: sig::aclrtSetDevice = aclrtSetDevice;
     let _: sig::aclrtResetDevice = aclrtResetDevice;
     let _: sig::aclrtGetDevice = aclrtGetDevice;
@@ -1006,18 +912,3 @@ const _: () = {
     let _: sig::aclrtMemsetAsync = aclrtMemsetAsync;
     let _: sig::aclrtGetMemInfo = aclrtGetMemInfo;
 };
-
-#[cfg(test)]
-mod tests {
-    use super::release_at_least;
-
-    #[test]
-    fn releases_compare_by_major_and_minor() {
-        assert!(!release_at_least("8.3.RC1", 8, 5));
-        assert!(!release_at_least("8.1.RC1", 8, 5));
-        assert!(release_at_least("8.5.0", 8, 5));
-        assert!(release_at_least("8.5.RC1", 8, 5));
-        assert!(release_at_least("9.0.0", 8, 5));
-        assert!(!release_at_least("garbage", 8, 5));
-    }
-}

@@ -16,6 +16,7 @@ mod layer_ops;
 pub mod objects;
 mod pick_ops;
 mod rope_ops;
+mod staging;
 pub mod step;
 
 use std::collections::HashMap;
@@ -30,13 +31,14 @@ use tracing::{debug, info};
 
 use crate::device::{self, Device};
 use crate::error::AscendError;
-use crate::memory::{DeviceBuffer as Mem, PinnedBuffer};
+use crate::memory::DeviceBuffer as Mem;
 use crate::ops::StepStats;
 use crate::reuse::Launcher;
 use crate::runtime::Acl;
 
 pub use kv_pool::KvPool;
 pub use objects::{AscendBuffer, AscendEmbedding, AscendMatrix};
+use staging::Staging;
 use step::StepPlan;
 
 pub const NAME: &str = "ascend";
@@ -130,38 +132,6 @@ impl Scratch {
 
     fn get(&self, name: &'static str) -> &Mem {
         &self.bufs[name]
-    }
-}
-
-/// Pinned host memory for async copies: reused when no queued copy reads it, else replaced (the
-/// old one kept until the next synchronization).
-#[derive(Default)]
-struct Staging {
-    buf: Option<PinnedBuffer>,
-    /// `buf` feeds a copy queued since the last synchronization.
-    busy: bool,
-    retired: Vec<PinnedBuffer>,
-}
-
-impl Staging {
-    fn get(&mut self, acl: &'static Acl, bytes: usize) -> Result<&mut PinnedBuffer, BackendError> {
-        let fits = self.buf.as_ref().is_some_and(|p| p.bytes() >= bytes);
-        if self.busy || !fits {
-            let fresh =
-                PinnedBuffer::alloc(acl, bytes.max(4096).next_power_of_two()).map_err(err)?;
-            if let Some(old) = self.buf.replace(fresh) {
-                if self.busy {
-                    self.retired.push(old);
-                }
-            }
-            self.busy = false;
-        }
-        Ok(self.buf.as_mut().expect("just ensured"))
-    }
-
-    fn synchronized(&mut self) {
-        self.busy = false;
-        self.retired.clear();
     }
 }
 
@@ -279,6 +249,11 @@ impl AscendBackend {
     /// Executors kept for reuse.
     pub fn cached_executors(&self) -> usize {
         self.ops.cached()
+    }
+
+    /// Pinned staging buffers allocated so far (`aclrtMallocHost`; a small pool is reused).
+    pub fn pinned_allocations(&self) -> u64 {
+        self.staging.allocations()
     }
 
     pub fn device(&self) -> &Device {

@@ -128,11 +128,11 @@ impl AscendBuffer {
     }
 }
 
-/// Waits for the stream's queued work before an allocation is freed: a kernel may still use it.
+/// Waits for the stream's queued work before an allocation is freed, as a kernel may still use
+/// it — only when work was queued since the last synchronization, so dropping a model's weights
+/// after a step's sync waits once, not once per weight.
 fn quiesce(dev: &Device) {
-    if dev.bind().is_ok() {
-        let _ = dev.synchronize();
-    }
+    dev.quiesce();
 }
 
 impl Drop for AscendBuffer {

@@ -423,7 +423,7 @@ pub unsafe extern "C" fn aclnnRmsNormGetWorkspaceSize(
         // An f32 gamma with 16-bit x is listed as a combination only by the pages of CANN 8.5
         // and later; the 8.x pages before list each parameter's types alone (and a caller saw
         // 8.x refuse the mix), so older emulated releases refuse it.
-        let mixed = crate::rt::emulated_release_at_least(8, 5);
+        let mixed = crate::install::emulated_release_at_least(8, 5);
         let ok = matches!(
             (x.dtype, g.dtype, y.dtype, r.dtype),
             (DType::F16, DType::F16, DType::F16, DType::F32)
@@ -445,7 +445,7 @@ pub unsafe extern "C" fn aclnnRmsNormGetWorkspaceSize(
                     g.dtype.name(),
                     y.dtype.name(),
                     r.dtype.name(),
-                    crate::rt::emulated_version()
+                    crate::install::emulated_version()
                 ),
             );
         }
