@@ -478,7 +478,9 @@ impl OpRunner {
 
     /// Writes the step's new K/V rows into one layer's paged caches by slot mapping:
     /// ScatterPaKvCache where the release has it (caches seen as (blocks, block_size, N, D)),
-    /// else ScatterNdUpdate over caches seen as (blocks·block_size, N·D) rows.
+    /// else ScatterNdUpdate over caches seen as (blocks·block_size, N·D) rows. ScatterPaKvCache
+    /// runs in scatter mode "None", which takes contiguous key/value rows: `row_stride` must be
+    /// `kv_heads · head_dim` there (copy strided rows into a dense buffer first).
     pub fn write_kv(&mut self, w: &KvWrite) -> Result<()> {
         let acl = self.acl;
         let ops = acl.api.ops;
@@ -489,6 +491,14 @@ impl OpRunner {
             ops.aclnnScatterPaKvCacheGetWorkspaceSize,
             ops.aclnnScatterPaKvCache,
         ) {
+            if w.tokens > 1 && w.row_stride != w.kv_heads * w.head_dim {
+                return Err(AscendError::Invalid(format!(
+                    "ScatterPaKvCache (scatter mode \"None\") takes contiguous key/value rows; \
+                     these are {} apart for {} values",
+                    w.row_stride,
+                    w.kv_heads * w.head_dim
+                )));
+            }
             let k = Tensor::new(
                 acl,
                 w.key,
@@ -518,9 +528,13 @@ impl OpRunner {
                 w.slots,
                 View::strided(DType::I32, &[t], &[1], w.slots_offset as i64),
             )?;
-            let mut norm = *b"Norm\0";
+            let (mut norm, mut none) = (*b"Norm\0", *b"None\0");
+            // Read only in "Nct" mode; passed explicitly as torch_npu does.
+            let strides = IntArray::new(acl, &[1, 1])?;
+            let offsets = IntArray::new(acl, &[0, 0])?;
             let detail = describe(&[("key", &k), ("keyCacheRef", &kc), ("slotMapping", &sm)]);
-            // SAFETY (closure): live handles, NUL-terminated mode string, out-pointers.
+            // SAFETY (closure): live handles and arrays, NUL-terminated mode strings,
+            // out-pointers.
             return self.call(
                 "aclnnScatterPaKvCache",
                 detail,
@@ -535,9 +549,9 @@ impl OpRunner {
                         std::ptr::null(),
                         std::ptr::null(),
                         norm.as_mut_ptr() as *mut c_char,
-                        std::ptr::null_mut(),
-                        std::ptr::null(),
-                        std::ptr::null(),
+                        none.as_mut_ptr() as *mut c_char,
+                        strides.raw(),
+                        offsets.raw(),
                         ws,
                         e,
                     )

@@ -243,6 +243,28 @@ fn element_and_row_ops_match_reference() {
         4e-3,
         "swiglu apart",
     );
+    // Adjacent halves of a wider row (gate | up | 8 more columns) into a strided out: SwiGlu
+    // takes x and out contiguous, so both go through scratch.
+    let wide: Vec<f32> = (0..t)
+        .flat_map(|r| {
+            let mut row = gu[r * 2 * ff..][..2 * ff].to_vec();
+            row.extend([0.5; 8]);
+            row
+        })
+        .collect();
+    let wb = up(&mut b, &wide, 2 * ff + 8);
+    let mut o3 = b.alloc(DType::F16, t * (ff + 4)).unwrap();
+    b.swiglu(
+        View::new(&wb, Layout::new(0, t, ff, 2 * ff + 8).unwrap()).unwrap(),
+        View::new(&wb, Layout::new(ff, t, ff, 2 * ff + 8).unwrap()).unwrap(),
+        ViewMut::new(&mut o3, Layout::new(0, t, ff, ff + 4).unwrap()).unwrap(),
+    )
+    .unwrap();
+    let got3 = down(&mut b, &o3, Layout::contiguous(t, ff + 4));
+    let got3: Vec<f32> = (0..t)
+        .flat_map(|r| got3[r * (ff + 4)..][..ff].to_vec())
+        .collect();
+    assert_close(&got3, &want_sw, 4e-3, "swiglu of a wider row, strided out");
 
     // Logit rows gathered, then argmax on the device (ties to the first).
     let mut lx = b.alloc(DType::F16, 2 * hd).unwrap();
@@ -510,18 +532,24 @@ fn rope_ref(rope: &Rope, x: &[f32], heads: usize, hd: usize, positions: &[u32]) 
 #[test]
 fn rope_matches_reference_in_both_styles_and_kernels() {
     let _g = serial();
-    for kernel in [RopeKernel::Auto, RopeKernel::ApplyRotaryPosEmb] {
+    // ApplyRotaryPosEmb takes only a rotary width of 128 (the emulation refuses others, as CANN
+    // documents): with 16, 8 or 64 rotated dimensions that choice falls back to another kernel.
+    for kernel in [
+        RopeKernel::Auto,
+        RopeKernel::ApplyRotaryPosEmb,
+        RopeKernel::MulAdd,
+    ] {
         let mut b = backend(AscendConfig {
             rope: kernel,
             ..AscendConfig::default()
         });
         b.init_kv(kv_spec(16, 400)).unwrap();
         for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
-            for dims in [16, 8] {
+            for (hd, dims) in [(16, 16), (16, 8), (128, 128), (128, 64)] {
                 let g = AttnGeometry {
                     n_heads: 4,
                     n_kv_heads: 2,
-                    head_dim: 16,
+                    head_dim: hd,
                     rope: Rope {
                         style,
                         dims,
@@ -536,28 +564,30 @@ fn rope_matches_reference_in_both_styles_and_kernels() {
                 let blocks: Vec<u32> = (0..375).collect();
                 let step = step_of(&[(0, 2, blocks.clone()), (5990, 1, blocks)], 16, &[1]);
                 b.begin_step(&step).unwrap();
-                let (t, w) = (3, 6 * 16 + 16);
+                // Rows of 6 heads and 16 more columns (as V's columns follow Q and K).
+                let (t, hw) = (3, 6 * hd);
+                let w = hw + 16;
                 let qkv = h(&rand_vec(30 + dims as u64, t * w, 1.0));
                 let mut buf = up(&mut b, &qkv, w);
                 b.rope(
-                    ViewMut::new(&mut buf, Layout::new(0, t, 6 * 16, w).unwrap()).unwrap(),
+                    ViewMut::new(&mut buf, Layout::new(0, t, hw, w).unwrap()).unwrap(),
                     &g,
                 )
                 .unwrap();
                 let got = down(&mut b, &buf, Layout::contiguous(t, w));
                 let heads: Vec<f32> = (0..t)
-                    .flat_map(|r| qkv[r * w..r * w + 96].to_vec())
+                    .flat_map(|r| qkv[r * w..r * w + hw].to_vec())
                     .collect();
-                let want = rope_ref(&g.rope, &heads, 6, 16, &step.positions);
+                let want = rope_ref(&g.rope, &heads, 6, hd, &step.positions);
                 for r in 0..t {
                     assert_close(
-                        &got[r * w..r * w + 96],
-                        &want[r * 96..(r + 1) * 96],
+                        &got[r * w..r * w + hw],
+                        &want[r * hw..(r + 1) * hw],
                         4e-3,
-                        &format!("{kernel:?} {style:?} dims {dims} row {r}"),
+                        &format!("{kernel:?} {style:?} head {hd} dims {dims} row {r}"),
                     );
                     // The columns after the heads are untouched.
-                    assert_eq!(&got[r * w + 96..(r + 1) * w], &qkv[r * w + 96..(r + 1) * w]);
+                    assert_eq!(&got[r * w + hw..(r + 1) * w], &qkv[r * w + hw..(r + 1) * w]);
                 }
             }
         }

@@ -232,11 +232,12 @@ fn ropes_with_factors_and_alternating_bases_keep_one_table_each() {
             )
             .unwrap();
         }
-        // One gather of each rope's rows per step, then one rotation per call.
+        // One gather of each rope's rows per step, then per call one rotation into a dense
+        // scratch (RotaryPositionEmbedding's out must be contiguous) and its copy into the rows.
         let distinct = if ropes.len() == 3 { 2 } else { 1 };
         assert_eq!(
             b.step_stats().launches as usize,
-            distinct + ropes.len(),
+            distinct + 2 * ropes.len(),
             "step {si}: launches"
         );
         let got = down(&mut b, &buf, Layout::contiguous(t, w));

@@ -220,10 +220,10 @@ fn weight_quant_matmul_matches_q4_1_and_q8_0_dequantized() {
 fn rotary_embedding_both_modes_match_reference() {
     let dev = device();
     let mut ops = OpRunner::new(&dev);
-    let (tokens, heads, d) = (3usize, 2usize, 16usize);
-    let x = h(&rand_vec(9, tokens * heads * d, 1.0));
+    let (tokens, heads) = (3usize, 2usize);
     let pos = [0usize, 5, 17];
-    for interleave in [false, true] {
+    for (d, interleave) in [(16, false), (16, true), (128, false)] {
+        let x = h(&rand_vec(9, tokens * heads * d, 1.0));
         let mut cos = vec![0.0; tokens * d];
         let mut sin = vec![0.0; tokens * d];
         for (ti, &p) in pos.iter().enumerate() {
@@ -283,8 +283,8 @@ fn rotary_embedding_both_modes_match_reference() {
                 "rope half"
             },
         );
-        if !interleave {
-            // ApplyRotaryPosEmb: the same half rotation on q and k in place.
+        if !interleave && d == 128 {
+            // ApplyRotaryPosEmb (D = 128 only): the same half rotation on q and k in place.
             let (qb, kb) = (upload_f16(&x), upload_f16(&x[..tokens * d]));
             let kd = [1, tokens as i64, 1, d as i64];
             ops.apply_rope(
@@ -521,16 +521,30 @@ fn kv_write_by_scatter_nd_update_matches_scatter_pa_kv_cache() {
     let slots = upload_i32(&[17, 3, 40, 16, 0]);
     let bytes = blocks * bs * kv_heads * d * 2;
     let caches: Vec<_> = (0..4).map(|_| zeros(bytes)).collect();
-    let write = |kc, vc| KvWrite {
+    let kvh = kv_heads * d;
+    // The same K and V rows, dense: ScatterPaKvCache's scatter mode "None" takes them so.
+    let (kd, vd) = (
+        upload_f16(
+            &(0..tokens)
+                .flat_map(|r| qkv[r * row..][..kvh].to_vec())
+                .collect::<Vec<_>>(),
+        ),
+        upload_f16(
+            &(0..tokens)
+                .flat_map(|r| qkv[r * row + kvh..][..kvh].to_vec())
+                .collect::<Vec<_>>(),
+        ),
+    );
+    let write = |kc, vc, (key, value, row_stride, value_offset)| KvWrite {
         dtype: DType::F16,
         tokens,
         kv_heads,
         head_dim: d,
-        row_stride: row,
-        key: &src,
+        row_stride,
+        key,
         key_offset: 0,
-        value: &src,
-        value_offset: kv_heads * d,
+        value,
+        value_offset,
         key_cache: kc,
         value_cache: vc,
         slots: &slots,
@@ -538,8 +552,15 @@ fn kv_write_by_scatter_nd_update_matches_scatter_pa_kv_cache() {
         num_blocks: blocks,
         block_size: bs,
     };
-    ops.write_kv(&write(&caches[0], &caches[1])).unwrap();
-    ops.write_kv_rows(&write(&caches[2], &caches[3])).unwrap();
+    let fused = (&src, &src, row, kvh);
+    let e = ops
+        .write_kv(&write(&caches[0], &caches[1], fused))
+        .unwrap_err();
+    assert!(e.to_string().contains("contiguous"), "{e}");
+    ops.write_kv(&write(&caches[0], &caches[1], (&kd, &vd, kvh, 0)))
+        .unwrap();
+    ops.write_kv_rows(&write(&caches[2], &caches[3], fused))
+        .unwrap();
     dev.synchronize().unwrap();
     let n = bytes / 2;
     let (k1, v1, k2, v2) = (
@@ -551,7 +572,6 @@ fn kv_write_by_scatter_nd_update_matches_scatter_pa_kv_cache() {
     assert_eq!(k1, k2);
     assert_eq!(v1, v2);
     // token 2 went to slot 40: block 2, position 8
-    let kvh = kv_heads * d;
     assert_eq!(&k1[40 * kvh..41 * kvh], &qkv[2 * row..2 * row + kvh]);
     assert_eq!(
         &v1[40 * kvh..41 * kvh],

@@ -12,13 +12,13 @@
 
 use npu_backend::{AttnGeometry, BackendError, View, ViewMut};
 
-use super::layer_ops::{bad, gather, step_slice, tview, want_f16};
+use super::layer_ops::{bad, copy, dense, gather, step_slice, tview, want_f16};
 use super::objects::AscendBuffer;
 use super::step::AttnPath;
 use super::{err, AscendBackend};
 use crate::ops::{Attention, KvWrite};
 use crate::reuse::Arg;
-use crate::tensor::{self, Tensor, View as TView};
+use crate::tensor::{self, IntArray, Tensor, View as TView};
 
 impl AscendBackend {
     fn check_geometry(&self, op: &'static str, g: &AttnGeometry) -> Result<(), BackendError> {
@@ -63,49 +63,90 @@ impl AscendBackend {
                 ));
             }
         }
-        let kv = self
-            .kv
-            .as_ref()
-            .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))?;
-        let spec = kv.spec;
-        let (kc, vc) = kv.layer(layer)?;
-        let (slots, sv) = step_slice(&self.step_mem, self.plan.slots, t)?;
         let api = self.dev.acl.api.ops;
         let (n, d) = (g.n_kv_heads as i64, g.head_dim as i64);
-        let rows = |l: npu_backend::Layout| {
-            TView::strided(
-                tensor::DType::F16,
-                &[t as i64, n, d],
-                &[l.stride() as i64, d, 1],
-                l.offset() as i64,
-            )
-        };
-        let cache = TView::contiguous(
-            tensor::DType::F16,
-            &[spec.num_blocks as i64, spec.block_size as i64, n, d],
-        );
         self.pending = true;
         if let (Some(prep), Some(launch)) = (
             api.aclnnScatterPaKvCacheGetWorkspaceSize,
             api.aclnnScatterPaKvCache,
         ) {
+            // Scatter mode "None" takes the new key and value contiguous (the page: "None" means
+            // uncompressed and contiguous; strided rows are the "Nct" mode, which not every
+            // release has). Column ranges of the fused QKV rows are copied into dense (T, N, D)
+            // scratch first.
+            let packed = TView::contiguous(tensor::DType::F16, &[t as i64, n, d]);
+            for (name, x, l) in [("kv_k", &k, kl), ("kv_v", &v, vl)] {
+                if !dense(l) {
+                    self.scratch.ensure(&self.dev, name, t * kvd * 2)?;
+                    copy(
+                        &mut self.ops,
+                        self.scratch.get(name),
+                        TView::contiguous(tensor::DType::F16, &[t as i64, kvd as i64]),
+                        &x.buf().mem,
+                        tview(x.dtype(), l),
+                    )?;
+                }
+            }
+            let (km, kview) = if dense(kl) {
+                let at = kl.offset() as i64;
+                (
+                    &k.buf().mem,
+                    TView {
+                        offset: at,
+                        ..packed.clone()
+                    },
+                )
+            } else {
+                (self.scratch.get("kv_k"), packed.clone())
+            };
+            let (vm, vview) = if dense(vl) {
+                let at = vl.offset() as i64;
+                (
+                    &v.buf().mem,
+                    TView {
+                        offset: at,
+                        ..packed.clone()
+                    },
+                )
+            } else {
+                (self.scratch.get("kv_v"), packed.clone())
+            };
+            let kv = self
+                .kv
+                .as_ref()
+                .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))?;
+            let spec = kv.spec;
+            let (kc, vc) = kv.layer(layer)?;
+            let (slots, sv) = step_slice(&self.step_mem, self.plan.slots, t)?;
+            let cache = TView::contiguous(
+                tensor::DType::F16,
+                &[spec.num_blocks as i64, spec.block_size as i64, n, d],
+            );
+            // torch_npu's defaults for the arrays read only in "Nct" mode: strides {1, 1},
+            // offsets {0, 0} (explicit, not null).
+            let acl = self.dev.acl;
+            let strides = IntArray::new(acl, &[1, 1]).map_err(err)?;
+            let offsets = IntArray::new(acl, &[0, 0]).map_err(err)?;
+            let (sp, op_) = (strides.raw(), offsets.raw());
             return self
                 .ops
                 .call(
                     "aclnnScatterPaKvCache",
                     launch,
                     &[
-                        Arg::fixed("key", &k.buf().mem, rows(kl)),
+                        Arg::fixed("key", km, kview),
                         Arg::fixed("keyCacheRef", kc, cache.clone()),
                         Arg::fixed("slotMapping", slots, sv),
-                        Arg::fixed("value", &v.buf().mem, rows(vl)),
+                        Arg::fixed("value", vm, vview),
                         Arg::fixed("valueCacheRef", vc, cache),
                     ],
                     &[],
                     &[],
-                    // SAFETY (closure): live tensors, a NUL-terminated mode and out-pointers.
+                    // SAFETY (closure): live tensors, NUL-terminated modes, int arrays that
+                    // outlive the call (dropped after it returns) and out-pointers.
                     Box::new(move |ts, _, w, e| unsafe {
                         let mut norm = *b"Norm\0";
+                        let mut none = *b"None\0";
                         prep(
                             ts[0].raw(),
                             ts[1].raw(),
@@ -116,9 +157,9 @@ impl AscendBackend {
                             std::ptr::null(),
                             std::ptr::null(),
                             norm.as_mut_ptr().cast(),
-                            std::ptr::null_mut(),
-                            std::ptr::null(),
-                            std::ptr::null(),
+                            none.as_mut_ptr().cast(),
+                            sp,
+                            op_,
                             w,
                             e,
                         )
@@ -126,6 +167,13 @@ impl AscendBackend {
                 )
                 .map_err(err);
         }
+        let kv = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| BackendError::BadStep("the KV pool is not initialised".into()))?;
+        let spec = kv.spec;
+        let (kc, vc) = kv.layer(layer)?;
+        let (slots, _) = step_slice(&self.step_mem, self.plan.slots, t)?;
         // Releases without ScatterPaKvCache: its documented equivalent, per cache.
         if kl.stride() != vl.stride() || !std::ptr::eq(k.buf(), v.buf()) {
             return Err(bad(
@@ -187,23 +235,60 @@ impl AscendBackend {
         let groups = self.plan.groups.clone();
         match path {
             AttnPath::TokenWise => {
-                // (B, 1, H) over the step's rows: one query per batch entry.
-                let rows = |l: npu_backend::Layout, r: &std::ops::Range<usize>| {
+                // FusedInferAttentionScoreV2 takes query (and attentionOut) contiguous: its page
+                // marks query/key/value as not supporting non-contiguous tensors, and its entry
+                // point makes no contiguous copy. Rows of a wider buffer (the query columns of
+                // the fused QKV rows) are copied into a dense (T, H) scratch first; an output
+                // with such rows is written to scratch and copied out after.
+                let dense_q = dense(ql);
+                let dense_o = dense(ol);
+                let packed = TView::contiguous(tensor::DType::F16, &[t as i64, h as i64]);
+                if !dense_q {
+                    self.scratch.ensure(&self.dev, "attn_q", t * h * 2)?;
+                    copy(
+                        &mut self.ops,
+                        self.scratch.get("attn_q"),
+                        packed.clone(),
+                        &q.buf().mem,
+                        tview(q.dtype(), ql),
+                    )?;
+                }
+                if !dense_o {
+                    self.scratch.ensure(&self.dev, "attn_o", t * h * 2)?;
+                }
+                // (B, 1, H) of entries `r`: dense rows of H from element `base` on.
+                let rows = |base: usize, r: &std::ops::Range<usize>| {
                     TView::strided(
                         tensor::DType::F16,
                         &[r.len() as i64, 1, h as i64],
-                        &[l.stride() as i64, l.stride() as i64, 1],
-                        (l.offset() + r.start * l.stride()) as i64,
+                        &[h as i64, h as i64, 1],
+                        (base + r.start * h) as i64,
                     )
                 };
+                let (q_mem, q_base) = if dense_q {
+                    (&q.buf().mem, ql.offset())
+                } else {
+                    (self.scratch.get("attn_q"), 0)
+                };
+                let (o_mem, o_base) = if dense_o {
+                    (&out.buf().mem, ol.offset())
+                } else {
+                    (self.scratch.get("attn_o"), 0)
+                };
+                // Handles (not borrows) of the buffers, so `self.fia` may take `self` below.
+                let mut calls = Vec::with_capacity(groups.len());
+                for r in &groups {
+                    calls.push((
+                        Tensor::new(acl, q_mem, rows(q_base, r)).map_err(err)?,
+                        Tensor::new(acl, o_mem, rows(o_base, r)).map_err(err)?,
+                    ));
+                }
                 let masked = match g.window {
                     Some(w) => self.window_mask(w)?,
                     None => None,
                 };
                 let width = self.plan.mask_width() as i64;
-                for r in &groups {
-                    let query = Tensor::new(acl, &q.buf().mem, rows(ql, r)).map_err(err)?;
-                    let outt = Tensor::new(acl, &out.buf().mem, rows(ol, r)).map_err(err)?;
+                for (r, (query, outt)) in groups.iter().zip(&calls) {
                     // The entries' key-mask rows, (B, 1, 1, KV_S) bytes.
                     let mask = match masked {
                         Some((own, at)) => Some(
@@ -224,7 +309,16 @@ impl AscendBackend {
                         ),
                         None => None,
                     };
-                    self.fia(&query, &outt, layer, g, mask.as_ref(), None, r.clone())?;
+                    self.fia(query, outt, layer, g, mask.as_ref(), None, r.clone())?;
+                }
+                if !dense_o {
+                    copy(
+                        &mut self.ops,
+                        &out.buf().mem,
+                        tview(out.dtype(), ol),
+                        self.scratch.get("attn_o"),
+                        packed,
+                    )?;
                 }
                 Ok(())
             }

@@ -33,6 +33,12 @@ pub(super) fn tview(dtype: DType, l: Layout) -> TView {
     )
 }
 
+/// Whether a seam layout is dense row-major (rows exactly `cols` apart, or a single row): the
+/// form operators whose documentation refuses non-contiguous tensors take.
+pub(super) fn dense(l: Layout) -> bool {
+    l.rows() <= 1 || l.stride() == l.cols()
+}
+
 /// Refuses activations that are not f16 (the backend's activation type).
 pub(super) fn want_f16(op: &'static str, what: &str, dt: DType) -> Result<(), BackendError> {
     if dt != DType::F16 {
@@ -708,10 +714,19 @@ impl AscendBackend {
         }
         let (rows, ff) = (gl.rows(), gl.cols());
         self.pending = true;
-        // SwiGlu takes [gate | up] rows: adjacent column ranges of one buffer are that already.
+        // SwiGlu takes x = [gate | up] rows and out contiguous (its page marks both as not
+        // supporting non-contiguous tensors). Adjacent column ranges of one buffer are x already
+        // when they are the whole row; otherwise both halves are copied into a dense scratch.
         let adjacent = std::ptr::eq(gate.buf(), up.buf())
             && gl.stride() == ul.stride()
-            && ul.offset() == gl.offset() + ff;
+            && ul.offset() == gl.offset() + ff
+            && (rows <= 1 || gl.stride() == 2 * ff);
+        // A strided out is written through a dense scratch and copied out after.
+        let dense_out = dense(ol);
+        let packed = TView::contiguous(tensor::DType::F16, &[rows as i64, ff as i64]);
+        if !dense_out {
+            self.scratch.ensure(&self.dev, "swiglu_o", rows * ff * 2)?;
+        }
         let (xm, xv) = if adjacent {
             (
                 &gate.buf().mem,
@@ -746,22 +761,34 @@ impl AscendBackend {
                 TView::contiguous(tensor::DType::F16, &[rows as i64, 2 * ff as i64]),
             )
         };
+        let (om, ov) = if dense_out {
+            (&out.buf().mem, tview(out.dtype(), ol))
+        } else {
+            (self.scratch.get("swiglu_o"), packed.clone())
+        };
         let api = self.dev.acl.api.ops;
         let prep = api.aclnnSwiGluGetWorkspaceSize;
         self.ops
             .call(
                 "aclnnSwiGlu",
                 api.aclnnSwiGlu,
-                &[
-                    Arg::input("x", 0, xm, xv),
-                    Arg::output("out", 0, &out.buf().mem, tview(out.dtype(), ol)),
-                ],
+                &[Arg::input("x", 0, xm, xv), Arg::output("out", 0, om, ov)],
                 &[-1],
                 &[],
                 // SAFETY (closure): live tensors and out-pointers from the launcher.
                 Box::new(move |ts, _, w, e| unsafe { prep(ts[0].raw(), -1, ts[1].raw(), w, e) }),
             )
-            .map_err(err)
+            .map_err(err)?;
+        if !dense_out {
+            copy(
+                &mut self.ops,
+                &out.buf().mem,
+                tview(out.dtype(), ol),
+                self.scratch.get("swiglu_o"),
+                packed,
+            )?;
+        }
+        Ok(())
     }
 
     pub(super) fn op_gather_rows(

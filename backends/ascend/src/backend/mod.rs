@@ -68,10 +68,15 @@ pub fn err(e: AscendError) -> BackendError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeKernel {
     /// RotaryPositionEmbedding (half or interleave mode) where the release has it, else
-    /// ApplyRotaryPosEmb.
+    /// ApplyRotaryPosEmb where the rotary width is 128 (the only width its page allows), else
+    /// [`RopeKernel::MulAdd`].
     Auto,
-    /// ApplyRotaryPosEmb (half rotation; interleaved pairs are gathered into halves and back).
+    /// ApplyRotaryPosEmb (half rotation; interleaved pairs are gathered into halves and back),
+    /// for a rotary width of 128; other widths fall back to RotaryPositionEmbedding where the
+    /// release has it, else to [`RopeKernel::MulAdd`], with a warning.
     ApplyRotaryPosEmb,
+    /// An element-wise rotation with Mul and Add (any even rotary width, any release).
+    MulAdd,
 }
 
 /// Settings of one agent's Ascend backend.

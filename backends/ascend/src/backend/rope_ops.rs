@@ -1,6 +1,8 @@
 //! RoPE on the device: host-built cos/sin tables, one per rope (base, scaling, frequency
 //! factors), the step's rows of each gathered by position, and the rotation of the query and
-//! key heads (RotaryPositionEmbedding or ApplyRotaryPosEmb, by the model's style).
+//! key heads: RotaryPositionEmbedding (into a dense scratch, copied back: its out must be
+//! contiguous), ApplyRotaryPosEmb (rotary width 128 only, as its page requires), or an
+//! element-wise Mul/Add rotation where neither applies.
 
 use npu_backend::{AttnGeometry, BackendError, Layout, ViewMut};
 use npu_gguf::hparams::RopeStyle;
@@ -8,7 +10,8 @@ use npu_gguf::hparams::RopeStyle;
 use super::layer_ops::{bad, copy, gather, step_slice, want_f16};
 use super::objects::AscendBuffer;
 use super::{err, AscendBackend, RopeKernel, RopeTable, ROPE_TABLES};
-use crate::reuse::Arg;
+use crate::memory::DeviceBuffer as Mem;
+use crate::reuse::{Arg, Launcher};
 use crate::tensor::{self, View as TView};
 
 impl AscendBackend {
@@ -151,20 +154,27 @@ impl AscendBackend {
             ));
         }
         let api = self.dev.acl.api.ops;
-        let native = match self.cfg.rope {
-            RopeKernel::Auto => api
-                .aclnnRotaryPositionEmbeddingGetWorkspaceSize
-                .zip(api.aclnnRotaryPositionEmbedding),
-            RopeKernel::ApplyRotaryPosEmb => None,
-        };
+        let native = api
+            .aclnnRotaryPositionEmbeddingGetWorkspaceSize
+            .zip(api.aclnnRotaryPositionEmbedding);
+        let kernel = pick_kernel(self.cfg.rope, native.is_some(), d, g);
         let interleaved = g.rope.style == RopeStyle::Interleaved;
-        // The table's pairing follows the kernel: the native one rotates interleaved pairs itself;
-        // ApplyRotaryPosEmb rotates halves (interleaved heads are regrouped into halves first).
-        let ti = self.ensure_rope_table(&g.rope, interleaved && native.is_some())?;
+        // The table's pairing follows the kernel: RotaryPositionEmbedding and the element-wise
+        // rotation pair interleaved elements themselves; ApplyRotaryPosEmb rotates halves
+        // (interleaved heads are regrouped into halves first).
+        let ti = self.ensure_rope_table(&g.rope, interleaved && kernel != Kernel::Apply)?;
         self.rope_rows(ti, 2 * d)?;
-        if native.is_none() && interleaved {
-            self.scratch
-                .ensure(&self.dev, "rope_x", l.rows() * heads * d * 2)?;
+        let dense_bytes = l.rows() * heads * d * 2;
+        match kernel {
+            Kernel::Native => self.scratch.ensure(&self.dev, "rope_o", dense_bytes)?,
+            Kernel::Apply if interleaved => {
+                self.scratch.ensure(&self.dev, "rope_x", dense_bytes)?
+            }
+            Kernel::Apply => {}
+            Kernel::Elementwise => {
+                self.scratch.ensure(&self.dev, "rope_c", dense_bytes)?;
+                self.scratch.ensure(&self.dev, "rope_s", dense_bytes)?;
+            }
         }
         self.pending = true;
         let t = l.rows() as i64;
@@ -190,88 +200,94 @@ impl AscendBackend {
             &[t * l.stride() as i64, l.stride() as i64, hd as i64, 1],
             l.offset() as i64,
         );
-        if let Some((prep, launch)) = native {
-            let mode = if interleaved { 1 } else { 0 };
-            return self
-                .ops
-                .call(
-                    "aclnnRotaryPositionEmbedding",
-                    launch,
-                    &[
-                        Arg::input("x", 0, qkm, x.clone()),
-                        Arg::input("cos", 1, cs, cos),
-                        Arg::input("sin", 2, cs, sin),
-                        Arg::output("out", 0, qkm, x),
-                    ],
-                    &[mode],
-                    &[],
-                    // SAFETY (closure): live tensors and out-pointers from the launcher.
-                    Box::new(move |ts, _, w, e| unsafe {
-                        prep(
-                            ts[0].raw(),
-                            ts[1].raw(),
-                            ts[2].raw(),
-                            mode,
-                            ts[3].raw(),
-                            w,
-                            e,
-                        )
-                    }),
-                )
-                .map_err(err);
+        let packed = TView::contiguous(tensor::DType::F16, &[1, t, heads as i64, d as i64]);
+        match kernel {
+            Kernel::Native => {
+                let (prep, launch) = native.expect("picked only where the release has it");
+                let mode = if interleaved { 1 } else { 0 };
+                // x may be strided (the page allows it); out may not, and the page documents no
+                // in-place use: the rotation goes to a dense scratch, copied back into the rows.
+                let o = self.scratch.get("rope_o");
+                self.ops
+                    .call(
+                        "aclnnRotaryPositionEmbedding",
+                        launch,
+                        &[
+                            Arg::input("x", 0, qkm, x.clone()),
+                            Arg::input("cos", 1, cs, cos),
+                            Arg::input("sin", 2, cs, sin),
+                            Arg::output("out", 0, o, packed.clone()),
+                        ],
+                        &[mode],
+                        &[],
+                        // SAFETY (closure): live tensors and out-pointers from the launcher.
+                        Box::new(move |ts, _, w, e| unsafe {
+                            prep(
+                                ts[0].raw(),
+                                ts[1].raw(),
+                                ts[2].raw(),
+                                mode,
+                                ts[3].raw(),
+                                w,
+                                e,
+                            )
+                        }),
+                    )
+                    .map_err(err)?;
+                copy(&mut self.ops, qkm, x, o, packed)
+            }
+            Kernel::Elementwise => {
+                let scratch = (self.scratch.get("rope_c"), self.scratch.get("rope_s"));
+                rotate_elementwise(&mut self.ops, qkm, &x, cs, &cos, scratch, interleaved)
+            }
+            Kernel::Apply => {
+                // ApplyRotaryPosEmb: q and k in place, rotating halves.
+                let (work, wv) = if interleaved {
+                    // Pairs (2i, 2i+1) regrouped as (i, i + d/2) in a scratch copy, rotated,
+                    // put back.
+                    let s = self.scratch.get("rope_x");
+                    let (src, dst) = regroup_views(t, heads, hd, d, l);
+                    copy(&mut self.ops, s, dst, qkm, src)?;
+                    (s, packed)
+                } else {
+                    (qkm, x)
+                };
+                let q = TView {
+                    dims: vec![1, t, g.n_heads as i64, d as i64],
+                    ..wv.clone()
+                };
+                let k = TView {
+                    dims: vec![1, t, g.n_kv_heads as i64, d as i64],
+                    offset: wv.offset + g.n_heads as i64 * wv.strides[2],
+                    ..wv.clone()
+                };
+                let prep = api.aclnnApplyRotaryPosEmbGetWorkspaceSize;
+                self.ops
+                    .call(
+                        "aclnnApplyRotaryPosEmb",
+                        api.aclnnApplyRotaryPosEmb,
+                        &[
+                            Arg::fixed("queryRef", work, q),
+                            Arg::fixed("keyRef", work, k),
+                            Arg::fixed("cos", cs, cos),
+                            Arg::fixed("sin", cs, sin),
+                        ],
+                        &[1],
+                        &[],
+                        // SAFETY (closure): live tensors and out-pointers from the launcher.
+                        Box::new(move |ts, _, w, e| unsafe {
+                            prep(ts[0].raw(), ts[1].raw(), ts[2].raw(), ts[3].raw(), 1, w, e)
+                        }),
+                    )
+                    .map_err(err)?;
+                if interleaved {
+                    let (orig, grouped) = regroup_views(t, heads, hd, d, l);
+                    let s = self.scratch.get("rope_x");
+                    copy(&mut self.ops, qkm, orig, s, grouped)?;
+                }
+                Ok(())
+            }
         }
-        // ApplyRotaryPosEmb: q and k in place, rotating halves.
-        let (work, wv) = if interleaved {
-            // Pairs (2i, 2i+1) regrouped as (i, i + d/2) in a scratch copy, rotated, put back.
-            let s = self.scratch.get("rope_x");
-            let (src, dst) = regroup_views(t, heads, hd, d, l);
-            copy(&mut self.ops, s, dst, qkm, src)?;
-            (
-                s,
-                TView::strided(
-                    tensor::DType::F16,
-                    &[1, t, heads as i64, d as i64],
-                    &[t * (heads * d) as i64, (heads * d) as i64, d as i64, 1],
-                    0,
-                ),
-            )
-        } else {
-            (qkm, x)
-        };
-        let q = TView {
-            dims: vec![1, t, g.n_heads as i64, d as i64],
-            ..wv.clone()
-        };
-        let k = TView {
-            dims: vec![1, t, g.n_kv_heads as i64, d as i64],
-            offset: wv.offset + g.n_heads as i64 * wv.strides[2],
-            ..wv.clone()
-        };
-        let prep = api.aclnnApplyRotaryPosEmbGetWorkspaceSize;
-        self.ops
-            .call(
-                "aclnnApplyRotaryPosEmb",
-                api.aclnnApplyRotaryPosEmb,
-                &[
-                    Arg::fixed("queryRef", work, q),
-                    Arg::fixed("keyRef", work, k),
-                    Arg::fixed("cos", cs, cos),
-                    Arg::fixed("sin", cs, sin),
-                ],
-                &[1],
-                &[],
-                // SAFETY (closure): live tensors and out-pointers from the launcher.
-                Box::new(move |ts, _, w, e| unsafe {
-                    prep(ts[0].raw(), ts[1].raw(), ts[2].raw(), ts[3].raw(), 1, w, e)
-                }),
-            )
-            .map_err(err)?;
-        if interleaved {
-            let (orig, grouped) = regroup_views(t, heads, hd, d, l);
-            let s = self.scratch.get("rope_x");
-            copy(&mut self.ops, qkm, orig, s, grouped)?;
-        }
-        Ok(())
     }
 }
 
@@ -287,4 +303,172 @@ fn regroup_views(t: i64, heads: usize, hd: usize, d: usize, l: Layout) -> (TView
     );
     let halves = TView::contiguous(tensor::DType::F16, &dims);
     (interleaved, halves)
+}
+
+/// Which operator rotates a step's heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    /// RotaryPositionEmbedding (half or interleave mode), into a dense scratch.
+    Native,
+    /// ApplyRotaryPosEmb, q and k in place (rotary width 128 only).
+    Apply,
+    /// Mul and Add over the pairs ([`rotate_elementwise`]).
+    Elementwise,
+}
+
+/// aclnnApplyRotaryPosEmb's page: the last dimension D of queryRef, keyRef, cos and sin must
+/// equal 128.
+const APPLY_ROPE_D: usize = 128;
+
+/// Whether ApplyRotaryPosEmb takes `heads` (q + k) heads rotated over `d` dimensions: D = 128,
+/// and the page's unified-buffer bound for FLOAT16, (q_n + k_n)·128·2·5 + 128·2·4 bytes, within
+/// the 192 KiB of an Atlas A2/A3 AI core.
+fn apply_fits(d: usize, heads: usize) -> bool {
+    d == APPLY_ROPE_D && heads * APPLY_ROPE_D * 2 * 5 + APPLY_ROPE_D * 2 * 4 <= 192 * 1024
+}
+
+/// The kernel for `cfg`: RotaryPositionEmbedding where the release has it (Auto), else
+/// ApplyRotaryPosEmb where its documented shape holds; otherwise — ApplyRotaryPosEmb configured
+/// or left as the automatic fallback for a width it does not take — RotaryPositionEmbedding if
+/// present, else the element-wise rotation, with a warning naming the constraint.
+fn pick_kernel(cfg: RopeKernel, has_native: bool, d: usize, g: &AttnGeometry) -> Kernel {
+    let heads = g.n_heads + g.n_kv_heads;
+    match cfg {
+        RopeKernel::MulAdd => return Kernel::Elementwise,
+        RopeKernel::Auto if has_native => return Kernel::Native,
+        _ => {}
+    }
+    if apply_fits(d, heads) {
+        return Kernel::Apply;
+    }
+    let instead = if has_native {
+        Kernel::Native
+    } else {
+        Kernel::Elementwise
+    };
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            "aclnnApplyRotaryPosEmb takes only a rotary width D of {APPLY_ROPE_D} (and a bounded \
+             q + k head count); this model rotates {d} dimensions of {heads} heads, so {} is used \
+             instead",
+            match instead {
+                Kernel::Native => "aclnnRotaryPositionEmbedding",
+                _ => "an element-wise rotation (aclnnMul, aclnnAdd)",
+            }
+        )
+    });
+    instead
+}
+
+/// Rotates `x` (1, T, heads, d) in place with Mul and Add, which take strided views and
+/// broadcast: each pair (a, b) — halves (i, i + d/2), or interleaved (2i, 2i + 1) — becomes
+/// (a·cos − b·sin, b·cos + a·sin). `cos` is the step's table rows (1, T, 1, d) in `cs`, whose
+/// sin row starts d after it; `c` and `s` are dense scratch of x's size.
+fn rotate_elementwise(
+    ops: &mut Launcher,
+    xm: &Mem,
+    x: &TView,
+    cs: &Mem,
+    cos: &TView,
+    (cm, sm): (&Mem, &Mem),
+    interleaved: bool,
+) -> Result<(), BackendError> {
+    let d = x.dims[3];
+    let half = d / 2;
+    // The a (`second` false) or b elements of every pair of `v`, as (.., d/2).
+    let part = |v: &TView, second: bool| {
+        let mut p = v.clone();
+        p.dims[3] = half;
+        if interleaved {
+            p.offset += second as i64 * v.strides[3];
+            p.strides[3] *= 2;
+        } else {
+            p.offset += second as i64 * half * v.strides[3];
+        }
+        p
+    };
+    let sin = TView {
+        offset: cos.offset + d,
+        ..cos.clone()
+    };
+    let dense = TView::contiguous(tensor::DType::F16, &x.dims);
+    // c = x·cos; s_a = b·sin_a, s_b = a·sin_b.
+    mul(ops, (xm, x.clone()), (cs, cos.clone()), (cm, dense.clone()))?;
+    mul(
+        ops,
+        (xm, part(x, true)),
+        (cs, part(&sin, false)),
+        (sm, part(&dense, false)),
+    )?;
+    mul(
+        ops,
+        (xm, part(x, false)),
+        (cs, part(&sin, true)),
+        (sm, part(&dense, true)),
+    )?;
+    // a = c_a − s_a, b = c_b + s_b, written into the rows.
+    for (second, alpha) in [(false, -1.0), (true, 1.0)] {
+        add(
+            ops,
+            (cm, part(&dense, second)),
+            (sm, part(&dense, second)),
+            alpha,
+            (xm, part(x, second)),
+        )?;
+    }
+    Ok(())
+}
+
+/// `out = a · b` (b broadcast), aclnnMul.
+fn mul(
+    ops: &mut Launcher,
+    a: (&Mem, TView),
+    b: (&Mem, TView),
+    out: (&Mem, TView),
+) -> Result<(), BackendError> {
+    let api = ops.runner.acl().api.ops;
+    let prep = api.aclnnMulGetWorkspaceSize;
+    ops.call(
+        "aclnnMul",
+        api.aclnnMul,
+        &[
+            Arg::input("self", 0, a.0, a.1),
+            Arg::input("other", 1, b.0, b.1),
+            Arg::output("out", 0, out.0, out.1),
+        ],
+        &[],
+        &[],
+        // SAFETY (closure): live tensors and out-pointers from the launcher.
+        Box::new(move |ts, _, w, e| unsafe { prep(ts[0].raw(), ts[1].raw(), ts[2].raw(), w, e) }),
+    )
+    .map_err(err)
+}
+
+/// `out = a + alpha · b`, aclnnAdd.
+fn add(
+    ops: &mut Launcher,
+    a: (&Mem, TView),
+    b: (&Mem, TView),
+    alpha: f32,
+    out: (&Mem, TView),
+) -> Result<(), BackendError> {
+    let api = ops.runner.acl().api.ops;
+    let prep = api.aclnnAddGetWorkspaceSize;
+    ops.call(
+        "aclnnAdd",
+        api.aclnnAdd,
+        &[
+            Arg::input("self", 0, a.0, a.1),
+            Arg::input("other", 1, b.0, b.1),
+            Arg::output("out", 0, out.0, out.1),
+        ],
+        &[],
+        &[alpha],
+        // SAFETY (closure): live tensors, scalar and out-pointers from the launcher.
+        Box::new(move |ts, sc, w, e| unsafe {
+            prep(ts[0].raw(), ts[1].raw(), sc[0].raw(), ts[2].raw(), w, e)
+        }),
+    )
+    .map_err(err)
 }

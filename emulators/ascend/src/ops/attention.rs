@@ -319,6 +319,15 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
                 );
             }
             let (kc, vc) = (keys[0].clone(), values[0].clone());
+            super::contiguity::check(
+                op,
+                &[
+                    ("query", &q),
+                    ("key", &kc),
+                    ("value", &vc),
+                    ("attentionOut", &out),
+                ],
+            )?;
             let layout = layout.unwrap_or_default();
             let (b, s, n_from_shape, d_from_shape) = match (layout.as_str(), q.rank()) {
                 ("BSH", 3) => (q.dims[0], q.dims[1], None, None),
@@ -451,6 +460,9 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
                 }
             }
             let mask = st.opt_tensor(attenMaskOptional, "attenMaskOptional")?;
+            if let Some(m) = &mask {
+                super::contiguity::check(op, &[("attenMaskOptional", m)])?;
+            }
             let mask_types = [DType::Bool, DType::I8, DType::U8];
             let masking = if s == 1 {
                 // The incremental branch: sparseMode, preTokens and nextTokens have no effect.

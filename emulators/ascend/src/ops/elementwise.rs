@@ -1,5 +1,5 @@
 //! Element-wise and row-wise operators: Add, InplaceAdd, Cast, InplaceCopy, RmsNorm, SwiGlu, Embedding,
-//! ArgMax, ApplyRotaryPosEmb (half rotation, q and k in place) and RotaryPositionEmbedding
+//! ArgMax, ApplyRotaryPosEmb (half rotation, q and k in place, D = 128 only) and RotaryPositionEmbedding
 //! (half and interleave modes), with the shape and dtype rules of their aclnn documentation.
 
 use npu_ffi::types::*;
@@ -9,6 +9,9 @@ use crate::state::*;
 use crate::view::{DType, View};
 
 const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::Bf16];
+/// The AI core's unified buffer (Atlas A2/A3), against which ApplyRotaryPosEmb's page bounds the
+/// head count.
+const UB_BYTES: i64 = 192 * 1024;
 const NUMERIC: &[DType] = &[
     DType::F32,
     DType::F16,
@@ -529,6 +532,7 @@ pub unsafe extern "C" fn aclnnSwiGluGetWorkspaceSize(
         if o.dtype != x.dtype {
             return invalid(op, "out must have x's data type");
         }
+        super::contiguity::check(op, &[("x", &x), ("out", &o)])?;
         let r = x.rank() as i64;
         if r == 0 || dim < -r || dim >= r {
             return invalid(op, format!("dim {dim} outside [-{r}, {}]", r - 1));
@@ -804,6 +808,22 @@ pub unsafe extern "C" fn aclnnApplyRotaryPosEmbGetWorkspaceSize(
                 ),
             );
         }
+        // The page: the last dimension D of queryRef, keyRef, cos and sin must equal 128.
+        if d != 128 {
+            return invalid(op, format!("D = {d}: queryRef, keyRef, cos and sin must have a last dimension of exactly 128"));
+        }
+        // The page's UB bound: (q_n + k_n) heads of 128 (with the 16/32-bit staging it lists)
+        // must fit the AI core's unified buffer (192 KiB on Atlas A2/A3).
+        let (cast, cast_size, dtype_size) = match q.dtype {
+            DType::Bf16 => (1, 4, 2),
+            DType::F16 => (0, 2, 2),
+            _ => (0, 4, 4),
+        };
+        let heads = q.dims[2] + k.dims[2];
+        let ub = heads * 128 * cast_size * 5 + 128 * dtype_size * 4 + cast * 128 * 4 * 2;
+        if ub > UB_BYTES {
+            return invalid(op, format!("q_n + k_n = {heads} heads need {ub} bytes of unified buffer; more than the {UB_BYTES} there are"));
+        }
         for (w, v) in [("cos", &c), ("sin", &s)] {
             if v.dims != [b, s_, 1, d] {
                 return invalid(
@@ -874,6 +894,7 @@ pub unsafe extern "C" fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(
                     return invalid(op, "x, cos, sin and out must share one data type");
                 }
             }
+            super::contiguity::check(op, &[("x", &x), ("cos", &c), ("sin", &s), ("out", &o)])?;
             let interleave = match mode {
             0 => false,
             1 => true,

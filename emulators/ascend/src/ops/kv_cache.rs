@@ -1,6 +1,7 @@
 //! Writing new tokens' K/V into the paged cache by slot mapping: ScatterPaKvCache in its "Norm"
 //! layout (key/value (T, N, D), caches (blockNum, blockSize, N, D), slotMapping (T) of INT32 or
-//! INT64 with every slot in [0, blockNum·blockSize) and no slot twice), and the older
+//! INT64 with every slot in [0, blockNum·blockSize) and no slot twice; scatterMode null or
+//! "None", so contiguous key/value), and the older
 //! ScatterNdUpdate (`varRef[indices[i]] = updates[i]`), its documented equivalent over a cache
 //! viewed as (blockNum·blockSize, N·D) rows. Out-of-range or repeated slots fail the stream.
 
@@ -113,13 +114,26 @@ pub unsafe extern "C" fn aclnnScatterPaKvCacheGetWorkspaceSize(
         if !compressLensOptional.is_null()
             || !compressSeqOffsetOptional.is_null()
             || !seqLensOptional.is_null()
-            || !stridesOptional.is_null()
-            || !offsetsOptional.is_null()
         {
             return invalid(
                 op,
-                "the compressed and non-contiguous scenarios are not implemented by this emulation",
+                "the compressed scenarios are not implemented by this emulation",
             );
+        }
+        // strides / offsets: two values each (key's, value's), read only in "Nct" mode; with
+        // "None" they are the defaults torch_npu passes ({1, 1} and {0, 0}).
+        for (name, p) in [
+            ("stridesOptional", stridesOptional),
+            ("offsetsOptional", offsetsOptional),
+        ] {
+            if let Some(a) = st.int_array(p, name)? {
+                if a.len() != 2 {
+                    return invalid(
+                        op,
+                        format!("{name} must hold 2 values (key's and value's), got {a:?}"),
+                    );
+                }
+            }
         }
         if !matches!(cache_mode.as_deref(), None | Some("Norm")) {
             return invalid(
@@ -132,6 +146,14 @@ pub unsafe extern "C" fn aclnnScatterPaKvCacheGetWorkspaceSize(
         if !matches!(scatter_mode.as_deref(), None | Some("None")) {
             return invalid(op, format!("scatterMode {scatter_mode:?} is not implemented by this emulation (\"None\" is)"));
         }
+        // Null or "None": the new key and value are documented as contiguous (strided ones take
+        // the "Nct" mode with their strides); the caches are non-contiguous nowhere.
+        for (w, t) in [("key", &k), ("value", &v)] {
+            if !t.is_contiguous() {
+                return invalid(op, format!("{w} {:?} with strides {:?} is not contiguous; scatterMode {scatter_mode:?} takes contiguous key and value (\"Nct\" is the documented mode for strided ones)", t.dims, t.strides));
+            }
+        }
+        super::contiguity::check(op, &[("keyCacheRef", &kc), ("valueCacheRef", &vc)])?;
         for (w, t) in [
             ("key", &k),
             ("keyCacheRef", &kc),

@@ -323,6 +323,9 @@ pub unsafe extern "C" fn aclnnWeightQuantBatchMatmulV2GetWorkspaceSize(
             if !wv.is_contiguous() && !is_transposed_2d(&wv) {
                 return invalid(op, format!("weight strides {:?} are neither contiguous nor transposed (the only non-contiguous case supported)", wv.strides));
             }
+            let mut layouts = vec![("antiquantScale", &sv), ("y", &yv)];
+            layouts.extend(ov.as_ref().map(|o| ("antiquantOffsetOptional", o)));
+            super::contiguity::check(op, &layouts)?;
             if wv.dtype == DType::I4 {
                 let inner = if wv.is_contiguous() { n } else { k };
                 if inner % 2 != 0 {

@@ -11,6 +11,7 @@
 
 mod activation;
 mod attention;
+pub mod contiguity;
 pub(crate) mod elementwise;
 mod kv_cache;
 mod matmul;
