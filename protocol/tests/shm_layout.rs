@@ -8,6 +8,7 @@ use npu_protocol::shm::layout::{
     REGION_ALIGN,
 };
 use npu_protocol::shm::{Region, ShmCapacities, ShmError, ShmHeader, ShmLayout, SHM_MAGIC};
+use npu_protocol::MAX_LOGIT_BIAS;
 
 fn small_caps() -> ShmCapacities {
     ShmCapacities {
@@ -46,21 +47,26 @@ fn regions_of_a_small_layout_have_the_expected_offsets_and_sizes() {
         (Region::Tokens, 448, 400),
         (Region::SlotMapping, 896, 400),
         (Region::BlockTables, 1344, 4 * 6 * 4),
-        (Region::Admissions, 1472, 3 * 56),
-        (Region::Forget, 1664, 5 * 4),
-        (Region::KvCopies, 1728, 3 * 16),
-        (Region::ResultMeta, 1792, 80),
-        (Region::SeqResults, 1920, 4 * 16),
-        (Region::TopLogprobs, 1984, 4 * 2 * 8),
+        // An admission: slot, parameters and a table of MAX_LOGIT_BIAS (token, bias) pairs.
+        (
+            Region::Admissions,
+            1472,
+            3 * (56 + 8 * MAX_LOGIT_BIAS as u64),
+        ),
+        (Region::Forget, 7808, 5 * 4),
+        (Region::KvCopies, 7872, 3 * 16),
+        (Region::ResultMeta, 7936, 80),
+        (Region::SeqResults, 8064, 4 * 16),
+        (Region::TopLogprobs, 8128, 4 * 2 * 8),
     ];
     for (region, offset, size) in expect {
         let r = layout.region(region);
         assert_eq!((r.offset, r.size), (offset, size), "{region:?}");
     }
-    assert_eq!(layout.total_size(), 2048);
+    assert_eq!(layout.total_size(), 8192);
     assert_eq!(size_of::<PlanMeta>(), 32);
     assert_eq!(size_of::<SeqDesc>(), 32);
-    assert_eq!(size_of::<RawAdmission>(), 56);
+    assert_eq!(size_of::<RawAdmission>(), 56 + 8 * MAX_LOGIT_BIAS);
     assert_eq!(size_of::<ResultMeta>(), 80);
     assert_eq!(size_of::<RawKvCopy>(), 16);
     assert_eq!(size_of::<RawSeqResult>(), 16);
