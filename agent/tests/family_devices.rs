@@ -146,6 +146,7 @@ fn cuda() -> CudaBackend {
         gemv_max_rows: 8,
         kernel_cache: None,
         lib_dirs: Vec::new(),
+        int8_mma: true,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }

@@ -308,3 +308,226 @@ __device__ __forceinline__ void dequant_body(const u8* w, const u16* wd, const u
     DEQUANT_ONE(T, S, WF_Q4_1, q4_1)                                                               \
     DEQUANT_ONE(T, S, WF_Q8_0, q8_0)
 NPU_FOR_EACH_ACT(DEQUANT)
+
+// ---- GEMM on the int8 tensor cores (sm_80 and later): many activation rows at once ---------------
+//
+// The same arithmetic as the GEMV kernels, bit for bit: a block's integer dot product is exact
+// whichever unit computes it, and each output's float sum is taken in the GEMV's order. The GEMV
+// gives lane L of a warp the blocks L, L + 32, L + 64, ... of a row (one fmaf each, in that
+// order) and then adds the 32 lane sums with the xor butterfly of `warp_sum` (pairs 16 apart
+// first, then 8, 4, 2, 1). Here one thread owns an output and walks the same 32 partial sums
+// itself, in bit-reversed lane order, so that the butterfly becomes a left-to-right pairwise sum
+// (leaves 2i and 2i + 1 are lanes rev(2i) and rev(2i) ^ 16, and so on up the tree).
+//
+// Tiles: a warp computes 16 rows x 16 outputs with two mma.m16n8k32 per weight block (k = 32 is
+// one block); a block of 4 warps covers 32 rows x 32 outputs. grid (ceil(rows / 32), ceil(n / 32)):
+// the blocks that run together share weight tiles, which are read from memory about once.
+
+// c = A B for one warp: A 16 x 32 int8 (row-major fragments a), B 32 x 8 int8 (column-major
+// fragments b), c 16 x 8 int32, in the register layout the PTX ISA gives for mma.m16n8k32 with
+// 8-bit types (g = lane / 4, t = lane % 4): a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..],
+// a[2] = A[g][16+4t..], a[3] = A[g+8][16+4t..]; b[0] = B[4t..4t+3][g], b[1] = B[16+4t..][g];
+// c[0] = C[g][2t], c[1] = C[g][2t+1], c[2] = C[g+8][2t], c[3] = C[g+8][2t+1]. The emulation
+// gathers the fragments with shuffles and computes the same products.
+__device__ __forceinline__ void mma_s8_16x8x32(int* c, const u32* a, const u32* b) {
+#ifdef NPU_EMULATION
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    int ra[2][8];
+    for (int s = 0; s < 4; ++s) {
+        const int src = g * 4 + s;
+        ra[0][s] = __shfl_sync(FULL_MASK, (int)a[0], src);
+        ra[1][s] = __shfl_sync(FULL_MASK, (int)a[1], src);
+        ra[0][4 + s] = __shfl_sync(FULL_MASK, (int)a[2], src);
+        ra[1][4 + s] = __shfl_sync(FULL_MASK, (int)a[3], src);
+    }
+    int rb[2][8];
+    for (int j = 0; j < 2; ++j) {
+        for (int s = 0; s < 4; ++s) {
+            const int src = (t * 2 + j) * 4 + s;
+            rb[j][s] = __shfl_sync(FULL_MASK, (int)b[0], src);
+            rb[j][4 + s] = __shfl_sync(FULL_MASK, (int)b[1], src);
+        }
+    }
+    for (int i = 0; i < 4; ++i) {
+        int dot = 0;
+        for (int q = 0; q < 8; ++q) {
+            dot = __dp4a(ra[i >> 1][q], rb[i & 1][q], dot);
+        }
+        c[i] = dot;
+    }
+#elif __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%10,%10,%10,%10};"
+                 : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+#else
+    __trap(); // the host launches these kernels on sm_80 and later only
+#endif
+}
+
+// What one warp's tile needs: its rows (r_lo = g, r_hi = g + 8 of the tile) and outputs.
+struct GemmWarp {
+    const u8* w;
+    const u16* wd;
+    const u16* wm;
+    int n;
+    int nb;
+    int k;
+    const signed char* xq;
+    const u32* xs;
+    int r_lo;      // this thread's first row; r_lo + 8 its second
+    bool ok_lo;    // r_lo < rows
+    bool ok_hi;    // r_lo + 8 < rows
+    int o_frag[2]; // the weight row this lane loads for n-tile 0 and 1 (o0 + 8 j + g)
+    int o_out[4];  // the outputs of this thread's results: o0 + 8 j + 2 t + i, at 2 j + i
+};
+
+// The partial sums of lane class `lane_class` (blocks lane_class, lane_class + 32, ...) of the
+// thread's 8 results: p[4 j + i] = (r_lo, o_out[2 j + i]), p[4 j + 2 + i] = (r_hi, o_out[2 j + i]).
+template <int FMT>
+__device__ __forceinline__ void gemm_lane_class(const GemmWarp& s, int lane_class, float* p) {
+    const int t = threadIdx.x & 3;
+    const int qb = FMT == WF_Q8_0 ? 32 : 16;
+    const int offset = FMT == WF_Q4_0 ? 8 : 0;
+    for (int i = 0; i < 8; ++i) {
+        p[i] = 0.0f;
+    }
+    for (int b = lane_class; b < s.nb; b += 32) {
+        u32 a[4] = {0u, 0u, 0u, 0u};
+        uint4 s_lo = {0u, 0u, 0u, 0u};
+        uint4 s_hi = {0u, 0u, 0u, 0u};
+        if (s.ok_lo) {
+            const signed char* x = s.xq + (i64)s.r_lo * s.k + b * 32 + t * 4;
+            a[0] = *(const u32*)x;
+            a[2] = *(const u32*)(x + 16);
+            s_lo = *(const uint4*)(s.xs + ((i64)s.r_lo * s.nb + b) * 4);
+        }
+        if (s.ok_hi) {
+            const signed char* x = s.xq + (i64)(s.r_lo + 8) * s.k + b * 32 + t * 4;
+            a[1] = *(const u32*)x;
+            a[3] = *(const u32*)(x + 16);
+            s_hi = *(const uint4*)(s.xs + ((i64)(s.r_lo + 8) * s.nb + b) * 4);
+        }
+        for (int j = 0; j < 2; ++j) {
+            u32 bq[2] = {0u, 0u};
+            if (s.o_frag[j] < s.n) {
+                const u8* q = s.w + ((i64)s.o_frag[j] * s.nb + b) * qb + t * 4;
+                if (FMT == WF_Q8_0) {
+                    bq[0] = *(const u32*)q;
+                    bq[1] = *(const u32*)(q + 16);
+                } else {
+                    // Byte i: element i in the low nibble, element i + 16 in the high one.
+                    const u32 v = *(const u32*)q;
+                    bq[0] = v & 0x0f0f0f0fu;
+                    bq[1] = (v >> 4) & 0x0f0f0f0fu;
+                }
+            }
+            int c[4];
+            mma_s8_16x8x32(c, a, bq);
+            for (int i = 0; i < 2; ++i) {
+                const int o = s.o_out[2 * j + i];
+                if (o >= s.n) {
+                    continue;
+                }
+                const i64 blk = (i64)o * s.nb + b;
+                const float dw = f16_bits_to_f32(s.wd[blk]);
+                const float mw = FMT == WF_Q4_1 ? f16_bits_to_f32(s.wm[blk]) : 0.0f;
+                float* lo = p + 4 * j + i;
+                float* hi = p + 4 * j + 2 + i;
+                const int dot_lo = c[i] - offset * (int)s_lo.z;
+                const int dot_hi = c[2 + i] - offset * (int)s_hi.z;
+                *lo = fmaf((float)dot_lo, dw * __uint_as_float(s_lo.x), *lo);
+                *hi = fmaf((float)dot_hi, dw * __uint_as_float(s_hi.x), *hi);
+                if (FMT == WF_Q4_1) {
+                    *lo = fmaf(mw, __uint_as_float(s_lo.y), *lo);
+                    *hi = fmaf(mw, __uint_as_float(s_hi.y), *hi);
+                }
+            }
+        }
+    }
+}
+
+// The butterfly's sum of lane classes in sequence positions [S, S + 2^LEVEL), in bit-reversed
+// order: position q holds lane class rev5(q).
+template <int FMT, int LEVEL, int S>
+struct GemmTree {
+    static __device__ __forceinline__ void sum(const GemmWarp& s, float* out) {
+        float right[8];
+        GemmTree<FMT, LEVEL - 1, S>::sum(s, out);
+        GemmTree<FMT, LEVEL - 1, S + (1 << (LEVEL - 1))>::sum(s, right);
+        for (int i = 0; i < 8; ++i) {
+            out[i] = out[i] + right[i];
+        }
+    }
+};
+template <int FMT, int S>
+struct GemmTree<FMT, 0, S> {
+    static __device__ __forceinline__ void sum(const GemmWarp& s, float* out) {
+        const int lane_class =
+            ((S & 1) << 4) | ((S & 2) << 2) | (S & 4) | ((S & 8) >> 2) | ((S & 16) >> 4);
+        gemm_lane_class<FMT>(s, lane_class, out);
+    }
+};
+
+template <typename T, int FMT>
+__device__ __forceinline__ void gemm_q_body(const u8* w, const u16* wd, const u16* wm, int n,
+                                            int k, const signed char* xq, const u32* xs, int rows,
+                                            T* out, int ldo) {
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int r0 = blockIdx.x * 32 + (warp & 1) * 16;
+    const int o0 = blockIdx.y * 32 + (warp >> 1) * 16;
+    if (r0 >= rows || o0 >= n) {
+        return; // the whole warp: this kernel has no block-wide barrier
+    }
+    GemmWarp s;
+    s.w = w;
+    s.wd = wd;
+    s.wm = wm;
+    s.n = n;
+    s.nb = k >> 5;
+    s.k = k;
+    s.xq = xq;
+    s.xs = xs;
+    s.r_lo = r0 + g;
+    s.ok_lo = r0 + g < rows;
+    s.ok_hi = r0 + g + 8 < rows;
+    for (int j = 0; j < 2; ++j) {
+        s.o_frag[j] = o0 + 8 * j + g;
+        for (int i = 0; i < 2; ++i) {
+            s.o_out[2 * j + i] = o0 + 8 * j + 2 * t + i;
+        }
+    }
+    float total[8];
+    GemmTree<FMT, 5, 0>::sum(s, total);
+    for (int j = 0; j < 2; ++j) {
+        for (int i = 0; i < 2; ++i) {
+            const int o = s.o_out[2 * j + i];
+            if (o >= n) {
+                continue;
+            }
+            if (s.ok_lo) {
+                out[(i64)s.r_lo * ldo + o] = from_f32<T>(total[4 * j + i]);
+            }
+            if (s.ok_hi) {
+                out[(i64)(s.r_lo + 8) * ldo + o] = from_f32<T>(total[4 * j + 2 + i]);
+            }
+        }
+    }
+}
+
+#define GEMM_Q_ONE(T, S, FMT, FS)                                                                  \
+    extern "C" __global__ void gemm_##FS##_##S(const u8* w, const u16* wd, const u16* wm, int n,  \
+                                               int k, const signed char* xq, const u32* xs,       \
+                                               int rows, T* out, int ldo) {                        \
+        gemm_q_body<T, FMT>(w, wd, wm, n, k, xq, xs, rows, out, ldo);                             \
+    }
+#define GEMM_Q(T, S)                                                                               \
+    GEMM_Q_ONE(T, S, WF_Q4_0, q4_0)                                                                \
+    GEMM_Q_ONE(T, S, WF_Q4_1, q4_1)                                                                \
+    GEMM_Q_ONE(T, S, WF_Q8_0, q8_0)
+NPU_FOR_EACH_ACT(GEMM_Q)

@@ -45,6 +45,9 @@ pub const ENV_DTYPE: &str = "NPU_SERVING_CUDA_DTYPE";
 pub const ENV_MATMUL: &str = "NPU_SERVING_CUDA_MATMUL";
 /// Environment variable: most token rows a step may have for the GEMV kernels in `auto` mode.
 pub const ENV_GEMV_MAX_ROWS: &str = "NPU_SERVING_CUDA_GEMV_MAX_ROWS";
+/// Environment variable: `0` keeps steps of many token rows off the int8 tensor cores (the GEMV
+/// kernels then take every step); `1`, the default, uses them on sm_80 and later.
+pub const ENV_MMA: &str = "NPU_SERVING_CUDA_MMA";
 /// Environment variable: `1` makes `CudaBackend::new` open the CPU emulation of the kernels
 /// instead of a GPU, in builds where this crate has its `emulation` feature (test builds of the
 /// crates that use it; a binary whose `npu-backend-cuda` dependency enables it): whole-model
@@ -61,6 +64,9 @@ pub struct CudaConfig {
     pub matmul: MatmulMode,
     /// `Auto` mode: steps with at most this many token rows use the GEMV kernels.
     pub gemv_max_rows: usize,
+    /// Quantized products of more than 8 token rows run on the int8 tensor cores (sm_80 and
+    /// later), with the GEMV kernels' arithmetic bit for bit; `false` leaves them to the GEMV.
+    pub int8_mma: bool,
     /// Where compiled kernels are cached on disk (`None`: memory only).
     pub kernel_cache: Option<PathBuf>,
     /// Directories searched for the CUDA libraries when the loader does not find them by name.
@@ -75,6 +81,7 @@ impl Default for CudaConfig {
             act_dtype: DType::F32,
             matmul: MatmulMode::Quantized,
             gemv_max_rows: 16,
+            int8_mma: true,
             kernel_cache: crate::nvrtc::default_cache_dir(),
             lib_dirs: crate::libs::default_search_dirs(),
         }
@@ -82,8 +89,8 @@ impl Default for CudaConfig {
 }
 
 impl CudaConfig {
-    /// The defaults with `NPU_SERVING_CUDA_DTYPE`, `NPU_SERVING_CUDA_MATMUL` and
-    /// `NPU_SERVING_CUDA_GEMV_MAX_ROWS` applied; a bad value is an error naming the variable.
+    /// The defaults with `NPU_SERVING_CUDA_DTYPE`, `NPU_SERVING_CUDA_MATMUL`,
+    /// `NPU_SERVING_CUDA_GEMV_MAX_ROWS` and `NPU_SERVING_CUDA_MMA` applied; a bad value is an error naming the variable.
     pub fn from_env() -> Result<Self, String> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -108,6 +115,13 @@ impl CudaConfig {
             c.gemv_max_rows = v
                 .parse()
                 .map_err(|_| format!("{ENV_GEMV_MAX_ROWS}={v:?}: expected a number of rows"))?;
+        }
+        if let Some(v) = get(ENV_MMA) {
+            c.int8_mma = match v.as_str() {
+                "0" => false,
+                "1" => true,
+                _ => return Err(format!("{ENV_MMA}={v:?}: expected 0 or 1")),
+            };
         }
         Ok(c)
     }
@@ -134,7 +148,12 @@ mod tests {
         assert!(e.contains(ENV_DTYPE), "{e}");
         let e = CudaConfig::from_vars(|k| (k == ENV_MATMUL).then(|| "fast".into())).unwrap_err();
         assert!(e.contains(ENV_MATMUL), "{e}");
+        let e = CudaConfig::from_vars(|k| (k == ENV_MMA).then(|| "yes".into())).unwrap_err();
+        assert!(e.contains(ENV_MMA), "{e}");
+        let off = CudaConfig::from_vars(|k| (k == ENV_MMA).then(|| "0".into())).unwrap();
+        assert!(!off.int8_mma);
         let d = CudaConfig::from_vars(|_| None).unwrap();
         assert_eq!((d.act_dtype, d.matmul), (DType::F32, MatmulMode::Quantized));
+        assert!(d.int8_mma);
     }
 }

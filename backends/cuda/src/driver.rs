@@ -76,6 +76,7 @@ pub struct CudaGpu {
     description: String,
     sm_count: u32,
     max_smem: u32,
+    int8_mma: bool,
 }
 
 // SAFETY: the raw handles (module, functions, cuBLAS handle, pinned pointers, events) are owned
@@ -300,6 +301,7 @@ impl CudaGpu {
             description,
             sm_count,
             max_smem,
+            int8_mma: major >= 8,
         };
         gpu.warm_up()?;
         Ok(gpu)
@@ -455,6 +457,10 @@ impl Gpu for CudaGpu {
 
     fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    fn int8_mma(&self) -> bool {
+        self.int8_mma
     }
 
     fn max_dynamic_smem(&self) -> u32 {

@@ -124,6 +124,8 @@ pub trait Gpu: Send + Sync {
     fn describe(&self) -> String;
     /// Streaming multiprocessors (sizes the attention split).
     fn sm_count(&self) -> u32;
+    /// Whether the device has the int8 tensor-core `mma.m16n8k32` (sm_80 and later).
+    fn int8_mma(&self) -> bool;
     /// Most dynamic shared memory one block may use.
     fn max_dynamic_smem(&self) -> u32;
     fn mem_info(&self) -> Result<MemInfo, BackendError>;

@@ -159,6 +159,18 @@ pub fn dequant_kernel(fmt: WeightFormat, dt: DType) -> usize {
     DEQUANT_BASE + fmt.index() * ACTS.len() + act_index(dt)
 }
 
+const GEMM_BASE: usize = DEQUANT_BASE + WeightFormat::ALL.len() * ACTS.len();
+
+/// The quantized formats the int8 tensor-core GEMM takes (not F16).
+pub const GEMM_FORMATS: [WeightFormat; 3] =
+    [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0];
+
+/// Index of the int8 tensor-core GEMM for `fmt` (a quantized format: `None` for F16).
+pub fn gemm_kernel(fmt: WeightFormat, dt: DType) -> Option<usize> {
+    let f = GEMM_FORMATS.iter().position(|&g| g == fmt)?;
+    Some(GEMM_BASE + f * ACTS.len() + act_index(dt))
+}
+
 /// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
 /// every launch for fault messages, and must not rebuild the list each time.
 pub fn kernel_name(i: usize) -> &'static str {
@@ -192,6 +204,15 @@ pub fn kernel_names() -> Vec<String> {
         for dt in ACTS {
             names.push(format!(
                 "dequant_{}_{}",
+                fmt.kernel_name(),
+                act_suffix(dt).unwrap()
+            ));
+        }
+    }
+    for fmt in GEMM_FORMATS {
+        for dt in ACTS {
+            names.push(format!(
+                "gemm_{}_{}",
                 fmt.kernel_name(),
                 act_suffix(dt).unwrap()
             ));
@@ -235,7 +256,12 @@ mod tests {
             "rms_norm_heads_f16"
         );
         assert_eq!(names[op_kernel(Op::Scale, DType::BF16)], "scale_bf16");
-        assert_eq!(names.len(), DEQUANT_BASE + 12);
+        assert_eq!(
+            names[gemm_kernel(WeightFormat::Q8_0, DType::F16).unwrap()],
+            "gemm_q8_0_f16"
+        );
+        assert_eq!(gemm_kernel(WeightFormat::F16, DType::F32), None);
+        assert_eq!(names.len(), GEMM_BASE + 9);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();
@@ -255,5 +281,6 @@ mod tests {
         }
         assert!(src.contains("void gemv_##FS##_r##R##_##S("));
         assert!(src.contains("void dequant_##FS##_##S("));
+        assert!(src.contains("void gemm_##FS##_##S("));
     }
 }

@@ -7,7 +7,7 @@ use crate::backend::CudaBackend;
 use crate::buffer::CudaBuffer;
 use crate::config::MatmulMode;
 use crate::gpu::{blocks, Args, DevPtr, Gemm, LaunchDims};
-use crate::kernels::{self, dequant_kernel, gemv_kernel, op_kernel, Op, WeightFormat};
+use crate::kernels::{self, dequant_kernel, gemm_kernel, gemv_kernel, op_kernel, Op, WeightFormat};
 use crate::ops::{addr, addr_mut, float, grid_rows, int, need, same, EW_THREADS};
 use crate::weights::{CudaMatrix, MatrixKind};
 
@@ -176,6 +176,25 @@ impl CudaBackend {
         };
         let ol = out.layout();
         let op = addr_mut(&out);
+        if let (Some((xq, xs)), Some(kernel)) = (quantized, self.mma_kernel(fmt, rows, dt)) {
+            // Many rows: the int8 tensor cores, the GEMV's arithmetic bit for bit.
+            let wp = w.mem.ptr();
+            return self.launch(
+                kernel,
+                LaunchDims::linear([blocks(rows, 32), grid_rows(OP, w.n.div_ceil(32))?, 1], 128),
+                Args::new()
+                    .ptr(wp)
+                    .ptr(wp + w.scales_at as u64)
+                    .ptr(wp + w.mins_at as u64)
+                    .i32(n)
+                    .i32(k)
+                    .ptr(xq)
+                    .ptr(xs)
+                    .i32(int(OP, rows)?)
+                    .ptr(op)
+                    .i32(int(OP, ol.stride())?),
+            );
+        }
         let variant = usize::from(rows > 1);
         let per = kernels::GEMV_ROWS[variant];
         let dims = LaunchDims::linear([blocks(w.n, GEMV_WARPS), 1, 1], (GEMV_WARPS * 32) as u32);
@@ -210,5 +229,14 @@ impl CudaBackend {
             r0 += per;
         }
         Ok(())
+    }
+
+    /// The int8 tensor-core GEMM for a quantized product of `rows` rows, where it is used: more
+    /// rows than one GEMV pass takes, a device with `mma.m16n8k32` and the setting on.
+    fn mma_kernel(&self, fmt: WeightFormat, rows: usize, dt: DType) -> Option<usize> {
+        if rows <= kernels::GEMV_ROWS[1] || !self.cfg.int8_mma || !self.gpu.int8_mma() {
+            return None;
+        }
+        gemm_kernel(fmt, dt)
     }
 }

@@ -11,6 +11,7 @@ use npu_backend_cuda::{CudaBackend, CudaConfig};
 fn the_variable_opens_the_emulation_and_only_when_it_is_1() {
     let cfg = CudaConfig {
         lib_dirs: Vec::new(),
+        int8_mma: true,
         kernel_cache: None,
         ..CudaConfig::default()
     };

@@ -69,6 +69,11 @@ fn matmul_paths_match_their_references() {
 }
 
 #[test]
+fn quantized_matmul_is_batch_invariant() {
+    conformance::quantized_matmul_is_batch_invariant(&emulated);
+}
+
+#[test]
 fn uploads_and_reads_strided_windows() {
     conformance::uploads_and_reads_strided_windows(&emulated);
 }

@@ -13,6 +13,7 @@ fn driver_present() -> bool {
 fn opening_a_device_without_cuda_names_the_missing_library() {
     let cfg = CudaConfig {
         lib_dirs: Vec::new(),
+        int8_mma: true,
         ..CudaConfig::default()
     };
     let result = std::panic::catch_unwind(|| CudaBackend::new(0, cfg.clone()));
@@ -62,6 +63,7 @@ fn a_directory_with_a_broken_library_is_not_a_crash() {
     std::fs::write(dir.join("libcuda.so.1"), b"not an ELF file").unwrap();
     let cfg = CudaConfig {
         lib_dirs: vec![dir.clone()],
+        int8_mma: true,
         ..CudaConfig::default()
     };
     let r = std::panic::catch_unwind(|| CudaBackend::new(0, cfg)).expect("no panic");

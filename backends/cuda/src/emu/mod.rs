@@ -167,6 +167,10 @@ impl Gpu for EmuGpu {
         SM_COUNT
     }
 
+    fn int8_mma(&self) -> bool {
+        true // emulated with warp shuffles, in the fragment layout the PTX ISA gives
+    }
+
     fn max_dynamic_smem(&self) -> u32 {
         MAX_SMEM
     }

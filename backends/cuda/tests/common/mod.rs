@@ -19,6 +19,7 @@ pub fn emulated(dt: DType, matmul: MatmulMode) -> Option<CudaBackend> {
         gemv_max_rows: 8,
         kernel_cache: None,
         lib_dirs: Vec::new(),
+        int8_mma: true,
     };
     match CudaBackend::emulated(cfg) {
         Ok(b) => Some(b),

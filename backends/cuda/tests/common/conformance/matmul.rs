@@ -159,10 +159,86 @@ pub fn matmul_paths_match_their_references(make: Make) {
                     if launched.is_empty() {
                         continue; // a real device: launches are not recorded
                     }
-                    let used_gemv = launched.iter().any(|l| l.starts_with("gemv_"));
+                    let used_gemv = launched
+                        .iter()
+                        .any(|l| l.starts_with("gemv_") || l.starts_with("gemm_q"));
                     assert_eq!(used_gemv, gemv_path, "{mode:?} rows {rows}: {launched:?}");
+                    // More rows than one GEMV pass: the int8 tensor-core GEMM (emulated here).
+                    let used_mma = launched.iter().any(|l| l.starts_with("gemm_q"));
+                    assert_eq!(
+                        used_mma,
+                        gemv_path && packed && rows > 8,
+                        "{mode:?} rows {rows}: {launched:?}"
+                    );
                     let quantized_acts = launched.iter().any(|l| l.starts_with("quantize_q8"));
                     assert_eq!(quantized_acts, gemv_path && packed, "{launched:?}");
+                }
+            }
+        }
+    }
+}
+
+/// Quantized products do not depend on how many rows share a step: a step of many rows (the
+/// int8 tensor-core GEMM where the device has it) gives every row the bits a one-row step (the
+/// GEMV) gives it. Odd sizes on purpose: outputs not a multiple of the tile (60), more blocks
+/// per row than a warp has lanes (37), rows not a multiple of the tile (37, 9, 17).
+pub fn quantized_matmul_is_batch_invariant(make: Make) {
+    let mut rng = Rng::new(11);
+    let (n, k) = (60, 32 * 37);
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Quantized) else {
+            return;
+        };
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let data = random_tensor(&mut rng, ty, n, k);
+            let m = b
+                .load_matrix(&[HostTensor {
+                    ty,
+                    data: &data,
+                    rows: n,
+                    cols: k,
+                }])
+                .unwrap()
+                .expect("one part");
+            for rows in [37, 9, 17] {
+                let x = rounded(&rng.vec(rows * k, -2.0, 2.0), dt);
+                let xb = put(&mut b, dt, &x, rows, k);
+                let mut all = b.alloc(dt, rows * n).unwrap();
+                take_launches(&b);
+                b.matmul(
+                    View::new(&xb, Layout::new(0, rows, k, k).unwrap()).unwrap(),
+                    &m,
+                    ViewMut::new(&mut all, Layout::new(0, rows, n, n).unwrap()).unwrap(),
+                )
+                .unwrap();
+                if let Some(l) = take_launches(&b) {
+                    assert!(
+                        l.iter().any(|l| l.starts_with("gemm_q")),
+                        "{rows} rows took the GEMV: {l:?}"
+                    );
+                }
+                let many = get(&mut b, &all);
+                for r in 0..rows {
+                    let mut one = b.alloc(dt, n).unwrap();
+                    b.matmul(
+                        View::new(&xb, Layout::new(r * k, 1, k, k).unwrap()).unwrap(),
+                        &m,
+                        ViewMut::new(&mut one, Layout::new(0, 1, n, n).unwrap()).unwrap(),
+                    )
+                    .unwrap();
+                    let single = get(&mut b, &one);
+                    for o in 0..n {
+                        assert_eq!(
+                            many[r * n + o].to_bits(),
+                            single[o].to_bits(),
+                            "{} {} rows {rows}: row {r} output {o}: {} in a step of {rows} rows, \
+                             {} alone",
+                            ty.name(),
+                            dt.name(),
+                            many[r * n + o],
+                            single[o]
+                        );
+                    }
                 }
             }
         }

@@ -73,6 +73,10 @@ pub const CASES: &[(&str, Case)] = &[
         matmul_paths_match_their_references,
     ),
     (
+        "quantized_matmul_is_batch_invariant",
+        quantized_matmul_is_batch_invariant,
+    ),
+    (
         "uploads_and_reads_strided_windows",
         uploads_and_reads_strided_windows,
     ),
