@@ -11,8 +11,9 @@
 #           gemma3; qwen3moe is refused on CUDA today); compute-sanitizer memcheck (and
 #           racecheck, synccheck) of short runs; the 1B- and 8B-shaped random Q4_0 models; and
 #           a CUDA build of llama.cpp's llama-bench and llama-batched-bench (in the background).
-#   part 2: `npu-serving bench-model --device cuda` on the 1B and 8B models (quantized and auto
-#           matmul modes) against llama.cpp CUDA on the same files: prefill 512, decode at
+#   part 2: `npu-serving bench-model --device cuda` on the 1B and 8B models (quantized, auto,
+#           and quantized with the int8 tensor cores off) against llama.cpp CUDA on the same
+#           files: prefill 512, decode at
 #           batch 1 and 32.
 #           Then the real server with one agent process on the device under a load of streaming
 #           requests, and the same load with the agent killed (SIGKILL) midway: none may be lost.
@@ -395,10 +396,13 @@ bench_part() {
     for s in "${shapes[@]}"; do
       m=$(shaped_model "$s")
       [ -s "$m" ] || continue
-      for mode in quantized auto; do
+      # gemv: the quantized mode with the int8 tensor cores off (NPU_SERVING_CUDA_MMA=0), the
+      # GEMV for steps of every size: same arithmetic, so the speed of the tensor-core GEMM alone.
+      for mode in quantized gemv auto; do
         if [ "$(left)" -lt 50 ]; then continue; fi
         say "bench-model $s $mode"
-        NPU_SERVING_CUDA_MATMUL=$mode timeout $(( $(left) > 200 ? 200 : $(left) - 10 )) "$bin" bench-model --device cuda \
+        NPU_SERVING_CUDA_MMA=$([ $mode = gemv ] && echo 0 || echo 1) \
+        NPU_SERVING_CUDA_MATMUL=$([ $mode = gemv ] && echo quantized || echo $mode) timeout $(( $(left) > 200 ? 200 : $(left) - 10 )) "$bin" bench-model --device cuda \
           --model "$m" --json --skip-long --skip-roofline --batches 1,32 --decode-steps 32 \
           >"$work/runs/bench-$s-$mode.json" 2>"$logs/bench-$s-$mode.log" ||
           notes+="- bench-model $s $mode failed: $(grep -m1 -iE 'error|panicked' "$logs/bench-$s-$mode.log" | cut -c1-200)"$'\n'
@@ -418,13 +422,13 @@ bench_part() {
           lbb=$work/runs/llama-batched-$s.txt
         cp "$work/runs/llama-batched-$s.txt" "$logs/llama-batched-$s.log" 2>/dev/null
       fi
-      for mode in quantized auto; do
+      for mode in quantized gemv auto; do
         if [ ! -s "$work/runs/bench-$s-$mode.json" ]; then rows+="| $s $mode | SKIPPED: out of time or failed |||||| "$'\n'; continue; fi
         if [ "$mode" = quantized ]; then
           rows+="$("$tool" bench-row --label "$s, npu-serving $mode" --npu "$work/runs/bench-$s-$mode.json" \
                     ${lb:+--llama-bench "$lb"} ${lbb:+--llama-batched "$lbb"})"$'\n'
         else
-          rows+="$("$tool" bench-row --label "$s, npu-serving $mode" --npu "$work/runs/bench-$s-$mode.json")"$'\n'
+          rows+="$("$tool" bench-row --label "$s, npu-serving $([ $mode = gemv ] && echo 'quantized, tensor cores off' || echo $mode)" --npu "$work/runs/bench-$s-$mode.json")"$'\n'
         fi
       done
     done
