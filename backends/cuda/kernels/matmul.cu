@@ -358,10 +358,10 @@ __device__ __forceinline__ void mma_s8_16x8x32(int* c, const u32* a, const u32* 
         c[i] = dot;
     }
 #elif __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                 "{%8,%9}, {%10,%10,%10,%10};"
-                 : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
 #else
     __trap(); // the host launches these kernels on sm_80 and later only
 #endif
@@ -384,73 +384,96 @@ struct GemmWarp {
     int o_out[4];  // the outputs of this thread's results: o0 + 8 j + 2 t + i, at 2 j + i
 };
 
-// The partial sums of lane class `lane_class` (blocks lane_class, lane_class + 32, ...) of the
-// thread's 8 results: p[4 j + i] = (r_lo, o_out[2 j + i]), p[4 j + 2 + i] = (r_hi, o_out[2 j + i]).
+// Adds block b's contributions to the thread's 8 partial sums: p[4 j + i] = (r_lo, o_out[2 j + i]),
+// p[4 j + 2 + i] = (r_hi, o_out[2 j + i]).
 template <int FMT>
-__device__ __forceinline__ void gemm_lane_class(const GemmWarp& s, int lane_class, float* p) {
+__device__ __forceinline__ void gemm_block(const GemmWarp& s, int b, float* p) {
     const int t = threadIdx.x & 3;
     const int qb = FMT == WF_Q8_0 ? 32 : 16;
     const int offset = FMT == WF_Q4_0 ? 8 : 0;
-    for (int i = 0; i < 8; ++i) {
-        p[i] = 0.0f;
+    u32 a[4] = {0u, 0u, 0u, 0u};
+    uint4 s_lo = {0u, 0u, 0u, 0u};
+    uint4 s_hi = {0u, 0u, 0u, 0u};
+    if (s.ok_lo) {
+        const signed char* x = s.xq + (i64)s.r_lo * s.k + b * 32 + t * 4;
+        a[0] = *(const u32*)x;
+        a[2] = *(const u32*)(x + 16);
+        s_lo = *(const uint4*)(s.xs + ((i64)s.r_lo * s.nb + b) * 4);
     }
-    for (int b = lane_class; b < s.nb; b += 32) {
-        u32 a[4] = {0u, 0u, 0u, 0u};
-        uint4 s_lo = {0u, 0u, 0u, 0u};
-        uint4 s_hi = {0u, 0u, 0u, 0u};
-        if (s.ok_lo) {
-            const signed char* x = s.xq + (i64)s.r_lo * s.k + b * 32 + t * 4;
-            a[0] = *(const u32*)x;
-            a[2] = *(const u32*)(x + 16);
-            s_lo = *(const uint4*)(s.xs + ((i64)s.r_lo * s.nb + b) * 4);
-        }
-        if (s.ok_hi) {
-            const signed char* x = s.xq + (i64)(s.r_lo + 8) * s.k + b * 32 + t * 4;
-            a[1] = *(const u32*)x;
-            a[3] = *(const u32*)(x + 16);
-            s_hi = *(const uint4*)(s.xs + ((i64)(s.r_lo + 8) * s.nb + b) * 4);
-        }
-        for (int j = 0; j < 2; ++j) {
-            u32 bq[2] = {0u, 0u};
-            if (s.o_frag[j] < s.n) {
-                const u8* q = s.w + ((i64)s.o_frag[j] * s.nb + b) * qb + t * 4;
-                if (FMT == WF_Q8_0) {
-                    bq[0] = *(const u32*)q;
-                    bq[1] = *(const u32*)(q + 16);
-                } else {
-                    // Byte i: element i in the low nibble, element i + 16 in the high one.
-                    const u32 v = *(const u32*)q;
-                    bq[0] = v & 0x0f0f0f0fu;
-                    bq[1] = (v >> 4) & 0x0f0f0f0fu;
-                }
+    if (s.ok_hi) {
+        const signed char* x = s.xq + (i64)(s.r_lo + 8) * s.k + b * 32 + t * 4;
+        a[1] = *(const u32*)x;
+        a[3] = *(const u32*)(x + 16);
+        s_hi = *(const uint4*)(s.xs + ((i64)(s.r_lo + 8) * s.nb + b) * 4);
+    }
+    for (int j = 0; j < 2; ++j) {
+        u32 bq[2] = {0u, 0u};
+        if (s.o_frag[j] < s.n) {
+            const u8* q = s.w + ((i64)s.o_frag[j] * s.nb + b) * qb + t * 4;
+            if (FMT == WF_Q8_0) {
+                bq[0] = *(const u32*)q;
+                bq[1] = *(const u32*)(q + 16);
+            } else {
+                // Byte i: element i in the low nibble, element i + 16 in the high one.
+                const u32 v = *(const u32*)q;
+                bq[0] = v & 0x0f0f0f0fu;
+                bq[1] = (v >> 4) & 0x0f0f0f0fu;
             }
-            int c[4];
-            mma_s8_16x8x32(c, a, bq);
-            for (int i = 0; i < 2; ++i) {
-                const int o = s.o_out[2 * j + i];
-                if (o >= s.n) {
-                    continue;
-                }
-                const i64 blk = (i64)o * s.nb + b;
-                const float dw = f16_bits_to_f32(s.wd[blk]);
-                const float mw = FMT == WF_Q4_1 ? f16_bits_to_f32(s.wm[blk]) : 0.0f;
-                float* lo = p + 4 * j + i;
-                float* hi = p + 4 * j + 2 + i;
-                const int dot_lo = c[i] - offset * (int)s_lo.z;
-                const int dot_hi = c[2 + i] - offset * (int)s_hi.z;
-                *lo = fmaf((float)dot_lo, dw * __uint_as_float(s_lo.x), *lo);
-                *hi = fmaf((float)dot_hi, dw * __uint_as_float(s_hi.x), *hi);
-                if (FMT == WF_Q4_1) {
-                    *lo = fmaf(mw, __uint_as_float(s_lo.y), *lo);
-                    *hi = fmaf(mw, __uint_as_float(s_hi.y), *hi);
-                }
+        }
+        int c[4];
+        mma_s8_16x8x32(c, a, bq);
+        for (int i = 0; i < 2; ++i) {
+            const int o = s.o_out[2 * j + i];
+            if (o >= s.n) {
+                continue;
+            }
+            const i64 blk = (i64)o * s.nb + b;
+            const float dw = f16_bits_to_f32(s.wd[blk]);
+            const float mw = FMT == WF_Q4_1 ? f16_bits_to_f32(s.wm[blk]) : 0.0f;
+            float* lo = p + 4 * j + i;
+            float* hi = p + 4 * j + 2 + i;
+            const int dot_lo = c[i] - offset * (int)s_lo.z;
+            const int dot_hi = c[2 + i] - offset * (int)s_hi.z;
+            *lo = fmaf((float)dot_lo, dw * __uint_as_float(s_lo.x), *lo);
+            *hi = fmaf((float)dot_hi, dw * __uint_as_float(s_hi.x), *hi);
+            if (FMT == WF_Q4_1) {
+                *lo = fmaf(mw, __uint_as_float(s_lo.y), *lo);
+                *hi = fmaf(mw, __uint_as_float(s_hi.y), *hi);
             }
         }
     }
 }
 
+// Four consecutive leaves of the butterfly: lane classes c, c + 16, c + 8 and c + 24 (blocks
+// class, class + 32, ... each, in that order), walked together so that four independent chains
+// of loads and products are in flight; out = their sum in the butterfly's order.
+template <int FMT>
+__device__ __forceinline__ void gemm_lane_group(const GemmWarp& s, int c, float* out) {
+    float p[4][8];
+    for (int m = 0; m < 4; ++m) {
+        for (int i = 0; i < 8; ++i) {
+            p[m][i] = 0.0f;
+        }
+    }
+    for (int base = c; base < s.nb; base += 32) {
+        gemm_block<FMT>(s, base, p[0]);
+        if (base + 16 < s.nb) {
+            gemm_block<FMT>(s, base + 16, p[1]);
+        }
+        if (base + 8 < s.nb) {
+            gemm_block<FMT>(s, base + 8, p[2]);
+        }
+        if (base + 24 < s.nb) {
+            gemm_block<FMT>(s, base + 24, p[3]);
+        }
+    }
+    for (int i = 0; i < 8; ++i) {
+        out[i] = (p[0][i] + p[1][i]) + (p[2][i] + p[3][i]);
+    }
+}
+
 // The butterfly's sum of lane classes in sequence positions [S, S + 2^LEVEL), in bit-reversed
-// order: position q holds lane class rev5(q).
+// order: position q holds lane class rev5(q). Groups of four positions are one lane group.
 template <int FMT, int LEVEL, int S>
 struct GemmTree {
     static __device__ __forceinline__ void sum(const GemmWarp& s, float* out) {
@@ -463,11 +486,11 @@ struct GemmTree {
     }
 };
 template <int FMT, int S>
-struct GemmTree<FMT, 0, S> {
+struct GemmTree<FMT, 2, S> {
     static __device__ __forceinline__ void sum(const GemmWarp& s, float* out) {
-        const int lane_class =
-            ((S & 1) << 4) | ((S & 2) << 2) | (S & 4) | ((S & 8) >> 2) | ((S & 16) >> 4);
-        gemm_lane_class<FMT>(s, lane_class, out);
+        // rev5(S) for S a multiple of 4: bits 2, 3, 4 of S reversed into bits 2, 1, 0.
+        const int c = (S & 4) | ((S & 8) >> 2) | ((S & 16) >> 4);
+        gemm_lane_group<FMT>(s, c, out);
     }
 };
 
