@@ -12,7 +12,7 @@
 #   llama.cpp-src.tar.gz a pruned llama.cpp source tree (ggml CPU + CUDA, llama, common,
 #                        llama-bench, llama-batched-bench) for a CUDA build on the GPU machine
 #   MANIFEST.txt, RUN.txt what is in it, and the command to run
-# Then the GPU machine runs scripts/gpu-check.sh (two calls of at most 10 minutes).
+# Then the GPU machine runs scripts/gpu-check.sh (one call of about 5 minutes on an H100).
 #
 #   scripts/gpu-kit.sh [--emulation] [--out DIR]
 #     --emulation  also bin/npu-serving-emulation (--features cuda-emulation), for a dry run of
@@ -108,14 +108,18 @@ commit=$(git rev-parse --short HEAD)
   (cd "$kit" && find . -type f -printf '%s\t%p\n' | sort -k2)
 } >"$kit/MANIFEST.txt"
 cat >"$kit/RUN.txt" <<EOF
-On a GPU machine, with this folder carried (the device tool's \`run\`: carry ["$kit"]), two calls
-back to back (the machine is given back after a short idle time):
+On a GPU machine, with this folder carried (the device tool's \`run\`: carry ["$kit"]), one call
+(about 5 minutes on an H100, llama.cpp's CUDA build included):
+
+  timeout 585 scripts/gpu-check.sh --kit $kit --part all --budget 510 --out /tmp/gc; cp /tmp/gc/report.md \$OUT/
+
+or two (the machine is given back after a short idle time, so back to back):
 
   scripts/gpu-check.sh --kit $kit --part 1     # conformance, fidelity, memcheck, models, llama.cpp build
-  scripts/gpu-check.sh --kit $kit --part 2     # bench-model vs llama.cpp on the 1B and 8B models
+  scripts/gpu-check.sh --kit $kit --part 2     # bench-model vs llama.cpp, then the served check
 
-Each writes \$OUT/report.md (the second: the whole report) and \$OUT/logs/. One call of both:
---part all (about 15 minutes: over the 10-minute limit of a call).
+Each writes \$OUT/report.md and \$OUT/logs/ (a device call brings back only a few files: tar the
+logs into one).
 Dry run here (no GPU, over the CUDA emulation; needs --emulation when building the kit):
   scripts/gpu-check.sh --kit $kit --dry-run --out /tmp/gpu-check-dry
 EOF
