@@ -186,6 +186,7 @@ fn spec(agent_id: u32) -> AgentSpec {
 fn plan(step_id: u64, admit: &[u32], seqs: &[(u32, u32)]) -> StepPlan {
     StepPlan {
         kv_copies: Vec::new(),
+        masks: Vec::new(),
         step_id,
         forget: Vec::new(),
         admit: admit

@@ -72,6 +72,8 @@ pub struct AgentEngine {
     long_context: Option<LongContext>,
     /// Slots of the current step's sequences (reused).
     step_slots: Vec<u32>,
+    /// This step's token masks (slot, words): constrained requests' grammars.
+    masks: Vec<(u32, Vec<u32>)>,
     /// The region shared with the other agents through which KV blocks are handed over
     /// (prefill/decode disaggregation); None when the server set none up.
     handoff: Option<HandoffRegion>,
@@ -364,6 +366,7 @@ impl AgentEngine {
             host_kv,
             long_context,
             step_slots: Vec::new(),
+            masks: Vec::new(),
             handoff,
             rank,
             steps: 0,
@@ -486,11 +489,18 @@ impl AgentEngine {
                 }
             }
         }
-        let greedy = self.read.logit_slots.iter().all(|&s| {
-            slots[s as usize]
-                .as_ref()
-                .is_some_and(|slot| is_plain_greedy(&slot.params))
-        });
+        // Token masks of constrained slots (structured output), copied out of the plan.
+        self.masks.clear();
+        for i in 0..plan.n_masks() {
+            let (slot, words) = plan.mask(i);
+            self.masks.push((slot, words.to_vec()));
+        }
+        let greedy = self.masks.is_empty()
+            && self.read.logit_slots.iter().all(|&s| {
+                slots[s as usize]
+                    .as_ref()
+                    .is_some_and(|slot| is_plain_greedy(&slot.params))
+            });
         (transfer.input_bytes, transfer.block_table_bytes) = input_bytes(&self.read.inputs);
         let t_fwd = Instant::now();
         if let Some(lc) = self.long_context.as_mut() {
@@ -558,6 +568,7 @@ impl AgentEngine {
         let outs: Vec<Mutex<Option<Result<SampleOutput, SamplerError>>>> =
             (0..n).map(|_| Mutex::new(None)).collect();
         let slots = &self.slots;
+        let masks = &self.masks;
         self.pool.run(n, |row| {
             let (Some(logits), Some(Some(slot))) = (
                 rows[row].lock().unwrap_or_else(|e| e.into_inner()).take(),
@@ -566,9 +577,13 @@ impl AgentEngine {
                 return;
             };
             let gen_index = slot.history.n_generated();
+            let mask = masks
+                .iter()
+                .find(|(s, _)| *s == slots_of[row])
+                .map(|(_, w)| w.as_slice());
             let out = SAMPLER.with(|s| {
                 s.borrow_mut()
-                    .sample(logits, &slot.params, &slot.history, gen_index)
+                    .sample_masked(logits, &slot.params, &slot.history, gen_index, mask)
             });
             *outs[row].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
         })?;

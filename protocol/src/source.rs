@@ -3,7 +3,7 @@
 //! mapping) or in a `StepPlan` built in the same process. The agent turns either into its
 //! device's step inputs in one pass and checks it there, once.
 
-use crate::step::{Admission, KvCopy, StepPlan};
+use crate::step::{Admission, KvCopy, StepPlan, TokenMask};
 
 /// A run of u32 values: little-endian bytes in the segment, or a slice in memory.
 #[derive(Debug, Clone, Copy)]
@@ -77,6 +77,10 @@ pub trait PlanSource {
     fn n_tokens(&self) -> usize {
         (0..self.n_seqs()).map(|i| self.seq(i).tokens.len()).sum()
     }
+    /// Number of token masks (constrained sequences sampling in this step).
+    fn n_masks(&self) -> usize;
+    /// Mask `i` (< `n_masks()`): its slot and words.
+    fn mask(&self, i: usize) -> (u32, U32s<'_>);
     /// A `StepPlan` with the same content.
     fn to_plan(&self) -> StepPlan {
         StepPlan {
@@ -95,6 +99,15 @@ pub trait PlanSource {
                         slot_mapping: s.slot_mapping.to_vec(),
                         sample: s.sample,
                         n_prompt_tokens: s.n_prompt_tokens,
+                    }
+                })
+                .collect(),
+            masks: (0..self.n_masks())
+                .map(|i| {
+                    let (slot, words) = self.mask(i);
+                    TokenMask {
+                        slot,
+                        words: words.to_vec(),
                     }
                 })
                 .collect(),
@@ -132,6 +145,13 @@ impl PlanSource for StepPlan {
     }
     fn n_tokens(&self) -> usize {
         StepPlan::n_tokens(self)
+    }
+    fn n_masks(&self) -> usize {
+        self.masks.len()
+    }
+    fn mask(&self, i: usize) -> (u32, U32s<'_>) {
+        let m = &self.masks[i];
+        (m.slot, U32s::Slice(&m.words))
     }
 }
 

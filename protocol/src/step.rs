@@ -178,6 +178,27 @@ pub struct StepPlan {
     #[serde(default)]
     pub kv_copies: Vec<KvCopy>,
     pub seqs: Vec<SeqStep>,
+    /// Token masks of constrained sequences (structured output), one per slot that samples in
+    /// this step under a grammar: only tokens whose bit is set may be picked.
+    #[serde(default)]
+    pub masks: Vec<TokenMask>,
+}
+
+/// Which tokens a constrained sequence may pick next: bit `t % 32` of `words[t / 32]` set for
+/// token `t` allowed (tokens past the words are not). The server's grammar matcher makes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenMask {
+    pub slot: u32,
+    pub words: Vec<u32>,
+}
+
+impl TokenMask {
+    /// Whether token `t` may be picked under the mask `words`.
+    pub fn allows(words: &crate::source::U32s<'_>, t: u32) -> bool {
+        words
+            .get((t / 32) as usize)
+            .is_some_and(|w| w & (1 << (t % 32)) != 0)
+    }
 }
 
 impl StepPlan {

@@ -12,6 +12,8 @@ use npu_protocol::MAX_LOGIT_BIAS;
 
 fn small_caps() -> ShmCapacities {
     ShmCapacities {
+        max_masks: 0,
+        mask_words: 0,
         max_slots: 8,
         max_seqs_per_step: 4,
         max_tokens_per_step: 100,

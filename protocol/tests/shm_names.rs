@@ -11,6 +11,8 @@ use npu_protocol::shm::{
 
 fn layout() -> ShmLayout {
     ShmLayout::new(ShmCapacities {
+        max_masks: 0,
+        mask_words: 0,
         max_kv_copies: 0,
         max_slots: 2,
         max_seqs_per_step: 2,

@@ -20,6 +20,8 @@ type ResultEdit = fn(&mut StepResult);
 
 fn caps() -> ShmCapacities {
     ShmCapacities {
+        max_masks: 0,
+        mask_words: 0,
         max_slots: 8,
         max_seqs_per_step: 4,
         max_tokens_per_step: 64,
@@ -66,6 +68,7 @@ fn seq(slot: u32, tokens: Vec<u32>, start_pos: u32, blocks: Vec<u32>) -> SeqStep
 
 fn sample_plan() -> StepPlan {
     StepPlan {
+        masks: Vec::new(),
         step_id: 41,
         forget: vec![5, 6],
         admit: vec![Admission {
@@ -520,6 +523,7 @@ fn arb_plan() -> impl Strategy<Value = StepPlan> {
         prop::collection::vec((any::<bool>(), any::<u32>(), any::<u32>()), 0..=3),
     )
         .prop_map(|(step_id, forget, admit, seqs, copies)| StepPlan {
+            masks: Vec::new(),
             step_id,
             forget,
             admit: admit

@@ -116,6 +116,7 @@ impl Scheduler {
             admit,
             kv_copies,
             seqs: steps,
+            masks: Vec::new(),
         })
     }
 

@@ -140,7 +140,10 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         Vec::new()
     };
     let region_names: Vec<String> = regions.iter().map(|r| r.name().to_string()).collect();
-    let specs = agent_specs(&cfg, &engine_cfg, &model.path, handoff, &region_names);
+    let specs: Vec<AgentSpec> = agent_specs(&cfg, &engine_cfg, &model.path, handoff, &region_names)
+        .into_iter()
+        .map(|s| s.with_token_masks(model.tokenizer.vocab_size() as u32))
+        .collect();
     let launch = AgentLaunch::default();
     tracing::info!(
         agents = specs.len(),

@@ -134,6 +134,7 @@ fn model_path() -> PathBuf {
 fn prefill(step_id: u64, slot: u32, first_block: u32) -> StepPlan {
     let n = PROMPT_IDS.len() as u32;
     StepPlan {
+        masks: Vec::new(),
         kv_copies: Vec::new(),
         step_id,
         forget: Vec::new(),
@@ -159,6 +160,7 @@ fn prefill(step_id: u64, slot: u32, first_block: u32) -> StepPlan {
 /// The next decode step of slot `slot` after `pos` tokens.
 fn decode(step_id: u64, slot: u32, first_block: u32, token: u32, pos: u32) -> StepPlan {
     StepPlan {
+        masks: Vec::new(),
         kv_copies: Vec::new(),
         step_id,
         forget: Vec::new(),

@@ -21,6 +21,8 @@ pub enum SamplerError {
     EmptyLogits,
     #[error("vocabulary of {0} tokens does not fit token ids in u32")]
     VocabTooLarge(usize),
+    #[error("the request's token mask allows no token of the vocabulary")]
+    EmptyMask,
 }
 
 /// What one sampling call produces for a sequence.
@@ -73,6 +75,21 @@ impl Sampler {
         history: &TokenHistory,
         gen_index: u64,
     ) -> Result<SampleOutput, SamplerError> {
+        self.sample_masked(logits, params, history, gen_index, None)
+    }
+
+    /// As `sample`, restricted to the tokens a token mask allows (bit `t % 32` of word `t / 32`;
+    /// tokens past the words are not allowed): a constrained request's grammar. The mask is
+    /// applied last, after penalties and logit_bias; reported log-probabilities stay the raw
+    /// model's. A mask that allows no token is an error.
+    pub fn sample_masked(
+        &mut self,
+        logits: &mut [f32],
+        params: &SamplingParams,
+        history: &TokenHistory,
+        gen_index: u64,
+        mask: Option<&[u32]>,
+    ) -> Result<SampleOutput, SamplerError> {
         let vocab = logits.len();
         if vocab == 0 {
             return Err(SamplerError::EmptyLogits);
@@ -94,6 +111,22 @@ impl Sampler {
             }
         }
 
+        if let Some(words) = mask {
+            let mut any = false;
+            for (t, l) in logits.iter_mut().enumerate() {
+                let allowed = words.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0);
+                if allowed {
+                    any = true;
+                } else {
+                    // The raw logit stays available for the report (only allowed tokens are
+                    // picked, so it is never needed).
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            if !any {
+                return Err(SamplerError::EmptyMask);
+            }
+        }
         let token = match Truncation::from_params(params, vocab) {
             None => fast_argmax(logits),
             Some(t) => {

@@ -278,6 +278,8 @@ mod tests {
             max_admissions: 8,
             max_forget: 8,
             max_top_n: 4,
+            max_masks: 0,
+            mask_words: 0,
         })
         .unwrap();
         ShmSegment::create(&segment_name(4).unwrap(), &layout).unwrap()

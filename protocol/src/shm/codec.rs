@@ -156,6 +156,23 @@ pub(crate) fn check_plan(layout: &ShmLayout, plan: &StepPlan) -> Result<(), ShmE
     for &slot in &plan.forget {
         check_slot("forget", slot, caps.max_slots)?;
     }
+    exceeds("token masks per step", plan.masks.len(), caps.max_masks)?;
+    for m in &plan.masks {
+        if m.words.len() != caps.mask_words as usize {
+            return Err(ShmError::BadPlan(format!(
+                "slot {}: a token mask of {} words, the segment's are {}",
+                m.slot,
+                m.words.len(),
+                caps.mask_words
+            )));
+        }
+        if !plan.seqs.iter().any(|s| s.slot == m.slot && s.sample) {
+            return Err(ShmError::BadPlan(format!(
+                "slot {}: a token mask without a sequence that samples in this step",
+                m.slot
+            )));
+        }
+    }
     for adm in &plan.admit {
         check_slot("admission", adm.slot, caps.max_slots)?;
         exceeds(
@@ -240,6 +257,11 @@ pub(crate) fn write_plan(
         };
         regions[Region::KvCopies as usize].put(i, &raw)?;
     }
+    let mask_words = layout.capacities().mask_words as usize;
+    for (i, m) in plan.masks.iter().enumerate() {
+        regions[Region::MaskSlots as usize].put_u32s(i, &[m.slot])?;
+        regions[Region::MaskWords as usize].put_u32s(i * mask_words, &m.words)?;
+    }
     let meta = PlanMeta {
         step_id: plan.step_id,
         n_seqs: plan.seqs.len() as u32,
@@ -248,6 +270,8 @@ pub(crate) fn write_plan(
         n_admissions: plan.admit.len() as u32,
         n_forget: plan.forget.len() as u32,
         n_kv_copies: plan.kv_copies.len() as u32,
+        n_masks: plan.masks.len() as u32,
+        reserved: 0,
     };
     regions[Region::PlanMeta as usize].put(0, &meta)
 }
@@ -262,6 +286,8 @@ pub struct PlanView<'a> {
     descs: Vec<SeqDesc>,
     admit: Vec<Admission>,
     kv_copies: Vec<KvCopy>,
+    mask_slots: Vec<u32>,
+    mask_words: &'a [u8],
     forget: &'a [u8],
     tokens: &'a [u8],
     mapping: &'a [u8],
@@ -291,6 +317,7 @@ impl<'a> PlanView<'a> {
         corrupt("admissions", meta.n_admissions, caps.max_admissions)?;
         corrupt("forgotten slots", meta.n_forget, caps.max_forget)?;
         corrupt("KV block copies", meta.n_kv_copies, caps.max_kv_copies)?;
+        corrupt("token masks", meta.n_masks, caps.max_masks)?;
         let desc_region = region(layout, seg, Region::SeqDescs)?;
         let tokens = u32_bytes(
             &region(layout, seg, Region::Tokens)?,
@@ -379,11 +406,29 @@ impl<'a> PlanView<'a> {
                 host_block: raw.host_block,
             });
         }
+        let mask_slots = U32s::Le(u32_bytes(
+            &region(layout, seg, Region::MaskSlots)?,
+            meta.n_masks as usize,
+        )?)
+        .to_vec();
+        for (i, &slot) in mask_slots.iter().enumerate() {
+            if !descs.iter().any(|d| d.slot == slot && d.sample == 1) {
+                return Err(ShmError::Corrupt(format!(
+                    "token mask {i}: slot {slot} does not sample in this step"
+                )));
+            }
+        }
+        let mask_words = u32_bytes(
+            &region(layout, seg, Region::MaskWords)?,
+            meta.n_masks as usize * caps.mask_words as usize,
+        )?;
         Ok(Self {
             step_id: meta.step_id,
             descs,
             admit,
             kv_copies,
+            mask_slots,
+            mask_words,
             forget,
             tokens,
             mapping,
@@ -425,6 +470,17 @@ impl PlanSource for PlanView<'_> {
     }
     fn n_tokens(&self) -> usize {
         self.tokens.len() / 4
+    }
+    fn n_masks(&self) -> usize {
+        self.mask_slots.len()
+    }
+    fn mask(&self, i: usize) -> (u32, U32s<'_>) {
+        // Sized in `parse`: n_masks whole masks of the segment's words.
+        let w = self.mask_words.len() / self.mask_slots.len().max(1);
+        (
+            self.mask_slots[i],
+            U32s::Le(&self.mask_words[i * w..(i + 1) * w]),
+        )
     }
 }
 

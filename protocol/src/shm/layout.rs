@@ -11,7 +11,7 @@ use crate::step::{MAX_LOGIT_BIAS, MAX_TOP_N};
 /// "NPUSHM" + two version-independent bytes, read as a little-endian u64.
 pub const SHM_MAGIC: u64 = u64::from_le_bytes(*b"NPUSHM\x00\x01");
 /// Version of the segment layout and of the control frames; both sides must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// Every region starts on this boundary (a cache line).
 pub const REGION_ALIGN: u64 = 64;
 /// Largest segment we agree to create or open.
@@ -39,6 +39,10 @@ pub struct ShmCapacities {
     pub max_top_n: u32,
     /// Most KV block copies (device<->host) carried by one step.
     pub max_kv_copies: u32,
+    /// Most token masks (constrained sequences) in one step; 0: no structured output.
+    pub max_masks: u32,
+    /// u32 words of one token mask (the vocabulary's tokens, 32 a word).
+    pub mask_words: u32,
 }
 
 impl Default for ShmCapacities {
@@ -52,6 +56,8 @@ impl Default for ShmCapacities {
             max_forget: 256,
             max_top_n: MAX_TOP_N as u32,
             max_kv_copies: 1024,
+            max_masks: 0,
+            mask_words: 0,
         }
     }
 }
@@ -74,9 +80,9 @@ pub struct ShmHeader {
 }
 
 /// Byte offset of `ShmHeader::plan_seq`.
-pub const PLAN_SEQ_OFFSET: usize = 64;
+pub const PLAN_SEQ_OFFSET: usize = 72;
 /// Byte offset of `ShmHeader::result_seq`.
-pub const RESULT_SEQ_OFFSET: usize = 72;
+pub const RESULT_SEQ_OFFSET: usize = 80;
 
 /// The capacities as stored in the header.
 #[repr(C)]
@@ -90,6 +96,8 @@ pub struct RawCapacities {
     pub max_forget: u32,
     pub max_top_n: u32,
     pub max_kv_copies: u32,
+    pub max_masks: u32,
+    pub mask_words: u32,
 }
 
 /// Where one region lives in the segment.
@@ -111,6 +119,8 @@ pub struct PlanMeta {
     pub n_admissions: u32,
     pub n_forget: u32,
     pub n_kv_copies: u32,
+    pub n_masks: u32,
+    pub reserved: u32,
 }
 
 /// One sequence of a plan; its tokens and slot mapping live at `token_offset` of the flat
@@ -211,10 +221,10 @@ pub struct RawTokenLogprob {
     pub logprob: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<ShmHeader>() == 256);
-const _: () = assert!(std::mem::size_of::<RawCapacities>() == 32);
+const _: () = assert!(std::mem::size_of::<ShmHeader>() == 296);
+const _: () = assert!(std::mem::size_of::<RawCapacities>() == 40);
 const _: () = assert!(std::mem::size_of::<RegionRecord>() == 16);
-const _: () = assert!(std::mem::size_of::<PlanMeta>() == 32);
+const _: () = assert!(std::mem::size_of::<PlanMeta>() == 40);
 const _: () = assert!(std::mem::size_of::<SeqDesc>() == 32);
 const _: () = assert!(std::mem::size_of::<RawLogitBias>() == 8);
 const _: () = assert!(std::mem::size_of::<RawSamplingParams>() == 48 + 8 * MAX_LOGIT_BIAS);
@@ -225,7 +235,7 @@ const _: () = assert!(std::mem::size_of::<RawSeqResult>() == 16);
 const _: () = assert!(std::mem::size_of::<RawTokenLogprob>() == 8);
 const _: () = assert!(std::mem::offset_of!(ShmHeader, plan_seq) == PLAN_SEQ_OFFSET);
 const _: () = assert!(std::mem::offset_of!(ShmHeader, result_seq) == RESULT_SEQ_OFFSET);
-const _: () = assert!(std::mem::offset_of!(ShmHeader, regions) == 80);
+const _: () = assert!(std::mem::offset_of!(ShmHeader, regions) == 88);
 
 /// The regions of a segment, in the order they are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,12 +248,14 @@ pub enum Region {
     Admissions,
     Forget,
     KvCopies,
+    MaskSlots,
+    MaskWords,
     ResultMeta,
     SeqResults,
     TopLogprobs,
 }
 
-pub const REGION_COUNT: usize = 11;
+pub const REGION_COUNT: usize = 13;
 
 impl Region {
     pub const ALL: [Region; REGION_COUNT] = [
@@ -255,6 +267,8 @@ impl Region {
         Region::Admissions,
         Region::Forget,
         Region::KvCopies,
+        Region::MaskSlots,
+        Region::MaskWords,
         Region::ResultMeta,
         Region::SeqResults,
         Region::TopLogprobs,
@@ -284,6 +298,8 @@ impl ShmLayout {
             c(caps.max_admissions) * size_of_u64::<RawAdmission>(),
             c(caps.max_forget) * 4,
             c(caps.max_kv_copies) * size_of_u64::<RawKvCopy>(),
+            c(caps.max_masks) * 4,
+            c(caps.max_masks) * c(caps.mask_words) * 4,
             size_of_u64::<ResultMeta>(),
             c(caps.max_seqs_per_step) * size_of_u64::<RawSeqResult>(),
             c(caps.max_seqs_per_step) * c(caps.max_top_n) * size_of_u64::<RawTokenLogprob>(),
@@ -400,6 +416,8 @@ impl From<ShmCapacities> for RawCapacities {
             max_forget: c.max_forget,
             max_top_n: c.max_top_n,
             max_kv_copies: c.max_kv_copies,
+            max_masks: c.max_masks,
+            mask_words: c.mask_words,
         }
     }
 }
@@ -415,6 +433,8 @@ impl From<RawCapacities> for ShmCapacities {
             max_forget: c.max_forget,
             max_top_n: c.max_top_n,
             max_kv_copies: c.max_kv_copies,
+            max_masks: c.max_masks,
+            mask_words: c.mask_words,
         }
     }
 }
@@ -435,10 +455,21 @@ fn validate_caps(caps: &ShmCapacities) -> Result<(), ShmError> {
             )));
         }
     }
-    if caps.max_kv_copies > MAX_CAPACITY {
+    for (name, value) in [
+        ("max_kv_copies", caps.max_kv_copies),
+        ("max_masks", caps.max_masks),
+        ("mask_words", caps.mask_words),
+    ] {
+        if value > MAX_CAPACITY {
+            return Err(ShmError::BadCapacities(format!(
+                "{name} = {value}; allowed 0..={MAX_CAPACITY}"
+            )));
+        }
+    }
+    if (caps.max_masks == 0) != (caps.mask_words == 0) {
         return Err(ShmError::BadCapacities(format!(
-            "max_kv_copies = {}; allowed 0..={MAX_CAPACITY}",
-            caps.max_kv_copies
+            "max_masks = {} with mask_words = {}: both zero or both set",
+            caps.max_masks, caps.mask_words
         )));
     }
     if caps.max_top_n as usize > MAX_TOP_N {
@@ -482,7 +513,7 @@ fn layout_hash(caps: &ShmCapacities, regions: &[RegionRecord], total: u64) -> u6
         feed(size);
     }
     let raw = RawCapacities::from(*caps);
-    for v in bytemuck::cast::<RawCapacities, [u32; 8]>(raw) {
+    for v in bytemuck::cast::<RawCapacities, [u32; 10]>(raw) {
         feed(v as u64);
     }
     for r in regions {

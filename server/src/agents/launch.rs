@@ -70,12 +70,24 @@ impl AgentSpec {
             max_forget: engine.max_slots,
             max_top_n: MAX_TOP_N as u32,
             max_kv_copies: engine.max_kv_copies(),
+            max_masks: 0,
+            mask_words: 0,
         };
         Self {
             agent_id,
             engine,
             capacities,
         }
+    }
+
+    /// Room in the segment for a token mask per slot over a vocabulary of `vocab` tokens
+    /// (structured output); without it a constrained request is refused.
+    pub fn with_token_masks(mut self, vocab: u32) -> Self {
+        if vocab > 0 {
+            self.capacities.max_masks = self.capacities.max_seqs_per_step;
+            self.capacities.mask_words = vocab.div_ceil(32);
+        }
+        self
     }
 }
 
