@@ -355,6 +355,21 @@ impl Scheduler {
         self.seqs.contains_key(&id)
     }
 
+    /// The (slot, request) pairs that sample in step `step_id` (planned, not yet answered): where
+    /// a constrained request's token mask goes.
+    pub fn sampling_in(&self, step_id: u64) -> Vec<(u32, RequestId)> {
+        self.in_flight
+            .get(&step_id)
+            .map(|planned| {
+                planned
+                    .iter()
+                    .filter(|p| p.sample)
+                    .map(|p| (p.slot, p.id))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Generated tokens of a request still here.
     pub fn generated(&self, id: RequestId) -> Option<&[u32]> {
         self.seqs.get(&id).map(|s| s.generated.as_slice())

@@ -174,13 +174,13 @@ impl Grammars {
                 TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
             }
         };
-        let parser =
-            self.factory
-                .create_parser(grammar)
-                .map_err(|e| StructuredError::Invalid {
-                    what,
-                    reason: e.to_string(),
-                })?;
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| StructuredError::Invalid {
+                what,
+                reason: e.to_string(),
+            })?;
         let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(StructuredError::Invalid { what, reason: e });
@@ -237,6 +237,11 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
+    /// Words of this constraint's masks.
+    pub fn mask_words(&self) -> usize {
+        self.words
+    }
+
     /// The tokens allowed next, as `mask_words` u32 words (bit `t % 32` of word `t / 32`).
     pub fn mask(&mut self) -> Result<Vec<u32>, StructuredError> {
         let mut words = match self.next.take() {

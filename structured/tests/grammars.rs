@@ -50,7 +50,9 @@ fn walk(spec: &ConstraintSpec, seed: u64, max: usize) -> (String, bool) {
     let (g, tok) = (grammars().unwrap(), tokenizer().unwrap());
     let mut c = g.compile(spec).expect("compiles");
     let eos = tok.eos_id().unwrap();
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let mut ids = Vec::new();
     for _ in 0..max {
         let mask = c.mask().unwrap();
@@ -59,7 +61,9 @@ fn walk(spec: &ConstraintSpec, seed: u64, max: usize) -> (String, bool) {
             .filter(|&t| mask[(t / 32) as usize] & (1 << (t % 32)) != 0)
             .collect();
         assert!(!allowed.is_empty(), "a mask allowed nothing after {ids:?}");
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let r = (state >> 33) as usize;
         let t = if allowed.contains(&eos) && r % 3 == 0 {
             eos
@@ -107,8 +111,17 @@ fn json_schema_outputs_validate() {
         let age = o["age"].as_i64().unwrap();
         assert!((0..=150).contains(&age), "{text}");
         let tags = o["tags"].as_array().unwrap();
-        assert!(tags.len() <= 3 && tags.iter().all(|t| ["a", "b", "c"].contains(&t.as_str().unwrap())), "{text}");
-        assert!(!text.contains(' ') || o["name"].as_str().unwrap().contains(' '), "compact: {text}");
+        assert!(
+            tags.len() <= 3
+                && tags
+                    .iter()
+                    .all(|t| ["a", "b", "c"].contains(&t.as_str().unwrap())),
+            "{text}"
+        );
+        assert!(
+            !text.contains(' ') || o["name"].as_str().unwrap().contains(' '),
+            "compact: {text}"
+        );
     }
     assert!(finished >= 6, "only {finished} of 12 walks finished");
 }
@@ -119,10 +132,20 @@ fn regex_choice_and_json_object() {
         return;
     }
     for seed in 0..6 {
-        let (text, done) = walk(&ConstraintSpec::Regex(r"[0-9]{3}-[a-z]{2}".into()), seed, 20);
+        let (text, done) = walk(
+            &ConstraintSpec::Regex(r"[0-9]{3}-[a-z]{2}".into()),
+            seed,
+            20,
+        );
         assert!(done, "{text}");
         let b = text.as_bytes();
-        assert!(b.len() == 6 && b[..3].iter().all(u8::is_ascii_digit) && b[3] == b'-' && b[4..].iter().all(u8::is_ascii_lowercase), "{text:?}");
+        assert!(
+            b.len() == 6
+                && b[..3].iter().all(u8::is_ascii_digit)
+                && b[3] == b'-'
+                && b[4..].iter().all(u8::is_ascii_lowercase),
+            "{text:?}"
+        );
         let choices = vec!["yes".to_string(), "no".to_string(), "maybe so".to_string()];
         let (text, done) = walk(&ConstraintSpec::Choice(choices.clone()), seed, 20);
         assert!(done && choices.contains(&text), "{text:?}");

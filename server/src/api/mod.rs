@@ -10,6 +10,7 @@ mod openai_stream;
 mod pyjson;
 mod reasoning;
 mod sampling;
+mod structured;
 mod tgi;
 
 use std::sync::atomic::Ordering;
@@ -119,6 +120,9 @@ pub struct ApiContext {
     metrics: Arc<Metrics>,
     /// Unix time the server started (OpenAI `created` of the model).
     started: u64,
+    /// The grammar compiler over this model's vocabulary, made on the first constrained
+    /// request (indexing a large vocabulary takes a moment).
+    grammars: std::sync::OnceLock<Result<npu_structured::Grammars, String>>,
 }
 
 /// A route and the methods it answers.
@@ -217,7 +221,18 @@ impl ApiContext {
             stats,
             metrics,
             started,
+            grammars: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The grammar compiler (built once, on first use).
+    pub(crate) fn grammars(&self) -> Result<&npu_structured::Grammars, String> {
+        self.grammars
+            .get_or_init(|| {
+                npu_structured::Grammars::new(&self.tokenizer).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {

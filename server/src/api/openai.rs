@@ -29,6 +29,8 @@ struct Common {
     include_usage: bool,
     /// Choices to generate (`n`): one engine request each, seeds `seed`, `seed + 1`, ...
     n: usize,
+    /// Structured output: one compiled grammar per choice, or none.
+    constraints: Vec<Box<npu_structured::Constraint>>,
 }
 
 /// Most choices one request may ask for (`n`): each is a sequence of its own in the engine.
@@ -97,7 +99,12 @@ fn common(
     }
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     f.string("user")?;
+    let constraints = match super::structured::openai_constraint(f)? {
+        Some(asked) => super::structured::compile(ctx, &asked, n)?,
+        None => Vec::new(),
+    };
     Ok(Common {
+        constraints,
         model,
         params: SamplingParams {
             do_sample: temperature > 0.0,
@@ -212,6 +219,7 @@ fn finish(
             request: request(0),
             more: Vec::new(),
             writer: Box::new(writer(c.include_usage)),
+            constraints: c.constraints,
         };
     }
     // Several choices: one engine request and one writer each, merged into one response (the
@@ -221,6 +229,7 @@ fn finish(
         request: request(0),
         more: (1..c.n).map(request).collect(),
         writer: Box::new(ChoicesWriter::new(writers, c.stream, c.include_usage)),
+        constraints: c.constraints,
     }
 }
 
@@ -356,16 +365,6 @@ pub(super) fn chat_submission(
         None => {}
         Some(Value::Array(t)) if t.is_empty() => {}
         Some(_) => return Err(ApiError::invalid("tools", "tools are not supported")),
-    }
-    let rf = f.object("response_format", "response_format.")?;
-    match rf.string("type")? {
-        None | Some("text") => {}
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!("response_format type {other:?} is not supported (text only)"),
-            ))
-        }
     }
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     // Extra variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}.

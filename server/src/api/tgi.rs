@@ -104,7 +104,8 @@ pub(super) fn submission(
             ));
         }
     }
-    for key in ["grammar", "adapter_id"] {
+    let asked = super::structured::tgi_constraint(&p)?;
+    for key in ["adapter_id"] {
         if p.get(key).is_some() {
             let name = p.name(key);
             return Err(ApiError::invalid(&name, format!("{name} is not supported")));
@@ -185,10 +186,15 @@ pub(super) fn submission(
     } else {
         Box::new(TgiFullWriter { state, details })
     };
+    let constraints = match asked {
+        Some(a) => super::structured::compile(ctx, &a, 1)?,
+        None => Vec::new(),
+    };
     Ok(Submission {
         request,
         more: Vec::new(),
         writer,
+        constraints,
     })
 }
 

@@ -267,23 +267,44 @@ impl Engine {
         }
     }
 
+    fn submit(
+        &mut self,
+        req: GenerateRequest,
+        constraint: Option<Box<npu_structured::Constraint>>,
+    ) {
+        let id = req.id;
+        if self.requests.contains_key(&id) {
+            tracing::error!(request = id, "a request id was submitted twice; ignored");
+            return;
+        }
+        let mut entry = RequestEntry::new(&req, &self.tokenizer);
+        entry.constraint = constraint;
+        self.requests.insert(id, entry);
+        if self.drain_deadline.is_some() {
+            let msg = "the server is shutting down".to_string();
+            return self.emit_finished(id, FinishReason::Shutdown, Some(msg));
+        }
+        EngineStats::add(&self.stats.prompt_tokens_total, req.prompt_ids.len() as u64);
+        self.dispatch(Pending::Fresh(req));
+    }
+
+    /// Token masks of the constrained requests that sample in `plan`, made now that their last
+    /// token is known (the grammar of each runs here, on the engine thread).
+    fn add_masks(&mut self, i: usize, plan: &mut npu_protocol::StepPlan) {
+        for (slot, id) in self.agents[i].sched.sampling_in(plan.step_id) {
+            let Some(entry) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            if let Some(words) = entry.next_mask() {
+                plan.masks.push(npu_protocol::TokenMask { slot, words });
+            }
+        }
+    }
+
     fn on_command(&mut self, cmd: EngineCommand) {
         match cmd {
-            EngineCommand::Submit(req) => {
-                let id = req.id;
-                if self.requests.contains_key(&id) {
-                    tracing::error!(request = id, "a request id was submitted twice; ignored");
-                    return;
-                }
-                self.requests
-                    .insert(id, RequestEntry::new(&req, &self.tokenizer));
-                if self.drain_deadline.is_some() {
-                    let msg = "the server is shutting down".to_string();
-                    return self.emit_finished(id, FinishReason::Shutdown, Some(msg));
-                }
-                EngineStats::add(&self.stats.prompt_tokens_total, req.prompt_ids.len() as u64);
-                self.dispatch(Pending::Fresh(req));
-            }
+            EngineCommand::Submit(req) => self.submit(req, None),
+            EngineCommand::SubmitConstrained(req, c) => self.submit(req, Some(c)),
             EngineCommand::Abort(id) => {
                 let Some(entry) = self.requests.get(&id) else {
                     return;
@@ -454,8 +475,10 @@ impl Engine {
             self.hand_over_ready(i);
             let a = &mut self.agents[i];
             let idle_since = a.time.idle_since.take();
-            if let Some(plan) = a.sched.schedule() {
+            if let Some(mut plan) = a.sched.schedule() {
                 let step_id = plan.step_id;
+                self.add_masks(i, &mut plan);
+                let a = &mut self.agents[i];
                 if a.worker.send(AgentJob::Step(plan)) {
                     a.step_in_flight = Some(step_id);
                     if let Some(since) = idle_since {
@@ -572,10 +595,11 @@ impl Engine {
                 continue;
             };
             if let Some(reason) = entry.on_token(out.id, out, &mut self.events) {
+                let message = entry.failure.take();
                 if out.finished.is_none() {
                     self.agents[i].sched.finish(out.id, reason);
                 }
-                self.emit_finished(out.id, reason, None);
+                self.emit_finished(out.id, reason, message);
             }
         }
     }

@@ -14,6 +14,9 @@ use super::types::{GenEvent, GenerateRequest, RequestId};
 pub enum EngineCommand {
     /// Start a request; its events arrive on the engine's event channel tagged with `req.id`.
     Submit(GenerateRequest),
+    /// Start a request whose output follows a grammar (structured output): each token it
+    /// samples is masked by the constraint, which the engine advances with every token.
+    SubmitConstrained(GenerateRequest, Box<npu_structured::Constraint>),
     /// The client went away or cancelled: end the request and free its KV blocks.
     Abort(RequestId),
     /// Stop admitting, finish or end running requests, stop the agents.

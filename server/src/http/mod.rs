@@ -85,6 +85,9 @@ pub struct Submission {
     /// its own id.
     pub more: Vec<GenerateRequest>,
     pub writer: Box<dyn EventWriter>,
+    /// Structured output: one grammar constraint per request (`request`, then `more`), or
+    /// none.
+    pub constraints: Vec<Box<npu_structured::Constraint>>,
 }
 
 /// Turns one request's generation events into its HTTP response.

@@ -438,15 +438,16 @@ impl Loop {
         let mut requests = Vec::with_capacity(1 + sub.more.len());
         requests.push(sub.request);
         requests.extend(sub.more);
+        let mut constraints = sub.constraints.into_iter();
         let mut ids = Vec::with_capacity(requests.len());
         for (i, mut request) in requests.into_iter().enumerate() {
             request.id = if i == 0 { id } else { next_request_id() };
             let rid = request.id;
-            let refused = match self
-                .engine
-                .commands
-                .try_send(EngineCommand::Submit(request))
-            {
+            let command = match constraints.next() {
+                Some(c) => EngineCommand::SubmitConstrained(request, c),
+                None => EngineCommand::Submit(request),
+            };
+            let refused = match self.engine.commands.try_send(command) {
                 Ok(()) => None,
                 Err(TrySendError::Full(_)) => Some(
                     handler

@@ -75,7 +75,7 @@ fn spawn_echo_engine(
                 rx.recv_timeout(token_delay)
             };
             match cmd {
-                Ok(EngineCommand::Submit(req)) => {
+                Ok(EngineCommand::Submit(req)) | Ok(EngineCommand::SubmitConstrained(req, _)) => {
                     log.lock().unwrap().submitted.push(req.clone());
                     let fail = tokenizer.decode(&req.prompt_ids, false).contains("FAIL");
                     if fail {
