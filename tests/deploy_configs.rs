@@ -64,7 +64,9 @@ fn the_endpoint_pickers_metric_names_are_exported_by_the_server() {
     let text = Metrics::default().render(&EngineStats::default());
     for (key, name) in &specs {
         assert!(
-            text.lines().any(|l| l.strip_prefix(name.as_str()).is_some_and(|r| r.starts_with(' '))),
+            text.lines().any(|l| l
+                .strip_prefix(name.as_str())
+                .is_some_and(|r| r.starts_with(' '))),
             "{key}: {name} is not a metric the server exports"
         );
         assert!(
