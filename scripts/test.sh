@@ -42,6 +42,12 @@ cargo build --release --bin npu-serving
 cargo test --release --test e2e_device "$@"
 cargo test --release -p npu-backend-cpu --features fault-injection --test isa_check
 
+# --- Kubernetes manifests (deploy/kubernetes) -------------------------------------------------------
+# Rendered per overlay and validated offline against the Kubernetes, Gateway API and InferencePool
+# schemas, then deliberate mistakes must fail (about 20 s; the first run installs its tools under
+# ~/.cache/npu-serving/deploy-check, about 1.5 min).
+scripts/check-deploy.sh
+
 if [ "${NPU_SERVING_SKIP_AARCH64:-0}" != 1 ]; then
     scripts/check-aarch64.sh
 fi
