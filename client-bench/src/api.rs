@@ -30,6 +30,9 @@ pub struct ApiSettings {
     pub ignore_eos: bool,
     /// `Authorization: Bearer` value for OpenAI-compatible servers that want one.
     pub api_key: Option<String>,
+    /// A JSON Schema every reply must follow (structured output): OpenAI's `response_format`
+    /// (`json_schema`), or TGI's `parameters.grammar` on llm-serving's API.
+    pub json_schema: Option<Value>,
 }
 
 impl ApiSettings {
@@ -57,6 +60,9 @@ impl ApiSettings {
                 if self.ignore_eos {
                     params.insert("ignore_eos".into(), json!(true));
                 }
+                if let Some(schema) = &self.json_schema {
+                    params.insert("grammar".into(), json!({"type": "json", "value": schema}));
+                }
                 json!({ "inputs": prompt, "parameters": Value::Object(params) })
             }
             ApiKind::OpenAi => {
@@ -76,6 +82,13 @@ impl ApiSettings {
                 body.insert("stream_options".into(), json!({ "include_usage": true }));
                 if self.ignore_eos {
                     body.insert("ignore_eos".into(), json!(true));
+                }
+                if let Some(schema) = &self.json_schema {
+                    body.insert(
+                        "response_format".into(),
+                        json!({"type": "json_schema",
+                               "json_schema": {"name": "bench", "schema": schema}}),
+                    );
                 }
                 Value::Object(body)
             }
@@ -276,7 +289,22 @@ mod tests {
             chat,
             ignore_eos: false,
             api_key: None,
+            json_schema: None,
         }
+    }
+
+    #[test]
+    fn a_json_schema_goes_where_each_api_takes_it() {
+        let schema = json!({"type": "object"});
+        let mut s = settings(ApiKind::OpenAi, true);
+        s.json_schema = Some(schema.clone());
+        let v: Value = serde_json::from_slice(&s.request_body("p", 3)).unwrap();
+        assert_eq!(v["response_format"]["type"], "json_schema");
+        assert_eq!(v["response_format"]["json_schema"]["schema"], schema);
+        let mut s = settings(ApiKind::LlmServing, false);
+        s.json_schema = Some(schema.clone());
+        let v: Value = serde_json::from_slice(&s.request_body("p", 3)).unwrap();
+        assert_eq!(v["parameters"]["grammar"], json!({"type": "json", "value": schema}));
     }
 
     #[test]

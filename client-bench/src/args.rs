@@ -97,6 +97,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub ignore_eos: bool,
 
+    /// A JSON Schema file every reply must follow (structured output: OpenAI's response_format
+    /// json_schema, or TGI's parameters.grammar on the llm-serving API); compare its TPOT with
+    /// a run without it.
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<std::path::PathBuf>,
+
     /// Arrival process of requests.
     #[arg(long, value_enum, default_value_t = ArrivalKind::Poisson)]
     pub arrival: ArrivalKind,

@@ -101,7 +101,7 @@ fn prepare_samples(
 }
 
 /// API settings for a server; asks an OpenAI server for its model name when none was given.
-fn api_settings(args: &BenchArgs, target: &HttpTarget) -> ApiSettings {
+fn api_settings(args: &BenchArgs, target: &HttpTarget) -> Result<ApiSettings, BenchError> {
     let model_name = match (&args.served_model_name, args.api) {
         (Some(n), _) => n.clone(),
         (None, ApiKind::LlmServing) => "llama2".to_string(),
@@ -114,14 +114,30 @@ fn api_settings(args: &BenchArgs, target: &HttpTarget) -> ApiSettings {
         .endpoint
         .clone()
         .unwrap_or_else(|| ApiSettings::default_path(args.api, &model_name));
-    ApiSettings {
+    let json_schema = match &args.json_schema {
+        None => None,
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| BenchError::InvalidArgument {
+                flag: "--json-schema",
+                message: format!("{}: {e}", p.display()),
+            })?;
+            Some(
+                serde_json::from_str(&text).map_err(|e| BenchError::InvalidArgument {
+                    flag: "--json-schema",
+                    message: format!("{} is not JSON: {e}", p.display()),
+                })?,
+            )
+        }
+    };
+    Ok(ApiSettings {
         kind: args.api,
         chat: path.trim_end_matches('/').ends_with("/chat/completions"),
         path,
         model_name,
         ignore_eos: args.ignore_eos,
         api_key: args.api_key.clone(),
-    }
+        json_schema,
+    })
 }
 
 fn first_listed_model(target: &HttpTarget) -> Option<String> {
@@ -152,7 +168,7 @@ fn run_rates(
     samples: &[Sample],
     counter: &TokenCounter,
 ) -> Result<Vec<Summary>, BenchError> {
-    let api = api_settings(args, target);
+    let api = api_settings(args, target)?;
     let mut summaries = Vec::new();
     for &x in &plan.rates {
         let cfg = RunConfig {
