@@ -261,3 +261,147 @@ fn regex_choice_lark_and_tgi_grammars_hold_and_bad_ones_are_refused() {
     let (s, _) = server.post_json("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
     assert_eq!(s, 200);
 }
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+         "parameters": {"type": "object", "properties": {
+             "city": {"enum": ["Paris", "Oslo", "Lima"]},
+             "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+             "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+         "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"],
+         "additionalProperties": false}}}
+    ])
+}
+
+/// Checks one call (OpenAI's shape) against the two tools' schemas.
+fn check_call(call: &Value) {
+    assert_eq!(call["type"], "function", "{call}");
+    assert!(call["id"].as_str().is_some_and(|s| !s.is_empty()), "{call}");
+    let name = call["function"]["name"].as_str().unwrap();
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("arguments of {call} are not JSON: {e}"));
+    match name {
+        "get_weather" => {
+            assert!(
+                ["Paris", "Oslo", "Lima"].contains(&args["city"].as_str().unwrap()),
+                "{args}"
+            );
+            assert!(
+                ["c", "f"].contains(&args["unit"].as_str().unwrap()),
+                "{args}"
+            );
+        }
+        "get_time" => assert!(
+            args["zone"].as_str().unwrap().chars().count() <= 12,
+            "{args}"
+        ),
+        other => panic!("a call of {other:?}, not an offered tool"),
+    }
+}
+
+#[test]
+fn tool_calls_named_and_required_streamed_and_not_with_tool_history() {
+    let _g = serial();
+    let server = Server::start("tools", &ServerOpts::default());
+    let question = json!([{"role": "user", "content": "What is the weather in Oslo?"}]);
+    for seed in 0..3 {
+        // A named function: exactly one call of it, arguments per its schema.
+        let (s, v) = server.post_json(
+            "/v1/chat/completions",
+            &json!({"messages": question, "tools": weather_tools(), "temperature": 1.0,
+                    "seed": seed, "max_tokens": 80,
+                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        );
+        assert_eq!(s, 200, "{v}");
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+        assert!(choice["message"]["content"].is_null(), "{v}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{v}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        check_call(&calls[0]);
+
+        // required, streamed: the calls arrive as tool_calls deltas.
+        let body = json!({"messages": question, "tools": weather_tools(), "temperature": 1.0,
+                          "seed": seed, "max_tokens": 120, "stream": true,
+                          "tool_choice": "required", "parallel_tool_calls": seed == 0});
+        let (s, text) = server.request("POST", "/v1/chat/completions", body.to_string().as_bytes());
+        assert_eq!(s, 200, "{text}");
+        let mut calls = Vec::new();
+        let mut finish = None;
+        for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if line == "[DONE]" {
+                break;
+            }
+            let chunk: Value = serde_json::from_str(line).unwrap();
+            let c = &chunk["choices"][0];
+            if let Some(list) = c["delta"]["tool_calls"].as_array() {
+                for call in list {
+                    assert_eq!(call["index"].as_u64(), Some(calls.len() as u64), "{call}");
+                    calls.push(call.clone());
+                }
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+        assert!(!calls.is_empty(), "{text}");
+        calls.iter().for_each(check_call);
+        if seed == 0 {
+            // Parallel calls allowed: a sampled small model may go on calling until max_tokens.
+            assert!(
+                matches!(finish.as_deref(), Some("tool_calls" | "length")),
+                "{text}"
+            );
+        } else {
+            assert_eq!(calls.len(), 1, "{text}");
+            assert_eq!(finish.as_deref(), Some("tool_calls"), "{text}");
+        }
+    }
+
+    // A conversation that already holds a call and its result renders and answers.
+    let history = json!([
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"unit\": \"c\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": -3}"}
+    ]);
+    let (s, v) = server.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": history, "tools": weather_tools(), "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{v}");
+
+    // Malformed tool fields are 400s naming the field.
+    for (body, field) in [
+        (
+            json!({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}],
+                   "tools": weather_tools()}),
+            "messages[1].tool_call_id",
+        ),
+        (
+            json!({"messages": question, "tools": weather_tools(),
+                   "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice.function.name",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"type": "function",
+                   "function": {"name": "get_time", "arguments": "{not json"}}]}]}),
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            json!({"messages": question, "tools": [{"type": "function", "function": {"name": ""}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"messages": question, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+    ] {
+        let (s, v) = server.post_json("/v1/chat/completions", &body);
+        assert_eq!(s, 400, "{body}: {v}");
+        assert!(v.to_string().contains(field), "{v} does not name {field}");
+    }
+}

@@ -304,7 +304,10 @@ mod tests {
         let mut s = settings(ApiKind::LlmServing, false);
         s.json_schema = Some(schema.clone());
         let v: Value = serde_json::from_slice(&s.request_body("p", 3)).unwrap();
-        assert_eq!(v["parameters"]["grammar"], json!({"type": "json", "value": schema}));
+        assert_eq!(
+            v["parameters"]["grammar"],
+            json!({"type": "json", "value": schema})
+        );
     }
 
     #[test]

@@ -26,7 +26,11 @@ fn main() {
         serde_json::from_str(&std::fs::read_to_string(schema).expect("schema")).expect("JSON");
     let t = Instant::now();
     let g = Grammars::new(&tok).expect("grammars");
-    println!("vocabulary of {} tokens indexed in {:.1} ms", tok.vocab_size(), ms(t));
+    println!(
+        "vocabulary of {} tokens indexed in {:.1} ms",
+        tok.vocab_size(),
+        ms(t)
+    );
     let spec = ConstraintSpec::JsonSchema(schema);
     let mut first = Vec::new();
     let mut per_token = Vec::new();

@@ -406,6 +406,7 @@ impl Server {
             chat: api == Api::Chat,
             ignore_eos: false,
             api_key: None,
+            json_schema: None,
         };
         let sample = Sample {
             prompt: prompt.to_string(),

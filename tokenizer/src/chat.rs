@@ -12,6 +12,16 @@ use super::TokenizerError;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls (OpenAI's list, arguments as JSON objects where they
+    /// parse), for templates that render them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool turn: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool turn: the function's name, when given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -19,6 +29,9 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 

@@ -12,6 +12,7 @@ mod reasoning;
 mod sampling;
 mod structured;
 mod tgi;
+mod tool_calls;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

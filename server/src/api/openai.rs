@@ -11,6 +11,7 @@ use super::openai_choices::ChoicesWriter;
 use super::openai_stream::{OpenAiKind, OpenAiWriter};
 use super::reasoning;
 use super::sampling;
+use super::tool_calls;
 use super::ApiContext;
 use crate::engine::{GenerateRequest, RequestId};
 use crate::http::{Request, Submission};
@@ -303,6 +304,80 @@ fn encode(ctx: &ApiContext, text: &str, field: &str) -> Result<Vec<u32>, ApiErro
 }
 
 /// A message's content: a string, or a list of `{"type": "text", "text": ...}` parts.
+/// A message's tool fields: an assistant turn's `tool_calls` (each a function with a name and
+/// arguments), a tool turn's `tool_call_id` (required) and `name`.
+fn tool_fields(
+    i: usize,
+    m: &serde_json::Map<String, Value>,
+    msg: &mut ChatMessage,
+) -> Result<(), ApiError> {
+    if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+        let field = format!("messages[{i}].tool_calls");
+        if msg.role != "assistant" {
+            return Err(ApiError::invalid(
+                &field,
+                format!("{field}: only assistant messages carry tool calls"),
+            ));
+        }
+        let Value::Array(list) = calls else {
+            return Err(ApiError::invalid(&field, format!("{field} must be a list")));
+        };
+        let mut out = Vec::with_capacity(list.len());
+        for (j, c) in list.iter().enumerate() {
+            let cf = format!("{field}[{j}].function");
+            let func = c
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        &cf,
+                        format!("{cf} must be an object with name and arguments"),
+                    )
+                })?;
+            let name = func.get("name").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::invalid(&format!("{cf}.name"), format!("{cf}.name must be a string"))
+            })?;
+            // Templates index arguments as an object; OpenAI sends a JSON string.
+            let arguments = match func.get("arguments") {
+                None | Some(Value::Null) => Value::Object(Default::default()),
+                Some(Value::String(a)) => serde_json::from_str(a).map_err(|e| {
+                    ApiError::invalid(
+                        &format!("{cf}.arguments"),
+                        format!("{cf}.arguments is not JSON: {e}"),
+                    )
+                })?,
+                Some(a @ Value::Object(_)) => a.clone(),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        &format!("{cf}.arguments"),
+                        format!("{cf}.arguments must be a JSON string"),
+                    ))
+                }
+            };
+            out.push(serde_json::json!({
+                "id": c.get("id").cloned().unwrap_or(Value::Null),
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }));
+        }
+        msg.tool_calls = Some(Value::Array(out));
+    }
+    if msg.role == "tool" {
+        let field = format!("messages[{i}].tool_call_id");
+        match m.get("tool_call_id") {
+            Some(Value::String(id)) => msg.tool_call_id = Some(id.clone()),
+            _ => {
+                return Err(ApiError::invalid(
+                    &field,
+                    format!("{field}: a tool message names the call it answers"),
+                ))
+            }
+        }
+        msg.name = m.get("name").and_then(Value::as_str).map(str::to_string);
+    }
+    Ok(())
+}
+
 fn message_content(i: usize, m: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
     let field = format!("messages[{i}].content");
     match m.get("content") {
@@ -361,11 +436,9 @@ pub(super) fn chat_submission(
             "top_logprobs needs logprobs: true",
         ));
     }
-    match f.get("tools") {
-        None => {}
-        Some(Value::Array(t)) if t.is_empty() => {}
-        Some(_) => return Err(ApiError::invalid("tools", "tools are not supported")),
-    }
+    let (tools, tool_choice) = tool_calls::parse(f.get("tools"), f.get("tool_choice"))?;
+    let parallel_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
+    let tools_on = !tools.is_empty() && tool_choice != tool_calls::Choice::None;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     // Extra variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}.
     let template_kwargs = match f.get("chat_template_kwargs") {
@@ -415,7 +488,40 @@ pub(super) fn chat_submission(
                 return Err(ApiError::invalid(&name, format!("{name} must be a string")));
             }
         };
-        chat.push(ChatMessage::new(role, message_content(i, m)?));
+        let mut msg = ChatMessage::new(role, message_content(i, m)?);
+        tool_fields(i, m, &mut msg)?;
+        chat.push(msg);
+    }
+    let mut template_kwargs = template_kwargs;
+    if tools_on {
+        let source = ctx.tokenizer.chat_template_source().unwrap_or("");
+        if source.contains("tools") {
+            template_kwargs.insert(
+                "tools".into(),
+                Value::Array(tools.iter().map(|t| t.raw.clone()).collect()),
+            );
+        } else {
+            // The template knows nothing of tools: describe them in the system message, and
+            // write earlier calls and results as text in the same format.
+            let desc = tool_calls::system_prompt(&tools);
+            match chat.first_mut() {
+                Some(first) if first.role == "system" => {
+                    first.content = format!("{}\n\n{desc}", first.content)
+                }
+                _ => chat.insert(0, ChatMessage::system(desc)),
+            }
+        }
+        if !source.contains("tool_calls") {
+            for m in &mut chat {
+                if let Some(Value::Array(calls)) = m.tool_calls.take() {
+                    for c in calls {
+                        let func = c.get("function").cloned().unwrap_or(Value::Null);
+                        m.content
+                            .push_str(&format!("\n<tool_call>\n{func}\n</tool_call>"));
+                    }
+                }
+            }
+        }
     }
     let template = ctx.chat_template.as_ref().map_err(|e| {
         ApiError::new(
@@ -440,5 +546,24 @@ pub(super) fn chat_submission(
     sampling::check_prompt(&prompt_ids, "messages", &ctx.settings)?;
     let lp = logprobs.then_some(top_logprobs.unwrap_or(0));
     let think = ctx.thinks.then(|| reasoning::prompt_opens_think(&text));
-    Ok(finish(ctx, id, c, prompt_ids, OpenAiKind::Chat, lp, think))
+    let mut c = c;
+    if let Some(spec) = tool_calls::grammar(&tools, &tool_choice, parallel_calls) {
+        if !c.constraints.is_empty() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice asks for a tool call and the request also constrains its output \
+                 (response_format or structured_outputs): give one",
+            ));
+        }
+        let asked = super::structured::Asked {
+            spec,
+            field: "tool_choice".into(),
+        };
+        c.constraints = super::structured::compile(ctx, &asked, c.n)?;
+    }
+    let mut sub = finish(ctx, id, c, prompt_ids, OpenAiKind::Chat, lp, think);
+    if tools_on {
+        sub.writer.enable_tool_calls();
+    }
+    Ok(sub)
 }

@@ -160,6 +160,11 @@ fn usage_of(u: &Value) -> ChoiceUsage {
 }
 
 impl EventWriter for ChoicesWriter {
+    fn enable_tool_calls(&mut self) {
+        for w in &mut self.writers {
+            w.enable_tool_calls();
+        }
+    }
     fn stream_start(&mut self) -> Option<Response> {
         let mut head = self.writers.first_mut()?.stream_start()?;
         // Each writer's opening chunk (a chat stream's role), with its index.

@@ -14,6 +14,7 @@ use super::error::{render_error, ErrorShape};
 use super::pyjson::{escape_line_breaks, f32_json};
 use super::reasoning::{Split, ThinkSplitter};
 use super::sampling::token_text;
+use super::tool_calls::{Call, CallSplitter};
 use crate::engine::{FinishReason, GenEvent, RequestId, Usage};
 use crate::http::{EventWriter, Progress, Response};
 
@@ -42,6 +43,10 @@ pub(crate) struct OpenAiWriter {
     /// streaming) the parts so far.
     think: Option<ThinkSplitter>,
     parts: Split,
+    /// Chat replies with tools: the splitter of tool calls out of the content, and (not
+    /// streaming) the calls so far.
+    calls: Option<CallSplitter>,
+    found: Vec<Call>,
 }
 
 impl OpenAiWriter {
@@ -75,11 +80,69 @@ impl OpenAiWriter {
             offset: 0,
             think: None,
             parts: Split::default(),
+            calls: None,
+            found: Vec::new(),
+        }
+    }
+
+    /// The content part of a piece of the reply, less its tool calls (returned apart).
+    fn route(&mut self, content: String) -> (String, Vec<Call>) {
+        match &mut self.calls {
+            None => (content, Vec::new()),
+            Some(s) => {
+                let p = s.push(&content);
+                (p.content, p.calls)
+            }
+        }
+    }
+
+    /// A streamed chunk announcing tool calls (numbered from `first`).
+    fn calls_chunk(&self, calls: &[Call], first: usize) -> Value {
+        let list: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| c.to_json(first + k, &self.id, true))
+            .collect();
+        let choice = json!({"index": 0, "delta": {"tool_calls": list}, "logprobs": null,
+                            "finish_reason": null});
+        Value::Object(self.envelope(Value::Array(vec![choice])))
+    }
+
+    /// Emits (streaming) or keeps (not) the content and calls of a piece of the reply.
+    fn put_content(
+        &mut self,
+        reasoning: String,
+        content: String,
+        lp: Option<Value>,
+        body: &mut Vec<u8>,
+    ) {
+        let (content, calls) = self.route(content);
+        if !self.stream {
+            self.parts.reasoning.push_str(&reasoning);
+            self.parts.content.push_str(&content);
+            self.found.extend(calls);
+            return;
+        }
+        let part = Split { reasoning, content };
+        if !part.is_empty() || lp.is_some() {
+            let lp = lp.unwrap_or(Value::Null);
+            Self::sse(body, &self.think_chunk(&part, lp));
+        }
+        if !calls.is_empty() {
+            let first = self.calls.as_ref().map_or(0, |s| s.calls) - calls.len();
+            Self::sse(body, &self.calls_chunk(&calls, first));
         }
     }
 
     /// Some(inside): a chat reply is split into `reasoning_content` and `content` at its think
     /// block (starting inside it when the prompt opened it).
+    /// Splits tool calls out of a chat reply's content.
+    pub(crate) fn enable_tool_calls(&mut self) {
+        if self.kind == OpenAiKind::Chat {
+            self.calls = Some(CallSplitter::default());
+        }
+    }
+
     pub(crate) fn with_think_split(mut self, think: Option<bool>) -> Self {
         if self.kind == OpenAiKind::Chat {
             self.think = think.map(ThinkSplitter::new);
@@ -188,14 +251,27 @@ impl OpenAiWriter {
                 "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
             }),
             (OpenAiKind::Chat, false) => {
-                let message = match &self.think {
-                    None => json!({"role": "assistant", "content": text}),
+                let mut message = match &self.think {
+                    None if self.calls.is_none() => json!({"role": "assistant", "content": text}),
+                    None => json!({"role": "assistant", "content": self.parts.content}),
                     Some(t) => json!({
                         "role": "assistant",
                         "content": self.parts.content,
                         "reasoning_content": t.thought().then_some(&self.parts.reasoning),
                     }),
                 };
+                if !self.found.is_empty() {
+                    let calls: Vec<Value> = self
+                        .found
+                        .iter()
+                        .enumerate()
+                        .map(|(k, c)| c.to_json(k, &self.id, false))
+                        .collect();
+                    message["tool_calls"] = Value::Array(calls);
+                    if self.parts.content.trim().is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                }
                 json!({
                     "index": 0,
                     "message": message,
@@ -224,6 +300,9 @@ impl OpenAiWriter {
 }
 
 impl EventWriter for OpenAiWriter {
+    fn enable_tool_calls(&mut self) {
+        OpenAiWriter::enable_tool_calls(self);
+    }
     fn stream_start(&mut self) -> Option<Response> {
         if !self.stream {
             return None;
@@ -246,19 +325,21 @@ impl EventWriter for OpenAiWriter {
                 let entry = self.logprobs.map(|_| self.lp_entry(token, top, text));
                 self.offset += text.len();
                 self.text.push_str(text);
-                if let Some(think) = &mut self.think {
-                    let part = think.push(text);
+                if self.think.is_some() || self.calls.is_some() {
+                    let part = match &mut self.think {
+                        Some(think) => think.push(text),
+                        None => Split {
+                            reasoning: String::new(),
+                            content: text.clone(),
+                        },
+                    };
                     if !self.stream {
-                        self.parts.reasoning.push_str(&part.reasoning);
-                        self.parts.content.push_str(&part.content);
                         self.lp_entries.extend(entry);
+                        self.put_content(part.reasoning, part.content, None, body);
                         return Progress::More;
                     }
-                    if part.is_empty() && entry.is_none() {
-                        return Progress::More;
-                    }
-                    let lp = self.lp_value(entry.as_slice());
-                    Self::sse(body, &self.think_chunk(&part, lp));
+                    let lp = entry.map(|e| self.lp_value(std::slice::from_ref(&e)));
+                    self.put_content(part.reasoning, part.content, lp, body);
                     return Progress::More;
                 }
                 if !self.stream {
@@ -296,16 +377,18 @@ impl EventWriter for OpenAiWriter {
                     body.extend_from_slice(b"\n\ndata: [DONE]\n\n");
                     return Progress::StreamDone;
                 }
-                let finish = Some(reason.openai());
-                // What the splitter held back (an unfinished tag, newlines) belongs to the end.
+                // What the splitters held back (an unfinished tag, newlines) belongs to the end.
                 if let Some(rest) = self.think.as_mut().map(ThinkSplitter::finish) {
-                    if !self.stream {
-                        self.parts.reasoning.push_str(&rest.reasoning);
-                        self.parts.content.push_str(&rest.content);
-                    } else if !rest.is_empty() {
-                        Self::sse(body, &self.think_chunk(&rest, Value::Null));
-                    }
+                    self.put_content(rest.reasoning, rest.content, None, body);
                 }
+                if let Some(rest) = self.calls.as_mut().map(CallSplitter::finish) {
+                    self.put_content(String::new(), rest.content, None, body);
+                }
+                let called = self.calls.as_ref().is_some_and(|s| s.calls > 0);
+                let finish = Some(match reason.openai() {
+                    "stop" if called => "tool_calls",
+                    r => r,
+                });
                 if !self.stream {
                     let lp = self.lp_value(&self.lp_entries);
                     let mut whole = self.envelope(Value::Array(vec![

@@ -155,7 +155,7 @@ impl ThinkSplitter {
 
 /// The length of the longest end of `s` that is a proper start of `tag` (0 if none). Tags begin
 /// with the ASCII `<`, so the cut is on a character boundary.
-fn partial_tag_len(s: &str, tag: &str) -> usize {
+pub(crate) fn partial_tag_len(s: &str, tag: &str) -> usize {
     (1..tag.len())
         .rev()
         .find(|&k| s.as_bytes().ends_with(&tag.as_bytes()[..k]))

@@ -102,6 +102,9 @@ pub trait EventWriter: Send {
     /// An event of choice `choice` (0 for the submission's `request`, i for `more[i - 1]`).
     /// Events of one choice come in order; choices interleave. The response is over when this
     /// returns `StreamDone` or `Complete` (the HTTP layer aborts choices still running then).
+    /// A chat reply's tool calls are split out of its content (OpenAI's `tool_calls`); writers
+    /// without tool calls ignore it.
+    fn enable_tool_calls(&mut self) {}
     fn on_choice_event(&mut self, choice: usize, event: &GenEvent, body: &mut Vec<u8>) -> Progress {
         debug_assert_eq!(
             choice, 0,
