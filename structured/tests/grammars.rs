@@ -65,7 +65,7 @@ fn walk(spec: &ConstraintSpec, seed: u64, max: usize) -> (String, bool) {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         let r = (state >> 33) as usize;
-        let t = if allowed.contains(&eos) && r % 3 == 0 {
+        let t = if allowed.contains(&eos) && r.is_multiple_of(3) {
             eos
         } else {
             allowed[r % allowed.len()]

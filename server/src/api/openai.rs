@@ -31,7 +31,7 @@ struct Common {
     /// Choices to generate (`n`): one engine request each, seeds `seed`, `seed + 1`, ...
     n: usize,
     /// Structured output: one compiled grammar per choice, or none.
-    constraints: Vec<Box<npu_structured::Constraint>>,
+    constraints: Vec<npu_structured::Constraint>,
 }
 
 /// Most choices one request may ask for (`n`): each is a sequence of its own in the engine.

@@ -172,7 +172,7 @@ pub(super) fn compile(
     ctx: &ApiContext,
     asked: &Asked,
     n: usize,
-) -> Result<Vec<Box<Constraint>>, ApiError> {
+) -> Result<Vec<Constraint>, ApiError> {
     let grammars = ctx.grammars().map_err(|e| {
         ApiError::invalid(
             &asked.field,
@@ -181,7 +181,7 @@ pub(super) fn compile(
     })?;
     (0..n)
         .map(|_| match grammars.compile(&asked.spec) {
-            Ok(c) => Ok(Box::new(c)),
+            Ok(c) => Ok(c),
             Err(StructuredError::Invalid { reason, .. }) => Err(ApiError::invalid(
                 &asked.field,
                 format!("{}: {reason}", asked.field),

@@ -396,10 +396,14 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("tools[0].function.name"));
         let e = parse(None, Some(&json!("required"))).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("tool_choice"));
-        assert!(grammar(&t, &Choice::Auto).is_none());
-        assert!(matches!(
-            grammar(&t, &Choice::Required),
-            Some(ConstraintSpec::Lark(_))
-        ));
+        assert!(grammar(&t, &Choice::Auto, true).is_none());
+        match grammar(&t, &Choice::Required, true) {
+            Some(ConstraintSpec::Lark(g)) => assert!(g.starts_with("start: call+"), "{g}"),
+            other => panic!("{other:?}"),
+        }
+        match grammar(&t, &Choice::Required, false) {
+            Some(ConstraintSpec::Lark(g)) => assert!(g.starts_with("start: call\n"), "{g}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

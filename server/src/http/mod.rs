@@ -87,7 +87,7 @@ pub struct Submission {
     pub writer: Box<dyn EventWriter>,
     /// Structured output: one grammar constraint per request (`request`, then `more`), or
     /// none.
-    pub constraints: Vec<Box<npu_structured::Constraint>>,
+    pub constraints: Vec<npu_structured::Constraint>,
 }
 
 /// Turns one request's generation events into its HTTP response.

@@ -444,7 +444,7 @@ impl Loop {
             request.id = if i == 0 { id } else { next_request_id() };
             let rid = request.id;
             let command = match constraints.next() {
-                Some(c) => EngineCommand::SubmitConstrained(request, c),
+                Some(c) => EngineCommand::SubmitConstrained(request, Box::new(c)),
                 None => EngineCommand::Submit(request),
             };
             let refused = match self.engine.commands.try_send(command) {
