@@ -12,8 +12,8 @@ use npu_protocol::MAX_LOGIT_BIAS;
 
 fn small_caps() -> ShmCapacities {
     ShmCapacities {
-        max_masks: 0,
-        mask_words: 0,
+        max_masks: 2,
+        mask_words: 3,
         max_slots: 8,
         max_seqs_per_step: 4,
         max_tokens_per_step: 100,
@@ -27,16 +27,16 @@ fn small_caps() -> ShmCapacities {
 
 #[test]
 fn header_fields_sit_where_the_protocol_says() {
-    assert_eq!(size_of::<ShmHeader>(), 256);
+    assert_eq!(size_of::<ShmHeader>(), 296);
     assert_eq!(offset_of!(ShmHeader, magic), 0);
     assert_eq!(offset_of!(ShmHeader, version), 8);
     assert_eq!(offset_of!(ShmHeader, header_size), 12);
     assert_eq!(offset_of!(ShmHeader, total_size), 16);
     assert_eq!(offset_of!(ShmHeader, layout_hash), 24);
     assert_eq!(offset_of!(ShmHeader, caps), 32);
-    assert_eq!(offset_of!(ShmHeader, plan_seq), 64);
-    assert_eq!(offset_of!(ShmHeader, result_seq), 72);
-    assert_eq!(offset_of!(ShmHeader, regions), 80);
+    assert_eq!(offset_of!(ShmHeader, plan_seq), 72);
+    assert_eq!(offset_of!(ShmHeader, result_seq), 80);
+    assert_eq!(offset_of!(ShmHeader, regions), 88);
     assert_eq!(&SHM_MAGIC.to_le_bytes()[..6], b"NPUSHM");
 }
 
@@ -44,29 +44,32 @@ fn header_fields_sit_where_the_protocol_says() {
 fn regions_of_a_small_layout_have_the_expected_offsets_and_sizes() {
     let layout = ShmLayout::new(small_caps()).unwrap();
     let expect = [
-        (Region::PlanMeta, 256, 32),
-        (Region::SeqDescs, 320, 4 * 32),
-        (Region::Tokens, 448, 400),
-        (Region::SlotMapping, 896, 400),
-        (Region::BlockTables, 1344, 4 * 6 * 4),
+        (Region::PlanMeta, 320, 40),
+        (Region::SeqDescs, 384, 4 * 32),
+        (Region::Tokens, 512, 400),
+        (Region::SlotMapping, 960, 400),
+        (Region::BlockTables, 1408, 4 * 6 * 4),
         // An admission: slot, parameters and a table of MAX_LOGIT_BIAS (token, bias) pairs.
         (
             Region::Admissions,
-            1472,
+            1536,
             3 * (56 + 8 * MAX_LOGIT_BIAS as u64),
         ),
-        (Region::Forget, 7808, 5 * 4),
-        (Region::KvCopies, 7872, 3 * 16),
-        (Region::ResultMeta, 7936, 80),
-        (Region::SeqResults, 8064, 4 * 16),
-        (Region::TopLogprobs, 8128, 4 * 2 * 8),
+        (Region::Forget, 7872, 5 * 4),
+        (Region::KvCopies, 7936, 3 * 16),
+        // Token masks: a slot each, and their words.
+        (Region::MaskSlots, 8000, 2 * 4),
+        (Region::MaskWords, 8064, 2 * 3 * 4),
+        (Region::ResultMeta, 8128, 80),
+        (Region::SeqResults, 8256, 4 * 16),
+        (Region::TopLogprobs, 8320, 4 * 2 * 8),
     ];
     for (region, offset, size) in expect {
         let r = layout.region(region);
         assert_eq!((r.offset, r.size), (offset, size), "{region:?}");
     }
-    assert_eq!(layout.total_size(), 8192);
-    assert_eq!(size_of::<PlanMeta>(), 32);
+    assert_eq!(layout.total_size(), 8384);
+    assert_eq!(size_of::<PlanMeta>(), 40);
     assert_eq!(size_of::<SeqDesc>(), 32);
     assert_eq!(size_of::<RawAdmission>(), 56 + 8 * MAX_LOGIT_BIAS);
     assert_eq!(size_of::<ResultMeta>(), 80);
@@ -83,7 +86,9 @@ fn regions_are_aligned_ordered_and_disjoint_for_the_default_layout() {
         let r = layout.region(region);
         assert_eq!(r.offset % REGION_ALIGN, 0, "{region:?}");
         assert!(r.offset >= end, "{region:?} overlaps the previous region");
-        assert!(r.size > 0, "{region:?}");
+        // The token-mask regions are empty without structured output (the default).
+        let masks = matches!(region, Region::MaskSlots | Region::MaskWords);
+        assert!(r.size > 0 || masks, "{region:?}");
         end = r.offset + r.size;
     }
     assert!(layout.total_size() >= end);
@@ -102,7 +107,7 @@ fn the_header_describes_its_layout_and_reads_back() {
 fn layout_hash_is_stable_and_changes_with_every_capacity() {
     let base = ShmLayout::new(small_caps()).unwrap();
     assert_eq!(base.hash(), ShmLayout::new(small_caps()).unwrap().hash());
-    let tweaks: [fn(&mut ShmCapacities); 8] = [
+    let tweaks: [fn(&mut ShmCapacities); 10] = [
         |c| c.max_slots += 1,
         |c| c.max_seqs_per_step += 1,
         |c| c.max_tokens_per_step += 1,
@@ -111,6 +116,8 @@ fn layout_hash_is_stable_and_changes_with_every_capacity() {
         |c| c.max_forget += 1,
         |c| c.max_top_n += 1,
         |c| c.max_kv_copies += 1,
+        |c| c.max_masks += 1,
+        |c| c.mask_words += 1,
     ];
     for (i, tweak) in tweaks.iter().enumerate() {
         let mut caps = small_caps();

@@ -11,7 +11,7 @@ use npu_protocol::shm::{
 };
 use npu_protocol::{
     Admission, KvCopy, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult,
-    StepTiming, StepTransfer, TokenLogprob, MAX_LOGIT_BIAS,
+    StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_LOGIT_BIAS,
 };
 use proptest::prelude::*;
 
@@ -20,8 +20,8 @@ type ResultEdit = fn(&mut StepResult);
 
 fn caps() -> ShmCapacities {
     ShmCapacities {
-        max_masks: 0,
-        mask_words: 0,
+        max_masks: 2,
+        mask_words: 3,
         max_slots: 8,
         max_seqs_per_step: 4,
         max_tokens_per_step: 64,
@@ -68,7 +68,11 @@ fn seq(slot: u32, tokens: Vec<u32>, start_pos: u32, blocks: Vec<u32>) -> SeqStep
 
 fn sample_plan() -> StepPlan {
     StepPlan {
-        masks: Vec::new(),
+        // Slot 1 samples under a grammar: tokens 0, 33 and 95 allowed.
+        masks: vec![TokenMask {
+            slot: 1,
+            words: vec![1, 2, 1 << 31],
+        }],
         step_id: 41,
         forget: vec![5, 6],
         admit: vec![Admission {
@@ -274,6 +278,9 @@ fn every_plan_overflow_is_refused_and_leaves_the_previous_plan_intact() {
             p.seqs[0].slot_mapping.pop();
         }),
         ("prompt tokens", |p| p.seqs[1].n_prompt_tokens = 2),
+        ("token masks", |p| p.masks = vec![p.masks[0].clone(); 3]),
+        ("token mask words", |p| p.masks[0].words.push(0)),
+        ("token mask of a slot not sampling", |p| p.masks[0].slot = 5),
     ];
     for (what, break_it) in cases {
         let mut bad = good.clone();

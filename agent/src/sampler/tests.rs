@@ -592,3 +592,63 @@ fn logit_bias_moves_the_pick_and_reports_raw_logprobs() {
     assert_eq!(out.token.token, 3);
     assert!((out.token.logprob as f64 - expected[3]).abs() < 1e-5);
 }
+
+#[test]
+fn a_token_mask_limits_the_pick_and_keeps_raw_logprobs() {
+    let logits: Vec<f32> = (0..70).map(|i| (i % 10) as f32 * 0.5).collect();
+    // Tokens 3, 40 and 65 allowed (65 lies in the third word).
+    let mask = [1u32 << 3, 1 << (40 - 32), 1 << (65 - 64)];
+    let hist = TokenHistory::new();
+    let mut s = Sampler::new();
+    let greedy = s
+        .sample_masked(
+            &mut logits.clone(),
+            &SamplingParams::greedy(),
+            &hist,
+            0,
+            Some(&mask),
+        )
+        .unwrap();
+    // 65 % 10 = 5 beats 3 and 40 % 10 = 0.
+    assert_eq!(greedy.token.token, 65);
+    let unmasked = s
+        .sample(&mut logits.clone(), &SamplingParams::greedy(), &hist, 0)
+        .unwrap();
+    let raw = logprob(logits[65], sanitize_and_log_norm(&mut logits.clone()));
+    assert_eq!(greedy.token.logprob, raw, "the model's raw log-probability");
+    assert_ne!(unmasked.token.token, 65);
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..300 {
+        let out = s
+            .sample_masked(&mut logits.clone(), &sampled(1.5), &hist, i, Some(&mask))
+            .unwrap();
+        seen.insert(out.token.token);
+    }
+    assert!(seen.iter().all(|t| [3, 40, 65].contains(t)), "{seen:?}");
+    assert_eq!(
+        seen.len(),
+        3,
+        "every allowed token is drawn at temperature 1.5"
+    );
+    let e = s
+        .sample_masked(
+            &mut logits.clone(),
+            &sampled(1.0),
+            &hist,
+            0,
+            Some(&[0, 0, 0]),
+        )
+        .unwrap_err();
+    assert_eq!(e, SamplerError::EmptyMask);
+    // A mask shorter than the vocabulary allows nothing past its words.
+    let out = s
+        .sample_masked(
+            &mut logits.clone(),
+            &SamplingParams::greedy(),
+            &hist,
+            0,
+            Some(&[1 << 9]),
+        )
+        .unwrap();
+    assert_eq!(out.token.token, 9);
+}
