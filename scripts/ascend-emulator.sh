@@ -7,8 +7,11 @@
 # It is an emulation for CI and development without an NPU, never a product: nothing here runs on
 # Ascend hardware. Layout: lib64/libascendcl.so (the emulation), lib64/libnnopbase.so,
 # lib64/libopapi.so and lib64/libopapi_transformer.so (links to the same file, so every name
-# shares one state), version.cfg and runtime/version.info (the emulated CANN version, 8.3.RC1
-# unless ASCEND_EMULATOR_CANN_VERSION says otherwise) and set_env.sh. Build output goes to stderr.
+# shares one state), opp/ (the operator package directory, empty: operators need
+# ASCEND_OPP_PATH to name it, which set_env.sh exports and the backend sets when only
+# ASCEND_HOME_PATH is given), version.cfg and runtime/version.info (the emulated CANN version,
+# 8.3.RC1 unless ASCEND_EMULATOR_CANN_VERSION says otherwise) and set_env.sh. Build output goes to
+# stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +23,7 @@ out="$target_dir/ascend-emulator"
 mkdir -p "$target_dir"
 exec 9>"$target_dir/.ascend-emulator.lock"
 flock 9
-mkdir -p "$out/lib64" "$out/runtime"
+mkdir -p "$out/lib64" "$out/runtime" "$out/opp"
 if ! cmp -s "$target_dir/release/libascendcl.so" "$out/lib64/libascendcl.so"; then
     cp "$target_dir/release/libascendcl.so" "$out/lib64/libascendcl.so.tmp"
     mv -f "$out/lib64/libascendcl.so.tmp" "$out/lib64/libascendcl.so"
@@ -34,6 +37,8 @@ cat > "$out/set_env.sh" <<ENV
 # Emulation of CANN for npu-serving's CI (not CANN, not for production).
 export ASCEND_HOME_PATH="$out"
 export ASCEND_TOOLKIT_HOME="$out"
+export ASCEND_OPP_PATH="$out/opp"
+export ASCEND_AICPU_PATH="$out"
 export LD_LIBRARY_PATH="$out/lib64\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 ENV
 cat > "$out/EMULATION.txt" <<TXT

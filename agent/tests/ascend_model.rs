@@ -51,8 +51,12 @@ fn options(block_size: usize) -> ModelOptions {
 }
 
 fn ascend(f: &GgufFile, block_size: usize) -> Model<AscendBackend> {
+    ascend_with(f, block_size, AscendConfig::default())
+}
+
+fn ascend_with(f: &GgufFile, block_size: usize, cfg: AscendConfig) -> Model<AscendBackend> {
     let acl = Acl::init(&npu_ffi::SearchPaths::root(&cann_root())).expect("CANN loads");
-    let b = AscendBackend::with_runtime(acl, AscendConfig::default()).expect("device 0 opens");
+    let b = AscendBackend::with_runtime(acl, cfg).expect("device 0 opens");
     Model::load(f, b, options(block_size)).expect("the model loads on the Ascend backend")
 }
 
@@ -295,4 +299,37 @@ fn gemma3_is_refused_on_f16_activations() {
         .expect("refused")
         .to_string();
     assert!(e.contains("gemma3") && e.contains("f16"), "{e}");
+}
+
+/// Executor reuse (on by default, for the operators of its allowlist) changes no bit: the
+/// logits of a prompt step and of decode steps equal, bit for bit, those of a backend that
+/// prepares every call afresh.
+#[test]
+fn reused_executors_give_the_logits_of_fresh_ones_bit_for_bit() {
+    let f = GgufFile::open(model_path()).unwrap();
+    let prompt = refs()[0].prompt_ids.clone();
+    let run = |reuse: bool| {
+        let mut m = ascend_with(
+            &f,
+            16,
+            AscendConfig {
+                reuse_executors: reuse,
+                ..AscendConfig::default()
+            },
+        );
+        let mut tokens = prompt.clone();
+        let mut start = 0;
+        let mut all = Vec::new();
+        for _ in 0..4 {
+            let l = logits(&mut m, &seq_step(&tokens[start..], start, 16));
+            start = tokens.len();
+            tokens.push(top2(&l).0 as u32);
+            all.push(l.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+        }
+        (all, m.backend().last_step_stats())
+    };
+    let (on, stats) = run(true);
+    let (off, _) = run(false);
+    assert!(stats.reused_launches > 0, "{stats:?}");
+    assert!(on == off, "logits differ with and without executor reuse");
 }

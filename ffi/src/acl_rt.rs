@@ -1,6 +1,6 @@
 //! ACL runtime prototypes (`libascendcl.so`: `acl/acl.h`, `acl/acl_rt.h`): init/finalize,
-//! devices, contexts, streams, events, device and pinned host memory, copies, memory info and
-//! the last error message. Written from the documented prototypes (AscendCL API reference,
+//! devices, contexts, streams, events, device and pinned host memory, copies, memory info, the
+//! installed version and the last error message. Written from the documented prototypes (AscendCL API reference,
 //! "aclInit", "aclrtMalloc", "aclrtMemcpyAsync", "aclrtGetMemInfo", ...). Device memory
 //! information is `aclrtGetMemInfo(attr, &free, &total)`, ACL's name for what other runtimes
 //! call "MemGetInfo".
@@ -46,7 +46,11 @@ crate::api_table! {
             fn aclrtGetMemInfo(attr: aclrtMemAttr, free: *mut usize, total: *mut usize) -> aclError;
         }
         optional {
+            // Deprecated in newer headers in favour of the two below (CANN 8.5+, "runtime" etc.
+            // as package names, the directories of `share/info`); kept as the fallback.
             fn aclsysGetCANNVersion(name: aclCANNPackageName, version: *mut aclCANNPackageVersion) -> aclError;
+            fn aclsysGetVersionStr(pkgName: *mut c_char, versionStr: *mut c_char) -> aclError;
+            fn aclsysGetVersionNum(pkgName: *mut c_char, versionNum: *mut i32) -> aclError;
         }
     }
 }

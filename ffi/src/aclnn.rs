@@ -11,8 +11,9 @@
 //! RmsNorm (`aclnn_rms_norm.h`), SwiGlu (`aclnn_swi_glu.h`), Embedding (`aclnn_embedding.h`),
 //! ArgMax (`aclnn_argmax.h`),
 //! Matmul (`aclnn_matmul.h`), WeightQuantBatchMatmulV2 (`aclnn_weight_quant_batch_matmul_v2.h`),
-//! FusedInferAttentionScoreV2 (`aclnn_fused_infer_attention_score_v2.h`), IncreFlashAttentionV4
-//! (`aclnn_incre_flash_attention_v4.h`), ApplyRotaryPosEmb (`aclnn_apply_rotary_pos_emb.h`),
+//! FusedInferAttentionScoreV2 (`aclnn_fused_infer_attention_score_v2.h`; its incremental branch
+//! serves decode, so IncreFlashAttention is not declared), ApplyRotaryPosEmb
+//! (`aclnn_apply_rotary_pos_emb.h`),
 //! ScatterNdUpdate (`aclnn_scatter_nd_update.h`); newer releases only: RotaryPositionEmbedding
 //! (`aclnn_rotary_position_embedding.h`) and ScatterPaKvCache (`aclnn_scatter_pa_kv_cache.h`).
 //! Optional too, for the newer model families (the backend reports the capabilities they serve
@@ -94,8 +95,6 @@ pub mod ops {
                 fn aclnnApplyRotaryPosEmb(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
             }
             optional {
-                fn aclnnIncreFlashAttentionV4GetWorkspaceSize(query: *const aclTensor, key: *const aclTensorList, value: *const aclTensorList, pseShift: *const aclTensor, attenMask: *const aclTensor, actualSeqLengths: *const aclIntArray, dequantScale1: *const aclTensor, quantScale1: *const aclTensor, dequantScale2: *const aclTensor, quantScale2: *const aclTensor, quantOffset2: *const aclTensor, antiquantScale: *const aclTensor, antiquantOffset: *const aclTensor, blocktable: *const aclTensor, kvPaddingSize: *const aclTensor, numHeads: i64, scaleValue: f64, inputLayout: *mut c_char, numKeyValueHeads: i64, blockSize: i64, innerPrecise: i64, attentionOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
-                fn aclnnIncreFlashAttentionV4(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(x: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, mode: i64, out: *mut aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnRotaryPositionEmbedding(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnScatterPaKvCacheGetWorkspaceSize(key: *const aclTensor, keyCacheRef: *mut aclTensor, slotMapping: *const aclTensor, value: *const aclTensor, valueCacheRef: *mut aclTensor, compressLensOptional: *const aclTensor, compressSeqOffsetOptional: *const aclTensor, seqLensOptional: *const aclTensor, cacheModeOptional: *mut c_char, scatterModeOptional: *mut c_char, stridesOptional: *const aclIntArray, offsetsOptional: *const aclIntArray, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;

@@ -14,4 +14,4 @@ pub mod loader;
 pub mod table;
 pub mod types;
 
-pub use loader::{AscendApi, LoadError, SearchPaths};
+pub use loader::{complete_environment, AscendApi, EnvCompletion, LoadError, SearchPaths};

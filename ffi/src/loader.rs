@@ -8,6 +8,9 @@
 //! directories of `$LD_LIBRARY_PATH`, then the default roots `/usr/local/Ascend/ascend-toolkit/latest`
 //! and `/usr/local/Ascend/cann`. Under a root the libraries live in `lib64/`,
 //! `<arch>-linux/lib64/`, `runtime/lib64/` and (`libopapi*`) `opp/built-in/op_impl/ai_core/tbe/op_api/lib/linux/<arch>/`.
+//!
+//! Loading is not all of CANN's environment: [`complete_environment`] sets the operator-package
+//! variables `set_env.sh` would have exported (or refuses) before `aclInit`.
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +37,74 @@ pub enum LoadError {
         symbol: &'static str,
         libraries: Vec<String>,
     },
+    #[error("ASCEND_OPP_PATH is not set and {reason}: CANN's operators find their kernels and tiling libraries through the variables set_env.sh exports; {hint}", hint = SET_ENV_HINT)]
+    MissingEnvironment { reason: String },
+}
+
+/// The operator package directory under an install root (`set_env.sh`: `ASCEND_OPP_PATH`).
+pub const OPP_DIR: &str = "opp";
+
+/// The tiling libraries' directory under the operator package, which `set_env.sh` puts on
+/// `LD_LIBRARY_PATH`.
+pub fn op_tiling_dir(opp: &Path) -> PathBuf {
+    opp.join(format!(
+        "built-in/op_impl/ai_core/tbe/op_tiling/lib/linux/{}",
+        std::env::consts::ARCH
+    ))
+}
+
+/// What [`complete_environment`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EnvCompletion {
+    /// Variables it set, with their values (empty when `set_env.sh` had been sourced).
+    pub set: Vec<(&'static str, PathBuf)>,
+    /// The tiling library directory, when it exists and is not on `LD_LIBRARY_PATH` (which
+    /// cannot change for a running process: the dynamic loader read it at start).
+    pub tiling_dir_missing_from_ld_path: Option<PathBuf>,
+}
+
+/// Before `aclInit`: CANN's `set_env.sh` exports `ASCEND_OPP_PATH` (`<root>/opp`, the operator
+/// package with kernels and tiling libraries) and `ASCEND_AICPU_PATH` (`<root>`) besides the
+/// library paths, and aclnn finds kernels through them. When `ASCEND_OPP_PATH` is unset (only
+/// `ASCEND_HOME_PATH` given), both are set from `root`, the install the libraries were loaded
+/// from, if it has an operator package; otherwise the start is refused naming `set_env.sh`. A
+/// set `ASCEND_OPP_PATH` is left alone (and `ASCEND_AICPU_PATH` with it).
+///
+/// It changes the process environment: call it once, at start-up, before other threads read
+/// the environment (the runtime calls it from `Acl::init`, before `aclInit`).
+pub fn complete_environment(root: Option<&Path>) -> Result<EnvCompletion, LoadError> {
+    let mut done = EnvCompletion::default();
+    let opp = match std::env::var_os("ASCEND_OPP_PATH").filter(|v| !v.is_empty()) {
+        Some(v) => PathBuf::from(v),
+        None => {
+            let Some(root) = root else {
+                return Err(LoadError::MissingEnvironment {
+                    reason: "the libraries were not found under an install root to derive it from"
+                        .into(),
+                });
+            };
+            let opp = root.join(OPP_DIR);
+            if !opp.is_dir() {
+                return Err(LoadError::MissingEnvironment {
+                    reason: format!("{} is not a directory", opp.display()),
+                });
+            }
+            std::env::set_var("ASCEND_OPP_PATH", &opp);
+            done.set.push(("ASCEND_OPP_PATH", opp.clone()));
+            if std::env::var_os("ASCEND_AICPU_PATH").is_none_or(|v| v.is_empty()) {
+                std::env::set_var("ASCEND_AICPU_PATH", root);
+                done.set.push(("ASCEND_AICPU_PATH", root.to_path_buf()));
+            }
+            opp
+        }
+    };
+    let tiling = op_tiling_dir(&opp);
+    let on_path = std::env::var_os("LD_LIBRARY_PATH")
+        .is_some_and(|v| std::env::split_paths(&v).any(|d| d == tiling));
+    if tiling.is_dir() && !on_path {
+        done.tiling_dir_missing_from_ld_path = Some(tiling);
+    }
+    Ok(done)
 }
 
 /// The install roots to search, in order, and the directories of `LD_LIBRARY_PATH`.
@@ -211,5 +282,65 @@ impl AscendApi {
             root,
             _libraries: libraries,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The variables are process-wide: one test changes them, start to end.
+    #[test]
+    fn the_operator_package_variables_come_from_the_root_or_the_start_is_refused() {
+        let base = std::env::temp_dir().join(format!("npu-ffi-env-{}", std::process::id()));
+        let root = base.join("cann");
+        std::fs::create_dir_all(op_tiling_dir(&root.join(OPP_DIR))).unwrap();
+        let bare = base.join("bare");
+        std::fs::create_dir_all(&bare).unwrap();
+        std::env::remove_var("ASCEND_OPP_PATH");
+        std::env::remove_var("ASCEND_AICPU_PATH");
+
+        // No operator package under the root, or no root: refused, naming set_env.sh.
+        for r in [Some(bare.as_path()), None] {
+            let e = complete_environment(r).unwrap_err().to_string();
+            assert!(
+                e.contains("ASCEND_OPP_PATH") && e.contains("set_env.sh"),
+                "{e}"
+            );
+            assert!(std::env::var_os("ASCEND_OPP_PATH").is_none());
+        }
+
+        // Only the root known (ASCEND_HOME_PATH alone): both variables set from it.
+        let done = complete_environment(Some(&root)).unwrap();
+        assert_eq!(
+            done.set,
+            vec![
+                ("ASCEND_OPP_PATH", root.join(OPP_DIR)),
+                ("ASCEND_AICPU_PATH", root.clone())
+            ]
+        );
+        assert_eq!(
+            std::env::var_os("ASCEND_OPP_PATH").map(PathBuf::from),
+            Some(root.join(OPP_DIR))
+        );
+        assert_eq!(
+            std::env::var_os("ASCEND_AICPU_PATH").map(PathBuf::from),
+            Some(root.clone())
+        );
+        assert_eq!(
+            done.tiling_dir_missing_from_ld_path,
+            Some(op_tiling_dir(&root.join(OPP_DIR)))
+        );
+
+        // As set_env.sh left them: nothing changes, whatever the root.
+        let again = complete_environment(Some(&bare)).unwrap();
+        assert!(again.set.is_empty());
+        assert_eq!(
+            std::env::var_os("ASCEND_OPP_PATH").map(PathBuf::from),
+            Some(root.join(OPP_DIR))
+        );
+        std::env::remove_var("ASCEND_OPP_PATH");
+        std::env::remove_var("ASCEND_AICPU_PATH");
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }

@@ -3,6 +3,9 @@
 //! stream, released in reverse order on drop. Device memory information comes from
 //! `aclrtGetMemInfo`, which sizes the KV pool when asked.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
 use npu_ffi::types::*;
 
 use crate::error::{AscendError, Result};
@@ -50,13 +53,20 @@ pub struct Device {
     pub id: i32,
     context: aclrtContext,
     stream: aclrtStream,
+    /// Work may have been queued on the stream since it was last synchronized: set whenever the
+    /// stream handle is taken (async copies) or an operator is launched ([`Device::queue_flag`]),
+    /// cleared by [`Device::synchronize`]. Lets the owners of allocations skip the wait before
+    /// freeing when nothing can still use them (one sync for a whole model's weights).
+    queued: Arc<AtomicBool>,
+    /// Stream synchronizations made through [`Device::synchronize`].
+    syncs: AtomicU64,
 }
 
 // SAFETY: ACL contexts and streams may be used from any thread once the context is made current
 // there (`bind`); the handles are plain identifiers owned by this value.
 unsafe impl Send for Device {}
-// SAFETY: `&Device` only hands its handles to ACL calls, which are thread-safe; nothing in the
-// value is mutated after `open`.
+// SAFETY: `&Device` only hands its handles to ACL calls, which are thread-safe; the only state
+// changed after `open` is the atomic `queued` flag.
 unsafe impl Sync for Device {}
 
 impl Device {
@@ -91,6 +101,8 @@ impl Device {
             id,
             context,
             stream,
+            queued: Arc::new(AtomicBool::new(false)),
+            syncs: AtomicU64::new(0),
         })
     }
 
@@ -102,17 +114,49 @@ impl Device {
         })
     }
 
+    /// The stream handle (counted as work queued on it: see [`Device::has_queued_work`]).
     pub fn stream(&self) -> aclrtStream {
+        self.queued.store(true, Ordering::SeqCst);
         self.stream
+    }
+
+    /// The flag an operator runner sets before each launch on this device's stream.
+    pub fn queue_flag(&self) -> Arc<AtomicBool> {
+        self.queued.clone()
+    }
+
+    /// Whether work may have been queued since the last [`Device::synchronize`].
+    pub fn has_queued_work(&self) -> bool {
+        self.queued.load(Ordering::SeqCst)
     }
 
     /// Waits for the stream's queued work; its results are readable afterwards.
     pub fn synchronize(&self) -> Result<()> {
         self.acl.log("aclrtSynchronizeStream", String::new);
+        // Cleared before the wait: work queued meanwhile (another thread) sets it again.
+        self.queued.store(false, Ordering::SeqCst);
+        self.syncs.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the stream is live (owned by self).
-        self.acl.check("aclrtSynchronizeStream", unsafe {
+        let r = self.acl.check("aclrtSynchronizeStream", unsafe {
             (self.acl.api.rt.aclrtSynchronizeStream)(self.stream)
-        })
+        });
+        if r.is_err() {
+            self.queued.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// Stream synchronizations so far.
+    pub fn synchronizations(&self) -> u64 {
+        self.syncs.load(Ordering::Relaxed)
+    }
+
+    /// Before freeing memory the stream may still use: waits for queued work, if any (with this
+    /// device's context current on the calling thread, as freeing needs).
+    pub fn quiesce(&self) {
+        if self.bind().is_ok() && self.has_queued_work() {
+            let _ = self.synchronize();
+        }
     }
 
     /// (free, total) bytes of device memory.

@@ -10,6 +10,8 @@
 //! paying the first phase every time; it is destroyed with `aclDestroyAclOpExecutor`.
 
 use core::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use npu_ffi::aclnn::ops::sig;
 use npu_ffi::types::*;
@@ -102,6 +104,8 @@ impl Drop for RepeatableOp {
 pub struct OpRunner {
     acl: &'static Acl,
     stream: aclrtStream,
+    /// The device's flag of work queued since its last synchronization, set before each launch.
+    queued: Arc<AtomicBool>,
     workspace: Option<DeviceBuffer>,
     retired: Vec<DeviceBuffer>,
     stats: StepStats,
@@ -122,6 +126,7 @@ impl OpRunner {
         Self {
             acl: device.acl,
             stream: device.stream(),
+            queued: device.queue_flag(),
             workspace: None,
             retired: Vec::new(),
             stats: StepStats::default(),
@@ -187,6 +192,7 @@ impl OpRunner {
     ) -> Result<()> {
         let w = self.workspace_ptr(ws)?;
         self.stats.launches += 1;
+        self.queued.store(true, Ordering::SeqCst);
         // SAFETY: the executor came from this operator's first phase; the workspace holds `ws` bytes.
         self.acl
             .check(name, unsafe { launch(w, ws, exec, self.stream) })

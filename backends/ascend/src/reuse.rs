@@ -13,6 +13,15 @@
 //!
 //! Executors evicted from the cache are kept until the stream is next synchronized, as queued
 //! launches may still refer to them.
+//!
+//! Which calls are made repeatable ([`refusal`]): CANN documents executor reuse as unsupported
+//! where an operator's implementation copies host→device or device→device internally, makes a
+//! view copy whose source and destination are the same memory, or creates device tensors of its
+//! own — none of which a caller can see, and which can depend on strides and dtypes. So only the
+//! operators of [`REUSABLE`] (element-wise ones and the matrix products) are reused, and only
+//! when every tensor is contiguous (a matrix product's weight-side tensors may also be the
+//! transposed view their pages allow), no tensor is an in-place (`…Ref`) one and no output
+//! shares an allocation with another tensor. Every other call takes a fresh executor.
 
 use std::collections::HashMap;
 
@@ -91,6 +100,67 @@ struct Entry {
     _scalars: Vec<Scalar>,
 }
 
+/// The operators whose executors may be reused, each with the arguments that may be a
+/// transposed 2-D view (the only non-contiguous form their pages allow; all others must be
+/// contiguous). Element-wise operators and the matrix products, the operators the review of
+/// CANN's reuse conditions (docs/reviews, finding 6) named as the safe start; grow it only after
+/// the conformance suite has run bit-equal with reuse on and off on hardware.
+pub const REUSABLE: &[(&str, &[&str])] = &[
+    ("aclnnMatmul", &["mat2"]),
+    (
+        "aclnnWeightQuantBatchMatmulV2",
+        &["weight", "antiquantScale", "antiquantOffset"],
+    ),
+    ("aclnnCast", &[]),
+    ("aclnnMul", &[]),
+    ("aclnnSwiGlu", &[]),
+    ("aclnnGeluV2", &[]),
+];
+
+/// A dense row-major view (any offset; a dimension of extent 1 may have any stride).
+fn is_contiguous(v: &View) -> bool {
+    let mut want = 1i64;
+    for (&d, &s) in v.dims.iter().zip(&v.strides).rev() {
+        if d != 1 && s != want {
+            return false;
+        }
+        want *= d;
+    }
+    true
+}
+
+/// A 2-D view whose storage is the transpose of a dense (dims[1], dims[0]) matrix.
+fn is_transposed_2d(v: &View) -> bool {
+    v.dims.len() == 2 && v.strides[0] == 1 && (v.strides[1] == v.dims[0] || v.dims[1] == 1)
+}
+
+/// Why a call may not reuse its executor (`None`: it may). `args` are each tensor's parameter
+/// name, slot, view and buffer address, in argument order.
+pub fn refusal(name: &str, args: &[(&str, Slot, &View, usize)]) -> Option<String> {
+    let Some((_, transposable)) = REUSABLE.iter().find(|(n, _)| *n == name) else {
+        return Some(format!("{name} is not on the reuse allowlist"));
+    };
+    for &(arg, slot, view, addr) in args {
+        if slot == Slot::Fixed {
+            return Some(format!("{name}: {arg} is modified in place"));
+        }
+        let transposed = transposable.contains(&arg) && is_transposed_2d(view);
+        if !(is_contiguous(view) || transposed) {
+            return Some(format!("{name}: {arg} is not contiguous"));
+        }
+        if matches!(slot, Slot::Output(_))
+            && args
+                .iter()
+                .any(|&(other, _, _, a)| other != arg && a == addr)
+        {
+            return Some(format!(
+                "{name}: {arg} shares its allocation with another tensor"
+            ));
+        }
+    }
+    None
+}
+
 /// Most executors kept; beyond it the cache starts over.
 const CAPACITY: usize = 1024;
 
@@ -153,7 +223,24 @@ impl Launcher {
         values.iter().map(|&v| Scalar::f32(acl, v)).collect()
     }
 
-    /// One call, its executor reused when an earlier call had the same key.
+    /// Whether a call is outside what may be reused ([`refusal`]; logged with the reason when
+    /// `NPU_SERVING_ACL_LOG` is set).
+    fn refuses(&self, name: &str, args: &[Arg<'_>]) -> bool {
+        let described: Vec<_> = args
+            .iter()
+            .map(|a| (a.name, a.slot, &a.view, a.buf.ptr() as usize))
+            .collect();
+        match refusal(name, &described) {
+            Some(why) => {
+                self.runner.acl().log("executor not reused", || why);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One call, its executor reused when an earlier call had the same key (and [`refusal`]
+    /// allows it), else a fresh executor.
     pub fn call(
         &mut self,
         name: &'static str,
@@ -163,7 +250,7 @@ impl Launcher {
         scalars: &[f32],
         prepare: Box<Prepare<'_>>,
     ) -> Result<()> {
-        if !self.reuse {
+        if !self.reuse || self.refuses(name, args) {
             return self.once(name, launch, args, attrs, scalars, prepare);
         }
         let key = Key {
@@ -241,5 +328,79 @@ impl Launcher {
             .join(" ");
         self.runner
             .call(name, detail, |w, e| prepare(&tensors, &kept, w, e), launch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    fn c(dims: &[i64]) -> View {
+        View::contiguous(DType::F16, dims)
+    }
+
+    #[test]
+    fn only_allowlisted_contiguous_out_of_place_calls_are_reused() {
+        let (x, y, w) = (
+            c(&[4, 8]),
+            c(&[4, 16]),
+            View::strided(DType::I8, &[8, 16], &[1, 8], 0),
+        );
+        let mm = [
+            ("x", Slot::Input(0), &x, 0x1000),
+            ("weight", Slot::Input(1), &w, 0x2000),
+            ("antiquantScale", Slot::Input(2), &w, 0x3000),
+            ("y", Slot::Output(0), &y, 0x4000),
+        ];
+        assert_eq!(refusal("aclnnWeightQuantBatchMatmulV2", &mm), None);
+        // A transposed x is not the documented weight-side case.
+        let xt = View::strided(DType::F16, &[4, 8], &[1, 4], 0);
+        let mut bad = mm;
+        bad[0].2 = &xt;
+        assert!(refusal("aclnnWeightQuantBatchMatmulV2", &bad).is_some());
+        // Strided rows (a column range of a wider buffer).
+        let cols = View::strided(DType::F16, &[4, 8], &[24, 1], 8);
+        let sw = [
+            ("x", Slot::Input(0), &cols, 0x1000),
+            ("out", Slot::Output(0), &x, 0x2000),
+        ];
+        assert!(refusal("aclnnSwiGlu", &sw)
+            .unwrap()
+            .contains("not contiguous"));
+        // An output in the allocation of an input (in place through two views).
+        let alias = [
+            ("x", Slot::Input(0), &x, 0x1000),
+            ("out", Slot::Output(0), &x, 0x1000),
+        ];
+        assert!(refusal("aclnnSwiGlu", &alias).unwrap().contains("shares"));
+        let ok = [
+            ("x", Slot::Input(0), &x, 0x1000),
+            ("out", Slot::Output(0), &x, 0x2000),
+        ];
+        assert_eq!(refusal("aclnnSwiGlu", &ok), None);
+        // In-place (…Ref) tensors and operators off the list.
+        let inplace = [
+            ("selfRef", Slot::Fixed, &x, 0x1000),
+            ("other", Slot::Input(0), &x, 0x2000),
+        ];
+        assert!(refusal("aclnnInplaceAdd", &inplace).is_some());
+        for op in [
+            "aclnnInplaceCopy",
+            "aclnnNanToNum",
+            "aclnnRotaryPositionEmbedding",
+            "aclnnScatterPaKvCache",
+            "aclnnEmbedding",
+            "aclnnRmsNorm",
+        ] {
+            assert!(refusal(op, &ok).unwrap().contains("allowlist"), "{op}");
+        }
+        // A dimension of extent 1 may have any stride: one row of a wider buffer is contiguous.
+        let row = View::strided(DType::F16, &[1, 8], &[24, 1], 16);
+        let one = [
+            ("x", Slot::Input(0), &row, 0x1000),
+            ("out", Slot::Output(0), &x, 0x2000),
+        ];
+        assert_eq!(refusal("aclnnCast", &one), None);
     }
 }

@@ -78,6 +78,18 @@ impl Acl {
             version: MINIMUM_PLACEHOLDER,
             log_calls,
         };
+        // The operator package variables set_env.sh exports, where only the root was given.
+        let env = npu_ffi::complete_environment(acl.api.root.as_deref())?;
+        for (var, value) in &env.set {
+            info!(target: "npu_serving::acl", "{var} was not set (CANN's set_env.sh not sourced): set to {}", value.display());
+        }
+        if let Some(dir) = &env.tiling_dir_missing_from_ld_path {
+            tracing::warn!(
+                target: "npu_serving::acl",
+                "the op-tiling library directory {} is not on LD_LIBRARY_PATH, where CANN's set_env.sh puts it; if operators fail to find their tiling, source set_env.sh",
+                dir.display()
+            );
+        }
         // SAFETY: aclInit with a null config path is the documented default initialisation.
         acl.check("aclInit", unsafe { (acl.api.rt.aclInit)(std::ptr::null()) })?;
         let version = acl.read_version()?;
@@ -86,7 +98,12 @@ impl Acl {
         Ok(Acl { version, ..acl })
     }
 
+    /// The installed version: `aclsysGetVersionStr("runtime")` (CANN 8.5+), else the deprecated
+    /// `aclsysGetCANNVersion`, else the install's version files.
     fn read_version(&self) -> Result<CannVersion> {
+        if let Some(v) = self.version_by_package() {
+            return Ok(v);
+        }
         if let Some(get) = self.api.rt.aclsysGetCANNVersion {
             // SAFETY: all-zero bytes are a valid aclCANNPackageVersion (char arrays).
             let mut v: npu_ffi::types::aclCANNPackageVersion = unsafe { std::mem::zeroed() };
@@ -107,9 +124,38 @@ impl Acl {
             .and_then(version::from_install)
             .ok_or_else(|| {
                 AscendError::UnknownVersion(format!(
-                    "no aclsysGetCANNVersion and no version file under {root:?}"
+                    "no aclsysGetVersionStr or aclsysGetCANNVersion and no version file under {root:?}"
                 ))
             })
+    }
+
+    /// The runtime package's version through the entry points of CANN 8.5 and later (`None`
+    /// without them, when they fail, or when the string is not a CANN release name of 8.x or
+    /// later — older packages' `version.info` numbered themselves differently).
+    fn version_by_package(&self) -> Option<CannVersion> {
+        let get = self.api.rt.aclsysGetVersionStr?;
+        let mut pkg = *b"runtime\0";
+        let mut buf = [0 as std::ffi::c_char; npu_ffi::types::ACL_PKG_VERSION_MAX_SIZE];
+        // SAFETY: a NUL-terminated package name and a buffer of ACL_PKG_VERSION_MAX_SIZE bytes,
+        // the size the page asks for.
+        let rc = unsafe { get(pkg.as_mut_ptr().cast(), buf.as_mut_ptr()) };
+        if rc != 0 {
+            return None;
+        }
+        buf[buf.len() - 1] = 0;
+        // SAFETY: NUL-terminated within the buffer (the last byte forced to NUL).
+        let s = unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        let v = CannVersion::parse(&s).filter(|v| v.major >= 8)?;
+        if let Some(num) = self.api.rt.aclsysGetVersionNum {
+            let mut n = 0i32;
+            // SAFETY: as above; `n` is a valid out-pointer.
+            if unsafe { num(pkg.as_mut_ptr().cast(), &mut n) } == 0 {
+                info!(target: "npu_serving::acl", "CANN runtime package {s} (version number {n})");
+            }
+        }
+        Some(v)
     }
 
     /// CANN's most recent error message on this thread.

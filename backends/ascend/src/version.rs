@@ -1,4 +1,5 @@
-//! The CANN version: parsed from `aclsysGetCANNVersion` when the runtime has it, else from the
+//! The CANN version: parsed from `aclsysGetVersionStr` (CANN 8.5+) or `aclsysGetCANNVersion`
+//! when the runtime has them, else from the
 //! install's `version.cfg` / `runtime/version.info`; compared with the oldest supported release.
 //! CANN names releases `8.0.RC1 < 8.0.RC2 < 8.0.RC3 < 8.0.0 < 8.1.RC1 < … < 8.5.0`.
 

@@ -390,6 +390,59 @@ fn short_workspace_and_spent_executor_are_refused() {
 }
 
 #[test]
+fn a_reused_executors_new_address_must_be_32_byte_aligned() {
+    let dev = device();
+    let acl = acl();
+    let (ops, base) = (acl.api.ops, acl.api.base);
+    let (a, b, out) = (
+        upload_f16(&[1.0; 32]),
+        upload_f16(&[2.0; 32]),
+        zeros(64 + 64),
+    );
+    let (at, bt, ot) = (
+        t(&a, DType::F16, &[16]),
+        t(&b, DType::F16, &[16]),
+        t(&out, DType::F16, &[16]),
+    );
+    let alpha = npu_backend_ascend::tensor::Scalar::f32(acl, 1.0).unwrap();
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    // SAFETY: live handles and out-pointers.
+    let rc = unsafe {
+        (ops.aclnnAddGetWorkspaceSize)(
+            at.raw(),
+            bt.raw(),
+            alpha.raw(),
+            ot.raw(),
+            &mut ws,
+            &mut exec,
+        )
+    };
+    assert_eq!(rc, 0, "{}", acl.last_message());
+    let repeatable = base.aclSetAclOpExecutorRepeatable.unwrap();
+    let set_out = base.aclSetOutputTensorAddr.unwrap();
+    let set_in = base.aclSetInputTensorAddr.unwrap();
+    // SAFETY: a live executor from the first phase above.
+    assert_eq!(unsafe { repeatable(exec) }, 0, "{}", acl.last_message());
+    // 16 bytes into the output buffer: inside it, but not 32-byte aligned.
+    // SAFETY: a live executor and tensor; the address lies in a live allocation.
+    let rc = unsafe { set_out(exec, 0, ot.raw(), out.ptr().cast::<u8>().add(16).cast()) };
+    assert_eq!(rc, ACLNN_ERR_PARAM_INVALID);
+    assert!(
+        acl.last_message().contains("32-byte aligned"),
+        "{}",
+        acl.last_message()
+    );
+    // SAFETY: as above, 64 bytes in (aligned) and an input at its allocation's start.
+    let rc = unsafe { set_out(exec, 0, ot.raw(), out.ptr().cast::<u8>().add(64).cast()) };
+    assert_eq!(rc, 0, "{}", acl.last_message());
+    // SAFETY: as above.
+    assert_eq!(unsafe { set_in(exec, 1, bt.raw(), a.ptr()) }, 0);
+    // SAFETY: a repeatable executor made by this test, destroyed once.
+    assert_eq!(unsafe { base.aclDestroyAclOpExecutor.unwrap()(exec) }, 0);
+    dev.synchronize().unwrap();
+}
+
+#[test]
 fn results_cannot_be_read_before_the_stream_is_synchronized() {
     let dev = device();
     let mut ops = OpRunner::new(&dev);
@@ -494,4 +547,12 @@ fn device_selection_respects_the_visible_count() {
 #[test]
 fn version_is_read_from_the_install() {
     assert_eq!(acl().version.to_string(), "8.3.RC1");
+    // 8.3 has no aclsysGetVersionStr (added in 8.5): the emulation answers "not supported" and
+    // the version above came through the older entry point.
+    let get = acl().api.rt.aclsysGetVersionStr.unwrap();
+    let mut pkg = *b"runtime\0";
+    let mut buf = [0 as std::ffi::c_char; ACL_PKG_VERSION_MAX_SIZE];
+    // SAFETY: a NUL-terminated name and a buffer of the documented size.
+    let rc = unsafe { get(pkg.as_mut_ptr().cast(), buf.as_mut_ptr()) };
+    assert_eq!(rc, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
 }

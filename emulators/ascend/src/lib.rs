@@ -12,7 +12,8 @@
 //! documented multiples, a workspace smaller than asked, a destroyed tensor or executor used again,
 //! a host pointer where device memory is expected (device memory is a separate address space),
 //! results read before the stream is synchronized; at `aclFinalize` and process exit it reports
-//! every object never destroyed. See `state`, `rt`, `objects` and `ops` for each rule.
+//! every object never destroyed; operators need `ASCEND_OPP_PATH` (as `set_env.sh` exports it). See
+//! `state`, `rt`, `install`, `objects` and `ops` for each rule.
 //!
 //! Environment: `ASCEND_EMULATOR_HBM_MB` (device memory per device, default 32768),
 //! `ASCEND_EMULATOR_DEVICES` (device count, default 8; `ASCEND_RT_VISIBLE_DEVICES` overrides),
@@ -22,6 +23,7 @@
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
+pub mod install;
 pub mod objects;
 pub mod ops;
 pub mod rt;

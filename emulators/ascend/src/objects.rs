@@ -4,7 +4,8 @@
 //!
 //! Strictness: a destroyed object used again, or destroyed twice, is refused with
 //! ACLNN_ERR_PARAM_INVALID; an executor runs once unless made repeatable (a second launch of a
-//! consumed executor is refused); objects still alive at `aclFinalize` or process exit are
+//! consumed executor is refused); a reused executor's refreshed tensor address must be 32-byte
+//! aligned (`aclSetInputTensorAddr` / `aclSetOutputTensorAddr`); objects still alive at `aclFinalize` or process exit are
 //! reported on stderr, each with what it was.
 
 use core::ffi::{c_char, c_void};
@@ -533,6 +534,12 @@ fn set_addr(
             return fail(
                 ACLNN_ERR_PARAM_INVALID,
                 format!("{what}: the executor is not repeatable"),
+            );
+        }
+        if !(addr as u64).is_multiple_of(32) {
+            return fail(
+                ACLNN_ERR_PARAM_INVALID,
+                format!("{what}: address {addr:p} is not 32-byte aligned (the page requires it)"),
             );
         }
         let io = e.kernel.io_mut();

@@ -20,11 +20,6 @@ fn run(f: impl FnOnce(&mut State) -> Result<(), Fail>) -> aclError {
     finish(f(&mut st))
 }
 
-/// The emulated CANN version (`ASCEND_EMULATOR_CANN_VERSION`, default 8.3.RC1).
-pub fn emulated_version() -> String {
-    std::env::var("ASCEND_EMULATOR_CANN_VERSION").unwrap_or_else(|_| "8.3.RC1".to_string())
-}
-
 extern "C" fn report_at_exit() {
     // try_lock: a thread stopped inside a call must not hang the exit.
     match try_state() {
@@ -85,57 +80,6 @@ pub extern "C" fn aclFinalize() -> aclError {
 #[no_mangle]
 pub extern "C" fn aclGetRecentErrMsg() -> *const c_char {
     last_error_ptr()
-}
-
-/// # Safety
-/// Out-pointers are valid.
-#[no_mangle]
-pub unsafe extern "C" fn aclrtGetVersion(
-    majorVersion: *mut i32,
-    minorVersion: *mut i32,
-    patchVersion: *mut i32,
-) -> aclError {
-    if majorVersion.is_null() || minorVersion.is_null() || patchVersion.is_null() {
-        set_error("aclrtGetVersion: null out-pointer");
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    // SAFETY: checked non-null; the caller passes valid out-pointers.
-    unsafe {
-        *majorVersion = 1;
-        *minorVersion = 13;
-        *patchVersion = 0;
-    }
-    ACL_SUCCESS
-}
-
-/// # Safety
-/// `version` is valid.
-#[no_mangle]
-pub unsafe extern "C" fn aclsysGetCANNVersion(
-    name: aclCANNPackageName,
-    version: *mut aclCANNPackageVersion,
-) -> aclError {
-    if version.is_null() || name > ACL_PKG_NAME_RUNTIME {
-        set_error("aclsysGetCANNVersion: null out-pointer or package not emulated");
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    let v = emulated_version();
-    let mut parts = v.split('.');
-    // SAFETY: all-zero bytes are a valid aclCANNPackageVersion (char arrays).
-    let mut out: aclCANNPackageVersion = unsafe { std::mem::zeroed() };
-    let put = |dst: &mut [c_char], s: &str| {
-        let n = dst.len() - 1;
-        for (d, b) in dst.iter_mut().zip(s.bytes().take(n)) {
-            *d = b as c_char;
-        }
-    };
-    put(&mut out.version, &v);
-    put(&mut out.majorVersion, parts.next().unwrap_or(""));
-    put(&mut out.minorVersion, parts.next().unwrap_or(""));
-    put(&mut out.releaseVersion, parts.next().unwrap_or(""));
-    // SAFETY: `version` is a valid out-pointer (checked non-null).
-    unsafe { *version = out };
-    ACL_SUCCESS
 }
 
 fn check_device(id: i32) -> Result<(), Fail> {
@@ -940,8 +884,6 @@ const _: () = {
     let _: sig::aclInit = aclInit;
     let _: sig::aclFinalize = aclFinalize;
     let _: sig::aclGetRecentErrMsg = aclGetRecentErrMsg;
-    let _: sig::aclrtGetVersion = aclrtGetVersion;
-    let _: sig::aclsysGetCANNVersion = aclsysGetCANNVersion;
     let _: sig::aclrtSetDevice = aclrtSetDevice;
     let _: sig::aclrtResetDevice = aclrtResetDevice;
     let _: sig::aclrtGetDevice = aclrtGetDevice;

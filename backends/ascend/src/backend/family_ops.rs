@@ -15,8 +15,8 @@
 
 use npu_backend::{BackendError, DType, DeviceBuffer as _, View, ViewMut};
 
-use super::layer_ops::{bad, tview, want_f16};
-use super::objects::{acl_dtype, AscendBuffer};
+use super::layer_ops::{bad, half_of, tview, want_f16};
+use super::objects::AscendBuffer;
 use super::{err, AscendBackend};
 use crate::reuse::Arg;
 use crate::tensor::{self, View as TView};
@@ -62,9 +62,12 @@ impl AscendBackend {
         if rows == 0 || heads == 0 {
             return Ok(());
         }
+        // Gamma in x's type (see `op_rms_norm`).
+        let cast = self.half_vector(op, w, "gamma16")?;
         self.scratch
             .ensure(&self.dev, "rstd_heads", rows * heads * 4)?;
         let rstd = self.scratch.get("rstd_heads");
+        let gamma = half_of(&self.scratch, w, "gamma16", cast);
         // (rows, heads, head_dim): the row stride, then heads side by side.
         let xv = TView::strided(
             tensor::DType::F16,
@@ -85,8 +88,8 @@ impl AscendBackend {
                     Arg::input(
                         "gamma",
                         1,
-                        &w.mem,
-                        TView::contiguous(acl_dtype(w.dtype()), &[head_dim as i64]),
+                        gamma,
+                        TView::contiguous(tensor::DType::F16, &[head_dim as i64]),
                     ),
                     Arg::output("yOut", 0, &x.buf().mem, xv),
                     Arg::output(

@@ -156,7 +156,7 @@ impl AscendBackend {
         self.staging.busy = true;
         self.pending = true;
         self.sync()?;
-        let staging = self.staging.buf.as_ref().expect("just used");
+        let staging = self.staging.current().expect("just used");
         dst.copy_from_slice(&staging.as_slice()[..dst.len()]);
         Ok(())
     }

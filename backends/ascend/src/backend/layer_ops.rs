@@ -6,8 +6,11 @@
 
 use npu_backend::{BackendError, DType, Layout, View, ViewMut};
 
-use super::objects::{acl_dtype, AscendBuffer, AscendEmbedding, AscendMatrix, MatrixForm};
-use super::{err, AscendBackend};
+use super::objects::{
+    acl_dtype, column_blocks, AscendBuffer, AscendEmbedding, AscendMatrix, MatrixForm,
+    WQBMM_MAX_DIM,
+};
+use super::{err, AscendBackend, Scratch};
 use crate::memory::DeviceBuffer as Mem;
 use crate::reuse::{Arg, Launcher};
 use crate::tensor::{self, View as TView};
@@ -145,7 +148,138 @@ fn inplace_add(
     })
 }
 
+/// `y = x · w[:, cols]` through WeightQuantBatchMatmulV2 (outputs `cols` of a quantized matrix;
+/// at most [`WQBMM_MAX_DIM`] of them), `y` contiguous (m, cols).
+fn wqbmm(
+    ops: &mut Launcher,
+    w: &AscendMatrix,
+    cols: std::ops::Range<usize>,
+    x: (&Mem, TView),
+    y: (&Mem, TView),
+) -> Result<(), BackendError> {
+    let MatrixForm::Quant {
+        weight,
+        scale,
+        offset,
+        ..
+    } = &w.form
+    else {
+        return Err(bad("matmul", "not a quantized matrix"));
+    };
+    let api = ops.runner.acl().api.ops;
+    let prep = api.aclnnWeightQuantBatchMatmulV2GetWorkspaceSize;
+    let mut args = vec![
+        Arg::input("x", 0, x.0, x.1),
+        Arg::input("weight", 1, weight, w.weight_cols(cols.clone())),
+        Arg::input("antiquantScale", 2, scale, w.group_cols(cols.clone())),
+    ];
+    if let Some(o) = offset {
+        args.push(Arg::input("antiquantOffset", 3, o, w.group_cols(cols)));
+    }
+    args.push(Arg::output("y", 0, y.0, y.1));
+    let has_offset = offset.is_some();
+    ops.call(
+        "aclnnWeightQuantBatchMatmulV2",
+        api.aclnnWeightQuantBatchMatmulV2,
+        &args,
+        &[GROUP as i64],
+        &[],
+        // SAFETY (closure): live tensors (or null optionals) and out-pointers.
+        Box::new(move |ts, _, w, e| unsafe {
+            let (off, y) = if has_offset {
+                (ts[3].raw() as *const _, ts[4].raw())
+            } else {
+                (std::ptr::null(), ts[3].raw())
+            };
+            prep(
+                ts[0].raw(),
+                ts[1].raw(),
+                ts[2].raw(),
+                off,
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null(),
+                GROUP as i32,
+                y,
+                w,
+                e,
+            )
+        }),
+    )
+    .map_err(err)
+}
+
+/// The f16 values of a vector that [`AscendBackend::half_vector`] prepared: the buffer itself
+/// (f16), its loaded f16 copy, or (`cast`) scratch `name`.
+pub(super) fn half_of<'a>(
+    scratch: &'a Scratch,
+    v: &'a AscendBuffer,
+    name: &'static str,
+    cast: bool,
+) -> &'a Mem {
+    use npu_backend::DeviceBuffer as _;
+    match &v.half {
+        _ if cast => scratch.get(name),
+        Some(h) if v.dtype() == DType::F32 => h,
+        _ => &v.mem,
+    }
+}
+
 impl AscendBackend {
+    /// Makes `v` (f16 or f32) available in f16 for an op over f16 activations: an f32 vector
+    /// written since it was loaded (no f16 copy) is cast into scratch `name` first, and the
+    /// result is `true`; [`half_of`] then names the memory.
+    pub(super) fn half_vector(
+        &mut self,
+        op: &'static str,
+        v: &AscendBuffer,
+        name: &'static str,
+    ) -> Result<bool, BackendError> {
+        use npu_backend::DeviceBuffer as _;
+        let n = v.len();
+        match (v.dtype(), &v.half) {
+            (DType::F16, _) | (DType::F32, Some(_)) => Ok(false),
+            (DType::F32, None) => {
+                self.scratch.ensure(&self.dev, name, n * 2)?;
+                let s = self.scratch.get(name);
+                let api = self.dev.acl.api.ops;
+                let pc = api.aclnnCastGetWorkspaceSize;
+                self.pending = true;
+                self.ops
+                    .call(
+                        "aclnnCast",
+                        api.aclnnCast,
+                        &[
+                            Arg::input(
+                                "self",
+                                0,
+                                &v.mem,
+                                TView::contiguous(tensor::DType::F32, &[n as i64]),
+                            ),
+                            Arg::output(
+                                "out",
+                                0,
+                                s,
+                                TView::contiguous(tensor::DType::F16, &[n as i64]),
+                            ),
+                        ],
+                        &[npu_ffi::types::ACL_FLOAT16 as i64],
+                        &[],
+                        // SAFETY (closure): live tensors and out-pointers from the launcher.
+                        Box::new(move |ts, _, w, e| unsafe {
+                            pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT16, ts[1].raw(), w, e)
+                        }),
+                    )
+                    .map_err(err)?;
+                Ok(true)
+            }
+            (dt, _) => Err(bad(
+                op,
+                format!("a {} vector for f16 activations", dt.name()),
+            )),
+        }
+    }
+
     pub(super) fn check_rows(&self, op: &'static str, rows: usize) -> Result<(), BackendError> {
         if rows != self.plan.n_tokens {
             return Err(bad(
@@ -210,8 +344,12 @@ impl AscendBackend {
             return Err(bad(op, format!("epsilon {eps} must be positive")));
         }
         let rows = xl.rows();
+        // Gamma in x's type: f32 gamma with f16 x is a documented combination only from CANN 8.5
+        // (and a reported refusal before), f16 with f16 on every release.
+        let cast = self.half_vector(op, w, "gamma16")?;
         self.scratch.ensure(&self.dev, "rstd", rows * 4)?;
         let rstd = self.scratch.get("rstd");
+        let gamma = half_of(&self.scratch, w, "gamma16", cast);
         let api = self.dev.acl.api.ops;
         let prep = api.aclnnRmsNormGetWorkspaceSize;
         let eps = eps as f64;
@@ -225,10 +363,9 @@ impl AscendBackend {
                     Arg::input(
                         "gamma",
                         1,
-                        &w.mem,
-                        TView::contiguous(acl_dtype(w.dtype()), &[w.len() as i64]),
+                        gamma,
+                        TView::contiguous(tensor::DType::F16, &[w.len() as i64]),
                     ),
-                    // (gamma may be f32 or f16 with f16 x: RmsNorm computes in f32.)
                     Arg::output("yOut", 0, &out.buf().mem, tview(out.dtype(), ol)),
                     Arg::output(
                         "rstdOut",
@@ -296,6 +433,10 @@ impl AscendBackend {
         if !y_contig {
             self.scratch.ensure(&self.dev, "mm_y", m * w.n * 2)?;
         }
+        if quant && m > 1 && w.n > WQBMM_MAX_DIM {
+            self.scratch
+                .ensure(&self.dev, "mm_yb", m * WQBMM_MAX_DIM * 2)?;
+        }
         if q8 {
             self.quantize_acts(&x, w.k)?;
         }
@@ -323,53 +464,35 @@ impl AscendBackend {
         };
         let api = self.dev.acl.api.ops;
         match &w.form {
-            MatrixForm::Quant {
-                weight,
-                scale,
-                offset,
-                ..
-            } => {
-                let prep = api.aclnnWeightQuantBatchMatmulV2GetWorkspaceSize;
-                let mut args = vec![
-                    Arg::input("x", 0, xm, xv),
-                    Arg::input("weight", 1, weight, w.weight_view()),
-                    Arg::input("antiquantScale", 2, scale, w.group_view()),
-                ];
-                if let Some(o) = offset {
-                    args.push(Arg::input("antiquantOffset", 3, o, w.group_view()));
+            MatrixForm::Quant { .. } => {
+                let blocks = column_blocks(w.n);
+                if blocks.len() == 1 {
+                    wqbmm(&mut self.ops, w, 0..w.n, (xm, xv), (ym, yv))?;
+                } else {
+                    // More outputs than the operator takes: one call per column block. A single
+                    // row's column range is contiguous and written in place; several rows'
+                    // go through a contiguous scratch block and a copy into their columns.
+                    let base = if y_contig { ol.offset() } else { 0 };
+                    let block =
+                        |c: usize| TView::contiguous(tensor::DType::F16, &[m as i64, c as i64]);
+                    for cols in blocks {
+                        let nb = cols.len() as i64;
+                        let region = TView::strided(
+                            tensor::DType::F16,
+                            &[m as i64, nb],
+                            &[if m == 1 { nb } else { w.n as i64 }, 1],
+                            (base + cols.start) as i64,
+                        );
+                        if m == 1 {
+                            wqbmm(&mut self.ops, w, cols, (xm, xv.clone()), (ym, region))?;
+                        } else {
+                            let s = self.scratch.get("mm_yb");
+                            let bv = block(cols.len());
+                            wqbmm(&mut self.ops, w, cols, (xm, xv.clone()), (s, bv.clone()))?;
+                            copy(&mut self.ops, ym, region, s, bv)?;
+                        }
+                    }
                 }
-                args.push(Arg::output("y", 0, ym, yv));
-                let has_offset = offset.is_some();
-                self.ops
-                    .call(
-                        "aclnnWeightQuantBatchMatmulV2",
-                        api.aclnnWeightQuantBatchMatmulV2,
-                        &args,
-                        &[GROUP as i64],
-                        &[],
-                        // SAFETY (closure): live tensors (or null optionals) and out-pointers.
-                        Box::new(move |ts, _, w, e| unsafe {
-                            let (off, y) = if has_offset {
-                                (ts[3].raw() as *const _, ts[4].raw())
-                            } else {
-                                (std::ptr::null(), ts[3].raw())
-                            };
-                            prep(
-                                ts[0].raw(),
-                                ts[1].raw(),
-                                ts[2].raw(),
-                                off,
-                                std::ptr::null(),
-                                std::ptr::null(),
-                                std::ptr::null(),
-                                GROUP as i32,
-                                y,
-                                w,
-                                e,
-                            )
-                        }),
-                    )
-                    .map_err(err)?;
             }
             MatrixForm::Half { data } => {
                 let prep = api.aclnnMatmulGetWorkspaceSize;
@@ -529,45 +652,8 @@ impl AscendBackend {
             ));
         }
         let bv = TView::contiguous(tensor::DType::F16, &[l.cols() as i64]);
-        let b16 = match (bias.dtype(), &bias.half) {
-            (DType::F16, _) => &bias.mem,
-            (DType::F32, Some(h)) => h,
-            (DType::F32, None) => {
-                // An f32 bias written since it was loaded: cast it for this add.
-                self.scratch.ensure(&self.dev, "bias16", l.cols() * 2)?;
-                let s = self.scratch.get("bias16");
-                let api = self.dev.acl.api.ops;
-                let pc = api.aclnnCastGetWorkspaceSize;
-                self.ops
-                    .call(
-                        "aclnnCast",
-                        api.aclnnCast,
-                        &[
-                            Arg::input(
-                                "self",
-                                0,
-                                &bias.mem,
-                                TView::contiguous(tensor::DType::F32, &[l.cols() as i64]),
-                            ),
-                            Arg::output("out", 0, s, bv.clone()),
-                        ],
-                        &[npu_ffi::types::ACL_FLOAT16 as i64],
-                        &[],
-                        // SAFETY (closure): live tensors and out-pointers from the launcher.
-                        Box::new(move |ts, _, w, e| unsafe {
-                            pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT16, ts[1].raw(), w, e)
-                        }),
-                    )
-                    .map_err(err)?;
-                s
-            }
-            (dt, _) => {
-                return Err(bad(
-                    "add_bias",
-                    format!("a {} bias for f16 activations", dt.name()),
-                ))
-            }
-        };
+        let cast = self.half_vector("add_bias", bias, "bias16")?;
+        let b16 = half_of(&self.scratch, bias, "bias16", cast);
         self.pending = true;
         inplace_add(
             &mut self.ops,

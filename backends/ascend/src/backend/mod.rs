@@ -16,6 +16,7 @@ mod layer_ops;
 pub mod objects;
 mod pick_ops;
 mod rope_ops;
+mod staging;
 pub mod step;
 
 use std::collections::HashMap;
@@ -30,13 +31,14 @@ use tracing::{debug, info};
 
 use crate::device::{self, Device};
 use crate::error::AscendError;
-use crate::memory::{DeviceBuffer as Mem, PinnedBuffer};
+use crate::memory::DeviceBuffer as Mem;
 use crate::ops::StepStats;
 use crate::reuse::Launcher;
 use crate::runtime::Acl;
 
 pub use kv_pool::KvPool;
 pub use objects::{AscendBuffer, AscendEmbedding, AscendMatrix};
+use staging::Staging;
 use step::StepPlan;
 
 pub const NAME: &str = "ascend";
@@ -135,38 +137,6 @@ impl Scratch {
 
     fn get(&self, name: &'static str) -> &Mem {
         &self.bufs[name]
-    }
-}
-
-/// Pinned host memory for async copies: reused when no queued copy reads it, else replaced (the
-/// old one kept until the next synchronization).
-#[derive(Default)]
-struct Staging {
-    buf: Option<PinnedBuffer>,
-    /// `buf` feeds a copy queued since the last synchronization.
-    busy: bool,
-    retired: Vec<PinnedBuffer>,
-}
-
-impl Staging {
-    fn get(&mut self, acl: &'static Acl, bytes: usize) -> Result<&mut PinnedBuffer, BackendError> {
-        let fits = self.buf.as_ref().is_some_and(|p| p.bytes() >= bytes);
-        if self.busy || !fits {
-            let fresh =
-                PinnedBuffer::alloc(acl, bytes.max(4096).next_power_of_two()).map_err(err)?;
-            if let Some(old) = self.buf.replace(fresh) {
-                if self.busy {
-                    self.retired.push(old);
-                }
-            }
-            self.busy = false;
-        }
-        Ok(self.buf.as_mut().expect("just ensured"))
-    }
-
-    fn synchronized(&mut self) {
-        self.busy = false;
-        self.retired.clear();
     }
 }
 
@@ -284,6 +254,11 @@ impl AscendBackend {
     /// Executors kept for reuse.
     pub fn cached_executors(&self) -> usize {
         self.ops.cached()
+    }
+
+    /// Pinned staging buffers allocated so far (`aclrtMallocHost`; a small pool is reused).
+    pub fn pinned_allocations(&self) -> u64 {
+        self.staging.allocations()
     }
 
     pub fn device(&self) -> &Device {
@@ -517,8 +492,8 @@ impl Backend for AscendBackend {
 
     fn load_vector(&mut self, v: HostTensor<'_>) -> Result<AscendBuffer, BackendError> {
         self.bind()?;
-        // f32 for RmsNorm's gamma (one rounding fewer than f16), with an f16 copy for biases
-        // added to f16 activations.
+        // f32 values, with an f16 copy that the ops over f16 activations take: RmsNorm's gamma
+        // (f32 gamma with f16 x is documented only from CANN 8.5) and biases added in place.
         let vals = objects::dequantize(&v)?;
         let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
         let f16s = objects::f16_bytes(vals.iter().map(|&x| half::f16::from_f32(x)));

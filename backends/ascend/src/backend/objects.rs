@@ -128,11 +128,11 @@ impl AscendBuffer {
     }
 }
 
-/// Waits for the stream's queued work before an allocation is freed: a kernel may still use it.
+/// Waits for the stream's queued work before an allocation is freed, as a kernel may still use
+/// it — only when work was queued since the last synchronization, so dropping a model's weights
+/// after a step's sync waits once, not once per weight.
 fn quiesce(dev: &Device) {
-    if dev.bind().is_ok() {
-        let _ = dev.synchronize();
-    }
+    dev.quiesce();
 }
 
 impl Drop for AscendBuffer {
@@ -153,7 +153,8 @@ impl npu_backend::DeviceBuffer for AscendBuffer {
 /// How a matrix is stored on the device.
 pub enum MatrixForm {
     /// WeightQuantBatchMatmulV2: `weight` (n, k) INT4 or INT8, `scale` and `offset` (n, k/32)
-    /// f16; the operator sees them transposed.
+    /// f16; the operator sees them transposed. k is at most [`WQBMM_MAX_DIM`]; n may exceed it
+    /// (a large vocabulary's output matrix), and is then multiplied in [`column_blocks`].
     Quant {
         weight: Mem,
         scale: Mem,
@@ -181,9 +182,34 @@ enum Route {
     Half,
 }
 
+/// The largest k and n WeightQuantBatchMatmulV2 takes: its page refuses (ACLNN_ERR_PARAM_INVALID)
+/// k or n outside [1, 65535].
+pub const WQBMM_MAX_DIM: usize = 65535;
+
+/// Widths of the column blocks a matrix of more outputs than [`WQBMM_MAX_DIM`] is multiplied in
+/// are multiples of this (so each block's weight, scale and output start 32-byte aligned).
+const BLOCK_COLS: usize = 64;
+
+/// The column ranges (outputs) of one WeightQuantBatchMatmulV2 call each for `n` outputs: one
+/// range when `n` is within [`WQBMM_MAX_DIM`], else the fewest near-equal blocks of at most that
+/// many, each but the last a multiple of 64 wide.
+pub fn column_blocks(n: usize) -> Vec<std::ops::Range<usize>> {
+    if n <= WQBMM_MAX_DIM {
+        return std::iter::once(0..n).collect();
+    }
+    let max = WQBMM_MAX_DIM / BLOCK_COLS * BLOCK_COLS;
+    let count = n.div_ceil(max);
+    let width = n.div_ceil(count).next_multiple_of(BLOCK_COLS);
+    (0..n)
+        .step_by(width)
+        .map(|j| j..(j + width).min(n))
+        .collect()
+}
+
 fn route(ty: GgmlType, k: usize) -> Route {
-    // Per-group antiquant needs the group (32) below k.
-    let grouped = k > weights::GROUP && k.is_multiple_of(weights::GROUP);
+    // Per-group antiquant needs the group (32) below k; k above the operator's range takes the
+    // f16 Matmul form (outputs above it are split into column blocks instead).
+    let grouped = k > weights::GROUP && k.is_multiple_of(weights::GROUP) && k <= WQBMM_MAX_DIM;
     match ty {
         GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if grouped => Route::Quant(ty),
         _ => Route::Half,
@@ -318,19 +344,35 @@ impl AscendMatrix {
 
     /// The weight as the operator sees it: (k, n), transposed over the (n, k) storage.
     pub fn weight_view(&self) -> View {
-        let (k, n) = (self.k as i64, self.n as i64);
+        self.weight_cols(0..self.n)
+    }
+
+    /// Outputs `cols` of the weight as the operator sees them: (k, cols), transposed over rows
+    /// `cols` of the (n, k) storage.
+    pub fn weight_cols(&self, cols: std::ops::Range<usize>) -> View {
+        let k = self.k as i64;
         let dt = match &self.form {
             MatrixForm::Quant { int4: true, .. } => tensor::DType::I4,
             MatrixForm::Quant { int4: false, .. } => tensor::DType::I8,
             MatrixForm::Half { .. } => tensor::DType::F16,
         };
-        View::strided(dt, &[k, n], &[1, k], 0)
+        View::strided(dt, &[k, cols.len() as i64], &[1, k], cols.start as i64 * k)
     }
 
     /// Antiquant scale/offset as the operator sees them: (k/32, n) over (n, k/32) storage.
     pub fn group_view(&self) -> View {
+        self.group_cols(0..self.n)
+    }
+
+    /// Antiquant scale/offset of outputs `cols`: (k/32, cols) over rows `cols` of the storage.
+    pub fn group_cols(&self, cols: std::ops::Range<usize>) -> View {
         let g = (self.k / weights::GROUP) as i64;
-        View::strided(tensor::DType::F16, &[g, self.n as i64], &[1, g], 0)
+        View::strided(
+            tensor::DType::F16,
+            &[g, cols.len() as i64],
+            &[1, g],
+            cols.start as i64 * g,
+        )
     }
 }
 
@@ -362,5 +404,35 @@ impl AscendEmbedding {
 
     pub fn view(&self) -> View {
         View::contiguous(tensor::DType::F16, &[self.rows as i64, self.cols as i64])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn column_blocks_cover_every_output_within_the_operators_range() {
+        assert_eq!(column_blocks(49_152), vec![0..49_152]);
+        assert_eq!(column_blocks(65_535), vec![0..65_535]);
+        for n in [65_536, 70_000, 151_936, 262_144] {
+            let b = column_blocks(n);
+            assert_eq!(b.first().unwrap().start, 0);
+            assert_eq!(b.last().unwrap().end, n);
+            for w in b.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "n {n}: blocks follow each other");
+            }
+            for (i, r) in b.iter().enumerate() {
+                assert!(r.len() <= WQBMM_MAX_DIM, "n {n}: block {r:?}");
+                assert!(
+                    i + 1 == b.len() || r.len().is_multiple_of(64),
+                    "n {n}: block {r:?}"
+                );
+            }
+            assert_eq!(b.len(), n.div_ceil(65_472), "n {n}: the fewest blocks");
+        }
+        // Q8_0/Q4_0 with k above the operator's range take the f16 form.
+        assert_eq!(route(GgmlType::Q8_0, 4096), Route::Quant(GgmlType::Q8_0));
+        assert_eq!(route(GgmlType::Q8_0, 65_536), Route::Half);
     }
 }

@@ -27,8 +27,8 @@ pub enum AttnPath {
     Prompt { s_max: usize },
 }
 
-/// Offsets (in INT32 elements) of each array in the step's device buffer, and the host copies of
-/// what attention's first phase takes.
+/// Offsets (in INT32 elements) of each array in the step's device buffer, each a multiple of
+/// [`ALIGN_ELEMS`] (32 bytes), and the host copies of what attention's first phase takes.
 #[derive(Debug, Clone, Default)]
 pub struct StepPlan {
     pub tokens: usize,
@@ -63,6 +63,26 @@ pub struct StepPlan {
 
 fn bad(s: String) -> BackendError {
     BackendError::BadStep(s)
+}
+
+/// INT32 elements between the starts of packed arrays: every array begins 32 bytes into the
+/// buffer times a whole number, the alignment CANN's runtime pages ask of device addresses where
+/// they state one (the operator pages state none for a view's start).
+pub const ALIGN_ELEMS: usize = 8;
+
+/// Pads `d` with zeros to the next multiple of [`ALIGN_ELEMS`] and returns that offset: where the
+/// next array starts.
+fn align(d: &mut Vec<i32>) -> usize {
+    let at = d.len().next_multiple_of(ALIGN_ELEMS);
+    d.resize(at, 0);
+    at
+}
+
+/// Appends `vals` at the next aligned offset and returns that offset.
+fn push(d: &mut Vec<i32>, vals: impl IntoIterator<Item = i32>) -> usize {
+    let at = align(d);
+    d.extend(vals);
+    at
 }
 
 impl StepPlan {
@@ -144,14 +164,11 @@ impl StepPlan {
                 max_position: step.positions.iter().copied().max().unwrap_or(0),
                 ..Default::default()
             };
-            p.tokens = 0;
-            p.data.extend(step.tokens.iter().map(|&v| v as i32));
-            p.positions = p.data.len();
-            p.data.extend(step.positions.iter().map(|&v| v as i32));
-            p.slots = p.data.len();
-            p.data.extend(step.slot_mapping.iter().map(|&v| v as i32));
-            p.logit_rows = p.data.len();
-            p.data.extend(step.logit_rows.iter().map(|&v| v as i32));
+            let d = &mut p.data;
+            p.tokens = push(d, step.tokens.iter().map(|&v| v as i32));
+            p.positions = push(d, step.positions.iter().map(|&v| v as i32));
+            p.slots = push(d, step.slot_mapping.iter().map(|&v| v as i32));
+            p.logit_rows = push(d, step.logit_rows.iter().map(|&v| v as i32));
             return Ok(p);
         }
         let path = if chunked && block_size.is_multiple_of(128) {
@@ -172,24 +189,19 @@ impl StepPlan {
             ..Default::default()
         };
         let d = &mut p.data;
-        let push = |d: &mut Vec<i32>, vals: &mut dyn Iterator<Item = i32>| -> usize {
-            let at = d.len();
-            d.extend(vals);
-            at
-        };
-        p.tokens = push(d, &mut step.tokens.iter().map(|&v| v as i32));
-        p.positions = push(d, &mut step.positions.iter().map(|&v| v as i32));
-        p.slots = push(d, &mut step.slot_mapping.iter().map(|&v| v as i32));
-        p.logit_rows = push(d, &mut step.logit_rows.iter().map(|&v| v as i32));
+        p.tokens = push(d, step.tokens.iter().map(|&v| v as i32));
+        p.positions = push(d, step.positions.iter().map(|&v| v as i32));
+        p.slots = push(d, step.slot_mapping.iter().map(|&v| v as i32));
+        p.logit_rows = push(d, step.logit_rows.iter().map(|&v| v as i32));
         match path {
             AttnPath::TokenWise if !chunked => {
-                p.tables = push(d, &mut step.block_tables.iter().map(|&v| v as i32));
+                p.tables = push(d, step.block_tables.iter().map(|&v| v as i32));
                 p.batch = nseq;
                 p.q_lens = vec![1; nseq];
                 p.kv_lens = step.seqs.iter().map(|s| s.start_pos as i64 + 1).collect();
             }
             AttnPath::TokenWise => {
-                p.tables = d.len();
+                p.tables = align(d);
                 for (i, s) in step.seqs.iter().enumerate() {
                     let row = &step.block_tables[i * mb..(i + 1) * mb];
                     for j in 0..s.n_q {
@@ -201,7 +213,7 @@ impl StepPlan {
                 p.q_lens = vec![1; t];
             }
             AttnPath::Prompt { s_max } => {
-                p.tables = push(d, &mut step.block_tables.iter().map(|&v| v as i32));
+                p.tables = push(d, step.block_tables.iter().map(|&v| v as i32));
                 p.batch = nseq;
                 p.q_lens = step.seqs.iter().map(|s| s.n_q as i64).collect();
                 p.kv_lens = step
@@ -209,7 +221,7 @@ impl StepPlan {
                     .iter()
                     .map(|s| (s.start_pos + s.n_q) as i64)
                     .collect();
-                p.pad_rows = d.len();
+                p.pad_rows = align(d);
                 for s in &step.seqs {
                     for j in 0..s_max as u32 {
                         // Padding rows repeat the sequence's first row (their results are unused).
@@ -217,7 +229,7 @@ impl StepPlan {
                         d.push(row as i32);
                     }
                 }
-                p.unpad_rows = d.len();
+                p.unpad_rows = align(d);
                 for (b, s) in step.seqs.iter().enumerate() {
                     for j in 0..s.n_q as usize {
                         d.push((b * s_max + j) as i32);
@@ -278,7 +290,7 @@ impl StepPlan {
                 continue;
             }
             if let Some(m) = self.window_mask(w) {
-                let at = self.data.len();
+                let at = align(&mut self.data);
                 self.data.extend(m.chunks(4).map(|c| {
                     let mut b = [0u8; 4];
                     b[..c.len()].copy_from_slice(c);
@@ -393,7 +405,7 @@ mod tests {
             assert!(row[..hidden].iter().all(|&b| b == 1), "entry {e}");
             assert!(row[hidden..].iter().all(|&b| b == 0), "entry {e}");
         }
-        let before = p.data.len();
+        let before = p.data.len().next_multiple_of(ALIGN_ELEMS);
         p.pack_window_masks(&[8, 40, 8]);
         assert_eq!(p.window_masks, vec![(8, before)]);
         let packed: Vec<u8> = p.data[before..]
@@ -404,6 +416,41 @@ mod tests {
         // The prompt branch takes band mode instead: no key masks.
         let p = StepPlan::new(&step(&[(30, 3), (9, 1)], 128), 16, 128).unwrap();
         assert_eq!(p.window_mask(8), None);
+    }
+
+    #[test]
+    fn every_packed_array_starts_32_bytes_aligned() {
+        // Odd lengths everywhere (3 tokens, 2 logit rows), so back-to-back packing would
+        // misalign every later array.
+        let check = |p: &StepPlan, what: &str| {
+            let mut offsets = vec![p.tokens, p.positions, p.slots, p.logit_rows];
+            if p.path.is_some() {
+                offsets.push(p.tables);
+            }
+            if matches!(p.path, Some(AttnPath::Prompt { .. })) {
+                offsets.extend([p.pad_rows, p.unpad_rows]);
+            }
+            offsets.extend(p.window_masks.iter().map(|&(_, at)| at));
+            for at in offsets {
+                assert_eq!((at * 4) % 32, 0, "{what}: offset {at} elements");
+                assert!(at <= p.data.len(), "{what}: offset {at} past the data");
+            }
+        };
+        let s = step(&[(30, 2), (9, 1)], 16);
+        check(&StepPlan::without_kv(&s).unwrap(), "without a pool");
+        let mut p = StepPlan::new(&s, 16, 16).unwrap();
+        p.pack_window_masks(&[8, 4]);
+        assert_eq!(p.window_masks.len(), 2);
+        check(&p, "token-wise with masks");
+        check(
+            &StepPlan::new(&step(&[(5, 1), (9, 1), (2, 1)], 16), 16, 16).unwrap(),
+            "decode",
+        );
+        let p = StepPlan::new(&step(&[(3, 3), (9, 1)], 128), 16, 128).unwrap();
+        check(&p, "prompt");
+        // The values are where the offsets say.
+        assert_eq!(&p.data[p.positions..p.positions + 4], &[3, 4, 5, 9]);
+        assert_eq!(&p.data[p.unpad_rows..p.unpad_rows + 4], &[0, 1, 2, 3]);
     }
 
     #[test]

@@ -423,26 +423,32 @@ pub unsafe extern "C" fn aclnnRmsNormGetWorkspaceSize(
         for (w, v) in [("x", &x), ("gamma", &g), ("yOut", &y), ("rstdOut", &r)] {
             nd(op, w, v)?;
         }
+        // An f32 gamma with 16-bit x is listed as a combination only by the pages of CANN 8.5
+        // and later; the 8.x pages before list each parameter's types alone (and a caller saw
+        // 8.x refuse the mix), so older emulated releases refuse it.
+        let mixed = crate::install::emulated_release_at_least(8, 5);
         let ok = matches!(
             (x.dtype, g.dtype, y.dtype, r.dtype),
-            (DType::F16, DType::F32 | DType::F16, DType::F16, DType::F32)
-                | (
-                    DType::Bf16,
-                    DType::F32 | DType::Bf16,
-                    DType::Bf16,
-                    DType::F32
-                )
+            (DType::F16, DType::F16, DType::F16, DType::F32)
+                | (DType::Bf16, DType::Bf16, DType::Bf16, DType::F32)
                 | (DType::F32, DType::F32, DType::F32, DType::F32)
-        );
+        ) || (mixed
+            && matches!(
+                (x.dtype, g.dtype, y.dtype, r.dtype),
+                (DType::F16, DType::F32, DType::F16, DType::F32)
+                    | (DType::Bf16, DType::F32, DType::Bf16, DType::F32)
+            ));
         if !ok {
             return invalid(
                 op,
                 format!(
-                    "dtypes x {} gamma {} yOut {} rstdOut {} are not a documented combination",
+                    "dtypes x {} gamma {} yOut {} rstdOut {} are not a documented combination \
+                     (in CANN {})",
                     x.dtype.name(),
                     g.dtype.name(),
                     y.dtype.name(),
-                    r.dtype.name()
+                    r.dtype.name(),
+                    crate::install::emulated_version()
                 ),
             );
         }

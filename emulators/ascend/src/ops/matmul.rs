@@ -1,7 +1,8 @@
 //! Matrix products: Matmul (f16/bf16/f32, `mat2` contiguous or a transposed view) and
 //! WeightQuantBatchMatmulV2 (`y = x @ ((weight + antiquantOffset) * antiquantScale) + bias` with
 //! INT8 or INT4 weights of shape (k, n), contiguous or transposed; per-tensor, per-channel or
-//! per-group antiquant parameters with `antiquantGroupSize` a multiple of 32 in [32, k-1]).
+//! per-group antiquant parameters with `antiquantGroupSize` a multiple of 32 in [32, k-1]; k and n
+//! each in [1, 65535]).
 //! Products accumulate in f32 and round to the output type, as the cube unit does.
 
 use npu_ffi::types::*;
@@ -185,6 +186,9 @@ pub unsafe extern "C" fn aclnnMatmulGetWorkspaceSize(
 
 // ---- WeightQuantBatchMatmulV2 -----------------------------------------------------------------
 
+/// The page's range of k and n (ACLNN_ERR_PARAM_INVALID outside [1, 65535]).
+const WQBMM_MAX_DIM: i64 = 65535;
+
 #[derive(Clone)]
 struct Wqbmm {
     io: Io,
@@ -305,6 +309,12 @@ pub unsafe extern "C" fn aclnnWeightQuantBatchMatmulV2GetWorkspaceSize(
                         "shapes x {:?}, weight {:?} (k, n), y {:?} do not agree",
                         xv.dims, wv.dims, yv.dims
                     ),
+                );
+            }
+            if !(1..=WQBMM_MAX_DIM).contains(&k) || !(1..=WQBMM_MAX_DIM).contains(&n) {
+                return invalid(
+                    op,
+                    format!("k {k} and n {n} must each be in [1, {WQBMM_MAX_DIM}]"),
                 );
             }
             if !xv.is_contiguous() && !is_transposed_2d(&xv) {

@@ -192,6 +192,7 @@ pub unsafe fn prepare(
     let r = (|| {
         st.require_init()?;
         st.current_context()?;
+        crate::install::check_operator_package()?;
         if workspace_size.is_null() || executor.is_null() {
             return fail(
                 ACLNN_ERR_PARAM_NULLPTR,

@@ -1,0 +1,349 @@
+//! Limits that CANN's operator pages document and the backend must stay within, over the strict
+//! emulation (which enforces them as the pages state): WeightQuantBatchMatmulV2's range of k and
+//! n (a large vocabulary's output matrix is multiplied in column blocks), RmsNorm's gamma type
+//! with f16 activations (the f32 mix is documented only from CANN 8.5), and executor reuse only
+//! for the allowlisted operators on contiguous, out-of-place tensors — with results bit-equal to
+//! fresh executors.
+//!
+//! Tolerances as in `backend.rs`: 1e-2 relative for products, 4e-3 for norms.
+
+mod common;
+
+use common::seam::*;
+use common::*;
+use npu_backend::*;
+use npu_backend_ascend::backend::{AscendBuffer, AscendMatrix};
+use npu_backend_ascend::ops::OpRunner;
+use npu_backend_ascend::tensor::{DType as TDType, Tensor, View as TView};
+use npu_backend_ascend::{weights, AscendBackend, AscendConfig};
+use npu_gguf::GgmlType;
+
+fn matmul_ref(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    for i in 0..m {
+        let xr = &x[i * k..(i + 1) * k];
+        for j in 0..n {
+            out[i * n + j] = xr
+                .iter()
+                .zip(&w[j * k..(j + 1) * k])
+                .map(|(a, b)| a * b)
+                .sum();
+        }
+    }
+    out
+}
+
+/// More outputs than WeightQuantBatchMatmulV2 takes (65535): 70,000 (above a block and not a
+/// multiple of its width), k = 64.
+const WIDE_N: usize = 70_000;
+
+#[test]
+fn quantized_matrices_wider_than_65535_outputs_match_the_reference() {
+    let _g = serial();
+    let mut b = default_backend();
+    let k = 64usize;
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
+        let (data, w) = match ty {
+            GgmlType::Q8_0 => q8_0_rows(41, WIDE_N, k),
+            _ => q4_0_rows(42, WIDE_N, k),
+        };
+        let mat = b
+            .load_matrix(&[HostTensor {
+                ty,
+                data: &data,
+                rows: WIDE_N,
+                cols: k,
+            }])
+            .unwrap()
+            .unwrap();
+        // One row (each block written in place), three rows (through a scratch block), and
+        // three rows into a column range of a wider buffer (through the strided-output copy).
+        for (m, extra) in [(1usize, 0usize), (3, 0), (3, 8)] {
+            let x = h(&rand_vec(43 + m as u64, m * k, 1.0));
+            let xb = up(&mut b, &x, k);
+            let width = WIDE_N + extra;
+            let mut y = b.alloc(DType::F16, m * width).unwrap();
+            let out = Layout::new(extra, m, WIDE_N, width).unwrap();
+            b.matmul(
+                View::rows(&xb, m, k).unwrap(),
+                &mat,
+                ViewMut::new(&mut y, out).unwrap(),
+            )
+            .unwrap_or_else(|e| panic!("{} matmul of {m} rows: {e}", ty.name()));
+            let want = matmul_ref(&x, &w, m, k, WIDE_N);
+            let got = down(&mut b, &y, out);
+            assert_close(&got, &want, 1e-2, &format!("{} {m}x{WIDE_N}", ty.name()));
+            if extra > 0 {
+                let left = down(&mut b, &y, Layout::new(0, m, extra, width).unwrap());
+                assert!(left.iter().all(|&v| v == 0.0), "columns outside the view");
+            }
+        }
+    }
+}
+
+/// Q4_0 rows of `n` outputs and `k` inputs (GGUF's block layout) and their values.
+fn q4_0_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    use half::f16;
+    let vals = rand_vec(seed, n * k, 1.0);
+    let (mut data, mut deq) = (Vec::new(), Vec::new());
+    for blk in vals.chunks(32) {
+        let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = f16::from_f32(amax / 8.0);
+        let q: Vec<u8> = blk
+            .iter()
+            .map(|v| ((v / d.to_f32()).round() + 8.0).clamp(0.0, 15.0) as u8)
+            .collect();
+        data.extend(d.to_le_bytes());
+        for i in 0..16 {
+            data.push(q[i] | (q[i + 16] << 4));
+        }
+        deq.extend(q.iter().map(|&q| d.to_f32() * (q as f32 - 8.0)));
+    }
+    (data, deq)
+}
+
+#[test]
+fn the_emulation_refuses_weight_quant_matmul_beyond_65535_outputs() {
+    let _g = serial();
+    let dev = device();
+    let mut ops = OpRunner::new(&dev);
+    let (m, k, n) = (1i64, 64i64, 65_536i64);
+    let (data, _) = q8_0_rows(44, n as usize, k as usize);
+    let qw = weights::from_q8_0(&data, n as usize, k as usize).unwrap();
+    let g = k / weights::GROUP as i64;
+    let (xb, wb, yb) = (
+        upload_f16(&vec![0.5; (m * k) as usize]),
+        upload(&qw.weight),
+        zeros((m * n * 2) as usize),
+    );
+    let sb = upload(
+        &qw.scale
+            .iter()
+            .flat_map(|s| s.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
+    let wt = Tensor::new(acl(), &wb, TView::strided(TDType::I8, &[k, n], &[1, k], 0)).unwrap();
+    let st = Tensor::new(acl(), &sb, TView::strided(TDType::F16, &[g, n], &[1, g], 0)).unwrap();
+    let e = ops
+        .weight_quant_matmul(
+            &t(&xb, TDType::F16, &[m, k]),
+            &wt,
+            &st,
+            None,
+            weights::GROUP as i32,
+            &t(&yb, TDType::F16, &[m, n]),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("ACLNN_ERR_PARAM_INVALID") && e.contains("65535"),
+        "{e}"
+    );
+}
+
+#[test]
+fn rms_norm_takes_gamma_in_the_activations_type() {
+    let _g = serial();
+    let mut b = default_backend();
+    let (rows, dim) = (3usize, 64usize);
+    let x = h(&rand_vec(51, rows * dim, 2.0));
+    let w = rand_vec(52, dim, 1.0);
+    let xb = up(&mut b, &x, dim);
+    let want = rms_ref(&x, &h(&w), 1e-5);
+    // An f32 vector from the file (with its f16 copy), the same written since (no copy: cast
+    // on the device), and an f16 buffer.
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let loaded = b
+        .load_vector(HostTensor {
+            ty: GgmlType::F32,
+            data: &bytes,
+            rows: 1,
+            cols: dim,
+        })
+        .unwrap();
+    let mut written = b.alloc(DType::F32, dim).unwrap();
+    b.upload(
+        HostSlice::F32(&w),
+        ViewMut::rows(&mut written, 1, dim).unwrap(),
+    )
+    .unwrap();
+    let mut halves = b.alloc(DType::F16, dim).unwrap();
+    b.upload(
+        HostSlice::F32(&w),
+        ViewMut::rows(&mut halves, 1, dim).unwrap(),
+    )
+    .unwrap();
+    for (what, gamma) in [("loaded", &loaded), ("written", &written), ("f16", &halves)] {
+        let mut y = b.alloc(DType::F16, rows * dim).unwrap();
+        b.rms_norm(
+            View::rows(&xb, rows, dim).unwrap(),
+            gamma,
+            1e-5,
+            ViewMut::rows(&mut y, rows, dim).unwrap(),
+        )
+        .unwrap_or_else(|e| panic!("{what} gamma: {e}"));
+        let got = down(&mut b, &y, Layout::contiguous(rows, dim));
+        assert_close(&got, &want, 4e-3, &format!("rms_norm, {what} gamma"));
+        // Per head (16 wide) with the first 16 weights, in place.
+        let mut hx = up(&mut b, &x, dim);
+        let hw = &w[..16];
+        let mut hg = b.alloc(DType::F32, 16).unwrap();
+        b.upload(HostSlice::F32(hw), ViewMut::rows(&mut hg, 1, 16).unwrap())
+            .unwrap();
+        b.rms_norm_heads(ViewMut::rows(&mut hx, rows, dim).unwrap(), &hg, 1e-5, 16)
+            .unwrap_or_else(|e| panic!("{what}: rms_norm_heads: {e}"));
+        let got = down(&mut b, &hx, Layout::contiguous(rows, dim));
+        assert_close(&got, &rms_ref(&x, &h(hw), 1e-5), 4e-3, "rms_norm_heads");
+    }
+}
+
+#[test]
+fn the_emulation_takes_an_f32_gamma_with_f16_x_only_from_cann_8_5() {
+    let _g = serial();
+    let dev = device();
+    let mut ops = OpRunner::new(&dev);
+    let (rows, dim) = (2i64, 32i64);
+    let xb = upload_f16(&vec![1.0; (rows * dim) as usize]);
+    let gb = upload(&vec![0u8; (dim * 4) as usize]);
+    let (yb, rb) = (zeros((rows * dim * 2) as usize), zeros((rows * 4) as usize));
+    let r = ops.rms_norm(
+        &t(&xb, TDType::F16, &[rows, dim]),
+        &t(&gb, TDType::F32, &[dim]),
+        1e-5,
+        &t(&yb, TDType::F16, &[rows, dim]),
+        &t(&rb, TDType::F32, &[rows, 1]),
+    );
+    let v = acl().version;
+    let documented = (v.major, v.minor) >= (8, 5);
+    match r {
+        Ok(()) => assert!(documented, "CANN {v} accepted f32 gamma with f16 x"),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(!documented, "CANN {v} refused: {e}");
+            assert!(e.contains("ACLNN_ERR_PARAM_INVALID"), "{e}");
+        }
+    }
+    dev.synchronize().unwrap();
+}
+
+/// One layer-like round of ops: norm, two matmul forms, bias, SwiGLU, residual adds, greedy pick.
+struct Toy {
+    norm: AscendBuffer,
+    bias: AscendBuffer,
+    q: AscendMatrix,
+    f: AscendMatrix,
+}
+
+fn toy(b: &mut AscendBackend) -> Toy {
+    let d = 64usize;
+    let vec_of = |b: &mut AscendBackend, seed| {
+        let v = rand_vec(seed, d, 1.0);
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        b.load_vector(HostTensor {
+            ty: GgmlType::F32,
+            data: &bytes,
+            rows: 1,
+            cols: d,
+        })
+        .unwrap()
+    };
+    let norm = vec_of(b, 61);
+    let bias = vec_of(b, 62);
+    let (qd, _) = q4_1_rows(63, 2 * d, d);
+    let q = b
+        .load_matrix(&[HostTensor {
+            ty: GgmlType::Q4_1,
+            data: &qd,
+            rows: 2 * d,
+            cols: d,
+        }])
+        .unwrap()
+        .unwrap();
+    let fv: Vec<u8> = rand_vec(64, d * d, 0.2)
+        .iter()
+        .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+        .collect();
+    let f = b
+        .load_matrix(&[HostTensor {
+            ty: GgmlType::F16,
+            data: &fv,
+            rows: d,
+            cols: d,
+        }])
+        .unwrap()
+        .unwrap();
+    Toy { norm, bias, q, f }
+}
+
+/// Three steps of the toy round; the residual stream after each, as f16 bit patterns.
+fn run_toy(reuse: bool) -> (Vec<Vec<u16>>, usize, u32) {
+    let mut b = backend(AscendConfig {
+        reuse_executors: reuse,
+        ..AscendConfig::default()
+    });
+    let w = toy(&mut b);
+    let (t, d) = (2usize, 64usize);
+    let mut x = up(&mut b, &h(&rand_vec(65, t * d, 1.0)), d);
+    let mut n = b.alloc(DType::F16, t * d).unwrap();
+    let mut gu = b.alloc(DType::F16, t * 2 * d).unwrap();
+    let mut a = b.alloc(DType::F16, t * d).unwrap();
+    let mut results = Vec::new();
+    let mut reused = 0;
+    for _ in 0..3 {
+        b.begin_step(&step_of(&[(0, 2, vec![0])], 16, &[1, 2]))
+            .unwrap();
+        b.rms_norm(
+            View::rows(&x, t, d).unwrap(),
+            &w.norm,
+            1e-5,
+            ViewMut::rows(&mut n, t, d).unwrap(),
+        )
+        .unwrap();
+        b.matmul(
+            View::rows(&n, t, d).unwrap(),
+            &w.q,
+            ViewMut::rows(&mut gu, t, 2 * d).unwrap(),
+        )
+        .unwrap();
+        let gate = View::new(&gu, Layout::new(0, t, d, 2 * d).unwrap()).unwrap();
+        let upv = View::new(&gu, Layout::new(d, t, d, 2 * d).unwrap()).unwrap();
+        b.swiglu(gate, upv, ViewMut::rows(&mut a, t, d).unwrap())
+            .unwrap();
+        b.add_bias(ViewMut::rows(&mut a, t, d).unwrap(), &w.bias)
+            .unwrap();
+        b.matmul(
+            View::rows(&a, t, d).unwrap(),
+            &w.f,
+            ViewMut::rows(&mut n, t, d).unwrap(),
+        )
+        .unwrap();
+        b.add(
+            ViewMut::rows(&mut x, t, d).unwrap(),
+            View::rows(&n, t, d).unwrap(),
+        )
+        .unwrap();
+        let got = down(&mut b, &x, Layout::contiguous(t, d));
+        reused = b.step_stats().reused_launches;
+        results.push(
+            got.iter()
+                .map(|v| half::f16::from_f32(*v).to_bits())
+                .collect(),
+        );
+    }
+    (results, b.cached_executors(), reused)
+}
+
+#[test]
+fn reuse_is_limited_to_the_allowlist_and_changes_no_bit() {
+    let _g = serial();
+    let (on, cached, reused) = run_toy(true);
+    let (off, none, fresh) = run_toy(false);
+    assert_eq!(on, off, "results with and without executor reuse");
+    assert_ne!(on[0], on[1], "the steps compute something");
+    // Kept: the two matmuls (WeightQuantBatchMatmulV2 and Matmul) and SwiGlu, whose gate/up
+    // halves make one contiguous row. Not kept: RmsNorm, the in-place adds (InplaceAdd) — off
+    // the allowlist.
+    assert_eq!(cached, 3, "executors kept");
+    assert_eq!(reused, 3, "launches of kept executors in the last step");
+    assert_eq!((none, fresh), (0, 0));
+}
