@@ -297,8 +297,8 @@ fn llm_serving_unknown_fields_get_400_naming_them_with_the_closest_known_name() 
     for (params, field) in [
         (json!({"best_of": 2}), "parameters.best_of"),
         (
-            json!({"grammar": {"type": "json", "value": {}}}),
-            "parameters.grammar",
+            json!({"grammar": {"type": "xml", "value": {}}}),
+            "parameters.grammar.type",
         ),
         (json!({"adapter_id": "lora"}), "parameters.adapter_id"),
     ] {
@@ -484,8 +484,8 @@ fn openai_bad_inputs_get_400_in_openai_shape_naming_the_param() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}),
+            "response_format.type",
         ),
         (
             "/v1/chat/completions",
