@@ -114,6 +114,7 @@ pub fn start_engine(
         shutdown,
         drain_deadline: None,
         agents_stopped: false,
+        constrained: 0,
         commands_closed: false,
     };
     engine.publish_stats();
@@ -207,6 +208,8 @@ struct Engine {
     /// Set once draining: requests still running then are ended with `Shutdown`.
     drain_deadline: Option<Instant>,
     agents_stopped: bool,
+    /// Live requests with a grammar: steps look for token masks only while there are some.
+    constrained: usize,
     commands_closed: bool,
     /// The handoff region's blocks (none when prefill and decode are colocated).
     handoff: HandoffBlocks,
@@ -262,6 +265,9 @@ impl Engine {
 
     fn emit_finished(&mut self, id: RequestId, reason: FinishReason, message: Option<String>) {
         if let Some(entry) = self.requests.remove(&id) {
+            if entry.constraint.is_some() {
+                self.constrained -= 1;
+            }
             self.events.push(entry.finished(id, reason, message));
             EngineStats::add(&self.stats.requests_finished_total, 1);
         }
@@ -278,6 +284,7 @@ impl Engine {
             return;
         }
         let mut entry = RequestEntry::new(&req, &self.tokenizer);
+        self.constrained += usize::from(constraint.is_some());
         entry.constraint = constraint;
         self.requests.insert(id, entry);
         if self.drain_deadline.is_some() {
@@ -477,7 +484,9 @@ impl Engine {
             let idle_since = a.time.idle_since.take();
             if let Some(mut plan) = a.sched.schedule() {
                 let step_id = plan.step_id;
-                self.add_masks(i, &mut plan);
+                if self.constrained > 0 {
+                    self.add_masks(i, &mut plan);
+                }
                 let a = &mut self.agents[i];
                 if a.worker.send(AgentJob::Step(plan)) {
                     a.step_in_flight = Some(step_id);
