@@ -308,6 +308,19 @@ struct Cursor<'a> {
     pos: usize,
 }
 
+/// The fewest bytes a metadata value of type `type_id` takes (unknown types: 1, refused later).
+fn min_value_bytes(type_id: u32) -> u64 {
+    match type_id {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        // An array: element type and count.
+        9 => 12,
+        _ => 1,
+    }
+}
+
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
         let start = self.pos as u64;
@@ -371,9 +384,11 @@ impl<'a> Cursor<'a> {
                 }
                 let elem_type = self.u32(&what)?;
                 let n = self.u64(&what)?;
-                // Every element takes at least one byte: a count beyond the remaining bytes is corrupt.
+                // Every element takes at least its type's smallest encoding: a count beyond what
+                // the remaining bytes can hold is corrupt (and nothing is sized by it before).
                 let remaining = (self.buf.len() - self.pos) as u64;
-                if n > remaining {
+                let min_bytes = min_value_bytes(elem_type);
+                if n > remaining / min_bytes {
                     return Err(self.corrupt(format!(
                         "{what}: array of {n} elements cannot fit in the {remaining} bytes left"
                     )));
@@ -409,6 +424,20 @@ impl GgufFile {
         Self::parse(path, map)
     }
 
+    /// Reads a GGUF image held in memory (copied into an anonymous read-only mapping), named
+    /// `name` in errors: what a fuzzer or a test hands the reader.
+    pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Self, GgufError> {
+        let path = PathBuf::from(name);
+        let open_err = |source| GgufError::Open {
+            path: path.clone(),
+            source,
+        };
+        let mut anon = memmap2::MmapMut::map_anon(bytes.len()).map_err(open_err)?;
+        anon.copy_from_slice(bytes);
+        let map = anon.make_read_only().map_err(open_err)?;
+        Self::parse(path, map)
+    }
+
     fn parse(path: PathBuf, map: Mmap) -> Result<Self, GgufError> {
         let file_len = map.len() as u64;
         let mut c = Cursor {
@@ -436,6 +465,22 @@ impl GgufFile {
             return Err(c.corrupt(format!(
                 "implausible counts: {n_tensors} tensors, {n_kv} metadata keys"
             )));
+        }
+        // A metadata entry takes at least 13 bytes (key length, type, a one-byte value) and a
+        // tensor entry 32 (name length, one dimension, type, offset): counts the file cannot
+        // hold are refused before anything is sized by them.
+        let least = n_kv * 13 + n_tensors * 32;
+        if least > file_len - c.pos as u64 {
+            return Err(GgufError::Truncated {
+                path: path.clone(),
+                what: format!(
+                    "metadata and tensor table ({n_kv} keys and {n_tensors} tensors need at least \
+                     {least} bytes)"
+                ),
+                start: c.pos as u64,
+                end: c.pos as u64 + least,
+                len: file_len,
+            });
         }
         let mut metadata = HashMap::new();
         let mut keys = Vec::new();

@@ -432,6 +432,18 @@ pub fn synth_model(
     ty: GgmlType,
     donor: &GgufFile,
 ) -> Result<Vec<u8>, SynthError> {
+    synth_model_shaped(family, family.shape(), seed, ty, donor)
+}
+
+/// [`synth_model`] with another shape than the family's own (smaller files for fuzzing seeds);
+/// `shape`'s switches (bias, norms, tying, rope factors) should stay the family's.
+pub fn synth_model_shaped(
+    family: Family,
+    s: Shape,
+    seed: u64,
+    ty: GgmlType,
+    donor: &GgufFile,
+) -> Result<Vec<u8>, SynthError> {
     if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Q8_0) {
         return Err(SynthError::WeightType(ty.name().to_string()));
     }
@@ -440,7 +452,6 @@ pub fn synth_model(
         .and_then(MetaValue::as_array)
         .map(|a| a.len())
         .ok_or(SynthError::NoTokenizer)?;
-    let s = family.shape();
     let arch = family.gguf_arch();
     let mut b = Builder {
         w: GgufWriter::new(),

@@ -540,3 +540,40 @@ mod damaged_files {
         }
     }
 }
+
+/// Counts in a header are checked against what the rest of the file can hold before anything
+/// is sized by them (a fuzzer's 1 MB table in a 24-byte file, a 2^40-element u64 array).
+#[test]
+fn counts_the_file_cannot_hold_are_refused_before_allocating() {
+    let mut head = b"GGUF".to_vec();
+    head.extend_from_slice(&3u32.to_le_bytes());
+    head.extend_from_slice(&1000u64.to_le_bytes()); // tensors
+    head.extend_from_slice(&(1u64 << 19).to_le_bytes()); // metadata keys
+    match GgufFile::from_bytes("counts.gguf", &head) {
+        Err(GgufError::Truncated { what, len, .. }) => {
+            assert!(what.contains("524288 keys") && what.contains("1000 tensors"), "{what}");
+            assert_eq!(len, 24);
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    // One key: an array of 2^40 u64 values declared in a few bytes.
+    let mut f = b"GGUF".to_vec();
+    f.extend_from_slice(&3u32.to_le_bytes());
+    f.extend_from_slice(&0u64.to_le_bytes());
+    f.extend_from_slice(&1u64.to_le_bytes());
+    f.extend_from_slice(&1u64.to_le_bytes());
+    f.push(b'k');
+    f.extend_from_slice(&9u32.to_le_bytes()); // array
+    f.extend_from_slice(&10u32.to_le_bytes()); // of u64
+    f.extend_from_slice(&(1u64 << 40).to_le_bytes());
+    f.extend_from_slice(&[0u8; 64]);
+    match GgufFile::from_bytes("array.gguf", &f) {
+        Err(GgufError::Corrupt { what, .. }) => assert!(what.contains("cannot fit"), "{what}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    // Eight u64 values do fit in those 64 bytes.
+    let at = f.len() - 72;
+    f[at..at + 8].copy_from_slice(&8u64.to_le_bytes());
+    let file = GgufFile::from_bytes("array.gguf", &f).unwrap();
+    assert_eq!(file.get("k").and_then(|v| v.as_array()).map(|a| a.len()), Some(8));
+}

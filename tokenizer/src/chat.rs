@@ -7,6 +7,55 @@ use serde::{Deserialize, Serialize};
 
 use super::TokenizerError;
 
+/// Most instructions one render may run. A template is code from a downloaded file: without a
+/// bound, nested loops run for hours. Real templates take a few hundred instructions a message
+/// (Qwen3's with tools about 300), so this allows conversations of thousands of messages.
+pub const RENDER_FUEL: u64 = 20_000_000;
+
+/// Most bytes one render may write: far past any context window's worth of text, short of
+/// what would exhaust memory.
+pub const MAX_RENDERED_BYTES: usize = 64 << 20;
+
+/// The render's output, refusing to grow past [`MAX_RENDERED_BYTES`].
+struct BoundedOutput {
+    text: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > MAX_RENDERED_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Renders `ctx` under the fuel and output bounds.
+fn bounded_render(
+    template: &minijinja::Template<'_, '_>,
+    ctx: minijinja::Value,
+) -> Result<String, TokenizerError> {
+    let mut out = BoundedOutput {
+        text: Vec::new(),
+        overflowed: false,
+    };
+    let rendered = template.render_captured_to(ctx, &mut out);
+    if out.overflowed {
+        return Err(TokenizerError::Template(format!(
+            "cannot render: the rendered text is over the limit of {MAX_RENDERED_BYTES} bytes"
+        )));
+    }
+    rendered.map_err(|e| template_error("cannot render", e))?;
+    String::from_utf8(out.text)
+        .map_err(|_| TokenizerError::Template("the rendered text is not UTF-8".into()))
+}
+
 /// One message of a conversation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
@@ -117,6 +166,7 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -148,14 +198,15 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| template_error("missing", e))?;
-        template
-            .render(minijinja::context! {
+        bounded_render(
+            &template,
+            minijinja::context! {
                 messages => messages,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
-            })
-            .map_err(|e| template_error("cannot render", e))
+            },
+        )
     }
 
     /// `render` with extra template variables, such as a chat request's `chat_template_kwargs`
@@ -191,9 +242,7 @@ impl ChatTemplate {
         };
         let vars =
             minijinja::value::merge_maps([standard, minijinja::Value::from_serialize(&extra)]);
-        template
-            .render(vars)
-            .map_err(|e| template_error("cannot render", e))
+        bounded_render(&template, vars)
     }
 
     /// Whether this is the ChatML fallback rather than the model's own template.
@@ -385,5 +434,32 @@ mod tests {
                 .unwrap(),
             "<s>  A|\n  B|\n"
         );
+    }
+
+    #[test]
+    fn a_render_is_bounded_in_time_and_output() {
+        let msgs = [ChatMessage::user("hi")];
+        // 10^10 iterations: stopped by the fuel limit, not run for hours.
+        let t = ChatTemplate::new(
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let e = t.render(&msgs, false).unwrap_err().to_string();
+        assert!(e.contains("fuel"), "{e}");
+        // 100 MB of output: stopped at the output limit.
+        let t = ChatTemplate::new(
+            "{% for a in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let e = t.render(&msgs, false).unwrap_err().to_string();
+        assert!(e.contains("bytes"), "{e}");
+        // A long real conversation stays well inside both.
+        let t = ChatTemplate::chatml("", "");
+        let long: Vec<ChatMessage> = (0..5000).map(|i| ChatMessage::user(format!("turn {i}"))).collect();
+        assert!(t.render(&long, true).is_ok());
     }
 }

@@ -301,7 +301,9 @@ fn u32_bytes<'a>(r: &RegionBytes<'a>, count: usize) -> Result<&'a [u8], ShmError
 }
 
 impl<'a> PlanView<'a> {
-    pub(crate) fn parse(layout: &ShmLayout, seg: &'a [u8]) -> Result<Self, ShmError> {
+    /// Validates the plan region of `seg` (a segment image laid out as `layout`) and reads the
+    /// plan in place.
+    pub fn parse(layout: &ShmLayout, seg: &'a [u8]) -> Result<Self, ShmError> {
         let caps = *layout.capacities();
         let meta: PlanMeta = region(layout, seg, Region::PlanMeta)?.get(0)?;
         let corrupt = |what: &'static str, got: u32, cap: u32| -> Result<(), ShmError> {

@@ -70,6 +70,33 @@ pub enum ShmError {
     Internal(Region),
 }
 
+/// Reads and validates the step result in `image`, the bytes of a segment laid out as `layout`
+/// (what [`ShmSegment::read_result`] reads from its mapping, less the sequence check): what an
+/// agent wrote, as the server takes it in. For fuzzing and tests.
+pub fn decode_result(layout: &ShmLayout, image: &[u8]) -> Result<StepResult, ShmError> {
+    codec::read_result(layout, image)
+}
+
+/// Reads and validates the step plan in `image` (see [`decode_result`]), as an agent does.
+pub fn decode_plan(layout: &ShmLayout, image: &[u8]) -> Result<StepPlan, ShmError> {
+    codec::read_plan(layout, image)
+}
+
+/// A segment image of `layout` holding `plan` and `result` (what `write_plan` and
+/// `write_result` put in a mapping): seeds for fuzzing and tests.
+pub fn encode_image(
+    layout: &ShmLayout,
+    plan: &StepPlan,
+    result: &StepResult,
+) -> Result<Vec<u8>, ShmError> {
+    let mut image = vec![0u8; layout.total_size() as usize];
+    let header = layout.header();
+    image[..std::mem::size_of::<ShmHeader>()].copy_from_slice(bytemuck::bytes_of(&header));
+    codec::write_plan(layout, &mut image, plan)?;
+    codec::write_result(layout, &mut image, result)?;
+    Ok(image)
+}
+
 /// One mapped segment. The creator owns the name and unlinks it on `unlink` or drop.
 pub struct ShmSegment {
     name: String,

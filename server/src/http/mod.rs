@@ -15,7 +15,7 @@ use crossbeam_channel::Sender;
 
 use crate::engine::{GenEvent, GenerateRequest, RequestId, TaggedEvent};
 
-pub use request::Request;
+pub use request::{frame_input, FramedInput, Request};
 pub use response::{write_chunk, Response};
 pub use server::HttpServer;
 

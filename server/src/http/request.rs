@@ -207,6 +207,92 @@ pub(crate) fn parse_head(buf: &[u8], max_body_bytes: u64) -> HeadParse {
     )
 }
 
+/// The head at the front of a connection's input under the server's limits: `parse_head`, plus
+/// the head-size limit (a head still incomplete past it, or complete but longer, is a 431).
+pub(crate) fn frame_head(inbuf: &[u8], limits: &super::HttpLimits) -> HeadParse {
+    let too_large = |message: String, path: Option<String>| {
+        HeadParse::Refused(Refusal {
+            status: 431,
+            kind: "request_header_fields_too_large",
+            message,
+            path,
+        })
+    };
+    match parse_head(inbuf, limits.max_body_bytes) {
+        HeadParse::Partial if inbuf.len() > limits.max_header_bytes => too_large(
+            format!(
+                "request head is over the limit of {} bytes",
+                limits.max_header_bytes
+            ),
+            None,
+        ),
+        HeadParse::Complete(head, n) if n > limits.max_header_bytes => too_large(
+            format!(
+                "request head of {n} bytes is over the limit of {} bytes",
+                limits.max_header_bytes
+            ),
+            Some(head.path),
+        ),
+        other => other,
+    }
+}
+
+/// What one connection's input makes, read as the server reads it: pipelined requests one after
+/// another, each a head (`frame_head`) and a Content-Length body, until the input ends inside
+/// a request (`incomplete`) or a head is refused (the server answers that and closes).
+#[derive(Debug, Default)]
+pub struct FramedInput {
+    pub requests: Vec<Request>,
+    /// (status, message) of the refusal that ended the connection.
+    pub refused: Option<(u16, String)>,
+    /// Bytes left over inside an unfinished head or body.
+    pub incomplete: usize,
+    /// `100 Continue` interim answers the server would send.
+    pub continues: usize,
+}
+
+/// Frames `input` as one connection's bytes (see [`FramedInput`]).
+pub fn frame_input(input: &[u8], limits: &super::HttpLimits) -> FramedInput {
+    let mut out = FramedInput::default();
+    let mut rest = input;
+    let now = Instant::now();
+    while !rest.is_empty() {
+        match frame_head(rest, limits) {
+            HeadParse::Partial => break,
+            HeadParse::Refused(r) => {
+                out.refused = Some((r.status, r.message));
+                return out;
+            }
+            HeadParse::Complete(head, n) => {
+                let after = &rest[n..];
+                if head.expect_continue && (after.len() as u64) < head.content_length {
+                    out.continues += 1;
+                }
+                // `content_length <= max_body_bytes` was checked by the head's parse.
+                let need = head.content_length as usize;
+                if after.len() < need {
+                    break;
+                }
+                out.requests.push(Request {
+                    method: head.method,
+                    path: head.path,
+                    query: head.query,
+                    headers: head.headers,
+                    body: after[..need].to_vec(),
+                    arrived: now,
+                });
+                rest = &after[need..];
+                if !head.keep_alive {
+                    // The server closes after answering: later bytes are never read.
+                    return out;
+                }
+            }
+        }
+    }
+    out.incomplete = rest.len();
+    out
+}
+
 /// Decodes %XX escapes (invalid escapes are kept as written).
 fn percent_decode(s: &str) -> String {
     if !s.contains('%') {

@@ -14,7 +14,7 @@ use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::conn::{Conn, ConnState};
-use super::request::{parse_head, HeadParse, Refusal, Request};
+use super::request::{frame_head, HeadParse, Refusal, Request};
 use super::response::{write_chunk, write_last_chunk};
 use super::{
     EventSink, Handler, HttpError, HttpLimits, Progress, Reply, RequestTiming, Response,
@@ -303,40 +303,13 @@ impl Loop {
                     if conn.inbuf.is_empty() {
                         return;
                     }
-                    match parse_head(&conn.inbuf, self.limits.max_body_bytes) {
-                        HeadParse::Partial => {
-                            if conn.inbuf.len() > self.limits.max_header_bytes {
-                                let r = Refusal {
-                                    status: 431,
-                                    kind: "request_header_fields_too_large",
-                                    message: format!(
-                                        "request head is over the limit of {} bytes",
-                                        self.limits.max_header_bytes
-                                    ),
-                                    path: None,
-                                };
-                                self.refuse(tok, r);
-                            }
-                            return;
-                        }
+                    match frame_head(&conn.inbuf, &self.limits) {
+                        HeadParse::Partial => return,
                         HeadParse::Refused(r) => {
                             self.refuse(tok, r);
                             return;
                         }
                         HeadParse::Complete(head, n) => {
-                            if n > self.limits.max_header_bytes {
-                                let r = Refusal {
-                                    status: 431,
-                                    kind: "request_header_fields_too_large",
-                                    message: format!(
-                                        "request head of {n} bytes is over the limit of {} bytes",
-                                        self.limits.max_header_bytes
-                                    ),
-                                    path: Some(head.path),
-                                };
-                                self.refuse(tok, r);
-                                return;
-                            }
                             conn.inbuf.drain(..n);
                             if head.expect_continue
                                 && (conn.inbuf.len() as u64) < head.content_length

@@ -1,0 +1,277 @@
+//! Writes the GGUF seeds of `fuzz/corpus/gguf/` (run once; the files are committed):
+//! - tiny random-weight models of every family (`synth_model_shaped`: one or two layers, width
+//!   32) whose tokenizer is the default
+//!   model's, cut to its first 400 tokens and the merges among them: whole files that load;
+//! - the default model's header: its metadata (the vocabulary cut the same way) and its whole
+//!   tensor table, without the data (so the reader gets as far as the data bounds);
+//! - the first KiB of the default model.
+//!
+//! and the seeds that need the project's own encoders: `agent_link` (every frame kind, a segment
+//! image holding a real plan of the scheduler and its answer) and `chat_template` (the templates
+//! of the default model and Gemma 3, with a conversation).
+//!
+//! `cargo run --release -p npu-fuzz --example make_seeds`
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use npu_gguf::store::resolve_model;
+use npu_gguf::synth::{synth_model_shaped, Family, Shape};
+use npu_gguf::writer::{GgufWriter, TensorSpec};
+use npu_gguf::{GgmlType, GgufFile, MetaValue};
+
+const VOCAB: usize = 300;
+
+/// The default model's metadata with the vocabulary cut to `VOCAB` tokens.
+fn cut_metadata(f: &GgufFile, w: &mut GgufWriter) {
+    let tokens: Vec<String> = f
+        .get_str_array("tokenizer.ggml.tokens")
+        .unwrap()
+        .unwrap()
+        .iter()
+        .take(VOCAB)
+        .map(|s| s.to_string())
+        .collect();
+    let known: HashSet<&str> = tokens.iter().map(String::as_str).collect();
+    for key in f.keys() {
+        let v = f.get(key).unwrap().clone();
+        let v = match (key.as_str(), &v) {
+            ("tokenizer.ggml.tokens" | "tokenizer.ggml.token_type" | "tokenizer.ggml.scores", MetaValue::Array(a)) => {
+                MetaValue::Array(a.iter().take(VOCAB).cloned().collect())
+            }
+            ("tokenizer.ggml.merges", MetaValue::Array(a)) => MetaValue::Array(
+                a.iter()
+                    .filter(|m| {
+                        let s = m.as_str().unwrap_or("");
+                        let Some((l, r)) = s.split_once(' ') else {
+                            return false;
+                        };
+                        known.contains(l) && known.contains(r) && known.contains(&*format!("{l}{r}"))
+                    })
+                    .cloned()
+                    .collect(),
+            ),
+            _ => v,
+        };
+        w.add_meta(key.clone(), v);
+    }
+}
+
+fn main() {
+    agent_link_seeds();
+    chat_template_seeds();
+    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/gguf");
+    std::fs::create_dir_all(&out).unwrap();
+    let path = resolve_model(None).expect("the default model");
+    let real = GgufFile::open(&path).unwrap();
+
+    let mut donor = GgufWriter::new();
+    cut_metadata(&real, &mut donor);
+    let donor_bytes = donor.to_bytes().unwrap();
+    let donor = GgufFile::from_bytes("donor.gguf", &donor_bytes).unwrap();
+    for family in [
+        Family::Llama,
+        Family::Llama3,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Qwen3Moe,
+        Family::Gemma3,
+    ] {
+        let base = family.shape();
+        let shape = Shape {
+            hidden: 32,
+            layers: if family == Family::Gemma3 { 2 } else { 1 },
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            ff: 64,
+            experts: base.experts.min(4),
+            experts_used: base.experts_used.min(2),
+            expert_ff: base.expert_ff.min(32),
+            ..base
+        };
+        let ty = if family == Family::Llama { GgmlType::F16 } else { GgmlType::Q8_0 };
+        {
+            let bytes = synth_model_shaped(family, shape, 7, ty, &donor).unwrap();
+            let name = format!("synth-{}-{}", family.name(), ty.name().to_lowercase());
+            GgufFile::from_bytes(&name, &bytes).expect("the seed reads");
+            std::fs::write(out.join(&name), &bytes).unwrap();
+            println!("{name}: {} bytes", bytes.len());
+        }
+    }
+
+    // The default model's header and tensor table, no data.
+    let mut w = GgufWriter::new();
+    cut_metadata(&real, &mut w);
+    let first = real.tensors().first().map_or(0, |t| t.offset);
+    for t in real.tensors() {
+        w.add_tensor_spec(TensorSpec {
+            name: t.name.clone(),
+            dims: t.dims.clone(),
+            type_id: t.ty.id(),
+            data: Vec::new(),
+            offset: Some(t.offset - first),
+        });
+    }
+    let bytes = w.to_bytes().unwrap();
+    std::fs::write(out.join("smollm2-header-and-table"), &bytes).unwrap();
+    println!("smollm2-header-and-table: {} bytes", bytes.len());
+
+    let head = std::fs::read(&path).unwrap();
+    std::fs::write(out.join("smollm2-first-kib"), &head[..1024]).unwrap();
+}
+
+fn write(target: &str, name: &str, bytes: &[u8]) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus").join(target);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(name), bytes).unwrap();
+}
+
+fn agent_link_seeds() {
+    use npu_protocol::frame::{Frame, Hello, Setup, StepDone, StepStatus};
+    use npu_protocol::shm::{encode_image, Region, ShmLayout};
+    use npu_protocol::{SeqResult, StepResult, StepTiming, TokenLogprob};
+
+    let frames = [
+        Frame::Setup(Setup {
+            agent_id: 1,
+            launch_token: 0x1234_5678_9abc_def0,
+            segment_name: "/npu-serving-1-0".into(),
+            config_json: r#"{"device":"cpu","num_blocks":16}"#.into(),
+        }),
+        Frame::Hello(Hello {
+            agent_id: 1,
+            pid: 4242,
+            protocol_version: 5,
+            launch_token: 0x1234_5678_9abc_def0,
+            layout_hash: 0xdead_beef,
+            segment_name: "/npu-serving-1-0".into(),
+            model_facts_json: r#"{"vocab_size":49152}"#.into(),
+        }),
+        Frame::Welcome,
+        Frame::Refuse {
+            reason: "wrong secret".into(),
+        },
+        Frame::StartFailed {
+            reason: "no model".into(),
+        },
+        Frame::Step { step_id: 7 },
+        Frame::StepDone(StepDone {
+            step_id: 7,
+            status: StepStatus::Ok,
+            timing: StepTiming {
+                forward_us: 10,
+                sample_us: 2,
+                total_us: 13,
+            },
+            error: String::new(),
+        }),
+        Frame::StepDone(StepDone {
+            step_id: 8,
+            status: StepStatus::Failed,
+            timing: StepTiming::default(),
+            error: "device lost".into(),
+        }),
+        Frame::Reset,
+        Frame::ResetDone,
+        Frame::Shutdown,
+        Frame::Ping { nonce: 99 },
+        Frame::Pong { nonce: 99 },
+    ];
+    let mut all = vec![0u8];
+    for (i, f) in frames.iter().enumerate() {
+        let bytes = f.encode();
+        let mut one = vec![0u8];
+        one.extend_from_slice(&bytes);
+        write("agent_link", &format!("frame-{i:02}-{}", f.kind()), &one);
+        all.extend_from_slice(&bytes);
+    }
+    write("agent_link", "frames-all-kinds", &all);
+
+    let layout = ShmLayout::new(npu_fuzz::targets::agent_link::caps()).unwrap();
+    let (_, plan) = npu_fuzz::targets::agent_link::scheduler_with_step();
+    let step_id = plan.step_id;
+    let result = StepResult {
+        step_id,
+        seqs: plan
+            .seqs
+            .iter()
+            .filter(|q| q.sample)
+            .map(|q| SeqResult {
+                slot: q.slot,
+                token: TokenLogprob {
+                    token: 5,
+                    logprob: -0.5,
+                },
+                top: vec![
+                    TokenLogprob {
+                        token: 5,
+                        logprob: -0.5,
+                    },
+                    TokenLogprob {
+                        token: 9,
+                        logprob: -1.5,
+                    },
+                ],
+            })
+            .collect(),
+        ..StepResult::default()
+    };
+    let image = encode_image(&layout, &plan, &result).unwrap();
+    let at = layout.region(Region::ResultMeta).offset as usize;
+    let mut seed = vec![1u8];
+    seed.extend_from_slice(&image[at..]);
+    write("agent_link", "result-three-sequences", &seed);
+    let at = layout.region(Region::PlanMeta).offset as usize;
+    let end = layout.region(Region::ResultMeta).offset as usize;
+    let mut seed = vec![3u8];
+    seed.extend_from_slice(&image[at..end]);
+    write("agent_link", "plan-three-prefills", &seed);
+    let mut seed = vec![2u8];
+    seed.extend_from_slice(&[0; 8]);
+    write("agent_link", "header-unchanged", &seed);
+}
+
+fn chat_template_seeds() {
+    use npu_gguf::store::{ensure_chunked_model, StoreEnv, GEMMA3_270M_Q4_K_M};
+    let conversation: &[(&str, &str)] = &[
+        ("system", "You are brief."),
+        ("user", "Hi"),
+        ("assistant", "Hello!"),
+        ("user", "Weather?"),
+    ];
+    let mut messages = vec![1u8];
+    for (role, content) in conversation {
+        messages.extend_from_slice(role.as_bytes());
+        messages.push(0);
+        messages.extend_from_slice(content.as_bytes());
+        messages.push(0);
+    }
+    let smollm2 = GgufFile::open(resolve_model(None).unwrap()).unwrap();
+    let cache = StoreEnv::from_process().cache_dir().unwrap();
+    let gemma = GgufFile::open(ensure_chunked_model(&cache, &GEMMA3_270M_Q4_K_M).unwrap()).unwrap();
+    for (name, f) in [("smollm2", &smollm2), ("gemma3", &gemma)] {
+        let Some(source) = f.get_str("tokenizer.chat_template") else {
+            continue;
+        };
+        let mut seed = source.as_bytes().to_vec();
+        seed.push(0);
+        seed.extend_from_slice(&messages);
+        write("chat_template", &format!("{name}-template"), &seed);
+    }
+    // Written here in the styles other families use: header tokens per turn with tools in the
+    // system turn (Llama 3 style), and tool calls and a thinking block (Qwen 3 style).
+    let header_style = "{{ bos_token }}{% if tools is defined and tools %}<|start_header_id|>system<|end_header_id|>\n\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}";
+    let tool_style = "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for m in messages -%}<|im_start|>{{ m.role }}\n{%- if m.role == 'assistant' and '</think>' in m.content -%}{{ m.content.split('</think>')[-1].lstrip('\n') }}{%- elif m.tool_calls is defined -%}{%- for c in m.tool_calls -%}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments }}}\n</tool_call>{%- endfor -%}{%- else -%}{{ m.content }}{%- endif -%}<|im_end|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking -%}<think>\n\n</think>\n\n{%- endif -%}{%- endif -%}";
+    for (name, source) in [("header-style", header_style), ("tool-style", tool_style)] {
+        let mut seed = source.as_bytes().to_vec();
+        seed.push(0);
+        seed.extend_from_slice(&messages);
+        write("chat_template", &format!("{name}-template"), &seed);
+        let mut with_extra = source.as_bytes().to_vec();
+        with_extra.push(0);
+        with_extra.push(3);
+        with_extra.extend_from_slice(&messages[1..]);
+        write("chat_template", &format!("{name}-template-kwargs"), &with_extra);
+    }
+}

@@ -1,0 +1,14 @@
+//! The AFL++ driver: `npu-fuzz-afl TARGET` runs one harness in AFL's persistent mode (built with
+//! `cargo afl build --features afl`; `scripts/fuzz.sh` does both).
+
+fn main() {
+    let name = std::env::args().nth(1).unwrap_or_default();
+    let Some(harness) = npu_fuzz::target(&name) else {
+        let names: Vec<&str> = npu_fuzz::TARGETS.iter().map(|(n, _)| *n).collect();
+        eprintln!("usage: npu-fuzz-afl TARGET (one of: {})", names.join(", "));
+        std::process::exit(2);
+    };
+    afl::fuzz!(|data: &[u8]| {
+        harness(data);
+    });
+}

@@ -1,0 +1,9 @@
+//! One module per target; each `run` is a [`crate::Harness`].
+
+pub mod agent_link;
+pub mod api;
+pub mod chat;
+pub mod config;
+pub mod gguf;
+pub mod http;
+pub mod tokenizer;
