@@ -36,9 +36,10 @@ fn cut_metadata(f: &GgufFile, w: &mut GgufWriter) {
     for key in f.keys() {
         let v = f.get(key).unwrap().clone();
         let v = match (key.as_str(), &v) {
-            ("tokenizer.ggml.tokens" | "tokenizer.ggml.token_type" | "tokenizer.ggml.scores", MetaValue::Array(a)) => {
-                MetaValue::Array(a.iter().take(VOCAB).cloned().collect())
-            }
+            (
+                "tokenizer.ggml.tokens" | "tokenizer.ggml.token_type" | "tokenizer.ggml.scores",
+                MetaValue::Array(a),
+            ) => MetaValue::Array(a.iter().take(VOCAB).cloned().collect()),
             ("tokenizer.ggml.merges", MetaValue::Array(a)) => MetaValue::Array(
                 a.iter()
                     .filter(|m| {
@@ -46,7 +47,9 @@ fn cut_metadata(f: &GgufFile, w: &mut GgufWriter) {
                         let Some((l, r)) = s.split_once(' ') else {
                             return false;
                         };
-                        known.contains(l) && known.contains(r) && known.contains(&*format!("{l}{r}"))
+                        known.contains(l)
+                            && known.contains(r)
+                            && known.contains(&*format!("{l}{r}"))
                     })
                     .cloned()
                     .collect(),
@@ -90,7 +93,11 @@ fn main() {
             expert_ff: base.expert_ff.min(32),
             ..base
         };
-        let ty = if family == Family::Llama { GgmlType::F16 } else { GgmlType::Q8_0 };
+        let ty = if family == Family::Llama {
+            GgmlType::F16
+        } else {
+            GgmlType::Q8_0
+        };
         {
             let bytes = synth_model_shaped(family, shape, 7, ty, &donor).unwrap();
             let name = format!("synth-{}-{}", family.name(), ty.name().to_lowercase());
@@ -122,7 +129,9 @@ fn main() {
 }
 
 fn write(target: &str, name: &str, bytes: &[u8]) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus").join(target);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("corpus")
+        .join(target);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join(name), bytes).unwrap();
 }
@@ -272,6 +281,10 @@ fn chat_template_seeds() {
         with_extra.push(0);
         with_extra.push(3);
         with_extra.extend_from_slice(&messages[1..]);
-        write("chat_template", &format!("{name}-template-kwargs"), &with_extra);
+        write(
+            "chat_template",
+            &format!("{name}-template-kwargs"),
+            &with_extra,
+        );
     }
 }

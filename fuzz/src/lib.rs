@@ -30,6 +30,26 @@ pub fn target(name: &str) -> Option<Harness> {
     TARGETS.iter().find(|(n, _)| *n == name).map(|(_, h)| *h)
 }
 
+/// Runs `name`'s harness over its committed corpus, so that what the harness loads once (models'
+/// tokenizers, the grammar compiler) is loaded before the fuzzer forks its runs: the AFL driver
+/// calls this before its fork server starts.
+pub fn warm_up(name: &str) {
+    let Some(harness) = target(name) else {
+        return;
+    };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("corpus")
+        .join(name);
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if let Ok(data) = std::fs::read(e.path()) {
+            let _ = std::panic::catch_unwind(|| harness(&data));
+        }
+    }
+}
+
 /// Splits `data` at the first `sep`: (before, after); without one, (data, empty).
 pub fn split_once(data: &[u8], sep: u8) -> (&[u8], &[u8]) {
     match data.iter().position(|&b| b == sep) {

@@ -242,10 +242,19 @@ impl ModelConfig {
         }
         let hidden = req("embedding_length")?;
         let ff = match arch {
-            // A MoE file may have no dense FFN width (every layer's FFN is the experts').
-            Arch::Qwen3Moe => f
-                .get_u64(&key("feed_forward_length"))
-                .map_or(0, |v| v as usize),
+            // A MoE file may have no dense FFN width (every layer's FFN is the experts'); real
+            // files still carry the key. Without dense FFN tensors it sizes nothing (a damaged
+            // value would size buffers no tensor backs).
+            Arch::Qwen3Moe => {
+                let dense = f
+                    .tensors()
+                    .iter()
+                    .any(|t| t.name.ends_with(".ffn_gate.weight"));
+                match f.get_u64(&key("feed_forward_length")) {
+                    Some(v) if dense => v as usize,
+                    _ => 0,
+                }
+            }
             _ => req("feed_forward_length")?,
         };
         let n_heads = req("attention.head_count")?;

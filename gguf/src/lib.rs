@@ -485,7 +485,12 @@ impl GgufFile {
         let mut metadata = HashMap::new();
         let mut keys = Vec::new();
         for i in 0..n_kv {
-            let key = c.string(&format!("metadata key #{i}"))?;
+            // A damaged value usually shows as an unreadable next key: name the key before it.
+            let what = match keys.last() {
+                Some(prev) => format!("metadata key #{i} (the one after {prev:?})"),
+                None => format!("metadata key #{i}"),
+            };
+            let key = c.string(&what)?;
             let ty = c.u32(&format!("type of metadata key {key:?}"))?;
             let v = c.value(ty, &key, 0)?;
             keys.push(key.clone());
@@ -507,9 +512,14 @@ impl GgufFile {
             type_id: u32,
             rel: u64,
         }
-        let mut raw = Vec::with_capacity(n_tensors as usize);
+        let mut raw: Vec<Raw> = Vec::with_capacity(n_tensors as usize);
         for i in 0..n_tensors {
-            let name = c.string(&format!("name of tensor #{i}"))?;
+            let what = match (raw.last(), keys.last()) {
+                (Some(prev), _) => format!("name of tensor #{i} (the one after {:?})", prev.name),
+                (None, Some(key)) => format!("name of tensor #{i} (after metadata key {key:?})"),
+                (None, None) => format!("name of tensor #{i}"),
+            };
+            let name = c.string(&what)?;
             let nd = c.u32(&format!("dimension count of {name:?}"))?;
             if nd == 0 || nd > MAX_DIMS {
                 return Err(c.corrupt(format!("tensor {name:?} has {nd} dimensions")));

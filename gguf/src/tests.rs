@@ -551,7 +551,10 @@ fn counts_the_file_cannot_hold_are_refused_before_allocating() {
     head.extend_from_slice(&(1u64 << 19).to_le_bytes()); // metadata keys
     match GgufFile::from_bytes("counts.gguf", &head) {
         Err(GgufError::Truncated { what, len, .. }) => {
-            assert!(what.contains("524288 keys") && what.contains("1000 tensors"), "{what}");
+            assert!(
+                what.contains("524288 keys") && what.contains("1000 tensors"),
+                "{what}"
+            );
             assert_eq!(len, 24);
         }
         other => panic!("{:?}", other.map(|_| ())),
@@ -575,5 +578,8 @@ fn counts_the_file_cannot_hold_are_refused_before_allocating() {
     let at = f.len() - 72;
     f[at..at + 8].copy_from_slice(&8u64.to_le_bytes());
     let file = GgufFile::from_bytes("array.gguf", &f).unwrap();
-    assert_eq!(file.get("k").and_then(|v| v.as_array()).map(|a| a.len()), Some(8));
+    assert_eq!(
+        file.get("k").and_then(|v| v.as_array()).map(|a| a.len()),
+        Some(8)
+    );
 }

@@ -8,6 +8,8 @@ fn main() {
         eprintln!("usage: npu-fuzz-afl TARGET (one of: {})", names.join(", "));
         std::process::exit(2);
     };
+    // Loaded before the fork server starts, so that no run pays for it.
+    npu_fuzz::warm_up(&name);
     afl::fuzz!(|data: &[u8]| {
         harness(data);
     });

@@ -162,7 +162,9 @@ fn header(bytes: &[u8]) {
         assert!(opened.total_size() <= mapped, "a layout past its mapping");
         for r in opened.regions() {
             assert!(
-                r.offset.checked_add(r.size).is_some_and(|end| end <= mapped),
+                r.offset
+                    .checked_add(r.size)
+                    .is_some_and(|end| end <= mapped),
                 "region {r:?} outside a mapping of {mapped} bytes"
             );
         }

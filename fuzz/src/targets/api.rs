@@ -3,10 +3,10 @@
 //! and tool parsing, with no engine: the input is a route selector byte, the body, and after a
 //! NUL the text a model "generates", fed back through the route's response writer.
 
+use npu_protocol::TokenLogprob;
 use npu_scheduler::FinishReason;
 use npu_server::engine::{GenEvent, Usage};
 use npu_server::http::{Handler, Progress, Reply, Request};
-use npu_protocol::TokenLogprob;
 
 use crate::fixtures;
 

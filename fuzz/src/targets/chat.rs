@@ -27,7 +27,10 @@ pub fn run(data: &[u8]) {
     let rendered = if flags & 2 != 0 {
         let mut extra = serde_json::Map::new();
         extra.insert("enable_thinking".into(), false.into());
-        extra.insert("tools".into(), serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]));
+        extra.insert(
+            "tools".into(),
+            serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        );
         template.render_with(&messages, add_generation_prompt, &extra)
     } else {
         template.render(&messages, add_generation_prompt)

@@ -12,7 +12,11 @@ pub fn run(data: &[u8]) {
     };
     match ServerConfig::from_yaml_str_with(text, mode & 1 == 1) {
         Ok(cfg) => {
-            let _ = (cfg.decode_batch_size(), cfg.prefill_batch_size(), cfg.seq_length());
+            let _ = (
+                cfg.decode_batch_size(),
+                cfg.prefill_batch_size(),
+                cfg.seq_length(),
+            );
             for context in [0, 1, 2048, u32::MAX] {
                 let _ = cfg.max_model_len(context);
                 let _ = cfg.longest_sequence(context);

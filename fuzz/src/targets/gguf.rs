@@ -20,9 +20,9 @@ pub fn run(data: &[u8]) {
     if let Ok(tok) = Tokenizer::from_gguf(&file) {
         let ids = tok.encode("Hello, world! 123").unwrap_or_default();
         let _ = tok.decode(&ids, false);
-        let _ = tok.chat_template().map(|t| {
-            t.render(&[npu_tokenizer::ChatMessage::user("hi")], true)
-        });
+        let _ = tok
+            .chat_template()
+            .map(|t| t.render(&[npu_tokenizer::ChatMessage::user("hi")], true));
     }
     if ModelConfig::from_gguf(&file).is_err() {
         return;

@@ -54,12 +54,35 @@ fn encode(tok: &Tokenizer, text: &str, special: bool, round_trip: bool) {
     };
     let n = tok.vocab_size() as u32;
     for &id in &ids {
-        assert!(id < n, "encode produced id {id} outside a vocabulary of {n}");
+        assert!(
+            id < n,
+            "encode produced id {id} outside a vocabulary of {n}"
+        );
     }
     let back = tok.decode(&ids, false);
-    if round_trip {
-        assert_eq!(back, text, "byte-level round trip of {text:?} through {ids:?}");
+    // A byte-level vocabulary gives every text back whose bytes all have tokens (SmolLM2's lacks
+    // a few, such as 0x04, which llama.cpp drops as this tokenizer does).
+    if round_trip
+        && text
+            .bytes()
+            .all(|b| tok.token_id(&byte_char(b).to_string()).is_some())
+    {
+        assert_eq!(
+            back, text,
+            "byte-level round trip of {text:?} through {ids:?}"
+        );
     }
+}
+
+/// The character GPT-2's byte-level alphabet writes byte `b` as: printable Latin-1 bytes stand
+/// for themselves, the others for U+0100 onwards in byte order.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(b) {
+        return char::from(b);
+    }
+    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + n).expect("a valid code point")
 }
 
 fn decode(tok: &Tokenizer, ids: &[u32]) {

@@ -1,0 +1,17 @@
+//! Runs one harness on files, printing how long each took (triage of what a fuzzer saved):
+//! `cargo run --release -p npu-fuzz --example run_one -- TARGET FILE...`
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let name = args.next().unwrap_or_default();
+    let Some(harness) = npu_fuzz::target(&name) else {
+        eprintln!("usage: run_one TARGET FILE...");
+        std::process::exit(2);
+    };
+    for path in args {
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let started = std::time::Instant::now();
+        harness(&data);
+        println!("{path}: {} bytes, {:?}", data.len(), started.elapsed());
+    }
+}
