@@ -217,6 +217,15 @@ impl ModelConfig {
         })?;
         let mut cfg = Self::shared(f, arch, arch_name)?;
         family::adjust(f, &mut cfg)?;
+        // Real MoE files carry a dense width even without dense FFN tensors; then it sizes
+        // nothing (a damaged value would size step buffers no tensor backs).
+        let dense_ffn = f
+            .tensors()
+            .iter()
+            .any(|t| t.name.ends_with(".ffn_gate.weight"));
+        if cfg.moe.is_some() && !dense_ffn {
+            cfg.ff = 0;
+        }
         cfg.check()?;
         Ok(cfg)
     }
@@ -242,19 +251,10 @@ impl ModelConfig {
         }
         let hidden = req("embedding_length")?;
         let ff = match arch {
-            // A MoE file may have no dense FFN width (every layer's FFN is the experts'); real
-            // files still carry the key. Without dense FFN tensors it sizes nothing (a damaged
-            // value would size buffers no tensor backs).
-            Arch::Qwen3Moe => {
-                let dense = f
-                    .tensors()
-                    .iter()
-                    .any(|t| t.name.ends_with(".ffn_gate.weight"));
-                match f.get_u64(&key("feed_forward_length")) {
-                    Some(v) if dense => v as usize,
-                    _ => 0,
-                }
-            }
+            // A MoE file may have no dense FFN width (every layer's FFN is the experts').
+            Arch::Qwen3Moe => f
+                .get_u64(&key("feed_forward_length"))
+                .map_or(0, |v| v as usize),
             _ => req("feed_forward_length")?,
         };
         let n_heads = req("attention.head_count")?;

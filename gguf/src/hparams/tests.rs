@@ -100,3 +100,21 @@ fn damaged_headers_are_refused_naming_the_key() {
     .to_string();
     assert!(e.contains("qwen3moe.expert_used_count"), "{e}");
 }
+
+/// A Qwen3-MoE file's dense `feed_forward_length` sizes nothing when no layer has a dense FFN
+/// (a damaged value once sized the step buffers by it).
+#[test]
+fn moe_dense_width_without_dense_tensors_sizes_nothing() {
+    let f = file(
+        "qwen3moe",
+        &[
+            ("qwen3moe.feed_forward_length", MetaValue::U32(1 << 30)),
+            ("qwen3moe.expert_count", MetaValue::U32(4)),
+            ("qwen3moe.expert_used_count", MetaValue::U32(2)),
+            ("qwen3moe.expert_feed_forward_length", MetaValue::U32(32)),
+        ],
+    );
+    let c = ModelConfig::from_gguf(&f).unwrap();
+    assert_eq!(c.ff, 0);
+    assert_eq!(c.ffn_width(), 32);
+}
