@@ -5,7 +5,8 @@
 # driver into target/afl, seeds from fuzz/corpus/TARGET and fuzz/regressions/TARGET, and resumes
 # an earlier run's queue in target/fuzz/TARGET. A 1 s limit per input (a longer one is a hang);
 # the memory limit is 2 GiB for gguf (nothing may be sized past the input; the harness maps the
-# input once) and 6 GiB for the others (they also map the tokenizers' model files).
+# input once) and 6 GiB for the others (they also map the tokenizers' model files); chat_template
+# gets 3 s (its renders have a 2 s limit of their own).
 # Findings land in target/fuzz/TARGET/default/{crashes,hangs}: minimise one with
 #   cargo afl tmin -i CRASH -o fuzz/regressions/TARGET/NAME -- target/afl/release/npu-fuzz-afl TARGET
 # and it is replayed by the test command from then on (fuzz/tests/replay.rs).
@@ -43,9 +44,16 @@ else
 fi
 mem=6144
 [ "$target" = gguf ] && mem=2048
+# A chat template's render has a 2 s time limit of its own (its thread is then left spinning):
+# the hang limit sits above it, and the process restarts every 1000 inputs.
+timeout_ms=1000
+if [ "$target" = chat_template ]; then
+  timeout_ms=3000
+  export AFL_FUZZER_LOOPCOUNT=1000
+fi
 export AFL_SKIP_CPUFREQ=1 AFL_NO_UI=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 AFL_NO_AFFINITY=1
 export AFL_AUTORESUME=1
-cargo afl fuzz -i "$input" -o "$out" -V "$seconds" -t 1000 -m "$mem" -- "$bin" "$target"
+cargo afl fuzz -i "$input" -o "$out" -V "$seconds" -t "$timeout_ms" -m "$mem" -- "$bin" "$target"
 stats="$out/default/fuzzer_stats"
 if [ -f "$stats" ]; then
   grep -E '^(run_time|execs_done|execs_per_sec|corpus_count|edges_found|total_edges|bitmap_cvg|saved_crashes|saved_hangs)' "$stats"

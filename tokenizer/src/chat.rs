@@ -7,10 +7,19 @@ use serde::{Deserialize, Serialize};
 
 use super::TokenizerError;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+/// Longest a render may take. Fuel bounds the template's instructions, but a single instruction
+/// can iterate without end (`0 in [1] * 10**15`): the render runs on a thread of its own, and
+/// past this limit the request gets an error and the template is not rendered again.
+pub const RENDER_TIME_LIMIT: Duration = Duration::from_secs(2);
+
 /// Most instructions one render may run. A template is code from a downloaded file: without a
 /// bound, nested loops run for hours. Real templates take a few hundred instructions a message
-/// (Qwen3's with tools about 300), so this allows conversations of thousands of messages.
-pub const RENDER_FUEL: u64 = 20_000_000;
+/// (Qwen3's with tools about 300), so this allows conversations of over ten thousand messages.
+pub const RENDER_FUEL: u64 = 5_000_000;
 
 /// Most bytes one render may write: far past any context window's worth of text, short of
 /// what would exhaust memory.
@@ -33,6 +42,31 @@ impl std::io::Write for BoundedOutput {
     }
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
+    }
+}
+
+/// Runs `work` on a thread of its own and waits at most [`RENDER_TIME_LIMIT`] for it. Past the
+/// limit the thread is left to spin (nothing can stop it) and the caller gets an error.
+fn within_time_limit<T: Send + 'static>(
+    what: &str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, TokenizerError> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("chat-template".into())
+        .spawn(move || {
+            let _ = tx.send(work());
+        })
+        .map_err(|e| TokenizerError::Template(format!("cannot start a {what}: {e}")))?;
+    match rx.recv_timeout(RENDER_TIME_LIMIT) {
+        Ok(done) => Ok(done),
+        Err(mpsc::RecvTimeoutError::Timeout) => Err(TokenizerError::Template(format!(
+            "cannot {what}: the template ran past the limit of {RENDER_TIME_LIMIT:?} (an endless \
+             loop?); it is not rendered again"
+        ))),
+        Err(mpsc::RecvTimeoutError::Disconnected) => Err(TokenizerError::Template(format!(
+            "cannot {what}: the template engine panicked"
+        ))),
     }
 }
 
@@ -121,7 +155,10 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// A compiled chat template.
 #[derive(Clone)]
 pub struct ChatTemplate {
-    env: Environment<'static>,
+    env: Arc<Environment<'static>>,
+    /// Set once a render of this template ran past [`RENDER_TIME_LIMIT`]: its thread may still
+    /// be spinning, and the template is not rendered again.
+    stalled: Arc<AtomicBool>,
     bos_token: String,
     eos_token: String,
     is_fallback: bool,
@@ -177,10 +214,15 @@ impl ChatTemplate {
         env.add_function("strftime_now", |format: String| {
             strftime_utc(&format, unix_now())
         });
-        env.add_template_owned(TEMPLATE_NAME, source)
-            .map_err(|e| template_error("cannot compile", e))?;
+        // Compiling folds constant expressions, which can iterate without end as a render can.
+        let env = within_time_limit("compile", move || {
+            env.add_template_owned(TEMPLATE_NAME, source)
+                .map_err(|e| template_error("cannot compile", e))?;
+            Ok(env)
+        })??;
         Ok(Self {
-            env,
+            env: Arc::new(env),
+            stalled: Arc::new(AtomicBool::new(false)),
             bos_token,
             eos_token,
             is_fallback,
@@ -194,19 +236,12 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| template_error("missing", e))?;
-        bounded_render(
-            &template,
-            minijinja::context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
-            },
-        )
+        self.render_value(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })
     }
 
     /// `render` with extra template variables, such as a chat request's `chat_template_kwargs`
@@ -219,10 +254,6 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, TokenizerError> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| template_error("missing", e))?;
         const STANDARD: [&str; 4] = [
             "messages",
             "add_generation_prompt",
@@ -242,7 +273,31 @@ impl ChatTemplate {
         };
         let vars =
             minijinja::value::merge_maps([standard, minijinja::Value::from_serialize(&extra)]);
-        bounded_render(&template, vars)
+        self.render_value(vars)
+    }
+
+    /// Renders on a thread of its own under [`RENDER_TIME_LIMIT`] (and the fuel and output
+    /// bounds of `bounded_render`).
+    fn render_value(&self, ctx: minijinja::Value) -> Result<String, TokenizerError> {
+        if self.stalled.load(Ordering::Relaxed) {
+            return Err(TokenizerError::Template(format!(
+                "cannot render: this template once ran past the limit of {RENDER_TIME_LIMIT:?} \
+                 and is not rendered again"
+            )));
+        }
+        let env = Arc::clone(&self.env);
+        let rendered = within_time_limit("render", move || {
+            env.get_template(TEMPLATE_NAME)
+                .map_err(|e| template_error("missing", e))
+                .and_then(|t| bounded_render(&t, ctx))
+        });
+        match rendered {
+            Ok(rendered) => rendered,
+            Err(e) => {
+                self.stalled.store(true, Ordering::Relaxed);
+                Err(e)
+            }
+        }
     }
 
     /// Whether this is the ChatML fallback rather than the model's own template.
@@ -457,9 +512,26 @@ mod tests {
         .unwrap();
         let e = t.render(&msgs, false).unwrap_err().to_string();
         assert!(e.contains("bytes"), "{e}");
+        // One instruction iterating without end: stopped by the time limit, and the template
+        // is not rendered again (its thread may still spin).
+        let t = ChatTemplate::new("{{ -1 in messages * 1000000000000000 }}", "", "").unwrap();
+        let e = t.render(&msgs, false).unwrap_err().to_string();
+        assert!(e.contains("ran past the limit"), "{e}");
+        let started = std::time::Instant::now();
+        let e = t.clone().render(&msgs, false).unwrap_err().to_string();
+        assert!(e.contains("not rendered again"), "{e}");
+        assert!(started.elapsed() < RENDER_TIME_LIMIT);
+        // Compiling folds constants, so a constant endless expression stops there.
+        let e = ChatTemplate::new("{{ 0 in [1] * 1000000000000000 }}", "", "")
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("cannot compile") && e.contains("limit"), "{e}");
         // A long real conversation stays well inside both.
         let t = ChatTemplate::chatml("", "");
-        let long: Vec<ChatMessage> = (0..5000).map(|i| ChatMessage::user(format!("turn {i}"))).collect();
+        let long: Vec<ChatMessage> = (0..5000)
+            .map(|i| ChatMessage::user(format!("turn {i}")))
+            .collect();
         assert!(t.render(&long, true).is_ok());
     }
 }
