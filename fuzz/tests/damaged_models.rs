@@ -76,25 +76,9 @@ fn load(bytes: &[u8]) -> Outcome {
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
     let result = std::panic::catch_unwind(|| -> Result<(), String> {
-        use npu_agent::model::{Model, ModelConfig, ModelOptions};
-        use npu_backend_cpu::{CpuBackend, CpuConfig};
         let file = GgufFile::from_bytes("damaged.gguf", bytes).map_err(|e| e.to_string())?;
         let _ = npu_tokenizer::Tokenizer::from_gguf(&file);
-        ModelConfig::from_gguf(&file).map_err(|e| e.to_string())?;
-        let backend = CpuBackend::new(CpuConfig {
-            threads: 1,
-            f32_reference: false,
-        });
-        let opts = ModelOptions {
-            max_tokens: 4,
-            max_logit_rows: 1,
-            num_blocks: 2,
-            block_size: 16,
-            kv_memory_fraction: None,
-        };
-        Model::load(&file, backend, opts)
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+        npu_fuzz::targets::gguf::load_model(&file)
     });
     let peak = PEAK.load(Ordering::Relaxed).saturating_sub(before);
     match result {

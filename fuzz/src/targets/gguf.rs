@@ -24,9 +24,13 @@ pub fn run(data: &[u8]) {
             .chat_template()
             .map(|t| t.render(&[npu_tokenizer::ChatMessage::user("hi")], true));
     }
-    if ModelConfig::from_gguf(&file).is_err() {
-        return;
-    }
+    let _ = load_model(&file);
+}
+
+/// The hyper-parameters' checks, then the model loader on the CPU backend with a tiny KV pool:
+/// the error of the first that refuses the file.
+pub fn load_model(file: &GgufFile) -> Result<(), String> {
+    ModelConfig::from_gguf(file).map_err(|e| e.to_string())?;
     let backend = CpuBackend::new(CpuConfig {
         threads: 1,
         f32_reference: false,
@@ -38,5 +42,7 @@ pub fn run(data: &[u8]) {
         block_size: 16,
         kv_memory_fraction: None,
     };
-    let _ = Model::load(&file, backend, opts);
+    Model::load(file, backend, opts)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
