@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use npu_protocol::KvCopy;
 
 use super::host_pool::HostPool;
+use super::kv_events::KvEvent;
 use super::prefix_cache::{BlockHash, CachedContent, PrefixIndex, Tier};
 
 #[derive(Debug, Clone, Default)]
@@ -219,7 +220,7 @@ impl BlockManager {
                 if let Some(old) = evicted {
                     self.index.remove(old.hash);
                 }
-                self.index.relocate(content.hash, Tier::Host(h));
+                self.index.relocate(&content, Tier::Host(h));
                 let hb = &mut self.host.blocks[h as usize];
                 hb.cached = Some(content);
                 hb.evict_tick = Some(tick);
@@ -275,7 +276,7 @@ impl BlockManager {
         self.copies.push(KvCopy::to_device(host, device));
         self.host.release(host);
         if let Some(c) = content {
-            self.index.relocate(c.hash, Tier::Device(device));
+            self.index.relocate(&c, Tier::Device(device));
             self.blocks[device as usize].cached = Some(c);
         }
     }
@@ -430,14 +431,31 @@ impl BlockManager {
                 self.host.release(h);
             }
         }
-        if self.index.insert(hash, Tier::Device(block)) {
-            self.blocks[block as usize].cached = Some(CachedContent {
-                hash,
-                parent,
-                tokens: tokens.into(),
-            });
+        let content = CachedContent {
+            hash,
+            parent,
+            tokens: tokens.into(),
+        };
+        if self.index.insert(&content, Tier::Device(block)) {
+            self.blocks[block as usize].cached = Some(content);
         }
         hash
+    }
+
+    /// Records every later change to the cached blocks (see `kv_events`).
+    pub fn record_kv_events(&mut self) {
+        self.index.record_events();
+    }
+
+    /// The changes to the cached blocks since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.index.take_events()
+    }
+
+    /// Every cached content and where it lives (the tests replay the KV events against it).
+    #[cfg(test)]
+    pub(crate) fn cached_entries(&self) -> Vec<(BlockHash, Tier)> {
+        self.index.entries().collect()
     }
 
     /// Forgets every block and every cached content (the agent's KV pool is gone).

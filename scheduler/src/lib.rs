@@ -9,6 +9,7 @@ mod config;
 mod error;
 mod handoff;
 mod host_pool;
+mod kv_events;
 mod planner;
 mod prefix_cache;
 mod request;
@@ -27,6 +28,8 @@ mod tests_cache;
 #[cfg(test)]
 mod tests_handoff;
 #[cfg(test)]
+mod tests_kv_events;
+#[cfg(test)]
 mod tests_long;
 #[cfg(test)]
 mod tests_swap;
@@ -37,6 +40,7 @@ pub use block_manager::{BlockManager, PrefixHit};
 pub use config::{BatchingPolicy, KvHostConfig, SchedulerConfig};
 pub use error::SchedError;
 pub use handoff::HandedOver;
+pub use kv_events::{KvEvent, KvMedium};
 pub use prefix_cache::{BlockHash, Tier};
 pub use request::RecoveredRequest;
 pub use results::SchedOutput;
@@ -189,6 +193,17 @@ impl Scheduler {
             handoff_in_requests: 0,
             handoff_in_blocks: 0,
         })
+    }
+
+    /// Records every later change to the prefix cache's blocks as a [`KvEvent`].
+    pub fn record_kv_events(&mut self) {
+        self.blocks.record_kv_events();
+    }
+
+    /// The changes to the cached blocks since the last call, oldest first (none unless
+    /// `record_kv_events` was called).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.blocks.take_kv_events()
     }
 
     pub fn config(&self) -> &SchedulerConfig {

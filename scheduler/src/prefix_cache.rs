@@ -2,10 +2,13 @@
 //! index from hash to the cached block (in the device pool or in the host tier), and the
 //! least-recently-released order of cached device blocks that no sequence holds (the eviction
 //! order). Its tick counter also orders the host tier, so both tiers share one LRU order.
+//! Every change to the index can be recorded as a KV event (`kv_events`).
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, Hash, Hasher};
+
+use super::kv_events::{KvEvent, KvMedium};
 
 /// Chained content hash of a full block: it covers the block's tokens and, through the parent
 /// hash, every token before them.
@@ -28,6 +31,15 @@ pub enum Tier {
     Host(u32),
 }
 
+impl Tier {
+    pub fn medium(self) -> KvMedium {
+        match self {
+            Tier::Device(_) => KvMedium::Device,
+            Tier::Host(_) => KvMedium::Host,
+        }
+    }
+}
+
 /// Hash index and eviction order of the cached blocks. The block manager owns the blocks;
 /// this only says which block holds which content and which unused one to evict first.
 #[derive(Debug)]
@@ -39,6 +51,8 @@ pub struct PrefixIndex {
     /// Cached blocks with no holder, by release tick: the first entry is evicted first.
     evictable: BTreeMap<u64, u32>,
     next_tick: u64,
+    /// Changes not yet taken, while recording (None: not recording).
+    events: Option<Vec<KvEvent>>,
 }
 
 impl Default for PrefixIndex {
@@ -54,6 +68,34 @@ impl PrefixIndex {
             by_hash: HashMap::new(),
             evictable: BTreeMap::new(),
             next_tick: 0,
+            events: None,
+        }
+    }
+
+    /// Records every later change as a [`KvEvent`] (until taken by `take_events`).
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes recorded since the last call, oldest first (none when not recording).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn record(&mut self, event: KvEvent) {
+        if let Some(events) = &mut self.events {
+            events.push(event);
+        }
+    }
+
+    fn record_stored(&mut self, content: &CachedContent, at: Tier) {
+        if self.events.is_some() {
+            self.record(KvEvent::Stored {
+                hash: content.hash,
+                parent: content.parent,
+                tokens: content.tokens.clone(),
+                medium: at.medium(),
+            });
         }
     }
 
@@ -73,9 +115,17 @@ impl PrefixIndex {
     }
 
     /// Moves an indexed content to another block (spilled to the host, or brought back).
-    pub fn relocate(&mut self, hash: BlockHash, to: Tier) {
-        if let Some(t) = self.by_hash.get_mut(&hash) {
-            *t = to;
+    pub fn relocate(&mut self, content: &CachedContent, to: Tier) {
+        let Some(t) = self.by_hash.get_mut(&content.hash) else {
+            return;
+        };
+        let from = std::mem::replace(t, to);
+        if from.medium() != to.medium() {
+            self.record(KvEvent::Removed {
+                hash: content.hash,
+                medium: from.medium(),
+            });
+            self.record_stored(content, to);
         }
     }
 
@@ -86,20 +136,26 @@ impl PrefixIndex {
         t
     }
 
-    /// Records `block` as the holder of `hash`; false (and nothing recorded) when another block
-    /// already holds that content.
-    pub fn insert(&mut self, hash: BlockHash, block: Tier) -> bool {
-        match self.by_hash.entry(hash) {
+    /// Records `block` as the holder of `content`; false (and nothing recorded) when another
+    /// block already holds that content.
+    pub fn insert(&mut self, content: &CachedContent, block: Tier) -> bool {
+        match self.by_hash.entry(content.hash) {
             std::collections::hash_map::Entry::Occupied(_) => false,
             std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert(block);
+                self.record_stored(content, block);
                 true
             }
         }
     }
 
     pub fn remove(&mut self, hash: BlockHash) {
-        self.by_hash.remove(&hash);
+        if let Some(was) = self.by_hash.remove(&hash) {
+            self.record(KvEvent::Removed {
+                hash,
+                medium: was.medium(),
+            });
+        }
     }
 
     pub fn entries(&self) -> impl Iterator<Item = (BlockHash, Tier)> + '_ {
@@ -135,5 +191,10 @@ impl PrefixIndex {
     pub fn clear(&mut self) {
         self.by_hash.clear();
         self.evictable.clear();
+        if let Some(events) = &mut self.events {
+            // What came before no longer matters to anyone reading the events.
+            events.clear();
+            events.push(KvEvent::AllCleared);
+        }
     }
 }

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::TokenizerError;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -45,25 +45,72 @@ impl std::io::Write for BoundedOutput {
     }
 }
 
+/// Template threads that ran past [`RENDER_TIME_LIMIT`] and have not ended yet.
+static OVERRUN_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many template threads are still running past [`RENDER_TIME_LIMIT`]: each holds a core
+/// until its template ends (if it ever does). A process that runs untrusted templates in a loop
+/// (the fuzzer's driver) restarts when this is not zero.
+pub fn overrun_template_threads() -> usize {
+    OVERRUN_THREADS.load(Ordering::Relaxed)
+}
+
 /// Runs `work` on a thread of its own and waits at most [`RENDER_TIME_LIMIT`] for it. Past the
-/// limit the thread is left to spin (nothing can stop it) and the caller gets an error.
+/// limit the thread is left to spin (nothing can stop it), counted in [`overrun_template_threads`]
+/// until it ends, and the caller gets an error.
 fn within_time_limit<T: Send + 'static>(
     what: &str,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, TokenizerError> {
+    within_limit_counted(what, RENDER_TIME_LIMIT, &OVERRUN_THREADS, work)
+}
+
+/// [`within_time_limit`] with the limit and the count of overrunning threads as arguments.
+fn within_limit_counted<T: Send + 'static>(
+    what: &str,
+    limit: Duration,
+    overruns: &'static AtomicUsize,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, TokenizerError> {
+    const RUNNING: u8 = 0;
+    const DONE: u8 = 1;
+    const ABANDONED: u8 = 2;
     let (tx, rx) = mpsc::channel();
+    let state = Arc::new(AtomicU8::new(RUNNING));
+    let thread_state = Arc::clone(&state);
     std::thread::Builder::new()
         .name("chat-template".into())
         .spawn(move || {
             let _ = tx.send(work());
+            if thread_state
+                .compare_exchange(RUNNING, DONE, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                // The waiter gave up on this thread and counted it: it has ended now.
+                overruns.fetch_sub(1, Ordering::AcqRel);
+            }
         })
         .map_err(|e| TokenizerError::Template(format!("cannot start a {what}: {e}")))?;
-    match rx.recv_timeout(RENDER_TIME_LIMIT) {
+    match rx.recv_timeout(limit) {
         Ok(done) => Ok(done),
-        Err(mpsc::RecvTimeoutError::Timeout) => Err(TokenizerError::Template(format!(
-            "cannot {what}: the template ran past the limit of {RENDER_TIME_LIMIT:?} (an endless \
-             loop?); it is not rendered again"
-        ))),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            // Counted before it is marked abandoned, so the thread's uncount never comes first.
+            overruns.fetch_add(1, Ordering::AcqRel);
+            if state
+                .compare_exchange(RUNNING, ABANDONED, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                // It finished between the timeout and here: nothing is left running.
+                overruns.fetch_sub(1, Ordering::AcqRel);
+                if let Ok(done) = rx.recv() {
+                    return Ok(done);
+                }
+            }
+            Err(TokenizerError::Template(format!(
+                "cannot {what}: the template ran past the limit of {limit:?} (an \
+                 endless loop?); it is not rendered again"
+            )))
+        }
         Err(mpsc::RecvTimeoutError::Disconnected) => Err(TokenizerError::Template(format!(
             "cannot {what}: the template engine panicked"
         ))),
@@ -533,5 +580,28 @@ mod tests {
             .map(|i| ChatMessage::user(format!("turn {i}")))
             .collect();
         assert!(t.render(&long, true).is_ok());
+    }
+
+    #[test]
+    fn an_overrunning_thread_is_counted_until_it_ends() {
+        static OVERRUNS: AtomicUsize = AtomicUsize::new(0);
+        let limit = Duration::from_millis(100);
+        let quick = within_limit_counted("render", limit, &OVERRUNS, || 7);
+        assert_eq!(quick.unwrap(), 7);
+        assert_eq!(OVERRUNS.load(Ordering::Acquire), 0);
+        let slow = within_limit_counted("render", limit, &OVERRUNS, || {
+            std::thread::sleep(Duration::from_millis(600));
+        });
+        let e = slow.unwrap_err().to_string();
+        assert!(e.contains("ran past the limit of 100ms"), "{e}");
+        assert_eq!(OVERRUNS.load(Ordering::Acquire), 1);
+        let started = std::time::Instant::now();
+        while OVERRUNS.load(Ordering::Acquire) != 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "an ended thread is still counted"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }

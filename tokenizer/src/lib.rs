@@ -17,7 +17,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use chat::{ChatMessage, ChatTemplate, MAX_RENDERED_BYTES, RENDER_FUEL, RENDER_TIME_LIMIT};
+pub use chat::{
+    overrun_template_threads, ChatMessage, ChatTemplate, MAX_RENDERED_BYTES, RENDER_FUEL,
+    RENDER_TIME_LIMIT,
+};
 pub use decode_stream::DecodeStream;
 pub use pieces::TokenKind;
 pub use pretokenize::PreTokenizerKind;
