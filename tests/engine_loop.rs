@@ -194,6 +194,7 @@ impl Harness {
             Box::new(tx),
             Arc::new(Metrics::default()),
             None,
+            None,
         )
         .unwrap();
         Self {

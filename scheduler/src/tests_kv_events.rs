@@ -87,7 +87,11 @@ fn stored_blocks_carry_their_tokens_and_parent() {
     let plan = s.schedule().unwrap();
     s.on_result(&answer(&plan, |_| 7)).unwrap();
     let events = s.take_kv_events();
-    assert_eq!(events.len(), 2, "two full blocks of a 10-token prompt: {events:?}");
+    assert_eq!(
+        events.len(),
+        2,
+        "two full blocks of a 10-token prompt: {events:?}"
+    );
     let KvEvent::Stored {
         hash: first,
         parent: None,
@@ -142,7 +146,10 @@ fn the_events_rebuild_the_index_through_evictions_spills_and_a_reset() {
                 assert!(reader.cached.is_empty());
             }
         }
-        assert!(reader.removed > 0, "nothing was evicted (host_blocks {host_blocks})");
+        assert!(
+            reader.removed > 0,
+            "nothing was evicted (host_blocks {host_blocks})"
+        );
         assert_eq!(reader.cleared, 1);
         if host_blocks > 0 {
             assert!(

@@ -6,6 +6,7 @@ pub mod api;
 pub mod config;
 pub mod engine;
 pub mod http;
+pub mod kv_events;
 pub mod metrics;
 pub mod metrics_kv;
 pub mod metrics_pd;

@@ -26,6 +26,7 @@ use crate::config::{DeviceKind, ServerConfig};
 use crate::engine::scheduler::KvHostConfig;
 use crate::engine::{start_engine, EngineConfig, StepAgent};
 use crate::http::{HttpServer, ShutdownSignal};
+use crate::kv_events::{expand_topic, KvEventPublisher};
 use crate::metrics::Metrics;
 
 /// Command-line arguments of `npu-serving serve`.
@@ -222,6 +223,25 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
     let server = HttpServer::new(listener, cfg.http_limits(), metrics.clone())?;
     let local = server.local_addr()?;
+    let kv_events = match &cfg.npu_serving.kv_events {
+        Some(ev) => {
+            let topic = expand_topic(&ev.topic, &replica_address(local), cfg.model_name());
+            let publisher = KvEventPublisher::start(
+                &ev.endpoint,
+                topic.clone(),
+                engine_cfg.scheduler.block_size as u32,
+            )
+            .with_context(|| {
+                format!(
+                    "cannot publish KV events on npu_serving.kv_events_endpoint {:?}",
+                    ev.endpoint
+                )
+            })?;
+            tracing::info!(endpoint = ?ev.endpoint, %topic, "publishing KV-cache events");
+            Some(publisher)
+        }
+        None => None,
+    };
     let shutdown = ShutdownSignal::new();
     shutdown.trigger_on_termination_signals()?;
     let engine = start_engine(
@@ -231,6 +251,7 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         Box::new(server.event_sink()),
         metrics.clone(),
         Some(shutdown.clone()),
+        kv_events.as_ref().map(KvEventPublisher::sender),
     )?;
     let api = Arc::new(ApiContext::new(
         ApiSettings::from_config(&cfg, model.context),
@@ -242,10 +263,14 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on {local}")?;
+        if let Some(addr) = kv_events.as_ref().and_then(KvEventPublisher::local_addr) {
+            writeln!(out, "kv events on tcp://{addr}")?;
+        }
         out.flush()?;
     }
     let served = server.run(shutdown, engine.handle.clone(), api);
     engine.shutdown_and_join();
+    drop(kv_events);
     drop(handoff_region);
     served?;
     tracing::info!("server stopped");
@@ -480,6 +505,20 @@ fn agent_specs(
             AgentSpec::new(i as u32, engine)
         })
         .collect()
+}
+
+/// How a gateway reaches this replica, for the KV events' topic: `$POD_IP` (Kubernetes' downward
+/// API) when set, else the address the server listens on (the host name when that is every
+/// interface), with the port.
+fn replica_address(local: std::net::SocketAddr) -> String {
+    let host = match std::env::var("POD_IP") {
+        Ok(ip) if !ip.trim().is_empty() => ip.trim().to_string(),
+        _ if local.ip().is_unspecified() => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| local.ip().to_string()),
+        _ => local.ip().to_string(),
+    };
+    format!("{host}:{}", local.port())
 }
 
 #[cfg(test)]

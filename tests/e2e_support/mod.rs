@@ -56,6 +56,8 @@ pub struct ServerOpts {
     pub tensor_parallel_size: u32,
     /// `npu_serving.step_deadline_ms`: a longer step counts as a hung agent.
     pub step_deadline_ms: u64,
+    /// More `npu_serving` keys, as YAML lines indented by two spaces.
+    pub npu_serving_extra: String,
 }
 
 impl Default for ServerOpts {
@@ -79,6 +81,7 @@ impl Default for ServerOpts {
             kv_cache_memory_fraction: None,
             tensor_parallel_size: 1,
             step_deadline_ms: 60_000,
+            npu_serving_extra: String::new(),
         }
     }
 }
@@ -122,7 +125,7 @@ impl ServerOpts {
         } else {
             String::new()
         };
-        yaml + &roles + &fraction + &tp
+        yaml + &roles + &fraction + &tp + &self.npu_serving_extra
     }
 }
 

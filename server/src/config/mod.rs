@@ -161,6 +161,9 @@ pub struct NpuServingConfig {
     /// groups of this many ranks, each group one model split over its ranks (1: every agent
     /// runs the whole model, as before).
     pub tensor_parallel_size: u32,
+    /// Where KV-cache events are published (`kv_events_endpoint`, `kv_events_topic`); None:
+    /// not published.
+    pub kv_events: Option<crate::kv_events::KvEventsConfig>,
 }
 
 impl Default for NpuServingConfig {
@@ -186,6 +189,7 @@ impl Default for NpuServingConfig {
             handoff_space_mb: 256,
             kv_cache_memory_fraction: None,
             tensor_parallel_size: 1,
+            kv_events: None,
         }
     }
 }

@@ -20,6 +20,7 @@ use super::{
     BatchingStrategy, DeviceKind, ModelConfig, NpuServingConfig, PaConfig, ServerConfig,
     ServingConfig,
 };
+use crate::kv_events::{KvEventsConfig, KvEventsEndpoint, DEFAULT_TOPIC};
 
 /// Largest host KV pool per agent we accept (1 TiB).
 const MAX_SWAP_SPACE_MB: u64 = 1 << 20;
@@ -394,6 +395,32 @@ fn pa_config(s: &mut Section) -> Result<PaConfig, ConfigError> {
     Ok(c)
 }
 
+/// `kv_events_endpoint` (publishing is on when it is given) and `kv_events_topic`.
+fn kv_events(s: &mut Section) -> Result<Option<KvEventsConfig>, ConfigError> {
+    let topic = s.string("kv_events_topic")?;
+    let Some(endpoint) = s.string("kv_events_endpoint")? else {
+        if topic.is_some() {
+            return Err(ConfigError::not_allowed(
+                &s.key_path("kv_events_topic"),
+                "a topic without npu_serving.kv_events_endpoint",
+                "a topic only together with kv_events_endpoint (KV events are off without one)",
+            ));
+        }
+        return Ok(None);
+    };
+    let endpoint = KvEventsEndpoint::parse(endpoint.trim()).map_err(|need| {
+        ConfigError::not_allowed(
+            &s.key_path("kv_events_endpoint"),
+            format!("{endpoint:?}"),
+            need,
+        )
+    })?;
+    Ok(Some(KvEventsConfig {
+        endpoint,
+        topic: topic.unwrap_or_else(|| DEFAULT_TOPIC.to_string()),
+    }))
+}
+
 fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
     let mut c = NpuServingConfig::default();
     if let Some(p) = s.string("model_file")? {
@@ -502,6 +529,14 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
             ));
         }
         c.tensor_parallel_size = v as u32;
+    }
+    c.kv_events = kv_events(s)?;
+    if c.kv_events.is_some() && !c.prefix_cache {
+        return Err(ConfigError::not_allowed(
+            &s.key_path("kv_events_endpoint"),
+            "an endpoint with npu_serving.prefix_cache: false",
+            "KV events only with the prefix cache on (they report its blocks)",
+        ));
     }
     if let Some(v) = s.f64("kv_cache_memory_fraction")? {
         if !(v > 0.0 && v <= MAX_KV_MEMORY_FRACTION) {

@@ -28,6 +28,7 @@ use super::types::{FinishReason, GenerateRequest, RequestId};
 use crate::agents::AgentFailure;
 use crate::config::AgentRole;
 use crate::http::ShutdownSignal;
+use crate::kv_events::{KvEventBatch, KvEventSender};
 use crate::metrics::Metrics;
 use handoff::{AgentHandoffs, HandoffBlocks, PdTotals};
 
@@ -73,6 +74,7 @@ pub fn start_engine(
     out: Box<dyn EventOutput>,
     metrics: Arc<Metrics>,
     shutdown: Option<ShutdownSignal>,
+    kv_events: Option<KvEventSender>,
 ) -> Result<RunningEngine, EngineError> {
     if agents.is_empty() {
         return Err(EngineError::NoAgents);
@@ -80,7 +82,10 @@ pub fn start_engine(
     let (reports_tx, reports) = crossbeam_channel::unbounded();
     let mut states = Vec::with_capacity(agents.len());
     for (i, agent) in agents.into_iter().enumerate() {
-        let sched = Scheduler::new(cfg.scheduler.clone())?;
+        let mut sched = Scheduler::new(cfg.scheduler.clone())?;
+        if kv_events.is_some() {
+            sched.record_kv_events();
+        }
         let worker = AgentWorker::spawn(i, agent, reports_tx.clone(), cfg.thread_settings())?;
         states.push(AgentState {
             sched,
@@ -116,6 +121,7 @@ pub fn start_engine(
         agents_stopped: false,
         constrained: 0,
         commands_closed: false,
+        kv_events,
     };
     engine.publish_stats();
     let thread = std::thread::Builder::new()
@@ -213,6 +219,8 @@ struct Engine {
     commands_closed: bool,
     /// The handoff region's blocks (none when prefill and decode are colocated).
     handoff: HandoffBlocks,
+    /// Where the prefix caches' KV events go (None: not published).
+    kv_events: Option<KvEventSender>,
 }
 
 impl Engine {
@@ -241,9 +249,23 @@ impl Engine {
             self.check_drain();
             self.kick_idle_agents();
             self.flush_events();
+            self.publish_kv_events();
             self.publish_stats();
             if self.commands_closed && self.agents_stopped {
                 return;
+            }
+        }
+    }
+
+    /// Hands each agent's KV events of this turn to the publisher (one batch per agent).
+    fn publish_kv_events(&mut self) {
+        let Some(tx) = &self.kv_events else {
+            return;
+        };
+        for (i, a) in self.agents.iter_mut().enumerate() {
+            let events = a.sched.take_kv_events();
+            if !events.is_empty() {
+                tx.send(KvEventBatch::now(i as u32, events));
             }
         }
     }
