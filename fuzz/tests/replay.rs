@@ -29,6 +29,9 @@ fn replay(target: &str) {
     let harness = npu_fuzz::target(target).expect("a known target");
     let files = inputs(target);
     assert!(!files.is_empty(), "no corpus for {target}");
+    // The fixtures (tokenizers, models) load once before the timings, as under the fuzzer: on a
+    // busy machine their loading alone can take seconds.
+    npu_fuzz::warm_up(target);
     let mut slow = Vec::new();
     for path in &files {
         let data = std::fs::read(path).expect("read corpus file");
