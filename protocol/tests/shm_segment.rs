@@ -400,6 +400,8 @@ fn corrupt_plans_and_results_are_refused_on_read() {
     let params_top_n = std::mem::offset_of!(RawAdmission, params) as u64 + 40;
     let n_bias = std::mem::offset_of!(RawAdmission, params) as u64 + 44;
     let first_bias = std::mem::offset_of!(RawAdmission, params) as u64 + 52;
+    let temperature = std::mem::offset_of!(RawAdmission, params) as u64 + 4;
+    let frequency_penalty = std::mem::offset_of!(RawAdmission, params) as u64 + 28;
     let plan_cases = [
         ("n_seqs over capacity", Region::PlanMeta, 8, 5),
         ("n_seqs beyond data", Region::PlanMeta, 8, 3),
@@ -436,6 +438,18 @@ fn corrupt_plans_and_results_are_refused_on_read() {
             Region::Admissions,
             first_bias,
             100.5f32.to_bits(),
+        ),
+        (
+            "admission temperature (NaN)",
+            Region::Admissions,
+            temperature,
+            f32::NAN.to_bits(),
+        ),
+        (
+            "admission frequency penalty (infinite)",
+            Region::Admissions,
+            frequency_penalty,
+            f32::INFINITY.to_bits(),
         ),
         ("forget slot", Region::Forget, 4, 100),
     ];

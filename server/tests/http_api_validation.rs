@@ -92,6 +92,15 @@ fn llm_serving_bad_inputs_get_400_naming_the_field() {
             json!({"inputs": "hi", "parameters": {"temperature": "hot"}}),
             "parameters.temperature",
         ),
+        // Past a 32-bit float: it would reach the agent as infinity.
+        (
+            json!({"inputs": "hi", "parameters": {"temperature": 1e39}}),
+            "parameters.temperature",
+        ),
+        (
+            json!({"inputs": "hi", "parameters": {"repetition_penalty": 1e39}}),
+            "parameters.repetition_penalty",
+        ),
         (
             json!({"inputs": "hi", "parameters": {"top_p": 0}}),
             "parameters.top_p",
@@ -388,6 +397,11 @@ fn openai_bad_inputs_get_400_in_openai_shape_naming_the_param() {
         (
             "/v1/completions",
             json!({"prompt": "hi", "temperature": -0.5}),
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "temperature": 1e39}),
             "temperature",
         ),
         (

@@ -633,6 +633,22 @@ fn params_from_raw(raw: &RawSamplingParams, max_top_n: u32) -> Result<SamplingPa
             raw.do_sample, raw.top_n, raw.n_logit_bias
         )));
     }
+    // The server sends only finite values (requests are validated): anything else is a damaged
+    // segment, refused before the sampler divides by it.
+    for (name, v) in [
+        ("temperature", raw.temperature),
+        ("top_p", raw.top_p),
+        ("min_p", raw.min_p),
+        ("repetition_penalty", raw.repetition_penalty),
+        ("presence_penalty", raw.presence_penalty),
+        ("frequency_penalty", raw.frequency_penalty),
+    ] {
+        if !v.is_finite() {
+            return Err(ShmError::Corrupt(format!(
+                "admission parameters: {name} is {v} (finite values only)"
+            )));
+        }
+    }
     let logit_bias: Vec<(u32, f32)> = raw.logit_bias[..raw.n_logit_bias as usize]
         .iter()
         .map(|b| (b.token, b.bias))

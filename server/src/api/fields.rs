@@ -171,9 +171,20 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// A number as f32 (sampling parameters).
+    /// A number as f32 (sampling parameters): one past f32's range (1e39) is refused, not
+    /// turned into infinity (the agent refuses non-finite parameters as a damaged plan).
     pub fn f32(&self, key: &str) -> Result<Option<f32>, ApiError> {
-        Ok(self.f64(key)?.map(|x| x as f32))
+        match self.f64(key)? {
+            None => Ok(None),
+            Some(x) if (x as f32).is_finite() => Ok(Some(x as f32)),
+            Some(x) => {
+                let name = self.name(key);
+                Err(ApiError::invalid(
+                    &name,
+                    format!("{name} must be a finite number, got {x} (past a 32-bit float)"),
+                ))
+            }
+        }
     }
 
     /// An integer (an integral float or a numeric string is accepted).
