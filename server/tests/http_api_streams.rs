@@ -492,6 +492,80 @@ fn chat_replies_that_think_carry_reasoning_content_apart_from_content() {
         .starts_with("<think>\nTwo"));
 }
 
+/// Qwen3's manner with tools: the thinking template, taking `tools` itself (so no tool
+/// description is added to the prompt); the echo engine sends the user message back as the
+/// reply.
+const THINKING_TOOLS_TEMPLATE: &str = "{% if tools %}{% endif %}\
+{% for m in messages %}{{ m.content }}{% endfor %}\
+{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}\
+<think>\n\n</think>\n\n{% endif %}";
+
+#[test]
+fn a_reply_that_thinks_then_calls_a_tool_keeps_reasoning_and_calls_apart() {
+    let server = TestServer::start_with_template(
+        HttpLimits::default(),
+        ApiSettings::default(),
+        std::time::Duration::ZERO,
+        Some(THINKING_TOOLS_TEMPLATE),
+    );
+    let reply = "<think>\nOslo's weather needs the tool.\n</think>\n\n<tool_call>\n\
+                 {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+    let n = tokenizer().encode_with(reply, false, true).unwrap().len();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let body = |stream: bool| {
+        json!({"messages": [{"role": "user", "content": reply}], "tools": tools,
+               "max_tokens": n, "stream": stream})
+    };
+
+    let r = stream(&server, "/v1/chat/completions", body(false));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let m = &v["choices"][0]["message"];
+    assert_eq!(
+        m["reasoning_content"], "Oslo's weather needs the tool.",
+        "{v}"
+    );
+    assert!(
+        m["content"].is_null(),
+        "no text outside the think block and the call: {v}"
+    );
+    let calls = m["tool_calls"].as_array().expect("tool_calls");
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Oslo"}));
+
+    // Streamed: reasoning deltas first, then the call as a tool_calls delta; no tag text and
+    // no call text leaks into reasoning_content or content.
+    let r = stream(&server, "/v1/chat/completions", body(true));
+    let chunks = chat_chunks(&r);
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    let reasoning: String = deltas
+        .iter()
+        .filter_map(|d| d["reasoning_content"].as_str())
+        .collect();
+    assert_eq!(reasoning, "Oslo's weather needs the tool.");
+    let content: String = deltas
+        .iter()
+        .filter_map(|d| d["content"].as_str())
+        .collect();
+    assert_eq!(content, "", "{deltas:?}");
+    let call_at = deltas
+        .iter()
+        .position(|d| d["tool_calls"].is_array())
+        .expect("a tool_calls delta");
+    let last_reasoning = deltas
+        .iter()
+        .rposition(|d| d["reasoning_content"].is_string())
+        .unwrap();
+    assert!(last_reasoning < call_at, "{deltas:?}");
+    let call = &deltas[call_at]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather", "{call}");
+    assert_eq!(call["index"], 0);
+}
+
 #[test]
 fn chat_template_kwargs_reach_the_template() {
     let server = TestServer::start_with_template(

@@ -209,6 +209,8 @@ pub struct ChatTemplate {
     bos_token: String,
     eos_token: String,
     is_fallback: bool,
+    /// The template's text (what it knows of `tools`, `tool_calls` and thinking is read from it).
+    source: Arc<str>,
 }
 
 fn template_error(what: &str, e: JinjaError) -> TokenizerError {
@@ -261,6 +263,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", |format: String| {
             strftime_utc(&format, unix_now())
         });
+        let text: Arc<str> = Arc::from(source.as_str());
         // Compiling folds constant expressions, which can iterate without end as a render can.
         let env = within_time_limit("compile", move || {
             env.add_template_owned(TEMPLATE_NAME, source)
@@ -273,7 +276,13 @@ impl ChatTemplate {
             bos_token,
             eos_token,
             is_fallback,
+            source: text,
         })
+    }
+
+    /// The template's text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders a conversation; with `add_generation_prompt` the text ends where the assistant's

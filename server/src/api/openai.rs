@@ -494,7 +494,8 @@ pub(super) fn chat_submission(
     }
     let mut template_kwargs = template_kwargs;
     if tools_on {
-        let source = ctx.tokenizer.chat_template_source().unwrap_or("");
+        // The template in use (the model's, or one the server was given instead).
+        let source = ctx.chat_template.as_ref().map_or("", |t| t.source());
         if source.contains("tools") {
             template_kwargs.insert(
                 "tools".into(),
