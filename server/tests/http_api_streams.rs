@@ -567,6 +567,55 @@ fn a_reply_that_thinks_then_calls_a_tool_keeps_reasoning_and_calls_apart() {
 }
 
 #[test]
+fn a_reply_in_llama_3_bare_json_comes_back_as_tool_calls() {
+    let server = TestServer::start_with_template(
+        HttpLimits::default(),
+        ApiSettings::default(),
+        std::time::Duration::ZERO,
+        Some(THINKING_TOOLS_TEMPLATE),
+    );
+    let reply = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}";
+    let n = tokenizer().encode_with(reply, false, true).unwrap().len();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let body = |stream: bool| {
+        json!({"messages": [{"role": "user", "content": reply}], "tools": tools,
+               "max_tokens": n, "stream": stream})
+    };
+    let v = stream(&server, "/v1/chat/completions", body(false)).json();
+    let m = &v["choices"][0]["message"];
+    assert!(m["content"].is_null(), "{v}");
+    assert_eq!(m["tool_calls"][0]["function"]["name"], "get_weather", "{v}");
+    assert_eq!(
+        m["tool_calls"][0]["function"]["arguments"],
+        "{\"city\":\"Oslo\"}"
+    );
+    let chunks = chat_chunks(&stream(&server, "/v1/chat/completions", body(true)));
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    assert!(
+        deltas
+            .iter()
+            .all(|d| d["content"].as_str().unwrap_or("").is_empty()),
+        "{deltas:?}"
+    );
+    let calls: Vec<&Value> = deltas
+        .iter()
+        .copied()
+        .filter(|d| d["tool_calls"].is_array())
+        .collect();
+    assert_eq!(calls.len(), 1, "{deltas:?}");
+    assert_eq!(calls[0]["tool_calls"][0]["function"]["name"], "get_weather");
+    // Without tools the same reply is content.
+    let v = stream(
+        &server,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": reply}], "max_tokens": n}),
+    )
+    .json();
+    assert_eq!(v["choices"][0]["message"]["content"], reply, "{v}");
+}
+
+#[test]
 fn chat_template_kwargs_reach_the_template() {
     let server = TestServer::start_with_template(
         HttpLimits::default(),

@@ -564,7 +564,8 @@ pub(super) fn chat_submission(
     }
     let mut sub = finish(ctx, id, c, prompt_ids, OpenAiKind::Chat, lp, think);
     if tools_on {
-        sub.writer.enable_tool_calls();
+        let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
+        sub.writer.enable_tool_calls(&names);
     }
     Ok(sub)
 }

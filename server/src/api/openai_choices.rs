@@ -160,9 +160,9 @@ fn usage_of(u: &Value) -> ChoiceUsage {
 }
 
 impl EventWriter for ChoicesWriter {
-    fn enable_tool_calls(&mut self) {
+    fn enable_tool_calls(&mut self, tool_names: &[String]) {
         for w in &mut self.writers {
-            w.enable_tool_calls();
+            w.enable_tool_calls(tool_names);
         }
     }
     fn stream_start(&mut self) -> Option<Response> {

@@ -137,9 +137,9 @@ impl OpenAiWriter {
     /// Some(inside): a chat reply is split into `reasoning_content` and `content` at its think
     /// block (starting inside it when the prompt opened it).
     /// Splits tool calls out of a chat reply's content.
-    pub(crate) fn enable_tool_calls(&mut self) {
+    pub(crate) fn enable_tool_calls(&mut self, tool_names: &[String]) {
         if self.kind == OpenAiKind::Chat {
-            self.calls = Some(CallSplitter::default());
+            self.calls = Some(CallSplitter::with_bare_json(tool_names.to_vec()));
         }
     }
 
@@ -300,8 +300,8 @@ impl OpenAiWriter {
 }
 
 impl EventWriter for OpenAiWriter {
-    fn enable_tool_calls(&mut self) {
-        OpenAiWriter::enable_tool_calls(self);
+    fn enable_tool_calls(&mut self, tool_names: &[String]) {
+        OpenAiWriter::enable_tool_calls(self, tool_names);
     }
     fn stream_start(&mut self) -> Option<Response> {
         if !self.stream {
@@ -383,6 +383,15 @@ impl EventWriter for OpenAiWriter {
                 }
                 if let Some(rest) = self.calls.as_mut().map(CallSplitter::finish) {
                     self.put_content(String::new(), rest.content, None, body);
+                    if !rest.calls.is_empty() {
+                        if self.stream {
+                            let first =
+                                self.calls.as_ref().map_or(0, |s| s.calls) - rest.calls.len();
+                            Self::sse(body, &self.calls_chunk(&rest.calls, first));
+                        } else {
+                            self.found.extend(rest.calls);
+                        }
+                    }
                 }
                 let called = self.calls.as_ref().is_some_and(|s| s.calls > 0);
                 let finish = Some(match reason.openai() {

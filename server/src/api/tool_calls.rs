@@ -1,8 +1,11 @@
 //! Tool calling on the chat route: the request's `tools` and `tool_choice` (checked, and turned
 //! into the prompt and, for `required` or a named function, into a grammar the reply must
-//! follow), and the reply's tool calls (Hermes / Qwen style `<tool_call>{"name": ...,
-//! "arguments": {...}}</tool_call>` blocks) split out of its content as they stream, into
-//! OpenAI's `tool_calls` with the arguments as a JSON string.
+//! follow), and the reply's tool calls split out of its content as they stream, into OpenAI's
+//! `tool_calls` with the arguments as a JSON string. Two forms are read: Hermes / Qwen style
+//! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in the reply, and
+//! Llama 3's bare JSON, a reply that is nothing but `{"name": ..., "parameters": {...}}` (calls
+//! separated by `;`, optionally after `<|python_tag|>`), naming offered tools; such a reply is
+//! held back until it ends, and is content after all when it is not entirely calls.
 
 use npu_structured::ConstraintSpec;
 use serde_json::{json, Map, Value};
@@ -12,6 +15,8 @@ use super::reasoning::partial_tag_len;
 
 const CALL_START: &str = "<tool_call>";
 const CALL_END: &str = "</tool_call>";
+/// What Llama 3.1 writes before a call in its JSON form.
+const PYTHON_TAG: &str = "<|python_tag|>";
 
 /// One function the client offers.
 #[derive(Debug, Clone, PartialEq)]
@@ -231,8 +236,52 @@ fn parse_call(body: &str) -> Option<Call> {
     Some(Call { name, arguments })
 }
 
+/// Reads a whole reply in Llama 3's bare JSON form: one or more call objects (separated by `;`
+/// or white space, optionally after `<|python_tag|>`), each naming one of `names`, arguments
+/// (`parameters` or `arguments`) an object. None when the reply is anything else.
+fn parse_bare_calls(reply: &str, names: &[String]) -> Option<Vec<Call>> {
+    let mut rest = reply.trim_start();
+    rest = rest.strip_prefix(PYTHON_TAG).unwrap_or(rest);
+    let mut calls = Vec::new();
+    loop {
+        rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == ';');
+        if rest.is_empty() {
+            break;
+        }
+        let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let v = values.next()?.ok()?;
+        rest = &rest[values.byte_offset()..];
+        let name = v.get("name")?.as_str()?;
+        if !names.iter().any(|n| n == name) {
+            return None;
+        }
+        let args = v.get("parameters").or_else(|| v.get("arguments"))?;
+        if !args.is_object() {
+            return None;
+        }
+        calls.push(Call {
+            name: name.to_string(),
+            arguments: args.to_string(),
+        });
+    }
+    (!calls.is_empty()).then_some(calls)
+}
+
+/// Where a reply stands with Llama 3's bare JSON form.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Bare {
+    /// Nothing but white space so far (or not looked for: no tool names).
+    #[default]
+    Undecided,
+    /// The reply opened like a call: all of it is held until it ends.
+    Holding,
+    /// Not a bare call: tags only.
+    Off,
+}
+
 /// Splits a streamed reply into content and tool calls, holding back text that may be the start
-/// of a `<tool_call>` tag until it is known.
+/// of a `<tool_call>` tag until it is known, and a reply that may be bare JSON calls until it
+/// ends.
 #[derive(Debug, Default)]
 pub(crate) struct CallSplitter {
     held: String,
@@ -241,6 +290,11 @@ pub(crate) struct CallSplitter {
     pub calls: usize,
     /// A call just closed: a newline right after it belongs to it.
     after_call: bool,
+    /// The offered tools' names, for the bare JSON form (empty: not looked for).
+    bare_names: Vec<String>,
+    bare: Bare,
+    /// The reply so far while `bare` is Undecided or Holding.
+    bare_text: String,
 }
 
 /// What one piece of the reply gave.
@@ -251,7 +305,41 @@ pub(crate) struct Parts {
 }
 
 impl CallSplitter {
+    /// A splitter that also reads Llama 3's bare JSON calls of these tools.
+    pub fn with_bare_json(names: Vec<String>) -> Self {
+        let bare = if names.is_empty() {
+            Bare::Off
+        } else {
+            Bare::Undecided
+        };
+        Self {
+            bare_names: names,
+            bare,
+            ..Self::default()
+        }
+    }
+
     pub fn push(&mut self, text: &str) -> Parts {
+        if self.bare != Bare::Off {
+            self.bare_text.push_str(text);
+            if self.bare == Bare::Undecided {
+                let start = self.bare_text.trim_start();
+                if start.starts_with('{') || start.starts_with(PYTHON_TAG) {
+                    self.bare = Bare::Holding;
+                } else if start.is_empty() || PYTHON_TAG.starts_with(start) {
+                    // Not yet known.
+                } else {
+                    self.bare = Bare::Off;
+                    let text = std::mem::take(&mut self.bare_text);
+                    return self.push_tags(&text);
+                }
+            }
+            return Parts::default();
+        }
+        self.push_tags(text)
+    }
+
+    fn push_tags(&mut self, text: &str) -> Parts {
         let mut out = Parts::default();
         self.held.push_str(text);
         if self.after_call && !self.held.is_empty() {
@@ -312,8 +400,25 @@ impl CallSplitter {
         }
     }
 
-    /// The end of the reply: an unfinished block or held text is content.
+    /// The end of the reply: bare JSON calls when the whole reply is some, else an unfinished
+    /// block or held text is content.
     pub fn finish(&mut self) -> Parts {
+        if self.bare != Bare::Off {
+            self.bare = Bare::Off;
+            let text = std::mem::take(&mut self.bare_text);
+            if let Some(calls) = parse_bare_calls(&text, &self.bare_names) {
+                self.calls += calls.len();
+                return Parts {
+                    content: String::new(),
+                    calls,
+                };
+            }
+            let mut out = self.push_tags(&text);
+            let rest = self.finish();
+            out.content.push_str(&rest.content);
+            out.calls.extend(rest.calls);
+            return out;
+        }
         let mut out = Parts::default();
         if let Some(block) = self.block.take() {
             out.content.push_str(CALL_START);
@@ -329,15 +434,73 @@ mod tests {
     use super::*;
 
     fn split(pieces: &[&str]) -> (String, Vec<Call>) {
-        let mut s = CallSplitter::default();
+        split_with(CallSplitter::default(), pieces)
+    }
+
+    fn split_with(mut s: CallSplitter, pieces: &[&str]) -> (String, Vec<Call>) {
         let (mut content, mut calls) = (String::new(), Vec::new());
         for p in pieces {
             let o = s.push(p);
             content.push_str(&o.content);
             calls.extend(o.calls);
         }
-        content.push_str(&s.finish().content);
+        let end = s.finish();
+        content.push_str(&end.content);
+        calls.extend(end.calls);
         (content, calls)
+    }
+
+    fn llama(pieces: &[&str]) -> (String, Vec<Call>) {
+        let names = vec!["get_weather".to_string(), "t".to_string()];
+        split_with(CallSplitter::with_bare_json(names), pieces)
+    }
+
+    #[test]
+    fn llama_3_bare_json_calls_are_read_however_they_are_cut() {
+        let whole = " <|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}; {\"name\": \"t\", \"parameters\": {}}";
+        let want = vec![
+            Call {
+                name: "get_weather".into(),
+                arguments: "{\"city\":\"Oslo\"}".into(),
+            },
+            Call {
+                name: "t".into(),
+                arguments: "{}".into(),
+            },
+        ];
+        for cut in 1..whole.len() {
+            let (content, calls) = llama(&[&whole[..cut], &whole[cut..]]);
+            assert_eq!((content.as_str(), &calls), ("", &want), "cut at {cut}");
+        }
+        // Without the tag, one call.
+        let (content, calls) = llama(&["{\"name\": \"t\", \"arguments\": {\"zone\": \"UTC\"}}\n"]);
+        assert_eq!((content.as_str(), calls.len()), ("", 1));
+        // Tags still work alongside.
+        let (content, calls) = llama(&[
+            "Sure.",
+            "<tool_call>{\"name\": \"t\", \"arguments\": {}}</tool_call>",
+        ]);
+        assert_eq!((content.as_str(), calls.len()), ("Sure.", 1));
+    }
+
+    #[test]
+    fn json_that_is_not_entirely_calls_of_offered_tools_stays_content() {
+        for reply in [
+            "{\"name\": \"Ada\", \"age\": 36}",
+            "{\"name\": \"other_tool\", \"parameters\": {}}",
+            "{\"name\": \"t\", \"parameters\": \"x\"}",
+            "{\"name\": \"t\", \"parameters\": {}} and more text",
+            "{\"name\": \"t\", \"parameters\": {",
+            "<|python_tag|>print(1)",
+        ] {
+            let (content, calls) = llama(&[reply]);
+            assert_eq!(content, reply);
+            assert!(calls.is_empty(), "{reply}: {calls:?}");
+        }
+        // Text first: streamed as it comes, not held to the end.
+        let mut s = CallSplitter::with_bare_json(vec!["t".into()]);
+        assert_eq!(s.push("  The").content, "  The");
+        assert_eq!(s.push(" answer").content, " answer");
     }
 
     #[test]

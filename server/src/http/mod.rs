@@ -103,8 +103,9 @@ pub trait EventWriter: Send {
     /// Events of one choice come in order; choices interleave. The response is over when this
     /// returns `StreamDone` or `Complete` (the HTTP layer aborts choices still running then).
     /// A chat reply's tool calls are split out of its content (OpenAI's `tool_calls`); writers
-    /// without tool calls ignore it.
-    fn enable_tool_calls(&mut self) {}
+    /// without tool calls ignore it. `tool_names` are the offered tools (a reply that is nothing
+    /// but JSON calls of them, Llama 3's form, is read as calls).
+    fn enable_tool_calls(&mut self, _tool_names: &[String]) {}
     fn on_choice_event(&mut self, choice: usize, event: &GenEvent, body: &mut Vec<u8>) -> Progress {
         debug_assert_eq!(
             choice, 0,
