@@ -473,6 +473,25 @@ fn wrong_yaml_types_name_the_key() {
     }
     assert!(matches!(err("- a\n- b\n"), ConfigError::NotAMapping { .. }));
     assert!(matches!(err("a: [\n"), ConfigError::Yaml(_)));
+    // Deep flow nesting is refused before the YAML reader's parse (quadratic in the depth):
+    // 30,000 open brackets come back at once, naming the line.
+    let started = std::time::Instant::now();
+    let deep = format!("model_config:\n  seq_length: {}", "[".repeat(30_000));
+    let e = err(&deep);
+    assert!(
+        e.to_string().contains("line 2") && e.to_string().contains("128"),
+        "{e}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_millis(500));
+    // Brackets in quoted strings and comments do not count; 128 real levels still parse.
+    let quoted = format!(
+        "model_config:\n  model_name: '{}' # {}\n",
+        "[".repeat(300),
+        "{".repeat(300)
+    );
+    assert!(ServerConfig::from_yaml_str(&quoted).is_ok());
+    let nested = format!("x: {}{}\n", "[".repeat(120), "]".repeat(120));
+    assert!(ServerConfig::from_yaml_str(&nested).is_ok());
     assert!(matches!(
         ServerConfig::from_yaml_file("/nonexistent/x.yaml"),
         Err(ConfigError::Io { .. })

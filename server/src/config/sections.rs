@@ -36,6 +36,7 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
     } else {
         Unknown::Warn
     };
+    check_flow_depth(text)?;
     let doc: Value = serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
     let doc = match doc {
         Value::Null => Value::Mapping(Default::default()),
@@ -419,6 +420,51 @@ fn kv_events(s: &mut Section) -> Result<Option<KvEventsConfig>, ConfigError> {
         endpoint,
         topic: topic.unwrap_or_else(|| DEFAULT_TOPIC.to_string()),
     }))
+}
+
+/// Deepest nesting of flow collections (`[...]`, `{...}`) a config may have: the YAML reader
+/// refuses past 128 levels anyway, but only after a parse that grows with the square of the
+/// depth (30,000 open brackets took seconds), so deeper text is refused before it is parsed.
+const MAX_FLOW_DEPTH: usize = 128;
+
+fn check_flow_depth(text: &str) -> Result<(), ConfigError> {
+    let (mut depth, mut line) = (0usize, 1usize);
+    let mut chars = text.chars().peekable();
+    let mut prev = '\n';
+    while let Some(c) = chars.next() {
+        match c {
+            '\n' => line += 1,
+            '#' if prev.is_whitespace() => {
+                // A comment: to the end of the line.
+                while chars.next_if(|&n| n != '\n').is_some() {}
+            }
+            '\'' | '"' => {
+                // A quoted scalar: brackets inside do not nest.
+                while let Some(q) = chars.next() {
+                    match q {
+                        '\n' => line += 1,
+                        '\\' if c == '"' => {
+                            chars.next();
+                        }
+                        _ if q == c => break,
+                        _ => {}
+                    }
+                }
+            }
+            '[' | '{' => {
+                depth += 1;
+                if depth > MAX_FLOW_DEPTH {
+                    return Err(ConfigError::Yaml(format!(
+                        "line {line}: collections nested more than {MAX_FLOW_DEPTH} levels deep"
+                    )));
+                }
+            }
+            ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        prev = c;
+    }
+    Ok(())
 }
 
 fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
