@@ -93,3 +93,8 @@ fn every_target_has_a_test() {
         );
     }
 }
+
+#[test]
+fn kv_subscriber_corpus() {
+    replay("kv_subscriber");
+}

@@ -6,4 +6,5 @@ pub mod chat;
 pub mod config;
 pub mod gguf;
 pub mod http;
+pub mod kv_subscriber;
 pub mod tokenizer;
