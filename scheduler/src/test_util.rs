@@ -31,6 +31,20 @@ pub fn cfg(num_blocks: usize, block_size: usize) -> SchedulerConfig {
     }
 }
 
+/// `c` with a host KV pool of `host_blocks` blocks (fast copies, room for many per step).
+pub fn host_cfg(c: SchedulerConfig, host_blocks: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        kv_host: Some(crate::KvHostConfig {
+            host_blocks,
+            block_bytes: 1000,
+            d2h_bytes_per_s: 1e9,
+            h2d_bytes_per_s: 1e9,
+            max_copies_per_step: 4 * c.num_blocks,
+        }),
+        ..c
+    }
+}
+
 pub fn sched(cfg: SchedulerConfig) -> Scheduler {
     Scheduler::new(cfg).expect("valid test config")
 }

@@ -14,17 +14,9 @@ fn cached_cfg(num_blocks: usize, block_size: usize, host_blocks: usize) -> Sched
         ..cfg(num_blocks, block_size)
     };
     if host_blocks == 0 {
-        return c;
-    }
-    SchedulerConfig {
-        kv_host: Some(KvHostConfig {
-            host_blocks,
-            block_bytes: 1000,
-            d2h_bytes_per_s: 1e9,
-            h2d_bytes_per_s: 1e9,
-            max_copies_per_step: 4 * c.num_blocks,
-        }),
-        ..c
+        c
+    } else {
+        host_cfg(c, host_blocks)
     }
 }
 

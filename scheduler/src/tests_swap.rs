@@ -12,19 +12,6 @@ use npu_protocol::{CopyDirection, SamplingParams, StepPlan};
 use super::test_util::*;
 use super::*;
 
-fn host_cfg(c: SchedulerConfig, host_blocks: usize) -> SchedulerConfig {
-    SchedulerConfig {
-        kv_host: Some(KvHostConfig {
-            host_blocks,
-            block_bytes: 1000,
-            d2h_bytes_per_s: 1e9,
-            h2d_bytes_per_s: 1e9,
-            max_copies_per_step: 4 * c.num_blocks,
-        }),
-        ..c
-    }
-}
-
 /// Plans one step, checks the KV it reads, answers `token(slot)`.
 fn kv_step(
     s: &mut Scheduler,
