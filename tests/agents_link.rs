@@ -68,6 +68,7 @@ impl StepExecutor for EchoEngine {
                         token,
                         logprob: -0.5,
                     }],
+                    extra: Vec::new(),
                 });
             }
         }
@@ -206,6 +207,7 @@ fn plan(step_id: u64, admit: &[u32], seqs: &[(u32, u32)]) -> StepPlan {
                 slot_mapping: vec![slot * 16],
                 sample: true,
                 n_prompt_tokens: 1,
+                n_draft: 0,
             })
             .collect(),
     }

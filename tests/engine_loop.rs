@@ -228,6 +228,7 @@ impl Harness {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            speculative: true,
         };
         tweak(&mut req);
         self.handle()

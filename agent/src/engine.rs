@@ -21,7 +21,9 @@ use crate::kv_host::{measure_copy_bandwidth, CopyBandwidth, HostKvPool};
 use crate::long_context::select::Heads;
 use crate::long_context::{LongContext, LongContextStats};
 use crate::model::{ModelConfig, ModelError, ModelOptions, StepOutput};
-use crate::sampler::{is_plain_greedy, SampleOutput, Sampler, SamplerError, TokenHistory};
+use crate::sampler::{
+    has_penalties, is_plain_greedy, SampleOutput, Sampler, SamplerError, TokenHistory,
+};
 use crate::step_input::{StepError, StepLimits, StepRead};
 use npu_backend_cpu::threadpool::{PoolError, ThreadPool};
 use npu_gguf::{GgufError, GgufFile};
@@ -252,7 +254,8 @@ impl AgentEngine {
         let file = GgufFile::open(&cfg.model_path)?;
         let opts = ModelOptions {
             max_tokens: cfg.max_tokens_per_step as usize,
-            max_logit_rows: cfg.max_slots as usize,
+            // One row per slot, and one per drafted token a step may carry.
+            max_logit_rows: cfg.max_slots as usize + npu_protocol::MAX_STEP_DRAFT_TOKENS,
             num_blocks: cfg.num_blocks as usize,
             block_size: cfg.block_size as usize,
             kv_memory_fraction: cfg.kv_memory_fraction,
@@ -478,13 +481,14 @@ impl AgentEngine {
         let slots = &mut self.slots;
         self.read
             .read(plan, &self.limits, |s| slots[s as usize].is_some())?;
-        // History first: penalties see every token up to and including this step's inputs.
+        // History first: penalties see every token up to and including this step's inputs
+        // (drafts join it as they are accepted, in `accept_drafts`).
         for (i, f) in self.read.seqs.iter().enumerate() {
             if let Some(slot) = slots[f.slot as usize].as_mut() {
                 let tokens = self.read.tokens(i);
                 let np = f.n_prompt as usize;
                 slot.history.push_prompt(&tokens[..np]);
-                for &t in &tokens[np..] {
+                for &t in &tokens[np..tokens.len() - f.n_draft as usize] {
                     slot.history.push_generated(t);
                 }
             }
@@ -493,6 +497,17 @@ impl AgentEngine {
         self.masks.clear();
         for i in 0..plan.n_masks() {
             let (slot, words) = plan.mask(i);
+            if self
+                .read
+                .sampling
+                .iter()
+                .any(|s| s.slot == slot && s.n_draft > 0)
+            {
+                return Err(EngineError::BadPlan(format!(
+                    "slot {slot}: a token mask for a sequence with drafted tokens (a mask holds \
+                     for one token)"
+                )));
+            }
             self.masks.push((slot, words.to_vec()));
         }
         let greedy = self.masks.is_empty()
@@ -523,22 +538,13 @@ impl AgentEngine {
         let seqs = if self.rank != 0 {
             Vec::new()
         } else if self.out.picked_on_device {
-            self.read
-                .logit_slots
-                .iter()
-                .zip(self.out.ids.iter().zip(&self.out.logprobs))
-                .map(|(&slot, (&token, &logprob))| SeqResult {
-                    slot,
-                    token: TokenLogprob {
-                        token: token as u32,
-                        logprob,
-                    },
-                    top: Vec::new(),
-                })
-                .collect()
+            self.picked_on_device()
         } else {
             self.sample()?
         };
+        if self.rank == 0 {
+            self.accept_drafts(&seqs);
+        }
         let sample_us = t_sample.elapsed().as_micros() as u64;
         // A tensor-parallel rank other than 0 ran its shard; rank 0 answers for the group.
         let seqs = if self.rank == 0 { seqs } else { Vec::new() };
@@ -554,53 +560,144 @@ impl AgentEngine {
         })
     }
 
-    /// Samples every logit row on the pool, each task owning its own row.
+    /// The device's picks (plain greedy rows), each drafting sequence's kept while they equal
+    /// its drafts.
+    fn picked_on_device(&self) -> Vec<SeqResult> {
+        let pick = |row: usize| TokenLogprob {
+            token: self.out.ids[row] as u32,
+            logprob: self.out.logprobs[row],
+        };
+        self.read
+            .sampling
+            .iter()
+            .map(|s| {
+                let drafts = self.read.drafts(s.seq);
+                let mut tokens = vec![pick(s.first_row)];
+                while let Some(&d) = drafts.get(tokens.len() - 1) {
+                    if tokens[tokens.len() - 1].token != d {
+                        break;
+                    }
+                    tokens.push(pick(s.first_row + tokens.len()));
+                }
+                let token = tokens.remove(0);
+                SeqResult {
+                    slot: s.slot,
+                    token,
+                    top: Vec::new(),
+                    extra: tokens,
+                }
+            })
+            .collect()
+    }
+
+    /// The drafts each result kept (one per token sampled after its first) join their slot's
+    /// history as generated tokens, as they would have one step at a time.
+    fn accept_drafts(&mut self, results: &[SeqResult]) {
+        for (s, r) in self.read.sampling.iter().zip(results) {
+            if r.extra.is_empty() {
+                continue;
+            }
+            let drafts = &self.read.drafts(s.seq)[..r.extra.len()];
+            if let Some(slot) = self.slots[s.slot as usize].as_mut() {
+                for &t in drafts {
+                    slot.history.push_generated(t);
+                }
+            }
+        }
+    }
+
+    /// Samples every sequence that samples on the pool, each task owning its sequence's logit
+    /// rows. A drafting sequence samples row after row, each with the history and the draw index
+    /// it would have had one step at a time, while the token sampled equals the next draft: so
+    /// its tokens are exactly those of decoding without drafts.
     fn sample(&mut self) -> Result<Vec<SeqResult>, EngineError> {
         let vocab = self.model.config().vocab;
-        let slots_of = &self.read.logit_slots;
-        let n = slots_of.len();
-        let rows: Vec<Mutex<Option<&mut [f32]>>> = self
-            .out
-            .logits
-            .chunks_exact_mut(vocab)
-            .map(|r| Mutex::new(Some(r)))
+        let read = &self.read;
+        let n = read.sampling.len();
+        let mut rows = self.out.logits.chunks_exact_mut(vocab);
+        let groups: Vec<Mutex<Vec<&mut [f32]>>> = read
+            .sampling
+            .iter()
+            .map(|s| Mutex::new(rows.by_ref().take(s.n_draft as usize + 1).collect()))
             .collect();
-        let outs: Vec<Mutex<Option<Result<SampleOutput, SamplerError>>>> =
-            (0..n).map(|_| Mutex::new(None)).collect();
+        type Sampled = Result<Vec<SampleOutput>, SamplerError>;
+        let outs: Vec<Mutex<Option<Sampled>>> = (0..n).map(|_| Mutex::new(None)).collect();
         let slots = &self.slots;
         let masks = &self.masks;
-        self.pool.run(n, |row| {
-            let (Some(logits), Some(Some(slot))) = (
-                rows[row].lock().unwrap_or_else(|e| e.into_inner()).take(),
-                slots.get(slots_of[row] as usize),
-            ) else {
+        self.pool.run(n, |g| {
+            let s = read.sampling[g];
+            let Some(Some(slot)) = slots.get(s.slot as usize) else {
                 return;
             };
-            let gen_index = slot.history.n_generated();
+            let mut logits =
+                std::mem::take(&mut *groups[g].lock().unwrap_or_else(|e| e.into_inner()));
             let mask = masks
                 .iter()
-                .find(|(s, _)| *s == slots_of[row])
+                .find(|(m, _)| *m == s.slot)
                 .map(|(_, w)| w.as_slice());
-            let out = SAMPLER.with(|s| {
-                s.borrow_mut()
-                    .sample_masked(logits, &slot.params, &slot.history, gen_index, mask)
+            let drafts = read.drafts(s.seq);
+            let out = SAMPLER.with(|sampler| {
+                let mut sampler = sampler.borrow_mut();
+                sample_with_drafts(&mut sampler, &mut logits, slot, drafts, mask)
             });
-            *outs[row].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
+            *outs[g].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
         })?;
         let mut seqs = Vec::with_capacity(n);
-        for (row, out) in outs.into_iter().enumerate() {
-            let out = out
+        for (g, out) in outs.into_iter().enumerate() {
+            let mut tokens = out
                 .into_inner()
                 .unwrap_or_else(|e| e.into_inner())
                 .ok_or_else(|| {
-                    EngineError::BadPlan(format!("logit row {row} was not sampled"))
-                })??;
+                    EngineError::BadPlan(format!("sequence {g} of the step was not sampled"))
+                })??
+                .into_iter();
+            let first = tokens.next().ok_or_else(|| {
+                EngineError::BadPlan(format!("sequence {g} of the step sampled nothing"))
+            })?;
             seqs.push(SeqResult {
-                slot: slots_of[row],
-                token: out.token,
-                top: out.top,
+                slot: read.sampling[g].slot,
+                token: first.token,
+                top: first.top,
+                extra: tokens.map(|t| t.token).collect(),
             });
         }
         Ok(seqs)
     }
+}
+
+/// One sequence's tokens from its logit rows (`rows[0]` after its last real token, `rows[i]`
+/// after draft `i - 1`): sampled in turn while each equals the next draft, the drafts kept so
+/// far counted into the history the penalties see and into the draw index. Without drafts,
+/// the one token of `rows[0]`.
+fn sample_with_drafts(
+    sampler: &mut Sampler,
+    rows: &mut [&mut [f32]],
+    slot: &Slot,
+    drafts: &[u32],
+    mask: Option<&[u32]>,
+) -> Result<Vec<SampleOutput>, SamplerError> {
+    let base = slot.history.n_generated();
+    let mut history: Option<TokenHistory> = None;
+    let mut out = Vec::with_capacity(rows.len());
+    for (i, logits) in rows.iter_mut().enumerate() {
+        if i > 0 {
+            // Draft i - 1 was kept: later rows see it as generated (only penalties read the
+            // history beyond its length, so it is copied only for them).
+            if has_penalties(&slot.params) {
+                history
+                    .get_or_insert_with(|| slot.history.clone())
+                    .push_generated(drafts[i - 1]);
+            }
+        }
+        let h = history.as_ref().unwrap_or(&slot.history);
+        // A mask is made for the first token only; drafting sequences carry none.
+        let m = if i == 0 { mask } else { None };
+        let o = sampler.sample_masked(logits, &slot.params, h, base + i as u64, m)?;
+        let equal = drafts.get(i) == Some(&o.token.token);
+        out.push(o);
+        if !equal {
+            break;
+        }
+    }
+    Ok(out)
 }

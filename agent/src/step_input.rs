@@ -8,7 +8,7 @@
 //! Nothing downstream checks a step again.
 
 use npu_backend::{SeqSpan, StepInputs};
-use npu_protocol::{LongContextLayout, PlanSource};
+use npu_protocol::{LongContextLayout, PlanSource, MAX_DRAFT_TOKENS, MAX_STEP_DRAFT_TOKENS};
 use thiserror::Error;
 
 /// What a step may hold, fixed when the engine is loaded.
@@ -34,6 +34,19 @@ pub struct SeqFacts {
     pub slot: u32,
     /// Leading tokens of its new tokens that are prompt.
     pub n_prompt: u32,
+    /// Trailing tokens of its new tokens that are drafts (speculative decoding).
+    pub n_draft: u32,
+}
+
+/// A sequence that samples in the step: its logit rows are `first_row..first_row + n_draft + 1`
+/// (one after its last real token, then one after each draft).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SamplingSeq {
+    /// Index into `StepRead::seqs` (and `inputs.seqs`).
+    pub seq: usize,
+    pub slot: u32,
+    pub first_row: usize,
+    pub n_draft: u32,
 }
 
 /// A step read from a plan: the device inputs and, per sequence and per logit row, what the
@@ -45,6 +58,8 @@ pub struct StepRead {
     pub seqs: Vec<SeqFacts>,
     /// Parallel to `inputs.logit_rows`: the slot each logit row samples for.
     pub logit_slots: Vec<u32>,
+    /// The sequences that sample, in plan order, with their logit rows.
+    pub sampling: Vec<SamplingSeq>,
 }
 
 impl StepRead {
@@ -52,6 +67,12 @@ impl StepRead {
     pub fn tokens(&self, i: usize) -> &[u32] {
         let s = &self.inputs.seqs[i];
         &self.inputs.tokens[s.q_row as usize..(s.q_row + s.n_q) as usize]
+    }
+
+    /// The drafted tokens of sequence `i` (its last `n_draft` new tokens).
+    pub fn drafts(&self, i: usize) -> &[u32] {
+        let t = self.tokens(i);
+        &t[t.len() - self.seqs[i].n_draft as usize..]
     }
 
     /// Reads and checks the sequences of `plan` (forget and admit already applied:
@@ -94,6 +115,8 @@ impl StepRead {
         m.max_blocks = max_blocks;
         self.seqs.clear();
         self.logit_slots.clear();
+        self.sampling.clear();
+        let mut n_draft_total = 0usize;
         let mut seen = vec![false; lim.max_slots];
         let bs = lim.block_size as u64;
         for i in 0..n_seqs {
@@ -111,6 +134,27 @@ impl StepRead {
                     "sequence {i}: {n} tokens, {} slot mappings, {} prompt tokens",
                     seq.slot_mapping.len(),
                     seq.n_prompt_tokens
+                ));
+            }
+            let n_draft = seq.n_draft as usize;
+            if n_draft > 0
+                && (!seq.sample
+                    || n_draft > MAX_DRAFT_TOKENS
+                    || n_draft >= n
+                    || seq.n_prompt_tokens as usize > n - n_draft
+                    || lim.long_context.is_some())
+            {
+                return bad(format!(
+                    "sequence {i}: {n_draft} drafted tokens with {n} tokens, {} of them prompt, \
+                     sample {} (drafts follow a real token, at most {MAX_DRAFT_TOKENS}, only \
+                     when sampling, not in long-context mode)",
+                    seq.n_prompt_tokens, seq.sample
+                ));
+            }
+            n_draft_total += n_draft;
+            if n_draft_total > MAX_STEP_DRAFT_TOKENS {
+                return bad(format!(
+                    "more than {MAX_STEP_DRAFT_TOKENS} drafted tokens in one step"
                 ));
             }
             let start = seq.start_pos as u64;
@@ -186,10 +230,19 @@ impl StepRead {
             self.seqs.push(SeqFacts {
                 slot: seq.slot,
                 n_prompt: seq.n_prompt_tokens,
+                n_draft: seq.n_draft,
             });
             if seq.sample {
-                m.logit_rows.push(q_row + n as u32 - 1);
-                self.logit_slots.push(seq.slot);
+                self.sampling.push(SamplingSeq {
+                    seq: i,
+                    slot: seq.slot,
+                    first_row: m.logit_rows.len(),
+                    n_draft: seq.n_draft,
+                });
+                for r in (n - 1 - n_draft)..n {
+                    m.logit_rows.push(q_row + r as u32);
+                    self.logit_slots.push(seq.slot);
+                }
             }
         }
         Ok(())

@@ -44,6 +44,7 @@ fn greedy(id: u64, prompt: &[u32], n: usize, at_step: usize) -> Arrival {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: true,
+            speculative: true,
         },
         at_step,
     }

@@ -19,6 +19,7 @@ fn request(id: u64, prompt: Vec<u32>, n: u32) -> GenerateRequest {
         stop: Vec::new(),
         stop_token_ids: Vec::new(),
         ignore_eos: true,
+        speculative: true,
     }
 }
 

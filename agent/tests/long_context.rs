@@ -20,6 +20,7 @@ fn greedy(id: u64, prompt: &[u32], n: usize) -> Arrival {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: true,
+            speculative: true,
         },
         at_step: 0,
     }

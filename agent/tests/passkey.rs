@@ -133,6 +133,7 @@ fn passkey_retrieval_with_the_mode_on_and_off() {
                             stop: Vec::new(),
                             stop_token_ids: Vec::new(),
                             ignore_eos: true,
+                            speculative: true,
                         },
                         at_step: 0,
                     }],

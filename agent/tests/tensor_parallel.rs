@@ -32,6 +32,7 @@ fn greedy(id: u64, prompt: &[u32], n: usize, at_step: usize) -> Arrival {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: true,
+            speculative: true,
         },
         at_step,
     }
@@ -215,6 +216,7 @@ fn forced(
                 slot_mapping: (pos as u32..(pos + n) as u32).collect(),
                 sample: true,
                 n_prompt_tokens: if i == 0 { n as u32 } else { 0 },
+                n_draft: 0,
             }],
             ..Default::default()
         };

@@ -222,6 +222,7 @@ fn agent_link_seeds() {
                         logprob: -1.5,
                     },
                 ],
+                extra: Vec::new(),
             })
             .collect(),
         ..StepResult::default()

@@ -14,6 +14,6 @@ pub use long_context::{LongContextConfig, LongContextLayout, LongContextSettingE
 pub use source::{PlanSource, SeqRef, U32s};
 pub use step::{
     Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult,
-    StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE,
-    MAX_TOP_N,
+    StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE, MAX_STEP_DRAFT_TOKENS, MAX_TOP_N,
 };

@@ -56,6 +56,7 @@ pub struct SeqRef<'a> {
     pub slot_mapping: U32s<'a>,
     pub sample: bool,
     pub n_prompt_tokens: u32,
+    pub n_draft: u32,
 }
 
 /// A step plan an agent can read: the same content as `StepPlan`, wherever it lies. A source
@@ -99,6 +100,7 @@ pub trait PlanSource {
                         slot_mapping: s.slot_mapping.to_vec(),
                         sample: s.sample,
                         n_prompt_tokens: s.n_prompt_tokens,
+                        n_draft: s.n_draft,
                     }
                 })
                 .collect(),
@@ -141,6 +143,7 @@ impl PlanSource for StepPlan {
             slot_mapping: U32s::Slice(&s.slot_mapping),
             sample: s.sample,
             n_prompt_tokens: s.n_prompt_tokens,
+            n_draft: s.n_draft,
         }
     }
     fn n_tokens(&self) -> usize {

@@ -35,6 +35,11 @@ pub struct SamplingParams {
 
 /// Most alternatives a step result can carry per sequence.
 pub const MAX_TOP_N: usize = 20;
+/// Most drafted tokens one sequence may carry in a step (speculative decoding).
+pub const MAX_DRAFT_TOKENS: usize = 16;
+/// Most drafted tokens one step may carry over all its sequences: each is a logit row the agent
+/// holds room for besides one per slot.
+pub const MAX_STEP_DRAFT_TOKENS: usize = 64;
 /// Most `logit_bias` entries one request may carry (each admission has room for this many).
 pub const MAX_LOGIT_BIAS: usize = 256;
 /// Largest magnitude of one logit bias (OpenAI's range).
@@ -87,6 +92,12 @@ pub struct SeqStep {
     /// How many tokens of `tokens` are prompt (the rest were generated); lets the agent keep the
     /// per-slot token history that repetition penalties need.
     pub n_prompt_tokens: u32,
+    /// Speculative decoding: how many trailing tokens of `tokens` are drafts (guessed, not yet
+    /// generated; at most `MAX_DRAFT_TOKENS`, only with `sample`). The agent samples after the
+    /// last non-draft token and after each draft in turn, keeping going while each sampled token
+    /// equals the next draft; the result's `extra` holds what it sampled after the first.
+    #[serde(default)]
+    pub n_draft: u32,
 }
 
 impl SeqStep {
@@ -205,6 +216,11 @@ impl StepPlan {
     pub fn n_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
     }
+
+    /// Drafted tokens over all sequences.
+    pub fn n_draft(&self) -> usize {
+        self.seqs.iter().map(|s| s.n_draft as usize).sum()
+    }
 }
 
 /// A token and its log-probability.
@@ -222,6 +238,10 @@ pub struct SeqResult {
     pub token: TokenLogprob,
     /// The most likely alternatives, best first (up to the slot's top_n).
     pub top: Vec<TokenLogprob>,
+    /// Speculative decoding: the tokens sampled after `token` in the same step, in order (each
+    /// one before them equalled its draft); empty without drafts. Never more than the drafts.
+    #[serde(default)]
+    pub extra: Vec<TokenLogprob>,
 }
 
 /// Timing of one step on the agent, in microseconds.

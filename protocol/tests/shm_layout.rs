@@ -8,7 +8,7 @@ use npu_protocol::shm::layout::{
     REGION_ALIGN,
 };
 use npu_protocol::shm::{Region, ShmCapacities, ShmError, ShmHeader, ShmLayout, SHM_MAGIC};
-use npu_protocol::MAX_LOGIT_BIAS;
+use npu_protocol::{MAX_LOGIT_BIAS, MAX_STEP_DRAFT_TOKENS};
 
 fn small_caps() -> ShmCapacities {
     ShmCapacities {
@@ -27,7 +27,7 @@ fn small_caps() -> ShmCapacities {
 
 #[test]
 fn header_fields_sit_where_the_protocol_says() {
-    assert_eq!(size_of::<ShmHeader>(), 296);
+    assert_eq!(size_of::<ShmHeader>(), 312);
     assert_eq!(offset_of!(ShmHeader, magic), 0);
     assert_eq!(offset_of!(ShmHeader, version), 8);
     assert_eq!(offset_of!(ShmHeader, header_size), 12);
@@ -45,36 +45,38 @@ fn regions_of_a_small_layout_have_the_expected_offsets_and_sizes() {
     let layout = ShmLayout::new(small_caps()).unwrap();
     let expect = [
         (Region::PlanMeta, 320, 40),
-        (Region::SeqDescs, 384, 4 * 32),
-        (Region::Tokens, 512, 400),
-        (Region::SlotMapping, 960, 400),
-        (Region::BlockTables, 1408, 4 * 6 * 4),
+        (Region::SeqDescs, 384, 4 * 40),
+        (Region::Tokens, 576, 400),
+        (Region::SlotMapping, 1024, 400),
+        (Region::BlockTables, 1472, 4 * 6 * 4),
         // An admission: slot, parameters and a table of MAX_LOGIT_BIAS (token, bias) pairs.
         (
             Region::Admissions,
-            1536,
+            1600,
             3 * (56 + 8 * MAX_LOGIT_BIAS as u64),
         ),
-        (Region::Forget, 7872, 5 * 4),
-        (Region::KvCopies, 7936, 3 * 16),
+        (Region::Forget, 7936, 5 * 4),
+        (Region::KvCopies, 8000, 3 * 16),
         // Token masks: a slot each, and their words.
-        (Region::MaskSlots, 8000, 2 * 4),
-        (Region::MaskWords, 8064, 2 * 3 * 4),
-        (Region::ResultMeta, 8128, 80),
-        (Region::SeqResults, 8256, 4 * 16),
-        (Region::TopLogprobs, 8320, 4 * 2 * 8),
+        (Region::MaskSlots, 8064, 2 * 4),
+        (Region::MaskWords, 8128, 2 * 3 * 4),
+        (Region::ResultMeta, 8192, 80),
+        (Region::SeqResults, 8320, 4 * 24),
+        (Region::TopLogprobs, 8448, 4 * 2 * 8),
+        // Tokens sampled after drafts: a fixed number per step.
+        (Region::ExtraTokens, 8512, MAX_STEP_DRAFT_TOKENS as u64 * 8),
     ];
     for (region, offset, size) in expect {
         let r = layout.region(region);
         assert_eq!((r.offset, r.size), (offset, size), "{region:?}");
     }
-    assert_eq!(layout.total_size(), 8384);
+    assert_eq!(layout.total_size(), 9024);
     assert_eq!(size_of::<PlanMeta>(), 40);
-    assert_eq!(size_of::<SeqDesc>(), 32);
+    assert_eq!(size_of::<SeqDesc>(), 40);
     assert_eq!(size_of::<RawAdmission>(), 56 + 8 * MAX_LOGIT_BIAS);
     assert_eq!(size_of::<ResultMeta>(), 80);
     assert_eq!(size_of::<RawKvCopy>(), 16);
-    assert_eq!(size_of::<RawSeqResult>(), 16);
+    assert_eq!(size_of::<RawSeqResult>(), 24);
     assert_eq!(size_of::<RawTokenLogprob>(), 8);
 }
 

@@ -58,6 +58,7 @@ fn seq(slot: u32, tokens: Vec<u32>, start_pos: u32, blocks: Vec<u32>) -> SeqStep
     SeqStep {
         slot,
         n_prompt_tokens: tokens.len() as u32,
+        n_draft: 0,
         tokens,
         start_pos,
         block_table: blocks,
@@ -122,6 +123,7 @@ fn sample_result() -> StepResult {
                     logprob: -2.5,
                 },
             ],
+            extra: Vec::new(),
         }],
         timing: StepTiming {
             forward_us: 10,
@@ -396,7 +398,7 @@ fn corrupt_headers_are_refused_on_open() {
 /// (what, region, byte offset inside the region, new value).
 #[test]
 fn corrupt_plans_and_results_are_refused_on_read() {
-    let desc = |i: u64, field: u64| i * 32 + field * 4;
+    let desc = |i: u64, field: u64| i * 40 + field * 4;
     let params_top_n = std::mem::offset_of!(RawAdmission, params) as u64 + 40;
     let n_bias = std::mem::offset_of!(RawAdmission, params) as u64 + 44;
     let first_bias = std::mem::offset_of!(RawAdmission, params) as u64 + 52;
@@ -418,6 +420,13 @@ fn corrupt_plans_and_results_are_refused_on_read() {
         ("token offset", Region::SeqDescs, desc(1, 5), 1),
         ("n_blocks", Region::SeqDescs, desc(1, 6), 6),
         ("block offset", Region::SeqDescs, desc(1, 7), 0),
+        ("drafts past the limit", Region::SeqDescs, desc(0, 8), 17),
+        (
+            "drafts as long as the tokens",
+            Region::SeqDescs,
+            desc(1, 8),
+            1,
+        ),
         ("admission slot", Region::Admissions, 0, 9),
         ("admission do_sample", Region::Admissions, 8, 7),
         ("admission top_n", Region::Admissions, params_top_n, 4),
@@ -466,6 +475,13 @@ fn corrupt_plans_and_results_are_refused_on_read() {
         ("n_seqs", Region::ResultMeta, 8, 5),
         ("slot", Region::SeqResults, 0, 8),
         ("n_top", Region::SeqResults, 12, 4),
+        (
+            "n_extra over a sequence's drafts",
+            Region::SeqResults,
+            16,
+            17,
+        ),
+        ("extra offset", Region::SeqResults, 20, 3),
     ];
     for (what, region, at, value) in result_cases {
         let mut seg = new_segment();
@@ -530,6 +546,7 @@ fn arb_seq() -> impl Strategy<Value = SeqStep> {
                     slot_mapping,
                     sample,
                     n_prompt_tokens,
+                    n_draft: 0,
                 }
             },
         )
@@ -577,6 +594,7 @@ fn arb_result() -> impl Strategy<Value = StepResult> {
                 0u32..8,
                 arb_token(),
                 prop::collection::vec(arb_token(), 0..=3),
+                prop::collection::vec(arb_token(), 0..=4),
             ),
             0..=4,
         ),
@@ -594,7 +612,12 @@ fn arb_result() -> impl Strategy<Value = StepResult> {
                 step_id,
                 seqs: seqs
                     .into_iter()
-                    .map(|(slot, token, top)| SeqResult { slot, token, top })
+                    .map(|(slot, token, top, extra)| SeqResult {
+                        slot,
+                        token,
+                        top,
+                        extra,
+                    })
                     .collect(),
                 timing: StepTiming {
                     forward_us: f,
@@ -658,5 +681,45 @@ proptest! {
         if let Ok(r) = seg.read_result() {
             prop_assert!(r.seqs.len() <= 4 && r.seqs.iter().all(|s| s.top.len() <= 3));
         }
+    }
+}
+
+#[test]
+fn drafted_tokens_cross_the_segment_and_misplaced_drafts_are_refused() {
+    let mut seg = new_segment();
+    let mut plan = sample_plan();
+    // Slot 2 decodes: its last generated token and three drafts after it.
+    plan.seqs[1] = seq(2, vec![99, 5, 6, 7], 17, vec![0, 3, 6]);
+    plan.seqs[1].n_prompt_tokens = 0;
+    plan.seqs[1].n_draft = 3;
+    seg.write_plan(&plan).unwrap();
+    assert_eq!(seg.read_plan().unwrap(), plan);
+
+    let mut result = sample_result();
+    result.seqs[0].extra = vec![
+        TokenLogprob {
+            token: 5,
+            logprob: -0.5,
+        },
+        TokenLogprob {
+            token: 8,
+            logprob: -1.5,
+        },
+    ];
+    seg.write_result(&result).unwrap();
+    assert_eq!(seg.read_result().unwrap(), result);
+
+    for (what, n_draft, n_prompt, sample) in [
+        ("drafts over prompt tokens", 2, 3, true),
+        ("no real token before the drafts", 4, 0, true),
+        ("drafts in a sequence that does not sample", 1, 0, false),
+    ] {
+        let mut bad = plan.clone();
+        bad.seqs[1].n_draft = n_draft;
+        bad.seqs[1].n_prompt_tokens = n_prompt;
+        bad.seqs[1].sample = sample;
+        bad.masks.clear();
+        let err = seg.write_plan(&bad).expect_err(what);
+        assert!(matches!(err, ShmError::BadPlan(_)), "{what}: {err:?}");
     }
 }

@@ -4,6 +4,7 @@
 use npu_protocol::{LongContextConfig, LongContextLayout};
 
 use super::error::SchedError;
+use super::speculative::SpeculativeConfig;
 
 /// How requests are grouped into steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -51,6 +52,8 @@ pub struct SchedulerConfig {
     /// Most copies through the KV handoff region one plan may carry (prefill/decode
     /// disaggregation; the segment's capacity); 0: no handoff.
     pub handoff_copies_per_step: usize,
+    /// Speculative decoding with n-gram drafts; None: off.
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 /// The agent's host KV pool and what moving a block costs (from the agent's handshake).
@@ -98,6 +101,7 @@ impl Default for SchedulerConfig {
             kv_host: None,
             long_context: None,
             handoff_copies_per_step: 0,
+            speculative: None,
         }
     }
 }
@@ -207,6 +211,16 @@ impl SchedulerConfig {
                          max_blocks_per_seq {}) = {room})",
                         lc.device_blocks, self.num_blocks, self.max_blocks_per_seq
                     ),
+                });
+            }
+        }
+        if let Some(sp) = &self.speculative {
+            sp.validate()?;
+            if self.long_context.is_some() {
+                return Err(SchedError::InvalidConfig {
+                    field: "speculative",
+                    reason: "is set with long_context (drafts do not run in long-context mode)"
+                        .into(),
                 });
             }
         }

@@ -55,6 +55,17 @@ pub enum SchedError {
     #[error("step {step_id}: a result for slot {slot}, which did not sample in that step")]
     UnexpectedResult { step_id: u64, slot: u32 },
 
+    #[error(
+        "step {step_id}: {got} tokens for slot {slot}, which drafted {drafted} (at most one more \
+         than its drafts)"
+    )]
+    TooManyTokens {
+        step_id: u64,
+        slot: u32,
+        got: usize,
+        drafted: usize,
+    },
+
     #[error("step {step_id}: two results for slot {slot}")]
     DuplicateResult { step_id: u64, slot: u32 },
 

@@ -14,6 +14,7 @@ mod planner;
 mod prefix_cache;
 mod request;
 mod results;
+mod speculative;
 mod swap;
 pub mod types;
 
@@ -32,6 +33,8 @@ mod tests_kv_events;
 #[cfg(test)]
 mod tests_long;
 #[cfg(test)]
+mod tests_spec;
+#[cfg(test)]
 mod tests_swap;
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
@@ -44,6 +47,7 @@ pub use kv_events::{KvEvent, KvMedium};
 pub use prefix_cache::{BlockHash, Tier};
 pub use request::RecoveredRequest;
 pub use results::SchedOutput;
+pub use speculative::{ngram_draft, SpeculativeConfig};
 pub use types::{FinishReason, GenerateRequest, RequestId};
 
 use request::{check_request, Sequence};
@@ -96,6 +100,10 @@ pub struct SchedStats {
     pub handoff_in_blocks: u64,
     pub steps_in_flight: usize,
     pub slots_in_use: usize,
+    /// Speculative decoding: tokens drafted (sent to be verified), and of them those the agent
+    /// kept (each saved one decode step).
+    pub spec_drafted_tokens: u64,
+    pub spec_accepted_tokens: u64,
 }
 
 /// One sequence's share of a step that is in flight, to match its result.
@@ -106,6 +114,8 @@ struct Planned {
     incarnation: u64,
     n_tokens: usize,
     sample: bool,
+    /// Of `n_tokens`, the trailing drafted ones.
+    n_draft: usize,
 }
 
 /// The scheduler and KV block manager of one agent.
@@ -150,6 +160,8 @@ pub struct Scheduler {
     handoff_out_blocks: u64,
     handoff_in_requests: u64,
     handoff_in_blocks: u64,
+    spec_drafted_tokens: u64,
+    spec_accepted_tokens: u64,
 }
 
 impl Scheduler {
@@ -192,6 +204,8 @@ impl Scheduler {
             handoff_out_blocks: 0,
             handoff_in_requests: 0,
             handoff_in_blocks: 0,
+            spec_drafted_tokens: 0,
+            spec_accepted_tokens: 0,
         })
     }
 
@@ -241,6 +255,7 @@ impl Scheduler {
             incarnation: 0,
             admitted: None,
             swapped: None,
+            drafts: Default::default(),
         };
         self.seqs.insert(id, seq);
         if resumed {
@@ -351,6 +366,8 @@ impl Scheduler {
             handoff_in_blocks: self.handoff_in_blocks,
             steps_in_flight: self.in_flight.len(),
             slots_in_use: self.cfg.slots() - self.free_slots.len() - self.pending_forget.len(),
+            spec_drafted_tokens: self.spec_drafted_tokens,
+            spec_accepted_tokens: self.spec_accepted_tokens,
         }
     }
 

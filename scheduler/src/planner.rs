@@ -4,10 +4,11 @@
 //! token-budget limits (or, with the static policy, whole batches). The KV copies that
 //! preemption, admission and eviction queued go into the plan in the order they were made.
 
-use npu_protocol::{Admission, SeqStep, StepPlan};
+use npu_protocol::{Admission, SeqStep, StepPlan, MAX_STEP_DRAFT_TOKENS};
 
 use super::config::BatchingPolicy;
 use super::prefix_cache::Tier;
+use super::speculative::{ngram_draft, SpeculativeConfig};
 use super::{Planned, Scheduler};
 use crate::types::RequestId;
 
@@ -20,7 +21,13 @@ impl Scheduler {
         let mut steps: Vec<SeqStep> = Vec::new();
         let mut planned: Vec<Planned> = Vec::new();
 
-        // 1. One decode token for each running sequence that is decoding, oldest first.
+        // 1. One decode token for each running sequence that is decoding, oldest first, and
+        //    with speculative decoding, while few enough decode, the drafts that follow it.
+        let speculative = self
+            .cfg
+            .speculative
+            .filter(|s| self.decoding() <= s.max_batch);
+        let mut draft_budget = MAX_STEP_DRAFT_TOKENS;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -38,8 +45,13 @@ impl Scheduler {
                 }
                 continue;
             }
-            self.emit(step_id, id, 1, &mut steps, &mut planned);
-            budget -= 1;
+            let draft = match speculative {
+                Some(sp) => self.draft(id, &sp, (budget - 1).min(draft_budget)),
+                None => Vec::new(),
+            };
+            self.emit_with_drafts(step_id, id, 1, &draft, &mut steps, &mut planned);
+            budget -= 1 + draft.len();
+            draft_budget -= draft.len();
             i += 1;
         }
 
@@ -250,17 +262,34 @@ impl Scheduler {
         steps: &mut Vec<SeqStep>,
         planned: &mut Vec<Planned>,
     ) {
+        self.emit_with_drafts(step_id, id, n, &[], steps, planned);
+    }
+
+    /// Adds the next `n` tokens of an admitted sequence to the plan, then `draft` (guessed
+    /// tokens after them, to verify; only for a sequence that samples after its `n` tokens,
+    /// with its block table already covering them).
+    fn emit_with_drafts(
+        &mut self,
+        step_id: u64,
+        id: RequestId,
+        n_real: usize,
+        draft: &[u32],
+        steps: &mut Vec<SeqStep>,
+        planned: &mut Vec<Planned>,
+    ) {
         let bs = self.cfg.block_size;
         let seq = self.seqs.get_mut(&id).expect("scheduled request is known");
         let total = seq.total_len();
-        let n_prompt = seq.prompt_part(seq.num_computed(), n) as u32;
+        let n_prompt = seq.prompt_part(seq.num_computed(), n_real) as u32;
         let adm = seq
             .admitted
             .as_ref()
             .expect("scheduled request is admitted");
         let start = adm.num_computed;
+        let n = n_real + draft.len();
         let end = start + n;
-        let tokens = seq.tokens(start, end);
+        let mut tokens = seq.tokens(start, start + n_real);
+        tokens.extend_from_slice(draft);
         let block_table = adm.blocks[..blocks_for(self.long_context.as_ref(), bs, end)].to_vec();
         let slot_mapping = match &self.long_context {
             Some(l) => (start..end)
@@ -270,7 +299,7 @@ impl Scheduler {
                 .map(|pos| block_table[pos / bs] * bs as u32 + (pos % bs) as u32)
                 .collect(),
         };
-        let sample = end == total;
+        let sample = start + n_real == total;
         let slot = adm.slot;
         steps.push(SeqStep {
             slot,
@@ -280,6 +309,7 @@ impl Scheduler {
             slot_mapping,
             sample,
             n_prompt_tokens: n_prompt,
+            n_draft: draft.len() as u32,
         });
         planned.push(Planned {
             slot,
@@ -287,6 +317,7 @@ impl Scheduler {
             incarnation: seq.incarnation,
             n_tokens: n,
             sample,
+            n_draft: draft.len(),
         });
         if let Some(adm) = seq.admitted.as_mut() {
             adm.in_flight = Some(step_id);
@@ -294,9 +325,58 @@ impl Scheduler {
         self.scheduled_tokens += n as u64;
         // Everything but the one newest generated token of a decoding sequence is prefill (a
         // prompt, or tokens computed again after a preemption or recovery).
-        if !(n == 1 && start >= seq.prompt_len()) {
-            self.prefill_tokens += n as u64;
+        if !(n_real == 1 && start >= seq.prompt_len()) {
+            self.prefill_tokens += n_real as u64;
         }
+        self.spec_drafted_tokens += draft.len() as u64;
+    }
+
+    /// Running sequences that decode in the next step (one token each, not in flight).
+    fn decoding(&self) -> usize {
+        self.running
+            .iter()
+            .filter(|id| {
+                let s = &self.seqs[*id];
+                s.remaining() == 1 && s.admitted.as_ref().is_some_and(|a| a.in_flight.is_none())
+            })
+            .count()
+    }
+
+    /// The drafts of a decoding sequence (its table already covering its next token): at most
+    /// `cap`, `num_speculative_tokens`, what its limits leave room for, and what free blocks
+    /// can hold (drafts never preempt). Empty when the request does not draft now.
+    fn draft(&mut self, id: RequestId, sp: &SpeculativeConfig, cap: usize) -> Vec<u32> {
+        let bs = self.cfg.block_size;
+        let seq = &self.seqs[&id];
+        if !seq.req.speculative || seq.params().top_n > 0 || !seq.drafts.active(seq.generated.len())
+        {
+            return Vec::new();
+        }
+        let total = seq.total_len();
+        // Every draft kept yields one more token: no more than the request may still make.
+        let room = (seq.req.max_new_tokens as usize)
+            .saturating_sub(seq.generated.len() + 1)
+            .min(seq.max_total_len.saturating_sub(total + 1));
+        let k = sp.num_speculative_tokens.min(cap).min(room);
+        if k == 0 {
+            return Vec::new();
+        }
+        let mut draft = ngram_draft(
+            &seq.all_tokens(),
+            sp.prompt_lookup_min,
+            sp.prompt_lookup_max,
+            k,
+        );
+        if draft.is_empty() {
+            return draft;
+        }
+        self.grow_table(id, total + draft.len());
+        let covered = self.seqs[&id]
+            .admitted
+            .as_ref()
+            .map_or(0, |a| a.blocks.len() * bs);
+        draft.truncate(covered.saturating_sub(total));
+        draft
     }
 }
 

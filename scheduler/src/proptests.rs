@@ -3,7 +3,8 @@
 //! the bookkeeping invariants hold; every plan respects its limits and writes only private
 //! blocks of the writer; a model of the KV memory replaying every plan's copies and writes in
 //! order shows every sequence reading its own tokens at every position; and once arrivals stop,
-//! every request finishes within a bounded number of steps with all blocks free.
+//! every request finishes within a bounded number of steps with all blocks free. With
+//! speculative decoding on, the agent keeps each draft that equals the token it answers.
 
 use std::collections::HashSet;
 
@@ -58,11 +59,13 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             2..24usize,
             0..12usize,
         ),
+        (0..3usize, 1..3usize, 1..5usize),
     )
         .prop_map(
             |(
                 (num_blocks, block_size, max_running, prompts),
                 (budget, extra_slots, stat, pc, mbs, host),
+                (drafts, lookup_min, max_batch),
             )| {
                 SchedulerConfig {
                     // Host pools of 0 (none) to 11 blocks, copy room from 1 to 3 per block.
@@ -91,6 +94,14 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                     prefix_cache: pc,
                     eos_ids: vec![EOS],
                     long_context: None,
+                    // Speculative decoding off, or drafting up to 2 or 4 tokens.
+                    speculative: (drafts > 0).then_some(SpeculativeConfig {
+                        num_speculative_tokens: 2 * drafts,
+                        prompt_lookup_min: lookup_min,
+                        prompt_lookup_max: 3,
+                        max_batch,
+                        min_acceptance: 0.3,
+                    }),
                 }
             },
         )
@@ -202,7 +213,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
             }
             Op::Deliver { pick, token } if !pending.is_empty() => {
                 let plan = pending.remove(pick % pending.len());
-                s.on_result(&answer(&plan, |_| token)).unwrap();
+                s.on_result(&answer_drafts(&plan, |_| token)).unwrap();
             }
             Op::AgentDied => {
                 pending.clear();
@@ -220,7 +231,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
 
     // No more arrivals: everything finishes within a bound, and the pool ends empty.
     for plan in std::mem::take(&mut pending) {
-        s.on_result(&answer(&plan, |_| 3)).unwrap();
+        s.on_result(&answer_drafts(&plan, |_| 3)).unwrap();
     }
     let work: usize = 40 * (s.seqs.len() + 1);
     let bound = 4 * work * (s.seqs.len() + 1) + 8;
@@ -229,7 +240,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
         check_new_plan(&s, &plan, &agent);
         apply_to_agent(&mut agent, &plan);
         kv.apply(&plan, &expected_tokens(&s));
-        s.on_result(&answer(&plan, |_| 3)).unwrap();
+        s.on_result(&answer_drafts(&plan, |_| 3)).unwrap();
         s.check_invariants().unwrap();
         steps += 1;
         assert!(steps <= bound, "not finished after {bound} steps");

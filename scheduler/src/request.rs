@@ -7,6 +7,7 @@ use npu_protocol::SamplingParams;
 use super::config::SchedulerConfig;
 use super::error::SchedError;
 use super::prefix_cache::BlockHash;
+use super::speculative::DraftRecord;
 use crate::types::{FinishReason, GenerateRequest};
 
 /// A request the scheduler gives back after its agent died: the original request and the tokens
@@ -59,6 +60,8 @@ pub(crate) struct Sequence {
     pub admitted: Option<Admitted>,
     /// Set while it waits with its KV swapped out to the host pool.
     pub swapped: Option<Swapped>,
+    /// How its drafts fared (speculative decoding).
+    pub drafts: DraftRecord,
 }
 
 impl Sequence {

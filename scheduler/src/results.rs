@@ -33,11 +33,18 @@ impl Scheduler {
             .ok_or(SchedError::UnknownStep { step_id })?;
         let mut by_slot: HashMap<u32, &SeqResult> = HashMap::new();
         for r in &res.seqs {
-            let expected = planned.iter().any(|p| p.slot == r.slot && p.sample);
-            if !expected {
+            let Some(p) = planned.iter().find(|p| p.slot == r.slot && p.sample) else {
                 return Err(SchedError::UnexpectedResult {
                     step_id,
                     slot: r.slot,
+                });
+            };
+            if r.extra.len() > p.n_draft {
+                return Err(SchedError::TooManyTokens {
+                    step_id,
+                    slot: r.slot,
+                    got: 1 + r.extra.len(),
+                    drafted: p.n_draft,
                 });
             }
             if by_slot.insert(r.slot, r).is_some() {
@@ -65,20 +72,40 @@ impl Scheduler {
             if !self.is_current(step_id, &p) {
                 continue;
             }
-            self.advance(p.id, p.n_tokens);
             if !p.sample {
+                self.advance(p.id, p.n_tokens);
                 continue;
             }
             let r = by_slot[&p.slot];
             let seq = self.seqs.get_mut(&p.id).expect("current sequence is known");
-            seq.generated.push(r.token.token);
-            let finished = seq.finish_reason(r.token.token, &self.cfg.eos_ids);
-            out.push(SchedOutput {
-                id: p.id,
-                token: r.token,
-                top: r.top.clone(),
-                finished,
-            });
+            // The sampled token, then one more for each draft the agent kept, up to the first
+            // that ends the request.
+            let mut finished = None;
+            let mut made = 0;
+            for (j, t) in std::iter::once(&r.token).chain(&r.extra).enumerate() {
+                seq.generated.push(t.token);
+                made += 1;
+                finished = seq.finish_reason(t.token, &self.cfg.eos_ids);
+                out.push(SchedOutput {
+                    id: p.id,
+                    token: *t,
+                    top: if j == 0 { r.top.clone() } else { Vec::new() },
+                    finished,
+                });
+                if finished.is_some() {
+                    break;
+                }
+            }
+            if p.n_draft > 0 {
+                self.spec_accepted_tokens += r.extra.len() as u64;
+                if let Some(sp) = self.cfg.speculative {
+                    let generated = seq.generated.len();
+                    seq.drafts
+                        .record(p.n_draft, r.extra.len(), generated, sp.min_acceptance);
+                }
+            }
+            // The real tokens and the drafts kept before the last token made have their KV.
+            self.advance(p.id, p.n_tokens - p.n_draft + made - 1);
             if finished.is_some() {
                 self.remove(p.id);
             }

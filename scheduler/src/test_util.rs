@@ -59,6 +59,7 @@ pub fn req(id: u64, prompt: &[u32], max_new: u32) -> GenerateRequest {
         stop: Vec::new(),
         stop_token_ids: Vec::new(),
         ignore_eos: false,
+        speculative: true,
     }
 }
 
@@ -83,10 +84,34 @@ pub fn answer(plan: &StepPlan, token: impl Fn(u32) -> u32) -> StepResult {
                     logprob: -0.5,
                 },
                 top: Vec::new(),
+                extra: Vec::new(),
             })
             .collect(),
         timing: Default::default(),
     }
+}
+
+/// The agent's answer to `plan` when it samples `token(slot)` at every position: a drafting
+/// sequence keeps each draft while it equals that token (the first that differs ends it).
+pub fn answer_drafts(plan: &StepPlan, token: impl Fn(u32) -> u32) -> StepResult {
+    let mut res = answer(plan, &token);
+    for (r, q) in res
+        .seqs
+        .iter_mut()
+        .zip(plan.seqs.iter().filter(|s| s.sample))
+    {
+        let t = token(q.slot);
+        let drafts = &q.tokens[q.tokens.len() - q.n_draft as usize..];
+        r.extra = drafts
+            .iter()
+            .take_while(|&&d| d == t)
+            .map(|_| TokenLogprob {
+                token: t,
+                logprob: -0.5,
+            })
+            .collect();
+    }
+    res
 }
 
 /// Schedules one step and answers it with `token` for every sampling sequence.
@@ -177,11 +202,18 @@ impl KvModel {
         }
         for q in &plan.seqs {
             let want = &expected[&q.slot];
+            // Drafts are not the sequence's tokens (yet): they read what the step wrote.
+            let real = q.context_len() - q.n_draft;
             for pos in 0..q.context_len() {
                 let b = q.block_table[(pos / bs) as usize] as usize;
+                let token = if pos < real {
+                    want[pos as usize]
+                } else {
+                    q.tokens[(pos - q.start_pos) as usize]
+                };
                 assert_eq!(
                     self.device[b][(pos % bs) as usize],
-                    Some((pos, want[pos as usize])),
+                    Some((pos, token)),
                     "slot {} position {pos} reads the wrong KV",
                     q.slot
                 );

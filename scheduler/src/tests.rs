@@ -489,6 +489,7 @@ fn bad_requests_and_results_get_clear_errors() {
         slot,
         token: tl,
         top: vec![],
+        extra: Vec::new(),
     };
     assert_eq!(
         s.on_result(&bad(vec![], 99)),

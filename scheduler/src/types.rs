@@ -21,6 +21,9 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past EOS (benchmarks).
     pub ignore_eos: bool,
+    /// May the scheduler draft tokens for it when speculative decoding is on (false for
+    /// constrained requests and when the request turns it off).
+    pub speculative: bool,
 }
 
 /// Why a request ended.

@@ -153,6 +153,7 @@ fn prefill(step_id: u64, slot: u32, first_block: u32) -> StepPlan {
             slot_mapping: (0..n).map(|p| first_block * 16 + p).collect(),
             sample: true,
             n_prompt_tokens: n,
+            n_draft: 0,
         }],
     }
 }
@@ -173,6 +174,7 @@ fn decode(step_id: u64, slot: u32, first_block: u32, token: u32, pos: u32) -> St
             slot_mapping: vec![first_block * 16 + pos],
             sample: true,
             n_prompt_tokens: 0,
+            n_draft: 0,
         }],
     }
 }

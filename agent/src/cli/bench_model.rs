@@ -126,6 +126,7 @@ pub(crate) fn greedy(prompts: Vec<Vec<u32>>, n: usize) -> Vec<Arrival> {
                 stop: Vec::new(),
                 stop_token_ids: Vec::new(),
                 ignore_eos: true,
+                speculative: true,
             },
             at_step: 0,
         })

@@ -124,6 +124,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             tok.eos_ids().to_vec()
         },
         ignore_eos: args.ignore_eos,
+        speculative: true,
     };
     let mut stream = tok.decode_stream(true);
     let mut stdout = std::io::stdout();

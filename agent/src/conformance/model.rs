@@ -72,6 +72,7 @@ fn seq(slot: u32, start: u32, tokens: &[u32], sample: bool) -> SeqStep {
         block_table: table,
         sample,
         n_prompt_tokens: tokens.len() as u32,
+        n_draft: 0,
     }
 }
 

@@ -28,6 +28,7 @@ fn seq(slot: u32, start: u32, n: u32, table: &[u32], sample: bool) -> SeqStep {
             .collect(),
         sample,
         n_prompt_tokens: if start == 0 { n } else { 0 },
+        n_draft: 0,
     }
 }
 
@@ -86,11 +87,13 @@ fn a_plan_becomes_the_inputs_it_describes() {
         vec![
             SeqFacts {
                 slot: 1,
-                n_prompt: 5
+                n_prompt: 5,
+                n_draft: 0
             },
             SeqFacts {
                 slot: 0,
-                n_prompt: 0
+                n_prompt: 0,
+                n_draft: 0
             }
         ]
     );
@@ -100,6 +103,35 @@ fn a_plan_becomes_the_inputs_it_describes() {
     let r = read(&p).unwrap();
     assert_eq!(r.inputs.block_tables, vec![7, 0, 4, 5]);
     assert_eq!(r.inputs.logit_rows, vec![1, 2]);
+}
+
+#[test]
+fn a_drafting_sequence_samples_after_its_last_real_token_and_each_draft() {
+    // Slot 0 prefills 2 tokens without sampling; slot 1 decodes its token and 3 drafts.
+    let mut spec = seq(1, 6, 4, &[4, 5, 6], true);
+    spec.n_draft = 3;
+    let p = plan(vec![seq(0, 0, 2, &[7], false), spec]);
+    let r = read(&p).unwrap();
+    assert_eq!(r.inputs.logit_rows, vec![2, 3, 4, 5]);
+    assert_eq!(r.logit_slots, vec![1; 4]);
+    assert_eq!(
+        r.sampling,
+        vec![SamplingSeq {
+            seq: 1,
+            slot: 1,
+            first_row: 0,
+            n_draft: 3
+        }]
+    );
+    assert_eq!(r.drafts(1), &r.tokens(1)[1..]);
+    assert!(r.drafts(0).is_empty());
+
+    for (n_draft, n_prompt, sample) in [(4, 0, true), (1, 0, false), (2, 3, true), (17, 0, true)] {
+        let mut bad = seq(1, 6, 4, &[4, 5, 6], sample);
+        bad.n_draft = n_draft;
+        bad.n_prompt_tokens = n_prompt;
+        refused(&plan(vec![bad]), "drafted tokens");
+    }
 }
 
 #[test]
@@ -201,6 +233,7 @@ fn long_context_plans_map_slots_through_the_ring() {
             .collect(),
         sample: true,
         n_prompt_tokens: 0,
+        n_draft: 0,
     };
     // Position 20 lies in logical block 5: ring entry 1 + (4 % 2) = 1, block 2.
     let r = read_long(&plan(vec![ring_seq(20, 2)])).unwrap();

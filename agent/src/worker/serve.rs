@@ -184,6 +184,7 @@ mod tests {
                             logprob: -0.5,
                         },
                         top: Vec::new(),
+                        extra: Vec::new(),
                     })
                     .collect(),
                 timing: StepTiming::default(),
@@ -206,6 +207,7 @@ mod tests {
                 slot_mapping: vec![0],
                 sample: true,
                 n_prompt_tokens: 1,
+                n_draft: 0,
             }],
             ..Default::default()
         }

@@ -115,6 +115,7 @@ pub fn scheduler_with_step() -> (Scheduler, StepPlan) {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            speculative: true,
         };
         s.add(&req).expect("request admitted");
     }

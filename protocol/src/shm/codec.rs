@@ -12,7 +12,8 @@ use super::ShmError;
 use crate::source::{PlanSource, SeqRef, U32s};
 use crate::step::{
     Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, StepPlan, StepResult, StepTiming,
-    StepTransfer, TokenLogprob, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE,
+    StepTransfer, TokenLogprob, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE,
+    MAX_STEP_DRAFT_TOKENS,
 };
 
 /// Byte-level access to one region of the segment.
@@ -204,8 +205,41 @@ pub(crate) fn check_plan(layout: &ShmLayout, plan: &StepPlan) -> Result<(), ShmE
                 seq.tokens.len()
             )));
         }
+        if !drafts_fit(
+            seq.n_draft,
+            seq.tokens.len() as u32,
+            seq.n_prompt_tokens,
+            seq.sample,
+        ) {
+            return Err(ShmError::BadPlan(format!(
+                "slot {}: {} drafted tokens with {} tokens, {} of them prompt, sample {} (drafts \
+                 follow a generated or prompt token, at most {MAX_DRAFT_TOKENS}, only when \
+                 sampling)",
+                seq.slot,
+                seq.n_draft,
+                seq.tokens.len(),
+                seq.n_prompt_tokens,
+                seq.sample
+            )));
+        }
     }
+    exceeds(
+        "drafted tokens per step",
+        plan.n_draft(),
+        MAX_STEP_DRAFT_TOKENS as u32,
+    )?;
     Ok(())
+}
+
+/// Whether `n_draft` drafted tokens may end a sequence of `n_tokens` tokens, `n_prompt` of
+/// them prompt: at most `MAX_DRAFT_TOKENS`, never prompt, at least one real token before them,
+/// and only in a sequence that samples.
+fn drafts_fit(n_draft: u32, n_tokens: u32, n_prompt: u32, sample: bool) -> bool {
+    n_draft == 0
+        || (sample
+            && n_draft as usize <= MAX_DRAFT_TOKENS
+            && n_draft < n_tokens
+            && n_prompt <= n_tokens - n_draft)
 }
 
 pub(crate) fn write_plan(
@@ -227,6 +261,8 @@ pub(crate) fn write_plan(
             token_offset: token_at as u32,
             n_blocks: seq.block_table.len() as u32,
             block_offset: (i * max_blocks) as u32,
+            n_draft: seq.n_draft,
+            reserved: 0,
         };
         regions[Region::SeqDescs as usize].put(i, &desc)?;
         regions[Region::Tokens as usize].put_u32s(token_at, &seq.tokens)?;
@@ -334,6 +370,7 @@ impl<'a> PlanView<'a> {
         let mut descs = Vec::with_capacity(meta.n_seqs as usize);
         let mut token_at = 0u32;
         let mut n_block_entries = 0u32;
+        let mut n_draft = 0u32;
         for i in 0..meta.n_seqs as usize {
             let d: SeqDesc = desc_region.get(i)?;
             check_slot("sequence", d.slot, caps.max_slots).map_err(to_corrupt)?;
@@ -341,13 +378,20 @@ impl<'a> PlanView<'a> {
                 || d.n_tokens > meta.n_tokens - token_at
                 || d.n_prompt_tokens > d.n_tokens
                 || d.sample > 1
+                || !drafts_fit(d.n_draft, d.n_tokens, d.n_prompt_tokens, d.sample == 1)
             {
                 return Err(ShmError::Corrupt(format!(
                     "sequence {i}: token_offset {} n_tokens {} n_prompt_tokens {} sample {} \
-                     (next token offset {token_at}, {} tokens in the plan)",
-                    d.token_offset, d.n_tokens, d.n_prompt_tokens, d.sample, meta.n_tokens
+                     n_draft {} (next token offset {token_at}, {} tokens in the plan)",
+                    d.token_offset,
+                    d.n_tokens,
+                    d.n_prompt_tokens,
+                    d.sample,
+                    d.n_draft,
+                    meta.n_tokens
                 )));
             }
+            n_draft += d.n_draft;
             if d.n_blocks > caps.max_blocks_per_seq
                 || d.block_offset as u64 != i as u64 * caps.max_blocks_per_seq as u64
             {
@@ -363,6 +407,11 @@ impl<'a> PlanView<'a> {
             token_at += d.n_tokens;
             n_block_entries += d.n_blocks;
             descs.push(d);
+        }
+        if n_draft as usize > MAX_STEP_DRAFT_TOKENS {
+            return Err(ShmError::Corrupt(format!(
+                "the plan drafts {n_draft} tokens, at most {MAX_STEP_DRAFT_TOKENS} fit a step"
+            )));
         }
         if token_at != meta.n_tokens || n_block_entries != meta.n_block_entries {
             return Err(ShmError::Corrupt(format!(
@@ -468,6 +517,7 @@ impl PlanSource for PlanView<'_> {
             slot_mapping: U32s::Le(&self.mapping[t]),
             sample: d.sample == 1,
             n_prompt_tokens: d.n_prompt_tokens,
+            n_draft: d.n_draft,
         }
     }
     fn n_tokens(&self) -> usize {
@@ -501,7 +551,17 @@ pub(crate) fn check_result(layout: &ShmLayout, result: &StepResult) -> Result<()
     for seq in &result.seqs {
         check_slot("result", seq.slot, caps.max_slots)?;
         exceeds("top-n alternatives", seq.top.len(), caps.max_top_n)?;
+        exceeds(
+            "tokens sampled after drafts",
+            seq.extra.len(),
+            MAX_DRAFT_TOKENS as u32,
+        )?;
     }
+    exceeds(
+        "tokens sampled after drafts in one step",
+        result.seqs.iter().map(|s| s.extra.len()).sum(),
+        MAX_STEP_DRAFT_TOKENS as u32,
+    )?;
     Ok(())
 }
 
@@ -513,14 +573,25 @@ pub(crate) fn write_result(
     check_result(layout, result)?;
     let max_top_n = layout.capacities().max_top_n as usize;
     let mut regions = regions_mut(layout, seg)?;
+    let mut extra_at = 0usize;
     for (i, seq) in result.seqs.iter().enumerate() {
         let raw = RawSeqResult {
             slot: seq.slot,
             token: seq.token.token,
             logprob: seq.token.logprob,
             n_top: seq.top.len() as u32,
+            n_extra: seq.extra.len() as u32,
+            extra_offset: extra_at as u32,
         };
         regions[Region::SeqResults as usize].put(i, &raw)?;
+        for t in &seq.extra {
+            let raw = RawTokenLogprob {
+                token: t.token,
+                logprob: t.logprob,
+            };
+            regions[Region::ExtraTokens as usize].put(extra_at, &raw)?;
+            extra_at += 1;
+        }
         for (j, alt) in seq.top.iter().enumerate() {
             let raw = RawTokenLogprob {
                 token: alt.token,
@@ -556,6 +627,8 @@ pub(crate) fn read_result(layout: &ShmLayout, seg: &[u8]) -> Result<StepResult, 
     }
     let results = region(layout, seg, Region::SeqResults)?;
     let top = region(layout, seg, Region::TopLogprobs)?;
+    let extra_region = region(layout, seg, Region::ExtraTokens)?;
+    let mut extra_at = 0u32;
     let mut seqs = Vec::with_capacity(meta.n_seqs as usize);
     for i in 0..meta.n_seqs as usize {
         let raw: RawSeqResult = results.get(i)?;
@@ -574,6 +647,25 @@ pub(crate) fn read_result(layout: &ShmLayout, seg: &[u8]) -> Result<StepResult, 
                 logprob: t.logprob,
             });
         }
+        if raw.extra_offset != extra_at
+            || raw.n_extra as usize > MAX_DRAFT_TOKENS
+            || (extra_at + raw.n_extra) as usize > MAX_STEP_DRAFT_TOKENS
+        {
+            return Err(ShmError::Corrupt(format!(
+                "result {i}: {} extra tokens at {} (next offset {extra_at}, at most \
+                 {MAX_DRAFT_TOKENS} per sequence and {MAX_STEP_DRAFT_TOKENS} per step)",
+                raw.n_extra, raw.extra_offset
+            )));
+        }
+        let mut extra = Vec::with_capacity(raw.n_extra as usize);
+        for j in 0..raw.n_extra {
+            let t: RawTokenLogprob = extra_region.get((extra_at + j) as usize)?;
+            extra.push(TokenLogprob {
+                token: t.token,
+                logprob: t.logprob,
+            });
+        }
+        extra_at += raw.n_extra;
         seqs.push(SeqResult {
             slot: raw.slot,
             token: TokenLogprob {
@@ -581,6 +673,7 @@ pub(crate) fn read_result(layout: &ShmLayout, seg: &[u8]) -> Result<StepResult, 
                 logprob: raw.logprob,
             },
             top: alts,
+            extra,
         });
     }
     Ok(StepResult {

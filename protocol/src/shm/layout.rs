@@ -6,12 +6,12 @@ use bytemuck::{Pod, Zeroable};
 use serde::{Deserialize, Serialize};
 
 use super::ShmError;
-use crate::step::{MAX_LOGIT_BIAS, MAX_TOP_N};
+use crate::step::{MAX_LOGIT_BIAS, MAX_STEP_DRAFT_TOKENS, MAX_TOP_N};
 
 /// "NPUSHM" + two version-independent bytes, read as a little-endian u64.
 pub const SHM_MAGIC: u64 = u64::from_le_bytes(*b"NPUSHM\x00\x01");
 /// Version of the segment layout and of the control frames; both sides must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// Every region starts on this boundary (a cache line).
 pub const REGION_ALIGN: u64 = 64;
 /// Largest segment we agree to create or open.
@@ -137,6 +137,9 @@ pub struct SeqDesc {
     pub token_offset: u32,
     pub n_blocks: u32,
     pub block_offset: u32,
+    /// Trailing tokens that are drafts (speculative decoding; 0 without).
+    pub n_draft: u32,
+    pub reserved: u32,
 }
 
 /// `SamplingParams` as stored in the segment.
@@ -203,7 +206,8 @@ pub struct ResultMeta {
     pub copy_us: u64,
 }
 
-/// One sequence result; its alternatives live at `index * max_top_n` of the top array.
+/// One sequence result; its alternatives live at `index * max_top_n` of the top array, the
+/// tokens it sampled after its drafts at `extra_offset` of the extra-token array.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub struct RawSeqResult {
@@ -211,6 +215,8 @@ pub struct RawSeqResult {
     pub token: u32,
     pub logprob: f32,
     pub n_top: u32,
+    pub n_extra: u32,
+    pub extra_offset: u32,
 }
 
 /// A token and its log-probability as stored in the segment.
@@ -221,17 +227,17 @@ pub struct RawTokenLogprob {
     pub logprob: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<ShmHeader>() == 296);
+const _: () = assert!(std::mem::size_of::<ShmHeader>() == 312);
 const _: () = assert!(std::mem::size_of::<RawCapacities>() == 40);
 const _: () = assert!(std::mem::size_of::<RegionRecord>() == 16);
 const _: () = assert!(std::mem::size_of::<PlanMeta>() == 40);
-const _: () = assert!(std::mem::size_of::<SeqDesc>() == 32);
+const _: () = assert!(std::mem::size_of::<SeqDesc>() == 40);
 const _: () = assert!(std::mem::size_of::<RawLogitBias>() == 8);
 const _: () = assert!(std::mem::size_of::<RawSamplingParams>() == 48 + 8 * MAX_LOGIT_BIAS);
 const _: () = assert!(std::mem::size_of::<RawAdmission>() == 56 + 8 * MAX_LOGIT_BIAS);
 const _: () = assert!(std::mem::size_of::<RawKvCopy>() == 16);
 const _: () = assert!(std::mem::size_of::<ResultMeta>() == 80);
-const _: () = assert!(std::mem::size_of::<RawSeqResult>() == 16);
+const _: () = assert!(std::mem::size_of::<RawSeqResult>() == 24);
 const _: () = assert!(std::mem::size_of::<RawTokenLogprob>() == 8);
 const _: () = assert!(std::mem::offset_of!(ShmHeader, plan_seq) == PLAN_SEQ_OFFSET);
 const _: () = assert!(std::mem::offset_of!(ShmHeader, result_seq) == RESULT_SEQ_OFFSET);
@@ -253,9 +259,10 @@ pub enum Region {
     ResultMeta,
     SeqResults,
     TopLogprobs,
+    ExtraTokens,
 }
 
-pub const REGION_COUNT: usize = 13;
+pub const REGION_COUNT: usize = 14;
 
 impl Region {
     pub const ALL: [Region; REGION_COUNT] = [
@@ -272,6 +279,7 @@ impl Region {
         Region::ResultMeta,
         Region::SeqResults,
         Region::TopLogprobs,
+        Region::ExtraTokens,
     ];
 }
 
@@ -303,6 +311,7 @@ impl ShmLayout {
             size_of_u64::<ResultMeta>(),
             c(caps.max_seqs_per_step) * size_of_u64::<RawSeqResult>(),
             c(caps.max_seqs_per_step) * c(caps.max_top_n) * size_of_u64::<RawTokenLogprob>(),
+            MAX_STEP_DRAFT_TOKENS as u64 * size_of_u64::<RawTokenLogprob>(),
         ];
         let mut regions = [RegionRecord::zeroed(); REGION_COUNT];
         let mut at = align_up(size_of_u64::<ShmHeader>());

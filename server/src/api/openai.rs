@@ -26,6 +26,8 @@ struct Common {
     stop: Vec<String>,
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
+    /// May the scheduler draft tokens for it (speculative decoding, when configured).
+    speculative: bool,
     stream: bool,
     include_usage: bool,
     /// Choices to generate (`n`): one engine request each, seeds `seed`, `seed + 1`, ...
@@ -99,6 +101,8 @@ fn common(
         ));
     }
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    // Our extension: false keeps speculative decoding off for this request.
+    let speculative = f.bool("speculative")?.unwrap_or(true);
     f.string("user")?;
     let constraints = match super::structured::openai_constraint(f)? {
         Some(asked) => super::structured::compile(ctx, &asked, n)?,
@@ -124,6 +128,7 @@ fn common(
         stop,
         stop_token_ids,
         ignore_eos,
+        speculative,
         stream,
         include_usage,
         n,
@@ -202,6 +207,7 @@ fn finish(
         stop: c.stop.clone(),
         stop_token_ids: c.stop_token_ids.clone(),
         ignore_eos: c.ignore_eos,
+        speculative: c.speculative,
     };
     let writer = |include_usage: bool| {
         OpenAiWriter::new(

@@ -91,6 +91,8 @@ pub(super) fn submission(
         ));
     }
     let ignore_eos = p.bool("ignore_eos")?.unwrap_or(false);
+    // Our extension: false keeps speculative decoding off for this request.
+    let speculative = p.bool("speculative")?.unwrap_or(true);
     let sse = match p.string("return_protocol")? {
         None | Some("sse") => true,
         Some(_) => false,
@@ -163,6 +165,7 @@ pub(super) fn submission(
         stop,
         stop_token_ids: Vec::new(),
         ignore_eos,
+        speculative,
     };
     let state = TgiState {
         tokenizer: ctx.tokenizer.clone(),

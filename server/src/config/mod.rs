@@ -6,6 +6,7 @@ mod error;
 mod reader;
 mod roles;
 mod sections;
+mod speculative;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -164,6 +165,8 @@ pub struct NpuServingConfig {
     /// Where KV-cache events are published (`kv_events_endpoint`, `kv_events_topic`); None:
     /// not published.
     pub kv_events: Option<crate::kv_events::KvEventsConfig>,
+    /// Speculative decoding with n-gram drafts (`speculative`); None: off.
+    pub speculative: Option<npu_scheduler::SpeculativeConfig>,
 }
 
 impl Default for NpuServingConfig {
@@ -190,6 +193,7 @@ impl Default for NpuServingConfig {
             kv_cache_memory_fraction: None,
             tensor_parallel_size: 1,
             kv_events: None,
+            speculative: None,
         }
     }
 }

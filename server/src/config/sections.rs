@@ -91,6 +91,17 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
     let mut s = top.section("npu_serving")?;
     let mut npu_serving = npu_serving(&mut s)?;
     npu_serving.long_context = long_context(&mut s, pa_config.block_size, strict)?;
+    npu_serving.speculative = super::speculative::speculative(
+        &mut s,
+        Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
+    )?;
+    if npu_serving.speculative.is_some() && npu_serving.long_context.is_some() {
+        return Err(ConfigError::not_allowed(
+            "npu_serving.speculative",
+            "set with npu_serving.long_context",
+            "absent in long-context mode (drafts are not verified over its ring of blocks)",
+        ));
+    }
     roles::check_roles(&npu_serving.agent_roles, serving_config.agent_ports.len())?;
     if npu_serving.long_context.is_some() && roles::splits(&npu_serving.agent_roles) {
         // A long sequence's memory units live in the agent that ran it: it cannot be handed over.

@@ -83,6 +83,7 @@ impl EngineConfig {
             eos_ids,
             long_context: cfg.npu_serving.long_context,
             handoff_copies_per_step: 0,
+            speculative: cfg.npu_serving.speculative,
         };
         // The HTTP side aborts what is left when its grace ends; the engine ends requests a
         // little earlier so that their clients get the reason.

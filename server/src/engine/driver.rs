@@ -297,10 +297,12 @@ impl Engine {
 
     fn submit(
         &mut self,
-        req: GenerateRequest,
+        mut req: GenerateRequest,
         constraint: Option<Box<npu_structured::Constraint>>,
     ) {
         let id = req.id;
+        // A grammar's mask is made for one token at a time: nothing to draft against.
+        req.speculative &= constraint.is_none();
         if self.requests.contains_key(&id) {
             tracing::error!(request = id, "a request id was submitted twice; ignored");
             return;
