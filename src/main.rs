@@ -35,6 +35,8 @@ enum Command {
     Score(npu_agent::cli::score::ScoreArgs),
     /// Measure the engine's prefill and decode speed on this machine.
     BenchModel(npu_agent::cli::bench_model::BenchModelArgs),
+    /// Measure n-gram speculative decoding against plain decoding on this machine.
+    BenchSpec(npu_agent::cli::bench_spec::BenchSpecArgs),
     /// Time the all-reduce of a tensor-parallel group between processes on this machine.
     BenchCollective(npu_agent::cli::bench_collective::BenchCollectiveArgs),
     /// Write a tiny random-weight GGUF of a model family (llama.cpp conventions) for fidelity tests.
@@ -61,6 +63,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => npu_agent::cli::generate::run(a),
         Command::Score(a) => npu_agent::cli::score::run(a),
         Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),
+        Command::BenchSpec(a) => npu_agent::cli::bench_spec::run(a),
         Command::SynthModel(a) => npu_agent::cli::synth::run(a),
         Command::BenchCollective(a) => npu_agent::cli::bench_collective::run(a),
         Command::Bench(a) => client_bench::run(a),

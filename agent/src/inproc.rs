@@ -56,6 +56,9 @@ pub struct RunTiming {
     pub steps: usize,
     /// The most KV blocks sequences held at once (after planning a step).
     pub peak_blocks_used: usize,
+    /// Speculative decoding: tokens drafted, and of them those kept.
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 impl RunTiming {
@@ -156,6 +159,7 @@ pub fn run_steps(
         let t0 = Instant::now();
         let res = run_step(&plan)?;
         let dt = t0.elapsed();
+        let made: usize = res.seqs.iter().map(|s| 1 + s.extra.len()).sum();
         if !plan.seqs.is_empty() {
             timing.steps += 1;
             if prompt_tokens > 0 {
@@ -163,8 +167,8 @@ pub fn run_steps(
                 timing.prefill_tokens += prompt_tokens;
             } else {
                 timing.decode += dt;
-                timing.decode_tokens += res.seqs.len();
-                timing.decode_steps.push((dt, res.seqs.len()));
+                timing.decode_tokens += made;
+                timing.decode_steps.push((dt, made));
             }
         }
         for out in sched.on_result(&res)? {
@@ -179,5 +183,8 @@ pub fn run_steps(
         }
         step += 1;
     }
+    let st = sched.stats();
+    timing.drafted_tokens = st.spec_drafted_tokens;
+    timing.accepted_tokens = st.spec_accepted_tokens;
     Ok((outputs, timing))
 }

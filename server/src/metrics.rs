@@ -205,7 +205,7 @@ impl Metrics {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 13] = [
+        let counters: [(&str, &str, u64); 15] = [
             (
                 "npu_serving_prompt_tokens_total",
                 "Prompt tokens processed.",
@@ -235,6 +235,16 @@ impl Metrics {
                 "npu_serving_prefix_cache_hits_total",
                 "Tokens found in the prefix cache (their KV was reused, not computed).",
                 g(&stats.prefix_cache_hit_tokens_total),
+            ),
+            (
+                "npu_serving_spec_decode_num_draft_tokens_total",
+                "Speculative decoding: tokens drafted (n-gram lookup) and verified by the agents.",
+                g(&stats.spec_draft_tokens_total),
+            ),
+            (
+                "npu_serving_spec_decode_num_accepted_tokens_total",
+                "Speculative decoding: drafted tokens the agents kept (each saved a decode step).",
+                g(&stats.spec_accepted_tokens_total),
             ),
             (
                 "npu_serving_agent_restarts_total",
@@ -346,6 +356,8 @@ mod tests {
         EngineStats::set(&stats.kv_blocks_used, 512);
         EngineStats::add(&stats.prefix_cache_queried_tokens_total, 100);
         EngineStats::add(&stats.prefix_cache_hit_tokens_total, 64);
+        EngineStats::add(&stats.spec_draft_tokens_total, 40);
+        EngineStats::add(&stats.spec_accepted_tokens_total, 25);
         let text = m.render(&stats);
         assert!(
             text.contains("npu_serving_kv_cache_usage_perc 0.25\n"),
@@ -353,6 +365,8 @@ mod tests {
         );
         assert!(text.contains("npu_serving_prefix_cache_queries_total 100\n"));
         assert!(text.contains("npu_serving_prefix_cache_hits_total 64\n"));
+        assert!(text.contains("npu_serving_spec_decode_num_draft_tokens_total 40\n"));
+        assert!(text.contains("npu_serving_spec_decode_num_accepted_tokens_total 25\n"));
         assert!(text.contains("npu_serving_step_time_seconds_count 1\n"));
         EngineStats::add(&stats.kv.preemptions_swap_total, 2);
         EngineStats::add(&stats.kv.prefix_hit_tokens_host_total, 16);

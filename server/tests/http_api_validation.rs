@@ -182,6 +182,10 @@ fn llm_serving_bad_inputs_get_400_naming_the_field() {
             "parameters.ignore_eos",
         ),
         (
+            json!({"inputs": "hi", "parameters": {"speculative": 3}}),
+            "parameters.speculative",
+        ),
+        (
             json!({"inputs": "hi", "parameters": {"typical_p": "x"}}),
             "parameters.typical_p",
         ),
@@ -344,6 +348,11 @@ fn openai_bad_inputs_get_400_in_openai_shape_naming_the_param() {
         ("/v1/completions", json!({"prompt": []}), "prompt"),
         ("/v1/completions", json!({"prompt": "hi", "n": 17}), "n"),
         ("/v1/completions", json!({"prompt": "hi", "n": 0}), "n"),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "speculative": "no way"}),
+            "speculative",
+        ),
         (
             "/v1/completions",
             json!({"prompt": "hi", "logit_bias": [1, 2]}),
@@ -534,6 +543,19 @@ fn openai_parameters_map_onto_the_request() {
     assert_eq!(r.max_new_tokens, 5);
     assert_eq!(r.params.top_n, 2);
     assert!(r.params.is_greedy());
+    assert!(r.speculative, "requests may draft unless they say not to");
+    let r = submit(
+        &ctx,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "Hi"}], "speculative": false}),
+    );
+    assert!(!r.speculative);
+    let r = submit(
+        &ctx,
+        "/models/llama2/generate",
+        json!({"inputs": "hi", "parameters": {"speculative": false}}),
+    );
+    assert!(!r.speculative);
     let r = submit(
         &ctx,
         "/v1/completions",

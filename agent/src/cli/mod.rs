@@ -1,11 +1,13 @@
 //! The agent-side commands of the `npu-serving` binary that run a model in-process: `generate`,
 //! `score` and `bench-model`. Each takes `--device` (and `--device-id`) like an agent's config.
 //! `synth-model` writes the tiny random-weight models of the family fidelity tests;
-//! `bench-collective` times the all-reduce of tensor-parallel groups.
+//! `bench-collective` times the all-reduce of tensor-parallel groups; `bench-spec` what
+//! speculative decoding gains.
 
 pub mod bench_collective;
 pub mod bench_long_context;
 pub mod bench_model;
+pub mod bench_spec;
 pub mod generate;
 pub mod score;
 pub mod synth;

@@ -689,6 +689,7 @@ impl Engine {
         let s = &self.stats;
         let (mut running, mut waiting, mut used, mut total, mut preempted) = (0, 0, 0, 0, 0);
         let (mut queried, mut hit) = (0, 0);
+        let (mut drafted, mut kept) = (0, 0);
         let mut kv = [0u64; 10];
         let mut pd = PdTotals::default();
         for a in &self.agents {
@@ -715,6 +716,8 @@ impl Engine {
             preempted += st.preemptions;
             queried += st.prefix_query_tokens;
             hit += st.prefix_hit_tokens;
+            drafted += st.spec_drafted_tokens;
+            kept += st.spec_accepted_tokens;
         }
         waiting += self.pending.len() as u64;
         let up = self
@@ -729,6 +732,8 @@ impl Engine {
         EngineStats::set(&s.preemptions_total, preempted);
         EngineStats::set(&s.prefix_cache_queried_tokens_total, queried);
         EngineStats::set(&s.prefix_cache_hit_tokens_total, hit);
+        EngineStats::set(&s.spec_draft_tokens_total, drafted);
+        EngineStats::set(&s.spec_accepted_tokens_total, kept);
         let k = &s.kv;
         for (stat, v) in [
             &k.preemptions_swap_total,

@@ -53,6 +53,9 @@ pub struct EngineStats {
     pub prefix_cache_hit_tokens_total: AtomicU64,
     pub agent_restarts_total: AtomicU64,
     pub steps_total: AtomicU64,
+    /// Speculative decoding: tokens drafted, and of them those the agents kept.
+    pub spec_draft_tokens_total: AtomicU64,
+    pub spec_accepted_tokens_total: AtomicU64,
     /// The KV memory hierarchy (host pool, swapping, host tier, host->device step inputs).
     pub kv: KvStats,
     /// Prefill/decode disaggregation (KV handed over between agents).
