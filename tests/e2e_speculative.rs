@@ -76,14 +76,14 @@ fn drafting_changes_no_text_and_drafts_are_kept() {
         "{kept} of {drafted} drafts kept"
     );
 
-    // Eight concurrent streams of the same prompts: the same texts.
+    // Eight concurrent streams of the same prompts: the same texts (whether the step cost
+    // measured by then makes drafting worth it at this batch size or not).
     let load: Vec<(String, usize)> = prompts.iter().map(|p| (p.clone(), 40)).collect();
     for r in server.stream_concurrently(Api::Completions, &load, 8) {
         assert!(r.success, "{:?}", r.error);
         let i = prompts.iter().position(|p| *p == r.prompt).unwrap();
         assert_eq!(r.resp_text, plain_texts[i], "streamed {:?}", r.prompt);
     }
-    assert!(server.metric("npu_serving_spec_decode_num_accepted_tokens_total") > kept);
 }
 
 #[test]
@@ -100,11 +100,12 @@ fn a_killed_agent_that_was_verifying_drafts_loses_no_request() {
         let clients: Vec<_> = (0..4)
             .map(|_| s.spawn(|| completion(&server, EDIT, &json!({"max_tokens": 96}))))
             .collect();
-        server.wait_metric(
+        let kept = server.wait_metric(
             "npu_serving_spec_decode_num_accepted_tokens_total",
             Duration::from_secs(120),
             |v| v > 8.0,
         );
+        assert!(kept > 8.0, "no drafts kept before the kill");
         // SAFETY: kill(2) on the server's agent process.
         assert_eq!(unsafe { libc::kill(agent as i32, libc::SIGKILL) }, 0);
         clients

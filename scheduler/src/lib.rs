@@ -162,6 +162,12 @@ pub struct Scheduler {
     handoff_in_blocks: u64,
     spec_drafted_tokens: u64,
     spec_accepted_tokens: u64,
+    /// Decode step time against rows (speculative decoding's break-even share).
+    step_cost: speculative::StepCost,
+    /// The chance of keeping a draft below which none is made, as of the last plan.
+    draft_threshold: f64,
+    /// How often drafts were kept, all requests together (each request's prior).
+    draft_prior: speculative::DraftRecord,
 }
 
 impl Scheduler {
@@ -206,6 +212,9 @@ impl Scheduler {
             handoff_in_blocks: 0,
             spec_drafted_tokens: 0,
             spec_accepted_tokens: 0,
+            step_cost: Default::default(),
+            draft_threshold: 0.0,
+            draft_prior: speculative::DraftRecord::initial_prior(),
         })
     }
 
@@ -369,6 +378,18 @@ impl Scheduler {
             spec_drafted_tokens: self.spec_drafted_tokens,
             spec_accepted_tokens: self.spec_accepted_tokens,
         }
+    }
+
+    /// The chance of keeping a draft below which none is made, as of the last plan: the larger
+    /// of `speculative.min_acceptance` and the break-even share at that plan's batch size
+    /// measured from step times (0 before speculative decoding planned anything).
+    pub fn draft_threshold(&self) -> f64 {
+        self.draft_threshold
+    }
+
+    /// The chance that a draft is kept, all requests together (recent steps weigh more).
+    pub fn draft_acceptance(&self) -> f64 {
+        self.draft_prior.rate()
     }
 
     /// Work held by this scheduler, for least-loaded dispatch: the tokens (prompt, generated and

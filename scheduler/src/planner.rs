@@ -23,10 +23,14 @@ impl Scheduler {
 
         // 1. One decode token for each running sequence that is decoding, oldest first, and
         //    with speculative decoding, while few enough decode, the drafts that follow it.
-        let speculative = self
-            .cfg
-            .speculative
-            .filter(|s| self.decoding() <= s.max_batch);
+        let decoding = self.decoding();
+        let speculative = self.cfg.speculative.filter(|s| decoding <= s.max_batch);
+        if let Some(sp) = speculative {
+            self.draft_threshold = self
+                .step_cost
+                .break_even(decoding)
+                .map_or(sp.min_acceptance, |b| b.max(sp.min_acceptance));
+        }
         let mut draft_budget = MAX_STEP_DRAFT_TOKENS;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
@@ -342,14 +346,14 @@ impl Scheduler {
             .count()
     }
 
-    /// The drafts of a decoding sequence (its table already covering its next token): at most
-    /// `cap`, `num_speculative_tokens`, what its limits leave room for, and what free blocks
-    /// can hold (drafts never preempt). Empty when the request does not draft now.
+    /// The drafts of a decoding sequence (its table already covering its next token): as many
+    /// as its record says are worth verifying at this batch size (`DraftRecord::draft_len`),
+    /// at most `cap`, what its limits leave room for, and what free blocks can hold (drafts
+    /// never preempt). Empty when the request does not draft now.
     fn draft(&mut self, id: RequestId, sp: &SpeculativeConfig, cap: usize) -> Vec<u32> {
         let bs = self.cfg.block_size;
         let seq = &self.seqs[&id];
-        if !seq.req.speculative || seq.params().top_n > 0 || !seq.drafts.active(seq.generated.len())
-        {
+        if !seq.req.speculative || seq.params().top_n > 0 {
             return Vec::new();
         }
         let total = seq.total_len();
@@ -357,7 +361,19 @@ impl Scheduler {
         let room = (seq.req.max_new_tokens as usize)
             .saturating_sub(seq.generated.len() + 1)
             .min(seq.max_total_len.saturating_sub(total + 1));
-        let k = sp.num_speculative_tokens.min(cap).min(room);
+        let worth = seq.drafts.draft_len(
+            self.draft_prior.rate(),
+            self.draft_threshold,
+            sp.num_speculative_tokens,
+        );
+        if worth == 0 {
+            // Not worth it now: the request's record fades toward the prior until it is.
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.drafts.idle();
+            }
+            return Vec::new();
+        }
+        let k = worth.min(cap).min(room);
         if k == 0 {
             return Vec::new();
         }

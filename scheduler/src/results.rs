@@ -67,6 +67,11 @@ impl Scheduler {
         self.in_flight_copies.remove(&step_id);
         let n_tokens = planned.iter().map(|p| p.n_tokens).sum();
         self.observe_step(n_tokens, res.timing.forward_us);
+        // Decode-only steps (one real token a sequence, drafts besides) measure what a row
+        // costs, for speculative decoding's break-even share.
+        if self.cfg.speculative.is_some() && planned.iter().all(|p| p.n_tokens - p.n_draft == 1) {
+            self.step_cost.observe(n_tokens, res.timing.forward_us);
+        }
         let mut out = Vec::new();
         for p in planned {
             if !self.is_current(step_id, &p) {
@@ -98,11 +103,8 @@ impl Scheduler {
             }
             if p.n_draft > 0 {
                 self.spec_accepted_tokens += r.extra.len() as u64;
-                if let Some(sp) = self.cfg.speculative {
-                    let generated = seq.generated.len();
-                    seq.drafts
-                        .record(p.n_draft, r.extra.len(), generated, sp.min_acceptance);
-                }
+                seq.drafts.record(p.n_draft, r.extra.len());
+                self.draft_prior.record_global(p.n_draft, r.extra.len());
             }
             // The real tokens and the drafts kept before the last token made have their KV.
             self.advance(p.id, p.n_tokens - p.n_draft + made - 1);

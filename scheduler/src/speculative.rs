@@ -20,11 +20,12 @@ pub struct SpeculativeConfig {
     pub prompt_lookup_max: usize,
     /// Shortest suffix looked up (a shorter match drafts nothing).
     pub prompt_lookup_min: usize,
-    /// Sequences draft only in steps where at most this many decode: past it, verifying drafts
-    /// costs the batch more than the kept ones save.
+    /// Sequences draft only in steps where at most this many decode, whatever the measured
+    /// step cost says.
     pub max_batch: usize,
-    /// A request whose kept share of drafted tokens (a moving average over its steps) falls
-    /// below this stops drafting for a while (`PAUSE_TOKENS`, doubling each time).
+    /// A request drafts the `i`-th token ahead only while its estimated chance of keeping it
+    /// (its per-draft acceptance to the power `i`) is above this and above the break-even
+    /// share at the step's batch size, from the measured step cost ([`StepCost`]).
     pub min_acceptance: f64,
 }
 
@@ -34,18 +35,22 @@ impl Default for SpeculativeConfig {
             num_speculative_tokens: 8,
             prompt_lookup_max: 4,
             prompt_lookup_min: 2,
-            max_batch: 4,
+            max_batch: 32,
             min_acceptance: 0.3,
         }
     }
 }
 
-/// Generated tokens a request goes without drafting after its first pause (then twice as many,
-/// up to `MAX_PAUSE_TOKENS`).
-pub const PAUSE_TOKENS: usize = 16;
-const MAX_PAUSE_TOKENS: usize = 1024;
-/// Weight of the newest step in a request's moving acceptance average.
-const ACCEPTANCE_WEIGHT: f64 = 0.3;
+/// Weight, in verified draft positions, of the prior (all requests' chance that a draft is
+/// kept) in one request's estimate.
+const PRIOR_WEIGHT: f64 = 2.0;
+/// Weight kept by a request's older evidence at each of its decode steps: without drafting,
+/// its estimate drifts back to the prior, so that it tries again.
+const EVIDENCE_DECAY: f64 = 0.9;
+/// Weight kept by the all-requests estimate at each verified step.
+const GLOBAL_DECAY: f64 = 0.99;
+/// The all-requests estimate before any draft was verified.
+const INITIAL_PRIOR: f64 = 0.7;
 
 impl SpeculativeConfig {
     /// Checks every setting; the error names it (as `speculative.<key>`).
@@ -110,47 +115,144 @@ pub fn ngram_draft(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<
     Vec::new()
 }
 
-/// One request's drafting record.
+/// Decode step time against the rows it computes, fitted online by least squares with older
+/// steps counting less: `time = fixed + per_row * rows`. A drafted row costs `per_row` and
+/// saves a whole step's share of one sequence when kept, so at `batch` decoding sequences
+/// drafting pays when more than `batch * per_row / (fixed + batch * per_row)` of the drafts are
+/// kept ([`StepCost::break_even`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct StepCost {
+    /// Decayed sums: weight, rows, time, rows², rows × time.
+    n: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+    samples: u64,
+}
+
+/// Weight kept by older steps at each new one.
+const COST_DECAY: f64 = 0.99;
+/// Steps observed before the fit is used.
+const COST_MIN_SAMPLES: u64 = 16;
+
+impl StepCost {
+    /// One decode-only step of `rows` rows that took `us` microseconds of forward pass.
+    pub fn observe(&mut self, rows: usize, us: u64) {
+        if rows == 0 || us == 0 {
+            return;
+        }
+        let (x, y) = (rows as f64, us as f64);
+        self.n = COST_DECAY * self.n + 1.0;
+        self.sx = COST_DECAY * self.sx + x;
+        self.sy = COST_DECAY * self.sy + y;
+        self.sxx = COST_DECAY * self.sxx + x * x;
+        self.sxy = COST_DECAY * self.sxy + x * y;
+        self.samples += 1;
+    }
+
+    /// (fixed, per-row) microseconds, once enough steps of different sizes were seen and the
+    /// fit is meaningful (both positive).
+    pub fn fit(&self) -> Option<(f64, f64)> {
+        if self.samples < COST_MIN_SAMPLES {
+            return None;
+        }
+        let mx = self.sx / self.n;
+        let my = self.sy / self.n;
+        let var = self.sxx / self.n - mx * mx;
+        if var < 0.25 {
+            return None;
+        }
+        let per_row = (self.sxy / self.n - mx * my) / var;
+        let fixed = my - per_row * mx;
+        (per_row > 0.0 && fixed > 0.0).then_some((fixed, per_row))
+    }
+
+    /// The kept share of drafts above which drafting pays at `batch` decoding sequences; None
+    /// until the fit is known.
+    pub fn break_even(&self, batch: usize) -> Option<f64> {
+        let (fixed, per_row) = self.fit()?;
+        let rows = batch.max(1) as f64 * per_row;
+        Some(rows / (fixed + rows))
+    }
+}
+
+/// How often drafts were kept: one request's, or all requests' together. A verified step that
+/// drafted `k` tokens and kept `j` observed `j` kept draft positions and, when `j < k`, one
+/// rejected one (those after it were not looked at); the chance that a draft is kept given the
+/// ones before it were is estimated as kept / observed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct DraftRecord {
-    /// Moving average of the share of drafted tokens the agent kept.
-    acceptance: f64,
-    /// No drafts until the request has generated this many tokens.
-    paused_until: usize,
-    /// Pauses so far (each twice as long as the one before).
-    pauses: u32,
+    kept: f64,
+    observed: f64,
 }
 
 impl Default for DraftRecord {
     fn default() -> Self {
         Self {
-            acceptance: 1.0,
-            paused_until: 0,
-            pauses: 0,
+            kept: 0.0,
+            observed: 0.0,
         }
     }
 }
 
 impl DraftRecord {
-    /// Whether the request drafts now, having generated `generated` tokens.
-    pub fn active(&self, generated: usize) -> bool {
-        generated >= self.paused_until
+    /// The all-requests record before anything was verified.
+    pub fn initial_prior() -> Self {
+        Self {
+            kept: INITIAL_PRIOR * PRIOR_WEIGHT,
+            observed: PRIOR_WEIGHT,
+        }
     }
 
-    /// Records a step that verified `drafted` tokens and kept `kept`; pauses drafting when the
-    /// average falls below `min_acceptance` (the average starts afresh after the pause).
-    pub fn record(&mut self, drafted: usize, kept: usize, generated: usize, min_acceptance: f64) {
-        if drafted == 0 {
-            return;
+    /// The estimated chance that a draft is kept.
+    pub fn rate(&self) -> f64 {
+        if self.observed > 0.0 {
+            self.kept / self.observed
+        } else {
+            INITIAL_PRIOR
         }
-        let share = kept as f64 / drafted as f64;
-        self.acceptance = (1.0 - ACCEPTANCE_WEIGHT) * self.acceptance + ACCEPTANCE_WEIGHT * share;
-        if self.acceptance < min_acceptance {
-            let pause = (PAUSE_TOKENS << self.pauses.min(16)).min(MAX_PAUSE_TOKENS);
-            self.paused_until = generated + pause;
-            self.pauses += 1;
-            self.acceptance = 1.0;
+    }
+
+    /// This request's estimate: its evidence, with `prior` (all requests') counting as
+    /// `PRIOR_WEIGHT` observations.
+    pub fn rate_with(&self, prior: f64) -> f64 {
+        (self.kept + PRIOR_WEIGHT * prior) / (self.observed + PRIOR_WEIGHT)
+    }
+
+    /// Adds a step that drafted `drafted` tokens and kept `kept`, older evidence weighing
+    /// `decay`.
+    fn add(&mut self, drafted: usize, kept: usize, decay: f64) {
+        self.kept = decay * self.kept + kept as f64;
+        self.observed = decay * self.observed + kept as f64 + f64::from(u8::from(kept < drafted));
+    }
+
+    /// A request's verified step.
+    pub fn record(&mut self, drafted: usize, kept: usize) {
+        self.add(drafted, kept, EVIDENCE_DECAY);
+    }
+
+    /// The all-requests record of a verified step.
+    pub fn record_global(&mut self, drafted: usize, kept: usize) {
+        self.add(drafted, kept, GLOBAL_DECAY);
+    }
+
+    /// A request's decode step without drafts: its evidence fades toward the prior.
+    pub fn idle(&mut self) {
+        self.add(0, 0, EVIDENCE_DECAY);
+    }
+
+    /// How many tokens to draft at most (up to `max`): while the chance of keeping the next
+    /// one, `rate^i`, is above `threshold`.
+    pub fn draft_len(&self, prior: f64, threshold: f64, max: usize) -> usize {
+        let rate = self.rate_with(prior);
+        let mut chance = rate;
+        let mut k = 0;
+        while k < max && chance > threshold {
+            k += 1;
+            chance *= rate;
         }
+        k
     }
 }
 
@@ -176,29 +278,77 @@ mod tests {
     }
 
     #[test]
-    fn a_request_whose_drafts_are_rejected_pauses_longer_each_time() {
+    fn drafts_get_longer_while_kept_shorter_while_rejected_and_return_after_a_rest() {
+        let prior = 0.7;
         let mut r = DraftRecord::default();
-        assert!(r.active(0));
-        r.record(8, 8, 9, 0.3);
-        assert!(r.active(9));
-        // Three rejected steps bring 1.0 down to 0.343, the fourth below 0.3.
-        for g in 10..13 {
-            r.record(8, 0, g, 0.3);
-            assert!(r.active(g), "{g}");
+        // Nothing seen: the prior alone; 0.7^3 = 0.343 > 0.3, 0.7^4 = 0.24 is not.
+        assert_eq!(r.draft_len(prior, 0.3, 8), 3);
+        assert_eq!(r.draft_len(prior, 0.3, 2), 2);
+        // Every draft kept: up to the most allowed.
+        for _ in 0..4 {
+            r.record(3, 3);
         }
-        r.record(8, 0, 13, 0.3);
-        assert!(!r.active(13));
-        assert!(!r.active(13 + PAUSE_TOKENS - 1));
-        assert!(r.active(13 + PAUSE_TOKENS));
-        for g in 40..44 {
-            r.record(4, 0, g, 0.3);
+        assert!(r.rate_with(prior) > 0.9);
+        assert_eq!(r.draft_len(prior, 0.3, 8), 8);
+        // A higher threshold (a large batch) asks more of the same record.
+        assert!(r.draft_len(prior, 0.9, 8) < 8);
+        // Rejected at once, step after step: shorter drafts, then none.
+        let mut last = 8;
+        let mut steps = 0;
+        while r.draft_len(prior, 0.3, 8) > 0 {
+            let k = r.draft_len(prior, 0.3, 8);
+            assert!(k <= last, "drafts grew from {last} to {k} while rejected");
+            last = k;
+            r.record(k, 0);
+            steps += 1;
+            assert!(steps < 30, "still drafting after {steps} rejected steps");
         }
-        assert!(!r.active(43 + 2 * PAUSE_TOKENS - 1));
-        assert!(r.active(43 + 2 * PAUSE_TOKENS));
-        // Nothing drafted records nothing.
-        let before = r;
-        r.record(0, 0, 100, 0.3);
-        assert_eq!(r, before);
+        // Steps without drafts let the estimate drift back to the prior: it tries again.
+        let mut steps = 0;
+        while r.draft_len(prior, 0.3, 8) == 0 {
+            r.idle();
+            steps += 1;
+            assert!(steps < 100, "never tries again");
+        }
+        // Where all requests' drafts are mostly rejected and the batch is large (a high
+        // threshold), resting does not bring drafting back.
+        for _ in 0..100 {
+            r.idle();
+        }
+        assert_eq!(r.draft_len(0.5, 0.8, 8), 0);
+        // The all-requests record: kept over observed positions.
+        let mut g = DraftRecord::initial_prior();
+        assert!((g.rate() - INITIAL_PRIOR).abs() < 1e-12);
+        for _ in 0..2000 {
+            g.record_global(4, 1);
+        }
+        // One kept and one rejected position per step.
+        assert!((g.rate() - 0.5).abs() < 1e-3, "{}", g.rate());
+    }
+
+    #[test]
+    fn the_step_cost_fit_finds_fixed_and_per_row_time_and_the_break_even_share() {
+        let mut c = StepCost::default();
+        // 6 ms fixed, 2 ms a row; too few steps first, then steps of one size only.
+        for _ in 0..COST_MIN_SAMPLES {
+            c.observe(4, 14_000);
+        }
+        assert_eq!(c.fit(), None, "one size: no slope");
+        for i in 0..40 {
+            let rows = 1 + i % 9;
+            c.observe(rows, 6_000 + 2_000 * rows as u64);
+        }
+        let (fixed, per_row) = c.fit().unwrap();
+        assert!((fixed - 6_000.0).abs() < 1.0 && (per_row - 2_000.0).abs() < 0.1);
+        // One sequence: 2 / (6 + 2) of the drafts must be kept; eight: 16 / 22.
+        assert!((c.break_even(1).unwrap() - 0.25).abs() < 1e-6);
+        assert!((c.break_even(8).unwrap() - 16.0 / 22.0).abs() < 1e-6);
+        // Time that does not grow with rows gives no fit (drafting is free or the data noise).
+        let mut flat = StepCost::default();
+        for i in 0..40 {
+            flat.observe(1 + i % 5, 10_000 - 10 * i as u64);
+        }
+        assert_eq!(flat.break_even(1), None);
     }
 
     #[test]

@@ -13,7 +13,8 @@ fn spec_cfg(max_batch: usize) -> SchedulerConfig {
             prompt_lookup_min: 2,
             prompt_lookup_max: 3,
             max_batch,
-            min_acceptance: 0.3,
+            // Draft whatever the record says (these tests are about the mechanics).
+            min_acceptance: 0.0,
         }),
         ..cfg(32, 4)
     }
