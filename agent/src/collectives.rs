@@ -206,6 +206,46 @@ pub fn hccl(
     )
 }
 
+/// The NCCL communicator of a CUDA rank, formed like [`hccl`]'s. Never run: no GPU machine
+/// has run it, and the CPU emulation of the kernels has no NCCL (it answers "did not load").
+#[cfg(feature = "cuda")]
+pub fn nccl(
+    b: &mut npu_backend_cuda::CudaBackend,
+    host: Box<dyn HostCollective>,
+) -> Result<npu_backend_cuda::nccl::NcclCollective<Box<dyn HostCollective>>, NotFormed> {
+    use npu_backend_cuda::nccl::{self, NcclCollective, NCCL_UNIQUE_ID_BYTES};
+    // The emulated device has no CUDA stream: NCCL cannot run there whether or not it loads.
+    let loaded = match nccl::library() {
+        Ok(_) if !b.has_cuda_stream() => {
+            Err("the CPU emulation of the CUDA kernels has no NCCL".to_string())
+        }
+        Ok(_) => Ok(()),
+        Err(e) => Err(e),
+    };
+    form(
+        b,
+        host,
+        "NCCL",
+        loaded,
+        NCCL_UNIQUE_ID_BYTES,
+        |b| nccl::unique_id(b).map(|r| r.to_vec()),
+        |b, id, host| match <&[u8; NCCL_UNIQUE_ID_BYTES]>::try_from(id) {
+            Ok(uid) => NcclCollective::join(b, uid, host),
+            Err(_) => Err((
+                BackendError::BadArgument {
+                    op: "ncclCommInitRank",
+                    message: format!("a unique id of {} bytes", id.len()),
+                },
+                host,
+            )),
+        },
+        HostOf {
+            host: |c| c.host_mut().as_mut(),
+            unform: |c| c.into_host(),
+        },
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
