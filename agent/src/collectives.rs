@@ -179,8 +179,7 @@ pub fn form<B, C>(
 pub fn hccl(
     b: &mut npu_backend_ascend::AscendBackend,
     host: Box<dyn HostCollective>,
-) -> Result<npu_backend_ascend::backend::hccl::HcclCollective<Box<dyn HostCollective>>, NotFormed>
-{
+) -> Result<npu_backend_ascend::backend::hccl::HcclCollective<Box<dyn HostCollective>>, NotFormed> {
     use npu_backend_ascend::backend::hccl::{self, HcclCollective, HCCL_ROOT_INFO_BYTES};
     form(
         b,

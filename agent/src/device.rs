@@ -90,10 +90,7 @@ impl TpSetup {
     fn device<B: Backend, C: Collective<B> + 'static>(
         self,
         b: &mut B,
-        form: impl FnOnce(
-            &mut B,
-            Box<dyn HostCollective>,
-        ) -> Result<C, crate::collectives::NotFormed>,
+        form: impl FnOnce(&mut B, Box<dyn HostCollective>) -> Result<C, crate::collectives::NotFormed>,
     ) -> Result<Option<RankCollective<B>>, BackendError> {
         use crate::collectives::{Choice, CHOICE_VAR};
         let choice = Choice::from_env().map_err(|message| BackendError::BadArgument {
@@ -102,7 +99,10 @@ impl TpSetup {
         })?;
         let rank = self.host.rank();
         if choice == Choice::Host {
-            tracing::info!(rank, "{CHOICE_VAR}=host: staging the collectives through host memory");
+            tracing::info!(
+                rank,
+                "{CHOICE_VAR}=host: staging the collectives through host memory"
+            );
             return Ok(self.staged());
         }
         match form(b, self.host) {
@@ -116,7 +116,10 @@ impl TpSetup {
                 message: format!("{CHOICE_VAR}=device, but {why}"),
             }),
             Err((why, host)) => {
-                tracing::warn!(rank, "{why}; staging the collectives through host memory instead");
+                tracing::warn!(
+                    rank,
+                    "{why}; staging the collectives through host memory instead"
+                );
                 Self {
                     shard: self.shard,
                     host,

@@ -450,14 +450,19 @@ impl<H: HostCollective> Collective<CudaBackend> for NcclCollective<H> {
             self.gathered = Some(b.alloc(x.dtype(), n.next_power_of_two())?);
         }
         let Some(g) = self.gathered.take() else {
-            return Err(npu_backend::collective::collective_error("no gather buffer"));
+            return Err(npu_backend::collective::collective_error(
+                "no gather buffer",
+            ));
         };
         let r = self.gather_raw(b, x, &g, 0).and_then(|()| {
             if self.host.rank() != 0 {
                 return Ok(());
             }
             b.read_back(&mut [Readback {
-                src: View::new(&g, Layout::contiguous(self.host.size() * l.rows(), l.cols()))?,
+                src: View::new(
+                    &g,
+                    Layout::contiguous(self.host.size() * l.rows(), l.cols()),
+                )?,
                 dst: HostSliceMut::F32(out),
             }])
         });

@@ -92,7 +92,10 @@ pub unsafe extern "C" fn HcclCommInitRootInfo(
 ) -> HcclResult {
     done((|| {
         if rootInfo.is_null() || comm.is_null() {
-            return Err((HCCL_E_PTR, "HcclCommInitRootInfo: null rootInfo or comm".into()));
+            return Err((
+                HCCL_E_PTR,
+                "HcclCommInitRootInfo: null rootInfo or comm".into(),
+            ));
         }
         if nRanks == 0 || nRanks > hccl_comm::MAX_RANKS || rank >= nRanks {
             return para(format!(
@@ -183,9 +186,13 @@ fn prepare(
     let mut st = state();
     st.require_init().map_err(from_acl)?;
     if stream.is_null() {
-        return para(format!("{what}: a null stream (HCCL needs the stream to queue on)"));
+        return para(format!(
+            "{what}: a null stream (HCCL needs the stream to queue on)"
+        ));
     }
-    let s = st.resolve_stream(stream as u64).map_err(|f| (HCCL_E_PARA, f.msg))?;
+    let s = st
+        .resolve_stream(stream as u64)
+        .map_err(|f| (HCCL_E_PARA, f.msg))?;
     if st.streams[&s].device != c.device {
         return para(format!(
             "{what}: the stream is on device {}, the communicator's rank {} on device {}",
@@ -208,7 +215,9 @@ fn prepare(
         }
     }
     if send != recv && send < recv + out_bytes && recv < send + in_bytes {
-        return para(format!("{what}: sendBuf and recvBuf overlap without being the same"));
+        return para(format!(
+            "{what}: sendBuf and recvBuf overlap without being the same"
+        ));
     }
     st.run_stream(s).map_err(|f| {
         let msg = format!("{what}: the stream's earlier work failed: {}", f.msg);
@@ -256,7 +265,10 @@ impl Sum {
             };
             let a = &mut self.acc[offset / es + i];
             // f32 arithmetic for the float types, as the device's: sum in rank order.
-            *a = if matches!(self.dtype, HCCL_DATA_TYPE_INT32 | HCCL_DATA_TYPE_INT8 | HCCL_DATA_TYPE_UINT8) {
+            *a = if matches!(
+                self.dtype,
+                HCCL_DATA_TYPE_INT32 | HCCL_DATA_TYPE_INT8 | HCCL_DATA_TYPE_UINT8
+            ) {
                 *a + v
             } else {
                 (*a as f32 + v as f32) as f64

@@ -174,7 +174,8 @@ impl Comm {
     /// waits until every rank has joined.
     pub fn join(id: &[u8], ranks: u32, rank: u32, device: i32) -> Result<Comm, Fail> {
         let name = file_name(id);
-        let cname = std::ffi::CString::new(name.clone()).map_err(|_| (HCCL_E_PARA, name.clone()))?;
+        let cname =
+            std::ffi::CString::new(name.clone()).map_err(|_| (HCCL_E_PARA, name.clone()))?;
         let deadline = Instant::now() + timeout("HCCL_CONNECT_TIMEOUT");
         let total = Self::total(ranks, SLOT_BYTES);
         // SAFETY: a NUL-terminated path; O_EXCL creation with mode 0600.
@@ -382,10 +383,7 @@ impl Comm {
                 // SAFETY: signal 0 only checks that the process exists.
                 if pid > 0 && unsafe { libc::kill(pid, 0) } != 0 {
                     if std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-                        return Err((
-                            HCCL_E_REMOTE,
-                            format!("rank {r}'s process ({pid}) is gone"),
-                        ));
+                        return Err((HCCL_E_REMOTE, format!("rank {r}'s process ({pid}) is gone")));
                     }
                 }
             }
@@ -429,7 +427,14 @@ impl Comm {
             let part = &mine[(k * piece).min(mine.len())..((k + 1) * piece).min(mine.len())];
             self.round += 1;
             let at = self.slot_at(self.round % 2, self.rank);
-            let desc = [self.seq, call.kind, call.dtype as u64, call.op as u64, call.count, part.len() as u64];
+            let desc = [
+                self.seq,
+                call.kind,
+                call.dtype as u64,
+                call.op as u64,
+                call.count,
+                part.len() as u64,
+            ];
             for (i, v) in desc.iter().enumerate() {
                 self.word(at + 8 * i as u64).store(*v, Ordering::Relaxed);
             }

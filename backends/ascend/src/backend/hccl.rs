@@ -15,11 +15,11 @@
 use std::sync::OnceLock;
 
 use npu_backend::{
-    Backend, BackendError, Collective, DType, DeviceBuffer, HostCollective, HostSliceMut, Readback, View,
-    ViewMut,
+    Backend, BackendError, Collective, DType, DeviceBuffer, HostCollective, HostSliceMut, Readback,
+    View, ViewMut,
 };
-use npu_ffi::hccl::{self, HcclComm, HcclLibrary, HcclRootInfo};
 pub use npu_ffi::hccl::HCCL_ROOT_INFO_BYTES;
+use npu_ffi::hccl::{self, HcclComm, HcclLibrary, HcclRootInfo};
 use npu_ffi::SearchPaths;
 
 use super::{AscendBackend, AscendBuffer, NAME};
@@ -343,10 +343,17 @@ impl<H: HostCollective> Collective<AscendBackend> for HcclCollective<H> {
             self.gathered = Some(b.alloc(x.dtype(), n.next_power_of_two())?);
         }
         let Some(mut g) = self.gathered.take() else {
-            return Err(npu_backend::collective::collective_error("no gather buffer"));
+            return Err(npu_backend::collective::collective_error(
+                "no gather buffer",
+            ));
         };
         let rows = self.host.size() * l.rows();
-        let r = self.all_gather_raw(b, x, &mut g, npu_backend::Layout::contiguous(rows, l.cols()));
+        let r = self.all_gather_raw(
+            b,
+            x,
+            &mut g,
+            npu_backend::Layout::contiguous(rows, l.cols()),
+        );
         let r = r.and_then(|()| {
             if self.host.rank() != 0 {
                 return Ok(());
@@ -382,8 +389,7 @@ impl<H: HostCollective> Collective<AscendBackend> for HcclCollective<H> {
     fn abort(&mut self) {
         self.host.abort();
         if !self.comm.raw.is_null() {
-                self.comm.destroy();
+            self.comm.destroy();
         }
     }
 }
-
