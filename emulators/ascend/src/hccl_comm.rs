@@ -381,10 +381,11 @@ impl Comm {
                 }
                 let pid = self.line(r, L_PID).load(Ordering::Relaxed) as libc::pid_t;
                 // SAFETY: signal 0 only checks that the process exists.
-                if pid > 0 && unsafe { libc::kill(pid, 0) } != 0 {
-                    if std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-                        return Err((HCCL_E_REMOTE, format!("rank {r}'s process ({pid}) is gone")));
-                    }
+                if pid > 0
+                    && unsafe { libc::kill(pid, 0) } != 0
+                    && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+                {
+                    return Err((HCCL_E_REMOTE, format!("rank {r}'s process ({pid}) is gone")));
                 }
             }
             if all {
