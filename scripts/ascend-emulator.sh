@@ -6,8 +6,8 @@
 #
 # It is an emulation for CI and development without an NPU, never a product: nothing here runs on
 # Ascend hardware. Layout: lib64/libascendcl.so (the emulation), lib64/libnnopbase.so,
-# lib64/libopapi.so and lib64/libopapi_transformer.so (links to the same file, so every name
-# shares one state), opp/ (the operator package directory, empty: operators need
+# lib64/libopapi.so, lib64/libopapi_transformer.so and lib64/libhccl.so (links to the same file, so
+# every name shares one state; HCCL's communicators work across processes through /dev/shm), opp/ (the operator package directory, empty: operators need
 # ASCEND_OPP_PATH to name it, which set_env.sh exports and the backend sets when only
 # ASCEND_HOME_PATH is given), version.cfg and runtime/version.info (the emulated CANN version,
 # 8.3.RC1 unless ASCEND_EMULATOR_CANN_VERSION says otherwise) and set_env.sh. Build output goes to
@@ -28,7 +28,7 @@ if ! cmp -s "$target_dir/release/libascendcl.so" "$out/lib64/libascendcl.so"; th
     cp "$target_dir/release/libascendcl.so" "$out/lib64/libascendcl.so.tmp"
     mv -f "$out/lib64/libascendcl.so.tmp" "$out/lib64/libascendcl.so"
 fi
-for name in libnnopbase.so libopapi.so libopapi_transformer.so; do
+for name in libnnopbase.so libopapi.so libopapi_transformer.so libhccl.so; do
     ln -sfn libascendcl.so "$out/lib64/$name"
 done
 printf 'runtime_running_version=[0.0.0:%s]\nopp_running_version=[0.0.0:%s]\n' "$version" "$version" > "$out/version.cfg"

@@ -439,7 +439,7 @@ fn a_size_the_model_cannot_be_split_over_is_refused() {
 }
 
 /// Two ranks on two devices of the Ascend backend over the strict CANN emulation (f16
-/// activations; the collectives staged through host memory until HCCL is built): the
+/// activations; the collectives on the emulation's HCCL, across the two agent processes): the
 /// references hold up to their near-ties, on both APIs.
 #[cfg(feature = "ascend")]
 #[test]

@@ -65,16 +65,70 @@ pub struct DeviceSpec {
 }
 
 /// One rank's part of a tensor-parallel group: its shard and the group's collectives in host
-/// memory. Every backend runs them staged through the host (`HostStaged`); a backend with a
-/// device library of its own (NCCL, HCCL) would take a `Collective` of its own here instead.
+/// memory. The CPU backend runs them staged through the host (`HostStaged`); Ascend and CUDA
+/// take their device library's collective (HCCL, NCCL) where it loads and the whole group can
+/// form a communicator, else the staged one (see `crate::collectives`).
 pub struct TpSetup {
     pub shard: RankShard,
     pub host: Box<dyn HostCollective>,
 }
 
+type RankCollective<B> = (RankShard, Box<dyn Collective<B>>);
+
 impl TpSetup {
-    fn staged<B: Backend>(self) -> Option<(RankShard, Box<dyn Collective<B>>)> {
-        Some((self.shard, Box::new(HostStaged::new(self.host))))
+    fn staged<B: Backend>(self) -> Option<RankCollective<B>> {
+        let rank = self.host.rank();
+        let c: Box<dyn Collective<B>> = Box::new(HostStaged::new(self.host));
+        tracing::info!(rank, collective = %c.describe(), "tensor-parallel collectives");
+        Some((self.shard, c))
+    }
+
+    /// The device library's collective (`form`, e.g. `crate::collectives::hccl`) unless
+    /// `NPU_SERVING_TP_COLLECTIVE` says `host`; where it cannot be formed, the staged one with a
+    /// warning naming why (or, under `device`, the error).
+    #[cfg_attr(not(any(feature = "cuda", feature = "ascend")), allow(dead_code))]
+    fn device<B: Backend, C: Collective<B> + 'static>(
+        self,
+        b: &mut B,
+        form: impl FnOnce(&mut B, Box<dyn HostCollective>) -> Result<C, crate::collectives::NotFormed>,
+    ) -> Result<Option<RankCollective<B>>, BackendError> {
+        use crate::collectives::{Choice, CHOICE_VAR};
+        let choice = Choice::from_env().map_err(|message| BackendError::BadArgument {
+            op: "tensor-parallel collectives",
+            message,
+        })?;
+        let rank = self.host.rank();
+        if choice == Choice::Host {
+            tracing::info!(
+                rank,
+                "{CHOICE_VAR}=host: staging the collectives through host memory"
+            );
+            return Ok(self.staged());
+        }
+        match form(b, self.host) {
+            Ok(c) => {
+                let c: Box<dyn Collective<B>> = Box::new(c);
+                tracing::info!(rank, collective = %c.describe(), "tensor-parallel collectives");
+                Ok(Some((self.shard, c)))
+            }
+            Err((why, _)) if choice == Choice::Device => Err(BackendError::Device {
+                backend: "tensor-parallel group",
+                message: format!("{CHOICE_VAR}=device, but {why}"),
+            }),
+            Err((why, host)) => {
+                tracing::warn!(
+                    rank,
+                    "{why}; staging the collectives through host memory instead"
+                );
+                Self {
+                    shard: self.shard,
+                    host,
+                }
+                .staged()
+                .map(Ok)
+                .transpose()
+            }
+        }
     }
 }
 
@@ -146,8 +200,11 @@ impl DeviceModel {
                     op: "cuda settings",
                     message,
                 })?;
-                let backend = CudaBackend::new(spec.device_id as usize, cfg)?;
-                let tp = tp.and_then(TpSetup::staged);
+                let mut backend = CudaBackend::new(spec.device_id as usize, cfg)?;
+                let tp = match tp {
+                    Some(tp) => tp.device(&mut backend, crate::collectives::nccl)?,
+                    None => None,
+                };
                 Ok(Self::Cuda(Box::new(Model::load_shard(
                     file, backend, opts, tp,
                 )?)))
@@ -156,12 +213,15 @@ impl DeviceModel {
             DeviceKind::Ascend => {
                 use npu_backend_ascend::{AscendBackend, AscendConfig};
                 // `spec.device_id` is already `start_device_id` + the agent's index.
-                let backend = AscendBackend::new(AscendConfig {
+                let mut backend = AscendBackend::new(AscendConfig {
                     start_device_id: spec.device_id,
                     agent_index: 0,
                     ..AscendConfig::default()
                 })?;
-                let tp = tp.and_then(TpSetup::staged);
+                let tp = match tp {
+                    Some(tp) => tp.device(&mut backend, crate::collectives::hccl)?,
+                    None => None,
+                };
                 Ok(Self::Ascend(Box::new(Model::load_shard(
                     file, backend, opts, tp,
                 )?)))

@@ -9,6 +9,7 @@
 //! in-process (`inproc`).
 
 pub mod cli;
+pub mod collectives;
 pub mod conformance;
 pub mod device;
 pub mod engine;

@@ -343,11 +343,12 @@ fn collectives_conform_and_a_wrong_one_fails() {
             self.0.gather_to_root(mine, out)
         }
     }
-    let wrong = |m| -> Box<dyn npu_backend::Collective<CpuBackend>> {
-        Box::new(HostStaged::new(Alone(
-            npu_agent::tp::ShmCollective::from_member(m),
-        )))
-    };
+    let wrong =
+        |m, _: &mut CpuBackend| -> Result<Box<dyn npu_backend::Collective<CpuBackend>>, String> {
+            Ok(Box::new(HostStaged::new(Alone(
+                npu_agent::tp::ShmCollective::from_member(m),
+            ))))
+        };
     let mut report = Report::new("cpu, 2 ranks, wrong all-reduce");
     check_collectives(
         (cpu(), cpu()),
@@ -423,5 +424,49 @@ fn collectives_conform_over_the_ascend_backend() {
         &mut report,
     );
     eprintln!("{}", report.render());
+    assert!(report.failures().is_empty(), "{}", report.render());
+}
+
+/// HCCL's collectives (on the strict emulation in CI: `libhccl.so` of the CANN install
+/// `ASCEND_HOME_PATH` names) over two ranks of the Ascend backend, devices 2 and 3: the same
+/// checks and model step as the staged ones, the collective naming HCCL; and the negative case,
+/// ranks calling different collectives, each failing with HCCL's error naming both calls.
+#[cfg(feature = "ascend")]
+#[test]
+fn hccl_collectives_conform_over_the_ascend_backend() {
+    use npu_agent::conformance::collective::{check_collectives, check_mismatch, hccl};
+    use npu_backend_ascend::{AscendBackend, AscendConfig};
+    if std::env::var_os("ASCEND_HOME_PATH").is_none() {
+        eprintln!("ascend: skipped, ASCEND_HOME_PATH is not set");
+        return;
+    }
+    let file = model();
+    let make = |device: u32| {
+        AscendBackend::new(AscendConfig {
+            start_device_id: device,
+            ..AscendConfig::default()
+        })
+        .expect("an Ascend device")
+    };
+    let (mut a, mut b) = (make(2), make(3));
+    let mut report = Report::new("ascend, HCCL, 2 ranks (devices 2 and 3)");
+    check_mismatch(
+        (&mut a, &mut b),
+        &hccl,
+        &["HcclAllReduce", "HcclAllGather", "HCCL_E_PARA"],
+        std::time::Duration::from_secs(30),
+        &mut report,
+    );
+    check_collectives((a, b), &hccl, conformance::reference(), &file, &mut report);
+    eprintln!("{}", report.render());
+    assert!(
+        report
+            .checks
+            .iter()
+            .any(|c| c.name == "the collective says what carries it" && c.note.contains("HCCL")),
+        "{}",
+        report.render()
+    );
+    assert!(report.checks.len() >= 12, "{}", report.render());
     assert!(report.failures().is_empty(), "{}", report.render());
 }

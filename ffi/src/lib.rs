@@ -1,5 +1,5 @@
 //! npu-ffi: raw C API declarations loaded at run time — CANN's ACL runtime (`libascendcl`) and
-//! aclnn (`libnnopbase`, `libopapi`, split `libopapi_*` packages), written by hand from the
+//! aclnn (`libnnopbase`, `libopapi`, split `libopapi_*` packages) and HCCL (`libhccl`, [`hccl`]), written by hand from the
 //! documented prototypes, resolved into function-pointer tables by [`loader::AscendApi`].
 //!
 //! Nothing here links CANN at build time: a machine without CANN builds and runs everything
@@ -9,6 +9,7 @@
 
 pub mod acl_rt;
 pub mod aclnn;
+pub mod hccl;
 pub mod loader;
 #[doc(hidden)]
 pub mod table;

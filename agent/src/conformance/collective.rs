@@ -5,9 +5,11 @@
 //! gather of host values into rank 0; and one whole model step split over the two ranks against
 //! the reference's whole-model logits (step tolerance).
 //!
-//! `make_collective` builds a rank's collective from its shared-memory member: the staged one
-//! (`HostStaged`) for every backend today; a device library's own (NCCL, HCCL) would be checked
-//! by passing its constructor instead. A deliberately wrong one fails (the suite's test).
+//! `make` builds a rank's collective from its shared-memory member and its backend: the staged
+//! one (`HostStaged`, [`staged`]) for any backend, or a device library's own — HCCL on Ascend
+//! ([`hccl`], on the strict emulation in CI). A deliberately wrong one fails (the suite's test).
+//! [`check_mismatch`] is the negative case for a device library: ranks calling different
+//! collectives must each fail with an error naming the mismatch, not hang.
 
 use std::time::{Duration, Instant};
 
@@ -22,14 +24,128 @@ use npu_protocol::shm::{segment_name, GroupMember, GroupRegion, GROUP_REGION_ID_
 use super::{Class, Report, Tolerance};
 use crate::model::{Model, ModelOptions, StepOutput};
 
-/// Builds rank `rank`'s collective over its group member.
-pub type MakeCollective<B> = dyn Fn(GroupMember) -> Box<dyn Collective<B>> + Sync;
+/// Builds a rank's collective over its group member, on its backend.
+pub type MakeCollective<B> =
+    dyn Fn(GroupMember, &mut B) -> Result<Box<dyn Collective<B>>, String> + Sync;
 
 /// The staged collective: any backend, through host memory and the group's region.
-pub fn staged<B: Backend + 'static>(m: GroupMember) -> Box<dyn Collective<B>> {
-    Box::new(npu_backend::HostStaged::new(
+pub fn staged<B: Backend + 'static>(
+    m: GroupMember,
+    _b: &mut B,
+) -> Result<Box<dyn Collective<B>>, String> {
+    Ok(Box::new(npu_backend::HostStaged::new(
         crate::tp::ShmCollective::from_member(m),
-    ))
+    )))
+}
+
+/// HCCL's collective (no fallback: a group that cannot form it is an error).
+#[cfg(feature = "ascend")]
+pub fn hccl(
+    m: GroupMember,
+    b: &mut npu_backend_ascend::AscendBackend,
+) -> Result<Box<dyn Collective<npu_backend_ascend::AscendBackend>>, String> {
+    let host = Box::new(crate::tp::ShmCollective::from_member(m));
+    crate::collectives::hccl(b, host)
+        .map(|c| Box::new(c) as Box<dyn Collective<_>>)
+        .map_err(|(why, _)| why)
+}
+
+/// Joins rank `r` of the region `name`.
+fn join(name: &str, r: usize) -> Result<GroupMember, String> {
+    GroupRegion::open(name)
+        .map_err(|e| e.to_string())?
+        .join(
+            r as u32,
+            Duration::from_secs(60),
+            Instant::now() + Duration::from_secs(60),
+        )
+        .map_err(|e| e.to_string())
+}
+
+/// The negative case of a device library's collectives: rank 0 calls `all_reduce_sum` while
+/// rank 1 calls `all_gather` (the same rows). Both must fail, each with an error naming both
+/// calls (`names`: words each message must hold), within `bound` — not hang, not succeed.
+pub fn check_mismatch<B: Backend>(
+    devs: (&mut B, &mut B),
+    make: &MakeCollective<B>,
+    names: &[&str],
+    bound: Duration,
+    report: &mut Report,
+) {
+    let name = match segment_name(GROUP_REGION_ID_BASE + 0x0ffe) {
+        Ok(n) => n,
+        Err(e) => return report.error("mismatched collectives: name a group region", &e),
+    };
+    let region = match GroupRegion::create(&name, 2, 4096) {
+        Ok(r) => r,
+        Err(e) => return report.error("mismatched collectives: create a group region", &e),
+    };
+    let started = Instant::now();
+    let outs: Vec<Result<String, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = [devs.0, devs.1]
+            .into_iter()
+            .enumerate()
+            .map(|(r, b)| {
+                let name = name.clone();
+                s.spawn(move || -> Result<String, String> {
+                    let mut comm = make(join(&name, r)?, b)?;
+                    let act = b.act_dtype();
+                    let e = |e: BackendError| e.to_string();
+                    let mut x = b.alloc(act, ROWS * COLS).map_err(e)?;
+                    b.upload(
+                        HostSlice::F32(&rows_of(r)),
+                        ViewMut::rows(&mut x, ROWS, COLS).map_err(e)?,
+                    )
+                    .map_err(e)?;
+                    let called = if r == 0 {
+                        comm.all_reduce_sum(b, ViewMut::rows(&mut x, ROWS, COLS).map_err(e)?)
+                    } else {
+                        let mut all = b.alloc(act, 2 * ROWS * COLS).map_err(e)?;
+                        comm.all_gather(
+                            b,
+                            View::rows(&x, ROWS, COLS).map_err(e)?,
+                            ViewMut::rows(&mut all, 2 * ROWS, COLS).map_err(e)?,
+                        )
+                    };
+                    // The failure may show at the call or when the stream is synchronized.
+                    let synced = called.and_then(|()| b.synchronize());
+                    match synced {
+                        Ok(()) => Err(format!("rank {r}'s mismatched collective succeeded")),
+                        Err(e) => Ok(e.to_string()),
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+            .collect()
+    });
+    drop(region);
+    let took = started.elapsed();
+    for (r, out) in outs.iter().enumerate() {
+        match out {
+            Ok(msg) => report.verdict(
+                format!("mismatched collectives: rank {r} fails naming both calls"),
+                names.iter().all(|n| msg.contains(n)),
+                msg.clone(),
+            ),
+            Err(e) => report.verdict(
+                format!("mismatched collectives: rank {r} fails naming both calls"),
+                false,
+                e.clone(),
+            ),
+        }
+    }
+    report.verdict(
+        "mismatched collectives: the failure comes without waiting out a timeout",
+        took < bound,
+        format!(
+            "{:.1} s (bound {:.0} s)",
+            took.as_secs_f64(),
+            bound.as_secs_f64()
+        ),
+    );
 }
 
 const ROWS: usize = 3;
@@ -43,8 +159,8 @@ fn rows_of(r: usize) -> Vec<f32> {
 }
 
 /// What each rank found: (all-reduced rows, all-gathered rows, rank 0's gathered rows, rank
-/// 0's gathered host values, rank 0's step logits).
-type RankOut = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+/// 0's gathered host values, rank 0's step logits, the collective's description).
+type RankOut = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, String);
 
 /// A rank's collective results: (all-reduced, all-gathered, gathered to host, host values).
 type OpsOut = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
@@ -159,23 +275,14 @@ pub fn check_collectives<B: Backend, R: Backend>(
                 let name = name.clone();
                 let tokens = &tokens;
                 s.spawn(move || -> Result<RankOut, String> {
-                    let join = |r: usize| {
-                        GroupRegion::open(&name)
-                            .map_err(|e| e.to_string())?
-                            .join(
-                                r as u32,
-                                Duration::from_secs(60),
-                                Instant::now() + Duration::from_secs(60),
-                            )
-                            .map_err(|e| e.to_string())
-                    };
-                    let mut comm = make(join(r)?);
+                    let mut comm = make(join(&name, r)?, &mut b)?;
+                    let described = comm.describe();
                     let (a, g, h, v) =
                         rank_run(&mut b, comm.as_mut()).map_err(|e| e.to_string())?;
                     // The model step on a second group of the same region: the first member is
                     // done with it, the ranks go on in step.
                     let logits = rank_step(file, b, comm, tokens)?;
-                    Ok((a, g, h, v, logits))
+                    Ok((a, g, h, v, logits, described))
                 })
             })
             .collect();
@@ -189,6 +296,11 @@ pub fn check_collectives<B: Backend, R: Backend>(
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => return report.error("collectives (2 ranks)", e),
     };
+    report.verdict(
+        "the collective says what carries it",
+        !r0.5.is_empty(),
+        r0.5.clone(),
+    );
     let (a, b) = (rows_of(0), rows_of(1));
     let sum: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
     let elementwise = tol.bound(Class::Elementwise);

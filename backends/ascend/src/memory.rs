@@ -48,7 +48,7 @@ impl DeviceBuffer {
         self.bytes
     }
 
-    fn range(&self, offset: usize, len: usize) -> Result<*mut c_void> {
+    pub(crate) fn range(&self, offset: usize, len: usize) -> Result<*mut c_void> {
         if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
             return Err(AscendError::Invalid(format!(
                 "{len} bytes at offset {offset} exceed a {}-byte device buffer",

@@ -204,6 +204,11 @@ impl CudaBackend {
         self.emu.as_deref()
     }
 
+    /// Whether the device has a CUDA stream (a GPU; not the emulation), which NCCL needs.
+    pub fn has_cuda_stream(&self) -> bool {
+        self.gpu.raw_stream().is_ok_and(|s| s.is_some())
+    }
+
     pub(crate) fn with_gpu(gpu: Arc<dyn Gpu>, cfg: CudaConfig) -> Self {
         Self {
             gpu,

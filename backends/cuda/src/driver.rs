@@ -455,6 +455,11 @@ impl Gpu for CudaGpu {
         self.description.clone()
     }
 
+    fn raw_stream(&self) -> Result<Option<*mut c_void>, BackendError> {
+        self.bind()?;
+        Ok(Some(self.cu_stream() as *mut c_void))
+    }
+
     fn sm_count(&self) -> u32 {
         self.sm_count
     }

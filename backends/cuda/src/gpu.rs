@@ -144,6 +144,11 @@ pub trait Gpu: Send + Sync {
     fn launch(&self, kernel: usize, dims: LaunchDims, args: &mut Args) -> Result<(), BackendError>;
     /// Queues a GEMM.
     fn gemm(&self, g: &Gemm) -> Result<(), BackendError>;
+    /// The device's stream as the CUDA runtime's `cudaStream_t` (for NCCL), with its context
+    /// made current on the calling thread; None where there is no CUDA stream (the emulation).
+    fn raw_stream(&self) -> Result<Option<*mut c_void>, BackendError> {
+        Ok(None)
+    }
 }
 
 /// Blocks of `per` covering `n` (at least one).

@@ -32,6 +32,7 @@ pub mod gpu;
 pub mod kernels;
 pub mod libs;
 mod matmul;
+pub mod nccl;
 pub mod nvrtc;
 mod ops;
 pub mod staging;

@@ -15,6 +15,10 @@
 //! every object never destroyed; operators need `ASCEND_OPP_PATH` (as `set_env.sh` exports it). See
 //! `state`, `rt`, `install`, `objects` and `ops` for each rule.
 //!
+//! HCCL (`libhccl.so`, linked to the same file) is emulated too: communicators from a root info,
+//! all-reduce and all-gather on device memory, strict about every rank calling the same
+//! collectives in the same order, across threads or processes (`hccl`, `hccl_comm`).
+//!
 //! Environment: `ASCEND_EMULATOR_HBM_MB` (device memory per device, default 32768),
 //! `ASCEND_EMULATOR_DEVICES` (device count, default 8; `ASCEND_RT_VISIBLE_DEVICES` overrides),
 //! `ASCEND_EMULATOR_CANN_VERSION` (reported version, default 8.3.RC1), `ASCEND_EMULATOR_VERBOSE`
@@ -23,6 +27,8 @@
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
+pub mod hccl;
+pub mod hccl_comm;
 pub mod install;
 pub mod objects;
 pub mod ops;

@@ -36,6 +36,7 @@ pub const KIND_EXECUTOR: u64 = 0x00e5;
 pub const KIND_STREAM: u64 = 0x00e6;
 pub const KIND_EVENT: u64 = 0x00e7;
 pub const KIND_CONTEXT: u64 = 0x00e8;
+pub const KIND_HCCL_COMM: u64 = 0x00e9;
 
 pub fn kind_name(kind: u64) -> &'static str {
     match kind {
@@ -47,6 +48,7 @@ pub fn kind_name(kind: u64) -> &'static str {
         KIND_STREAM => "aclrtStream",
         KIND_EVENT => "aclrtEvent",
         KIND_CONTEXT => "aclrtContext",
+        KIND_HCCL_COMM => "HcclComm",
         _ => "handle",
     }
 }
@@ -134,6 +136,8 @@ pub struct State {
     /// Weights converted to f32 once and reused while their bytes stay the same (keyed by the
     /// allocation versions they were read from): the emulation's speed, not a CANN feature.
     pub derived: HashMap<DerivedKey, std::sync::Arc<Vec<f32>>>,
+    /// Live HCCL communicators (`crate::hccl`), described for the leak report.
+    pub hccl_comms: BTreeMap<u64, String>,
 }
 
 static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::default()));

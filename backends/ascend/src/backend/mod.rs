@@ -11,6 +11,7 @@
 
 mod attention;
 mod family_ops;
+pub mod hccl;
 mod kv_pool;
 mod layer_ops;
 pub mod objects;
