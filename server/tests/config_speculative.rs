@@ -83,6 +83,12 @@ fn bad_settings_are_refused_naming_their_key() {
             "npu_serving.speculative",
             "long-context",
         ),
+        (
+            "serving_config:\n  agent_ports: [0, 0]\nnpu_serving:\n  speculative: {}\n  \
+             tensor_parallel_size: 2\n",
+            "npu_serving.speculative",
+            "tensor-parallel",
+        ),
     ];
     for (yaml, key, says) in cases {
         let e = load(yaml).expect_err(yaml);
