@@ -8,6 +8,7 @@ mod common;
 use common::{engine, engine_config, model_path, refs};
 use npu_agent::inproc::{self, Arrival, RunOutput, RunTiming};
 use npu_gguf::GgufFile;
+use npu_protocol::agent::DeviceKind;
 use npu_protocol::SamplingParams;
 use npu_scheduler::{GenerateRequest, SpeculativeConfig};
 use npu_tokenizer::Tokenizer;
@@ -48,7 +49,17 @@ fn run(
     arrivals: &[Arrival],
     slots: u32,
 ) -> (Vec<RunOutput>, RunTiming) {
-    let cfg = engine_config(slots, 96);
+    run_on(DeviceKind::Cpu, speculative, arrivals, slots)
+}
+
+fn run_on(
+    device: DeviceKind,
+    speculative: Option<SpeculativeConfig>,
+    arrivals: &[Arrival],
+    slots: u32,
+) -> (Vec<RunOutput>, RunTiming) {
+    let mut cfg = engine_config(slots, 96);
+    cfg.device = device;
     let mut eng = engine(&cfg);
     let mut sched = inproc::scheduler_config(&cfg);
     sched.speculative = speculative;
@@ -123,4 +134,36 @@ fn sampled_tokens_with_penalties_are_the_same_with_drafts() {
         ..SamplingParams::default()
     };
     same_tokens(params, "sampled");
+}
+
+/// The same on the Ascend backend (over the CANN install `ASCEND_HOME_PATH` names: the strict
+/// emulation in the test suite): its verified rows give the tokens its decode rows give.
+#[cfg(feature = "ascend")]
+#[test]
+fn greedy_tokens_are_the_same_with_drafts_on_the_ascend_backend() {
+    assert!(
+        std::env::var_os("ASCEND_HOME_PATH").is_some(),
+        "ASCEND_HOME_PATH must name a CANN install (scripts/ascend-emulator.sh builds the emulation)"
+    );
+    let prompts = prompts();
+    let params = SamplingParams::greedy();
+    let all: Vec<Arrival> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| request(i as u64, p, &params, 24))
+        .collect();
+    let (plain, _) = run_on(DeviceKind::Ascend, None, &all, 4);
+    let (drafted, t) = run_on(DeviceKind::Ascend, spec(), &all, 4);
+    for i in 0..all.len() {
+        assert_eq!(
+            drafted[i].token_ids(),
+            plain[i].token_ids(),
+            "prompt {i}: tokens differ with drafts on the Ascend backend"
+        );
+    }
+    assert!(
+        t.accepted_tokens > 0,
+        "{} drafted, none kept",
+        t.drafted_tokens
+    );
 }
