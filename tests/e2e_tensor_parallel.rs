@@ -461,3 +461,34 @@ fn two_ranks_on_two_emulated_ascend_devices() {
     );
     check_references(&server, &refs, 32);
 }
+
+/// Speculative decoding over a group of two: a request that drafts gives the text the same
+/// request gives with `"speculative": false`, greedy and seeded, and drafts are kept.
+#[test]
+fn drafts_over_two_ranks_change_no_text() {
+    let _serial = serial();
+    let opts = ServerOpts {
+        npu_serving_extra: "  speculative:\n    min_acceptance: 0\n".into(),
+        ..tp_opts(2)
+    };
+    let server = Server::start("tp-speculative", &opts);
+    let prompt = "Print this list again, one item per line:\n- apples\n- pears\n- plums\n\
+                  - apples\n- pears\n- plums\n\nThe list again:\n- apples\n";
+    for extra in [
+        serde_json::json!({"temperature": 0}),
+        serde_json::json!({"temperature": 0.8, "seed": 3}),
+    ] {
+        let ask = |speculative: bool| {
+            let mut body = serde_json::json!({"prompt": prompt, "max_tokens": 32,
+                                              "speculative": speculative});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let (status, v) = server.post_json("/v1/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        };
+        assert_eq!(ask(true), ask(false), "{extra}");
+    }
+    assert!(server.metric("npu_serving_spec_decode_num_accepted_tokens_total") > 0.0);
+}

@@ -315,3 +315,51 @@ fn combined_greedy_picks_equal_the_sampler_on_gathered_logits() {
         }
     }
 }
+
+/// Speculative decoding over a group: drafts verified by the two ranks give the tokens the same
+/// group gives without them, greedy and seeded sampling, batched (rank 0 samples each verified
+/// row as it would one step at a time).
+#[test]
+fn drafts_over_two_ranks_change_no_token() {
+    let mut cfg = engine_config(4, 96);
+    cfg.threads = 1;
+    let mut group = LocalGroup::load(&cfg, 2).unwrap();
+    let refs = refs();
+    // A prompt that repeats itself, so that drafts are found and kept, and two references.
+    let mut prompts: Vec<Vec<u32>> = refs.iter().take(2).map(|r| r.prompt_ids.clone()).collect();
+    prompts.push(refs[0].prompt_ids.repeat(3));
+    let mut kept = 0;
+    for sampled in [false, true] {
+        let reqs: Vec<Arrival> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut a = greedy(i as u64, p, 24, 0);
+                if sampled {
+                    a.request.params.do_sample = true;
+                    a.request.params.temperature = 0.7;
+                    a.request.params.seed = 99 + i as u64;
+                }
+                a
+            })
+            .collect();
+        let plain = run_group(&mut group, &cfg, inproc::scheduler_config(&cfg), &reqs);
+        let mut sched = inproc::scheduler_config(&cfg);
+        sched.speculative = Some(npu_scheduler::SpeculativeConfig {
+            max_batch: 8,
+            min_acceptance: 0.0,
+            ..Default::default()
+        });
+        let (drafted, t) =
+            inproc::run_steps(&mut |plan| group.step(plan), sched, &reqs, &mut |_, _| {}).unwrap();
+        for (i, (a, b)) in plain.iter().zip(&drafted).enumerate() {
+            assert_eq!(
+                a.token_ids(),
+                b.token_ids(),
+                "prompt {i}, sampled {sampled}: tokens differ with drafts over two ranks"
+            );
+        }
+        kept += t.accepted_tokens;
+    }
+    assert!(kept > 0, "no draft was kept");
+}

@@ -653,13 +653,6 @@ fn check_tensor_parallel(c: &NpuServingConfig, agents: usize) -> Result<(), Conf
             c.swap_space_mb.to_string(),
         );
     }
-    if c.speculative.is_some() {
-        return not_with(
-            "npu_serving.speculative",
-            "absent (no speculative decoding)",
-            "set".into(),
-        );
-    }
     if roles::splits(&c.agent_roles) {
         return not_with(
             "npu_serving.agent_roles",
