@@ -181,19 +181,10 @@ impl StepCost {
 /// drafted `k` tokens and kept `j` observed `j` kept draft positions and, when `j < k`, one
 /// rejected one (those after it were not looked at); the chance that a draft is kept given the
 /// ones before it were is estimated as kept / observed.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct DraftRecord {
     kept: f64,
     observed: f64,
-}
-
-impl Default for DraftRecord {
-    fn default() -> Self {
-        Self {
-            kept: 0.0,
-            observed: 0.0,
-        }
-    }
 }
 
 impl DraftRecord {
