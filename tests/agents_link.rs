@@ -9,7 +9,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use npu_agent::engine::{AgentEngineConfig, EngineError, ModelFacts};
+use npu_agent::engine::{AgentEngineConfig, EngineError, FollowingMasks, ModelFacts};
 use npu_agent::worker::{run_with, AgentArgs, StepExecutor};
 use npu_protocol::agent::DeviceKind;
 use npu_protocol::frame::Hello;
@@ -19,7 +19,7 @@ use npu_protocol::shm::{
 };
 use npu_protocol::{
     Admission, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult, StepTiming,
-    TokenLogprob,
+    TokenLogprob, TokenMask,
 };
 use npu_server::agents::{
     validate_hello, AgentFailure, AgentLaunch, AgentLink, AgentPool, AgentSpec,
@@ -27,8 +27,9 @@ use npu_server::agents::{
 
 const MODE_VAR: &str = "NPU_SERVING_TEST_AGENT_MODE";
 
-/// A stand-in model: the next token of a slot is its last token plus the slot number; slots
-/// must be admitted first; slot 13 always fails.
+/// A stand-in model: the next token of a slot is its last token plus the slot number (under a
+/// token mask, the lowest token it allows; words that follow the plan are waited for after
+/// the "forward pass"); slots must be admitted first; slot 13 always fails.
 struct EchoEngine {
     facts: ModelFacts,
     admitted: HashSet<u32>,
@@ -39,12 +40,24 @@ impl StepExecutor for EchoEngine {
         &self.facts
     }
 
-    fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
-        let plan = plan.to_plan();
+    fn step(
+        &mut self,
+        plan: &dyn PlanSource,
+        following: FollowingMasks<'_>,
+    ) -> Result<StepResult, EngineError> {
+        let mut plan = plan.to_plan();
         for slot in &plan.forget {
             self.admitted.remove(slot);
         }
         self.admitted.extend(plan.admit.iter().map(|a| a.slot));
+        if plan.masks_follow() {
+            plan.masks = following().map_err(EngineError::MasksLost)?;
+        }
+        let lowest_allowed = |slot: u32| {
+            let m = plan.masks.iter().find(|m| m.slot == slot)?;
+            (0..m.words.len() as u32 * 32)
+                .find(|&t| m.words[(t / 32) as usize] >> (t % 32) & 1 == 1)
+        };
         let mut seqs = Vec::new();
         for seq in &plan.seqs {
             if seq.slot == 13 {
@@ -57,7 +70,8 @@ impl StepExecutor for EchoEngine {
                 )));
             }
             if seq.sample {
-                let token = seq.tokens.last().copied().unwrap_or(0) + seq.slot;
+                let token = lowest_allowed(seq.slot)
+                    .unwrap_or(seq.tokens.last().copied().unwrap_or(0) + seq.slot);
                 seqs.push(SeqResult {
                     slot: seq.slot,
                     token: TokenLogprob {
@@ -228,17 +242,21 @@ fn kill(pid: u32, signal: i32) {
     assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0);
 }
 
-/// SIGKILL, then waits until the process is dead (a zombie until the link reaps it).
+/// SIGKILL, then waits until the process is dead (a zombie until the link reaps it): its
+/// leader a zombie and no other thread left, since the leader turns zombie while other threads
+/// may still be exiting with the process's descriptors open.
 fn kill_9(pid: u32) {
     kill(pid, libc::SIGKILL);
     let until = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count());
         if stat.is_empty()
-            || stat
-                .rsplit(')')
-                .next()
-                .is_some_and(|r| r.trim_start().starts_with('Z'))
+            || (threads <= 1
+                && stat
+                    .rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('Z')))
         {
             return;
         }
@@ -476,6 +494,68 @@ fn the_agent_learns_its_segment_and_secret_from_its_socket_not_its_command_line(
             "a listening Unix socket: {line}"
         );
     }
+}
+
+/// Mask words that follow the plan reach a real agent process through its segment and a
+/// `Masks` frame; words never handed over take the agent down (it waits for them mid-step),
+/// and it comes back.
+#[test]
+fn mask_words_follow_the_plan_to_a_real_agent_process() {
+    let mut link = AgentLink::start(spec(23).with_token_masks(256), launch("echo")).unwrap();
+    let masked = |step_id, admit: &[u32]| {
+        let mut p = plan(step_id, admit, &[(2, 100), (3, 200)]);
+        p.masks = vec![TokenMask {
+            slot: 3,
+            words: Vec::new(),
+        }];
+        p
+    };
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let mut words = vec![0u32; 8];
+    words[1] = 1 << 9; // token 41 alone
+    tx.send(vec![TokenMask { slot: 3, words }]).unwrap();
+    let result = link
+        .step_with_masks(&masked(1, &[2, 3]), Some(&rx), STEP_DEADLINE)
+        .unwrap();
+    let tokens: Vec<(u32, u32)> = result
+        .seqs
+        .iter()
+        .map(|s| (s.slot, s.token.token))
+        .collect();
+    assert_eq!(tokens, vec![(2, 102), (3, 41)]);
+    // Words for another slot than the plan masks are refused before they reach the agent.
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    tx.send(vec![TokenMask {
+        slot: 2,
+        words: vec![1; 8],
+    }])
+    .unwrap();
+    let err = link
+        .step_with_masks(&masked(2, &[]), Some(&rx), STEP_DEADLINE)
+        .unwrap_err();
+    assert!(
+        matches!(err, AgentFailure::PlanRefused { step_id: 2, .. }),
+        "{err}"
+    );
+    assert!(!link.is_up());
+    link.restart().unwrap();
+    // The engine drops the words: the agent is stopped, not left waiting.
+    let (tx, rx) = crossbeam_channel::bounded::<Vec<TokenMask>>(1);
+    drop(tx);
+    let pid = link.pid().unwrap();
+    let err = link
+        .step_with_masks(&masked(3, &[2, 3]), Some(&rx), STEP_DEADLINE)
+        .unwrap_err();
+    assert!(
+        matches!(err, AgentFailure::MasksLost { step_id: 3, .. }),
+        "{err}"
+    );
+    assert!(
+        !pid_alive(pid),
+        "the agent waiting for its masks was not stopped"
+    );
+    link.restart().unwrap();
+    link.step(&plan(4, &[1], &[(1, 5)]), STEP_DEADLINE).unwrap();
 }
 
 #[test]

@@ -61,7 +61,12 @@ struct InProcessAgent {
 }
 
 impl StepAgent for InProcessAgent {
-    fn step(&mut self, plan: &StepPlan, _deadline: Duration) -> Result<StepResult, AgentFailure> {
+    fn step(
+        &mut self,
+        plan: &StepPlan,
+        masks: Option<&crossbeam_channel::Receiver<Vec<npu_protocol::TokenMask>>>,
+        _deadline: Duration,
+    ) -> Result<StepResult, AgentFailure> {
         let mut f = self.faults.lock().unwrap();
         f.calls += 1;
         if f.die_at == Some(f.calls) {
@@ -82,11 +87,17 @@ impl StepAgent for InProcessAgent {
             .engine
             .as_mut()
             .ok_or(AgentFailure::Down { agent_id: 0 })?;
-        engine.step(plan).map_err(|e| AgentFailure::StepFailed {
-            agent_id: 0,
-            step_id: plan.step_id,
-            message: e.to_string(),
-        })
+        let mut following = || {
+            let rx = masks.ok_or("no channel for the masks")?;
+            rx.recv().map_err(|e| e.to_string())
+        };
+        engine
+            .step_with_masks(plan, Some(&mut following))
+            .map_err(|e| AgentFailure::StepFailed {
+                agent_id: 0,
+                step_id: plan.step_id,
+                message: e.to_string(),
+            })
     }
 
     fn restart(&mut self) -> Result<(), AgentFailure> {

@@ -13,6 +13,7 @@ pub use npu_protocol::agent::{AgentEngineConfig, KvFacts, ModelFacts};
 use npu_protocol::shm::HandoffRegion;
 use npu_protocol::{
     PlanSource, SamplingParams, SeqResult, StepResult, StepTiming, StepTransfer, TokenLogprob,
+    TokenMask,
 };
 use thiserror::Error;
 
@@ -49,7 +50,14 @@ pub enum EngineError {
     BadConfig(String),
     #[error("sampling: {0}")]
     Sampling(#[from] PoolError),
+    #[error("the step's token masks never arrived: {0}")]
+    MasksLost(String),
 }
+
+/// How a step whose mask words follow its plan gets them (see `PlanSource::masks_follow`):
+/// called once, after the forward pass and before sampling, it waits until the server has
+/// written them and returns them in the plan's order.
+pub type FollowingMasks<'a> = &'a mut dyn FnMut() -> Result<Vec<TokenMask>, String>;
 
 struct Slot {
     params: SamplingParams,
@@ -439,6 +447,16 @@ impl AgentEngine {
     /// Runs one step: forget and admit slots, run the model on every sequence's new tokens,
     /// sample where asked. The plan is read (and checked) once, into the device's inputs.
     pub fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
+        self.step_with_masks(plan, None)
+    }
+
+    /// `step` for a plan whose mask words may follow it: `following` delivers them once the
+    /// forward pass is done, so the grammars' work on the server overlaps the device's.
+    pub fn step_with_masks(
+        &mut self,
+        plan: &dyn PlanSource,
+        following: Option<FollowingMasks<'_>>,
+    ) -> Result<StepResult, EngineError> {
         let t_start = Instant::now();
         let step_id = plan.step_id();
         for s in plan.forget().iter() {
@@ -493,8 +511,15 @@ impl AgentEngine {
                 }
             }
         }
-        // Token masks of constrained slots (structured output), copied out of the plan.
+        // Token masks of constrained slots (structured output), copied out of the plan (or,
+        // when their words follow it, taken after the forward pass).
         self.masks.clear();
+        let masks_follow = plan.masks_follow();
+        if masks_follow && following.is_none() && self.rank == 0 {
+            return Err(EngineError::BadPlan(
+                "the plan's token masks follow it, and nothing here can receive them".into(),
+            ));
+        }
         for i in 0..plan.n_masks() {
             let (slot, words) = plan.mask(i);
             if self
@@ -508,9 +533,11 @@ impl AgentEngine {
                      for one token)"
                 )));
             }
-            self.masks.push((slot, words.to_vec()));
+            if !masks_follow {
+                self.masks.push((slot, words.to_vec()));
+            }
         }
-        let greedy = self.masks.is_empty()
+        let greedy = plan.n_masks() == 0
             && self.read.logit_slots.iter().all(|&s| {
                 slots[s as usize]
                     .as_ref()
@@ -535,6 +562,18 @@ impl AgentEngine {
         self.steps += 1;
         self.forward += t_fwd.elapsed();
         let t_sample = Instant::now();
+        if let (true, 0, Some(following)) = (masks_follow, self.rank, following) {
+            let masks = following().map_err(EngineError::MasksLost)?;
+            let expected: Vec<u32> = (0..plan.n_masks()).map(|i| plan.mask(i).0).collect();
+            if masks.iter().map(|m| m.slot).ne(expected.iter().copied()) {
+                return Err(EngineError::MasksLost(format!(
+                    "masks came for slots {:?}, the plan masks slots {expected:?}",
+                    masks.iter().map(|m| m.slot).collect::<Vec<_>>()
+                )));
+            }
+            self.masks
+                .extend(masks.into_iter().map(|m| (m.slot, m.words)));
+        }
         let seqs = if self.rank != 0 {
             Vec::new()
         } else if self.out.picked_on_device {

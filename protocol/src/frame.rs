@@ -104,6 +104,11 @@ pub enum Frame {
     Step {
         step_id: u64,
     },
+    /// Server -> agent: the token-mask words of this step's plan, which said they would follow,
+    /// are now in the segment (written while the agent ran the step's forward pass).
+    Masks {
+        step_id: u64,
+    },
     /// Agent -> server: the step is done (result in the segment when status is Ok).
     StepDone(StepDone),
     /// Server -> agent: forget every slot.
@@ -128,6 +133,7 @@ mod tag {
     pub const START_FAILED: u8 = 4;
     pub const STEP: u8 = 10;
     pub const STEP_DONE: u8 = 11;
+    pub const MASKS: u8 = 15;
     pub const RESET: u8 = 12;
     pub const RESET_DONE: u8 = 13;
     pub const SHUTDOWN: u8 = 14;
@@ -150,6 +156,7 @@ impl Frame {
             Frame::StartFailed { .. } => tag::START_FAILED,
             Frame::Step { .. } => tag::STEP,
             Frame::StepDone(_) => tag::STEP_DONE,
+            Frame::Masks { .. } => tag::MASKS,
             Frame::Reset => tag::RESET,
             Frame::ResetDone => tag::RESET_DONE,
             Frame::Shutdown => tag::SHUTDOWN,
@@ -185,7 +192,9 @@ impl Frame {
             Frame::Refuse { reason } | Frame::StartFailed { reason } => {
                 put_str(&mut out, reason, MAX_FRAME_LEN - 5);
             }
-            Frame::Step { step_id } => out.extend_from_slice(&step_id.to_le_bytes()),
+            Frame::Step { step_id } | Frame::Masks { step_id } => {
+                out.extend_from_slice(&step_id.to_le_bytes())
+            }
             Frame::StepDone(d) => {
                 out.extend_from_slice(&d.step_id.to_le_bytes());
                 out.push(match d.status {
@@ -233,6 +242,7 @@ fn kind_of(tag: u8) -> Option<&'static str> {
         tag::START_FAILED => "StartFailed",
         tag::STEP => "Step",
         tag::STEP_DONE => "StepDone",
+        tag::MASKS => "Masks",
         tag::RESET => "Reset",
         tag::RESET_DONE => "ResetDone",
         tag::SHUTDOWN => "Shutdown",
@@ -345,6 +355,7 @@ fn decode_body(tag: u8, payload: &[u8]) -> Result<Frame, FrameError> {
             reason: p.string()?,
         },
         tag::STEP => Frame::Step { step_id: p.u64()? },
+        tag::MASKS => Frame::Masks { step_id: p.u64()? },
         tag::STEP_DONE => {
             let step_id = p.u64()?;
             let status = match p.u8()? {

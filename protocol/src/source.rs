@@ -80,8 +80,11 @@ pub trait PlanSource {
     }
     /// Number of token masks (constrained sequences sampling in this step).
     fn n_masks(&self) -> usize;
-    /// Mask `i` (< `n_masks()`): its slot and words.
+    /// Mask `i` (< `n_masks()`): its slot and words (no words while they follow the plan).
     fn mask(&self, i: usize) -> (u32, U32s<'_>);
+    /// Whether the masks' words follow the plan (see [`StepPlan::masks_follow`]): whoever
+    /// runs the step must get them before it samples.
+    fn masks_follow(&self) -> bool;
     /// A `StepPlan` with the same content.
     fn to_plan(&self) -> StepPlan {
         StepPlan {
@@ -155,6 +158,9 @@ impl PlanSource for StepPlan {
     fn mask(&self, i: usize) -> (u32, U32s<'_>) {
         let m = &self.masks[i];
         (m.slot, U32s::Slice(&m.words))
+    }
+    fn masks_follow(&self) -> bool {
+        StepPlan::masks_follow(self)
     }
 }
 

@@ -190,7 +190,9 @@ pub struct StepPlan {
     pub kv_copies: Vec<KvCopy>,
     pub seqs: Vec<SeqStep>,
     /// Token masks of constrained sequences (structured output), one per slot that samples in
-    /// this step under a grammar: only tokens whose bit is set may be picked.
+    /// this step under a grammar: only tokens whose bit is set may be picked. Masks without
+    /// words announce words that follow the plan (see [`StepPlan::masks_follow`]): either every
+    /// mask of a plan has its words or none has.
     #[serde(default)]
     pub masks: Vec<TokenMask>,
 }
@@ -213,6 +215,13 @@ impl TokenMask {
 }
 
 impl StepPlan {
+    /// Whether the plan names its masked slots but their words follow it: the server computes
+    /// them while the agent runs the step's forward pass and announces them with a `Masks`
+    /// frame; the agent waits for them only before it samples.
+    pub fn masks_follow(&self) -> bool {
+        !self.masks.is_empty() && self.masks.iter().all(|m| m.words.is_empty())
+    }
+
     pub fn n_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
     }

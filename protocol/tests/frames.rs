@@ -35,6 +35,7 @@ fn every_kind() -> Vec<Frame> {
             reason: "engine: no such file — ü".into(),
         },
         Frame::Step { step_id: u64::MAX },
+        Frame::Masks { step_id: 41 },
         Frame::StepDone(StepDone {
             step_id: 9,
             status: StepStatus::Ok,

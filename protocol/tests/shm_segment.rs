@@ -723,3 +723,74 @@ fn drafted_tokens_cross_the_segment_and_misplaced_drafts_are_refused() {
         assert!(matches!(err, ShmError::BadPlan(_)), "{what}: {err:?}");
     }
 }
+
+/// A plan may name its masked slots and send their words later (written while the agent runs
+/// the forward pass): the words cross between mappings, and words that do not match the plan,
+/// plans that mix the two kinds of masks, and corrupt flags are refused.
+#[test]
+fn mask_words_that_follow_the_plan_cross_the_segment_and_mismatches_are_refused() {
+    let mut seg = new_segment();
+    let agent = ShmSegment::open(seg.name()).unwrap();
+    let mut plan = sample_plan();
+    let words = std::mem::take(&mut plan.masks[0].words);
+    assert!(plan.masks_follow());
+    seg.write_plan(&plan).unwrap();
+    let view = agent.plan_view().unwrap();
+    assert!(view.masks_follow());
+    assert_eq!(
+        (view.n_masks(), view.mask(0).0, view.mask(0).1.len()),
+        (1, 1, 0)
+    );
+    assert_eq!(agent.read_plan().unwrap(), plan);
+
+    let words_for = |slot: u32, words: Vec<u32>| vec![TokenMask { slot, words }];
+    for (what, masks) in [
+        ("another slot", words_for(2, words.clone())),
+        ("too few words", words_for(1, vec![1, 2])),
+        ("a mask the plan has not", {
+            let mut m = words_for(1, words.clone());
+            m.push(TokenMask {
+                slot: 2,
+                words: words.clone(),
+            });
+            m
+        }),
+        ("no masks", Vec::new()),
+    ] {
+        let err = seg.write_mask_words(&masks).expect_err(what);
+        assert!(matches!(err, ShmError::BadPlan(_)), "{what}: {err:?}");
+    }
+    seg.write_mask_words(&words_for(1, words.clone())).unwrap();
+    assert_eq!(
+        agent.read_mask_words().unwrap(),
+        words_for(1, words.clone())
+    );
+
+    // A plan that carries its words awaits none; a plan mixing both kinds is refused.
+    seg.write_plan(&sample_plan()).unwrap();
+    assert!(!agent.plan_view().unwrap().masks_follow());
+    let err = seg
+        .write_mask_words(&words_for(1, words.clone()))
+        .unwrap_err();
+    assert!(matches!(err, ShmError::BadPlan(_)), "{err:?}");
+    assert!(matches!(agent.read_mask_words(), Err(ShmError::Corrupt(_))));
+    let mut mixed = sample_plan();
+    mixed.masks.push(TokenMask {
+        slot: 2,
+        words: Vec::new(),
+    });
+    let err = seg.write_plan(&mixed).unwrap_err();
+    assert!(matches!(err, ShmError::BadPlan(_)), "{err:?}");
+
+    // Corrupt flags: an unknown bit, and words that follow a plan without masks.
+    let flags = seg.layout().region(Region::PlanMeta).offset
+        + std::mem::offset_of!(npu_protocol::shm::layout::PlanMeta, flags) as u64;
+    seg.write_plan(&plan).unwrap();
+    poke(&seg, flags, &u32::to_le_bytes(3));
+    assert!(matches!(agent.read_plan(), Err(ShmError::Corrupt(_))));
+    let mut unmasked = plan.clone();
+    unmasked.masks.clear();
+    seg.write_plan(&unmasked).unwrap();
+    poke(&seg, flags, &u32::to_le_bytes(1));
+    assert!(matches!(agent.read_plan(), Err(ShmError::Corrupt(_))));
+}

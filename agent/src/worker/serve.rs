@@ -1,6 +1,8 @@
 //! The agent's step loop: Step -> the engine reads the plan where it lies in the segment and runs
 //! it -> write the result -> StepDone; Reset -> forget every slot -> ResetDone; Ping -> Pong; Shutdown or a
 //! closed connection ends it. A failing step is reported in StepDone and the loop goes on.
+//! When a plan's token-mask words follow it, the engine runs the forward pass first and then
+//! waits here for the server's `Masks` frame (answering pings meanwhile) before it samples.
 
 use std::io::{Read, Write};
 use std::time::Instant;
@@ -10,14 +12,20 @@ use npu_protocol::shm::ShmSegment;
 use npu_protocol::{PlanSource, StepResult, StepTiming};
 
 use super::WorkerError;
-use crate::engine::{AgentEngine, EngineError, ModelFacts};
+use crate::engine::{AgentEngine, EngineError, FollowingMasks, ModelFacts};
 
 /// What the agent process needs from an engine: `AgentEngine` in production.
 pub trait StepExecutor {
     /// What the handshake tells the server about the model.
     fn facts(&self) -> &ModelFacts;
     /// Runs the step `plan` describes (read in place; the executor checks what it needs).
-    fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError>;
+    /// When the plan's mask words follow it, `following` waits for them (call it once, as late
+    /// as possible: after the forward pass).
+    fn step(
+        &mut self,
+        plan: &dyn PlanSource,
+        following: FollowingMasks<'_>,
+    ) -> Result<StepResult, EngineError>;
     fn reset(&mut self);
 }
 
@@ -26,8 +34,12 @@ impl<E: StepExecutor + ?Sized> StepExecutor for &mut E {
         (**self).facts()
     }
 
-    fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
-        (**self).step(plan)
+    fn step(
+        &mut self,
+        plan: &dyn PlanSource,
+        following: FollowingMasks<'_>,
+    ) -> Result<StepResult, EngineError> {
+        (**self).step(plan, following)
     }
 
     fn reset(&mut self) {
@@ -40,8 +52,12 @@ impl StepExecutor for AgentEngine {
         AgentEngine::facts(self)
     }
 
-    fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
-        AgentEngine::step(self, plan)
+    fn step(
+        &mut self,
+        plan: &dyn PlanSource,
+        following: FollowingMasks<'_>,
+    ) -> Result<StepResult, EngineError> {
+        AgentEngine::step_with_masks(self, plan, Some(following))
     }
 
     fn reset(&mut self) {
@@ -60,6 +76,9 @@ where
     S: Read + Write,
     E: StepExecutor,
 {
+    // The latest step announced: a Masks frame for it may come after the step ended early
+    // (it failed before it waited for them), and is dropped.
+    let mut last_step = None;
     loop {
         let frame = match read_frame(stream) {
             Ok(frame) => frame,
@@ -70,8 +89,10 @@ where
             Err(e) => return Err(e.into()),
         };
         match frame {
+            Frame::Masks { step_id } if Some(step_id) == last_step => {}
             Frame::Step { step_id } => {
-                let done = run_step(step_id, &mut segment, &mut engine);
+                last_step = Some(step_id);
+                let done = run_step(step_id, stream, &mut segment, &mut engine);
                 if let Some(error) = (!done.error.is_empty()).then_some(&done.error) {
                     tracing::warn!(step_id, %error, "step failed");
                 }
@@ -97,18 +118,27 @@ where
 }
 
 /// One step; any failure becomes a Failed StepDone with the reason.
-fn run_step<E: StepExecutor>(step_id: u64, segment: &mut ShmSegment, engine: &mut E) -> StepDone {
+fn run_step<S: Read + Write, E: StepExecutor>(
+    step_id: u64,
+    stream: &mut S,
+    segment: &mut ShmSegment,
+    engine: &mut E,
+) -> StepDone {
     let started = Instant::now();
     let outcome = (|| {
         let mut result = {
-            let plan = segment.plan_view().map_err(|e| e.to_string())?;
+            let seg: &ShmSegment = segment;
+            let plan = seg.plan_view().map_err(|e| e.to_string())?;
             if plan.step_id() != step_id {
                 return Err(format!(
                     "the segment holds plan {} but step {step_id} was announced",
                     plan.step_id()
                 ));
             }
-            engine.step(&plan).map_err(|e| e.to_string())?
+            let mut following = || wait_for_masks(step_id, stream, seg);
+            engine
+                .step(&plan, &mut following)
+                .map_err(|e| e.to_string())?
         };
         if result.step_id != step_id {
             return Err(format!(
@@ -141,6 +171,32 @@ fn run_step<E: StepExecutor>(step_id: u64, segment: &mut ShmSegment, engine: &mu
     }
 }
 
+/// Waits for the `Masks` frame of step `step_id` (answering pings meanwhile), then reads the
+/// mask words the server wrote into the segment.
+fn wait_for_masks<S: Read + Write>(
+    step_id: u64,
+    stream: &mut S,
+    segment: &ShmSegment,
+) -> Result<Vec<npu_protocol::TokenMask>, String> {
+    loop {
+        match read_frame(stream) {
+            Ok(Frame::Masks { step_id: s }) if s == step_id => {
+                return segment.read_mask_words().map_err(|e| e.to_string())
+            }
+            Ok(Frame::Ping { nonce }) => {
+                write_frame(stream, &Frame::Pong { nonce }).map_err(|e| e.to_string())?
+            }
+            Ok(other) => {
+                return Err(format!(
+                    "a {} frame came while step {step_id} waited for its masks",
+                    other.kind()
+                ))
+            }
+            Err(e) => return Err(format!("waiting for the masks of step {step_id}: {e}")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! The loop over a real socket and a real segment. The executor here is a small
@@ -148,6 +204,8 @@ mod tests {
     //! about the loop, not about the model.
 
     use std::net::{TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
     use std::thread;
 
     use npu_protocol::shm::{segment_name, ShmCapacities, ShmLayout};
@@ -158,6 +216,8 @@ mod tests {
     struct Echo {
         resets: usize,
         facts: ModelFacts,
+        /// Steps whose "forward pass" (everything before sampling) is done.
+        forwarded: Arc<AtomicU64>,
     }
 
     impl StepExecutor for Echo {
@@ -165,11 +225,26 @@ mod tests {
             &self.facts
         }
 
-        fn step(&mut self, plan: &dyn PlanSource) -> Result<StepResult, EngineError> {
-            let plan = plan.to_plan();
+        /// A masked slot answers the lowest token its mask allows (its words waited for after
+        /// the forward pass when they follow the plan).
+        fn step(
+            &mut self,
+            plan: &dyn PlanSource,
+            following: FollowingMasks<'_>,
+        ) -> Result<StepResult, EngineError> {
+            let mut plan = plan.to_plan();
             if plan.seqs.iter().any(|s| s.slot == 13) {
                 return Err(EngineError::BadPlan("slot 13 is unlucky".into()));
             }
+            self.forwarded.fetch_add(1, Ordering::SeqCst);
+            if plan.masks_follow() {
+                plan.masks = following().map_err(EngineError::MasksLost)?;
+            }
+            let masked = |slot: u32| {
+                let m = plan.masks.iter().find(|m| m.slot == slot)?;
+                (0..m.words.len() as u32 * 32)
+                    .find(|&t| m.words[(t / 32) as usize] >> (t % 32) & 1 == 1)
+            };
             Ok(StepResult {
                 transfer: Default::default(),
                 step_id: plan.step_id,
@@ -180,7 +255,8 @@ mod tests {
                     .map(|s| SeqResult {
                         slot: s.slot,
                         token: TokenLogprob {
-                            token: s.tokens.last().copied().unwrap_or(0) + s.slot,
+                            token: masked(s.slot)
+                                .unwrap_or(s.tokens.last().copied().unwrap_or(0) + s.slot),
                             logprob: -0.5,
                         },
                         top: Vec::new(),
@@ -217,10 +293,20 @@ mod tests {
 
     /// (server side of the socket, server's segment, agent thread returning the loop's outcome)
     fn start() -> (TcpStream, ShmSegment, AgentThread) {
+        let (server, seg, agent, _) = start_counting();
+        (server, seg, agent)
+    }
+
+    /// `start`, and the count of steps whose forward pass is done.
+    fn start_counting() -> (TcpStream, ShmSegment, AgentThread, Arc<AtomicU64>) {
         let caps = ShmCapacities {
             max_slots: 16,
+            max_masks: 2,
+            mask_words: 4,
             ..ShmCapacities::default()
         };
+        let forwarded = Arc::new(AtomicU64::new(0));
+        let counted = forwarded.clone();
         let layout = ShmLayout::new(caps).unwrap();
         let server_seg = ShmSegment::create(&segment_name(0).unwrap(), &layout).unwrap();
         let agent_seg = ShmSegment::open(server_seg.name()).unwrap();
@@ -229,6 +315,7 @@ mod tests {
         let agent = thread::spawn(move || {
             let mut stream = TcpStream::connect(addr).unwrap();
             let mut engine = Echo {
+                forwarded: counted,
                 resets: 0,
                 facts: ModelFacts {
                     kv: Default::default(),
@@ -250,7 +337,7 @@ mod tests {
             (outcome, engine.resets)
         });
         let (server, _) = listener.accept().unwrap();
-        (server, server_seg, agent)
+        (server, server_seg, agent, forwarded)
     }
 
     fn step_done(server: &mut TcpStream) -> StepDone {
@@ -312,6 +399,72 @@ mod tests {
         let done = step_done(&mut server);
         assert_eq!(done.status, StepStatus::Failed);
         assert!(done.error.contains("corrupt segment"), "{}", done.error);
+        // Still serving.
+        seg.write_plan(&plan(4, 1, 5)).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 4 }).unwrap();
+        assert_eq!(step_done(&mut server).status, StepStatus::Ok);
+        drop(server);
+        let (outcome, _) = agent.join().unwrap();
+        outcome.unwrap();
+    }
+
+    /// A plan whose mask words follow it: the forward pass runs before they exist, pings are
+    /// answered while the step waits, and the words written later are the ones sampled under.
+    #[test]
+    fn mask_words_that_follow_the_plan_are_waited_for_after_the_forward_pass() {
+        let (mut server, mut seg, agent, forwarded) = start_counting();
+        let mut p = plan(1, 2, 10);
+        p.masks = vec![npu_protocol::TokenMask {
+            slot: 2,
+            words: Vec::new(),
+        }];
+        seg.write_plan(&p).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 1 }).unwrap();
+        let until = Instant::now() + std::time::Duration::from_secs(20);
+        while forwarded.load(Ordering::SeqCst) == 0 {
+            assert!(
+                Instant::now() < until,
+                "the forward pass waited for the masks"
+            );
+            thread::sleep(std::time::Duration::from_millis(1));
+        }
+        write_frame(&mut server, &Frame::Ping { nonce: 5 }).unwrap();
+        assert_eq!(read_frame(&mut server).unwrap(), Frame::Pong { nonce: 5 });
+        // Only token 70 allowed.
+        let mut words = vec![0u32; 4];
+        words[2] = 1 << 6;
+        seg.write_mask_words(&[npu_protocol::TokenMask { slot: 2, words }])
+            .unwrap();
+        write_frame(&mut server, &Frame::Masks { step_id: 1 }).unwrap();
+        let done = step_done(&mut server);
+        assert_eq!(done.status, StepStatus::Ok, "{}", done.error);
+        assert_eq!(seg.read_result().unwrap().seqs[0].token.token, 70);
+        // A step that fails before it waits: its late Masks frame is dropped, the loop goes on.
+        let mut p = plan(2, 13, 0);
+        p.masks = vec![npu_protocol::TokenMask {
+            slot: 13,
+            words: Vec::new(),
+        }];
+        seg.write_plan(&p).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 2 }).unwrap();
+        assert_eq!(step_done(&mut server).status, StepStatus::Failed);
+        write_frame(&mut server, &Frame::Masks { step_id: 2 }).unwrap();
+        // Masks announced for another step than the one waiting: the step fails, naming it.
+        let mut p = plan(3, 1, 4);
+        p.masks = vec![npu_protocol::TokenMask {
+            slot: 1,
+            words: Vec::new(),
+        }];
+        seg.write_plan(&p).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 3 }).unwrap();
+        write_frame(&mut server, &Frame::Masks { step_id: 9 }).unwrap();
+        let done = step_done(&mut server);
+        assert_eq!(done.status, StepStatus::Failed);
+        assert!(
+            done.error.contains("waited for its masks"),
+            "{}",
+            done.error
+        );
         // Still serving.
         seg.write_plan(&plan(4, 1, 5)).unwrap();
         write_frame(&mut server, &Frame::Step { step_id: 4 }).unwrap();

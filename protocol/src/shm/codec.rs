@@ -6,13 +6,13 @@ use bytemuck::{Pod, Zeroable};
 
 use super::layout::{
     PlanMeta, RawAdmission, RawKvCopy, RawLogitBias, RawSamplingParams, RawSeqResult,
-    RawTokenLogprob, Region, ResultMeta, SeqDesc, ShmLayout,
+    RawTokenLogprob, Region, ResultMeta, SeqDesc, ShmLayout, PLAN_MASKS_FOLLOW,
 };
 use super::ShmError;
 use crate::source::{PlanSource, SeqRef, U32s};
 use crate::step::{
     Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, StepPlan, StepResult, StepTiming,
-    StepTransfer, TokenLogprob, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE,
+    StepTransfer, TokenLogprob, TokenMask, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE,
     MAX_STEP_DRAFT_TOKENS,
 };
 
@@ -158,8 +158,9 @@ pub(crate) fn check_plan(layout: &ShmLayout, plan: &StepPlan) -> Result<(), ShmE
         check_slot("forget", slot, caps.max_slots)?;
     }
     exceeds("token masks per step", plan.masks.len(), caps.max_masks)?;
+    let follow = plan.masks_follow();
     for m in &plan.masks {
-        if m.words.len() != caps.mask_words as usize {
+        if !follow && m.words.len() != caps.mask_words as usize {
             return Err(ShmError::BadPlan(format!(
                 "slot {}: a token mask of {} words, the segment's are {}",
                 m.slot,
@@ -298,6 +299,7 @@ pub(crate) fn write_plan(
         regions[Region::MaskSlots as usize].put_u32s(i, &[m.slot])?;
         regions[Region::MaskWords as usize].put_u32s(i * mask_words, &m.words)?;
     }
+    let follow = plan.masks_follow();
     let meta = PlanMeta {
         step_id: plan.step_id,
         n_seqs: plan.seqs.len() as u32,
@@ -307,7 +309,7 @@ pub(crate) fn write_plan(
         n_forget: plan.forget.len() as u32,
         n_kv_copies: plan.kv_copies.len() as u32,
         n_masks: plan.masks.len() as u32,
-        reserved: 0,
+        flags: if follow { PLAN_MASKS_FOLLOW } else { 0 },
     };
     regions[Region::PlanMeta as usize].put(0, &meta)
 }
@@ -323,7 +325,9 @@ pub struct PlanView<'a> {
     admit: Vec<Admission>,
     kv_copies: Vec<KvCopy>,
     mask_slots: Vec<u32>,
+    /// Empty while the words follow the plan (`masks_follow`).
     mask_words: &'a [u8],
+    masks_follow: bool,
     forget: &'a [u8],
     tokens: &'a [u8],
     mapping: &'a [u8],
@@ -356,6 +360,18 @@ impl<'a> PlanView<'a> {
         corrupt("forgotten slots", meta.n_forget, caps.max_forget)?;
         corrupt("KV block copies", meta.n_kv_copies, caps.max_kv_copies)?;
         corrupt("token masks", meta.n_masks, caps.max_masks)?;
+        if meta.flags & !PLAN_MASKS_FOLLOW != 0 {
+            return Err(ShmError::Corrupt(format!(
+                "plan flags {:#x}: only {PLAN_MASKS_FOLLOW:#x} (mask words follow) is defined",
+                meta.flags
+            )));
+        }
+        let masks_follow = meta.flags & PLAN_MASKS_FOLLOW != 0;
+        if masks_follow && meta.n_masks == 0 {
+            return Err(ShmError::Corrupt(
+                "the plan says its mask words follow but has no masks".into(),
+            ));
+        }
         let desc_region = region(layout, seg, Region::SeqDescs)?;
         let tokens = u32_bytes(
             &region(layout, seg, Region::Tokens)?,
@@ -469,9 +485,10 @@ impl<'a> PlanView<'a> {
                 )));
             }
         }
+        let n_words = if masks_follow { 0 } else { meta.n_masks };
         let mask_words = u32_bytes(
             &region(layout, seg, Region::MaskWords)?,
-            meta.n_masks as usize * caps.mask_words as usize,
+            n_words as usize * caps.mask_words as usize,
         )?;
         Ok(Self {
             step_id: meta.step_id,
@@ -480,6 +497,7 @@ impl<'a> PlanView<'a> {
             kv_copies,
             mask_slots,
             mask_words,
+            masks_follow,
             forget,
             tokens,
             mapping,
@@ -526,14 +544,96 @@ impl PlanSource for PlanView<'_> {
     fn n_masks(&self) -> usize {
         self.mask_slots.len()
     }
+    fn masks_follow(&self) -> bool {
+        self.masks_follow
+    }
     fn mask(&self, i: usize) -> (u32, U32s<'_>) {
-        // Sized in `parse`: n_masks whole masks of the segment's words.
+        // Sized in `parse`: n_masks whole masks of the segment's words (none while they follow).
         let w = self.mask_words.len() / self.mask_slots.len().max(1);
         (
             self.mask_slots[i],
             U32s::Le(&self.mask_words[i * w..(i + 1) * w]),
         )
     }
+}
+
+/// Writes the words of the masks that follow the plan in `seg`: one per masked slot, in the
+/// plan's order, each of the segment's width. Refused whole when the plan does not await them or
+/// they do not match its masked slots.
+pub(crate) fn write_mask_words(
+    layout: &ShmLayout,
+    seg: &mut [u8],
+    masks: &[TokenMask],
+) -> Result<(), ShmError> {
+    let (meta, slots) = plan_mask_slots(layout, seg)?;
+    if meta.flags & PLAN_MASKS_FOLLOW == 0 {
+        return Err(ShmError::BadPlan(format!(
+            "plan {} does not await mask words",
+            meta.step_id
+        )));
+    }
+    let words = layout.capacities().mask_words as usize;
+    let given: Vec<u32> = masks.iter().map(|m| m.slot).collect();
+    if given != slots {
+        return Err(ShmError::BadPlan(format!(
+            "mask words for slots {given:?}, plan {} awaits them for slots {slots:?}",
+            meta.step_id
+        )));
+    }
+    if let Some(m) = masks.iter().find(|m| m.words.len() != words) {
+        return Err(ShmError::BadPlan(format!(
+            "slot {}: a token mask of {} words, the segment's are {words}",
+            m.slot,
+            m.words.len()
+        )));
+    }
+    let mut regions = regions_mut(layout, seg)?;
+    for (i, m) in masks.iter().enumerate() {
+        regions[Region::MaskWords as usize].put_u32s(i * words, &m.words)?;
+    }
+    Ok(())
+}
+
+/// The masks whose words followed the plan in `seg`, read once the server has announced them.
+pub(crate) fn read_mask_words(layout: &ShmLayout, seg: &[u8]) -> Result<Vec<TokenMask>, ShmError> {
+    let (meta, slots) = plan_mask_slots(layout, seg)?;
+    if meta.flags & PLAN_MASKS_FOLLOW == 0 {
+        return Err(ShmError::Corrupt(format!(
+            "plan {} has no mask words to follow it",
+            meta.step_id
+        )));
+    }
+    let words = layout.capacities().mask_words as usize;
+    let bytes = u32_bytes(
+        &region(layout, seg, Region::MaskWords)?,
+        slots.len() * words,
+    )?;
+    Ok(slots
+        .iter()
+        .enumerate()
+        .map(|(i, &slot)| TokenMask {
+            slot,
+            words: U32s::Le(&bytes[i * words * 4..(i + 1) * words * 4]).to_vec(),
+        })
+        .collect())
+}
+
+/// The plan header in `seg` and its masked slots (count checked against the capacity).
+fn plan_mask_slots(layout: &ShmLayout, seg: &[u8]) -> Result<(PlanMeta, Vec<u32>), ShmError> {
+    let meta: PlanMeta = region(layout, seg, Region::PlanMeta)?.get(0)?;
+    let cap = layout.capacities().max_masks;
+    if meta.n_masks > cap {
+        return Err(ShmError::Corrupt(format!(
+            "plan header says {} token masks, capacity is {cap}",
+            meta.n_masks
+        )));
+    }
+    let slots = U32s::Le(u32_bytes(
+        &region(layout, seg, Region::MaskSlots)?,
+        meta.n_masks as usize,
+    )?)
+    .to_vec();
+    Ok((meta, slots))
 }
 
 pub(crate) fn read_plan(layout: &ShmLayout, seg: &[u8]) -> Result<StepPlan, ShmError> {

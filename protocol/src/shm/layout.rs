@@ -11,7 +11,7 @@ use crate::step::{MAX_LOGIT_BIAS, MAX_STEP_DRAFT_TOKENS, MAX_TOP_N};
 /// "NPUSHM" + two version-independent bytes, read as a little-endian u64.
 pub const SHM_MAGIC: u64 = u64::from_le_bytes(*b"NPUSHM\x00\x01");
 /// Version of the segment layout and of the control frames; both sides must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// Every region starts on this boundary (a cache line).
 pub const REGION_ALIGN: u64 = 64;
 /// Largest segment we agree to create or open.
@@ -120,8 +120,13 @@ pub struct PlanMeta {
     pub n_forget: u32,
     pub n_kv_copies: u32,
     pub n_masks: u32,
-    pub reserved: u32,
+    /// `PLAN_MASKS_FOLLOW`, or 0.
+    pub flags: u32,
 }
+
+/// `PlanMeta::flags`: the mask words are not in the segment with the plan; the server writes
+/// them while the step runs and announces them with a `Masks` frame.
+pub const PLAN_MASKS_FOLLOW: u32 = 1;
 
 /// One sequence of a plan; its tokens and slot mapping live at `token_offset` of the flat
 /// token and slot-mapping arrays, its block table at `block_offset` of the flat block array.

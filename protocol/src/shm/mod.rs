@@ -24,7 +24,7 @@ pub use layout::{
 };
 pub use names::{cleanup_stale_segments, segment_name, SEGMENT_PREFIX};
 
-use crate::step::{StepPlan, StepResult};
+use crate::step::{StepPlan, StepResult, TokenMask};
 
 /// Everything that can go wrong with a segment.
 #[derive(Debug, Error)]
@@ -235,6 +235,21 @@ impl ShmSegment {
     pub fn plan_view(&self) -> Result<PlanView<'_>, ShmError> {
         fence(Ordering::Acquire);
         PlanView::parse(&self.layout, &self.map)
+    }
+
+    /// Writes the words of the masks that follow the plan in the segment (see
+    /// [`StepPlan::masks_follow`]), one per masked slot in the plan's order; the agent reads
+    /// them once a `Masks` frame announces them.
+    pub fn write_mask_words(&mut self, masks: &[TokenMask]) -> Result<(), ShmError> {
+        codec::write_mask_words(&self.layout, &mut self.map, masks)?;
+        fence(Ordering::Release);
+        Ok(())
+    }
+
+    /// The masks whose words followed the plan in the segment (after their `Masks` frame).
+    pub fn read_mask_words(&self) -> Result<Vec<TokenMask>, ShmError> {
+        fence(Ordering::Acquire);
+        codec::read_mask_words(&self.layout, &self.map)
     }
 
     /// Writes `result` (refusing it whole if it exceeds any capacity) as the answer to the latest

@@ -157,10 +157,29 @@ impl GroupLink {
         plan: &StepPlan,
         deadline: Duration,
     ) -> Result<StepResult, AgentFailure> {
+        self.step_with_masks(plan, None, deadline)
+    }
+
+    /// `step` for a plan whose mask words may follow it: they go to rank 0 alone (the one
+    /// rank that samples), the other ranks never wait for them.
+    pub fn step_with_masks(
+        &mut self,
+        plan: &StepPlan,
+        masks: Option<&crossbeam_channel::Receiver<Vec<npu_protocol::TokenMask>>>,
+        deadline: Duration,
+    ) -> Result<StepResult, AgentFailure> {
         let until = Instant::now() + deadline;
         for r in 0..self.ranks.len() {
             if let Err(f) = self.ranks[r].submit(plan) {
                 return Err(self.down(r, f));
+            }
+        }
+        if plan.masks_follow() {
+            let agent_id = self.ranks.first().map_or(0, AgentLink::agent_id);
+            let sent = super::link::receive_masks(masks, until, agent_id, plan.step_id)
+                .and_then(|words| self.ranks[0].send_masks(&words));
+            if let Err(f) = sent {
+                return Err(self.down(0, f));
             }
         }
         let mut answer = None;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use npu_protocol::agent::ModelFacts;
 use npu_protocol::frame::{Frame, Setup, StepStatus};
 use npu_protocol::shm::{segment_name, ShmLayout, ShmSegment};
-use npu_protocol::{StepPlan, StepResult};
+use npu_protocol::{StepPlan, StepResult, TokenMask};
 
 use super::control::{ChannelError, ControlChannel};
 use super::launch::{launch_token, spawn_agent, validate_hello, AgentLaunch, AgentSpec};
@@ -140,6 +140,51 @@ impl AgentLink {
     ) -> Result<StepResult, AgentFailure> {
         self.submit(plan)?;
         self.wait_complete(Instant::now() + deadline)
+    }
+
+    /// `step` for a plan whose mask words may follow it (`StepPlan::masks_follow`): submit,
+    /// hand the words on when they arrive on `masks` (the agent runs the forward pass
+    /// meanwhile), then wait for the result; the whole within `deadline`.
+    pub fn step_with_masks(
+        &mut self,
+        plan: &StepPlan,
+        masks: Option<&crossbeam_channel::Receiver<Vec<TokenMask>>>,
+        deadline: Duration,
+    ) -> Result<StepResult, AgentFailure> {
+        let until = Instant::now() + deadline;
+        self.submit(plan)?;
+        if plan.masks_follow() {
+            let words = receive_masks(masks, until, self.spec.agent_id, plan.step_id)
+                .map_err(|f| self.fail(f))?;
+            self.send_masks(&words)?;
+        }
+        self.wait_complete(until)
+    }
+
+    /// Writes the words of the masks that follow the plan in flight into the segment and
+    /// announces them. A refusal takes the agent down: it is waiting for them mid-step.
+    pub fn send_masks(&mut self, masks: &[TokenMask]) -> Result<(), AgentFailure> {
+        let agent_id = self.spec.agent_id;
+        let step_id = self
+            .in_flight
+            .ok_or(AgentFailure::NothingInFlight { agent_id })?
+            .step_id;
+        let running = self
+            .running
+            .as_mut()
+            .ok_or(AgentFailure::Down { agent_id })?;
+        if let Err(source) = running.segment.write_mask_words(masks) {
+            return Err(self.fail(AgentFailure::PlanRefused {
+                agent_id,
+                step_id,
+                source,
+            }));
+        }
+        let deadline = Instant::now() + self.launch.control_timeout;
+        if let Err(e) = running.channel.send(&Frame::Masks { step_id }, deadline) {
+            return Err(self.channel_failure(e, &format!("sending the masks of step {step_id}")));
+        }
+        Ok(())
     }
 
     /// Writes the plan into the segment and tells the agent to run it; returns at once.
@@ -472,6 +517,25 @@ impl AgentLink {
             let _ = running.child.wait();
         }
     }
+}
+
+/// The mask words of step `step_id` from the engine thread, waited for until `until`.
+pub(crate) fn receive_masks(
+    masks: Option<&crossbeam_channel::Receiver<Vec<TokenMask>>>,
+    until: Instant,
+    agent_id: u32,
+    step_id: u64,
+) -> Result<Vec<TokenMask>, AgentFailure> {
+    let lost = |reason: &str| AgentFailure::MasksLost {
+        agent_id,
+        step_id,
+        reason: reason.into(),
+    };
+    let rx = masks.ok_or_else(|| lost("nothing was to deliver them"))?;
+    rx.recv_deadline(until).map_err(|e| match e {
+        crossbeam_channel::RecvTimeoutError::Timeout => lost("not made before the step deadline"),
+        crossbeam_channel::RecvTimeoutError::Disconnected => lost("the engine dropped them"),
+    })
 }
 
 impl Drop for AgentLink {

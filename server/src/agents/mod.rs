@@ -85,6 +85,14 @@ pub enum AgentFailure {
         #[source]
         source: ShmError,
     },
+    /// The engine thread did not hand over the mask words a plan said would follow it; the
+    /// agent, stuck waiting for them, is taken down.
+    #[error("agent {agent_id}: the token masks of step {step_id} never came ({reason}); stopped")]
+    MasksLost {
+        agent_id: u32,
+        step_id: u64,
+        reason: String,
+    },
     #[error("agent {agent_id} is down; restart it first")]
     Down { agent_id: u32 },
     #[error("agent {agent_id} already has step {step_id} in flight")]
@@ -116,6 +124,7 @@ impl AgentFailure {
             | AgentFailure::Io { agent_id, .. }
             | AgentFailure::StepFailed { agent_id, .. }
             | AgentFailure::PlanRefused { agent_id, .. }
+            | AgentFailure::MasksLost { agent_id, .. }
             | AgentFailure::Down { agent_id }
             | AgentFailure::Busy { agent_id, .. }
             | AgentFailure::NothingInFlight { agent_id } => *agent_id,

@@ -2,21 +2,34 @@
 //! under the step deadline, watches the agent while it is idle (a death is reported when it
 //! happens, not at the next request), restarts the agent when asked (at once, then with
 //! growing pauses for as long as the server lives), shuts it down, and reports every outcome
-//! on a channel shared by all agents.
+//! on a channel shared by all agents. A plan whose token-mask words follow it comes with the
+//! channel they arrive on: the thread submits the plan, hands the words on when the engine
+//! thread has made them (the agent runs the forward pass meanwhile), then waits for the result.
 
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use npu_protocol::{StepPlan, StepResult};
+use npu_protocol::{StepPlan, StepResult, TokenMask};
 
 use crate::agents::{AgentFailure, AgentLink, GroupLink};
+
+/// Where the words of a plan's token masks come from when they follow it (see
+/// `StepPlan::masks_follow`): the engine thread sends them, in the plan's mask order, once the
+/// requests' grammars have made them.
+pub type FollowingMasks = Receiver<Vec<TokenMask>>;
 
 /// What the engine needs from an agent: run a step, come back after a failure, stop.
 /// `AgentLink` (a real agent process) in production.
 pub trait StepAgent: Send {
-    /// Runs one step and waits at most `deadline` for its result.
-    fn step(&mut self, plan: &StepPlan, deadline: Duration) -> Result<StepResult, AgentFailure>;
+    /// Runs one step and waits at most `deadline` for its result; when the plan's mask words
+    /// follow it, they arrive on `masks` (within the same deadline) and are handed on.
+    fn step(
+        &mut self,
+        plan: &StepPlan,
+        masks: Option<&FollowingMasks>,
+        deadline: Duration,
+    ) -> Result<StepResult, AgentFailure>;
     /// Brings a failed agent back with an empty KV pool and no slots.
     fn restart(&mut self) -> Result<(), AgentFailure>;
     /// Stops the agent for good (its resources are released).
@@ -33,8 +46,13 @@ pub trait StepAgent: Send {
 }
 
 impl StepAgent for AgentLink {
-    fn step(&mut self, plan: &StepPlan, deadline: Duration) -> Result<StepResult, AgentFailure> {
-        AgentLink::step(self, plan, deadline)
+    fn step(
+        &mut self,
+        plan: &StepPlan,
+        masks: Option<&FollowingMasks>,
+        deadline: Duration,
+    ) -> Result<StepResult, AgentFailure> {
+        AgentLink::step_with_masks(self, plan, masks, deadline)
     }
     fn restart(&mut self) -> Result<(), AgentFailure> {
         AgentLink::restart(self)
@@ -53,8 +71,13 @@ impl StepAgent for AgentLink {
 /// A tensor-parallel group is driven as one agent: every rank runs each step, rank 0 answers,
 /// and a rank's failure takes (and a restart brings back) the whole group.
 impl StepAgent for GroupLink {
-    fn step(&mut self, plan: &StepPlan, deadline: Duration) -> Result<StepResult, AgentFailure> {
-        GroupLink::step(self, plan, deadline)
+    fn step(
+        &mut self,
+        plan: &StepPlan,
+        masks: Option<&FollowingMasks>,
+        deadline: Duration,
+    ) -> Result<StepResult, AgentFailure> {
+        GroupLink::step_with_masks(self, plan, masks, deadline)
     }
     fn restart(&mut self) -> Result<(), AgentFailure> {
         GroupLink::restart(self)
@@ -86,7 +109,8 @@ pub struct AgentThreadSettings {
 /// Work for an agent thread.
 #[derive(Debug)]
 pub(crate) enum AgentJob {
-    Step(StepPlan),
+    /// A plan, and where its mask words come from when they follow it.
+    Step(StepPlan, Option<FollowingMasks>),
     Restart,
     Shutdown,
 }
@@ -189,9 +213,9 @@ fn agent_loop(
             Err(RecvTimeoutError::Disconnected) => break,
         };
         match job {
-            AgentJob::Step(plan) => {
+            AgentJob::Step(plan, masks) => {
                 let started = Instant::now();
-                let outcome = agent.step(&plan, settings.step_deadline);
+                let outcome = agent.step(&plan, masks.as_ref(), settings.step_deadline);
                 report(AgentEvent::Stepped {
                     step_id: plan.step_id,
                     outcome,
@@ -266,7 +290,7 @@ fn pause_unless_shutdown(
             Err(RecvTimeoutError::Timeout) => return true,
             Ok(AgentJob::Shutdown) | Err(RecvTimeoutError::Disconnected) => return false,
             Ok(AgentJob::Restart) => {}
-            Ok(AgentJob::Step(plan)) => report(AgentEvent::Stepped {
+            Ok(AgentJob::Step(plan, _)) => report(AgentEvent::Stepped {
                 step_id: plan.step_id,
                 outcome: Err(AgentFailure::Down {
                     agent_id: index as u32,

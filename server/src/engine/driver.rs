@@ -180,6 +180,8 @@ struct StepTimes {
     /// Since the last result, while the agent held requests (None: no result pending use).
     idle_since: Option<Instant>,
     idle_with_work: Duration,
+    /// Making the token masks of its steps' constrained requests (while the agent computes).
+    masks: Duration,
 }
 
 /// A request no agent holds right now (none was up when it came, or its agent failed).
@@ -319,17 +321,37 @@ impl Engine {
         self.dispatch(Pending::Fresh(req));
     }
 
-    /// Token masks of the constrained requests that sample in `plan`, made now that their last
-    /// token is known (the grammar of each runs here, on the engine thread).
-    fn add_masks(&mut self, i: usize, plan: &mut npu_protocol::StepPlan) {
-        for (slot, id) in self.agents[i].sched.sampling_in(plan.step_id) {
-            let Some(entry) = self.requests.get_mut(&id) else {
-                continue;
-            };
-            if let Some(words) = entry.next_mask() {
-                plan.masks.push(npu_protocol::TokenMask { slot, words });
-            }
-        }
+    /// Names in `plan` the slots of the constrained requests that sample in it, their mask
+    /// words to follow (`StepPlan::masks_follow`); returns them with their requests.
+    fn announce_masks(&self, i: usize, plan: &mut npu_protocol::StepPlan) -> Vec<(u32, RequestId)> {
+        let masked: Vec<(u32, RequestId)> = self.agents[i]
+            .sched
+            .sampling_in(plan.step_id)
+            .into_iter()
+            .filter(|(_, id)| {
+                self.requests
+                    .get(id)
+                    .is_some_and(|e| e.constraint.is_some())
+            })
+            .collect();
+        plan.masks
+            .extend(masked.iter().map(|&(slot, _)| npu_protocol::TokenMask {
+                slot,
+                words: Vec::new(),
+            }));
+        masked
+    }
+
+    /// The token masks of `masked` requests, made now that their last token is known (each
+    /// grammar runs here, on the engine thread, while the agent runs the forward pass).
+    fn make_masks(&mut self, masked: &[(u32, RequestId)]) -> Vec<npu_protocol::TokenMask> {
+        masked
+            .iter()
+            .filter_map(|&(slot, id)| {
+                let words = self.requests.get_mut(&id)?.next_mask()?;
+                Some(npu_protocol::TokenMask { slot, words })
+            })
+            .collect()
     }
 
     fn on_command(&mut self, cmd: EngineCommand) {
@@ -412,6 +434,7 @@ impl Engine {
                     round_trip_s = t.round_trip.as_secs_f64(),
                     agent_compute_s = t.agent.as_secs_f64(),
                     idle_between_steps_s = t.idle_with_work.as_secs_f64(),
+                    token_masks_s = t.masks.as_secs_f64(),
                     "engine: step times"
                 );
             }
@@ -494,11 +517,14 @@ impl Engine {
         }
     }
 
-    /// Sends the next step to every live agent that has none in flight.
+    /// Sends the next step to every live agent that has none in flight; then makes the token
+    /// masks of the constrained requests in them, which the agents wait for only once their
+    /// forward passes are done.
     fn kick_idle_agents(&mut self) {
         if self.agents_stopped {
             return;
         }
+        let mut following = Vec::new();
         for i in 0..self.agents.len() {
             if self.agents[i].health != Health::Up || self.agents[i].step_in_flight.is_some() {
                 continue;
@@ -508,17 +534,34 @@ impl Engine {
             let idle_since = a.time.idle_since.take();
             if let Some(mut plan) = a.sched.schedule() {
                 let step_id = plan.step_id;
-                if self.constrained > 0 {
-                    self.add_masks(i, &mut plan);
-                }
+                let masked = if self.constrained > 0 {
+                    self.announce_masks(i, &mut plan)
+                } else {
+                    Vec::new()
+                };
+                let (tx, rx) = match masked.is_empty() {
+                    true => (None, None),
+                    false => {
+                        let (tx, rx) = crossbeam_channel::bounded(1);
+                        (Some(tx), Some(rx))
+                    }
+                };
                 let a = &mut self.agents[i];
-                if a.worker.send(AgentJob::Step(plan)) {
+                if a.worker.send(AgentJob::Step(plan, rx)) {
                     a.step_in_flight = Some(step_id);
                     if let Some(since) = idle_since {
                         a.time.idle_with_work += since.elapsed();
                     }
+                    following.extend(tx.map(|tx| (i, tx, masked)));
                 }
             }
+        }
+        for (i, tx, masked) in following {
+            let started = Instant::now();
+            let masks = self.make_masks(&masked);
+            self.agents[i].time.masks += started.elapsed();
+            // A send fails only when the agent's thread gave the step up (the agent is down).
+            let _ = tx.send(masks);
         }
     }
 
