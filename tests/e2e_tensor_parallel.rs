@@ -4,7 +4,7 @@
 //!
 //! - SmolLM2 and Gemma 3 over two ranks give llama.cpp's greedy text up to each reference's
 //!   first near-tie, on llm-serving's and OpenAI's routes, streamed and not; each rank holds
-//!   about half of the weights.
+//!   about half of the weights; constrained replies (a choice grammar) hold over the group.
 //! - `kill -9` of rank 1 under 24 concurrent streams: every request completes with the text it
 //!   has without the fault, /health is 503 while the group is down, and both ranks are new.
 //! - Four agents as two groups of two serve concurrently, both groups computing.
@@ -196,6 +196,19 @@ fn smollm2_over_two_ranks_on_both_apis() {
         0.15,
     );
     check_references(&server, &refs, 32);
+    // Constrained output: only rank 0 samples, so only it waits for the token masks that
+    // follow each plan; sampled at temperature 1, every reply is one of the choices.
+    let choices = ["red", "green", "blue sky"];
+    for seed in 0..4 {
+        let (status, v) = server.post_json(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Pick one."}], "temperature": 1.0,
+                    "seed": seed, "max_tokens": 10, "structured_outputs": {"choice": choices}}),
+        );
+        assert_eq!(status, 200, "{v}");
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(choices.contains(&text), "{text:?}");
+    }
     drop(server);
     check_memory(&tp_opts(2), &model);
 }
