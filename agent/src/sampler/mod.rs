@@ -112,18 +112,7 @@ impl Sampler {
         }
 
         if let Some(words) = mask {
-            let mut any = false;
-            for (t, l) in logits.iter_mut().enumerate() {
-                let allowed = words.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0);
-                if allowed {
-                    any = true;
-                } else {
-                    // The raw logit stays available for the report (only allowed tokens are
-                    // picked, so it is never needed).
-                    *l = f32::NEG_INFINITY;
-                }
-            }
-            if !any {
+            if !apply_mask(logits, words) {
                 return Err(SamplerError::EmptyMask);
             }
         }
@@ -147,6 +136,30 @@ impl Sampler {
             top,
         })
     }
+}
+
+/// Sets the logit of every token `words` does not allow to minus infinity, 32 tokens a word
+/// (whole words allowed or banned at once; a grammar's masks are mostly one or the other);
+/// whether any token is allowed. The raw logits of banned tokens are not needed for the report:
+/// only allowed tokens are picked.
+fn apply_mask(logits: &mut [f32], words: &[u32]) -> bool {
+    let mut any = false;
+    for (i, chunk) in logits.chunks_mut(32).enumerate() {
+        match words.get(i).copied().unwrap_or(0) {
+            u32::MAX => any = true,
+            0 => chunk.fill(f32::NEG_INFINITY),
+            w => {
+                for (b, l) in chunk.iter_mut().enumerate() {
+                    if w & (1 << b) == 0 {
+                        *l = f32::NEG_INFINITY;
+                    } else {
+                        any = true;
+                    }
+                }
+            }
+        }
+    }
+    any
 }
 
 /// The `n` (clamped to MAX_TOP_N) best tokens, best first, lowest id first on ties. One pass with

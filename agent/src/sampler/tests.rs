@@ -652,3 +652,43 @@ fn a_token_mask_limits_the_pick_and_keeps_raw_logprobs() {
         .unwrap();
     assert_eq!(out.token.token, 9);
 }
+
+/// Masks applied a word at a time ban exactly the tokens a bit-by-bit reading bans, for whole
+/// words allowed, whole words banned, mixed words, masks shorter than the vocabulary and bits
+/// past its end.
+#[test]
+fn a_mask_applied_by_words_bans_exactly_the_tokens_of_its_bits() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for case in 0..200 {
+        let vocab = 1 + (next() % 200) as usize;
+        let n_words = (next() % (vocab as u64 / 32 + 3)) as usize;
+        let words: Vec<u32> = (0..n_words)
+            .map(|_| match next() % 4 {
+                0 => 0,
+                1 => u32::MAX,
+                _ => next() as u32 & next() as u32,
+            })
+            .collect();
+        let mut logits: Vec<f32> = (0..vocab).map(|t| t as f32).collect();
+        let any = apply_mask(&mut logits, &words);
+        let allowed = |t: usize| words.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0);
+        for (t, &l) in logits.iter().enumerate() {
+            let want = if allowed(t) {
+                t as f32
+            } else {
+                f32::NEG_INFINITY
+            };
+            assert_eq!(
+                l, want,
+                "case {case}: token {t} of {vocab}, words {words:x?}"
+            );
+        }
+        assert_eq!(any, (0..vocab).any(allowed), "case {case}");
+    }
+}

@@ -2,8 +2,8 @@
 //! both give the same token and the same log-probability bit for bit: sanitising (NaN -> -inf,
 //! +inf -> `f32::MAX`, nothing finite -> uniform), the log-normaliser, and the argmax (lowest id
 //! on ties). The backend reads values sanitised on the fly instead of writing a sanitised copy;
-//! both go through the same generic scan. Each is compiled for AVX-512 when the CPU has it; the
-//! arithmetic is the same on every path.
+//! both go through the same generic scan. Each is compiled for AVX-512 (or else AVX2) when the
+//! CPU has it; the arithmetic is the same on every path (no fused multiply-adds are enabled).
 
 use super::vecmath::exp_approx;
 
@@ -15,6 +15,18 @@ pub fn sanitize_and_log_norm(logits: &mut [f32]) -> f64 {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { sanitize_and_log_norm_avx512(logits) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { sanitize_and_log_norm_avx2(logits) };
+    }
+    sanitize(logits);
+    log_sum_exp(logits)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sanitize_and_log_norm_avx2(logits: &mut [f32]) -> f64 {
     sanitize(logits);
     log_sum_exp(logits)
 }
@@ -33,6 +45,17 @@ pub fn fast_argmax(logits: &[f32]) -> u32 {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { argmax_avx512(logits) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { argmax_avx2(logits) };
+    }
+    argmax(logits)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn argmax_avx2(logits: &[f32]) -> u32 {
     argmax(logits)
 }
 
@@ -121,6 +144,17 @@ pub fn argmax_sanitized(logits: &[f32]) -> u32 {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { argmax_sanitized_avx512(logits) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { argmax_sanitized_avx2(logits) };
+    }
+    argmax_of(logits, sanitized)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn argmax_sanitized_avx2(logits: &[f32]) -> u32 {
     argmax_of(logits, sanitized)
 }
 
@@ -138,6 +172,17 @@ pub fn max_logprob_sanitized(logits: &[f32]) -> f32 {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { max_logprob_sanitized_avx512(logits) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { max_logprob_sanitized_avx2(logits) };
+    }
+    max_logprob_body(logits)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn max_logprob_sanitized_avx2(logits: &[f32]) -> f32 {
     max_logprob_body(logits)
 }
 
@@ -167,7 +212,7 @@ pub fn pick_sanitized(logits: &[f32]) -> (u32, f32) {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { pick_sanitized_avx512(logits) };
     }
-    (argmax_of(logits, sanitized), max_logprob_body(logits))
+    (argmax_sanitized(logits), max_logprob_sanitized(logits))
 }
 
 /// The explicit AVX-512 form of `argmax_of` + `log_sum_exp_of` with sanitising reads: the same
@@ -390,6 +435,13 @@ mod tests {
                 assert_eq!(argmax(&l) as usize, want, "len {len}");
                 let mut m = l.clone();
                 let got = sanitize_and_log_norm(&mut m);
+                let mut plain = l.clone();
+                sanitize(&mut plain);
+                assert_eq!(
+                    got.to_bits(),
+                    log_sum_exp(&plain).to_bits(),
+                    "len {len}: the vector path's normaliser is the plain one's bit for bit"
+                );
                 let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
                 let reference = max + l.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
                 assert!(
