@@ -119,7 +119,8 @@ impl QuantizedActs {
     }
 }
 
-/// The reference row quantizer.
+/// The reference row quantizer (inlined into the ISA-specific copies that call it).
+#[inline(always)]
 pub fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
     for (b, (xb, qb)) in x
         .chunks_exact(QBLOCK)
