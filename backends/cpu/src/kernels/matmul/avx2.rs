@@ -1,7 +1,8 @@
 //! AVX2 packed matmul (no VNNI): a group's 16 rows are handled as two 8-lane halves; byte
 //! products go through `vpmaddubsw` over as many 4-value registers as its 16-bit sums allow (four
-//! for values below 32, two for 6-bit values; 8-bit values are split into two nibbles). The
-//! arithmetic is the scalar kernel's, in its order.
+//! for values below 32, two for 6-bit values; 8-bit values, stored with an offset of 128, are
+//! re-centred to signed bytes and multiplied as |w| by x with w's sign, one register at a time).
+//! Integer sums are exact, so the results are the scalar kernel's bit for bit.
 
 use std::arch::x86_64::*;
 
@@ -167,17 +168,20 @@ unsafe fn dot4<const PAIR: usize>(w: &[__m256i], x: &[__m256i]) -> __m256i {
 unsafe fn dots<const V: u8>(w: &[__m256i; 8], x: &[__m256i; 8]) -> (__m256i, __m256i) {
     match V {
         code::Q8 => {
-            let low = _mm256_set1_epi8(0x0F);
-            let mut lo = [_mm256_setzero_si256(); 8];
-            let mut hi = [_mm256_setzero_si256(); 8];
-            for c in 0..8 {
-                lo[c] = _mm256_and_si256(w[c], low);
-                hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(w[c]), low);
-            }
+            // w - 128 as a signed byte (the stored value's top bit flipped); |w - 128| <= 128
+            // and |x| <= 127, so a pair's 16-bit sum is at most 2 * 128 * 127 < 2^15: exact.
+            // The products are of (w - 128), which `tile` accounts for in the offset.
+            let (top, ones) = (_mm256_set1_epi8(i8::MIN), _mm256_set1_epi16(1));
+            let p = |c: usize| {
+                let ws = _mm256_xor_si256(w[c], top);
+                let pr = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x[c], ws));
+                _mm256_madd_epi16(pr, ones)
+            };
             let half = |c: usize| {
-                let l = dot4::<4>(&lo[c..c + 4], &x[c..c + 4]);
-                let h = dot4::<4>(&hi[c..c + 4], &x[c..c + 4]);
-                _mm256_add_epi32(l, _mm256_slli_epi32::<4>(h))
+                _mm256_add_epi32(
+                    _mm256_add_epi32(p(c), p(c + 1)),
+                    _mm256_add_epi32(p(c + 2), p(c + 3)),
+                )
             };
             (half(0), half(4))
         }
@@ -369,7 +373,8 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
         code::values_bytes(V),
     );
     let super_bytes = code::super_bytes(V, S);
-    let offset = w.format.offset;
+    // `dots` gives 8-bit values' products already re-centred by 128.
+    let offset = w.format.offset - if V == code::Q8 { 128 } else { 0 };
     let gd = w.group_data(g).as_ptr();
     let xa = (a.d.as_ptr(), a.s.as_ptr(), a.isum.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
