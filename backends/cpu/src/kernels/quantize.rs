@@ -213,7 +213,6 @@ where
     Ok(())
 }
 
-#[cfg(target_arch = "x86_64")]
 /// The reference quantizer compiled for AVX2: its rounding becomes one instruction (SSE4.1's
 /// `roundps`) instead of a call to the C library's `rintf` per value. The same operations, so
 /// the same bits.
@@ -226,6 +225,7 @@ unsafe fn row_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum:
     quantize_row(x, qs, d, s, isum)
 }
 
+#[cfg(target_arch = "x86_64")]
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL; `qs` must hold `x.len()` values rounded down to whole
 /// blocks of 32, and `d`, `s`, `isum` one per block.
