@@ -10,8 +10,9 @@ use super::{PackedJob, RawOut};
 use crate::quant::acts::{ActSums, QBLOCK};
 use crate::quant::packed::{code, GROUP};
 
-/// Activation rows per tile (AVX2 has 16 registers).
-const R2: usize = 2;
+/// Activation rows per tile: a tile holds one half's 8 unpacked weight registers and one f32
+/// accumulator per row (AVX2 has 16 registers); fewer rows re-unpack the weights more often.
+const ROWS: usize = 5;
 
 /// The activations' per-16 sums and exact block sums (null where the format needs none).
 type SumPtrs = (*const i16, *const f32);
@@ -24,6 +25,16 @@ type SumPtrs = (*const i16, *const f32);
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn packed(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
     let f = job.w.format;
+    let offset = f.offset
+        - if f.values == crate::quant::packed::Values::Q8 {
+            128
+        } else {
+            0
+        };
+    assert!(
+        offset == 0 || (offset > 0 && offset.count_ones() == 1),
+        "format offset {offset} is not zero or a power of two"
+    );
     let s = sums.map_or((std::ptr::null(), std::ptr::null()), |s| {
         (s.s16.as_ptr(), s.sx.as_ptr())
     });
@@ -38,19 +49,33 @@ pub unsafe fn packed(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
     go!(Q4 F16, Q4 F16MIN, Q5 F16, Q5 F16MIN, Q8 F16, Q8 F32SUPER, Q4 K4, Q5 K4, Q6 K6, Q3 K3, Q2 K2);
 }
 
+/// Activation bytes per panel of rows: a panel stays in the core's L2 cache while every group
+/// of the job passes over it (a group's weights stay in L1 across the panel's tiles).
+const PANEL_BYTES: usize = 128 << 10;
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: RawOut) {
-    let rows = job.rows.end;
-    for g in job.groups.clone() {
-        let valid = (job.w.n - g * GROUP).min(GROUP);
-        let mut m0 = job.rows.start;
-        while m0 + R2 <= rows {
-            tile::<R2, V, S>(job, sums, out, g, m0, valid);
-            m0 += R2;
+    let panel = (PANEL_BYTES / job.acts.k / ROWS).max(1) * ROWS;
+    let mut p0 = job.rows.start;
+    while p0 < job.rows.end {
+        let rows = (p0 + panel).min(job.rows.end);
+        for g in job.groups.clone() {
+            let valid = (job.w.n - g * GROUP).min(GROUP);
+            let mut m0 = p0;
+            while m0 + ROWS <= rows {
+                tile::<ROWS, V, S>(job, sums, out, g, m0, valid);
+                m0 += ROWS;
+            }
+            match rows - m0 {
+                0 => {}
+                1 => tile::<1, V, S>(job, sums, out, g, m0, valid),
+                2 => tile::<2, V, S>(job, sums, out, g, m0, valid),
+                3 => tile::<3, V, S>(job, sums, out, g, m0, valid),
+                4 => tile::<4, V, S>(job, sums, out, g, m0, valid),
+                _ => tile::<5, V, S>(job, sums, out, g, m0, valid),
+            }
         }
-        if m0 < rows {
-            tile::<1, V, S>(job, sums, out, g, m0, valid);
-        }
+        p0 = rows;
     }
 }
 
@@ -162,10 +187,23 @@ unsafe fn dot4<const PAIR: usize>(w: &[__m256i], x: &[__m256i]) -> __m256i {
     }
 }
 
-/// The integer products of the block's two 16-value halves for this half's 8 rows.
+/// Whether a format's block step uses only the sum of its two halves' products (one scale per
+/// block and row).
+const fn combined(s: u8) -> bool {
+    matches!(s, code::F16 | code::F16MIN | code::F32SUPER | code::K4)
+}
+
+/// Whether `dots` returns the whole block's product in its first register (and zero in the
+/// second): 4-bit values whose block step only needs the sum.
+const fn one_sum(v: u8, s: u8) -> bool {
+    v == code::Q4 && combined(s)
+}
+
+/// The integer products of the block's two 16-value halves for this half's 8 rows (their sum
+/// in the first register, zero in the second, where `one_sum`).
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn dots<const V: u8>(w: &[__m256i; 8], x: &[__m256i; 8]) -> (__m256i, __m256i) {
+unsafe fn dots<const V: u8, const S: u8>(w: &[__m256i; 8], x: &[__m256i; 8]) -> (__m256i, __m256i) {
     match V {
         code::Q8 => {
             // w - 128 as a signed byte (the stored value's top bit flipped); |w - 128| <= 128
@@ -186,6 +224,17 @@ unsafe fn dots<const V: u8>(w: &[__m256i; 8], x: &[__m256i; 8]) -> (__m256i, __m
             (half(0), half(4))
         }
         code::Q6 => (dot4::<2>(&w[0..4], &x[0..4]), dot4::<2>(&w[4..8], &x[4..8])),
+        _ if one_sum(V, S) => {
+            // Values below 16: eight 16-bit pair sums of at most 2 * 15 * 127 add up to at most
+            // 30,480 < 2^15, exact before one widening.
+            let p = |c: usize| _mm256_maddubs_epi16(w[c], x[c]);
+            let q = |c: usize| _mm256_add_epi16(p(c), p(c + 1));
+            let s = _mm256_add_epi16(_mm256_add_epi16(q(0), q(2)), _mm256_add_epi16(q(4), q(6)));
+            (
+                _mm256_madd_epi16(s, _mm256_set1_epi16(1)),
+                _mm256_setzero_si256(),
+            )
+        }
         _ => (dot4::<4>(&w[0..4], &x[0..4]), dot4::<4>(&w[4..8], &x[4..8])),
     }
 }
@@ -298,13 +347,30 @@ unsafe fn block_scales<const S: u8>(
     s
 }
 
+/// A format's offset as the kernels subtract it: `offset * v` is `v` shifted left by `shift`
+/// (every format's offset is zero or a power of two; `packed` checks).
+#[derive(Clone, Copy)]
+struct Offset {
+    nonzero: bool,
+    shift: __m128i,
+}
+
+impl Offset {
+    /// `offset * v` in every lane.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn times(self, v: i32) -> __m256i {
+        _mm256_sll_epi32(_mm256_set1_epi32(v), self.shift)
+    }
+}
+
 /// One block's contribution to one output row's half (the scalar kernel's `block_step`).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn block_step<const S: u8>(
+unsafe fn block_step<const V: u8, const S: u8>(
     s: &BlockScales,
-    offset: i32,
+    off: Offset,
     i0: __m256i,
     i1: __m256i,
     a: (*const f32, *const f32, *const i32),
@@ -314,11 +380,18 @@ unsafe fn block_step<const S: u8>(
 ) -> __m256 {
     let (xd, xs, xsum) = a;
     let xdv = _mm256_set1_ps(*xd.add(blk));
+    let whole = || {
+        if one_sum(V, S) {
+            i0
+        } else {
+            _mm256_add_epi32(i0, i1)
+        }
+    };
     match S {
         code::F16 | code::F16MIN | code::F32SUPER => {
-            let mut ia = _mm256_add_epi32(i0, i1);
-            if offset != 0 {
-                ia = _mm256_sub_epi32(ia, _mm256_set1_epi32(offset * *xsum.add(blk)));
+            let mut ia = whole();
+            if off.nonzero {
+                ia = _mm256_sub_epi32(ia, off.times(*xsum.add(blk)));
             }
             let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc);
             if S == code::F16MIN {
@@ -328,14 +401,13 @@ unsafe fn block_step<const S: u8>(
             }
         }
         code::K4 => {
-            let ia = _mm256_add_epi32(i0, i1);
-            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc);
+            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole()), _mm256_mul_ps(s.dw, xdv), acc);
             _mm256_fmadd_ps(s.mw, _mm256_set1_ps(*sums.1.add(blk)), acc)
         }
         code::K6 | code::K3 => {
             let (s0, s1) = (*sums.0.add(2 * blk) as i32, *sums.0.add(2 * blk + 1) as i32);
-            let t0 = _mm256_sub_epi32(i0, _mm256_set1_epi32(offset * s0));
-            let t1 = _mm256_sub_epi32(i1, _mm256_set1_epi32(offset * s1));
+            let t0 = _mm256_sub_epi32(i0, off.times(s0));
+            let t1 = _mm256_sub_epi32(i1, off.times(s1));
             let ia = _mm256_add_epi32(_mm256_mullo_epi32(s.sc0, t0), _mm256_mullo_epi32(s.sc1, t1));
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc)
         }
@@ -352,6 +424,8 @@ unsafe fn block_step<const S: u8>(
     }
 }
 
+/// Rows `m0..m0 + R` against group `g`, one half (8 output columns) at a time: the half's
+/// weights are unpacked once per block into registers and used for all `R` rows.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const R: usize, const V: u8, const S: u8>(
@@ -375,15 +449,19 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
     let super_bytes = code::super_bytes(V, S);
     // `dots` gives 8-bit values' products already re-centred by 128.
     let offset = w.format.offset - if V == code::Q8 { 128 } else { 0 };
+    let off = Offset {
+        nonzero: offset != 0,
+        shift: _mm_cvtsi32_si128(offset.trailing_zeros() as i32),
+    };
     let gd = w.group_data(g).as_ptr();
     let xa = (a.d.as_ptr(), a.s.as_ptr(), a.isum.as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for sup in 0..nb / bps {
-        let base = gd.add(sup * super_bytes);
-        let heads = [header::<S>(base, 0), header::<S>(base, 1)];
-        for j in 0..bps {
-            let b = sup * bps + j;
-            for (half, &(hd, hm)) in heads.iter().enumerate() {
+    for half in 0..2 {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for sup in 0..nb / bps {
+            let base = gd.add(sup * super_bytes);
+            let (hd, hm) = header::<S>(base, half);
+            for j in 0..bps {
+                let b = sup * bps + j;
                 let wv = unpack::<V>(base.add(hb + bps * sb + j * vb), half);
                 let s = block_scales::<S>(base.add(hb + j * sb), half, hd, hm);
                 for (r, acc_r) in acc.iter_mut().enumerate() {
@@ -393,18 +471,21 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
                     for (c, xc) in xv.iter_mut().enumerate() {
                         *xc = _mm256_set1_epi32(xq.add(c).read_unaligned());
                     }
-                    let (i0, i1) = dots::<V>(&wv, &xv);
-                    acc_r[half] =
-                        block_step::<S>(&s, offset, i0, i1, xa, sums, row * nb + b, acc_r[half]);
+                    let (i0, i1) = dots::<V, S>(&wv, &xv);
+                    *acc_r = block_step::<V, S>(&s, off, i0, i1, xa, sums, row * nb + b, *acc_r);
                 }
             }
         }
-    }
-    for (r, acc_r) in acc.iter().enumerate() {
-        let mut tmp = [0f32; GROUP];
-        _mm256_storeu_ps(tmp.as_mut_ptr(), acc_r[0]);
-        _mm256_storeu_ps(tmp.as_mut_ptr().add(8), acc_r[1]);
-        let dst = out.base.add((m0 + r) * out.ld + g * GROUP);
-        std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid);
+        let cols = valid.saturating_sub(half * 8).min(8);
+        for (r, acc_r) in acc.iter().enumerate() {
+            let dst = out.base.add((m0 + r) * out.ld + g * GROUP + half * 8);
+            if cols == 8 {
+                _mm256_storeu_ps(dst, *acc_r);
+            } else {
+                let mut tmp = [0f32; 8];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), *acc_r);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, cols);
+            }
+        }
     }
 }

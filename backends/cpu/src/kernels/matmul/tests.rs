@@ -131,6 +131,8 @@ fn simd_kernels_match_scalar_bit_for_bit() {
             (15, 16, 256),
             (24, 16, 256),
             (38, 21, 256),
+            // Long rows: the AVX2 kernel takes rows in panels of fewer rows than this.
+            (37, 21, 8192),
         ] {
             let k = if ty.block_len() == 256 {
                 k.max(256) / 256 * 256
@@ -281,4 +283,54 @@ fn a_short_output_is_refused() {
     };
     let r = matmul(&pool, Isa::active(), &w, input, &mut out, n);
     assert!(matches!(r, Err(KernelError::BadShape { .. })), "{r:?}");
+}
+
+/// Not a test: prints each format's single-thread kernel speed (`cargo test --release -p
+/// npu-backend-cpu kernel_speed -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn kernel_speed() {
+    let shapes: Vec<(usize, usize, usize)> = std::env::var("KSHAPES")
+        .unwrap_or("4x512x2048,64x512x2048".into())
+        .split(',')
+        .map(|t| {
+            let v: Vec<usize> = t.split('x').map(|x| x.parse().unwrap()).collect();
+            (v[0], v[1], v[2])
+        })
+        .collect();
+    let only = std::env::var("KTYPES").unwrap_or_default();
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::Q3K,
+        GgmlType::Q2K,
+    ] {
+        if !only.is_empty() && !only.split(',').any(|t| t == ty.name()) {
+            continue;
+        }
+        for &(rows, n, k) in &shapes {
+            let w = packed(ty, n, k, 21);
+            let (_, a) = acts(rows, k, 4);
+            let isa = Isa::active();
+            run(isa, &w, &a, n);
+            // The best of many short runs: other tenants of a shared machine only slow a run.
+            let t = std::time::Instant::now();
+            let mut s = f64::MAX;
+            while t.elapsed().as_secs_f64() < 0.5 {
+                let one = std::time::Instant::now();
+                std::hint::black_box(run(isa, &w, &a, n));
+                s = s.min(one.elapsed().as_secs_f64());
+            }
+            let gops = 2.0 * (rows * n * k) as f64 / s / 1e9;
+            eprintln!(
+                "{} {} {rows}x{n}x{k}: {gops:.1} GOP/s",
+                isa.name(),
+                ty.name()
+            );
+        }
+    }
 }
