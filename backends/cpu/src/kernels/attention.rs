@@ -634,6 +634,10 @@ fn prefetch_blocks() -> usize {
 /// Lanes of the fixed-width accumulators below (one AVX-512 register).
 const LANES: usize = 16;
 
+/// Rows the portable path computes together: one K or V load feeds this many independent
+/// accumulator chains (one chain per row is bound by the multiply-add's latency).
+const ROW_BLOCK: usize = 4;
+
 /// Multiplies `x` (whole chunks of `LANES`) by `scale` in place and returns each lane's maximum
 /// (lane j over values j, j + LANES, ...), kept as `if v > max { v } else { max }`.
 #[inline(always)]
@@ -802,31 +806,60 @@ fn task_body(t: &Task, s: &mut Scratch) {
         let blk = t.seq.block_table[bi] as usize;
         let k0 = lay.k_at(blk, t.kvh, 0, 0);
         widen_f16(&t.k_cache[k0..k0 + hd * bs], &mut s.kbuf);
-        for r in 0..rows {
-            if bi * bs >= ctx_of(r) {
+        let mut r0 = 0;
+        while r0 < rows {
+            // Rows see more of the context the later their token: the group's last row decides
+            // whether the block is needed at all.
+            let r1 = (r0 + ROW_BLOCK).min(rows);
+            if bi * bs >= ctx_of(r1 - 1) {
+                r0 = r1;
                 continue;
             }
-            let qr = &s.q[r * hd..(r + 1) * hd];
-            let sc = &mut s.scores[r * span + bi * bs..r * span + (bi + 1) * bs];
-            if bs % LANES == 0 {
+            if bs % LANES == 0 && r1 - r0 == ROW_BLOCK {
+                // Four rows at once: each K load feeds four independent accumulator chains.
                 for t0 in (0..bs).step_by(LANES) {
-                    let mut acc = [0f32; LANES];
-                    for (d, &qd) in qr.iter().enumerate() {
+                    let mut acc = [[0f32; LANES]; ROW_BLOCK];
+                    for d in 0..hd {
                         let kd = &s.kbuf[d * bs + t0..d * bs + t0 + LANES];
-                        for j in 0..LANES {
-                            acc[j] = qd.mul_add(kd[j], acc[j]);
+                        for (i, acc_i) in acc.iter_mut().enumerate() {
+                            let qd = s.q[(r0 + i) * hd + d];
+                            for j in 0..LANES {
+                                acc_i[j] = qd.mul_add(kd[j], acc_i[j]);
+                            }
                         }
                     }
-                    sc[t0..t0 + LANES].copy_from_slice(&acc);
+                    for (i, acc_i) in acc.iter().enumerate() {
+                        let at = (r0 + i) * span + bi * bs + t0;
+                        s.scores[at..at + LANES].copy_from_slice(acc_i);
+                    }
                 }
-            } else {
-                sc.fill(0.0);
-                for (d, &qd) in qr.iter().enumerate() {
-                    for (o, &k) in sc.iter_mut().zip(&s.kbuf[d * bs..(d + 1) * bs]) {
-                        *o = qd.mul_add(k, *o);
+                r0 = r1;
+                continue;
+            }
+            for r in r0..r1 {
+                let qr = &s.q[r * hd..(r + 1) * hd];
+                let sc = &mut s.scores[r * span + bi * bs..r * span + (bi + 1) * bs];
+                if bs % LANES == 0 {
+                    for t0 in (0..bs).step_by(LANES) {
+                        let mut acc = [0f32; LANES];
+                        for (d, &qd) in qr.iter().enumerate() {
+                            let kd = &s.kbuf[d * bs + t0..d * bs + t0 + LANES];
+                            for j in 0..LANES {
+                                acc[j] = qd.mul_add(kd[j], acc[j]);
+                            }
+                        }
+                        sc[t0..t0 + LANES].copy_from_slice(&acc);
+                    }
+                } else {
+                    sc.fill(0.0);
+                    for (d, &qd) in qr.iter().enumerate() {
+                        for (o, &k) in sc.iter_mut().zip(&s.kbuf[d * bs..(d + 1) * bs]) {
+                            *o = qd.mul_add(k, *o);
+                        }
                     }
                 }
             }
+            r0 = r1;
         }
     }
     // Softmax per row over its own context; probabilities rounded through f16 for the V product.
@@ -906,33 +939,68 @@ fn task_body(t: &Task, s: &mut Scratch) {
             continue;
         }
         widen_f16(&t.v_cache[v0..v0 + bs * hd], &mut s.vbuf);
-        for r in 0..rows {
-            let ctx = ctx_of(r);
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + ROW_BLOCK).min(rows);
+            let ctx = ctx_of(r1 - 1);
             if bi * bs >= ctx {
+                r0 = r1;
                 continue;
             }
-            let n_t = (ctx - bi * bs).min(bs);
-            let pr = &s.scores[r * span + bi * bs..r * span + bi * bs + n_t];
-            let or = &mut s.o[r * hd..(r + 1) * hd];
-            if hd % LANES == 0 {
+            if hd % LANES == 0 && r1 - r0 == ROW_BLOCK {
+                // Four rows at once, up to the last row's context: the earlier rows'
+                // probabilities beyond their own context are zero and add nothing.
+                let n_t = (ctx - bi * bs).min(bs);
                 for d0 in (0..hd).step_by(LANES) {
-                    let mut acc = [0f32; LANES];
-                    acc.copy_from_slice(&or[d0..d0 + LANES]);
-                    for (tt, &pt) in pr.iter().enumerate() {
+                    let mut acc = [[0f32; LANES]; ROW_BLOCK];
+                    for (i, acc_i) in acc.iter_mut().enumerate() {
+                        acc_i.copy_from_slice(&s.o[(r0 + i) * hd + d0..(r0 + i) * hd + d0 + LANES]);
+                    }
+                    for tt in 0..n_t {
                         let vr = &s.vbuf[tt * hd + d0..tt * hd + d0 + LANES];
-                        for j in 0..LANES {
-                            acc[j] = pt.mul_add(vr[j], acc[j]);
+                        for (i, acc_i) in acc.iter_mut().enumerate() {
+                            let pt = s.scores[(r0 + i) * span + bi * bs + tt];
+                            for j in 0..LANES {
+                                acc_i[j] = pt.mul_add(vr[j], acc_i[j]);
+                            }
                         }
                     }
-                    or[d0..d0 + LANES].copy_from_slice(&acc);
+                    for (i, acc_i) in acc.iter().enumerate() {
+                        s.o[(r0 + i) * hd + d0..(r0 + i) * hd + d0 + LANES].copy_from_slice(acc_i);
+                    }
                 }
-            } else {
-                for (tt, &pt) in pr.iter().enumerate() {
-                    for (o, &v) in or.iter_mut().zip(&s.vbuf[tt * hd..(tt + 1) * hd]) {
-                        *o = pt.mul_add(v, *o);
+                r0 = r1;
+                continue;
+            }
+            for r in r0..r1 {
+                let ctx = ctx_of(r);
+                if bi * bs >= ctx {
+                    continue;
+                }
+                let n_t = (ctx - bi * bs).min(bs);
+                let pr = &s.scores[r * span + bi * bs..r * span + bi * bs + n_t];
+                let or = &mut s.o[r * hd..(r + 1) * hd];
+                if hd % LANES == 0 {
+                    for d0 in (0..hd).step_by(LANES) {
+                        let mut acc = [0f32; LANES];
+                        acc.copy_from_slice(&or[d0..d0 + LANES]);
+                        for (tt, &pt) in pr.iter().enumerate() {
+                            let vr = &s.vbuf[tt * hd + d0..tt * hd + d0 + LANES];
+                            for j in 0..LANES {
+                                acc[j] = pt.mul_add(vr[j], acc[j]);
+                            }
+                        }
+                        or[d0..d0 + LANES].copy_from_slice(&acc);
+                    }
+                } else {
+                    for (tt, &pt) in pr.iter().enumerate() {
+                        for (o, &v) in or.iter_mut().zip(&s.vbuf[tt * hd..(tt + 1) * hd]) {
+                            *o = pt.mul_add(v, *o);
+                        }
                     }
                 }
             }
+            r0 = r1;
         }
     }
 }

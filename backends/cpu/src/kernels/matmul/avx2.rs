@@ -200,19 +200,23 @@ const fn one_sum(v: u8, s: u8) -> bool {
 }
 
 /// The integer products of the block's two 16-value halves for this half's 8 rows (their sum
-/// in the first register, zero in the second, where `one_sum`).
+/// in the first register, zero in the second, where `one_sum`). For 8-bit values `w` holds the
+/// re-centred signed weights and `aw` their magnitudes (unused otherwise).
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn dots<const V: u8, const S: u8>(w: &[__m256i; 8], x: &[__m256i; 8]) -> (__m256i, __m256i) {
+unsafe fn dots<const V: u8, const S: u8>(
+    w: &[__m256i; 8],
+    aw: &[__m256i; 8],
+    x: &[__m256i; 8],
+) -> (__m256i, __m256i) {
     match V {
         code::Q8 => {
-            // w - 128 as a signed byte (the stored value's top bit flipped); |w - 128| <= 128
-            // and |x| <= 127, so a pair's 16-bit sum is at most 2 * 128 * 127 < 2^15: exact.
-            // The products are of (w - 128), which `tile` accounts for in the offset.
-            let (top, ones) = (_mm256_set1_epi8(i8::MIN), _mm256_set1_epi16(1));
+            // |w - 128| <= 128 and |x| <= 127, so a pair's 16-bit sum is at most
+            // 2 * 128 * 127 < 2^15: exact. The products are of (w - 128), which `tile` accounts
+            // for in the offset.
+            let ones = _mm256_set1_epi16(1);
             let p = |c: usize| {
-                let ws = _mm256_xor_si256(w[c], top);
-                let pr = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x[c], ws));
+                let pr = _mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(x[c], w[c]));
                 _mm256_madd_epi16(pr, ones)
             };
             let half = |c: usize| {
@@ -462,7 +466,16 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
             let (hd, hm) = header::<S>(base, half);
             for j in 0..bps {
                 let b = sup * bps + j;
-                let wv = unpack::<V>(base.add(hb + bps * sb + j * vb), half);
+                let mut wv = unpack::<V>(base.add(hb + bps * sb + j * vb), half);
+                // 8-bit values: re-centred to signed bytes (w - 128, the top bit flipped) and
+                // their magnitudes, once for all rows.
+                let mut aw = wv;
+                if V == code::Q8 {
+                    for (w, a) in wv.iter_mut().zip(aw.iter_mut()) {
+                        *w = _mm256_xor_si256(*w, _mm256_set1_epi8(i8::MIN));
+                        *a = _mm256_abs_epi8(*w);
+                    }
+                }
                 let s = block_scales::<S>(base.add(hb + j * sb), half, hd, hm);
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let row = m0 + r;
@@ -471,7 +484,7 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
                     for (c, xc) in xv.iter_mut().enumerate() {
                         *xc = _mm256_set1_epi32(xq.add(c).read_unaligned());
                     }
-                    let (i0, i1) = dots::<V, S>(&wv, &xv);
+                    let (i0, i1) = dots::<V, S>(&wv, &aw, &xv);
                     *acc_r = block_step::<V, S>(&s, off, i0, i1, xa, sums, row * nb + b, *acc_r);
                 }
             }

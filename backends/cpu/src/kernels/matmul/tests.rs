@@ -299,6 +299,8 @@ fn kernel_speed() {
         })
         .collect();
     let only = std::env::var("KTYPES").unwrap_or_default();
+    let threads: usize = std::env::var("KTHREADS").map_or(1, |t| t.parse().unwrap());
+    let pool = ThreadPool::new(threads);
     for ty in [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
@@ -316,6 +318,17 @@ fn kernel_speed() {
             let w = packed(ty, n, k, 21);
             let (_, a) = acts(rows, k, 4);
             let isa = Isa::active();
+            let wm = WeightMatrix::Packed(w);
+            let mut out = vec![0f32; rows * n];
+            let mut run = |isa: Isa, _: &PackedMatrix, a: &QuantizedActs, n: usize| {
+                let input = MatmulInput {
+                    f32: &[],
+                    quantized: a,
+                    rows,
+                };
+                matmul(&pool, isa, &wm, input, &mut out, n).unwrap();
+            };
+            let w = packed(GgmlType::Q4_0, 16, 32, 1);
             run(isa, &w, &a, n);
             // The best of many short runs: other tenants of a shared machine only slow a run.
             let t = std::time::Instant::now();
