@@ -285,60 +285,47 @@ fn a_short_output_is_refused() {
     assert!(matches!(r, Err(KernelError::BadShape { .. })), "{r:?}");
 }
 
-/// Not a test: prints each format's single-thread kernel speed (`cargo test --release -p
-/// npu-backend-cpu kernel_speed -- --ignored --nocapture`).
+/// Not a test: prints the packed matmul's speed per format and shape on this machine, the
+/// best of many short runs (other tenants of a shared machine only slow a run down):
+/// `KSHAPES=512x2048x2048 KTYPES=Q4_0,Q4_K KTHREADS=2 cargo test --release -p npu-backend-cpu
+/// --lib kernel_speed -- --ignored --nocapture` (shapes are rows x n x k).
 #[test]
 #[ignore]
 fn kernel_speed() {
-    let shapes: Vec<(usize, usize, usize)> = std::env::var("KSHAPES")
-        .unwrap_or("4x512x2048,64x512x2048".into())
+    let var = |name: &str, default: &str| std::env::var(name).unwrap_or(default.to_string());
+    let shapes: Vec<Vec<usize>> = var("KSHAPES", "4x512x2048,512x2048x2048")
         .split(',')
-        .map(|t| {
-            let v: Vec<usize> = t.split('x').map(|x| x.parse().unwrap()).collect();
-            (v[0], v[1], v[2])
-        })
+        .map(|t| t.split('x').map(|x| x.parse().unwrap()).collect())
         .collect();
-    let only = std::env::var("KTYPES").unwrap_or_default();
-    let threads: usize = std::env::var("KTHREADS").map_or(1, |t| t.parse().unwrap());
-    let pool = ThreadPool::new(threads);
-    for ty in [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-        GgmlType::Q3K,
-        GgmlType::Q2K,
-    ] {
+    let only = var("KTYPES", "");
+    let pool = ThreadPool::new(var("KTHREADS", "1").parse().unwrap());
+    let isa = Isa::active();
+    for ty in TYPES {
         if !only.is_empty() && !only.split(',').any(|t| t == ty.name()) {
             continue;
         }
-        for &(rows, n, k) in &shapes {
-            let w = packed(ty, n, k, 21);
-            let (_, a) = acts(rows, k, 4);
-            let isa = Isa::active();
-            let wm = WeightMatrix::Packed(w);
+        for shape in &shapes {
+            let (rows, n, k) = (shape[0], shape[1], shape[2]);
+            let w = WeightMatrix::Packed(packed(ty, n, k, 21));
+            let (x, a) = acts(rows, k, 4);
             let mut out = vec![0f32; rows * n];
-            let mut run = |isa: Isa, _: &PackedMatrix, a: &QuantizedActs, n: usize| {
+            let mut once = || {
                 let input = MatmulInput {
-                    f32: &[],
-                    quantized: a,
+                    f32: &x,
+                    quantized: &a,
                     rows,
                 };
-                matmul(&pool, isa, &wm, input, &mut out, n).unwrap();
+                matmul(&pool, isa, &w, input, &mut out, n).unwrap();
             };
-            let w = packed(GgmlType::Q4_0, 16, 32, 1);
-            run(isa, &w, &a, n);
-            // The best of many short runs: other tenants of a shared machine only slow a run.
+            once();
             let t = std::time::Instant::now();
-            let mut s = f64::MAX;
+            let mut best = f64::MAX;
             while t.elapsed().as_secs_f64() < 0.5 {
                 let one = std::time::Instant::now();
-                std::hint::black_box(run(isa, &w, &a, n));
-                s = s.min(one.elapsed().as_secs_f64());
+                once();
+                best = best.min(one.elapsed().as_secs_f64());
             }
-            let gops = 2.0 * (rows * n * k) as f64 / s / 1e9;
+            let gops = 2.0 * (rows * n * k) as f64 / best / 1e9;
             eprintln!(
                 "{} {} {rows}x{n}x{k}: {gops:.1} GOP/s",
                 isa.name(),
