@@ -199,6 +199,43 @@ const fn one_sum(v: u8, s: u8) -> bool {
     v == code::Q4 && combined(s)
 }
 
+/// Whether a format scales each 16-value half of a block by its own integer (Q6_K, Q3_K, Q2_K).
+const fn sub_scaled(s: u8) -> bool {
+    matches!(s, code::K6 | code::K3 | code::K2)
+}
+
+/// `s0 D0 + s1 D1` for this half's 8 rows: the halves' 16-bit sums are widened by `vpmaddwd`
+/// against the scales themselves instead of ones (16-bit scale times 16-bit sum, exact in 32).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn scaled_dots<const V: u8>(
+    w: &[__m256i; 8],
+    x: &[__m256i; 8],
+    sc: &BlockScales,
+) -> __m256i {
+    let p = |c: usize| _mm256_maddubs_epi16(w[c], x[c]);
+    let q = |c: usize| _mm256_add_epi16(p(c), p(c + 1));
+    if V == code::Q6 {
+        // 6-bit values: two 16-bit pair sums of at most 2 * 63 * 127 stay below 2^15.
+        _mm256_add_epi32(
+            _mm256_add_epi32(
+                _mm256_madd_epi16(q(0), sc.sc0),
+                _mm256_madd_epi16(q(2), sc.sc0),
+            ),
+            _mm256_add_epi32(
+                _mm256_madd_epi16(q(4), sc.sc1),
+                _mm256_madd_epi16(q(6), sc.sc1),
+            ),
+        )
+    } else {
+        // Values below 8: four pair sums of at most 2 * 7 * 127 stay below 2^15.
+        _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_add_epi16(q(0), q(2)), sc.sc0),
+            _mm256_madd_epi16(_mm256_add_epi16(q(4), q(6)), sc.sc1),
+        )
+    }
+}
+
 /// The integer products of the block's two 16-value halves for this half's 8 rows (their sum
 /// in the first register, zero in the second, where `one_sum`). For 8-bit values `w` holds the
 /// re-centred signed weights and `aw` their magnitudes (unused otherwise).
@@ -208,7 +245,11 @@ unsafe fn dots<const V: u8, const S: u8>(
     w: &[__m256i; 8],
     aw: &[__m256i; 8],
     x: &[__m256i; 8],
+    sc: &BlockScales,
 ) -> (__m256i, __m256i) {
+    if sub_scaled(S) {
+        return (scaled_dots::<V>(w, x, sc), _mm256_setzero_si256());
+    }
     match V {
         code::Q8 => {
             // |w - 128| <= 128 and |x| <= 127, so a pair's 16-bit sum is at most
@@ -271,10 +312,23 @@ unsafe fn header<const S: u8>(hp: *const u8, half: usize) -> (__m256, __m256) {
 struct BlockScales {
     dw: __m256,
     mw: __m256,
+    /// Sub-block scales (Q6_K, Q3_K, Q2_K): each 32-bit lane holds its row's scale of the
+    /// first 16 values in both 16-bit halves (`sc0`), likewise for the last 16 (`sc1`).
     sc0: __m256i,
     sc1: __m256i,
-    mn0: __m256i,
-    mn1: __m256i,
+    /// Each 32-bit lane holds the pair (first, second) in its 16-bit halves: the scales for
+    /// Q6_K/Q3_K (against the activation half-sums, for the offset), the minimums for Q2_K.
+    pair: __m256i,
+}
+
+/// 32-bit lanes `a` and `b` (each in -32768..32768) as the 16-bit pair (a, b) of each lane.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn pair16(a: __m256i, b: __m256i) -> __m256i {
+    _mm256_or_si256(
+        _mm256_and_si256(a, _mm256_set1_epi32(0xFFFF)),
+        _mm256_slli_epi32::<16>(b),
+    )
 }
 
 /// Eight bytes at `p` widened to 32-bit lanes, unsigned.
@@ -298,8 +352,7 @@ unsafe fn block_scales<const S: u8>(
         mw: hm,
         sc0: z,
         sc1: z,
-        mn0: z,
-        mn1: z,
+        pair: z,
     };
     let f16s = |o: usize| _mm256_cvtph_ps(_mm_loadu_si128(sp.add(o + half * 16) as *const __m128i));
     // The two 6-bit numbers of this half's rows (K4/K3).
@@ -331,20 +384,24 @@ unsafe fn block_scales<const S: u8>(
         }
         code::K3 => {
             let (s0, s1) = pairs();
-            s.sc0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32));
-            s.sc1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32));
+            let (s0, s1) = (
+                _mm256_sub_epi32(s0, _mm256_set1_epi32(32)),
+                _mm256_sub_epi32(s1, _mm256_set1_epi32(32)),
+            );
+            (s.sc0, s.sc1, s.pair) = (pair16(s0, s0), pair16(s1, s1), pair16(s0, s1));
         }
         code::K6 => {
-            s.sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sp.add(half * 8) as *const __m128i));
-            s.sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sp.add(16 + half * 8) as *const __m128i));
+            let s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sp.add(half * 8) as *const __m128i));
+            let s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sp.add(16 + half * 8) as *const __m128i));
+            (s.sc0, s.sc1, s.pair) = (pair16(s0, s0), pair16(s1, s1), pair16(s0, s1));
         }
         code::K2 => {
             let (b0, b1) = (bytes8(sp.add(half * 8)), bytes8(sp.add(16 + half * 8)));
             let low = _mm256_set1_epi32(15);
-            s.sc0 = _mm256_and_si256(b0, low);
-            s.sc1 = _mm256_and_si256(b1, low);
-            s.mn0 = _mm256_srli_epi32::<4>(b0);
-            s.mn1 = _mm256_srli_epi32::<4>(b1);
+            let (s0, s1) = (_mm256_and_si256(b0, low), _mm256_and_si256(b1, low));
+            s.sc0 = pair16(s0, s0);
+            s.sc1 = pair16(s1, s1);
+            s.pair = pair16(_mm256_srli_epi32::<4>(b0), _mm256_srli_epi32::<4>(b1));
         }
         _ => {}
     }
@@ -409,23 +466,26 @@ unsafe fn block_step<const V: u8, const S: u8>(
             _mm256_fmadd_ps(s.mw, _mm256_set1_ps(*sums.1.add(blk)), acc)
         }
         code::K6 | code::K3 => {
-            let (s0, s1) = (*sums.0.add(2 * blk) as i32, *sums.0.add(2 * blk + 1) as i32);
-            let t0 = _mm256_sub_epi32(i0, off.times(s0));
-            let t1 = _mm256_sub_epi32(i1, off.times(s1));
-            let ia = _mm256_add_epi32(_mm256_mullo_epi32(s.sc0, t0), _mm256_mullo_epi32(s.sc1, t1));
+            // s0 (D0 - offset S0) + s1 (D1 - offset S1), with `i0` = s0 D0 + s1 D1 and the
+            // scale pairs against the half-sum pair (S0, S1) in one `vpmaddwd`.
+            let ss = _mm256_madd_epi16(s.pair, half_sums(sums, blk));
+            let ia = _mm256_sub_epi32(i0, _mm256_sll_epi32(ss, off.shift));
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc)
         }
         _ => {
-            let (s0, s1) = (*sums.0.add(2 * blk) as i32, *sums.0.add(2 * blk + 1) as i32);
-            let ia = _mm256_add_epi32(_mm256_mullo_epi32(s.sc0, i0), _mm256_mullo_epi32(s.sc1, i1));
-            let im = _mm256_add_epi32(
-                _mm256_mullo_epi32(s.mn0, _mm256_set1_epi32(s0)),
-                _mm256_mullo_epi32(s.mn1, _mm256_set1_epi32(s1)),
-            );
-            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc);
+            // Q2_K: `i0` = s0 D0 + s1 D1; the minimums m0 S0 + m1 S1 in one `vpmaddwd`.
+            let im = _mm256_madd_epi16(s.pair, half_sums(sums, blk));
+            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(s.dw, xdv), acc);
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(s.mw, xdv), acc)
         }
     }
+}
+
+/// The activation block's two 16-value sums (S0, S1) as the 16-bit pair of every lane.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn half_sums(sums: SumPtrs, blk: usize) -> __m256i {
+    _mm256_set1_epi32((sums.0.add(2 * blk) as *const i32).read_unaligned())
 }
 
 /// Rows `m0..m0 + R` against group `g`, one half (8 output columns) at a time: the half's
@@ -484,7 +544,7 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
                     for (c, xc) in xv.iter_mut().enumerate() {
                         *xc = _mm256_set1_epi32(xq.add(c).read_unaligned());
                     }
-                    let (i0, i1) = dots::<V, S>(&wv, &aw, &xv);
+                    let (i0, i1) = dots::<V, S>(&wv, &aw, &xv, &s);
                     *acc_r = block_step::<V, S>(&s, off, i0, i1, xa, sums, row * nb + b, *acc_r);
                 }
             }
