@@ -694,6 +694,60 @@ unsafe fn widen_f16c(src: &[f16], dst: &mut [f32]) {
     src[n8..].convert_to_f32_slice(&mut dst[n8..]);
 }
 
+/// Where a score tile lies: rows `r0..` of the scores (rows `span` apart), K blocks `b0..`.
+#[derive(Clone, Copy)]
+struct ScoreAt {
+    hd: usize,
+    bs: usize,
+    span: usize,
+    r0: usize,
+    b0: usize,
+}
+
+/// Scores of `R` query rows against the `NB` K blocks widened in `kbuf` (block `i` at
+/// `i * hd * bs`, `[d][t]`): `R * NB` independent accumulator chains per 16 positions, each
+/// score summed over `d` in order (the same arithmetic as one row and one block at a time).
+#[inline(always)]
+fn score_tile<const R: usize, const NB: usize>(
+    q: &[f32],
+    kbuf: &[f32],
+    scores: &mut [f32],
+    at: ScoreAt,
+) {
+    let ScoreAt {
+        hd,
+        bs,
+        span,
+        r0,
+        b0,
+    } = at;
+    let kbuf = &kbuf[..NB * hd * bs];
+    let q = &q[r0 * hd..(r0 + R) * hd];
+    for t0 in (0..bs).step_by(LANES) {
+        let mut acc = [[[0f32; LANES]; NB]; R];
+        for d in 0..hd {
+            let mut kd = [[0f32; LANES]; NB];
+            for (i, k) in kd.iter_mut().enumerate() {
+                k.copy_from_slice(&kbuf[i * hd * bs + d * bs + t0..][..LANES]);
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let qd = q[r * hd + d];
+                for (acc_ri, k) in acc_r.iter_mut().zip(&kd) {
+                    for j in 0..LANES {
+                        acc_ri[j] = qd.mul_add(k[j], acc_ri[j]);
+                    }
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (i, acc_ri) in acc_r.iter().enumerate() {
+                let o = (r0 + r) * span + (b0 + i) * bs + t0;
+                scores[o..o + LANES].copy_from_slice(acc_ri);
+            }
+        }
+    }
+}
+
 #[inline(always)]
 fn task_body(t: &Task, s: &mut Scratch) {
     let lay = t.p.lay;
@@ -707,7 +761,6 @@ fn task_body(t: &Task, s: &mut Scratch) {
     let span = n_blocks * bs;
     s.q.resize(rows * hd, 0.0);
     s.scores.resize(rows * span, 0.0);
-    s.kbuf.resize(hd * bs, 0.0);
     s.vbuf.resize(bs * hd, 0.0);
     s.o.resize(rows * hd, 0.0);
     // Queries rounded through f16, as ggml feeds them to its f16 K cache product.
@@ -802,65 +855,107 @@ fn task_body(t: &Task, s: &mut Scratch) {
     }
     // The portable path (nothing left to do here when the fast one ran).
     let portable_blocks = if fast { 0 } else { n_blocks };
-    for bi in 0..portable_blocks {
-        let blk = t.seq.block_table[bi] as usize;
-        let k0 = lay.k_at(blk, t.kvh, 0, 0);
-        widen_f16(&t.k_cache[k0..k0 + hd * bs], &mut s.kbuf);
+    // Rows are taken up to ROW_BLOCK at a time; with few rows (a decoding sequence), several K
+    // blocks at a time instead, so each K load feeds enough independent accumulator chains.
+    let nb_group = match rows {
+        1 => 4,
+        2 | 3 => 2,
+        _ => 1,
+    };
+    s.kbuf.resize(nb_group * hd * bs, 0.0);
+    // As on the fast path, the K of blocks ahead and the V of the blocks scored now are asked
+    // for before use (the block table defeats the hardware prefetcher).
+    #[cfg(target_arch = "x86_64")]
+    let prefetch_kv = |bi: usize, k: bool| {
+        if bi < portable_blocks {
+            let blk = t.seq.block_table[bi] as usize;
+            let (cache, at) = if k {
+                (t.k_cache, lay.k_at(blk, t.kvh, 0, 0))
+            } else {
+                (t.v_cache, lay.v_at(blk, t.kvh, 0, 0))
+            };
+            super::attention_avx512::prefetch(
+                cache[at..at + hd * bs].as_ptr() as *const u8,
+                hd * bs * 2,
+            );
+        }
+    };
+    #[cfg(target_arch = "x86_64")]
+    let ahead = prefetch_blocks();
+    #[cfg(target_arch = "x86_64")]
+    for bi in 0..ahead.min(portable_blocks) {
+        prefetch_kv(bi, true);
+    }
+    let mut b0 = 0;
+    while b0 < portable_blocks {
+        let nb = nb_group.min(portable_blocks - b0);
+        #[cfg(target_arch = "x86_64")]
+        for i in 0..nb {
+            prefetch_kv(b0 + ahead + i, true);
+            prefetch_kv(b0 + i, false);
+        }
+        for i in 0..nb {
+            let k0 = lay.k_at(t.seq.block_table[b0 + i] as usize, t.kvh, 0, 0);
+            widen_f16(
+                &t.k_cache[k0..k0 + hd * bs],
+                &mut s.kbuf[i * hd * bs..(i + 1) * hd * bs],
+            );
+        }
         let mut r0 = 0;
         while r0 < rows {
             // Rows see more of the context the later their token: the group's last row decides
-            // whether the block is needed at all.
+            // whether the blocks are needed at all (scores past a row's context are computed
+            // from real cache positions and ignored by its softmax).
             let r1 = (r0 + ROW_BLOCK).min(rows);
-            if bi * bs >= ctx_of(r1 - 1) {
+            if b0 * bs >= ctx_of(r1 - 1) {
                 r0 = r1;
                 continue;
             }
-            if bs % LANES == 0 && r1 - r0 == ROW_BLOCK {
-                // Four rows at once: each K load feeds four independent accumulator chains.
-                for t0 in (0..bs).step_by(LANES) {
-                    let mut acc = [[0f32; LANES]; ROW_BLOCK];
-                    for d in 0..hd {
-                        let kd = &s.kbuf[d * bs + t0..d * bs + t0 + LANES];
-                        for (i, acc_i) in acc.iter_mut().enumerate() {
-                            let qd = s.q[(r0 + i) * hd + d];
-                            for j in 0..LANES {
-                                acc_i[j] = qd.mul_add(kd[j], acc_i[j]);
+            let at = ScoreAt {
+                hd,
+                bs,
+                span,
+                r0,
+                b0,
+            };
+            if bs % LANES != 0 {
+                for r in r0..r1 {
+                    for i in 0..nb {
+                        let sc = &mut s.scores[r * span + (b0 + i) * bs..][..bs];
+                        sc.fill(0.0);
+                        for d in 0..hd {
+                            let qd = s.q[r * hd + d];
+                            let kd = &s.kbuf[i * hd * bs + d * bs..][..bs];
+                            for (o, &k) in sc.iter_mut().zip(kd) {
+                                *o = qd.mul_add(k, *o);
                             }
                         }
-                    }
-                    for (i, acc_i) in acc.iter().enumerate() {
-                        let at = (r0 + i) * span + bi * bs + t0;
-                        s.scores[at..at + LANES].copy_from_slice(acc_i);
                     }
                 }
-                r0 = r1;
-                continue;
-            }
-            for r in r0..r1 {
-                let qr = &s.q[r * hd..(r + 1) * hd];
-                let sc = &mut s.scores[r * span + bi * bs..r * span + (bi + 1) * bs];
-                if bs % LANES == 0 {
-                    for t0 in (0..bs).step_by(LANES) {
-                        let mut acc = [0f32; LANES];
-                        for (d, &qd) in qr.iter().enumerate() {
-                            let kd = &s.kbuf[d * bs + t0..d * bs + t0 + LANES];
-                            for j in 0..LANES {
-                                acc[j] = qd.mul_add(kd[j], acc[j]);
+            } else {
+                let (q, kb, sc) = (&s.q, &s.kbuf, &mut s.scores);
+                match (r1 - r0, nb) {
+                    (4, 1) => score_tile::<4, 1>(q, kb, sc, at),
+                    (1, 4) => score_tile::<1, 4>(q, kb, sc, at),
+                    (2, 2) => score_tile::<2, 2>(q, kb, sc, at),
+                    (3, 2) => score_tile::<3, 2>(q, kb, sc, at),
+                    (r, nb) => {
+                        for rr in 0..r {
+                            for i in 0..nb {
+                                let one = ScoreAt {
+                                    r0: r0 + rr,
+                                    b0: b0 + i,
+                                    ..at
+                                };
+                                score_tile::<1, 1>(q, &kb[i * hd * bs..], sc, one);
                             }
-                        }
-                        sc[t0..t0 + LANES].copy_from_slice(&acc);
-                    }
-                } else {
-                    sc.fill(0.0);
-                    for (d, &qd) in qr.iter().enumerate() {
-                        for (o, &k) in sc.iter_mut().zip(&s.kbuf[d * bs..(d + 1) * bs]) {
-                            *o = qd.mul_add(k, *o);
                         }
                     }
                 }
             }
             r0 = r1;
         }
+        b0 += nb;
     }
     // Softmax per row over its own context; probabilities rounded through f16 for the V product.
     for r in 0..rows {
@@ -908,7 +1003,7 @@ fn task_body(t: &Task, s: &mut Scratch) {
     // While this head's V is summed, the next head's K (same blocks) is asked for.
     #[cfg(target_arch = "x86_64")]
     let prefetch_next_k = |bi: usize| {
-        if let Some(kvh) = t.next_kvh.filter(|_| fast && bi < n_blocks) {
+        if let Some(kvh) = t.next_kvh.filter(|_| bi < n_blocks) {
             let k0 = lay.k_at(t.seq.block_table[bi] as usize, kvh, 0, 0);
             let k = t.k_cache[k0..k0 + hd * bs].as_ptr();
             super::attention_avx512::prefetch(k as *const u8, hd * bs * 2);
@@ -938,6 +1033,8 @@ fn task_body(t: &Task, s: &mut Scratch) {
             }
             continue;
         }
+        #[cfg(target_arch = "x86_64")]
+        prefetch_next_k(bi);
         widen_f16(&t.v_cache[v0..v0 + bs * hd], &mut s.vbuf);
         let mut r0 = 0;
         while r0 < rows {
@@ -980,23 +1077,11 @@ fn task_body(t: &Task, s: &mut Scratch) {
                 let n_t = (ctx - bi * bs).min(bs);
                 let pr = &s.scores[r * span + bi * bs..r * span + bi * bs + n_t];
                 let or = &mut s.o[r * hd..(r + 1) * hd];
-                if hd % LANES == 0 {
-                    for d0 in (0..hd).step_by(LANES) {
-                        let mut acc = [0f32; LANES];
-                        acc.copy_from_slice(&or[d0..d0 + LANES]);
-                        for (tt, &pt) in pr.iter().enumerate() {
-                            let vr = &s.vbuf[tt * hd + d0..tt * hd + d0 + LANES];
-                            for j in 0..LANES {
-                                acc[j] = pt.mul_add(vr[j], acc[j]);
-                            }
-                        }
-                        or[d0..d0 + LANES].copy_from_slice(&acc);
-                    }
-                } else {
-                    for (tt, &pt) in pr.iter().enumerate() {
-                        for (o, &v) in or.iter_mut().zip(&s.vbuf[tt * hd..(tt + 1) * hd]) {
-                            *o = pt.mul_add(v, *o);
-                        }
+                // Position by position over all dimensions: every dimension's chain is
+                // independent of the others (each still sums its positions in order).
+                for (tt, &pt) in pr.iter().enumerate() {
+                    for (o, &v) in or.iter_mut().zip(&s.vbuf[tt * hd..(tt + 1) * hd]) {
+                        *o = pt.mul_add(v, *o);
                     }
                 }
             }
