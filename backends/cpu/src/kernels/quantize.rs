@@ -213,16 +213,65 @@ where
     Ok(())
 }
 
-/// The reference quantizer compiled for AVX2: its rounding becomes one instruction (SSE4.1's
-/// `roundps`) instead of a call to the C library's `rintf` per value. The same operations, so
-/// the same bits.
+/// The reference quantizer in AVX2 registers, the same arithmetic on each value: the block's
+/// absolute maximum lane-wise (`vmaxps` with the running maximum second returns it for a NaN
+/// value, as `f32::max` does), the scale and its inverse as the reference computes them, each
+/// value multiplied, rounded to nearest-even (`roundps`), NaN made 0, clamped to ±127 and
+/// converted; the block sum in integers. So the same bits, NaN and infinities included.
 ///
 /// # Safety
-/// The CPU must have AVX2.
+/// The CPU must have AVX2; `qs` must hold `x.len()` values rounded down to whole blocks of 32,
+/// and `d`, `s`, `isum` one per block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn row_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
-    quantize_row(x, qs, d, s, isum)
+    use half::f16;
+    use std::arch::x86_64::*;
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let (hi, lo) = (_mm256_set1_ps(127.0), _mm256_set1_ps(-127.0));
+    for b in 0..x.len() / QBLOCK {
+        let p = x.as_ptr().add(b * QBLOCK);
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            m = _mm256_max_ps(_mm256_and_ps(vi, abs_mask), m);
+        }
+        // Lanes hold no NaN, so their maximum does not depend on the order.
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        let amax = lanes.iter().fold(0f32, |a, &l| a.max(l));
+        let dd = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let vid = _mm256_set1_ps(id);
+        let mut q = [_mm256_setzero_si256(); 4];
+        for (qi, vi) in q.iter_mut().zip(v) {
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(vi, vid),
+            );
+            let r = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(r, r), r);
+            *qi = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(r, hi), lo));
+        }
+        // Packing interleaves the 128-bit halves; one permutation puts the bytes in order.
+        let w01 = _mm256_packs_epi32(q[0], q[1]);
+        let w23 = _mm256_packs_epi32(q[2], q[3]);
+        let bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(w01, w23),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+        );
+        _mm256_storeu_si256(qs.as_mut_ptr().add(b * QBLOCK) as *mut __m256i, bytes);
+        let t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let t = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+        let t = _mm_add_epi32(t, _mm_shuffle_epi32::<0b01_00_11_10>(t));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32::<0b10_11_00_01>(t)));
+        d[b] = f16::from_f32(dd).to_f32();
+        s[b] = f16::from_f32(dd * sum as f32).to_f32();
+        isum[b] = sum;
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -313,5 +362,37 @@ mod tests {
             assert_eq!(got.s, want.s, "{}", isa.name());
             assert_eq!(got.isum, want.isum, "{}", isa.name());
         }
+    }
+
+    /// The AVX2 quantizer follows the reference on poisoned values too: a NaN weighs nothing in
+    /// the block's maximum and becomes 0, an infinity makes the block's scale infinite and its
+    /// values 0 (or ±127 for the infinities themselves), huge finite values saturate.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_matches_the_reference_on_nan_and_infinities() {
+        if !Isa::available().contains(&Isa::Avx2) {
+            eprintln!("SKIPPED: this CPU has no AVX2");
+            return;
+        }
+        let pool = ThreadPool::new(2);
+        let mut rng = TestRng::new(9);
+        let (rows, k) = (4, 128);
+        let mut x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-3.0, 3.0)).collect();
+        x[3] = f32::NAN;
+        x[40] = f32::INFINITY;
+        x[70] = f32::NEG_INFINITY;
+        x[100] = f32::MAX;
+        x[101] = -f32::MAX;
+        x[140..172].fill(f32::NAN);
+        x[200] = -0.0;
+        let mut want = QuantizedActs::new();
+        want.quantize(&x, rows, k);
+        let mut got = QuantizedActs::new();
+        quantize_acts(&pool, Isa::Avx2, &x, rows, k, &mut got).unwrap();
+        assert_eq!(got.qs, want.qs);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.d), bits(&want.d));
+        assert_eq!(bits(&got.s), bits(&want.s));
+        assert_eq!(got.isum, want.isum);
     }
 }
