@@ -415,3 +415,75 @@ fn parallel_kv_write_equals_the_serial_one() {
         }
     }
 }
+
+/// Not a test: prints batch-1 decode attention time per step over `ALAYERS` layers (default 30:
+/// SmolLM2's shape, 9 query heads over 3 KV heads of 64, 16-token blocks) at `ACTX` positions,
+/// with the caches pushed out of the CPU caches between steps as a decode step's weight reads
+/// do: `cargo test --release -p npu-backend-cpu --lib decode_attention_speed -- --ignored
+/// --nocapture`.
+#[test]
+#[ignore]
+fn decode_attention_speed() {
+    let var = |n: &str, d: usize| std::env::var(n).map_or(d, |v| v.parse().unwrap());
+    let (layers, ctx) = (var("ALAYERS", 30), var("ACTX", 300));
+    let lay = KvLayout {
+        n_kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+        block_stride: 2 * layers * 3 * 64 * 16,
+    };
+    let p = AttnParams {
+        lay,
+        n_heads: 9,
+        scale: 0.125,
+        window: None,
+    };
+    let n_blocks = ctx.div_ceil(16);
+    let mut rng = TestRng::new(3);
+    let cache: Vec<f16> = (0..n_blocks * lay.block_stride)
+        .map(|_| f16::from_f32(rng.uniform(-1.0, 1.0)))
+        .collect();
+    let table: Vec<u32> = (0..n_blocks as u32).collect();
+    let q: Vec<f32> = (0..9 * 64).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let seq = AttnSeq {
+        q_row: 0,
+        n_q: 1,
+        start_pos: ctx - 1,
+        block_table: &table,
+    };
+    let pool = ThreadPool::new(2);
+    let mut out = vec![0f32; 9 * 64];
+    let mut flush = vec![0u8; 96 << 20];
+    let mut best = f64::MAX;
+    for step in 0..20u8 {
+        if std::env::var("ANOFLUSH").is_err() {
+            flush
+                .iter_mut()
+                .step_by(64)
+                .for_each(|b| *b = b.wrapping_add(step));
+        }
+        let t = std::time::Instant::now();
+        for l in 0..layers {
+            let (k, v) = (l * 2 * lay.block_elems(), (l * 2 + 1) * lay.block_elems());
+            paged_attention(
+                &pool,
+                Isa::active(),
+                &p,
+                &q,
+                9 * 64,
+                std::slice::from_ref(&seq),
+                &cache[k..],
+                &cache[v..],
+                &mut out,
+                9 * 64,
+            )
+            .unwrap();
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    eprintln!(
+        "{} decode attention, {layers} layers at {ctx} positions: {:.0} us per step (best of 20)",
+        Isa::active().name(),
+        best * 1e6
+    );
+}
