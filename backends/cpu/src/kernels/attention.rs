@@ -863,6 +863,10 @@ fn task_body(t: &Task, s: &mut Scratch) {
         _ => 1,
     };
     s.kbuf.resize(nb_group * hd * bs, 0.0);
+    // One query row on AVX2: the K and V blocks are read as f16 straight into the
+    // multiply-adds (same order, same bits).
+    #[cfg(target_arch = "x86_64")]
+    let f16c_row = t.isa == Isa::Avx2 && rows == 1 && bs % LANES == 0 && hd % 8 == 0;
     // As on the fast path, the K of blocks ahead and the V of the blocks scored now are asked
     // for before use (the block table defeats the hardware prefetcher).
     #[cfg(target_arch = "x86_64")]
@@ -894,12 +898,35 @@ fn task_body(t: &Task, s: &mut Scratch) {
             prefetch_kv(b0 + ahead + i, true);
             prefetch_kv(b0 + i, false);
         }
-        for i in 0..nb {
+        let k_block = |i: usize| {
             let k0 = lay.k_at(t.seq.block_table[b0 + i] as usize, t.kvh, 0, 0);
-            widen_f16(
-                &t.k_cache[k0..k0 + hd * bs],
-                &mut s.kbuf[i * hd * bs..(i + 1) * hd * bs],
-            );
+            &t.k_cache[k0..k0 + hd * bs]
+        };
+        #[cfg(target_arch = "x86_64")]
+        if f16c_row {
+            let out = &mut s.scores[(b0 * bs)..(b0 + nb) * bs];
+            // SAFETY: `f16c_row` means the CPU has AVX2, FMA and F16C (the isa passed
+            // `Isa::checked`), `bs` is a multiple of 16 and there is one query row of `hd`
+            // values; each K pointer starts an `hd * bs` slice of the cache (`k_block`), and the
+            // scores slice holds the `nb * bs` values written.
+            unsafe {
+                let q = &s.q[..hd];
+                let o = out.as_mut_ptr();
+                if nb == 4 {
+                    let k = [0, 1, 2, 3].map(|i| k_block(i).as_ptr());
+                    super::attention_avx2::row_scores::<4>(k, q, hd, bs, o);
+                } else {
+                    for i in 0..nb {
+                        let k = [k_block(i).as_ptr()];
+                        super::attention_avx2::row_scores::<1>(k, q, hd, bs, o.add(i * bs));
+                    }
+                }
+            }
+            b0 += nb;
+            continue;
+        }
+        for i in 0..nb {
+            widen_f16(k_block(i), &mut s.kbuf[i * hd * bs..(i + 1) * hd * bs]);
         }
         let mut r0 = 0;
         while r0 < rows {
@@ -1035,6 +1062,20 @@ fn task_body(t: &Task, s: &mut Scratch) {
         }
         #[cfg(target_arch = "x86_64")]
         prefetch_next_k(bi);
+        #[cfg(target_arch = "x86_64")]
+        if f16c_row {
+            let ctx = ctx_of(0);
+            if bi * bs < ctx {
+                let n_t = (ctx - bi * bs).min(bs);
+                let v = &t.v_cache[v0..v0 + bs * hd];
+                let p = &s.scores[bi * bs..bi * bs + n_t];
+                // SAFETY: `f16c_row`: AVX2, FMA and F16C present, `hd` a multiple of 8; `v` is a
+                // `bs * hd` slice of the cache and `n_t <= bs`; `s.o` holds the row's `hd`
+                // values.
+                unsafe { super::attention_avx2::row_pv(v.as_ptr(), p, hd, &mut s.o) };
+            }
+            continue;
+        }
         widen_f16(&t.v_cache[v0..v0 + bs * hd], &mut s.vbuf);
         let mut r0 = 0;
         while r0 < rows {

@@ -4,6 +4,8 @@
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
+mod attention_avx2;
+#[cfg(target_arch = "x86_64")]
 mod attention_avx512;
 pub mod elementwise;
 #[cfg(feature = "fault-injection")]

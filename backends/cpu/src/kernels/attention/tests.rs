@@ -43,6 +43,15 @@ fn paged_matches_dense_for_mixed_sequences() {
     check_against_dense(&[(0, 5), (37, 1), (16, 20), (100, 1)], 64);
 }
 
+/// One decoding sequence alone takes a task per query head (one row each: on AVX2 the K and V
+/// blocks go straight from f16 into the multiply-adds), with whole and partial last blocks.
+#[test]
+fn a_decoding_sequence_alone_matches_dense() {
+    check_against_dense(&[(70, 1)], 64);
+    check_against_dense(&[(300, 1)], 64);
+    check_against_dense(&[(15, 1)], 64);
+}
+
 /// Long histories are split over the KV into parts merged by their softmax mass (a different
 /// order of the same sums): within the same tolerance of the dense reference. Covered: decode
 /// tokens split in two and three parts, a few new tokens whose rows see different amounts of the
@@ -222,6 +231,17 @@ fn check_window_against_dense(
             }
         }
         outs.push(out);
+    }
+    // AVX2 runs the portable path's arithmetic in the portable path's order (a decoding row
+    // reads f16 straight into its multiply-adds): the same bits as the scalar build of it.
+    let isas = Isa::available();
+    let at = |want: Isa| isas.iter().position(|&i| i == want);
+    if let (Some(sc), Some(av)) = (at(Isa::Scalar), at(Isa::Avx2)) {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&outs[sc]) == bits(&outs[av]),
+            "AVX2 and scalar attention differ"
+        );
     }
     outs
 }
