@@ -867,6 +867,14 @@ fn task_body(t: &Task, s: &mut Scratch) {
     // multiply-adds (same order, same bits).
     #[cfg(target_arch = "x86_64")]
     let f16c_row = t.isa == Isa::Avx2 && rows == 1 && bs % LANES == 0 && hd % 8 == 0;
+    // Two to four rows of one token (a decoding sequence's query heads of one KV head, in a
+    // batch): the same, each K and V load feeding every row; the rows share their context.
+    #[cfg(target_arch = "x86_64")]
+    let f16c_rows = t.isa == Isa::Avx2
+        && n_tok == 1
+        && (2..=ROW_BLOCK).contains(&rows)
+        && bs % LANES == 0
+        && hd % LANES == 0;
     // As on the fast path, the K of blocks ahead and the V of the blocks scored now are asked
     // for before use (the block table defeats the hardware prefetcher).
     #[cfg(target_arch = "x86_64")]
@@ -919,6 +927,25 @@ fn task_body(t: &Task, s: &mut Scratch) {
                     for i in 0..nb {
                         let k = [k_block(i).as_ptr()];
                         super::attention_avx2::row_scores::<1>(k, q, hd, bs, o.add(i * bs));
+                    }
+                }
+            }
+            b0 += nb;
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if f16c_rows {
+            for i in 0..nb {
+                let (k, q) = (k_block(i).as_ptr(), &s.q[..rows * hd]);
+                let o = s.scores[(b0 + i) * bs..(rows - 1) * span + (b0 + i + 1) * bs].as_mut_ptr();
+                // SAFETY: `f16c_rows`: AVX2, FMA and F16C present, `bs` a multiple of 16, `rows`
+                // (2..=4) rows of `hd` query values; `k` starts an `hd * bs` slice of the cache;
+                // the scores slice covers `bs` values at each of the rows, `span` apart.
+                unsafe {
+                    match rows {
+                        2 => super::attention_avx2::rows_scores::<2>(k, q, hd, bs, o, span),
+                        3 => super::attention_avx2::rows_scores::<3>(k, q, hd, bs, o, span),
+                        _ => super::attention_avx2::rows_scores::<4>(k, q, hd, bs, o, span),
                     }
                 }
             }
@@ -1073,6 +1100,27 @@ fn task_body(t: &Task, s: &mut Scratch) {
                 // `bs * hd` slice of the cache and `n_t <= bs`; `s.o` holds the row's `hd`
                 // values.
                 unsafe { super::attention_avx2::row_pv(v.as_ptr(), p, hd, &mut s.o) };
+            }
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if f16c_rows {
+            let ctx = ctx_of(0);
+            if bi * bs < ctx {
+                let n_t = (ctx - bi * bs).min(bs);
+                let v = t.v_cache[v0..v0 + bs * hd].as_ptr();
+                let p = s.scores[bi * bs..(rows - 1) * span + bi * bs + n_t].as_ptr();
+                let o = &mut s.o[..rows * hd];
+                // SAFETY: `f16c_rows`: AVX2, FMA and F16C present, `hd` a multiple of 16; `v`
+                // starts a `bs * hd` slice of the cache and `n_t <= bs`; the probabilities
+                // slice covers `n_t` values at each row, `span` apart; `o` holds the rows.
+                unsafe {
+                    match rows {
+                        2 => super::attention_avx2::rows_pv::<2>(v, p, span, n_t, hd, o),
+                        3 => super::attention_avx2::rows_pv::<3>(v, p, span, n_t, hd, o),
+                        _ => super::attention_avx2::rows_pv::<4>(v, p, span, n_t, hd, o),
+                    }
+                }
             }
             continue;
         }

@@ -67,3 +67,78 @@ pub unsafe fn row_pv(v: *const f16, p: &[f32], hd: usize, o: &mut [f32]) {
         }
     }
 }
+
+/// `row_scores` for `R` query rows of one token (rows `hd` apart in `q`) against one K block
+/// at `k`: row `r`'s scores at `scores + r * span`. Each K load feeds `R` rows.
+///
+/// # Safety
+/// As `row_scores`, with `q` holding `R * hd` values and `scores` valid for `bs` writes at each
+/// of `R` rows `span` apart.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows_scores<const R: usize>(
+    k: *const f16,
+    q: &[f32],
+    hd: usize,
+    bs: usize,
+    scores: *mut f32,
+    span: usize,
+) {
+    let q = &q[..R * hd];
+    let load = |p: *const f16| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+    for t0 in (0..bs).step_by(16) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for d in 0..hd {
+            let kp = k.add(d * bs + t0);
+            let (k0, k1) = (load(kp), load(kp.add(8)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qv = _mm256_set1_ps(q[r * hd + d]);
+                a[0] = _mm256_fmadd_ps(qv, k0, a[0]);
+                a[1] = _mm256_fmadd_ps(qv, k1, a[1]);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            let o = scores.add(r * span + t0);
+            _mm256_storeu_ps(o, a[0]);
+            _mm256_storeu_ps(o.add(8), a[1]);
+        }
+    }
+}
+
+/// `row_pv` for `R` rows of one token: row `r` adds `p[r * span + t] * v[t * hd + d]` for
+/// `t < n_t` in order into `o[r * hd + d]`; each V load feeds `R` rows.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `hd` a multiple of 16; `v` valid for `n_t * hd`
+/// values; `p` valid for `n_t` reads at each of `R` rows `span` apart; `o` holds `R * hd`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows_pv<const R: usize>(
+    v: *const f16,
+    p: *const f32,
+    span: usize,
+    n_t: usize,
+    hd: usize,
+    o: &mut [f32],
+) {
+    let o = &mut o[..R * hd];
+    let load = |p: *const f16| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+    for d0 in (0..hd).step_by(16) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for (r, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm256_loadu_ps(o.as_ptr().add(r * hd + d0));
+            a[1] = _mm256_loadu_ps(o.as_ptr().add(r * hd + d0 + 8));
+        }
+        for t in 0..n_t {
+            let vp = v.add(t * hd + d0);
+            let (v0, v1) = (load(vp), load(vp.add(8)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let pv = _mm256_set1_ps(*p.add(r * span + t));
+                a[0] = _mm256_fmadd_ps(pv, v0, a[0]);
+                a[1] = _mm256_fmadd_ps(pv, v1, a[1]);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.as_mut_ptr().add(r * hd + d0), a[0]);
+            _mm256_storeu_ps(o.as_mut_ptr().add(r * hd + d0 + 8), a[1]);
+        }
+    }
+}
