@@ -286,16 +286,26 @@ unsafe fn row_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isu
         let p = x.as_ptr().add(b * QBLOCK);
         let v0 = _mm512_loadu_ps(p);
         let v1 = _mm512_loadu_ps(p.add(16));
-        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        // `vmaxps` returns its second operand when the first is NaN, so with the running
+        // maximum second a NaN weighs nothing, as in the reference's `f32::max` fold; the lanes
+        // then hold no NaN and their maximum does not depend on the order.
+        let m = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps());
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v1), m));
         let dd = amax / 127.0;
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let vid = _mm512_set1_ps(id);
-        // cvtps rounds to nearest-even under the default MXCSR, as the reference does.
-        let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
-        let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-        let lim = _mm512_set1_epi32(127);
-        let q0 = _mm512_max_epi32(_mm512_min_epi32(q0, lim), _mm512_set1_epi32(-127));
-        let q1 = _mm512_max_epi32(_mm512_min_epi32(q1, lim), _mm512_set1_epi32(-127));
+        // Rounded to nearest-even, NaN made 0, clamped to ±127 in floats (so infinities
+        // saturate), then converted: the reference's steps.
+        let (hi, lo) = (_mm512_set1_ps(127.0), _mm512_set1_ps(-127.0));
+        let q = |v: __m512| {
+            let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(v, vid),
+            );
+            let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(r, r);
+            let r = _mm512_maskz_mov_ps(ordered, r);
+            _mm512_cvttps_epi32(_mm512_max_ps(_mm512_min_ps(r, hi), lo))
+        };
+        let (q0, q1) = (q(v0), q(v1));
         let out = qs.as_mut_ptr().add(b * QBLOCK);
         _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128(out.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(q1));
@@ -364,16 +374,12 @@ mod tests {
         }
     }
 
-    /// The AVX2 quantizer follows the reference on poisoned values too: a NaN weighs nothing in
+    /// Every quantizer follows the reference on poisoned values too: a NaN weighs nothing in
     /// the block's maximum and becomes 0, an infinity makes the block's scale infinite and its
     /// values 0 (or ±127 for the infinities themselves), huge finite values saturate.
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn avx2_matches_the_reference_on_nan_and_infinities() {
-        if !Isa::available().contains(&Isa::Avx2) {
-            eprintln!("SKIPPED: this CPU has no AVX2");
-            return;
-        }
+    fn every_isa_matches_the_reference_on_nan_and_infinities() {
         let pool = ThreadPool::new(2);
         let mut rng = TestRng::new(9);
         let (rows, k) = (4, 128);
@@ -387,12 +393,14 @@ mod tests {
         x[200] = -0.0;
         let mut want = QuantizedActs::new();
         want.quantize(&x, rows, k);
-        let mut got = QuantizedActs::new();
-        quantize_acts(&pool, Isa::Avx2, &x, rows, k, &mut got).unwrap();
-        assert_eq!(got.qs, want.qs);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got.d), bits(&want.d));
-        assert_eq!(bits(&got.s), bits(&want.s));
-        assert_eq!(got.isum, want.isum);
+        for isa in Isa::available() {
+            let mut got = QuantizedActs::new();
+            quantize_acts(&pool, isa, &x, rows, k, &mut got).unwrap();
+            assert_eq!(got.qs, want.qs, "{}", isa.name());
+            assert_eq!(bits(&got.d), bits(&want.d), "{}", isa.name());
+            assert_eq!(bits(&got.s), bits(&want.s), "{}", isa.name());
+            assert_eq!(got.isum, want.isum, "{}", isa.name());
+        }
     }
 }
