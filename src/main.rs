@@ -58,16 +58,9 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let debug = cli.debug;
-    let result = match cli.command {
-        Command::Serve(a) => npu_server::serve::run(a, &npu_agent::device::built_devices()),
-        Command::Generate(a) => npu_agent::cli::generate::run(a),
-        Command::Score(a) => npu_agent::cli::score::run(a),
-        Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),
-        Command::BenchSpec(a) => npu_agent::cli::bench_spec::run(a),
-        Command::SynthModel(a) => npu_agent::cli::synth::run(a),
-        Command::BenchCollective(a) => npu_agent::cli::bench_collective::run(a),
-        Command::Bench(a) => client_bench::run(a),
-        Command::Agent(a) => npu_agent::worker::run(a).map_err(Into::into),
+    let result = match npu_agent::device::check_settings() {
+        Err(e) => Err(e.into()),
+        Ok(()) => run(cli.command),
     };
     // Every command has dropped its devices by now: device runtimes can be released.
     npu_agent::device::release_runtimes();
@@ -81,5 +74,20 @@ fn main() -> ExitCode {
             }
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Runs one subcommand.
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Serve(a) => npu_server::serve::run(a, &npu_agent::device::built_devices()),
+        Command::Generate(a) => npu_agent::cli::generate::run(a),
+        Command::Score(a) => npu_agent::cli::score::run(a),
+        Command::BenchModel(a) => npu_agent::cli::bench_model::run(a),
+        Command::BenchSpec(a) => npu_agent::cli::bench_spec::run(a),
+        Command::SynthModel(a) => npu_agent::cli::synth::run(a),
+        Command::BenchCollective(a) => npu_agent::cli::bench_collective::run(a),
+        Command::Bench(a) => client_bench::run(a),
+        Command::Agent(a) => npu_agent::worker::run(a).map_err(Into::into),
     }
 }

@@ -113,3 +113,28 @@ fn command_line_misuse_is_a_usage_message_without_backtrace() {
     assert_plain_error(&out, &stderr, 2);
     assert!(stderr.contains("no-such-command"), "{stderr}");
 }
+
+/// A kernel setting with a value it does not take is refused at start, naming the variable,
+/// before any model is loaded (so no download, no silent change of kernels).
+#[test]
+fn a_bad_amx_setting_is_refused_by_name() {
+    let out = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+        .args([
+            "generate",
+            "--model",
+            "/no/such/model.gguf",
+            "--prompt",
+            "x",
+        ])
+        .env("NPU_SERVING_AMX", "on")
+        .env("RUST_BACKTRACE", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("npu-serving runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_plain_error(&out, &stderr, 1);
+    assert!(stderr.contains("NPU_SERVING_AMX=\"on\""), "{stderr}");
+    assert!(!stderr.contains("/no/such/model.gguf"), "{stderr}");
+}

@@ -29,6 +29,12 @@ pub fn built_devices() -> Vec<DeviceKind> {
         .collect()
 }
 
+/// Checks the kernel settings of the environment (`NPU_SERVING_AMX`) once at start: a value a
+/// setting does not take is refused, naming the variable, before any model loads.
+pub fn check_settings() -> Result<(), npu_backend_cpu::kernels::BadSetting> {
+    npu_backend_cpu::kernels::check_settings()
+}
+
 /// Whether this build has a backend crate for `kind`.
 fn backend_compiled_in(kind: DeviceKind) -> bool {
     match kind {

@@ -89,6 +89,9 @@ pub struct BenchModelReport {
     pub prefill_gop_s: Option<f64>,
     /// This machine's measured int8 dot-product peak (AVX-512 VNNI on registers, all threads).
     pub vnni_peak_gop_s: Option<f64>,
+    /// This machine's measured AMX int8 tile peak (all threads); null where the tiles cannot be
+    /// used (no AMX, or `NPU_SERVING_AMX=0`).
+    pub amx_int8_peak_gop_s: Option<f64>,
 }
 
 /// SplitMix64: reproducible synthetic prompts.
@@ -360,6 +363,7 @@ fn roofline(
     let pool = ThreadPool::new(rep.threads as usize);
     rep.mem_read_gb_s = roofline::read_bandwidth_gb_s(&pool, roofline::READ_BYTES)?;
     rep.vnni_peak_gop_s = roofline::int8_peak_gop_s(&pool, Isa::active())?;
+    rep.amx_int8_peak_gop_s = roofline::amx_int8_peak_gop_s(&pool)?;
     Ok(())
 }
 
@@ -386,5 +390,20 @@ fn print_roofline(rep: &BenchModelReport) {
         show(rep.prefill_gop_s),
         show(rep.vnni_peak_gop_s),
         pct(rep.prefill_gop_s, rep.vnni_peak_gop_s)
+    );
+    let amx = rep
+        .amx_int8_peak_gop_s
+        .map_or("     none (no usable AMX tiles)".to_string(), |v| {
+            format!("{v:8.1} GOP/s")
+        });
+    println!(
+        "                   int8 AMX peak  {amx}; of the best engine here{}",
+        pct(
+            rep.prefill_gop_s,
+            [rep.vnni_peak_gop_s, rep.amx_int8_peak_gop_s]
+                .into_iter()
+                .flatten()
+                .reduce(f64::max)
+        )
     );
 }

@@ -84,6 +84,37 @@ pub fn int8_peak_gop_s(pool: &ThreadPool, isa: Isa) -> Result<Option<f64>, PoolE
     Ok(None)
 }
 
+/// The AMX int8 tile peak in GOP/s (a multiply-add counts as two): every thread of `pool` runs
+/// independent `tdpbusd` chains on tiles loaded once, best of three. None where the tiles cannot
+/// be used (no AMX-INT8, no OS permission, or `NPU_SERVING_AMX=0`).
+pub fn amx_int8_peak_gop_s(pool: &ThreadPool) -> Result<Option<f64>, PoolError> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::matmul::amx::available() {
+        use crate::kernels::matmul::amx;
+        let tasks = pool.threads();
+        let sink = AtomicU64::new(0);
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            pool.run(tasks, |_| {
+                // SAFETY: `amx::available` found AMX-INT8 and was granted the tile state.
+                let v = unsafe { amx::peak_products(AMX_STEPS) };
+                sink.fetch_add(v as u64, Ordering::Relaxed);
+            })?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(sink.load(Ordering::Relaxed));
+        let macs = (AMX_STEPS * amx::PEAK_CHAINS * amx::MACS_PER_PRODUCT) as f64;
+        return Ok(Some(tasks as f64 * macs * 2.0 / best / 1e9));
+    }
+    let _ = pool;
+    Ok(None)
+}
+
+/// Rounds of tile products per thread per AMX measurement (about 0.1 s at the tiles' peak).
+#[cfg(target_arch = "x86_64")]
+const AMX_STEPS: u64 = 1 << 19;
+
 /// Independent accumulator chains: more than the instruction's latency times its throughput.
 #[cfg(target_arch = "x86_64")]
 const VNNI_CHAINS: usize = 12;
@@ -139,6 +170,36 @@ mod tests {
         if let Some(g) = vnni {
             assert!(g.is_finite() && g > 0.0, "{g}");
         }
+    }
+
+    /// Measured where the tiles can be used, None elsewhere (and then says why the measuring
+    /// path was not run).
+    #[test]
+    fn amx_peak_is_measured_where_the_tiles_are() {
+        let pool = ThreadPool::new(2);
+        let peak = amx_int8_peak_gop_s(&pool).unwrap();
+        #[cfg(target_arch = "x86_64")]
+        let tiles = crate::kernels::matmul::amx::available();
+        #[cfg(not(target_arch = "x86_64"))]
+        let tiles = false;
+        assert_eq!(peak.is_some(), tiles);
+        match peak {
+            Some(g) => assert!(g.is_finite() && g > 0.0, "{g}"),
+            None => eprintln!("SKIPPED: no usable AMX-INT8 tiles here (or NPU_SERVING_AMX=0)"),
+        }
+    }
+
+    /// The tile products compute: each of 256 sums gets 64 products of 1 x 1 per step.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_peak_products_compute_the_dot_products() {
+        if !crate::kernels::matmul::amx::available() {
+            eprintln!("SKIPPED: no usable AMX-INT8 tiles here (or NPU_SERVING_AMX=0)");
+            return;
+        }
+        // SAFETY: AMX is available.
+        let v = unsafe { crate::kernels::matmul::amx::peak_products(10) };
+        assert_eq!(v, 10 * 64 * 256);
     }
 
     #[cfg(target_arch = "x86_64")]

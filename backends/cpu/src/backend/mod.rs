@@ -284,7 +284,11 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        format!("cpu ({}, {} threads)", self.isa.name(), self.pool.threads())
+        format!(
+            "cpu ({}, {} threads)",
+            crate::kernels::engine_name(self.isa),
+            self.pool.threads()
+        )
     }
 
     fn act_dtype(&self) -> DType {

@@ -112,6 +112,49 @@ impl Isa {
     }
 }
 
+/// A kernel setting read from the environment that holds a value it does not take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{var}={value:?} is not a value it takes: {expected}")]
+pub struct BadSetting {
+    pub var: &'static str,
+    pub value: String,
+    pub expected: &'static str,
+}
+
+/// `NPU_SERVING_AMX`: whether the AMX tiles may be used where the CPU has them (unset: yes).
+/// `0` turns them off, `1` keeps them on; anything else is refused.
+pub fn amx_setting() -> Result<bool, BadSetting> {
+    parse_amx_setting(std::env::var("NPU_SERVING_AMX").ok().as_deref())
+}
+
+fn parse_amx_setting(value: Option<&str>) -> Result<bool, BadSetting> {
+    match value {
+        None | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(v) => Err(BadSetting {
+            var: "NPU_SERVING_AMX",
+            value: v.to_string(),
+            expected: "0 (AMX tiles off) or 1 (on where the CPU has them)",
+        }),
+    }
+}
+
+/// Every kernel setting of the environment, checked once at start so a typo is refused by name
+/// instead of silently changing which kernels run.
+pub fn check_settings() -> Result<(), BadSetting> {
+    amx_setting().map(|_| ())
+}
+
+/// The engine the kernels run: the instruction set, with `+amx` where the packed matmul uses
+/// the AMX tiles (for logs and the start line).
+pub fn engine_name(isa: Isa) -> String {
+    #[cfg(target_arch = "x86_64")]
+    if isa.checked() == Isa::Avx512Vnni && matmul::amx::available() {
+        return format!("{}+amx", isa.name());
+    }
+    isa.name().to_string()
+}
+
 /// Why a kernel call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
@@ -143,4 +186,21 @@ fn inject_fault(isa: Isa, v: Option<&mut f32>) {
     fault::apply(isa, v);
     #[cfg(not(feature = "fault-injection"))]
     let _ = (isa, v);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_amx_setting_takes_0_and_1_and_refuses_the_rest_by_name() {
+        assert_eq!(parse_amx_setting(None), Ok(true));
+        assert_eq!(parse_amx_setting(Some("1")), Ok(true));
+        assert_eq!(parse_amx_setting(Some("0")), Ok(false));
+        for bad in ["", "off", "true", "2", " 0"] {
+            let e = parse_amx_setting(Some(bad)).unwrap_err();
+            assert!(e.to_string().starts_with("NPU_SERVING_AMX="), "{e}");
+            assert!(e.to_string().contains("0 (AMX tiles off)"), "{e}");
+        }
+    }
 }

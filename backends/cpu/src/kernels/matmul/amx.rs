@@ -19,11 +19,12 @@ use crate::quant::packed::{code, Scales, Values, GROUP};
 pub const TILE_ROWS: usize = 16;
 
 /// Whether AMX-INT8 can be used by this process (CPU support and OS permission), and not
-/// disabled with `NPU_SERVING_AMX=0`.
+/// disabled with `NPU_SERVING_AMX=0` (a value other than 0 or 1 is refused at start by
+/// `kernels::check_settings`; here it counts as off).
 pub fn available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
-        if std::env::var("NPU_SERVING_AMX").is_ok_and(|v| v == "0") {
+        if !crate::kernels::amx_setting().unwrap_or(false) {
             return false;
         }
         if !std::arch::is_x86_feature_detected!("avx512f")
@@ -274,4 +275,75 @@ unsafe fn run<const MIN: bool>(job: &PackedJob, out: RawOut) {
             }
         }
     }
+}
+
+/// The tile products `peak_products` runs per step: independent accumulators, more than the
+/// instruction's latency over its issue interval.
+pub const PEAK_CHAINS: u64 = 4;
+
+/// Multiply-adds of one `tdpbusd` (16 x 16 int32 sums of 64 products each).
+pub const MACS_PER_PRODUCT: u64 = 16 * 16 * 64;
+
+/// `steps` rounds of `PEAK_CHAINS` independent `tdpbusd` on tiles loaded once (nothing streamed):
+/// the tiles' int8 peak for one thread. Returns a value depending on every product. Leaves this
+/// thread's tiles released and unconfigured, so the matmul configures its own layout next time.
+///
+/// # Safety
+/// `available()` must be true.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn peak_products(steps: u64) -> i32 {
+    #[repr(C, align(64))]
+    struct Buffers {
+        a: [u8; 1024],
+        b: [u8; 1024],
+        c: [i32; 256],
+    }
+    let mut cfg = TileConfig {
+        palette: 1,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+    // tmm0-3: C (16 x 16 int32); tmm4: A (16 x 64 bytes); tmm5: B (16 x 64 bytes).
+    for t in 0..6 {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    let mut buf = Buffers {
+        a: [1; 1024],
+        b: [1; 1024],
+        c: [0; 256],
+    };
+    // SAFETY (every asm block): AMX permission was granted (`available`); the configuration
+    // names tiles 0-5 of 16 rows x 64 bytes, and every load and store covers 16 rows of 64 bytes
+    // at a 64-byte stride inside `buf`.
+    asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileConfig, options(nostack));
+    asm!(
+        "tileloadd tmm4, [{a} + {s}]",
+        "tileloadd tmm5, [{b} + {s}]",
+        "tilezero tmm0",
+        "tilezero tmm1",
+        "tilezero tmm2",
+        "tilezero tmm3",
+        a = in(reg) buf.a.as_ptr(), b = in(reg) buf.b.as_ptr(), s = in(reg) 64usize,
+        options(nostack),
+    );
+    for _ in 0..steps {
+        asm!(
+            "tdpbusd tmm0, tmm4, tmm5",
+            "tdpbusd tmm1, tmm4, tmm5",
+            "tdpbusd tmm2, tmm4, tmm5",
+            "tdpbusd tmm3, tmm4, tmm5",
+            options(nostack, nomem),
+        );
+    }
+    asm!(
+        "tilestored [{c} + {s}], tmm3",
+        c = in(reg) buf.c.as_mut_ptr(), s = in(reg) 64usize,
+        options(nostack),
+    );
+    asm!("tilerelease", options(nostack, nomem));
+    CONFIGURED.with(|c| c.set(false));
+    buf.c.iter().fold(0i32, |a, &v| a.wrapping_add(v))
 }
