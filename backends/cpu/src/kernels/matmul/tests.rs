@@ -133,6 +133,9 @@ fn simd_kernels_match_scalar_bit_for_bit() {
             (38, 21, 256),
             // Long rows: the AVX2 kernel takes rows in panels of fewer rows than this.
             (37, 21, 8192),
+            // Many row tiles, a partial last group, and rows past the last whole tile.
+            (64, 40, 512),
+            (77, 35, 256),
         ] {
             let k = if ty.block_len() == 256 {
                 k.max(256) / 256 * 256
