@@ -58,26 +58,33 @@ fn sum_lines(words: &[u64]) -> u64 {
 #[cfg(target_arch = "x86_64")]
 const DOT_STEPS: u64 = 1 << 22;
 
+/// The best of three wall times, in seconds, of every thread of `pool` running `f` once (its
+/// result is kept, so the work cannot be optimized away).
+#[cfg(target_arch = "x86_64")]
+fn best_of_three(pool: &ThreadPool, f: impl Fn() -> i32 + Sync) -> Result<f64, PoolError> {
+    let tasks = pool.threads();
+    let sink = AtomicU64::new(0);
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        pool.run(tasks, |_| {
+            sink.fetch_add(f() as u64, Ordering::Relaxed);
+        })?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink.load(Ordering::Relaxed));
+    Ok(best)
+}
+
 /// The int8 dot-product peak in GOP/s (one multiply-add counts as two operations): every thread
 /// of `pool` runs independent chains of 512-bit `vpdpbusd` on registers, best of three. None
 /// where `isa` has no 8-bit dot product measured here (only AVX-512 VNNI is).
 pub fn int8_peak_gop_s(pool: &ThreadPool, isa: Isa) -> Result<Option<f64>, PoolError> {
     #[cfg(target_arch = "x86_64")]
     if isa.checked() == Isa::Avx512Vnni {
-        let tasks = pool.threads();
-        let sink = AtomicU64::new(0);
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            let t0 = Instant::now();
-            pool.run(tasks, |_| {
-                // SAFETY: `Isa::checked` found AVX-512 F and VNNI on this CPU.
-                let v = unsafe { vnni_chains(DOT_STEPS) };
-                sink.fetch_add(v as u64, Ordering::Relaxed);
-            })?;
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
-        std::hint::black_box(sink.load(Ordering::Relaxed));
-        let ops = tasks as f64 * DOT_STEPS as f64 * VNNI_CHAINS as f64 * 64.0 * 2.0;
+        // SAFETY: `Isa::checked` found AVX-512 F and VNNI on this CPU.
+        let best = best_of_three(pool, || unsafe { vnni_chains(DOT_STEPS) })?;
+        let ops = pool.threads() as f64 * DOT_STEPS as f64 * VNNI_CHAINS as f64 * 64.0 * 2.0;
         return Ok(Some(ops / best / 1e9));
     }
     let _ = (pool, isa);
@@ -91,21 +98,10 @@ pub fn amx_int8_peak_gop_s(pool: &ThreadPool) -> Result<Option<f64>, PoolError> 
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::matmul::amx::available() {
         use crate::kernels::matmul::amx;
-        let tasks = pool.threads();
-        let sink = AtomicU64::new(0);
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            let t0 = Instant::now();
-            pool.run(tasks, |_| {
-                // SAFETY: `amx::available` found AMX-INT8 and was granted the tile state.
-                let v = unsafe { amx::peak_products(AMX_STEPS) };
-                sink.fetch_add(v as u64, Ordering::Relaxed);
-            })?;
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
-        std::hint::black_box(sink.load(Ordering::Relaxed));
+        // SAFETY: `amx::available` found AMX-INT8 and was granted the tile state.
+        let best = best_of_three(pool, || unsafe { amx::peak_products(AMX_STEPS) })?;
         let macs = (AMX_STEPS * amx::PEAK_CHAINS * amx::MACS_PER_PRODUCT) as f64;
-        return Ok(Some(tasks as f64 * macs * 2.0 / best / 1e9));
+        return Ok(Some(pool.threads() as f64 * macs * 2.0 / best / 1e9));
     }
     let _ = pool;
     Ok(None)

@@ -73,6 +73,19 @@ struct TileConfig {
     rows: [u8; 16],
 }
 
+impl TileConfig {
+    /// Palette 1 with every tile unconfigured (zero rows and bytes).
+    fn palette_1() -> Self {
+        Self {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        }
+    }
+}
+
 thread_local! {
     static CONFIGURED: Cell<bool> = const { Cell::new(false) };
 }
@@ -84,13 +97,7 @@ unsafe fn configure() {
     if CONFIGURED.with(|c| c.get()) {
         return;
     }
-    let mut cfg = TileConfig {
-        palette: 1,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
-    };
+    let mut cfg = TileConfig::palette_1();
     for set in [0, 3] {
         cfg.colsb[set] = 64;
         cfg.rows[set] = 16;
@@ -298,13 +305,7 @@ pub unsafe fn peak_products(steps: u64) -> i32 {
         b: [u8; 1024],
         c: [i32; 256],
     }
-    let mut cfg = TileConfig {
-        palette: 1,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
-    };
+    let mut cfg = TileConfig::palette_1();
     // tmm0-3: C (16 x 16 int32); tmm4: A (16 x 64 bytes); tmm5: B (16 x 64 bytes).
     for t in 0..6 {
         cfg.colsb[t] = 64;
