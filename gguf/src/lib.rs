@@ -73,6 +73,10 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     Q8K,
+    /// 32 values per block: an f16 scale and 4-bit indices into a fixed non-linear table.
+    IQ4NL,
+    /// 256 values per super-block: IQ4_NL's table with one f16 scale and a 6-bit scale per 32.
+    IQ4XS,
 }
 
 impl GgmlType {
@@ -91,6 +95,8 @@ impl GgmlType {
             13 => Self::Q5K,
             14 => Self::Q6K,
             15 => Self::Q8K,
+            20 => Self::IQ4NL,
+            23 => Self::IQ4XS,
             30 => Self::BF16,
             _ => return None,
         })
@@ -111,6 +117,8 @@ impl GgmlType {
             Self::Q5K => 13,
             Self::Q6K => 14,
             Self::Q8K => 15,
+            Self::IQ4NL => 20,
+            Self::IQ4XS => 23,
             Self::BF16 => 30,
         }
     }
@@ -119,8 +127,10 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
-            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::Q8K => 256,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::IQ4NL => 32,
+            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::Q8K | Self::IQ4XS => {
+                256
+            }
         }
     }
 
@@ -140,6 +150,8 @@ impl GgmlType {
             Self::Q5K => 176,
             Self::Q6K => 210,
             Self::Q8K => 292,
+            Self::IQ4NL => 18,
+            Self::IQ4XS => 136,
         }
     }
 
@@ -159,6 +171,8 @@ impl GgmlType {
             Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
             Self::Q8K => "Q8_K",
+            Self::IQ4NL => "IQ4_NL",
+            Self::IQ4XS => "IQ4_XS",
         }
     }
 

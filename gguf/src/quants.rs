@@ -40,6 +40,8 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
             GgmlType::Q5K => q5_k(blk, out),
             GgmlType::Q6K => q6_k(blk, out),
             GgmlType::Q8K => q8_k(blk, out),
+            GgmlType::IQ4NL => iq4_nl(blk, out),
+            GgmlType::IQ4XS => iq4_xs(blk, out),
         }
     }
 }
@@ -261,6 +263,43 @@ fn q8_k(b: &[u8], y: &mut [f32]) {
     let d = f32::from_le_bytes(b[0..4].try_into().unwrap());
     for j in 0..256 {
         y[j] = (b[4 + j] as i8) as f32 * d;
+    }
+}
+
+/// The values IQ4_NL and IQ4_XS's 4-bit indices stand for (ggml's `kvalues_iq4nl`).
+pub const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// 32 indices in 16 bytes: values 0..16 in the low nibbles, 16..32 in the high ones, each the
+/// table value times `d`.
+fn iq4_values(d: f32, qs: &[u8], y: &mut [f32]) {
+    for j in 0..16 {
+        y[j] = d * IQ4_VALUES[(qs[j] & 15) as usize] as f32;
+        y[j + 16] = d * IQ4_VALUES[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+fn iq4_nl(b: &[u8], y: &mut [f32]) {
+    iq4_values(f16_at(b, 0), &b[2..18], y);
+}
+
+/// The 6-bit scale of sub-block `j` (0..8) of an IQ4_XS block, with its offset of 32 removed.
+pub fn iq4_xs_scale(b: &[u8], j: usize) -> i32 {
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    let low = (b[4 + j / 2] >> (4 * (j % 2))) & 15;
+    (low as i32 | ((((high >> (2 * j)) & 3) as i32) << 4)) - 32
+}
+
+fn iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for j in 0..8 {
+        let dl = d * iq4_xs_scale(b, j) as f32;
+        iq4_values(
+            dl,
+            &b[8 + 16 * j..8 + 16 * j + 16],
+            &mut y[32 * j..32 * j + 32],
+        );
     }
 }
 

@@ -91,3 +91,61 @@ fn q8_k_block() {
         assert_eq!(*v, (j as f32 - 128.0) * 0.5);
     }
 }
+
+/// IQ4_NL: an f16 scale, then 16 bytes whose low nibbles index values 0..16 and high nibbles
+/// values 16..32 in the fixed table.
+#[test]
+fn iq4_nl_block() {
+    let mut b = vec![0u8; 18];
+    b[0..2].copy_from_slice(&f16::from_f32(0.25).to_le_bytes());
+    for j in 0..16 {
+        b[2 + j] = (j as u8) | (((15 - j) as u8) << 4);
+    }
+    let mut out = vec![0f32; 32];
+    dequantize_row(GgmlType::IQ4NL, &b, &mut out);
+    let table = [
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+    ];
+    for j in 0..16 {
+        assert_eq!(out[j], table[j] as f32 * 0.25, "value {j}");
+        assert_eq!(out[16 + j], table[15 - j] as f32 * 0.25, "value {}", 16 + j);
+    }
+}
+
+/// IQ4_XS: f16 `d`, the scales' high 2 bits (16 bits, 2 per sub-block), their low 4 bits (a
+/// nibble per sub-block), then 8 sub-blocks of 16 bytes laid out as IQ4_NL's; each sub-block's
+/// values are `d (scale - 32) table[index]`.
+#[test]
+fn iq4_xs_block() {
+    let mut b = vec![0u8; 136];
+    b[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+    // Sub-block j's 6-bit scale: 0, 9, 18, .., 63 (high bits j-dependent too).
+    let scales: [u8; 8] = std::array::from_fn(|j| (9 * j) as u8);
+    let mut high = 0u16;
+    for (j, &s) in scales.iter().enumerate() {
+        b[4 + j / 2] |= (s & 15) << (4 * (j % 2));
+        high |= ((s >> 4) as u16) << (2 * j);
+    }
+    b[2..4].copy_from_slice(&high.to_le_bytes());
+    for (i, q) in b[8..].iter_mut().enumerate() {
+        *q = ((i * 7) % 16) as u8 | ((((i * 3) + 5) % 16) as u8) << 4;
+    }
+    let mut out = vec![0f32; 256];
+    dequantize_row(GgmlType::IQ4XS, &b, &mut out);
+    let table = [
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+    ];
+    for j in 0..8 {
+        let dl = 0.5 * (scales[j] as i32 - 32) as f32;
+        for t in 0..16 {
+            let i = 16 * j + t;
+            assert_eq!(
+                out[32 * j + t],
+                dl * table[(i * 7) % 16] as f32,
+                "sub-block {j}"
+            );
+            let hi = table[((i * 3) + 5) % 16] as f32;
+            assert_eq!(out[32 * j + 16 + t], dl * hi, "sub-block {j}");
+        }
+    }
+}

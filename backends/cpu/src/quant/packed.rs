@@ -18,18 +18,20 @@
 //! - `Q8`: 8 planes of 64 bytes, one per register (Q8_0, Q8_K; the signed values plus 128).
 //! - `Q2`: two 64-byte planes of 2-bit fields, as `Q6`'s high bits but holding bits 0-1 (Q2_K).
 //! - `Q3`: `Q2`, then one bit plane as `Q5`'s holding bit 2 (Q3_K; its value plus 4).
+//! - `IQ4`: stored as `Q4`, the nibbles being indices into IQ4_NL's fixed table of 16 signed
+//!   values; the kernels look each up (its value plus 128) as they unpack (IQ4_NL, IQ4_XS).
 //!
 //! Scales (`Scales`) come per block, or per super-block of 8 blocks (the K-quants' 256 values):
 //! a super-block starts with a header (per row: the f16 `d`, and `dmin` where the format has
 //! minimums), then the 8 blocks' scale fields, then the 8 blocks' values; formats without
 //! super-blocks store each block as its scale fields then its values. Sub-block scales stay the
-//! integers the file holds (6-bit for Q4_K/Q5_K/Q3_K, 8-bit for Q6_K, 4-bit for Q2_K), so the
-//! kernels compute with exactly the file's numbers.
+//! integers the file holds (6-bit for Q4_K/Q5_K/Q3_K/IQ4_XS, 8-bit for Q6_K, 4-bit for Q2_K), so
+//! the kernels compute with exactly the file's numbers.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 
 use super::acts::QBLOCK;
-use npu_gguf::quants::{self as ggml, f16_at, k4_scale_min};
+use npu_gguf::quants::{self as ggml, f16_at, iq4_xs_scale, k4_scale_min, IQ4_VALUES};
 use npu_gguf::GgmlType;
 
 /// Rows per group.
@@ -44,6 +46,7 @@ pub enum Values {
     Q8,
     Q2,
     Q3,
+    IQ4,
 }
 
 /// How scales (and minimums) are stored.
@@ -68,6 +71,10 @@ pub enum Scales {
     /// Q2_K: header `d` and `dmin`; per block the file's scale bytes (4-bit scale, 4-bit minimum)
     /// of its first 16 values for the 16 rows, then of its last 16. `w = d s q - dmin m`.
     K2,
+    /// IQ4_XS: header `d`; per block 12 bytes of the rows' 6-bit scales `s` (stored plus 32):
+    /// the low nibbles of bytes 0..8 are rows 0..8's low 4 bits, the high nibbles rows 8..16's,
+    /// and bits `2(i % 4)..` of byte `8 + i / 4` row `i`'s high 2 bits. `w = d (s - 32) q`.
+    Xs,
 }
 
 /// Numbers for the kernels' const generic parameters.
@@ -80,6 +87,7 @@ pub mod code {
     pub const Q8: u8 = 3;
     pub const Q2: u8 = 4;
     pub const Q3: u8 = 5;
+    pub const IQ4: u8 = 6;
 
     pub const F16: u8 = 0;
     pub const F16MIN: u8 = 1;
@@ -88,6 +96,7 @@ pub mod code {
     pub const K6: u8 = 4;
     pub const K3: u8 = 5;
     pub const K2: u8 = 6;
+    pub const XS: u8 = 7;
 
     pub const fn values(v: Values) -> u8 {
         match v {
@@ -97,6 +106,7 @@ pub mod code {
             Values::Q8 => Q8,
             Values::Q2 => Q2,
             Values::Q3 => Q3,
+            Values::IQ4 => IQ4,
         }
     }
 
@@ -109,13 +119,14 @@ pub mod code {
             Scales::K6 => K6,
             Scales::K3 => K3,
             Scales::K2 => K2,
+            Scales::Xs => XS,
         }
     }
 
     /// Bytes of one block's values.
     pub const fn values_bytes(v: u8) -> usize {
         match v {
-            Q4 => 256,
+            Q4 | IQ4 => 256,
             Q5 => 320,
             Q6 => 384,
             Q8 => 512,
@@ -148,6 +159,7 @@ pub mod code {
             F16MIN => 64,
             F32SUPER => 0,
             K4 | K3 => 24,
+            XS => 12,
             _ => 32,
         }
     }
@@ -163,8 +175,8 @@ pub mod code {
 pub struct PackFormat {
     pub values: Values,
     pub scales: Scales,
-    /// Subtracted from every value (8 for Q4_0, 16 for Q5_0, 128 for Q8_0/Q8_K, 32 for Q6_K, 4
-    /// for Q3_K).
+    /// Subtracted from every value (8 for Q4_0, 16 for Q5_0, 128 for Q8_0/Q8_K and the IQ4
+    /// formats, 32 for Q6_K, 4 for Q3_K).
     pub offset: i32,
 }
 
@@ -210,7 +222,7 @@ impl PackFormat {
     pub fn needs_act_sums(&self) -> bool {
         matches!(
             self.scales,
-            Scales::K4 | Scales::K6 | Scales::K3 | Scales::K2
+            Scales::K4 | Scales::K6 | Scales::K3 | Scales::K2 | Scales::Xs
         )
     }
 
@@ -254,6 +266,8 @@ impl PackFormat {
                 GgmlType::Q6K => f(Q6, K6, 32),
                 GgmlType::Q3K => f(Q3, K3, 4),
                 GgmlType::Q2K => f(Q2, K2, 0),
+                GgmlType::IQ4NL => f(IQ4, F16, 128),
+                GgmlType::IQ4XS => f(IQ4, Xs, 128),
                 GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return None,
             },
             false,
@@ -406,7 +420,8 @@ pub struct LaneScales {
     pub d: f32,
     /// The float minimum term: `m` (F16Min), `-dmin m` (K4, exact), or `-dmin` (K2).
     pub m: f32,
-    /// Integer scales of the block's two 16-value halves (K6, K3 already less 32, K2).
+    /// Integer scales of the block's two 16-value halves (K6, K3 and Xs already less 32, K2;
+    /// Xs the same for both).
     pub sc: [i32; 2],
     /// Integer minimums of the two halves (K2).
     pub mn: [i32; 2],
@@ -454,8 +469,29 @@ pub fn lane_scales(f: PackFormat, gd: &[u8], at: BlockAt, i: usize) -> LaneScale
             l.sc = [b0 & 15, b1 & 15];
             l.mn = [b0 >> 4, b1 >> 4];
         }
+        Scales::Xs => {
+            l.d = f16_at(h, 2 * i);
+            l.sc = [xs_scale(s, i) - 32; 2];
+        }
     }
     l
+}
+
+/// Row `i`'s 6-bit number (as stored, plus 32) in an `Xs` scale field.
+#[inline]
+pub fn xs_scale(s: &[u8], i: usize) -> i32 {
+    let low = (s[i % 8] >> (4 * (i / 8))) & 15;
+    let high = (s[8 + i / 4] >> (2 * (i % 4))) & 3;
+    (low | (high << 4)) as i32
+}
+
+/// Writes row `i`'s 6-bit number into an `Xs` scale field.
+fn put_xs_scale(s: &mut [u8], i: usize, v: u8) {
+    debug_assert!(v < 64);
+    let (at, shift) = (i % 8, 4 * (i / 8));
+    s[at] = (s[at] & !(15 << shift)) | ((v & 15) << shift);
+    let (at, shift) = (8 + i / 4, 2 * (i % 4));
+    s[at] = (s[at] & !(3 << shift)) | ((v >> 4) << shift);
 }
 
 /// The stored (unsigned) value of row `i`, position `kk` (0..32), of a block's values `v`.
@@ -464,12 +500,13 @@ pub fn lane_value(kind: Values, v: &[u8], i: usize, kk: usize) -> u8 {
     let (c, p) = (kk / 4, i * 4 + kk % 4);
     match kind {
         Values::Q8 => v[c * 64 + p],
-        Values::Q4 | Values::Q5 | Values::Q6 => {
+        Values::Q4 | Values::Q5 | Values::Q6 | Values::IQ4 => {
             let byte = v[(c % 4) * 64 + p];
             let nib = if c < 4 { byte & 15 } else { byte >> 4 };
             match kind {
                 Values::Q5 => nib | (((v[256 + p] >> c) & 1) << 4),
                 Values::Q6 => nib | (((v[256 + (c / 4) * 64 + p] >> (2 * (c % 4))) & 3) << 4),
+                Values::IQ4 => (IQ4_VALUES[nib as usize] as i32 + 128) as u8,
                 _ => nib,
             }
         }
@@ -503,7 +540,7 @@ fn put_values(kind: Values, v: &mut [u8], i: usize, u: &[u8; 32]) {
                     v[c * 64 + p] = u[4 * c + t];
                 }
             }
-            Values::Q4 | Values::Q5 | Values::Q6 => {
+            Values::Q4 | Values::Q5 | Values::Q6 | Values::IQ4 => {
                 for j in 0..4 {
                     v[j * 64 + p] = (u[4 * j + t] & 15) | ((u[16 + 4 * j + t] & 15) << 4);
                 }
@@ -523,6 +560,12 @@ fn put_values(kind: Values, v: &mut [u8], i: usize, u: &[u8; 32]) {
             }
         }
     }
+}
+
+/// A 32-value block's 4-bit numbers from 16 bytes: values 0..16 in the low nibbles, 16..32 in
+/// the high ones (IQ4_NL's layout, and each IQ4_XS sub-block's).
+fn nibbles(q: &[u8]) -> [u8; 32] {
+    std::array::from_fn(|j| if j < 16 { q[j] & 15 } else { q[j - 16] >> 4 })
 }
 
 /// Writes row `i`'s two 6-bit numbers into a `K4`/`K3` scale field.
@@ -724,6 +767,24 @@ impl PackedMatrix {
                         put_values(f.values, &mut gd[v..v + vbytes], i, &u);
                     }
                 }
+                GgmlType::IQ4NL => {
+                    h16(gd, sc0 + 2 * i, blk);
+                    put_values(
+                        f.values,
+                        &mut gd[vals..vals + vbytes],
+                        i,
+                        &nibbles(&blk[2..18]),
+                    );
+                }
+                GgmlType::IQ4XS => {
+                    h16(gd, hd + 2 * i, blk);
+                    for j in 0..8 {
+                        let (s, v) = block(j);
+                        put_xs_scale(&mut gd[s..s + sbytes], i, (iq4_xs_scale(blk, j) + 32) as u8);
+                        let q = &blk[8 + 16 * j..8 + 16 * j + 16];
+                        put_values(f.values, &mut gd[v..v + vbytes], i, &nibbles(q));
+                    }
+                }
                 GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                     unreachable!("float tensors are not packed")
                 }
@@ -748,7 +809,7 @@ impl PackedMatrix {
                     Scales::F16 | Scales::F32Super => q as f32 * l.d,
                     Scales::F16Min => q as f32 * l.d + l.m,
                     Scales::K4 => l.d * q as f32 + l.m,
-                    Scales::K6 | Scales::K3 => l.d * l.sc[h] as f32 * q as f32,
+                    Scales::K6 | Scales::K3 | Scales::Xs => l.d * l.sc[h] as f32 * q as f32,
                     // d s q - dmin m, as the reference computes it (`l.m` is -dmin).
                     Scales::K2 => l.d * l.sc[h] as f32 * q as f32 - -l.m * l.mn[h] as f32,
                 };

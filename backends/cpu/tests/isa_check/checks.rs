@@ -20,9 +20,9 @@ use npu_gguf::GgmlType;
 use crate::Report;
 
 /// Every ggml type that packs (each packed format: 4-, 5-, 6- and 8-bit values, the K-quants'
-/// 2- and 3-bit values, per-block f16 scales with and without minimums, super-block f32 scales,
-/// the K-quants' integer sub-block scales, every offset).
-const PACKED_TYPES: [GgmlType; 11] = [
+/// 2- and 3-bit values, IQ4's table values, per-block f16 scales with and without minimums,
+/// super-block f32 scales, the K-quants' and IQ4_XS's integer sub-block scales, every offset).
+const PACKED_TYPES: [GgmlType; 13] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -34,6 +34,8 @@ const PACKED_TYPES: [GgmlType; 11] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
 ];
 
 pub fn run_all(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {

@@ -26,7 +26,7 @@ type SumPtrs = (*const i16, *const f32);
 pub unsafe fn packed(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
     let f = job.w.format;
     let offset = f.offset
-        - if f.values == crate::quant::packed::Values::Q8 {
+        - if signed_values(code::values(f.values)) {
             128
         } else {
             0
@@ -46,7 +46,10 @@ pub unsafe fn packed(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
             }
         };
     }
-    go!(Q4 F16, Q4 F16MIN, Q5 F16, Q5 F16MIN, Q8 F16, Q8 F32SUPER, Q4 K4, Q5 K4, Q6 K6, Q3 K3, Q2 K2);
+    go!(
+        Q4 F16, Q4 F16MIN, Q5 F16, Q5 F16MIN, Q8 F16, Q8 F32SUPER, Q4 K4, Q5 K4, Q6 K6, Q3 K3,
+        Q2 K2, IQ4 F16, IQ4 XS
+    );
 }
 
 /// Activation bytes per panel of rows: a panel stays in the core's L2 cache while every group
@@ -100,7 +103,15 @@ unsafe fn or_and(a: __m256i, b: __m256i, c: __m256i) -> __m256i {
     _mm256_or_si256(a, _mm256_and_si256(b, c))
 }
 
-/// The 8 value registers (this half's 32 bytes of each) of the block at `vp`.
+/// Whether the kernel multiplies a format's values re-centred to signed bytes (their stored
+/// offset of 128 removed): 8-bit values, and IQ4's table values (up to 241 with the offset, too
+/// large for `vpmaddubsw`'s 16-bit pair sums).
+const fn signed_values(v: u8) -> bool {
+    v == code::Q8 || v == code::IQ4
+}
+
+/// The 8 value registers (this half's 32 bytes of each) of the block at `vp` (IQ4: the table's
+/// signed values, already re-centred).
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn unpack<const V: u8>(vp: *const u8, half: usize) -> [__m256i; 8] {
@@ -116,13 +127,21 @@ unsafe fn unpack<const V: u8>(vp: *const u8, half: usize) -> [__m256i; 8] {
             ld(384),
             ld(448),
         ],
-        code::Q4 | code::Q5 | code::Q6 => {
+        code::Q4 | code::Q5 | code::Q6 | code::IQ4 => {
             let low = _mm256_set1_epi8(0x0F);
             let mut w = [_mm256_setzero_si256(); 8];
             for j in 0..4 {
                 let v = ld(j * 64);
                 w[j] = _mm256_and_si256(v, low);
                 w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+            }
+            if V == code::IQ4 {
+                let t = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                    npu_gguf::quants::IQ4_VALUES.as_ptr() as *const __m128i,
+                ));
+                for wc in w.iter_mut() {
+                    *wc = _mm256_shuffle_epi8(t, *wc);
+                }
             }
             if V == code::Q5 {
                 let (h, b4) = (ld(256), _mm256_set1_epi8(0x10));
@@ -251,7 +270,7 @@ unsafe fn dots<const V: u8, const S: u8>(
         return (scaled_dots::<V>(w, x, sc), _mm256_setzero_si256());
     }
     match V {
-        code::Q8 => {
+        code::Q8 | code::IQ4 => {
             // |w - 128| <= 128 and |x| <= 127, so a pair's 16-bit sum is at most
             // 2 * 128 * 127 < 2^15: exact. The products are of (w - 128), which `tile` accounts
             // for in the offset.
@@ -302,7 +321,7 @@ unsafe fn header<const S: u8>(hp: *const u8, half: usize) -> (__m256, __m256) {
             _mm256_setzero_ps(),
         ),
         code::K4 | code::K2 => (f16s(0), neg(f16s(32))),
-        code::K6 | code::K3 => (f16s(0), _mm256_setzero_ps()),
+        code::K6 | code::K3 | code::XS => (f16s(0), _mm256_setzero_ps()),
         _ => (_mm256_setzero_ps(), _mm256_setzero_ps()),
     }
 }
@@ -395,6 +414,28 @@ unsafe fn block_scales<const S: u8>(
             let s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sp.add(16 + half * 8) as *const __m128i));
             (s.sc0, s.sc1, s.pair) = (pair16(s0, s0), pair16(s1, s1), pair16(s0, s1));
         }
+        code::XS => {
+            // This half's rows: nibble `half` of bytes 0..8, and 2-bit fields of bytes
+            // 8 + 2 half, 9 + 2 half (rows 8 half + r at bits 2r of their 16-bit word).
+            let low = bytes8(sp);
+            let low = if half == 0 {
+                _mm256_and_si256(low, _mm256_set1_epi32(15))
+            } else {
+                _mm256_srli_epi32::<4>(low)
+            };
+            let word = (sp.add(8 + 2 * half) as *const u16).read_unaligned() as i32;
+            let high = _mm256_and_si256(
+                _mm256_srlv_epi32(
+                    _mm256_set1_epi32(word),
+                    _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+                ),
+                _mm256_set1_epi32(3),
+            );
+            s.sc0 = _mm256_sub_epi32(
+                _mm256_or_si256(low, _mm256_slli_epi32::<4>(high)),
+                _mm256_set1_epi32(32),
+            );
+        }
         code::K2 => {
             let (b0, b1) = (bytes8(sp.add(half * 8)), bytes8(sp.add(16 + half * 8)));
             let low = _mm256_set1_epi32(15);
@@ -465,6 +506,11 @@ unsafe fn block_step<const V: u8, const S: u8>(
             let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole()), _mm256_mul_ps(s.dw, xdv), acc);
             _mm256_fmadd_ps(s.mw, _mm256_set1_ps(*sums.1.add(blk)), acc)
         }
+        code::XS => {
+            // s (D0 - 128 S0) + s (D1 - 128 S1), the products already of the re-centred values.
+            let ia = _mm256_mullo_epi32(s.sc0, _mm256_add_epi32(i0, i1));
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc)
+        }
         code::K6 | code::K3 => {
             // s0 (D0 - offset S0) + s1 (D1 - offset S1), with `i0` = s0 D0 + s1 D1 and the
             // scale pairs against the half-sum pair (S0, S1) in one `vpmaddwd`.
@@ -512,7 +558,7 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
     );
     let super_bytes = code::super_bytes(V, S);
     // `dots` gives 8-bit values' products already re-centred by 128.
-    let offset = w.format.offset - if V == code::Q8 { 128 } else { 0 };
+    let offset = w.format.offset - if signed_values(V) { 128 } else { 0 };
     let off = Offset {
         nonzero: offset != 0,
         shift: _mm_cvtsi32_si128(offset.trailing_zeros() as i32),
@@ -527,12 +573,14 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
             for j in 0..bps {
                 let b = sup * bps + j;
                 let mut wv = unpack::<V>(base.add(hb + bps * sb + j * vb), half);
-                // 8-bit values: re-centred to signed bytes (w - 128, the top bit flipped) and
-                // their magnitudes, once for all rows.
+                // 8-bit values: re-centred to signed bytes (w - 128, the top bit flipped); with
+                // IQ4's (signed already), their magnitudes, once for all rows.
                 let mut aw = wv;
-                if V == code::Q8 {
+                if signed_values(V) {
                     for (w, a) in wv.iter_mut().zip(aw.iter_mut()) {
-                        *w = _mm256_xor_si256(*w, _mm256_set1_epi8(i8::MIN));
+                        if V == code::Q8 {
+                            *w = _mm256_xor_si256(*w, _mm256_set1_epi8(i8::MIN));
+                        }
                         *a = _mm256_abs_epi8(*w);
                     }
                 }

@@ -36,7 +36,10 @@ pub unsafe fn packed(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
             }
         };
     }
-    go!(Q4 F16, Q4 F16MIN, Q5 F16, Q5 F16MIN, Q8 F16, Q8 F32SUPER, Q4 K4, Q5 K4, Q6 K6, Q3 K3, Q2 K2);
+    go!(
+        Q4 F16, Q4 F16MIN, Q5 F16, Q5 F16MIN, Q8 F16, Q8 F32SUPER, Q4 K4, Q5 K4, Q6 K6, Q3 K3,
+        Q2 K2, IQ4 F16, IQ4 XS
+    );
 }
 
 /// The activations' per-16 sums and exact block sums (null where the format needs none).
@@ -116,7 +119,7 @@ pub(crate) unsafe fn unpack<const V: u8>(vp: *const u8) -> [__m512i; 8] {
             ld(384),
             ld(448),
         ],
-        code::Q4 | code::Q5 | code::Q6 => {
+        code::Q4 | code::Q5 | code::Q6 | code::IQ4 => {
             let low = _mm512_set1_epi8(0x0F);
             let (v0, v1, v2, v3) = (ld(0), ld(64), ld(128), ld(192));
             let mut w = [
@@ -149,6 +152,12 @@ pub(crate) unsafe fn unpack<const V: u8>(vp: *const u8) -> [__m512i; 8] {
                     w[4 * p + 2] = or_and(w[4 * p + 2], h, b45);
                     w[4 * p + 3] = or_and(w[4 * p + 3], sh::<0, 2>(h), b45);
                 }
+            } else if V == code::IQ4 {
+                // Each nibble indexes the table (its values plus 128, so unsigned).
+                let t = iq4_table();
+                for wc in w.iter_mut() {
+                    *wc = _mm512_shuffle_epi8(t, *wc);
+                }
             }
             w
         }
@@ -177,6 +186,14 @@ pub(crate) unsafe fn unpack<const V: u8>(vp: *const u8) -> [__m512i; 8] {
             w
         }
     }
+}
+
+/// IQ4_NL's table of values plus 128, in each 128-bit lane (for `vpshufb` by nibble).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn iq4_table() -> __m512i {
+    let t: [u8; 16] = std::array::from_fn(|i| (npu_gguf::quants::IQ4_VALUES[i] as i32 + 128) as u8);
+    _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr() as *const __m128i))
 }
 
 /// A block's weight-side scales for the 16 rows, as the epilogue takes them.
@@ -232,7 +249,7 @@ pub(crate) unsafe fn header<const S: u8>(hp: *const u8) -> (__m512, __m512) {
     match S {
         code::F32SUPER => (_mm512_loadu_ps(hp as *const f32), _mm512_setzero_ps()),
         code::K4 | code::K2 => (f16s(0), neg(f16s(32))),
-        code::K6 | code::K3 => (f16s(0), _mm512_setzero_ps()),
+        code::K6 | code::K3 | code::XS => (f16s(0), _mm512_setzero_ps()),
         _ => (_mm512_setzero_ps(), _mm512_setzero_ps()),
     }
 }
@@ -295,6 +312,32 @@ pub(crate) unsafe fn block_scales<const S: u8>(
                 _mm512_mullo_epi32(s.sc1, neg_off),
             );
         }
+        code::XS => {
+            // Low nibbles of bytes 0..8 (rows 0..8) and their high nibbles (rows 8..16), and the
+            // high 2 bits of row i at bits 2i of the 32-bit word at byte 8.
+            let lo8 = _mm_loadl_epi64(sp as *const __m128i);
+            let low = _mm512_and_si512(
+                _mm512_srlv_epi32(
+                    _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo8, lo8)),
+                    _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
+                ),
+                _mm512_set1_epi32(15),
+            );
+            let high = _mm512_and_si512(
+                _mm512_srlv_epi32(
+                    _mm512_set1_epi32((sp.add(8) as *const i32).read_unaligned()),
+                    _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                ),
+                _mm512_set1_epi32(3),
+            );
+            let sc = _mm512_sub_epi32(
+                _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
+                _mm512_set1_epi32(32),
+            );
+            (s.sc0, s.sc1) = (sc, sc);
+            let p = _mm512_mullo_epi32(sc, neg_off);
+            s.pairs = pack(p, p);
+        }
         code::K2 => {
             let (b0, b1) = (bytes(0), bytes(16));
             let low = _mm512_set1_epi32(15);
@@ -344,7 +387,7 @@ pub(crate) unsafe fn block_step<const S: u8>(
             let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s.dw, xdv), acc);
             _mm512_fmadd_ps(s.mw, _mm512_set1_ps(*sums.1.add(blk)), acc)
         }
-        code::K6 | code::K3 => {
+        code::K6 | code::K3 | code::XS => {
             // s0 (i0 - offset S0) + s1 (i1 - offset S1): the offset terms in one vpdpwssd of
             // the rows' (-offset s0, -offset s1) against the half sums (S0, S1).
             let hs = _mm512_set1_epi32((sums.0.add(2 * blk) as *const i32).read_unaligned());

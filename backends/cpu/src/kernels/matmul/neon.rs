@@ -59,14 +59,15 @@ unsafe fn field(v: uint8x16_t, r: i8, mask: u8) -> uint8x16_t {
 }
 
 /// The 16 bytes of register `c` (values 4c..4c+4 of the block) for quarter `qtr` of the block
-/// at `vp`, as signed bytes (8-bit values less 128, the others as they are: all below 64).
+/// at `vp`, as signed bytes (8-bit values less 128, IQ4's table values, the others as they are:
+/// all below 64).
 #[inline(always)]
 unsafe fn weights(vp: *const u8, kind: Values, c: usize, qtr: usize) -> int8x16_t {
     let ld = |o: usize| vld1q_u8(vp.add(o + qtr * 16));
     let ci = c as i8;
     let v = match kind {
         Values::Q8 => veorq_u8(ld(c * 64), vdupq_n_u8(0x80)),
-        Values::Q4 | Values::Q5 | Values::Q6 => {
+        Values::Q4 | Values::Q5 | Values::Q6 | Values::IQ4 => {
             // Low nibbles hold registers 0..4, high nibbles registers 4..8.
             let raw = ld((c % 4) * 64);
             let nib = if c < 4 {
@@ -79,6 +80,11 @@ unsafe fn weights(vp: *const u8, kind: Values, c: usize, qtr: usize) -> int8x16_
                 Values::Q6 => {
                     let h = ld(256 + (c / 4) * 64);
                     vorrq_u8(nib, field(h, 2 * (ci % 4) - 4, 0x30))
+                }
+                // The table's signed values, already less 128.
+                Values::IQ4 => {
+                    let t = vld1q_u8(npu_gguf::quants::IQ4_VALUES.as_ptr() as *const u8);
+                    vqtbl1q_u8(t, nib)
                 }
                 _ => nib,
             }
@@ -104,7 +110,11 @@ unsafe fn body<const DOT: bool>(job: &PackedJob, sums: Option<&ActSums>, out: Ra
     let nb = k / QBLOCK;
     // 8-bit values are flipped to signed (q - 128): add back 128 * sum(x), with the offset (every
     // 8-bit format has per-block scales; the K-quants' values are all below 128).
-    let comp = if f.values == Values::Q8 { 128 } else { 0 } - f.offset;
+    let comp = if matches!(f.values, Values::Q8 | Values::IQ4) {
+        128
+    } else {
+        0
+    } - f.offset;
     let s16 = sums.map(|s| &s.s16[..]);
     for g in job.groups.clone() {
         let gd = w.group_data(g);
@@ -174,6 +184,12 @@ unsafe fn body<const DOT: bool>(job: &PackedJob, sums: Option<&ActSums>, out: Ra
                             let sx = sums.expect("activation sums").sx[blk];
                             let r = vfmaq_f32(*acc_q, vcvtq_f32_s32(vaddq_s32(i[0], i[1])), dw);
                             vfmaq_f32(r, fl(|l| l.m), vdupq_n_f32(sx))
+                        }
+                        Scales::Xs => {
+                            // s (D0 - 128 S0) + s (D1 - 128 S1) from the signed values' products.
+                            let t =
+                                vaddq_s32(vaddq_s32(i[0], i[1]), vdupq_n_s32(comp * a.isum[blk]));
+                            vfmaq_f32(*acc_q, vcvtq_f32_s32(vmulq_s32(il(|l| l.sc[0]), t)), dw)
                         }
                         Scales::K6 | Scales::K3 => {
                             let t0 = vsubq_s32(i[0], vdupq_n_s32(f.offset * hs[0]));

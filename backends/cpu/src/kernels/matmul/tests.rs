@@ -7,7 +7,7 @@ use crate::disjoint::Tile;
 use crate::quant::testing::{random_ggml_rows, TestRng};
 use npu_gguf::GgmlType;
 
-const TYPES: [GgmlType; 11] = [
+const TYPES: [GgmlType; 13] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -19,6 +19,8 @@ const TYPES: [GgmlType; 11] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
 ];
 
 fn packed(ty: GgmlType, n: usize, k: usize, seed: u64) -> PackedMatrix {

@@ -4,7 +4,7 @@
 use super::*;
 use crate::quant::testing::random_ggml_rows;
 
-const ALL: [GgmlType; 11] = [
+const ALL: [GgmlType; 13] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -16,6 +16,8 @@ const ALL: [GgmlType; 11] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
 ];
 
 #[test]
