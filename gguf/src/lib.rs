@@ -38,7 +38,11 @@ pub enum GgufError {
     },
     #[error("{path}: corrupt GGUF: {what}")]
     Corrupt { path: PathBuf, what: String },
-    #[error("{path}: tensor {name:?} has unsupported type id {type_id}")]
+    #[error(
+        "{path}: tensor {name:?} is stored as {}, which is not supported (supported: {})",
+        ggml_type_name(*type_id),
+        SUPPORTED_TYPES
+    )]
     UnsupportedType {
         path: PathBuf,
         name: String,
@@ -77,6 +81,37 @@ pub enum GgmlType {
     IQ4NL,
     /// 256 values per super-block: IQ4_NL's table with one f16 scale and a 6-bit scale per 32.
     IQ4XS,
+}
+
+/// The tensor types this crate reads, as the error for any other names them.
+pub const SUPPORTED_TYPES: &str =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS";
+
+/// ggml's name for a tensor type id (the ones not supported included), for messages.
+pub fn ggml_type_name(id: u32) -> String {
+    if let Some(t) = GgmlType::from_id(id) {
+        return t.name().to_string();
+    }
+    let name = match id {
+        9 => "Q8_1",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => return format!("type id {id} (unknown to ggml as of this build)"),
+    };
+    format!("{name} (type id {id})")
 }
 
 impl GgmlType {

@@ -466,10 +466,20 @@ fn bad_tensor_entries_are_refused() {
 
     let mut unknown = f32_spec("mystery", &[4], None);
     unknown.type_id = 99;
+    let err = open(one_tensor(unknown.clone()));
     assert!(matches!(
-        open(one_tensor(unknown)),
+        &err,
         Err(GgufError::UnsupportedType { type_id: 99, name, .. }) if name == "mystery"
     ));
+    let text = err.err().unwrap().to_string();
+    assert!(
+        text.contains("type id 99") && text.contains("IQ4_XS"),
+        "{text}"
+    );
+    // A type ggml has but this build does not read is named.
+    unknown.type_id = 16;
+    let text = open(one_tensor(unknown.clone())).err().unwrap().to_string();
+    assert!(text.contains("IQ2_XXS (type id 16)"), "{text}");
 
     expect_corrupt(
         open(one_tensor(f32_spec("ok", &[4], None))),

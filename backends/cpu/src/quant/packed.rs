@@ -73,7 +73,8 @@ pub enum Scales {
     K2,
     /// IQ4_XS: header `d`; per block 12 bytes of the rows' 6-bit scales `s` (stored plus 32):
     /// the low nibbles of bytes 0..8 are rows 0..8's low 4 bits, the high nibbles rows 8..16's,
-    /// and bits `2(i % 4)..` of byte `8 + i / 4` row `i`'s high 2 bits. `w = d (s - 32) q`.
+    /// and bits `2(i % 4)..` of byte `8 + i / 4` row `i`'s high 2 bits. `w = (d (s - 32)) q`, the
+    /// block's scale `d (s - 32)` exact in f32 (an f16 times a 6-bit integer).
     Xs,
 }
 
@@ -222,7 +223,7 @@ impl PackFormat {
     pub fn needs_act_sums(&self) -> bool {
         matches!(
             self.scales,
-            Scales::K4 | Scales::K6 | Scales::K3 | Scales::K2 | Scales::Xs
+            Scales::K4 | Scales::K6 | Scales::K3 | Scales::K2
         )
     }
 
@@ -416,12 +417,11 @@ impl WeightMatrix {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct LaneScales {
     /// The float scale: `d` (F16/F16Min/F32Super and the header `d` of K6/K3/K2), or `d s` (K4,
-    /// exact in f32: an f16 times a 6-bit integer).
+    /// and `d (s - 32)` for Xs: exact in f32, an f16 times a 6-bit integer).
     pub d: f32,
     /// The float minimum term: `m` (F16Min), `-dmin m` (K4, exact), or `-dmin` (K2).
     pub m: f32,
-    /// Integer scales of the block's two 16-value halves (K6, K3 and Xs already less 32, K2;
-    /// Xs the same for both).
+    /// Integer scales of the block's two 16-value halves (K6, K3 already less 32, K2).
     pub sc: [i32; 2],
     /// Integer minimums of the two halves (K2).
     pub mn: [i32; 2],
@@ -469,10 +469,7 @@ pub fn lane_scales(f: PackFormat, gd: &[u8], at: BlockAt, i: usize) -> LaneScale
             l.sc = [b0 & 15, b1 & 15];
             l.mn = [b0 >> 4, b1 >> 4];
         }
-        Scales::Xs => {
-            l.d = f16_at(h, 2 * i);
-            l.sc = [xs_scale(s, i) - 32; 2];
-        }
+        Scales::Xs => l.d = f16_at(h, 2 * i) * (xs_scale(s, i) - 32) as f32,
     }
     l
 }
@@ -806,10 +803,10 @@ impl PackedMatrix {
                 let q = lane_value(f.values, v, i, kk) as i32 - f.offset;
                 let h = kk / 16;
                 out[b * QBLOCK + kk] = match f.scales {
-                    Scales::F16 | Scales::F32Super => q as f32 * l.d,
+                    Scales::F16 | Scales::F32Super | Scales::Xs => q as f32 * l.d,
                     Scales::F16Min => q as f32 * l.d + l.m,
                     Scales::K4 => l.d * q as f32 + l.m,
-                    Scales::K6 | Scales::K3 | Scales::Xs => l.d * l.sc[h] as f32 * q as f32,
+                    Scales::K6 | Scales::K3 => l.d * l.sc[h] as f32 * q as f32,
                     // d s q - dmin m, as the reference computes it (`l.m` is -dmin).
                     Scales::K2 => l.d * l.sc[h] as f32 * q as f32 - -l.m * l.mn[h] as f32,
                 };

@@ -431,10 +431,12 @@ unsafe fn block_scales<const S: u8>(
                 ),
                 _mm256_set1_epi32(3),
             );
-            s.sc0 = _mm256_sub_epi32(
+            let sc = _mm256_sub_epi32(
                 _mm256_or_si256(low, _mm256_slli_epi32::<4>(high)),
                 _mm256_set1_epi32(32),
             );
+            // d (s - 32), exact in f32.
+            s.dw = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), hd);
         }
         code::K2 => {
             let (b0, b1) = (bytes8(sp.add(half * 8)), bytes8(sp.add(16 + half * 8)));
@@ -490,7 +492,7 @@ unsafe fn block_step<const V: u8, const S: u8>(
         }
     };
     match S {
-        code::F16 | code::F16MIN | code::F32SUPER => {
+        code::F16 | code::F16MIN | code::F32SUPER | code::XS => {
             let mut ia = whole();
             if off.nonzero {
                 ia = _mm256_sub_epi32(ia, off.times(*xsum.add(blk)));
@@ -505,11 +507,6 @@ unsafe fn block_step<const V: u8, const S: u8>(
         code::K4 => {
             let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole()), _mm256_mul_ps(s.dw, xdv), acc);
             _mm256_fmadd_ps(s.mw, _mm256_set1_ps(*sums.1.add(blk)), acc)
-        }
-        code::XS => {
-            // s (D0 - 128 S0) + s (D1 - 128 S1), the products already of the re-centred values.
-            let ia = _mm256_mullo_epi32(s.sc0, _mm256_add_epi32(i0, i1));
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s.dw, xdv), acc)
         }
         code::K6 | code::K3 => {
             // s0 (D0 - offset S0) + s1 (D1 - offset S1), with `i0` = s0 D0 + s1 D1 and the

@@ -334,9 +334,8 @@ pub(crate) unsafe fn block_scales<const S: u8>(
                 _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
                 _mm512_set1_epi32(32),
             );
-            (s.sc0, s.sc1) = (sc, sc);
-            let p = _mm512_mullo_epi32(sc, neg_off);
-            s.pairs = pack(p, p);
+            // d (s - 32), exact in f32.
+            s.dw = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), hd);
         }
         code::K2 => {
             let (b0, b1) = (bytes(0), bytes(16));
@@ -370,7 +369,7 @@ pub(crate) unsafe fn block_step<const S: u8>(
     let (xd, xs, xsum) = a;
     let xdv = _mm512_set1_ps(*xd.add(blk));
     match S {
-        code::F16 | code::F16MIN | code::F32SUPER => {
+        code::F16 | code::F16MIN | code::F32SUPER | code::XS => {
             let mut ia = _mm512_add_epi32(i0, i1);
             if offset != 0 {
                 ia = _mm512_sub_epi32(ia, _mm512_set1_epi32(offset * *xsum.add(blk)));
@@ -387,7 +386,7 @@ pub(crate) unsafe fn block_step<const S: u8>(
             let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s.dw, xdv), acc);
             _mm512_fmadd_ps(s.mw, _mm512_set1_ps(*sums.1.add(blk)), acc)
         }
-        code::K6 | code::K3 | code::XS => {
+        code::K6 | code::K3 => {
             // s0 (i0 - offset S0) + s1 (i1 - offset S1): the offset terms in one vpdpwssd of
             // the rows' (-offset s0, -offset s1) against the half sums (S0, S1).
             let hs = _mm512_set1_epi32((sums.0.add(2 * blk) as *const i32).read_unaligned());

@@ -170,7 +170,7 @@ unsafe fn body<const DOT: bool>(job: &PackedJob, sums: Option<&ActSums>, out: Ra
                     let xd = vdupq_n_f32(a.d[blk]);
                     let dw = vmulq_f32(fl(|l| l.d), xd);
                     *acc_q = match f.scales {
-                        Scales::F16 | Scales::F16Min | Scales::F32Super => {
+                        Scales::F16 | Scales::F16Min | Scales::F32Super | Scales::Xs => {
                             let ia =
                                 vaddq_s32(vaddq_s32(i[0], i[1]), vdupq_n_s32(comp * a.isum[blk]));
                             let r = vfmaq_f32(*acc_q, vcvtq_f32_s32(ia), dw);
@@ -184,12 +184,6 @@ unsafe fn body<const DOT: bool>(job: &PackedJob, sums: Option<&ActSums>, out: Ra
                             let sx = sums.expect("activation sums").sx[blk];
                             let r = vfmaq_f32(*acc_q, vcvtq_f32_s32(vaddq_s32(i[0], i[1])), dw);
                             vfmaq_f32(r, fl(|l| l.m), vdupq_n_f32(sx))
-                        }
-                        Scales::Xs => {
-                            // s (D0 - 128 S0) + s (D1 - 128 S1) from the signed values' products.
-                            let t =
-                                vaddq_s32(vaddq_s32(i[0], i[1]), vdupq_n_s32(comp * a.isum[blk]));
-                            vfmaq_f32(*acc_q, vcvtq_f32_s32(vmulq_s32(il(|l| l.sc[0]), t)), dw)
                         }
                         Scales::K6 | Scales::K3 => {
                             let t0 = vsubq_s32(i[0], vdupq_n_s32(f.offset * hs[0]));

@@ -3,13 +3,13 @@
 //! them with the format's integer scales and offset, and accumulates with the same fused
 //! multiply-adds, in the same order, as the vector kernels:
 //!
-//! - per-block f16/f32 scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_K, IQ4_NL):
+//! - per-block f16/f32 scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_K, IQ4_NL; IQ4_XS with `d` its
+//!   block's `d (s - 32)`, exact):
 //!   `acc += (D0 + D1 - offset isum) (d dx)`, then `acc += m s` with a minimum (`s` the
 //!   activation block's `dx isum` rounded through f16, as llama.cpp's Q8_1 has it);
 //! - Q4_K/Q5_K: `acc += (D0 + D1) ((d s) dx)`, then `acc += (-dmin m) (dx isum)` (not rounded
 //!   through f16: llama.cpp's Q8_K keeps exact integer sums for the K-quants);
-//! - Q6_K/Q3_K/IQ4_XS: `acc += (s0 (D0 - offset S0) + s1 (D1 - offset S1)) (d dx)` (IQ4_XS: one
-//!   scale for both halves);
+//! - Q6_K/Q3_K: `acc += (s0 (D0 - offset S0) + s1 (D1 - offset S1)) (d dx)`;
 //! - Q2_K: `acc += (s0 D0 + s1 D1) (d dx)`, then `acc += (m0 S0 + m1 S1) ((-dmin) dx)`;
 //!
 //! where `D0`, `D1` are the integer products of the halves, `S0`, `S1` the activation sums of the
@@ -76,7 +76,7 @@ pub(crate) fn block_step(
         [s[2 * blk] as i32, s[2 * blk + 1] as i32]
     };
     match f.scales {
-        Scales::F16 | Scales::F16Min | Scales::F32Super => {
+        Scales::F16 | Scales::F16Min | Scales::F32Super | Scales::Xs => {
             let ia = dots[0] + dots[1] - f.offset * a.isum[blk];
             let acc = (ia as f32).mul_add(l.d * xd, acc);
             if f.scales == Scales::F16Min {
@@ -90,7 +90,7 @@ pub(crate) fn block_step(
             let acc = ((dots[0] + dots[1]) as f32).mul_add(l.d * xd, acc);
             l.m.mul_add(sx, acc)
         }
-        Scales::K6 | Scales::K3 | Scales::Xs => {
+        Scales::K6 | Scales::K3 => {
             let s = half_sums();
             let ia = l.sc[0] * (dots[0] - f.offset * s[0]) + l.sc[1] * (dots[1] - f.offset * s[1]);
             (ia as f32).mul_add(l.d * xd, acc)
