@@ -411,8 +411,14 @@ fn four_agents_serve_as_two_groups_of_two() {
         .zip(&before)
         .map(|(&p, &b)| cpu_ticks(p) - b)
         .collect();
-    // Least-loaded routing spreads the streams over both groups: every rank computes.
-    assert!(used.iter().all(|&t| t > 10), "ticks per agent: {used:?}");
+    // Least-loaded routing spreads the streams over both groups: every rank computes (an idle
+    // rank takes a tick or two; a computing one a share of the busiest's, however fast the
+    // kernels make the work).
+    let most = used.iter().copied().max().unwrap_or(0);
+    assert!(
+        used.iter().all(|&t| t > 2 && t * 4 >= most),
+        "ticks per agent: {used:?}"
+    );
 }
 
 #[test]

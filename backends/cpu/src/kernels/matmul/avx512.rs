@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{PackedJob, RawOut};
+use super::{avx512_wide, PackedJob, RawOut};
 
 /// Activation rows per tile: one block's unpacked values and scales serve 4 rows. More rows
 /// amortize the unpacking further and ran faster alone on one matrix, but inside a model step
@@ -48,15 +48,37 @@ pub(crate) type SumPtrs = (*const i16, *const f32);
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: RawOut) {
     let rows = job.rows.end;
-    for g in job.groups.clone() {
+    let first = |m0: usize| m0 == job.rows.start;
+    let mask_of = |g: usize| -> __mmask16 {
         let valid = (job.w.n - g * GROUP).min(GROUP);
-        let mask: __mmask16 = if valid == GROUP {
+        if valid == GROUP {
             0xFFFF
         } else {
             ((1u32 << valid) - 1) as u16
-        };
+        }
+    };
+    let mut g = job.groups.start;
+    // Pairs of groups on the two-group kernel where it serves the format.
+    if avx512_wide::serves(V, S) {
+        while g + 2 <= job.groups.end {
+            let masks = [mask_of(g), mask_of(g + 1)];
+            let mut m0 = job.rows.start;
+            while m0 + 4 <= rows {
+                avx512_wide::tile2::<4, V, S>(job, sums, out, g, m0, masks, first(m0));
+                m0 += 4;
+            }
+            match rows - m0 {
+                1 => avx512_wide::tile2::<1, V, S>(job, sums, out, g, m0, masks, first(m0)),
+                2 => avx512_wide::tile2::<2, V, S>(job, sums, out, g, m0, masks, first(m0)),
+                3 => avx512_wide::tile2::<3, V, S>(job, sums, out, g, m0, masks, first(m0)),
+                _ => {}
+            }
+            g += 2;
+        }
+    }
+    for g in g..job.groups.end {
+        let mask = mask_of(g);
         let mut m0 = job.rows.start;
-        let first = |m0: usize| m0 == job.rows.start;
         while m0 + MR <= rows {
             tile::<MR, V, S>(job, sums, out, g, m0, mask, first(m0));
             m0 += MR;
@@ -71,7 +93,7 @@ unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: Raw
 }
 
 /// Bytes ahead of the current block to prefetch (a tunable, `NPU_SERVING_PREFETCH` in blocks).
-fn prefetch_distance(block: usize) -> usize {
+pub(crate) fn prefetch_distance(block: usize) -> usize {
     static UNITS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     block
         * *UNITS.get_or_init(|| {
@@ -191,7 +213,7 @@ pub(crate) unsafe fn unpack<const V: u8>(vp: *const u8) -> [__m512i; 8] {
 /// IQ4_NL's table of values plus 128, in each 128-bit lane (for `vpshufb` by nibble).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn iq4_table() -> __m512i {
+pub(crate) unsafe fn iq4_table() -> __m512i {
     let t: [u8; 16] = std::array::from_fn(|i| (npu_gguf::quants::IQ4_VALUES[i] as i32 + 128) as u8);
     _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr() as *const __m128i))
 }

@@ -9,6 +9,8 @@ pub mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_wide;
 mod f32mm;
 #[cfg(target_arch = "aarch64")]
 mod neon;
