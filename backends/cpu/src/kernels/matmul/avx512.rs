@@ -58,8 +58,9 @@ unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: Raw
         }
     };
     let mut g = job.groups.start;
-    // Pairs of groups on the two-group kernel where it serves the format.
-    if avx512_wide::serves(V, S) {
+    // Pairs of groups on the two-group kernel where it serves the format and the rows are many
+    // enough for the products to set the pace (see `avx512_wide::MIN_ROWS`).
+    if avx512_wide::serves(V, S) && job.rows.len() >= avx512_wide::MIN_ROWS {
         while g + 2 <= job.groups.end {
             let masks = [mask_of(g), mask_of(g + 1)];
             let mut m0 = job.rows.start;
