@@ -169,6 +169,41 @@ pub mod code {
     pub const fn super_bytes(v: u8, s: u8) -> usize {
         header_bytes(s) + blocks_per_super(s) * (scale_bytes(s) + values_bytes(v))
     }
+
+    /// Where a format's fields lie in a super-block of a group, for the SIMD kernels (constant
+    /// for each pair of const parameters).
+    #[derive(Clone, Copy)]
+    pub struct Layout {
+        /// Blocks per super-block.
+        pub bps: usize,
+        /// Bytes of one super-block.
+        pub super_bytes: usize,
+        header: usize,
+        scales: usize,
+        values: usize,
+    }
+
+    impl Layout {
+        pub const fn of(v: u8, s: u8) -> Self {
+            Self {
+                bps: blocks_per_super(s),
+                super_bytes: super_bytes(v, s),
+                header: header_bytes(s),
+                scales: scale_bytes(s),
+                values: values_bytes(v),
+            }
+        }
+
+        /// Offset of block `j`'s scale fields from its super-block's start.
+        pub const fn scales_at(&self, j: usize) -> usize {
+            self.header + j * self.scales
+        }
+
+        /// Offset of block `j`'s values from its super-block's start.
+        pub const fn values_at(&self, j: usize) -> usize {
+            self.header + self.bps * self.scales + j * self.values
+        }
+    }
 }
 
 /// How a packed matrix stores its blocks.

@@ -547,13 +547,8 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
     let a = job.acts;
     let k = a.k;
     let nb = k / QBLOCK;
-    let bps = code::blocks_per_super(S);
-    let (hb, sb, vb) = (
-        code::header_bytes(S),
-        code::scale_bytes(S),
-        code::values_bytes(V),
-    );
-    let super_bytes = code::super_bytes(V, S);
+    let lay = code::Layout::of(V, S);
+    let (bps, super_bytes) = (lay.bps, lay.super_bytes);
     // `dots` gives 8-bit values' products already re-centred by 128.
     let offset = w.format.offset - if signed_values(V) { 128 } else { 0 };
     let off = Offset {
@@ -569,7 +564,7 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
             let (hd, hm) = header::<S>(base, half);
             for j in 0..bps {
                 let b = sup * bps + j;
-                let mut wv = unpack::<V>(base.add(hb + bps * sb + j * vb), half);
+                let mut wv = unpack::<V>(base.add(lay.values_at(j)), half);
                 // 8-bit values: re-centred to signed bytes (w - 128, the top bit flipped); with
                 // IQ4's (signed already), their magnitudes, once for all rows.
                 let mut aw = wv;
@@ -581,7 +576,7 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
                         *a = _mm256_abs_epi8(*w);
                     }
                 }
-                let s = block_scales::<S>(base.add(hb + j * sb), half, hd, hm);
+                let s = block_scales::<S>(base.add(lay.scales_at(j)), half, hd, hm);
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let row = m0 + r;
                     let xq = a.qs.as_ptr().add(row * k + b * QBLOCK) as *const i32;

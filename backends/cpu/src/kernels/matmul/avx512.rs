@@ -444,13 +444,8 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
     let a = job.acts;
     let k = a.k;
     let nb = k / QBLOCK;
-    let bps = code::blocks_per_super(S);
-    let (hb, sb, vb) = (
-        code::header_bytes(S),
-        code::scale_bytes(S),
-        code::values_bytes(V),
-    );
-    let super_bytes = code::super_bytes(V, S);
+    let lay = code::Layout::of(V, S);
+    let (bps, super_bytes) = (lay.bps, lay.super_bytes);
     let offset = w.format.offset;
     let gd = w.group_data(g).as_ptr();
     let qs = a.qs.as_ptr();
@@ -476,8 +471,8 @@ unsafe fn tile<const R: usize, const V: u8, const S: u8>(
                     pf_next += 64;
                 }
             }
-            let wv = unpack::<V>(base.add(hb + bps * sb + j * vb));
-            let s = block_scales::<S>(base.add(hb + j * sb), hd, hm, offset);
+            let wv = unpack::<V>(base.add(lay.values_at(j)));
+            let s = block_scales::<S>(base.add(lay.scales_at(j)), hd, hm, offset);
             // The rows written out one by one (a loop over the rows is not always unrolled, and
             // then the accumulators live on the stack), each under a test `R` decides at compile
             // time.

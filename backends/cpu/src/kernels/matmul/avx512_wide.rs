@@ -82,13 +82,8 @@ pub(crate) unsafe fn tile2<const R: usize, const V: u8, const S: u8>(
     let a = job.acts;
     let k = a.k;
     let nb = k / QBLOCK;
-    let bps = code::blocks_per_super(S);
-    let (hb, sb, vb) = (
-        code::header_bytes(S),
-        code::scale_bytes(S),
-        code::values_bytes(V),
-    );
-    let super_bytes = code::super_bytes(V, S);
+    let lay = code::Layout::of(V, S);
+    let (bps, super_bytes) = (lay.bps, lay.super_bytes);
     let offset = w.format.offset;
     let gd = [w.group_data(g).as_ptr(), w.group_data(g + 1).as_ptr()];
     let qs = a.qs.as_ptr();
@@ -113,10 +108,7 @@ pub(crate) unsafe fn tile2<const R: usize, const V: u8, const S: u8>(
                     pf_next += 64;
                 }
             }
-            let vp = [
-                base[0].add(hb + bps * sb + j * vb),
-                base[1].add(hb + bps * sb + j * vb),
-            ];
+            let vp = [base[0].add(lay.values_at(j)), base[1].add(lay.values_at(j))];
             let mut ia = [[zero; 2]; 4];
             for p in 0..4 {
                 let (a0, a1) = register_pair::<V>(vp[0], p);
@@ -137,8 +129,8 @@ pub(crate) unsafe fn tile2<const R: usize, const V: u8, const S: u8>(
                 }
                 rows!(0 1 2 3);
             }
-            let s0 = block_scales::<S>(base[0].add(hb + j * sb), hd0, hm0, offset);
-            let s1 = block_scales::<S>(base[1].add(hb + j * sb), hd1, hm1, offset);
+            let s0 = block_scales::<S>(base[0].add(lay.scales_at(j)), hd0, hm0, offset);
+            let s1 = block_scales::<S>(base[1].add(lay.scales_at(j)), hd1, hm1, offset);
             macro_rules! steps {
                 ($($r:literal)*) => {$(
                     if $r < R {
