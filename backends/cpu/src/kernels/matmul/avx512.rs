@@ -58,20 +58,26 @@ unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: Raw
         }
     };
     let mut g = job.groups.start;
+    let group_bytes = job.w.group_bytes();
     // Pairs of groups on the two-group kernel where it serves the format and the rows are many
     // enough for the products to set the pace (see `avx512_wide::MIN_ROWS`).
     if avx512_wide::serves(V, S) && job.rows.len() >= avx512_wide::MIN_ROWS {
         while g + 2 <= job.groups.end {
             let masks = [mask_of(g), mask_of(g + 1)];
+            let next = job.w.data().as_ptr().wrapping_add((g + 2) * group_bytes);
+            let ahead =
+                |m0: usize| avx512_wide::Ahead::of(next, 2 * group_bytes, job.rows.clone(), 4, m0);
             let mut m0 = job.rows.start;
             while m0 + 4 <= rows {
-                avx512_wide::tile2::<4, V, S>(job, sums, out, g, m0, masks, first(m0));
+                let f = first(m0);
+                avx512_wide::tile2::<4, V, S>(job, sums, out, g, m0, masks, f, ahead(m0));
                 m0 += 4;
             }
+            let (f, ah) = (first(m0), ahead(m0));
             match rows - m0 {
-                1 => avx512_wide::tile2::<1, V, S>(job, sums, out, g, m0, masks, first(m0)),
-                2 => avx512_wide::tile2::<2, V, S>(job, sums, out, g, m0, masks, first(m0)),
-                3 => avx512_wide::tile2::<3, V, S>(job, sums, out, g, m0, masks, first(m0)),
+                1 => avx512_wide::tile2::<1, V, S>(job, sums, out, g, m0, masks, f, ah),
+                2 => avx512_wide::tile2::<2, V, S>(job, sums, out, g, m0, masks, f, ah),
+                3 => avx512_wide::tile2::<3, V, S>(job, sums, out, g, m0, masks, f, ah),
                 _ => {}
             }
             g += 2;

@@ -25,12 +25,92 @@ pub(crate) const fn serves(v: u8, s: u8) -> bool {
         && matches!(s, code::F16 | code::F32SUPER | code::K4 | code::XS)
 }
 
-/// Fewest activation rows a job takes the two-group kernel for. Below it the weights' stream
-/// from memory sets the pace and one group at a time streams better: in a 1B Q4_0 model's
-/// decode steps (`bench-model`, same run) pairs measured 11% slower at 8 rows, level at 32 and
-/// 4.5% faster at 64, where prefill (512 rows) gained 12-15% and the kernel alone, on weights
-/// that stay in cache, 11-21% from 8 rows up.
-pub(crate) const MIN_ROWS: usize = 64;
+/// Fewest activation rows a job takes the two-group kernel for. A pass over 4 rows of a pair
+/// wants its weights from memory twice as fast as a pass of `avx512::tile`, which the memory
+/// cannot give; so each later pass over a pair asks for a slice of the next pair's bytes
+/// (`avx512::Ahead`), and its first pass finds them in cache. With that, in a 1B Q4_0 model's
+/// decode steps (`bench-model`, same run, three alternations) pairs ran 4% faster at 8 rows, 15%
+/// at 16 and 17% at 32 (before it: 11% slower at 8, level at 32); below 8 rows (one pass, nothing
+/// to overlap) they measured 25-30% slower at batch 4 and batch 1.
+pub(crate) const MIN_ROWS: usize = 8;
+
+/// The share of the next pair's bytes one pass over a pair's rows asks the memory for ahead of
+/// time. A pair's first pass streams its weights from memory far faster than the memory delivers
+/// them, and its later passes find them in cache and ask for nothing: so the later passes each
+/// ask for an equal slice of the next pair's bytes, and its first pass then finds them on the
+/// way. Addresses past the matrix are only ever prefetched, never read. (`avx512::tile` does
+/// without: with the cursor in its loop Q4_1 ran 7-9% slower, and its rows gained nothing.)
+#[derive(Clone, Copy)]
+pub(crate) struct Ahead {
+    pub base: *const u8,
+    pub from: usize,
+    pub to: usize,
+}
+
+impl Ahead {
+    /// The slice for the pass starting at row `m0` of `rows`, in passes of `per` rows, over the
+    /// `bytes` bytes from `next`: none on the first pass (or past the last); the rest divided
+    /// among the others.
+    pub(crate) fn of(
+        next: *const u8,
+        bytes: usize,
+        rows: std::ops::Range<usize>,
+        per: usize,
+        m0: usize,
+    ) -> Ahead {
+        let passes = rows.len().div_ceil(per);
+        let p = (m0 - rows.start) / per;
+        if p == 0 || p >= passes {
+            return Ahead {
+                base: next,
+                from: 0,
+                to: 0,
+            };
+        }
+        let share = |i: usize| bytes * i / (passes - 1) / 64 * 64;
+        Ahead {
+            base: next,
+            from: share(p - 1),
+            to: share(p),
+        }
+    }
+
+    /// A cursor that spreads this slice's lines evenly over `steps` calls of `AheadCursor::step`.
+    pub(crate) fn cursor(&self, steps: usize) -> AheadCursor {
+        AheadCursor {
+            base: self.base,
+            at: self.from,
+            lines: (self.to - self.from) / 64,
+            steps,
+            credit: 0,
+        }
+    }
+}
+
+/// Where a pass is in its slice of look-ahead lines (no division on the way: a kernel calls
+/// `step` once per block).
+pub(crate) struct AheadCursor {
+    base: *const u8,
+    at: usize,
+    lines: usize,
+    steps: usize,
+    credit: usize,
+}
+
+impl AheadCursor {
+    /// Asks for the lines due after one more of the `steps` steps.
+    #[inline(always)]
+    pub(crate) fn step(&mut self) {
+        self.credit += self.lines;
+        while self.credit >= self.steps {
+            // SAFETY: a prefetch never faults, whatever the address (formed with wrapping
+            // arithmetic and never dereferenced); SSE is baseline on x86-64.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.base.wrapping_add(self.at) as *const i8) };
+            self.at += 64;
+            self.credit -= self.steps;
+        }
+    }
+}
 
 /// Registers `p` and `p + 4` of the block at `vp` (unsigned bytes; see `packed`'s module doc).
 #[inline]
@@ -77,6 +157,7 @@ pub(crate) unsafe fn tile2<const R: usize, const V: u8, const S: u8>(
     m0: usize,
     masks: [__mmask16; 2],
     first_pass: bool,
+    ahead: Ahead,
 ) {
     let w = job.w;
     let a = job.acts;
@@ -93,12 +174,14 @@ pub(crate) unsafe fn tile2<const R: usize, const V: u8, const S: u8>(
     let mut acc = [[_mm512_setzero_ps(); 2]; 4];
     let pf_dist = prefetch_distance(super_bytes / bps);
     let mut pf_next = pf_dist;
+    let mut pf_ahead = ahead.cursor(nb);
     for sup in 0..nb / bps {
         let base = [gd[0].add(sup * super_bytes), gd[1].add(sup * super_bytes)];
         let (hd0, hm0) = header::<S>(base[0]);
         let (hd1, hm1) = header::<S>(base[1]);
         for j in 0..bps {
             let b = sup * bps + j;
+            pf_ahead.step();
             if first_pass {
                 // Both groups' bytes ahead (see `avx512::tile`).
                 let end = (b + 1) * super_bytes / bps + pf_dist;
