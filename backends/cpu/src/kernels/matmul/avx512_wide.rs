@@ -28,7 +28,7 @@ pub(crate) const fn serves(v: u8, s: u8) -> bool {
 /// Fewest activation rows a job takes the two-group kernel for. A pass over 4 rows of a pair
 /// wants its weights from memory twice as fast as a pass of `avx512::tile`, which the memory
 /// cannot give; so each later pass over a pair asks for a slice of the next pair's bytes
-/// (`avx512::Ahead`), and its first pass finds them in cache. With that, in a 1B Q4_0 model's
+/// (`Ahead`), and its first pass finds them in cache. With that, in a 1B Q4_0 model's
 /// decode steps (`bench-model`, same run, three alternations) pairs ran 4% faster at 8 rows, 15%
 /// at 16 and 17% at 32 (before it: 11% slower at 8, level at 32); below 8 rows (one pass, nothing
 /// to overlap) they measured 25-30% slower at batch 4 and batch 1.
@@ -42,9 +42,9 @@ pub(crate) const MIN_ROWS: usize = 8;
 /// without: with the cursor in its loop Q4_1 ran 7-9% slower, and its rows gained nothing.)
 #[derive(Clone, Copy)]
 pub(crate) struct Ahead {
-    pub base: *const u8,
-    pub from: usize,
-    pub to: usize,
+    base: *const u8,
+    from: usize,
+    to: usize,
 }
 
 impl Ahead {
@@ -233,6 +233,43 @@ pub(crate) unsafe fn tile2<const R: usize, const V: u8, const S: u8>(
         for (h, (acc_h, mask)) in acc_r.iter().zip(masks).enumerate() {
             let dst = out.base.add((m0 + r) * out.ld + (g + h) * GROUP);
             _mm512_mask_storeu_ps(dst, mask, *acc_h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ahead;
+
+    #[test]
+    fn later_passes_share_the_next_pairs_lines_without_gaps_or_overlap() {
+        let bytes = 36_864;
+        for rows in [8..16usize, 3..40, 0..512] {
+            let passes = rows.len().div_ceil(4);
+            let slices: Vec<(usize, usize)> = (0..passes)
+                .map(|p| {
+                    let a = Ahead::of(std::ptr::null(), bytes, rows.clone(), 4, rows.start + 4 * p);
+                    (a.from, a.to)
+                })
+                .collect();
+            assert_eq!(slices[0], (0, 0), "the first pass asks for nothing");
+            let mut at = 0;
+            for &(from, to) in &slices[1..] {
+                assert_eq!(from, at, "rows {rows:?}");
+                assert!(to >= from && to % 64 == 0);
+                at = to;
+            }
+            assert_eq!(
+                at, bytes,
+                "rows {rows:?}: every line of the next pair is asked for"
+            );
+            // A cursor over a pass's blocks asks for each of its lines once.
+            let a = Ahead::of(std::ptr::null(), bytes, rows.clone(), 4, rows.start + 4);
+            let mut c = a.cursor(64);
+            for _ in 0..64 {
+                c.step();
+            }
+            assert_eq!(c.at, a.to, "rows {rows:?}");
         }
     }
 }
