@@ -174,8 +174,13 @@ fn simd_kernels_match_scalar_bit_for_bit() {
 fn parallel_matmul_matches_single_job() {
     let pool = ThreadPool::new(3);
     let k = 576;
-    for &(rows, n) in &[(1usize, 192usize), (7, 960), (33, 96)] {
-        let w = WeightMatrix::Packed(packed(GgmlType::Q4_1, n, k, 2));
+    // 300 rows: tasks take them in chunks of `ROW_CHUNK` (128, 128, 44).
+    let cases = [(1usize, 192usize), (7, 960), (33, 96), (300, 96)];
+    for (ty, &(rows, n)) in [GgmlType::Q4_1, GgmlType::Q4_0]
+        .into_iter()
+        .flat_map(|ty| cases.iter().map(move |c| (ty, c)))
+    {
+        let w = WeightMatrix::Packed(packed(ty, n, k, 2));
         let (x, a) = acts(rows, k, 3);
         let mut par = vec![0f32; rows * n];
         matmul(
@@ -195,7 +200,7 @@ fn parallel_matmul_matches_single_job() {
             unreachable!()
         };
         let one = run(Isa::active(), p, &a, n);
-        assert_eq!(par, one);
+        assert_eq!(par, one, "{} rows={rows} n={n}", ty.name());
     }
 }
 
