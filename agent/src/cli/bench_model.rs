@@ -83,7 +83,8 @@ pub struct BenchModelReport {
     pub weight_bytes_per_step: Option<u64>,
     /// Weight bytes read per second at the batch-1 decode rate (GB/s = 10^9 B/s).
     pub decode_b1_weight_gb_s: Option<f64>,
-    /// This machine's measured memory read bandwidth (all threads, a buffer far beyond the L3).
+    /// This machine's measured memory read bandwidth (all threads, a buffer far beyond the L3;
+    /// the better of plain reads and reads asking for lines ahead, as the matmul kernels do).
     pub mem_read_gb_s: Option<f64>,
     /// Weight-matmul operations per second (a multiply-add is 2) in the 512-token prefill.
     pub prefill_gop_s: Option<f64>,
