@@ -236,3 +236,66 @@ mod tests {
         assert_eq!(v, -(10 * 4 * 16 * VNNI_CHAINS as i32));
     }
 }
+
+/// Not a test: prints how float multiplies and FMAs beside `vpdpbusd` slow it on this core (one
+/// thread, eight independent `vpdpbusd` chains a round, plus `muls` multiply and `fmas` FMA
+/// chains), the ceiling a block format's epilogue (`d_w·d_x` and an FMA per block) puts on the
+/// packed matmul: `cargo test --release -p npu-backend-cpu --lib issue_slots -- --ignored
+/// --nocapture`.
+#[cfg(all(test, target_arch = "x86_64"))]
+mod issue_slots {
+    use crate::kernels::Isa;
+    use std::arch::x86_64::*;
+
+    /// `steps` rounds; returns a value that depends on every chain.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and VNNI.
+    #[target_feature(enable = "avx512f,avx512vnni,fma")]
+    unsafe fn rounds(steps: u64, muls: usize, fmas: usize) -> f32 {
+        let a = _mm512_set1_epi8(std::hint::black_box(1));
+        let b = _mm512_set1_epi8(std::hint::black_box(-1));
+        let x = _mm512_set1_ps(std::hint::black_box(1.000_000_1));
+        let mut acc = [_mm512_setzero_si512(); 8];
+        let (mut m, mut f) = ([_mm512_set1_ps(1.0); 2], [_mm512_set1_ps(1.0); 2]);
+        for _ in 0..steps {
+            for c in acc.iter_mut() {
+                *c = _mm512_dpbusd_epi32(*c, a, b);
+            }
+            for v in m.iter_mut().take(muls) {
+                *v = _mm512_mul_ps(*v, x);
+            }
+            for v in f.iter_mut().take(fmas) {
+                *v = _mm512_fmadd_ps(*v, x, x);
+            }
+        }
+        let ints = acc
+            .iter()
+            .fold(_mm512_setzero_si512(), |t, c| _mm512_add_epi32(t, *c));
+        let floats = _mm512_add_ps(_mm512_add_ps(m[0], m[1]), _mm512_add_ps(f[0], f[1]));
+        _mm512_reduce_add_ps(floats) + _mm512_reduce_add_epi32(ints) as f32
+    }
+
+    #[test]
+    #[ignore]
+    fn issue_slots() {
+        if Isa::Avx512Vnni.checked() != Isa::Avx512Vnni {
+            eprintln!("SKIPPED: no AVX-512 VNNI on this machine");
+            return;
+        }
+        let steps = 1u64 << 24;
+        for (muls, fmas) in [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1)] {
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t = std::time::Instant::now();
+                // SAFETY: `Isa::checked` found AVX-512 VNNI (and with it F and FMA) on this CPU.
+                std::hint::black_box(unsafe { rounds(steps, muls, fmas) });
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            eprintln!(
+                "8 vpdpbusd + {muls} vmulps + {fmas} vfmadd a round: {:.3} ns",
+                best / steps as f64 * 1e9
+            );
+        }
+    }
+}
