@@ -1,7 +1,8 @@
 //! Measured limits of this machine, so a benchmark can print how far the kernels are from them:
 //! the memory read bandwidth (every thread streaming its part of a buffer far larger than the
-//! last-level cache, with and without asking for the lines ahead as the kernels do) and the int8 dot-product peak (every thread running independent `vpdpbusd`
-//! chains on registers, nothing loaded). Both are best-of-several measurements on the caller's
+//! last-level cache, with and without asking for the lines ahead as the kernels do) and the int8
+//! dot-product peak (every thread running independent `vpdpbusd` chains on registers, nothing
+//! loaded). Both are best-of-several measurements on the caller's
 //! pool; on a shared machine they read low, like everything else measured there.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -250,7 +251,7 @@ mod issue_slots {
     /// `steps` rounds; returns a value that depends on every chain.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F and VNNI.
+    /// The CPU must support AVX-512 F and VNNI, and FMA.
     #[target_feature(enable = "avx512f,avx512vnni,fma")]
     unsafe fn rounds(steps: u64, muls: usize, fmas: usize) -> f32 {
         let a = _mm512_set1_epi8(std::hint::black_box(1));

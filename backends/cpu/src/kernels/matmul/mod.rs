@@ -261,30 +261,32 @@ pub fn matmul(
     let grid =
         TileGrid::column_parts(out, ldo, 0..rows, col_parts).map_err(|e| bad(e.to_string()))?;
     match w {
-        WeightMatrix::Packed(p) => pool.run(tasks, |t| {
-            let groups = crate::threadpool::split_range(units, tasks, t);
-            let mut tile = grid.take(0, t);
+        WeightMatrix::Packed(p) => {
             let chunk = if amx_may_serve(isa, p) {
                 rows
             } else {
                 ROW_CHUNK
             };
-            let mut r0 = 0;
-            while r0 < rows {
-                let r1 = (r0 + chunk).min(rows);
-                packed_job(
-                    isa,
-                    &PackedJob {
-                        w: p,
-                        acts,
-                        groups: groups.clone(),
-                        rows: r0..r1,
-                    },
-                    &mut tile,
-                );
-                r0 = r1;
-            }
-        })?,
+            pool.run(tasks, |t| {
+                let groups = crate::threadpool::split_range(units, tasks, t);
+                let mut tile = grid.take(0, t);
+                let mut r0 = 0;
+                while r0 < rows {
+                    let r1 = (r0 + chunk).min(rows);
+                    packed_job(
+                        isa,
+                        &PackedJob {
+                            w: p,
+                            acts,
+                            groups: groups.clone(),
+                            rows: r0..r1,
+                        },
+                        &mut tile,
+                    );
+                    r0 = r1;
+                }
+            })?
+        }
         WeightMatrix::F32 { k, data, .. } => pool.run(tasks, |t| {
             f32mm::matmul_f32(isa, data, *k, x_f32, &mut grid.take(0, t));
         })?,
