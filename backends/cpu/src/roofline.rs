@@ -33,6 +33,8 @@ pub fn read_bandwidth_gb_s(pool: &ThreadPool, bytes: usize) -> Result<Option<f64
     if words == 0 || buf.try_reserve_exact(words).is_err() {
         return Ok(None);
     }
+    // Backed by huge pages where the kernel allows, as the packed weights are (`AlignedBytes`).
+    crate::backend::advise_huge_pages(buf.as_mut_ptr() as usize, words * 8);
     buf.extend((0..words as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
     let tasks = pool.threads();
     let sink = AtomicU64::new(0);

@@ -94,7 +94,7 @@ pub(crate) fn alloc_vec_huge<T: Clone>(
 }
 
 /// Asks for transparent huge pages on the whole pages inside `[start, start + bytes)`.
-fn advise_huge_pages(start: usize, bytes: usize) {
+pub(crate) fn advise_huge_pages(start: usize, bytes: usize) {
     #[cfg(target_os = "linux")]
     {
         const PAGE: usize = 4096;

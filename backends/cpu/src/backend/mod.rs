@@ -5,6 +5,7 @@
 //! inside the kernels, and each op checks the shapes those rely on before calling them.
 
 mod buffer;
+pub(crate) use buffer::advise_huge_pages;
 mod family_ops;
 mod kv;
 #[cfg(test)]

@@ -28,7 +28,7 @@
 //! integers the file holds (6-bit for Q4_K/Q5_K/Q3_K/IQ4_XS, 8-bit for Q6_K, 4-bit for Q2_K), so
 //! the kernels compute with exactly the file's numbers.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::alloc::{alloc, alloc_zeroed, dealloc, Layout};
 
 use super::acts::QBLOCK;
 use npu_gguf::quants::{self as ggml, f16_at, iq4_xs_scale, k4_scale_min, IQ4_VALUES};
@@ -311,7 +311,10 @@ impl PackFormat {
     }
 }
 
-/// 64-byte aligned, zero-initialised bytes.
+/// 64-byte aligned, zero-initialised bytes. An allocation of 2 MiB or more is aligned to 2 MiB
+/// and the kernel is asked, before any page is touched, to back it with transparent huge pages:
+/// weights are streamed whole every decode step, and with 4 KiB pages each page costs a TLB walk
+/// and stops the hardware prefetchers at its edge.
 pub struct AlignedBytes {
     ptr: *mut u8,
     len: usize,
@@ -322,7 +325,15 @@ unsafe impl Send for AlignedBytes {}
 // SAFETY: `&AlignedBytes` only reads (`as_slice`); writing needs `&mut`.
 unsafe impl Sync for AlignedBytes {}
 
+/// The size from which `AlignedBytes` asks for huge pages (one x86-64 huge page).
+const HUGE_PAGE: usize = 2 << 20;
+
 impl AlignedBytes {
+    fn layout(len: usize) -> Layout {
+        let align = if len >= HUGE_PAGE { HUGE_PAGE } else { 64 };
+        Layout::from_size_align(len, align).expect("allocation size")
+    }
+
     pub fn zeroed(len: usize) -> Self {
         if len == 0 {
             return Self {
@@ -330,9 +341,20 @@ impl AlignedBytes {
                 len,
             };
         }
-        let layout = Layout::from_size_align(len, 64).expect("allocation size");
-        // SAFETY: non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
+        let layout = Self::layout(len);
+        let ptr = if layout.align() == HUGE_PAGE {
+            // SAFETY: non-zero size; the bytes are zeroed below before anything reads them.
+            let ptr = unsafe { alloc(layout) };
+            if !ptr.is_null() {
+                crate::backend::advise_huge_pages(ptr as usize, len);
+                // SAFETY: `ptr` is valid for `len` bytes (just allocated with that size).
+                unsafe { std::ptr::write_bytes(ptr, 0, len) };
+            }
+            ptr
+        } else {
+            // SAFETY: non-zero size.
+            unsafe { alloc_zeroed(layout) }
+        };
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
@@ -352,7 +374,7 @@ impl Drop for AlignedBytes {
     fn drop(&mut self) {
         if self.len != 0 {
             // SAFETY: allocated with this layout in `zeroed`.
-            unsafe { dealloc(self.ptr, Layout::from_size_align(self.len, 64).unwrap()) }
+            unsafe { dealloc(self.ptr, Self::layout(self.len)) }
         }
     }
 }

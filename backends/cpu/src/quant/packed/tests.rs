@@ -117,3 +117,55 @@ fn float_tensors_become_f32() {
     assert_eq!((n, k), (2, 32));
     assert_eq!(data, vals);
 }
+
+/// The flags line of the `/proc/self/smaps` mapping that holds `addr`.
+#[cfg(target_os = "linux")]
+fn vm_flags_of(addr: usize) -> Option<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ') {
+            if let Some((a, b)) = range.split_once('-') {
+                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                {
+                    inside = (a..b).contains(&addr);
+                    continue;
+                }
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return Some(flags.to_string());
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn large_weight_buffers_are_zeroed_aligned_and_ask_for_huge_pages() {
+    let small = AlignedBytes::zeroed(1000);
+    assert_eq!(small.as_slice().as_ptr() as usize % 64, 0);
+    assert!(small.as_slice().iter().all(|&b| b == 0));
+    let mut big = AlignedBytes::zeroed(HUGE_PAGE + 12_345);
+    let at = big.as_slice().as_ptr() as usize;
+    assert_eq!(
+        at % HUGE_PAGE,
+        0,
+        "a weight buffer of 2 MiB or more starts on a huge page"
+    );
+    assert!(big.as_slice().iter().all(|&b| b == 0));
+    big.as_mut_slice()[HUGE_PAGE + 12_344] = 7;
+    #[cfg(target_os = "linux")]
+    {
+        if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+            eprintln!("SKIPPED: this kernel has no transparent huge pages");
+            return;
+        }
+        let flags = vm_flags_of(at).expect("the buffer's mapping in /proc/self/smaps");
+        assert!(
+            flags.split_whitespace().any(|f| f == "hg"),
+            "MADV_HUGEPAGE not set on the weights' mapping: {flags}"
+        );
+    }
+}
