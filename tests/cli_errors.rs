@@ -138,3 +138,66 @@ fn a_bad_amx_setting_is_refused_by_name() {
     assert!(stderr.contains("NPU_SERVING_AMX=\"on\""), "{stderr}");
     assert!(!stderr.contains("/no/such/model.gguf"), "{stderr}");
 }
+
+#[test]
+fn a_bad_prefetch_distance_is_refused_by_name() {
+    for bad in ["0", "far", "5000"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+            .args([
+                "generate",
+                "--model",
+                "/no/such/model.gguf",
+                "--prompt",
+                "x",
+            ])
+            .env("NPU_SERVING_PREFETCH", bad)
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .expect("npu-serving runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_plain_error(&out, &stderr, 1);
+        assert!(
+            stderr.contains(&format!("NPU_SERVING_PREFETCH=\"{bad}\"")),
+            "{stderr}"
+        );
+        assert!(stderr.contains("from 1 to 1024"), "{stderr}");
+    }
+}
+
+/// `bench-model --alternate-prefetch` takes two distances in range, and only on the CPU: refused
+/// before any model loads.
+#[test]
+fn a_bad_alternate_prefetch_pair_is_refused() {
+    for (args, says) in [
+        (&["--alternate-prefetch", "20"][..], "takes two distances"),
+        (&["--alternate-prefetch", "20,0"][..], "takes two distances"),
+        (
+            &["--alternate-prefetch", "20,32,64"][..],
+            "takes two distances",
+        ),
+        (
+            &["--alternate-prefetch", "20,32", "--device", "cuda"][..],
+            "use --device cpu",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+            .args(["bench-model", "--model", "/no/such/model.gguf"])
+            .args(args)
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .expect("npu-serving runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_plain_error(&out, &stderr, 1);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("/no/such/model.gguf"),
+            "{args:?}: {stderr}"
+        );
+    }
+}

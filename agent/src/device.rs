@@ -29,8 +29,9 @@ pub fn built_devices() -> Vec<DeviceKind> {
         .collect()
 }
 
-/// Checks the kernel settings of the environment (`NPU_SERVING_AMX`) once at start: a value a
-/// setting does not take is refused, naming the variable, before any model loads.
+/// Checks the kernel settings of the environment (`NPU_SERVING_AMX`, `NPU_SERVING_PREFETCH`) once
+/// at start: a value a setting does not take is refused, naming the variable, before any model
+/// loads.
 pub fn check_settings() -> Result<(), npu_backend_cpu::kernels::BadSetting> {
     npu_backend_cpu::kernels::check_settings()
 }

@@ -19,6 +19,7 @@ use crate::inproc::{self, Arrival, RunOutput, RunTiming};
 use npu_backend_cpu::kernels::Isa;
 use npu_backend_cpu::roofline;
 use npu_backend_cpu::threadpool::ThreadPool;
+use npu_protocol::agent::DeviceKind;
 use npu_scheduler::GenerateRequest;
 
 #[derive(Debug, Args)]
@@ -56,6 +57,11 @@ pub struct BenchModelArgs {
     /// Skip measuring this machine's memory read bandwidth and int8 dot-product peak.
     #[arg(long)]
     pub skip_roofline: bool,
+    /// Instead of the rest: batch-1 decode (`--decode-steps`, at least 24) with the CPU matmul's
+    /// prefetch distance switched between A and B blocks every step, and the two medians (a
+    /// same-run comparison; `--device cpu` only).
+    #[arg(long, value_delimiter = ',', value_name = "A,B")]
+    pub alternate_prefetch: Option<Vec<usize>>,
 }
 
 #[derive(Debug, Serialize, Default)]
@@ -169,6 +175,17 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     if args.long_context {
         return super::bench_long_context::run(&args);
     }
+    let alternate = match &args.alternate_prefetch {
+        Some(pair) => {
+            if args.device.device != DeviceKind::Cpu {
+                anyhow::bail!(
+                    "--alternate-prefetch tunes the CPU backend's matmul: use --device cpu"
+                );
+            }
+            Some(super::bench_prefetch::check_pair(pair)?)
+        }
+        None => None,
+    };
     let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
     let long = !args.skip_long;
     let cfg = AgentEngineConfig {
@@ -221,6 +238,28 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         &cfg,
         &greedy(vec![prompt(&mut rng, 32, vocab)], 4),
     )?;
+    if let Some(pair) = alternate {
+        let r =
+            super::bench_prefetch::alternate(&mut engine, &cfg, pair, args.decode_steps, &mut rng)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            println!(
+                "batch-1 decode, prefetch {} / {} blocks alternated every step: {:.3} / {:.3} ms \
+                 per step (medians of {} / {}): {} blocks runs {:.3}x as fast as {}",
+                r.prefetch_blocks[0],
+                r.prefetch_blocks[1],
+                r.ms_per_step[0],
+                r.ms_per_step[1],
+                r.steps[0],
+                r.steps[1],
+                r.prefetch_blocks[1],
+                r.speed_ratio_b_over_a,
+                r.prefetch_blocks[0]
+            );
+        }
+        return Ok(());
+    }
 
     let prefills: &mut [(usize, &mut f64)] = if args.skip_prefill {
         &mut []

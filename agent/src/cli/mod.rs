@@ -7,6 +7,7 @@
 pub mod bench_collective;
 pub mod bench_long_context;
 pub mod bench_model;
+pub mod bench_prefetch;
 pub mod bench_spec;
 pub mod generate;
 pub mod score;

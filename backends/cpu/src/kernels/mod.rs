@@ -142,7 +142,9 @@ fn parse_amx_setting(value: Option<&str>) -> Result<bool, BadSetting> {
 /// Every kernel setting of the environment, checked once at start so a typo is refused by name
 /// instead of silently changing which kernels run.
 pub fn check_settings() -> Result<(), BadSetting> {
-    amx_setting().map(|_| ())
+    amx_setting()?;
+    matmul::prefetch_setting()?;
+    Ok(())
 }
 
 /// The engine the kernels run: the instruction set, with `+amx` where the packed matmul uses

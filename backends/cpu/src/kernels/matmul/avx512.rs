@@ -99,21 +99,11 @@ unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: Raw
     }
 }
 
-/// Bytes ahead of the current block to prefetch (a tunable, `NPU_SERVING_PREFETCH` in blocks of
-/// 32 values across the group's 16 rows; ~5.8 KB ahead for Q4_0 at the default 20). Chosen with
-/// decode steps alternated in one process (a 2-core Zen 5, weights on huge pages): 20 against 32
-/// read batch-1 steps 4-5% faster on the 1B and 3B Q4_0 files, 7-9% on the 3B Q4_K_M one, 2-3% on
-/// SmolLM2's, and batch-32 steps 0.5-2%; 12 and 24 were 1-4% slower than 20, 16 within 1%;
-/// prefill is compute-bound and did not move.
+/// Bytes ahead of the current block to prefetch: `block` bytes times the distance in blocks
+/// (`super::prefetch_blocks`).
+#[inline]
 pub(crate) fn prefetch_distance(block: usize) -> usize {
-    static UNITS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    block
-        * *UNITS.get_or_init(|| {
-            std::env::var("NPU_SERVING_PREFETCH")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(20)
-        })
+    block * super::prefetch_blocks()
 }
 
 /// Shifts each 16-bit lane left by `L` or right by `R` (at most one non-zero). The bit planes

@@ -344,3 +344,44 @@ fn kernel_speed() {
         }
     }
 }
+
+#[test]
+fn the_prefetch_setting_takes_whole_blocks_and_refuses_the_rest_by_name() {
+    assert_eq!(parse_prefetch_setting(None), Ok(DEFAULT_PREFETCH_BLOCKS));
+    assert_eq!(parse_prefetch_setting(Some("1")), Ok(1));
+    assert_eq!(parse_prefetch_setting(Some("32")), Ok(32));
+    assert_eq!(parse_prefetch_setting(Some("1024")), Ok(1024));
+    for bad in ["", "0", "1025", "-4", "twenty", " 20", "2.5"] {
+        let e = parse_prefetch_setting(Some(bad)).unwrap_err();
+        assert!(e.to_string().starts_with("NPU_SERVING_PREFETCH="), "{e}");
+        assert!(e.to_string().contains("from 1 to 1024"), "{e}");
+    }
+}
+
+#[test]
+fn a_prefetch_distance_changes_no_product() {
+    // The distance only decides which bytes are asked for early: every distance gives the same
+    // bits (on the AVX-512 kernels that use it; elsewhere trivially).
+    let pool = ThreadPool::new(2);
+    let (n, k, rows) = (48, 512, 3);
+    let w = WeightMatrix::Packed(packed(GgmlType::Q4_0, n, k, 5));
+    let (x, a) = acts(rows, k, 9);
+    let before = prefetch_blocks();
+    let mut outs = Vec::new();
+    for blocks in [1, 20, MAX_PREFETCH_BLOCKS] {
+        set_prefetch_blocks(blocks);
+        assert_eq!(prefetch_blocks(), blocks);
+        let mut out = vec![0f32; rows * n];
+        let input = MatmulInput {
+            f32: &x,
+            quantized: &a,
+            rows,
+        };
+        matmul(&pool, Isa::active(), &w, input, &mut out, n).unwrap();
+        outs.push(out);
+    }
+    set_prefetch_blocks(0);
+    assert_eq!(prefetch_blocks(), 1, "0 is clamped to one block");
+    set_prefetch_blocks(before);
+    assert!(outs.iter().all(|o| o == &outs[0]));
+}
