@@ -299,9 +299,9 @@ pub fn matmul(
 /// values across a group's 16 rows (~5.8 KB ahead for Q4_0 at 20); the AVX-512 kernels use it.
 /// Chosen with decode steps alternated in one process (`bench-model --alternate-prefetch`; a
 /// 2-core Zen 5, weights on huge pages): 20 against 32 read batch-1 steps 4-5% faster on the 1B
-/// and 3B Q4_0 files, 7-9% on the 3B Q4_K_M one, 2-3% on SmolLM2's, and batch-32 steps 0.5-2%
-/// faster; 12 and 24 were 1-4% slower than 20, 16 within 1%; prefill is compute-bound and did
-/// not move. `NPU_SERVING_PREFETCH` overrides it (checked at start by `kernels::check_settings`).
+/// and 3B Q4_0 files, 7-9% on the 3B Q4_K_M one, 2-3% on SmolLM2's in the fast-memory state
+/// (0-3% in the slow one), and batch-32 steps 0.5-2% faster; 12 and 24 were 1-4% slower than 20,
+/// 16 within 1%; prefill is compute-bound and did not move. `NPU_SERVING_PREFETCH` overrides it (checked at start by `kernels::check_settings`).
 pub const DEFAULT_PREFETCH_BLOCKS: usize = 20;
 
 /// The most blocks ahead `NPU_SERVING_PREFETCH` and `set_prefetch_blocks` take.
