@@ -15,8 +15,14 @@ fn dir(name: &str) -> PathBuf {
 
 /// Runs the binary with piped stdout/stderr (not terminals) and RUST_BACKTRACE=1.
 fn run(args: &[&str]) -> (Output, String) {
+    run_with_env(args, &[])
+}
+
+/// `run` with these environment variables set too.
+fn run_with_env(args: &[&str], vars: &[(&str, &str)]) -> (Output, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
         .args(args)
+        .envs(vars.iter().copied())
         .env("RUST_BACKTRACE", "1")
         .env("RUST_LIB_BACKTRACE", "1")
         .env_remove("RUST_LOG")
@@ -142,22 +148,16 @@ fn a_bad_amx_setting_is_refused_by_name() {
 #[test]
 fn a_bad_prefetch_distance_is_refused_by_name() {
     for bad in ["0", "far", "5000"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
-            .args([
+        let (out, stderr) = run_with_env(
+            &[
                 "generate",
                 "--model",
                 "/no/such/model.gguf",
                 "--prompt",
                 "x",
-            ])
-            .env("NPU_SERVING_PREFETCH", bad)
-            .env("RUST_BACKTRACE", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .output()
-            .expect("npu-serving runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
+            ],
+            &[("NPU_SERVING_PREFETCH", bad)],
+        );
         assert_plain_error(&out, &stderr, 1);
         assert!(
             stderr.contains(&format!("NPU_SERVING_PREFETCH=\"{bad}\"")),
@@ -183,16 +183,9 @@ fn a_bad_alternate_prefetch_pair_is_refused() {
             "use --device cpu",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
-            .args(["bench-model", "--model", "/no/such/model.gguf"])
-            .args(args)
-            .env("RUST_BACKTRACE", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .output()
-            .expect("npu-serving runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let mut all = vec!["bench-model", "--model", "/no/such/model.gguf"];
+        all.extend_from_slice(args);
+        let (out, stderr) = run(&all);
         assert_plain_error(&out, &stderr, 1);
         assert!(stderr.contains(says), "{args:?}: {stderr}");
         assert!(
