@@ -1,6 +1,7 @@
 //! AVX-512 inner loops of paged attention: the scores of a whole K block for several query rows
 //! (each f16 K row is converted once and shared by the rows of a GQA group), the scaling and lane
-//! maxima of a row of scores, and the probability-weighted sum of a V block into register-held
+//! maxima of a row of scores, its exponentials and their lane sums, the normalised probabilities
+//! rounded through f16, and the probability-weighted sum of a V block into register-held
 //! output rows. Used for head dims and block sizes that are multiples of 16; everything else
 //! takes the portable path.
 
@@ -40,6 +41,46 @@ pub unsafe fn scale_lane_max(x: &mut [f32], scale: f32) -> [f32; 16] {
     let mut out = [0f32; 16];
     _mm512_storeu_ps(out.as_mut_ptr(), m);
     out
+}
+
+/// `x[i] = exp_approx(x[i] - max)` over the whole 16-value chunks of `x`, returning each lane's
+/// sum (lane j adds values j, j + 16, ... in order, from zero): the portable softmax loop's
+/// arithmetic with the sums held in a register (as an array they went through memory every
+/// chunk, and the store-to-load latency set the pace).
+///
+/// # Safety
+/// AVX-512F must be present.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn exp_lane_sums(x: &mut [f32], max: f32) -> [f32; 16] {
+    let m = _mm512_set1_ps(max);
+    let mut sum = _mm512_setzero_ps();
+    for c in x.chunks_exact_mut(16) {
+        let e = crate::kernels::vecmath::exp_approx_avx512(_mm512_sub_ps(
+            _mm512_loadu_ps(c.as_ptr()),
+            m,
+        ));
+        _mm512_storeu_ps(c.as_mut_ptr(), e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    let mut out = [0f32; 16];
+    _mm512_storeu_ps(out.as_mut_ptr(), sum);
+    out
+}
+
+/// `x[i] = f16(x[i] * inv)` back in f32, over the whole 16-value chunks of `x`: the softmax's
+/// normalisation and its rounding through f16 for the V product in one pass (the same two
+/// roundings, in the same order, as a multiply pass and then `round_through_f16`).
+///
+/// # Safety
+/// AVX-512F and F16C must be present.
+#[target_feature(enable = "avx512f,f16c")]
+pub unsafe fn scale_round_f16(x: &mut [f32], inv: f32) {
+    let s = _mm512_set1_ps(inv);
+    for c in x.chunks_exact_mut(16) {
+        let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), s);
+        let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+        _mm512_storeu_ps(c.as_mut_ptr(), _mm512_cvtph_ps(h));
+    }
 }
 
 /// Query rows handled together when scoring.

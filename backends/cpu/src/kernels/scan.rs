@@ -6,6 +6,8 @@
 //! CPU has it; the arithmetic is the same on every path (no fused multiply-adds are enabled).
 
 use super::vecmath::exp_approx;
+#[cfg(target_arch = "x86_64")]
+use super::vecmath::exp_approx_avx512;
 
 /// `sanitize`, then `log_sum_exp`, compiled for the widest vector unit present (the scans over
 /// the vocabulary are a visible part of a decode step). Same results on every path.
@@ -319,40 +321,6 @@ unsafe fn pick_sanitized_avx512(logits: &[f32]) -> (u32, f32) {
         sum += exp_approx(sanitized(x) - max) as f64;
     }
     (id, logprob(max, max as f64 + sum.ln()))
-}
-
-/// `exp_approx` on 16 lanes, the same operations in the same order.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn exp_approx_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    const ROUND: f32 = 12_582_912.0;
-    let x = _mm512_min_ps(
-        _mm512_max_ps(x, _mm512_set1_ps(-87.3)),
-        _mm512_set1_ps(88.3),
-    );
-    let t = _mm512_add_ps(
-        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        _mm512_set1_ps(ROUND),
-    );
-    let n = _mm512_sub_ps(t, _mm512_set1_ps(ROUND));
-    let ni = _mm512_sub_epi32(
-        _mm512_castps_si512(t),
-        _mm512_set1_epi32(ROUND.to_bits() as i32),
-    );
-    let r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693_359_4)));
-    let r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.121_944_4e-4)));
-    let step = |p: __m512, c: f32| _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
-    let mut p = _mm512_set1_ps(1.0 / 720.0);
-    p = step(p, 1.0 / 120.0);
-    p = step(p, 1.0 / 24.0);
-    p = step(p, 1.0 / 6.0);
-    p = step(p, 0.5);
-    p = step(p, 1.0);
-    p = step(p, 1.0);
-    let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
-    _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
 }
 
 /// `logit - log_norm`, rounded to f32: a token's log-probability.

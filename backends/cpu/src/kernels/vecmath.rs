@@ -1,6 +1,6 @@
 //! Vector helpers the kernels share: a branch-free `exp` the compiler vectorizes (accurate to a
-//! few ulp, like ggml's own vector exp), and rounding slices of f32 through f16 with the F16C
-//! instructions where present.
+//! few ulp, like ggml's own vector exp) and its AVX-512 form with the same bits, and rounding
+//! slices of f32 through f16 with the F16C instructions where present.
 
 use half::f16;
 
@@ -30,6 +30,45 @@ pub fn exp_approx(x: f32) -> f32 {
     p = p * r + 1.0;
     let bits = (ni.wrapping_add(127) as u32) << 23;
     p * f32::from_bits(bits)
+}
+
+/// `exp_approx` on 16 lanes: the same operations in the same order, so every lane's bits are the
+/// scalar function's (NaN in, NaN out too: the clamp's bounds are `vmaxps`/`vminps`'s first
+/// operands, and those return the second one, `x`, where it is NaN).
+///
+/// # Safety
+/// AVX-512F must be present.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn exp_approx_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    const ROUND: f32 = 12_582_912.0;
+    let x = _mm512_min_ps(
+        _mm512_set1_ps(88.3),
+        _mm512_max_ps(_mm512_set1_ps(-87.3), x),
+    );
+    let t = _mm512_add_ps(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        _mm512_set1_ps(ROUND),
+    );
+    let n = _mm512_sub_ps(t, _mm512_set1_ps(ROUND));
+    let ni = _mm512_sub_epi32(
+        _mm512_castps_si512(t),
+        _mm512_set1_epi32(ROUND.to_bits() as i32),
+    );
+    let r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693_359_4)));
+    let r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.121_944_4e-4)));
+    let step = |p: __m512, c: f32| _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+    let mut p = _mm512_set1_ps(1.0 / 720.0);
+    p = step(p, 1.0 / 120.0);
+    p = step(p, 1.0 / 24.0);
+    p = step(p, 1.0 / 6.0);
+    p = step(p, 0.5);
+    p = step(p, 1.0);
+    p = step(p, 1.0);
+    let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
+    _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
 }
 
 /// Rounds every value to the nearest f16 and back (ggml feeds f16 kernels this way).
@@ -96,6 +135,48 @@ mod tests {
             let mut got = vals.clone();
             round_through_f16(isa, &mut got);
             assert_eq!(got, want, "{}", isa.name());
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx512_exp_has_the_scalar_bits_nan_and_infinities_included() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("SKIPPED: no AVX-512F on this CPU");
+            return;
+        }
+        let mut xs: Vec<f32> = (0..4000).map(|i| -100.0 + i as f32 * 0.0497).collect();
+        xs.extend([
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            -87.3,
+            88.3,
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            f32::MIN,
+        ]);
+        while !xs.len().is_multiple_of(16) {
+            xs.push(1.0);
+        }
+        for c in xs.chunks_exact(16) {
+            let mut got = [0f32; 16];
+            // SAFETY: AVX-512F detected above; 16 values in and out.
+            unsafe {
+                use std::arch::x86_64::*;
+                let e = exp_approx_avx512(_mm512_loadu_ps(c.as_ptr()));
+                _mm512_storeu_ps(got.as_mut_ptr(), e);
+            }
+            for (x, g) in c.iter().zip(got) {
+                let want = exp_approx(*x);
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "exp({x}): {g} vs {want}"
+                );
+            }
         }
     }
 }

@@ -112,6 +112,48 @@ fn scale_lane_max(fast: bool, x: &mut [f32], scale: f32) -> [f32; LANES] {
     lane_max
 }
 
+/// `x[i] = exp_approx(x[i] - max)` over the whole chunks of `x` (of `LANES`), returning each
+/// lane's sum (lane j over values j, j + LANES, ..., in order).
+#[inline(always)]
+pub(super) fn exp_lane_sums(fast: bool, x: &mut [f32], max: f32) -> [f32; LANES] {
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        // SAFETY: as for `scale_lane_max`: AVX-512F is present; whole chunks only.
+        return unsafe { crate::kernels::attention_avx512::exp_lane_sums(x, max) };
+    }
+    let _ = fast;
+    let mut lanes = [0f32; LANES];
+    for c in x.chunks_exact_mut(LANES) {
+        for j in 0..LANES {
+            c[j] = exp_approx(c[j] - max);
+            lanes[j] += c[j];
+        }
+    }
+    lanes
+}
+
+/// `x[i] *= inv`, then every value rounded through f16 (the probabilities the V product takes).
+#[inline(always)]
+pub(super) fn normalise_through_f16(fast: bool, isa: Isa, x: &mut [f32], inv: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        let whole = x.len() / LANES * LANES;
+        // SAFETY: `fast` means the instruction set passed `Isa::checked` as AVX-512 VNNI, which
+        // includes AVX-512F and F16C; the function touches only whole chunks of `x`.
+        unsafe { crate::kernels::attention_avx512::scale_round_f16(&mut x[..whole], inv) };
+        for v in &mut x[whole..] {
+            *v = half::f16::from_f32(*v * inv).to_f32();
+        }
+        crate::kernels::inject_fault(isa, x.first_mut());
+        return;
+    }
+    let _ = fast;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+    round_through_f16(isa, x);
+}
+
 /// One task: query heads `g0..g1` of KV head `kvh` for tokens `t0..t1` of one sequence (at
 /// most `cap` positions of it), into `s.o` and the softmax statistics.
 /// `src` widened to f32 into the front of `dst` (exact: every f16 is an f32), eight values an
@@ -490,26 +532,16 @@ fn task_body(t: &Task, s: &mut Scratch) {
                 max = *v;
             }
         }
-        let mut lanes = [0f32; LANES];
-        let mut chunks = sc.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for j in 0..LANES {
-                c[j] = exp_approx(c[j] - max);
-                lanes[j] += c[j];
-            }
-        }
+        let lanes = exp_lane_sums(fast, &mut sc[..whole], max);
         let mut sum: f64 = lanes.iter().map(|&v| v as f64).sum();
-        for v in chunks.into_remainder() {
+        for v in &mut sc[whole..] {
             *v = exp_approx(*v - max);
             sum += *v as f64;
         }
         s.row_max[r] = max;
         s.row_sum[r] = sum;
         let inv = (1.0 / sum) as f32;
-        for v in sc.iter_mut() {
-            *v *= inv;
-        }
-        round_through_f16(t.isa, sc);
+        normalise_through_f16(fast, t.isa, sc, inv);
         // Positions this row may not see weigh nothing in the V sum.
         s.scores[r * span + ctx..(r + 1) * span].fill(0.0);
     }

@@ -507,3 +507,38 @@ fn decode_attention_speed() {
         best * 1e6
     );
 }
+
+/// The AVX-512 softmax passes give the portable loops' bits: the exponentials and their lane
+/// sums, and the normalised probabilities rounded through f16 (NaN and infinities included).
+#[test]
+fn the_fast_softmax_passes_match_the_portable_ones_bit_for_bit() {
+    let isa = Isa::active();
+    if isa != Isa::Avx512Vnni {
+        eprintln!(
+            "SKIPPED: the fast softmax passes need AVX-512 (this CPU runs {}).",
+            isa.name()
+        );
+        return;
+    }
+    let mut rng = TestRng::new(77);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for len in [0usize, 5, 16, 37, 64, 1000] {
+        let mut x: Vec<f32> = (0..len).map(|_| rng.uniform(-20.0, 10.0)).collect();
+        if len > 20 {
+            x[3] = f32::NAN;
+            x[7] = f32::NEG_INFINITY;
+            x[11] = f32::INFINITY;
+            x[19] = -1e30;
+        }
+        let whole = len / 16 * 16;
+        let (mut fast, mut slow) = (x.clone(), x.clone());
+        let a = task::exp_lane_sums(true, &mut fast[..whole], 1.5);
+        let b = task::exp_lane_sums(false, &mut slow[..whole], 1.5);
+        assert_eq!(bits(&a), bits(&b), "lane sums, {len} values");
+        assert_eq!(bits(&fast), bits(&slow), "exponentials, {len} values");
+        let (mut fast, mut slow) = (x.clone(), x);
+        task::normalise_through_f16(true, isa, &mut fast, 0.037);
+        task::normalise_through_f16(false, isa, &mut slow, 0.037);
+        assert_eq!(bits(&fast), bits(&slow), "probabilities, {len} values");
+    }
+}
