@@ -5,6 +5,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub mod amx;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod amx_emulation;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -148,9 +150,10 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
                 && amx_tiles_ready(job.acts) =>
         {
             // Whole 16-row tiles on AMX, the remaining rows on AVX-512 (identical arithmetic).
-            // 4-bit weights with per-block f16 scales only (Q4_0, Q4_1): for 8-bit ones the
-            // AVX-512 kernel measured faster, and the K-quants' scales are not written for it.
             let full = job.rows.start + job.rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
+            let sum_ptrs = sums.map_or((std::ptr::null(), std::ptr::null()), |s| {
+                (s.s16.as_ptr(), s.sx.as_ptr())
+            });
             // SAFETY: as above; AMX permission was granted (`amx::available`), the tile layout
             // covers every whole 16-row tile (`amx_tiles_ready`), and the two sub-jobs split
             // the checked rows.
@@ -160,6 +163,7 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
                         rows: job.rows.start..full,
                         ..job.clone()
                     },
+                    sum_ptrs,
                     raw,
                 );
                 avx512::packed(
@@ -209,9 +213,9 @@ pub struct MatmulInput<'a> {
 /// prefill 512 on a 2-core Zen 5, same run, two alternations, +1-2% (1B Q4_0), +2% (1B Q4_K_M),
 /// +2-8% (3B Q4_0); the kernel alone on 512 x 65536 x 2048 (weights from memory, both threads)
 /// +7% (Q4_0) and +5% (Q4_K). Chunks of 64 gained as much at 512 rows and cost 1% at 128.
-/// Prompts and batches of up to 128 rows are one chunk, as before. Where AMX serves the job's
-/// format a task keeps all its rows (its tiles unpack each weight block once per call; not
-/// measured with chunks, for want of an AMX machine).
+/// Prompts and batches of up to 128 rows are one chunk, as before. Where AMX serves the job a task
+/// keeps all its rows: each group's weights are unpacked once per call into a panel in cache that
+/// every 16-row tile reads (not measured with chunks, for want of an AMX machine).
 const ROW_CHUNK: usize = 128;
 #[cfg(target_arch = "x86_64")]
 const _: () = assert!(ROW_CHUNK.is_multiple_of(amx::TILE_ROWS));
@@ -366,15 +370,13 @@ fn task_count(pool: &ThreadPool, units: usize, blocks_per_unit: usize) -> usize 
     (work / 8192).clamp(threads, threads * 8).min(units)
 }
 
-/// Whether `packed_job` may run some of a job on `p` on the AMX tiles.
+/// Whether `packed_job` may run some of a job on `p` on the AMX tiles: every packed format, where
+/// the tiles can be used.
 fn amx_may_serve(isa: Isa, p: &PackedMatrix) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::quant::packed::Scales;
-        isa.checked() == Isa::Avx512Vnni
-            && p.format.values == Values::Q4
-            && matches!(p.format.scales, Scales::F16 | Scales::F16Min)
-            && amx::available()
+        let _ = p;
+        isa.checked() == Isa::Avx512Vnni && amx::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

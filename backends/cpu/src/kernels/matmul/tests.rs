@@ -385,3 +385,145 @@ fn a_prefetch_distance_changes_no_product() {
     set_prefetch_blocks(before);
     assert!(outs.iter().all(|o| o == &outs[0]));
 }
+
+/// The AMX kernel on the strict tile emulation (and on the real tiles where the CPU has them)
+/// gives the scalar kernel's bits for every packed format, whole-block and half-block products
+/// alike, over several row tiles, partial last groups and long rows.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_amx_kernel_gives_the_scalar_bits_for_every_format_on_the_emulated_tiles() {
+    use super::amx_emulation::Emulation;
+    if Isa::active() != Isa::Avx512Vnni {
+        eprintln!(
+            "SKIPPED: the AMX kernel's epilogue needs AVX-512 VNNI (this CPU runs {})",
+            Isa::active().name()
+        );
+        return;
+    }
+    let hardware = amx::available();
+    if !hardware {
+        eprintln!("AMX tiles not usable here: the emulation alone is checked");
+    }
+    for ty in TYPES {
+        for &(rows, n, k) in &[(16usize, 48usize, 512usize), (37, 21, 256), (64, 40, 2048)] {
+            let k = if ty.block_len() == 256 {
+                k.max(256) / 256 * 256
+            } else {
+                k
+            };
+            let w = packed(ty, n, k, 23);
+            let (_, a) = acts(rows, k, 6);
+            let want = run(Isa::Scalar, &w, &a, n);
+            let full = rows / amx::TILE_ROWS * amx::TILE_ROWS;
+            let job = PackedJob {
+                w: &w,
+                acts: &a,
+                groups: 0..w.groups(),
+                rows: 0..full,
+            };
+            let sums = job_sums(&job).map_or((std::ptr::null(), std::ptr::null()), |s| {
+                (s.s16.as_ptr(), s.sx.as_ptr())
+            });
+            type Engine<'a> = (&'a str, Box<dyn FnMut(RawOut) + 'a>);
+            let mut engines: Vec<Engine> = vec![(
+                "emulated",
+                Box::new(|raw| {
+                    // SAFETY: AVX-512 VNNI, F16C and FMA are present (checked above); the job's
+                    // rows are whole tiles of activations carrying their tile layout, and `raw`
+                    // covers rows x n.
+                    unsafe { amx::packed_full_tiles_on(&mut Emulation::new(), &job, sums, raw) }
+                }),
+            )];
+            if hardware {
+                engines.push((
+                    "hardware",
+                    Box::new(|raw| {
+                        // SAFETY: as above, and the tiles are usable (`amx::available`).
+                        unsafe { amx::packed_full_tiles(&job, sums, raw) }
+                    }),
+                ));
+            }
+            for (name, f) in engines.iter_mut() {
+                let mut out = vec![f32::NAN; rows * n];
+                f(RawOut {
+                    base: out.as_mut_ptr(),
+                    ld: n,
+                });
+                for m in 0..full {
+                    for nn in 0..n {
+                        let (g, s) = (out[m * n + nn], want[m * n + nn]);
+                        assert_eq!(
+                            g.to_bits(),
+                            s.to_bits(),
+                            "{name} AMX {} rows={rows} n={n} k={k} [{m},{nn}]: {g} vs scalar {s}",
+                            ty.name()
+                        );
+                    }
+                }
+                assert!(
+                    out[full * n..].iter().all(|v| v.is_nan()),
+                    "{name} AMX {} wrote past its whole tiles",
+                    ty.name()
+                );
+            }
+        }
+    }
+}
+
+/// The emulation refuses what the tile instructions fault on.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_tile_emulation_refuses_what_the_instructions_fault_on() {
+    use super::amx::{tile_config, TileConfig, FULL, HALF};
+    use super::amx_emulation::Emulation;
+    let refused =
+        |f: &mut dyn FnMut()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+    // A product before any configuration.
+    assert!(refused(&mut || Emulation::new().tilezero(0)));
+    // Shapes outside palette 1's limits, another palette, tiles 8-15.
+    let bad: [fn(&mut TileConfig); 5] = [
+        |c| c.rows[0] = 17,
+        |c| c.colsb[2] = 68,
+        |c| c.palette = 0,
+        |c| c.rows[9] = 1,
+        |c| c.colsb[1] = 0,
+    ];
+    for (i, edit) in bad.iter().enumerate() {
+        let mut cfg = tile_config(FULL);
+        edit(&mut cfg);
+        assert!(
+            refused(&mut || Emulation::new().ldtilecfg(&cfg)),
+            "edit {i}"
+        );
+    }
+    // A product whose shapes disagree: A of the whole-block shape against B of the half-block one.
+    let mut cfg = tile_config(FULL);
+    cfg.rows[3] = (HALF / 4) as u8;
+    let mut e = Emulation::new();
+    e.ldtilecfg(&cfg);
+    assert!(refused(&mut || e.tdpbsud(0, 2, 3)));
+    // The kernel's own configurations are accepted, and one product computes A x B.
+    for k in [FULL, HALF] {
+        let mut e = Emulation::new();
+        e.ldtilecfg(&tile_config(k));
+        let a: Vec<i8> = (0..16 * 32).map(|i| (i % 7) as i8 - 3).collect();
+        let b: Vec<u8> = (0..512).map(|i| (i % 5) as u8).collect();
+        let mut c = vec![0i32; 256];
+        // SAFETY: 16 rows of 32 bytes of A, 512 bytes of B, 256 int32 of C.
+        unsafe {
+            e.tileloadd(2, a.as_ptr() as *const u8, 32);
+            e.tileloadd(3, b.as_ptr(), 64);
+            e.tilezero(0);
+            e.tdpbsud(0, 2, 3);
+            e.tilestored(0, c.as_mut_ptr() as *mut u8, 64);
+        }
+        for m in 0..16 {
+            for n in 0..16 {
+                let want: i32 = (0..k)
+                    .map(|kk| a[m * 32 + kk] as i32 * b[(kk / 4) * 64 + n * 4 + kk % 4] as i32)
+                    .sum();
+                assert_eq!(c[m * 16 + n], want, "k={k} [{m},{n}]");
+            }
+        }
+    }
+}
