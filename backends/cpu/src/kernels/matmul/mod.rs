@@ -367,7 +367,17 @@ fn task_count(pool: &ThreadPool, units: usize, blocks_per_unit: usize) -> usize 
     // and Q4_K_M, three alternations: +3% against ~20 us tasks, -4% with ~5 us ones). Larger
     // jobs still get several tasks per thread, which even out uneven progress (a thread may be
     // descheduled on a busy machine).
-    (work / 8192).clamp(threads, threads * 8).min(units)
+    let tasks = (work / 8192).clamp(threads, threads * 8).min(units);
+    // A whole number of tasks per thread: with 3 tasks on 2 threads (a 3B model's Q/K/V
+    // projection at batch 1) one thread runs two while the other waits half the job. Batch-1
+    // steps alternated in one run (`bench-model --alternate-prefetch`, a build switching this):
+    // 3B Q4_0 +1.3%, 3B Q4_K_M +2.1%, 1B Q4_0 level (its counts were even already).
+    let even = tasks.next_multiple_of(threads);
+    if even <= units {
+        even
+    } else {
+        tasks
+    }
 }
 
 /// Whether `packed_job` may run some of a job on `p` on the AMX tiles: every packed format, where

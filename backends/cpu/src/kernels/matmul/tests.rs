@@ -527,3 +527,28 @@ fn the_tile_emulation_refuses_what_the_instructions_fault_on() {
         }
     }
 }
+
+/// Jobs are cut into a whole number of tasks per thread wherever there are groups enough (the
+/// 3B model's Q/K/V projection at batch 1 made 3 tasks on 2 threads).
+#[test]
+fn tasks_come_in_whole_rounds_of_the_threads() {
+    let pool = ThreadPool::new(2);
+    // (16-column groups, block products per group): 3B Q/K/V, W_o, gate/up, down at batch 1, a
+    // prefill-sized job, a small one.
+    for (units, blocks) in [
+        (320, 96),
+        (192, 96),
+        (1024, 96),
+        (192, 256),
+        (320, 512 * 96),
+        (7, 64),
+    ] {
+        let t = task_count(&pool, units, blocks);
+        assert!(t >= 1 && t <= units, "{units} x {blocks}: {t} tasks");
+        if units >= 2 && units * blocks >= 256 {
+            assert_eq!(t % 2, 0, "{units} x {blocks}: {t} tasks on 2 threads");
+        }
+    }
+    assert_eq!(task_count(&pool, 320, 96), 4);
+    assert_eq!(task_count(&ThreadPool::new(1), 320, 96), 1);
+}
