@@ -154,8 +154,6 @@ pub(super) fn normalise_through_f16(fast: bool, isa: Isa, x: &mut [f32], inv: f3
     round_through_f16(isa, x);
 }
 
-/// One task: query heads `g0..g1` of KV head `kvh` for tokens `t0..t1` of one sequence (at
-/// most `cap` positions of it), into `s.o` and the softmax statistics.
 /// `src` widened to f32 into the front of `dst` (exact: every f16 is an f32), eight values an
 /// instruction where the CPU has F16C, instead of a library call per eight values.
 #[inline(always)]
@@ -239,6 +237,8 @@ fn score_tile<const R: usize, const NB: usize>(
     }
 }
 
+/// One task: query heads `g0..g1` of KV head `kvh` for tokens `t0..t1` of one sequence (at
+/// most `cap` positions of it), into `s.o` and the softmax statistics.
 #[inline(always)]
 fn task_body(t: &Task, s: &mut Scratch) {
     let lay = t.p.lay;

@@ -17,9 +17,9 @@ use std::arch::x86_64::*;
 use std::cell::Cell;
 use std::sync::OnceLock;
 
-use super::avx512::{block_scales, block_step, header, unpack, SumPtrs};
+use super::avx512::{block_scales, block_step, header, sum_ptrs, unpack, SumPtrs};
 use super::{PackedJob, RawOut};
-use crate::quant::acts::QBLOCK;
+use crate::quant::acts::{ActSums, QBLOCK};
 use crate::quant::packed::{code, GROUP};
 
 /// Activation rows per AMX tile.
@@ -239,7 +239,7 @@ pub(crate) const fn halves(s: u8) -> bool {
 /// be the activation sums where the format needs them, and `out` must be writable, by this call
 /// alone, at rows `job.rows` x the output columns of `job.groups` (what `packed_job` guarantees).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-pub(crate) unsafe fn packed_full_tiles(job: &PackedJob, sums: SumPtrs, out: RawOut) {
+pub(crate) unsafe fn packed_full_tiles(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
     packed_full_tiles_on(&mut Hardware, job, sums, out)
 }
 
@@ -251,10 +251,11 @@ pub(crate) unsafe fn packed_full_tiles(job: &PackedJob, sums: SumPtrs, out: RawO
 pub(crate) unsafe fn packed_full_tiles_on<E: TileEngine>(
     e: &mut E,
     job: &PackedJob,
-    sums: SumPtrs,
+    sums: Option<&ActSums>,
     out: RawOut,
 ) {
     let f = job.w.format;
+    let sums = sum_ptrs(sums);
     macro_rules! go {
         ($($v:ident $s:ident),*) => {
             match (code::values(f.values), code::scales(f.scales)) {

@@ -25,9 +25,7 @@ use crate::quant::packed::{code, GROUP};
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 pub unsafe fn packed(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
     let f = job.w.format;
-    let s = sums.map_or((std::ptr::null(), std::ptr::null()), |s| {
-        (s.s16.as_ptr(), s.sx.as_ptr())
-    });
+    let s = sum_ptrs(sums);
     macro_rules! go {
         ($($v:ident $s:ident),*) => {
             match (code::values(f.values), code::scales(f.scales)) {
@@ -44,6 +42,13 @@ pub unsafe fn packed(job: &PackedJob, sums: Option<&ActSums>, out: RawOut) {
 
 /// The activations' per-16 sums and exact block sums (null where the format needs none).
 pub(crate) type SumPtrs = (*const i16, *const f32);
+
+/// The pointers the kernels read the activation sums through (null where there are none).
+pub(crate) fn sum_ptrs(sums: Option<&ActSums>) -> SumPtrs {
+    sums.map_or((std::ptr::null(), std::ptr::null()), |s| {
+        (s.s16.as_ptr(), s.sx.as_ptr())
+    })
+}
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn run<const V: u8, const S: u8>(job: &PackedJob, sums: SumPtrs, out: RawOut) {

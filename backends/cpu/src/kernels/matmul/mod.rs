@@ -146,14 +146,11 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
         Isa::Avx512Vnni
             if job.rows.len() >= amx::TILE_ROWS
                 && job.rows.start.is_multiple_of(amx::TILE_ROWS)
-                && amx_may_serve(isa, job.w)
+                && amx_serves(isa)
                 && amx_tiles_ready(job.acts) =>
         {
             // Whole 16-row tiles on AMX, the remaining rows on AVX-512 (identical arithmetic).
             let full = job.rows.start + job.rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
-            let sum_ptrs = sums.map_or((std::ptr::null(), std::ptr::null()), |s| {
-                (s.s16.as_ptr(), s.sx.as_ptr())
-            });
             // SAFETY: as above; AMX permission was granted (`amx::available`), the tile layout
             // covers every whole 16-row tile (`amx_tiles_ready`), and the two sub-jobs split
             // the checked rows.
@@ -163,7 +160,7 @@ pub fn packed_job(isa: Isa, job: &PackedJob, out: &mut Tile<f32>) {
                         rows: job.rows.start..full,
                         ..job.clone()
                     },
-                    sum_ptrs,
+                    sums,
                     raw,
                 );
                 avx512::packed(
@@ -267,11 +264,7 @@ pub fn matmul(
         TileGrid::column_parts(out, ldo, 0..rows, col_parts).map_err(|e| bad(e.to_string()))?;
     match w {
         WeightMatrix::Packed(p) => {
-            let chunk = if amx_may_serve(isa, p) {
-                rows
-            } else {
-                ROW_CHUNK
-            };
+            let chunk = if amx_serves(isa) { rows } else { ROW_CHUNK };
             pool.run(tasks, |t| {
                 let groups = crate::threadpool::split_range(units, tasks, t);
                 let mut tile = grid.take(0, t);
@@ -380,17 +373,16 @@ fn task_count(pool: &ThreadPool, units: usize, blocks_per_unit: usize) -> usize 
     }
 }
 
-/// Whether `packed_job` may run some of a job on `p` on the AMX tiles: every packed format, where
-/// the tiles can be used.
-fn amx_may_serve(isa: Isa, p: &PackedMatrix) -> bool {
+/// Whether `packed_job` may run the whole 16-row tiles of a job on the AMX tiles (any packed
+/// format) with `isa`.
+fn amx_serves(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let _ = p;
         isa.checked() == Isa::Avx512Vnni && amx::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (isa, p);
+        let _ = isa;
         false
     }
 }

@@ -421,9 +421,7 @@ fn the_amx_kernel_gives_the_scalar_bits_for_every_format_on_the_emulated_tiles()
                 groups: 0..w.groups(),
                 rows: 0..full,
             };
-            let sums = job_sums(&job).map_or((std::ptr::null(), std::ptr::null()), |s| {
-                (s.s16.as_ptr(), s.sx.as_ptr())
-            });
+            let sums = job_sums(&job);
             type Engine<'a> = (&'a str, Box<dyn FnMut(RawOut) + 'a>);
             let mut engines: Vec<Engine> = vec![(
                 "emulated",
