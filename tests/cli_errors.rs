@@ -167,6 +167,27 @@ fn a_bad_prefetch_distance_is_refused_by_name() {
     }
 }
 
+/// `bench-model --long-prompts` takes lengths one sequence of its KV pool holds: anything else is
+/// refused naming the flag, before any model loads.
+#[test]
+fn a_bad_long_prompt_length_is_refused() {
+    for value in ["0", "9501", "2048,100000"] {
+        let (out, stderr) = run(&[
+            "bench-model",
+            "--model",
+            "/no/such/model.gguf",
+            "--long-prompts",
+            value,
+        ]);
+        assert_plain_error(&out, &stderr, 1);
+        assert!(
+            stderr.contains("--long-prompts takes prompt lengths from 1 to 9500 tokens"),
+            "{value}: {stderr}"
+        );
+        assert!(!stderr.contains("/no/such/model.gguf"), "{value}: {stderr}");
+    }
+}
+
 /// `bench-model --alternate-prefetch` takes two distances in range, and only on the CPU: refused
 /// before any model loads.
 #[test]

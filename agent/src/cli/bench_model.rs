@@ -62,6 +62,23 @@ pub struct BenchModelArgs {
     /// same-run comparison; `--device cpu` only).
     #[arg(long, value_delimiter = ',', value_name = "A,B")]
     pub alternate_prefetch: Option<Vec<usize>>,
+    /// Also measure the prefill of one prompt of each of these lengths (tokens, from 1 to 9,500),
+    /// median of 3: time to first token on long prompts, where attention grows with the square
+    /// of the length (e.g. 2048,4096,8192).
+    #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
+    pub long_prompts: Vec<usize>,
+}
+
+/// The longest prompt `--long-prompts` takes: what one sequence's blocks hold in this bench's
+/// KV pool (600 blocks of 16 tokens), less room for the decoded token.
+pub const MAX_LONG_PROMPT: usize = 9_500;
+
+/// One `--long-prompts` measurement.
+#[derive(Debug, Serialize, Clone, Copy)]
+pub struct PrefillAt {
+    pub tokens: usize,
+    /// Prompt tokens per second of prefill (median of 3).
+    pub tok_s: f64,
 }
 
 #[derive(Debug, Serialize, Default)]
@@ -99,6 +116,8 @@ pub struct BenchModelReport {
     /// This machine's measured AMX int8 tile peak (all threads); null where the tiles cannot be
     /// used (no AMX, or `NPU_SERVING_AMX=0`).
     pub amx_int8_peak_gop_s: Option<f64>,
+    /// `--long-prompts`: prefill rate per prompt length (empty unless asked for).
+    pub prefill_long: Vec<PrefillAt>,
 }
 
 /// SplitMix64: reproducible synthetic prompts.
@@ -186,6 +205,15 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    if let Some(&bad) = args
+        .long_prompts
+        .iter()
+        .find(|&&n| !(1..=MAX_LONG_PROMPT).contains(&n))
+    {
+        anyhow::bail!(
+            "--long-prompts takes prompt lengths from 1 to {MAX_LONG_PROMPT} tokens (got {bad})"
+        );
+    }
     let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
     let long = !args.skip_long;
     let cfg = AgentEngineConfig {
@@ -288,6 +316,24 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         ));
     }
 
+    for &n in &args.long_prompts {
+        let mut runs = Vec::new();
+        for _ in 0..3 {
+            let (_, t) = run_all(
+                &mut engine,
+                &cfg,
+                &greedy(vec![prompt(&mut rng, n, vocab)], 1),
+            )?;
+            runs.push(t.prefill_tokens as f64 / t.prefill.as_secs_f64());
+        }
+        runs.sort_by(f64::total_cmp);
+        let tok_s = runs[1];
+        rep.prefill_long.push(PrefillAt { tokens: n, tok_s });
+        say(&format!(
+            "prefill {n:>4} tokens: {tok_s:8.1} tok/s (median of 3)"
+        ));
+    }
+
     let batches: [(usize, &mut f64); 6] = [
         (1, &mut rep.decode_tok_s_b1),
         (4, &mut rep.decode_tok_s_b4),
@@ -348,6 +394,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("backend            {}", rep.backend);
         println!("prefill 128        {:8.1} tok/s", rep.prefill_tok_s_128);
         println!("prefill 512        {:8.1} tok/s", rep.prefill_tok_s_512);
+        for p in &rep.prefill_long {
+            println!("prefill {:<10} {:8.1} tok/s", p.tokens, p.tok_s);
+        }
         for (b, v) in [
             (1, rep.decode_tok_s_b1),
             (4, rep.decode_tok_s_b4),
