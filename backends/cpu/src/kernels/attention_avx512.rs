@@ -177,8 +177,8 @@ pub unsafe fn block_pv(
 }
 
 /// D = hd / 16 registers per output row; rows are taken as many at a time as registers allow
-/// (16 accumulators), each group by a kernel whose row count is a constant, so the accumulators
-/// stay in registers.
+/// (16 or 24 accumulators), each group by a kernel whose row count is a constant, so the
+/// accumulators stay in registers.
 #[inline]
 #[target_feature(enable = "avx512f,f16c,fma")]
 unsafe fn pv_rows<const D: usize>(
@@ -189,7 +189,10 @@ unsafe fn pv_rows<const D: usize>(
     rows: usize,
     o: &mut [f32],
 ) {
-    let per = (16 / D).max(1);
+    // 16 accumulators, but 24 for 64-wide heads: each V row converted once feeds 6 rows' 24
+    // multiply-adds instead of 4 rows' 16 (with its 4 registers and a broadcast, 29 of 32).
+    // Prefill of 4096 tokens, 1B Q4_0 file, three alternations: +1.4-3.3%.
+    let per = if D == 4 { 6 } else { (16 / D).max(1) };
     let mut r0 = 0;
     while r0 < rows {
         let n = (rows - r0).min(per);
