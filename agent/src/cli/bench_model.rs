@@ -299,17 +299,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     };
     for (n, slot) in prefills.iter_mut() {
         let n = *n;
-        let mut runs = Vec::new();
-        for _ in 0..5 {
-            let (_, t) = run_all(
-                &mut engine,
-                &cfg,
-                &greedy(vec![prompt(&mut rng, n, vocab)], 1),
-            )?;
-            runs.push(t.prefill_tokens as f64 / t.prefill.as_secs_f64());
-        }
-        runs.sort_by(f64::total_cmp);
-        let median = runs[runs.len() / 2];
+        let median = median_prefill(&mut engine, &cfg, &mut rng, n, 5)?;
         **slot = median;
         say(&format!(
             "prefill {n:>4} tokens: {median:8.1} tok/s (median of 5)"
@@ -317,17 +307,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     }
 
     for &n in &args.long_prompts {
-        let mut runs = Vec::new();
-        for _ in 0..3 {
-            let (_, t) = run_all(
-                &mut engine,
-                &cfg,
-                &greedy(vec![prompt(&mut rng, n, vocab)], 1),
-            )?;
-            runs.push(t.prefill_tokens as f64 / t.prefill.as_secs_f64());
-        }
-        runs.sort_by(f64::total_cmp);
-        let tok_s = runs[1];
+        let tok_s = median_prefill(&mut engine, &cfg, &mut rng, n, 3)?;
         rep.prefill_long.push(PrefillAt { tokens: n, tok_s });
         say(&format!(
             "prefill {n:>4} tokens: {tok_s:8.1} tok/s (median of 3)"
@@ -424,6 +404,24 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("peak RSS           {:8.1} MiB", rep.peak_rss_mb);
     }
     Ok(())
+}
+
+/// The median prefill rate (prompt tokens/s) of `runs` fresh random prompts of `n` tokens.
+fn median_prefill(
+    engine: &mut AgentEngine,
+    cfg: &AgentEngineConfig,
+    rng: &mut SplitMix,
+    n: usize,
+    runs: usize,
+) -> anyhow::Result<f64> {
+    let vocab = engine.facts().vocab_size;
+    let mut rates = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let (_, t) = run_all(engine, cfg, &greedy(vec![prompt(rng, n, vocab)], 1))?;
+        rates.push(t.prefill_tokens as f64 / t.prefill.as_secs_f64());
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[rates.len() / 2])
 }
 
 /// The achieved rates beside this machine's measured limits: weight bytes read per second in
