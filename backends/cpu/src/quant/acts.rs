@@ -81,6 +81,18 @@ impl QuantizedActs {
         })
     }
 
+    /// The sums if `sums` has made them already (never makes them, so never waits).
+    pub fn sums_made(&self) -> Option<&ActSums> {
+        self.sums.get()
+    }
+
+    /// Whether the buffers hold every value and block scale of `rows` rows of `k` (what `sums`
+    /// reads).
+    pub fn holds_rows(&self) -> bool {
+        let nb = self.rows * self.k / QBLOCK;
+        self.qs.len() >= self.rows * self.k && self.d.len() >= nb && self.isum.len() >= nb
+    }
+
     /// Copies the values of the whole 16-row tiles into `tiles` (tile order).
     pub fn fill_tiles(&mut self) {
         let k = self.k;

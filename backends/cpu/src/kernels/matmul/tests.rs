@@ -37,6 +37,8 @@ fn acts(rows: usize, k: usize, seed: u64) -> (Vec<f32>, QuantizedActs) {
     let mut a = QuantizedActs::new();
     a.quantize(&x, rows, k);
     a.fill_tiles();
+    // Made up front, as `matmul` does before its tasks (the kernels' jobs only read them).
+    a.sums();
     (x, a)
 }
 
@@ -237,6 +239,38 @@ fn f32_weights_match_naive() {
                 assert!((out[m * n + nn] - want).abs() < 1e-4, "{}", isa.name());
             }
         }
+    }
+}
+
+/// `matmul` makes the activation sums the K-quant formats need before its tasks start (a task
+/// that made them would leave the others blocked on them; a job without them panics).
+#[test]
+fn matmul_makes_the_k_quant_sums_before_its_tasks() {
+    let pool = ThreadPool::new(2);
+    let (rows, n, k) = (1usize, 256usize, 2048usize);
+    for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q4_0] {
+        let w = WeightMatrix::Packed(packed(ty, n, k, 11));
+        let mut rng = TestRng::new(12);
+        let x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-2.0, 2.0)).collect();
+        let mut a = QuantizedActs::new();
+        a.quantize(&x, rows, k);
+        assert!(a.sums_made().is_none());
+        let mut out = vec![0f32; rows * n];
+        let input = MatmulInput {
+            f32: &x,
+            quantized: &a,
+            rows,
+        };
+        matmul(&pool, Isa::active(), &w, input, &mut out, n).unwrap();
+        let WeightMatrix::Packed(p) = &w else {
+            unreachable!()
+        };
+        assert_eq!(a.sums_made().is_some(), p.format.needs_act_sums(), "{ty:?}");
+        // The same product as the scalar kernel's on activations that had their sums already.
+        let mut b = QuantizedActs::new();
+        b.quantize(&x, rows, k);
+        b.sums();
+        assert_eq!(out, run(Isa::Scalar, p, &b, n), "{ty:?}");
     }
 }
 
