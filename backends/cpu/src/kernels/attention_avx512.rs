@@ -23,20 +23,18 @@ pub fn prefetch(p: *const u8, bytes: usize) {
     }
 }
 
-/// Multiplies the whole 16-value chunks of `x` by `scale` in place and returns each lane's
-/// maximum, `if v > max { v } else { max }` from negative infinity (what `vmaxps` computes with
-/// the new value first), lane j over values j, j + 16, ...
+/// Each lane's maximum over the whole 16-value chunks of `x`, `if v > max { v } else { max }`
+/// from negative infinity (what `vmaxps` computes with the new value first), lane j over values
+/// j, j + 16, ... The scores come here already scaled (`block_scores` scales them as it stores
+/// them), so this pass only reads.
 ///
 /// # Safety
 /// AVX-512F must be present.
 #[target_feature(enable = "avx512f")]
-pub unsafe fn scale_lane_max(x: &mut [f32], scale: f32) -> [f32; 16] {
-    let s = _mm512_set1_ps(scale);
+pub unsafe fn lane_max(x: &[f32]) -> [f32; 16] {
     let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
-    for c in x.chunks_exact_mut(16) {
-        let v = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), s);
-        _mm512_storeu_ps(c.as_mut_ptr(), v);
-        m = _mm512_max_ps(v, m);
+    for c in x.chunks_exact(16) {
+        m = _mm512_max_ps(_mm512_loadu_ps(c.as_ptr()), m);
     }
     let mut out = [0f32; 16];
     _mm512_storeu_ps(out.as_mut_ptr(), m);
@@ -86,13 +84,16 @@ pub unsafe fn scale_round_f16(x: &mut [f32], inv: f32) {
 /// Query rows handled together when scoring.
 const SCORE_ROWS: usize = 8;
 
-/// `scores[r * stride + j * bs + t] = q[r] . K_j[:, t]` for the `NB` (1 or 2) blocks `k[j]`,
-/// `t < bs`, rows `0..rows`; each block is one KV head's `[hd][bs]` f16; `q` is `rows x hd`. Two
-/// blocks at once give twice the independent accumulator chains (each score is still summed over
-/// `d` in order, so the result does not depend on the pairing).
+/// `scores[r * stride + j * bs + t] = (q[r] . K_j[:, t]) * scale` for the `NB` (1 or 2) blocks
+/// `k[j]`, `t < bs`, rows `0..rows` (the dot product rounded, then the product with `scale`: the
+/// portable path's separate scaling pass, done at the store); each block is one KV head's
+/// `[hd][bs]` f16; `q` is `rows x hd`. Two blocks at once give twice the independent accumulator
+/// chains (each score is still summed over `d` in order, so the result does not depend on the
+/// pairing).
 ///
 /// # Safety
 /// AVX-512F and F16C must be present; `hd` and `bs` multiples of 16; buffers large enough.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,f16c,fma")]
 pub unsafe fn block_scores<const NB: usize>(
     k: [*const f16; NB],
@@ -102,22 +103,39 @@ pub unsafe fn block_scores<const NB: usize>(
     rows: usize,
     scores: *mut f32,
     stride: usize,
+    scale: f32,
 ) {
     let mut r0 = 0;
     while r0 < rows {
         let n = (rows - r0).min(SCORE_ROWS);
+        let at = ScoresAt {
+            r0,
+            scores,
+            stride,
+            scale,
+        };
         match n {
-            8 => scores_rows::<8, NB>(k, hd, bs, q, r0, scores, stride),
-            7 => scores_rows::<7, NB>(k, hd, bs, q, r0, scores, stride),
-            6 => scores_rows::<6, NB>(k, hd, bs, q, r0, scores, stride),
-            5 => scores_rows::<5, NB>(k, hd, bs, q, r0, scores, stride),
-            4 => scores_rows::<4, NB>(k, hd, bs, q, r0, scores, stride),
-            3 => scores_rows::<3, NB>(k, hd, bs, q, r0, scores, stride),
-            2 => scores_rows::<2, NB>(k, hd, bs, q, r0, scores, stride),
-            _ => scores_rows::<1, NB>(k, hd, bs, q, r0, scores, stride),
+            8 => scores_rows::<8, NB>(k, hd, bs, q, at),
+            7 => scores_rows::<7, NB>(k, hd, bs, q, at),
+            6 => scores_rows::<6, NB>(k, hd, bs, q, at),
+            5 => scores_rows::<5, NB>(k, hd, bs, q, at),
+            4 => scores_rows::<4, NB>(k, hd, bs, q, at),
+            3 => scores_rows::<3, NB>(k, hd, bs, q, at),
+            2 => scores_rows::<2, NB>(k, hd, bs, q, at),
+            _ => scores_rows::<1, NB>(k, hd, bs, q, at),
         }
         r0 += n;
     }
+}
+
+/// Where `scores_rows` writes: rows from `r0`, `stride` apart from `scores`, each value times
+/// `scale`.
+#[derive(Clone, Copy)]
+struct ScoresAt {
+    r0: usize,
+    scores: *mut f32,
+    stride: usize,
+    scale: f32,
 }
 
 #[inline]
@@ -127,10 +145,15 @@ unsafe fn scores_rows<const R: usize, const NB: usize>(
     hd: usize,
     bs: usize,
     q: &[f32],
-    r0: usize,
-    scores: *mut f32,
-    stride: usize,
+    at: ScoresAt,
 ) {
+    let ScoresAt {
+        r0,
+        scores,
+        stride,
+        scale,
+    } = at;
+    let scale = _mm512_set1_ps(scale);
     let qp = q.as_ptr().add(r0 * hd);
     for t0 in (0..bs).step_by(16) {
         let mut acc = [[_mm512_setzero_ps(); R]; NB];
@@ -145,7 +168,10 @@ unsafe fn scores_rows<const R: usize, const NB: usize>(
         }
         for (j, aj) in acc.iter().enumerate() {
             for (r, a) in aj.iter().enumerate() {
-                _mm512_storeu_ps(scores.add((r0 + r) * stride + j * bs + t0), *a);
+                _mm512_storeu_ps(
+                    scores.add((r0 + r) * stride + j * bs + t0),
+                    _mm512_mul_ps(*a, scale),
+                );
             }
         }
     }

@@ -3,7 +3,8 @@
 //! +inf -> `f32::MAX`, nothing finite -> uniform), the log-normaliser, and the argmax (lowest id
 //! on ties). The backend reads values sanitised on the fly instead of writing a sanitised copy;
 //! both go through the same generic scan. Each is compiled for AVX-512 (or else AVX2) when the
-//! CPU has it; the arithmetic is the same on every path (no fused multiply-adds are enabled).
+//! CPU has it; the arithmetic is the same on every path (the exponential's fused multiply-adds are
+//! one rounding each everywhere, and no other operation is fused).
 
 use super::vecmath::exp_approx;
 #[cfg(target_arch = "x86_64")]
@@ -18,8 +19,8 @@ pub fn sanitize_and_log_norm(logits: &mut [f32]) -> f64 {
         return unsafe { sanitize_and_log_norm_avx512(logits) };
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2.
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA.
         return unsafe { sanitize_and_log_norm_avx2(logits) };
     }
     sanitize(logits);
@@ -27,7 +28,7 @@ pub fn sanitize_and_log_norm(logits: &mut [f32]) -> f64 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn sanitize_and_log_norm_avx2(logits: &mut [f32]) -> f64 {
     sanitize(logits);
     log_sum_exp(logits)
@@ -175,15 +176,15 @@ pub fn max_logprob_sanitized(logits: &[f32]) -> f32 {
         return unsafe { max_logprob_sanitized_avx512(logits) };
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2.
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA.
         return unsafe { max_logprob_sanitized_avx2(logits) };
     }
     max_logprob_body(logits)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn max_logprob_sanitized_avx2(logits: &[f32]) -> f32 {
     max_logprob_body(logits)
 }
@@ -219,8 +220,8 @@ pub fn pick_sanitized(logits: &[f32]) -> (u32, f32) {
 
 /// The explicit AVX-512 form of `argmax_of` + `log_sum_exp_of` with sanitising reads: the same
 /// comparisons lane by lane (`vmaxps` keeps the old value unless the new one is greater, as
-/// `if v > m`), the same merges in the same order, the same polynomial with separate multiplies
-/// and adds (no fused multiply-add, as the scalar code), the same eight f64 partial sums.
+/// `if v > m`), the same merges in the same order, the same exponential (fused multiply-adds,
+/// as the scalar code), the same eight f64 partial sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn pick_sanitized_avx512(logits: &[f32]) -> (u32, f32) {

@@ -88,14 +88,16 @@ const LANES: usize = 16;
 const ROW_BLOCK: usize = 4;
 
 /// Multiplies `x` (whole chunks of `LANES`) by `scale` in place and returns each lane's maximum
-/// (lane j over values j, j + LANES, ...), kept as `if v > max { v } else { max }`.
+/// (lane j over values j, j + LANES, ...), kept as `if v > max { v } else { max }`. On the fast
+/// path the scores were scaled as they were stored (the same products), so only the maxima are
+/// taken there.
 #[inline(always)]
-fn scale_lane_max(fast: bool, x: &mut [f32], scale: f32) -> [f32; LANES] {
+pub(super) fn scale_lane_max(fast: bool, x: &mut [f32], scale: f32) -> [f32; LANES] {
     #[cfg(target_arch = "x86_64")]
     if fast {
         // SAFETY: `fast` holds only for an instruction set that passed `Isa::checked` as AVX-512
-        // VNNI, which includes AVX-512F; the function touches only whole chunks of `x`.
-        return unsafe { crate::kernels::attention_avx512::scale_lane_max(x, scale) };
+        // VNNI, which includes AVX-512F; the function reads only whole chunks of `x`.
+        return unsafe { crate::kernels::attention_avx512::lane_max(x) };
     }
     let _ = fast;
     let mut lane_max = [f32::NEG_INFINITY; LANES];
@@ -327,6 +329,7 @@ fn task_body(t: &Task, s: &mut Scratch) {
                         rows,
                         out,
                         span,
+                        t.p.scale,
                     );
                     bi += 2;
                 } else {
@@ -338,6 +341,7 @@ fn task_body(t: &Task, s: &mut Scratch) {
                         rows,
                         out,
                         span,
+                        t.p.scale,
                     );
                     bi += 1;
                 }
@@ -527,7 +531,9 @@ fn task_body(t: &Task, s: &mut Scratch) {
             .iter()
             .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
         for v in &mut sc[whole..] {
-            *v *= t.p.scale;
+            if !fast {
+                *v *= t.p.scale;
+            }
             if *v > max {
                 max = *v;
             }

@@ -508,7 +508,8 @@ fn decode_attention_speed() {
     );
 }
 
-/// The AVX-512 softmax passes give the portable loops' bits: the exponentials and their lane
+/// The AVX-512 softmax passes give the portable loops' bits: the lane maxima of scores scaled as
+/// `block_scores` stores them against the portable scaling pass, the exponentials and their lane
 /// sums, and the normalised probabilities rounded through f16 (NaN and infinities included).
 #[test]
 fn the_fast_softmax_passes_match_the_portable_ones_bit_for_bit() {
@@ -531,6 +532,17 @@ fn the_fast_softmax_passes_match_the_portable_ones_bit_for_bit() {
             x[19] = -1e30;
         }
         let whole = len / 16 * 16;
+        let scale = 0.125f32 + 1e-3;
+        let mut fast: Vec<f32> = x.iter().map(|v| v * scale).collect();
+        let mut slow = x.clone();
+        let a = task::scale_lane_max(true, &mut fast[..whole], scale);
+        let b = task::scale_lane_max(false, &mut slow[..whole], scale);
+        assert_eq!(bits(&a), bits(&b), "lane maxima, {len} values");
+        assert_eq!(
+            bits(&fast[..whole]),
+            bits(&slow[..whole]),
+            "scaled scores, {len} values"
+        );
         let (mut fast, mut slow) = (x.clone(), x.clone());
         let a = task::exp_lane_sums(true, &mut fast[..whole], 1.5);
         let b = task::exp_lane_sums(false, &mut slow[..whole], 1.5);
