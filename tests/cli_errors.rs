@@ -188,6 +188,26 @@ fn a_bad_long_prompt_length_is_refused() {
     }
 }
 
+/// `bench-model --bandwidth-rounds` takes 1 to 64 rounds, and only on the CPU: refused before any
+/// model loads.
+#[test]
+fn bad_bandwidth_rounds_are_refused() {
+    for (args, says) in [
+        (&["--bandwidth-rounds", "0"][..], "takes 1 to 64 rounds"),
+        (&["--bandwidth-rounds", "65"][..], "takes 1 to 64 rounds"),
+        (
+            &["--bandwidth-rounds", "4", "--device", "cuda"][..],
+            "use --device cpu",
+        ),
+    ] {
+        let mut all = vec!["bench-model", "--model", "/no/such/model.gguf"];
+        all.extend_from_slice(args);
+        let (out, stderr) = run(&all);
+        assert_plain_error(&out, &stderr, 1);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
 /// `bench-model --alternate-prefetch` takes two distances in range, and only on the CPU: refused
 /// before any model loads.
 #[test]

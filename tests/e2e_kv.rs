@@ -242,6 +242,54 @@ fn bench_model_reports_block_copy_bandwidth_both_ways() {
     assert_eq!(v["kv_block_bytes"].as_u64(), Some(30 * 2 * 3 * 64 * 16 * 2));
 }
 
+/// `--bandwidth-rounds`: each round its own probe and step time, the share their quotient, the
+/// weight bytes the default model's matrices hold, and the median among the rounds' shares.
+#[test]
+fn bench_model_rounds_pair_each_probe_with_its_steps() {
+    let _serial = serial();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_npu-serving"))
+        .args(["bench-model", "--json", "--bandwidth-rounds", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bytes = v["weight_bytes_per_step"].as_u64().unwrap_or(0);
+    // SmolLM2-135M in Q4_1: about 135M weights read a step (the tied embedding as the output
+    // head), at 4.5 to 8.5 bits each.
+    assert!(
+        (60_000_000..160_000_000).contains(&bytes),
+        "weight bytes a step: {bytes}"
+    );
+    let rounds = v["rounds"].as_array().expect("rounds");
+    assert_eq!(rounds.len(), 3, "{v}");
+    assert_eq!(v["steps_per_round"].as_u64(), Some(16));
+    let mut shares = Vec::new();
+    for r in rounds {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        let (probe, ms, gb_s, share) = (
+            f("probe_gb_s"),
+            f("ms_per_step"),
+            f("weight_gb_s"),
+            f("share"),
+        );
+        assert!(probe > 0.0 && ms > 0.0, "{r}");
+        assert!(
+            (gb_s - bytes as f64 / (ms * 1e-3) / 1e9).abs() <= 1e-6 * gb_s,
+            "{r}"
+        );
+        assert!((share - gb_s / probe).abs() <= 1e-9 * share, "{r}");
+        shares.push(share);
+    }
+    shares.sort_by(f64::total_cmp);
+    assert_eq!(v["median_share"].as_f64(), Some(shares[1]), "{v}");
+    assert_eq!(v["min_share"].as_f64(), Some(shares[0]), "{v}");
+    assert_eq!(v["max_share"].as_f64(), Some(shares[2]), "{v}");
+}
+
 #[test]
 fn a_pool_sized_from_free_memory_is_the_schedulers_pool() {
     let _serial = serial();

@@ -67,6 +67,11 @@ pub struct BenchModelArgs {
     /// of the length (e.g. 2048,4096,8192).
     #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
     pub long_prompts: Vec<usize>,
+    /// Instead of the rest: batch-1 decode in N rounds of 16 steps, the memory read bandwidth
+    /// measured before each, and the share of it the decode reads per round (the probe and the
+    /// steps a fraction of a second apart; `--device cpu` only).
+    #[arg(long, value_name = "N")]
+    pub bandwidth_rounds: Option<usize>,
 }
 
 /// The longest prompt `--long-prompts` takes: what one sequence's blocks hold in this bench's
@@ -205,6 +210,17 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let bandwidth_rounds = match args.bandwidth_rounds {
+        Some(n) => {
+            if args.device.device != DeviceKind::Cpu {
+                anyhow::bail!(
+                    "--bandwidth-rounds compares decode with this host's memory: use --device cpu"
+                );
+            }
+            Some(super::bench_bandwidth::check_rounds(n)?)
+        }
+        None => None,
+    };
     if let Some(&bad) = args
         .long_prompts
         .iter()
@@ -266,6 +282,16 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         &cfg,
         &greedy(vec![prompt(&mut rng, 32, vocab)], 4),
     )?;
+    if let Some(n) = bandwidth_rounds {
+        let r =
+            super::bench_bandwidth::rounds(&mut engine, &cfg, n, rep.threads as usize, &mut rng)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            super::bench_bandwidth::print(&r);
+        }
+        return Ok(());
+    }
     if let Some(pair) = alternate {
         let r =
             super::bench_prefetch::alternate(&mut engine, &cfg, pair, args.decode_steps, &mut rng)?;

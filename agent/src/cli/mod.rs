@@ -2,8 +2,10 @@
 //! `score` and `bench-model`. Each takes `--device` (and `--device-id`) like an agent's config.
 //! `synth-model` writes the tiny random-weight models of the family fidelity tests;
 //! `bench-collective` times the all-reduce of tensor-parallel groups; `bench-spec` what
-//! speculative decoding gains.
+//! speculative decoding gains; `bench-model --bandwidth-rounds` how much of the memory bandwidth
+//! batch-1 decode reads.
 
+pub mod bench_bandwidth;
 pub mod bench_collective;
 pub mod bench_long_context;
 pub mod bench_model;

@@ -28,29 +28,60 @@ const AHEAD_BYTES: usize = 2048;
 /// of several passes each. `bytes` is rounded down to whole 64-byte lines; a buffer the system
 /// cannot allocate gives None.
 pub fn read_bandwidth_gb_s(pool: &ThreadPool, bytes: usize) -> Result<Option<f64>, PoolError> {
-    let words = bytes / 64 * 8;
-    let mut buf: Vec<u64> = Vec::new();
-    if words == 0 || buf.try_reserve_exact(words).is_err() {
-        return Ok(None);
+    match ReadProbe::new(bytes) {
+        Some(probe) => probe.gb_s(pool, READ_PASSES).map(Some),
+        None => Ok(None),
     }
-    // Backed by huge pages where the kernel allows, as the packed weights are (`AlignedBytes`).
-    crate::backend::advise_huge_pages(buf.as_mut_ptr() as usize, words * 8);
-    buf.extend((0..words as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
-    let tasks = pool.threads();
-    let sink = AtomicU64::new(0);
-    let mut best = f64::INFINITY;
-    for pass in 0..2 * READ_PASSES {
-        let ahead = pass % 2 == 1;
-        let t0 = Instant::now();
-        pool.run(tasks, |t| {
-            let lines = split_range(words / 8, tasks, t);
-            let part = &buf[lines.start * 8..lines.end * 8];
-            sink.fetch_add(sum_lines(part, ahead), Ordering::Relaxed);
-        })?;
-        best = best.min(t0.elapsed().as_secs_f64());
+}
+
+/// A buffer far beyond the last-level cache, filled once, whose read bandwidth can be measured
+/// again and again: beside a benchmark's own steps, so both see the same memory speed (a VM's
+/// can change by a third within minutes).
+pub struct ReadProbe {
+    buf: Vec<u64>,
+}
+
+impl ReadProbe {
+    /// A probe of `bytes` (rounded down to whole 64-byte lines); None when that is nothing or
+    /// the system cannot allocate it.
+    pub fn new(bytes: usize) -> Option<Self> {
+        let words = bytes / 64 * 8;
+        let mut buf: Vec<u64> = Vec::new();
+        if words == 0 || buf.try_reserve_exact(words).is_err() {
+            return None;
+        }
+        // Backed by huge pages where the kernel allows, as the packed weights are
+        // (`AlignedBytes`).
+        crate::backend::advise_huge_pages(buf.as_mut_ptr() as usize, words * 8);
+        buf.extend((0..words as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        Some(Self { buf })
     }
-    std::hint::black_box(sink.load(Ordering::Relaxed));
-    Ok(Some((words * 8) as f64 / best / 1e9))
+
+    /// Bytes read per pass.
+    pub fn bytes(&self) -> usize {
+        self.buf.len() * 8
+    }
+
+    /// The read bandwidth in GB/s: the best of `passes` plain reads of the whole buffer and
+    /// `passes` asking for lines ahead, alternated, every thread of `pool` summing its share.
+    pub fn gb_s(&self, pool: &ThreadPool, passes: usize) -> Result<f64, PoolError> {
+        let words = self.buf.len();
+        let tasks = pool.threads();
+        let sink = AtomicU64::new(0);
+        let mut best = f64::INFINITY;
+        for pass in 0..2 * passes.max(1) {
+            let ahead = pass % 2 == 1;
+            let t0 = Instant::now();
+            pool.run(tasks, |t| {
+                let lines = split_range(words / 8, tasks, t);
+                let part = &self.buf[lines.start * 8..lines.end * 8];
+                sink.fetch_add(sum_lines(part, ahead), Ordering::Relaxed);
+            })?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(sink.load(Ordering::Relaxed));
+        Ok(self.bytes() as f64 / best / 1e9)
+    }
 }
 
 /// A sum over every word, eight independent lanes (one 64-byte line per step) so the loop is
