@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use npu_backend_cpu::roofline::{ReadProbe, READ_BYTES};
+use npu_backend_cpu::roofline::{ReadProbe, READ_BYTES, READ_PASSES};
 use npu_backend_cpu::threadpool::ThreadPool;
 use serde::Serialize;
 
@@ -22,10 +22,6 @@ const WARM_STEPS: usize = 4;
 
 /// Decode steps per round; each round's step time is their median.
 pub const STEPS_PER_ROUND: usize = 16;
-
-/// Probe passes per round, each plain and asking ahead (the best counts; ~30 ms in all at
-/// 70 GB/s).
-const PROBE_PASSES: usize = 2;
 
 /// The most rounds `--bandwidth-rounds` takes.
 pub const MAX_ROUNDS: usize = 64;
@@ -65,7 +61,8 @@ pub fn check_rounds(rounds: usize) -> anyhow::Result<usize> {
 }
 
 /// Runs one greedy batch-1 request through `rounds` rounds of `STEPS_PER_ROUND` decode steps,
-/// measuring the read bandwidth on a pool of `threads` threads before each round.
+/// measuring the read bandwidth on a pool of `threads` threads before each round, as plain
+/// `bench-model` does once (the same buffer size and passes; ~60 ms at 70 GB/s).
 pub(crate) fn rounds(
     engine: &mut AgentEngine,
     cfg: &AgentEngineConfig,
@@ -94,7 +91,7 @@ pub(crate) fn rounds(
             && (next - WARM_STEPS).is_multiple_of(STEPS_PER_ROUND)
             && probes.len() < rounds
         {
-            match probe.gb_s(&pool, PROBE_PASSES) {
+            match probe.gb_s(&pool, READ_PASSES) {
                 Ok(v) => probes.push(v),
                 Err(e) => probe_error = Some(e),
             }

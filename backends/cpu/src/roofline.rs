@@ -15,7 +15,7 @@ use crate::threadpool::{split_range, PoolError, ThreadPool};
 pub const READ_BYTES: usize = 256 << 20;
 
 /// Reads of the whole buffer per way of reading it; the best one counts.
-const READ_PASSES: usize = 4;
+pub const READ_PASSES: usize = 4;
 
 /// How far ahead of the line it sums a prefetching read asks for lines: 2 KiB. On a 2-core
 /// Zen 5 (`lscpu` "AMD EPYC") plain reads measured 38-40 GB/s with both threads and reads asking
