@@ -22,7 +22,7 @@ use crate::kernels::quantize::{self, quantize_acts};
 use crate::kernels::{matmul, scan, Isa, KernelError};
 use crate::quant::acts::QBLOCK;
 use crate::quant::packed::PackFormat;
-use crate::quant::{QuantizedActs, WeightMatrix};
+use crate::quant::{FloatActs, QuantizedActs, WeightMatrix};
 use crate::threadpool::{split_range, ThreadPool};
 use npu_backend::{
     AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostTensor,
@@ -403,7 +403,13 @@ impl Backend for CpuBackend {
                 }
                 row0 += p.rows;
             }
-            return Ok(Some(WeightMatrix::F32 { n, k, data }));
+            // The reference computes in exact f32 throughout, activations included.
+            return Ok(Some(WeightMatrix::F32 {
+                n,
+                k,
+                data,
+                acts: FloatActs::F32,
+            }));
         }
         let raw: Vec<(GgmlType, &[u8], usize)> =
             parts.iter().map(|p| (p.ty, p.data, p.rows)).collect();

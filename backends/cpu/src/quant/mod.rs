@@ -6,6 +6,6 @@ pub mod acts;
 pub mod packed;
 
 pub use acts::QuantizedActs;
-pub use packed::{PackedMatrix, WeightMatrix};
+pub use packed::{FloatActs, PackedMatrix, WeightMatrix};
 /// Test support (random well-formed tensors), shared with the instruction-set check program.
 pub mod testing;

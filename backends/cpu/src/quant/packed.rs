@@ -395,7 +395,35 @@ pub enum WeightMatrix {
         n: usize,
         k: usize,
         data: Vec<f32>,
+        /// How the activations are rounded before they meet these weights.
+        acts: FloatActs,
     },
+}
+
+/// How activations are rounded before a matmul with float weights, as llama.cpp's CPU backend
+/// feeds them: its F16 and BF16 matmuls take their inputs converted to the weights' type (the
+/// type's `vec_dot_type`, and tinyBLAS on x86 takes F16 x F16 only), so an f16 file's every
+/// projection sees f16-rounded activations. F32 weights take f32 activations as they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatActs {
+    /// Exact f32 (F32 weights, or the f32 reference mode).
+    F32,
+    /// Rounded to the nearest f16 (F16 weights).
+    F16,
+    /// Rounded to the nearest bf16 (BF16 weights).
+    Bf16,
+}
+
+impl FloatActs {
+    /// The rounding llama.cpp applies for weights stored as `ty` (None: not a float type).
+    pub fn for_type(ty: GgmlType) -> Option<Self> {
+        match ty {
+            GgmlType::F32 => Some(Self::F32),
+            GgmlType::F16 => Some(Self::F16),
+            GgmlType::BF16 => Some(Self::Bf16),
+            _ => None,
+        }
+    }
 }
 
 impl WeightMatrix {
@@ -426,7 +454,12 @@ impl WeightMatrix {
         let packed = PackFormat::for_type(first);
         match packed {
             None => {
-                // Plain floats: dequantize everything to f32.
+                // Plain floats: dequantize everything to f32. The parts must share one type, as
+                // the activations are rounded once for the whole matrix.
+                let acts = FloatActs::for_type(first)?;
+                if parts.iter().any(|p| p.0 != first) {
+                    return None;
+                }
                 let n: usize = parts.iter().map(|p| p.2).sum();
                 let mut data = vec![0f32; n * k];
                 let mut row0 = 0;
@@ -442,7 +475,7 @@ impl WeightMatrix {
                     }
                     row0 += rows;
                 }
-                Some(Self::F32 { n, k, data })
+                Some(Self::F32 { n, k, data, acts })
             }
             Some((format, _)) => {
                 if !k.is_multiple_of(format.super_len()) {

@@ -23,10 +23,11 @@ mod tests;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::vecmath::round_through_f16;
 use super::{Isa, KernelError};
 use crate::disjoint::{Tile, TileGrid};
 use crate::quant::acts::{ActSums, QBLOCK};
-use crate::quant::packed::{PackedMatrix, Values, WeightMatrix, GROUP};
+use crate::quant::packed::{FloatActs, PackedMatrix, Values, WeightMatrix, GROUP};
 use crate::quant::QuantizedActs;
 use crate::threadpool::ThreadPool;
 
@@ -299,9 +300,29 @@ pub fn matmul(
                 }
             })?
         }
-        WeightMatrix::F32 { k, data, .. } => pool.run(tasks, |t| {
-            f32mm::matmul_f32(isa, data, *k, x_f32, &mut grid.take(0, t));
-        })?,
+        WeightMatrix::F32 { k, data, acts, .. } => {
+            // F16/BF16 weights meet activations rounded to their type, as in llama.cpp.
+            let rounded;
+            let x = match acts {
+                FloatActs::F32 => x_f32,
+                FloatActs::F16 => {
+                    let mut r = x_f32[..rows * k].to_vec();
+                    round_through_f16(isa, &mut r);
+                    rounded = r;
+                    &rounded[..]
+                }
+                FloatActs::Bf16 => {
+                    rounded = x_f32[..rows * k]
+                        .iter()
+                        .map(|v| half::bf16::from_f32(*v).to_f32())
+                        .collect::<Vec<f32>>();
+                    &rounded[..]
+                }
+            };
+            pool.run(tasks, |t| {
+                f32mm::matmul_f32(isa, data, *k, x, &mut grid.take(0, t));
+            })?
+        }
     }
     Ok(())
 }

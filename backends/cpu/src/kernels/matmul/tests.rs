@@ -242,6 +242,60 @@ fn f32_weights_match_naive() {
     }
 }
 
+/// F16 and BF16 weights meet activations rounded to their own type first (llama.cpp's CPU
+/// matmul converts its input to the weights' `vec_dot_type`): the product equals the exact dot
+/// product of the rounded activations, and differs from the unrounded one.
+#[test]
+fn half_weights_take_activations_rounded_to_their_type() {
+    let pool = ThreadPool::new(2);
+    let (n, k, rows) = (32usize, 64usize, 2usize);
+    let mut rng = TestRng::new(5);
+    // Values with more mantissa bits than f16/bf16 keep, so the rounding shows.
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-3.0, 3.0)).collect();
+    for (ty, round) in [
+        (
+            GgmlType::F16,
+            (|v: f32| half::f16::from_f32(v).to_f32()) as fn(f32) -> f32,
+        ),
+        (GgmlType::BF16, |v: f32| half::bf16::from_f32(v).to_f32()),
+    ] {
+        let bytes = random_ggml_rows(ty, n, k, 9);
+        let w = WeightMatrix::from_ggml_parts(&[(ty, &bytes, n)], k).unwrap();
+        let WeightMatrix::F32 { data, .. } = &w else {
+            panic!("expected float weights")
+        };
+        for isa in Isa::available() {
+            let mut out = vec![0f32; rows * n];
+            let empty = QuantizedActs::new();
+            let input = MatmulInput {
+                f32: &x,
+                quantized: &empty,
+                rows,
+            };
+            matmul(&pool, isa, &w, input, &mut out, n).unwrap();
+            let mut far_from_exact = false;
+            for m in 0..rows {
+                for nn in 0..n {
+                    let dot = |f: &dyn Fn(f32) -> f32| -> f64 {
+                        (0..k)
+                            .map(|kk| f(x[m * k + kk]) as f64 * data[nn * k + kk] as f64)
+                            .sum()
+                    };
+                    let (want, exact) = (dot(&|v| round(v)), dot(&|v| v));
+                    let got = out[m * n + nn] as f64;
+                    assert!((got - want).abs() < 1e-4, "{} {}", ty.name(), isa.name());
+                    far_from_exact |= (got - exact).abs() > 1e-3;
+                }
+            }
+            assert!(
+                far_from_exact,
+                "{}: activations were not rounded",
+                ty.name()
+            );
+        }
+    }
+}
+
 /// `matmul` makes the activation sums the K-quant formats need before its tasks start (a task
 /// that made them would leave the others blocked on them; a job without them panics).
 #[test]

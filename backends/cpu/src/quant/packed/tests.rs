@@ -109,13 +109,22 @@ fn float_tensors_become_f32() {
         .iter()
         .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
         .collect();
-    let WeightMatrix::F32 { n, k, data } =
+    let WeightMatrix::F32 { n, k, data, acts } =
         WeightMatrix::from_ggml_parts(&[(GgmlType::F16, &bytes, 2)], 32).unwrap()
     else {
         panic!()
     };
     assert_eq!((n, k), (2, 32));
     assert_eq!(data, vals);
+    // An f16 matrix takes f16-rounded activations, as llama.cpp's CPU backend gives them.
+    assert_eq!(acts, super::FloatActs::F16);
+    // Float parts of different types cannot share one activation rounding: not fused.
+    let f32_bytes: Vec<u8> = vals[..32].iter().flat_map(|v| v.to_le_bytes()).collect();
+    assert!(WeightMatrix::from_ggml_parts(
+        &[(GgmlType::F16, &bytes, 2), (GgmlType::F32, &f32_bytes, 1)],
+        32
+    )
+    .is_none());
 }
 
 /// The flags line of the `/proc/self/smaps` mapping that holds `addr`.
