@@ -20,7 +20,7 @@ use crate::kernels::attention::{self, AttnParams, AttnSeq};
 use crate::kernels::elementwise::{self, Rope};
 use crate::kernels::quantize::{self, quantize_acts};
 use crate::kernels::{matmul, scan, Isa, KernelError};
-use crate::quant::acts::QBLOCK;
+use crate::quant::acts::{ActBlocks, QBLOCK, QK_K};
 use crate::quant::packed::PackFormat;
 use crate::quant::{FloatActs, QuantizedActs, WeightMatrix};
 use crate::threadpool::{split_range, ThreadPool};
@@ -65,8 +65,12 @@ pub struct CpuBackend {
     staging: Vec<f32>,
     kv: Option<KvPool>,
     step: StepInputs,
-    /// Which rows `acts` holds quantized, as they were when quantized (`None`: nothing usable).
-    acts_key: Option<RowsKey>,
+    /// Which rows `acts` holds quantized, as they were when quantized, and how (`None`:
+    /// nothing usable).
+    acts_key: Option<(RowsKey, ActBlocks)>,
+    /// Weight elements loaded per activation blocking their matrices take ([Q8_0, Q8_K]): ops
+    /// that quantize their output as they write it use the blocking most weights take.
+    act_blocks_weight: [u64; 2],
     /// Counts steps, so per-step caches know when they are stale.
     step_serial: u64,
     /// Rope angles of the step's positions, per rope (a model may turn at several bases) and
@@ -104,6 +108,7 @@ impl CpuBackend {
             isa: Isa::active(),
             acts: QuantizedActs::new(),
             acts_key: None,
+            act_blocks_weight: [0; 2],
             staging: Vec::new(),
             kv: None,
             step: StepInputs::default(),
@@ -194,7 +199,17 @@ impl CpuBackend {
     where
         F: Fn(usize, &mut [f32]) + Sync,
     {
-        if self.f32_reference || !out.cols.is_multiple_of(QBLOCK) {
+        let blocks = if self.act_blocks_weight[1] > self.act_blocks_weight[0] {
+            ActBlocks::Q8K
+        } else {
+            ActBlocks::Q8_0
+        };
+        let per = if blocks == ActBlocks::Q8K {
+            QK_K
+        } else {
+            QBLOCK
+        };
+        if self.f32_reference || !out.cols.is_multiple_of(per) {
             return self.par_rows_mut(out, f);
         }
         let key = out.key();
@@ -206,10 +221,11 @@ impl CpuBackend {
             out.rows,
             out.cols,
             out.stride,
+            blocks,
             &mut self.acts,
             f,
         )?;
-        self.acts_key = Some(key);
+        self.acts_key = Some((key, blocks));
         Ok(())
     }
 
@@ -424,6 +440,10 @@ impl Backend for CpuBackend {
                 "some weights (Q2_K/Q3_K/Q6_K) were re-quantized to 8-bit blocks for the CPU kernels"
             );
         }
+        if let Some(WeightMatrix::Packed(p)) = &m {
+            let i = usize::from(p.format.act_blocks() == ActBlocks::Q8K);
+            self.act_blocks_weight[i] += (p.n * p.k) as u64;
+        }
         Ok(m)
     }
 
@@ -576,10 +596,21 @@ impl Backend for CpuBackend {
         // Rows an op has just written may have been quantized as it wrote them (the key
         // names the same contents only while nothing wrote the buffer since).
         let key = x.key();
-        if matches!(w, WeightMatrix::Packed(_)) && self.acts_key != Some(key) {
-            self.acts_key = None;
-            quantize_acts(&self.pool, self.isa, input, x.rows, x.cols, &mut self.acts)?;
-            self.acts_key = Some(key);
+        if let WeightMatrix::Packed(p) = w {
+            let blocks = p.format.act_blocks();
+            if self.acts_key != Some((key, blocks)) {
+                self.acts_key = None;
+                quantize_acts(
+                    &self.pool,
+                    self.isa,
+                    input,
+                    x.rows,
+                    x.cols,
+                    blocks,
+                    &mut self.acts,
+                )?;
+                self.acts_key = Some((key, blocks));
+            }
         }
         matmul::matmul(
             &self.pool,

@@ -6,31 +6,35 @@ use std::ops::Range;
 
 use super::{Isa, KernelError};
 use crate::disjoint::{GridError, Tile, TileGrid};
-use crate::quant::acts::{quantize_row, QuantizedActs, QBLOCK};
+use crate::quant::acts::{quantize_row, quantize_row_q8k, ActBlocks, QuantizedActs, QBLOCK, QK_K};
 use crate::threadpool::ThreadPool;
 
-/// Quantizes `rows` rows of `k` values of `x` into `acts` (`k` a multiple of 32).
+/// Quantizes `rows` rows of `k` values of `x` into `acts` as `blocks` says (`k` a multiple of
+/// 32, of 256 for Q8_K).
 pub fn quantize_acts(
     pool: &ThreadPool,
     isa: Isa,
     x: &[f32],
     rows: usize,
     k: usize,
+    blocks: ActBlocks,
     acts: &mut QuantizedActs,
 ) -> Result<(), KernelError> {
     let bad = |message: String| KernelError::BadShape {
         op: "activation quantization",
         message,
     };
-    if !k.is_multiple_of(QBLOCK) {
-        return Err(bad(format!("row length {k} is not a multiple of {QBLOCK}")));
+    let per = block_len(blocks);
+    if !k.is_multiple_of(per) {
+        return Err(bad(format!("row length {k} is not a multiple of {per}")));
     }
     if x.len() < rows * k {
         return Err(bad(format!("{} values for {rows} rows of {k}", x.len())));
     }
     let isa = isa.checked();
     acts.resize(rows, k);
-    let split = Split::new(pool, acts, rows, k).map_err(|e| bad(e.to_string()))?;
+    acts.blocks = blocks;
+    let split = Split::new(pool, acts, rows, k, blocks).map_err(|e| bad(e.to_string()))?;
     pool.run(split.parts.len(), |t| {
         let mut part = split.take(isa, t);
         for (j, r) in split.parts[t].clone().enumerate() {
@@ -45,6 +49,7 @@ pub fn quantize_acts(
 /// The rows of `acts` cut into one part per task (several tasks only for 8 rows or more), each
 /// part's quantized values, scales, scaled sums and integer sums a tile of its own.
 struct Split<'a> {
+    blocks: ActBlocks,
     parts: Vec<Range<usize>>,
     qs: TileGrid<'a, i8>,
     ds: TileGrid<'a, f32>,
@@ -60,6 +65,7 @@ impl<'a> Split<'a> {
         acts: &'a mut QuantizedActs,
         rows: usize,
         k: usize,
+        blocks: ActBlocks,
     ) -> Result<Self, GridError> {
         let nb = k / QBLOCK;
         let tasks = if rows >= 8 && pool.threads() > 1 {
@@ -75,6 +81,7 @@ impl<'a> Split<'a> {
             ds: TileGrid::rows(&mut acts.d[..rows * nb], nb, parts.clone())?,
             ss: TileGrid::rows(&mut acts.s[..rows * nb], nb, parts.clone())?,
             sums: TileGrid::rows(&mut acts.isum[..rows * nb], nb, parts.clone())?,
+            blocks,
             parts,
             k,
         })
@@ -88,6 +95,7 @@ impl<'a> Split<'a> {
             s: self.ss.take(t, 0),
             i: self.sums.take(t, 0),
             k: self.k,
+            blocks: self.blocks,
             isa,
         }
     }
@@ -100,6 +108,7 @@ struct PartWriter<'g> {
     s: Tile<'g, f32>,
     i: Tile<'g, i32>,
     k: usize,
+    blocks: ActBlocks,
     isa: Isa,
 }
 
@@ -107,7 +116,13 @@ impl PartWriter<'_> {
     /// Quantizes `x` (`k` values) as the part's row `j`.
     fn put(&mut self, j: usize, x: &[f32]) {
         let (k, nb) = (self.k, self.k / QBLOCK);
-        quantize_row_isa(
+        let row = match self.blocks {
+            ActBlocks::Q8_0 => quantize_row_isa,
+            // Q8_K rows take the portable quantizer (a pass over the row and one over its
+            // values; llama.cpp's x86 build uses its reference too).
+            ActBlocks::Q8K => quantize_row_q8k_checked,
+        };
+        row(
             self.isa,
             x,
             &mut self.q.contiguous_mut()[j * k..(j + 1) * k],
@@ -151,6 +166,37 @@ fn quantize_row_isa(
     }
 }
 
+/// The Q8_K quantizer with `quantize_row_isa`'s signature and length checks.
+fn quantize_row_q8k_checked(
+    _isa: Isa,
+    x: &[f32],
+    qs: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    i: &mut [i32],
+) {
+    assert!(
+        x.len().is_multiple_of(QK_K)
+            && qs.len() == x.len()
+            && [d.len(), s.len(), i.len()] == [x.len() / QBLOCK; 3],
+        "a Q8_K row of {} values with {} quantized values and {} / {} / {} block fields",
+        x.len(),
+        qs.len(),
+        d.len(),
+        s.len(),
+        i.len()
+    );
+    quantize_row_q8k(x, qs, d, s, i);
+}
+
+/// Values per scale of `blocks`.
+fn block_len(blocks: ActBlocks) -> usize {
+    match blocks {
+        ActBlocks::Q8_0 => QBLOCK,
+        ActBlocks::Q8K => QK_K,
+    }
+}
+
 /// What follows the rows: the ISA check's fault hook, and the AMX tile layout (whole 16-row
 /// tiles, shared by every matrix this activation multiplies).
 fn finish(isa: Isa, rows: usize, acts: &mut QuantizedActs) {
@@ -176,6 +222,7 @@ pub fn map_rows_quantized<F>(
     rows: usize,
     cols: usize,
     ld: usize,
+    blocks: ActBlocks,
     acts: &mut QuantizedActs,
     f: F,
 ) -> Result<(), KernelError>
@@ -186,17 +233,17 @@ where
         op: "row map with quantization",
         message,
     };
-    if !cols.is_multiple_of(QBLOCK) {
-        return Err(bad(format!(
-            "row length {cols} is not a multiple of {QBLOCK}"
-        )));
+    let per = block_len(blocks);
+    if !cols.is_multiple_of(per) {
+        return Err(bad(format!("row length {cols} is not a multiple of {per}")));
     }
     let isa = isa.checked();
     acts.resize(rows, cols);
+    acts.blocks = blocks;
     if rows == 0 {
         return Ok(());
     }
-    let split = Split::new(pool, acts, rows, cols).map_err(|e| bad(e.to_string()))?;
+    let split = Split::new(pool, acts, rows, cols, blocks).map_err(|e| bad(e.to_string()))?;
     let xs = TileGrid::row_parts(out, ld, split.parts.clone(), 0..cols)
         .map_err(|e| bad(e.to_string()))?;
     pool.run(split.parts.len(), |t| {
@@ -336,7 +383,7 @@ mod tests {
         want.quantize(&x, rows, k);
         for isa in Isa::available() {
             let mut got = QuantizedActs::new();
-            quantize_acts(&pool, isa, &x, rows, k, &mut got).unwrap();
+            quantize_acts(&pool, isa, &x, rows, k, ActBlocks::Q8_0, &mut got).unwrap();
             assert_eq!(got.qs, want.qs, "{}", isa.name());
             assert_eq!(got.d, want.d, "{}", isa.name());
             assert_eq!(got.s, want.s, "{}", isa.name());
@@ -357,11 +404,21 @@ mod tests {
         for isa in Isa::available() {
             let mut buf = vec![7f32; rows * ld];
             let mut got = QuantizedActs::new();
-            map_rows_quantized(&pool, isa, &mut buf, rows, k, ld, &mut got, |r, row| {
-                for (c, x) in row.iter_mut().enumerate() {
-                    *x = value(r, c);
-                }
-            })
+            map_rows_quantized(
+                &pool,
+                isa,
+                &mut buf,
+                rows,
+                k,
+                ld,
+                ActBlocks::Q8_0,
+                &mut got,
+                |r, row| {
+                    for (c, x) in row.iter_mut().enumerate() {
+                        *x = value(r, c);
+                    }
+                },
+            )
             .unwrap();
             for r in 0..rows {
                 assert_eq!(&buf[r * ld..r * ld + k], &want_rows[r * k..(r + 1) * k]);
@@ -396,7 +453,7 @@ mod tests {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for isa in Isa::available() {
             let mut got = QuantizedActs::new();
-            quantize_acts(&pool, isa, &x, rows, k, &mut got).unwrap();
+            quantize_acts(&pool, isa, &x, rows, k, ActBlocks::Q8_0, &mut got).unwrap();
             assert_eq!(got.qs, want.qs, "{}", isa.name());
             assert_eq!(bits(&got.d), bits(&want.d), "{}", isa.name());
             assert_eq!(bits(&got.s), bits(&want.s), "{}", isa.name());

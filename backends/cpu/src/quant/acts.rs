@@ -10,11 +10,31 @@ use half::f16;
 
 pub const QBLOCK: usize = 32;
 
+/// Values of one Q8_K super-block.
+pub const QK_K: usize = 256;
+
+/// How a row of activations is cut into scaled int8 blocks: as llama.cpp quantizes them for the
+/// weights they meet (the weight type's `vec_dot_type`), so both round the same values the same
+/// way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActBlocks {
+    /// Q8_0 / Q8_1: a scale `amax / 127` per 32 values, values rounded to nearest-even (Q4_0,
+    /// Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL weights).
+    #[default]
+    Q8_0,
+    /// Q8_K: one f32 scale per 256 values, `-max / 127` of the value largest in magnitude (the
+    /// K-quants and IQ4_XS); stored here as that scale on each of the super-block's eight
+    /// 32-value blocks.
+    Q8K,
+}
+
 /// Quantized rows of activations (reused between calls; grows, never shrinks).
 #[derive(Default)]
 pub struct QuantizedActs {
     pub rows: usize,
     pub k: usize,
+    /// How the rows were quantized.
+    pub blocks: ActBlocks,
     /// rows * k values.
     pub qs: Vec<i8>,
     /// Per block: scale (f16-rounded).
@@ -64,6 +84,7 @@ impl QuantizedActs {
         self.s.resize(nb, 0.0);
         self.isum.resize(nb, 0);
         self.tiles.clear();
+        self.blocks = ActBlocks::Q8_0;
         self.sums = OnceLock::new();
     }
 
@@ -107,6 +128,24 @@ impl QuantizedActs {
                     self.tiles[dst..dst + QBLOCK].copy_from_slice(&self.qs[src..src + QBLOCK]);
                 }
             }
+        }
+    }
+
+    /// Quantizes `rows` rows of `k` values from `x` (row-major) as Q8_K (`k` a multiple of 256).
+    pub fn quantize_q8k(&mut self, x: &[f32], rows: usize, k: usize) {
+        assert_eq!(x.len(), rows * k);
+        assert!(k.is_multiple_of(QK_K), "Q8_K rows of {k} values");
+        self.resize(rows, k);
+        self.blocks = ActBlocks::Q8K;
+        let nb = k / QBLOCK;
+        for r in 0..rows {
+            quantize_row_q8k(
+                &x[r * k..(r + 1) * k],
+                &mut self.qs[r * k..(r + 1) * k],
+                &mut self.d[r * nb..(r + 1) * nb],
+                &mut self.s[r * nb..(r + 1) * nb],
+                &mut self.isum[r * nb..(r + 1) * nb],
+            );
         }
     }
 
@@ -160,9 +199,95 @@ pub fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum
     }
 }
 
+/// The Q8_K row quantizer, as llama.cpp's `quantize_row_q8_K_ref` (which its x86 build uses):
+/// per 256 values the one of largest magnitude (the first, on ties) `max`, `iscale = -127 / max`,
+/// each value `round_ties_even(iscale * x)` at most 127, and the scale `1 / iscale` in f32. Each
+/// of the super-block's 32-value blocks gets that scale, its integer sum, and `s` (the sum
+/// scaled, rounded through f16, as for Q8_0). `x.len()` must be a multiple of 256.
+pub fn quantize_row_q8k(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
+    const PER: usize = QK_K / QBLOCK;
+    for (sb, (xs, qsb)) in x
+        .chunks_exact(QK_K)
+        .zip(qs.chunks_exact_mut(QK_K))
+        .enumerate()
+    {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in xs {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let blocks = sb * PER..(sb + 1) * PER;
+        if amax == 0.0 {
+            qsb.fill(0);
+            d[blocks.clone()].fill(0.0);
+            s[blocks.clone()].fill(0.0);
+            isum[blocks].fill(0);
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in qsb.iter_mut().zip(xs) {
+            let r = (iscale * v).round_ties_even();
+            // NaN becomes 0 (a poisoned activation must not be UB); the top is clamped to 127
+            // as llama.cpp clamps it.
+            *q = if r.is_nan() {
+                0
+            } else {
+                r.clamp(-128.0, 127.0) as i8
+            };
+        }
+        let scale = 1.0 / iscale;
+        for (j, b) in blocks.enumerate() {
+            let sum: i32 = qsb[j * QBLOCK..(j + 1) * QBLOCK]
+                .iter()
+                .map(|&q| q as i32)
+                .sum();
+            d[b] = scale;
+            isum[b] = sum;
+            s[b] = f16::from_f32(scale * sum as f32).to_f32();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Q8_K as llama.cpp defines it: the largest-magnitude value maps to -127 exactly, one
+    /// scale per 256 values (negative when that value is positive), values within half a step.
+    #[test]
+    fn q8k_rows_follow_llama_cpp() {
+        let x: Vec<f32> = (0..512)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.173 + if i == 300 { 40.0 } else { 0.0 })
+            .collect();
+        let mut a = QuantizedActs::new();
+        a.quantize_q8k(&x, 1, 512);
+        assert_eq!(a.blocks, ActBlocks::Q8K);
+        for sb in 0..2 {
+            let xs = &x[sb * 256..(sb + 1) * 256];
+            let (i, max) =
+                xs.iter().enumerate().fold(
+                    (0, 0f32),
+                    |b, (i, &v)| if v.abs() > b.1.abs() { (i, v) } else { b },
+                );
+            assert_eq!(a.qs[sb * 256 + i], -127);
+            let d = a.d[sb * 8];
+            assert_eq!(d, 1.0 / (-127.0 / max));
+            assert!(a.d[sb * 8..sb * 8 + 8].iter().all(|&v| v == d));
+            for (j, &v) in xs.iter().enumerate() {
+                let back = d * a.qs[sb * 256 + j] as f32;
+                assert!((back - v).abs() <= d.abs() * 0.5 + 1e-5, "{v} vs {back}");
+            }
+            for b in 0..8 {
+                let want: i32 = a.qs[sb * 256 + b * 32..sb * 256 + b * 32 + 32]
+                    .iter()
+                    .map(|&q| q as i32)
+                    .sum();
+                assert_eq!(a.isum[sb * 8 + b], want);
+            }
+        }
+    }
 
     #[test]
     fn dequantized_values_are_close() {

@@ -30,7 +30,7 @@
 
 use std::alloc::{alloc, alloc_zeroed, dealloc, Layout};
 
-use super::acts::QBLOCK;
+use super::acts::{ActBlocks, QBLOCK};
 use npu_gguf::quants::{self as ggml, f16_at, iq4_xs_scale, k4_scale_min, IQ4_VALUES};
 use npu_gguf::GgmlType;
 
@@ -254,6 +254,17 @@ impl PackFormat {
     pub fn super_len(&self) -> usize {
         QBLOCK * self.blocks_per_super()
     }
+    /// How the activations this format meets are quantized: as llama.cpp's `vec_dot_type` of
+    /// the file's type (Q8_K for the K-quants and IQ4_XS, Q8_0 blocks for the others).
+    pub fn act_blocks(&self) -> ActBlocks {
+        match self.scales {
+            Scales::K4 | Scales::K6 | Scales::K3 | Scales::K2 | Scales::Xs | Scales::F32Super => {
+                ActBlocks::Q8K
+            }
+            Scales::F16 | Scales::F16Min => ActBlocks::Q8_0,
+        }
+    }
+
     /// Whether the kernels need the activations' per-16 sums or exact block sums (`ActSums`).
     pub fn needs_act_sums(&self) -> bool {
         matches!(

@@ -313,7 +313,15 @@ fn quantize(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
         for &isa in isas {
             let mut got = QuantizedActs::new();
             let what = format!("{} quantize rows={rows} k={k}", isa.name());
-            if let Err(e) = quantize_acts(pool, isa, &x, rows, k, &mut got) {
+            if let Err(e) = quantize_acts(
+                pool,
+                isa,
+                &x,
+                rows,
+                k,
+                npu_backend_cpu::quant::acts::ActBlocks::Q8_0,
+                &mut got,
+            ) {
                 r.fail("activation quantization", format!("{what}: {e}"));
                 continue;
             }

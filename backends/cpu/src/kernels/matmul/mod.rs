@@ -248,6 +248,13 @@ pub fn matmul(
                     acts.rows, acts.k, p.k
                 )));
             }
+            if acts.blocks != p.format.act_blocks() {
+                return Err(bad(format!(
+                    "activations quantized as {:?} for weights that take {:?}",
+                    acts.blocks,
+                    p.format.act_blocks()
+                )));
+            }
             task_count(pool, units, rows * p.blocks())
         }
         WeightMatrix::F32 { k, .. } => {

@@ -306,8 +306,16 @@ fn matmul_makes_the_k_quant_sums_before_its_tasks() {
         let w = WeightMatrix::Packed(packed(ty, n, k, 11));
         let mut rng = TestRng::new(12);
         let x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-2.0, 2.0)).collect();
+        let q8k = ty != GgmlType::Q4_0;
+        let quantize = |a: &mut QuantizedActs| {
+            if q8k {
+                a.quantize_q8k(&x, rows, k)
+            } else {
+                a.quantize(&x, rows, k)
+            }
+        };
         let mut a = QuantizedActs::new();
-        a.quantize(&x, rows, k);
+        quantize(&mut a);
         assert!(a.sums_made().is_none());
         let mut out = vec![0f32; rows * n];
         let input = MatmulInput {
@@ -322,10 +330,30 @@ fn matmul_makes_the_k_quant_sums_before_its_tasks() {
         assert_eq!(a.sums_made().is_some(), p.format.needs_act_sums(), "{ty:?}");
         // The same product as the scalar kernel's on activations that had their sums already.
         let mut b = QuantizedActs::new();
-        b.quantize(&x, rows, k);
+        quantize(&mut b);
         b.sums();
         assert_eq!(out, run(Isa::Scalar, p, &b, n), "{ty:?}");
     }
+}
+
+/// A matmul refuses activations quantized for another weight type (Q8_0 blocks for K-quant
+/// weights, which take Q8_K as in llama.cpp), naming both.
+#[test]
+fn matmul_refuses_activations_quantized_for_other_weights() {
+    let pool = ThreadPool::new(2);
+    let (rows, n, k) = (1usize, 16usize, 256usize);
+    let w = WeightMatrix::Packed(packed(GgmlType::Q4K, n, k, 3));
+    let x = vec![0.5f32; rows * k];
+    let mut a = QuantizedActs::new();
+    a.quantize(&x, rows, k);
+    let mut out = vec![0f32; rows * n];
+    let input = MatmulInput {
+        f32: &x,
+        quantized: &a,
+        rows,
+    };
+    let e = matmul(&pool, Isa::active(), &w, input, &mut out, n).unwrap_err();
+    assert!(e.to_string().contains("Q8K"), "{e}");
 }
 
 /// Activations whose buffers do not match their shape (fields are public) are refused inside the
