@@ -32,8 +32,10 @@ pub enum SynthError {
     UnknownFamily(String),
     #[error("llama.cpp has no \"mistral\" architecture (Mistral 7B converts to \"llama\"), so a mistral file would have no reference: use --arch llama")]
     Mistral,
-    #[error("weight type {0} is not offered (f32, f16, q8_0)")]
+    #[error("weight type {0} is not offered (f32, f16, q8_0, q4_k)")]
     WeightType(String),
+    #[error("shape: {0}")]
+    Shape(String),
     #[error("the donor model has no tokenizer.ggml.tokens")]
     NoTokenizer,
     #[error("writing the model: {0}")]
@@ -111,11 +113,14 @@ impl Family {
             sliding_window: 0,
             tied: false,
             qkv_bias: false,
+            bias_half_width: 0.5,
             qk_norm: false,
-            rope_freqs: false,
+            rope_factors: RopeFactors::None,
             rope_base: 10000.0,
             rms_eps: 1e-5,
             context_length: 4096,
+            out_gain: 2.5,
+            logit_scale: 1.0,
         };
         match self {
             Self::Llama => base,
@@ -125,7 +130,7 @@ impl Family {
                 kv_heads: 1,
                 head_dim: 32,
                 tied: true,
-                rope_freqs: true,
+                rope_factors: RopeFactors::Formula,
                 rope_base: 500000.0,
                 context_length: 131072,
                 ..base
@@ -190,19 +195,41 @@ pub struct Shape {
     /// No `output.weight`: the head is `token_embd.weight`.
     pub tied: bool,
     pub qkv_bias: bool,
+    /// Half-width of the uniform Q/K/V bias values (when `qkv_bias`).
+    pub bias_half_width: f32,
     pub qk_norm: bool,
-    pub rope_freqs: bool,
+    /// The `rope_freqs.weight` tensor written, if any.
+    pub rope_factors: RopeFactors,
     pub rope_base: f32,
     pub rms_eps: f32,
     pub context_length: usize,
+    /// Scale of the attention and FFN output projections over unit scale (the context
+    /// outweighs the token's embedding in the residual stream).
+    pub out_gain: f32,
+    /// Multiplies the spread of the logits (the output matrix, or a tied model's output norm).
+    pub logit_scale: f32,
 }
 
-/// Parses a weight type name: f32, f16 or q8_0.
+/// Which Llama 3-style rotary frequency divisors a synthetic model carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeFactors {
+    /// No `rope_freqs.weight`.
+    None,
+    /// As `convert_hf_to_gguf.py` writes them ([`synth_llama3_factors`]): 1, a smooth band,
+    /// then the factor, monotone.
+    Formula,
+    /// The first four pairs 1, the others uniform in [0.5, 8), in no order (what a file may
+    /// hold: llama.cpp divides each pair's frequency by whatever value is there).
+    Arbitrary,
+}
+
+/// Parses a weight type name: f32, f16, q8_0 or q4_k.
 pub fn weight_type(s: &str) -> Result<GgmlType, SynthError> {
     match s.to_ascii_lowercase().as_str() {
         "f32" => Ok(GgmlType::F32),
         "f16" => Ok(GgmlType::F16),
         "q8_0" => Ok(GgmlType::Q8_0),
+        "q4_k" => Ok(GgmlType::Q4K),
         _ => Err(SynthError::WeightType(s.to_string())),
     }
 }
@@ -311,8 +338,72 @@ fn encode(ty: GgmlType, v: &[f32]) -> Vec<u8> {
             }
             out
         }
+        GgmlType::Q4K => v.chunks_exact(256).flat_map(q4_k_block).collect(),
         _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
+}
+
+/// One Q4_K block (256 values): per 32-value sub-block a scale and a minimum spanning its
+/// values in 15 steps, both stored as 6-bit multiples of the f16 super-block `d` and `dmin`,
+/// and the values as nibbles (`d * sc * q - dmin * m`, as ggml dequantizes them). A plain
+/// min/max fit, not llama-quantize's search: the file is a valid Q4_K file either way, and both
+/// engines run the same bytes.
+fn q4_k_block(x: &[f32]) -> Vec<u8> {
+    let mut scale = [0f32; 8];
+    let mut min = [0f32; 8];
+    for (j, sub) in x.chunks_exact(32).enumerate() {
+        let lo = sub.iter().fold(0f32, |m, &v| m.min(v));
+        let hi = sub.iter().fold(f32::MIN, |m, &v| m.max(v));
+        scale[j] = (hi - lo) / 15.0;
+        min[j] = -lo;
+    }
+    let d = half::f16::from_f32(scale.iter().fold(0f32, |m, &v| m.max(v)) / 63.0);
+    let dmin = half::f16::from_f32(min.iter().fold(0f32, |m, &v| m.max(v)) / 63.0);
+    let six = |v: f32, unit: f32| {
+        if unit > 0.0 {
+            (v / unit).round().clamp(0.0, 63.0) as u8
+        } else {
+            0
+        }
+    };
+    let sc: Vec<u8> = scale.iter().map(|&v| six(v, d.to_f32())).collect();
+    let mn: Vec<u8> = min.iter().map(|&v| six(v, dmin.to_f32())).collect();
+    let mut scales = [0u8; 12];
+    for j in 0..8 {
+        if j < 4 {
+            scales[j] = sc[j];
+            scales[j + 4] = mn[j];
+        } else {
+            scales[j + 4] = (sc[j] & 0x0F) | ((mn[j] & 0x0F) << 4);
+            scales[j - 4] |= (sc[j] >> 4) << 6;
+            scales[j] |= (mn[j] >> 4) << 6;
+        }
+    }
+    let q: Vec<u8> = x
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let j = i / 32;
+            let step = d.to_f32() * sc[j] as f32;
+            if step > 0.0 {
+                ((v + dmin.to_f32() * mn[j] as f32) / step)
+                    .round()
+                    .clamp(0.0, 15.0) as u8
+            } else {
+                0
+            }
+        })
+        .collect();
+    let mut out = Vec::with_capacity(144);
+    out.extend_from_slice(&d.to_le_bytes());
+    out.extend_from_slice(&dmin.to_le_bytes());
+    out.extend_from_slice(&scales);
+    for pair in 0..4 {
+        for l in 0..32 {
+            out.push(q[pair * 64 + l] | (q[pair * 64 + 32 + l] << 4));
+        }
+    }
+    out
 }
 
 /// Output rows of control tokens and of tokens that are not whole UTF-8 text are scaled down
@@ -444,8 +535,24 @@ pub fn synth_model_shaped(
     ty: GgmlType,
     donor: &GgufFile,
 ) -> Result<Vec<u8>, SynthError> {
-    if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Q8_0) {
+    if !matches!(
+        ty,
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Q8_0 | GgmlType::Q4K
+    ) {
         return Err(SynthError::WeightType(ty.name().to_string()));
+    }
+    // A matrix's rows must fill whole blocks of the type.
+    let block = if ty == GgmlType::Q4K { 256 } else { 32 };
+    let rows = [
+        s.hidden,
+        s.heads * s.head_dim,
+        if s.experts > 0 { s.expert_ff } else { s.ff },
+    ];
+    if ty != GgmlType::F32 && ty != GgmlType::F16 && rows.iter().any(|r| r % block != 0) {
+        return Err(SynthError::Shape(format!(
+            "{} needs rows of whole {block}-value blocks; the shape's rows are {rows:?}",
+            ty.name()
+        )));
     }
     let vocab = donor
         .get("tokenizer.ggml.tokens")
@@ -478,7 +585,9 @@ pub fn synth_model_shaped(
         &k("attention.layer_norm_rms_epsilon"),
         MetaValue::F32(s.rms_eps),
     );
-    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3) {
+    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
+        || s.heads * s.head_dim != s.hidden
+    {
         // Their converters write head_dim (it need not be hidden / heads).
         b.meta(&k("attention.key_length"), u32v(s.head_dim));
         b.meta(&k("attention.value_length"), u32v(s.head_dim));
@@ -499,6 +608,7 @@ pub fn synth_model_shaped(
     let file_type = match ty {
         GgmlType::F32 => 0,
         GgmlType::F16 => 1,
+        GgmlType::Q4K => 15,
         _ => 7,
     };
     b.meta("general.file_type", MetaValue::U32(file_type));
@@ -522,16 +632,26 @@ pub fn synth_model_shaped(
         _ if s.tied => 0.25,
         _ => 1.0,
     };
-    let (out_norm_center, out_std) = if s.tied { (25.0, 0.0) } else { (1.0, 6.0) };
+    let (out_norm_center, out_std) = if s.tied {
+        (25.0 * s.logit_scale, 0.0)
+    } else {
+        (1.0, 6.0 * s.logit_scale)
+    };
     let post_norm_center = 4.0;
-    // The attention and FFN outputs are made larger than unit scale, so the context outweighs
-    // the current token's embedding in the residual stream.
-    let out_gain = 2.5;
+    let out_gain = s.out_gain;
 
     let weak = weak_tokens(donor, vocab);
     b.matrix_weak_rows("token_embd.weight", &[h, vocab], embd_std, &weak);
-    if s.rope_freqs {
-        let f = synth_llama3_factors(s.head_dim, s.rope_base);
+    let factors = match s.rope_factors {
+        RopeFactors::None => None,
+        RopeFactors::Formula => Some(synth_llama3_factors(s.head_dim, s.rope_base)),
+        RopeFactors::Arbitrary => {
+            let mut f = values(seed, "rope_freqs.weight", s.head_dim / 2, 4.25, 3.75);
+            f.iter_mut().take(4).for_each(|v| *v = 1.0);
+            Some(f)
+        }
+    };
+    if let Some(f) = factors {
         b.tensor("rope_freqs.weight", GgmlType::F32, &[s.head_dim / 2], &f);
     }
     for i in 0..s.layers {
@@ -541,9 +661,10 @@ pub fn synth_model_shaped(
         b.matrix(&n("attn_k.weight"), &[h, kvd], 1.5 * inv_sqrt(h));
         b.matrix(&n("attn_v.weight"), &[h, kvd], inv_sqrt(h));
         if s.qkv_bias {
-            b.f32(&n("attn_q.bias"), &[qd], 0.0, 0.5);
-            b.f32(&n("attn_k.bias"), &[kvd], 0.0, 0.5);
-            b.f32(&n("attn_v.bias"), &[kvd], 0.0, 0.5);
+            let w = s.bias_half_width;
+            b.f32(&n("attn_q.bias"), &[qd], 0.0, w);
+            b.f32(&n("attn_k.bias"), &[kvd], 0.0, w);
+            b.f32(&n("attn_v.bias"), &[kvd], 0.0, w);
         }
         if s.qk_norm {
             b.f32(&n("attn_q_norm.weight"), &[s.head_dim], 1.2, 0.3);
@@ -600,6 +721,8 @@ pub fn synth_model_shaped(
     Ok(b.w.to_bytes()?)
 }
 
+pub mod sweep;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -632,6 +755,27 @@ mod tests {
         let mut r2 = SplitMix::for_tensor(1, "a");
         assert_eq!(r2.uniform(), v[0]);
         assert_ne!(SplitMix::for_tensor(1, "b").uniform(), v[0]);
+    }
+
+    #[test]
+    fn q4_k_round_trips_within_a_step_of_its_sub_block() {
+        let v = values(4, "t", 512, 0.1, 1.0);
+        let bytes = encode(GgmlType::Q4K, &v);
+        assert_eq!(bytes.len(), 2 * 144);
+        let mut back = vec![0f32; 512];
+        for (blk, out) in bytes.chunks_exact(144).zip(back.chunks_exact_mut(256)) {
+            crate::quants::dequantize_row(GgmlType::Q4K, blk, out);
+        }
+        for (sub, got) in v.chunks_exact(32).zip(back.chunks_exact(32)) {
+            let lo = sub.iter().fold(0f32, |m, &x| m.min(x));
+            let hi = sub.iter().fold(f32::MIN, |m, &x| m.max(x));
+            // One quantization step of the sub-block, plus the 6-bit rounding of its scale
+            // and minimum.
+            let step = (hi - lo) / 15.0;
+            for (a, b) in sub.iter().zip(got) {
+                assert!((a - b).abs() <= step + 0.05, "{a} vs {b} (step {step})");
+            }
+        }
     }
 
     #[test]

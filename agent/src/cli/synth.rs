@@ -13,12 +13,20 @@ use npu_gguf::GgufFile;
 pub struct SynthArgs {
     /// Family: llama, llama3 (llama with rope_freqs and tied embeddings), qwen2, qwen3,
     /// qwen3moe or gemma3.
+    #[arg(long, required_unless_present_any = ["variant", "list_variants"])]
+    pub arch: Option<String>,
+    /// A model of the fidelity sweep by name (its family, shape, seed and weight type; see
+    /// --list-variants) instead of --arch/--seed/--type.
+    #[arg(long, conflicts_with_all = ["arch", "list_variants"])]
+    pub variant: Option<String>,
+    /// Print the fidelity sweep's model names, one a line, and exit.
     #[arg(long)]
-    pub arch: String,
+    pub list_variants: bool,
     /// Seed of the weights.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Weight type of the matrices: f32, f16 or q8_0 (norms, biases and the router stay f32).
+    /// Weight type of the matrices: f32, f16, q8_0 or q4_k (norms, biases and the router stay
+    /// f32).
     #[arg(long = "type", default_value = "f32")]
     pub weight_type: String,
     /// GGUF whose tokenizer.* metadata is copied (default: the default model, fetched when
@@ -26,16 +34,34 @@ pub struct SynthArgs {
     #[arg(long)]
     pub tokenizer_from: Option<PathBuf>,
     /// Where to write the model.
-    pub out: PathBuf,
+    #[arg(required_unless_present = "list_variants")]
+    pub out: Option<PathBuf>,
 }
 
 pub fn run(a: SynthArgs) -> anyhow::Result<()> {
-    let family = Family::from_name(&a.arch)?;
-    let ty = synth::weight_type(&a.weight_type)?;
+    if a.list_variants {
+        for v in synth::sweep::variants() {
+            println!("{}", v.name);
+        }
+        return Ok(());
+    }
+    let out = a.out.context("no output path given")?;
     let donor_path = npu_gguf::store::resolve_model(a.tokenizer_from.as_deref())?;
     let donor = GgufFile::open(&donor_path)?;
-    let bytes = synth::synth_model(family, a.seed, ty, &donor)?;
-    std::fs::write(&a.out, &bytes).with_context(|| format!("writing {}", a.out.display()))?;
-    println!("{}  {}", synth::sha256_hex(&bytes), a.out.display());
+    let bytes = match (&a.variant, &a.arch) {
+        (Some(name), _) => {
+            let v = synth::sweep::variant(name)
+                .with_context(|| format!("no sweep variant {name:?} (see --list-variants)"))?;
+            synth::synth_model_shaped(v.family, v.shape, v.seed, v.ty, &donor)?
+        }
+        (None, Some(arch)) => {
+            let family = Family::from_name(arch)?;
+            let ty = synth::weight_type(&a.weight_type)?;
+            synth::synth_model(family, a.seed, ty, &donor)?
+        }
+        (None, None) => anyhow::bail!("give --arch or --variant"),
+    };
+    std::fs::write(&out, &bytes).with_context(|| format!("writing {}", out.display()))?;
+    println!("{}  {}", synth::sha256_hex(&bytes), out.display());
     Ok(())
 }
