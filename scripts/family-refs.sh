@@ -6,8 +6,8 @@
 # what it did, with the synth parameters and the file's sha256 so agent/tests/family_refs.rs can
 # regenerate the identical model and compare the engine with it.
 #   scripts/family-refs.sh [FAMILY...]      (default: every family)
-# Env: LLAMA_CPP_BIN (a llama.cpp build's bin dir with llama-server; default: the one the
-#      workspace's llama_cpp.sh tool builds, ../shared/tools/llama_cpp.sh beside the checkout),
+# Env: LLAMA_CPP_BIN (a llama.cpp build's bin dir with llama-server; default: the one
+#      scripts/llama-cpp-ref.sh builds),
 #      DONOR (tokenizer donor GGUF; default: the default model, fetched when absent),
 #      PORT (llama-server port, default 18931), THREADS (default: nproc),
 #      SEED_OVERRIDE (one seed for every family named, to try seeds), OUT_DIR (default
@@ -25,12 +25,7 @@ TYPE=f32
 families=("$@")
 [ ${#families[@]} -gt 0 ] || families=(llama llama3 qwen2 qwen3 qwen3moe gemma3)
 
-tool=$root/../shared/tools/llama_cpp.sh
-if [ -z "${LLAMA_CPP_BIN:-}" ] && [ ! -f "$tool" ]; then
-    echo "set LLAMA_CPP_BIN to a llama.cpp build's bin directory (with llama-server)" >&2
-    exit 1
-fi
-bin=${LLAMA_CPP_BIN:-$(bash "$tool")}
+bin=${LLAMA_CPP_BIN:-$(scripts/llama-cpp-ref.sh)}
 [ -x "$bin/llama-server" ] || { echo "no llama-server in $bin" >&2; exit 1; }
 cargo build --release --bin npu-serving >&2
 npu=$root/target/release/npu-serving
