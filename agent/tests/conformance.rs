@@ -296,6 +296,46 @@ fn a_deliberately_wrong_op_on_a_device_backend_fails_the_suite() {
     eprintln!("ascend: skipped, built without the `ascend` feature");
 }
 
+/// A deliberately wrong synchronisation on the CUDA emulation: the backend's reads queue their
+/// device→host copies (`cuMemcpyDtoHAsync` into the pinned read buffer) but skip the stream
+/// synchronization before the host reads that buffer, as a read path that forgot
+/// `cuStreamSynchronize` (`EmuGpu::skip_read_synchronization`). The emulation runs queued work
+/// only when the stream is synchronized, so every read sees stale bytes (the buffer's poison, or
+/// an earlier read's) and the op checks fail.
+///
+/// On the emulation before stream ordering (up to commit b3808fe) every copy and kernel ran at
+/// its call, so a read that skipped its synchronization still saw the new values and this
+/// wrong use passed unseen; that emulation has no switch to skip the synchronization, so this
+/// test cannot run against it — `backends/cuda/tests/emulation_sync.rs` shows the same
+/// difference on both (it fails on the old emulation and passes on the new one).
+#[cfg(feature = "cuda")]
+#[test]
+fn a_cuda_backend_whose_reads_skip_the_stream_synchronization_fails_the_suite() {
+    use npu_backend::DType;
+    use npu_backend_cuda::{CudaBackend, CudaConfig};
+    let file = model();
+    let expected = ops::reference_outputs(&file);
+    let cfg = CudaConfig {
+        act_dtype: DType::F16,
+        kernel_cache: None,
+        ..CudaConfig::default()
+    };
+    let mut b = CudaBackend::emulated(cfg).expect("the CUDA emulation builds");
+    b.emulation()
+        .expect("the emulated backend")
+        .skip_read_synchronization(true);
+    let mut report = Report::new("cuda emulated kernels (f16), reads without synchronization");
+    ops::check_ops_against(&mut b, &expected, &file, &mut report);
+    let failed: Vec<&str> = report.failures().iter().map(|c| c.name.as_str()).collect();
+    for op in ["matmul", "rope", "attention", "rms_norm"] {
+        assert!(
+            failed.iter().any(|n| n.contains(op)),
+            "reads that skip the synchronization passed the {op} checks:\n{}",
+            report.render()
+        );
+    }
+}
+
 /// The collectives of tensor parallelism on two ranks of the CPU backend (the staged
 /// collective through a group's shared memory), and one model step split over them against the
 /// reference; a collective that leaves out the other rank's part fails.

@@ -21,7 +21,7 @@ use crate::fault::{self, Fault, Launch};
 use crate::gpu::{Args, DevPtr, Gemm, Gpu, LaunchDims};
 use crate::kernels;
 use crate::nvrtc::{self, Image, NvrtcApi};
-use crate::staging::{self, StageDevice, Staging, STAGE_BUFFERS, STAGE_BYTES};
+use crate::staging::{self, ReadDevice, StageDevice, Staging, STAGE_BUFFERS, STAGE_BYTES};
 
 const NAME: &str = "cuda";
 
@@ -450,6 +450,64 @@ impl StageDevice for RingDevice<'_> {
     }
 }
 
+/// The shared read path's view of the device: the capped pinned buffer reads land in, filled by
+/// `cuMemcpyDtoHAsync` on our stream.
+struct ReadPinned<'a> {
+    gpu: &'a CudaGpu,
+    pinned: std::sync::MutexGuard<'a, Pinned>,
+}
+
+impl ReadDevice for ReadPinned<'_> {
+    fn reserve(&mut self, bytes: usize) -> Result<(), BackendError> {
+        if self.pinned.bytes >= bytes {
+            return Ok(());
+        }
+        // SAFETY: the old buffer is idle (each batch is synchronized before the next reserves)
+        // and replaced by a fresh one of `bytes` bytes (at most READ_CAP).
+        unsafe {
+            if !self.pinned.ptr.is_null() {
+                drv::free_host(self.pinned.ptr as *mut c_void)
+                    .map_err(|e| self.gpu.err("cuMemFreeHost", e))?;
+                *self.pinned = Pinned::empty();
+            }
+            let p = drv::malloc_host(bytes, 0).map_err(|e| self.gpu.err("cuMemHostAlloc", e))?;
+            *self.pinned = Pinned {
+                ptr: p as *mut u8,
+                bytes,
+            };
+        }
+        Ok(())
+    }
+
+    fn buffer(&self) -> *const u8 {
+        self.pinned.ptr
+    }
+
+    fn copy_to_host(&mut self, at: usize, src: DevPtr, bytes: usize) -> Result<(), BackendError> {
+        if at + bytes > self.pinned.bytes {
+            return Err(dev_err(
+                "cuMemcpyDtoHAsync",
+                format!(
+                    "{bytes} bytes at {at} of a {}-byte buffer",
+                    self.pinned.bytes
+                ),
+            ));
+        }
+        // SAFETY: [at, at + bytes) lies inside the pinned buffer (checked) that no other read
+        // uses (the mutex is held); the device range is the caller's; the shared read path
+        // synchronizes the stream before the host reads the buffer.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(self.pinned.ptr.add(at), bytes);
+            drv::memcpy_dtoh_async(dst, src, self.gpu.cu_stream())
+                .map_err(|e| self.gpu.err("cuMemcpyDtoHAsync", e))
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.gpu.sync_stream("cuStreamSynchronize")
+    }
+}
+
 impl Gpu for CudaGpu {
     fn describe(&self) -> String {
         self.description.clone()
@@ -547,48 +605,9 @@ impl Gpu for CudaGpu {
 
     fn read(&self, regions: &[(DevPtr, usize)], out: &mut Vec<u8>) -> Result<(), BackendError> {
         self.bind()?;
-        out.clear();
-        let batches = staging::read_batches(regions, staging::READ_CAP);
-        if batches.is_empty() {
-            // Nothing to copy, but the read still waits for the queued work.
-            return self.sync_stream("cuStreamSynchronize");
-        }
-        let mut pinned = self.read_buf.lock().unwrap_or_else(|e| e.into_inner());
-        for batch in batches {
-            let total: usize = batch.iter().map(|p| p.1).sum();
-            if pinned.bytes < total {
-                // SAFETY: the old buffer is idle (each batch completes before the next) and
-                // replaced by a fresh one of `total` bytes (at most READ_CAP).
-                unsafe {
-                    if !pinned.ptr.is_null() {
-                        drv::free_host(pinned.ptr as *mut c_void)
-                            .map_err(|e| self.err("cuMemFreeHost", e))?;
-                        *pinned = Pinned::empty();
-                    }
-                    let p =
-                        drv::malloc_host(total, 0).map_err(|e| self.err("cuMemHostAlloc", e))?;
-                    *pinned = Pinned {
-                        ptr: p as *mut u8,
-                        bytes: total,
-                    };
-                }
-            }
-            let mut at = 0usize;
-            for &(src, bytes) in &batch {
-                // SAFETY: `pinned` holds at least `total` bytes, so [at, at + bytes) is inside
-                // it and no other read uses it (mutex); the device range is the caller's; the
-                // stream sync below completes the copy before the host reads the buffer.
-                unsafe {
-                    let dst = std::slice::from_raw_parts_mut(pinned.ptr.add(at), bytes);
-                    drv::memcpy_dtoh_async(dst, src, self.cu_stream())
-                        .map_err(|e| self.err("cuMemcpyDtoHAsync", e))?;
-                }
-                at += bytes;
-            }
-            self.sync_stream("cuStreamSynchronize")?;
-            // SAFETY: the copies above completed and filled `total` bytes.
-            out.extend_from_slice(unsafe { std::slice::from_raw_parts(pinned.ptr, total) });
-        }
+        let pinned = self.read_buf.lock().unwrap_or_else(|e| e.into_inner());
+        let mut dev = ReadPinned { gpu: self, pinned };
+        staging::read(&mut dev, regions, staging::READ_CAP, out)?;
         // Every staged upload completed with the stream.
         self.stage
             .lock()

@@ -11,10 +11,15 @@
 //!   this for the asynchronous call.
 //! - **Device→host** reads land in a pinned buffer of at most `READ_CAP` bytes, read in batches
 //!   of at most that size, so a large read (many KV blocks) neither pins a buffer the size of the
-//!   whole transfer nor keeps it pinned for the life of the process.
+//!   whole transfer nor keeps it pinned for the life of the process. A batch is queued as
+//!   `cuMemcpyDtoHAsync` copies into the pinned buffer, which is fully asynchronous from device to
+//!   pinned memory: the host reads the buffer only after `cuStreamSynchronize` returned.
 //!
-//! The ring's logic is generic over [`StageDevice`] so that tests run it against a device that
-//! reads the staging buffer as late as the documentation allows.
+//! Both are generic over the device ([`StageDevice`], [`ReadDevice`]): the real device
+//! (`driver`) and the CUDA emulation (`emu`) run this same code, and the emulation performs the
+//! queued copies only when the stream is synchronized (or an event waited for), so a missing
+//! wait here reads stale bytes there; the unit tests run the ring against a device that reads
+//! the staging buffer as late as the documentation allows.
 
 use npu_backend::BackendError;
 
@@ -83,6 +88,50 @@ impl Staging {
     pub fn drained(&mut self) {
         self.queued = [false; STAGE_BUFFERS];
     }
+}
+
+/// What a read asks of a device.
+pub trait ReadDevice {
+    /// Makes the pinned read buffer hold at least `bytes` (it is idle: every earlier batch was
+    /// synchronized); its contents are unspecified.
+    fn reserve(&mut self, bytes: usize) -> Result<(), BackendError>;
+    /// The pinned read buffer (at least the bytes last reserved).
+    fn buffer(&self) -> *const u8;
+    /// Queues an asynchronous copy of `bytes` from `src` into the pinned buffer at `at`.
+    fn copy_to_host(&mut self, at: usize, src: DevPtr, bytes: usize) -> Result<(), BackendError>;
+    /// Blocks until everything queued on the stream, the copies above included, has completed.
+    fn synchronize(&mut self) -> Result<(), BackendError>;
+}
+
+/// Reads each `(address, bytes)` region after every queued op, one after the other, into
+/// `out`: batches of at most `cap` bytes, each queued into the pinned buffer and synchronized
+/// before the host reads it. No region: a synchronization only.
+pub fn read(
+    dev: &mut dyn ReadDevice,
+    regions: &[(DevPtr, usize)],
+    cap: usize,
+    out: &mut Vec<u8>,
+) -> Result<(), BackendError> {
+    out.clear();
+    let batches = read_batches(regions, cap);
+    if batches.is_empty() {
+        // Nothing to copy, but the read still waits for the queued work.
+        return dev.synchronize();
+    }
+    for batch in batches {
+        let total: usize = batch.iter().map(|p| p.1).sum();
+        dev.reserve(total)?;
+        let mut at = 0usize;
+        for &(src, bytes) in &batch {
+            dev.copy_to_host(at, src, bytes)?;
+            at += bytes;
+        }
+        dev.synchronize()?;
+        // SAFETY: the buffer holds at least `total` bytes (reserved above) and the copies that
+        // filled them completed (synchronized above); nothing writes it until the next batch.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(dev.buffer(), total) });
+    }
+    Ok(())
 }
 
 /// A device→host read cut into batches of at most `cap` bytes: each batch is a list of

@@ -4,6 +4,11 @@
 //! launch. Copies must lie inside one live allocation, as on a device. The space is bounded
 //! (`EMULATED_DEVICE_BYTES`): an allocation past it fails as cuMemAlloc would, and the free
 //! bytes reported are what the live allocations leave.
+//!
+//! Frees are stream-ordered (`cuMemFreeAsync`): [`Memory::release`] marks an allocation freed
+//! when the program frees it — from then on no new work may name it — and [`Memory::free`]
+//! unmaps it when the stream reaches the free, after the work queued before it. A released
+//! allocation counts as free (a stream-ordered pool hands it out again in stream order).
 
 use std::collections::BTreeMap;
 
@@ -17,6 +22,8 @@ struct Region {
     base: usize,
     map_len: usize,
     len: usize,
+    /// Freed by the program; unmapped when the stream reaches the free.
+    released: bool,
 }
 
 impl Region {
@@ -82,17 +89,36 @@ impl Memory {
             base,
             map_len,
             len: bytes,
+            released: false,
         };
         let addr = r.data() as u64;
         self.regions.insert(addr, r);
         Ok(addr)
     }
 
-    /// Bytes the live allocations hold.
+    /// Bytes the live (not released) allocations hold.
     pub fn used(&self) -> u64 {
-        self.regions.values().map(|r| r.len as u64).sum()
+        self.regions
+            .values()
+            .filter(|r| !r.released)
+            .map(|r| r.len as u64)
+            .sum()
     }
 
+    /// Marks the allocation at `addr` freed by the program (`cuMemFreeAsync` called): new work
+    /// may not name it; it stays mapped for the work queued before the free.
+    pub fn release(&mut self, addr: u64) -> Result<(), String> {
+        match self.regions.get_mut(&addr) {
+            Some(r) if !r.released => {
+                r.released = true;
+                Ok(())
+            }
+            Some(_) => Err(format!("{addr:#x} freed twice")),
+            None => Err(format!("free of {addr:#x}, which is not an allocation")),
+        }
+    }
+
+    /// Unmaps the allocation at `addr` (the stream reached its free).
     pub fn free(&mut self, addr: u64) -> Result<(), String> {
         let r = self
             .regions
@@ -110,23 +136,54 @@ impl Memory {
         }
     }
 
-    /// The allocation holding `[addr, addr + bytes)`, as (start, length).
-    pub fn find(&self, addr: u64, bytes: usize) -> Option<(u64, usize)> {
+    /// The mapped allocation holding `[addr, addr + bytes)` (released or not), as (start,
+    /// length, released).
+    fn lookup(&self, addr: u64, bytes: usize) -> Option<(u64, usize, bool)> {
         let (&start, r) = self.regions.range(..=addr).next_back()?;
         let end = addr.checked_add(bytes as u64)?;
-        (end <= start + r.len as u64).then_some((start, r.len))
+        (end <= start + r.len as u64).then_some((start, r.len, r.released))
     }
 
-    /// Checks that `[addr, addr + bytes)` lies inside one allocation.
+    /// The live (not released) allocation holding `[addr, addr + bytes)`, as (start, length).
+    pub fn find(&self, addr: u64, bytes: usize) -> Option<(u64, usize)> {
+        match self.lookup(addr, bytes) {
+            Some((start, len, false)) => Some((start, len)),
+            _ => None,
+        }
+    }
+
+    /// Checks that `[addr, addr + bytes)` lies inside one live allocation (for new work).
     pub fn check(&self, addr: u64, bytes: usize, what: &str) -> Result<(), String> {
-        if bytes == 0 || self.find(addr, bytes).is_some() {
-            Ok(())
-        } else {
-            Err(format!(
+        if bytes == 0 {
+            return Ok(());
+        }
+        match self.lookup(addr, bytes) {
+            Some((_, _, false)) => Ok(()),
+            Some((start, _, true)) => Err(format!(
+                "{what}: [{addr:#x}, +{bytes}) lies in the allocation at {start:#x}, already freed \
+                 (cuMemFreeAsync queued before this work: use after free)"
+            )),
+            None => Err(format!(
                 "{what}: [{addr:#x}, +{bytes}) is not inside one device allocation \
                  (CUDA_ERROR_INVALID_VALUE)"
-            ))
+            )),
         }
+    }
+
+    /// Whether `addr` lies in (or just past) an allocation the program already freed.
+    pub fn released(&self, addr: u64) -> bool {
+        matches!(self.lookup(addr, 0), Some((_, _, true)))
+    }
+
+    /// Whether an allocation starting at `start` is mapped (released or not).
+    pub fn has(&self, start: u64) -> bool {
+        self.regions.contains_key(&start)
+    }
+
+    /// Whether `[addr, addr + bytes)` lies inside one mapped allocation, released or not (queued
+    /// work at the time it runs: a free queued after it has not run yet).
+    pub fn mapped(&self, addr: u64, bytes: usize) -> bool {
+        bytes == 0 || self.lookup(addr, bytes).is_some()
     }
 
     /// Whether the allocation starting at `start` still has its canary intact.
@@ -137,8 +194,9 @@ impl Memory {
         }
     }
 
+    /// Allocations the program has not freed.
     pub fn live(&self) -> usize {
-        self.regions.len()
+        self.regions.values().filter(|r| !r.released).count()
     }
 }
 

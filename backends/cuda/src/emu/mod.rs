@@ -1,25 +1,61 @@
 //! A CPU emulation of the device under the backend, for tests on machines without a GPU: the
 //! kernel sources compiled as C++ (`build`), run by the emulation's scheduler, on guarded host
 //! memory (`memory`), with cublasGemmEx's contract done on the host. It is an emulation: it
-//! checks the backend's indexing, parameter packing, synchronisation and arithmetic against the
-//! CPU reference; it says nothing about speed or about a real GPU.
+//! checks the backend's indexing, parameter packing, stream ordering and synchronisation, and
+//! arithmetic against the CPU reference; it says nothing about speed or about a real GPU.
 //!
 //! Strict where a device is: a launch must pass exactly the kernel's parameters with their sizes
-//! (checked against the compiled signature), pointer parameters must point into live
-//! allocations, copies must stay inside one allocation, writes past an allocation's end are
-//! reported, shared memory is limited, and GEMM arguments follow cuBLAS's rules.
+//! (checked against the compiled signature) in a valid launch configuration, pointer parameters
+//! must point into live allocations, copies must stay inside one allocation, writes past an
+//! allocation's end are reported, shared memory is limited, and GEMM arguments follow cuBLAS's
+//! rules.
+//!
+//! **One stream, run as late as allowed.** Like the real device (`driver`), the emulation has one
+//! stream, and everything the seam queues on it — host→device copies (`cuMemcpyHtoDAsync` from
+//! the pinned staging ring), device copies (`cuMemcpyDtoDAsync`), kernel launches
+//! (`cuLaunchKernel`), GEMMs (`cublasGemmEx` on the stream), frees (`cuMemFreeAsync`), the
+//! staging ring's event records (`cuEventRecord`) and a read's device→host copies
+//! (`cuMemcpyDtoHAsync` into pinned memory) — is checked when it is queued and **runs later, in
+//! queue order**: when the stream is synchronized (`synchronize`, a read's
+//! `cuStreamSynchronize`) or, for the work up to a staging event's latest record, when the ring
+//! waits for that event (`cuEventSynchronize`). That is the latest a device may run it, so a
+//! missing synchronisation shows:
+//!
+//! - host memory read before the copy into it was synchronized holds what it held before: a
+//!   read's pinned buffer is filled by its queued copies only at the synchronization (a fresh
+//!   buffer holds 0xff bytes, NaN as f32, f16 and bf16), and device memory, which the emulation
+//!   keeps in host memory, keeps its old bytes until the work writing it has run;
+//! - a staging buffer the host rewrites before waiting for its event is what the queued copy
+//!   reads (`cuMemcpyHtoDAsync` from pinned memory reads it when the stream gets there);
+//! - work queued after a free may not name the freed memory (refused when queued, a use after
+//!   free), and the memory stays mapped for the work queued before the free;
+//! - a kernel's fault (an error of the scheduler, a write past an allocation's end) is reported
+//!   by the synchronization that ran it, naming the kernels queued last, and leaves the context
+//!   unusable, as on a GPU; `NPU_SERVING_CUDA_SYNC=1` synchronizes after every launch and GEMM,
+//!   as on the real device, so that the fault names its own kernel.
+//!
+//! The read path and the staging ring are the real device's own code (`staging::read`,
+//! `staging::Staging`), so these checks cover them. Not emulated: several streams, events other
+//! than the ring's, graph capture and the synchronous `cuMemcpy` (the backend uses none of
+//! them), and pageable host memory in an asynchronous copy (the seam takes none: `htod` stages
+//! through pinned memory as the driver does). A fresh allocation reads as zeros, as the driver's
+//! `cuMemsetD8Async` after `cuMemAllocAsync` leaves it.
 
 mod build;
 mod memory;
 
+use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use npu_backend::{BackendError, DType, MemInfo};
 
-use crate::fault::{Fault, Launch};
+use crate::fault::{self, Fault, Launch};
 use crate::gpu::{ArgKind, Args, DevPtr, Gemm, Gpu, LaunchDims};
 use crate::kernels;
+use crate::staging::{self, ReadDevice, StageDevice, Staging, STAGE_BUFFERS, STAGE_BYTES};
 use memory::Memory;
 
 type KernelFn = unsafe extern "C" fn(
@@ -98,12 +134,12 @@ fn load_library() -> Result<Library, String> {
 }
 
 static LIBRARY: OnceLock<Result<Library, String>> = OnceLock::new();
-/// The emulation runtime's state is global: one launch at a time in the process.
+/// The emulation runtime's state is global: one kernel runs at a time in the process.
 static LAUNCH: Mutex<()> = Mutex::new(());
-/// Every kernel index launched successfully in this process, on any emulated device.
+/// Every kernel index run successfully in this process, on any emulated device.
 static EVER_LAUNCHED: Mutex<Vec<bool>> = Mutex::new(Vec::new());
 
-/// The kernels launched successfully so far in this process (on any emulated device), by name.
+/// The kernels run successfully so far in this process (on any emulated device), by name.
 pub fn kernels_launched_in_process() -> Vec<String> {
     let ever = EVER_LAUNCHED.lock().unwrap_or_else(|e| e.into_inner());
     let names = kernels::kernel_names();
@@ -118,6 +154,8 @@ pub fn kernels_launched_in_process() -> Vec<String> {
 const SM_COUNT: u32 = 8;
 /// Dynamic shared memory a block may use (an sm_86 device's opt-in limit).
 const MAX_SMEM: u32 = 99 * 1024;
+/// What emulated pinned memory holds before any copy wrote it (NaN in f32, f16 and bf16).
+const PINNED_POISON: u8 = 0xff;
 
 fn emu_err(message: String) -> BackendError {
     BackendError::Device {
@@ -126,15 +164,131 @@ fn emu_err(message: String) -> BackendError {
     }
 }
 
+/// Emulated pinned host memory (`cuMemHostAlloc`): a block the host writes or reads and queued
+/// copies read or write when they run.
+struct Pinned {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+impl Pinned {
+    const ALIGN: usize = 4096;
+
+    /// `bytes` bytes of poison (none for 0).
+    fn new(bytes: usize) -> Self {
+        if bytes == 0 {
+            return Self {
+                ptr: std::ptr::null_mut(),
+                bytes: 0,
+            };
+        }
+        let layout = std::alloc::Layout::from_size_align(bytes, Self::ALIGN)
+            .expect("a pinned buffer's size fits a layout");
+        // SAFETY: a layout of non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: `ptr` holds `bytes` bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr, PINNED_POISON, bytes) };
+        Self { ptr, bytes }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: allocated in `new` with this size and alignment, freed once.
+            unsafe {
+                std::alloc::dealloc(
+                    self.ptr,
+                    std::alloc::Layout::from_size_align_unchecked(self.bytes, Self::ALIGN),
+                )
+            };
+        }
+    }
+}
+
+/// One unit of stream work: checked when queued, run when the stream gets there.
+enum Work {
+    /// `cuMemcpyHtoDAsync` from staging buffer `buf`, which it reads when it runs.
+    HtoD {
+        dst: DevPtr,
+        buf: usize,
+        bytes: usize,
+    },
+    /// `cuMemcpyDtoDAsync`.
+    DtoD {
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+    },
+    /// `cuMemcpyDtoHAsync` into the pinned read buffer at `at`.
+    DtoH {
+        at: usize,
+        src: DevPtr,
+        bytes: usize,
+    },
+    /// `cuLaunchKernel`: the parameter values as they were at the launch (the driver copies
+    /// them then), and the allocations its pointers point into.
+    Kernel {
+        kernel: usize,
+        dims: LaunchDims,
+        params: Vec<u64>,
+        touched: Vec<u64>,
+    },
+    /// `cublasGemmEx` on the stream.
+    Gemm(Gemm),
+    /// `cuMemFreeAsync`.
+    Free(DevPtr),
+    /// `cuEventRecord` of a staging event: the event is complete once the stream passed it
+    /// (`Device::recorded` holds each event's latest record by serial).
+    Record,
+}
+
+/// The emulated device: its memory, its one stream's queue and its pinned buffers, behind one
+/// lock (queued work runs with it held, so nothing the work touches changes meanwhile).
+struct Device {
+    mem: Memory,
+    /// Queued work with its serial number, oldest first.
+    queue: VecDeque<(u64, Work)>,
+    next_serial: u64,
+    /// The serial of each staging event's latest record (`None`: never recorded).
+    recorded: [Option<u64>; STAGE_BUFFERS],
+    /// The staging ring's pinned buffers.
+    stage: [Pinned; STAGE_BUFFERS],
+    /// The pinned buffer reads land in.
+    read_buf: Pinned,
+    bad_frees: Vec<String>,
+}
+
+// SAFETY: the pinned buffers are owned by this value alone (their pointers are not shared
+// outside the device's lock).
+unsafe impl Send for Device {}
+
+impl Device {
+    fn enqueue(&mut self, w: Work) -> u64 {
+        let serial = self.next_serial;
+        self.next_serial += 1;
+        self.queue.push_back((serial, w));
+        serial
+    }
+}
+
 /// The emulated device.
 pub struct EmuGpu {
     lib: &'static Library,
-    mem: Mutex<Memory>,
-    /// Launches so far (tests check ops really ran kernels).
+    /// The host→device staging ring (locked before `dev`: `htod` holds both).
+    ring: Mutex<Staging>,
+    dev: Mutex<Device>,
+    /// Kernels queued so far (tests check ops really launched kernels).
     launches: Mutex<Vec<usize>>,
-    bad_frees: Mutex<Vec<String>>,
     /// A kernel that faulted leaves the emulated context unusable, as on a GPU.
     fault: Fault,
+    /// `NPU_SERVING_CUDA_SYNC=1`: synchronize after every launch and GEMM, as the real device.
+    sync_each: bool,
+    /// Deliberately wrong (the faulty-backend test): reads skip their synchronization.
+    skip_read_sync: AtomicBool,
 }
 
 impl EmuGpu {
@@ -146,15 +300,302 @@ impl EmuGpu {
             .map_err(|e| emu_err(e.clone()))?;
         Ok(Self {
             lib,
-            mem: Mutex::new(Memory::default()),
+            ring: Mutex::new(Staging::new(STAGE_BYTES)),
+            dev: Mutex::new(Device {
+                mem: Memory::default(),
+                queue: VecDeque::new(),
+                next_serial: 0,
+                recorded: [None; STAGE_BUFFERS],
+                stage: std::array::from_fn(|_| Pinned::new(STAGE_BYTES)),
+                read_buf: Pinned::new(0),
+                bad_frees: Vec::new(),
+            }),
             launches: Mutex::new(Vec::new()),
-            bad_frees: Mutex::new(Vec::new()),
             fault: Fault::default(),
+            sync_each: fault::sync_each_launch(),
+            skip_read_sync: AtomicBool::new(false),
         })
     }
 
-    fn mem(&self) -> std::sync::MutexGuard<'_, Memory> {
-        self.mem.lock().unwrap_or_else(|e| e.into_inner())
+    fn dev(&self) -> MutexGuard<'_, Device> {
+        self.dev.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A device fault while running queued work: the context is unusable from now on.
+    fn fatal(&self, what: &str, error: &str) -> BackendError {
+        self.fault.fatal(
+            &format!("emulation: {what}"),
+            &format!("{error} (on a GPU: a device fault)"),
+        )
+    }
+
+    /// Runs the queued work in order, up to and including serial `upto` (all of it: `None`). A
+    /// fault stops the stream: the rest of the queue is dropped, as nothing after a device fault
+    /// runs.
+    fn run_queue(&self, d: &mut Device, upto: Option<u64>) -> Result<(), BackendError> {
+        self.fault.check()?;
+        while let Some(&(serial, _)) = d.queue.front() {
+            if upto.is_some_and(|u| serial > u) {
+                break;
+            }
+            let (_, work) = d.queue.pop_front().expect("a front element");
+            if let Err(e) = self.execute(d, work) {
+                d.queue.clear();
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one unit of queued work (the stream got there).
+    fn execute(&self, d: &mut Device, work: Work) -> Result<(), BackendError> {
+        match work {
+            Work::HtoD { dst, buf, bytes } => {
+                if !d.mem.mapped(dst, bytes) || bytes > d.stage[buf].bytes {
+                    return Err(self.fatal(
+                        "cuMemcpyHtoDAsync",
+                        &format!("[{dst:#x}, +{bytes}) is not mapped when the copy runs"),
+                    ));
+                }
+                // SAFETY: the destination lies in a mapped allocation and the source in staging
+                // buffer `buf` (both checked); the device lock is held, so nothing else writes
+                // either meanwhile.
+                unsafe { std::ptr::copy(d.stage[buf].ptr, dst as *mut u8, bytes) };
+            }
+            Work::DtoD { dst, src, bytes } => {
+                if !d.mem.mapped(dst, bytes) || !d.mem.mapped(src, bytes) {
+                    return Err(self.fatal(
+                        "cuMemcpyDtoDAsync",
+                        &format!("[{src:#x}, +{bytes}) -> {dst:#x} is not mapped when it runs"),
+                    ));
+                }
+                // SAFETY: both ranges lie in mapped allocations (checked); `copy` handles the
+                // overlap of equal ranges.
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+            }
+            Work::DtoH { at, src, bytes } => {
+                if !d.mem.mapped(src, bytes) || at + bytes > d.read_buf.bytes {
+                    return Err(self.fatal(
+                        "cuMemcpyDtoHAsync",
+                        &format!(
+                            "[{src:#x}, +{bytes}) into the read buffer at {at} (of {}) is out of \
+                             bounds when the copy runs",
+                            d.read_buf.bytes
+                        ),
+                    ));
+                }
+                // SAFETY: the source lies in a mapped allocation and [at, at + bytes) in the
+                // pinned read buffer (both checked).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src as *const u8, d.read_buf.ptr.add(at), bytes)
+                };
+            }
+            Work::Kernel {
+                kernel,
+                dims,
+                mut params,
+                touched,
+            } => self.run_kernel(d, kernel, dims, &mut params, &touched)?,
+            Work::Gemm(g) => self.run_gemm(d, &g)?,
+            Work::Free(ptr) => {
+                if let Err(e) = d.mem.free(ptr) {
+                    d.bad_frees.push(e);
+                }
+            }
+            Work::Record => {}
+        }
+        Ok(())
+    }
+
+    fn run_kernel(
+        &self,
+        d: &mut Device,
+        kernel: usize,
+        dims: LaunchDims,
+        params: &mut [u64],
+        touched: &[u64],
+    ) -> Result<(), BackendError> {
+        let k = &self.lib.kernels[kernel];
+        if let Some(s) = touched.iter().find(|&&s| !d.mem.has(s)) {
+            return Err(self.fatal(
+                &k.name,
+                &format!("the allocation at {s:#x} is not mapped when the kernel runs"),
+            ));
+        }
+        let mut ptrs: Vec<*mut c_void> = params
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        let mut err = vec![0u8; 512];
+        let rc = {
+            let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the parameters match the kernel's signature (sizes checked when queued),
+            // each in its own 8-byte slot that lives across the call; the pointers point into
+            // allocations still mapped (checked above: frees run in stream order, after the
+            // work queued before them); the runtime is used by one kernel at a time.
+            unsafe {
+                (k.run)(
+                    dims.grid.as_ptr(),
+                    dims.block.as_ptr(),
+                    dims.smem,
+                    ptrs.as_mut_ptr(),
+                    err.as_mut_ptr() as *mut c_char,
+                    err.len(),
+                )
+            }
+        };
+        if rc != 0 {
+            let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+            let what = String::from_utf8_lossy(&err[..end]).into_owned();
+            return Err(self.fatal(&k.name, &what));
+        }
+        if let Some(s) = touched.iter().find(|&&s| !d.mem.intact(s)) {
+            return Err(self.fatal(
+                &k.name,
+                &format!(
+                    "wrote past the end of the allocation at {s:#x} (CUDA_ERROR_ILLEGAL_ADDRESS \
+                     or silent corruption)"
+                ),
+            ));
+        }
+        let mut ever = EVER_LAUNCHED.lock().unwrap_or_else(|e| e.into_inner());
+        if ever.len() < self.lib.kernels.len() {
+            ever.resize(self.lib.kernels.len(), false);
+        }
+        ever[kernel] = true;
+        Ok(())
+    }
+
+    fn gemm_spans(g: &Gemm) -> [(DevPtr, usize, &'static str); 3] {
+        let span = |ld: usize, cols: usize, rows: usize| (cols - 1) * ld + rows;
+        let ab = g.ab_type.size();
+        [
+            (g.a, span(g.lda, g.m, g.k) * ab, "cublasGemmEx A"),
+            (g.b, span(g.ldb, g.n, g.k) * ab, "cublasGemmEx B"),
+            (
+                g.c,
+                span(g.ldc, g.n, g.m) * g.c_type.size(),
+                "cublasGemmEx C",
+            ),
+        ]
+    }
+
+    fn run_gemm(&self, d: &mut Device, g: &Gemm) -> Result<(), BackendError> {
+        if let Some((p, n, what)) = Self::gemm_spans(g)
+            .into_iter()
+            .find(|&(p, n, _)| !d.mem.mapped(p, n))
+        {
+            return Err(self.fatal(
+                "cublasGemmEx",
+                &format!("{what} [{p:#x}, +{n}) is not mapped when the GEMM runs"),
+            ));
+        }
+        let code = |t: DType| match t {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            _ => 2,
+        };
+        // SAFETY: the three ranges lie inside mapped allocations (checked above) and the types
+        // are ones the function handles (checked when queued); the device lock is held.
+        unsafe {
+            (self.lib.gemm)(
+                g.m,
+                g.n,
+                g.k,
+                g.a as *const c_void,
+                g.lda,
+                g.b as *const c_void,
+                g.ldb,
+                g.c as *mut c_void,
+                g.ldc,
+                code(g.ab_type),
+                code(g.c_type),
+            )
+        };
+        Ok(())
+    }
+
+    /// After a launch or GEMM: `NPU_SERVING_CUDA_SYNC=1` synchronizes at once, as the real
+    /// device does.
+    fn after_launch(&self, d: &mut Device) -> Result<(), BackendError> {
+        if self.sync_each {
+            self.run_queue(d, None)?;
+        }
+        Ok(())
+    }
+}
+
+/// The staging ring's view of the emulated device (the device lock is held throughout).
+struct EmuStage<'a> {
+    gpu: &'a EmuGpu,
+    dev: RefCell<&'a mut Device>,
+}
+
+impl StageDevice for EmuStage<'_> {
+    fn buffer(&self, i: usize) -> *mut u8 {
+        self.dev.borrow().stage[i].ptr
+    }
+    /// `cuEventSynchronize`: runs the stream up to the event's latest record.
+    fn wait(&self, i: usize) -> Result<(), BackendError> {
+        let mut d = self.dev.borrow_mut();
+        match d.recorded[i] {
+            Some(serial) => self.gpu.run_queue(&mut d, Some(serial)),
+            None => Ok(()),
+        }
+    }
+    /// `cuMemcpyHtoDAsync` from staging buffer `i`, then `cuEventRecord` of event `i`.
+    fn copy(&self, i: usize, dst: DevPtr, len: usize) -> Result<(), BackendError> {
+        let mut d = self.dev.borrow_mut();
+        d.mem
+            .check(dst, len, "cuMemcpyHtoDAsync")
+            .map_err(emu_err)?;
+        d.enqueue(Work::HtoD {
+            dst,
+            buf: i,
+            bytes: len,
+        });
+        let serial = d.enqueue(Work::Record);
+        d.recorded[i] = Some(serial);
+        Ok(())
+    }
+}
+
+/// The shared read path's view of the emulated device.
+struct EmuRead<'a> {
+    gpu: &'a EmuGpu,
+    dev: &'a mut Device,
+}
+
+impl ReadDevice for EmuRead<'_> {
+    fn reserve(&mut self, bytes: usize) -> Result<(), BackendError> {
+        if self.dev.read_buf.bytes < bytes {
+            self.dev.read_buf = Pinned::new(bytes);
+        }
+        Ok(())
+    }
+    fn buffer(&self) -> *const u8 {
+        self.dev.read_buf.ptr
+    }
+    fn copy_to_host(&mut self, at: usize, src: DevPtr, bytes: usize) -> Result<(), BackendError> {
+        self.dev
+            .mem
+            .check(src, bytes, "cuMemcpyDtoHAsync")
+            .map_err(emu_err)?;
+        if at + bytes > self.dev.read_buf.bytes {
+            return Err(emu_err(format!(
+                "cuMemcpyDtoHAsync: {bytes} bytes at {at} of a {}-byte pinned buffer",
+                self.dev.read_buf.bytes
+            )));
+        }
+        self.dev.enqueue(Work::DtoH { at, src, bytes });
+        Ok(())
+    }
+    /// `cuStreamSynchronize`.
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        if self.gpu.skip_read_sync.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.gpu.run_queue(self.dev, None)
     }
 }
 
@@ -178,14 +619,17 @@ impl Gpu for EmuGpu {
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         self.fault.check()?;
         Ok(MemInfo {
-            free: memory::EMULATED_DEVICE_BYTES - self.mem().used(),
+            free: memory::EMULATED_DEVICE_BYTES - self.dev().mem.used(),
             total: memory::EMULATED_DEVICE_BYTES,
         })
     }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr, BackendError> {
         self.fault.check()?;
-        self.mem()
+        // A fresh mapping reads as zeros: what the driver's cuMemsetD8Async leaves, and nothing
+        // can reach the memory before the stream has passed that memset.
+        self.dev()
+            .mem
             .alloc(bytes)
             .map_err(|_| BackendError::OutOfMemory {
                 backend: "cuda",
@@ -195,51 +639,73 @@ impl Gpu for EmuGpu {
     }
 
     fn free(&self, ptr: DevPtr, _bytes: usize) {
-        if let Err(e) = self.mem().free(ptr) {
-            self.bad_frees
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(e);
+        let mut d = self.dev();
+        match d.mem.release(ptr) {
+            Ok(()) => {
+                d.enqueue(Work::Free(ptr));
+            }
+            Err(e) => d.bad_frees.push(e),
         }
     }
 
     fn htod(&self, dst: DevPtr, src: &[u8]) -> Result<(), BackendError> {
+        if src.is_empty() {
+            return Ok(());
+        }
         self.fault.check()?;
-        self.mem()
+        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = self.dev();
+        d.mem
             .check(dst, src.len(), "cuMemcpyHtoDAsync")
             .map_err(emu_err)?;
-        // SAFETY: the destination lies inside a live allocation (checked).
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
-        Ok(())
+        let stage = EmuStage {
+            gpu: self,
+            dev: RefCell::new(&mut *d),
+        };
+        ring.htod(&stage, dst, src)
     }
 
     fn dtod(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), BackendError> {
+        if bytes == 0 {
+            return Ok(());
+        }
         self.fault.check()?;
-        let m = self.mem();
-        m.check(dst, bytes, "cuMemcpyDtoDAsync").map_err(emu_err)?;
-        m.check(src, bytes, "cuMemcpyDtoDAsync").map_err(emu_err)?;
-        // SAFETY: both ranges lie inside live allocations (checked); they may overlap only when
-        // equal, which `copy` handles.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        let mut d = self.dev();
+        d.mem
+            .check(dst, bytes, "cuMemcpyDtoDAsync")
+            .map_err(emu_err)?;
+        d.mem
+            .check(src, bytes, "cuMemcpyDtoDAsync")
+            .map_err(emu_err)?;
+        d.enqueue(Work::DtoD { dst, src, bytes });
         Ok(())
     }
 
     fn read(&self, regions: &[(DevPtr, usize)], out: &mut Vec<u8>) -> Result<(), BackendError> {
         self.fault.check()?;
-        let m = self.mem();
-        out.clear();
-        for &(src, bytes) in regions {
-            m.check(src, bytes, "cuMemcpyDtoHAsync").map_err(emu_err)?;
-            // SAFETY: inside a live allocation (checked).
-            out.extend_from_slice(unsafe { std::slice::from_raw_parts(src as *const u8, bytes) });
+        {
+            let mut d = self.dev();
+            let mut dev = EmuRead {
+                gpu: self,
+                dev: &mut d,
+            };
+            staging::read(&mut dev, regions, staging::READ_CAP, out)?;
+        }
+        // Every staged upload completed with the stream (as the real device's read says).
+        if !self.skip_read_sync.load(Ordering::Relaxed) {
+            self.ring
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .drained();
         }
         Ok(())
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {
         self.fault.check()?;
-        let bad = self.bad_frees.lock().unwrap_or_else(|e| e.into_inner());
-        match bad.first() {
+        let mut d = self.dev();
+        self.run_queue(&mut d, None)?;
+        match d.bad_frees.first() {
             Some(e) => Err(emu_err(e.clone())),
             None => Ok(()),
         }
@@ -262,19 +728,41 @@ impl Gpu for EmuGpu {
                 k.name, dims.smem
             )));
         }
-        let mut touched = Vec::new();
+        // cuLaunchKernel refuses a bad configuration before anything is queued (not sticky).
+        let (g, b) = (dims.grid, dims.block);
+        let threads = b[0] as u64 * b[1] as u64 * b[2] as u64;
+        if threads == 0
+            || threads > 1024
+            || b[2] > 64
+            || g.contains(&0)
+            || g[0] > i32::MAX as u32
+            || g[1] > 65535
+            || g[2] > 65535
         {
-            let m = self.mem();
-            for (i, &(kind, v)) in kinds.iter().enumerate() {
-                if kind == ArgKind::Ptr && v != 0 {
-                    match m.find(v, 0) {
-                        Some((start, _)) => touched.push(start),
-                        None => {
-                            return Err(emu_err(format!(
-                                "{}: pointer parameter {i} ({v:#x}) is not device memory",
-                                k.name
-                            )))
-                        }
+            return Err(emu_err(format!(
+                "{}: invalid launch configuration: grid {g:?} block {b:?} \
+                 (CUDA_ERROR_INVALID_VALUE)",
+                k.name
+            )));
+        }
+        let mut d = self.dev();
+        let mut touched = Vec::new();
+        for (i, &(kind, v)) in kinds.iter().enumerate() {
+            if kind == ArgKind::Ptr && v != 0 {
+                match d.mem.find(v, 0) {
+                    Some((start, _)) => touched.push(start),
+                    None if d.mem.released(v) => {
+                        return Err(emu_err(format!(
+                            "{}: pointer parameter {i} ({v:#x}) points into memory already \
+                             freed (cuMemFreeAsync queued before this launch: use after free)",
+                            k.name
+                        )))
+                    }
+                    None => {
+                        return Err(emu_err(format!(
+                            "{}: pointer parameter {i} ({v:#x}) is not device memory",
+                            k.name
+                        )))
                     }
                 }
             }
@@ -285,56 +773,17 @@ impl Gpu for EmuGpu {
             block: dims.block,
             smem: dims.smem,
         });
-        let mut params = args.params();
-        let mut err = vec![0u8; 512];
-        let rc = {
-            let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: the parameters match the kernel's signature (sizes checked above) and the
-            // pointers point into live allocations; the runtime is used by one launch at a time.
-            unsafe {
-                (k.run)(
-                    dims.grid.as_ptr(),
-                    dims.block.as_ptr(),
-                    dims.smem,
-                    params.as_mut_ptr(),
-                    err.as_mut_ptr() as *mut c_char,
-                    err.len(),
-                )
-            }
-        };
-        if rc != 0 {
-            let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
-            let what = String::from_utf8_lossy(&err[..end]).into_owned();
-            // A bad launch configuration is refused before anything runs (not sticky on a
-            // GPU); anything that went wrong while the kernel ran leaves the context unusable.
-            if what.starts_with("invalid launch configuration") {
-                return Err(emu_err(format!("{}: {what}", k.name)));
-            }
-            return Err(self.fault.fatal(
-                &format!("emulation: {}", k.name),
-                &format!("{what} (on a GPU: a device fault)"),
-            ));
-        }
-        let m = self.mem();
-        if let Some(s) = touched.iter().find(|&&s| !m.intact(s)) {
-            return Err(self.fault.fatal(
-                &format!("emulation: {}", k.name),
-                &format!(
-                    "wrote past the end of the allocation at {s:#x} (on a GPU: \
-                     CUDA_ERROR_ILLEGAL_ADDRESS or silent corruption)"
-                ),
-            ));
-        }
+        d.enqueue(Work::Kernel {
+            kernel,
+            dims,
+            params: kinds.iter().map(|&(_, v)| v).collect(),
+            touched,
+        });
         self.launches
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(kernel);
-        let mut ever = EVER_LAUNCHED.lock().unwrap_or_else(|e| e.into_inner());
-        if ever.len() < self.lib.kernels.len() {
-            ever.resize(self.lib.kernels.len(), false);
-        }
-        ever[kernel] = true;
-        Ok(())
+        self.after_launch(&mut d)
     }
 
     fn gemm(&self, g: &Gemm) -> Result<(), BackendError> {
@@ -360,49 +809,22 @@ impl Gpu for EmuGpu {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
-        {
-            let m = self.mem();
-            let span = |ld: usize, cols: usize, rows: usize| (cols - 1) * ld + rows;
-            let ab = g.ab_type.size();
-            m.check(g.a, span(g.lda, g.m, g.k) * ab, "cublasGemmEx A")
-                .map_err(emu_err)?;
-            m.check(g.b, span(g.ldb, g.n, g.k) * ab, "cublasGemmEx B")
-                .map_err(emu_err)?;
-            m.check(
-                g.c,
-                span(g.ldc, g.n, g.m) * g.c_type.size(),
-                "cublasGemmEx C",
-            )
-            .map_err(emu_err)?;
+        let mut d = self.dev();
+        for (p, n, what) in Self::gemm_spans(g) {
+            d.mem.check(p, n, what).map_err(emu_err)?;
         }
-        let code = |d: DType| match d {
-            DType::F32 => 0,
-            DType::F16 => 1,
-            _ => 2,
-        };
-        // SAFETY: the three ranges lie inside live allocations (checked above) and the types
-        // are ones the function handles.
-        unsafe {
-            (self.lib.gemm)(
-                g.m,
-                g.n,
-                g.k,
-                g.a as *const c_void,
-                g.lda,
-                g.b as *const c_void,
-                g.ldb,
-                g.c as *mut c_void,
-                g.ldc,
-                code(g.ab_type),
-                code(g.c_type),
-            )
-        };
-        Ok(())
+        self.fault.launched(Launch::Gemm {
+            m: g.m,
+            n: g.n,
+            k: g.k,
+        });
+        d.enqueue(Work::Gemm(*g));
+        self.after_launch(&mut d)
     }
 }
 
 impl EmuGpu {
-    /// The kernels launched so far, by name, in order.
+    /// The kernels queued so far, by name, in order.
     pub fn launched(&self) -> Vec<String> {
         let l = self.launches.lock().unwrap_or_else(|e| e.into_inner());
         l.iter()
@@ -418,9 +840,22 @@ impl EmuGpu {
             .clear();
     }
 
-    /// Allocations still live.
+    /// Allocations the program holds (allocated and not freed; a free counts when called, not
+    /// when the stream reaches it).
     pub fn live_allocations(&self) -> usize {
-        self.mem().live()
+        self.dev().mem.live()
+    }
+
+    /// Units of work queued on the stream and not run yet.
+    pub fn queued(&self) -> usize {
+        self.dev().queue.len()
+    }
+
+    /// **Deliberately wrong**, for the faulty-backend test only: with `skip` set, reads no longer
+    /// synchronize the stream after queueing their device→host copies (as a read path that forgot
+    /// `cuStreamSynchronize`), so they return what the pinned buffer held before.
+    pub fn skip_read_synchronization(&self, skip: bool) {
+        self.skip_read_sync.store(skip, Ordering::Relaxed);
     }
 }
 
@@ -517,9 +952,23 @@ mod tests {
         assert!(e.to_string().contains("INVALID_VALUE"), "{e}");
         g.free(y, 256);
         assert_eq!(g.live_allocations(), 1);
-        // Writing 32 floats into a 64-byte allocation is caught, and, as a device fault on a
-        // GPU, leaves the context unusable: every later call says so, naming the first fault.
-        let e = g.launch(k, dims, &mut add_args(x, x, 32)).unwrap_err();
+        // Work queued after the free may not name the freed memory.
+        let e = g
+            .launch(k, dims, &mut add_args(x, y, 16))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("already freed"), "{e}");
+        assert!(g
+            .dtod(x, y, 16)
+            .unwrap_err()
+            .to_string()
+            .contains("already freed"));
+        g.synchronize().unwrap();
+        // Writing 32 floats into a 64-byte allocation is caught — when the stream runs it, as a
+        // device reports a fault at a later synchronization — and, as a device fault on a GPU,
+        // leaves the context unusable: every later call says so, naming the first fault.
+        g.launch(k, dims, &mut add_args(x, x, 32)).unwrap();
+        let e = g.synchronize().unwrap_err();
         assert!(e.to_string().contains("wrote past the end"), "{e}");
         assert!(e.to_string().contains("add_f32 grid [1, 1, 1]"), "{e}");
         for e in [
@@ -534,5 +983,86 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    fn f32s(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn floats(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    /// Queued work runs when the stream is synchronized, in queue order: copies, launches and
+    /// frees wait in the queue, a read synchronizes before it copies, and a free leaves the
+    /// memory to the work queued before it.
+    #[test]
+    fn the_stream_runs_its_work_in_order_when_synchronized() {
+        let Some(g) = gpu() else { return };
+        let k = op_kernel(Op::Add, DType::F32);
+        let dims = LaunchDims::linear([1, 1, 1], 32);
+        let (x, y) = (g.alloc(64).unwrap(), g.alloc(64).unwrap());
+        g.htod(x, &f32s(&[1.0; 16])).unwrap();
+        g.htod(y, &f32s(&[2.0; 16])).unwrap();
+        g.launch(k, dims, &mut add_args(x, y, 16)).unwrap();
+        // y is freed before the launch that reads it has run: the launch still sees it.
+        g.free(y, 64);
+        assert!(g.queued() >= 4, "{} units queued", g.queued());
+        let mut out = Vec::new();
+        g.read(&[(x, 64)], &mut out).unwrap();
+        assert_eq!(floats(&out), vec![3.0; 16]);
+        assert_eq!(g.queued(), 0);
+        // A read waits for every queued op, in order: the copy of 5s runs after the launch.
+        g.launch(k, dims, &mut add_args(x, x, 16)).unwrap();
+        g.htod(x, &f32s(&[5.0; 16])).unwrap();
+        g.read(&[(x, 8)], &mut out).unwrap();
+        assert_eq!(floats(&out), vec![5.0; 2]);
+        g.free(x, 64);
+        g.synchronize().unwrap();
+        assert_eq!(g.live_allocations(), 0);
+    }
+
+    /// Uploads larger than a staging buffer go through the ring piece by piece; each piece's
+    /// buffer is rewritten only after the event of its previous copy, so every byte arrives
+    /// although the copies run late.
+    #[test]
+    fn uploads_through_the_ring_arrive_whole_although_copies_run_late() {
+        let Some(g) = gpu() else { return };
+        let n = 2 * STAGE_BYTES + 12345;
+        let p = g.alloc(n).unwrap();
+        let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
+        g.htod(p, &src).unwrap();
+        // The source may be reused at once.
+        let small = vec![7u8; 100];
+        g.htod(p + 1000, &small).unwrap();
+        let mut out = Vec::new();
+        g.read(&[(p, n)], &mut out).unwrap();
+        let mut want = src.clone();
+        want[1000..1100].fill(7);
+        assert!(out == want, "the upload arrived damaged");
+        g.free(p, n);
+    }
+
+    /// The deliberately wrong read of the faulty-backend test: without its synchronization a
+    /// read returns what the pinned buffer held (poison at first, then an older read's bytes).
+    #[test]
+    fn a_read_that_skips_its_synchronization_sees_stale_bytes() {
+        let Some(g) = gpu() else { return };
+        let p = g.alloc(64).unwrap();
+        g.htod(p, &f32s(&[4.0; 16])).unwrap();
+        g.skip_read_synchronization(true);
+        let mut out = Vec::new();
+        g.read(&[(p, 64)], &mut out).unwrap();
+        assert!(
+            floats(&out).iter().all(|v| v.is_nan()),
+            "{:?}",
+            floats(&out)
+        );
+        g.skip_read_synchronization(false);
+        g.read(&[(p, 64)], &mut out).unwrap();
+        assert_eq!(floats(&out), vec![4.0; 16]);
+        g.free(p, 64);
     }
 }
