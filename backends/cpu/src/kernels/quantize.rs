@@ -166,9 +166,11 @@ fn quantize_row_isa(
     }
 }
 
-/// The Q8_K quantizer with `quantize_row_isa`'s signature and length checks.
+/// The Q8_K quantizer with `quantize_row_isa`'s signature and length checks: the reference's
+/// operations compiled for the instruction set (rounding by `roundps`, the value loops in vector
+/// registers), so the same bits on every one.
 fn quantize_row_q8k_checked(
-    _isa: Isa,
+    isa: Isa,
     x: &[f32],
     qs: &mut [i8],
     d: &mut [f32],
@@ -186,7 +188,162 @@ fn quantize_row_q8k_checked(
         s.len(),
         i.len()
     );
-    quantize_row_q8k(x, qs, d, s, i);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` passed `Isa::checked`, so the CPU has AVX-512 F/BW/VL; the lengths the
+        // function relies on were asserted above.
+        Isa::Avx512Vnni => unsafe { row_q8k_avx512(x, qs, d, s, i) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` passed `Isa::checked`, so the CPU has AVX2; the lengths the function
+        // relies on were asserted above.
+        Isa::Avx2 => unsafe { row_q8k_avx2(x, qs, d, s, i) },
+        _ => quantize_row_q8k(x, qs, d, s, i),
+    }
+}
+
+/// The Q8_K reference in AVX-512 registers, value for value: the largest magnitude by `vmaxps`
+/// with the running maximum second (a NaN weighs nothing, as the reference's strict `>` skips
+/// it), the first value of that magnitude for the sign, the scale as the reference computes it,
+/// each value multiplied, rounded to nearest-even, NaN made 0, clamped as the reference clamps,
+/// converted; the block sums in integers. So the same bits.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL; `x.len()` a multiple of 256, `qs` as long, `d`, `s`, `i`
+/// one per 32 values (checked by the caller).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn row_q8k_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], i: &mut [i32]) {
+    use crate::quant::acts::QK_K;
+    use half::f16;
+    use std::arch::x86_64::*;
+    const CHUNKS: usize = QK_K / 16;
+    for sb in 0..x.len() / QK_K {
+        let p = x.as_ptr().add(sb * QK_K);
+        let mut m = _mm512_setzero_ps();
+        for c in 0..CHUNKS {
+            m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(p.add(16 * c))), m);
+        }
+        let amax = _mm512_reduce_max_ps(m);
+        let blocks = sb * (QK_K / QBLOCK)..(sb + 1) * (QK_K / QBLOCK);
+        if amax == 0.0 {
+            qs[sb * QK_K..(sb + 1) * QK_K].fill(0);
+            d[blocks.clone()].fill(0.0);
+            s[blocks.clone()].fill(0.0);
+            i[blocks].fill(0);
+            continue;
+        }
+        let va = _mm512_set1_ps(amax);
+        let mut max = 0.0;
+        for c in 0..CHUNKS {
+            let v = _mm512_loadu_ps(p.add(16 * c));
+            let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(v), va);
+            if hit != 0 {
+                max = *x.get_unchecked(sb * QK_K + 16 * c + hit.trailing_zeros() as usize);
+                break;
+            }
+        }
+        let iscale = -127.0 / max;
+        let vis = _mm512_set1_ps(iscale);
+        let (hi, lo) = (_mm512_set1_ps(127.0), _mm512_set1_ps(-128.0));
+        let scale = 1.0 / iscale;
+        for (j, b) in blocks.enumerate() {
+            let mut sum = _mm512_setzero_si512();
+            for h in 0..2 {
+                let at = j * QBLOCK + 16 * h;
+                let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm512_mul_ps(_mm512_loadu_ps(p.add(at)), vis),
+                );
+                let r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(r, r), r);
+                let q = _mm512_cvttps_epi32(_mm512_max_ps(_mm512_min_ps(r, hi), lo));
+                _mm_storeu_si128(
+                    qs.as_mut_ptr().add(sb * QK_K + at) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(q),
+                );
+                sum = _mm512_add_epi32(sum, q);
+            }
+            let sum = _mm512_reduce_add_epi32(sum);
+            d[b] = scale;
+            i[b] = sum;
+            s[b] = f16::from_f32(scale * sum as f32).to_f32();
+        }
+    }
+}
+
+/// [`row_q8k_avx512`] in AVX2 registers: the same steps, 8 lanes at a time (the first value of
+/// the largest magnitude found by a compare and its mask), so the same bits.
+///
+/// # Safety
+/// The CPU must have AVX2; `x.len()` a multiple of 256, `qs` as long, `d`, `s`, `i` one per 32
+/// values (checked by the caller).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn row_q8k_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], i: &mut [i32]) {
+    use crate::quant::acts::QK_K;
+    use half::f16;
+    use std::arch::x86_64::*;
+    const CHUNKS: usize = QK_K / 8;
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    for sb in 0..x.len() / QK_K {
+        let p = x.as_ptr().add(sb * QK_K);
+        let mut m = _mm256_setzero_ps();
+        for c in 0..CHUNKS {
+            m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(p.add(8 * c)), abs_mask), m);
+        }
+        // Lanes hold no NaN, so their maximum does not depend on the order.
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        let amax = lanes.iter().fold(0f32, |a, &l| a.max(l));
+        let blocks = sb * (QK_K / QBLOCK)..(sb + 1) * (QK_K / QBLOCK);
+        if amax == 0.0 {
+            qs[sb * QK_K..(sb + 1) * QK_K].fill(0);
+            d[blocks.clone()].fill(0.0);
+            s[blocks.clone()].fill(0.0);
+            i[blocks].fill(0);
+            continue;
+        }
+        let va = _mm256_set1_ps(amax);
+        let mut max = 0.0;
+        for c in 0..CHUNKS {
+            let v = _mm256_and_ps(_mm256_loadu_ps(p.add(8 * c)), abs_mask);
+            let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(v, va));
+            if hit != 0 {
+                max = *x.get_unchecked(sb * QK_K + 8 * c + hit.trailing_zeros() as usize);
+                break;
+            }
+        }
+        let iscale = -127.0 / max;
+        let vis = _mm256_set1_ps(iscale);
+        let (hi, lo) = (_mm256_set1_ps(127.0), _mm256_set1_ps(-128.0));
+        let scale = 1.0 / iscale;
+        for (j, b) in blocks.enumerate() {
+            let mut q = [_mm256_setzero_si256(); 4];
+            for (k, qk) in q.iter_mut().enumerate() {
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm256_mul_ps(_mm256_loadu_ps(p.add(j * QBLOCK + 8 * k)), vis),
+                );
+                let r = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(r, r), r);
+                *qk = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(r, hi), lo));
+            }
+            // Packing interleaves the 128-bit halves; one permutation puts the bytes in order.
+            let w01 = _mm256_packs_epi32(q[0], q[1]);
+            let w23 = _mm256_packs_epi32(q[2], q[3]);
+            let bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(w01, w23),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+            );
+            _mm256_storeu_si256(
+                qs.as_mut_ptr().add(sb * QK_K + j * QBLOCK) as *mut __m256i,
+                bytes,
+            );
+            let t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let t = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+            let t = _mm_add_epi32(t, _mm_shuffle_epi32::<0b01_00_11_10>(t));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32::<0b10_11_00_01>(t)));
+            d[b] = scale;
+            i[b] = sum;
+            s[b] = f16::from_f32(scale * sum as f32).to_f32();
+        }
+    }
 }
 
 /// Values per scale of `blocks`.
@@ -367,6 +524,34 @@ unsafe fn row_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isu
 mod tests {
     use super::*;
     use crate::quant::testing::TestRng;
+
+    #[test]
+    fn every_isa_matches_the_q8k_reference() {
+        let pool = ThreadPool::new(2);
+        let mut rng = TestRng::new(4);
+        let (rows, k) = (11, 768);
+        let mut x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-3.0, 3.0)).collect();
+        // A zero super-block, one whose largest magnitude is negative and appears twice with
+        // both signs (the first one sets the sign), and a NaN.
+        x[..256].fill(0.0);
+        x[300] = -9.0;
+        x[400] = 9.0;
+        x[1000] = f32::NAN;
+        let mut want = QuantizedActs::new();
+        want.quantize_q8k(&x, rows, k);
+        assert_eq!(want.qs[300], -127);
+        assert_eq!(want.qs[400], 127);
+        for isa in Isa::available() {
+            let mut got = QuantizedActs::new();
+            quantize_acts(&pool, isa, &x, rows, k, ActBlocks::Q8K, &mut got).unwrap();
+            assert_eq!(got.blocks, ActBlocks::Q8K);
+            assert_eq!(got.qs, want.qs, "{}", isa.name());
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.d), bits(&want.d), "{}", isa.name());
+            assert_eq!(bits(&got.s), bits(&want.s), "{}", isa.name());
+            assert_eq!(got.isum, want.isum, "{}", isa.name());
+        }
+    }
 
     #[test]
     fn every_isa_matches_the_reference() {

@@ -204,6 +204,7 @@ pub fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum
 /// each value `round_ties_even(iscale * x)` at most 127, and the scale `1 / iscale` in f32. Each
 /// of the super-block's 32-value blocks gets that scale, its integer sum, and `s` (the sum
 /// scaled, rounded through f16, as for Q8_0). `x.len()` must be a multiple of 256.
+#[inline(always)]
 pub fn quantize_row_q8k(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
     const PER: usize = QK_K / QBLOCK;
     for (sb, (xs, qsb)) in x

@@ -124,6 +124,11 @@ fn matmul_through_pool(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
     let k = 768;
     let rows = 7;
     let (x, a) = acts(rows, k, 3);
+    // The K-quants take Q8_K activations, as in llama.cpp.
+    let mut a8k = QuantizedActs::new();
+    a8k.quantize_q8k(&x, rows, k);
+    a8k.fill_tiles();
+    a8k.sums();
     // Q4_1 and the K-quants of a Q4_K_M file (the latter read the activations' extra sums, made
     // on first use inside the call).
     let mut weights: Vec<(&str, WeightMatrix)> = [GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K]
@@ -137,11 +142,19 @@ fn matmul_through_pool(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
     }
     for (name, w) in &weights {
         let n = w.n();
+        let quantized = match w {
+            WeightMatrix::Packed(p)
+                if p.format.act_blocks() == npu_backend_cpu::quant::acts::ActBlocks::Q8K =>
+            {
+                &a8k
+            }
+            _ => &a,
+        };
         let run = |isa: Isa| {
             let mut out = vec![f32::NAN; rows * n];
             let input = MatmulInput {
                 f32: &x,
-                quantized: &a,
+                quantized,
                 rows,
             };
             matmul(pool, isa, w, input, &mut out, n).map(|_| out)
@@ -293,11 +306,17 @@ fn attention_shapes(pool: &ThreadPool, isas: &[Isa], shapes: &[(usize, usize)], 
     }
 }
 
-/// Activation quantization: random rows plus a zero block, exact halves (ties), and values
-/// far apart in size.
+/// Activation quantization, as Q8_0 blocks and as Q8_K super-blocks: random rows plus a zero
+/// block, exact halves (ties), and values far apart in size.
 fn quantize(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
+    use npu_backend_cpu::quant::acts::ActBlocks;
     let mut rng = TestRng::new(3);
-    for &(rows, k) in &[(1usize, 32usize), (13, 576), (9, 1536)] {
+    let shapes = [(1usize, 32usize), (13, 576), (9, 1536), (3, 512)];
+    for (blocks, &(rows, k)) in [ActBlocks::Q8_0, ActBlocks::Q8K]
+        .into_iter()
+        .flat_map(|b| shapes.iter().map(move |s| (b, s)))
+        .filter(|(b, (_, k))| *b == ActBlocks::Q8_0 || k % 256 == 0)
+    {
         let mut x: Vec<f32> = (0..rows * k).map(|_| rng.uniform(-3.0, 3.0)).collect();
         x[..32].fill(0.0);
         if k >= 96 {
@@ -309,19 +328,14 @@ fn quantize(pool: &ThreadPool, isas: &[Isa], r: &mut Report) {
             }
         }
         let mut want = QuantizedActs::new();
-        want.quantize(&x, rows, k);
+        match blocks {
+            ActBlocks::Q8_0 => want.quantize(&x, rows, k),
+            ActBlocks::Q8K => want.quantize_q8k(&x, rows, k),
+        }
         for &isa in isas {
             let mut got = QuantizedActs::new();
-            let what = format!("{} quantize rows={rows} k={k}", isa.name());
-            if let Err(e) = quantize_acts(
-                pool,
-                isa,
-                &x,
-                rows,
-                k,
-                npu_backend_cpu::quant::acts::ActBlocks::Q8_0,
-                &mut got,
-            ) {
+            let what = format!("{} quantize {blocks:?} rows={rows} k={k}", isa.name());
+            if let Err(e) = quantize_acts(pool, isa, &x, rows, k, blocks, &mut got) {
                 r.fail("activation quantization", format!("{what}: {e}"));
                 continue;
             }
