@@ -4,7 +4,7 @@
 //! `aclrtGetMemInfo`, which sizes the KV pool when asked.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use npu_ffi::types::*;
 
@@ -60,13 +60,17 @@ pub struct Device {
     queued: Arc<AtomicBool>,
     /// Stream synchronizations made through [`Device::synchronize`].
     syncs: AtomicU64,
+    /// The failure of a synchronization made before freeing memory ([`Device::quiesce`], which
+    /// cannot report it): the next [`Device::synchronize`] reports it, so that failed stream
+    /// work is never taken for done.
+    lost: Mutex<Option<AscendError>>,
 }
 
 // SAFETY: ACL contexts and streams may be used from any thread once the context is made current
 // there (`bind`); the handles are plain identifiers owned by this value.
 unsafe impl Send for Device {}
 // SAFETY: `&Device` only hands its handles to ACL calls, which are thread-safe; the only state
-// changed after `open` is the atomic `queued` flag.
+// changed after `open` is atomics and the `lost` error behind its mutex.
 unsafe impl Sync for Device {}
 
 impl Device {
@@ -103,6 +107,7 @@ impl Device {
             stream,
             queued: Arc::new(AtomicBool::new(false)),
             syncs: AtomicU64::new(0),
+            lost: Mutex::new(None),
         })
     }
 
@@ -130,7 +135,9 @@ impl Device {
         self.queued.load(Ordering::SeqCst)
     }
 
-    /// Waits for the stream's queued work; its results are readable afterwards.
+    /// Waits for the stream's queued work; its results are readable afterwards. Fails if that
+    /// work failed, or if a synchronization made before freeing memory failed since the last one
+    /// (see [`Device::quiesce`]).
     pub fn synchronize(&self) -> Result<()> {
         self.acl.log("aclrtSynchronizeStream", String::new);
         // Cleared before the wait: work queued meanwhile (another thread) sets it again.
@@ -143,7 +150,11 @@ impl Device {
         if r.is_err() {
             self.queued.store(true, Ordering::SeqCst);
         }
-        r
+        let lost = self.lost.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match lost {
+            Some(e) => Err(e),
+            None => r,
+        }
     }
 
     /// Stream synchronizations so far.
@@ -152,10 +163,16 @@ impl Device {
     }
 
     /// Before freeing memory the stream may still use: waits for queued work, if any (with this
-    /// device's context current on the calling thread, as freeing needs).
+    /// device's context current on the calling thread, as freeing needs). A failure cannot be
+    /// reported here (memory is freed on drop): it is kept for the next [`Device::synchronize`].
     pub fn quiesce(&self) {
         if self.bind().is_ok() && self.has_queued_work() {
-            let _ = self.synchronize();
+            if let Err(e) = self.synchronize() {
+                self.lost
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(e);
+            }
         }
     }
 

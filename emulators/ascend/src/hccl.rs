@@ -5,31 +5,62 @@
 //! (HCCL_E_PARA otherwise); `nRanks` and `rank` must agree with the communicator's; each rank of a
 //! communicator is on its own device, and a collective's stream and buffers must be on that
 //! device; `count` > 0, a supported dtype and op, buffers that are live device memory of the
-//! sizes the call implies (HCCL_E_PARA / HCCL_E_PTR); and every rank must call the same
-//! collective, with the same count, dtype and op, in the same order — otherwise every rank's
-//! call fails with HCCL_E_PARA and a message naming both calls (see `hccl_comm`), and the
-//! communicator stays broken. Messages go to `aclGetRecentErrMsg`.
+//! sizes the call implies (HCCL_E_PARA / HCCL_E_PTR) — these are checked at the call. Every rank
+//! must call the same collective, with the same count, dtype and op, in the same order —
+//! otherwise, when the collectives run, every rank's fails with HCCL_E_PARA and a message naming
+//! both calls (see `hccl_comm`), the stream's synchronization reports it, and the communicator
+//! stays broken. Messages go to `aclGetRecentErrMsg`.
 //!
-//! How it runs: a collective first runs the stream's queued work (a device would have reached
-//! the collective in stream order), reads this rank's input, exchanges it with the other ranks
-//! through the communicator's shared memory (the call returns once every rank has called it),
-//! and queues the write of the result on the stream: the result is there after the stream is
-//! synchronized, like any other stream work. Running the queued work early is the one thing
-//! less strict than the rest of the emulation: a device-to-host copy queued before a collective
-//! has its bytes before the stream is synchronized.
+//! **Stream order.** A collective is enqueued on its stream and runs in order with the other work
+//! on it, as HCCL documents: the call checks its arguments and queues it; when the stream runs it
+//! (at a synchronization, or when the communicator's progress thread runs it, below) it reads
+//! this rank's send buffer **then** — after the work queued before it, before the work queued
+//! after it — exchanges it with the other ranks through the communicator's shared memory, and
+//! writes the result to the receive buffer. Until it has run, its send buffer counts as read and
+//! its receive buffer as written by queued work: a synchronous copy touching them is refused (a
+//! read of the receive buffer, or a write of the send buffer, before the stream is synchronized).
+//! A pinned host buffer that an async copy queued before the collective reads is read when that
+//! copy runs, so the collective sends what the host left there by then.
+//!
+//! **Progress.** A device runs its stream without its host; a peer's collective may wait for one
+//! this rank's host has queued but not synchronized. Each communicator therefore has a progress
+//! thread ([`progress`]): when a peer has posted a round this rank has not, it runs this rank's
+//! stream up to this rank's next queued collective on the communicator (the work before it
+//! included, a device having run it by then); a failure it meets is reported by the stream's next
+//! synchronization.
+//!
+//! **Arithmetic.** The all-reduce sums as a ring all-reduce does, in the payload's dtype: the
+//! `count` elements are cut into one chunk per rank (chunk `c`: elements `c·count/n` to
+//! `(c+1)·count/n`), chunk `c` is reduced around the ring starting at rank `c` (`x_c + x_{c+1}`,
+//! then `+ x_{c+2}`, ..., ending with rank `c−1`), each partial sum rounded to the dtype as it is
+//! sent on (f16 and bf16: the exact sum of two values rounded once to the dtype; f32: f32
+//! additions in that order; integers wrap), and every rank receives the same reduced chunks.
+//! All-gather concatenates the ranks' buffers in rank order.
 
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
 
 use half::{bf16, f16};
 use npu_ffi::hccl::*;
 
-use crate::hccl_comm::{self, Call, Comm, KIND_ALL_GATHER, KIND_ALL_REDUCE, ROOT_MAGIC};
+use crate::hccl_comm::{self, Call, Comm, Mapping, KIND_ALL_GATHER, KIND_ALL_REDUCE, ROOT_MAGIC};
 use crate::state::*;
 
-/// Live communicators by handle (each behind its own lock: a collective waits for the other
-/// ranks without holding the emulation's state).
-static COMMS: LazyLock<Mutex<HashMap<u64, std::sync::Arc<Mutex<Comm>>>>> =
+/// One live communicator of this process.
+struct Entry {
+    /// The handle's counters (locked by the collective running on it: it waits for the other
+    /// ranks without holding the emulation's state).
+    comm: Mutex<Comm>,
+    /// The shared mapping, for the progress thread and to mark it broken without the lock.
+    map: Arc<Mapping>,
+    rank: u32,
+    ranks: u32,
+    device: i32,
+}
+
+/// Live communicators by handle.
+static COMMS: LazyLock<Mutex<HashMap<u64, Arc<Entry>>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
 
 fn done(r: Result<(), hccl_comm::Fail>) -> HcclResult {
@@ -48,6 +79,59 @@ fn para<T>(msg: impl Into<String>) -> Result<T, hccl_comm::Fail> {
 
 fn from_acl(f: Fail) -> hccl_comm::Fail {
     (HCCL_E_RUNTIME, f.msg)
+}
+
+/// An HCCL failure of a collective as its stream reports it.
+fn on_stream(what: &str, (code, msg): hccl_comm::Fail) -> Fail {
+    Fail {
+        code: npu_ffi::types::ACL_ERROR_FAILURE,
+        msg: format!("HCCL: {what} failed with {}: {msg}", result_name(code)),
+    }
+}
+
+/// Marks communicator `comm` broken with `msg`, if it is live (a collective of it was dropped
+/// from its stream: its peers would wait for it in vain). Takes no lock but the table's.
+pub fn abandon(comm: u64, msg: &str) {
+    let entry = COMMS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&comm)
+        .cloned();
+    if let Some(e) = entry {
+        e.map.break_with(&format!("rank {}: {msg}", e.rank));
+    }
+}
+
+/// The progress thread of communicator `handle` (until it is destroyed): when a peer has
+/// posted a round this rank has not — it waits in a collective this rank has not run — runs
+/// this rank's stream up to its next queued collective on the communicator, as a device would
+/// have run it without waiting for its host. A failure is kept for the stream's next
+/// synchronization.
+pub fn progress(handle: u64) {
+    let mut idle = 0u32;
+    loop {
+        let entry = COMMS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&handle)
+            .cloned();
+        let Some(entry) = entry else { return };
+        if entry.map.peer_ahead(entry.rank, entry.ranks) {
+            let g = state();
+            let next = g.hccl_queued.get(&handle).and_then(|q| q.front().copied());
+            if let Some((s, ticket)) = next.filter(|&(s, _)| !g.busy.contains_key(&s)) {
+                let (mut g, r) = run_released(g, s, Some((handle, ticket)));
+                if let Err(f) = r {
+                    g.stream_errors.insert(s, f);
+                }
+                idle = 0;
+                continue;
+            }
+        }
+        drop(entry);
+        idle = idle.saturating_add(1);
+        std::thread::sleep(Duration::from_micros(if idle < 2000 { 100 } else { 2000 }));
+    }
 }
 
 fn random_id() -> Result<[u8; 16], hccl_comm::Fail> {
@@ -116,6 +200,7 @@ pub unsafe extern "C" fn HcclCommInitRootInfo(
             st.current_context().map_err(from_acl)?.1.device
         };
         let c = Comm::join(&info[8..24], nRanks, rank, device)?;
+        let map = c.mapping();
         let handle = {
             let mut st = state();
             let h = st.new_handle(KIND_HCCL_COMM);
@@ -125,17 +210,33 @@ pub unsafe extern "C" fn HcclCommInitRootInfo(
             );
             h
         };
-        COMMS
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(handle, std::sync::Arc::new(Mutex::new(c)));
+        COMMS.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            handle,
+            Arc::new(Entry {
+                comm: Mutex::new(c),
+                map,
+                rank,
+                ranks: nRanks,
+                device,
+            }),
+        );
+        let spawned = std::thread::Builder::new()
+            .name(format!("hccl-progress-{rank}"))
+            .spawn(move || progress(handle));
+        if let Err(e) = spawned {
+            let _ = HcclCommDestroy(handle as HcclComm);
+            return Err((
+                HCCL_E_SYSCALL,
+                format!("HcclCommInitRootInfo: starting the progress thread: {e}"),
+            ));
+        }
         // SAFETY: checked non-null.
         unsafe { *comm = handle as HcclComm };
         Ok(())
     })())
 }
 
-fn lookup(comm: HcclComm, what: &str) -> Result<std::sync::Arc<Mutex<Comm>>, hccl_comm::Fail> {
+fn lookup(comm: HcclComm, what: &str) -> Result<Arc<Entry>, hccl_comm::Fail> {
     COMMS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -149,16 +250,28 @@ fn lookup(comm: HcclComm, what: &str) -> Result<std::sync::Arc<Mutex<Comm>>, hcc
         })
 }
 
+/// Destroys a communicator. Refused (HCCL_E_PARA) while a collective of it is queued on a
+/// stream or running: synchronize the stream first (its peers would wait for it in vain).
 #[no_mangle]
 pub extern "C" fn HcclCommDestroy(comm: HcclComm) -> HcclResult {
     done((|| {
         let c = lookup(comm, "HcclCommDestroy")?;
-        c.lock().unwrap_or_else(|e| e.into_inner()).destroy();
+        {
+            let st = state();
+            if let Some(&(s, _)) = st.hccl_queued.get(&(comm as u64)).and_then(|q| q.front()) {
+                return para(format!(
+                    "HcclCommDestroy: a collective of this communicator is still queued on stream {s:#x}; synchronize the stream first"
+                ));
+            }
+        }
+        c.comm.lock().unwrap_or_else(|e| e.into_inner()).destroy();
         COMMS
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&(comm as u64));
-        state().hccl_comms.remove(&(comm as u64));
+        let mut st = state();
+        st.hccl_comms.remove(&(comm as u64));
+        st.hccl_queued.remove(&(comm as u64));
         Ok(())
     })())
 }
@@ -172,18 +285,16 @@ fn elem_bytes(dtype: HcclDataType) -> Option<usize> {
     }
 }
 
-/// The checks of a collective's arguments under the state lock, then the stream's queued work:
-/// returns (stream, this rank's input bytes).
-fn prepare(
+/// The checks of a collective's arguments under the state lock (`send` and `recv`: address and
+/// bytes); returns the stream.
+fn check_args(
+    st: &State,
     what: &str,
-    c: &Comm,
-    send: u64,
-    recv: u64,
-    in_bytes: u64,
-    out_bytes: u64,
+    c: &Entry,
+    (send, in_bytes): (u64, u64),
+    (recv, out_bytes): (u64, u64),
     stream: aclrtStream,
-) -> Result<(u64, Vec<u8>), hccl_comm::Fail> {
-    let mut st = state();
+) -> Result<u64, hccl_comm::Fail> {
     st.require_init().map_err(from_acl)?;
     if stream.is_null() {
         return para(format!(
@@ -219,76 +330,94 @@ fn prepare(
             "{what}: sendBuf and recvBuf overlap without being the same"
         ));
     }
-    st.run_stream(s).map_err(|f| {
-        let msg = format!("{what}: the stream's earlier work failed: {}", f.msg);
-        c.break_with(&format!("rank {}: {msg}", c.rank));
-        (HCCL_E_RUNTIME, msg)
-    })?;
-    let mine = st.bytes(send, in_bytes).map_err(from_acl)?.to_vec();
-    Ok((s, mine))
+    Ok(s)
 }
 
-fn queue_result(s: u64, what: &str, recv: u64, out: Vec<u8>) {
-    let mut st = state();
-    let len = out.len() as u64;
-    st.enqueue(
-        s,
-        Task {
-            name: what.to_string(),
-            reads: Vec::new(),
-            writes: vec![(recv, len)],
-            run: Box::new(move |st| {
-                st.bytes_mut(recv, len)?.copy_from_slice(&out);
-                Ok(())
-            }),
-        },
-    );
-}
-
-/// Element-wise sums in rank order, kept in f32 (f64 for ints) and rounded once.
-struct Sum {
-    dtype: HcclDataType,
-    acc: Vec<f64>,
-}
-
-impl Sum {
-    fn add(&mut self, offset: usize, bytes: &[u8]) {
-        let es = elem_bytes(self.dtype).unwrap_or(1);
-        for (i, c) in bytes.chunks_exact(es).enumerate() {
-            let v = match self.dtype {
-                HCCL_DATA_TYPE_FP16 => f16::from_le_bytes([c[0], c[1]]).to_f32() as f64,
-                HCCL_DATA_TYPE_BFP16 => bf16::from_le_bytes([c[0], c[1]]).to_f32() as f64,
-                HCCL_DATA_TYPE_FP32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64,
-                HCCL_DATA_TYPE_INT32 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64,
-                HCCL_DATA_TYPE_INT8 => c[0] as i8 as f64,
-                _ => c[0] as f64,
-            };
-            let a = &mut self.acc[offset / es + i];
-            // f32 arithmetic for the float types, as the device's: sum in rank order.
-            *a = if matches!(
-                self.dtype,
-                HCCL_DATA_TYPE_INT32 | HCCL_DATA_TYPE_INT8 | HCCL_DATA_TYPE_UINT8
-            ) {
-                *a + v
-            } else {
-                (*a as f32 + v as f32) as f64
-            };
+/// Element `i` of a buffer of `dtype` elements, as f64 (floats) or its integer value.
+fn load(dtype: HcclDataType, b: &[u8], i: usize) -> f64 {
+    match dtype {
+        HCCL_DATA_TYPE_FP16 => f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f64(),
+        HCCL_DATA_TYPE_BFP16 => bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f64(),
+        HCCL_DATA_TYPE_FP32 => {
+            f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]) as f64
         }
+        HCCL_DATA_TYPE_INT32 => {
+            i32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]) as f64
+        }
+        HCCL_DATA_TYPE_INT8 => b[i] as i8 as f64,
+        _ => b[i] as f64,
     }
+}
 
-    fn bytes(&self) -> Vec<u8> {
-        let mut out = Vec::new();
-        for &a in &self.acc {
-            match self.dtype {
-                HCCL_DATA_TYPE_FP16 => out.extend(f16::from_f32(a as f32).to_le_bytes()),
-                HCCL_DATA_TYPE_BFP16 => out.extend(bf16::from_f32(a as f32).to_le_bytes()),
-                HCCL_DATA_TYPE_FP32 => out.extend((a as f32).to_le_bytes()),
-                HCCL_DATA_TYPE_INT32 => out.extend((a as i64 as i32).to_le_bytes()),
-                _ => out.push(a as i64 as u8),
+/// One hop of the ring: `acc + x` in `dtype`, rounded to it once (f16/bf16: the sum of two
+/// such values is exact in f64, then rounded; f32: an f32 addition; integers wrap).
+fn hop(dtype: HcclDataType, acc: f64, x: f64) -> f64 {
+    match dtype {
+        HCCL_DATA_TYPE_FP16 => f16::from_f64(acc + x).to_f64(),
+        HCCL_DATA_TYPE_BFP16 => bf16::from_f64(acc + x).to_f64(),
+        HCCL_DATA_TYPE_FP32 => (acc as f32 + x as f32) as f64,
+        HCCL_DATA_TYPE_INT32 => (acc as i32).wrapping_add(x as i32) as f64,
+        HCCL_DATA_TYPE_INT8 => (acc as i8).wrapping_add(x as i8) as f64,
+        _ => (acc as u8).wrapping_add(x as u8) as f64,
+    }
+}
+
+fn store(dtype: HcclDataType, out: &mut Vec<u8>, v: f64) {
+    match dtype {
+        HCCL_DATA_TYPE_FP16 => out.extend(f16::from_f64(v).to_le_bytes()),
+        HCCL_DATA_TYPE_BFP16 => out.extend(bf16::from_f64(v).to_le_bytes()),
+        HCCL_DATA_TYPE_FP32 => out.extend((v as f32).to_le_bytes()),
+        HCCL_DATA_TYPE_INT32 => out.extend((v as i32).to_le_bytes()),
+        HCCL_DATA_TYPE_INT8 => out.push(v as i8 as u8),
+        _ => out.push(v as u8),
+    }
+}
+
+/// The sum of every rank's `count` elements as a ring all-reduce computes it (see the module
+/// doc): chunk `c` of `n` is reduced starting at rank `c` and going around the ring, each hop
+/// rounded to the dtype. `inputs[r]` is rank `r`'s buffer.
+pub fn ring_sum(dtype: HcclDataType, count: usize, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let n = inputs.len();
+    let mut out = Vec::with_capacity(count * elem_bytes(dtype).unwrap_or(1));
+    for c in 0..n {
+        for i in c * count / n..(c + 1) * count / n {
+            let mut acc = load(dtype, &inputs[c], i);
+            for k in 1..n {
+                acc = hop(dtype, acc, load(dtype, &inputs[(c + k) % n], i));
             }
+            store(dtype, &mut out, acc);
         }
-        out
     }
+    out
+}
+
+/// The collective's exchange and result, once its stream ran it with `mine` read from the send
+/// buffer (runs without the emulation's state lock: it waits for the other ranks).
+fn exchange(handle: u64, what: &str, call: Call, mine: &[u8]) -> Result<Vec<u8>, hccl_comm::Fail> {
+    let entry = COMMS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&handle)
+        .cloned()
+        .ok_or_else(|| {
+            (
+                HCCL_E_PARA,
+                format!(
+                    "{what}: the communicator {handle:#x} was destroyed before the collective ran"
+                ),
+            )
+        })?;
+    let mut c = entry.comm.lock().unwrap_or_else(|e| e.into_inner());
+    let n = mine.len();
+    let mut each = vec![vec![0u8; n]; c.ranks as usize];
+    c.exchange(call, mine, |r, off, bytes| {
+        each[r as usize][off..off + bytes.len()].copy_from_slice(bytes)
+    })?;
+    Ok(if call.kind == KIND_ALL_REDUCE {
+        ring_sum(call.dtype, call.count as usize, &each)
+    } else {
+        each.concat()
+    })
 }
 
 fn collective(
@@ -300,7 +429,6 @@ fn collective(
     stream: aclrtStream,
 ) -> Result<(), hccl_comm::Fail> {
     let c = lookup(comm, what)?;
-    let mut c = c.lock().unwrap_or_else(|e| e.into_inner());
     let Some(es) = elem_bytes(call.dtype) else {
         return Err((
             HCCL_E_NOT_SUPPORT,
@@ -330,23 +458,40 @@ fn collective(
     } else {
         in_bytes
     };
-    let (s, mine) = prepare(what, &c, send, recv, in_bytes, out_bytes, stream)?;
-    let out = if call.kind == KIND_ALL_REDUCE {
-        let mut sum = Sum {
-            dtype: call.dtype,
-            acc: vec![0.0; call.count as usize],
-        };
-        c.exchange(call, &mine, |_, off, bytes| sum.add(off, bytes))?;
-        sum.bytes()
-    } else {
-        let mut out = vec![0u8; out_bytes as usize];
-        let n = in_bytes as usize;
-        c.exchange(call, &mine, |r, off, bytes| {
-            out[r as usize * n + off..][..bytes.len()].copy_from_slice(bytes)
-        })?;
-        out
-    };
-    queue_result(s, what, recv, out);
+    let mut st = state();
+    let s = check_args(&st, what, &c, (send, in_bytes), (recv, out_bytes), stream)?;
+    let handle = comm as u64;
+    st.next_ticket += 1;
+    let ticket = st.next_ticket;
+    st.hccl_queued
+        .entry(handle)
+        .or_default()
+        .push_back((s, ticket));
+    let run: TaskFn = Box::new(move |st: &mut State| {
+        // Running now: no longer queued.
+        if let Some(q) = st.hccl_queued.get_mut(&handle) {
+            q.retain(|&(_, t)| t != ticket);
+        }
+        let mine = st.bytes(send, in_bytes)?.to_vec();
+        st.blocking = Some(Box::new(move || {
+            let out = exchange(handle, what, call, &mine).map_err(|f| on_stream(what, f))?;
+            let write: TaskFn = Box::new(move |st: &mut State| {
+                st.bytes_mut(recv, out_bytes)?.copy_from_slice(&out);
+                Ok(())
+            });
+            Ok(write)
+        }));
+        Ok(())
+    });
+    st.enqueue(
+        s,
+        Task {
+            name: format!("{call} on HcclComm {handle:#x}"),
+            reads: vec![(send, in_bytes)],
+            writes: vec![(recv, out_bytes)],
+            run,
+        },
+    );
     Ok(())
 }
 

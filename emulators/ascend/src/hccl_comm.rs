@@ -118,10 +118,86 @@ pub fn file_name(id: &[u8]) -> String {
     format!("/dev/shm/ascend-emulator-hccl-{hex}")
 }
 
-/// One rank's mapping of its communicator's file.
-pub struct Comm {
+/// A communicator's file mapped in this process: the words every rank reads and writes through
+/// atomics, the data slots of the round protocol and the broken message.
+pub struct Mapping {
     base: *mut u8,
     len: usize,
+}
+
+// SAFETY: the mapping is process-wide shared memory; every word shared between threads or
+// processes is accessed through atomics, a data slot only by the round protocol (written by its
+// rank before it posts the round, read by the others after), and the message area only by the
+// winner of the broken flag's exchange before it publishes the flag.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are the mapping made in `Comm::join`, unmapped once here.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+impl Mapping {
+    fn word(&self, at: u64) -> &AtomicU64 {
+        // SAFETY: every offset used is 8-aligned and inside the mapping (header, lines and slot
+        // descriptors are laid out below `DATA_AT` or at slot starts, all multiples of 8); the
+        // mapping lives as long as `self`.
+        unsafe { &*(self.base.add(at as usize) as *const AtomicU64) }
+    }
+
+    fn line(&self, rank: u32, word: u64) -> &AtomicU64 {
+        self.word(LINES_AT + LINE * rank as u64 + word)
+    }
+
+    /// Rounds rank `r` has posted.
+    pub fn posted(&self, r: u32) -> u64 {
+        self.line(r, L_POSTED).load(Ordering::Acquire)
+    }
+
+    /// Whether some rank of `ranks` posted a round `rank` has not: a peer waits in a collective
+    /// `rank` has not reached yet.
+    pub fn peer_ahead(&self, rank: u32, ranks: u32) -> bool {
+        let mine = self.posted(rank);
+        (0..ranks).any(|r| self.posted(r) > mine)
+    }
+
+    fn broken(&self) -> Option<String> {
+        if self.word(H_BROKEN).load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        // SAFETY: the message area lies in the header page; written before the flag was set.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(self.base.add(MSG_AT as usize), MSG_BYTES) };
+        let end = bytes.iter().position(|&b| b == 0).unwrap_or(MSG_BYTES);
+        Some(String::from_utf8_lossy(&bytes[..end]).into_owned())
+    }
+
+    /// Marks the communicator broken with `msg` (the first writer's message stays).
+    pub fn break_with(&self, msg: &str) {
+        if self
+            .word(H_BROKEN)
+            .compare_exchange(0, 2, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let n = msg.len().min(MSG_BYTES - 1);
+            // SAFETY: the message area lies in the header page; only the winner of the flag's
+            // exchange writes it, before publishing the flag as 1.
+            unsafe {
+                let dst = self.base.add(MSG_AT as usize);
+                std::ptr::copy_nonoverlapping(msg.as_ptr(), dst, n);
+                *dst.add(n) = 0;
+            }
+            self.word(H_BROKEN).store(1, Ordering::Release);
+        }
+    }
+}
+
+/// One rank's handle on its communicator's mapping.
+pub struct Comm {
+    map: std::sync::Arc<Mapping>,
     pub rank: u32,
     pub ranks: u32,
     pub device: i32,
@@ -130,17 +206,6 @@ pub struct Comm {
     /// Rounds posted by this rank.
     round: u64,
     slot: u64,
-}
-
-// SAFETY: the mapping is process-wide shared memory accessed through atomics and the round
-// protocol; the handle itself is used by one thread at a time (behind a Mutex).
-unsafe impl Send for Comm {}
-
-impl Drop for Comm {
-    fn drop(&mut self) {
-        // SAFETY: `base`/`len` are the mapping made in `join`, unmapped once here.
-        unsafe { libc::munmap(self.base.cast(), self.len) };
-    }
 }
 
 fn os(what: &str) -> Fail {
@@ -152,14 +217,17 @@ fn os(what: &str) -> Fail {
 
 impl Comm {
     fn word(&self, at: u64) -> &AtomicU64 {
-        // SAFETY: every offset used is 8-aligned and inside the mapping (header, lines and slot
-        // descriptors are laid out below `DATA_AT` or at slot starts, all multiples of 8); the
-        // mapping lives as long as `self`.
-        unsafe { &*(self.base.add(at as usize) as *const AtomicU64) }
+        self.map.word(at)
     }
 
     fn line(&self, rank: u32, word: u64) -> &AtomicU64 {
-        self.word(LINES_AT + LINE * rank as u64 + word)
+        self.map.line(rank, word)
+    }
+
+    /// The shared mapping (to mark the communicator broken, or watch its rounds, without this
+    /// handle's lock).
+    pub fn mapping(&self) -> std::sync::Arc<Mapping> {
+        self.map.clone()
     }
 
     fn slot_at(&self, set: u64, rank: u32) -> u64 {
@@ -249,8 +317,10 @@ impl Comm {
             return Err(os("mapping the communicator's file"));
         }
         let mut comm = Comm {
-            base: base.cast(),
-            len: total as usize,
+            map: std::sync::Arc::new(Mapping {
+                base: base.cast(),
+                len: total as usize,
+            }),
             rank,
             ranks,
             device,
@@ -332,33 +402,12 @@ impl Comm {
     }
 
     fn broken(&self) -> Option<String> {
-        if self.word(H_BROKEN).load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        // SAFETY: the message area lies in the header page; written before the flag was set.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(self.base.add(MSG_AT as usize), MSG_BYTES) };
-        let end = bytes.iter().position(|&b| b == 0).unwrap_or(MSG_BYTES);
-        Some(String::from_utf8_lossy(&bytes[..end]).into_owned())
+        self.map.broken()
     }
 
     /// Marks the communicator broken with `msg` (the first writer's message stays).
     pub fn break_with(&self, msg: &str) {
-        if self
-            .word(H_BROKEN)
-            .compare_exchange(0, 2, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            let n = msg.len().min(MSG_BYTES - 1);
-            // SAFETY: the message area lies in the header page; only the winner of the flag's
-            // exchange writes it, before publishing the flag as 1.
-            unsafe {
-                let dst = self.base.add(MSG_AT as usize);
-                std::ptr::copy_nonoverlapping(msg.as_ptr(), dst, n);
-                *dst.add(n) = 0;
-            }
-            self.word(H_BROKEN).store(1, Ordering::Release);
-        }
+        self.map.break_with(msg)
     }
 
     fn wait_round(&self, round: u64, deadline: Instant) -> Result<(), Fail> {
@@ -444,7 +493,7 @@ impl Comm {
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     part.as_ptr(),
-                    self.base.add((at + SLOT_HEADER) as usize),
+                    self.map.base.add((at + SLOT_HEADER) as usize),
                     part.len(),
                 )
             };
@@ -474,7 +523,7 @@ impl Comm {
                 // (checked equal above) that it does not rewrite before this rank posts again.
                 let bytes = unsafe {
                     std::slice::from_raw_parts(
-                        self.base.add((at + SLOT_HEADER) as usize),
+                        self.map.base.add((at + SLOT_HEADER) as usize),
                         part.len(),
                     )
                 };

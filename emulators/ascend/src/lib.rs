@@ -17,7 +17,10 @@
 //!
 //! HCCL (`libhccl.so`, linked to the same file) is emulated too: communicators from a root info,
 //! all-reduce and all-gather on device memory, strict about every rank calling the same
-//! collectives in the same order, across threads or processes (`hccl`, `hccl_comm`).
+//! collectives in the same order, across threads or processes (`hccl`, `hccl_comm`). A
+//! collective runs in stream order — it reads its send buffer when its stream reaches it, not at
+//! the call — and the all-reduce rounds as a ring all-reduce does, each hop in the payload's
+//! dtype.
 //!
 //! Environment: `ASCEND_EMULATOR_HBM_MB` (device memory per device, default 32768),
 //! `ASCEND_EMULATOR_DEVICES` (device count, default 8; `ASCEND_RT_VISIBLE_DEVICES` overrides),

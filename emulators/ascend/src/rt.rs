@@ -63,18 +63,21 @@ pub extern "C" fn aclInit(_configPath: *const c_char) -> aclError {
 
 #[no_mangle]
 pub extern "C" fn aclFinalize() -> aclError {
-    run(|st| {
-        if st.finalized {
-            return fail(ACL_ERROR_REPEAT_FINALIZE, "aclFinalize called twice");
-        }
-        st.require_init()?;
-        for s in st.streams.keys().copied().collect::<Vec<_>>() {
-            st.run_stream(s)?;
-        }
-        print_report(st, "aclFinalize");
+    finish((|| {
+        let ids = {
+            let st = state();
+            if st.finalized {
+                return fail(ACL_ERROR_REPEAT_FINALIZE, "aclFinalize called twice");
+            }
+            st.require_init()?;
+            st.streams.keys().copied().collect::<Vec<_>>()
+        };
+        synchronize_streams(&ids)?;
+        let mut st = state();
+        print_report(&st, "aclFinalize");
         st.finalized = true;
         Ok(())
-    })
+    })())
 }
 
 #[no_mangle]
@@ -100,7 +103,7 @@ fn new_context(st: &mut State, device: i32) -> u64 {
         Stream {
             context: c,
             device,
-            queue: Vec::new(),
+            queue: Default::default(),
         },
     );
     st.contexts.insert(
@@ -304,7 +307,7 @@ pub unsafe extern "C" fn aclrtCreateStream(stream: *mut aclrtStream) -> aclError
             Stream {
                 context: c,
                 device,
-                queue: Vec::new(),
+                queue: Default::default(),
             },
         );
         // SAFETY: checked non-null.
@@ -327,42 +330,50 @@ pub extern "C" fn aclrtDestroyStream(stream: aclrtStream) -> aclError {
                 format!("{s:#x} is not a stream made by aclrtCreateStream"),
             );
         }
-        if !st.streams[&s].queue.is_empty() {
+        if !st.streams[&s].queue.is_empty() || st.busy.contains_key(&s) {
             return fail(
                 ACL_ERROR_RT_PARAM_INVALID,
                 "aclrtDestroyStream: the stream still has queued work; synchronize it first",
             );
         }
+        st.stream_errors.remove(&s);
         st.streams.remove(&s);
         Ok(())
     })
 }
 
+/// `f`'s result under the lock, then the lock released (for a synchronization to follow).
+fn locked<T>(f: impl FnOnce(&mut State) -> Result<T, Fail>) -> Result<T, Fail> {
+    let mut st = state();
+    f(&mut st)
+}
+
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeStream(stream: aclrtStream) -> aclError {
-    run(|st| {
-        st.require_init()?;
-        let s = st.resolve_stream(stream as u64)?;
-        st.run_stream(s)
-    })
+    finish(
+        locked(|st| {
+            st.require_init()?;
+            st.resolve_stream(stream as u64)
+        })
+        .and_then(|s| synchronize_streams(&[s])),
+    )
 }
 
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeDevice() -> aclError {
-    run(|st| {
-        st.require_init()?;
-        let device = st.current_context()?.1.device;
-        let ids: Vec<u64> = st
-            .streams
-            .iter()
-            .filter(|(_, s)| s.device == device)
-            .map(|(k, _)| *k)
-            .collect();
-        for s in ids {
-            st.run_stream(s)?;
-        }
-        Ok(())
-    })
+    finish(
+        locked(|st| {
+            st.require_init()?;
+            let device = st.current_context()?.1.device;
+            Ok(st
+                .streams
+                .iter()
+                .filter(|(_, s)| s.device == device)
+                .map(|(k, _)| *k)
+                .collect::<Vec<u64>>())
+        })
+        .and_then(|ids| synchronize_streams(&ids)),
+    )
 }
 
 /// # Safety
@@ -432,16 +443,23 @@ pub extern "C" fn aclrtRecordEvent(event: aclrtEvent, stream: aclrtStream) -> ac
     })
 }
 
-/// Runs the streams that still hold the record of `e`.
+/// The streams that may still hold the record of `e` (none once it is recorded).
+fn event_streams(st: &State, e: u64) -> Vec<u64> {
+    if st.events[&e].recorded {
+        return Vec::new();
+    }
+    st.streams
+        .iter()
+        .filter(|(k, s)| !s.queue.is_empty() || st.busy.contains_key(k))
+        .map(|(k, _)| *k)
+        .collect()
+}
+
+/// Runs the streams that still hold the record of `e`, with the lock held (inside stream work;
+/// a stream another thread is running meanwhile is left to it).
 fn flush_event(st: &mut State, e: u64) -> Result<(), Fail> {
-    if !st.events[&e].recorded {
-        let ids: Vec<u64> = st
-            .streams
-            .iter()
-            .filter(|(_, s)| !s.queue.is_empty())
-            .map(|(k, _)| *k)
-            .collect();
-        for s in ids {
+    for s in event_streams(st, e) {
+        if !st.busy.contains_key(&s) {
             st.run_stream(s)?;
         }
     }
@@ -450,10 +468,13 @@ fn flush_event(st: &mut State, e: u64) -> Result<(), Fail> {
 
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeEvent(event: aclrtEvent) -> aclError {
-    run(|st| {
-        check_event(st, event as u64)?;
-        flush_event(st, event as u64)
-    })
+    finish(
+        locked(|st| {
+            check_event(st, event as u64)?;
+            Ok(event_streams(st, event as u64))
+        })
+        .and_then(|ids| synchronize_streams(&ids)),
+    )
 }
 
 #[no_mangle]

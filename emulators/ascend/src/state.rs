@@ -14,8 +14,18 @@
 //! `aclrtSynchronizeEvent`. Until then the bytes of a device-to-host async copy's destination hold
 //! a poison pattern, and a synchronous copy that touches device memory a queued task reads or
 //! writes is refused: results cannot be read before the stream is synchronized.
+//!
+//! An HCCL collective is stream work too (`crate::hccl`): it reads its send buffer when it runs,
+//! then waits for the other ranks with the state's lock released (the other ranks may be threads
+//! of this process that need the lock to run their own streams), then writes its result. While
+//! it waits its stream is busy: other runs of that stream wait for it, and the memory it reads
+//! and writes counts as queued work's. A device runs its stream without the host, so a rank that
+//! waits for a peer's collective must not wait for the peer's host to synchronize: each
+//! communicator has a progress thread (`hccl::progress`) that, when a peer has reached a
+//! collective this rank has not run, runs this rank's stream up to that collective; a failure it
+//! meets is reported by the stream's next synchronization.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::CString;
 use std::sync::{LazyLock, Mutex, MutexGuard};
 
@@ -85,6 +95,18 @@ pub struct DerivedKey {
 /// The work of a queued task, run with the state at synchronization.
 pub type TaskFn = Box<dyn FnOnce(&mut State) -> Result<(), Fail> + Send>;
 
+/// The part of a task that runs with the state's lock released (a collective waiting for the
+/// other ranks); what it returns runs with the lock held again. A task asks for it by leaving
+/// it in [`State::blocking`].
+pub type Blocking = Box<dyn FnOnce() -> Result<TaskFn, Fail> + Send>;
+
+/// A task running with the lock released: its stream is busy until it is done.
+pub struct InFlight {
+    pub name: String,
+    pub reads: Vec<(u64, u64)>,
+    pub writes: Vec<(u64, u64)>,
+}
+
 /// One unit of queued stream work.
 pub struct Task {
     pub name: String,
@@ -97,7 +119,7 @@ pub struct Task {
 pub struct Stream {
     pub context: u64,
     pub device: i32,
-    pub queue: Vec<Task>,
+    pub queue: VecDeque<Task>,
 }
 
 pub struct Context {
@@ -138,6 +160,15 @@ pub struct State {
     pub derived: HashMap<DerivedKey, std::sync::Arc<Vec<f32>>>,
     /// Live HCCL communicators (`crate::hccl`), described for the leak report.
     pub hccl_comms: BTreeMap<u64, String>,
+    /// Queued collectives per communicator, in call order: (stream, ticket).
+    pub hccl_queued: HashMap<u64, VecDeque<(u64, u64)>>,
+    pub next_ticket: u64,
+    /// Left by a running task: its part to run with the lock released.
+    pub blocking: Option<Blocking>,
+    /// Streams whose task runs with the lock released.
+    pub busy: HashMap<u64, InFlight>,
+    /// Failures of stream work that a progress thread ran, for the stream's next synchronization.
+    pub stream_errors: HashMap<u64, Fail>,
 }
 
 static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::default()));
@@ -366,43 +397,110 @@ impl State {
         what: &str,
     ) -> Result<(), Fail> {
         let overlaps = |r: &(u64, u64)| r.0 < addr + len && addr < r.0 + r.1;
-        for st in self.streams.values() {
-            for t in &st.queue {
-                let hit = t.writes.iter().any(overlaps) || (write && t.reads.iter().any(overlaps));
-                if hit {
-                    return fail(
-                        ACL_ERROR_INVALID_PARAM,
-                        format!(
-                            "{what}: device memory {addr:#x}+{len} is used by queued stream work ({}) that has not run: synchronize the stream before touching its results",
-                            t.name
-                        ),
-                    );
-                }
+        let queued = self
+            .streams
+            .values()
+            .flat_map(|st| &st.queue)
+            .map(|t| (&t.name, &t.reads, &t.writes));
+        let in_flight = self.busy.values().map(|t| (&t.name, &t.reads, &t.writes));
+        for (name, reads, writes) in queued.chain(in_flight) {
+            let hit = writes.iter().any(overlaps) || (write && reads.iter().any(overlaps));
+            if hit {
+                return fail(
+                    ACL_ERROR_INVALID_PARAM,
+                    format!(
+                        "{what}: device memory {addr:#x}+{len} is used by queued stream work ({name}) that has not run: synchronize the stream before touching its results"
+                    ),
+                );
             }
         }
         Ok(())
     }
 
-    /// Runs the queued work of `stream`; the first failing task fails the synchronization and
-    /// drops the rest of the queue (the stream is then empty, as after a device error).
+    /// Runs the queued work of `stream` with the lock held throughout (for callers inside other
+    /// stream work, which cannot release it): a collective waits for the other ranks holding it,
+    /// so ranks that are threads of this process cannot progress meanwhile (it fails at
+    /// `HCCL_EXEC_TIMEOUT`). Top-level synchronizations use [`synchronize_streams`]. The first
+    /// failing task fails the run and drops the rest of the queue (the stream is then empty, as
+    /// after a device error).
     pub fn run_stream(&mut self, stream: u64) -> Result<(), Fail> {
-        let tasks = match self.streams.get_mut(&stream) {
-            Some(s) => std::mem::take(&mut s.queue),
-            None => {
-                return fail(
-                    ACL_ERROR_RT_INVALID_HANDLE,
-                    format!("stream {stream:#x} is not a live aclrtStream"),
-                )
+        if !self.streams.contains_key(&stream) {
+            return fail(
+                ACL_ERROR_RT_INVALID_HANDLE,
+                format!("stream {stream:#x} is not a live aclrtStream"),
+            );
+        }
+        if let Some(f) = self.stream_errors.remove(&stream) {
+            return Err(f);
+        }
+        if let Some(t) = self.busy.get(&stream) {
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                format!(
+                    "stream {stream:#x} is running {} on another thread; synchronize it from the top level",
+                    t.name
+                ),
+            );
+        }
+        while let Some(task) = self
+            .streams
+            .get_mut(&stream)
+            .and_then(|s| s.queue.pop_front())
+        {
+            let name = task.name.clone();
+            let r = match self.run_task(task) {
+                Ok(None) => Ok(()),
+                Ok(Some((blocking, _))) => blocking().and_then(|then| then(self)),
+                Err(f) => Err(f),
+            };
+            if let Err(f) = r {
+                return Err(self.abandon_stream(stream, &name, f));
             }
-        };
-        for t in tasks {
-            let name = t.name.clone();
-            (t.run)(self).map_err(|f| Fail {
-                code: f.code,
-                msg: format!("stream task {name} failed: {}", f.msg),
-            })?;
         }
         Ok(())
+    }
+
+    /// Runs one task with the lock held; returns its part to run with the lock released, if it
+    /// left one, with what it touches.
+    fn run_task(&mut self, task: Task) -> Result<Option<(Blocking, InFlight)>, Fail> {
+        let Task {
+            name,
+            reads,
+            writes,
+            run,
+        } = task;
+        self.blocking = None;
+        run(self)?;
+        Ok(self.blocking.take().map(|b| {
+            (
+                b,
+                InFlight {
+                    name,
+                    reads,
+                    writes,
+                },
+            )
+        }))
+    }
+
+    /// After task `name` of `stream` failed with `f`: drops the rest of the queue (a stream stops
+    /// at a device error), marks the communicators of the collectives dropped with it broken
+    /// (their peers would wait for them in vain), and returns the failure naming the task.
+    fn abandon_stream(&mut self, stream: u64, name: &str, f: Fail) -> Fail {
+        if let Some(s) = self.streams.get_mut(&stream) {
+            s.queue.clear();
+        }
+        let msg = format!("stream task {name} failed: {}", f.msg);
+        for (&comm, q) in self.hccl_queued.iter_mut() {
+            if q.iter().any(|&(s, _)| s == stream) {
+                q.retain(|&(s, _)| s != stream);
+                crate::hccl::abandon(
+                    comm,
+                    &format!("a collective was dropped from its stream: {msg}"),
+                );
+            }
+        }
+        Fail { code: f.code, msg }
     }
 
     pub fn enqueue(&mut self, stream: u64, task: Task) {
@@ -410,6 +508,84 @@ impl State {
             .get_mut(&stream)
             .expect("resolved stream")
             .queue
-            .push(task);
+            .push_back(task);
+    }
+}
+
+/// Runs the queued work of each stream in `ids` (a top-level synchronization), releasing the
+/// lock while a collective waits for the other ranks; waits first for a run of the same stream
+/// that another thread has in flight. The first failure is returned (the failed stream's queue
+/// is dropped).
+pub fn synchronize_streams(ids: &[u64]) -> Result<(), Fail> {
+    let mut g = state();
+    for &s in ids {
+        let (back, r) = run_released(g, s, None);
+        g = back;
+        r?;
+    }
+    Ok(())
+}
+
+/// Runs stream `s` with the lock released during collectives: all of its queued work, or, with
+/// `until` = (communicator, ticket), only until that collective has run. Returns the lock.
+pub fn run_released(
+    mut g: MutexGuard<'static, State>,
+    s: u64,
+    until: Option<(u64, u64)>,
+) -> (MutexGuard<'static, State>, Result<(), Fail>) {
+    loop {
+        let mut waited = 0u32;
+        while g.busy.contains_key(&s) {
+            drop(g);
+            waited += 1;
+            if waited < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            g = state();
+        }
+        if !g.streams.contains_key(&s) {
+            let r = match until {
+                Some(_) => Ok(()),
+                None => fail(
+                    ACL_ERROR_RT_INVALID_HANDLE,
+                    format!("stream {s:#x} is not a live aclrtStream"),
+                ),
+            };
+            return (g, r);
+        }
+        if let Some(f) = g.stream_errors.remove(&s) {
+            return (g, Err(f));
+        }
+        if let Some((comm, ticket)) = until {
+            let queued = g
+                .hccl_queued
+                .get(&comm)
+                .is_some_and(|q| q.iter().any(|&(_, t)| t == ticket));
+            if !queued {
+                return (g, Ok(()));
+            }
+        }
+        let Some(task) = g.streams.get_mut(&s).and_then(|st| st.queue.pop_front()) else {
+            return (g, Ok(()));
+        };
+        let name = task.name.clone();
+        let r = match g.run_task(task) {
+            Ok(None) => Ok(()),
+            Ok(Some((blocking, in_flight))) => {
+                g.busy.insert(s, in_flight);
+                drop(g);
+                let r = blocking();
+                g = state();
+                g.busy.remove(&s);
+                r.and_then(|then| then(&mut g))
+            }
+            Err(f) => Err(f),
+        };
+        if let Err(f) = r {
+            let f = g.abandon_stream(s, &name, f);
+            return (g, Err(f));
+        }
     }
 }
