@@ -4,6 +4,9 @@
 
 use std::path::PathBuf;
 
+#[cfg(all(feature = "cuda", feature = "ascend"))]
+pub mod devices;
+
 use npu_agent::engine::{AgentEngine, AgentEngineConfig};
 use npu_protocol::agent::DeviceKind;
 
