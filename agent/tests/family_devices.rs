@@ -19,7 +19,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::devices::{ascend, cuda, f16_margin, NEAR_TIE};
+use common::devices::{ascend, cuda, f16_margin};
 use npu_agent::model::{Model, ModelOptions, StepOutput};
 use npu_backend::{Backend, SeqSpan, StepInputs};
 use npu_gguf::synth::{self, Family};
