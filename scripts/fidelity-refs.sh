@@ -11,6 +11,8 @@
 # attention scores; with it off the softmax is computed whole and V multiplied in f32 sums, which
 # is what the engine computes. The script also counts where llama.cpp with flash attention on
 # disagrees with itself off at decided steps (printed, not recorded).
+# The Q8_0 models are checked to hold exactly the bytes llama-quantize makes of the same values;
+# the Q4_K ones are the generator's own min/max fit (a valid Q4_K file that both engines run).
 # Env: LLAMA_CPP_BIN (a llama.cpp build's bin dir; default: scripts/llama-cpp-ref.sh builds one),
 #      DONOR (tokenizer donor GGUF; default: the default model), PORT (default 18941),
 #      THREADS (default nproc), OUT (default agent/tests/data/fidelity_sweep.jsonl).
@@ -58,6 +60,23 @@ stop_server() { kill "$server"; wait "$server" 2>/dev/null || true; server=; }
 for v in "${variants[@]}"; do
   model=$tmp/$v.gguf
   sha=$("$npu" synth-model --variant "$v" "${donor_args[@]}" "$model" | cut -d' ' -f1)
+  if [[ $v == *_q8_0 ]]; then
+    # The generator's Q8_0 is llama-quantize's: the same values in f32, quantized by it, give
+    # the same tensor bytes (checked with gguf-py from the llama.cpp sources beside the build).
+    "$npu" synth-model --variant "$v" --type f32 "${donor_args[@]}" "$tmp/f32.gguf" >/dev/null
+    "$bin/llama-quantize" --pure "$tmp/f32.gguf" "$tmp/lq.gguf" Q8_0 >/dev/null 2>&1
+    PYTHONPATH="$bin/../../gguf-py" python3 - "$model" "$tmp/lq.gguf" <<'PY'
+import sys
+import gguf
+import numpy as np
+a, b = ({t.name: t for t in gguf.GGUFReader(p).tensors} for p in sys.argv[1:3])
+bad = [n for n in a if a[n].tensor_type != b[n].tensor_type
+       or not np.array_equal(np.asarray(a[n].data).view(np.uint8),
+                             np.asarray(b[n].data).view(np.uint8))]
+assert not bad, f"{sys.argv[1]}: tensors differ from llama-quantize's Q8_0: {bad}"
+PY
+    rm -f "$tmp/f32.gguf" "$tmp/lq.gguf"
+  fi
   for fa in off on; do
     start_server "$model" "$fa"
     VARIANT=$v SHA=$sha VERSION="$version" PORT=$port FA=$fa \

@@ -25,10 +25,11 @@ pub struct SynthArgs {
     /// Seed of the weights.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Weight type of the matrices: f32, f16, q8_0 or q4_k (norms, biases and the router stay
-    /// f32).
-    #[arg(long = "type", default_value = "f32")]
-    pub weight_type: String,
+    /// Weight type of the matrices: f32 (the default), f16, q8_0 or q4_k (norms, biases and the
+    /// router stay f32). With --variant: the variant's shape and values in this type instead of
+    /// its own (so `llama-quantize` can make the quantized file from the same values).
+    #[arg(long = "type")]
+    pub weight_type: Option<String>,
     /// GGUF whose tokenizer.* metadata is copied (default: the default model, fetched when
     /// absent).
     #[arg(long)]
@@ -52,11 +53,15 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         (Some(name), _) => {
             let v = synth::sweep::variant(name)
                 .with_context(|| format!("no sweep variant {name:?} (see --list-variants)"))?;
-            synth::synth_model_shaped(v.family, v.shape, v.seed, v.ty, &donor)?
+            let ty = match &a.weight_type {
+                Some(t) => synth::weight_type(t)?,
+                None => v.ty,
+            };
+            synth::synth_model_shaped(v.family, v.shape, v.seed, ty, &donor)?
         }
         (None, Some(arch)) => {
             let family = Family::from_name(arch)?;
-            let ty = synth::weight_type(&a.weight_type)?;
+            let ty = synth::weight_type(a.weight_type.as_deref().unwrap_or("f32"))?;
             synth::synth_model(family, a.seed, ty, &donor)?
         }
         (None, None) => anyhow::bail!("give --arch or --variant"),
