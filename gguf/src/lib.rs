@@ -58,6 +58,27 @@ pub enum GgufError {
         found: &'static str,
         expected: &'static str,
     },
+    /// Bytes that are not a row of the given length of a type (`quants::dequantize_row`).
+    #[error("{}", row_length_message(*ty, *values, *bytes))]
+    RowLength {
+        ty: GgmlType,
+        values: usize,
+        bytes: usize,
+    },
+}
+
+fn row_length_message(ty: GgmlType, values: usize, bytes: usize) -> String {
+    match ty.row_bytes(values) {
+        Some(need) => format!(
+            "a row of {values} {} values takes {need} bytes, not {bytes}",
+            ty.name()
+        ),
+        None => format!(
+            "{values} {} values are not a whole number of its {}-value blocks ({bytes} bytes given)",
+            ty.name(),
+            ty.block_len()
+        ),
+    }
 }
 
 /// Tensor element types we understand (ggml type ids).

@@ -4,24 +4,25 @@
 
 use half::{bf16, f16};
 
-use crate::GgmlType;
+use crate::{GgmlType, GgufError};
 
 #[inline]
 pub fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Dequantizes one row (`dst.len()` elements, a whole number of blocks) of type `ty`.
-/// Panics only on a caller bug (wrong lengths); lengths come from validated tensor infos.
-pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+/// Dequantizes one row (`dst.len()` elements, a whole number of blocks) of type `ty`. Bytes
+/// that are not such a row (`src` of another length, `dst` not whole blocks) are an error, and
+/// nothing is written.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), GgufError> {
     let n = dst.len();
-    assert_eq!(
-        Some(src.len()),
-        ty.row_bytes(n),
-        "dequantize_row: {} bytes for {n} {} values",
-        src.len(),
-        ty.name()
-    );
+    if ty.row_bytes(n) != Some(src.len()) {
+        return Err(GgufError::RowLength {
+            ty,
+            values: n,
+            bytes: src.len(),
+        });
+    }
     let bl = ty.block_len();
     let bb = ty.block_bytes();
     for (blk, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(bl)) {
@@ -44,6 +45,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
             GgmlType::IQ4XS => iq4_xs(blk, out),
         }
     }
+    Ok(())
 }
 
 fn q4_0(b: &[u8], y: &mut [f32]) {

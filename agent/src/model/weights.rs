@@ -110,7 +110,8 @@ impl HostEmbedding {
                         self.rows
                     ))
                 })?;
-            npu_gguf::quants::dequantize_row(info.ty, src, row);
+            npu_gguf::quants::dequantize_row(info.ty, src, row)
+                .map_err(|e| ModelError::Inconsistent(format!("{}: {e}", self.name)))?;
         }
         Ok(())
     }
@@ -368,7 +369,9 @@ impl<B: Backend> Weights<B> {
                 ] {
                     let (info, data) = tensor(f, &n(name), &[len])?;
                     let mut all = vec![0f32; len];
-                    npu_gguf::quants::dequantize_row(info.ty, data, &mut all);
+                    npu_gguf::quants::dequantize_row(info.ty, data, &mut all).map_err(|e| {
+                        ModelError::Inconsistent(format!("tensor {}: {e}", n(name)))
+                    })?;
                     bias.extend_from_slice(&all[r.clone()]);
                 }
                 Some(b.load_vector(HostTensor {

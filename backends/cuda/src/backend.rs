@@ -521,7 +521,11 @@ impl Backend for CudaBackend {
                 v.ty,
                 &v.data[r * rb..(r + 1) * rb],
                 &mut vals[r * v.cols..(r + 1) * v.cols],
-            );
+            )
+            .map_err(|e| BackendError::BadArgument {
+                op: "load_vector",
+                message: e.to_string(),
+            })?;
         }
         let mut buf = self.alloc(DType::F32, n)?;
         self.upload(HostSlice::F32(&vals), ViewMut::rows(&mut buf, 1, n)?)?;

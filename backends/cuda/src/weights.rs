@@ -133,7 +133,8 @@ fn for_each_row_f32(
     for p in parts {
         let rb = check_tensor("load_matrix", p)?;
         for r in 0..p.rows {
-            dequantize_row(p.ty, &p.data[r * rb..(r + 1) * rb], &mut row);
+            dequantize_row(p.ty, &p.data[r * rb..(r + 1) * rb], &mut row)
+                .map_err(|e| bad("load_matrix", e.to_string()))?;
             emit(&row);
         }
     }
@@ -281,7 +282,8 @@ pub fn pack_embedding(t: &HostTensor<'_>) -> Result<(GgmlType, usize, Vec<u8>), 
             let mut bytes = Vec::with_capacity(t.rows * t.cols * 2);
             let mut row = vec![0f32; t.cols];
             for r in 0..t.rows {
-                dequantize_row(t.ty, &t.data[r * rb..(r + 1) * rb], &mut row);
+                dequantize_row(t.ty, &t.data[r * rb..(r + 1) * rb], &mut row)
+                    .map_err(|e| bad("load_embedding", e.to_string()))?;
                 f32_to_bytes(&row, DType::F16, &mut bytes);
             }
             Ok((GgmlType::F16, t.cols * 2, bytes))

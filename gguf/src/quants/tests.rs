@@ -45,7 +45,7 @@ fn matches_gguf_py_oracle() {
             .map(|v| v.as_f64().unwrap() as f32)
             .collect();
         let mut got = vec![0f32; want.len()];
-        dequantize_row(ty, &bytes, &mut got);
+        dequantize_row(ty, &bytes, &mut got).unwrap();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let tol = 1e-6 * w.abs().max(1e-3);
             assert!(
@@ -70,11 +70,11 @@ fn plain_float_types() {
         .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
         .collect();
     let mut out = [0f32; 4];
-    dequantize_row(GgmlType::F32, &f32b, &mut out);
+    dequantize_row(GgmlType::F32, &f32b, &mut out).unwrap();
     assert_eq!(out, vals);
-    dequantize_row(GgmlType::F16, &f16b, &mut out);
+    dequantize_row(GgmlType::F16, &f16b, &mut out).unwrap();
     assert_eq!(out, vals);
-    dequantize_row(GgmlType::BF16, &bf16b, &mut out);
+    dequantize_row(GgmlType::BF16, &bf16b, &mut out).unwrap();
     assert_eq!(&out[..3], &vals[..3]);
 }
 
@@ -86,7 +86,7 @@ fn q8_k_block() {
         b[4 + j] = (j as i32 - 128) as i8 as u8;
     }
     let mut out = vec![0f32; 256];
-    dequantize_row(GgmlType::Q8K, &b, &mut out);
+    dequantize_row(GgmlType::Q8K, &b, &mut out).unwrap();
     for (j, v) in out.iter().enumerate() {
         assert_eq!(*v, (j as f32 - 128.0) * 0.5);
     }
@@ -102,7 +102,7 @@ fn iq4_nl_block() {
         b[2 + j] = (j as u8) | (((15 - j) as u8) << 4);
     }
     let mut out = vec![0f32; 32];
-    dequantize_row(GgmlType::IQ4NL, &b, &mut out);
+    dequantize_row(GgmlType::IQ4NL, &b, &mut out).unwrap();
     let table = [
         -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
     ];
@@ -131,7 +131,7 @@ fn iq4_xs_block() {
         *q = ((i * 7) % 16) as u8 | ((((i * 3) + 5) % 16) as u8) << 4;
     }
     let mut out = vec![0f32; 256];
-    dequantize_row(GgmlType::IQ4XS, &b, &mut out);
+    dequantize_row(GgmlType::IQ4XS, &b, &mut out).unwrap();
     let table = [
         -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
     ];
@@ -148,4 +148,25 @@ fn iq4_xs_block() {
             assert_eq!(out[32 * j + 16 + t], dl * hi, "sub-block {j}");
         }
     }
+}
+
+/// Bytes that are not a row of the asked length are an error naming the type and both lengths,
+/// and leave the output untouched.
+#[test]
+fn wrong_lengths_are_errors() {
+    let mut out = [7f32; 32];
+    let e = dequantize_row(GgmlType::Q8_0, &[0u8; 33], &mut out).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "a row of 32 Q8_0 values takes 34 bytes, not 33"
+    );
+    assert_eq!(out, [7.0; 32]);
+    let e = dequantize_row(GgmlType::Q4K, &[0u8; 144], &mut out).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("not a whole number of its 256-value blocks"),
+        "{e}"
+    );
+    let e = dequantize_row(GgmlType::F16, &[0u8; 3], &mut out[..1]).unwrap_err();
+    assert!(e.to_string().contains("takes 2 bytes, not 3"), "{e}");
 }

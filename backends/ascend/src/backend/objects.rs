@@ -264,7 +264,7 @@ pub fn dequantize(t: &HostTensor<'_>) -> Result<Vec<f32>, BackendError> {
     }
     let mut out = vec![0f32; t.rows * t.cols];
     for (src, dst) in t.data.chunks_exact(rb).zip(out.chunks_exact_mut(t.cols)) {
-        dequantize_row(t.ty, src, dst);
+        dequantize_row(t.ty, src, dst).map_err(|e| bad("dequantize", e.to_string()))?;
     }
     Ok(out)
 }

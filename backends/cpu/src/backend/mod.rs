@@ -415,7 +415,8 @@ impl Backend for CpuBackend {
             for p in parts {
                 let rb = tensor_row_bytes(OP, p)?;
                 for (r, src) in p.data.chunks_exact(rb).enumerate() {
-                    dequantize_row(p.ty, src, &mut data[(row0 + r) * k..(row0 + r + 1) * k]);
+                    dequantize_row(p.ty, src, &mut data[(row0 + r) * k..(row0 + r + 1) * k])
+                        .map_err(|e| bad(OP, e.to_string()))?;
                 }
                 row0 += p.rows;
             }
@@ -462,7 +463,7 @@ impl Backend for CpuBackend {
         let rb = tensor_row_bytes("load_vector", &v)?;
         let mut values = buffer::alloc_vec(v.rows * v.cols, 0f32, "a weight vector")?;
         for (src, dst) in v.data.chunks_exact(rb).zip(values.chunks_exact_mut(v.cols)) {
-            dequantize_row(v.ty, src, dst);
+            dequantize_row(v.ty, src, dst).map_err(|e| bad("load_vector", e.to_string()))?;
         }
         Ok(CpuBuffer::from_f32(values))
     }
@@ -543,7 +544,7 @@ impl Backend for CpuBackend {
                         format!("token id {t} is beyond the vocabulary ({})", table.rows),
                     )
                 })?;
-            dequantize_row(table.ty, src, o.row_mut(i));
+            dequantize_row(table.ty, src, o.row_mut(i)).map_err(|e| bad(OP, e.to_string()))?;
         }
         Ok(())
     }

@@ -480,9 +480,10 @@ impl WeightMatrix {
                     for r in 0..rows {
                         ggml::dequantize_row(
                             ty,
-                            &bytes[r * rb..(r + 1) * rb],
+                            bytes.get(r * rb..(r + 1) * rb)?,
                             &mut data[(row0 + r) * k..(row0 + r + 1) * k],
-                        );
+                        )
+                        .ok()?;
                     }
                     row0 += rows;
                 }

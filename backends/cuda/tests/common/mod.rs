@@ -182,7 +182,8 @@ pub fn dequantized(ty: npu_gguf::GgmlType, data: &[u8], rows: usize, cols: usize
             ty,
             &data[r * rb..(r + 1) * rb],
             &mut out[r * cols..(r + 1) * cols],
-        );
+        )
+        .unwrap();
     }
     out
 }

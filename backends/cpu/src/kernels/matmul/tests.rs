@@ -77,7 +77,8 @@ fn scalar_matches_dequantized_arithmetic() {
             let f = w.format;
             let f16_min = f.scales == crate::quant::packed::Scales::F16Min;
             for nn in 0..n {
-                npu_gguf::quants::dequantize_row(ty, &bytes[nn * rb..(nn + 1) * rb], &mut wrow);
+                npu_gguf::quants::dequantize_row(ty, &bytes[nn * rb..(nn + 1) * rb], &mut wrow)
+                    .unwrap();
                 let gd = w.group_data(nn / 16);
                 for m in 0..rows {
                     let mut want = 0f64;
