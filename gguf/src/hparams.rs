@@ -1,9 +1,14 @@
 //! Model hyper-parameters read from GGUF metadata, checked for consistency before any weight is
 //! touched. One reader of what every family shares (the Llama-shaped block: heads, widths, rope),
-//! then a small per-family hook for where it differs (`family`): Qwen2's biases, Qwen3's per-head
-//! Q/K norms, Gemma 3's norms, GELU, embedding scale and sliding-window layers, Llama 3's rope
-//! frequency factors, Qwen3-MoE's experts. The result is plain data: which blocks a layer has,
-//! and each layer's rope and attention window.
+//! then a small per-family hook for where it differs (`family`): Qwen3's per-head Q/K norms,
+//! Gemma 3's norms, GELU, embedding scale and sliding-window layers, Llama 3's rope frequency
+//! factors, Qwen3-MoE's experts. The result is plain data: which blocks a layer has, and each
+//! layer's rope and attention window.
+//!
+//! Nothing is run other than as llama.cpp computes it: every size is bounded where it is read
+//! (`read`), and a key (`keys`) or a tensor (`tensors`) that changes the maths and that the
+//! engine does not apply stops the load naming it; Q/K/V biases are applied on every family
+//! whose file has them.
 
 use std::sync::Mutex;
 
@@ -12,7 +17,12 @@ use thiserror::Error;
 use crate::{GgmlType, GgufError, GgufFile};
 
 mod family;
+mod keys;
+mod read;
 pub mod shard;
+mod tensors;
+
+pub use tensors::QKV_BIASES;
 #[cfg(test)]
 mod tests;
 
@@ -40,7 +50,8 @@ pub enum RopeStyle {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rope {
     pub style: RopeStyle,
-    /// Rotated dimensions per head (<= head_dim).
+    /// Rotated dimensions per head (a model's whole head: `ModelConfig::from_gguf` refuses
+    /// partial rotation).
     pub dims: usize,
     pub base: f32,
     /// Position scale (linear rope scaling: 1 / factor).
@@ -182,7 +193,8 @@ pub struct ModelConfig {
     pub rms_eps: f32,
     /// The model's main rope (global layers); `layers` holds each layer's own.
     pub rope: Rope,
-    /// Q/K/V projections carry bias vectors (Qwen2).
+    /// Q/K/V projections carry bias vectors (any family whose file has `attn_{q,k,v}.bias`;
+    /// each optional, a missing one zeros).
     pub qkv_bias: bool,
     /// Each query and key head is RMS-normalised with its own weights before the rope (Qwen3,
     /// Gemma 3: `attn_q_norm`, `attn_k_norm`).
@@ -204,8 +216,11 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// The model a file describes, read as llama.cpp reads it. Refused, naming the key or the
+    /// tensor: a key of the wrong type or out of bounds, a key that changes the maths which the
+    /// engine does not apply (`keys`), and a tensor the engine would not use (`tensors`).
     pub fn from_gguf(f: &GgufFile) -> Result<Self, HparamsError> {
-        let arch_name = f.get_str("general.architecture").ok_or_else(|| {
+        let arch_name = read::string(f, "general.architecture")?.ok_or_else(|| {
             HparamsError::Gguf(GgufError::MissingKey("general.architecture".into()))
         })?;
         let arch = Arch::from_name(arch_name).ok_or_else(|| {
@@ -217,6 +232,8 @@ impl ModelConfig {
         })?;
         let mut cfg = Self::shared(f, arch, arch_name)?;
         family::adjust(f, &mut cfg)?;
+        keys::check(f, &cfg)?;
+        tensors::check(f, &mut cfg)?;
         // Real MoE files carry a dense width even without dense FFN tensors; then it sizes
         // nothing (a damaged value would size step buffers no tensor backs).
         let dense_ffn = f
@@ -232,14 +249,14 @@ impl ModelConfig {
 
     /// What every family reads the same way: the Llama-shaped block.
     fn shared(f: &GgufFile, arch: Arch, arch_name: &str) -> Result<Self, HparamsError> {
+        use read::{float, req_uint, uint, within};
         let key = |k: &str| format!("{arch_name}.{k}");
-        let req = |k: &str| -> Result<usize, HparamsError> {
-            let v = f.require_u64(&key(k))?;
-            usize::try_from(v).map_err(|_| {
-                HparamsError::Inconsistent(format!("{} = {v} does not fit this machine", key(k)))
-            })
-        };
-        let n_layers = req("block_count")?;
+        let n_layers = within(
+            &key("block_count"),
+            req_uint(f, &key("block_count"), None)?,
+            1,
+            read::MAX_LAYERS,
+        )?;
         // Every layer has tensors of its own: a count beyond the file's tensors is a damaged
         // header (checked before anything is sized by it).
         if n_layers > f.tensors().len() {
@@ -249,90 +266,107 @@ impl ModelConfig {
                 f.tensors().len()
             )));
         }
-        let hidden = req("embedding_length")?;
+        let nl = Some(n_layers);
+        let hidden = within(
+            &key("embedding_length"),
+            req_uint(f, &key("embedding_length"), None)?,
+            1,
+            read::MAX_EMBEDDING,
+        )?;
+        let ff_key = key("feed_forward_length");
         let ff = match arch {
             // A MoE file may have no dense FFN width (every layer's FFN is the experts').
-            Arch::Qwen3Moe => f
-                .get_u64(&key("feed_forward_length"))
-                .map_or(0, |v| v as usize),
-            _ => req("feed_forward_length")?,
+            Arch::Qwen3Moe => uint(f, &ff_key, nl)?.unwrap_or(0),
+            _ => req_uint(f, &ff_key, nl)?,
         };
-        let n_heads = req("attention.head_count")?;
-        let n_kv_heads = f
-            .get_u64(&key("attention.head_count_kv"))
-            .map(|v| v as usize)
-            .unwrap_or(n_heads);
-        if n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        let ff = within(&ff_key, ff, u64::from(arch != Arch::Qwen3Moe), read::MAX_FF)?;
+        let heads_key = key("attention.head_count");
+        let n_heads = within(&heads_key, req_uint(f, &heads_key, nl)?, 1, read::MAX_HEADS)?;
+        let kv_key = key("attention.head_count_kv");
+        let n_kv_heads = match uint(f, &kv_key, nl)? {
+            Some(v) => within(&kv_key, v, 1, n_heads as u64)?,
+            None => n_heads,
+        };
+        if !n_heads.is_multiple_of(n_kv_heads) {
             return Err(HparamsError::Inconsistent(format!(
-                "{n_heads} attention heads cannot be grouped over {n_kv_heads} KV heads"
+                "{heads_key} = {n_heads} attention heads cannot be grouped over {kv_key} = \
+                 {n_kv_heads} KV heads"
             )));
         }
-        let head_dim = f
-            .get_u64(&key("attention.key_length"))
-            .map(|v| v as usize)
-            .unwrap_or(hidden / n_heads);
+        let kl_key = key("attention.key_length");
+        let head_dim = match uint(f, &kl_key, None)? {
+            Some(v) => within(&kl_key, v, 1, read::MAX_HEAD_DIM)?,
+            None => hidden / n_heads,
+        };
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(HparamsError::Inconsistent(format!(
-                "head dimension {head_dim} must be even and non-zero"
+                "head dimension {head_dim} ({kl_key}, else {} / {heads_key}) must be even and \
+                 non-zero",
+                key("embedding_length")
             )));
         }
-        if let Some(v) = f.get_u64(&key("attention.value_length")) {
-            if v as usize != head_dim {
+        if let Some(v) = uint(f, &key("attention.value_length"), None)? {
+            if v != head_dim as u64 {
                 return Err(HparamsError::Unsupported(format!(
                     "{} = {v} differs from the key length {head_dim}",
                     key("attention.value_length")
                 )));
             }
         }
-        let vocab = match f.get_u64(&key("vocab_size")) {
-            Some(v) => v as usize,
+        let vocab_key = key("vocab_size");
+        let vocab = match uint(f, &vocab_key, None)? {
+            Some(v) => v,
             None => f
                 .get("tokenizer.ggml.tokens")
                 .and_then(|v| v.as_array())
-                .map(|a| a.len())
-                .ok_or_else(|| HparamsError::Gguf(GgufError::MissingKey(key("vocab_size"))))?,
+                .map(|a| a.len() as u64)
+                .ok_or_else(|| HparamsError::Gguf(GgufError::MissingKey(vocab_key.clone())))?,
         };
-        let context_length = f
-            .get_u64(&key("context_length"))
-            .map(|v| v as usize)
-            .unwrap_or(2048);
-        let rms_eps = f
-            .get_f64(&key("attention.layer_norm_rms_epsilon"))
-            .unwrap_or(1e-5) as f32;
-        let rope_dims = f
-            .get_u64(&key("rope.dimension_count"))
-            .map(|v| v as usize)
-            .unwrap_or(head_dim);
-        if rope_dims > head_dim || !rope_dims.is_multiple_of(2) {
+        let vocab = within(&vocab_key, vocab, 1, read::MAX_VOCAB)?;
+        let ctx_key = key("context_length");
+        let context_length = match uint(f, &ctx_key, None)? {
+            Some(v) => within(&ctx_key, v, 1, read::MAX_CONTEXT)?,
+            None => 2048,
+        };
+        // Required, as llama.cpp requires it of every family here (a default would be a guess:
+        // Llama uses 1e-5, Qwen 1e-6).
+        let eps_key = key("attention.layer_norm_rms_epsilon");
+        let eps = float(f, &eps_key)?
+            .ok_or_else(|| HparamsError::Gguf(GgufError::MissingKey(eps_key.clone())))?;
+        let rms_eps = read::positive(&eps_key, eps)?;
+        if rms_eps >= 1.0 {
             return Err(HparamsError::Inconsistent(format!(
-                "rope dimension count {rope_dims} does not fit head dimension {head_dim}"
+                "{eps_key} = {eps} must be below 1"
             )));
         }
-        let base = f.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32;
-        let freq_scale = match f.get_str(&key("rope.scaling.type")) {
-            None | Some("none") => 1.0,
-            Some("linear") => {
-                let factor = f.get_f64(&key("rope.scaling.factor")).unwrap_or(1.0) as f32;
-                if factor > 0.0 {
-                    1.0 / factor
-                } else {
-                    1.0
-                }
-            }
-            Some(other) => {
+        // Every family's llama.cpp graph rotates the whole head (llama's loader refuses another
+        // count; qwen2/qwen3/qwen3moe assert n_rot == head_dim); Gemma 3's graph could rotate
+        // part of it, which the engine does not implement.
+        let rot_key = key("rope.dimension_count");
+        if let Some(v) = uint(f, &rot_key, None)? {
+            if v != head_dim as u64 {
                 return Err(HparamsError::Unsupported(format!(
-                    "{} {other:?} (supported: none, linear; Llama 3's frequency factors come \
-                     from the rope_freqs.weight tensor)",
-                    key("rope.scaling.type")
-                )))
+                    "{rot_key} = {v} rotates part of each {head_dim}-wide head; the engine \
+                     rotates whole heads, as llama.cpp's {arch_name} graph does"
+                )));
             }
+        }
+        let base_key = key("rope.freq_base");
+        let base = match float(f, &base_key)? {
+            Some(b) => read::positive(&base_key, b)?,
+            None => 10000.0,
         };
         let rope = Rope {
             style: RopeStyle::Interleaved,
-            dims: rope_dims,
+            dims: head_dim,
             base,
-            freq_scale,
-            factors: rope_factors(f, rope_dims)?,
+            freq_scale: rope_freq_scale(f, arch_name)?,
+            factors: match arch {
+                // Only llama's graph passes frequency factors to its rope; on the other
+                // families the tensor is refused (`tensors`).
+                Arch::Llama | Arch::Mistral => rope_factors(f, head_dim)?,
+                _ => None,
+            },
         };
         Ok(Self {
             arch,
@@ -404,6 +438,50 @@ impl ModelConfig {
     /// Whether any layer attends through a sliding window.
     pub fn has_sliding_window(&self) -> bool {
         self.layers.iter().any(|l| l.window.is_some())
+    }
+}
+
+/// The rope's position scale, as llama.cpp sets it: `rope.scaling.type` absent or "linear"
+/// scales positions by 1 / `rope.scaling.factor` (else the older `rope.scale_linear`; 0 or
+/// absent: no scaling), "none" never scales; YaRN, LongRoPE and any other type are refused.
+fn rope_freq_scale(f: &GgufFile, arch: &str) -> Result<f32, HparamsError> {
+    let type_key = format!("{arch}.rope.scaling.type");
+    let ty = read::string(f, &type_key)?;
+    let factor_key = [
+        format!("{arch}.rope.scaling.factor"),
+        format!("{arch}.rope.scale_linear"),
+    ]
+    .into_iter()
+    .find(|k| f.get(k).is_some());
+    let factor = match &factor_key {
+        Some(k) => {
+            let v = read::float(f, k)?.unwrap_or(0.0);
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(HparamsError::Inconsistent(format!(
+                    "{k} = {v} must be a finite number, 0 or above"
+                )));
+            }
+            v
+        }
+        None => 0.0,
+    };
+    match ty {
+        Some("none") => Ok(1.0),
+        None | Some("linear") if factor == 0.0 => Ok(1.0),
+        None | Some("linear") => {
+            read::positive(factor_key.as_deref().unwrap_or(&type_key), 1.0 / factor)
+        }
+        Some(other) => {
+            let what = match other {
+                "yarn" => "YaRN rope scaling is not implemented",
+                "longrope" => "LongRoPE rope scaling is not implemented",
+                _ => "llama.cpp knows no such rope scaling type",
+            };
+            Err(HparamsError::Unsupported(format!(
+                "{type_key} = {other:?}: {what} (supported: none, linear; Llama 3's frequency \
+                 factors come from the rope_freqs.weight tensor)"
+            )))
+        }
     }
 }
 

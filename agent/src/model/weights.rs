@@ -1,8 +1,13 @@
 //! Loads a model's tensors from GGUF onto a Backend, checking every shape, and fusing Q/K/V and
 //! gate/up projections into single matrices where the backend's format allows. Tensors are
 //! handed over as the file stores them; the backend picks its own format. The tensors a family
-//! adds to the Llama block (Qwen2's biases, per-head Q/K norms, Gemma's post-norms) are read
-//! where its `ModelConfig` says it has them.
+//! adds to the Llama block (per-head Q/K norms, Gemma's post-norms) are read where its
+//! `ModelConfig` says it has them; Q/K/V biases wherever the file has them (any family, as
+//! llama.cpp: each of the three optional, a missing one adding zeros).
+//!
+//! Every tensor the file holds must be read: `ModelConfig::from_gguf` already refused, by name,
+//! a tensor the family does not use, and the loader checks at the end that it read all the
+//! others (a tensor left unread could be maths the engine skips).
 //!
 //! A rank of a tensor-parallel group (`RankShard`) loads only its shard, Megatron style: the
 //! rows of Q/K/V, gate/up and each expert's gate/up that its heads and FFN columns produce
@@ -11,6 +16,8 @@
 //! of the output head; norms and the MoE router whole. It holds no embedding table: the rows a
 //! step needs are read from the file as the step runs (`HostEmbedding`).
 
+use std::cell::RefCell;
+use std::collections::HashSet;
 use std::ops::Range;
 
 use npu_backend::{Backend, HostTensor};
@@ -80,7 +87,7 @@ impl HostEmbedding {
     /// not kept resident by it).
     pub fn open(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Self, ModelError> {
         let file = GgufFile::open(f.path())?;
-        tensor(&file, name, &[cols, rows])?;
+        tensor(&Src::new(&file), name, &[cols, rows])?;
         Ok(Self {
             file,
             name: name.to_string(),
@@ -163,13 +170,52 @@ impl<B: Backend> Weights<B> {
     }
 }
 
+/// The file being loaded, and the names of the tensors read from it.
+struct Src<'a> {
+    file: &'a GgufFile,
+    read: RefCell<HashSet<String>>,
+}
+
+impl<'a> Src<'a> {
+    fn new(file: &'a GgufFile) -> Self {
+        Self {
+            file,
+            read: RefCell::new(HashSet::new()),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.file.tensor_info(name).is_some()
+    }
+
+    /// Notes a tensor as used without reading it here (the rope factors, read with the
+    /// hyper-parameters).
+    fn mark(&self, name: &str) {
+        self.read.borrow_mut().insert(name.to_string());
+    }
+
+    /// Refuses the file when it holds a tensor that was not read.
+    fn check_all_read(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        let read = self.read.borrow();
+        match self.file.tensors().iter().find(|t| !read.contains(&t.name)) {
+            None => Ok(()),
+            Some(t) => Err(ModelError::Unsupported(format!(
+                "{} model: tensor {:?} is in the file, but the engine does not use it",
+                cfg.arch.name(),
+                t.name
+            ))),
+        }
+    }
+}
+
 /// Looks up a tensor and checks its shape (ggml order: row length first).
 fn tensor<'a>(
-    f: &'a GgufFile,
+    f: &Src<'a>,
     name: &str,
     dims: &[usize],
 ) -> Result<(&'a TensorInfo, &'a [u8]), ModelError> {
-    let (info, data) = f.tensor(name)?;
+    let (info, data) = f.file.tensor(name)?;
+    f.mark(name);
     let got: Vec<usize> = info.dims.iter().map(|&d| d as usize).collect();
     let mut want = dims.to_vec();
     // Trailing dimensions of 1 are the same shape.
@@ -190,7 +236,7 @@ fn tensor<'a>(
 
 /// A weight matrix of `rows` outputs and `cols` inputs.
 fn part<'a>(
-    f: &'a GgufFile,
+    f: &Src<'a>,
     name: &str,
     cols: usize,
     rows: usize,
@@ -283,7 +329,7 @@ fn with_cols<'a>(
 }
 
 fn vector<B: Backend>(
-    f: &GgufFile,
+    f: &Src<'_>,
     b: &mut B,
     name: &str,
     len: usize,
@@ -333,6 +379,11 @@ impl<B: Backend> Weights<B> {
         shard: &RankShard,
         b: &mut B,
     ) -> Result<Self, ModelError> {
+        let file = f;
+        let f = &Src::new(file);
+        if cfg.rope.factors.is_some() {
+            f.mark("rope_freqs.weight");
+        }
         let h = cfg.hidden;
         let hd = cfg.head_dim;
         let qd = cfg.n_heads * hd;
@@ -342,7 +393,7 @@ impl<B: Backend> Weights<B> {
         let emb = part(f, "token_embd.weight", h, cfg.vocab)?;
         let embed = if shard.is_split() {
             Embedding::Host(Box::new(HostEmbedding::open(
-                f,
+                file,
                 "token_embd.weight",
                 cfg.vocab,
                 h,
@@ -360,18 +411,19 @@ impl<B: Backend> Weights<B> {
             let qkv = matrix(b, &[q, k, v])?;
             let qkv_bias = if cfg.qkv_bias {
                 // The three biases (this rank's heads) as one f32 vector (the backend converts
-                // it as it likes).
+                // it as it likes). Each is optional, as llama.cpp reads them: a file may bias
+                // some projections and not others, or some layers and not others; a missing
+                // one adds zeros.
                 let mut bias = Vec::with_capacity(qr.len() + 2 * kvr.len());
-                for (name, len, r) in [
-                    ("attn_q.bias", qd, &qr),
-                    ("attn_k.bias", kvd, &kvr),
-                    ("attn_v.bias", kvd, &kvr),
-                ] {
-                    let (info, data) = tensor(f, &n(name), &[len])?;
+                let [qb, kb, vb] = npu_gguf::hparams::QKV_BIASES;
+                for (name, len, r) in [(qb, qd, &qr), (kb, kvd, &kvr), (vb, kvd, &kvr)] {
                     let mut all = vec![0f32; len];
-                    npu_gguf::quants::dequantize_row(info.ty, data, &mut all).map_err(|e| {
-                        ModelError::Inconsistent(format!("tensor {}: {e}", n(name)))
-                    })?;
+                    if f.has(&n(name)) {
+                        let (info, data) = tensor(f, &n(name), &[len])?;
+                        npu_gguf::quants::dequantize_row(info.ty, data, &mut all).map_err(|e| {
+                            ModelError::Inconsistent(format!("tensor {}: {e}", n(name)))
+                        })?;
+                    }
                     bias.extend_from_slice(&all[r.clone()]);
                 }
                 Some(b.load_vector(HostTensor {
@@ -430,12 +482,13 @@ impl<B: Backend> Weights<B> {
             });
         }
         let out_norm = vector(f, b, "output_norm.weight", h)?;
-        let head_part = if f.tensor_info("output.weight").is_some() {
+        let head_part = if f.has("output.weight") {
             part(f, "output.weight", h, cfg.vocab)?
         } else {
             emb
         };
         let head = single(b, rows_of(head_part, &shard.vocab, "output head")?)?;
+        f.check_all_read(cfg)?;
         Ok(Self {
             embed,
             layers,
@@ -447,7 +500,7 @@ impl<B: Backend> Weights<B> {
 
 /// One expert's slice of a 3-D expert tensor (`[cols, rows, n_experts]` in ggml order).
 fn expert_part<'a>(
-    f: &'a GgufFile,
+    f: &Src<'a>,
     name: &str,
     cols: usize,
     rows: usize,
@@ -476,7 +529,7 @@ fn expert_part<'a>(
 /// A Qwen3-MoE layer's router (whole) and experts (each expert's gate and up fused into one
 /// matrix), each expert's FFN columns `ffr`.
 fn moe_ffn<B: Backend>(
-    f: &GgufFile,
+    f: &Src<'_>,
     b: &mut B,
     n: &dyn Fn(&str) -> String,
     h: usize,
@@ -508,4 +561,114 @@ fn moe_ffn<B: Backend>(
         gate_up,
         down,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use npu_backend::{Backend, HostSliceMut, Readback, View};
+    use npu_backend_cpu::{CpuBackend, CpuConfig};
+    use npu_gguf::writer::GgufWriter;
+    use npu_gguf::{GgufFile, MetaValue};
+
+    use super::{ModelConfig, ModelError, Weights};
+
+    /// A one-layer llama of 32 wide (2 heads of 16, 1 KV head), FFN 32, vocabulary 8, all f32,
+    /// with `extra` vectors beside its tensors.
+    fn tiny_llama(extra: &[(&str, Vec<f32>)]) -> GgufFile {
+        let mut w = GgufWriter::new();
+        let u = MetaValue::U32;
+        w.add_meta("general.architecture", MetaValue::String("llama".into()));
+        for (k, v) in [
+            ("block_count", 1),
+            ("embedding_length", 32),
+            ("feed_forward_length", 32),
+            ("attention.head_count", 2),
+            ("attention.head_count_kv", 1),
+            ("vocab_size", 8),
+        ] {
+            w.add_meta(format!("llama.{k}"), u(v));
+        }
+        w.add_meta(
+            "llama.attention.layer_norm_rms_epsilon",
+            MetaValue::F32(1e-5),
+        );
+        let mut t = |name: &str, dims: &[u64]| {
+            let n = dims.iter().product::<u64>() as usize;
+            let v: Vec<f32> = (0..n).map(|i| ((i * 37) % 11) as f32 * 0.01).collect();
+            w.add_f32_tensor(name, dims, &v);
+        };
+        t("token_embd.weight", &[32, 8]);
+        t("output_norm.weight", &[32]);
+        for name in ["attn_norm", "ffn_norm"] {
+            t(&format!("blk.0.{name}.weight"), &[32]);
+        }
+        t("blk.0.attn_q.weight", &[32, 32]);
+        t("blk.0.attn_k.weight", &[32, 16]);
+        t("blk.0.attn_v.weight", &[32, 16]);
+        t("blk.0.attn_output.weight", &[32, 32]);
+        t("blk.0.ffn_gate.weight", &[32, 32]);
+        t("blk.0.ffn_up.weight", &[32, 32]);
+        t("blk.0.ffn_down.weight", &[32, 32]);
+        for (name, v) in extra {
+            w.add_f32_tensor(*name, &[v.len() as u64], v);
+        }
+        GgufFile::from_bytes("tiny-llama.gguf", &w.to_bytes().unwrap()).unwrap()
+    }
+
+    fn cpu() -> CpuBackend {
+        CpuBackend::new(CpuConfig {
+            threads: 1,
+            f32_reference: false,
+        })
+    }
+
+    /// A llama file with a K bias only: the biases are applied (llama.cpp reads Q/K/V biases on
+    /// every family, each optional), the missing Q and V ones as zeros.
+    #[test]
+    fn qkv_biases_load_on_any_family_with_zeros_for_the_missing() {
+        let k_bias: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
+        let f = tiny_llama(&[("blk.0.attn_k.bias", k_bias.clone())]);
+        let cfg = ModelConfig::from_gguf(&f).unwrap();
+        assert!(cfg.qkv_bias);
+        let mut b = cpu();
+        let w = Weights::load(&f, &cfg, &mut b).unwrap();
+        let bias = w.layers[0].qkv_bias.as_ref().expect("a bias vector");
+        let mut got = vec![f32::NAN; 64];
+        b.read_back(&mut [Readback {
+            src: View::rows(bias, 1, 64).unwrap(),
+            dst: HostSliceMut::F32(&mut got),
+        }])
+        .unwrap();
+        let mut want = vec![0f32; 32];
+        want.extend(&k_bias);
+        want.extend([0f32; 16]);
+        assert_eq!(got, want);
+        // Without biases, none.
+        let f = tiny_llama(&[]);
+        let cfg = ModelConfig::from_gguf(&f).unwrap();
+        assert!(!cfg.qkv_bias);
+        let w = Weights::load(&f, &cfg, &mut cpu()).unwrap();
+        assert!(w.layers[0].qkv_bias.is_none());
+    }
+
+    /// A tensor the loader did not read stops the load naming it, even past the
+    /// hyper-parameters' own check (here: a config read from the file without it).
+    #[test]
+    fn a_tensor_left_unread_stops_the_load() {
+        let cfg = ModelConfig::from_gguf(&tiny_llama(&[])).unwrap();
+        let f = tiny_llama(&[("blk.0.attn_output.bias", vec![1.0; 32])]);
+        let e = match Weights::load(&f, &cfg, &mut cpu()) {
+            Ok(_) => panic!("loaded a file with an unread tensor"),
+            Err(e) => e,
+        };
+        assert!(matches!(e, ModelError::Unsupported(_)), "{e}");
+        let e = e.to_string();
+        assert!(
+            e.contains("\"blk.0.attn_output.bias\"") && e.contains("llama model"),
+            "{e}"
+        );
+        // The file's own config refuses it first, saying why.
+        let e = ModelConfig::from_gguf(&f).unwrap_err().to_string();
+        assert!(e.contains("attention output bias"), "{e}");
+    }
 }

@@ -2,7 +2,7 @@
 //! the shared Llama-shaped block, following llama.cpp's reading of the same GGUF keys (so a file
 //! means here what it means there).
 
-use super::{Arch, FfnAct, HparamsError, LayerSpec, ModelConfig, MoeSpec, RopeStyle};
+use super::{read, Arch, FfnAct, HparamsError, LayerSpec, ModelConfig, MoeSpec, RopeStyle};
 use crate::GgufFile;
 
 /// Gemma 3: every sixth layer attends globally, the others through the sliding window
@@ -16,10 +16,9 @@ pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsE
     let key = |k: &str| format!("{arch}.{k}");
     match cfg.arch {
         Arch::Llama | Arch::Mistral => {}
-        Arch::Qwen2 => {
-            cfg.qkv_bias = true;
-            set_style(cfg, RopeStyle::Halves);
-        }
+        // Q/K/V biases are read where a file has them, on every family (`tensors`): llama.cpp
+        // makes them optional everywhere, Qwen2's included.
+        Arch::Qwen2 => set_style(cfg, RopeStyle::Halves),
         Arch::Qwen3 => {
             cfg.qk_norm = true;
             set_style(cfg, RopeStyle::Halves);
@@ -27,36 +26,40 @@ pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsE
         Arch::Qwen3Moe => {
             cfg.qk_norm = true;
             set_style(cfg, RopeStyle::Halves);
-            let req =
-                |k: &str| -> Result<usize, HparamsError> { Ok(f.require_u64(&key(k))? as usize) };
-            let n_used = req("expert_used_count")?;
-            let moe = MoeSpec {
-                n_experts: req("expert_count")?,
+            let nl = Some(cfg.n_layers);
+            let (count_key, used_key) = (key("expert_count"), key("expert_used_count"));
+            let n_experts = read::within(
+                &count_key,
+                read::req_uint(f, &count_key, None)?,
+                1,
+                read::MAX_EXPERTS,
+            )?;
+            let n_used = read::req_uint(f, &used_key, nl)?;
+            if n_used == 0 || n_used > n_experts as u64 {
+                return Err(HparamsError::Inconsistent(format!(
+                    "{used_key} = {n_used} experts used of {count_key} = {n_experts}"
+                )));
+            }
+            let n_used = n_used as usize;
+            let ff_key = key("expert_feed_forward_length");
+            // As llama.cpp: the key, else the dense width shared among the used experts.
+            let expert_ff = match read::uint(f, &ff_key, nl)? {
+                Some(v) => read::within(&ff_key, v, 1, read::MAX_FF)?,
+                None => cfg.ff / n_used,
+            };
+            if expert_ff == 0 {
+                return Err(HparamsError::Inconsistent(format!(
+                    "{ff_key} is absent and {} / {used_key} is 0",
+                    key("feed_forward_length")
+                )));
+            }
+            cfg.moe = Some(MoeSpec {
+                n_experts,
                 n_used,
-                // As llama.cpp: the key, else the dense width shared among the used experts.
-                expert_ff: match f.get_u64(&key("expert_feed_forward_length")) {
-                    Some(v) => v as usize,
-                    None => cfg.ff.checked_div(n_used).unwrap_or(0),
-                },
+                expert_ff,
                 // llama.cpp's qwen3moe always renormalises the chosen experts' weights.
                 norm_top_k: true,
-            };
-            if moe.n_experts == 0 || moe.n_used == 0 || moe.n_used > moe.n_experts {
-                return Err(HparamsError::Inconsistent(format!(
-                    "{} = {} experts used of {} = {}",
-                    key("expert_used_count"),
-                    moe.n_used,
-                    key("expert_count"),
-                    moe.n_experts
-                )));
-            }
-            if moe.expert_ff == 0 {
-                return Err(HparamsError::Inconsistent(format!(
-                    "{} is 0",
-                    key("expert_feed_forward_length")
-                )));
-            }
-            cfg.moe = Some(moe);
+            });
         }
         Arch::Gemma3 => gemma3(f, cfg)?,
     }
@@ -87,27 +90,25 @@ fn gemma3(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsError> {
     } else {
         1.0 / (cfg.head_dim as f32).sqrt()
     };
-    if let Some(cap) = f.get_f64(&key("final_logit_softcapping")) {
+    // llama.cpp's gemma3 graph soft-caps the logits when the file sets a cap; the engine does
+    // not implement it.
+    let cap_key = key("final_logit_softcapping");
+    if let Some(cap) = read::float(f, &cap_key)? {
         if cap != 0.0 {
             return Err(HparamsError::Unsupported(format!(
-                "{} = {cap} (final logit soft-capping is not implemented)",
-                key("final_logit_softcapping")
+                "{cap_key} = {cap}: final logit soft-capping is not implemented"
             )));
         }
     }
-    let window = f
-        .get_u64(&key("attention.sliding_window"))
-        .filter(|&w| w > 0);
+    let window_key = key("attention.sliding_window");
+    let window = read::uint(f, &window_key, None)?.filter(|&w| w > 0);
     if let Some(w) = window {
-        let w = u32::try_from(w).map_err(|_| {
-            HparamsError::Inconsistent(format!(
-                "{} = {w} is too large",
-                key("attention.sliding_window")
-            ))
-        })?;
-        let local_base = f
-            .get_f64(&key("rope.freq_base_swa"))
-            .map_or(GEMMA3_LOCAL_ROPE_BASE, |b| b as f32);
+        let w = read::within(&window_key, w, 1, u32::MAX as u64)? as u32;
+        let base_key = key("rope.freq_base_swa");
+        let local_base = match read::float(f, &base_key)? {
+            Some(b) => read::positive(&base_key, b)?,
+            None => GEMMA3_LOCAL_ROPE_BASE,
+        };
         let global = cfg.rope;
         let mut local = global;
         local.base = local_base;
@@ -143,13 +144,17 @@ fn swa_layers(f: &GgufFile, key: &str, n_layers: usize) -> Result<Vec<bool>, Hpa
     match f.get(key) {
         None => period(GEMMA3_SWA_PATTERN),
         Some(v) => {
-            if let Some(n) = v.as_u64() {
-                return period(n as usize);
+            if let Some(n) = read::uint(f, key, None).ok().flatten() {
+                return period(read::within(key, n, 0, read::MAX_LAYERS)?);
             }
-            let flags: Option<Vec<bool>> = v
-                .as_array()
-                .map(|a| a.iter().map(crate::MetaValue::as_bool).collect())
-                .and_then(|f: Option<Vec<bool>>| f);
+            let flags: Option<Vec<bool>> = v.as_array().and_then(|a| {
+                a.iter()
+                    .map(|x| match x {
+                        crate::MetaValue::Bool(b) => Some(*b),
+                        _ => None,
+                    })
+                    .collect()
+            });
             match flags {
                 Some(flags) if flags.len() == n_layers => Ok(flags),
                 _ => Err(HparamsError::Inconsistent(format!(
