@@ -116,7 +116,9 @@ pub fn progress(handle: u64) {
             .get(&handle)
             .cloned();
         let Some(entry) = entry else { return };
-        if entry.map.peer_ahead(entry.rank, entry.ranks) {
+        if entry.map.peer_ahead(entry.rank, entry.ranks) && !entry.map.is_broken() {
+            // A peer waits: poll fast until this rank's host has queued the collective.
+            idle = 0;
             let g = state();
             let next = g.hccl_queued.get(&handle).and_then(|q| q.front().copied());
             if let Some((s, ticket)) = next.filter(|&(s, _)| !g.busy.contains_key(&s)) {
@@ -124,7 +126,6 @@ pub fn progress(handle: u64) {
                 if let Err(f) = r {
                     g.stream_errors.insert(s, f);
                 }
-                idle = 0;
                 continue;
             }
         }

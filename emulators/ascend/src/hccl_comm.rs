@@ -164,6 +164,11 @@ impl Mapping {
         (0..ranks).any(|r| self.posted(r) > mine)
     }
 
+    /// Whether the communicator is marked broken.
+    pub fn is_broken(&self) -> bool {
+        self.word(H_BROKEN).load(Ordering::Acquire) != 0
+    }
+
     fn broken(&self) -> Option<String> {
         if self.word(H_BROKEN).load(Ordering::Acquire) == 0 {
             return None;
