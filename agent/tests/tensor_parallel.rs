@@ -7,11 +7,15 @@
 //! sums in another order than one engine does; the CPU kernels quantize activations to 8 bits,
 //! and a last-bit difference now and then moves a value across a rounding step, so the logits
 //! of a group differ from one engine's by a little. Measured teacher-forced on the references
-//! (`group_noise_is_below_the_near_tie_margin`): the top-1/top-2 logit gap of a group differs
-//! from one engine's by 0.05-0.07 at the median and 0.31-0.40 at most, less than one engine's
-//! own gap differs from llama.cpp's (0.09-0.12 median, 0.49-0.59 at most). A step counts as a
+//! (`group_noise_is_below_the_near_tie_margin`, 2026-11-29): the top-1/top-2 logit gap of a
+//! group differs from one engine's by 0.10-0.12 at the median and 0.40-0.50 at most (SmolLM2,
+//! Gemma 3 270M Q4_K_M), about as much as one engine's own gap differs from llama.cpp's
+//! references (0.09-0.15 median). Gemma 3's rose from 0.07 median and 0.42 at most when its
+//! K-quant weights began to take Q8_K activations as llama.cpp's do (one scale per 256 values,
+//! so each rounding step is coarser; the engine then agrees with llama.cpp 0.3.36 at all 233
+//! decided teacher-forced steps of five prompts, where it missed one). A step counts as a
 //! near-tie for these tests when the reference's gap (llama.cpp's, or one engine's) is below
-//! `NEAR_TIE` = 0.5, above the largest difference measured.
+//! `NEAR_TIE` = 0.6, above the largest difference measured.
 
 mod common;
 
@@ -39,7 +43,7 @@ fn greedy(id: u64, prompt: &[u32], n: usize, at_step: usize) -> Arrival {
 }
 
 /// A step whose top-1/top-2 logit gap is below this is a near-tie for a group (see above).
-const NEAR_TIE: f64 = 0.5;
+const NEAR_TIE: f64 = 0.6;
 
 fn check_prefix(r: &Ref, got: &[u32], what: &str) {
     let n = r
