@@ -14,7 +14,7 @@ use std::sync::Arc;
 use npu_backend::{Backend, BackendError, Collective, HostCollective, HostStaged, StepInputs};
 use npu_backend_cpu::threadpool::ThreadPool;
 use npu_backend_cpu::{CpuBackend, CpuConfig};
-use npu_gguf::hparams::shard::RankShard;
+use npu_model::shard::RankShard;
 use npu_gguf::GgufFile;
 pub use npu_protocol::agent::DeviceKind;
 

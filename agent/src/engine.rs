@@ -205,7 +205,7 @@ fn tensor_parallel(
     }
     let mc = ModelConfig::from_gguf(file).map_err(ModelError::from)?;
     let shard =
-        npu_gguf::hparams::shard::shard(&mc, Some(file), spec.size as usize, spec.rank as usize)
+        npu_model::shard::shard(&mc, Some(file), spec.size as usize, spec.rank as usize)
             .map_err(|e| {
                 EngineError::BadConfig(format!("tensor_parallel_size {}: {e}", spec.size))
             })?;

@@ -103,7 +103,7 @@ fn passkey_retrieval_with_the_mode_on_and_off() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(
-            npu_gguf::hparams::ModelConfig::from_gguf(&gguf)
+            npu_model::ModelConfig::from_gguf(&gguf)
                 .unwrap()
                 .context_length,
         );

@@ -92,7 +92,7 @@ fn llama_with_biases(tag: &str, drop: &[&str]) -> TempModel {
 
 fn greedy_tokens(model: &TempModel) -> Vec<u32> {
     let f = GgufFile::open(&model.0).unwrap();
-    let mc = npu_gguf::hparams::ModelConfig::from_gguf(&f).unwrap();
+    let mc = npu_model::ModelConfig::from_gguf(&f).unwrap();
     assert_eq!(mc.arch.name(), "llama");
     assert!(mc.qkv_bias, "the biases are read");
     let mut cfg = engine_config(2, 16);

@@ -759,7 +759,6 @@ impl GgufFile {
     }
 }
 
-pub mod hparams;
 pub mod quants;
 pub mod store;
 pub mod synth;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use npu_gguf::hparams::ModelConfig;
+use npu_model::ModelConfig;
 use npu_gguf::GgufFile;
 use npu_protocol::agent::TensorParallelSpec;
 use npu_protocol::agent::{
@@ -304,7 +304,7 @@ pub fn check_tensor_parallel(
     mc: &ModelConfig,
     gguf: &GgufFile,
 ) -> anyhow::Result<()> {
-    use npu_gguf::hparams::shard;
+    use npu_model::shard;
     let t = cfg.tensor_parallel_size();
     if t <= 1 {
         return Ok(());

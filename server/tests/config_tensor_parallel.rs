@@ -94,7 +94,7 @@ fn refusals_name_the_key_and_what_would_work() {
 fn a_model_that_cannot_be_split_is_refused_naming_the_dimension() {
     let path = npu_gguf::store::resolve_model(None).expect("the default model");
     let gguf = npu_gguf::GgufFile::open(&path).unwrap();
-    let mc = npu_gguf::hparams::ModelConfig::from_gguf(&gguf).unwrap();
+    let mc = npu_model::ModelConfig::from_gguf(&gguf).unwrap();
     // SmolLM2-135M: 9 heads over 3 KV heads, FFN 1536 (Q4_1 blocks of 32).
     let cfg = load(&format!(
         "{}npu_serving:\n  tensor_parallel_size: 2\n",

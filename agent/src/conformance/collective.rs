@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use npu_backend::{
     Backend, BackendError, Collective, HostSlice, HostSliceMut, Readback, View, ViewMut,
 };
-use npu_gguf::hparams::shard::shard;
-use npu_gguf::hparams::ModelConfig;
+use npu_model::shard::shard;
+use npu_model::ModelConfig;
 use npu_gguf::GgufFile;
 use npu_protocol::shm::{segment_name, GroupMember, GroupRegion, GROUP_REGION_ID_BASE};
 

@@ -10,7 +10,7 @@ use npu_backend::{
     Layout, Readback, SeqSpan, StepInputs, View, ViewMut,
 };
 use npu_backend_cpu::kernels::scan;
-use npu_gguf::hparams::ModelConfig;
+use npu_model::ModelConfig;
 use npu_gguf::{GgmlType, GgufFile};
 
 use super::{Class, Report, Tolerance};

@@ -1,8 +1,8 @@
 //! Rotary position embedding on the host, by a signed angle: long-context mode moves keys from
 //! the position they were cached at to the one memory tokens take, and turns queries back to
-//! score memory units. Same pairing and frequencies as the model's rope (`npu_gguf::hparams::Rope`).
+//! score memory units. Same pairing and frequencies as the model's rope (`npu_model::Rope`).
 
-use npu_gguf::hparams::{Rope, RopeStyle};
+use npu_model::{Rope, RopeStyle};
 
 /// Cosines and sines of a rotation by `delta` positions (`dims / 2` pairs), into `cs`.
 pub fn angles(rope: &Rope, delta: f64, cs: &mut Vec<f32>) {

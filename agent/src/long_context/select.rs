@@ -4,7 +4,7 @@
 //! the query heads sharing a KV head are summed first (`memory_query`) and each unit keeps the
 //! sum of its representative keys (`representative_sum`): one dot product per unit.
 
-use npu_gguf::hparams::Rope;
+use npu_model::Rope;
 
 use super::rotary;
 

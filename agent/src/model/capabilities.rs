@@ -2,7 +2,7 @@
 //! and the refusal, before any weight is read, of a model its backend cannot run.
 
 use npu_backend::{Backend, Capability, DType};
-use npu_gguf::hparams::FfnAct;
+use npu_model::FfnAct;
 
 use super::{ModelConfig, ModelError};
 

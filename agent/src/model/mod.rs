@@ -1,4 +1,4 @@
-//! A Llama-family model on a Backend: hyper-parameters (from `npu_gguf::hparams`), weights handed
+//! A Llama-family model on a Backend: hyper-parameters (from `npu_model`), weights handed
 //! to the device as the file stores them (`weights`), and the batched forward step over a paged
 //! KV cache (`runner`), whose pool may be sized from free device memory (`kv_sizing`).
 
@@ -10,10 +10,10 @@ pub mod weights;
 use thiserror::Error;
 
 use npu_backend::BackendError;
-use npu_gguf::hparams::HparamsError;
+use npu_model::HparamsError;
 use npu_gguf::GgufError;
 
-pub use npu_gguf::hparams::{Arch, ModelConfig};
+pub use npu_model::{Arch, ModelConfig};
 pub use runner::{Model, ModelOptions, StepOutput};
 
 #[derive(Debug, Error)]

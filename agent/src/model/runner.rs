@@ -14,8 +14,8 @@ use npu_backend::{
     AttnGeometry, Backend, Collective, DType, HostSlice, HostSliceMut, KvSpec, Readback,
     StepInputs, View, ViewMut,
 };
-use npu_gguf::hparams::shard::RankShard;
-use npu_gguf::hparams::FfnAct;
+use npu_model::shard::RankShard;
+use npu_model::FfnAct;
 use npu_gguf::GgufFile;
 
 use super::weights::{Embedding, Ffn, Proj, Weights};
@@ -307,7 +307,7 @@ impl<B: Backend> Model<B> {
                         comm.size()
                     )));
                 }
-                let want = npu_gguf::hparams::shard::shard(&cfg, Some(f), shard.size, shard.rank)
+                let want = npu_model::shard::shard(&cfg, Some(f), shard.size, shard.rank)
                     .map_err(|e| ModelError::Unsupported(e.to_string()))?;
                 if &want != shard {
                     return Err(ModelError::BadOptions(format!(

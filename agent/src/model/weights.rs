@@ -21,7 +21,7 @@ use std::collections::HashSet;
 use std::ops::Range;
 
 use npu_backend::{Backend, HostTensor};
-use npu_gguf::hparams::shard::RankShard;
+use npu_model::shard::RankShard;
 use npu_gguf::{GgmlType, GgufFile, TensorInfo};
 
 use super::{ModelConfig, ModelError};
@@ -415,7 +415,7 @@ impl<B: Backend> Weights<B> {
                 // some projections and not others, or some layers and not others; a missing
                 // one adds zeros.
                 let mut bias = Vec::with_capacity(qr.len() + 2 * kvr.len());
-                let [qb, kb, vb] = npu_gguf::hparams::QKV_BIASES;
+                let [qb, kb, vb] = npu_model::QKV_BIASES;
                 for (name, len, r) in [(qb, qd, &qr), (kb, kvd, &kvr), (vb, kvd, &kvr)] {
                     let mut all = vec![0f32; len];
                     if f.has(&n(name)) {
@@ -533,7 +533,7 @@ fn moe_ffn<B: Backend>(
     b: &mut B,
     n: &dyn Fn(&str) -> String,
     h: usize,
-    moe: npu_gguf::hparams::MoeSpec,
+    moe: npu_model::MoeSpec,
     ffr: &Range<usize>,
     buf: &mut Vec<u8>,
 ) -> Result<Ffn<B>, ModelError> {

@@ -9,7 +9,7 @@ use common::*;
 use half::f16;
 use npu_backend::*;
 use npu_backend_ascend::AscendBackend;
-use npu_gguf::hparams::{Rope, RopeStyle};
+use npu_model::{Rope, RopeStyle};
 
 /// One sequence's K/V history on the host, for the reference.
 #[derive(Default, Clone)]

@@ -18,7 +18,7 @@ use half::f16;
 use npu_backend::*;
 use npu_backend_ascend::backend::{AscendBuffer, AscendMatrix};
 use npu_backend_ascend::{AscendBackend, AscendConfig, RopeKernel};
-use npu_gguf::hparams::{Rope, RopeStyle};
+use npu_model::{Rope, RopeStyle};
 use npu_gguf::GgmlType;
 
 #[test]

@@ -10,7 +10,7 @@ use common::seam::*;
 use common::*;
 use half::f16;
 use npu_backend::*;
-use npu_gguf::hparams::{intern_factors, Rope, RopeStyle};
+use npu_model::{intern_factors, Rope, RopeStyle};
 
 #[test]
 fn the_capabilities_built_are_reported() {

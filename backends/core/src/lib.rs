@@ -20,7 +20,7 @@
 pub mod collective;
 pub mod view;
 
-use npu_gguf::hparams::Rope;
+use npu_model::Rope;
 use npu_gguf::GgmlType;
 use thiserror::Error;
 

@@ -176,7 +176,7 @@ fn main() {
         // Only write (or find) the random model and print its layout: no GPU needed.
         let p = random_1b().expect("writing the random 1B-class model");
         let f = GgufFile::open(&p).expect("reading it back");
-        let c = npu_gguf::hparams::ModelConfig::from_gguf(&f).expect("its hyper-parameters");
+        let c = npu_model::ModelConfig::from_gguf(&f).expect("its hyper-parameters");
         println!("{}: {c:?}", p.display());
         return;
     }

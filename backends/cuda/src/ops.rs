@@ -4,7 +4,7 @@
 //! are in `matmul.rs`.
 
 use npu_backend::{AttnGeometry, BackendError, DType, DeviceBuffer, Layout, View, ViewMut};
-use npu_gguf::hparams::RopeStyle;
+use npu_model::RopeStyle;
 
 use crate::backend::CudaBackend;
 use crate::buffer::CudaBuffer;

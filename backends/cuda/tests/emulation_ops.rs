@@ -113,7 +113,7 @@ fn every_kernel_has_a_conformance_case() {
 #[test]
 fn token_ops_run_before_the_kv_pool_exists() {
     use npu_backend::{Backend, DType, KvSpec, SeqSpan, StepInputs, View, ViewMut};
-    use npu_gguf::hparams::{Rope, RopeStyle};
+    use npu_model::{Rope, RopeStyle};
     let Some(mut b) = emulated(DType::F32, npu_backend_cuda::MatmulMode::Auto) else {
         return;
     };

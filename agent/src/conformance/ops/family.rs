@@ -5,7 +5,7 @@
 //! notes them as not built (such a backend refuses the families that need them at load).
 
 use npu_backend::{Backend, BackendError, Capability, KvSpec, Layout, StepInputs, View, ViewMut};
-use npu_gguf::hparams::intern_factors;
+use npu_model::intern_factors;
 
 use super::{f32_tensor, filled, out, read, step_of, window, Ctx, Output, Rng};
 use crate::conformance::Class;
@@ -191,7 +191,7 @@ pub(super) fn ropes<B: Backend>(b: &mut B, ctx: &Ctx) -> Result<Vec<Output>, Bac
     let mut outputs = Vec::new();
     let mut rng = Rng(91);
     let mut run =
-        |b: &mut B, ropes: &[npu_gguf::hparams::Rope]| -> Result<Vec<f32>, BackendError> {
+        |b: &mut B, ropes: &[npu_model::Rope]| -> Result<Vec<f32>, BackendError> {
             b.begin_step(&step)?;
             let mut qkv = filled(
                 b,

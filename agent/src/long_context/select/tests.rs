@@ -2,7 +2,7 @@
 //! query token, every query head and every representative key, the dot product with the key
 //! moved to the memory position, summed in f64; then all units sorted.
 
-use npu_gguf::hparams::{Rope, RopeStyle};
+use npu_model::{Rope, RopeStyle};
 
 use super::*;
 

@@ -148,7 +148,7 @@ impl Scratch {
 /// global layers) each keep theirs; `step_rows` holds the step's rows of it, gathered by
 /// position once per step (`rows_for`: the step serial they were gathered for).
 struct RopeTable {
-    rope: npu_gguf::hparams::Rope,
+    rope: npu_model::Rope,
     interleaved: bool,
     rows: usize,
     mem: Mem,

@@ -5,7 +5,7 @@
 //! element-wise Mul/Add rotation where neither applies.
 
 use npu_backend::{AttnGeometry, BackendError, Layout, ViewMut};
-use npu_gguf::hparams::RopeStyle;
+use npu_model::RopeStyle;
 
 use super::layer_ops::{bad, copy, gather, step_slice, want_f16};
 use super::objects::AscendBuffer;
@@ -20,7 +20,7 @@ impl AscendBackend {
     /// (Gemma 3's local and global bases) never rebuild one another's.
     fn ensure_rope_table(
         &mut self,
-        rope: &npu_gguf::hparams::Rope,
+        rope: &npu_model::Rope,
         interleaved: bool,
     ) -> Result<usize, BackendError> {
         let need = self.plan.max_position as usize + 1;

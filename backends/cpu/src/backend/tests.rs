@@ -99,8 +99,8 @@ fn fill_pool(b: &mut CpuBackend) {
         n_heads: 4,
         n_kv_heads: s.n_kv_heads,
         head_dim: s.head_dim,
-        rope: npu_gguf::hparams::Rope {
-            style: npu_gguf::hparams::RopeStyle::Halves,
+        rope: npu_model::Rope {
+            style: npu_model::RopeStyle::Halves,
             dims: s.head_dim,
             base: 10000.0,
             freq_scale: 1.0,

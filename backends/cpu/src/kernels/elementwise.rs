@@ -8,7 +8,7 @@ use half::f16;
 
 use super::vecmath::exp_approx;
 use super::Isa;
-pub use npu_gguf::hparams::{Rope, RopeStyle};
+pub use npu_model::{Rope, RopeStyle};
 
 /// `out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w` for every row of `x` (row length `w.len()`).
 /// The squares are summed in f64 over `SUM_LANES` interleaved lanes (then the lanes in order):

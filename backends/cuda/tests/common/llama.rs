@@ -8,7 +8,7 @@ use npu_backend::{
     AttnGeometry, Backend, DType, HostSliceMut, HostTensor, KvSpec, Layout, Readback, SeqSpan,
     StepInputs, View, ViewMut,
 };
-use npu_gguf::hparams::ModelConfig;
+use npu_model::ModelConfig;
 use npu_gguf::GgufFile;
 
 /// A projection as one matrix, or parts writing consecutive output columns.

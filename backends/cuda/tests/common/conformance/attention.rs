@@ -8,7 +8,7 @@ use npu_backend_cpu::kernels::attention::{self as cpu_attn, AttnParams, AttnSeq,
 use npu_backend_cpu::kernels::Isa;
 use npu_backend_cpu::threadpool::ThreadPool;
 use npu_backend_cuda::MatmulMode;
-use npu_gguf::hparams::{Rope, RopeStyle};
+use npu_model::{Rope, RopeStyle};
 
 /// A step of several sequences over a paged pool, attention checked against the CPU backend's
 /// paged attention over the same cache contents.

@@ -16,7 +16,7 @@ use npu_backend::{
 };
 use npu_backend_cpu::kernels::{elementwise as cpu_ew, Isa};
 use npu_backend_cuda::{CudaBackend, MatmulMode};
-use npu_gguf::hparams::{intern_factors, Rope, RopeStyle};
+use npu_model::{intern_factors, Rope, RopeStyle};
 use npu_gguf::GgmlType;
 
 /// Makes a backend computing in a dtype with a matmul mode (`None`: skip, reason printed).

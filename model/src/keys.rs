@@ -16,7 +16,7 @@
 
 use super::read::show;
 use super::{Arch, HparamsError, ModelConfig};
-use crate::{GgufFile, MetaValue};
+use npu_gguf::{GgufFile, MetaValue};
 
 /// Refuses the first key of the family's namespace that the engine does not apply.
 pub(super) fn check(f: &GgufFile, cfg: &ModelConfig) -> Result<(), HparamsError> {

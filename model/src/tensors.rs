@@ -10,7 +10,7 @@
 //! `agent/src/model/weights.rs` reads exactly these and checks that it read every tensor.
 
 use super::{Arch, HparamsError, ModelConfig};
-use crate::GgufFile;
+use npu_gguf::GgufFile;
 
 /// The Q/K/V bias tensors of a layer, each optional.
 pub const QKV_BIASES: [&str; 3] = ["attn_q.bias", "attn_k.bias", "attn_v.bias"];

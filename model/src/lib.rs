@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use thiserror::Error;
 
-use crate::{GgmlType, GgufError, GgufFile};
+use npu_gguf::{GgmlType, GgufError, GgufFile};
 
 mod family;
 mod keys;

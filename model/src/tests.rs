@@ -3,8 +3,8 @@
 //! the engine does not apply refused by name; Q/K/V biases applied on every family.
 
 use super::*;
-use crate::writer::GgufWriter;
-use crate::MetaValue;
+use npu_gguf::writer::GgufWriter;
+use npu_gguf::MetaValue;
 
 /// A file of `arch` with six layers (64 wide, 4 heads of 16, 2 KV heads), `extra` keys (which
 /// replace the defaults of the same name; `false` as the value of a default key removes it) and

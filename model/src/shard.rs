@@ -20,7 +20,7 @@ use std::ops::Range;
 use thiserror::Error;
 
 use super::ModelConfig;
-use crate::{GgmlType, GgufFile};
+use npu_gguf::{GgmlType, GgufFile};
 
 /// What one rank of a tensor-parallel group computes.
 #[derive(Debug, Clone, PartialEq, Eq)]

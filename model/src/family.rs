@@ -3,7 +3,7 @@
 //! means here what it means there).
 
 use super::{read, Arch, FfnAct, HparamsError, LayerSpec, ModelConfig, MoeSpec, RopeStyle};
-use crate::GgufFile;
+use npu_gguf::GgufFile;
 
 /// Gemma 3: every sixth layer attends globally, the others through the sliding window
 /// (llama.cpp's `set_swa_pattern(6)`: layer il is local when `il % 6 < 5`).
@@ -150,7 +150,7 @@ fn swa_layers(f: &GgufFile, key: &str, n_layers: usize) -> Result<Vec<bool>, Hpa
             let flags: Option<Vec<bool>> = v.as_array().and_then(|a| {
                 a.iter()
                     .map(|x| match x {
-                        crate::MetaValue::Bool(b) => Some(*b),
+                        npu_gguf::MetaValue::Bool(b) => Some(*b),
                         _ => None,
                     })
                     .collect()

@@ -4,7 +4,7 @@
 //! where it is read, so that nothing is sized by a damaged header.
 
 use super::HparamsError;
-use crate::{GgufError, GgufFile, MetaValue};
+use npu_gguf::{GgufError, GgufFile, MetaValue};
 
 /// llama.cpp's `LLAMA_MAX_LAYERS`.
 pub(super) const MAX_LAYERS: u64 = 512;
