@@ -16,7 +16,9 @@ pub mod hub;
 pub mod safetensors;
 pub mod writer;
 
-pub use safetensors::{Dtype, TensorMeta};
+pub use generation::GenerationConfig;
+pub use hub::{cache_dirs, resolve_model, resolve_model_in};
+pub use safetensors::{parse, Dtype, Shards, TensorMeta};
 pub use writer::{write_file, write_model, WriteTensor};
 
 /// Everything that can go wrong reading or writing a Hugging Face model directory.
@@ -153,3 +155,6 @@ fn json_message(e: &serde_json::Error) -> String {
         None => s,
     }
 }
+
+#[cfg(test)]
+mod tests;
