@@ -194,6 +194,7 @@ fn spec(agent_id: u32) -> AgentSpec {
             max_blocks_per_seq: 8,
             threads: 1,
             long_context: None,
+            quantize: None,
         },
     )
 }

@@ -124,7 +124,8 @@ fn weight_bytes(model: &std::path::Path) -> u64 {
 fn kv_pool_bytes(model: &std::path::Path, opts: &ServerOpts, size: usize, rank: usize) -> u64 {
     let f = npu_gguf::GgufFile::open(model).unwrap();
     let mc = npu_model::ModelConfig::from_gguf(&f).unwrap();
-    let shard = npu_model::shard::shard(&mc, Some(&f), size, rank).unwrap();
+    let shard =
+        npu_model::shard::shard(&mc, Some(&npu_model::Checkpoint::from(&f)), size, rank).unwrap();
     let per_token = mc.n_layers * 2 * shard.kv_heads.len() * mc.head_dim * 2;
     (per_token * opts.block_size as usize * opts.num_blocks as usize) as u64
 }

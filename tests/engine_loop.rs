@@ -189,6 +189,7 @@ impl Harness {
             max_blocks_per_seq: s.max_blocks_per_seq as u32,
             threads: 1,
             long_context: None,
+            quantize: None,
         };
         let faults = Arc::new(Mutex::new(faults));
         let agent = InProcessAgent {

@@ -14,8 +14,9 @@ use std::sync::Arc;
 use npu_backend::{Backend, BackendError, Collective, HostCollective, HostStaged, StepInputs};
 use npu_backend_cpu::threadpool::ThreadPool;
 use npu_backend_cpu::{CpuBackend, CpuConfig};
-use npu_model::shard::RankShard;
 use npu_gguf::GgufFile;
+use npu_model::shard::RankShard;
+use npu_model::Checkpoint;
 pub use npu_protocol::agent::DeviceKind;
 
 use crate::long_context::LongContext;
@@ -171,12 +172,13 @@ impl DeviceModel {
         pool: &Arc<ThreadPool>,
         opts: ModelOptions,
     ) -> Result<Self, ModelError> {
-        Self::load_shard(file, spec, pool, opts, None)
+        Self::load_shard(&Checkpoint::from(file), spec, pool, opts, None)
     }
 
-    /// `load` of one rank's shard of a tensor-parallel group (None: the whole model).
+    /// `load` of a checkpoint (a GGUF file or a Hugging Face directory), or of one rank's shard
+    /// of a tensor-parallel group (None: the whole model).
     pub fn load_shard(
-        file: &GgufFile,
+        file: &Checkpoint,
         spec: DeviceSpec,
         pool: &Arc<ThreadPool>,
         opts: ModelOptions,
@@ -196,7 +198,7 @@ impl DeviceModel {
                 };
                 let backend = CpuBackend::on_pool(pool.clone(), cfg);
                 let tp = tp.and_then(TpSetup::staged);
-                Ok(Self::Cpu(Box::new(Model::load_shard(
+                Ok(Self::Cpu(Box::new(Model::load_checkpoint(
                     file, backend, opts, tp,
                 )?)))
             }
@@ -212,7 +214,7 @@ impl DeviceModel {
                     Some(tp) => tp.device(&mut backend, crate::collectives::nccl)?,
                     None => None,
                 };
-                Ok(Self::Cuda(Box::new(Model::load_shard(
+                Ok(Self::Cuda(Box::new(Model::load_checkpoint(
                     file, backend, opts, tp,
                 )?)))
             }
@@ -229,7 +231,7 @@ impl DeviceModel {
                     Some(tp) => tp.device(&mut backend, crate::collectives::hccl)?,
                     None => None,
                 };
-                Ok(Self::Ascend(Box::new(Model::load_shard(
+                Ok(Self::Ascend(Box::new(Model::load_checkpoint(
                     file, backend, opts, tp,
                 )?)))
             }

@@ -28,6 +28,7 @@ use crate::sampler::{
 use crate::step_input::{StepError, StepLimits, StepRead};
 use npu_backend_cpu::threadpool::{PoolError, ThreadPool};
 use npu_gguf::{GgufError, GgufFile};
+use npu_model::{Checkpoint, LoadOptions};
 
 thread_local! {
     /// Sampling scratch of each compute thread.
@@ -177,7 +178,7 @@ fn long_context_layout(
 /// refuses what cannot run split over ranks.
 fn tensor_parallel(
     cfg: &AgentEngineConfig,
-    file: &GgufFile,
+    file: &Checkpoint,
 ) -> Result<Option<TpSetup>, EngineError> {
     let Some(spec) = &cfg.tensor_parallel else {
         return Ok(None);
@@ -203,12 +204,9 @@ fn tensor_parallel(
     if cfg.handoff.is_some() {
         return refuse("a prefill/decode split");
     }
-    let mc = ModelConfig::from_gguf(file).map_err(ModelError::from)?;
-    let shard =
-        npu_model::shard::shard(&mc, Some(file), spec.size as usize, spec.rank as usize)
-            .map_err(|e| {
-                EngineError::BadConfig(format!("tensor_parallel_size {}: {e}", spec.size))
-            })?;
+    let mc = file.config().map_err(ModelError::from)?;
+    let shard = npu_model::shard::shard(&mc, Some(file), spec.size as usize, spec.rank as usize)
+        .map_err(|e| EngineError::BadConfig(format!("tensor_parallel_size {}: {e}", spec.size)))?;
     let host = crate::tp::ShmCollective::join(spec)
         .map_err(|e| EngineError::BadConfig(format!("joining the group: {e}")))?;
     tracing::info!(
@@ -224,6 +222,89 @@ fn tensor_parallel(
         shard,
         host: Box::new(host),
     }))
+}
+
+/// Opens the checkpoint `cfg` names (a GGUF file or a Hugging Face directory) under its
+/// quantize-at-load option.
+pub fn open_checkpoint(cfg: &AgentEngineConfig) -> Result<Checkpoint, EngineError> {
+    let quantize = match cfg.quantize.as_deref() {
+        None => None,
+        Some(q) => LoadOptions::parse_quantize(q).ok_or_else(|| {
+            EngineError::BadConfig(format!("quantize = {q:?}: one of q8_0, q4_k, q4_0, none"))
+        })?,
+    };
+    let started = std::time::Instant::now();
+    let ck = Checkpoint::open_with(&cfg.model_path, LoadOptions { quantize })
+        .map_err(ModelError::from)?;
+    tracing::info!(
+        model = %ck.describe(),
+        quantize = ?quantize.map(|t| t.name()),
+        opened_ms = started.elapsed().as_millis() as u64,
+        "opened the model"
+    );
+    Ok(ck)
+}
+
+/// End-of-generation token ids: a GGUF file's metadata (eos, and eot/eom where present), or a
+/// directory's `generation_config.json` and `config.json` `eos_token_id`s (as vLLM stops on
+/// them).
+fn checkpoint_eos_ids(ck: &Checkpoint) -> Result<Vec<u32>, EngineError> {
+    if let Some(f) = ck.as_gguf() {
+        return Ok(eos_ids(f));
+    }
+    let dir = ck.path();
+    let bad = |e: npu_hf::HfError| EngineError::BadConfig(e.to_string());
+    let mut ids = npu_hf::GenerationConfig::read(dir)
+        .map_err(bad)?
+        .map(|g| g.eos_token_ids)
+        .unwrap_or_default();
+    if let Some(cfg) = npu_hf::read_json(dir, "config.json").map_err(bad)? {
+        let from_cfg = npu_hf::GenerationConfig::from_json(&cfg).map_err(bad)?;
+        for id in from_cfg.eos_token_ids {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    Ok(ids)
+}
+
+/// The beginning-of-sequence id: a GGUF file's metadata, or a directory's
+/// `generation_config.json` (else `config.json`).
+fn checkpoint_bos_id(ck: &Checkpoint) -> Result<Option<u32>, EngineError> {
+    if let Some(f) = ck.as_gguf() {
+        return Ok(f.get_u64("tokenizer.ggml.bos_token_id").map(|v| v as u32));
+    }
+    let bad = |e: npu_hf::HfError| EngineError::BadConfig(e.to_string());
+    let from_gen = npu_hf::GenerationConfig::read(ck.path())
+        .map_err(bad)?
+        .and_then(|g| g.bos_token_id);
+    if from_gen.is_some() {
+        return Ok(from_gen);
+    }
+    Ok(
+        match npu_hf::read_json(ck.path(), "config.json").map_err(bad)? {
+            Some(cfg) => {
+                npu_hf::GenerationConfig::from_json(&cfg)
+                    .map_err(bad)?
+                    .bos_token_id
+            }
+            None => None,
+        },
+    )
+}
+
+/// The tokenizer of a model path: a Hugging Face directory's own files, or a GGUF file's
+/// metadata (with a `tokenizer.json` beside it when there is one).
+pub fn model_tokenizer(
+    path: &std::path::Path,
+) -> Result<npu_tokenizer::Tokenizer, npu_tokenizer::TokenizerError> {
+    if path.is_dir() {
+        return npu_tokenizer::Tokenizer::from_dir(path);
+    }
+    let gguf =
+        GgufFile::open(path).map_err(|e| npu_tokenizer::TokenizerError::Build(e.to_string()))?;
+    npu_tokenizer::Tokenizer::for_model(&gguf, path)
 }
 
 /// End-of-generation token ids from the metadata (eos, and eot/eom where present).
@@ -259,7 +340,7 @@ impl AgentEngine {
                  must be positive: {cfg:?}"
             )));
         }
-        let file = GgufFile::open(&cfg.model_path)?;
+        let file = open_checkpoint(cfg)?;
         let opts = ModelOptions {
             max_tokens: cfg.max_tokens_per_step as usize,
             // One row per slot, and one per drafted token a step may carry.
@@ -279,7 +360,15 @@ impl AgentEngine {
         };
         let tp = tensor_parallel(cfg, &file)?;
         let rank = cfg.tensor_parallel.as_ref().map_or(0, |t| t.rank);
+        let started = std::time::Instant::now();
         let mut model = DeviceModel::load_shard(&file, spec, &pool, opts, tp)?;
+        if let Some(q) = file.options().quantize {
+            tracing::info!(
+                format = q.name(),
+                seconds = started.elapsed().as_secs_f64(),
+                "loaded the model, its float weight matrices quantized at load"
+            );
+        }
         // With a memory fraction the pool has what free memory gave; from here on the config
         // says what was built.
         let opts = model.options();
@@ -327,10 +416,8 @@ impl AgentEngine {
             n_kv_heads: mc.n_kv_heads as u32,
             head_dim: mc.head_dim as u32,
             context_length: mc.context_length as u32,
-            eos_ids: eos_ids(&file),
-            bos_id: file
-                .get_u64("tokenizer.ggml.bos_token_id")
-                .map(|v| v as u32),
+            eos_ids: checkpoint_eos_ids(&file)?,
+            bos_id: checkpoint_bos_id(&file)?,
             backend: model.describe(),
             kv,
         };

@@ -141,9 +141,8 @@ impl LocalGroup {
     ) -> Result<Self, crate::engine::EngineError> {
         use crate::engine::{AgentEngine, EngineError};
         use std::sync::mpsc;
-        let file = npu_gguf::GgufFile::open(&cfg.model_path)?;
-        let mc = npu_model::ModelConfig::from_gguf(&file)
-            .map_err(crate::model::ModelError::from)?;
+        let file = crate::engine::open_checkpoint(cfg)?;
+        let mc = file.config().map_err(crate::model::ModelError::from)?;
         let name = npu_protocol::shm::segment_name(npu_protocol::shm::GROUP_REGION_ID_BASE)
             .map_err(|e| EngineError::BadConfig(e.to_string()))?;
         let floats =

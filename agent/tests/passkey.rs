@@ -79,6 +79,7 @@ fn engine_config(tokens: usize, long: bool) -> AgentEngineConfig {
         handoff: None,
         kv_memory_fraction: None,
         tensor_parallel: None,
+        quantize: None,
     }
 }
 

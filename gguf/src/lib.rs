@@ -360,10 +360,11 @@ impl TensorInfo {
     }
 }
 
-/// An opened, validated GGUF file. Tensor data stays in the memory map.
+/// An opened, validated GGUF file. Tensor data stays in the memory map (shared by clones).
+#[derive(Clone)]
 pub struct GgufFile {
     path: PathBuf,
-    map: Mmap,
+    map: std::sync::Arc<Mmap>,
     pub version: u32,
     metadata: HashMap<String, MetaValue>,
     /// Keys in file order (for listing).
@@ -668,7 +669,7 @@ impl GgufFile {
         }
         Ok(Self {
             path,
-            map,
+            map: std::sync::Arc::new(map),
             version,
             metadata,
             keys,
@@ -759,6 +760,7 @@ impl GgufFile {
     }
 }
 
+pub mod quantize;
 pub mod quants;
 pub mod store;
 pub mod synth;

@@ -20,7 +20,9 @@ use std::ops::Range;
 use thiserror::Error;
 
 use super::ModelConfig;
-use npu_gguf::{GgmlType, GgufFile};
+use npu_gguf::GgmlType;
+
+use crate::Checkpoint;
 
 /// What one rank of a tensor-parallel group computes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,7 +95,7 @@ fn balanced(units: usize, size: usize, rank: usize) -> Range<usize> {
 }
 
 /// The tensor types a row-parallel cut must respect: the type of `name` in every layer.
-fn layer_types(f: Option<&GgufFile>, cfg: &ModelConfig, name: &str) -> Vec<GgmlType> {
+fn layer_types(f: Option<&Checkpoint>, cfg: &ModelConfig, name: &str) -> Vec<GgmlType> {
     let Some(f) = f else {
         return Vec::new();
     };
@@ -172,7 +174,7 @@ fn ffn_columns(
 /// checked.
 pub fn shard(
     cfg: &ModelConfig,
-    f: Option<&GgufFile>,
+    f: Option<&Checkpoint>,
     size: usize,
     rank: usize,
 ) -> Result<RankShard, ShardError> {
@@ -280,7 +282,7 @@ pub fn shard(
 }
 
 /// Checks that every rank of a group of `size` has a shard.
-pub fn check(cfg: &ModelConfig, f: Option<&GgufFile>, size: usize) -> Result<(), ShardError> {
+pub fn check(cfg: &ModelConfig, f: Option<&Checkpoint>, size: usize) -> Result<(), ShardError> {
     for rank in 0..size {
         shard(cfg, f, size, rank)?;
     }
@@ -288,12 +290,12 @@ pub fn check(cfg: &ModelConfig, f: Option<&GgufFile>, size: usize) -> Result<(),
 }
 
 /// The group sizes from 1 to `up_to` the model can be split over.
-pub fn workable_sizes(cfg: &ModelConfig, f: Option<&GgufFile>, up_to: usize) -> Vec<usize> {
+pub fn workable_sizes(cfg: &ModelConfig, f: Option<&Checkpoint>, up_to: usize) -> Vec<usize> {
     (1..=up_to).filter(|&s| check(cfg, f, s).is_ok()).collect()
 }
 
 /// Whether the split over `size` ranks gives some ranks more heads or columns than others.
-pub fn is_uneven(cfg: &ModelConfig, f: Option<&GgufFile>, size: usize) -> bool {
+pub fn is_uneven(cfg: &ModelConfig, f: Option<&Checkpoint>, size: usize) -> bool {
     let shards: Vec<RankShard> = (0..size)
         .filter_map(|r| shard(cfg, f, size, r).ok())
         .collect();

@@ -107,6 +107,10 @@ pub struct AgentEngineConfig {
     /// None: the agent runs the whole model.
     #[serde(default)]
     pub tensor_parallel: Option<TensorParallelSpec>,
+    /// `npu_serving.quantize`: float weight matrices quantized into this format while loading
+    /// (q8_0, q4_k, q4_0); None: as stored.
+    #[serde(default)]
+    pub quantize: Option<String>,
 }
 
 /// An agent's place in a tensor-parallel group: its rank, the group's size and the group's

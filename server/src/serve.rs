@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use npu_model::ModelConfig;
-use npu_gguf::GgufFile;
+use npu_model::{Checkpoint, LoadOptions};
 use npu_protocol::agent::TensorParallelSpec;
 use npu_protocol::agent::{
     handoff_copies_per_step, kv_copies_per_step, AgentEngineConfig, HandoffSpec, KvFacts,
@@ -281,13 +281,24 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
 /// fetched when absent) and reads its tokenizer and limits.
 fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Result<ModelInfo> {
     let requested = cli_model.or_else(|| cfg.npu_serving.model_file.clone());
-    let path =
-        npu_gguf::store::resolve_model(requested.as_deref()).context("resolving the model")?;
-    let gguf = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
-    let mc = ModelConfig::from_gguf(&gguf).with_context(|| format!("model {}", path.display()))?;
-    let tokenizer = Tokenizer::for_model(&gguf, &path)
-        .with_context(|| format!("the tokenizer of {}", path.display()))?;
-    check_tensor_parallel(cfg, &mc, &gguf)?;
+    let path = npu_model::resolve_model(requested.as_deref()).context("resolving the model")?;
+    let quantize = match cfg.npu_serving.quantize.as_deref() {
+        None => None,
+        Some(q) => LoadOptions::parse_quantize(q)
+            .with_context(|| format!("npu_serving.quantize = {q:?}"))?,
+    };
+    let ck = Checkpoint::open_with(&path, LoadOptions { quantize })
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mc = ck
+        .config()
+        .with_context(|| format!("model {}", path.display()))?;
+    let tokenizer = match ck.as_gguf() {
+        Some(gguf) => Tokenizer::for_model(gguf, &path),
+        None => Tokenizer::from_dir(&path),
+    }
+    .with_context(|| format!("the tokenizer of {}", path.display()))?;
+    tracing::info!(model = %ck.describe(), "model");
+    check_tensor_parallel(cfg, &mc, &ck)?;
     Ok(ModelInfo {
         path,
         tokenizer,
@@ -302,7 +313,7 @@ fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Re
 pub fn check_tensor_parallel(
     cfg: &ServerConfig,
     mc: &ModelConfig,
-    gguf: &GgufFile,
+    gguf: &Checkpoint,
 ) -> anyhow::Result<()> {
     use npu_model::shard;
     let t = cfg.tensor_parallel_size();
@@ -494,6 +505,7 @@ fn agent_specs(
                 long_context: cfg.npu_serving.long_context,
                 handoff: handoff.clone(),
                 kv_memory_fraction: cfg.npu_serving.kv_cache_memory_fraction,
+                quantize: cfg.npu_serving.quantize.clone(),
                 tensor_parallel: group_regions.get(i / tp).map(|region| TensorParallelSpec {
                     rank: (i % tp) as u32,
                     size: tp as u32,

@@ -76,6 +76,7 @@ fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
         max_blocks_per_seq: 16,
         threads: 1,
         long_context: None,
+        quantize: None,
     }
 }
 

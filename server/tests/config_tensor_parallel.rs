@@ -101,15 +101,17 @@ fn a_model_that_cannot_be_split_is_refused_naming_the_dimension() {
         agents(2)
     ))
     .unwrap();
-    npu_server::serve::check_tensor_parallel(&cfg, &mc, &gguf).unwrap();
+    npu_server::serve::check_tensor_parallel(&cfg, &mc, &npu_model::Checkpoint::from(&gguf))
+        .unwrap();
     let cfg = load(&format!(
         "{}npu_serving:\n  tensor_parallel_size: 4\n",
         agents(4)
     ))
     .unwrap();
-    let e = npu_server::serve::check_tensor_parallel(&cfg, &mc, &gguf)
-        .unwrap_err()
-        .to_string();
+    let e =
+        npu_server::serve::check_tensor_parallel(&cfg, &mc, &npu_model::Checkpoint::from(&gguf))
+            .unwrap_err()
+            .to_string();
     for p in [
         "npu_serving.tensor_parallel_size: 4",
         "KV heads",

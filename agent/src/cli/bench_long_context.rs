@@ -75,6 +75,7 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<()> {
         handoff: None,
         kv_memory_fraction: None,
         tensor_parallel: None,
+        quantize: None,
     };
     let mut rep = LongContextReport {
         long_context: LongContextSummary {

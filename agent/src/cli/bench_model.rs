@@ -24,9 +24,14 @@ use npu_scheduler::GenerateRequest;
 
 #[derive(Debug, Args)]
 pub struct BenchModelArgs {
-    /// GGUF model file (default: the default model, fetched when absent).
+    /// GGUF model file, Hugging Face model directory, or ORG/NAME in the local Hugging Face
+    /// cache (default: the default model, fetched when absent).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Quantize float weight matrices while loading: q8_0, q4_k, q4_0 or none (a Hugging Face
+    /// directory's bf16/f16 weights, as `npu_serving.quantize`).
+    #[arg(long)]
+    pub quantize: Option<String>,
     /// Compute threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: u32,
@@ -230,7 +235,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             "--long-prompts takes prompt lengths from 1 to {MAX_LONG_PROMPT} tokens (got {bad})"
         );
     }
-    let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
+    let model_path = npu_model::resolve_model(args.model.as_deref())?;
     let long = !args.skip_long;
     let cfg = AgentEngineConfig {
         device: args.device.device,
@@ -247,6 +252,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         handoff: None,
         kv_memory_fraction: None,
         tensor_parallel: None,
+        quantize: args.quantize.clone(),
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

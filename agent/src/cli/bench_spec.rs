@@ -126,6 +126,7 @@ pub fn run(args: BenchSpecArgs) -> anyhow::Result<()> {
         handoff: None,
         kv_memory_fraction: None,
         tensor_parallel: None,
+        quantize: None,
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let mut report = Report {

@@ -13,9 +13,7 @@ use serde::Serialize;
 use super::DeviceArgs;
 use crate::engine::{AgentEngine, AgentEngineConfig};
 use crate::inproc::{self, Arrival};
-use npu_gguf::GgufFile;
 use npu_scheduler::GenerateRequest;
-use npu_tokenizer::Tokenizer;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -40,9 +38,14 @@ pub struct GenerateArgs {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// GGUF model file (default: the default model, fetched when absent).
+    /// GGUF model file, Hugging Face model directory, or ORG/NAME in the local Hugging Face
+    /// cache (default: the default model, fetched when absent).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Quantize float weight matrices while loading: q8_0, q4_k, q4_0 or none (a Hugging Face
+    /// directory's bf16/f16 weights, as `npu_serving.quantize`).
+    #[arg(long)]
+    pub quantize: Option<String>,
     /// Compute threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: u32,
@@ -74,12 +77,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         "--top-p must be in (0, 1] (got {})",
         args.top_p
     );
-    let model_path = npu_gguf::store::resolve_model(args.model.as_deref())?;
-    let gguf = GgufFile::open(&model_path)?;
-    let tok = Tokenizer::for_model(&gguf, &model_path).context("building the tokenizer")?;
+    let model_path = npu_model::resolve_model(args.model.as_deref())?;
+    let tok = crate::engine::model_tokenizer(&model_path).context("building the tokenizer")?;
     let prompt_ids = tok.encode(&args.prompt)?;
     anyhow::ensure!(!prompt_ids.is_empty(), "the prompt is empty");
-    drop(gguf);
     let block_size = 16u32;
     let total = prompt_ids.len() + args.max_tokens;
     let blocks = total.div_ceil(block_size as usize) as u32;
@@ -98,6 +99,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         handoff: None,
         kv_memory_fraction: None,
         tensor_parallel: None,
+        quantize: args.quantize.clone(),
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use npu_backend::{
     Backend, BackendError, Collective, HostSlice, HostSliceMut, Readback, View, ViewMut,
 };
+use npu_gguf::GgufFile;
 use npu_model::shard::shard;
 use npu_model::ModelConfig;
-use npu_gguf::GgufFile;
 use npu_protocol::shm::{segment_name, GroupMember, GroupRegion, GROUP_REGION_ID_BASE};
 
 use super::{Class, Report, Tolerance};
@@ -210,7 +210,13 @@ fn rank_step<B: Backend>(
     tokens: &[u32],
 ) -> Result<Vec<f32>, String> {
     let mc = ModelConfig::from_gguf(file).map_err(|e| e.to_string())?;
-    let sh = shard(&mc, Some(file), comm.size(), comm.rank()).map_err(|e| e.to_string())?;
+    let sh = shard(
+        &mc,
+        Some(&npu_model::Checkpoint::from(file)),
+        comm.size(),
+        comm.rank(),
+    )
+    .map_err(|e| e.to_string())?;
     let mut model =
         Model::load_shard(file, b, step_options(), Some((sh, comm))).map_err(|e| e.to_string())?;
     let mut out = StepOutput::default();

@@ -10,8 +10,8 @@ use npu_backend::{
     Layout, Readback, SeqSpan, StepInputs, View, ViewMut,
 };
 use npu_backend_cpu::kernels::scan;
-use npu_model::ModelConfig;
 use npu_gguf::{GgmlType, GgufFile};
+use npu_model::ModelConfig;
 
 use super::{Class, Report, Tolerance};
 

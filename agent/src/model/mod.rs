@@ -10,8 +10,8 @@ pub mod weights;
 use thiserror::Error;
 
 use npu_backend::BackendError;
-use npu_model::HparamsError;
 use npu_gguf::GgufError;
+use npu_model::HparamsError;
 
 pub use npu_model::{Arch, ModelConfig};
 pub use runner::{Model, ModelOptions, StepOutput};

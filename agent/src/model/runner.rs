@@ -14,9 +14,10 @@ use npu_backend::{
     AttnGeometry, Backend, Collective, DType, HostSlice, HostSliceMut, KvSpec, Readback,
     StepInputs, View, ViewMut,
 };
-use npu_model::shard::RankShard;
-use npu_model::FfnAct;
 use npu_gguf::GgufFile;
+use npu_model::shard::RankShard;
+use npu_model::Checkpoint;
+use npu_model::FfnAct;
 
 use super::weights::{Embedding, Ffn, Proj, Weights};
 use super::{ModelConfig, ModelError};
@@ -273,19 +274,31 @@ pub struct Model<B: Backend> {
 }
 
 impl<B: Backend> Model<B> {
+    /// The model of a GGUF file, read as stored.
     pub fn load(f: &GgufFile, backend: B, opts: ModelOptions) -> Result<Self, ModelError> {
-        Self::load_shard(f, backend, opts, None)
+        Self::load_checkpoint(&Checkpoint::from(f), backend, opts, None)
     }
 
     /// `load` of one rank's shard of a tensor-parallel group (`tp`: the shard and the group's
     /// collectives; None: the whole model).
     pub fn load_shard(
         f: &GgufFile,
+        backend: B,
+        opts: ModelOptions,
+        tp: Option<(RankShard, Box<dyn Collective<B>>)>,
+    ) -> Result<Self, ModelError> {
+        Self::load_checkpoint(&Checkpoint::from(f), backend, opts, tp)
+    }
+
+    /// The model of a checkpoint (a GGUF file or a Hugging Face directory), whole or one rank's
+    /// shard.
+    pub fn load_checkpoint(
+        f: &Checkpoint,
         mut backend: B,
         opts: ModelOptions,
         tp: Option<(RankShard, Box<dyn Collective<B>>)>,
     ) -> Result<Self, ModelError> {
-        let cfg = ModelConfig::from_gguf(f)?;
+        let cfg = f.config()?;
         super::capabilities::check_capabilities(&cfg, &backend)?;
         if opts.max_tokens == 0
             || opts.max_logit_rows == 0

@@ -1,4 +1,5 @@
-//! Loads a model's tensors from GGUF onto a Backend, checking every shape, and fusing Q/K/V and
+//! Loads a model's tensors (a GGUF file's, or a Hugging Face directory's under GGUF's names:
+//! `npu_model::Checkpoint`) onto a Backend, checking every shape, and fusing Q/K/V and
 //! gate/up projections into single matrices where the backend's format allows. Tensors are
 //! handed over as the file stores them; the backend picks its own format. The tensors a family
 //! adds to the Llama block (per-head Q/K norms, Gemma's post-norms) are read where its
@@ -16,13 +17,15 @@
 //! of the output head; norms and the MoE router whole. It holds no embedding table: the rows a
 //! step needs are read from the file as the step runs (`HostEmbedding`).
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::ops::Range;
 
 use npu_backend::{Backend, HostTensor};
+use npu_gguf::{GgmlType, TensorInfo};
 use npu_model::shard::RankShard;
-use npu_gguf::{GgmlType, GgufFile, TensorInfo};
+use npu_model::Checkpoint;
 
 use super::{ModelConfig, ModelError};
 
@@ -74,22 +77,29 @@ pub enum Embedding<B: Backend> {
     Host(Box<HostEmbedding>),
 }
 
-/// An embedding table read from a mapped GGUF file row by row, as steps need them.
+/// An embedding table read from a mapped checkpoint row by row, as steps need them (or held
+/// converted, when the checkpoint's bytes are not the table's: a quantize-at-load).
 pub struct HostEmbedding {
-    file: GgufFile,
+    file: Checkpoint,
+    /// The table's bytes when they had to be converted.
+    held: Option<Vec<u8>>,
     name: String,
     rows: usize,
     cols: usize,
 }
 
 impl HostEmbedding {
-    /// Maps the file afresh (a mapping of its own, so that what loading the weights paged in is
-    /// not kept resident by it).
-    pub fn open(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Self, ModelError> {
-        let file = GgufFile::open(f.path())?;
-        tensor(&Src::new(&file), name, &[cols, rows])?;
+    /// Maps the checkpoint afresh (a mapping of its own, so that what loading the weights paged
+    /// in is not kept resident by it).
+    pub fn open(f: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Self, ModelError> {
+        let file = f.reopen()?;
+        let held = match tensor(&Src::new(&file), name, &[cols, rows])?.1 {
+            Cow::Owned(v) => Some(v),
+            Cow::Borrowed(_) => None,
+        };
         Ok(Self {
             file,
+            held,
             name: name.to_string(),
             rows,
             cols,
@@ -102,7 +112,8 @@ impl HostEmbedding {
 
     /// `out` row i = the dequantized row of `tokens[i]`.
     pub fn lookup(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ModelError> {
-        let (info, data) = self.file.tensor(&self.name)?;
+        let (info, mapped) = self.file.tensor(&self.name)?;
+        let data: &[u8] = self.held.as_deref().unwrap_or(&mapped);
         let rb = info.ty.row_bytes(self.cols).ok_or_else(|| {
             ModelError::Inconsistent(format!("{}: rows of partial blocks", self.name))
         })?;
@@ -170,14 +181,14 @@ impl<B: Backend> Weights<B> {
     }
 }
 
-/// The file being loaded, and the names of the tensors read from it.
+/// The checkpoint being loaded, and the names of the tensors read from it.
 struct Src<'a> {
-    file: &'a GgufFile,
+    file: &'a Checkpoint,
     read: RefCell<HashSet<String>>,
 }
 
 impl<'a> Src<'a> {
-    fn new(file: &'a GgufFile) -> Self {
+    fn new(file: &'a Checkpoint) -> Self {
         Self {
             file,
             read: RefCell::new(HashSet::new()),
@@ -185,7 +196,7 @@ impl<'a> Src<'a> {
     }
 
     fn has(&self, name: &str) -> bool {
-        self.file.tensor_info(name).is_some()
+        self.file.stored_info(name).is_some()
     }
 
     /// Notes a tensor as used without reading it here (the rope factors, read with the
@@ -197,12 +208,16 @@ impl<'a> Src<'a> {
     /// Refuses the file when it holds a tensor that was not read.
     fn check_all_read(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
         let read = self.read.borrow();
-        match self.file.tensors().iter().find(|t| !read.contains(&t.name)) {
+        match self
+            .file
+            .tensor_names()
+            .into_iter()
+            .find(|t| !read.contains(t))
+        {
             None => Ok(()),
             Some(t) => Err(ModelError::Unsupported(format!(
-                "{} model: tensor {:?} is in the file, but the engine does not use it",
+                "{} model: tensor {t:?} is in the file, but the engine does not use it",
                 cfg.arch.name(),
-                t.name
             ))),
         }
     }
@@ -213,7 +228,7 @@ fn tensor<'a>(
     f: &Src<'a>,
     name: &str,
     dims: &[usize],
-) -> Result<(&'a TensorInfo, &'a [u8]), ModelError> {
+) -> Result<(TensorInfo, Cow<'a, [u8]>), ModelError> {
     let (info, data) = f.file.tensor(name)?;
     f.mark(name);
     let got: Vec<usize> = info.dims.iter().map(|&d| d as usize).collect();
@@ -234,15 +249,30 @@ fn tensor<'a>(
     Ok((info, data))
 }
 
-/// A weight matrix of `rows` outputs and `cols` inputs.
-fn part<'a>(
-    f: &Src<'a>,
-    name: &str,
-    cols: usize,
+/// A weight matrix as the loader holds it: the checkpoint's mapped bytes, or bytes converted
+/// from them.
+struct Part<'a> {
+    ty: GgmlType,
+    data: Cow<'a, [u8]>,
     rows: usize,
-) -> Result<HostTensor<'a>, ModelError> {
+    cols: usize,
+}
+
+impl Part<'_> {
+    fn host(&self) -> HostTensor<'_> {
+        HostTensor {
+            ty: self.ty,
+            data: &self.data,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+}
+
+/// A weight matrix of `rows` outputs and `cols` inputs.
+fn part<'a>(f: &Src<'a>, name: &str, cols: usize, rows: usize) -> Result<Part<'a>, ModelError> {
     let (info, data) = tensor(f, name, &[cols, rows])?;
-    Ok(HostTensor {
+    Ok(Part {
         ty: info.ty,
         data,
         rows,
@@ -251,25 +281,25 @@ fn part<'a>(
 }
 
 /// Output rows `r` of a weight matrix: a slice of its bytes.
-fn rows_of<'a>(
-    t: HostTensor<'a>,
-    r: &Range<usize>,
-    name: &str,
-) -> Result<HostTensor<'a>, ModelError> {
+fn rows_of<'a>(t: Part<'a>, r: &Range<usize>, name: &str) -> Result<Part<'a>, ModelError> {
     if *r == (0..t.rows) {
         return Ok(t);
     }
     let rb = t.ty.row_bytes(t.cols).ok_or_else(|| {
         ModelError::Inconsistent(format!("tensor {name}: rows of partial blocks"))
     })?;
-    let data = t
-        .data
-        .get(r.start * rb..r.end * rb)
-        .filter(|_| r.end <= t.rows)
-        .ok_or_else(|| {
-            ModelError::Inconsistent(format!("tensor {name}: rows {r:?} of {}", t.rows))
-        })?;
-    Ok(HostTensor {
+    let range = r.start * rb..r.end * rb;
+    if r.end > t.rows || range.end > t.data.len() {
+        return Err(ModelError::Inconsistent(format!(
+            "tensor {name}: rows {r:?} of {}",
+            t.rows
+        )));
+    }
+    let data = match t.data {
+        Cow::Borrowed(d) => Cow::Borrowed(&d[range]),
+        Cow::Owned(d) => Cow::Owned(d[range].to_vec()),
+    };
+    Ok(Part {
         data,
         rows: r.len(),
         ..t
@@ -313,11 +343,12 @@ fn cols_of(
 
 /// The columns `c` of `t` as a tensor (borrowing `buf` when they had to be copied).
 fn with_cols<'a>(
-    t: HostTensor<'a>,
+    t: &'a Part<'_>,
     c: &Range<usize>,
     name: &str,
     buf: &'a mut Vec<u8>,
 ) -> Result<HostTensor<'a>, ModelError> {
+    let t = t.host();
     Ok(match cols_of(t, c, name, buf)? {
         None => t,
         Some((cols, _)) => HostTensor {
@@ -337,7 +368,7 @@ fn vector<B: Backend>(
     let (info, data) = tensor(f, name, &[len])?;
     Ok(b.load_vector(HostTensor {
         ty: info.ty,
-        data,
+        data: &data,
         rows: 1,
         cols: len,
     })?)
@@ -368,20 +399,20 @@ fn single<B: Backend>(b: &mut B, p: HostTensor) -> Result<B::Matrix, ModelError>
 
 impl<B: Backend> Weights<B> {
     /// The whole model.
-    pub fn load(f: &GgufFile, cfg: &ModelConfig, b: &mut B) -> Result<Self, ModelError> {
+    pub fn load(f: &Checkpoint, cfg: &ModelConfig, b: &mut B) -> Result<Self, ModelError> {
         Self::load_shard(f, cfg, &RankShard::whole(cfg), b)
     }
 
     /// The part of the model `shard` computes (`cfg` is the whole model's).
     pub fn load_shard(
-        f: &GgufFile,
+        f: &Checkpoint,
         cfg: &ModelConfig,
         shard: &RankShard,
         b: &mut B,
     ) -> Result<Self, ModelError> {
         let file = f;
         let f = &Src::new(file);
-        if cfg.rope.factors.is_some() {
+        if cfg.rope.factors.is_some() && f.has("rope_freqs.weight") {
             f.mark("rope_freqs.weight");
         }
         let h = cfg.hidden;
@@ -399,7 +430,7 @@ impl<B: Backend> Weights<B> {
                 h,
             )?))
         } else {
-            Embedding::Device(b.load_embedding(emb)?)
+            Embedding::Device(b.load_embedding(emb.host())?)
         };
         let mut buf = Vec::new();
         let mut layers = Vec::with_capacity(cfg.n_layers);
@@ -408,7 +439,7 @@ impl<B: Backend> Weights<B> {
             let q = rows_of(part(f, &n("attn_q.weight"), h, qd)?, &qr, &n("attn_q"))?;
             let k = rows_of(part(f, &n("attn_k.weight"), h, kvd)?, &kvr, &n("attn_k"))?;
             let v = rows_of(part(f, &n("attn_v.weight"), h, kvd)?, &kvr, &n("attn_v"))?;
-            let qkv = matrix(b, &[q, k, v])?;
+            let qkv = matrix(b, &[q.host(), k.host(), v.host()])?;
             let qkv_bias = if cfg.qkv_bias {
                 // The three biases (this rank's heads) as one f32 vector (the backend converts
                 // it as it likes). Each is optional, as llama.cpp reads them: a file may bias
@@ -420,9 +451,9 @@ impl<B: Backend> Weights<B> {
                     let mut all = vec![0f32; len];
                     if f.has(&n(name)) {
                         let (info, data) = tensor(f, &n(name), &[len])?;
-                        npu_gguf::quants::dequantize_row(info.ty, data, &mut all).map_err(|e| {
-                            ModelError::Inconsistent(format!("tensor {}: {e}", n(name)))
-                        })?;
+                        npu_gguf::quants::dequantize_row(info.ty, &data, &mut all).map_err(
+                            |e| ModelError::Inconsistent(format!("tensor {}: {e}", n(name))),
+                        )?;
                     }
                     bias.extend_from_slice(&all[r.clone()]);
                 }
@@ -454,7 +485,7 @@ impl<B: Backend> Weights<B> {
             let post_attn_norm = post(b, "post_attention_norm.weight")?;
             let post_ffn_norm = post(b, "post_ffw_norm.weight")?;
             let wo = part(f, &n("attn_output.weight"), qd, h)?;
-            let wo = single(b, with_cols(wo, &qr, &n("attn_output"), &mut buf)?)?;
+            let wo = single(b, with_cols(&wo, &qr, &n("attn_output"), &mut buf)?)?;
             let ffn = match cfg.moe {
                 None => {
                     let ffr = &shard.ff;
@@ -462,21 +493,30 @@ impl<B: Backend> Weights<B> {
                     let up = rows_of(part(f, &n("ffn_up.weight"), h, cfg.ff)?, ffr, "up")?;
                     let down = part(f, &n("ffn_down.weight"), cfg.ff, h)?;
                     Ffn::Dense {
-                        gate_up: matrix(b, &[gate, up])?,
-                        down: single(b, with_cols(down, ffr, &n("ffn_down"), &mut buf)?)?,
+                        gate_up: matrix(b, &[gate.host(), up.host()])?,
+                        down: single(b, with_cols(&down, ffr, &n("ffn_down"), &mut buf)?)?,
                     }
                 }
                 Some(moe) => moe_ffn(f, b, &n, h, moe, &shard.expert_ff, &mut buf)?,
             };
+            let attn_norm = vector(f, b, &n("attn_norm.weight"), h)?;
+            let ffn_norm = vector(f, b, &n("ffn_norm.weight"), h)?;
+            // The backend holds its copies: the layer's mapped pages may go.
+            let prefix = n("");
+            for name in file.tensor_names() {
+                if name.starts_with(&prefix) {
+                    file.release(&name);
+                }
+            }
             layers.push(Layer {
-                attn_norm: vector(f, b, &n("attn_norm.weight"), h)?,
+                attn_norm,
                 qkv,
                 qkv_bias,
                 q_norm,
                 k_norm,
                 wo,
                 post_attn_norm,
-                ffn_norm: vector(f, b, &n("ffn_norm.weight"), h)?,
+                ffn_norm,
                 ffn,
                 post_ffn_norm,
             });
@@ -487,7 +527,7 @@ impl<B: Backend> Weights<B> {
         } else {
             emb
         };
-        let head = single(b, rows_of(head_part, &shard.vocab, "output head")?)?;
+        let head = single(b, rows_of(head_part, &shard.vocab, "output head")?.host())?;
         f.check_all_read(cfg)?;
         Ok(Self {
             embed,
@@ -498,32 +538,59 @@ impl<B: Backend> Weights<B> {
     }
 }
 
-/// One expert's slice of a 3-D expert tensor (`[cols, rows, n_experts]` in ggml order).
-fn expert_part<'a>(
-    f: &Src<'a>,
-    name: &str,
+/// A 3-D expert tensor (`[cols, rows, n_experts]` in ggml order), read once for all experts.
+struct Experts<'a> {
+    name: String,
+    ty: GgmlType,
+    data: Cow<'a, [u8]>,
     cols: usize,
     rows: usize,
     n_experts: usize,
-    e: usize,
-) -> Result<HostTensor<'a>, ModelError> {
-    let (info, data) = tensor(f, name, &[cols, rows, n_experts])?;
-    let row_bytes = info.ty.row_bytes(cols).ok_or_else(|| {
-        ModelError::Inconsistent(format!(
-            "tensor {name}: rows of {cols} values do not fill whole {} blocks",
-            info.ty.name()
-        ))
-    })?;
-    let bytes = row_bytes * rows;
-    let slice = data.get(e * bytes..(e + 1) * bytes).ok_or_else(|| {
-        ModelError::Inconsistent(format!("tensor {name} is shorter than {n_experts} experts"))
-    })?;
-    Ok(HostTensor {
-        ty: info.ty,
-        data: slice,
-        rows,
-        cols,
-    })
+}
+
+impl<'a> Experts<'a> {
+    fn read(
+        f: &Src<'a>,
+        name: &str,
+        cols: usize,
+        rows: usize,
+        n_experts: usize,
+    ) -> Result<Self, ModelError> {
+        let (info, data) = tensor(f, name, &[cols, rows, n_experts])?;
+        Ok(Self {
+            name: name.to_string(),
+            ty: info.ty,
+            data,
+            cols,
+            rows,
+            n_experts,
+        })
+    }
+
+    /// Expert `e`'s matrix: a slice of the tensor's bytes.
+    fn expert(&self, e: usize) -> Result<Part<'_>, ModelError> {
+        let name = &self.name;
+        let row_bytes = self.ty.row_bytes(self.cols).ok_or_else(|| {
+            ModelError::Inconsistent(format!(
+                "tensor {name}: rows of {} values do not fill whole {} blocks",
+                self.cols,
+                self.ty.name()
+            ))
+        })?;
+        let bytes = row_bytes * self.rows;
+        let slice = self.data.get(e * bytes..(e + 1) * bytes).ok_or_else(|| {
+            ModelError::Inconsistent(format!(
+                "tensor {name} is shorter than {} experts",
+                self.n_experts
+            ))
+        })?;
+        Ok(Part {
+            ty: self.ty,
+            data: Cow::Borrowed(slice),
+            rows: self.rows,
+            cols: self.cols,
+        })
+    }
 }
 
 /// A Qwen3-MoE layer's router (whole) and experts (each expert's gate and up fused into one
@@ -538,14 +605,16 @@ fn moe_ffn<B: Backend>(
     buf: &mut Vec<u8>,
 ) -> Result<Ffn<B>, ModelError> {
     let (ne, ff) = (moe.n_experts, moe.expert_ff);
-    let router = single(b, part(f, &n("ffn_gate_inp.weight"), h, ne)?)?;
+    let router = single(b, part(f, &n("ffn_gate_inp.weight"), h, ne)?.host())?;
+    let gates = Experts::read(f, &n("ffn_gate_exps.weight"), h, ff, ne)?;
+    let ups = Experts::read(f, &n("ffn_up_exps.weight"), h, ff, ne)?;
+    let downs = Experts::read(f, &n("ffn_down_exps.weight"), ff, h, ne)?;
     let mut gate_up = Vec::with_capacity(ne);
     let mut down = Vec::with_capacity(ne);
     for e in 0..ne {
-        let gate = expert_part(f, &n("ffn_gate_exps.weight"), h, ff, ne, e)?;
-        let up = expert_part(f, &n("ffn_up_exps.weight"), h, ff, ne, e)?;
-        let (gate, up) = (rows_of(gate, ffr, "gate")?, rows_of(up, ffr, "up")?);
-        let fused = b.load_matrix(&[gate, up])?.ok_or_else(|| {
+        let gate = rows_of(gates.expert(e)?, ffr, "gate")?;
+        let up = rows_of(ups.expert(e)?, ffr, "up")?;
+        let fused = b.load_matrix(&[gate.host(), up.host()])?.ok_or_else(|| {
             ModelError::Unsupported(format!(
                 "expert gate ({}) and up ({}) projections the backend cannot fuse",
                 gate.ty.name(),
@@ -553,8 +622,8 @@ fn moe_ffn<B: Backend>(
             ))
         })?;
         gate_up.push(fused);
-        let d = expert_part(f, &n("ffn_down_exps.weight"), ff, h, ne, e)?;
-        down.push(single(b, with_cols(d, ffr, &n("ffn_down_exps"), buf)?)?);
+        let d = downs.expert(e)?;
+        down.push(single(b, with_cols(&d, ffr, &n("ffn_down_exps"), buf)?)?);
     }
     Ok(Ffn::Moe {
         router,
@@ -631,7 +700,7 @@ mod tests {
         let cfg = ModelConfig::from_gguf(&f).unwrap();
         assert!(cfg.qkv_bias);
         let mut b = cpu();
-        let w = Weights::load(&f, &cfg, &mut b).unwrap();
+        let w = Weights::load(&(&f).into(), &cfg, &mut b).unwrap();
         let bias = w.layers[0].qkv_bias.as_ref().expect("a bias vector");
         let mut got = vec![f32::NAN; 64];
         b.read_back(&mut [Readback {
@@ -647,7 +716,7 @@ mod tests {
         let f = tiny_llama(&[]);
         let cfg = ModelConfig::from_gguf(&f).unwrap();
         assert!(!cfg.qkv_bias);
-        let w = Weights::load(&f, &cfg, &mut cpu()).unwrap();
+        let w = Weights::load(&(&f).into(), &cfg, &mut cpu()).unwrap();
         assert!(w.layers[0].qkv_bias.is_none());
     }
 
@@ -657,7 +726,7 @@ mod tests {
     fn a_tensor_left_unread_stops_the_load() {
         let cfg = ModelConfig::from_gguf(&tiny_llama(&[])).unwrap();
         let f = tiny_llama(&[("blk.0.attn_output.bias", vec![1.0; 32])]);
-        let e = match Weights::load(&f, &cfg, &mut cpu()) {
+        let e = match Weights::load(&(&f).into(), &cfg, &mut cpu()) {
             Ok(_) => panic!("loaded a file with an unread tensor"),
             Err(e) => e,
         };

@@ -241,6 +241,7 @@ mod tests {
             max_blocks_per_seq: 16,
             threads: 1,
             long_context: None,
+            quantize: None,
         }
     }
 

@@ -89,6 +89,7 @@ pub fn engine_config(max_slots: u32, num_blocks: u32) -> AgentEngineConfig {
         max_blocks_per_seq: 64,
         threads: 0,
         long_context: None,
+        quantize: None,
     }
 }
 

@@ -18,8 +18,8 @@ use half::f16;
 use npu_backend::*;
 use npu_backend_ascend::backend::{AscendBuffer, AscendMatrix};
 use npu_backend_ascend::{AscendBackend, AscendConfig, RopeKernel};
-use npu_model::{Rope, RopeStyle};
 use npu_gguf::GgmlType;
+use npu_model::{Rope, RopeStyle};
 
 #[test]
 fn buffers_round_trip_through_strided_windows() {

@@ -20,8 +20,8 @@
 pub mod collective;
 pub mod view;
 
-use npu_model::Rope;
 use npu_gguf::GgmlType;
+use npu_model::Rope;
 use thiserror::Error;
 
 pub use collective::{Collective, HostCollective, HostStaged};

@@ -117,8 +117,12 @@ pub const LONG_CONTEXT_MAX_LEN: u32 = 1 << 20;
 /// Our own settings: the `npu_serving:` section.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NpuServingConfig {
-    /// GGUF model file; None = the default model (`npu_gguf::store::resolve_model(None)`).
+    /// The model: a GGUF file, a Hugging Face directory, or `ORG/NAME` in the local Hugging
+    /// Face cache; None = the default model (`npu_gguf::store::resolve_model(None)`).
     pub model_file: Option<PathBuf>,
+    /// `quantize`: float weight matrices quantized into this format while loading (q8_0, q4_k,
+    /// q4_0); None (`none`): as stored.
+    pub quantize: Option<String>,
     pub device: DeviceKind,
     /// Threads each agent uses; 0 = all cores divided among the agents.
     pub threads_per_agent: u32,
@@ -173,6 +177,7 @@ impl Default for NpuServingConfig {
     fn default() -> Self {
         Self {
             model_file: None,
+            quantize: None,
             device: DeviceKind::Cpu,
             threads_per_agent: 0,
             max_tokens_per_step: 128,

@@ -84,7 +84,8 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
     }
     top.ignored(
         "model_path",
-        "MindSpore graph files; the model is one GGUF file (npu_serving.model_file)",
+        "MindSpore graph files; the model is a GGUF file or a Hugging Face directory \
+         (npu_serving.model_file)",
         &mut warnings,
     );
 
@@ -484,7 +485,8 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
         if p.trim().is_empty() {
             return Err(ConfigError::Empty {
                 path: s.key_path("model_file"),
-                need: "a GGUF path, or leave the key out for the default model",
+                need: "a GGUF file, a Hugging Face model directory or ORG/NAME in the local \
+                       Hugging Face cache, or leave the key out for the default model",
             });
         }
         c.model_file = Some(expand_home(&p));
@@ -499,6 +501,19 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
                     &s.key_path("device"),
                     format!("{d:?}"),
                     "one of cpu, cuda, ascend",
+                ))
+            }
+        };
+    }
+    if let Some(q) = s.string("quantize")? {
+        c.quantize = match q.to_ascii_lowercase().as_str() {
+            "none" => None,
+            "q8_0" | "q4_k" | "q4_0" => Some(q.to_ascii_lowercase()),
+            _ => {
+                return Err(ConfigError::not_allowed(
+                    &s.key_path("quantize"),
+                    format!("{q:?}"),
+                    "one of q8_0, q4_k, q4_0, none",
                 ))
             }
         };

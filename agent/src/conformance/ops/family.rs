@@ -190,24 +190,23 @@ pub(super) fn ropes<B: Backend>(b: &mut B, ctx: &Ctx) -> Result<Vec<Output>, Bac
     };
     let mut outputs = Vec::new();
     let mut rng = Rng(91);
-    let mut run =
-        |b: &mut B, ropes: &[npu_model::Rope]| -> Result<Vec<f32>, BackendError> {
-            b.begin_step(&step)?;
-            let mut qkv = filled(
-                b,
-                b.act_dtype(),
-                n * width,
-                Layout::contiguous(n, width),
-                &rng.values(n * width, 2.0),
-            )?;
-            for r in ropes {
-                let mut gr = g;
-                gr.rope = *r;
-                let mut all = ViewMut::rows(&mut qkv, n, width)?;
-                b.rope(all.col_range(0, qw + kvw)?, &gr)?;
-            }
-            read(b, &qkv, Layout::contiguous(n, width))
-        };
+    let mut run = |b: &mut B, ropes: &[npu_model::Rope]| -> Result<Vec<f32>, BackendError> {
+        b.begin_step(&step)?;
+        let mut qkv = filled(
+            b,
+            b.act_dtype(),
+            n * width,
+            Layout::contiguous(n, width),
+            &rng.values(n * width, 2.0),
+        )?;
+        for r in ropes {
+            let mut gr = g;
+            gr.rope = *r;
+            let mut all = ViewMut::rows(&mut qkv, n, width)?;
+            b.rope(all.col_range(0, qw + kvw)?, &gr)?;
+        }
+        read(b, &qkv, Layout::contiguous(n, width))
+    };
     if b.supports(Capability::RopeFactors) {
         let pairs = g.rope.dims / 2;
         let factors: Vec<f32> = (0..pairs)

@@ -8,8 +8,8 @@ use npu_backend::{
     AttnGeometry, Backend, DType, HostSliceMut, HostTensor, KvSpec, Layout, Readback, SeqSpan,
     StepInputs, View, ViewMut,
 };
-use npu_model::ModelConfig;
 use npu_gguf::GgufFile;
+use npu_model::ModelConfig;
 
 /// A projection as one matrix, or parts writing consecutive output columns.
 enum Proj<M> {

@@ -16,8 +16,8 @@ use npu_backend::{
 };
 use npu_backend_cpu::kernels::{elementwise as cpu_ew, Isa};
 use npu_backend_cuda::{CudaBackend, MatmulMode};
-use npu_model::{intern_factors, Rope, RopeStyle};
 use npu_gguf::GgmlType;
+use npu_model::{intern_factors, Rope, RopeStyle};
 
 /// Makes a backend computing in a dtype with a matmul mode (`None`: skip, reason printed).
 pub type Make<'a> = &'a dyn Fn(DType, MatmulMode) -> Option<CudaBackend>;

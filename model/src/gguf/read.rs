@@ -3,25 +3,25 @@
 //! every layer has the same value (the engine runs one value for all), and every size is bounded
 //! where it is read, so that nothing is sized by a damaged header.
 
-use super::HparamsError;
+use crate::HparamsError;
 use npu_gguf::{GgufError, GgufFile, MetaValue};
 
 /// llama.cpp's `LLAMA_MAX_LAYERS`.
-pub(super) const MAX_LAYERS: u64 = 512;
+pub(crate) const MAX_LAYERS: u64 = 512;
 /// llama.cpp's `LLAMA_MAX_EXPERTS`.
-pub(super) const MAX_EXPERTS: u64 = 1024;
+pub(crate) const MAX_EXPERTS: u64 = 1024;
 /// Far beyond any released model (16,384 for Llama 3.1 405B); keeps products of sizes small.
-pub(super) const MAX_EMBEDDING: u64 = 1 << 17;
+pub(crate) const MAX_EMBEDDING: u64 = 1 << 17;
 /// Feed-forward widths (dense or one expert's): 53,248 for Llama 3.1 405B.
-pub(super) const MAX_FF: u64 = 1 << 20;
+pub(crate) const MAX_FF: u64 = 1 << 20;
 /// Attention heads (query or KV): 128 for the largest released models.
-pub(super) const MAX_HEADS: u64 = 1 << 12;
+pub(crate) const MAX_HEADS: u64 = 1 << 12;
 /// Head width: 256 for Gemma 3.
-pub(super) const MAX_HEAD_DIM: u64 = 1 << 12;
+pub(crate) const MAX_HEAD_DIM: u64 = 1 << 12;
 /// Vocabulary: 262,144 for Gemma 3.
-pub(super) const MAX_VOCAB: u64 = 1 << 24;
+pub(crate) const MAX_VOCAB: u64 = 1 << 24;
 /// Training context: 10M for Llama 4 Scout.
-pub(super) const MAX_CONTEXT: u64 = 1 << 26;
+pub(crate) const MAX_CONTEXT: u64 = 1 << 26;
 
 fn wrong(key: &str, v: &MetaValue, expected: &'static str) -> HparamsError {
     HparamsError::Gguf(GgufError::WrongType {

@@ -2,7 +2,8 @@
 //! the shared Llama-shaped block, following llama.cpp's reading of the same GGUF keys (so a file
 //! means here what it means there).
 
-use super::{read, Arch, FfnAct, HparamsError, LayerSpec, ModelConfig, MoeSpec, RopeStyle};
+use super::read;
+use crate::{Arch, FfnAct, HparamsError, LayerSpec, ModelConfig, MoeSpec, RopeStyle};
 use npu_gguf::GgufFile;
 
 /// Gemma 3: every sixth layer attends globally, the others through the sliding window

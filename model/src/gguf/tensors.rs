@@ -9,7 +9,7 @@
 //! one adds zeros); `output.weight` (else the embedding is the head); Llama's `rope_freqs.weight`.
 //! `agent/src/model/weights.rs` reads exactly these and checks that it read every tensor.
 
-use super::{Arch, HparamsError, ModelConfig};
+use crate::{Arch, HparamsError, ModelConfig};
 use npu_gguf::GgufFile;
 
 /// The Q/K/V bias tensors of a layer, each optional.
@@ -18,10 +18,17 @@ pub const QKV_BIASES: [&str; 3] = ["attn_q.bias", "attn_k.bias", "attn_v.bias"];
 /// Refuses the first tensor the model does not use, and notes whether the file has Q/K/V
 /// biases (`cfg.qkv_bias`).
 pub(super) fn check(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsError> {
+    check_names(f.tensors().iter().map(|t| t.name.as_str()), cfg)
+}
+
+/// [`check`] over tensor names in GGUF's naming (a directory's, once mapped).
+pub(crate) fn check_names<'a>(
+    names: impl Iterator<Item = &'a str>,
+    cfg: &mut ModelConfig,
+) -> Result<(), HparamsError> {
     let arch = cfg.arch.name();
     let mut qkv_bias = false;
-    for t in f.tensors() {
-        let name = t.name.as_str();
+    for name in names {
         let why = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
             Some((layer, rest)) => match layer.parse::<usize>() {
                 Ok(il) if il < cfg.n_layers => {

@@ -15,7 +15,7 @@
 //! describe or tokenize; they are not hyper-parameters of the forward pass and pass.
 
 use super::read::show;
-use super::{Arch, HparamsError, ModelConfig};
+use crate::{Arch, HparamsError, ModelConfig};
 use npu_gguf::{GgufFile, MetaValue};
 
 /// Refuses the first key of the family's namespace that the engine does not apply.
