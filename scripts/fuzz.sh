@@ -4,16 +4,16 @@
 # Installs cargo-afl (which builds AFL++ from its crate) on first use, builds the instrumented
 # driver into target/afl, seeds from fuzz/corpus/TARGET and fuzz/regressions/TARGET, and resumes
 # an earlier run's queue in target/fuzz/TARGET. A 1 s limit per input (a longer one is a hang);
-# the memory limit is 2 GiB for gguf (nothing may be sized past the input; the harness maps the
-# input once) and 6 GiB for the others (they also map the tokenizers' model files); chat_template
-# gets 3 s (its renders have a 2 s limit of their own).
+# the memory limit is 2 GiB for gguf and safetensors (nothing may be sized past the input; the
+# gguf harness maps the input once) and 6 GiB for the others (they also map the tokenizers' model
+# files); chat_template gets 3 s (its renders have a 2 s limit of their own).
 # Findings land in target/fuzz/TARGET/default/{crashes,hangs}: minimise one with
 #   cargo afl tmin -i CRASH -o fuzz/regressions/TARGET/NAME -- target/afl/release/npu-fuzz-afl TARGET
 # and it is replayed by the test command from then on (fuzz/tests/replay.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TARGETS="http api_bodies gguf tokenizer chat_template config_yaml agent_link kv_subscriber"
+TARGETS="http api_bodies gguf tokenizer chat_template config_yaml agent_link kv_subscriber safetensors"
 target=${1:-}
 if [ -z "$target" ] || [ "$target" = list ]; then
   echo "targets: $TARGETS"
@@ -47,7 +47,7 @@ else
   done
 fi
 mem=6144
-[ "$target" = gguf ] && mem=2048
+case "$target" in gguf | safetensors) mem=2048 ;; esac
 # A chat template's render has a 2 s time limit of its own (its thread is then left spinning,
 # and the driver restarts): the hang limit sits above it, and the process restarts every 1000
 # inputs in any case.

@@ -8,9 +8,11 @@
 //!
 //! and the seeds that need the project's own encoders: `agent_link` (every frame kind, a segment
 //! image holding a real plan of the scheduler and its answer) and `chat_template` (the templates
-//! of the default model and Gemma 3, with a conversation).
+//! of the default model and Gemma 3, with a conversation), and the `safetensors` seeds (small
+//! files of the Hugging Face writer: every dtype, a scalar, an empty tensor, header metadata).
 //!
-//! `cargo run --release -p npu-fuzz --example make_seeds`
+//! `cargo run --release -p npu-fuzz --example make_seeds` (`-- safetensors` writes only the
+//! safetensors seeds, which need no model)
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -61,6 +63,10 @@ fn cut_metadata(f: &GgufFile, w: &mut GgufWriter) {
 }
 
 fn main() {
+    safetensors_seeds();
+    if std::env::args().nth(1).as_deref() == Some("safetensors") {
+        return;
+    }
     agent_link_seeds();
     chat_template_seeds();
     let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/gguf");
@@ -134,6 +140,82 @@ fn write(target: &str, name: &str, bytes: &[u8]) {
         .join(target);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join(name), bytes).unwrap();
+}
+
+/// Safetensors files as `npu_hf::writer` writes them (the header padded to 8 bytes).
+fn safetensors_seeds() {
+    use npu_hf::writer::{header_bytes, WriteTensor};
+    use npu_hf::Dtype;
+    let image = |tensors: &[WriteTensor], meta: &[(&str, &str)]| -> Vec<u8> {
+        let header = header_bytes(Path::new("seed"), tensors, meta).unwrap();
+        let mut v = (header.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(&header);
+        for t in tensors {
+            v.extend_from_slice(t.data);
+        }
+        v
+    };
+    let f32s: Vec<u8> = [1.0f32, -2.0, 0.5, 3.25]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let bf16s = [0x80u8, 0x3f, 0x00, 0xc0, 0x00, 0x3f];
+    let two = [
+        WriteTensor {
+            name: "model.norm.weight",
+            dtype: Dtype::F32,
+            shape: &[2, 2],
+            data: &f32s,
+        },
+        WriteTensor {
+            name: "lm_head.weight",
+            dtype: Dtype::BF16,
+            shape: &[3],
+            data: &bf16s,
+        },
+    ];
+    write(
+        "safetensors",
+        "two-tensors",
+        &image(&two, &[("format", "pt")]),
+    );
+
+    // One tensor of every dtype (two elements each), a scalar and an empty tensor.
+    let names: Vec<String> = Dtype::ALL
+        .iter()
+        .map(|d| format!("t.{}", d.name().to_lowercase()))
+        .collect();
+    let datas: Vec<Vec<u8>> = Dtype::ALL
+        .iter()
+        .map(|d| (0..2 * d.size()).map(|i| i as u8).collect())
+        .collect();
+    let mut all: Vec<WriteTensor> = Dtype::ALL
+        .iter()
+        .zip(names.iter().zip(&datas))
+        .map(|(d, (n, data))| WriteTensor {
+            name: n,
+            dtype: *d,
+            shape: &[2],
+            data,
+        })
+        .collect();
+    all.push(WriteTensor {
+        name: "scalar",
+        dtype: Dtype::F32,
+        shape: &[],
+        data: &f32s[..4],
+    });
+    all.push(WriteTensor {
+        name: "empty",
+        dtype: Dtype::F16,
+        shape: &[0, 8],
+        data: &[],
+    });
+    write(
+        "safetensors",
+        "every-dtype",
+        &image(&all, &[("format", "pt"), ("note", "seed")]),
+    );
 }
 
 fn agent_link_seeds() {

@@ -1,7 +1,7 @@
 //! The fuzz harnesses: one function from bytes to each public entry point that reads bytes from
 //! outside the process (an HTTP client, a request body, a downloaded GGUF, a tokenizer's input,
 //! a chat template inside a GGUF, a YAML config, an agent's frames and step results, a KV-event
-//! subscriber's handshake and subscriptions). A harness
+//! subscriber's handshake and subscriptions, a safetensors file). A harness
 //! returns normally whatever the input; a panic, an abort, a hang or an allocation beyond the
 //! input's size is a finding.
 //!
@@ -25,6 +25,7 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("config_yaml", targets::config::run),
     ("agent_link", targets::agent_link::run),
     ("kv_subscriber", targets::kv_subscriber::run),
+    ("safetensors", targets::safetensors::run),
 ];
 
 /// The harness named `name`.

@@ -98,3 +98,8 @@ fn every_target_has_a_test() {
 fn kv_subscriber_corpus() {
     replay("kv_subscriber");
 }
+
+#[test]
+fn safetensors_corpus() {
+    replay("safetensors");
+}

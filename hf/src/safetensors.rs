@@ -315,30 +315,31 @@ pub fn parse(file_name: &str, bytes: &[u8], shard: usize) -> Result<Vec<TensorMe
                 ))
             }
         };
-        let (begin, end) =
-            match obj.get("data_offsets") {
-                None => return Err(fault(file, t, "no \"data_offsets\"")),
-                Some(Value::Array(o)) if o.len() == 2 => match (as_usize(&o[0]), as_usize(&o[1])) {
-                    (Some(b), Some(e)) => (b, e),
-                    _ => {
-                        return Err(fault(
-                            file,
-                            t,
-                            format!(
-                                "\"data_offsets\" {v} are not two non-negative integers",
-                                v = obj["data_offsets"]
-                            ),
-                        ))
-                    }
-                },
-                Some(other) => return Err(fault(
+        let (begin, end) = match obj.get("data_offsets") {
+            None => return Err(fault(file, t, "no \"data_offsets\"")),
+            Some(Value::Array(o)) if o.len() == 2 => match (as_usize(&o[0]), as_usize(&o[1])) {
+                (Some(b), Some(e)) => (b, e),
+                _ => {
+                    return Err(fault(
+                        file,
+                        t,
+                        format!(
+                            "\"data_offsets\" [{}, {}] are not two non-negative integers",
+                            o[0], o[1]
+                        ),
+                    ))
+                }
+            },
+            Some(other) => {
+                return Err(fault(
                     file,
                     t,
                     format!(
                         "\"data_offsets\" is {other}, not an array of two integers [begin, end]"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         if begin > end {
             return Err(fault(
                 file,

@@ -7,4 +7,5 @@ pub mod config;
 pub mod gguf;
 pub mod http;
 pub mod kv_subscriber;
+pub mod safetensors;
 pub mod tokenizer;
