@@ -1,10 +1,13 @@
 //! Tokenizer of the served model: text to token ids and back, built from GGUF metadata (or a
-//! `tokenizer.json` beside the model), matching llama.cpp's ids; special tokens written in text,
-//! end-of-generation ids, exact streaming detokenization and the model's chat template.
+//! `tokenizer.json` beside the model, or a Hugging Face model directory), matching llama.cpp's
+//! ids; special tokens written in text, end-of-generation ids, exact streaming detokenization
+//! and the model's chat template.
 
 mod chat;
 mod decode_stream;
+mod gguf_to_json;
 mod gguf_vocab;
+mod hf_dir;
 mod hf_json;
 mod pieces;
 mod pretokenize;
@@ -22,6 +25,7 @@ pub use chat::{
     RENDER_TIME_LIMIT,
 };
 pub use decode_stream::DecodeStream;
+pub use gguf_to_json::{tokenizer_config_from_gguf, tokenizer_json_from_gguf};
 pub use pieces::TokenKind;
 pub use pretokenize::PreTokenizerKind;
 
@@ -84,6 +88,8 @@ pub(crate) struct VocabParts {
     pub eos: Option<u32>,
     pub eot: Option<u32>,
     pub eom: Option<u32>,
+    /// Further end-of-generation ids (a directory's generation_config.json `eos_token_id`).
+    pub extra_eos: Vec<u32>,
     pub unk: Option<u32>,
     pub pad: Option<u32>,
     pub add_bos: bool,
@@ -112,6 +118,7 @@ impl VocabParts {
             eos: None,
             eot: None,
             eom: None,
+            extra_eos: Vec::new(),
             unk: None,
             pad: None,
             add_bos: false,
@@ -178,6 +185,14 @@ impl Tokenizer {
         Self::assemble(parts)
     }
 
+    /// The tokenizer of a Hugging Face model directory without a GGUF: its `tokenizer.json`, with
+    /// the special tokens, BOS/EOS flags and chat template of `tokenizer_config.json`, a
+    /// `chat_template.jinja` (which wins) and `generation_config.json`'s `eos_token_id`, as
+    /// transformers and vLLM read them (see `hf_dir`).
+    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        Self::assemble(hf_dir::read(dir)?)
+    }
+
     fn assemble(p: VocabParts) -> Result<Self, TokenizerError> {
         let n = p.tokens.len();
         if p.kinds.len() != n {
@@ -229,7 +244,8 @@ impl Tokenizer {
             }
         }
         let mut eos_ids = Vec::new();
-        for id in [p.eos, p.eot, p.eom].into_iter().flatten().chain(end_texts) {
+        let named = [p.eos, p.eot, p.eom].into_iter().flatten();
+        for id in named.chain(p.extra_eos.iter().copied()).chain(end_texts) {
             if !eos_ids.contains(&id) {
                 eos_ids.push(id);
             }
@@ -366,8 +382,9 @@ impl Tokenizer {
         self.inner.eos
     }
 
-    /// Tokens that end generation: EOS, then EOT / EOM when named, then special tokens whose
-    /// text marks an end of turn or text (such as `<|im_end|>` or `<|endoftext|>`).
+    /// Tokens that end generation: EOS, then EOT / EOM when named, then a model directory's
+    /// generation_config.json `eos_token_id`s, then special tokens whose text marks an end of
+    /// turn or text (such as `<|im_end|>` or `<|endoftext|>`).
     pub fn eos_ids(&self) -> &[u32] {
         &self.inner.eos_ids
     }
