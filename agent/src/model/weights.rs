@@ -528,6 +528,9 @@ impl<B: Backend> Weights<B> {
             emb
         };
         let head = single(b, rows_of(head_part, &shard.vocab, "output head")?.host())?;
+        for name in ["token_embd.weight", "output.weight", "output_norm.weight"] {
+            file.release(name);
+        }
         f.check_all_read(cfg)?;
         Ok(Self {
             embed,
