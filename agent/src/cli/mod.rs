@@ -1,6 +1,7 @@
 //! The agent-side commands of the `npu-serving` binary that run a model in-process: `generate`,
 //! `score` and `bench-model`. Each takes `--device` (and `--device-id`) like an agent's config.
-//! `synth-model` writes the tiny random-weight models of the family fidelity tests;
+//! `synth-model` writes the tiny random-weight models of the family fidelity tests (and, with
+//! `--hf-dir`, their Hugging Face twins);
 //! `bench-collective` times the all-reduce of tensor-parallel groups; `bench-spec` what
 //! speculative decoding gains; `bench-model --bandwidth-rounds` how much of the memory bandwidth
 //! batch-1 decode reads.
@@ -14,6 +15,7 @@ pub mod bench_spec;
 pub mod generate;
 pub mod score;
 pub mod synth;
+pub mod synth_hf;
 
 use clap::Args;
 use npu_protocol::agent::DeviceKind;

@@ -1,6 +1,7 @@
 //! `npu-serving synth-model`: writes a tiny random-weight GGUF of one model family in llama.cpp's
 //! conventions, with a donor model's tokenizer (see `npu_gguf::synth`). The same family, seed,
-//! weight type and donor give a byte-identical file; its sha256 is printed.
+//! weight type and donor give a byte-identical file; its sha256 is printed. With `--hf-dir` it
+//! also writes the model's Hugging Face twin (see `synth_hf`).
 
 use std::path::PathBuf;
 
@@ -34,6 +35,20 @@ pub struct SynthArgs {
     /// absent).
     #[arg(long)]
     pub tokenizer_from: Option<PathBuf>,
+    /// Also write the model's Hugging Face twin into this directory (config.json, safetensors,
+    /// tokenizer.json, tokenizer_config.json, generation_config.json), as transformers would
+    /// save it, so that llama.cpp's convert_hf_to_gguf.py gives the same model back. Quantized
+    /// models are written dequantized (their f32 values).
+    #[arg(long)]
+    pub hf_dir: Option<PathBuf>,
+    /// Element type of the twin's weights: f32 (the default; exact), bf16 or f16 (every value
+    /// rounded to nearest even, norms included).
+    #[arg(long, default_value = "f32", requires = "hf_dir")]
+    pub hf_dtype: String,
+    /// Split the twin's weights into shards of at most this many bytes (with
+    /// model.safetensors.index.json), as save_pretrained's max_shard_size does.
+    #[arg(long, requires = "hf_dir")]
+    pub max_shard_bytes: Option<u64>,
     /// Where to write the model.
     #[arg(required_unless_present = "list_variants")]
     pub out: Option<PathBuf>,
@@ -66,7 +81,14 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         }
         (None, None) => anyhow::bail!("give --arch or --variant"),
     };
+    let dtype = super::synth_hf::HfDtype::from_name(&a.hf_dtype)?;
     std::fs::write(&out, &bytes).with_context(|| format!("writing {}", out.display()))?;
     println!("{}  {}", synth::sha256_hex(&bytes), out.display());
+    if let Some(dir) = &a.hf_dir {
+        let gguf = GgufFile::open(&out)?;
+        super::synth_hf::write_hf_twin(&gguf, dir, dtype, a.max_shard_bytes)
+            .with_context(|| format!("writing the Hugging Face twin into {}", dir.display()))?;
+        println!("hugging face twin  {}", dir.display());
+    }
     Ok(())
 }
