@@ -19,6 +19,8 @@ use crate::{Arch, HparamsError, ModelConfig};
 pub(crate) mod config;
 pub(crate) mod names;
 pub(crate) mod quant;
+#[cfg(test)]
+mod tests;
 
 pub use config::llama3_factors;
 use names::{Fix, Target};
