@@ -254,7 +254,7 @@ fn read_hparams(g: &GgufFile) -> Result<Hp, HfTwinError> {
     };
     let hidden = req("embedding_length")?;
     let heads = req("attention.head_count")?;
-    if heads == 0 || hidden % heads != 0 && opt("attention.key_length").is_none() {
+    if heads == 0 || (!hidden.is_multiple_of(heads) && opt("attention.key_length").is_none()) {
         return Err(meta_err(&key("attention.head_count"), format!("{heads}")));
     }
     let head_dim = opt("attention.key_length").unwrap_or(hidden / heads);
@@ -290,7 +290,7 @@ fn read_hparams(g: &GgufFile) -> Result<Hp, HfTwinError> {
         vocab,
         tied: g.tensor_info("output.weight").is_none(),
     };
-    if hp.kv_heads == 0 || hp.heads % hp.kv_heads != 0 || hp.head_dim % 2 != 0 {
+    if hp.kv_heads == 0 || !hp.heads.is_multiple_of(hp.kv_heads) || !hp.head_dim.is_multiple_of(2) {
         return Err(meta_err(
             &key("attention.head_count_kv"),
             format!(
