@@ -42,7 +42,8 @@ pub struct SynthArgs {
     #[arg(long)]
     pub hf_dir: Option<PathBuf>,
     /// Element type of the twin's weights: f32 (the default; exact), bf16 or f16 (every value
-    /// rounded to nearest even, norms included).
+    /// rounded to nearest even; what the GGUF holds in f32, the norms, biases and router, stays
+    /// f32).
     #[arg(long, default_value = "f32", requires = "hf_dir")]
     pub hf_dtype: String,
     /// Split the twin's weights into shards of at most this many bytes (with

@@ -160,7 +160,7 @@ pub fn write_hf_twin(
         .iter()
         .map(|t| WriteTensor {
             name: &t.name,
-            dtype: dtype.safetensors(),
+            dtype: t.dtype.safetensors(),
             shape: &t.shape,
             data: &t.data,
         })

@@ -10,6 +10,8 @@ use super::{tensor_err, Arch, HfDtype, HfTwinError, Hp};
 /// One tensor to write, in the chosen dtype.
 pub(super) struct Out {
     pub(super) name: String,
+    /// The element type written (f32 vectors stay f32 in a 16-bit twin).
+    pub(super) dtype: HfDtype,
     pub(super) shape: Vec<usize>,
     pub(super) data: Vec<u8>,
 }
@@ -108,8 +110,17 @@ pub(super) fn hf_tensors(g: &GgufFile, hp: &Hp, dtype: HfDtype) -> Result<Vec<Ou
         let shape: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
         let v = fix(tensor_f32(g, gguf_name)?)?;
         used.push(gguf_name.to_string());
+        // What the GGUF holds in f32 (norms, biases, the MoE router) stays f32 in a 16-bit twin:
+        // checkpoints may mix dtypes, and the converter writes these as f32 anyway, so the twin
+        // converts back to the same file and loads as the same model.
+        let dtype = if info.ty == GgmlType::F32 {
+            HfDtype::F32
+        } else {
+            dtype
+        };
         out.push(Out {
             name: hf_name,
+            dtype,
             shape,
             data: dtype.encode(&v),
         });
@@ -286,6 +297,7 @@ fn experts(
         for (t, shape, v) in &stacks {
             let n = shape[0] * shape[1];
             out.push(Out {
+                dtype,
                 name: format!("model.layers.{layer}.mlp.experts.{e}.{t}_proj.weight"),
                 shape: shape.clone(),
                 data: dtype.encode(&v[e * n..(e + 1) * n]),
