@@ -21,8 +21,8 @@ use npu_tokenizer::Tokenizer;
 
 use crate::agents::group::create_region;
 use crate::agents::{AgentLaunch, AgentLink, AgentPool, AgentSpec, GroupLink};
-use crate::api::{ApiContext, ApiSettings};
-use crate::config::{DeviceKind, ServerConfig};
+use crate::api::{ApiContext, ApiSettings, SamplingDefaults};
+use crate::config::{DeviceKind, GenerationConfigMode, ServerConfig};
 use crate::engine::scheduler::KvHostConfig;
 use crate::engine::{start_engine, EngineConfig, StepAgent};
 use crate::http::{HttpServer, ShutdownSignal};
@@ -41,7 +41,8 @@ pub struct ServeArgs {
     /// Port to listen on (overrides serving_config.server_port); 0 picks a free port.
     #[arg(long)]
     pub port: Option<u16>,
-    /// GGUF model file (overrides npu_serving.model_file; default: the default model, fetched
+    /// The model: a GGUF file, a Hugging Face model directory or ORG/NAME in the local Hugging
+    /// Face hub cache (overrides npu_serving.model_file; default: the default model, fetched
     /// on first use).
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -58,6 +59,9 @@ struct ModelInfo {
     vocab: u32,
     context: u32,
     hidden: usize,
+    /// A model directory's generation_config.json sampling defaults (none for a GGUF file, or
+    /// with `npu_serving.generation_config: ignore`).
+    sampling_defaults: SamplingDefaults,
 }
 
 /// Refuses a configured device this binary has no backend for, naming the cargo feature that
@@ -254,7 +258,7 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         kv_events.as_ref().map(KvEventPublisher::sender),
     )?;
     let api = Arc::new(ApiContext::new(
-        ApiSettings::from_config(&cfg, model.context),
+        ApiSettings::from_config(&cfg, model.context, model.sampling_defaults),
         model.tokenizer,
         engine.handle.stats.clone(),
         metrics,
@@ -299,13 +303,65 @@ fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Re
     .with_context(|| format!("the tokenizer of {}", path.display()))?;
     tracing::info!(model = %ck.describe(), "model");
     check_tensor_parallel(cfg, &mc, &ck)?;
+    let sampling_defaults = if ck.is_dir() {
+        sampling_defaults(cfg, &path)?
+    } else {
+        SamplingDefaults::default()
+    };
     Ok(ModelInfo {
         path,
         tokenizer,
         vocab: mc.vocab as u32,
         context: mc.context_length as u32,
         hidden: mc.hidden,
+        sampling_defaults,
     })
+}
+
+/// A model directory's `generation_config.json` sampling defaults, as vLLM's
+/// `--generation-config auto` applies them (none when the file is absent or
+/// `npu_serving.generation_config` is `ignore`); a damaged file is an error naming its key.
+fn sampling_defaults(
+    cfg: &ServerConfig,
+    dir: &std::path::Path,
+) -> anyhow::Result<SamplingDefaults> {
+    let file = dir.join(npu_hf::generation::FILE);
+    let mode = cfg.npu_serving.generation_config;
+    if mode == GenerationConfigMode::Ignore {
+        if file.is_file() {
+            tracing::info!(
+                file = %file.display(),
+                "the model's generation_config.json does not set sampling defaults \
+                 (npu_serving.generation_config: ignore)"
+            );
+        }
+        return Ok(SamplingDefaults::default());
+    }
+    let Some(g) = npu_hf::GenerationConfig::read(dir)
+        .with_context(|| format!("reading {}", file.display()))?
+    else {
+        return Ok(SamplingDefaults::default());
+    };
+    let d = SamplingDefaults::from_generation_config(&g)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    if d.is_empty() {
+        return Ok(d);
+    }
+    tracing::info!(
+        defaults = %d.describe(),
+        file = %file.display(),
+        "Default sampling parameters have been overridden by the model's Hugging Face \
+         generation config: a request that does not set these fields gets these values \
+         (npu_serving.generation_config: ignore turns this off)"
+    );
+    if let (Some(n), true) = (d.max_new_tokens, cfg.npu_serving.max_new_tokens_default_set) {
+        tracing::info!(
+            generation_config_max_new_tokens = n,
+            max_new_tokens_default = cfg.npu_serving.max_new_tokens_default,
+            "npu_serving.max_new_tokens_default is set: it stays the default max_tokens"
+        );
+    }
+    Ok(d)
 }
 
 /// Refuses a `tensor_parallel_size` the model cannot be split over, naming the key, the

@@ -58,6 +58,8 @@ pub struct ServerOpts {
     pub step_deadline_ms: u64,
     /// More `npu_serving` keys, as YAML lines indented by two spaces.
     pub npu_serving_extra: String,
+    /// More arguments of `npu-serving serve` (e.g. `--model DIR`).
+    pub args: Vec<String>,
 }
 
 impl Default for ServerOpts {
@@ -82,6 +84,7 @@ impl Default for ServerOpts {
             tensor_parallel_size: 1,
             step_deadline_ms: 60_000,
             npu_serving_extra: String::new(),
+            args: Vec::new(),
         }
     }
 }
@@ -203,15 +206,20 @@ impl Server {
         let dir = scratch_dir(name);
         let config = dir.join("config.yaml");
         std::fs::write(&config, opts.yaml()).unwrap();
-        Self::start_config(dir, &config, &opts.env)
+        Self::start_config(dir, &config, &opts.env, &opts.args)
     }
 
     /// Starts the server on an existing config file (e.g. a shipped one) with `--port 0`.
     pub fn start_file(name: &str, config: &std::path::Path) -> Server {
-        Self::start_config(scratch_dir(name), config, &[])
+        Self::start_config(scratch_dir(name), config, &[], &[])
     }
 
-    fn start_config(dir: PathBuf, config: &std::path::Path, env: &[(String, PathBuf)]) -> Server {
+    fn start_config(
+        dir: PathBuf,
+        config: &std::path::Path,
+        env: &[(String, PathBuf)],
+        args: &[String],
+    ) -> Server {
         let log = dir.join("server.log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_npu-serving"))
             .envs(env.iter().map(|(k, v)| (k, v)))
@@ -219,6 +227,7 @@ impl Server {
             .arg("--config")
             .arg(config)
             .args(["--port", "0"])
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))

@@ -2,6 +2,7 @@
 //! OpenAI routes, /health, /metrics and llm-serving's /serving/* status routes. Handlers validate,
 //! tokenize and build a `GenerateRequest`, then turn its events into the response.
 
+mod defaults;
 mod error;
 mod fields;
 mod openai;
@@ -20,6 +21,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use npu_tokenizer::{ChatTemplate, Tokenizer};
 
+pub use defaults::SamplingDefaults;
 pub use error::{ApiError, ErrorShape};
 
 use crate::config::{DeviceKind, ServerConfig};
@@ -41,6 +43,10 @@ pub struct ApiSettings {
     pub max_generate_length: Option<u32>,
     /// max_new_tokens / max_tokens when a request does not say.
     pub max_new_tokens_default: u32,
+    /// The model's own defaults of the sampling fields a request does not set (a model
+    /// directory's generation_config.json); its `max_new_tokens` is already in
+    /// `max_new_tokens_default`.
+    pub sampling_defaults: SamplingDefaults,
     pub device: DeviceKind,
     /// Reported by /serving/get_serverd_model_info.
     pub decode_batch_size: u32,
@@ -55,6 +61,7 @@ impl Default for ApiSettings {
             max_model_len: 2048,
             max_generate_length: None,
             max_new_tokens_default: 256,
+            sampling_defaults: SamplingDefaults::default(),
             device: DeviceKind::Cpu,
             decode_batch_size: 64,
             model_dtype: "gguf".into(),
@@ -90,14 +97,28 @@ impl ApiSettings {
         }
     }
 
-    /// `model_context` is the loaded model's context length.
-    pub fn from_config(cfg: &ServerConfig, model_context: u32) -> Self {
+    /// `model_context` is the loaded model's context length; `model_defaults` the model's own
+    /// sampling defaults (none for a GGUF file), whose `max_new_tokens` replaces
+    /// `npu_serving.max_new_tokens_default` unless the config gives that key.
+    pub fn from_config(
+        cfg: &ServerConfig,
+        model_context: u32,
+        model_defaults: SamplingDefaults,
+    ) -> Self {
+        let max_new_tokens_default = match model_defaults.max_new_tokens {
+            Some(n) if !cfg.npu_serving.max_new_tokens_default_set => n,
+            _ => cfg.npu_serving.max_new_tokens_default,
+        };
         Self {
             model_name: cfg.model_name().to_string(),
             served_model_names: cfg.served_model_names(),
             max_model_len: cfg.max_model_len(model_context),
             max_generate_length: cfg.max_generate_length(),
-            max_new_tokens_default: cfg.npu_serving.max_new_tokens_default,
+            max_new_tokens_default,
+            sampling_defaults: SamplingDefaults {
+                max_new_tokens: None,
+                ..model_defaults
+            },
             device: cfg.npu_serving.device,
             decode_batch_size: cfg.decode_batch_size(),
             model_dtype: cfg

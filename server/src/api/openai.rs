@@ -67,13 +67,20 @@ fn common(
         }
     }
     let logit_bias = logit_bias(f, ctx.tokenizer.vocab_size())?;
-    let temperature = sampling::temperature(f, "temperature")?.unwrap_or(1.0);
-    let top_p = sampling::top_p(f, "top_p")?.unwrap_or(1.0);
-    let top_k = sampling::top_k(f, "top_k", true)?.unwrap_or(0);
-    let min_p = sampling::min_p(f, "min_p")?.unwrap_or(0.0);
+    // A field the request leaves out takes the model's default (generation_config.json), then
+    // the server's.
+    let d = &s.sampling_defaults;
+    let temperature = sampling::temperature(f, "temperature")?
+        .or(d.temperature)
+        .unwrap_or(1.0);
+    let top_p = sampling::top_p(f, "top_p")?.or(d.top_p).unwrap_or(1.0);
+    let top_k = sampling::top_k(f, "top_k", true)?.or(d.top_k).unwrap_or(0);
+    let min_p = sampling::min_p(f, "min_p")?.or(d.min_p).unwrap_or(0.0);
     let presence_penalty = sampling::penalty(f, "presence_penalty")?.unwrap_or(0.0);
     let frequency_penalty = sampling::penalty(f, "frequency_penalty")?.unwrap_or(0.0);
-    let repetition_penalty = sampling::repetition_penalty(f, "repetition_penalty")?.unwrap_or(1.0);
+    let repetition_penalty = sampling::repetition_penalty(f, "repetition_penalty")?
+        .or(d.repetition_penalty)
+        .unwrap_or(1.0);
     let key = max_tokens_keys
         .iter()
         .copied()

@@ -54,15 +54,24 @@ pub(super) fn submission(
     let s = &ctx.settings;
 
     let do_sample = p.bool("do_sample")?.unwrap_or(false);
-    let temperature = sampling::temperature(&p, "temperature")?.unwrap_or(1.0);
-    let top_k = sampling::top_k(&p, "top_k", false)?.unwrap_or(0);
-    let top_p = sampling::top_p(&p, "top_p")?.unwrap_or(1.0);
+    // A field the request leaves out takes the model's default (generation_config.json), then
+    // the server's; do_sample stays the request's (greedy unless it asks).
+    let d = &s.sampling_defaults;
+    let temperature = sampling::temperature(&p, "temperature")?
+        .or(d.temperature)
+        .unwrap_or(1.0);
+    let top_k = sampling::top_k(&p, "top_k", false)?
+        .or(d.top_k)
+        .unwrap_or(0);
+    let top_p = sampling::top_p(&p, "top_p")?.or(d.top_p).unwrap_or(1.0);
     if p.f64("typical_p")?.is_some() && !TYPICAL_P_WARNED.swap(true, Ordering::Relaxed) {
         tracing::warn!(
             "parameters.typical_p is accepted and ignored (typical sampling is not supported)"
         );
     }
-    let repetition_penalty = sampling::repetition_penalty(&p, "repetition_penalty")?.unwrap_or(1.0);
+    let repetition_penalty = sampling::repetition_penalty(&p, "repetition_penalty")?
+        .or(d.repetition_penalty)
+        .unwrap_or(1.0);
     let presence_penalty = sampling::penalty(&p, "presence_penalty")?.unwrap_or(0.0);
     let frequency_penalty = sampling::penalty(&p, "frequency_penalty")?.unwrap_or(0.0);
     let max_new_tokens = sampling::max_new_tokens(&p, "max_new_tokens", s)?;
@@ -149,7 +158,7 @@ pub(super) fn submission(
         temperature,
         top_k,
         top_p,
-        min_p: 0.0,
+        min_p: d.min_p.unwrap_or(0.0),
         repetition_penalty,
         presence_penalty,
         frequency_penalty,

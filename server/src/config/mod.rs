@@ -114,6 +114,37 @@ pub use npu_protocol::agent::DeviceKind;
 /// tokens of one request).
 pub const LONG_CONTEXT_MAX_LEN: u32 = 1 << 20;
 
+/// `npu_serving.generation_config`: what a Hugging Face model directory's
+/// `generation_config.json` does (a GGUF file has none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GenerationConfigMode {
+    /// Its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens are the
+    /// defaults of requests that do not set them (vLLM's `--generation-config auto`).
+    #[default]
+    Auto,
+    /// Not read for sampling: requests default as for a GGUF model (vLLM's
+    /// `--generation-config vllm`). Its `eos_token_id` still ends generation.
+    Ignore,
+}
+
+impl GenerationConfigMode {
+    /// The value's YAML name: `auto` or `ignore`.
+    pub fn from_name(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Some(Self::Auto),
+            "ignore" => Some(Self::Ignore),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Ignore => "ignore",
+        }
+    }
+}
+
 /// Our own settings: the `npu_serving:` section.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NpuServingConfig {
@@ -142,6 +173,12 @@ pub struct NpuServingConfig {
     pub step_deadline_ms: u64,
     /// max_new_tokens when a request does not say.
     pub max_new_tokens_default: u32,
+    /// Whether the file gave `max_new_tokens_default` (it then wins over a model directory's
+    /// generation_config.json `max_new_tokens`).
+    pub max_new_tokens_default_set: bool,
+    /// `generation_config`: whether a model directory's generation_config.json sets the
+    /// sampling defaults of requests (vLLM's `--generation-config auto`) or not.
+    pub generation_config: GenerationConfigMode,
     /// Context limit (prompt + generated); None = min(seq_length, model context).
     pub max_model_len: Option<u32>,
     /// On shutdown, how long running requests may take to finish before they are aborted.
@@ -189,6 +226,8 @@ impl Default for NpuServingConfig {
             header_timeout_ms: 10_000,
             step_deadline_ms: 30_000,
             max_new_tokens_default: 256,
+            max_new_tokens_default_set: false,
+            generation_config: GenerationConfigMode::Auto,
             max_model_len: None,
             shutdown_grace_ms: 30_000,
             served_model_names: Vec::new(),

@@ -17,8 +17,8 @@ use super::error::{ConfigError, ConfigWarning};
 use super::reader::{describe, Section, Unknown};
 use super::roles;
 use super::{
-    BatchingStrategy, DeviceKind, ModelConfig, NpuServingConfig, PaConfig, ServerConfig,
-    ServingConfig,
+    BatchingStrategy, DeviceKind, GenerationConfigMode, ModelConfig, NpuServingConfig, PaConfig,
+    ServerConfig, ServingConfig,
 };
 use crate::kv_events::{KvEventsConfig, KvEventsEndpoint, DEFAULT_TOPIC};
 
@@ -580,6 +580,17 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
     }
     if let Some(v) = s.u64("max_new_tokens_default")? {
         c.max_new_tokens_default = to_u32(&s.key_path("max_new_tokens_default"), v, 1)?;
+        c.max_new_tokens_default_set = true;
+    }
+    if let Some(v) = s.string("generation_config")? {
+        c.generation_config = GenerationConfigMode::from_name(&v).ok_or_else(|| {
+            ConfigError::not_allowed(
+                &s.key_path("generation_config"),
+                format!("{v:?}"),
+                "auto (a model directory's generation_config.json sets the sampling defaults) \
+                 or ignore",
+            )
+        })?;
     }
     if let Some(v) = s.u64("max_model_len")? {
         c.max_model_len = Some(to_u32(&s.key_path("max_model_len"), v, 2)?);
