@@ -52,8 +52,8 @@ pub(crate) struct RopeFactorTables {
     pub tables: Vec<DeviceMem>,
 }
 
-/// What the CUDA backend has of [`Capability`]: every op of the newer families but the
-/// mixture-of-experts ones.
+/// What the CUDA backend has of [`Capability`]: every op of the newer families, the
+/// mixture-of-experts ones included (`moe`).
 pub(crate) fn supports(c: Capability) -> bool {
     match c {
         Capability::HeadNorm
@@ -61,8 +61,8 @@ pub(crate) fn supports(c: Capability) -> bool {
         | Capability::ScaleRows
         | Capability::SlidingWindow
         | Capability::RopeFactors
-        | Capability::PerLayerRope => true,
-        Capability::Moe => false,
+        | Capability::PerLayerRope
+        | Capability::Moe => true,
     }
 }
 
@@ -751,6 +751,30 @@ impl Backend for CudaBackend {
         out: ViewMut<'_, CudaBuffer>,
     ) -> Result<(), BackendError> {
         self.op_swiglu(gate, up, out)
+    }
+
+    fn moe_route(
+        &mut self,
+        logits: View<'_, CudaBuffer>,
+        k: usize,
+        normalize: bool,
+        ids: ViewMut<'_, CudaBuffer>,
+        weights: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_moe_route(logits, k, normalize, ids, weights)
+    }
+
+    fn moe_ffn(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        ids: View<'_, CudaBuffer>,
+        weights: View<'_, CudaBuffer>,
+        gate_up: &[CudaMatrix],
+        down: &[CudaMatrix],
+        ff: usize,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_moe_ffn(x, ids, weights, gate_up, down, ff, out)
     }
 
     fn add(

@@ -5,9 +5,10 @@
 use npu_backend::DType;
 
 /// The kernel sources, concatenated in this order into one program.
-pub const SOURCES: [(&str, &str); 4] = [
+pub const SOURCES: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
+    ("moe.cu", include_str!("../kernels/moe.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
 ];
@@ -43,10 +44,12 @@ pub enum Op {
     RmsNormHeads,
     Geglu,
     Scale,
+    MoeRoute,
+    MoeCombine,
 }
 
 impl Op {
-    pub const ALL: [Op; 16] = [
+    pub const ALL: [Op; 18] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -63,6 +66,8 @@ impl Op {
         Op::RmsNormHeads,
         Op::Geglu,
         Op::Scale,
+        Op::MoeRoute,
+        Op::MoeCombine,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -82,6 +87,8 @@ impl Op {
             Op::RmsNormHeads => "rms_norm_heads",
             Op::Geglu => "geglu",
             Op::Scale => "scale",
+            Op::MoeRoute => "moe_route",
+            Op::MoeCombine => "moe_combine",
         }
     }
 }

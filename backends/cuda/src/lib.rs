@@ -32,6 +32,7 @@ pub mod gpu;
 pub mod kernels;
 pub mod libs;
 mod matmul;
+mod moe;
 pub mod nccl;
 pub mod nvrtc;
 mod ops;

@@ -83,6 +83,11 @@ fn ops_refuse_bad_shapes_steps_and_foreign_buffers() {
     conformance::ops_refuse_bad_shapes_steps_and_foreign_buffers(&emulated);
 }
 
+#[test]
+fn moe_routes_and_runs_experts_as_the_reference() {
+    conformance::moe_routes_and_runs_experts_as_the_reference(&emulated);
+}
+
 /// Every kernel of the program is launched, and checked, by some case above: no op runs a
 /// kernel the conformance cases never exercise.
 #[test]

@@ -5,9 +5,11 @@
 
 mod attention;
 mod matmul;
+mod moe;
 
 pub use attention::*;
 pub use matmul::*;
+pub use moe::*;
 
 use super::*;
 use npu_backend::{
@@ -83,6 +85,10 @@ pub const CASES: &[(&str, Case)] = &[
     (
         "ops_refuse_bad_shapes_steps_and_foreign_buffers",
         ops_refuse_bad_shapes_steps_and_foreign_buffers,
+    ),
+    (
+        "moe_routes_and_runs_experts_as_the_reference",
+        moe_routes_and_runs_experts_as_the_reference,
     ),
 ];
 
@@ -322,10 +328,10 @@ pub fn head_norm_geglu_and_scale_match_the_reference(make: Make) {
             Capability::SlidingWindow,
             Capability::RopeFactors,
             Capability::PerLayerRope,
+            Capability::Moe,
         ] {
             assert!(b.supports(c), "{}", c.name());
         }
-        assert!(!b.supports(Capability::Moe));
         let mut rng = Rng::new(6);
 
         // Per-head norm: rows of 4 Q heads, 2 K heads, 2 V heads of 64, 520 apart from column

@@ -1,0 +1,90 @@
+// ---- mixture-of-experts: routing and the weighted sum back in token order -------------------
+//
+// The experts' FFNs themselves run as matmuls over the rows routed to each expert, gathered into
+// contiguous groups by gather_rows (the host plans the groups from the routed ids).
+
+// grid (rows), one thread a row: the softmax of logits row r (exp in f32 after the row's max is
+// subtracted, the sum in double, then each value times the sum's f32 inverse: the CPU backend's
+// route_row), then the k most probable experts in descending order, ties to the lower index:
+// ids[r][j] and their probabilities w[r][j], divided by their sum (at least 2^-14, as ggml
+// clamps it) when `normalize`.
+template <typename T>
+__device__ __forceinline__ void moe_route_body(const T* x, int ldx, int ne, int k, int normalize,
+                                               int* ids, int ldi, float* w, int ldw) {
+    if (threadIdx.x != 0) {
+        return;
+    }
+    const i64 r = blockIdx.x;
+    const T* row = x + r * ldx;
+    float mx = NEG_INF;
+    for (int i = 0; i < ne; i++) {
+        mx = fmaxf(mx, to_f32(row[i]));
+    }
+    double sum = 0.0;
+    for (int i = 0; i < ne; i++) {
+        sum += (double)expf(to_f32(row[i]) - mx);
+    }
+    const float inv = (float)(1.0 / sum);
+    // The j-th pick is the largest probability ordered after the (j-1)-th: smaller, or equal
+    // with a higher index.
+    float pv = 0.0f;
+    int pi = -1;
+    float s = 0.0f;
+    for (int j = 0; j < k; j++) {
+        float bv = 0.0f;
+        int bi = -1;
+        for (int i = 0; i < ne; i++) {
+            const float p = __fmul_rn(expf(to_f32(row[i]) - mx), inv);
+            const bool after = pi < 0 || p < pv || (p == pv && i > pi);
+            if (after && (bi < 0 || p > bv)) {
+                bv = p;
+                bi = i;
+            }
+        }
+        ids[r * ldi + j] = bi;
+        w[r * ldw + j] = bv;
+        s = __fadd_rn(s, bv);
+        pv = bv;
+        pi = bi;
+    }
+    if (normalize) {
+        s = fmaxf(s, 6.103515625e-5f);
+        for (int j = 0; j < k; j++) {
+            w[r * ldw + j] = __fdiv_rn(w[r * ldw + j], s);
+        }
+    }
+}
+
+#define MOE_ROUTE(T, S)                                                                            \
+    extern "C" __global__ void moe_route_##S(const T* x, int ldx, int ne, int k, int normalize,   \
+                                             int* ids, int ldi, float* w, int ldw) {               \
+        moe_route_body<T>(x, ldx, ne, k, normalize, ids, ldi, w, ldw);                            \
+    }
+NPU_FOR_EACH_ACT(MOE_ROUTE)
+
+// grid (column blocks, rows): out[r][c] = sum over j < k of w[r][j] * y[pos[r * k + j]][c], the
+// terms added in j order in f32 (the first one stored, as the CPU backend does).
+template <typename T>
+__device__ __forceinline__ void moe_combine_body(const T* y, int ldy, const int* pos,
+                                                 const float* w, int ldw, int k, T* out, int ldo,
+                                                 int cols) {
+    const i64 r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) {
+        return;
+    }
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+        const float v = __fmul_rn(to_f32(y[(i64)pos[r * k + j] * ldy + c]), w[r * ldw + j]);
+        acc = j == 0 ? v : __fadd_rn(acc, v);
+    }
+    out[r * ldo + c] = from_f32<T>(acc);
+}
+
+#define MOE_COMBINE(T, S)                                                                          \
+    extern "C" __global__ void moe_combine_##S(const T* y, int ldy, const int* pos,               \
+                                               const float* w, int ldw, int k, T* out, int ldo,    \
+                                               int cols) {                                         \
+        moe_combine_body<T>(y, ldy, pos, w, ldw, k, out, ldo, cols);                              \
+    }
+NPU_FOR_EACH_ACT(MOE_COMBINE)
