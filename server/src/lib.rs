@@ -3,6 +3,7 @@
 
 pub mod agents;
 pub mod api;
+pub mod auth;
 pub mod config;
 pub mod engine;
 pub mod http;

@@ -22,10 +22,11 @@ use npu_tokenizer::Tokenizer;
 use crate::agents::group::create_region;
 use crate::agents::{AgentLaunch, AgentLink, AgentPool, AgentSpec, GroupLink};
 use crate::api::{ApiContext, ApiSettings, SamplingDefaults};
+use crate::auth::{ApiKeys, Authenticated, API_KEY_ENV};
 use crate::config::{DeviceKind, GenerationConfigMode, ServerConfig};
 use crate::engine::scheduler::KvHostConfig;
 use crate::engine::{start_engine, EngineConfig, StepAgent};
-use crate::http::{HttpServer, ShutdownSignal};
+use crate::http::{HttpServer, ShutdownSignal, TlsAcceptor};
 use crate::kv_events::{expand_topic, KvEventPublisher};
 use crate::metrics::Metrics;
 
@@ -50,6 +51,10 @@ pub struct ServeArgs {
     /// warn; unknown keys in npu_serving are always refused).
     #[arg(long)]
     pub strict_config: bool,
+    /// An API key requests must present (`Authorization: Bearer KEY` or `x-api-key: KEY`);
+    /// repeat for more. Joins npu_serving.api_keys and NPU_SERVING_API_KEY.
+    #[arg(long = "api-key", value_name = "KEY")]
+    pub api_keys: Vec<String>,
 }
 
 /// What the model file says that the server needs before the agents start.
@@ -96,6 +101,7 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         cfg.serving_config.server_port = port;
     }
     check_device(cfg.npu_serving.device, built)?;
+    let (api_keys, tls) = access(&cfg, &args.api_keys)?;
     let model = load_model_info(&cfg, args.model.clone())?;
     cfg.model_warnings(model.vocab, model.context);
     cfg.check_kv_pool(model.context)
@@ -225,7 +231,11 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     engine_cfg.tensor_parallel_size = tp as u32;
 
     let metrics = Arc::new(Metrics::default());
-    let server = HttpServer::new(listener, cfg.http_limits(), metrics.clone())?;
+    let mut server = HttpServer::new(listener, cfg.http_limits(), metrics.clone())?;
+    if let Some(tls) = tls {
+        tls.reload_on_sighup()?;
+        server = server.with_tls(tls);
+    }
     let local = server.local_addr()?;
     let kv_events = match &cfg.npu_serving.kv_events {
         Some(ev) => {
@@ -257,12 +267,16 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         Some(shutdown.clone()),
         kv_events.as_ref().map(KvEventPublisher::sender),
     )?;
-    let api = Arc::new(ApiContext::new(
-        ApiSettings::from_config(&cfg, model.context, model.sampling_defaults),
-        model.tokenizer,
-        engine.handle.stats.clone(),
-        metrics,
-    ));
+    let api = Authenticated::wrap(
+        Arc::new(ApiContext::new(
+            ApiSettings::from_config(&cfg, model.context, model.sampling_defaults),
+            model.tokenizer,
+            engine.handle.stats.clone(),
+            metrics,
+        )),
+        api_keys,
+        cfg.npu_serving.access.protect_health,
+    );
     tracing::info!(%local, model = cfg.model_name(), max_model_len, "serving");
     {
         let mut out = std::io::stdout().lock();
@@ -279,6 +293,30 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     served?;
     tracing::info!("server stopped");
     Ok(())
+}
+
+/// The API keys (config, `--api-key`, NPU_SERVING_API_KEY) and the TLS certificate, read
+/// before anything starts so a bad key file or certificate is refused at once, by its key.
+fn access(
+    cfg: &ServerConfig,
+    cli_keys: &[String],
+) -> anyhow::Result<(ApiKeys, Option<TlsAcceptor>)> {
+    let access = &cfg.npu_serving.access;
+    let keys = ApiKeys::resolve(access, cli_keys, std::env::var(API_KEY_ENV).ok(), |v| {
+        std::env::var(v).ok()
+    })
+    .map_err(anyhow::Error::msg)?;
+    let tls = match &access.tls {
+        Some(t) => Some(TlsAcceptor::load(&t.cert, &t.key)?),
+        None => None,
+    };
+    tracing::info!(
+        api_keys = keys.len(),
+        protect_health = access.protect_health,
+        tls = tls.is_some(),
+        "access"
+    );
+    Ok((keys, tls))
 }
 
 /// Resolves the model (`--model`, else `npu_serving.model_file`, else the default model,

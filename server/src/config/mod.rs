@@ -2,6 +2,7 @@
 //! serving_config, pa_config, tokenizer, ...) plus our own `npu_serving:` section, loaded into
 //! typed structs with defaults, validated at load with errors that name the key.
 
+mod access;
 mod error;
 mod reader;
 mod roles;
@@ -11,6 +12,8 @@ mod speculative;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub(crate) use access::check_key;
+pub use access::{AccessConfig, ApiKeySource, TlsFiles};
 pub use error::{ConfigError, ConfigWarning};
 pub(crate) use reader::closest;
 pub use reader::parse_bool_str;
@@ -208,6 +211,8 @@ pub struct NpuServingConfig {
     pub kv_events: Option<crate::kv_events::KvEventsConfig>,
     /// Speculative decoding with n-gram drafts (`speculative`); None: off.
     pub speculative: Option<npu_scheduler::SpeculativeConfig>,
+    /// API keys, whether the health routes need one, TLS (`api_keys`, `protect_health`, `tls`).
+    pub access: AccessConfig,
 }
 
 impl Default for NpuServingConfig {
@@ -238,6 +243,7 @@ impl Default for NpuServingConfig {
             tensor_parallel_size: 1,
             kv_events: None,
             speculative: None,
+            access: AccessConfig::default(),
         }
     }
 }

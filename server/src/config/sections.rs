@@ -96,6 +96,10 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
         &mut s,
         Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
     )?;
+    npu_serving.access = super::access::access(
+        &mut s,
+        Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
+    )?;
     if npu_serving.speculative.is_some() && npu_serving.long_context.is_some() {
         return Err(ConfigError::not_allowed(
             "npu_serving.speculative",
@@ -787,7 +791,7 @@ fn served_model_names(s: &mut Section) -> Result<Vec<String>, ConfigError> {
 }
 
 /// `~/x` -> `$HOME/x` (configs are written by hand; the shell does not expand YAML values).
-fn expand_home(p: &str) -> PathBuf {
+pub(super) fn expand_home(p: &str) -> PathBuf {
     match (p.strip_prefix("~/"), std::env::var_os("HOME")) {
         (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
         _ => PathBuf::from(p),

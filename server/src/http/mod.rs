@@ -1,11 +1,13 @@
 //! HTTP/1.1 on mio: one event-loop thread accepts connections, parses request heads with
 //! httparse, hands complete requests to a `Handler` (the API layer), submits generation
-//! requests to the engine and streams the engine's events back, with per-connection buffers.
+//! requests to the engine and streams the engine's events back, with per-connection buffers;
+//! optionally over TLS (rustls).
 
 mod conn;
 mod request;
 mod response;
 mod server;
+mod tls;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -18,6 +20,7 @@ use crate::engine::{GenEvent, GenerateRequest, RequestId, TaggedEvent};
 pub use request::{frame_input, FramedInput, Request};
 pub use response::{write_chunk, Response};
 pub use server::HttpServer;
+pub use tls::{TlsAcceptor, TlsError};
 
 /// Limits the HTTP layer enforces (from `npu_serving:` in the config).
 #[derive(Debug, Clone, PartialEq)]

@@ -41,6 +41,7 @@ pub struct HttpServer {
     events_rx: Receiver<TaggedEvent>,
     limits: HttpLimits,
     metrics: Arc<Metrics>,
+    tls: Option<super::TlsAcceptor>,
 }
 
 impl HttpServer {
@@ -71,7 +72,15 @@ impl HttpServer {
             events_rx,
             limits,
             metrics,
+            tls: None,
         })
+    }
+
+    /// Serves HTTPS: every accepted connection does a TLS handshake with the acceptor's
+    /// current certificate first.
+    pub fn with_tls(mut self, tls: super::TlsAcceptor) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, HttpError> {
@@ -110,6 +119,7 @@ impl HttpServer {
             handler,
             draining_until: None,
             pending: Vec::new(),
+            tls: self.tls,
         };
         let mut events = Events::with_capacity(1024);
         let mut next_tick = Instant::now() + TIMER_TICK;
@@ -190,6 +200,7 @@ struct Loop {
     /// Connections back in the Head state whose buffered or unread input must be looked at
     /// (a queue, not a recursive call, so pipelined floods cannot grow the stack).
     pending: Vec<Token>,
+    tls: Option<super::TlsAcceptor>,
 }
 
 impl Loop {
@@ -211,7 +222,16 @@ impl Loop {
                     }
                     let _ = stream.set_nodelay(true);
                     let now = Instant::now();
-                    let conn = Conn::new(stream, now, now + self.limits.header_timeout);
+                    let mut conn = Conn::new(stream, now, now + self.limits.header_timeout);
+                    if let Some(tls) = &self.tls {
+                        match rustls::ServerConnection::new(tls.current()) {
+                            Ok(session) => conn.tls = Some(Box::new(session)),
+                            Err(e) => {
+                                tracing::warn!("TLS session not created: {e}");
+                                continue;
+                            }
+                        }
+                    }
                     self.conns.insert(tok, conn);
                     self.metrics
                         .connections_open

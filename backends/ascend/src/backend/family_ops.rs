@@ -25,7 +25,7 @@ use crate::tensor::{self, View as TView};
 const GELU_TANH: i64 = 1;
 
 impl AscendBackend {
-    fn missing(&self, what: &str) -> BackendError {
+    pub(super) fn missing(&self, what: &str) -> BackendError {
         BackendError::Unsupported {
             backend: super::NAME,
             what: format!("{what} (this CANN release does not have the operator)"),

@@ -7,13 +7,15 @@
 //! Where each op lives: buffers, weights and embeddings in [`objects`], step inputs and the
 //! attention path of a step in [`step`], the per-token ops in `layer_ops`, KV write and paged
 //! attention in `attention`, the pool and its block copies in `kv_pool`, the ops of the newer
-//! families (per-head norm, GELU gate, row scaling; [`Capability`]) in `family_ops`.
+//! families (per-head norm, GELU gate, row scaling; [`Capability`]) in `family_ops`, expert
+//! routing and the experts' FFN in `moe_ops`.
 
 mod attention;
 mod family_ops;
 pub mod hccl;
 mod kv_pool;
 mod layer_ops;
+mod moe_ops;
 pub mod objects;
 mod pick_ops;
 mod rope_ops;
@@ -169,6 +171,8 @@ pub struct AscendBackend {
     staging: Staging,
     retired_mem: Vec<Mem>,
     scratch: Scratch,
+    /// `moe_ffn`'s grouped rows and index arrays.
+    moe: moe_ops::MoeBufs,
     rope_tables: Vec<RopeTable>,
     /// The prompt branch's 2048×2048 causal mask (made on first use).
     mask: Option<Mem>,
@@ -222,6 +226,7 @@ impl AscendBackend {
             staging: Staging::default(),
             retired_mem: Vec::new(),
             scratch: Scratch::default(),
+            moe: Default::default(),
             rope_tables: Vec::new(),
             mask: None,
             windows: Vec::new(),
@@ -359,11 +364,12 @@ impl Backend for AscendBackend {
         DType::F16
     }
 
-    /// Everything but the mixture-of-experts ops, where the release has the operators: per-head
-    /// norm (RmsNorm over a heads view), row scaling (InplaceMuls), the GELU gate (GeluV2 with
-    /// the tanh approximation, then InplaceMul), sliding windows (FusedInferAttentionScoreV2's
-    /// band mode, or key masks in its incremental branch), rope frequency factors and per-layer
-    /// rope bases (host cos/sin tables per rope).
+    /// Every capability, where the release has the operators: per-head norm (RmsNorm over a
+    /// heads view), row scaling (InplaceMuls), the GELU gate (GeluV2 with the tanh
+    /// approximation, then InplaceMul), sliding windows (FusedInferAttentionScoreV2's band mode,
+    /// or key masks in its incremental branch), rope frequency factors and per-layer rope bases
+    /// (host cos/sin tables per rope), mixture-of-experts layers (MoeGatingTopKSoftmaxV2 and
+    /// MoeFinalizeRoutingV2 around per-expert matmuls; `moe_ops`).
     fn supports(&self, c: Capability) -> bool {
         let api = &self.dev.acl.api.ops;
         match c {
@@ -376,7 +382,10 @@ impl Backend for AscendBackend {
                 api.aclnnGeluV2GetWorkspaceSize.is_some()
                     && api.aclnnInplaceMulGetWorkspaceSize.is_some()
             }
-            Capability::Moe => false,
+            Capability::Moe => {
+                api.aclnnMoeGatingTopKSoftmaxV2GetWorkspaceSize.is_some()
+                    && api.aclnnMoeFinalizeRoutingV2GetWorkspaceSize.is_some()
+            }
         }
     }
 
@@ -690,6 +699,32 @@ impl Backend for AscendBackend {
     ) -> Result<(), BackendError> {
         self.picked = None;
         self.op_swiglu(gate, up, out)
+    }
+
+    fn moe_route(
+        &mut self,
+        logits: View<'_, AscendBuffer>,
+        k: usize,
+        normalize: bool,
+        ids: ViewMut<'_, AscendBuffer>,
+        weights: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_moe_route(logits, k, normalize, ids, weights)
+    }
+
+    fn moe_ffn(
+        &mut self,
+        x: View<'_, AscendBuffer>,
+        ids: View<'_, AscendBuffer>,
+        weights: View<'_, AscendBuffer>,
+        gate_up: &[AscendMatrix],
+        down: &[AscendMatrix],
+        ff: usize,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_moe_ffn(x, ids, weights, gate_up, down, ff, out)
     }
 
     fn add(

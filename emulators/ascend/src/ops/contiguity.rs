@@ -20,6 +20,10 @@
 //! - WeightQuantBatchMatmulV2 (ops-nn `matmul/weight_quant_batch_matmul_v2/docs/
 //!   aclnnWeightQuantBatchMatmulV2.md`): x, weight, antiquantScale and antiquantOffset accept a
 //!   non-contiguous tensor only as the transpose of a contiguous one; y is ×.
+//! - MoeGatingTopKSoftmaxV2 (ops-transformer `moe/moe_gating_top_k_softmax_v2/docs/
+//!   aclnnMoeGatingTopKSoftmaxV2.md`): yOut, expertIdxOut and softmaxResultOutOptional are ×.
+//! - MoeFinalizeRoutingV2 (`moe/moe_finalize_routing_v2/docs/aclnnMoeFinalizeRoutingV2.md`): out
+//!   is × (every input √).
 
 use super::invalid;
 use crate::state::Fail;
@@ -69,6 +73,15 @@ const TABLE: &[(&str, &[(&str, Rule)])] = &[
             ("y", Rule::Contiguous),
         ],
     ),
+    (
+        "aclnnMoeGatingTopKSoftmaxV2",
+        &[
+            ("yOut", Rule::Contiguous),
+            ("expertIdxOut", Rule::Contiguous),
+            ("softmaxResultOutOptional", Rule::Contiguous),
+        ],
+    ),
+    ("aclnnMoeFinalizeRoutingV2", &[("out", Rule::Contiguous)]),
 ];
 
 /// The rule for argument `arg` of `op`, if the table constrains it.

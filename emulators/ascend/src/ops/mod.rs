@@ -15,6 +15,7 @@ pub mod contiguity;
 pub(crate) mod elementwise;
 mod kv_cache;
 mod matmul;
+mod moe;
 mod reduce;
 
 use core::ffi::c_void;
@@ -323,6 +324,8 @@ launchers!(
     aclnnGeluV2,
     aclnnInplaceMul,
     aclnnInplaceMuls,
+    aclnnMoeGatingTopKSoftmaxV2,
+    aclnnMoeFinalizeRoutingV2,
 );
 
 /// Checks a dtype is one of `allowed`.

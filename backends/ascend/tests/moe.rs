@@ -1,0 +1,350 @@
+//! Mixture-of-experts on `AscendBackend` over the emulated CANN: routing (Cast, then
+//! MoeGatingTopKSoftmaxV2 with renorm 0 or 1) and the experts' FFN (Embedding gather, per-expert
+//! matmuls, one SwiGlu, MoeFinalizeRoutingV2) against plain Rust references, each expert run once
+//! over its rows; and the emulation's refusals of what the two operators' pages forbid.
+
+mod common;
+
+use common::seam::*;
+use common::*;
+use npu_backend::*;
+use npu_backend_ascend::tensor::{DType as TDType, Tensor, View as TView};
+use npu_ffi::types::*;
+use npu_gguf::GgmlType;
+
+/// Softmax top-k of one row as the CPU reference computes it (ties to the lower index), the
+/// chosen weights divided by their sum when `normalize`.
+fn route_ref(logits: &[f32], k: usize, normalize: bool) -> (Vec<i32>, Vec<f32>) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let e: Vec<f64> = logits.iter().map(|&v| f64::from(v - max).exp()).collect();
+    let s: f64 = e.iter().sum();
+    let p: Vec<f64> = e.iter().map(|v| v / s).collect();
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    let ids: Vec<i32> = order[..k].iter().map(|&i| i as i32).collect();
+    let mut w: Vec<f64> = order[..k].iter().map(|&i| p[i]).collect();
+    if normalize {
+        let s: f64 = w.iter().sum::<f64>().max(6.103_515_625e-5);
+        w.iter_mut().for_each(|v| *v /= s);
+    }
+    (ids, w.into_iter().map(|v| v as f32).collect())
+}
+
+fn le_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[test]
+fn moe_is_reported_and_routing_matches_the_reference() {
+    let _g = serial();
+    let mut b = default_backend();
+    assert!(b.supports(Capability::Moe));
+    let (t, ne, k) = (9usize, 8usize, 3usize);
+    let mut logits = h(&rand_vec(61, t * ne, 3.0));
+    logits[2] = logits[5]; // a tie in row 0
+    logits[ne + 1] = 10.0; // row 1: one expert takes almost everything
+    let lb = up(&mut b, &logits, ne);
+    for normalize in [false, true] {
+        let mut ids = b.alloc(DType::I32, t * k).unwrap();
+        let mut w = b.alloc(DType::F32, t * k).unwrap();
+        b.moe_route(
+            View::rows(&lb, t, ne).unwrap(),
+            k,
+            normalize,
+            ViewMut::rows(&mut ids, t, k).unwrap(),
+            ViewMut::rows(&mut w, t, k).unwrap(),
+        )
+        .unwrap();
+        let mut got_ids = vec![0i32; t * k];
+        b.read_back(&mut [Readback {
+            src: View::rows(&ids, t, k).unwrap(),
+            dst: HostSliceMut::I32(&mut got_ids),
+        }])
+        .unwrap();
+        let got_w = down(&mut b, &w, Layout::contiguous(t, k));
+        for r in 0..t {
+            let (want_ids, want_w) = route_ref(&logits[r * ne..(r + 1) * ne], k, normalize);
+            assert_eq!(
+                &got_ids[r * k..(r + 1) * k],
+                &want_ids[..],
+                "row {r} ids (normalize {normalize})"
+            );
+            for j in 0..k {
+                let (g, w) = (got_w[r * k + j], want_w[j]);
+                assert!(
+                    (g - w).abs() <= 1e-6 + 1e-5 * w.abs(),
+                    "row {r} weight {j} (normalize {normalize}): {g} vs {w}"
+                );
+            }
+        }
+    }
+    // Fewer experts than k, and k beyond the operator's 1024, are refused by the backend.
+    let mut ids = b.alloc(DType::I32, t * (ne + 1)).unwrap();
+    let mut w = b.alloc(DType::F32, t * (ne + 1)).unwrap();
+    let e = b
+        .moe_route(
+            View::rows(&lb, t, ne).unwrap(),
+            ne + 1,
+            true,
+            ViewMut::rows(&mut ids, t, ne + 1).unwrap(),
+            ViewMut::rows(&mut w, t, ne + 1).unwrap(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("k = 9"), "{e}");
+}
+
+/// `out[r] = Σ_j w[r][j] · down_e(silu(gate_e(x_r)) · up_e(x_r))` in f64 over the device's f16
+/// inputs, `e = ids[r][j]`.
+#[allow(clippy::too_many_arguments)]
+fn ffn_ref(
+    x: &[f32],
+    ids: &[i32],
+    w: &[f32],
+    gate_up: &[Vec<f32>],
+    down: &[Vec<f32>],
+    (t, h, ff, k): (usize, usize, usize, usize),
+) -> Vec<f32> {
+    let mut out = vec![0f32; t * h];
+    for r in 0..t {
+        let xr = &x[r * h..(r + 1) * h];
+        for j in 0..k {
+            let e = ids[r * k + j] as usize;
+            let dot = |row: &[f32]| -> f64 {
+                row.iter()
+                    .zip(xr)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum()
+            };
+            let act: Vec<f64> = (0..ff)
+                .map(|i| {
+                    let g = dot(&gate_up[e][i * h..(i + 1) * h]);
+                    let u = dot(&gate_up[e][(ff + i) * h..(ff + i + 1) * h]);
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            for c in 0..h {
+                let y: f64 = (0..ff)
+                    .map(|i| f64::from(down[e][c * ff + i]) * act[i])
+                    .sum();
+                out[r * h + c] += (f64::from(w[r * k + j]) * y) as f32;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_experts_ffn_matches_the_reference_each_expert_once() {
+    let _g = serial();
+    let mut b = default_backend();
+    let (t, h, ff, ne, k) = (6usize, 64usize, 32usize, 5usize, 2usize);
+    // Expert 4 serves nobody; expert 1 serves most tokens.
+    let ids: Vec<i32> = vec![1, 0, 1, 2, 3, 1, 1, 0, 2, 1, 1, 3];
+    let w = rand_vec(71, t * k, 1.0)
+        .iter()
+        .map(|v| v.abs() + 0.1)
+        .collect::<Vec<_>>();
+    let x = h_vec(&rand_vec(72, t * h, 1.0));
+    // Experts 0..3 in f32 (the f16 Matmul form), expert 3 and 4 in Q8_0 (WeightQuantBatchMatmul).
+    let mut gate_up = Vec::new();
+    let mut down_w = Vec::new();
+    let mut gu_m = Vec::new();
+    let mut down_m = Vec::new();
+    for e in 0..ne {
+        let seed = 80 + 2 * e as u64;
+        if e >= 3 {
+            let (gd, gv) = q8_0_rows(seed, 2 * ff, h);
+            let (dd, dv) = q8_0_rows(seed + 1, h, ff);
+            gu_m.push(b.load_matrix(&[q8(&gd, 2 * ff, h)]).unwrap().unwrap());
+            down_m.push(b.load_matrix(&[q8(&dd, h, ff)]).unwrap().unwrap());
+            gate_up.push(gv);
+            down_w.push(dv);
+        } else {
+            let gv = h_vec(&rand_vec(seed, 2 * ff * h, 0.2));
+            let dv = h_vec(&rand_vec(seed + 1, h * ff, 0.2));
+            let (gb, db) = (le_bytes(&gv), le_bytes(&dv));
+            gu_m.push(b.load_matrix(&[f32_m(&gb, 2 * ff, h)]).unwrap().unwrap());
+            down_m.push(b.load_matrix(&[f32_m(&db, h, ff)]).unwrap().unwrap());
+            gate_up.push(gv);
+            down_w.push(dv);
+        }
+    }
+    let xb = up(&mut b, &x, h);
+    let mut ib = b.alloc(DType::I32, t * k).unwrap();
+    b.upload(HostSlice::I32(&ids), ViewMut::rows(&mut ib, t, k).unwrap())
+        .unwrap();
+    let mut wb = b.alloc(DType::F32, t * k).unwrap();
+    b.upload(HostSlice::F32(&w), ViewMut::rows(&mut wb, t, k).unwrap())
+        .unwrap();
+    let mut ob = b.alloc(DType::F16, t * h).unwrap();
+    b.synchronize().unwrap();
+    let before = b.step_stats().launches;
+    b.moe_ffn(
+        View::rows(&xb, t, h).unwrap(),
+        View::rows(&ib, t, k).unwrap(),
+        View::rows(&wb, t, k).unwrap(),
+        &gu_m,
+        &down_m,
+        ff,
+        ViewMut::rows(&mut ob, t, h).unwrap(),
+    )
+    .unwrap();
+    let launches = b.step_stats().launches - before;
+    let got = down(&mut b, &ob, Layout::contiguous(t, h));
+    let want = ffn_ref(&x, &ids, &w, &gate_up, &down_w, (t, h, ff, k));
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len() as f32).sqrt();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-2 * rms + 2e-3 * w.abs(),
+            "out[{i}]: {g} vs {w} (rms {rms})"
+        );
+    }
+    // The gather, four experts with rows (gate+up and down once each), one SwiGlu over every
+    // grouped row, the weights' cast and the finalize: 12 launches, none per token.
+    assert_eq!(launches, 12);
+}
+
+fn h_vec(v: &[f32]) -> Vec<f32> {
+    h(v)
+}
+
+fn f32_m(data: &[u8], rows: usize, cols: usize) -> HostTensor<'_> {
+    HostTensor {
+        ty: GgmlType::F32,
+        data,
+        rows,
+        cols,
+    }
+}
+
+fn q8(data: &[u8], rows: usize, cols: usize) -> HostTensor<'_> {
+    HostTensor {
+        ty: GgmlType::Q8_0,
+        data,
+        rows,
+        cols,
+    }
+}
+
+/// A first phase's status and the emulation's message.
+fn first_phase(rc: i32) -> (i32, String) {
+    (rc, acl().last_message())
+}
+
+#[test]
+fn moe_operator_misuses_are_refused_with_the_documented_codes() {
+    let _dev = device();
+    let acl = acl();
+    let ops = acl.api.ops;
+    let gating = ops.aclnnMoeGatingTopKSoftmaxV2GetWorkspaceSize.unwrap();
+    let fin = ops.aclnnMoeFinalizeRoutingV2GetWorkspaceSize.unwrap();
+    let (xb, yb, ib) = (upload(&[0u8; 4 * 64]), zeros(4 * 64), zeros(4 * 64));
+    let x = t(&xb, TDType::F32, &[4, 8]);
+    let y = t(&yb, TDType::F32, &[4, 2]);
+    let ids = t(&ib, TDType::I32, &[4, 2]);
+    let null = std::ptr::null();
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    let mut gate = |x: &Tensor, k: i64, renorm: i64, y: &Tensor, ids: &Tensor| {
+        // SAFETY: live tensors and out-pointers.
+        first_phase(unsafe {
+            gating(
+                x.raw(),
+                null,
+                k,
+                renorm,
+                false,
+                y.raw(),
+                ids.raw(),
+                null,
+                &mut ws,
+                &mut exec,
+            )
+        })
+    };
+    // k above x's last axis, or above 1024: the tiling refuses it.
+    let (c, msg) = gate(&x, 9, 0, &y, &ids);
+    assert_eq!(c, ACLNN_ERR_INNER_TILING_ERROR, "{msg}");
+    assert!(msg.contains("k = 9"), "{msg}");
+    // renorm is 0 or 1.
+    let (c, msg) = gate(&x, 2, 2, &y, &ids);
+    assert_eq!(c, ACLNN_ERR_INNER_TILING_ERROR, "{msg}");
+    assert!(msg.contains("renorm"), "{msg}");
+    // yOut has x's data type.
+    let y16 = t(&yb, TDType::F16, &[4, 2]);
+    let (c, msg) = gate(&x, 2, 0, &y16, &ids);
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    // yOut's last axis is k.
+    let y3 = t(&yb, TDType::F32, &[4, 3]);
+    let (c, msg) = gate(&x, 2, 0, &y3, &ids);
+    assert_eq!(c, ACLNN_ERR_INNER_TILING_ERROR, "{msg}");
+    // The outputs do not support non-contiguous tensors.
+    let y_strided =
+        Tensor::new(acl, &yb, TView::strided(TDType::F32, &[4, 2], &[4, 1], 0)).unwrap();
+    let (c, msg) = gate(&x, 2, 0, &y_strided, &ids);
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("yOut"), "{msg}");
+    // A one-dimensional x.
+    let x1 = t(&xb, TDType::F32, &[32]);
+    let (c, msg) = gate(&x1, 2, 0, &y, &ids);
+    assert_eq!(c, ACLNN_ERR_INNER_TILING_ERROR, "{msg}");
+
+    // MoeFinalizeRoutingV2: f16 expandedX (4·2 rows of 8), row indices, scales, out.
+    let (eb, rb, sb, ob) = (zeros(2 * 64), zeros(4 * 8), zeros(4 * 8), zeros(2 * 32));
+    let ex = t(&eb, TDType::F16, &[8, 8]);
+    let rows = t(&rb, TDType::I32, &[8]);
+    let out = t(&ob, TDType::F16, &[4, 8]);
+    let mut finalize = |scales: &Tensor, mode: i64, out: &Tensor| {
+        // SAFETY: live tensors and out-pointers.
+        first_phase(unsafe {
+            fin(
+                ex.raw(),
+                rows.raw(),
+                null,
+                null,
+                null,
+                scales.raw(),
+                null,
+                mode,
+                out.raw(),
+                &mut ws,
+                &mut exec,
+            )
+        })
+    };
+    // f32 scales with f16 expandedX: the mixed mode is documented for BFLOAT16 only.
+    let s32 = t(&sb, TDType::F32, &[4, 2]);
+    let (c, msg) = finalize(&s32, 2, &out);
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("scalesOptional"), "{msg}");
+    let s16 = t(&sb, TDType::F16, &[4, 2]);
+    // dropPadMode outside [0, 3].
+    let (c, msg) = finalize(&s16, 4, &out);
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    // K from the scales must match expandedX's rows.
+    let s3 = t(&sb, TDType::F16, &[4, 3]);
+    let (c, msg) = finalize(&s3, 2, &out);
+    assert_eq!(c, ACLNN_ERR_INNER_TILING_ERROR, "{msg}");
+    // out does not support non-contiguous tensors.
+    let out_strided =
+        Tensor::new(acl, &ob, TView::strided(TDType::F16, &[4, 4], &[8, 1], 0)).unwrap();
+    let ex4 = t(&eb, TDType::F16, &[8, 4]);
+    let (mut ws2, mut exec2) = (0u64, std::ptr::null_mut());
+    // SAFETY: live tensors and out-pointers.
+    let (c, msg) = first_phase(unsafe {
+        fin(
+            ex4.raw(),
+            rows.raw(),
+            null,
+            null,
+            null,
+            s16.raw(),
+            null,
+            2,
+            out_strided.raw(),
+            &mut ws2,
+            &mut exec2,
+        )
+    });
+    assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
+    assert!(msg.contains("out"), "{msg}");
+}
