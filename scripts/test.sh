@@ -136,7 +136,7 @@ fi
 
 # ---- the suite ------------------------------------------------------------------------------
 current=setup
-python3 -m pip install --quiet --disable-pip-version-check requests jsonschema pyzmq msgspec openai
+python3 -m pip install --quiet --disable-pip-version-check requests jsonschema pyzmq msgspec openai anthropic
 # NVRTC (no GPU needed) lets the CUDA backend's tests compile every kernel; they skip without it.
 # NVRTC of CUDA 12 and of CUDA 13 (the nvidia-cuda-nvrtc wheel): every kernel is compiled by each.
 python3 -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc-cu12 ||

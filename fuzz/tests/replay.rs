@@ -59,6 +59,11 @@ fn api_bodies_corpus() {
 }
 
 #[test]
+fn anthropic_bodies_corpus() {
+    replay("anthropic_bodies");
+}
+
+#[test]
 fn gguf_corpus() {
     replay("gguf");
 }

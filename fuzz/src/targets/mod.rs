@@ -1,6 +1,7 @@
 //! One module per target; each `run` is a [`crate::Harness`].
 
 pub mod agent_link;
+pub mod anthropic;
 pub mod api;
 pub mod chat;
 pub mod config;

@@ -22,6 +22,8 @@ pub enum ErrorShape {
     Plain,
     /// `{"error": {"message", "type", "param", "code"}}`.
     OpenAi,
+    /// Anthropic's `{"type": "error", "error": {"type", "message"}}` (/v1/messages).
+    Anthropic,
 }
 
 impl ApiError {
@@ -98,6 +100,7 @@ pub(crate) fn render_error(
 ) -> Response {
     match shape {
         ErrorShape::Plain => Response::error(status, kind, message),
+        ErrorShape::Anthropic => super::anthropic::error_response(status, kind, message),
         ErrorShape::OpenAi => Response::json(
             status,
             &serde_json::json!({

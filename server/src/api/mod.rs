@@ -2,6 +2,7 @@
 //! OpenAI routes, /health, /metrics and llm-serving's /serving/* status routes. Handlers validate,
 //! tokenize and build a `GenerateRequest`, then turn its events into the response.
 
+mod anthropic;
 mod defaults;
 mod error;
 mod fields;
@@ -159,6 +160,9 @@ enum Route {
     Models,
     Completions,
     ChatCompletions,
+    /// Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens`.
+    AnthropicMessages,
+    AnthropicCountTokens,
     /// `/models/{name}` (stream from the body), `/generate` (false), `/generate_stream` (true).
     TgiGenerate(Option<bool>),
     ServingBatchSize,
@@ -175,6 +179,8 @@ fn route(path: &str) -> Option<(Route, &'static str)> {
         "/v1/models" => (Route::Models, "GET"),
         "/v1/completions" => (Route::Completions, "POST"),
         "/v1/chat/completions" => (Route::ChatCompletions, "POST"),
+        "/v1/messages" => (Route::AnthropicMessages, "POST"),
+        "/v1/messages/count_tokens" => (Route::AnthropicCountTokens, "POST"),
         "/serving/get_bs" => (Route::ServingBatchSize, "GET"),
         "/serving/get_request_numbers" => (Route::ServingRequestNumbers, "GET"),
         "/serving/get_serverd_model_info" => (Route::ServingModelInfo, "GET"),
@@ -210,7 +216,9 @@ fn thinks(tokenizer: &Tokenizer, template: Option<&str>) -> bool {
 }
 
 fn shape_for(path: &str) -> ErrorShape {
-    if path.starts_with("/v1/") {
+    if anthropic::owns(path) {
+        ErrorShape::Anthropic
+    } else if path.starts_with("/v1/") {
         ErrorShape::OpenAi
     } else {
         ErrorShape::Plain
@@ -482,6 +490,11 @@ impl Handler for ApiContext {
             Route::TgiGenerate(stream) => tgi::submission(self, req, id, stream),
             Route::Completions => openai::completion_submission(self, req, id),
             Route::ChatCompletions => openai::chat_submission(self, req, id),
+            Route::AnthropicMessages => anthropic::messages_submission(self, req, id),
+            Route::AnthropicCountTokens => {
+                let r = anthropic::count_tokens(self, req);
+                return Reply::Full(r.unwrap_or_else(|e| e.response(shape)));
+            }
         };
         match result {
             Ok(sub) => Reply::Generate(sub),

@@ -106,6 +106,7 @@ pub(crate) fn reason(status: u16) -> &'static str {
         501 => "Not Implemented",
         503 => "Service Unavailable",
         505 => "HTTP Version Not Supported",
+        529 => "Overloaded",
         _ => "Unknown",
     }
 }
