@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TARGETS="http api_bodies anthropic_bodies gguf tokenizer chat_template config_yaml agent_link kv_subscriber safetensors"
+TARGETS="http api_bodies responses_bodies anthropic_bodies gguf tokenizer chat_template config_yaml agent_link kv_subscriber safetensors"
 target=${1:-}
 if [ -z "$target" ] || [ "$target" = list ]; then
   echo "targets: $TARGETS"

@@ -19,6 +19,7 @@ pub type Harness = fn(&[u8]);
 pub const TARGETS: &[(&str, Harness)] = &[
     ("http", targets::http::run),
     ("api_bodies", targets::api::run),
+    ("responses_bodies", targets::responses::run),
     ("anthropic_bodies", targets::anthropic::run),
     ("gguf", targets::gguf::run),
     ("tokenizer", targets::tokenizer::run),

@@ -64,6 +64,11 @@ fn anthropic_bodies_corpus() {
 }
 
 #[test]
+fn responses_bodies_corpus() {
+    replay("responses_bodies");
+}
+
+#[test]
 fn gguf_corpus() {
     replay("gguf");
 }

@@ -8,5 +8,6 @@ pub mod config;
 pub mod gguf;
 pub mod http;
 pub mod kv_subscriber;
+pub mod responses;
 pub mod safetensors;
 pub mod tokenizer;

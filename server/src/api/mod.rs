@@ -11,6 +11,7 @@ mod openai_choices;
 mod openai_stream;
 mod pyjson;
 mod reasoning;
+mod responses;
 mod sampling;
 mod structured;
 mod tgi;
@@ -52,6 +53,8 @@ pub struct ApiSettings {
     /// Reported by /serving/get_serverd_model_info.
     pub decode_batch_size: u32,
     pub model_dtype: String,
+    /// The Responses API store's bounds.
+    pub responses: crate::config::ResponsesConfig,
 }
 
 impl Default for ApiSettings {
@@ -66,6 +69,7 @@ impl Default for ApiSettings {
             device: DeviceKind::Cpu,
             decode_batch_size: 64,
             model_dtype: "gguf".into(),
+            responses: Default::default(),
         }
     }
 }
@@ -127,6 +131,7 @@ impl ApiSettings {
                 .model_dtype
                 .clone()
                 .unwrap_or_else(|| "gguf".into()),
+            responses: cfg.npu_serving.responses,
         }
     }
 }
@@ -146,6 +151,8 @@ pub struct ApiContext {
     /// The grammar compiler over this model's vocabulary, made on the first constrained
     /// request (indexing a large vocabulary takes a moment).
     grammars: std::sync::OnceLock<Result<npu_structured::Grammars, String>>,
+    /// Stored responses of `/v1/responses`.
+    responses: Arc<responses::Store>,
 }
 
 /// A route and the methods it answers.
@@ -160,6 +167,9 @@ enum Route {
     Models,
     Completions,
     ChatCompletions,
+    /// `POST /v1/responses`; `/v1/responses/{id}[/...]` (its methods checked there).
+    Responses,
+    ResponseById,
     /// Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens`.
     AnthropicMessages,
     AnthropicCountTokens,
@@ -179,6 +189,8 @@ fn route(path: &str) -> Option<(Route, &'static str)> {
         "/v1/models" => (Route::Models, "GET"),
         "/v1/completions" => (Route::Completions, "POST"),
         "/v1/chat/completions" => (Route::ChatCompletions, "POST"),
+        "/v1/responses" => (Route::Responses, "POST"),
+        _ if path.starts_with("/v1/responses/") => (Route::ResponseById, ""),
         "/v1/messages" => (Route::AnthropicMessages, "POST"),
         "/v1/messages/count_tokens" => (Route::AnthropicCountTokens, "POST"),
         "/serving/get_bs" => (Route::ServingBatchSize, "GET"),
@@ -244,6 +256,7 @@ impl ApiContext {
             .unwrap_or(0);
         let thinks = thinks(&tokenizer, tokenizer.chat_template_source());
         Self {
+            responses: responses::store(&settings.responses),
             settings,
             tokenizer,
             chat_template,
@@ -453,7 +466,7 @@ impl Handler for ApiContext {
             );
             return Reply::Full(e.response(shape));
         };
-        if req.method != allow {
+        if !allow.is_empty() && req.method != allow {
             let e = ApiError::new(
                 405,
                 "method_not_allowed",
@@ -490,6 +503,8 @@ impl Handler for ApiContext {
             Route::TgiGenerate(stream) => tgi::submission(self, req, id, stream),
             Route::Completions => openai::completion_submission(self, req, id),
             Route::ChatCompletions => openai::chat_submission(self, req, id),
+            Route::Responses => responses::submission(self, req, id),
+            Route::ResponseById => return Reply::Full(responses::by_id(self, req)),
             Route::AnthropicMessages => anthropic::messages_submission(self, req, id),
             Route::AnthropicCountTokens => {
                 let r = anthropic::count_tokens(self, req);

@@ -5,6 +5,7 @@
 mod access;
 mod error;
 mod reader;
+mod responses;
 mod roles;
 mod sections;
 mod speculative;
@@ -17,6 +18,7 @@ pub use access::{AccessConfig, ApiKeySource, TlsFiles};
 pub use error::{ConfigError, ConfigWarning};
 pub(crate) use reader::closest;
 pub use reader::parse_bool_str;
+pub use responses::ResponsesConfig;
 pub use roles::{AgentRole, MAX_HANDOFF_SPACE_MB};
 
 use crate::http::HttpLimits;
@@ -213,6 +215,8 @@ pub struct NpuServingConfig {
     pub speculative: Option<npu_scheduler::SpeculativeConfig>,
     /// API keys, whether the health routes need one, TLS (`api_keys`, `protect_health`, `tls`).
     pub access: AccessConfig,
+    /// The Responses API store (`responses_store_size`, `responses_ttl_s`).
+    pub responses: ResponsesConfig,
 }
 
 impl Default for NpuServingConfig {
@@ -244,6 +248,7 @@ impl Default for NpuServingConfig {
             kv_events: None,
             speculative: None,
             access: AccessConfig::default(),
+            responses: ResponsesConfig::default(),
         }
     }
 }
