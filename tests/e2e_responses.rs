@@ -50,7 +50,7 @@ fn responses_api_through_openai_python_and_on_the_wire() {
         "{tools}"
     );
     let schema = client(&server, "schema");
-    assert_eq!(schema["validated"], 2, "{schema}");
+    assert_eq!(schema["validated"], 3, "{schema}");
     let errors = client(&server, "errors");
     assert_eq!(errors["refused"], 6, "{errors}");
 
@@ -98,6 +98,12 @@ fn responses_api_through_openai_python_and_on_the_wire() {
     assert_eq!(status, 405);
     let (status, text) = server.request("GET", "/v1/responses", b"");
     assert_eq!(status, 405, "{text}");
+    // Agent tools send their own model names: answered by the served model, named in the reply.
+    let (status, r) = server.post_json(
+        "/v1/responses",
+        &json!({"model": "gpt-4.1", "input": "Hi", "max_output_tokens": 2}),
+    );
+    assert_eq!((status, r["model"].as_str()), (200, Some(MODEL)), "{r}");
     let (status, text) = server.post_json("/v1/responses", &json!({"input": [{"type": "nope"}]}));
     assert_eq!(status, 400);
     assert_eq!(text["error"]["param"], "input[0].type", "{text}");

@@ -201,7 +201,13 @@ def schema_mode(client, model):
     obj = client.responses.create(model=model, input="Reply in JSON.", temperature=0,
                                   max_output_tokens=60, text={"format": {"type": "json_object"}})
     expect(obj.status != "completed" or isinstance(json.loads(obj.output_text), dict), obj)
-    return {"validated": 2, "person": parsed.output_parsed.model_dump()}
+    # A schema that is one constant (as llama.cpp's server tests send, with a foreign model name).
+    const = client.responses.create(model="gpt-4.1", input="Write an example",
+                                    max_output_tokens=10,
+                                    text={"format": {"type": "json_schema", "name": "test",
+                                                     "schema": {"const": "foooooo"}}})
+    expect(const.output_text == '"foooooo"', const.output_text)
+    return {"validated": 3, "person": parsed.output_parsed.model_dump()}
 
 
 def errors_mode(client, model):

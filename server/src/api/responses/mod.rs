@@ -56,7 +56,11 @@ pub(super) fn submission(
 ) -> Result<Submission, ApiError> {
     let body = parse_body(&req.body)?;
     let f = Fields::new(&body, "");
-    let model = ctx.check_model(f.string("model")?)?;
+    // Any name is answered, as agent tools (Codex and the like) send their own: a served name
+    // is echoed, another gets the first served name.
+    let model = ctx
+        .check_model(f.string("model")?)
+        .or_else(|_| ctx.check_model(None))?;
     let p = parse::parse(&f, &ctx.settings)?;
     let mut history = match &p.previous_response_id {
         Some(prev) => {
@@ -216,7 +220,11 @@ fn render(
 /// `GET` / `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`,
 /// `POST /v1/responses/{id}/cancel` (refused: there is no background mode).
 pub(super) fn by_id(ctx: &ApiContext, req: &Request) -> Response {
-    let rest = req.path.strip_prefix("/v1/responses/").unwrap_or_default();
+    let rest = req
+        .path
+        .strip_prefix("/v1/responses/")
+        .or_else(|| req.path.strip_prefix("/responses/"))
+        .unwrap_or_default();
     let (id, tail) = match rest.split_once('/') {
         Some((id, tail)) => (id, Some(tail)),
         None => (rest, None),
