@@ -483,7 +483,17 @@ impl Backend for CudaBackend {
         &mut self,
         parts: &[HostTensor<'_>],
     ) -> Result<Option<CudaMatrix>, BackendError> {
-        let dense = (self.cfg.matmul == MatmulMode::Dequantized).then_some(self.cfg.act_dtype);
+        // F32 matrices (a MoE router, f32 files) stay f32 under f32 activations, products in f32
+        // as the CPU backend and llama.cpp compute them: a router's logits rounded through f16
+        // weights can choose another expert where two are close.
+        let all_f32 = parts.iter().all(|p| p.ty == npu_gguf::GgmlType::F32);
+        let dense = if self.cfg.matmul == MatmulMode::Dequantized {
+            Some(self.cfg.act_dtype)
+        } else if all_f32 && self.cfg.act_dtype == DType::F32 {
+            Some(DType::F32)
+        } else {
+            None
+        };
         let Some(p) = weights::pack_matrix(parts, dense)? else {
             return Ok(None);
         };

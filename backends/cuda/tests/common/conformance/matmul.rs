@@ -98,8 +98,10 @@ pub fn matmul_paths_match_their_references(make: Make) {
                 let mut raw = d1.clone();
                 raw.extend(&d2);
                 let mut w = dequantized(ty, &raw, n, k);
-                if ty == GgmlType::F32 && mode != MatmulMode::Dequantized {
-                    // Types without a packed form are kept as F16.
+                // F32 matrices under f32 activations stay f32 (cuBLAS in every mode); other
+                // types without a packed form are kept as F16.
+                let f32_dense = ty == GgmlType::F32 && dt == DType::F32;
+                if ty == GgmlType::F32 && mode != MatmulMode::Dequantized && !f32_dense {
                     w = rounded(&w, DType::F16);
                 }
                 let packed = matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
@@ -121,8 +123,9 @@ pub fn matmul_paths_match_their_references(make: Make) {
                     let xs: Vec<f32> = (0..rows)
                         .flat_map(|r| x[r * ld + col0..r * ld + col0 + k].to_vec())
                         .collect();
-                    let gemv_path =
-                        mode == MatmulMode::Quantized || (mode == MatmulMode::Auto && rows <= 8);
+                    let gemv_path = !f32_dense
+                        && (mode == MatmulMode::Quantized
+                            || (mode == MatmulMode::Auto && rows <= 8));
                     let mut acts = QuantizedActs::new();
                     acts.quantize(&xs, rows, k);
                     let rb = ty.row_bytes(k).unwrap();
