@@ -6,6 +6,10 @@
 //! a request recomputed after preemption, swap or an agent restart keeps its constraint's
 //! state, since only tokens that reached the client advance it.
 
+mod strict;
+
+pub use strict::closed as closed_schema;
+
 use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;

@@ -179,3 +179,53 @@ fn bad_grammars_are_refused_naming_their_kind() {
         }
     }
 }
+
+/// Whether `spec` admits `text` whole: each of its tokens allowed by the mask in turn, and the
+/// grammar complete at the end.
+fn admits(spec: &ConstraintSpec, text: &str) -> bool {
+    let (g, tok) = (grammars().unwrap(), tokenizer().unwrap());
+    let mut c = g.compile(spec).expect("compiles");
+    for id in tok.encode(text).expect("tokenizes") {
+        let mask = c.mask().unwrap();
+        if mask[id as usize / 32] & (1 << (id % 32)) == 0 || c.commit(id).is_err() {
+            return false;
+        }
+    }
+    c.is_accepting()
+}
+
+#[test]
+fn closed_schemas_admit_only_the_properties_they_name() {
+    if grammars().is_none() {
+        return;
+    }
+    let params = json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "at": {"type": "object", "properties": {"lat": {"type": "number"}}}
+        },
+        "required": ["city"]
+    });
+    let open = ConstraintSpec::JsonSchema(params.clone());
+    let strict = ConstraintSpec::JsonSchema(npu_structured::closed_schema(&params));
+    let extra = r#"{"city":"Paris","type":"string"}"#;
+    let nested_extra = r#"{"city":"Paris","at":{"lat":1,"lon":2}}"#;
+    let good = r#"{"city":"Paris","at":{"lat":1.5}}"#;
+    assert!(admits(&open, extra), "JSON Schema's default admits more");
+    assert!(!admits(&strict, extra));
+    assert!(!admits(&strict, nested_extra));
+    assert!(admits(&strict, good));
+    assert!(admits(&strict, r#"{"city":"Paris"}"#));
+    // As the tool-call grammar embeds it (Lark's %json).
+    let lark = ConstraintSpec::Lark(format!(
+        "start: \"<tool_call>\" body \"</tool_call>\"\nbody: %json {}\n",
+        npu_structured::closed_schema(&params)
+    ));
+    assert!(!admits(&lark, &format!("<tool_call>{extra}</tool_call>")));
+    assert!(admits(&lark, &format!("<tool_call>{good}</tool_call>")));
+    // A schema that asks for more keeps it.
+    let free = json!({"type": "object", "properties": {"a": {}}, "additionalProperties": true});
+    let free = ConstraintSpec::JsonSchema(npu_structured::closed_schema(&free));
+    assert!(admits(&free, r#"{"a":1,"b":2}"#));
+}

@@ -117,6 +117,18 @@ impl OpenAiWriter {
         body: &mut Vec<u8>,
     ) {
         let (content, calls) = self.route(content);
+        self.emit(reasoning, content, calls, lp, body);
+    }
+
+    /// Emits (streaming) or keeps (not) content and calls already split.
+    fn emit(
+        &mut self,
+        reasoning: String,
+        content: String,
+        calls: Vec<Call>,
+        lp: Option<Value>,
+        body: &mut Vec<u8>,
+    ) {
         if !self.stream {
             self.parts.reasoning.push_str(&reasoning);
             self.parts.content.push_str(&content);
@@ -381,17 +393,9 @@ impl EventWriter for OpenAiWriter {
                 if let Some(rest) = self.think.as_mut().map(ThinkSplitter::finish) {
                     self.put_content(rest.reasoning, rest.content, None, body);
                 }
+                // Not routed again: an unfinished call (cut by max_tokens) is content.
                 if let Some(rest) = self.calls.as_mut().map(CallSplitter::finish) {
-                    self.put_content(String::new(), rest.content, None, body);
-                    if !rest.calls.is_empty() {
-                        if self.stream {
-                            let first =
-                                self.calls.as_ref().map_or(0, |s| s.calls) - rest.calls.len();
-                            Self::sse(body, &self.calls_chunk(&rest.calls, first));
-                        } else {
-                            self.found.extend(rest.calls);
-                        }
-                    }
+                    self.emit(String::new(), rest.content, rest.calls, None, body);
                 }
                 let called = self.calls.as_ref().is_some_and(|s| s.calls > 0);
                 let finish = Some(match reason.openai() {

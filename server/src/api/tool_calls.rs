@@ -7,7 +7,7 @@
 //! separated by `;`, optionally after `<|python_tag|>`), naming offered tools; such a reply is
 //! held back until it ends, and is content after all when it is not entirely calls.
 
-use npu_structured::ConstraintSpec;
+use npu_structured::{closed_schema, ConstraintSpec};
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
@@ -152,11 +152,13 @@ pub(crate) fn parse(
     Ok((out, choice))
 }
 
-/// The schema of one call of `tool` as the model writes it.
+/// The schema of one call of `tool` as the model writes it. The arguments follow the tool's
+/// schema strictly (OpenAI's strict mode): an object admits only the properties it names
+/// unless it sets `additionalProperties` itself.
 fn call_schema(tool: &Tool) -> Value {
     json!({
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": tool.name}, "arguments": closed_schema(&tool.parameters)},
         "required": ["name", "arguments"],
         "additionalProperties": false
     })
@@ -568,5 +570,28 @@ mod tests {
             Some(ConstraintSpec::Lark(g)) => assert!(g.starts_with("start: call\n"), "{g}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn call_arguments_admit_only_the_schema_properties() {
+        let tools = json!([{"type": "function", "function": {"name": "w", "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "opts": {"type": "object", "properties": {"u": {}}}},
+        }}}]);
+        let (t, _) = parse(Some(&tools), None).unwrap();
+        let Some(ConstraintSpec::Lark(g)) = grammar(&t, &Choice::Named("w".into()), false) else {
+            panic!("no grammar");
+        };
+        let schema: Value = serde_json::from_str(g.split("%json ").nth(1).unwrap().trim()).unwrap();
+        let args = &schema["properties"]["arguments"];
+        assert_eq!(args["additionalProperties"], false, "{g}");
+        assert_eq!(
+            args["properties"]["opts"]["additionalProperties"], false,
+            "{g}"
+        );
+        // The client's own schema, as the template sees it, is unchanged.
+        assert!(t[0].raw["function"]["parameters"]
+            .get("additionalProperties")
+            .is_none());
     }
 }
