@@ -18,6 +18,7 @@
 //!   between device blocks, and between device blocks and host memory the caller owns.
 
 pub mod collective;
+pub mod moe;
 pub mod view;
 
 use npu_gguf::GgmlType;

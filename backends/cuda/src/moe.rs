@@ -9,13 +9,14 @@
 //!
 //! [`Capability::Moe`]: npu_backend::Capability::Moe
 
+use npu_backend::moe::{check_expert_shapes, ExpertGroups};
 use npu_backend::{Backend, BackendError, DType, HostSlice, HostSliceMut, Readback, View, ViewMut};
 
 use crate::backend::CudaBackend;
 use crate::buffer::CudaBuffer;
 use crate::gpu::{blocks, Args, LaunchDims};
 use crate::kernels::{op_kernel, Op};
-use crate::ops::{addr, addr_mut, bad, float, grid_rows, int, need, same, EW_THREADS};
+use crate::ops::{addr, addr_mut, float, grid_rows, int, need, same, EW_THREADS};
 use crate::weights::CudaMatrix;
 
 impl CudaBackend {
@@ -110,27 +111,13 @@ impl CudaBackend {
                 )
             },
         )?;
-        if gate_up.len() != down.len() {
-            return Err(bad(
-                OP,
-                format!("{} gate/up and {} down experts", gate_up.len(), down.len()),
-            ));
-        }
-        for (e, (gu, d)) in gate_up.iter().zip(down).enumerate() {
-            if gu.k != h || gu.n != 2 * ff || d.k != ff || d.n != h {
-                return Err(bad(
-                    OP,
-                    format!(
-                        "expert {e} is {}x{} then {}x{}, expected {h}x{} then {ff}x{h}",
-                        gu.k,
-                        gu.n,
-                        d.k,
-                        d.n,
-                        2 * ff
-                    ),
-                ));
-            }
-        }
+        check_expert_shapes(
+            OP,
+            gate_up.iter().map(|m| (m.k, m.n)),
+            down.iter().map(|m| (m.k, m.n)),
+            h,
+            ff,
+        )?;
         if t == 0 {
             return Ok(());
         }
@@ -140,37 +127,15 @@ impl CudaBackend {
             src: ids,
             dst: HostSliceMut::I32(&mut id_host),
         }])?;
-        let ne = gate_up.len();
-        let mut counts = vec![0usize; ne];
-        for (i, &e) in id_host.iter().enumerate() {
-            let e = usize::try_from(e).ok().filter(|&e| e < ne).ok_or_else(|| {
-                bad(
-                    OP,
-                    format!("token {} is routed to expert {e} of {ne}", i / k),
-                )
-            })?;
-            counts[e] += 1;
-        }
-        let mut start = vec![0usize; ne + 1];
-        for e in 0..ne {
-            start[e + 1] = start[e] + counts[e];
-        }
+        let groups = ExpertGroups::plan(OP, &id_host, k, gate_up.len())?;
         let n = t * k;
-        // rows[g]: the token of grouped row g; pos[r * k + j]: the grouped row of (r, j).
-        let mut next = start.clone();
-        let mut rows = vec![0i32; n];
-        let mut pos = vec![0i32; n];
-        for (i, &e) in id_host.iter().enumerate() {
-            let e = e as usize;
-            let g = next[e];
-            next[e] += 1;
-            rows[g] = (i / k) as i32;
-            pos[i] = g as i32;
-        }
         let mut plan = self.alloc(DType::I32, 2 * n)?;
-        self.upload(HostSlice::I32(&rows), ViewMut::rows(&mut plan, 1, n)?)?;
         self.upload(
-            HostSlice::I32(&pos),
+            HostSlice::I32(&groups.rows),
+            ViewMut::rows(&mut plan, 1, n)?,
+        )?;
+        self.upload(
+            HostSlice::I32(&groups.pos),
             ViewMut::rows(&mut plan, 2, n)?.row_range(1, 1)?,
         )?;
         let plan_ptr = plan.addr(0);
@@ -193,8 +158,7 @@ impl CudaBackend {
         let mut gu = self.alloc(dt, n * 2 * ff)?;
         let mut act = self.alloc(dt, n * ff)?;
         let mut ys = self.alloc(dt, n * h)?;
-        for e in (0..ne).filter(|&e| counts[e] > 0) {
-            let (s, c) = (start[e], counts[e]);
+        for (e, s, c) in groups.active() {
             self.op_matmul(
                 View::rows(&xs, n, h)?.row_range(s, c)?,
                 &gate_up[e],
@@ -209,8 +173,7 @@ impl CudaBackend {
                 ViewMut::rows(&mut act, n, ff)?,
             )?;
         }
-        for e in (0..ne).filter(|&e| counts[e] > 0) {
-            let (s, c) = (start[e], counts[e]);
+        for (e, s, c) in groups.active() {
             self.op_matmul(
                 View::rows(&act, n, ff)?.row_range(s, c)?,
                 &down[e],

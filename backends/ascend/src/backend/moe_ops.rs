@@ -33,6 +33,7 @@
 //! backend's two forms (f16, or INT4/INT8 with per-group antiquant), which GroupedMatmul takes
 //! as tensor lists with conditions not yet worked through.
 
+use npu_backend::moe::{check_expert_shapes, ExpertGroups};
 use npu_backend::{
     Backend, BackendError, DType, DeviceBuffer as _, HostSliceMut, Readback, View, ViewMut,
 };
@@ -249,27 +250,13 @@ impl AscendBackend {
                 "out must be dense rows (MoeFinalizeRoutingV2's out)",
             ));
         }
-        if gate_up.len() != down.len() || gate_up.is_empty() {
-            return Err(bad(
-                op,
-                format!("{} gate/up and {} down experts", gate_up.len(), down.len()),
-            ));
-        }
-        for (e, (gu, d)) in gate_up.iter().zip(down).enumerate() {
-            if gu.k != h || gu.n != 2 * ff || d.k != ff || d.n != h {
-                return Err(bad(
-                    op,
-                    format!(
-                        "expert {e} is {}x{} then {}x{}, expected {h}x{} then {ff}x{h}",
-                        gu.k,
-                        gu.n,
-                        d.k,
-                        d.n,
-                        2 * ff
-                    ),
-                ));
-            }
-        }
+        check_expert_shapes(
+            op,
+            gate_up.iter().map(|m| (m.k, m.n)),
+            down.iter().map(|m| (m.k, m.n)),
+            h,
+            ff,
+        )?;
         if t == 0 || k == 0 {
             return Ok(());
         }
@@ -286,38 +273,13 @@ impl AscendBackend {
             src: View::new(ids.buf(), il)?,
             dst: HostSliceMut::I32(&mut host),
         }])?;
-        let ne = gate_up.len();
-        let mut counts = vec![0usize; ne];
-        for (i, &e) in host.iter().enumerate() {
-            let c = usize::try_from(e)
-                .ok()
-                .and_then(|e| counts.get_mut(e))
-                .ok_or_else(|| {
-                    bad(
-                        op,
-                        format!("token {} is routed to expert {e} of {ne}", i / k),
-                    )
-                })?;
-            *c += 1;
-        }
-        let mut next: Vec<usize> = counts
-            .iter()
-            .scan(0, |s, &c| {
-                let start = *s;
-                *s += c;
-                Some(start)
-            })
-            .collect();
-        let starts = next.clone();
+        let groups = ExpertGroups::plan(op, &host, k, gate_up.len())?;
         let tk = t * k;
         let dst_at = tk.next_multiple_of(ALIGN_I32);
         let mut index = vec![0i32; dst_at + tk];
-        for (i, &e) in host.iter().enumerate() {
-            let p = next[e as usize];
-            next[e as usize] += 1;
-            index[p] = (i / k) as i32;
-            index[dst_at + i] = p as i32;
-        }
+        index[..tk].copy_from_slice(&groups.rows);
+        index[dst_at..].copy_from_slice(&groups.pos);
+        let (counts, starts) = (groups.counts, groups.starts);
         let mut bufs = std::mem::take(&mut self.moe);
         let r = self.moe_ffn_grouped(
             &mut bufs,
