@@ -14,7 +14,7 @@ use npu_gguf::GgufFile;
 pub struct SynthArgs {
     /// Family: llama, llama3 (llama with rope_freqs and tied embeddings), qwen2, qwen3,
     /// qwen3moe or gemma3.
-    #[arg(long, required_unless_present_any = ["variant", "list_variants"])]
+    #[arg(long, required_unless_present_any = ["variant", "list_variants", "from"])]
     pub arch: Option<String>,
     /// A model of the fidelity sweep by name (its family, shape, seed and weight type; see
     /// --list-variants) instead of --arch/--seed/--type.
@@ -50,8 +50,13 @@ pub struct SynthArgs {
     /// model.safetensors.index.json), as save_pretrained's max_shard_size does.
     #[arg(long, requires = "hf_dir")]
     pub max_shard_bytes: Option<u64>,
+    /// Write the Hugging Face twin of this existing GGUF file (a llama, qwen2, qwen3, qwen3moe
+    /// or gemma3 model in F32/F16/BF16, or quantized, written dequantized) into --hf-dir instead
+    /// of making a model: the speed figures' checkpoints (scripts/bench-hf-dir.sh).
+    #[arg(long, requires = "hf_dir", conflicts_with_all = ["arch", "variant", "list_variants"])]
+    pub from: Option<PathBuf>,
     /// Where to write the model.
-    #[arg(required_unless_present = "list_variants")]
+    #[arg(required_unless_present_any = ["list_variants", "from"])]
     pub out: Option<PathBuf>,
 }
 
@@ -60,6 +65,14 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         for v in synth::sweep::variants() {
             println!("{}", v.name);
         }
+        return Ok(());
+    }
+    if let (Some(from), Some(dir)) = (&a.from, &a.hf_dir) {
+        let dtype = super::synth_hf::HfDtype::from_name(&a.hf_dtype)?;
+        let gguf = GgufFile::open(from)?;
+        super::synth_hf::write_hf_twin(&gguf, dir, dtype, a.max_shard_bytes)
+            .with_context(|| format!("writing the Hugging Face twin into {}", dir.display()))?;
+        println!("hugging face twin  {}", dir.display());
         return Ok(());
     }
     let out = a.out.context("no output path given")?;
