@@ -21,6 +21,7 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("api_bodies", targets::api::run),
     ("responses_bodies", targets::responses::run),
     ("anthropic_bodies", targets::anthropic::run),
+    ("tokenize_bodies", targets::tokenize::run),
     ("gguf", targets::gguf::run),
     ("tokenizer", targets::tokenizer::run),
     ("chat_template", targets::chat::run),

@@ -69,6 +69,11 @@ fn responses_bodies_corpus() {
 }
 
 #[test]
+fn tokenize_bodies_corpus() {
+    replay("tokenize_bodies");
+}
+
+#[test]
 fn gguf_corpus() {
     replay("gguf");
 }

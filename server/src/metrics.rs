@@ -112,6 +112,42 @@ impl Default for Metrics {
     }
 }
 
+/// vLLM's names for the gauges an llm-d endpoint picker reads in its default configuration
+/// (`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, 0..1),
+/// labelled `model_name` as vLLM labels them, appended beside ours.
+pub fn render_vllm_aliases(out: &mut String, stats: &EngineStats, model_name: &str) {
+    let g = EngineStats::get;
+    let used = g(&stats.kv_blocks_used) as f64;
+    let total = g(&stats.kv_blocks_total) as f64;
+    let usage = if total > 0.0 { used / total } else { 0.0 };
+    let label = model_name
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n");
+    for (name, help, value) in [
+        (
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches (alias of npu_serving_requests_running).",
+            g(&stats.running) as f64,
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed (alias of npu_serving_requests_waiting).",
+            g(&stats.waiting) as f64,
+        ),
+        (
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 1 means 100 percent (alias of npu_serving_kv_cache_usage_perc).",
+            usage,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{model_name=\"{label}\"}} {value:?}"
+        );
+    }
+}
+
 impl Metrics {
     /// Counts a response by its status class.
     pub fn count_response(&self, status: u16) {
@@ -394,5 +430,32 @@ mod tests {
                 "{line}"
             );
         }
+    }
+
+    #[test]
+    fn vllm_aliases_carry_the_model_name() {
+        let stats = EngineStats::default();
+        stats.running.store(3, Ordering::Relaxed);
+        stats.waiting.store(2, Ordering::Relaxed);
+        stats.kv_blocks_used.store(1, Ordering::Relaxed);
+        stats.kv_blocks_total.store(4, Ordering::Relaxed);
+        let mut text = String::new();
+        render_vllm_aliases(&mut text, &stats, "org/m\"1");
+        assert!(
+            text.contains("vllm:num_requests_running{model_name=\"org/m\\\"1\"} 3.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vllm:num_requests_waiting{model_name=\"org/m\\\"1\"} 2.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vllm:kv_cache_usage_perc{model_name=\"org/m\\\"1\"} 0.25\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE vllm:kv_cache_usage_perc gauge\n"),
+            "{text}"
+        );
     }
 }

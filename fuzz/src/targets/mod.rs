@@ -10,4 +10,5 @@ pub mod http;
 pub mod kv_subscriber;
 pub mod responses;
 pub mod safetensors;
+pub mod tokenize;
 pub mod tokenizer;

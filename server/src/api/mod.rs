@@ -15,6 +15,7 @@ mod responses;
 mod sampling;
 mod structured;
 mod tgi;
+mod tokenize;
 mod tool_calls;
 
 use std::sync::atomic::Ordering;
@@ -178,6 +179,9 @@ enum Route {
     ServingBatchSize,
     ServingRequestNumbers,
     ServingModelInfo,
+    /// vLLM's `POST /tokenize` and `/detokenize`.
+    Tokenize,
+    Detokenize,
 }
 
 fn route(path: &str) -> Option<(Route, &'static str)> {
@@ -186,11 +190,16 @@ fn route(path: &str) -> Option<(Route, &'static str)> {
         "/ready" => (Route::Ready, "GET"),
         "/live" => (Route::Live, "GET"),
         "/metrics" => (Route::Metrics, "GET"),
-        "/v1/models" => (Route::Models, "GET"),
-        "/v1/completions" => (Route::Completions, "POST"),
-        "/v1/chat/completions" => (Route::ChatCompletions, "POST"),
-        "/v1/responses" => (Route::Responses, "POST"),
-        _ if path.starts_with("/v1/responses/") => (Route::ResponseById, ""),
+        // The OpenAI routes also without `/v1`, as llama-server answers them.
+        "/v1/models" | "/models" => (Route::Models, "GET"),
+        "/v1/completions" | "/completions" => (Route::Completions, "POST"),
+        "/v1/chat/completions" | "/chat/completions" => (Route::ChatCompletions, "POST"),
+        "/v1/responses" | "/responses" => (Route::Responses, "POST"),
+        _ if path.starts_with("/v1/responses/") || path.starts_with("/responses/") => {
+            (Route::ResponseById, "")
+        }
+        "/tokenize" | "/v1/tokenize" => (Route::Tokenize, "POST"),
+        "/detokenize" | "/v1/detokenize" => (Route::Detokenize, "POST"),
         "/v1/messages" => (Route::AnthropicMessages, "POST"),
         "/v1/messages/count_tokens" => (Route::AnthropicCountTokens, "POST"),
         "/serving/get_bs" => (Route::ServingBatchSize, "GET"),
@@ -230,7 +239,13 @@ fn thinks(tokenizer: &Tokenizer, template: Option<&str>) -> bool {
 fn shape_for(path: &str) -> ErrorShape {
     if anthropic::owns(path) {
         ErrorShape::Anthropic
-    } else if path.starts_with("/v1/") {
+    } else if path.starts_with("/v1/")
+        || path.starts_with("/responses")
+        || matches!(
+            path,
+            "/chat/completions" | "/completions" | "/models" | "/tokenize" | "/detokenize"
+        )
+    {
         ErrorShape::OpenAi
     } else {
         ErrorShape::Plain
@@ -485,7 +500,9 @@ impl Handler for ApiContext {
             }
             Route::Model => return Reply::Full(self.model(&req.path)),
             Route::Metrics => {
-                let text = self.metrics.render(&self.stats);
+                let mut text = self.metrics.render(&self.stats);
+                let served = self.settings.served_names();
+                crate::metrics::render_vllm_aliases(&mut text, &self.stats, &served[0]);
                 return Reply::Full(Response::new(
                     200,
                     "text/plain; version=0.0.4; charset=utf-8",
@@ -506,6 +523,15 @@ impl Handler for ApiContext {
             Route::Responses => responses::submission(self, req, id),
             Route::ResponseById => return Reply::Full(responses::by_id(self, req)),
             Route::AnthropicMessages => anthropic::messages_submission(self, req, id),
+            Route::Tokenize => {
+                return Reply::Full(
+                    tokenize::tokenize(self, req).unwrap_or_else(|e| e.response(shape)),
+                )
+            }
+            Route::Detokenize => {
+                let r = tokenize::detokenize(self, req);
+                return Reply::Full(r.unwrap_or_else(|e| e.response(shape)));
+            }
             Route::AnthropicCountTokens => {
                 let r = anthropic::count_tokens(self, req);
                 return Reply::Full(r.unwrap_or_else(|e| e.response(shape)));

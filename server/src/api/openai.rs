@@ -449,8 +449,54 @@ pub(super) fn chat_submission(
             "top_logprobs needs logprobs: true",
         ));
     }
-    let (tools, tool_choice) = tool_calls::parse(f.get("tools"), f.get("tool_choice"))?;
     let parallel_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
+    let Rendered {
+        text,
+        prompt_ids,
+        tools,
+        tool_choice,
+        tools_on,
+    } = render_chat(ctx, &f)?;
+    sampling::check_prompt(&prompt_ids, "messages", &ctx.settings)?;
+    let lp = logprobs.then_some(top_logprobs.unwrap_or(0));
+    let think = ctx.thinks.then(|| reasoning::prompt_opens_think(&text));
+    let mut c = c;
+    if let Some(spec) = tool_calls::grammar(&tools, &tool_choice, parallel_calls) {
+        if !c.constraints.is_empty() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice asks for a tool call and the request also constrains its output \
+                 (response_format or structured_outputs): give one",
+            ));
+        }
+        let asked = super::structured::Asked {
+            spec,
+            field: "tool_choice".into(),
+        };
+        c.constraints = super::structured::compile(ctx, &asked, c.n)?;
+    }
+    let mut sub = finish(ctx, id, c, prompt_ids, OpenAiKind::Chat, lp, think);
+    if tools_on {
+        let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
+        sub.writer.enable_tool_calls(&names);
+    }
+    Ok(sub)
+}
+
+/// A chat request's prompt: its messages (and tools) rendered with the chat template and
+/// tokenized, as the chat route and `/tokenize` read them.
+pub(super) struct Rendered {
+    pub text: String,
+    pub prompt_ids: Vec<u32>,
+    pub tools: Vec<tool_calls::Tool>,
+    pub tool_choice: tool_calls::Choice,
+    pub tools_on: bool,
+}
+
+/// Reads `messages`, `tools`, `tool_choice`, `add_generation_prompt` and
+/// `chat_template_kwargs`, and renders the prompt.
+pub(super) fn render_chat(ctx: &ApiContext, f: &Fields) -> Result<Rendered, ApiError> {
+    let (tools, tool_choice) = tool_calls::parse(f.get("tools"), f.get("tool_choice"))?;
     let tools_on = !tools.is_empty() && tool_choice != tool_calls::Choice::None;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     // Extra variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}.
@@ -557,28 +603,11 @@ pub(super) fn chat_submission(
         .tokenizer
         .encode_with(&text, false, true)
         .map_err(|e| ApiError::invalid("messages", format!("messages cannot be tokenized: {e}")))?;
-    sampling::check_prompt(&prompt_ids, "messages", &ctx.settings)?;
-    let lp = logprobs.then_some(top_logprobs.unwrap_or(0));
-    let think = ctx.thinks.then(|| reasoning::prompt_opens_think(&text));
-    let mut c = c;
-    if let Some(spec) = tool_calls::grammar(&tools, &tool_choice, parallel_calls) {
-        if !c.constraints.is_empty() {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "tool_choice asks for a tool call and the request also constrains its output \
-                 (response_format or structured_outputs): give one",
-            ));
-        }
-        let asked = super::structured::Asked {
-            spec,
-            field: "tool_choice".into(),
-        };
-        c.constraints = super::structured::compile(ctx, &asked, c.n)?;
-    }
-    let mut sub = finish(ctx, id, c, prompt_ids, OpenAiKind::Chat, lp, think);
-    if tools_on {
-        let names: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
-        sub.writer.enable_tool_calls(&names);
-    }
-    Ok(sub)
+    Ok(Rendered {
+        text,
+        prompt_ids,
+        tools,
+        tool_choice,
+        tools_on,
+    })
 }

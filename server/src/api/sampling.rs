@@ -111,13 +111,18 @@ pub(crate) fn check_prompt(ids: &[u32], field: &str, s: &ApiSettings) -> Result<
     }
     let (limit, why) = s.prompt_limit();
     if ids.len() > limit as usize {
-        return Err(ApiError::invalid(
+        // OpenAI's code for it, which clients (LangChain, LiteLLM, agent tools) look for.
+        let mut e = ApiError::invalid(
             field,
             format!(
-                "{field} has {} tokens, more than the limit of {limit} ({why})",
+                "{field} has {} tokens, more than the limit of {limit} ({why}); this model's \
+                 maximum context length is {} tokens",
                 ids.len(),
+                s.max_model_len,
             ),
-        ));
+        );
+        e.code = Some("context_length_exceeded");
+        return Err(e);
     }
     Ok(())
 }
