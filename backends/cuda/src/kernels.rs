@@ -5,12 +5,13 @@
 use npu_backend::DType;
 
 /// The kernel sources, concatenated in this order into one program.
-pub const SOURCES: [(&str, &str); 5] = [
+pub const SOURCES: [(&str, &str); 6] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("moe.cu", include_str!("../kernels/moe.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
+    ("moe_matmul.cu", include_str!("../kernels/moe_matmul.cu")),
 ];
 
 /// The whole program, with `#line` markers so compiler messages name the original file.
@@ -46,10 +47,11 @@ pub enum Op {
     Scale,
     MoeRoute,
     MoeCombine,
+    MoePlan,
 }
 
 impl Op {
-    pub const ALL: [Op; 18] = [
+    pub const ALL: [Op; 19] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -68,6 +70,7 @@ impl Op {
         Op::Scale,
         Op::MoeRoute,
         Op::MoeCombine,
+        Op::MoePlan,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -89,6 +92,7 @@ impl Op {
             Op::Scale => "scale",
             Op::MoeRoute => "moe_route",
             Op::MoeCombine => "moe_combine",
+            Op::MoePlan => "moe_plan",
         }
     }
 }
@@ -178,6 +182,44 @@ pub fn gemm_kernel(fmt: WeightFormat, dt: DType) -> Option<usize> {
     Some(GEMM_BASE + f * ACTS.len() + act_index(dt))
 }
 
+const MOE_MM_BASE: usize = GEMM_BASE + GEMM_FORMATS.len() * ACTS.len();
+
+/// The weights a grouped MoE matmul (`moe_mm_*`, kernels/moe_matmul.cu) reads: a packed format,
+/// or dense rows in the activation dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeWeights {
+    Packed(WeightFormat),
+    Dense,
+}
+
+impl MoeWeights {
+    /// In kernel order.
+    pub const ALL: [MoeWeights; 5] = [
+        MoeWeights::Packed(WeightFormat::F16),
+        MoeWeights::Packed(WeightFormat::Q4_0),
+        MoeWeights::Packed(WeightFormat::Q4_1),
+        MoeWeights::Packed(WeightFormat::Q8_0),
+        MoeWeights::Dense,
+    ];
+    fn kernel_name(self) -> &'static str {
+        match self {
+            MoeWeights::Packed(f) => f.kernel_name(),
+            MoeWeights::Dense => "dense",
+        }
+    }
+    fn index(self) -> usize {
+        match self {
+            MoeWeights::Packed(f) => f.index(),
+            MoeWeights::Dense => WeightFormat::ALL.len(),
+        }
+    }
+}
+
+/// Index of the grouped MoE matmul over `w` weights with `dt` activations.
+pub fn moe_mm_kernel(w: MoeWeights, dt: DType) -> usize {
+    MOE_MM_BASE + w.index() * ACTS.len() + act_index(dt)
+}
+
 /// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
 /// every launch for fault messages, and must not rebuild the list each time.
 pub fn kernel_name(i: usize) -> &'static str {
@@ -225,6 +267,15 @@ pub fn kernel_names() -> Vec<String> {
             ));
         }
     }
+    for w in MoeWeights::ALL {
+        for dt in ACTS {
+            names.push(format!(
+                "moe_mm_{}_{}",
+                w.kernel_name(),
+                act_suffix(dt).unwrap()
+            ));
+        }
+    }
     names
 }
 
@@ -268,7 +319,16 @@ mod tests {
             "gemm_q8_0_f16"
         );
         assert_eq!(gemm_kernel(WeightFormat::F16, DType::F32), None);
-        assert_eq!(names.len(), GEMM_BASE + 9);
+        assert_eq!(
+            names[moe_mm_kernel(MoeWeights::Packed(WeightFormat::Q4_1), DType::F16)],
+            "moe_mm_q4_1_f16"
+        );
+        assert_eq!(
+            names[moe_mm_kernel(MoeWeights::Dense, DType::BF16)],
+            "moe_mm_dense_bf16"
+        );
+        assert_eq!(names[op_kernel(Op::MoePlan, DType::F32)], "moe_plan_f32");
+        assert_eq!(names.len(), MOE_MM_BASE + 15);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();
@@ -289,5 +349,6 @@ mod tests {
         assert!(src.contains("void gemv_##FS##_r##R##_##S("));
         assert!(src.contains("void dequant_##FS##_##S("));
         assert!(src.contains("void gemm_##FS##_##S("));
+        assert!(src.contains("void moe_mm_##FS##_##S("));
     }
 }

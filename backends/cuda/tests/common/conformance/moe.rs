@@ -1,6 +1,9 @@
 //! Mixture-of-experts against the CPU backend: routing (softmax and top-k per token, with a tie
 //! and normalised weights) and the experts' FFN over tokens routed to overlapping experts, with
-//! an expert no token chose, in every activation dtype. Quantized (Q8_0) experts.
+//! an expert no token chose, in every activation dtype. Experts in every form the grouped matmul
+//! reads: Q8_0, Q4_0, Q4_1 and F16 kept packed, and F32 converted at load (dense rows in the
+//! activation dtype). On the emulation: one grouped matmul launch per projection, no other
+//! matmul kernel, and nothing synchronized (the grouping is planned on the device).
 
 use super::*;
 use npu_backend_cpu::{CpuBackend, CpuConfig};
@@ -9,10 +12,56 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// `v` (`rows` x `cols`) in ggml type `ty`'s bytes.
+fn encode(ty: GgmlType, v: &[f32], rows: usize, cols: usize) -> Vec<u8> {
+    match ty {
+        GgmlType::F32 => f32_bytes(v),
+        GgmlType::F16 => v
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+            .collect(),
+        GgmlType::Q4_1 => {
+            // ggml's reference: d = (max - min) / 15, q = (x - min) / d rounded, at most 15.
+            let mut out = Vec::new();
+            for b in v.chunks(32) {
+                let lo = b.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = (hi - lo) / 15.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(half::f16::from_f32(d).to_le_bytes());
+                out.extend(half::f16::from_f32(lo).to_le_bytes());
+                let q = |x: f32| (((x - lo) * id + 0.5) as u8).min(15);
+                out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
+            }
+            out
+        }
+        _ => {
+            let mut out = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
+            npu_gguf::quantize::quantize_rows(ty, v, cols, &mut out, 1).unwrap();
+            out
+        }
+    }
+}
+
+/// The forms a grouped matmul reads, each with the kernel it launches.
+const EXPERT_FORMS: [(GgmlType, MatmulMode, &str); 5] = [
+    (GgmlType::Q8_0, MatmulMode::Auto, "q8_0"),
+    (GgmlType::Q4_0, MatmulMode::Auto, "q4_0"),
+    (GgmlType::Q4_1, MatmulMode::Quantized, "q4_1"),
+    (GgmlType::F16, MatmulMode::Auto, "f16w"),
+    (GgmlType::F32, MatmulMode::Dequantized, "dense"),
+];
+
 pub fn moe_routes_and_runs_experts_as_the_reference(make: Make) {
+    for (ty, mode, form) in EXPERT_FORMS {
+        moe_case(make, ty, mode, form);
+    }
+}
+
+fn moe_case(make: Make, ty: GgmlType, mode: MatmulMode, form: &str) {
     let (t, h, ff, ne, k) = (7usize, 64usize, 32usize, 6usize, 2usize);
     for dt in DTYPES {
-        let Some(mut b) = make(dt, MatmulMode::Auto) else {
+        let Some(mut b) = make(dt, mode) else {
             return;
         };
         let mut cpu = CpuBackend::new(CpuConfig {
@@ -30,11 +79,7 @@ pub fn moe_routes_and_runs_experts_as_the_reference(make: Make) {
         let experts: Vec<(Vec<f32>, Vec<f32>)> = (0..ne)
             .map(|_| (rng.vec(2 * ff * h, -0.2, 0.2), rng.vec(h * ff, -0.2, 0.2)))
             .collect();
-        let q8 = |v: &[f32], rows: usize, cols: usize| -> Vec<u8> {
-            let mut out = vec![0u8; GgmlType::Q8_0.row_bytes(cols).unwrap() * rows];
-            npu_gguf::quantize::quantize_rows(GgmlType::Q8_0, v, cols, &mut out, 1).unwrap();
-            out
-        };
+        let q8 = |v: &[f32], rows: usize, cols: usize| encode(ty, v, rows, cols);
         // The CUDA backend.
         let lg = put(&mut b, dt, &logits, t, ne);
         let xb = put(&mut b, dt, &x, t, h);
@@ -46,7 +91,7 @@ pub fn moe_routes_and_runs_experts_as_the_reference(make: Make) {
             let (gb, db) = (q8(gu, 2 * ff, h), q8(d, h, ff));
             gate_up.push(
                 b.load_matrix(&[HostTensor {
-                    ty: GgmlType::Q8_0,
+                    ty,
                     data: &gb,
                     rows: 2 * ff,
                     cols: h,
@@ -56,7 +101,7 @@ pub fn moe_routes_and_runs_experts_as_the_reference(make: Make) {
             );
             down.push(
                 b.load_matrix(&[HostTensor {
-                    ty: GgmlType::Q8_0,
+                    ty,
                     data: &db,
                     rows: h,
                     cols: ff,
@@ -87,12 +132,32 @@ pub fn moe_routes_and_runs_experts_as_the_reference(make: Make) {
         )
         .unwrap();
         if let Some(l) = take_launches(&b) {
-            // One gather, one SwiGLU and one combine a layer; the matmuls one per active
-            // expert and projection.
-            for k in ["gather_rows", "swiglu", "moe_combine"] {
-                let n = l.iter().filter(|n| n.starts_with(k)).count();
-                assert_eq!(n, 1, "{k} launched {n} times: {l:?}");
+            // One plan, one gather, one grouped matmul per projection, one SwiGLU and one
+            // combine a layer (quantized experts: each projection's rows quantized once), and
+            // nothing synchronized: every launch is still queued.
+            let s = dt.name();
+            let mm = format!("moe_mm_{form}_{s}");
+            let mut want = vec![
+                format!("moe_plan_{s}"),
+                format!("gather_rows_{s}"),
+                mm.clone(),
+                format!("swiglu_{s}"),
+                mm.clone(),
+                format!("moe_combine_{s}"),
+            ];
+            if !matches!(form, "f16w" | "dense") {
+                want.insert(2, format!("quantize_q8_{s}"));
+                want.insert(5, format!("quantize_q8_{s}"));
             }
+            assert_eq!(l, want, "{form}: launches");
+            let mm_n = l.iter().filter(|n| **n == mm).count();
+            assert_eq!(mm_n, 2, "{form}: one grouped matmul per projection");
+            let queued = b.emulation().unwrap().queued();
+            assert!(
+                queued >= l.len(),
+                "{form}: {queued} units queued after {} launches: moe_ffn synchronized",
+                l.len()
+            );
         }
         let mut id_dev = vec![0i32; t * k];
         b.read_back(&mut [Readback {
@@ -136,7 +201,7 @@ pub fn moe_routes_and_runs_experts_as_the_reference(make: Make) {
             let (gb, db) = (q8(gu, 2 * ff, h), q8(d, h, ff));
             let m = |cpu: &mut CpuBackend, data: &[u8], rows, cols| {
                 cpu.load_matrix(&[HostTensor {
-                    ty: GgmlType::Q8_0,
+                    ty,
                     data,
                     rows,
                     cols,
@@ -176,7 +241,7 @@ pub fn moe_routes_and_runs_experts_as_the_reference(make: Make) {
             },
         ])
         .unwrap();
-        assert_eq!(id_dev, id_cpu, "{}: routed ids", dt.name());
+        assert_eq!(id_dev, id_cpu, "{form} {}: routed ids", dt.name());
         assert!(id_dev.iter().all(|&e| e != 5));
         assert!(
             worst(&w_dev, &w_cpu, 1e-6, 1e-5) <= 1.0,
@@ -199,7 +264,7 @@ pub fn moe_routes_and_runs_experts_as_the_reference(make: Make) {
         };
         assert!(
             worst(&out_dev, &out_cpu, atol, 4.0 * out_rtol(dt) + 2e-3) <= 1.0,
-            "{}: expert FFN: worst at {at}: {} vs {} (CPU)",
+            "{form} {}: expert FFN: worst at {at}: {} vs {} (CPU)",
             dt.name(),
             out_dev[at],
             out_cpu[at]
