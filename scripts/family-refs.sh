@@ -20,10 +20,10 @@ root=$PWD
 
 # The seed of each family: chosen so that most greedy steps are clearly decided (the first
 # top-1/top-2 gap below 0.15 comes late) in llama.cpp.
-declare -A SEED=([llama]=2 [llama3]=3 [qwen2]=1 [qwen3]=2 [qwen3moe]=1 [gemma3]=3)
+declare -A SEED=([llama]=2 [llama3]=3 [qwen2]=1 [qwen3]=2 [qwen3moe]=1 [gemma3]=3 [deepseek2]=3)
 TYPE=f32
 families=("$@")
-[ ${#families[@]} -gt 0 ] || families=(llama llama3 qwen2 qwen3 qwen3moe gemma3)
+[ ${#families[@]} -gt 0 ] || families=(llama llama3 qwen2 qwen3 qwen3moe gemma3 deepseek2)
 
 bin=${LLAMA_CPP_BIN:-$(scripts/llama-cpp-ref.sh)}
 [ -x "$bin/llama-server" ] || { echo "no llama-server in $bin" >&2; exit 1; }

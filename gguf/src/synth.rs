@@ -28,7 +28,7 @@ use crate::{GgmlType, GgufFile, MetaValue};
 
 #[derive(Debug, Error)]
 pub enum SynthError {
-    #[error("unknown family {0:?} (known: llama, llama3, qwen2, qwen3, qwen3moe, gemma3)")]
+    #[error("unknown family {0:?} (known: llama, llama3, qwen2, qwen3, qwen3moe, gemma3, deepseek2)")]
     UnknownFamily(String),
     #[error("llama.cpp has no \"mistral\" architecture (Mistral 7B converts to \"llama\"), so a mistral file would have no reference: use --arch llama")]
     Mistral,
@@ -57,16 +57,21 @@ pub enum Family {
     Qwen3Moe,
     /// Q/K norm, post-attention and post-FFN norms, GELU FFN, sliding-window layers.
     Gemma3,
+    /// DeepSeek-V3 style: latent attention (low-rank query, split key/value up-projections),
+    /// YaRN, a dense leading layer, sigmoid-gated group-limited experts with a selection bias,
+    /// a routed scaling factor and a shared expert.
+    Deepseek2,
 }
 
 impl Family {
-    pub const ALL: [Family; 6] = [
+    pub const ALL: [Family; 7] = [
         Family::Llama,
         Family::Llama3,
         Family::Qwen2,
         Family::Qwen3,
         Family::Qwen3Moe,
         Family::Gemma3,
+        Family::Deepseek2,
     ];
 
     pub fn name(self) -> &'static str {
@@ -77,6 +82,7 @@ impl Family {
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3moe",
             Self::Gemma3 => "gemma3",
+            Self::Deepseek2 => "deepseek2",
         }
     }
 
@@ -121,6 +127,9 @@ impl Family {
             context_length: 4096,
             out_gain: 2.5,
             logit_scale: 1.0,
+            mla: None,
+            moe_extras: MoeExtras::NONE,
+            yarn: None,
         };
         match self {
             Self::Llama => base,
@@ -160,6 +169,40 @@ impl Family {
                 rope_base: 1000000.0,
                 rms_eps: 1e-6,
                 context_length: 40960,
+                ..base
+            },
+            Self::Deepseek2 => Shape {
+                layers: 3,
+                heads: 8,
+                kv_heads: 1,
+                // The cache row: the latent and the rotated key.
+                head_dim: 64 + 16,
+                experts: 8,
+                experts_used: 2,
+                expert_ff: 32,
+                rms_eps: 1e-6,
+                // The original context 64, four times over by YaRN.
+                context_length: 256,
+                mla: Some(SynthMla {
+                    q_lora_rank: 32,
+                    kv_lora_rank: 64,
+                    qk_nope: 32,
+                    qk_rope: 16,
+                    v_head_dim: 32,
+                }),
+                moe_extras: MoeExtras {
+                    shared_experts: 1,
+                    dense_lead: 1,
+                    groups: (4, 2),
+                    sigmoid: true,
+                    selection_bias: true,
+                    weights_scale: 2.5,
+                },
+                yarn: Some(SynthYarn {
+                    factor: 4.0,
+                    original_context: 64,
+                    log_multiplier: 0.1,
+                }),
                 ..base
             },
             Self::Gemma3 => Shape {
@@ -208,6 +251,59 @@ pub struct Shape {
     pub out_gain: f32,
     /// Multiplies the spread of the logits (the output matrix, or a tied model's output norm).
     pub logit_scale: f32,
+    /// Latent attention (deepseek2 only); `head_dim` is then the cache row.
+    pub mla: Option<SynthMla>,
+    /// DeepSeek's additions to the experts.
+    pub moe_extras: MoeExtras,
+    /// YaRN rope scaling (deepseek2 only).
+    pub yarn: Option<SynthYarn>,
+}
+
+/// The latent attention of a synthetic deepseek2 model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SynthMla {
+    /// 0: a full query projection (`attn_q`).
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_head_dim: usize,
+}
+
+/// DeepSeek's additions to the experts (all off for qwen3moe).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeExtras {
+    pub shared_experts: usize,
+    /// Leading layers with the dense FFN (`ff` wide).
+    pub dense_lead: usize,
+    /// (groups, groups used); (0, 0): no group-limited routing.
+    pub groups: (usize, usize),
+    /// Sigmoid gating (else softmax).
+    pub sigmoid: bool,
+    /// An `exp_probs_b.bias` per MoE layer.
+    pub selection_bias: bool,
+    /// `expert_weights_scale` (1: not written).
+    pub weights_scale: f32,
+}
+
+impl MoeExtras {
+    pub const NONE: Self = Self {
+        shared_experts: 0,
+        dense_lead: 0,
+        groups: (0, 0),
+        sigmoid: false,
+        selection_bias: false,
+        weights_scale: 1.0,
+    };
+}
+
+/// YaRN scaling as the converter writes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthYarn {
+    pub factor: f32,
+    pub original_context: usize,
+    /// `rope.scaling.yarn_log_multiplier` as stored (0.1 * mscale_all_dim).
+    pub log_multiplier: f32,
 }
 
 /// Which Llama 3-style rotary frequency divisors a synthetic model carries.
@@ -541,6 +637,11 @@ pub fn synth_model_shaped(
     ) {
         return Err(SynthError::WeightType(ty.name().to_string()));
     }
+    if family == Family::Deepseek2 && ty == GgmlType::Q4K {
+        return Err(SynthError::Shape(
+            "deepseek2's narrow up-projections hold no whole Q4_K blocks; use q8_0".into(),
+        ));
+    }
     // A matrix's rows must fill whole blocks of the type.
     let block = if ty == GgmlType::Q4K { 256 } else { 32 };
     let rows = [
@@ -585,7 +686,9 @@ pub fn synth_model_shaped(
         &k("attention.layer_norm_rms_epsilon"),
         MetaValue::F32(s.rms_eps),
     );
-    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
+    if let Some(m) = s.mla {
+        mla_meta(&mut b, arch, &s, m, vocab);
+    } else if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
         || s.heads * s.head_dim != s.hidden
     {
         // Their converters write head_dim (it need not be hidden / heads).
@@ -656,6 +759,10 @@ pub fn synth_model_shaped(
     }
     for i in 0..s.layers {
         let n = |t: &str| format!("blk.{i}.{t}");
+        if let Some(m) = s.mla {
+            mla_layer(&mut b, &s, m, i);
+            continue;
+        }
         b.f32(&n("attn_norm.weight"), &[h], 1.0, 0.2);
         b.matrix(&n("attn_q.weight"), &[h, qd], 1.5 * inv_sqrt(h));
         b.matrix(&n("attn_k.weight"), &[h, kvd], 1.5 * inv_sqrt(h));
@@ -719,6 +826,120 @@ pub fn synth_model_shaped(
         b.matrix_weak_rows("output.weight", &[h, vocab], out_std, &weak);
     }
     Ok(b.w.to_bytes()?)
+}
+
+/// deepseek2's metadata beyond the shared keys, as `convert_hf_to_gguf.py` writes it.
+fn mla_meta(b: &mut Builder, arch: &str, s: &Shape, m: SynthMla, vocab: usize) {
+    let u32v = |x: usize| MetaValue::U32(x as u32);
+    let k = |key: &str| format!("{arch}.{key}");
+    let x = s.moe_extras;
+    b.meta(&k("leading_dense_block_count"), u32v(x.dense_lead));
+    b.meta(&k("vocab_size"), u32v(vocab));
+    if m.q_lora_rank > 0 {
+        b.meta(&k("attention.q_lora_rank"), u32v(m.q_lora_rank));
+    }
+    b.meta(&k("attention.kv_lora_rank"), u32v(m.kv_lora_rank));
+    b.meta(&k("attention.key_length"), u32v(m.kv_lora_rank + m.qk_rope));
+    b.meta(&k("attention.value_length"), u32v(m.kv_lora_rank));
+    b.meta(&k("attention.key_length_mla"), u32v(m.qk_nope + m.qk_rope));
+    b.meta(&k("attention.value_length_mla"), u32v(m.v_head_dim));
+    b.meta(&k("expert_shared_count"), u32v(x.shared_experts));
+    if x.weights_scale != 1.0 {
+        b.meta(&k("expert_weights_scale"), MetaValue::F32(x.weights_scale));
+    }
+    b.meta(&k("expert_weights_norm"), MetaValue::Bool(true));
+    b.meta(
+        &k("expert_gating_func"),
+        u32v(if x.sigmoid { 2 } else { 1 }),
+    );
+    if x.groups.0 > 1 {
+        b.meta(&k("expert_group_count"), u32v(x.groups.0));
+        b.meta(&k("expert_group_used_count"), u32v(x.groups.1));
+    }
+    b.meta(&k("rope.dimension_count"), u32v(m.qk_rope));
+    if let Some(y) = s.yarn {
+        b.meta(&k("rope.scaling.type"), MetaValue::String("yarn".into()));
+        b.meta(&k("rope.scaling.factor"), MetaValue::F32(y.factor));
+        b.meta(
+            &k("rope.scaling.original_context_length"),
+            u32v(y.original_context),
+        );
+        b.meta(
+            &k("rope.scaling.yarn_log_multiplier"),
+            MetaValue::F32(y.log_multiplier),
+        );
+    }
+}
+
+/// One deepseek2 layer: latent attention, then the dense FFN (leading layers) or the experts
+/// with the shared expert.
+fn mla_layer(b: &mut Builder, s: &Shape, m: SynthMla, i: usize) {
+    let n = |t: &str| format!("blk.{i}.{t}");
+    let inv_sqrt = |n: usize| 1.0 / (n as f32).sqrt();
+    let (h, heads) = (s.hidden, s.heads);
+    let qk = m.qk_nope + m.qk_rope;
+    let x = s.moe_extras;
+    b.f32(&n("attn_norm.weight"), &[h], 1.0, 0.2);
+    if m.q_lora_rank > 0 {
+        b.matrix(&n("attn_q_a.weight"), &[h, m.q_lora_rank], inv_sqrt(h));
+        b.f32(&n("attn_q_a_norm.weight"), &[m.q_lora_rank], 1.0, 0.2);
+        b.matrix(
+            &n("attn_q_b.weight"),
+            &[m.q_lora_rank, heads * qk],
+            1.5 * inv_sqrt(m.q_lora_rank),
+        );
+    } else {
+        b.matrix(&n("attn_q.weight"), &[h, heads * qk], 1.5 * inv_sqrt(h));
+    }
+    b.matrix(
+        &n("attn_kv_a_mqa.weight"),
+        &[h, m.kv_lora_rank + m.qk_rope],
+        1.5 * inv_sqrt(h),
+    );
+    b.f32(&n("attn_kv_a_norm.weight"), &[m.kv_lora_rank], 1.0, 0.2);
+    b.matrix(
+        &n("attn_k_b.weight"),
+        &[m.qk_nope, m.kv_lora_rank, heads],
+        1.5 * inv_sqrt(m.kv_lora_rank),
+    );
+    b.matrix(
+        &n("attn_v_b.weight"),
+        &[m.kv_lora_rank, m.v_head_dim, heads],
+        inv_sqrt(m.kv_lora_rank),
+    );
+    let vd = heads * m.v_head_dim;
+    b.matrix(&n("attn_output.weight"), &[vd, h], s.out_gain * inv_sqrt(vd));
+    b.f32(&n("ffn_norm.weight"), &[h], 1.0, 0.2);
+    if i < x.dense_lead {
+        b.matrix(&n("ffn_gate.weight"), &[h, s.ff], inv_sqrt(h));
+        b.matrix(&n("ffn_up.weight"), &[h, s.ff], inv_sqrt(h));
+        b.matrix(&n("ffn_down.weight"), &[s.ff, h], s.out_gain * inv_sqrt(s.ff));
+        return;
+    }
+    let (e, eff) = (s.experts, s.expert_ff);
+    let name = n("ffn_gate_inp.weight");
+    let v = values(b.seed, &name, h * e, 0.0, uniform_for_std(2.0 * inv_sqrt(h)));
+    b.tensor(&name, GgmlType::F32, &[h, e], &v);
+    if x.selection_bias {
+        b.f32(&n("exp_probs_b.bias"), &[e], 0.0, 0.3);
+    }
+    b.matrix(&n("ffn_gate_exps.weight"), &[h, eff, e], inv_sqrt(h));
+    b.matrix(&n("ffn_up_exps.weight"), &[h, eff, e], inv_sqrt(h));
+    b.matrix(
+        &n("ffn_down_exps.weight"),
+        &[eff, h, e],
+        s.out_gain * inv_sqrt(eff),
+    );
+    if x.shared_experts > 0 {
+        let sff = eff * x.shared_experts;
+        b.matrix(&n("ffn_gate_shexp.weight"), &[h, sff], inv_sqrt(h));
+        b.matrix(&n("ffn_up_shexp.weight"), &[h, sff], inv_sqrt(h));
+        b.matrix(
+            &n("ffn_down_shexp.weight"),
+            &[sff, h],
+            s.out_gain * inv_sqrt(sff),
+        );
+    }
 }
 
 pub mod sweep;

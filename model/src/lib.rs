@@ -124,16 +124,20 @@ pub enum Arch {
     Qwen3,
     Qwen3Moe,
     Gemma3,
+    /// DeepSeek-V2/V3-style: multi-head latent attention, shared and routed experts, dense
+    /// leading layers.
+    Deepseek2,
 }
 
 impl Arch {
-    pub const ALL: [Arch; 6] = [
+    pub const ALL: [Arch; 7] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
         Self::Qwen3,
         Self::Qwen3Moe,
         Self::Gemma3,
+        Self::Deepseek2,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -143,6 +147,7 @@ impl Arch {
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3moe",
             Self::Gemma3 => "gemma3",
+            Self::Deepseek2 => "deepseek2",
         }
     }
     fn from_name(s: &str) -> Option<Self> {
@@ -159,8 +164,17 @@ pub enum FfnAct {
     GeluTanh,
 }
 
-/// A mixture-of-experts feed-forward block (Qwen3-MoE).
+/// How a router's logits become the experts' scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over the experts (Qwen3-MoE, DeepSeek-V2).
+    Softmax,
+    /// Each expert's sigmoid (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// A mixture-of-experts feed-forward block (Qwen3-MoE, DeepSeek).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeSpec {
     pub n_experts: usize,
     /// Experts each token is routed to.
@@ -169,6 +183,76 @@ pub struct MoeSpec {
     pub expert_ff: usize,
     /// Whether the chosen experts' weights are renormalised to sum to one.
     pub norm_top_k: bool,
+    pub gating: Gating,
+    /// The chosen experts' weights are multiplied by this (DeepSeek's routed scaling factor;
+    /// 1: none).
+    pub weights_scale: f32,
+    /// Group-limited routing (DeepSeek-V3): the experts form `.0` equal groups, each scored by
+    /// the sum of its two best scores, and only the best `.1` groups' experts are chosen from.
+    pub groups: Option<(usize, usize)>,
+    /// Each MoE layer adds a per-expert bias to the scores it chooses by (`exp_probs_b.bias`,
+    /// DeepSeek-V3's correction bias); the weights stay unbiased.
+    pub selection_bias: bool,
+    /// Width of the shared experts' FFN run beside the routed ones on every token (0: none).
+    pub shared_ff: usize,
+    /// The first layers have a dense FFN of width `ModelConfig::ff` instead of experts.
+    pub dense_lead: usize,
+}
+
+impl MoeSpec {
+    /// Qwen3-MoE's routing: the softmax's top k, renormalised, nothing else.
+    pub fn softmax_top_k(n_experts: usize, n_used: usize, expert_ff: usize) -> Self {
+        Self {
+            n_experts,
+            n_used,
+            expert_ff,
+            norm_top_k: true,
+            gating: Gating::Softmax,
+            weights_scale: 1.0,
+            groups: None,
+            selection_bias: false,
+            shared_ff: 0,
+            dense_lead: 0,
+        }
+    }
+
+    /// Whether the routing is a plain softmax top k (what `moe_route` computes), with no
+    /// sigmoid, bias, groups or scale.
+    pub fn plain_softmax(&self) -> bool {
+        self.gating == Gating::Softmax
+            && self.weights_scale == 1.0
+            && self.groups.is_none()
+            && !self.selection_bias
+    }
+
+    /// Whether layer `il` runs experts (the others, the leading ones, are dense).
+    pub fn is_moe_layer(&self, il: usize) -> bool {
+        il >= self.dense_lead
+    }
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank
+/// projection, keys and values from one shared latent of `kv_lora_rank` values plus a shared
+/// `qk_rope`-wide rotated key. The paged cache stores the latent and the rotated key of each
+/// token (a row of `kv_lora_rank + qk_rope`), and attention runs over them with the key and
+/// value up-projections absorbed into the query and the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaSpec {
+    /// Rank of the query's low-rank projection (0: a full query projection).
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    /// Per head: the query/key dimensions without rotation, and with it.
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    /// Per head: the value dimensions.
+    pub v_head_dim: usize,
+}
+
+impl MlaSpec {
+    /// Width of one token's cache row (the latent, then the rotated key).
+    pub fn cache_row(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope
+    }
 }
 
 /// What differs between layers: the rope (Gemma 3's local layers turn at their own base) and
@@ -211,6 +295,9 @@ pub struct ModelConfig {
     /// Every layer's rope and window (`n_layers` entries).
     pub layers: Vec<LayerSpec>,
     pub moe: Option<MoeSpec>,
+    /// Multi-head latent attention (DeepSeek); then `n_kv_heads` is 1, `head_dim` is the cache
+    /// row (`MlaSpec::cache_row`) and the rope turns `qk_rope` dimensions.
+    pub mla: Option<MlaSpec>,
     /// Hidden states outgrow f16's range (Gemma 3's residual stream passes 65504): activations
     /// must be f32 or bf16.
     pub wide_activations: bool,
@@ -229,7 +316,7 @@ impl ModelConfig {
                 self.hidden, self.vocab
             )));
         }
-        if self.moe.is_none() && self.ff == 0 {
+        if self.moe.is_none_or(|m| m.dense_lead > 0) && self.ff == 0 {
             return Err(HparamsError::Inconsistent(
                 "feed_forward_length is 0".into(),
             ));
@@ -244,19 +331,33 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Width of a fused Q|K|V row.
+    /// Width of a fused Q|K|V row (with latent attention: the widest of the projections'
+    /// rows the step holds at once, see `MlaSpec`).
     pub fn qkv_width(&self) -> usize {
-        (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        match self.mla {
+            None => (self.n_heads + 2 * self.n_kv_heads) * self.head_dim,
+            Some(m) => {
+                let h = self.n_heads;
+                // q (nope and rope parts), the absorbed query, the latent and its rope.
+                h * (m.qk_nope + m.qk_rope) + h * m.kv_lora_rank + m.cache_row() + m.qk_rope
+            }
+        }
     }
 
-    /// Width of the attention output (n_heads * head_dim).
+    /// Width of the attention output (n_heads * head_dim; with latent attention, each head's
+    /// output in the latent space).
     pub fn attn_width(&self) -> usize {
-        self.n_heads * self.head_dim
+        match self.mla {
+            None => self.n_heads * self.head_dim,
+            Some(m) => self.n_heads * m.kv_lora_rank.max(m.v_head_dim),
+        }
     }
 
-    /// The widest FFN hidden activation of a layer (dense `ff`, or one expert's).
+    /// The widest FFN hidden activation of a layer (dense `ff`, one expert's, or the shared
+    /// experts').
     pub fn ffn_width(&self) -> usize {
-        self.moe.map_or(self.ff, |m| m.expert_ff.max(self.ff))
+        self.moe
+            .map_or(self.ff, |m| m.expert_ff.max(self.ff).max(m.shared_ff))
     }
 
     /// Whether any layer attends through a sliding window.

@@ -188,6 +188,15 @@ pub fn shard(
     if size == 1 {
         return Ok(RankShard::whole(cfg));
     }
+    if cfg.mla.is_some() {
+        return Err(ShardError {
+            size,
+            dimension: "latent attention",
+            detail: "tensor parallelism of multi-head latent attention (the deepseek2 \
+                     family) is not implemented: serve it on one rank"
+                .into(),
+        });
+    }
     let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
     let group = nh / nkv;
     let (q_heads, kv_heads) = if nkv >= size {
@@ -334,6 +343,7 @@ mod tests {
             attn_scale: 1.0,
             layers: vec![LayerSpec { rope, window: None }; 2],
             moe: None,
+            mla: None,
             wide_activations: false,
         }
     }
@@ -413,12 +423,7 @@ mod tests {
     #[test]
     fn experts_split_their_width() {
         let mut c = cfg(4, 2, 64, 0, 100);
-        c.moe = Some(MoeSpec {
-            n_experts: 8,
-            n_used: 2,
-            expert_ff: 64,
-            norm_top_k: true,
-        });
+        c.moe = Some(MoeSpec::softmax_top_k(8, 2, 64));
         let s = shard(&c, None, 2, 1).unwrap();
         assert_eq!((s.ff.clone(), s.expert_ff.clone()), (0..0, 32..64));
         assert_eq!(s.local_config(&c).moe.unwrap().expert_ff, 32);

@@ -54,15 +54,11 @@ pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsE
                     key("feed_forward_length")
                 )));
             }
-            cfg.moe = Some(MoeSpec {
-                n_experts,
-                n_used,
-                expert_ff,
-                // llama.cpp's qwen3moe always renormalises the chosen experts' weights.
-                norm_top_k: true,
-            });
+            // llama.cpp's qwen3moe always renormalises the chosen experts' weights.
+            cfg.moe = Some(MoeSpec::softmax_top_k(n_experts, n_used, expert_ff));
         }
         Arch::Gemma3 => gemma3(f, cfg)?,
+        Arch::Deepseek2 => super::deepseek2::adjust(f, cfg)?,
     }
     Ok(())
 }

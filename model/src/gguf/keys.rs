@@ -42,6 +42,7 @@ fn check_key(
     let arch = cfg.arch.name();
     let moe = cfg.arch == Arch::Qwen3Moe;
     let gemma3 = cfg.arch == Arch::Gemma3;
+    let deepseek2 = cfg.arch == Arch::Deepseek2;
     let refuse = |why: &str| {
         Err(HparamsError::Unsupported(format!(
             "{key} = {}: {why}",
@@ -74,6 +75,45 @@ fn check_key(
         | "rope.scaling.factor"
         | "rope.scale_linear" => Ok(()),
         "expert_count" | "expert_used_count" | "expert_feed_forward_length" if moe => Ok(()),
+        // Read by the deepseek2 hook (`deepseek2.rs`).
+        "expert_count"
+        | "expert_used_count"
+        | "expert_feed_forward_length"
+        | "expert_shared_count"
+        | "expert_weights_scale"
+        | "expert_weights_norm"
+        | "expert_gating_func"
+        | "expert_group_count"
+        | "expert_group_used_count"
+        | "leading_dense_block_count"
+        | "attention.q_lora_rank"
+        | "attention.kv_lora_rank"
+        | "attention.key_length_mla"
+        | "attention.value_length_mla"
+        | "rope.scaling.yarn_log_multiplier"
+        | "rope.scaling.attn_factor"
+            if deepseek2 =>
+        {
+            Ok(())
+        }
+        "expert_shared_feed_forward_length" if deepseek2 => {
+            let shared = cfg.moe.map_or(0, |m| m.shared_ff);
+            neutral(
+                &[shared as f64],
+                &format!(
+                    "llama.cpp's deepseek2 runs shared experts {shared} wide \
+                     (expert_feed_forward_length * expert_shared_count)"
+                ),
+            )
+        }
+        "rope.scaling.yarn_beta_fast" if deepseek2 => neutral(
+            &[32.0],
+            "llama.cpp's deepseek2 turns YaRN with beta_fast 32 whatever the file says",
+        ),
+        "rope.scaling.yarn_beta_slow" if deepseek2 => neutral(
+            &[1.0],
+            "llama.cpp's deepseek2 turns YaRN with beta_slow 1 whatever the file says",
+        ),
         "attention.sliding_window"
         | "attention.sliding_window_pattern"
         | "rope.freq_base_swa"

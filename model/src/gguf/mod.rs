@@ -9,6 +9,7 @@ use npu_gguf::{GgmlType, GgufError, GgufFile};
 
 use crate::{intern_factors, Arch, FfnAct, HparamsError, LayerSpec, ModelConfig, Rope, RopeStyle};
 
+mod deepseek2;
 mod family;
 mod keys;
 pub(crate) mod read;
@@ -78,12 +79,13 @@ impl ModelConfig {
             read::MAX_EMBEDDING,
         )?;
         let ff_key = key("feed_forward_length");
-        let ff = match arch {
+        let moe_family = matches!(arch, Arch::Qwen3Moe | Arch::Deepseek2);
+        let ff = match moe_family {
             // A MoE file may have no dense FFN width (every layer's FFN is the experts').
-            Arch::Qwen3Moe => uint(f, &ff_key, nl)?.unwrap_or(0),
-            _ => req_uint(f, &ff_key, nl)?,
+            true => uint(f, &ff_key, nl)?.unwrap_or(0),
+            false => req_uint(f, &ff_key, nl)?,
         };
-        let ff = within(&ff_key, ff, u64::from(arch != Arch::Qwen3Moe), read::MAX_FF)?;
+        let ff = within(&ff_key, ff, u64::from(!moe_family), read::MAX_FF)?;
         let heads_key = key("attention.head_count");
         let n_heads = within(&heads_key, req_uint(f, &heads_key, nl)?, 1, read::MAX_HEADS)?;
         let kv_key = key("attention.head_count_kv");
@@ -109,7 +111,10 @@ impl ModelConfig {
                 key("embedding_length")
             )));
         }
-        if let Some(v) = uint(f, &key("attention.value_length"), None)? {
+        // deepseek2's value length is its latent's width (checked by its family hook).
+        if let Some(v) = uint(f, &key("attention.value_length"), None)?
+            .filter(|_| arch != Arch::Deepseek2)
+        {
             if v != head_dim as u64 {
                 return Err(HparamsError::Unsupported(format!(
                     "{} = {v} differs from the key length {head_dim}",
@@ -147,7 +152,8 @@ impl ModelConfig {
         // count; qwen2/qwen3/qwen3moe assert n_rot == head_dim); Gemma 3's graph could rotate
         // part of it, which the engine does not implement.
         let rot_key = key("rope.dimension_count");
-        if let Some(v) = uint(f, &rot_key, None)? {
+        // deepseek2 rotates a part of its own (read by its family hook).
+        if let Some(v) = uint(f, &rot_key, None)?.filter(|_| arch != Arch::Deepseek2) {
             if v != head_dim as u64 {
                 return Err(HparamsError::Unsupported(format!(
                     "{rot_key} = {v} rotates part of each {head_dim}-wide head; the engine \
@@ -164,7 +170,11 @@ impl ModelConfig {
             style: RopeStyle::Interleaved,
             dims: head_dim,
             base,
-            freq_scale: rope_freq_scale(f, arch_name)?,
+            // deepseek2's YaRN scaling becomes frequency factors (its family hook).
+            freq_scale: match arch {
+                Arch::Deepseek2 => 1.0,
+                _ => rope_freq_scale(f, arch_name)?,
+            },
             factors: match arch {
                 // Only llama's graph passes frequency factors to its rope; on the other
                 // families the tensor is refused (`tensors`).
@@ -193,6 +203,7 @@ impl ModelConfig {
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             layers: vec![LayerSpec { rope, window: None }; n_layers],
             moe: None,
+            mla: None,
             wide_activations: false,
         })
     }

@@ -28,9 +28,16 @@ pub(crate) fn check_names<'a>(
 ) -> Result<(), HparamsError> {
     let arch = cfg.arch.name();
     let mut qkv_bias = false;
+    let mut selection_bias = false;
     for name in names {
         let why = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
             Some((layer, rest)) => match layer.parse::<usize>() {
+                Ok(il) if il < cfg.n_layers && cfg.mla.is_some() => {
+                    if rest == "exp_probs_b.bias" {
+                        selection_bias = true;
+                    }
+                    mla_layer_tensor(cfg, il, rest)
+                }
                 Ok(il) if il < cfg.n_layers => {
                     if QKV_BIASES.contains(&rest) {
                         qkv_bias = true;
@@ -52,7 +59,56 @@ pub(crate) fn check_names<'a>(
         }
     }
     cfg.qkv_bias = qkv_bias;
+    if let Some(m) = cfg.moe.as_mut() {
+        m.selection_bias = selection_bias;
+    }
     Ok(())
+}
+
+/// Why a layer's tensor of a latent-attention model (deepseek2) is not used (None: it is), as
+/// llama.cpp's deepseek2 creates them: the query through its low-rank pair or whole, the
+/// latent's projection and norm, the split key/value up-projections, a dense FFN in the
+/// leading layers and experts (with an optional selection bias and the shared experts) after.
+fn mla_layer_tensor(cfg: &ModelConfig, il: usize, rest: &str) -> Option<String> {
+    let (Some(mla), Some(moe)) = (cfg.mla, cfg.moe) else {
+        return Some(unknown(cfg.arch.name()));
+    };
+    let lora_q = mla.q_lora_rank > 0;
+    let experts = moe.is_moe_layer(il);
+    let used = match rest {
+        "attn_norm.weight" | "attn_kv_a_mqa.weight" | "attn_kv_a_norm.weight"
+        | "attn_k_b.weight" | "attn_v_b.weight" | "attn_output.weight" | "ffn_norm.weight" => {
+            true
+        }
+        "attn_q_a.weight" | "attn_q_a_norm.weight" | "attn_q_b.weight" => lora_q,
+        "attn_q.weight" => !lora_q,
+        "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" => !experts,
+        "ffn_gate_inp.weight"
+        | "ffn_gate_exps.weight"
+        | "ffn_up_exps.weight"
+        | "ffn_down_exps.weight"
+        | "exp_probs_b.bias" => experts,
+        "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" | "ffn_down_shexp.weight" => {
+            experts && moe.shared_ff > 0
+        }
+        _ => false,
+    };
+    if used {
+        return None;
+    }
+    Some(match rest {
+        "attn_kv_b.weight" => "the unsplit key/value up-projection of an older conversion; the \
+                               engine runs latent attention from attn_k_b and attn_v_b"
+            .into(),
+        "ffn_gate_up_exps.weight" => "a fused gate/up expert tensor, which the engine does \
+                                      not read"
+            .into(),
+        _ => format!(
+            "not created by llama.cpp's deepseek2 for layer {il} of this file (query rank {}, \
+             {} leading dense layers, {} shared FFN width), so not used by the engine",
+            mla.q_lora_rank, moe.dense_lead, moe.shared_ff
+        ),
+    })
 }
 
 fn unknown(arch: &str) -> String {

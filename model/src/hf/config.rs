@@ -617,6 +617,7 @@ pub(crate) fn model_config(v: &Value) -> Result<ModelConfig, HparamsError> {
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
         layers: vec![LayerSpec { rope, window: None }; n_layers],
         moe: None,
+        mla: None,
         wide_activations: false,
     };
     match arch {
@@ -628,10 +629,8 @@ pub(crate) fn model_config(v: &Value) -> Result<ModelConfig, HparamsError> {
             // as they are).
             let norm_top_k = c.boolean("norm_topk_prob")?.unwrap_or(false);
             cfg.moe = Some(MoeSpec {
-                n_experts,
-                n_used,
-                expert_ff,
                 norm_top_k,
+                ..MoeSpec::softmax_top_k(n_experts, n_used, expert_ff)
             });
             cfg.ff = 0;
         }
