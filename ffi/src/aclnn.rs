@@ -22,7 +22,9 @@
 //! Optional, for mixture-of-experts layers: MoeGatingTopKSoftmaxV2
 //! (`aclnn_moe_gating_top_k_softmax_v2.h`: softmax and top-k over gating logits, `renorm` 1 for
 //! top-k first then softmax over the chosen) and MoeFinalizeRoutingV2
-//! (`aclnn_moe_finalize_routing_v2.h`: the experts' rows weighted and summed back per token).
+//! (`aclnn_moe_finalize_routing_v2.h`: the experts' rows weighted and summed back per token),
+//! and GroupedMatmulV4 (`aclnn_grouped_matmul_v4.h`: every expert's matmul over its group of
+//! rows in one call).
 
 use core::ffi::{c_char, c_int, c_void};
 
@@ -113,6 +115,8 @@ pub mod ops {
                 fn aclnnMoeGatingTopKSoftmaxV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnMoeFinalizeRoutingV2GetWorkspaceSize(expandedX: *const aclTensor, expandedRowIdx: *const aclTensor, x1Optional: *const aclTensor, x2Optional: *const aclTensor, biasOptional: *const aclTensor, scalesOptional: *const aclTensor, expertIdxOptional: *const aclTensor, dropPadMode: i64, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnMoeFinalizeRoutingV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnGroupedMatmulV4GetWorkspaceSize(x: *const aclTensorList, weight: *const aclTensorList, biasOptional: *const aclTensorList, scaleOptional: *const aclTensorList, offsetOptional: *const aclTensorList, antiquantScaleOptional: *const aclTensorList, antiquantOffsetOptional: *const aclTensorList, perTokenScaleOptional: *const aclTensorList, groupListOptional: *const aclTensor, activationInputOptional: *const aclTensorList, activationQuantScaleOptional: *const aclTensorList, activationQuantOffsetOptional: *const aclTensorList, splitItem: i64, groupType: i64, groupListType: i64, actType: i64, out: *mut aclTensorList, activationFeatureOutOptional: *mut aclTensorList, dynQuantScaleOutOptional: *mut aclTensorList, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnGroupedMatmulV4(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
             }
         }
     }

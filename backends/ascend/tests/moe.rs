@@ -1,14 +1,16 @@
 //! Mixture-of-experts on `AscendBackend` over the emulated CANN: routing (Cast, then
-//! MoeGatingTopKSoftmaxV2 with renorm 0 or 1) and the experts' FFN (Embedding gather, per-expert
-//! matmuls, one SwiGlu, MoeFinalizeRoutingV2) against plain Rust references, each expert run once
-//! over its rows; and the emulation's refusals of what the two operators' pages forbid.
+//! MoeGatingTopKSoftmaxV2 with renorm 0 or 1) and the experts' FFN (Embedding gather, the
+//! experts' matmuls — one GroupedMatmulV4 call per projection for f16 experts, one call per
+//! expert when some are quantized — one SwiGlu, MoeFinalizeRoutingV2) against plain Rust
+//! references, each expert run once over its rows; and the emulation's refusals of what the
+//! three operators' pages forbid.
 
 mod common;
 
 use common::seam::*;
 use common::*;
 use npu_backend::*;
-use npu_backend_ascend::tensor::{DType as TDType, Tensor, View as TView};
+use npu_backend_ascend::tensor::{DType as TDType, Tensor, TensorList, View as TView};
 use npu_ffi::types::*;
 use npu_gguf::GgmlType;
 
@@ -347,4 +349,246 @@ fn moe_operator_misuses_are_refused_with_the_documented_codes() {
     });
     assert_eq!(c, ACLNN_ERR_PARAM_INVALID, "{msg}");
     assert!(msg.contains("out"), "{msg}");
+}
+
+/// GroupedMatmulV4 launches so far in this process (the emulation's count, an emulation-only
+/// extension symbol).
+fn grouped_matmul_launches() -> u64 {
+    let path = emulator_root().join("lib64/libascendcl.so");
+    // SAFETY: the library the runtime already loaded (one state); the symbol has this prototype
+    // and the name is NUL-terminated.
+    unsafe {
+        let lib = libloading::Library::new(path).unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn(*const core::ffi::c_char) -> u64> =
+            lib.get(b"ascendEmulatorLaunchCount\0").unwrap();
+        f(c"aclnnGroupedMatmulV4".as_ptr())
+    }
+}
+
+#[test]
+fn f16_experts_run_as_one_grouped_matmul_per_projection() {
+    let _g = serial();
+    let mut b = default_backend();
+    let (t, h, ff, ne, k) = (6usize, 64usize, 32usize, 5usize, 2usize);
+    // Expert 4 serves nobody (an empty group in the list); expert 1 serves most tokens.
+    let ids: Vec<i32> = vec![1, 0, 1, 2, 3, 1, 1, 0, 2, 1, 1, 3];
+    let w = rand_vec(91, t * k, 1.0)
+        .iter()
+        .map(|v| v.abs() + 0.1)
+        .collect::<Vec<_>>();
+    let x = h_vec(&rand_vec(92, t * h, 1.0));
+    let (mut gate_up, mut down_w, mut gu_m, mut down_m) = (vec![], vec![], vec![], vec![]);
+    for e in 0..ne {
+        let seed = 100 + 2 * e as u64;
+        let gv = h_vec(&rand_vec(seed, 2 * ff * h, 0.2));
+        let dv = h_vec(&rand_vec(seed + 1, h * ff, 0.2));
+        let (gb, db) = (le_bytes(&gv), le_bytes(&dv));
+        gu_m.push(b.load_matrix(&[f32_m(&gb, 2 * ff, h)]).unwrap().unwrap());
+        down_m.push(b.load_matrix(&[f32_m(&db, h, ff)]).unwrap().unwrap());
+        gate_up.push(gv);
+        down_w.push(dv);
+    }
+    let xb = up(&mut b, &x, h);
+    let mut ib = b.alloc(DType::I32, t * k).unwrap();
+    b.upload(HostSlice::I32(&ids), ViewMut::rows(&mut ib, t, k).unwrap())
+        .unwrap();
+    let mut wb = b.alloc(DType::F32, t * k).unwrap();
+    b.upload(HostSlice::F32(&w), ViewMut::rows(&mut wb, t, k).unwrap())
+        .unwrap();
+    let mut ob = b.alloc(DType::F16, t * h).unwrap();
+    b.synchronize().unwrap();
+    let (before, gmm_before) = (b.step_stats().launches, grouped_matmul_launches());
+    b.moe_ffn(
+        View::rows(&xb, t, h).unwrap(),
+        View::rows(&ib, t, k).unwrap(),
+        View::rows(&wb, t, k).unwrap(),
+        &gu_m,
+        &down_m,
+        ff,
+        ViewMut::rows(&mut ob, t, h).unwrap(),
+    )
+    .unwrap();
+    let launches = b.step_stats().launches - before;
+    let gmm = grouped_matmul_launches() - gmm_before;
+    let got = down(&mut b, &ob, Layout::contiguous(t, h));
+    let want = ffn_ref(&x, &ids, &w, &gate_up, &down_w, (t, h, ff, k));
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len() as f32).sqrt();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-2 * rms + 2e-3 * w.abs(),
+            "out[{i}]: {g} vs {w} (rms {rms})"
+        );
+    }
+    // One GroupedMatmulV4 per projection; with the gather, the SwiGlu, the weights' cast and
+    // the finalize: 6 launches for the layer.
+    assert_eq!(gmm, 2, "GroupedMatmulV4 calls");
+    assert_eq!(launches, 6);
+}
+
+#[test]
+fn grouped_matmul_misuses_are_refused_with_the_documented_codes() {
+    let _dev = device();
+    let acl = acl();
+    let gmm = acl.api.ops.aclnnGroupedMatmulV4GetWorkspaceSize.unwrap();
+    let (xb, wb, ob, gb) = (
+        zeros(8 * 32 * 2),
+        zeros(32 * 16 * 2),
+        zeros(8 * 16 * 2),
+        zeros(64),
+    );
+    let list = |ts: Vec<Tensor>| TensorList::new(acl, ts).unwrap();
+    let x = || t(&xb, TDType::F16, &[8, 32]);
+    let w = |dt| Tensor::new(acl, &wb, TView::strided(dt, &[32, 16], &[1, 32], 0)).unwrap();
+    let out = || t(&ob, TDType::F16, &[8, 16]);
+    let gl = |n: i64, dt| t(&gb, dt, &[n]);
+    let null = std::ptr::null();
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    let mut call = |x: &TensorList,
+                    w: &TensorList,
+                    g: &Tensor,
+                    scale: *const aclTensorList,
+                    (split, gtype, ltype, act): (i64, i64, i64, i64),
+                    o: &TensorList| {
+        // SAFETY: live lists and tensors, null optionals, out-pointers.
+        first_phase(unsafe {
+            gmm(
+                x.raw(),
+                w.raw(),
+                null,
+                scale,
+                null,
+                null,
+                null,
+                null,
+                g.raw(),
+                null,
+                null,
+                null,
+                split,
+                gtype,
+                ltype,
+                act,
+                o.raw() as *mut _,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut ws,
+                &mut exec,
+            )
+        })
+    };
+    let ok = (3, 0, 0, 0);
+    let refused = |r: (i32, String), what: &str| {
+        assert_eq!(r.0, ACLNN_ERR_PARAM_INVALID, "{}", r.1);
+        assert!(r.1.contains(what), "{what}: {}", r.1);
+    };
+    let two = || list(vec![w(TDType::F16), w(TDType::F16)]);
+    // groupListType 2 belongs to the quantized scenarios; actType 0 only; groupType -1/0/2.
+    for (args, what) in [
+        ((3, 0, 2, 0), "groupListType 2"),
+        ((3, 0, 0, 5), "actType 5"),
+        ((3, 1, 0, 0), "groupType 1"),
+        ((4, 0, 0, 0), "splitItem 4"),
+    ] {
+        refused(
+            call(
+                &list(vec![x()]),
+                &two(),
+                &gl(2, TDType::I64),
+                null,
+                args,
+                &list(vec![out()]),
+            ),
+            what,
+        );
+    }
+    // A group list of another length than the weight list, or not INT64.
+    refused(
+        call(
+            &list(vec![x()]),
+            &two(),
+            &gl(3, TDType::I64),
+            null,
+            ok,
+            &list(vec![out()]),
+        ),
+        "groupListOptional of 3",
+    );
+    refused(
+        call(
+            &list(vec![x()]),
+            &two(),
+            &gl(4, TDType::I32),
+            null,
+            ok,
+            &list(vec![out()]),
+        ),
+        "groupListOptional",
+    );
+    // Weights of another type than x (no mixed non-quantized scenario).
+    refused(
+        call(
+            &list(vec![x()]),
+            &list(vec![w(TDType::Bf16), w(TDType::Bf16)]),
+            &gl(2, TDType::I64),
+            null,
+            ok,
+            &list(vec![out()]),
+        ),
+        "weight[0]",
+    );
+    // Quantization parameters are not emulated.
+    let sb = zeros(64);
+    let scale = list(vec![t(&sb, TDType::F32, &[16])]);
+    refused(
+        call(
+            &list(vec![x()]),
+            &two(),
+            &gl(2, TDType::I64),
+            scale.raw(),
+            ok,
+            &list(vec![out()]),
+        ),
+        "scaleOptional",
+    );
+    // More than 128 weights.
+    let many = list((0..129).map(|_| w(TDType::F16)).collect());
+    refused(
+        call(
+            &list(vec![x()]),
+            &many,
+            &gl(2, TDType::I64),
+            null,
+            ok,
+            &list(vec![out()]),
+        ),
+        "weight lists 129",
+    );
+    // A null x.
+    // SAFETY: null x (refused before anything is read), live others, out-pointers.
+    let (c, msg) = first_phase(unsafe {
+        gmm(
+            null,
+            two().raw(),
+            null,
+            null,
+            null,
+            null,
+            null,
+            null,
+            gl(2, TDType::I64).raw(),
+            null,
+            null,
+            null,
+            3,
+            0,
+            0,
+            0,
+            list(vec![out()]).raw() as *mut _,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut ws,
+            &mut exec,
+        )
+    });
+    assert_eq!(c, ACLNN_ERR_PARAM_NULLPTR, "{msg}");
 }

@@ -18,20 +18,23 @@
 //!    order; `src[p]` is the token of grouped row p and `dst[r·k + j]` the grouped row of token
 //!    r's slot j (aclnnMoeInitRoutingV2's expandedRowIdx, row order). Both go up in one copy.
 //! 2. Embedding (x as the table, `src` as indices): the grouped rows, contiguous per expert.
-//! 3. Per expert with rows: its gate+up matrix over its rows (WeightQuantBatchMatmulV2 or
-//!    Matmul, the backend's `matmul`) — each expert once over the tokens routed to it.
+//! 3. Gate and up of every expert in one GroupedMatmulV4 call (groupType 0, the grouped rows as
+//!    one x, the experts' f16 weights as a list, each its (n, k) storage seen transposed, one
+//!    out; groupListType 0 with the cumulative row counts, uploaded with the indices) when every
+//!    expert is in the f16 form and there are at most 128; otherwise each expert with rows over
+//!    its rows (WeightQuantBatchMatmulV2 or Matmul, the backend's `matmul`).
 //! 4. SwiGlu over all grouped rows in one call.
-//! 5. Per expert with rows: its down matrix.
+//! 5. Down, the same way.
 //! 6. Cast: the routing weights to f16 (MoeFinalizeRoutingV2's scales must have expandedX's type
 //!    unless expandedX is BFLOAT16).
 //! 7. MoeFinalizeRoutingV2(expandedX = expert outputs, expandedRowIdx = dst, scales = weights,
 //!    dropPadMode 2): `out[r] = Σ_j w[r][j] · y[dst[r·k + j]]`, the slots in order.
 //!
-//! The per-expert matmuls are one call per active expert and projection; CANN's
-//! GroupedMatmulV4 over all experts in one call (with MoeInitRoutingV2 grouping on the device,
-//! no read-back) is what is left: the experts' weights are separate allocations in the
-//! backend's two forms (f16, or INT4/INT8 with per-group antiquant), which GroupedMatmul takes
-//! as tensor lists with conditions not yet worked through.
+//! Quantized experts (INT8/INT4 with a scale per 32 inputs, each expert its own allocation)
+//! stay one call per active expert and projection: GroupedMatmulV4's page takes quantized
+//! weights with f16 activations (A16W8 / A16W4) only as one stacked (E, K, N) weight tensor, and
+//! A16W8 only with per-channel scales. The ids are still read back once a layer (the grouping is
+//! planned on the host); MoeInitRoutingV2 (grouping on the device, no read-back) is not used yet.
 
 use npu_backend::moe::{check_expert_shapes, ExpertGroups};
 use npu_backend::{
@@ -39,7 +42,7 @@ use npu_backend::{
 };
 
 use super::layer_ops::{bad, dense, gather, tview, want_f16};
-use super::objects::{AscendBuffer, AscendMatrix};
+use super::objects::{AscendBuffer, AscendMatrix, MatrixForm};
 use super::{err, AscendBackend};
 use crate::memory::DeviceBuffer as Mem;
 use crate::reuse::{Arg, Launcher};
@@ -49,6 +52,8 @@ use crate::tensor::{self, View as TView};
 const MIN_SUM: f64 = 6.103_515_625e-5;
 /// Where the second index array starts in the index buffer: 32-byte aligned.
 const ALIGN_I32: usize = 8;
+/// The most weight tensors GroupedMatmulV4 takes in a list ("最多128个tensor").
+const GMM_MAX_LIST: usize = 128;
 
 /// The device buffers of `moe_ffn`, grown on demand and kept across layers and steps.
 #[derive(Default)]
@@ -276,9 +281,19 @@ impl AscendBackend {
         let groups = ExpertGroups::plan(op, &host, k, gate_up.len())?;
         let tk = t * k;
         let dst_at = tk.next_multiple_of(ALIGN_I32);
-        let mut index = vec![0i32; dst_at + tk];
+        // The group list (GroupedMatmulV4's groupListOptional, INT64 cumulative row counts)
+        // after the two index arrays, 32-byte aligned, as pairs of INT32 words.
+        let gl_at = (dst_at + tk).next_multiple_of(ALIGN_I32);
+        let mut index = vec![0i32; gl_at + 2 * groups.counts.len()];
         index[..tk].copy_from_slice(&groups.rows);
-        index[dst_at..].copy_from_slice(&groups.pos);
+        index[dst_at..dst_at + tk].copy_from_slice(&groups.pos);
+        let mut end = 0i64;
+        for (e, &c) in groups.counts.iter().enumerate() {
+            end += c as i64;
+            let b = end.to_le_bytes();
+            index[gl_at + 2 * e] = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            index[gl_at + 2 * e + 1] = i32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        }
         let (counts, starts) = (groups.counts, groups.starts);
         let mut bufs = std::mem::take(&mut self.moe);
         let r = self.moe_ffn_grouped(
@@ -286,7 +301,7 @@ impl AscendBackend {
             (&x, &weights, out),
             (gate_up, down),
             (&counts, &starts),
-            (&index, dst_at, k, ff),
+            (&index, dst_at, gl_at, k, ff),
             (pf, lf),
         );
         self.moe = bufs;
@@ -304,7 +319,7 @@ impl AscendBackend {
         ),
         (gate_up, down): (&[AscendMatrix], &[AscendMatrix]),
         (counts, starts): (&[usize], &[usize]),
-        (index, dst_at, k, ff): (&[i32], usize, usize, usize),
+        (index, dst_at, gl_at, k, ff): (&[i32], usize, usize, usize, usize),
         (pf, lf): (
             npu_ffi::aclnn::ops::sig::aclnnMoeFinalizeRoutingV2GetWorkspaceSize,
             npu_ffi::aclnn::ops::sig::aclnnMoeFinalizeRoutingV2,
@@ -351,8 +366,25 @@ impl AscendBackend {
             .filter(|&e| counts[e] > 0)
             .map(|e| (e, starts[e], counts[e]))
             .collect();
-        // 3. Gate and up, each expert over its rows.
-        {
+        let group_list = (
+            &idx.mem,
+            TView::strided(
+                tensor::DType::I64,
+                &[counts.len() as i64],
+                &[1],
+                (gl_at / 2) as i64,
+            ),
+        );
+        let grouped = self.grouped_form(gate_up) && self.grouped_form(down);
+        // 3. Gate and up: every expert in one GroupedMatmulV4 call, or each over its rows.
+        if grouped {
+            self.grouped_matmul(
+                gate_up,
+                (&xs.mem, tk, h),
+                (&gu.mem, 2 * ff),
+                group_list.clone(),
+            )?;
+        } else {
             let xv = View::rows(&*xs, tk, h)?;
             let mut gv = ViewMut::rows(gu, tk, 2 * ff)?;
             for &(e, s, n) in &active {
@@ -368,8 +400,10 @@ impl AscendBackend {
                 ViewMut::rows(act, tk, ff)?,
             )?;
         }
-        // 5. Down, each expert over its rows.
-        {
+        // 5. Down: one GroupedMatmulV4 call, or each expert over its rows.
+        if grouped {
+            self.grouped_matmul(down, (&act.mem, tk, ff), (&y.mem, h), group_list)?;
+        } else {
             let av = View::rows(&*act, tk, ff)?;
             let mut yv = ViewMut::rows(y, tk, h)?;
             for &(e, s, n) in &active {
@@ -426,6 +460,103 @@ impl AscendBackend {
                         e,
                     )
                 }),
+            )
+            .map_err(err)
+    }
+    /// Whether one GroupedMatmulV4 call can take `mats` (one projection of every expert): the
+    /// f16 (`Half`) form, at most [`GMM_MAX_LIST`] experts, and the operator present. Its page
+    /// takes quantized weights (A16W8 / A16W4) only as one stacked (E, K, N) tensor with
+    /// per-channel scales (A16W8), while this backend keeps each expert apart with a scale per
+    /// 32 inputs: those experts stay one call each.
+    fn grouped_form(&self, mats: &[AscendMatrix]) -> bool {
+        let api = self.dev.acl.api.ops;
+        api.aclnnGroupedMatmulV4GetWorkspaceSize.is_some()
+            && api.aclnnGroupedMatmulV4.is_some()
+            && mats.len() <= GMM_MAX_LIST
+            && mats
+                .iter()
+                .all(|m| matches!(m.form, MatrixForm::Half { .. }) && m.half == tensor::DType::F16)
+    }
+
+    /// `y = x · W_e` for each expert's group of rows in one GroupedMatmulV4 call: x one f16
+    /// (rows, k) tensor, the experts' (k, n) weights a list (each its (n, k) storage seen
+    /// transposed), y one (rows, n) tensor; groupType 0 (m-axis), splitItem 3 (one out tensor),
+    /// groupListType 0 (`group_list` the cumulative row counts, one per expert), actType 0.
+    fn grouped_matmul(
+        &mut self,
+        mats: &[AscendMatrix],
+        (xm, rows, kin): (&Mem, usize, usize),
+        (ym, n): (&Mem, usize),
+        (gm, gv): (&Mem, TView),
+    ) -> Result<(), BackendError> {
+        let api = self.dev.acl.api.ops;
+        let (Some(prep), Some(launch)) = (
+            api.aclnnGroupedMatmulV4GetWorkspaceSize,
+            api.aclnnGroupedMatmulV4,
+        ) else {
+            return Err(self.missing("grouped expert matmuls (aclnnGroupedMatmulV4)"));
+        };
+        let acl = self.dev.acl;
+        let f16 = tensor::DType::F16;
+        let t = |m: &Mem, v: TView| tensor::Tensor::new(acl, m, v).map_err(err);
+        let xl = tensor::TensorList::new(
+            acl,
+            vec![t(xm, TView::contiguous(f16, &[rows as i64, kin as i64]))?],
+        )
+        .map_err(err)?;
+        let mut ws = Vec::with_capacity(mats.len());
+        for m in mats {
+            let MatrixForm::Half { data } = &m.form else {
+                unreachable!("grouped_form checked every expert is Half");
+            };
+            ws.push(t(data, m.weight_view())?);
+        }
+        let wl = tensor::TensorList::new(acl, ws).map_err(err)?;
+        let yl = tensor::TensorList::new(
+            acl,
+            vec![t(ym, TView::contiguous(f16, &[rows as i64, n as i64]))?],
+        )
+        .map_err(err)?;
+        let g = t(gm, gv)?;
+        let detail = format!(
+            "x=({rows},{kin}) weight={}x({kin},{n})T out=({rows},{n}) groupType=0 splitItem=3 \
+             groupListType=0",
+            mats.len()
+        );
+        let null = std::ptr::null::<npu_ffi::types::aclTensorList>();
+        self.ops
+            .runner
+            .call(
+                "aclnnGroupedMatmulV4",
+                detail,
+                // SAFETY (closure): live lists and group-list tensor (held across the call),
+                // null optionals, and the runner's out-pointers.
+                |w, e| unsafe {
+                    prep(
+                        xl.raw(),
+                        wl.raw(),
+                        null,
+                        null,
+                        null,
+                        null,
+                        null,
+                        null,
+                        g.raw(),
+                        null,
+                        null,
+                        null,
+                        3,
+                        0,
+                        0,
+                        0,
+                        yl.raw() as *mut _,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        w,
+                        e,
+                    )
+                },
+                launch,
             )
             .map_err(err)
     }

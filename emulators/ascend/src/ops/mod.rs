@@ -14,6 +14,7 @@ mod attention;
 pub mod contiguity;
 pub(crate) mod elementwise;
 mod kv_cache;
+mod grouped_matmul;
 mod matmul;
 mod moe;
 mod reduce;
@@ -276,6 +277,7 @@ pub fn launch(
         let kernel = e.kernel.clone_box();
         let reads = kernel.io().ins.iter().map(range).collect();
         let writes = kernel.io().outs.iter().map(range).collect();
+        count_launch(op);
         st.enqueue(
             sid,
             Task {
@@ -326,7 +328,36 @@ launchers!(
     aclnnInplaceMuls,
     aclnnMoeGatingTopKSoftmaxV2,
     aclnnMoeFinalizeRoutingV2,
+    aclnnGroupedMatmulV4,
 );
+
+/// Second-phase calls queued so far, by operator (emulation-only, for tests).
+static LAUNCHES: std::sync::Mutex<Vec<(&'static str, u64)>> = std::sync::Mutex::new(Vec::new());
+
+fn count_launch(op: &'static str) {
+    let mut l = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    match l.iter_mut().find(|(n, _)| *n == op) {
+        Some((_, c)) => *c += 1,
+        None => l.push((op, 1)),
+    }
+}
+
+/// Emulation-only extension (not part of CANN): how many times operator `name` (a NUL-terminated
+/// `aclnnXxx`) was launched (second phase accepted and queued) in this process. Tests count a
+/// layer's calls with it.
+///
+/// # Safety
+/// `name` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn ascendEmulatorLaunchCount(name: *const std::ffi::c_char) -> u64 {
+    if name.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null and NUL-terminated (the caller's contract).
+    let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
+    let l = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    l.iter().find(|(n, _)| *n == name).map_or(0, |(_, c)| *c)
+}
 
 /// Checks a dtype is one of `allowed`.
 pub fn dtype_in(op: &str, what: &str, v: &View, allowed: &[DType]) -> Result<(), Fail> {
