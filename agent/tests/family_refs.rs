@@ -192,7 +192,15 @@ fn check(family_name: &str) {
 
     // Split over a tensor-parallel group of two ranks (each its heads or KV-head replica, half
     // of the FFN or of each expert, half of the vocabulary): llama.cpp's tokens up to the
-    // near-ties, batched as alone.
+    // near-ties, batched as alone. Latent attention is not split yet: refused by name.
+    if family == Family::Deepseek2 {
+        let e = match npu_agent::tp::LocalGroup::load(&cfg, 2) {
+            Ok(_) => panic!("deepseek2 split over two ranks"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(e.contains("latent attention"), "{e}");
+        return;
+    }
     let mut group = npu_agent::tp::LocalGroup::load(&cfg, 2).expect("two ranks of the model");
     let (out, _) = inproc::run_steps(&mut |p| group.step(p), sched, &reqs, &mut |_, _| {}).unwrap();
     for (r, o) in refs.iter().zip(&out) {
@@ -228,6 +236,11 @@ fn qwen3moe() {
 #[test]
 fn gemma3() {
     check("gemma3");
+}
+
+#[test]
+fn deepseek2() {
+    check("deepseek2");
 }
 
 /// Every family has its reference file (a missing one fails here even while its test is

@@ -331,25 +331,21 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Width of a fused Q|K|V row (with latent attention: the widest of the projections'
-    /// rows the step holds at once, see `MlaSpec`).
+    /// Width of a fused Q|K|V row (with latent attention: the query's unrotated and rotated
+    /// parts of every head, then the new key's rotated part).
     pub fn qkv_width(&self) -> usize {
         match self.mla {
             None => (self.n_heads + 2 * self.n_kv_heads) * self.head_dim,
-            Some(m) => {
-                let h = self.n_heads;
-                // q (nope and rope parts), the absorbed query, the latent and its rope.
-                h * (m.qk_nope + m.qk_rope) + h * m.kv_lora_rank + m.cache_row() + m.qk_rope
-            }
+            Some(m) => self.n_heads * (m.qk_nope + m.qk_rope) + m.qk_rope,
         }
     }
 
-    /// Width of the attention output (n_heads * head_dim; with latent attention, each head's
-    /// output in the latent space).
+    /// Width of the attention output (n_heads * head_dim; with latent attention, every head's
+    /// value).
     pub fn attn_width(&self) -> usize {
         match self.mla {
             None => self.n_heads * self.head_dim,
-            Some(m) => self.n_heads * m.kv_lora_rank.max(m.v_head_dim),
+            Some(m) => self.n_heads * m.v_head_dim,
         }
     }
 

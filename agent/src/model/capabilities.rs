@@ -27,8 +27,14 @@ pub fn required_capabilities(cfg: &ModelConfig) -> Vec<Capability> {
     if cfg.layers.iter().any(|l| l.rope != cfg.rope) {
         need.push(Capability::PerLayerRope);
     }
-    if cfg.moe.is_some() {
+    if let Some(m) = cfg.moe {
         need.push(Capability::Moe);
+        if !m.plain_softmax() {
+            need.push(Capability::ScoredRouting);
+        }
+    }
+    if cfg.mla.is_some() {
+        need.push(Capability::LatentAttention);
     }
     need
 }

@@ -4,6 +4,7 @@
 
 pub mod capabilities;
 pub mod kv_sizing;
+pub mod mla;
 pub mod runner;
 pub mod weights;
 

@@ -12,14 +12,15 @@
 
 use npu_backend::{
     AttnGeometry, Backend, Collective, DType, HostSlice, HostSliceMut, KvSpec, Readback,
-    StepInputs, View, ViewMut,
+    RouteSpec, StepInputs, View, ViewMut,
 };
 use npu_gguf::GgufFile;
 use npu_model::shard::RankShard;
 use npu_model::Checkpoint;
 use npu_model::FfnAct;
 
-use super::weights::{Embedding, Ffn, Proj, Weights};
+use super::mla::{self, MlaBuffers, MlaStep};
+use super::weights::{Attn, Embedding, Ffn, Proj, Weights};
 use super::{ModelConfig, ModelError};
 use crate::long_context::LongContext;
 
@@ -70,6 +71,10 @@ struct Buffers<B: Backend> {
     router: B::Buffer,
     route_ids: B::Buffer,
     route_w: B::Buffer,
+    /// The shared experts' output (DeepSeek; empty otherwise).
+    shared: B::Buffer,
+    /// Latent attention's own buffers (DeepSeek).
+    mla: Option<MlaBuffers<B>>,
 }
 
 /// This rank's part of a tensor-parallel group.
@@ -299,6 +304,7 @@ impl<B: Backend> Model<B> {
         tp: Option<(RankShard, Box<dyn Collective<B>>)>,
     ) -> Result<Self, ModelError> {
         let cfg = f.config()?;
+        backend.choose_activations(cfg.wide_activations);
         super::capabilities::check_capabilities(&cfg, &backend)?;
         if opts.max_tokens == 0
             || opts.max_logit_rows == 0
@@ -354,7 +360,17 @@ impl<B: Backend> Model<B> {
             router: alloc(act, cfg.moe.map_or(1, |m| t * m.n_experts))?,
             route_ids: alloc(DType::I32, cfg.moe.map_or(1, |m| t * m.n_used))?,
             route_w: alloc(DType::F32, cfg.moe.map_or(1, |m| t * m.n_used))?,
+            shared: alloc(
+                act,
+                match cfg.moe {
+                    Some(m) if m.shared_ff > 0 => t * h,
+                    _ => 1,
+                },
+            )?,
+            mla: None,
         };
+        let mut bufs = bufs;
+        bufs.mla = MlaBuffers::alloc(&mut backend, act, t, &local)?;
         // The pool last: sized from free memory, it sees what the weights and buffers left.
         let mut opts = opts;
         opts.num_blocks = init_kv_pool(&mut backend, &local, &opts)?;
@@ -426,12 +442,32 @@ impl<B: Backend> Model<B> {
         let c = &self.local;
         let vocab = self.shard().vocab.len();
         // An MoE token runs the router and its routed experts.
-        let ffn = match c.moe {
-            None => 3 * c.hidden * c.ff,
-            Some(m) => c.hidden * m.n_experts + m.n_used * 3 * c.hidden * m.expert_ff,
+        let dense = 3 * c.hidden * c.ff;
+        let attn = match c.mla {
+            None => c.hidden * c.qkv_width() + c.attn_width() * c.hidden,
+            Some(m) => {
+                let q = match m.q_lora_rank {
+                    0 => c.hidden * c.n_heads * (m.qk_nope + m.qk_rope),
+                    r => c.hidden * r + r * c.n_heads * (m.qk_nope + m.qk_rope),
+                };
+                let heads = c.n_heads * (m.qk_nope * m.kv_lora_rank + m.kv_lora_rank * m.v_head_dim);
+                q + c.hidden * m.cache_row() + heads + c.attn_width() * c.hidden
+            }
         };
-        let per_layer = c.hidden * c.qkv_width() + c.attn_width() * c.hidden + ffn;
-        ((c.n_layers * per_layer) as u64, (vocab * c.hidden) as u64)
+        let total: usize = (0..c.n_layers)
+            .map(|il| {
+                attn + match c.moe {
+                    Some(m) if m.is_moe_layer(il) => {
+                        // An MoE token runs the router, its routed experts and the shared ones.
+                        c.hidden * m.n_experts
+                            + m.n_used * 3 * c.hidden * m.expert_ff
+                            + 3 * c.hidden * m.shared_ff
+                    }
+                    _ => dense,
+                }
+            })
+            .sum();
+        (total as u64, (vocab * c.hidden) as u64)
     }
 
     /// The backend, for KV block moves between steps.
@@ -498,7 +534,6 @@ impl<B: Backend> Model<B> {
         let t = step.tokens.len();
         let h = cfg.hidden;
         let qkv_w = cfg.qkv_width();
-        let ff = cfg.ff;
         let eps = cfg.rms_eps;
         b.begin_step(step)?;
         match (&w.embed, tp.as_deref_mut()) {
@@ -525,12 +560,50 @@ impl<B: Backend> Model<B> {
                 eps,
                 ViewMut::rows(&mut bufs.xn, t, h)?,
             )?;
+            let (qkv_proj, qkv_bias, q_norm, k_norm) = match &layer.attn {
+                Attn::Heads {
+                    qkv,
+                    qkv_bias,
+                    q_norm,
+                    k_norm,
+                } => (qkv, qkv_bias, q_norm, k_norm),
+                Attn::Latent(mw) => {
+                    let (Some(m), Some(mb)) = (cfg.mla, bufs.mla.as_mut()) else {
+                        return Err(ModelError::Inconsistent(
+                            "latent attention weights without its settings".into(),
+                        ));
+                    };
+                    let step = MlaStep {
+                        xn: &bufs.xn,
+                        q: &mut bufs.qkv,
+                        out: &mut bufs.attn,
+                        bufs: mb,
+                    };
+                    mla::attention(b, mw, m, g, step, eps, t, h, li)?;
+                    let aw = cfg.attn_width();
+                    b.matmul(
+                        View::rows(&bufs.attn, t, aw)?,
+                        &layer.wo,
+                        ViewMut::rows(&mut bufs.tmp, t, h)?,
+                    )?;
+                    residual_add(b, bufs, None, eps, t, h)?;
+                    b.rms_norm(
+                        View::rows(&bufs.x, t, h)?,
+                        &layer.ffn_norm,
+                        eps,
+                        ViewMut::rows(&mut bufs.xn, t, h)?,
+                    )?;
+                    ffn(b, bufs, &layer.ffn, cfg, t, h)?;
+                    residual_add(b, bufs, None, eps, t, h)?;
+                    continue;
+                }
+            };
             let mut qkv = ViewMut::rows(&mut bufs.qkv, t, qkv_w)?;
-            project(b, View::rows(&bufs.xn, t, h)?, &layer.qkv, &mut qkv)?;
-            if let Some(bias) = &layer.qkv_bias {
+            project(b, View::rows(&bufs.xn, t, h)?, qkv_proj, &mut qkv)?;
+            if let Some(bias) = qkv_bias {
                 b.add_bias(qkv.col_range(0, qkv_w)?, bias)?;
             }
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
                 b.rms_norm_heads(qkv.col_range(0, qw)?, qn, eps, g.head_dim)?;
                 b.rms_norm_heads(qkv.col_range(qw, kvw)?, kn, eps, g.head_dim)?;
             }
@@ -571,42 +644,7 @@ impl<B: Backend> Model<B> {
                 eps,
                 ViewMut::rows(&mut bufs.xn, t, h)?,
             )?;
-            match &layer.ffn {
-                Ffn::Dense { gate_up, down } => {
-                    dense_ffn(b, bufs, gate_up, down, cfg.ffn_act, t, h, ff)?
-                }
-                Ffn::Moe {
-                    router,
-                    gate_up,
-                    down,
-                } => {
-                    let moe = cfg.moe.ok_or_else(|| {
-                        ModelError::Inconsistent("expert weights without MoE settings".into())
-                    })?;
-                    let (ne, k) = (moe.n_experts, moe.n_used);
-                    b.matmul(
-                        View::rows(&bufs.xn, t, h)?,
-                        router,
-                        ViewMut::rows(&mut bufs.router, t, ne)?,
-                    )?;
-                    b.moe_route(
-                        View::rows(&bufs.router, t, ne)?,
-                        k,
-                        moe.norm_top_k,
-                        ViewMut::rows(&mut bufs.route_ids, t, k)?,
-                        ViewMut::rows(&mut bufs.route_w, t, k)?,
-                    )?;
-                    b.moe_ffn(
-                        View::rows(&bufs.xn, t, h)?,
-                        View::rows(&bufs.route_ids, t, k)?,
-                        View::rows(&bufs.route_w, t, k)?,
-                        gate_up,
-                        down,
-                        moe.expert_ff,
-                        ViewMut::rows(&mut bufs.tmp, t, h)?,
-                    )?;
-                }
-            }
+            ffn(b, bufs, &layer.ffn, cfg, t, h)?;
             if let Some(tp) = tp.as_deref_mut() {
                 tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
             }
@@ -724,7 +762,10 @@ fn init_kv_pool<B: Backend>(
         n_kv_heads: cfg.n_kv_heads,
         head_dim: cfg.head_dim,
     };
-    let block_bytes = backend.kv_block_bytes_for(&spec);
+    let block_bytes = match cfg.mla {
+        None => backend.kv_block_bytes_for(&spec),
+        Some(_) => backend.latent_kv_block_bytes_for(&spec),
+    };
     if let Some(fraction) = opts.kv_memory_fraction {
         let mem = backend.mem_info()?;
         spec.num_blocks =
@@ -740,7 +781,25 @@ fn init_kv_pool<B: Backend>(
             "KV pool sized from the device memory free after the weights and step buffers"
         );
     }
-    backend.init_kv(spec)?;
+    match cfg.mla {
+        None => backend.init_kv(spec)?,
+        Some(m) => {
+            // What a dense model of the same heads would store per token and layer: every
+            // head's key and value.
+            let dense = cfg.n_heads * (m.qk_nope + m.qk_rope + m.v_head_dim);
+            tracing::info!(
+                latent_values_per_token = m.cache_row(),
+                dense_values_per_token = dense,
+                tokens_ratio = format!("{:.1}", dense as f64 / m.cache_row() as f64),
+                num_blocks = spec.num_blocks,
+                block_bytes,
+                "latent KV pool: each token's latent and rotated key, not per-head K and V (a \
+                 same-width dense model's cache would hold tokens_ratio times fewer tokens in \
+                 the same memory)"
+            );
+            backend.init_latent_kv(spec)?
+        }
+    }
     let got = backend.kv_block_bytes();
     if got != block_bytes {
         return Err(ModelError::Inconsistent(format!(
@@ -750,8 +809,92 @@ fn init_kv_pool<B: Backend>(
     Ok(spec.num_blocks)
 }
 
+/// A layer's FFN of `xn` into `tmp`: dense, or the routed experts (their routing as the
+/// model's spec says) with the shared experts added.
+fn ffn<B: Backend>(
+    b: &mut B,
+    bufs: &mut Buffers<B>,
+    ffn: &Ffn<B>,
+    cfg: &ModelConfig,
+    t: usize,
+    h: usize,
+) -> Result<(), ModelError> {
+    let (gate_up, down, router, selection_bias, shared) = match ffn {
+        Ffn::Dense { gate_up, down } => {
+            return dense_ffn(b, bufs, gate_up, down, cfg.ffn_act, t, h, cfg.ff)
+        }
+        Ffn::Moe {
+            router,
+            gate_up,
+            down,
+            selection_bias,
+            shared,
+        } => (gate_up, down, router, selection_bias, shared),
+    };
+    let moe = cfg
+        .moe
+        .ok_or_else(|| ModelError::Inconsistent("expert weights without MoE settings".into()))?;
+    let (ne, k) = (moe.n_experts, moe.n_used);
+    b.matmul(
+        View::rows(&bufs.xn, t, h)?,
+        router,
+        ViewMut::rows(&mut bufs.router, t, ne)?,
+    )?;
+    let (logits, ids, weights) = (
+        View::rows(&bufs.router, t, ne)?,
+        ViewMut::rows(&mut bufs.route_ids, t, k)?,
+        ViewMut::rows(&mut bufs.route_w, t, k)?,
+    );
+    if moe.plain_softmax() && selection_bias.is_none() {
+        b.moe_route(logits, k, moe.norm_top_k, ids, weights)?;
+    } else {
+        let spec = RouteSpec {
+            k,
+            gating: moe.gating,
+            normalize: moe.norm_top_k,
+            scale: moe.weights_scale,
+            groups: moe.groups,
+        };
+        b.moe_route_scored(logits, selection_bias.as_ref(), &spec, ids, weights)?;
+    }
+    if let Some((gate_up, down)) = shared {
+        // The shared experts first, into their own rows; the routed ones' sum then lands in
+        // `tmp` and the shared output is added to it.
+        let sff = moe.shared_ff;
+        let mut gu = ViewMut::rows(&mut bufs.gate_up, t, 2 * sff)?;
+        project(b, View::rows(&bufs.xn, t, h)?, gate_up, &mut gu)?;
+        let gu = gu.as_view();
+        b.swiglu(
+            gu.col_range(0, sff)?,
+            gu.col_range(sff, sff)?,
+            ViewMut::rows(&mut bufs.h, t, sff)?,
+        )?;
+        b.matmul(
+            View::rows(&bufs.h, t, sff)?,
+            down,
+            ViewMut::rows(&mut bufs.shared, t, h)?,
+        )?;
+    }
+    b.moe_ffn(
+        View::rows(&bufs.xn, t, h)?,
+        View::rows(&bufs.route_ids, t, k)?,
+        View::rows(&bufs.route_w, t, k)?,
+        gate_up,
+        down,
+        moe.expert_ff,
+        ViewMut::rows(&mut bufs.tmp, t, h)?,
+    )?;
+    if shared.is_some() {
+        b.add(
+            ViewMut::rows(&mut bufs.tmp, t, h)?,
+            View::rows(&bufs.shared, t, h)?,
+        )?;
+    }
+    Ok(())
+}
+
 /// Runs a (possibly split) projection of `x` into the columns of `out`.
-fn project<B: Backend>(
+pub(super) fn project<B: Backend>(
     b: &mut B,
     x: View<'_, B::Buffer>,
     p: &Proj<B::Matrix>,

@@ -38,11 +38,7 @@ pub enum Proj<M> {
 
 pub struct Layer<B: Backend> {
     pub attn_norm: B::Buffer,
-    pub qkv: Proj<B::Matrix>,
-    pub qkv_bias: Option<B::Buffer>,
-    /// Per-head RMS norm weights of the queries and keys (`head_dim` each).
-    pub q_norm: Option<B::Buffer>,
-    pub k_norm: Option<B::Buffer>,
+    pub attn: Attn<B>,
     pub wo: B::Matrix,
     /// RMS norm of the attention output before its residual add (Gemma 3).
     pub post_attn_norm: Option<B::Buffer>,
@@ -50,6 +46,21 @@ pub struct Layer<B: Backend> {
     pub ffn: Ffn<B>,
     /// RMS norm of the FFN output before its residual add (Gemma 3).
     pub post_ffn_norm: Option<B::Buffer>,
+}
+
+/// A layer's attention projections.
+pub enum Attn<B: Backend> {
+    /// Q, K and V projections (fused where the backend can), with their optional biases and
+    /// per-head norms.
+    Heads {
+        qkv: Proj<B::Matrix>,
+        qkv_bias: Option<B::Buffer>,
+        /// Per-head RMS norm weights of the queries and keys (`head_dim` each).
+        q_norm: Option<B::Buffer>,
+        k_norm: Option<B::Buffer>,
+    },
+    /// Multi-head latent attention (DeepSeek; see `super::mla`).
+    Latent(Box<super::mla::MlaWeights<B>>),
 }
 
 /// A layer's feed-forward block.
@@ -65,6 +76,10 @@ pub enum Ffn<B: Backend> {
         router: B::Matrix,
         gate_up: Vec<B::Matrix>,
         down: Vec<B::Matrix>,
+        /// The per-expert bias added to the scores experts are chosen by (DeepSeek-V3).
+        selection_bias: Option<B::Buffer>,
+        /// The shared experts' gated FFN run on every token beside the routed ones.
+        shared: Option<(Proj<B::Matrix>, B::Matrix)>,
     },
 }
 
@@ -157,7 +172,10 @@ impl<B: Backend> Weights<B> {
     pub fn matrices(&self) -> Vec<&B::Matrix> {
         let mut all = Vec::new();
         for l in &self.layers {
-            all.extend(l.qkv.matrices());
+            match &l.attn {
+                Attn::Heads { qkv, .. } => all.extend(qkv.matrices()),
+                Attn::Latent(m) => all.extend(m.matrices()),
+            }
             all.push(&l.wo);
             match &l.ffn {
                 Ffn::Dense { gate_up, down } => {
@@ -169,10 +187,16 @@ impl<B: Backend> Weights<B> {
                     router,
                     gate_up,
                     down,
+                    shared,
+                    ..
                 } => {
                     all.push(router);
                     all.extend(gate_up);
                     all.extend(down);
+                    if let Some((gu, d)) = shared {
+                        all.extend(gu.matrices());
+                        all.push(d);
+                    }
                 }
             }
         }
@@ -182,7 +206,7 @@ impl<B: Backend> Weights<B> {
 }
 
 /// The checkpoint being loaded, and the names of the tensors read from it.
-struct Src<'a> {
+pub(super) struct Src<'a> {
     file: &'a Checkpoint,
     read: RefCell<HashSet<String>>,
 }
@@ -195,7 +219,7 @@ impl<'a> Src<'a> {
         }
     }
 
-    fn has(&self, name: &str) -> bool {
+    pub(super) fn has(&self, name: &str) -> bool {
         self.file.stored_info(name).is_some()
     }
 
@@ -224,7 +248,7 @@ impl<'a> Src<'a> {
 }
 
 /// Looks up a tensor and checks its shape (ggml order: row length first).
-fn tensor<'a>(
+pub(super) fn tensor<'a>(
     f: &Src<'a>,
     name: &str,
     dims: &[usize],
@@ -251,15 +275,15 @@ fn tensor<'a>(
 
 /// A weight matrix as the loader holds it: the checkpoint's mapped bytes, or bytes converted
 /// from them.
-struct Part<'a> {
-    ty: GgmlType,
-    data: Cow<'a, [u8]>,
-    rows: usize,
-    cols: usize,
+pub(super) struct Part<'a> {
+    pub(super) ty: GgmlType,
+    pub(super) data: Cow<'a, [u8]>,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
 }
 
 impl Part<'_> {
-    fn host(&self) -> HostTensor<'_> {
+    pub(super) fn host(&self) -> HostTensor<'_> {
         HostTensor {
             ty: self.ty,
             data: &self.data,
@@ -270,7 +294,7 @@ impl Part<'_> {
 }
 
 /// A weight matrix of `rows` outputs and `cols` inputs.
-fn part<'a>(f: &Src<'a>, name: &str, cols: usize, rows: usize) -> Result<Part<'a>, ModelError> {
+pub(super) fn part<'a>(f: &Src<'a>, name: &str, cols: usize, rows: usize) -> Result<Part<'a>, ModelError> {
     let (info, data) = tensor(f, name, &[cols, rows])?;
     Ok(Part {
         ty: info.ty,
@@ -281,7 +305,7 @@ fn part<'a>(f: &Src<'a>, name: &str, cols: usize, rows: usize) -> Result<Part<'a
 }
 
 /// Output rows `r` of a weight matrix: a slice of its bytes.
-fn rows_of<'a>(t: Part<'a>, r: &Range<usize>, name: &str) -> Result<Part<'a>, ModelError> {
+pub(super) fn rows_of<'a>(t: Part<'a>, r: &Range<usize>, name: &str) -> Result<Part<'a>, ModelError> {
     if *r == (0..t.rows) {
         return Ok(t);
     }
@@ -359,7 +383,7 @@ fn with_cols<'a>(
     })
 }
 
-fn vector<B: Backend>(
+pub(super) fn vector<B: Backend>(
     f: &Src<'_>,
     b: &mut B,
     name: &str,
@@ -374,7 +398,7 @@ fn vector<B: Backend>(
     })?)
 }
 
-fn matrix<B: Backend>(b: &mut B, parts: &[HostTensor]) -> Result<Proj<B::Matrix>, ModelError> {
+pub(super) fn matrix<B: Backend>(b: &mut B, parts: &[HostTensor]) -> Result<Proj<B::Matrix>, ModelError> {
     if let Some(m) = b.load_matrix(parts)? {
         return Ok(Proj::Fused(m));
     }
@@ -387,7 +411,7 @@ fn matrix<B: Backend>(b: &mut B, parts: &[HostTensor]) -> Result<Proj<B::Matrix>
     Ok(Proj::Split(out))
 }
 
-fn single<B: Backend>(b: &mut B, p: HostTensor) -> Result<B::Matrix, ModelError> {
+pub(super) fn single<B: Backend>(b: &mut B, p: HostTensor) -> Result<B::Matrix, ModelError> {
     b.load_matrix(&[p])?.ok_or_else(|| {
         ModelError::Unsupported(format!(
             "a {} weight matrix with {} inputs",
@@ -436,6 +460,11 @@ impl<B: Backend> Weights<B> {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{i}.{s}");
+            if let Some(mla) = cfg.mla {
+                layers.push(super::mla::load_layer(f, b, cfg, mla, i, &mut buf)?);
+                release_layer(file, i);
+                continue;
+            }
             let q = rows_of(part(f, &n("attn_q.weight"), h, qd)?, &qr, &n("attn_q"))?;
             let k = rows_of(part(f, &n("attn_k.weight"), h, kvd)?, &kvr, &n("attn_k"))?;
             let v = rows_of(part(f, &n("attn_v.weight"), h, kvd)?, &kvr, &n("attn_v"))?;
@@ -501,19 +530,15 @@ impl<B: Backend> Weights<B> {
             };
             let attn_norm = vector(f, b, &n("attn_norm.weight"), h)?;
             let ffn_norm = vector(f, b, &n("ffn_norm.weight"), h)?;
-            // The backend holds its copies: the layer's mapped pages may go.
-            let prefix = n("");
-            for name in file.tensor_names() {
-                if name.starts_with(&prefix) {
-                    file.release(&name);
-                }
-            }
+            release_layer(file, i);
             layers.push(Layer {
                 attn_norm,
-                qkv,
-                qkv_bias,
-                q_norm,
-                k_norm,
+                attn: Attn::Heads {
+                    qkv,
+                    qkv_bias,
+                    q_norm,
+                    k_norm,
+                },
                 wo,
                 post_attn_norm,
                 ffn_norm,
@@ -541,8 +566,18 @@ impl<B: Backend> Weights<B> {
     }
 }
 
+/// The backend holds its copies of layer `i`: its mapped pages may go.
+fn release_layer(file: &Checkpoint, i: usize) {
+    let prefix = format!("blk.{i}.");
+    for name in file.tensor_names() {
+        if name.starts_with(&prefix) {
+            file.release(&name);
+        }
+    }
+}
+
 /// A 3-D expert tensor (`[cols, rows, n_experts]` in ggml order), read once for all experts.
-struct Experts<'a> {
+pub(super) struct Experts<'a> {
     name: String,
     ty: GgmlType,
     data: Cow<'a, [u8]>,
@@ -552,7 +587,7 @@ struct Experts<'a> {
 }
 
 impl<'a> Experts<'a> {
-    fn read(
+    pub(super) fn read(
         f: &Src<'a>,
         name: &str,
         cols: usize,
@@ -571,7 +606,7 @@ impl<'a> Experts<'a> {
     }
 
     /// Expert `e`'s matrix: a slice of the tensor's bytes.
-    fn expert(&self, e: usize) -> Result<Part<'_>, ModelError> {
+    pub(super) fn expert(&self, e: usize) -> Result<Part<'_>, ModelError> {
         let name = &self.name;
         let row_bytes = self.ty.row_bytes(self.cols).ok_or_else(|| {
             ModelError::Inconsistent(format!(
@@ -598,7 +633,7 @@ impl<'a> Experts<'a> {
 
 /// A Qwen3-MoE layer's router (whole) and experts (each expert's gate and up fused into one
 /// matrix), each expert's FFN columns `ffr`.
-fn moe_ffn<B: Backend>(
+pub(super) fn moe_ffn<B: Backend>(
     f: &Src<'_>,
     b: &mut B,
     n: &dyn Fn(&str) -> String,
@@ -628,10 +663,25 @@ fn moe_ffn<B: Backend>(
         let d = downs.expert(e)?;
         down.push(single(b, with_cols(&d, ffr, &n("ffn_down_exps"), buf)?)?);
     }
+    let selection_bias = match f.has(&n("exp_probs_b.bias")) {
+        true => Some(vector(f, b, &n("exp_probs_b.bias"), ne)?),
+        false => None,
+    };
+    let shared = match moe.shared_ff {
+        0 => None,
+        sff => {
+            let gate = part(f, &n("ffn_gate_shexp.weight"), h, sff)?;
+            let up = part(f, &n("ffn_up_shexp.weight"), h, sff)?;
+            let down = part(f, &n("ffn_down_shexp.weight"), sff, h)?;
+            Some((matrix(b, &[gate.host(), up.host()])?, single(b, down.host())?))
+        }
+    };
     Ok(Ffn::Moe {
         router,
         gate_up,
         down,
+        selection_bias,
+        shared,
     })
 }
 

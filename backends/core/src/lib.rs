@@ -22,7 +22,7 @@ pub mod moe;
 pub mod view;
 
 use npu_gguf::GgmlType;
-use npu_model::Rope;
+use npu_model::{Gating, Rope};
 use thiserror::Error;
 
 pub use collective::{Collective, HostCollective, HostStaged};
@@ -145,6 +145,12 @@ pub enum Capability {
     PerLayerRope,
     /// `moe_route`, `gather_rows` and `scatter_add_rows`: a mixture-of-experts FFN (Qwen3-MoE).
     Moe,
+    /// `moe_route_scored`: sigmoid gating, a selection bias, group-limited choice and a routed
+    /// scaling factor (DeepSeek-V3).
+    ScoredRouting,
+    /// `init_latent_kv`, `kv_write_latent` and `attention_latent`: multi-head latent attention
+    /// over a cache of latents (DeepSeek).
+    LatentAttention,
 }
 
 impl Capability {
@@ -157,6 +163,8 @@ impl Capability {
             Self::RopeFactors => "rope frequency factors",
             Self::PerLayerRope => "per-layer rope bases",
             Self::Moe => "mixture-of-experts routing",
+            Self::ScoredRouting => "scored expert routing (sigmoid, bias, groups)",
+            Self::LatentAttention => "latent attention (a KV cache of latents)",
         }
     }
 }
@@ -250,6 +258,22 @@ impl KvSpec {
     }
 }
 
+/// How `moe_route_scored` chooses experts and weighs them (llama.cpp's `build_moe_ffn`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouteSpec {
+    /// Experts chosen per token.
+    pub k: usize,
+    /// Scores: the softmax over the experts, or each expert's sigmoid.
+    pub gating: Gating,
+    /// The chosen scores are divided by their sum (at least 2^-14, f16's smallest normal).
+    pub normalize: bool,
+    /// The weights are then multiplied by this (1: not).
+    pub scale: f32,
+    /// Group-limited choice: (groups, groups used); each group scored by the sum of its two
+    /// best biased scores, experts chosen from the best groups only.
+    pub groups: Option<(usize, usize)>,
+}
+
 /// Model-wide attention geometry.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnGeometry {
@@ -318,6 +342,12 @@ pub trait Backend: Send {
     fn describe(&self) -> String;
     /// The dtype this backend computes activations in (the model allocates its buffers so).
     fn act_dtype(&self) -> DType;
+    /// Called once when a model loads, before its weights: `wide` when its hidden states outgrow
+    /// f16's range (Gemma 3). A backend that chooses its activation type per model (Ascend: bf16
+    /// then, else f16) does so here; by default the type stays as configured.
+    fn choose_activations(&mut self, wide: bool) {
+        let _ = wide;
+    }
     fn mem_info(&self) -> Result<MemInfo, BackendError>;
     /// Whether this backend has `c` (see [`Capability`]); none by default.
     fn supports(&self, c: Capability) -> bool {
@@ -480,6 +510,61 @@ pub trait Backend: Send {
     ) -> Result<(), BackendError> {
         let _ = (x, ids, weights, gate_up, down, ff, out);
         Err(self.unsupported(Capability::Moe))
+    }
+    /// Expert routing with DeepSeek's choices ([`Capability::ScoredRouting`]): for each row of
+    /// `logits`, the scores (`spec.gating`), the scores plus `bias` (one value per expert, f32)
+    /// to choose by, limited to the best groups when `spec.groups` is set; the `k` best experts
+    /// by biased score in descending order (ties: the lower index) into `ids`, and their
+    /// unbiased scores, normalised and scaled as `spec` says, into `weights` (f32).
+    fn moe_route_scored(
+        &mut self,
+        logits: View<'_, Self::Buffer>,
+        bias: Option<&Self::Buffer>,
+        spec: &RouteSpec,
+        ids: ViewMut<'_, Self::Buffer>,
+        weights: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let _ = (logits, bias, spec, ids, weights);
+        Err(self.unsupported(Capability::ScoredRouting))
+    }
+    /// Allocates a latent KV pool ([`Capability::LatentAttention`]): each block holds, for every
+    /// layer, `block_size` rows of `head_dim` values (`n_kv_heads` must be 1): a token's latent
+    /// then its rotated key. Instead of `init_kv`.
+    fn init_latent_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
+        let _ = spec;
+        Err(self.unsupported(Capability::LatentAttention))
+    }
+    /// Bytes one block of a latent pool of `spec` would take (f16 rows, no separate values).
+    fn latent_kv_block_bytes_for(&self, spec: &KvSpec) -> usize {
+        spec.f16_block_bytes() / 2
+    }
+    /// Writes each new token's cache row, `latent` then `rope` (its rotated key), into
+    /// `layer`'s latent cache at the step's slot mapping ([`Capability::LatentAttention`]).
+    fn kv_write_latent(
+        &mut self,
+        latent: View<'_, Self::Buffer>,
+        rope: View<'_, Self::Buffer>,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        let _ = (latent, rope, layer);
+        Err(self.unsupported(Capability::LatentAttention))
+    }
+    /// Causal paged attention over `layer`'s latent cache ([`Capability::LatentAttention`]):
+    /// head h's score against a cached row is `(q_latent[h] . latent + q_rope[h] . rope) *
+    /// g.scale`, and its output the softmax-weighted sum of the latents. `q_latent` and `out`
+    /// rows hold `g.n_heads` heads of `latent_dim` values, `q_rope` rows `g.n_heads` heads of
+    /// `g.head_dim - latent_dim` (the rotated part).
+    fn attention_latent(
+        &mut self,
+        q_latent: View<'_, Self::Buffer>,
+        q_rope: View<'_, Self::Buffer>,
+        g: &AttnGeometry,
+        latent_dim: usize,
+        layer: usize,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let _ = (q_latent, q_rope, g, latent_dim, layer, out);
+        Err(self.unsupported(Capability::LatentAttention))
     }
     /// The refusal of an op this backend has not built.
     fn unsupported(&self, c: Capability) -> BackendError {

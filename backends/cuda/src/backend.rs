@@ -63,6 +63,8 @@ pub(crate) fn supports(c: Capability) -> bool {
         | Capability::RopeFactors
         | Capability::PerLayerRope
         | Capability::Moe => true,
+        // DeepSeek's routing and latent attention have no kernels here yet.
+        Capability::ScoredRouting | Capability::LatentAttention => false,
     }
 }
 

@@ -19,7 +19,9 @@ pub(super) fn supports(c: Capability) -> bool {
         | Capability::SlidingWindow
         | Capability::RopeFactors
         | Capability::PerLayerRope
-        | Capability::Moe => true,
+        | Capability::Moe
+        | Capability::ScoredRouting
+        | Capability::LatentAttention => true,
     }
 }
 

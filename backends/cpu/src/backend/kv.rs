@@ -2,6 +2,10 @@
 //! in turn, that layer's K block then its V block. A block is therefore one contiguous run of
 //! memory, so moving a block (device copy, host swap, prefill-to-decode handoff) is one copy;
 //! the attention kernel steps over the other layers with the layout's block stride.
+//!
+//! A latent pool (multi-head latent attention) holds one row per token and layer instead: the
+//! token's latent then its rotated key, `head_dim` values, token after token; there are no
+//! values apart (attention reads the latent as the value).
 
 use half::f16;
 use npu_backend::{BackendError, KvSpec};
@@ -16,10 +20,27 @@ pub(crate) struct KvPool {
     block_elems: usize,
     /// f16 values of one whole block (every layer's K and V).
     block_len: usize,
+    /// A latent pool: one row per token and layer, no V blocks.
+    pub latent: bool,
 }
 
 impl KvPool {
     pub fn new(spec: KvSpec) -> Result<Self, BackendError> {
+        Self::with_kind(spec, false)
+    }
+
+    /// A latent pool (see the module note): `spec.n_kv_heads` must be 1.
+    pub fn new_latent(spec: KvSpec) -> Result<Self, BackendError> {
+        if spec.n_kv_heads != 1 {
+            return Err(bad(
+                "init_latent_kv",
+                format!("a latent pool has one row per token, not {spec:?}"),
+            ));
+        }
+        Self::with_kind(spec, true)
+    }
+
+    fn with_kind(spec: KvSpec, latent: bool) -> Result<Self, BackendError> {
         let too_big = || {
             bad(
                 "init_kv",
@@ -32,7 +53,7 @@ impl KvPool {
             .and_then(|v| v.checked_mul(spec.block_size))
             .ok_or_else(too_big)?;
         let block_len = block_elems
-            .checked_mul(2)
+            .checked_mul(if latent { 1 } else { 2 })
             .and_then(|v| v.checked_mul(spec.n_layers))
             .ok_or_else(too_big)?;
         let total = block_len
@@ -47,6 +68,7 @@ impl KvPool {
             data: alloc_vec_huge(total, f16::ZERO, "the KV cache")?,
             block_elems,
             block_len,
+            latent,
         })
     }
 
@@ -68,8 +90,34 @@ impl KvPool {
                 format!("layer {layer} of a {}-layer KV pool", self.spec.n_layers),
             ));
         }
+        if self.latent {
+            return Err(bad(
+                op,
+                "a latent KV pool has no separate K and V (latent attention's ops use it)".into(),
+            ));
+        }
         let k = 2 * layer * self.block_elems;
         Ok((k, k + self.block_elems))
+    }
+
+    /// Where `layer`'s rows of block 0 start in a latent pool.
+    pub fn latent_base(&self, op: &'static str, layer: usize) -> Result<usize, BackendError> {
+        if !self.latent || layer >= self.spec.n_layers {
+            return Err(bad(
+                op,
+                format!(
+                    "layer {layer} of a {}-layer {} pool",
+                    self.spec.n_layers,
+                    if self.latent { "latent" } else { "K/V (not latent)" }
+                ),
+            ));
+        }
+        Ok(layer * self.block_elems)
+    }
+
+    /// f16 values between the same layer's rows of consecutive blocks.
+    pub fn block_len(&self) -> usize {
+        self.block_len
     }
 
     pub fn data(&self) -> &[f16] {

@@ -8,6 +8,7 @@ mod buffer;
 pub(crate) use buffer::advise_huge_pages;
 mod family_ops;
 mod kv;
+mod latent_ops;
 #[cfg(test)]
 mod moe_tests;
 #[cfg(test)]
@@ -26,7 +27,7 @@ use crate::quant::{FloatActs, QuantizedActs, WeightMatrix};
 use crate::threadpool::{split_range, ThreadPool};
 use npu_backend::{
     AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostTensor,
-    KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
+    KvSpec, MemInfo, Readback, RouteSpec, StepInputs, View, ViewMut,
 };
 use npu_gguf::quants::dequantize_row;
 use npu_gguf::GgmlType;
@@ -356,6 +357,42 @@ impl Backend for CpuBackend {
         out: ViewMut<'_, CpuBuffer>,
     ) -> Result<(), BackendError> {
         self.moe_ffn_op(x, ids, weights, gate_up, down, ff, out)
+    }
+
+    fn moe_route_scored(
+        &mut self,
+        logits: View<'_, CpuBuffer>,
+        bias: Option<&CpuBuffer>,
+        spec: &RouteSpec,
+        ids: ViewMut<'_, CpuBuffer>,
+        weights: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        self.moe_route_scored_op(logits, bias, spec, ids, weights)
+    }
+
+    fn init_latent_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
+        self.init_latent_kv_op(spec)
+    }
+
+    fn kv_write_latent(
+        &mut self,
+        latent: View<'_, CpuBuffer>,
+        rope: View<'_, CpuBuffer>,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        self.kv_write_latent_op(latent, rope, layer)
+    }
+
+    fn attention_latent(
+        &mut self,
+        q_latent: View<'_, CpuBuffer>,
+        q_rope: View<'_, CpuBuffer>,
+        g: &AttnGeometry,
+        latent_dim: usize,
+        layer: usize,
+        out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        self.attention_latent_op(q_latent, q_rope, g, latent_dim, layer, out)
     }
 
     fn geglu(
