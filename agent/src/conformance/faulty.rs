@@ -141,6 +141,9 @@ impl<B: Backend> Backend for Faulty<B> {
     fn act_dtype(&self) -> DType {
         self.inner.act_dtype()
     }
+    fn choose_activations(&mut self, wide: bool) {
+        self.inner.choose_activations(wide)
+    }
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         self.inner.mem_info()
     }

@@ -12,7 +12,7 @@
 
 use npu_backend::{AttnGeometry, BackendError, View, ViewMut};
 
-use super::layer_ops::{bad, copy, dense, gather, step_slice, tview, want_f16};
+use super::layer_ops::{bad, copy, dense, gather, step_slice, tview, want_act};
 use super::objects::AscendBuffer;
 use super::step::AttnPath;
 use super::{err, AscendBackend};
@@ -49,10 +49,11 @@ impl AscendBackend {
         layer: usize,
     ) -> Result<(), BackendError> {
         let op = "kv_write";
+        let act = self.act_t();
         self.check_geometry(op, g)?;
         let (kl, vl) = (k.layout(), v.layout());
-        want_f16(op, "k", k.dtype())?;
-        want_f16(op, "v", v.dtype())?;
+        want_act(op, "k", k.dtype(), self.act)?;
+        want_act(op, "v", v.dtype(), self.act)?;
         let t = self.plan.n_tokens;
         let kvd = g.kv_width();
         for (w, l) in [("k", kl), ("v", vl)] {
@@ -74,14 +75,14 @@ impl AscendBackend {
             // uncompressed and contiguous; strided rows are the "Nct" mode, which not every
             // release has). Column ranges of the fused QKV rows are copied into dense (T, N, D)
             // scratch first.
-            let packed = TView::contiguous(tensor::DType::F16, &[t as i64, n, d]);
+            let packed = TView::contiguous(act, &[t as i64, n, d]);
             for (name, x, l) in [("kv_k", &k, kl), ("kv_v", &v, vl)] {
                 if !dense(l) {
                     self.scratch.ensure(&self.dev, name, t * kvd * 2)?;
                     copy(
                         &mut self.ops,
                         self.scratch.get(name),
-                        TView::contiguous(tensor::DType::F16, &[t as i64, kvd as i64]),
+                        TView::contiguous(act, &[t as i64, kvd as i64]),
                         &x.buf().mem,
                         tview(x.dtype(), l),
                     )?;
@@ -118,10 +119,8 @@ impl AscendBackend {
             let spec = kv.spec;
             let (kc, vc) = kv.layer(layer)?;
             let (slots, sv) = step_slice(&self.step_mem, self.plan.slots, t)?;
-            let cache = TView::contiguous(
-                tensor::DType::F16,
-                &[spec.num_blocks as i64, spec.block_size as i64, n, d],
-            );
+            let cache =
+                TView::contiguous(act, &[spec.num_blocks as i64, spec.block_size as i64, n, d]);
             // torch_npu's defaults for the arrays read only in "Nct" mode: strides {1, 1},
             // offsets {0, 0} (explicit, not null).
             let acl = self.dev.acl;
@@ -182,7 +181,7 @@ impl AscendBackend {
             ));
         }
         let w = KvWrite {
-            dtype: tensor::DType::F16,
+            dtype: act,
             tokens: t,
             kv_heads: g.n_kv_heads,
             head_dim: g.head_dim,
@@ -209,10 +208,11 @@ impl AscendBackend {
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
         let op = "attention";
+        let act = self.act_t();
         self.check_geometry(op, g)?;
         let (ql, ol) = (q.layout(), out.layout());
-        want_f16(op, "q", q.dtype())?;
-        want_f16(op, "out", out.dtype())?;
+        want_act(op, "q", q.dtype(), self.act)?;
+        want_act(op, "out", out.dtype(), self.act)?;
         let t = self.plan.n_tokens;
         let h = g.q_width();
         for (w, l) in [("q", ql), ("out", ol)] {
@@ -242,7 +242,7 @@ impl AscendBackend {
                 // with such rows is written to scratch and copied out after.
                 let dense_q = dense(ql);
                 let dense_o = dense(ol);
-                let packed = TView::contiguous(tensor::DType::F16, &[t as i64, h as i64]);
+                let packed = TView::contiguous(act, &[t as i64, h as i64]);
                 if !dense_q {
                     self.scratch.ensure(&self.dev, "attn_q", t * h * 2)?;
                     copy(
@@ -259,7 +259,7 @@ impl AscendBackend {
                 // (B, 1, H) of entries `r`: dense rows of H from element `base` on.
                 let rows = |base: usize, r: &std::ops::Range<usize>| {
                     TView::strided(
-                        tensor::DType::F16,
+                        act,
                         &[r.len() as i64, 1, h as i64],
                         &[h as i64, h as i64, 1],
                         (base + r.start * h) as i64,
@@ -338,7 +338,7 @@ impl AscendBackend {
                         "the causal mask",
                     )?);
                 }
-                let padded = TView::contiguous(tensor::DType::F16, &[rows as i64, h as i64]);
+                let padded = TView::contiguous(act, &[rows as i64, h as i64]);
                 gather(
                     &mut self.ops,
                     (&q.buf().mem, tview(q.dtype(), ql)),
@@ -354,7 +354,7 @@ impl AscendBackend {
                 for r in &groups {
                     // (sequences, s_max, H) of the padded batch.
                     let bsh = TView::strided(
-                        tensor::DType::F16,
+                        act,
                         &[r.len() as i64, s_max as i64, h as i64],
                         &[(s_max * h) as i64, h as i64, 1],
                         (r.start * s_max * h) as i64,
@@ -421,6 +421,7 @@ impl AscendBackend {
         entries: std::ops::Range<usize>,
     ) -> Result<(), BackendError> {
         let acl = self.dev.acl;
+        let act = self.act_t();
         let kv = self
             .kv
             .as_ref()
@@ -446,7 +447,7 @@ impl AscendBackend {
             key_cache: kc,
             value_cache: vc,
             cache_view: TView::contiguous(
-                tensor::DType::F16,
+                act,
                 &[
                     spec.num_blocks as i64,
                     spec.block_size as i64,

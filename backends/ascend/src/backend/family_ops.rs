@@ -15,7 +15,7 @@
 
 use npu_backend::{BackendError, DType, DeviceBuffer as _, View, ViewMut};
 
-use super::layer_ops::{bad, half_of, tview, want_f16};
+use super::layer_ops::{bad, half_of, tview, want_act};
 use super::objects::AscendBuffer;
 use super::{err, AscendBackend};
 use crate::reuse::Arg;
@@ -40,8 +40,9 @@ impl AscendBackend {
         head_dim: usize,
     ) -> Result<(), BackendError> {
         let op = "rms_norm_heads";
+        let act = self.act_t();
         let l = x.layout();
-        want_f16(op, "x", x.dtype())?;
+        want_act(op, "x", x.dtype(), self.act)?;
         if head_dim == 0 || w.len() != head_dim || !l.cols().is_multiple_of(head_dim) {
             return Err(bad(
                 op,
@@ -52,7 +53,7 @@ impl AscendBackend {
                 ),
             ));
         }
-        if !matches!(w.dtype(), DType::F32 | DType::F16) {
+        if w.dtype() != DType::F32 && w.dtype() != self.act {
             return Err(bad(op, format!("a {} weight", w.dtype().name())));
         }
         if eps.is_nan() || eps <= 0.0 {
@@ -70,7 +71,7 @@ impl AscendBackend {
         let gamma = half_of(&self.scratch, w, "gamma16", cast);
         // (rows, heads, head_dim): the row stride, then heads side by side.
         let xv = TView::strided(
-            tensor::DType::F16,
+            act,
             &[rows as i64, heads as i64, head_dim as i64],
             &[l.stride() as i64, head_dim as i64, 1],
             l.offset() as i64,
@@ -89,7 +90,7 @@ impl AscendBackend {
                         "gamma",
                         1,
                         gamma,
-                        TView::contiguous(tensor::DType::F16, &[head_dim as i64]),
+                        TView::contiguous(act, &[head_dim as i64]),
                     ),
                     Arg::output("yOut", 0, &x.buf().mem, xv),
                     Arg::output(
@@ -124,7 +125,7 @@ impl AscendBackend {
     ) -> Result<(), BackendError> {
         let op = "scale_rows";
         let l = x.layout();
-        want_f16(op, "x", x.dtype())?;
+        want_act(op, "x", x.dtype(), self.act)?;
         if l.elements() == 0 {
             return Ok(());
         }
@@ -161,7 +162,7 @@ impl AscendBackend {
             ("up", up.dtype()),
             ("out", out.dtype()),
         ] {
-            want_f16(op, w, dt)?;
+            want_act(op, w, dt, self.act)?;
         }
         if gl.rows() != ul.rows()
             || gl.cols() != ul.cols()

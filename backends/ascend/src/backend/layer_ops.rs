@@ -39,7 +39,27 @@ pub(super) fn dense(l: Layout) -> bool {
     l.rows() <= 1 || l.stride() == l.cols()
 }
 
-/// Refuses activations that are not f16 (the backend's activation type).
+/// Refuses activations that are not of the backend's activation type `act` (f16 or bf16).
+pub(super) fn want_act(
+    op: &'static str,
+    what: &str,
+    dt: DType,
+    act: DType,
+) -> Result<(), BackendError> {
+    if dt != act {
+        return Err(bad(
+            op,
+            format!(
+                "{what} is {}; the Ascend backend computes this model in {}",
+                dt.name(),
+                act.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses activations that are not f16 (for the operators that take f16 activations only).
 pub(super) fn want_f16(op: &'static str, what: &str, dt: DType) -> Result<(), BackendError> {
     if dt != DType::F16 {
         return Err(bad(
@@ -209,8 +229,8 @@ fn wqbmm(
     .map_err(err)
 }
 
-/// The f16 values of a vector that [`AscendBackend::half_vector`] prepared: the buffer itself
-/// (f16), its loaded f16 copy, or (`cast`) scratch `name`.
+/// The 16-bit values of a vector that [`AscendBackend::half_vector`] prepared: the buffer
+/// itself, its loaded 16-bit copy, or (`cast`) scratch `name`.
 pub(super) fn half_of<'a>(
     scratch: &'a Scratch,
     v: &'a AscendBuffer,
@@ -226,9 +246,9 @@ pub(super) fn half_of<'a>(
 }
 
 impl AscendBackend {
-    /// Makes `v` (f16 or f32) available in f16 for an op over f16 activations: an f32 vector
-    /// written since it was loaded (no f16 copy) is cast into scratch `name` first, and the
-    /// result is `true`; [`half_of`] then names the memory.
+    /// Makes `v` (f32, or of the activations' type) available in the activations' type for an
+    /// op over activations: an f32 vector written since it was loaded (no 16-bit copy) is cast
+    /// into scratch `name` first, and the result is `true`; [`half_of`] then names the memory.
     pub(super) fn half_vector(
         &mut self,
         op: &'static str,
@@ -237,8 +257,10 @@ impl AscendBackend {
     ) -> Result<bool, BackendError> {
         use npu_backend::DeviceBuffer as _;
         let n = v.len();
+        let act = self.act_t();
         match (v.dtype(), &v.half) {
-            (DType::F16, _) | (DType::F32, Some(_)) => Ok(false),
+            (dt, _) if dt == self.act => Ok(false),
+            (DType::F32, Some(_)) => Ok(false),
             (DType::F32, None) => {
                 self.scratch.ensure(&self.dev, name, n * 2)?;
                 let s = self.scratch.get(name);
@@ -256,18 +278,13 @@ impl AscendBackend {
                                 &v.mem,
                                 TView::contiguous(tensor::DType::F32, &[n as i64]),
                             ),
-                            Arg::output(
-                                "out",
-                                0,
-                                s,
-                                TView::contiguous(tensor::DType::F16, &[n as i64]),
-                            ),
+                            Arg::output("out", 0, s, TView::contiguous(act, &[n as i64])),
                         ],
-                        &[npu_ffi::types::ACL_FLOAT16 as i64],
+                        &[act.acl() as i64],
                         &[],
                         // SAFETY (closure): live tensors and out-pointers from the launcher.
                         Box::new(move |ts, _, w, e| unsafe {
-                            pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT16, ts[1].raw(), w, e)
+                            pc(ts[0].raw(), act.acl(), ts[1].raw(), w, e)
                         }),
                     )
                     .map_err(err)?;
@@ -275,7 +292,7 @@ impl AscendBackend {
             }
             (dt, _) => Err(bad(
                 op,
-                format!("a {} vector for f16 activations", dt.name()),
+                format!("a {} vector for {} activations", dt.name(), self.act.name()),
             )),
         }
     }
@@ -297,7 +314,7 @@ impl AscendBackend {
     ) -> Result<(), BackendError> {
         let op = "embed";
         let l = out.layout();
-        want_f16(op, "out", out.dtype())?;
+        want_act(op, "out", out.dtype(), self.act)?;
         self.check_rows(op, l.rows())?;
         if l.cols() != table.cols {
             return Err(bad(
@@ -324,9 +341,10 @@ impl AscendBackend {
     ) -> Result<(), BackendError> {
         use npu_backend::DeviceBuffer as _;
         let op = "rms_norm";
+        let act = self.act_t();
         let (xl, ol) = (x.layout(), out.layout());
-        want_f16(op, "x", x.dtype())?;
-        want_f16(op, "out", out.dtype())?;
+        want_act(op, "x", x.dtype(), self.act)?;
+        want_act(op, "out", out.dtype(), self.act)?;
         if xl.rows() != ol.rows() || xl.cols() != ol.cols() || w.len() != xl.cols() {
             return Err(bad(
                 op,
@@ -360,12 +378,7 @@ impl AscendBackend {
                 api.aclnnRmsNorm,
                 &[
                     Arg::input("x", 0, &x.buf().mem, tview(x.dtype(), xl)),
-                    Arg::input(
-                        "gamma",
-                        1,
-                        gamma,
-                        TView::contiguous(tensor::DType::F16, &[w.len() as i64]),
-                    ),
+                    Arg::input("gamma", 1, gamma, TView::contiguous(act, &[w.len() as i64])),
                     Arg::output("yOut", 0, &out.buf().mem, tview(out.dtype(), ol)),
                     Arg::output(
                         "rstdOut",
@@ -399,9 +412,10 @@ impl AscendBackend {
         mut out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
         let op = "matmul";
+        let act = self.act_t();
         let (xl, ol) = (x.layout(), out.layout());
-        want_f16(op, "x", x.dtype())?;
-        want_f16(op, "out", out.dtype())?;
+        want_act(op, "x", x.dtype(), self.act)?;
+        want_act(op, "out", out.dtype(), self.act)?;
         if xl.cols() != w.k || ol.cols() != w.n || xl.rows() != ol.rows() {
             return Err(bad(
                 op,
@@ -440,8 +454,8 @@ impl AscendBackend {
         if q8 {
             self.quantize_acts(&x, w.k)?;
         }
-        let xin = TView::contiguous(tensor::DType::F16, &[m as i64, w.k as i64]);
-        let yout = TView::contiguous(tensor::DType::F16, &[m as i64, w.n as i64]);
+        let xin = TView::contiguous(act, &[m as i64, w.k as i64]);
+        let yout = TView::contiguous(act, &[m as i64, w.n as i64]);
         let (xm, xv) = if q8 {
             (self.scratch.get("q8_x"), xin)
         } else if x_contig {
@@ -473,12 +487,11 @@ impl AscendBackend {
                     // row's column range is contiguous and written in place; several rows'
                     // go through a contiguous scratch block and a copy into their columns.
                     let base = if y_contig { ol.offset() } else { 0 };
-                    let block =
-                        |c: usize| TView::contiguous(tensor::DType::F16, &[m as i64, c as i64]);
+                    let block = |c: usize| TView::contiguous(act, &[m as i64, c as i64]);
                     for cols in blocks {
                         let nb = cols.len() as i64;
                         let region = TView::strided(
-                            tensor::DType::F16,
+                            act,
                             &[m as i64, nb],
                             &[if m == 1 { nb } else { w.n as i64 }, 1],
                             (base + cols.start) as i64,
@@ -540,6 +553,7 @@ impl AscendBackend {
     /// `q · f16(s)` — the values llama.cpp's 8-bit activations stand for.
     fn quantize_acts(&mut self, x: &View<'_, AscendBuffer>, k: usize) -> Result<(), BackendError> {
         let l = x.layout();
+        let act = self.act_t();
         let (m, g) = (l.rows(), k / GROUP);
         for (name, bytes) in [
             ("q8_y", m * k),
@@ -573,7 +587,7 @@ impl AscendBackend {
                         0,
                         &x.buf().mem,
                         TView::strided(
-                            tensor::DType::F16,
+                            act,
                             &[m as i64, g as i64, GROUP as i64],
                             &[l.stride() as i64, GROUP as i64, 1],
                             l.offset() as i64,
@@ -603,13 +617,13 @@ impl AscendBackend {
                 api.aclnnCast,
                 &[
                     Arg::input("self", 0, s, scales(tensor::DType::F32)),
-                    Arg::output("out", 0, s16, scales(tensor::DType::F16)),
+                    Arg::output("out", 0, s16, scales(act)),
                 ],
-                &[npu_ffi::types::ACL_FLOAT16 as i64],
+                &[act.acl() as i64],
                 &[],
                 // SAFETY (closure): live tensors and out-pointers from the launcher.
                 Box::new(move |ts, _, w, e| unsafe {
-                    pc(ts[0].raw(), npu_ffi::types::ACL_FLOAT16, ts[1].raw(), w, e)
+                    pc(ts[0].raw(), act.acl(), ts[1].raw(), w, e)
                 }),
             )
             .map_err(err)?;
@@ -623,9 +637,9 @@ impl AscendBackend {
                         "other",
                         1,
                         s16,
-                        TView::contiguous(tensor::DType::F16, &[m as i64, g as i64, 1]),
+                        TView::contiguous(act, &[m as i64, g as i64, 1]),
                     ),
-                    Arg::output("out", 0, xq, blocks(tensor::DType::F16)),
+                    Arg::output("out", 0, xq, blocks(act)),
                 ],
                 &[],
                 &[],
@@ -644,14 +658,15 @@ impl AscendBackend {
     ) -> Result<(), BackendError> {
         use npu_backend::DeviceBuffer as _;
         let l = x.layout();
-        want_f16("add_bias", "x", x.dtype())?;
+        let act = self.act_t();
+        want_act("add_bias", "x", x.dtype(), self.act)?;
         if bias.len() != l.cols() {
             return Err(bad(
                 "add_bias",
                 format!("a {}-value bias for {} columns", bias.len(), l.cols()),
             ));
         }
-        let bv = TView::contiguous(tensor::DType::F16, &[l.cols() as i64]);
+        let bv = TView::contiguous(act, &[l.cols() as i64]);
         let cast = self.half_vector("add_bias", bias, "bias16")?;
         let b16 = half_of(&self.scratch, bias, "bias16", cast);
         self.pending = true;
@@ -671,8 +686,8 @@ impl AscendBackend {
         y: View<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
         let (xl, yl) = (x.layout(), y.layout());
-        want_f16("add", "x", x.dtype())?;
-        want_f16("add", "y", y.dtype())?;
+        want_act("add", "x", x.dtype(), self.act)?;
+        want_act("add", "y", y.dtype(), self.act)?;
         if xl.rows() != yl.rows() || xl.cols() != yl.cols() {
             return Err(bad(
                 "add",
@@ -697,13 +712,14 @@ impl AscendBackend {
         out: ViewMut<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
         let op = "swiglu";
+        let act = self.act_t();
         let (gl, ul, ol) = (gate.layout(), up.layout(), out.layout());
         for (w, dt) in [
             ("gate", gate.dtype()),
             ("up", up.dtype()),
             ("out", out.dtype()),
         ] {
-            want_f16(op, w, dt)?;
+            want_act(op, w, dt, self.act)?;
         }
         if gl.rows() != ul.rows()
             || gl.cols() != ul.cols()
@@ -723,7 +739,7 @@ impl AscendBackend {
             && (rows <= 1 || gl.stride() == 2 * ff);
         // A strided out is written through a dense scratch and copied out after.
         let dense_out = dense(ol);
-        let packed = TView::contiguous(tensor::DType::F16, &[rows as i64, ff as i64]);
+        let packed = TView::contiguous(act, &[rows as i64, ff as i64]);
         if !dense_out {
             self.scratch.ensure(&self.dev, "swiglu_o", rows * ff * 2)?;
         }
@@ -731,7 +747,7 @@ impl AscendBackend {
             (
                 &gate.buf().mem,
                 TView::strided(
-                    tensor::DType::F16,
+                    act,
                     &[rows as i64, 2 * ff as i64],
                     &[gl.stride() as i64, 1],
                     gl.offset() as i64,
@@ -743,7 +759,7 @@ impl AscendBackend {
             let s = self.scratch.get("swiglu_x");
             for (i, v) in [gate, up].into_iter().enumerate() {
                 let dst = TView::strided(
-                    tensor::DType::F16,
+                    act,
                     &[rows as i64, ff as i64],
                     &[2 * ff as i64, 1],
                     (i * ff) as i64,
@@ -756,10 +772,7 @@ impl AscendBackend {
                     tview(v.dtype(), v.layout()),
                 )?;
             }
-            (
-                s,
-                TView::contiguous(tensor::DType::F16, &[rows as i64, 2 * ff as i64]),
-            )
+            (s, TView::contiguous(act, &[rows as i64, 2 * ff as i64]))
         };
         let (om, ov) = if dense_out {
             (&out.buf().mem, tview(out.dtype(), ol))
@@ -798,8 +811,8 @@ impl AscendBackend {
     ) -> Result<(), BackendError> {
         let op = "gather_logit_rows";
         let (xl, ol) = (x.layout(), out.layout());
-        want_f16(op, "x", x.dtype())?;
-        want_f16(op, "out", out.dtype())?;
+        want_act(op, "x", x.dtype(), self.act)?;
+        want_act(op, "out", out.dtype(), self.act)?;
         self.check_rows(op, xl.rows())?;
         let n = self.plan.n_logit_rows;
         if ol.rows() != n || ol.cols() != xl.cols() {

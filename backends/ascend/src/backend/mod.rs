@@ -1,7 +1,9 @@
 //! `AscendBackend`: the agent's device seam (`npu_backend::Backend`) on CANN. One context and one
 //! stream per agent; every op is an aclnn two-phase call on that stream ([`crate::reuse`] reuses
-//! executors of repeated shapes); activations are f16; the paged KV cache is per layer one key
-//! and one value tensor in the layout FusedInferAttentionScore takes; step inputs go up in one
+//! executors of repeated shapes); activations are f16, or bf16 for a model whose hidden states
+//! outgrow f16's range (chosen when the model loads: [`AscendConfig::activations`]), and the
+//! weights' 16-bit forms, rotary tables and the paged KV cache take the same type; the paged KV
+//! cache is per layer one key and one value tensor in the layout FusedInferAttentionScore takes; step inputs go up in one
 //! host→device copy (`begin_step`) and the host waits once per step (`read_back`).
 //!
 //! Where each op lives: buffers, weights and embeddings in [`objects`], step inputs and the
@@ -98,6 +100,10 @@ pub struct AscendConfig {
     /// rounding amplifies the f16 path's small differences into noise of its own), so it buys no
     /// agreement, while f16 activations stay within ~0.1 of exact arithmetic.
     pub q8_activations: bool,
+    /// The activations' type: `None` (the default) chooses per model when it loads, bf16 for a
+    /// model whose hidden states outgrow f16's range (`wide_activations`: Gemma 3), else f16;
+    /// `Some(F16)` or `Some(BF16)` fixes it for every model.
+    pub activations: Option<DType>,
 }
 
 impl Default for AscendConfig {
@@ -108,6 +114,7 @@ impl Default for AscendConfig {
             reuse_executors: true,
             rope: RopeKernel::Auto,
             q8_activations: false,
+            activations: None,
         }
     }
 }
@@ -188,6 +195,8 @@ pub struct AscendBackend {
     pending: bool,
     bound: Option<ThreadId>,
     cfg: AscendConfig,
+    /// The activations' type (f16 or bf16), fixed before a model's weights load.
+    act: DType,
     emulated: bool,
     /// Last: every allocation above is freed before the context goes.
     dev: Arc<Device>,
@@ -202,6 +211,16 @@ impl AscendBackend {
     }
 
     pub fn with_runtime(acl: &'static Acl, cfg: AscendConfig) -> Result<Self, BackendError> {
+        let act = match cfg.activations {
+            None | Some(DType::F16) => DType::F16,
+            Some(DType::BF16) => DType::BF16,
+            Some(other) => {
+                return Err(BackendError::BadArgument {
+                    op: "ascend settings",
+                    message: format!("activations in {}: expected f16 or bf16", other.name()),
+                })
+            }
+        };
         let id = device::select_device(acl, cfg.start_device_id, cfg.agent_index).map_err(err)?;
         let dev = Arc::new(Device::open(acl, id).map_err(err)?);
         let ops = Launcher::new(&dev, cfg.reuse_executors);
@@ -237,9 +256,16 @@ impl AscendBackend {
             pending: false,
             bound: Some(std::thread::current().id()),
             cfg,
+            act,
             emulated,
             dev,
         })
+    }
+
+    /// The aclnn element type of the activations (and of the weights' 16-bit forms, the rotary
+    /// tables and the KV cache).
+    pub(crate) fn act_t(&self) -> crate::tensor::DType {
+        objects::acl_dtype(self.act)
     }
 
     /// aclnn calls of the last finished step (counted from one `begin_step` to the next).
@@ -361,7 +387,22 @@ impl Backend for AscendBackend {
     }
 
     fn act_dtype(&self) -> DType {
-        DType::F16
+        self.act
+    }
+
+    /// With [`AscendConfig::activations`] unset: bf16 for a model whose hidden states outgrow
+    /// f16's range (the 910B computes bf16 natively; every operator the backend calls lists
+    /// BFLOAT16 beside FLOAT16 for the A2 series), else f16. Called before the model's weights
+    /// load, as they are stored in this type.
+    fn choose_activations(&mut self, wide: bool) {
+        if self.cfg.activations.is_none() {
+            let act = if wide { DType::BF16 } else { DType::F16 };
+            if act != self.act {
+                self.act = act;
+                // Rotary tables are kept in the activations' type.
+                self.rope_tables.clear();
+            }
+        }
     }
 
     /// Every capability, where the release has the operators: per-head norm (RmsNorm over a
@@ -386,6 +427,8 @@ impl Backend for AscendBackend {
                 api.aclnnMoeGatingTopKSoftmaxV2GetWorkspaceSize.is_some()
                     && api.aclnnMoeFinalizeRoutingV2GetWorkspaceSize.is_some()
             }
+            // DeepSeek's routing and latent attention are not built on Ascend yet.
+            Capability::ScoredRouting | Capability::LatentAttention => false,
         }
     }
 
@@ -492,23 +535,24 @@ impl Backend for AscendBackend {
         parts: &[HostTensor<'_>],
     ) -> Result<Option<AscendMatrix>, BackendError> {
         self.bind()?;
-        AscendMatrix::load(&self.dev, parts)
+        AscendMatrix::load(&self.dev, parts, self.act)
     }
 
     fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<AscendEmbedding, BackendError> {
         self.bind()?;
-        AscendEmbedding::load(&self.dev, &table)
+        AscendEmbedding::load(&self.dev, &table, self.act)
     }
 
     fn load_vector(&mut self, v: HostTensor<'_>) -> Result<AscendBuffer, BackendError> {
         self.bind()?;
-        // f32 values, with an f16 copy that the ops over f16 activations take: RmsNorm's gamma
-        // (f32 gamma with f16 x is documented only from CANN 8.5) and biases added in place.
+        // f32 values, with a copy in the activations' type that the ops over activations take:
+        // RmsNorm's gamma (f32 gamma with 16-bit x is documented only from CANN 8.5) and biases
+        // added in place.
         let vals = objects::dequantize(&v)?;
         let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let f16s = objects::f16_bytes(vals.iter().map(|&x| half::f16::from_f32(x)));
+        let halfs = objects::half_bytes(self.act, &vals);
         let mem = objects::upload_new(&self.dev, &f32s, "a vector")?;
-        let half = objects::upload_new(&self.dev, &f16s, "a vector")?;
+        let half = objects::upload_new(&self.dev, &halfs, "a vector")?;
         Ok(AscendBuffer::from_mem(
             &self.dev,
             mem,

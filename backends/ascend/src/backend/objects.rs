@@ -1,7 +1,7 @@
 //! The backend's device objects: typed activation buffers ([`AscendBuffer`]), weight matrices in
 //! the form their aclnn operator takes ([`AscendMatrix`]: INT4/INT8 with per-group antiquant
-//! scale/offset for WeightQuantBatchMatmulV2, or f16 for Matmul) and f16 embedding tables
-//! ([`AscendEmbedding`]). Each holds the device it lives on, so the context outlives every
+//! scale/offset for WeightQuantBatchMatmulV2, or 16-bit for Matmul) and embedding tables
+//! ([`AscendEmbedding`]), their 16-bit parts in the activations' type (f16 or bf16). Each holds the device it lives on, so the context outlives every
 //! allocation made in it whatever order the owners drop in.
 
 use std::sync::Arc;
@@ -79,13 +79,24 @@ pub fn f16_bytes(v: impl IntoIterator<Item = f16>) -> Vec<u8> {
     v.into_iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// `vals` rounded to the 16-bit activation type `act` (f16 or bf16), as bytes.
+pub fn half_bytes(act: DType, vals: &[f32]) -> Vec<u8> {
+    match act {
+        DType::BF16 => vals
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        _ => f16_bytes(vals.iter().map(|&x| f16::from_f32(x))),
+    }
+}
+
 /// A typed device buffer of `len` elements.
 pub struct AscendBuffer {
     pub(crate) mem: Mem,
     dtype: DType,
     len: usize,
-    /// For a loaded f32 vector: the same values in f16, for ops whose other operands are f16
-    /// activations (a bias added in place). Dropped when the buffer is written.
+    /// For a loaded f32 vector: the same values in the activations' type (f16 or bf16), for ops
+    /// whose other operands are activations (a bias added in place). Dropped when the buffer is written.
     pub(crate) half: Option<Mem>,
     _dev: Arc<Device>,
 }
@@ -153,7 +164,7 @@ impl npu_backend::DeviceBuffer for AscendBuffer {
 /// How a matrix is stored on the device.
 pub enum MatrixForm {
     /// WeightQuantBatchMatmulV2: `weight` (n, k) INT4 or INT8, `scale` and `offset` (n, k/32)
-    /// f16; the operator sees them transposed. k is at most [`WQBMM_MAX_DIM`]; n may exceed it
+    /// in the activations' type (the operator takes them in x's); the operator sees them transposed. k is at most [`WQBMM_MAX_DIM`]; n may exceed it
     /// (a large vocabulary's output matrix), and is then multiplied in [`column_blocks`].
     Quant {
         weight: Mem,
@@ -161,7 +172,8 @@ pub enum MatrixForm {
         offset: Option<Mem>,
         int4: bool,
     },
-    /// Matmul: (n, k) f16, seen transposed.
+    /// Matmul: (n, k) in the activations' type (Matmul takes self and mat2 of one type), seen
+    /// transposed.
     Half { data: Mem },
 }
 
@@ -172,6 +184,8 @@ pub struct AscendMatrix {
     pub form: MatrixForm,
     /// The file's type(s), for descriptions.
     pub source: GgmlType,
+    /// The 16-bit type of `Half` data and of `Quant` scales and offsets (the activations').
+    pub half: tensor::DType,
     _dev: Arc<Device>,
 }
 
@@ -206,12 +220,15 @@ pub fn column_blocks(n: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-fn route(ty: GgmlType, k: usize) -> Route {
+fn route(ty: GgmlType, k: usize, act: DType) -> Route {
     // Per-group antiquant needs the group (32) below k; k above the operator's range takes the
-    // f16 Matmul form (outputs above it are split into column blocks instead).
+    // 16-bit Matmul form (outputs above it are split into column blocks instead).
     let grouped = k > weights::GROUP && k.is_multiple_of(weights::GROUP) && k <= WQBMM_MAX_DIM;
     match ty {
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if grouped => Route::Quant(ty),
+        GgmlType::Q4_0 | GgmlType::Q8_0 if grouped => Route::Quant(ty),
+        // Q4_1's offset (8 + m/d, 8 to 24) would keep 1/16 of a step in bf16, per group: the
+        // values are rounded one by one in the 16-bit form instead.
+        GgmlType::Q4_1 if grouped && act != DType::BF16 => Route::Quant(ty),
         _ => Route::Half,
     }
 }
@@ -275,11 +292,23 @@ impl Drop for AscendMatrix {
     }
 }
 
+/// f16 antiquant parameters in the activations' type (bf16: rounded once more).
+fn narrow(act: DType, v: Vec<f16>) -> Vec<u8> {
+    match act {
+        DType::BF16 => v
+            .into_iter()
+            .flat_map(|x| half::bf16::from_f32(x.to_f32()).to_le_bytes())
+            .collect(),
+        _ => f16_bytes(v),
+    }
+}
+
 impl AscendMatrix {
     /// The parts stacked in one matrix, or `None` when they take different forms.
     pub(crate) fn load(
         dev: &Arc<Device>,
         parts: &[HostTensor<'_>],
+        act: DType,
     ) -> Result<Option<Self>, BackendError> {
         let Some(first) = parts.first() else {
             return Err(bad("load_matrix", "no parts".into()));
@@ -288,8 +317,8 @@ impl AscendMatrix {
         for p in parts {
             check_part(p, k)?;
         }
-        let r = route(first.ty, k);
-        if parts.iter().any(|p| route(p.ty, k) != r) {
+        let r = route(first.ty, k, act);
+        if parts.iter().any(|p| route(p.ty, k, act) != r) {
             return Ok(None);
         }
         let n: usize = parts.iter().map(|p| p.rows).sum();
@@ -315,9 +344,9 @@ impl AscendMatrix {
                 } = weights::stack(qs).map_err(err)?;
                 MatrixForm::Quant {
                     weight: upload_new(dev, &weight, &what)?,
-                    scale: upload_new(dev, &f16_bytes(scale), &what)?,
+                    scale: upload_new(dev, &narrow(act, scale), &what)?,
                     offset: match offset {
-                        Some(o) => Some(upload_new(dev, &f16_bytes(o), &what)?),
+                        Some(o) => Some(upload_new(dev, &narrow(act, o), &what)?),
                         None => None,
                     },
                     int4,
@@ -326,7 +355,7 @@ impl AscendMatrix {
             Route::Half => {
                 let mut bytes = Vec::with_capacity(n * k * 2);
                 for p in parts {
-                    bytes.extend(f16_bytes(dequantize(p)?.into_iter().map(f16::from_f32)));
+                    bytes.extend(half_bytes(act, &dequantize(p)?));
                 }
                 MatrixForm::Half {
                     data: upload_new(dev, &bytes, &what)?,
@@ -338,6 +367,7 @@ impl AscendMatrix {
             k,
             form,
             source: first.ty,
+            half: acl_dtype(act),
             _dev: dev.clone(),
         }))
     }
@@ -354,7 +384,7 @@ impl AscendMatrix {
         let dt = match &self.form {
             MatrixForm::Quant { int4: true, .. } => tensor::DType::I4,
             MatrixForm::Quant { int4: false, .. } => tensor::DType::I8,
-            MatrixForm::Half { .. } => tensor::DType::F16,
+            MatrixForm::Half { .. } => self.half,
         };
         View::strided(dt, &[k, cols.len() as i64], &[1, k], cols.start as i64 * k)
     }
@@ -368,7 +398,7 @@ impl AscendMatrix {
     pub fn group_cols(&self, cols: std::ops::Range<usize>) -> View {
         let g = (self.k / weights::GROUP) as i64;
         View::strided(
-            tensor::DType::F16,
+            self.half,
             &[g, cols.len() as i64],
             &[1, g],
             cols.start as i64 * g,
@@ -376,11 +406,13 @@ impl AscendMatrix {
     }
 }
 
-/// An embedding table: `rows` rows of `cols` f16 values.
+/// An embedding table: `rows` rows of `cols` values in the activations' type (Embedding writes
+/// the table's type).
 pub struct AscendEmbedding {
     pub table: Mem,
     pub rows: usize,
     pub cols: usize,
+    pub dtype: tensor::DType,
     _dev: Arc<Device>,
 }
 
@@ -391,19 +423,24 @@ impl Drop for AscendEmbedding {
 }
 
 impl AscendEmbedding {
-    pub(crate) fn load(dev: &Arc<Device>, t: &HostTensor<'_>) -> Result<Self, BackendError> {
+    pub(crate) fn load(
+        dev: &Arc<Device>,
+        t: &HostTensor<'_>,
+        act: DType,
+    ) -> Result<Self, BackendError> {
         let vals = dequantize(t)?;
-        let bytes = f16_bytes(vals.into_iter().map(f16::from_f32));
+        let bytes = half_bytes(act, &vals);
         Ok(Self {
             table: upload_new(dev, &bytes, "the embedding table")?,
             rows: t.rows,
             cols: t.cols,
+            dtype: acl_dtype(act),
             _dev: dev.clone(),
         })
     }
 
     pub fn view(&self) -> View {
-        View::contiguous(tensor::DType::F16, &[self.rows as i64, self.cols as i64])
+        View::contiguous(self.dtype, &[self.rows as i64, self.cols as i64])
     }
 }
 
@@ -432,7 +469,20 @@ mod tests {
             assert_eq!(b.len(), n.div_ceil(65_472), "n {n}: the fewest blocks");
         }
         // Q8_0/Q4_0 with k above the operator's range take the f16 form.
-        assert_eq!(route(GgmlType::Q8_0, 4096), Route::Quant(GgmlType::Q8_0));
-        assert_eq!(route(GgmlType::Q8_0, 65_536), Route::Half);
+        assert_eq!(
+            route(GgmlType::Q8_0, 4096, DType::F16),
+            Route::Quant(GgmlType::Q8_0)
+        );
+        assert_eq!(route(GgmlType::Q8_0, 65_536, DType::F16), Route::Half);
+        // bf16: Q8_0 keeps its INT8 form (scales in bf16); Q4_1 takes the 16-bit one.
+        assert_eq!(
+            route(GgmlType::Q8_0, 4096, DType::BF16),
+            Route::Quant(GgmlType::Q8_0)
+        );
+        assert_eq!(
+            route(GgmlType::Q4_1, 4096, DType::F16),
+            Route::Quant(GgmlType::Q4_1)
+        );
+        assert_eq!(route(GgmlType::Q4_1, 4096, DType::BF16), Route::Half);
     }
 }

@@ -3,7 +3,7 @@
 
 use npu_backend::{BackendError, DType, View, ViewMut};
 
-use super::layer_ops::{bad, tview, want_f16};
+use super::layer_ops::{bad, tview, want_act};
 use super::objects::AscendBuffer;
 use super::{err, AscendBackend};
 use crate::reuse::Arg;
@@ -19,7 +19,7 @@ impl AscendBackend {
         logits: &View<'_, AscendBuffer>,
     ) -> Result<(), BackendError> {
         let l = logits.layout();
-        want_f16(op, "logits", logits.dtype())?;
+        want_act(op, "logits", logits.dtype(), self.act)?;
         let key = (self.serial, logits.buf().mem.ptr() as usize, l);
         if self.picked == Some(key) {
             return Ok(());

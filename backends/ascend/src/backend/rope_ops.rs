@@ -7,7 +7,7 @@
 use npu_backend::{AttnGeometry, BackendError, Layout, ViewMut};
 use npu_model::RopeStyle;
 
-use super::layer_ops::{bad, copy, gather, step_slice, want_f16};
+use super::layer_ops::{bad, copy, gather, step_slice, want_act};
 use super::objects::AscendBuffer;
 use super::{err, AscendBackend, RopeKernel, RopeTable, ROPE_TABLES};
 use crate::memory::DeviceBuffer as Mem;
@@ -37,15 +37,12 @@ impl AscendBackend {
         let d = rope.dims;
         let mut host = Vec::with_capacity(rows * 2 * d);
         let mut cs = vec![0f32; d];
-        let mut row = vec![half::f16::ZERO; 2 * d];
+        let mut row = vec![0f32; 2 * d];
         for pos in 0..rows {
             // Base, position scale and frequency factors, as the CPU backend turns them.
             rope.angles(pos as u32, &mut cs);
             for i in 0..d / 2 {
-                let (c, s) = (
-                    half::f16::from_f32(cs[2 * i]),
-                    half::f16::from_f32(cs[2 * i + 1]),
-                );
+                let (c, s) = (cs[2 * i], cs[2 * i + 1]);
                 let (a, b) = if interleaved {
                     (2 * i, 2 * i + 1)
                 } else {
@@ -61,7 +58,7 @@ impl AscendBackend {
         // A fresh allocation: no queued work can touch it, so the copy needs no synchronization.
         let mem = super::objects::upload_new(
             &self.dev,
-            &super::objects::f16_bytes(host),
+            &super::objects::half_bytes(self.act, &host),
             "the rotary table",
         )?;
         let table = RopeTable {
@@ -99,6 +96,7 @@ impl AscendBackend {
     /// The step's cos/sin rows of table `i` (T rows of [cos | sin]), gathered once per step by
     /// position.
     fn rope_rows(&mut self, i: usize, width: usize) -> Result<(), BackendError> {
+        let act = self.act_t();
         let t = self.plan.n_tokens;
         let table = &mut self.rope_tables[i];
         if table.rows_for == Some(self.serial) {
@@ -118,12 +116,12 @@ impl AscendBackend {
             &mut self.ops,
             (
                 &table.mem,
-                TView::contiguous(tensor::DType::F16, &[table.rows as i64, width as i64]),
+                TView::contiguous(act, &[table.rows as i64, width as i64]),
             ),
             idx,
             (
                 table.step_rows.as_ref().expect("just ensured"),
-                TView::contiguous(tensor::DType::F16, &[t as i64, width as i64]),
+                TView::contiguous(act, &[t as i64, width as i64]),
             ),
         )?;
         self.rope_tables[i].rows_for = Some(self.serial);
@@ -136,8 +134,9 @@ impl AscendBackend {
         g: &AttnGeometry,
     ) -> Result<(), BackendError> {
         let op = "rope";
+        let act = self.act_t();
         let l = qk.layout();
-        want_f16(op, "qk", qk.dtype())?;
+        want_act(op, "qk", qk.dtype(), self.act)?;
         self.check_rows(op, l.rows())?;
         let heads = g.n_heads + g.n_kv_heads;
         let (hd, d) = (g.head_dim, g.rope.dims);
@@ -183,7 +182,7 @@ impl AscendBackend {
             .as_ref()
             .expect("gathered above");
         let cos = TView::strided(
-            tensor::DType::F16,
+            act,
             &[1, t, 1, d as i64],
             &[t * 2 * d as i64, 2 * d as i64, d as i64, 1],
             0,
@@ -195,12 +194,12 @@ impl AscendBackend {
         let qkm = &qk.buf().mem;
         // (1, T, heads, d): the rotated part of every head, rows `stride` apart.
         let x = TView::strided(
-            tensor::DType::F16,
+            act,
             &[1, t, heads as i64, d as i64],
             &[t * l.stride() as i64, l.stride() as i64, hd as i64, 1],
             l.offset() as i64,
         );
-        let packed = TView::contiguous(tensor::DType::F16, &[1, t, heads as i64, d as i64]);
+        let packed = TView::contiguous(act, &[1, t, heads as i64, d as i64]);
         match kernel {
             Kernel::Native => {
                 let (prep, launch) = native.expect("picked only where the release has it");
@@ -246,7 +245,7 @@ impl AscendBackend {
                     // Pairs (2i, 2i+1) regrouped as (i, i + d/2) in a scratch copy, rotated,
                     // put back.
                     let s = self.scratch.get("rope_x");
-                    let (src, dst) = regroup_views(t, heads, hd, d, l);
+                    let (src, dst) = regroup_views(act, t, heads, hd, d, l);
                     copy(&mut self.ops, s, dst, qkm, src)?;
                     (s, packed)
                 } else {
@@ -281,7 +280,7 @@ impl AscendBackend {
                     )
                     .map_err(err)?;
                 if interleaved {
-                    let (orig, grouped) = regroup_views(t, heads, hd, d, l);
+                    let (orig, grouped) = regroup_views(act, t, heads, hd, d, l);
                     let s = self.scratch.get("rope_x");
                     copy(&mut self.ops, qkm, orig, s, grouped)?;
                 }
@@ -293,15 +292,22 @@ impl AscendBackend {
 
 /// The rotated part of each head seen as (T, heads, 2, d/2): over the step's rows with pairs
 /// interleaved (element 2i + j at [.., j, i]), and over a dense scratch with the halves apart.
-fn regroup_views(t: i64, heads: usize, hd: usize, d: usize, l: Layout) -> (TView, TView) {
+fn regroup_views(
+    act: tensor::DType,
+    t: i64,
+    heads: usize,
+    hd: usize,
+    d: usize,
+    l: Layout,
+) -> (TView, TView) {
     let dims = [t, heads as i64, 2, d as i64 / 2];
     let interleaved = TView::strided(
-        tensor::DType::F16,
+        act,
         &dims,
         &[l.stride() as i64, hd as i64, 1, 2],
         l.offset() as i64,
     );
-    let halves = TView::contiguous(tensor::DType::F16, &dims);
+    let halves = TView::contiguous(act, &dims);
     (interleaved, halves)
 }
 
@@ -392,7 +398,7 @@ fn rotate_elementwise(
         offset: cos.offset + d,
         ..cos.clone()
     };
-    let dense = TView::contiguous(tensor::DType::F16, &x.dims);
+    let dense = TView::contiguous(x.dtype, &x.dims);
     // c = x·cos; s_a = b·sin_a, s_b = a·sin_b.
     mul(ops, (xm, x.clone()), (cs, cos.clone()), (cm, dense.clone()))?;
     mul(

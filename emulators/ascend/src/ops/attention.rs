@@ -79,6 +79,14 @@ impl Kernel for Fia {
         let kvd = kv_n * d;
         let bs = self.block_size as usize;
         let qv = read_f32(st, q)?;
+        let bf16 = q.dtype == DType::Bf16;
+        let round16 = |x: f32| {
+            if bf16 {
+                half::bf16::from_f32(x).to_f32()
+            } else {
+                half::f16::from_f32(x).to_f32()
+            }
+        };
         let table: Vec<i64> = read(st, bt)?.into_iter().map(|v| v as i64).collect();
         let max_blocks = bt.dims[1] as usize;
         let num_blocks = kc.dims[0];
@@ -177,7 +185,7 @@ impl Kernel for Fia {
                     acc.iter_mut().for_each(|a| *a = 0.0);
                     for (&j, p) in visible.iter().zip(&scores) {
                         // The probabilities meet V on the cube unit, in the query's 16-bit type.
-                        let w = half::f16::from_f32(p / sum).to_f32();
+                        let w = round16(p / sum);
                         let vrow = &values[j * kvd + kvh * d..j * kvd + kvh * d + d];
                         for (a, v) in acc.iter_mut().zip(vrow) {
                             *a += w * v;

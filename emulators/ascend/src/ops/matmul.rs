@@ -214,6 +214,7 @@ impl Kernel for Wqbmm {
         sources.extend(ov.as_ref());
         let key = derived_key(st, &sources, &[self.group]);
         let group = self.group;
+        let bf16 = xv.dtype == DType::Bf16;
         let cols = derived(st, key, |st| {
             let w = Mat2::new(st, wv)?;
             let scale = Mat2::new(st, &sv)?;
@@ -233,7 +234,11 @@ impl Kernel for Wqbmm {
                         // The antiquant parameters are in x's (16-bit) type: so is the
                         // dequantized weight.
                         let deq = (w.get(kk as i64, j) + off) * scale.get(g, sj);
-                        *c = half::f16::from_f32(deq).to_f32();
+                        *c = if bf16 {
+                            half::bf16::from_f32(deq).to_f32()
+                        } else {
+                            half::f16::from_f32(deq).to_f32()
+                        };
                     }
                 }
             });
