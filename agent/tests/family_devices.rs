@@ -4,16 +4,19 @@
 //! backend over the strict CANN emulation, greedy tokens against llama.cpp's up to each prompt's
 //! first near-tie (and the gemma3 prompt runs past its 8-token sliding window; qwen3moe routes
 //! its tokens through the CUDA backend's device routing and per-expert groups, and on Ascend
-//! through MoeGatingTopKSoftmaxV2 and MoeFinalizeRoutingV2 around per-expert matmuls). What a
-//! backend cannot run is refused at load by name: Gemma 3 on Ascend (f16 activations). Built with
-//! the `cuda` and `ascend` features.
+//! through MoeGatingTopKSoftmaxV2 and MoeFinalizeRoutingV2 around per-expert matmuls; gemma3
+//! runs on Ascend in bf16, chosen at load as its hidden states outgrow f16). What a backend
+//! cannot run is refused at load by name: Gemma 3 on Ascend when f16 is imposed. Built with the
+//! `cuda` and `ascend` features.
 //!
 //! A near-tie is a step where llama.cpp's top-1/top-2 logit gap is below a margin. With f32
 //! activations (the CUDA backend here) the margin is the product's 0.15. With f16 activations (the
-//! Ascend backend's only ones) it scales with the logits, as f16's resolution does: these random
+//! Ascend backend's for every family but gemma3) it scales with the logits, as f16's resolution does: these random
 //! models' logits are 170 to 253, where one f16 step is 0.125, and the Ascend emulation's logits
 //! lose up to 0.65 of a llama.cpp gap (0.0032 of the top logit) teacher-forced along llama.cpp's
-//! tokens — with RmsNorm's gamma in f32 or in f16 alike. See [`f16_margin`].
+//! tokens — with RmsNorm's gamma in f32 or in f16 alike. See `f16_margin`; with bf16
+//! activations (gemma3 on Ascend) the margin is 8 units of bf16's rounding error instead
+//! (`bf16_margin`), both in `common::devices`.
 
 #![cfg(all(feature = "cuda", feature = "ascend"))]
 
@@ -21,9 +24,11 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::devices::{ascend, cuda, f16_margin};
+use common::devices::{act_margin, ascend, cuda};
 use npu_agent::model::{Model, ModelOptions, StepOutput};
+use npu_backend::DType;
 use npu_backend::{Backend, SeqSpan, StepInputs};
+use npu_backend_ascend::{Acl, AscendBackend, AscendConfig};
 use npu_gguf::synth::{self, Family};
 use npu_gguf::GgufFile;
 use serde_json::Value;
@@ -181,8 +186,8 @@ fn check<B: Backend>(name: &str, device: &str, mut load: impl FnMut(&GgufFile) -
     let _ = std::fs::remove_file(path);
 }
 
-/// [`check`] for a backend with f16 activations, near-ties judged by [`f16_margin`] of the
-/// device's own logits: greedy tokens (picked on the device) equal llama.cpp's up to the first
+/// [`check`] for a backend with 16-bit activations, near-ties judged by the margin of its
+/// activation type ([`act_margin`]) of the device's own logits: greedy tokens (picked on the device) equal llama.cpp's up to the first
 /// near-tie, and teacher-forced along llama.cpp's tokens the device's top-1 is llama.cpp's token
 /// at every step that is not a near-tie (past the first one too).
 fn check_f16<B: Backend>(name: &str, device: &str, mut load: impl FnMut(&GgufFile) -> Model<B>) {
@@ -191,7 +196,8 @@ fn check_f16<B: Backend>(name: &str, device: &str, mut load: impl FnMut(&GgufFil
     let mut m = load(&f);
     for (i, r) in refs.iter().enumerate() {
         let rows = teacher_forced(&mut m, &r.prompt_ids, &r.output_ids);
-        let margins: Vec<f32> = rows.iter().map(|row| f16_margin(row)).collect();
+        let act = m.backend().act_dtype();
+        let margins: Vec<f32> = rows.iter().map(|row| act_margin(act, row)).collect();
         let decided: Vec<usize> = (0..rows.len())
             .filter(|&s| r.gaps[s] >= margins[s])
             .collect();
@@ -245,18 +251,35 @@ fn families_on_the_cuda_emulation() {
 
 #[test]
 fn families_on_the_ascend_emulation() {
-    for name in ["llama", "llama3", "qwen2", "qwen3", "qwen3moe"] {
+    for name in ["llama", "llama3", "qwen2", "qwen3", "qwen3moe", "gemma3"] {
         check_f16(name, "ascend", |f| {
-            Model::load(f, ascend(), options()).unwrap()
+            let m = Model::load(f, ascend(), options()).unwrap();
+            let want = if name == "gemma3" {
+                DType::BF16
+            } else {
+                DType::F16
+            };
+            assert_eq!(m.backend().act_dtype(), want, "{name}'s activations");
+            m
         });
     }
 }
 
+/// Gemma 3 on Ascend with f16 imposed (`AscendConfig::activations`): refused at load, by name.
 #[test]
 fn what_a_device_cannot_run_is_refused_by_name() {
     let (_, gemma) = family("gemma3");
     let f = GgufFile::open(&gemma).unwrap();
-    let e = Model::load(&f, ascend(), options())
+    let acl = Acl::init(&npu_ffi::SearchPaths::root(&common::devices::cann_root())).unwrap();
+    let f16_only = AscendBackend::with_runtime(
+        acl,
+        AscendConfig {
+            activations: Some(DType::F16),
+            ..AscendConfig::default()
+        },
+    )
+    .unwrap();
+    let e = Model::load(&f, f16_only, options())
         .err()
         .unwrap()
         .to_string();
