@@ -284,8 +284,9 @@ impl DeviceModel {
         dispatch!(self, m => m.backend_mut().kv_blocks_from_host(src, blocks))
     }
 
-    /// Bytes of weight matrices one decode step reads, in the device's own format, where the
-    /// backend says (the CPU backend does).
+    /// Bytes of weight matrices one decode step reads, in the device's own format as loaded
+    /// there (every matrix of every layer and the output head; of an MoE layer, every expert),
+    /// where the backend says (CPU, CUDA and Ascend do).
     pub fn weight_bytes_per_step(&self) -> Option<u64> {
         match self {
             DeviceModel::Cpu(m) => Some(
@@ -296,8 +297,19 @@ impl DeviceModel {
                     .sum(),
             ),
             #[allow(unreachable_patterns)]
-            _ => None,
+            m => dispatch!(m, m => m
+                .weights()
+                .matrices()
+                .iter()
+                .map(|w| m.backend().matrix_bytes(w))
+                .sum()),
         }
+    }
+
+    /// Work the backend has queued on its device since it was made, where it counts it (CUDA:
+    /// kernel launches; Ascend: aclnn launches and first phases; the CPU backend: `None`).
+    pub fn op_counts(&self) -> Option<npu_backend::OpCounts> {
+        dispatch!(self, m => m.backend().op_counts())
     }
 
     /// See `Model::matmul_macs_per_token`.

@@ -72,6 +72,15 @@ pub struct BenchModelArgs {
     /// of the length (e.g. 2048,4096,8192).
     #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
     pub long_prompts: Vec<usize>,
+    /// Batch-1 decode steps whose device work is counted (kernel launches on CUDA, aclnn
+    /// launches and first phases on Ascend; averaged, after a warm-up step; 0: not counted). The
+    /// CPU backend does not count.
+    #[arg(long, default_value_t = 8)]
+    pub count_steps: usize,
+    /// Only count: load, warm up, count `--count-steps` decode steps and the weight bytes, print
+    /// them, skip every timing.
+    #[arg(long)]
+    pub counts_only: bool,
     /// Instead of the rest: batch-1 decode in N rounds of 16 steps, the memory read bandwidth
     /// measured before each, and the share of it the decode reads per round (the probe and the
     /// steps a fraction of a second apart; `--device cpu` only).
@@ -128,6 +137,158 @@ pub struct BenchModelReport {
     pub amx_int8_peak_gop_s: Option<f64>,
     /// `--long-prompts`: prefill rate per prompt length (empty unless asked for).
     pub prefill_long: Vec<PrefillAt>,
+    /// Batch-1 decode steps counted for the fields below (`--count-steps`; 0 where the backend
+    /// does not count: the CPU).
+    pub counted_decode_steps: usize,
+    /// Kernel launches per batch-1 decode step (CUDA: kernels, a cuBLAS GEMM counted as one;
+    /// Ascend: aclnn operator launches), the mean over the counted steps; null where the backend
+    /// does not count.
+    pub launches_per_decode_step: Option<f64>,
+    /// `launches_per_decode_step` over the model's layers (the embedding, final norm, output head
+    /// and greedy pick included in the numerator).
+    pub launches_per_layer: Option<f64>,
+    /// Ascend: aclnn first phases (`…GetWorkspaceSize`) per decode step; 0 on CUDA.
+    pub first_phases_per_decode_step: Option<f64>,
+    /// Graph replays per decode step: 0, no backend captures graphs yet.
+    pub graph_replays_per_decode_step: Option<f64>,
+    /// Bytes of weight matrices a batch-1 decode step reads, as loaded on the device (every
+    /// matrix of every layer and the output head; every expert of an MoE layer).
+    pub weight_bytes_per_decode_step: Option<u64>,
+    /// The same matrices' bytes in the model file (as stored there).
+    pub file_weight_bytes: Option<u64>,
+}
+
+/// What the device did in batch-1 decode steps (`count_decode`).
+#[derive(Debug, Serialize, Clone, Copy, Default, PartialEq)]
+pub struct DecodeCounts {
+    /// Decode steps counted.
+    pub steps: usize,
+    pub launches_per_step: f64,
+    /// The fewest and most launches of one counted step.
+    pub min_launches: u64,
+    pub max_launches: u64,
+    pub first_phases_per_step: f64,
+    pub graph_replays_per_step: f64,
+    pub launches_per_layer: f64,
+}
+
+/// Counts the device work of `steps` batch-1 decode steps (after one uncounted decode step) of
+/// one random 32-token prompt (from `seed`): only steps that carry one generated token of the one
+/// sequence are counted, so the prefill is not. `None` when the backend does not count (the CPU).
+pub fn count_decode(
+    engine: &mut AgentEngine,
+    cfg: &AgentEngineConfig,
+    steps: usize,
+    seed: u64,
+) -> anyhow::Result<Option<DecodeCounts>> {
+    if steps == 0 || engine.device_model().op_counts().is_none() {
+        return Ok(None);
+    }
+    let vocab = engine.facts().vocab_size;
+    let layers = engine.facts().n_layers.max(1) as f64;
+    // Prefill (samples the first token), one warm-up decode step, then `steps` counted.
+    let reqs = greedy(vec![prompt(&mut SplitMix(seed), 32, vocab)], steps + 2);
+    let mut seen = 0usize;
+    let mut per_step: Vec<npu_backend::OpCounts> = Vec::with_capacity(steps);
+    inproc::run_steps(
+        &mut |plan| {
+            let decode = plan.seqs.len() == 1
+                && plan
+                    .seqs
+                    .iter()
+                    .all(|s| s.tokens.len() == 1 && s.n_prompt_tokens == 0 && s.sample);
+            let before = engine.device_model().op_counts().unwrap_or_default();
+            let r = engine.step(plan);
+            let after = engine.device_model().op_counts().unwrap_or_default();
+            if decode {
+                seen += 1;
+                if seen > 1 {
+                    per_step.push(npu_backend::OpCounts {
+                        launches: after.launches - before.launches,
+                        first_phases: after.first_phases - before.first_phases,
+                        graph_replays: after.graph_replays - before.graph_replays,
+                    });
+                }
+            }
+            r
+        },
+        inproc::scheduler_config(cfg),
+        &reqs,
+        &mut |_, _| {},
+    )?;
+    if per_step.is_empty() {
+        anyhow::bail!("no batch-1 decode step was counted (asked for {steps})");
+    }
+    let n = per_step.len() as f64;
+    let mean =
+        |f: fn(&npu_backend::OpCounts) -> u64| per_step.iter().map(f).sum::<u64>() as f64 / n;
+    let launches = mean(|c| c.launches);
+    Ok(Some(DecodeCounts {
+        steps: per_step.len(),
+        launches_per_step: launches,
+        min_launches: per_step.iter().map(|c| c.launches).min().unwrap_or(0),
+        max_launches: per_step.iter().map(|c| c.launches).max().unwrap_or(0),
+        first_phases_per_step: mean(|c| c.first_phases),
+        graph_replays_per_step: mean(|c| c.graph_replays),
+        launches_per_layer: launches / layers,
+    }))
+}
+
+/// Bytes, as the model file stores them, of the weight matrices `weight_bytes_per_step` counts:
+/// every tensor of two or more dimensions but the token embedding, which counts only as the
+/// output head of a file without `output.weight` (tied embeddings).
+pub fn file_weight_bytes(path: &std::path::Path) -> anyhow::Result<u64> {
+    let ck = npu_model::Checkpoint::open(path)?;
+    let names = ck.tensor_names();
+    let tied = !names.iter().any(|n| n == "output.weight");
+    Ok(names
+        .iter()
+        .filter_map(|n| ck.stored_info(n))
+        .filter(|t| t.dims.iter().filter(|&&d| d > 1).count() >= 2)
+        .filter(|t| t.name != "token_embd.weight" || tied)
+        .map(|t| t.n_bytes)
+        .sum())
+}
+
+/// Fills the report's counting fields: `--count-steps` decode steps and the weight bytes.
+fn counts(
+    args: &BenchModelArgs,
+    engine: &mut AgentEngine,
+    cfg: &AgentEngineConfig,
+    rng: &mut SplitMix,
+    rep: &mut BenchModelReport,
+) -> anyhow::Result<()> {
+    if let Some(c) = count_decode(engine, cfg, args.count_steps, rng.next())? {
+        rep.counted_decode_steps = c.steps;
+        rep.launches_per_decode_step = Some(c.launches_per_step);
+        rep.launches_per_layer = Some(c.launches_per_layer);
+        rep.first_phases_per_decode_step = Some(c.first_phases_per_step);
+        rep.graph_replays_per_decode_step = Some(c.graph_replays_per_step);
+    }
+    rep.weight_bytes_per_decode_step = engine.device_model().weight_bytes_per_step();
+    rep.file_weight_bytes = Some(file_weight_bytes(&cfg.model_path)?);
+    Ok(())
+}
+
+fn print_counts(rep: &BenchModelReport) {
+    if let Some(l) = rep.launches_per_decode_step {
+        println!(
+            "decode b1 launches {l:8.1} per step, {:.1} per layer, {:.1} first phases, {:.0} graph \
+             replays (mean of {} steps)",
+            rep.launches_per_layer.unwrap_or(0.0),
+            rep.first_phases_per_decode_step.unwrap_or(0.0),
+            rep.graph_replays_per_decode_step.unwrap_or(0.0),
+            rep.counted_decode_steps
+        );
+    }
+    if let (Some(d), Some(f)) = (rep.weight_bytes_per_decode_step, rep.file_weight_bytes) {
+        println!(
+            "weights b1 step    {:8.1} MB on the device, {:.1} MB in the file ({:+.2}%)",
+            d as f64 / 1e6,
+            f as f64 / 1e6,
+            100.0 * (d as f64 - f as f64) / (f as f64).max(1.0)
+        );
+    }
 }
 
 /// SplitMix64: reproducible synthetic prompts.
@@ -272,6 +433,23 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             eprintln!("{s}");
         }
     };
+    if args.counts_only {
+        // Warm-up, then the counts alone.
+        run_all(
+            &mut engine,
+            &cfg,
+            &greedy(vec![prompt(&mut rng, 32, vocab)], 4),
+        )?;
+        counts(&args, &mut engine, &cfg, &mut rng, &mut rep)?;
+        rep.peak_rss_mb = peak_rss_mb();
+        if args.json {
+            println!("{}", serde_json::to_string(&rep)?);
+        } else {
+            println!("backend            {}", rep.backend);
+            print_counts(&rep);
+        }
+        return Ok(());
+    }
     let copy = engine
         .measure_kv_copy(256)
         .context("measuring KV block copies")?;
@@ -320,6 +498,8 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+
+    counts(&args, &mut engine, &cfg, &mut rng, &mut rep)?;
 
     let prefills: &mut [(usize, &mut f64)] = if args.skip_prefill {
         &mut []
@@ -433,6 +613,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             rep.kv_block_copy_d2h_gb_s, rep.kv_block_copy_h2d_gb_s, rep.kv_block_bytes
         );
         print_roofline(&rep);
+        print_counts(&rep);
         println!("peak RSS           {:8.1} MiB", rep.peak_rss_mb);
     }
     Ok(())

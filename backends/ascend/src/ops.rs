@@ -109,6 +109,8 @@ pub struct OpRunner {
     workspace: Option<DeviceBuffer>,
     retired: Vec<DeviceBuffer>,
     stats: StepStats,
+    /// (first phases, launches) since the runner was made, never reset.
+    totals: (u64, u64),
 }
 
 // SAFETY: the stream handle is a plain identifier; the runner is used by one thread at a time.
@@ -130,6 +132,7 @@ impl OpRunner {
             workspace: None,
             retired: Vec::new(),
             stats: StepStats::default(),
+            totals: (0, 0),
         }
     }
 
@@ -145,6 +148,11 @@ impl OpRunner {
     /// Counts without resetting them.
     pub fn stats(&self) -> StepStats {
         self.stats
+    }
+
+    /// (first phases, launches) since the runner was made.
+    pub fn totals(&self) -> (u64, u64) {
+        self.totals
     }
 
     /// Releases workspaces replaced since the last synchronization (call after one).
@@ -179,6 +187,7 @@ impl OpRunner {
         let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
         self.acl.log(name, || detail);
         self.stats.prepares += 1;
+        self.totals.0 += 1;
         self.acl.check(name, prepare(&mut ws, &mut exec))?;
         Ok((ws, exec))
     }
@@ -192,6 +201,7 @@ impl OpRunner {
     ) -> Result<()> {
         let w = self.workspace_ptr(ws)?;
         self.stats.launches += 1;
+        self.totals.1 += 1;
         self.queued.store(true, Ordering::SeqCst);
         // SAFETY: the executor came from this operator's first phase; the workspace holds `ws` bytes.
         self.acl

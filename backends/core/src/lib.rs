@@ -327,6 +327,19 @@ pub struct StepInputs {
     pub logit_rows: Vec<u32>,
 }
 
+/// Work a backend has queued on its device since it was made, counted by the backend where it
+/// queues it (so the same on a device as on an emulation of it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpCounts {
+    /// Kernel launches: CUDA kernels (a cuBLAS GEMM call counted as one), Ascend aclnn
+    /// operators' second phases (reused executors included).
+    pub launches: u64,
+    /// Ascend: aclnn first phases (`…GetWorkspaceSize`); 0 where there is no such phase.
+    pub first_phases: u64,
+    /// Replays of captured graphs (none is captured by any backend yet: 0).
+    pub graph_replays: u64,
+}
+
 /// A compute device: buffers, weights, the paged KV pool and the kernels of a Llama step.
 pub trait Backend: Send {
     /// A typed device allocation.
@@ -353,6 +366,16 @@ pub trait Backend: Send {
     fn supports(&self, c: Capability) -> bool {
         let _ = c;
         false
+    }
+    /// What this backend has queued since it was made (`None`: it does not count).
+    fn op_counts(&self) -> Option<OpCounts> {
+        None
+    }
+    /// Bytes of `m` as stored on the device (what one pass over it reads), where the backend
+    /// says.
+    fn matrix_bytes(&self, m: &Self::Matrix) -> Option<u64> {
+        let _ = m;
+        None
     }
 
     // --- memory ---------------------------------------------------------------------------

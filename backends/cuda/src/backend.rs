@@ -3,11 +3,12 @@
 //! kernels of a step are launched from `ops.rs`.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use npu_backend::{
     AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostSliceMut,
-    HostTensor, KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
+    HostTensor, KvSpec, MemInfo, OpCounts, Readback, StepInputs, View, ViewMut,
 };
 use npu_gguf::quants::dequantize_row;
 
@@ -88,6 +89,8 @@ pub struct CudaBackend {
     /// The f16 GELU table on the device (uploaded at the first GELU gate).
     pub(crate) gelu_table: Option<DeviceMem>,
     read_buf: Vec<u8>,
+    /// Kernels launched (and cuBLAS GEMMs called) since the backend was made.
+    pub(crate) launches: AtomicU64,
     #[cfg(feature = "emulation")]
     emu: Option<Arc<crate::emu::EmuGpu>>,
 }
@@ -227,6 +230,7 @@ impl CudaBackend {
             rope_factors: RopeFactorTables::default(),
             gelu_table: None,
             read_buf: Vec::new(),
+            launches: AtomicU64::new(0),
             #[cfg(feature = "emulation")]
             emu: None,
         }
@@ -384,6 +388,19 @@ impl Backend for CudaBackend {
 
     fn supports(&self, c: Capability) -> bool {
         supports(c)
+    }
+
+    fn op_counts(&self) -> Option<OpCounts> {
+        Some(OpCounts {
+            launches: self.launches.load(Ordering::Relaxed),
+            first_phases: 0,
+            // No graph is captured yet.
+            graph_replays: 0,
+        })
+    }
+
+    fn matrix_bytes(&self, m: &CudaMatrix) -> Option<u64> {
+        Some(m.mem.bytes() as u64)
     }
 
     fn alloc(&mut self, dtype: DType, len: usize) -> Result<CudaBuffer, BackendError> {

@@ -124,6 +124,8 @@ impl CudaBackend {
         out: &ViewMut<'_, CudaBuffer>,
         dt: DType,
     ) -> Result<(), BackendError> {
+        self.launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.gpu.gemm(&Gemm {
             m: w.n,
             n: x.layout().rows(),

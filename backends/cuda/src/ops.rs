@@ -123,6 +123,8 @@ impl CudaBackend {
         dims: LaunchDims,
         mut args: Args,
     ) -> Result<(), BackendError> {
+        self.launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.gpu.launch(kernel, dims, &mut args)
     }
 

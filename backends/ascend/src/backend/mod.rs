@@ -432,6 +432,28 @@ impl Backend for AscendBackend {
         }
     }
 
+    /// aclnn launches and first phases since the backend was made (no graph is captured yet).
+    fn op_counts(&self) -> Option<npu_backend::OpCounts> {
+        let (first_phases, launches) = self.ops.runner.totals();
+        Some(npu_backend::OpCounts {
+            launches,
+            first_phases,
+            graph_replays: 0,
+        })
+    }
+
+    fn matrix_bytes(&self, m: &AscendMatrix) -> Option<u64> {
+        Some(match &m.form {
+            objects::MatrixForm::Quant {
+                weight,
+                scale,
+                offset,
+                ..
+            } => (weight.bytes() + scale.bytes() + offset.as_ref().map_or(0, |o| o.bytes())) as u64,
+            objects::MatrixForm::Half { data } => data.bytes() as u64,
+        })
+    }
+
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         let (free, total) = self.dev.mem_info().map_err(err)?;
         Ok(MemInfo {

@@ -1,0 +1,115 @@
+//! What `npu-serving bench-model` counts per batch-1 decode step (`count_decode`, and the weight
+//! bytes beside the file's), on the CUDA backend over the CPU emulation of its kernels and on the
+//! Ascend backend over the strict CANN emulation, opened as the CLI opens them
+//! (`NPU_SERVING_CUDA_EMULATION=1`, `ASCEND_HOME_PATH`), on the tiny random-weight llama model
+//! (Q8_0, 2 layers; `npu-serving synth-model --arch llama --seed 1 --type q8_0`). The launch
+//! counts are pinned: a change in how many kernels or operators a decode step launches shows
+//! here, and the new number goes into docs/devices.md with it. Built with the `cuda` and `ascend`
+//! features.
+
+#![cfg(all(feature = "cuda", feature = "ascend"))]
+
+mod common;
+
+use std::path::PathBuf;
+
+use npu_agent::cli::bench_model::{count_decode, file_weight_bytes, DecodeCounts};
+use npu_agent::engine::{AgentEngine, AgentEngineConfig};
+use npu_gguf::synth::{self, Family};
+use npu_gguf::{GgmlType, GgufFile};
+use npu_protocol::agent::DeviceKind;
+
+/// Layers of the tiny llama model.
+const LAYERS: usize = 2;
+/// Kernel launches of one batch-1 decode step of it on the CUDA backend (f32 activations,
+/// quantized matmuls): 16 a layer (RMS norm, 8-bit quantization of the activations and GEMV per
+/// projection, rope, KV write, attention, residual adds, SwiGLU) and 7 for the rest (embedding,
+/// logit-row gather, final norm, its quantization, the head's GEMV, argmax and its
+/// log-probability).
+const CUDA_LAUNCHES: u64 = 2 * 16 + 7;
+/// aclnn launches of one batch-1 decode step of it on the Ascend backend: 13 a layer (RmsNorm,
+/// WeightQuantBatchMatmulV2 per projection, RotaryPositionEmbedding and the copy back,
+/// ScatterPaKvCache, FusedInferAttentionScoreV2, two InplaceAdds, SwiGlu) and 12 for the rest;
+/// and their first phases (the matmuls' and SwiGlu's executors reused: 8 a layer, 9 the rest).
+const ASCEND_LAUNCHES: u64 = 2 * 13 + 12;
+const ASCEND_FIRST_PHASES: u64 = 2 * 8 + 9;
+
+/// The tiny llama model, written to a temporary file (one per call: tests run in parallel).
+fn tiny_llama(device: &str) -> PathBuf {
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    let bytes = synth::synth_model(Family::Llama, 1, GgmlType::Q8_0, &donor).unwrap();
+    let file = std::env::temp_dir().join(format!(
+        "npu-decode-counts-{device}-{}.gguf",
+        std::process::id()
+    ));
+    std::fs::write(&file, bytes).unwrap();
+    file
+}
+
+/// Opens the device as `bench-model --device` does, and counts 3 decode steps.
+fn counts(device: DeviceKind, model: PathBuf) -> (DecodeCounts, Option<u64>, u64) {
+    let cfg = AgentEngineConfig {
+        device,
+        model_path: model.clone(),
+        ..common::engine_config(4, 64)
+    };
+    let mut engine = AgentEngine::load(&cfg).expect("the model loads on the emulation");
+    let c = count_decode(&mut engine, &cfg, 3, 7)
+        .unwrap()
+        .expect("the backend counts its launches");
+    let device_bytes = engine.device_model().weight_bytes_per_step();
+    let file_bytes = file_weight_bytes(&model).unwrap();
+    drop(engine);
+    let _ = std::fs::remove_file(&model);
+    (c, device_bytes, file_bytes)
+}
+
+fn check(device: &str, c: &DecodeCounts, device_bytes: Option<u64>, file_bytes: u64) {
+    eprintln!(
+        "{device}: {c:?}; weight bytes per decode step {device_bytes:?}, in the file {file_bytes}"
+    );
+    assert_eq!(c.steps, 3, "{device}: {c:?}");
+    assert!(c.launches_per_step > 0.0, "{device}: {c:?}");
+    assert_eq!(c.min_launches, c.max_launches, "{device}: {c:?}");
+    assert_eq!(c.graph_replays_per_step, 0.0, "{device}: {c:?}");
+    assert_eq!(
+        c.launches_per_layer,
+        c.launches_per_step / LAYERS as f64,
+        "{device}: {c:?}"
+    );
+    let d = device_bytes.expect("the backend says its matrices' bytes") as f64;
+    let f = file_bytes as f64;
+    assert!(
+        (d - f).abs() <= 0.01 * f,
+        "{device}: {d} weight bytes on the device, {f} in the file"
+    );
+}
+
+/// The emulations as the CLI finds them: both variables set once, before either test opens a
+/// device.
+fn emulations() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let root = common::devices::cann_root();
+        std::env::set_var("NPU_SERVING_CUDA_EMULATION", "1");
+        std::env::set_var("ASCEND_HOME_PATH", root);
+    });
+}
+
+#[test]
+fn cuda_emulation_counts_decode_launches() {
+    emulations();
+    let (c, d, f) = counts(DeviceKind::Cuda, tiny_llama("cuda"));
+    check("cuda", &c, d, f);
+    assert_eq!(c.first_phases_per_step, 0.0, "{c:?}");
+    assert_eq!(c.min_launches, CUDA_LAUNCHES, "{c:?}");
+}
+
+#[test]
+fn ascend_emulation_counts_decode_launches() {
+    emulations();
+    let (c, d, f) = counts(DeviceKind::Ascend, tiny_llama("ascend"));
+    check("ascend", &c, d, f);
+    assert_eq!(c.min_launches, ASCEND_LAUNCHES, "{c:?}");
+    assert_eq!(c.first_phases_per_step, ASCEND_FIRST_PHASES as f64, "{c:?}");
+}
