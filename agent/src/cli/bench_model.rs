@@ -266,6 +266,7 @@ fn counts(
         rep.graph_replays_per_decode_step = Some(c.graph_replays_per_step);
     }
     rep.weight_bytes_per_decode_step = engine.device_model().weight_bytes_per_step();
+    rep.weight_bytes_per_step = rep.weight_bytes_per_decode_step;
     rep.file_weight_bytes = Some(file_weight_bytes(&cfg.model_path)?);
     Ok(())
 }
