@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use npu_backend::{
     AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostSliceMut,
-    HostTensor, KvSpec, MemInfo, OpCounts, Readback, StepInputs, View, ViewMut,
+    HostTensor, KvSpec, MemInfo, OpCounts, Readback, RouteSpec, StepInputs, View, ViewMut,
 };
 use npu_gguf::quants::dequantize_row;
 
@@ -23,19 +23,24 @@ use crate::weights::{self, CudaEmbedding, CudaMatrix};
 
 pub(crate) const NAME: &str = "cuda";
 
-/// The paged KV pool: `num_blocks` blocks, each holding K and V of every layer (f16).
+/// The paged KV pool: `num_blocks` blocks, each holding K and V of every layer (f16), or, for a
+/// latent pool (`init_latent_kv`), one row of `head_dim` values per token and layer.
 pub(crate) struct KvPool {
     pub spec: KvSpec,
     pub mem: DeviceMem,
     /// f16 elements of one block.
     pub block_elems: usize,
+    /// A latent pool (latent attention's ops read it; `kv_write` and `attention` refuse it).
+    pub latent: bool,
 }
 
 impl KvPool {
-    /// Element offset of `layer`'s K inside a block (its V follows `n_kv * bs * hd` later).
+    /// Element offset of `layer`'s K inside a block (its V follows `n_kv * bs * hd` later); in
+    /// a latent pool, of `layer`'s rows.
     pub fn layer_offset(&self, layer: usize) -> usize {
         let s = &self.spec;
-        layer * 2 * s.n_kv_heads * s.block_size * s.head_dim
+        let parts = if self.latent { 1 } else { 2 };
+        layer * parts * s.n_kv_heads * s.block_size * s.head_dim
     }
 }
 
@@ -54,7 +59,8 @@ pub(crate) struct RopeFactorTables {
 }
 
 /// What the CUDA backend has of [`Capability`]: every op of the newer families, the
-/// mixture-of-experts ones included (`moe`).
+/// mixture-of-experts ones included (`moe`), and DeepSeek's scored routing and latent attention
+/// (`mla`).
 pub(crate) fn supports(c: Capability) -> bool {
     match c {
         Capability::HeadNorm
@@ -63,9 +69,9 @@ pub(crate) fn supports(c: Capability) -> bool {
         | Capability::SlidingWindow
         | Capability::RopeFactors
         | Capability::PerLayerRope
-        | Capability::Moe => true,
-        // DeepSeek's routing and latent attention have no kernels here yet.
-        Capability::ScoredRouting | Capability::LatentAttention => false,
+        | Capability::Moe
+        | Capability::ScoredRouting
+        | Capability::LatentAttention => true,
     }
 }
 
@@ -607,6 +613,7 @@ impl Backend for CudaBackend {
             spec,
             mem,
             block_elems,
+            latent: false,
         });
         Ok(())
     }
@@ -670,6 +677,35 @@ impl Backend for CudaBackend {
                 .htod(base + (b as usize * bb) as u64, &src[i * bb..(i + 1) * bb])?;
         }
         Ok(())
+    }
+
+    fn init_latent_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
+        self.op_init_latent_kv(spec)
+    }
+
+    fn latent_kv_block_bytes_for(&self, spec: &KvSpec) -> usize {
+        crate::mla::latent_block_elems(spec).saturating_mul(2)
+    }
+
+    fn kv_write_latent(
+        &mut self,
+        latent: View<'_, CudaBuffer>,
+        rope: View<'_, CudaBuffer>,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        self.op_kv_write_latent(latent, rope, layer)
+    }
+
+    fn attention_latent(
+        &mut self,
+        q_latent: View<'_, CudaBuffer>,
+        q_rope: View<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        latent_dim: usize,
+        layer: usize,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_attention_latent(q_latent, q_rope, g, latent_dim, layer, out)
     }
 
     fn begin_step(&mut self, s: &StepInputs) -> Result<(), BackendError> {
@@ -791,6 +827,17 @@ impl Backend for CudaBackend {
         weights: ViewMut<'_, CudaBuffer>,
     ) -> Result<(), BackendError> {
         self.op_moe_route(logits, k, normalize, ids, weights)
+    }
+
+    fn moe_route_scored(
+        &mut self,
+        logits: View<'_, CudaBuffer>,
+        bias: Option<&CudaBuffer>,
+        spec: &RouteSpec,
+        ids: ViewMut<'_, CudaBuffer>,
+        weights: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_moe_route_scored(logits, bias, spec, ids, weights)
     }
 
     fn moe_ffn(

@@ -5,10 +5,11 @@
 use npu_backend::DType;
 
 /// The kernel sources, concatenated in this order into one program.
-pub const SOURCES: [(&str, &str); 6] = [
+pub const SOURCES: [(&str, &str); 7] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("moe.cu", include_str!("../kernels/moe.cu")),
+    ("mla.cu", include_str!("../kernels/mla.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
     ("moe_matmul.cu", include_str!("../kernels/moe_matmul.cu")),
@@ -48,10 +49,13 @@ pub enum Op {
     MoeRoute,
     MoeCombine,
     MoePlan,
+    MoeRouteScored,
+    KvWriteLatent,
+    AttentionLatent,
 }
 
 impl Op {
-    pub const ALL: [Op; 19] = [
+    pub const ALL: [Op; 22] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -71,6 +75,9 @@ impl Op {
         Op::MoeRoute,
         Op::MoeCombine,
         Op::MoePlan,
+        Op::MoeRouteScored,
+        Op::KvWriteLatent,
+        Op::AttentionLatent,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -93,6 +100,9 @@ impl Op {
             Op::MoeRoute => "moe_route",
             Op::MoeCombine => "moe_combine",
             Op::MoePlan => "moe_plan",
+            Op::MoeRouteScored => "moe_route_scored",
+            Op::KvWriteLatent => "kv_write_latent",
+            Op::AttentionLatent => "attention_latent",
         }
     }
 }
@@ -281,8 +291,9 @@ pub fn kernel_names() -> Vec<String> {
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
 pub fn large_smem_kernels() -> Vec<usize> {
-    ACTS.iter()
-        .map(|&dt| op_kernel(Op::Attention, dt))
+    [Op::Attention, Op::AttentionLatent]
+        .into_iter()
+        .flat_map(|op| ACTS.iter().map(move |&dt| op_kernel(op, dt)))
         .collect()
 }
 
@@ -328,6 +339,10 @@ mod tests {
             "moe_mm_dense_bf16"
         );
         assert_eq!(names[op_kernel(Op::MoePlan, DType::F32)], "moe_plan_f32");
+        assert_eq!(
+            names[op_kernel(Op::AttentionLatent, DType::BF16)],
+            "attention_latent_bf16"
+        );
         assert_eq!(names.len(), MOE_MM_BASE + 15);
         let mut sorted = names.clone();
         sorted.sort();

@@ -4,7 +4,8 @@
 //!   a machine without CUDA gets `BackendError::MissingLibrary` naming what is missing.
 //! - `kernels` + `kernels/*.cu`: the CUDA C kernels of a Llama step and of the newer families'
 //!   ops (per-head Q/K norm, GELU gate, row scaling, sliding-window attention, rope frequency
-//!   factors and per-layer bases: every `Capability` but Moe), compiled at run time by NVRTC
+//!   factors and per-layer bases, mixture-of-experts in `moe`, DeepSeek's scored routing and
+//!   latent attention in `mla`: every `Capability`), compiled at run time by NVRTC
 //!   (`nvrtc`, cached per architecture in memory and on disk).
 //! - `gpu`: the seam under the backend (memory, copies, launches, one GEMM, one waiting read);
 //!   `driver` implements it with cudarc on a real device, `emu` (feature `emulation`) on a CPU
@@ -32,6 +33,7 @@ pub mod gpu;
 pub mod kernels;
 pub mod libs;
 mod matmul;
+mod mla;
 mod moe;
 pub mod nccl;
 pub mod nvrtc;

@@ -409,7 +409,11 @@ impl CudaBackend {
         g: &AttnGeometry,
         layer: usize,
     ) -> Result<(), BackendError> {
-        let s = self.kv_pool()?.spec;
+        let pool = self.kv_pool()?;
+        need(!pool.latent, op, || {
+            "a latent KV pool (latent attention's ops read it)".into()
+        })?;
+        let s = pool.spec;
         need(
             g.n_kv_heads == s.n_kv_heads && g.head_dim == s.head_dim && layer < s.n_layers,
             op,

@@ -88,6 +88,21 @@ fn moe_routes_and_runs_experts_as_the_reference() {
     conformance::moe_routes_and_runs_experts_as_the_reference(&emulated);
 }
 
+#[test]
+fn scored_routing_matches_the_reference() {
+    conformance::scored_routing_matches_the_reference(&emulated);
+}
+
+#[test]
+fn latent_attention_matches_the_reference() {
+    conformance::latent_attention_matches_the_reference(&emulated);
+}
+
+#[test]
+fn latent_pool_refusals() {
+    conformance::latent_pool_refusals(&emulated);
+}
+
 /// Every kernel of the program is launched, and checked, by some case above: no op runs a
 /// kernel the conformance cases never exercise.
 #[test]

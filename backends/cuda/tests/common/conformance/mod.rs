@@ -4,10 +4,12 @@
 //! (tests/gpu_conformance.rs).
 
 mod attention;
+mod latent;
 mod matmul;
 mod moe;
 
 pub use attention::*;
+pub use latent::*;
 pub use matmul::*;
 pub use moe::*;
 
@@ -90,6 +92,15 @@ pub const CASES: &[(&str, Case)] = &[
         "moe_routes_and_runs_experts_as_the_reference",
         moe_routes_and_runs_experts_as_the_reference,
     ),
+    (
+        "scored_routing_matches_the_reference",
+        scored_routing_matches_the_reference,
+    ),
+    (
+        "latent_attention_matches_the_reference",
+        latent_attention_matches_the_reference,
+    ),
+    ("latent_pool_refusals", latent_pool_refusals),
 ];
 
 pub(crate) const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
