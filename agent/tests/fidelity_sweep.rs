@@ -21,7 +21,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use npu_agent::model::{Model, ModelOptions, StepOutput};
+use npu_agent::model::{Model, ModelError, ModelOptions, StepOutput};
 use npu_backend::{Backend, SeqSpan, StepInputs};
 use npu_backend_cpu::{CpuBackend, CpuConfig};
 use npu_gguf::synth::{self, sweep};
@@ -214,7 +214,7 @@ fn sweep_on<B: Backend>(
     device: &str,
     bar: Bar,
     skip: &[&str],
-    mut load: impl FnMut(&GgufFile) -> Model<B>,
+    mut load: impl FnMut(&GgufFile) -> Result<Model<B>, ModelError>,
     margin: impl Fn(&[f32]) -> f32,
 ) {
     let donor = GgufFile::open(common::model_path()).unwrap();
@@ -225,7 +225,22 @@ fn sweep_on<B: Backend>(
             continue;
         }
         let file = regenerate(&v, &refs[0].sha256, &donor, device);
-        let mut m = load(&GgufFile::open(&file.0).unwrap());
+        let mut m = match load(&GgufFile::open(&file.0).unwrap()) {
+            Ok(m) => m,
+            // A family the device has not built is refused by name, never run: said here, and
+            // asserted (a refusal of anything else fails).
+            Err(e) if v.family == synth::Family::Deepseek2 => {
+                let e = e.to_string();
+                assert!(
+                    e.contains("latent attention") && e.contains(device),
+                    "{} on {device}: {e}",
+                    v.name
+                );
+                eprintln!("{} on {device}: refused by name ({e})", v.name);
+                continue;
+            }
+            Err(e) => panic!("{} on {device}: {e}", v.name),
+        };
         let quantized = !matches!(v.ty, GgmlType::F32 | GgmlType::F16);
         let t = families.entry(v.family.name()).or_default();
         for (p, r) in refs.iter().enumerate() {
@@ -302,7 +317,7 @@ fn every_sweep_model_agrees_with_llama_cpp_on_the_cpu() {
                 threads: 0,
                 f32_reference: false,
             });
-            Model::load(f, b, options()).unwrap()
+            Model::load(f, b, options())
         },
         |_| NEAR_TIE,
     );
@@ -331,7 +346,7 @@ fn every_sweep_model_agrees_with_llama_cpp_on_the_cuda_emulation() {
         "cuda",
         DEVICE_BAR,
         &[],
-        |f| Model::load(f, common::devices::cuda(), options()).unwrap(),
+        |f| Model::load(f, common::devices::cuda(), options()),
         |_| NEAR_TIE,
     );
 }
@@ -347,7 +362,7 @@ fn every_sweep_model_agrees_with_llama_cpp_on_the_ascend_emulation() {
         "ascend",
         DEVICE_BAR,
         &["gemma3"],
-        |f| Model::load(f, common::devices::ascend(), options()).unwrap(),
+        |f| Model::load(f, common::devices::ascend(), options()),
         common::devices::f16_margin,
     );
 }

@@ -28,7 +28,9 @@ use crate::{GgmlType, GgufFile, MetaValue};
 
 #[derive(Debug, Error)]
 pub enum SynthError {
-    #[error("unknown family {0:?} (known: llama, llama3, qwen2, qwen3, qwen3moe, gemma3, deepseek2)")]
+    #[error(
+        "unknown family {0:?} (known: llama, llama3, qwen2, qwen3, qwen3moe, gemma3, deepseek2)"
+    )]
     UnknownFamily(String),
     #[error("llama.cpp has no \"mistral\" architecture (Mistral 7B converts to \"llama\"), so a mistral file would have no reference: use --arch llama")]
     Mistral,
@@ -835,9 +837,9 @@ fn mla_meta(b: &mut Builder, arch: &str, s: &Shape, m: SynthMla, vocab: usize) {
     let x = s.moe_extras;
     b.meta(&k("leading_dense_block_count"), u32v(x.dense_lead));
     b.meta(&k("vocab_size"), u32v(vocab));
-    if m.q_lora_rank > 0 {
-        b.meta(&k("attention.q_lora_rank"), u32v(m.q_lora_rank));
-    }
+    // Written even when 0 (a full query projection): llama.cpp requires the key of every
+    // deepseek2 file but its "lite" layer counts.
+    b.meta(&k("attention.q_lora_rank"), u32v(m.q_lora_rank));
     b.meta(&k("attention.kv_lora_rank"), u32v(m.kv_lora_rank));
     b.meta(&k("attention.key_length"), u32v(m.kv_lora_rank + m.qk_rope));
     b.meta(&k("attention.value_length"), u32v(m.kv_lora_rank));
@@ -908,17 +910,31 @@ fn mla_layer(b: &mut Builder, s: &Shape, m: SynthMla, i: usize) {
         inv_sqrt(m.kv_lora_rank),
     );
     let vd = heads * m.v_head_dim;
-    b.matrix(&n("attn_output.weight"), &[vd, h], s.out_gain * inv_sqrt(vd));
+    b.matrix(
+        &n("attn_output.weight"),
+        &[vd, h],
+        s.out_gain * inv_sqrt(vd),
+    );
     b.f32(&n("ffn_norm.weight"), &[h], 1.0, 0.2);
     if i < x.dense_lead {
         b.matrix(&n("ffn_gate.weight"), &[h, s.ff], inv_sqrt(h));
         b.matrix(&n("ffn_up.weight"), &[h, s.ff], inv_sqrt(h));
-        b.matrix(&n("ffn_down.weight"), &[s.ff, h], s.out_gain * inv_sqrt(s.ff));
+        b.matrix(
+            &n("ffn_down.weight"),
+            &[s.ff, h],
+            s.out_gain * inv_sqrt(s.ff),
+        );
         return;
     }
     let (e, eff) = (s.experts, s.expert_ff);
     let name = n("ffn_gate_inp.weight");
-    let v = values(b.seed, &name, h * e, 0.0, uniform_for_std(2.0 * inv_sqrt(h)));
+    let v = values(
+        b.seed,
+        &name,
+        h * e,
+        0.0,
+        uniform_for_std(2.0 * inv_sqrt(h)),
+    );
     b.tensor(&name, GgmlType::F32, &[h, e], &v);
     if x.selection_bias {
         b.f32(&n("exp_probs_b.bias"), &[e], 0.0, 0.3);

@@ -15,6 +15,7 @@ use npu_model::ModelConfig;
 
 use super::{Class, Report, Tolerance};
 
+mod deepseek;
 mod family;
 
 /// What an output is checked against.
@@ -199,6 +200,8 @@ pub fn run_cases<B: Backend>(b: &mut B, file: &GgufFile) -> Vec<Result<Vec<Outpu
         family::window_attention(b, &ctx),
         family::ropes(b, &ctx),
         family::moe(b),
+        deepseek::scored_routing(b),
+        deepseek::latent_attention(b),
     ]
 }
 

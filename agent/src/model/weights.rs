@@ -294,7 +294,12 @@ impl Part<'_> {
 }
 
 /// A weight matrix of `rows` outputs and `cols` inputs.
-pub(super) fn part<'a>(f: &Src<'a>, name: &str, cols: usize, rows: usize) -> Result<Part<'a>, ModelError> {
+pub(super) fn part<'a>(
+    f: &Src<'a>,
+    name: &str,
+    cols: usize,
+    rows: usize,
+) -> Result<Part<'a>, ModelError> {
     let (info, data) = tensor(f, name, &[cols, rows])?;
     Ok(Part {
         ty: info.ty,
@@ -305,7 +310,11 @@ pub(super) fn part<'a>(f: &Src<'a>, name: &str, cols: usize, rows: usize) -> Res
 }
 
 /// Output rows `r` of a weight matrix: a slice of its bytes.
-pub(super) fn rows_of<'a>(t: Part<'a>, r: &Range<usize>, name: &str) -> Result<Part<'a>, ModelError> {
+pub(super) fn rows_of<'a>(
+    t: Part<'a>,
+    r: &Range<usize>,
+    name: &str,
+) -> Result<Part<'a>, ModelError> {
     if *r == (0..t.rows) {
         return Ok(t);
     }
@@ -398,7 +407,10 @@ pub(super) fn vector<B: Backend>(
     })?)
 }
 
-pub(super) fn matrix<B: Backend>(b: &mut B, parts: &[HostTensor]) -> Result<Proj<B::Matrix>, ModelError> {
+pub(super) fn matrix<B: Backend>(
+    b: &mut B,
+    parts: &[HostTensor],
+) -> Result<Proj<B::Matrix>, ModelError> {
     if let Some(m) = b.load_matrix(parts)? {
         return Ok(Proj::Fused(m));
     }
@@ -673,7 +685,10 @@ pub(super) fn moe_ffn<B: Backend>(
             let gate = part(f, &n("ffn_gate_shexp.weight"), h, sff)?;
             let up = part(f, &n("ffn_up_shexp.weight"), h, sff)?;
             let down = part(f, &n("ffn_down_shexp.weight"), sff, h)?;
-            Some((matrix(b, &[gate.host(), up.host()])?, single(b, down.host())?))
+            Some((
+                matrix(b, &[gate.host(), up.host()])?,
+                single(b, down.host())?,
+            ))
         }
     };
     Ok(Ffn::Moe {
@@ -754,7 +769,10 @@ mod tests {
         assert!(cfg.qkv_bias);
         let mut b = cpu();
         let w = Weights::load(&(&f).into(), &cfg, &mut b).unwrap();
-        let bias = w.layers[0].qkv_bias.as_ref().expect("a bias vector");
+        let super::Attn::Heads { qkv_bias, .. } = &w.layers[0].attn else {
+            panic!("a llama layer with latent attention")
+        };
+        let bias = qkv_bias.as_ref().expect("a bias vector");
         let mut got = vec![f32::NAN; 64];
         b.read_back(&mut [Readback {
             src: View::rows(bias, 1, 64).unwrap(),
@@ -770,7 +788,10 @@ mod tests {
         let cfg = ModelConfig::from_gguf(&f).unwrap();
         assert!(!cfg.qkv_bias);
         let w = Weights::load(&(&f).into(), &cfg, &mut cpu()).unwrap();
-        assert!(w.layers[0].qkv_bias.is_none());
+        assert!(matches!(
+            &w.layers[0].attn,
+            super::Attn::Heads { qkv_bias: None, .. }
+        ));
     }
 
     /// A tensor the loader did not read stops the load naming it, even past the

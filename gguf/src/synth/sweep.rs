@@ -166,9 +166,146 @@ impl Row {
     }
 }
 
+/// The deepseek2 models: latent attention with and without the query's low-rank pair, latent
+/// ranks from 32 to 128 (below heads * key width), rope parts of 16 to 64, softmax and sigmoid
+/// gating, with and without the selection bias, group-limited routing (2 of 4 groups, 3 of 4),
+/// routed scales, shared experts (1 or 2), dense leading layers, YaRN with llama.cpp's
+/// DeepSeek-V3 and V2 multipliers and without it; F32, F16 and two Q8_0 files (the
+/// up-projections are too narrow for Q4_K's 256-value blocks, and the 99% bar of quantized
+/// steps needs more than one file's worth of them).
+fn deepseek2_variants() -> Vec<Variant> {
+    use super::{MoeExtras, SynthMla, SynthYarn};
+    let base = Family::Deepseek2.shape();
+    let mla = |q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head_dim| SynthMla {
+        q_lora_rank,
+        kv_lora_rank,
+        qk_nope,
+        qk_rope,
+        v_head_dim,
+    };
+    let v = |name: &str, ty, shape: Shape| Variant {
+        name: name.to_string(),
+        family: Family::Deepseek2,
+        shape: Shape {
+            head_dim: shape.mla.map_or(0, |m| m.kv_lora_rank + m.qk_rope),
+            ..shape
+        },
+        seed: 1,
+        ty,
+    };
+    vec![
+        v(
+            "deepseek2_lite_softmax_shared2_untied_f16",
+            GgmlType::F16,
+            Shape {
+                hidden: 128,
+                layers: 2,
+                heads: 4,
+                ff: 256,
+                experts: 4,
+                experts_used: 2,
+                expert_ff: 64,
+                mla: Some(mla(0, 128, 64, 32, 64)),
+                moe_extras: MoeExtras {
+                    shared_experts: 2,
+                    ..MoeExtras::NONE
+                },
+                yarn: None,
+                context_length: 4096,
+                ..base
+            },
+        ),
+        v(
+            "deepseek2_v3_groups2of4_bias_yarn8_tied_q8_0",
+            GgmlType::Q8_0,
+            Shape {
+                hidden: 128,
+                layers: 3,
+                heads: 8,
+                ff: 256,
+                expert_ff: 64,
+                tied: true,
+                mla: Some(mla(64, 64, 32, 32, 32)),
+                yarn: Some(SynthYarn {
+                    factor: 8.0,
+                    original_context: 128,
+                    log_multiplier: 0.1,
+                }),
+                context_length: 1024,
+                out_gain: QUANTIZED_OUT_GAIN,
+                logit_scale: QUANTIZED_LOGIT_SCALE,
+                ..base
+            },
+        ),
+        v(
+            "deepseek2_softmax_groups3of4_scale_yarn2_v2mul_f32",
+            GgmlType::F32,
+            Shape {
+                hidden: 256,
+                layers: 2,
+                heads: 2,
+                ff: 256,
+                expert_ff: 64,
+                mla: Some(mla(32, 64, 128, 64, 128)),
+                // llama.cpp's deepseek2 needs the shared experts' tensors in every MoE layer.
+                moe_extras: MoeExtras {
+                    shared_experts: 1,
+                    dense_lead: 0,
+                    groups: (4, 3),
+                    sigmoid: false,
+                    selection_bias: false,
+                    weights_scale: 1.5,
+                },
+                yarn: Some(SynthYarn {
+                    factor: 2.0,
+                    original_context: 256,
+                    log_multiplier: 0.0707,
+                }),
+                context_length: 512,
+                ..base
+            },
+        ),
+        v(
+            "deepseek2_lite_sigmoid_groups2of4_untied_q8_0",
+            GgmlType::Q8_0,
+            Shape {
+                hidden: 128,
+                layers: 2,
+                heads: 4,
+                ff: 256,
+                expert_ff: 64,
+                mla: Some(mla(0, 128, 64, 32, 64)),
+                yarn: None,
+                context_length: 4096,
+                out_gain: QUANTIZED_OUT_GAIN,
+                logit_scale: QUANTIZED_LOGIT_SCALE,
+                ..base
+            },
+        ),
+        v(
+            "deepseek2_sigmoid_bias_nogroups_tied_f16",
+            GgmlType::F16,
+            Shape {
+                heads: 4,
+                tied: true,
+                mla: Some(mla(32, 32, 32, 16, 32)),
+                moe_extras: MoeExtras {
+                    groups: (0, 0),
+                    ..base.moe_extras
+                },
+                yarn: None,
+                context_length: 4096,
+                ..base
+            },
+        ),
+    ]
+}
+
 /// Every model of the sweep, in a fixed order.
 pub fn variants() -> Vec<Variant> {
-    rows().iter().map(Row::variant).collect()
+    let mut all: Vec<Variant> = rows().iter().map(Row::variant).collect();
+    all.extend(deepseek2_variants());
+    all
 }
 
 /// The sweep's model called `name`.
@@ -198,6 +335,10 @@ mod tests {
             let of: Vec<&Variant> = v.iter().filter(|x| x.family == f).collect();
             assert!(of.len() >= 4, "{}: {} variants", f.name(), of.len());
             for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4K] {
+                // deepseek2's up-projections are narrower than one Q4_K block.
+                if f == Family::Deepseek2 && ty == GgmlType::Q4K {
+                    continue;
+                }
                 assert!(of.iter().any(|x| x.ty == ty), "{} {}", f.name(), ty.name());
             }
             for tied in [true, false] {

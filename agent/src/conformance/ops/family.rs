@@ -16,7 +16,7 @@ pub(super) fn capability_of(name: &str) -> Option<Capability> {
         .find(|c| name.starts_with(&format!("{}: ", c.name())))
 }
 
-const ALL: [Capability; 7] = [
+const ALL: [Capability; 9] = [
     Capability::HeadNorm,
     Capability::GeluGate,
     Capability::ScaleRows,
@@ -24,6 +24,8 @@ const ALL: [Capability; 7] = [
     Capability::RopeFactors,
     Capability::PerLayerRope,
     Capability::Moe,
+    Capability::ScoredRouting,
+    Capability::LatentAttention,
 ];
 
 fn named(c: Capability, what: &str) -> String {

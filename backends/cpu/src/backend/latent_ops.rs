@@ -20,7 +20,10 @@ struct QueryRow<'t> {
 }
 
 impl CpuBackend {
-    pub(super) fn init_latent_kv_op(&mut self, spec: npu_backend::KvSpec) -> Result<(), BackendError> {
+    pub(super) fn init_latent_kv_op(
+        &mut self,
+        spec: npu_backend::KvSpec,
+    ) -> Result<(), BackendError> {
         self.kv = Some(KvPool::new_latent(spec)?);
         Ok(())
     }
@@ -138,27 +141,33 @@ impl CpuBackend {
                     *d = s.to_f32();
                 }
             }
+            // As llama.cpp's attention without flash attention (what the other CPU attention
+            // kernel follows too): the query and the probabilities meet the f16 cache as f16,
+            // products summed in f32, the softmax's sum in f64.
+            let round = |v: f32| f16::from_f32(v).to_f32();
             let mut scores = vec![0f32; q.len];
+            let (mut qh, mut qp) = (vec![0f32; latent_dim], vec![0f32; rope_dim]);
             for head in 0..h {
-                let qh = &ql.row(r)[head * latent_dim..(head + 1) * latent_dim];
-                let qp = &qr.row(r)[head * rope_dim..(head + 1) * rope_dim];
+                let src = &ql.row(r)[head * latent_dim..(head + 1) * latent_dim];
+                qh.iter_mut().zip(src).for_each(|(d, &v)| *d = round(v));
+                let src = &qr.row(r)[head * rope_dim..(head + 1) * rope_dim];
+                qp.iter_mut().zip(src).for_each(|(d, &v)| *d = round(v));
                 let mut max = f32::NEG_INFINITY;
                 for (s, c) in scores.iter_mut().zip(ctx.chunks_exact(row)) {
                     let (cl, cr) = c.split_at(latent_dim);
-                    let dot = dot(qh, cl) + dot(qp, cr);
-                    *s = dot * scale;
+                    *s = (dot(&qh, cl) + dot(&qp, cr)) * scale;
                     max = max.max(*s);
                 }
-                let mut sum = 0f32;
+                let mut sum = 0f64;
                 for s in &mut scores {
                     *s = (*s - max).exp();
-                    sum += *s;
+                    sum += f64::from(*s);
                 }
-                let inv = 1.0 / sum;
+                let inv = (1.0 / sum) as f32;
                 let out = &mut dst[head * latent_dim..(head + 1) * latent_dim];
                 out.fill(0.0);
                 for (&p, c) in scores.iter().zip(ctx.chunks_exact(row)) {
-                    let p = p * inv;
+                    let p = round(p * inv);
                     for (o, &v) in out.iter_mut().zip(&c[..latent_dim]) {
                         *o += p * v;
                     }
