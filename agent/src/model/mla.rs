@@ -93,10 +93,7 @@ pub(super) fn load_layer<B: Backend>(
     let (h, heads) = (cfg.hidden, cfg.n_heads);
     let qk = m.qk_nope + m.qk_rope;
     let (q_a, q_in) = if m.q_lora_rank > 0 {
-        let a = single(
-            b,
-            part(f, &n("attn_q_a.weight"), h, m.q_lora_rank)?.host(),
-        )?;
+        let a = single(b, part(f, &n("attn_q_a.weight"), h, m.q_lora_rank)?.host())?;
         let norm = vector(f, b, &n("attn_q_a_norm.weight"), m.q_lora_rank)?;
         (Some((a, norm)), m.q_lora_rank)
     } else {

@@ -11,8 +11,8 @@
 //! vocabulary rows) are gathered into rank 0's host memory, where they are sampled.
 
 use npu_backend::{
-    AttnGeometry, Backend, Collective, DType, HostSlice, HostSliceMut, KvSpec, Readback,
-    RouteSpec, StepInputs, View, ViewMut,
+    AttnGeometry, Backend, Collective, DType, HostSlice, HostSliceMut, KvSpec, Readback, RouteSpec,
+    StepInputs, View, ViewMut,
 };
 use npu_gguf::GgufFile;
 use npu_model::shard::RankShard;
@@ -450,7 +450,8 @@ impl<B: Backend> Model<B> {
                     0 => c.hidden * c.n_heads * (m.qk_nope + m.qk_rope),
                     r => c.hidden * r + r * c.n_heads * (m.qk_nope + m.qk_rope),
                 };
-                let heads = c.n_heads * (m.qk_nope * m.kv_lora_rank + m.kv_lora_rank * m.v_head_dim);
+                let heads =
+                    c.n_heads * (m.qk_nope * m.kv_lora_rank + m.kv_lora_rank * m.v_head_dim);
                 q + c.hidden * m.cache_row() + heads + c.attn_width() * c.hidden
             }
         };

@@ -31,10 +31,20 @@ pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsE
         read::within(&k, read::req_uint(f, &k, None)?, 0, read::MAX_EMBEDDING)?
     };
     let kv_key = key("attention.kv_lora_rank");
-    let kv_lora_rank = read::within(&kv_key, read::req_uint(f, &kv_key, None)?, 1, read::MAX_HEAD_DIM)?;
-    let (k_mla_key, v_mla_key) = (key("attention.key_length_mla"), key("attention.value_length_mla"));
-    let (Some(k_mla), Some(v_mla)) = (read::uint(f, &k_mla_key, None)?, read::uint(f, &v_mla_key, None)?)
-    else {
+    let kv_lora_rank = read::within(
+        &kv_key,
+        read::req_uint(f, &kv_key, None)?,
+        1,
+        read::MAX_HEAD_DIM,
+    )?;
+    let (k_mla_key, v_mla_key) = (
+        key("attention.key_length_mla"),
+        key("attention.value_length_mla"),
+    );
+    let (Some(k_mla), Some(v_mla)) = (
+        read::uint(f, &k_mla_key, None)?,
+        read::uint(f, &v_mla_key, None)?,
+    ) else {
         return Err(HparamsError::Unsupported(format!(
             "a deepseek2 file without {k_mla_key} and {v_mla_key} (an older conversion with an \
              unsplit attn_kv_b): the engine runs latent attention only; convert the model again \
@@ -44,7 +54,12 @@ pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsE
     let k_mla = read::within(&k_mla_key, k_mla, 2, read::MAX_HEAD_DIM)?;
     let v_head_dim = read::within(&v_mla_key, v_mla, 1, read::MAX_HEAD_DIM)?;
     let rot_key = key("rope.dimension_count");
-    let qk_rope = read::within(&rot_key, read::req_uint(f, &rot_key, None)?, 2, read::MAX_HEAD_DIM)?;
+    let qk_rope = read::within(
+        &rot_key,
+        read::req_uint(f, &rot_key, None)?,
+        2,
+        read::MAX_HEAD_DIM,
+    )?;
     if !qk_rope.is_multiple_of(2) || qk_rope >= k_mla {
         return Err(HparamsError::Inconsistent(format!(
             "{rot_key} = {qk_rope} must be even and below {k_mla_key} = {k_mla}"
@@ -84,7 +99,12 @@ pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsE
 
     // Experts.
     let (count_key, used_key) = (key("expert_count"), key("expert_used_count"));
-    let n_experts = read::within(&count_key, read::req_uint(f, &count_key, None)?, 1, read::MAX_EXPERTS)?;
+    let n_experts = read::within(
+        &count_key,
+        read::req_uint(f, &count_key, None)?,
+        1,
+        read::MAX_EXPERTS,
+    )?;
     let n_used = read::req_uint(f, &used_key, nl)?;
     if n_used == 0 || n_used > n_experts as u64 {
         return Err(HparamsError::Inconsistent(format!(
@@ -94,7 +114,12 @@ pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsE
     let ff_key = key("expert_feed_forward_length");
     let expert_ff = read::within(&ff_key, read::req_uint(f, &ff_key, nl)?, 1, read::MAX_FF)?;
     let shared_key = key("expert_shared_count");
-    let n_shared = read::within(&shared_key, read::req_uint(f, &shared_key, None)?, 0, read::MAX_EXPERTS)?;
+    let n_shared = read::within(
+        &shared_key,
+        read::req_uint(f, &shared_key, None)?,
+        0,
+        read::MAX_EXPERTS,
+    )?;
     let lead_key = key("leading_dense_block_count");
     let dense_lead = match read::uint(f, &lead_key, None)? {
         Some(v) => read::within(&lead_key, v, 0, cfg.n_layers as u64)?,
@@ -244,7 +269,8 @@ fn yarn(
         None => cfg.context_length,
     };
     // The converter stores 0.1 * mscale_all_dim; llama.cpp divides the 0.1 back out.
-    let log_mul = read::float(f, &key("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0) as f32 / 0.1;
+    let log_mul =
+        read::float(f, &key("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0) as f32 / 0.1;
     // The rotated part's magnitude, as llama-context.cpp and ggml's rope_yarn compose it.
     let get_mscale = |scale: f32, m: f32| {
         if scale <= 1.0 {

@@ -112,8 +112,8 @@ impl ModelConfig {
             )));
         }
         // deepseek2's value length is its latent's width (checked by its family hook).
-        if let Some(v) = uint(f, &key("attention.value_length"), None)?
-            .filter(|_| arch != Arch::Deepseek2)
+        if let Some(v) =
+            uint(f, &key("attention.value_length"), None)?.filter(|_| arch != Arch::Deepseek2)
         {
             if v != head_dim as u64 {
                 return Err(HparamsError::Unsupported(format!(

@@ -76,10 +76,13 @@ fn mla_layer_tensor(cfg: &ModelConfig, il: usize, rest: &str) -> Option<String> 
     let lora_q = mla.q_lora_rank > 0;
     let experts = moe.is_moe_layer(il);
     let used = match rest {
-        "attn_norm.weight" | "attn_kv_a_mqa.weight" | "attn_kv_a_norm.weight"
-        | "attn_k_b.weight" | "attn_v_b.weight" | "attn_output.weight" | "ffn_norm.weight" => {
-            true
-        }
+        "attn_norm.weight"
+        | "attn_kv_a_mqa.weight"
+        | "attn_kv_a_norm.weight"
+        | "attn_k_b.weight"
+        | "attn_v_b.weight"
+        | "attn_output.weight"
+        | "ffn_norm.weight" => true,
         "attn_q_a.weight" | "attn_q_a_norm.weight" | "attn_q_b.weight" => lora_q,
         "attn_q.weight" => !lora_q,
         "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" => !experts,

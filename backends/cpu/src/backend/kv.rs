@@ -108,7 +108,11 @@ impl KvPool {
                 format!(
                     "layer {layer} of a {}-layer {} pool",
                     self.spec.n_layers,
-                    if self.latent { "latent" } else { "K/V (not latent)" }
+                    if self.latent {
+                        "latent"
+                    } else {
+                        "K/V (not latent)"
+                    }
                 ),
             ));
         }
