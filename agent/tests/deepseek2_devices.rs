@@ -17,10 +17,10 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::devices::{ascend, cuda};
+use common::devices::{act_margin, ascend, cuda};
 use npu_agent::model::{Model, ModelOptions, StepOutput};
-use npu_backend::{Backend, SeqSpan, StepInputs};
-use npu_backend_cuda::CudaBackend;
+use npu_backend::{Backend, DType, SeqSpan, StepInputs};
+use npu_backend_cuda::{CudaBackend, CudaConfig, MatmulMode};
 use npu_gguf::synth::{self, Family};
 use npu_gguf::GgufFile;
 use serde_json::Value;
@@ -28,6 +28,8 @@ use serde_json::Value;
 struct Ref {
     prompt_ids: Vec<u32>,
     output_ids: Vec<u32>,
+    /// llama.cpp's top-1/top-2 logit gap at each step.
+    gaps: Vec<f32>,
     first_near_tie: Option<usize>,
 }
 
@@ -57,6 +59,12 @@ fn deepseek2() -> (Vec<Ref>, PathBuf) {
         .map(|v| Ref {
             prompt_ids: ids(v, "prompt_ids"),
             output_ids: ids(v, "output_ids"),
+            gaps: v["top1_top2_logit_gap"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect(),
             first_near_tie: v["first_near_tie"].as_u64().map(|x| x as usize),
         })
         .collect();
@@ -136,6 +144,22 @@ fn greedy<B: Backend>(m: &mut Model<B>, prompt: &[u32], chunk: usize, n: usize) 
     got
 }
 
+/// The logits of each step fed llama.cpp's tokens (teacher forcing), stepped as [`greedy`] steps
+/// with the prompt in one step.
+fn teacher_forced<B: Backend>(m: &mut Model<B>, prompt: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut out = StepOutput::default();
+    let mut rows = Vec::new();
+    let mut pos = 0;
+    let mut next = prompt.to_vec();
+    for &t in tokens {
+        m.forward(&seq_step(&next, pos), false, &mut out).unwrap();
+        pos += next.len();
+        rows.push(std::mem::take(&mut out.logits));
+        next = vec![t];
+    }
+    rows
+}
+
 /// Kernels the emulated device launched since the last call (and forgets them).
 fn launched(m: &Model<CudaBackend>) -> Vec<String> {
     let emu = m.backend().emulation().expect("the CUDA emulation");
@@ -198,5 +222,90 @@ fn deepseek2_is_refused_on_ascend_by_name() {
         e.contains("deepseek2") && e.contains("latent attention"),
         "{e}"
     );
+    let _ = std::fs::remove_file(path);
+}
+
+/// With 16-bit activations (f16, bf16: `CudaConfig::act_dtype`), near-ties judged by the margin
+/// of the activation type of the device's own logits (`act_margin`, as family_devices judges the
+/// Ascend backend): greedy tokens equal llama.cpp's up to the first near-tie, and teacher-forced
+/// along llama.cpp's tokens the device's top-1 is llama.cpp's token at every step that is not a
+/// near-tie. Measured: f16 holds both (5, 11 and 32 greedy tokens; 26/26, 29/29, 32/32 decided
+/// steps). bf16 holds the greedy part only: teacher-forced, its top-1 differs at 1, 6 and 1 of
+/// the decided steps (llama.cpp's gap up to 18 at logits near 190, once its token 72 below the
+/// device's top), far beyond bf16's margin, so that part is printed, not asserted. Each op passes
+/// its bf16 conformance against the CPU backend; the router's logits rounded to bf16 choosing
+/// other experts is the likely cause, not established.
+#[test]
+fn deepseek2_on_the_cuda_emulation_in_16_bits() {
+    let (refs, path) = deepseek2();
+    let f = GgufFile::open(&path).unwrap();
+    for act in [DType::F16, DType::BF16] {
+        let b = CudaBackend::emulated(CudaConfig {
+            act_dtype: act,
+            matmul: MatmulMode::Quantized,
+            gemv_max_rows: 8,
+            kernel_cache: None,
+            lib_dirs: Vec::new(),
+            int8_mma: true,
+        })
+        .expect("the CUDA emulation opens");
+        let mut m = Model::load(&f, b, options()).unwrap();
+        for (i, r) in refs.iter().enumerate() {
+            let rows = teacher_forced(&mut m, &r.prompt_ids, &r.output_ids);
+            let margins: Vec<f32> = rows.iter().map(|row| act_margin(act, row)).collect();
+            let n = (0..rows.len())
+                .find(|&s| r.gaps[s] < margins[s])
+                .unwrap_or(rows.len());
+            let got = greedy(&mut m, &r.prompt_ids, usize::MAX, n);
+            assert_eq!(
+                got,
+                r.output_ids[..n],
+                "deepseek2 on cuda in {}, prompt {i}: differs from llama.cpp before its first \
+                 near-tie (step {n})",
+                act.name()
+            );
+            let decided: Vec<usize> = (0..rows.len())
+                .filter(|&s| r.gaps[s] >= margins[s])
+                .collect();
+            let wrong: Vec<String> = decided
+                .iter()
+                .filter(|&&s| argmax(&rows[s]) != r.output_ids[s] as usize)
+                .map(|&s| {
+                    let row = &rows[s];
+                    format!(
+                        "step {s}: top-1 {} ({}), llama.cpp's {} ({}), llama.cpp's gap {}, \
+                         margin {}",
+                        argmax(row),
+                        row[argmax(row)],
+                        r.output_ids[s],
+                        row[r.output_ids[s] as usize],
+                        r.gaps[s],
+                        margins[s]
+                    )
+                })
+                .collect();
+            if act == DType::BF16 && !wrong.is_empty() {
+                // Not held to yet: see the note on this test.
+                eprintln!(
+                    "deepseek2 on cuda in bf16, prompt {i}: teacher-forced top-1 differs from \
+                     llama.cpp's at decided steps {wrong:?}"
+                );
+                continue;
+            }
+            assert!(
+                wrong.is_empty(),
+                "deepseek2 on cuda in {}, prompt {i}: teacher-forced top-1 differs from \
+                 llama.cpp's at decided steps {wrong:?}",
+                act.name()
+            );
+            eprintln!(
+                "deepseek2 on cuda in {}, prompt {i}: {n} greedy tokens as llama.cpp's; \
+                 teacher-forced top-1 as llama.cpp's at all {} decided steps of {}",
+                act.name(),
+                decided.len(),
+                rows.len()
+            );
+        }
+    }
     let _ = std::fs::remove_file(path);
 }
