@@ -575,44 +575,64 @@ impl OpRunner {
     /// [`OpRunner::write_kv`] through ScatterNdUpdate, the path for releases without
     /// ScatterPaKvCache: each cache seen as (blocks·block_size, N·D) rows, slots as (T, 1) indices.
     pub fn write_kv_rows(&mut self, w: &KvWrite) -> Result<()> {
+        for (src, off, cache) in [
+            (w.key, w.key_offset, w.key_cache),
+            (w.value, w.value_offset, w.value_cache),
+        ] {
+            self.scatter_rows(&RowScatter {
+                dtype: w.dtype,
+                tokens: w.tokens,
+                width: w.kv_heads * w.head_dim,
+                row_stride: w.row_stride,
+                src,
+                src_offset: off,
+                cache,
+                slots: w.slots,
+                slots_offset: w.slots_offset,
+                cache_rows: w.num_blocks * w.block_size,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// One ScatterNdUpdate: the step's `tokens` rows of `width` values (`row_stride` apart from
+    /// `src_offset`) into `cache` seen as (`cache_rows`, `width`) rows, at the slots as (T, 1)
+    /// indices. The latent pool's write (one cache a layer) and each cache of the K/V write.
+    pub fn scatter_rows(&mut self, w: &RowScatter) -> Result<()> {
         use crate::tensor::{DType, View};
         let acl = self.acl;
         let ops = acl.api.ops;
         let t = w.tokens as i64;
-        let (n, d) = (w.kv_heads as i64, w.head_dim as i64);
-        let rows = (w.num_blocks * w.block_size) as i64;
         let idx = Tensor::new(
             acl,
             w.slots,
             View::strided(DType::I32, &[t, 1], &[1, 1], w.slots_offset as i64),
         )?;
-        for (src, off, cache) in [
-            (w.key, w.key_offset, w.key_cache),
-            (w.value, w.value_offset, w.value_cache),
-        ] {
-            let upd = Tensor::new(
-                acl,
-                src,
-                View::strided(w.dtype, &[t, n * d], &[w.row_stride as i64, 1], off as i64),
-            )?;
-            let var = Tensor::new(acl, cache, View::contiguous(w.dtype, &[rows, n * d]))?;
-            // SAFETY (closure): live handles and out-pointers.
-            self.call(
-                "aclnnScatterNdUpdate",
-                describe(&[("varRef", &var), ("indices", &idx), ("updates", &upd)]),
-                |ws, e| unsafe {
-                    (ops.aclnnScatterNdUpdateGetWorkspaceSize)(
-                        var.raw(),
-                        idx.raw(),
-                        upd.raw(),
-                        ws,
-                        e,
-                    )
-                },
-                ops.aclnnScatterNdUpdate,
-            )?;
-        }
-        Ok(())
+        let width = w.width as i64;
+        let upd = Tensor::new(
+            acl,
+            w.src,
+            View::strided(
+                w.dtype,
+                &[t, width],
+                &[w.row_stride as i64, 1],
+                w.src_offset as i64,
+            ),
+        )?;
+        let var = Tensor::new(
+            acl,
+            w.cache,
+            View::contiguous(w.dtype, &[w.cache_rows as i64, width]),
+        )?;
+        // SAFETY (closure): live handles and out-pointers.
+        self.call(
+            "aclnnScatterNdUpdate",
+            describe(&[("varRef", &var), ("indices", &idx), ("updates", &upd)]),
+            |ws, e| unsafe {
+                (ops.aclnnScatterNdUpdateGetWorkspaceSize)(var.raw(), idx.raw(), upd.raw(), ws, e)
+            },
+            ops.aclnnScatterNdUpdate,
+        )
     }
 
     /// Paged attention (FusedInferAttentionScoreV2, BSH layout): `q` (B, S, N·D), caches
@@ -742,6 +762,21 @@ pub struct KvWrite<'a> {
     pub slots_offset: usize,
     pub num_blocks: usize,
     pub block_size: usize,
+}
+
+/// Rows scattered into one cache by slot ([`OpRunner::scatter_rows`]).
+pub struct RowScatter<'a> {
+    pub dtype: crate::tensor::DType,
+    pub tokens: usize,
+    pub width: usize,
+    pub row_stride: usize,
+    pub src: &'a DeviceBuffer,
+    pub src_offset: usize,
+    pub cache: &'a DeviceBuffer,
+    pub slots: &'a DeviceBuffer,
+    /// Element offset of the first slot in `slots`.
+    pub slots_offset: usize,
+    pub cache_rows: usize,
 }
 
 /// One layer's paged attention call.

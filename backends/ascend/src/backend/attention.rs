@@ -50,6 +50,7 @@ impl AscendBackend {
     ) -> Result<(), BackendError> {
         let op = "kv_write";
         let act = self.act_t();
+        self.want_kv_pool(op)?;
         self.check_geometry(op, g)?;
         let (kl, vl) = (k.layout(), v.layout());
         want_act(op, "k", k.dtype(), self.act)?;
@@ -200,7 +201,30 @@ impl AscendBackend {
         self.ops.runner.write_kv_rows(&w).map_err(err)
     }
 
+    /// Refuses a latent pool (its rows are read by `attention_latent`).
+    fn want_kv_pool(&self, op: &'static str) -> Result<(), BackendError> {
+        if self.kv()?.latent {
+            return Err(bad(
+                op,
+                "the KV pool holds latents (init_latent_kv): attention_latent reads it",
+            ));
+        }
+        Ok(())
+    }
+
     pub(super) fn op_attention(
+        &mut self,
+        q: View<'_, AscendBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.want_kv_pool("attention")?;
+        self.attend(q, g, layer, out)
+    }
+
+    /// Paged attention over `layer`'s caches (a K/V pool's, or a latent pool's rows as both).
+    pub(super) fn attend(
         &mut self,
         q: View<'_, AscendBuffer>,
         g: &AttnGeometry,

@@ -3,6 +3,11 @@
 //! operator takes). A block's bytes in one cache are contiguous and a multiple of 64, so blocks
 //! move with `aclrtMemcpyAsync` (which needs 64-byte aligned addresses): device→device on the
 //! stream, and device↔host through pinned memory, every layer's K then V in turn.
+//!
+//! A latent pool (DeepSeek's latent attention, [`KvPool::new_latent`]) holds per layer one cache
+//! of (num_blocks, block_size, row) with a token's latent then its rotated key in each row, and
+//! no value cache (the attention reads the latents from the same rows): its blocks move the same
+//! way, every layer's cache in turn.
 
 use std::sync::Arc;
 
@@ -15,12 +20,33 @@ use crate::memory::DeviceBuffer as Mem;
 
 pub struct KvPool {
     pub spec: KvSpec,
+    /// A latent pool: `k` holds each layer's rows, `v` is empty.
+    pub latent: bool,
     k: Vec<Mem>,
     v: Vec<Mem>,
 }
 
 impl KvPool {
     pub(super) fn new(dev: &Arc<Device>, spec: KvSpec) -> Result<Self, BackendError> {
+        Self::make(dev, spec, false)
+    }
+
+    /// A latent pool: `spec.n_kv_heads` must be 1 and `spec.head_dim` is the row (latent then
+    /// rotated key), a multiple of 16 as FusedInferAttentionScoreV2 takes the rows as keys.
+    pub(super) fn new_latent(dev: &Arc<Device>, spec: KvSpec) -> Result<Self, BackendError> {
+        if spec.n_kv_heads != 1 {
+            return Err(BackendError::BadArgument {
+                op: "init_latent_kv",
+                message: format!(
+                    "{} KV heads: a latent pool has one row a token",
+                    spec.n_kv_heads
+                ),
+            });
+        }
+        Self::make(dev, spec, true)
+    }
+
+    fn make(dev: &Arc<Device>, spec: KvSpec, latent: bool) -> Result<Self, BackendError> {
         let layout = crate::kv::KvSpec {
             layers: spec.n_layers,
             num_blocks: spec.num_blocks,
@@ -41,9 +67,10 @@ impl KvPool {
         // Sized against aclrtGetMemInfo before anything is allocated, so that a pool too large
         // fails at start with what would fit, not midway through the layers.
         let (free, _) = dev.mem_info().map_err(err)?;
-        let total = layout.total_bytes();
+        let caches = if latent { 1 } else { 2 };
+        let total = layout.total_bytes() / 2 * caches;
         if total > free {
-            let fits = layout.blocks_for_memory(free, 0.95, 0);
+            let fits = layout.blocks_for_memory(free, 0.95, 0) * 2 / caches;
             return Err(BackendError::OutOfMemory {
                 backend: super::NAME,
                 what: format!(
@@ -58,10 +85,19 @@ impl KvPool {
         let mut k = Vec::with_capacity(spec.n_layers);
         let mut v = Vec::with_capacity(spec.n_layers);
         for l in 0..spec.n_layers {
+            if latent {
+                k.push(zeroed(dev, bytes, &format!("layer {l}'s latent cache"))?);
+                continue;
+            }
             k.push(zeroed(dev, bytes, &format!("layer {l}'s key cache"))?);
             v.push(zeroed(dev, bytes, &format!("layer {l}'s value cache"))?);
         }
-        Ok(Self { spec, k, v })
+        Ok(Self { spec, latent, k, v })
+    }
+
+    /// Layer `l`'s caches in the order their blocks move: K then V, or the latent rows alone.
+    fn caches(&self, l: usize) -> impl Iterator<Item = &Mem> {
+        std::iter::once(&self.k[l]).chain(self.v.get(l))
     }
 
     /// Bytes of one block in one cache.
@@ -69,13 +105,21 @@ impl KvPool {
         self.spec.block_size * self.spec.n_kv_heads * self.spec.head_dim * 2
     }
 
-    /// Bytes of one block over every layer's K and V.
+    /// Bytes of one block over every layer's K and V (or latent rows).
     pub fn block_bytes(&self) -> usize {
-        2 * self.spec.n_layers * self.cache_block_bytes()
+        let caches = if self.latent { 1 } else { 2 };
+        caches * self.spec.n_layers * self.cache_block_bytes()
     }
 
+    /// Layer `layer`'s key and value caches; of a latent pool, its rows as both (FusedInfer-
+    /// AttentionScoreV2 reads the keys and the values from them).
     pub fn layer(&self, layer: usize) -> Result<(&Mem, &Mem), BackendError> {
-        match (self.k.get(layer), self.v.get(layer)) {
+        let v = if self.latent {
+            self.k.get(layer)
+        } else {
+            self.v.get(layer)
+        };
+        match (self.k.get(layer), v) {
             (Some(k), Some(v)) => Ok((k, v)),
             _ => Err(BackendError::BadArgument {
                 op: "kv",
@@ -145,7 +189,7 @@ impl AscendBackend {
         let mut at = 0;
         for &b in blocks {
             for l in 0..kv.spec.n_layers {
-                for cache in [&kv.k[l], &kv.v[l]] {
+                for cache in kv.caches(l) {
                     cache
                         .download_async(b as usize * cb, staging, at, cb, &self.dev)
                         .map_err(err)?;
@@ -184,7 +228,8 @@ impl AscendBackend {
         let mut at = 0;
         for &b in blocks {
             for l in 0..kv.spec.n_layers {
-                for cache in [&mut kv.k[l], &mut kv.v[l]] {
+                let caches = std::iter::once(&mut kv.k[l]).chain(kv.v.get_mut(l));
+                for cache in caches {
                     cache
                         .upload_async(b as usize * cb, staging, at, cb, &self.dev)
                         .map_err(err)?;

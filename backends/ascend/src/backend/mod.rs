@@ -10,12 +10,14 @@
 //! attention path of a step in [`step`], the per-token ops in `layer_ops`, KV write and paged
 //! attention in `attention`, the pool and its block copies in `kv_pool`, the ops of the newer
 //! families (per-head norm, GELU gate, row scaling; [`Capability`]) in `family_ops`, expert
-//! routing and the experts' FFN in `moe_ops`.
+//! routing and the experts' FFN in `moe_ops`, DeepSeek's scored routing and latent attention
+//! (its latent pool's writes and the attention over it) in `latent_ops`.
 
 mod attention;
 mod family_ops;
 pub mod hccl;
 mod kv_pool;
+mod latent_ops;
 mod layer_ops;
 mod moe_ops;
 pub mod objects;
@@ -180,6 +182,10 @@ pub struct AscendBackend {
     scratch: Scratch,
     /// `moe_ffn`'s grouped rows and index arrays.
     moe: moe_ops::MoeBufs,
+    /// `attention_latent`'s query and output rows (one KV head of a whole cache row).
+    latent_bufs: Option<(AscendBuffer, AscendBuffer)>,
+    /// Buffers replaced while queued work may still use them (freed at synchronization).
+    retired_bufs: Vec<AscendBuffer>,
     rope_tables: Vec<RopeTable>,
     /// The prompt branch's 2048×2048 causal mask (made on first use).
     mask: Option<Mem>,
@@ -246,6 +252,8 @@ impl AscendBackend {
             retired_mem: Vec::new(),
             scratch: Scratch::default(),
             moe: Default::default(),
+            latent_bufs: None,
+            retired_bufs: Vec::new(),
             rope_tables: Vec::new(),
             mask: None,
             windows: Vec::new(),
@@ -313,6 +321,7 @@ impl AscendBackend {
         self.ops.synchronized();
         self.scratch.retired.clear();
         self.retired_mem.clear();
+        self.retired_bufs.clear();
         self.staging.synchronized();
         self.pending = false;
         Ok(())
@@ -410,7 +419,9 @@ impl Backend for AscendBackend {
     /// approximation, then InplaceMul), sliding windows (FusedInferAttentionScoreV2's band mode,
     /// or key masks in its incremental branch), rope frequency factors and per-layer rope bases
     /// (host cos/sin tables per rope), mixture-of-experts layers (MoeGatingTopKSoftmaxV2 and
-    /// MoeFinalizeRoutingV2 around per-expert matmuls; `moe_ops`).
+    /// MoeFinalizeRoutingV2 around per-expert matmuls; `moe_ops`), DeepSeek's scored routing
+    /// (MoeGatingTopK) and latent attention (ScatterNdUpdate and FusedInferAttentionScoreV2 over
+    /// a latent pool; `latent_ops`).
     fn supports(&self, c: Capability) -> bool {
         let api = &self.dev.acl.api.ops;
         match c {
@@ -427,8 +438,10 @@ impl Backend for AscendBackend {
                 api.aclnnMoeGatingTopKSoftmaxV2GetWorkspaceSize.is_some()
                     && api.aclnnMoeFinalizeRoutingV2GetWorkspaceSize.is_some()
             }
-            // DeepSeek's routing and latent attention are not built on Ascend yet.
-            Capability::ScoredRouting | Capability::LatentAttention => false,
+            // MoeGatingTopK (softmax with groups or a bias only from CANN 8.5; `latent_ops`).
+            Capability::ScoredRouting => api.aclnnMoeGatingTopKGetWorkspaceSize.is_some(),
+            // The latent pool's rows through ScatterNdUpdate and FusedInferAttentionScoreV2.
+            Capability::LatentAttention => true,
         }
     }
 
@@ -588,6 +601,49 @@ impl Backend for AscendBackend {
         self.bind()?;
         self.kv = Some(KvPool::new(&self.dev, spec)?);
         Ok(())
+    }
+
+    fn init_latent_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
+        self.bind()?;
+        // The old pool goes first, so that its memory counts as free for the new one.
+        self.kv = None;
+        self.kv = Some(KvPool::new_latent(&self.dev, spec)?);
+        Ok(())
+    }
+
+    fn kv_write_latent(
+        &mut self,
+        latent: View<'_, AscendBuffer>,
+        rope: View<'_, AscendBuffer>,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_kv_write_latent(latent, rope, layer)
+    }
+
+    fn attention_latent(
+        &mut self,
+        q_latent: View<'_, AscendBuffer>,
+        q_rope: View<'_, AscendBuffer>,
+        g: &AttnGeometry,
+        latent_dim: usize,
+        layer: usize,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_attention_latent(q_latent, q_rope, g, latent_dim, layer, out)
+    }
+
+    fn moe_route_scored(
+        &mut self,
+        logits: View<'_, AscendBuffer>,
+        bias: Option<&AscendBuffer>,
+        spec: &npu_backend::RouteSpec,
+        ids: ViewMut<'_, AscendBuffer>,
+        weights: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_moe_route_scored(logits, bias, spec, ids, weights)
     }
 
     fn kv_block_bytes(&self) -> usize {

@@ -24,6 +24,9 @@
 //!   aclnnMoeGatingTopKSoftmaxV2.md`): yOut, expertIdxOut and softmaxResultOutOptional are ×.
 //! - MoeFinalizeRoutingV2 (`moe/moe_finalize_routing_v2/docs/aclnnMoeFinalizeRoutingV2.md`): out
 //!   is × (every input √).
+//! - MoeGatingTopK (`moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.md`): x and biasOptional are
+//!   √; the outputs' column is "-" (left blank), and the emulation asks for them contiguous, as
+//!   MoeGatingTopKSoftmaxV2's.
 
 use super::invalid;
 use crate::state::Fail;
@@ -82,6 +85,14 @@ const TABLE: &[(&str, &[(&str, Rule)])] = &[
         ],
     ),
     ("aclnnMoeFinalizeRoutingV2", &[("out", Rule::Contiguous)]),
+    (
+        "aclnnMoeGatingTopK",
+        &[
+            ("yOut", Rule::Contiguous),
+            ("expertIdxOut", Rule::Contiguous),
+            ("outOut", Rule::Contiguous),
+        ],
+    ),
 ];
 
 /// The rule for argument `arg` of `op`, if the table constrains it.

@@ -329,6 +329,7 @@ launchers!(
     aclnnMoeGatingTopKSoftmaxV2,
     aclnnMoeFinalizeRoutingV2,
     aclnnGroupedMatmulV4,
+    aclnnMoeGatingTopK,
 );
 
 /// Second-phase calls queued so far, by operator (emulation-only, for tests).

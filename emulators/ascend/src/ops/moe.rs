@@ -509,3 +509,285 @@ const _: () = {
     let _: sig::aclnnMoeFinalizeRoutingV2GetWorkspaceSize =
         aclnnMoeFinalizeRoutingV2GetWorkspaceSize;
 };
+
+// ---- MoeGatingTopK --------------------------------------------------------------------------
+//
+// ops-transformer `moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.md` (and the CANN 8.2-8.5
+// "aclnnMoeGatingTopK" pages): x FLOAT16, BFLOAT16 or FLOAT32, 2-D (rows, E), ND, E <= 2048;
+// biasOptional 1-D (E) of x's type; yOut of x's type and expertIdxOut INT32, both (rows, k);
+// outOut FLOAT32 of x's shape (written when outFlag). Scores: normType 1 Sigmoid; normType 0
+// SoftMax is documented only from CANN 8.5 (the 8.2-8.3 pages compute sigmoid alone), so the
+// emulation refuses it on older emulated releases; normType 2 (SqrtSoftplus, newest pages only)
+// is not emulated. The bias is added for the choice only; with groupCount > 1 each group is
+// scored by its maximum (groupSelectMode 0) or the sum of its two best (1), the best kGroup
+// groups kept (the others -inf); the top k of what remains (descending; equal values to the
+// lower index, the page does not say); the chosen unbiased scores divided by their sum plus
+// eps (always for sigmoid; for softmax only with renorm 1), times routedScalingFactor. Limits
+// (ACLNN_ERR_INNER_TILING_ERROR): 1 <= k <= E / groupCount * kGroup, 1 <= kGroup <= groupCount,
+// groupCount > 0 dividing E with E / groupCount > groupSelectMode, and E / groupCount rounded up
+// to 32 times groupCount at most 2048; groupSelectMode 0 or 1, renorm 0 or 1. Computed in f32.
+
+#[derive(Clone)]
+struct GatingTopK {
+    /// ins: x, then bias when given; outs: yOut, expertIdxOut, then outOut when outFlag.
+    io: Io,
+    has_bias: bool,
+    k: usize,
+    k_group: usize,
+    groups: usize,
+    top2: bool,
+    sigmoid: bool,
+    renorm: bool,
+    norm_out: bool,
+    scale: f64,
+    eps: f64,
+}
+
+impl Kernel for GatingTopK {
+    kernel_common!("aclnnMoeGatingTopK");
+    fn run(&self, st: &mut State) -> Result<(), Fail> {
+        let x = &self.io.ins[0];
+        let e = *x.dims.last().expect("2-D") as usize;
+        let vals = read_f32(st, x)?;
+        let bias = if self.has_bias {
+            Some(read_f32(st, &self.io.ins[1])?)
+        } else {
+            None
+        };
+        let rows = vals.len() / e;
+        let (k, per) = (self.k, e / self.groups);
+        let (mut y, mut ids) = (Vec::with_capacity(rows * k), Vec::with_capacity(rows * k));
+        let mut norm = Vec::new();
+        for row in vals.chunks_exact(e).take(rows) {
+            let scores: Vec<f32> = if self.sigmoid {
+                row.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect()
+            } else {
+                softmax(row)
+            };
+            let mut select: Vec<f32> = match &bias {
+                Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                None => scores.clone(),
+            };
+            if self.groups > 1 {
+                let score = |g: usize| {
+                    let part = &select[g * per..(g + 1) * per];
+                    let best = top_k(part, if self.top2 { 2 } else { 1 });
+                    best.iter().map(|&i| part[i]).sum::<f32>()
+                };
+                let gs: Vec<f32> = (0..self.groups).map(score).collect();
+                let keep = top_k(&gs, self.k_group);
+                for g in 0..self.groups {
+                    if !keep.contains(&g) {
+                        select[g * per..(g + 1) * per].fill(f32::NEG_INFINITY);
+                    }
+                }
+            }
+            let pick = top_k(&select, k);
+            let chosen: Vec<f32> = pick.iter().map(|&i| scores[i]).collect();
+            let div = if self.sigmoid || self.renorm {
+                chosen.iter().sum::<f32>() as f64 + self.eps
+            } else {
+                1.0
+            };
+            y.extend(
+                chosen
+                    .iter()
+                    .map(|&v| (f64::from(v) / div * self.scale) as f32 as f64),
+            );
+            ids.extend(pick.iter().map(|&i| i as f64));
+            if self.norm_out {
+                norm.extend(scores.iter().map(|&v| f64::from(v)));
+            }
+        }
+        write(st, &self.io.outs[0], &y)?;
+        write(st, &self.io.outs[1], &ids)?;
+        if self.norm_out {
+            write(st, &self.io.outs[2], &norm)?;
+        }
+        Ok(())
+    }
+}
+
+/// # Safety
+/// Out-pointers valid (documented contract).
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn aclnnMoeGatingTopKGetWorkspaceSize(
+    x: *const aclTensor,
+    biasOptional: *const aclTensor,
+    k: i64,
+    kGroup: i64,
+    groupCount: i64,
+    groupSelectMode: i64,
+    renorm: i64,
+    normType: i64,
+    outFlag: bool,
+    routedScalingFactor: f64,
+    eps: f64,
+    yOut: *const aclTensor,
+    expertIdxOut: *const aclTensor,
+    outOut: *const aclTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut aclOpExecutor,
+) -> aclnnStatus {
+    const OP: &str = "aclnnMoeGatingTopK";
+    prepare(OP, workspaceSize, executor, |st| {
+        required(OP, "x", x)?;
+        required(OP, "yOut", yOut)?;
+        required(OP, "expertIdxOut", expertIdxOut)?;
+        let xv = st.tensor(x, "x")?;
+        let bv = st.opt_tensor(biasOptional, "biasOptional")?;
+        let yv = st.tensor(yOut, "yOut")?;
+        let iv = st.tensor(expertIdxOut, "expertIdxOut")?;
+        let ov = st.opt_tensor(outOut, "outOut")?;
+        dtype_in(OP, "x", &xv, FLOATS)?;
+        for (w, v) in [("x", &xv), ("yOut", &yv), ("expertIdxOut", &iv)] {
+            nd(OP, w, v)?;
+        }
+        if yv.dtype != xv.dtype {
+            return invalid(
+                OP,
+                format!(
+                    "yOut is {} and x {}: yOut must have x's data type",
+                    yv.dtype.name(),
+                    xv.dtype.name()
+                ),
+            );
+        }
+        dtype_in(OP, "expertIdxOut", &iv, &[DType::I32])?;
+        if xv.rank() != 2 {
+            return tiling(
+                OP,
+                format!("x has {} dimensions; it must have 2", xv.rank()),
+            );
+        }
+        let (rows, e) = (xv.dims[0], xv.dims[1]);
+        if rows == 0 || e == 0 {
+            return tiling(OP, "an empty x (empty tensors are not supported)");
+        }
+        if e > 2048 {
+            return tiling(
+                OP,
+                format!("{e} experts: x's last axis must be at most 2048"),
+            );
+        }
+        if let Some(b) = &bv {
+            nd(OP, "biasOptional", b)?;
+            if b.dtype != xv.dtype {
+                return invalid(
+                    OP,
+                    format!(
+                        "biasOptional is {} and x {}: the bias must have x's data type",
+                        b.dtype.name(),
+                        xv.dtype.name()
+                    ),
+                );
+            }
+            if b.dims != [e] {
+                return tiling(
+                    OP,
+                    format!("biasOptional shape {:?}; x's last axis needs [{e}]", b.dims),
+                );
+            }
+        }
+        match normType {
+            1 => {}
+            0 if crate::install::emulated_release_at_least(8, 5) => {}
+            0 => {
+                return tiling(
+                    OP,
+                    format!(
+                        "normType 0 (SoftMax): CANN {}'s page documents sigmoid scores only \
+                         (softmax from 8.5)",
+                        crate::install::emulated_version()
+                    ),
+                )
+            }
+            2 => return invalid(OP, "normType 2 (SqrtSoftplus) is not emulated"),
+            n => return tiling(OP, format!("normType {n}: 0, 1 or 2")),
+        }
+        if !(0..=1).contains(&groupSelectMode) {
+            return tiling(OP, format!("groupSelectMode {groupSelectMode}: 0 or 1"));
+        }
+        if !(0..=1).contains(&renorm) {
+            return tiling(OP, format!("renorm {renorm}: 0 or 1"));
+        }
+        if groupCount <= 0 || e % groupCount != 0 {
+            return tiling(
+                OP,
+                format!("groupCount {groupCount} must be positive and divide {e} experts"),
+            );
+        }
+        let per = e / groupCount;
+        if per <= groupSelectMode {
+            return tiling(
+                OP,
+                format!(
+                    "{per} experts a group: more than groupSelectMode {groupSelectMode} needed"
+                ),
+            );
+        }
+        if (per + 31) / 32 * 32 * groupCount > 2048 {
+            return tiling(
+                OP,
+                format!("{groupCount} groups of {per} experts, each aligned to 32: more than 2048"),
+            );
+        }
+        if kGroup < 1 || kGroup > groupCount {
+            return tiling(OP, format!("kGroup {kGroup} outside [1, {groupCount}]"));
+        }
+        if k < 1 || k > per * kGroup {
+            return tiling(
+                OP,
+                format!(
+                    "k {k} outside [1, {}] ({kGroup} groups of {per})",
+                    per * kGroup
+                ),
+            );
+        }
+        for (w, v) in [("yOut", &yv), ("expertIdxOut", &iv)] {
+            if v.dims != [rows, k] {
+                return tiling(OP, format!("{w} shape {:?}; needs [{rows}, {k}]", v.dims));
+            }
+        }
+        let mut outs = vec![yv, iv];
+        if outFlag {
+            let Some(o) = ov else {
+                return fail(
+                    ACLNN_ERR_PARAM_NULLPTR,
+                    format!("{OP}: outFlag set without outOut"),
+                );
+            };
+            dtype_in(OP, "outOut", &o, &[DType::F32])?;
+            nd(OP, "outOut", &o)?;
+            if o.dims != xv.dims {
+                return tiling(
+                    OP,
+                    format!("outOut shape {:?} differs from x {:?}", o.dims, xv.dims),
+                );
+            }
+            outs.push(o);
+        }
+        let mut args = vec![("yOut", &outs[0]), ("expertIdxOut", &outs[1])];
+        if let Some(o) = outs.get(2) {
+            args.push(("outOut", o));
+        }
+        contiguous(OP, &args)?;
+        let mut ins = vec![xv];
+        let has_bias = bv.is_some();
+        ins.extend(bv);
+        Ok(Box::new(GatingTopK {
+            io: Io { ins, outs },
+            has_bias,
+            k: k as usize,
+            k_group: kGroup as usize,
+            groups: groupCount as usize,
+            top2: groupSelectMode == 1,
+            sigmoid: normType == 1,
+            renorm: renorm == 1,
+            norm_out: outFlag,
+            scale: routedScalingFactor,
+            eps,
+        }))
+    })
+}
