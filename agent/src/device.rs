@@ -269,6 +269,22 @@ impl DeviceModel {
         dispatch!(self, m => m.opts)
     }
 
+    /// Frees the KV pool down to one block (sleep level 1); returns the bytes released.
+    pub fn release_kv(&mut self) -> Result<u64, ModelError> {
+        dispatch!(self, m => m.release_kv())
+    }
+
+    /// Allocates the whole KV pool again (waking from level 1); returns its bytes.
+    pub fn restore_kv(&mut self) -> Result<u64, ModelError> {
+        dispatch!(self, m => m.restore_kv())
+    }
+
+    /// Whether this model's weights live in host memory (the CPU backend): sleeping at level 1
+    /// keeps them where they are. On a device, level 1 drops the model as level 2 does.
+    pub fn weights_in_host_memory(&self) -> bool {
+        matches!(self, DeviceModel::Cpu(_))
+    }
+
     /// Bytes of one KV block (every layer's K and V): the unit of host copies.
     pub fn kv_block_bytes(&self) -> usize {
         dispatch!(self, m => m.backend().kv_block_bytes())

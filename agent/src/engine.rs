@@ -94,6 +94,8 @@ pub struct AgentEngine {
     /// Steps run and the time their forwards took (for the tensor-parallel summary).
     steps: u64,
     forward: std::time::Duration,
+    /// Bytes of one KV block as the pools were built (the host pool's unit).
+    host_block_bytes: usize,
 }
 
 /// Where a tensor-parallel rank's forwards spent their time.
@@ -469,6 +471,7 @@ impl AgentEngine {
             rank,
             steps: 0,
             forward: std::time::Duration::ZERO,
+            host_block_bytes: block_bytes,
         })
     }
 
@@ -518,6 +521,28 @@ impl AgentEngine {
         if let Some(lc) = self.long_context.as_mut() {
             (0..self.slots.len()).for_each(|s| lc.reset_slot(s));
         }
+    }
+
+    /// Sleep level 1: forgets every slot and lets go of the KV pool (the device pool down to
+    /// one block, the host pool emptied); the weights stay loaded. Returns the bytes released.
+    /// None when the weights are on a device (level 1 there drops the model, as level 2).
+    pub fn release_kv(&mut self) -> Result<Option<u64>, EngineError> {
+        if !self.model.weights_in_host_memory() {
+            return Ok(None);
+        }
+        self.reset();
+        let device = self.model.release_kv()?;
+        let host = self.host_kv.blocks() as u64 * self.host_block_bytes as u64;
+        self.host_kv = HostKvPool::new(0, self.host_block_bytes)?;
+        Ok(Some(device + host))
+    }
+
+    /// Wakes from `release_kv`: the KV pools as they were at load, zeroed. Returns their bytes.
+    pub fn restore_kv(&mut self) -> Result<u64, EngineError> {
+        let device = self.model.restore_kv()?;
+        let blocks = self.cfg.host_kv_blocks(self.host_block_bytes as u64);
+        self.host_kv = HostKvPool::new(blocks, self.host_block_bytes)?;
+        Ok(device + blocks as u64 * self.host_block_bytes as u64)
     }
 
     fn slot_index(&self, slot: u32) -> Result<usize, EngineError> {

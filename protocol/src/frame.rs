@@ -83,6 +83,20 @@ pub struct StepDone {
     pub error: String,
 }
 
+/// Agent -> server: how a `Sleep` or `Wake` went.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SleepDone {
+    /// The level the agent is asleep at now (0: awake).
+    pub level: u8,
+    /// Bytes of model and KV memory the agent let go of (Sleep) or took back (Wake).
+    pub bytes: u64,
+    /// How long the agent took, microseconds (for Wake: the reload or the KV pool's
+    /// allocation, the whole of it).
+    pub took_us: u64,
+    /// Empty when it went well.
+    pub error: String,
+}
+
 /// Every control message.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frame {
@@ -117,6 +131,17 @@ pub enum Frame {
     ResetDone,
     /// Server -> agent: exit now.
     Shutdown,
+    /// Server -> agent: go to sleep (forget every slot first). Level 1: free the KV pool, keep
+    /// the weights (on the CPU backend they stay where they are); level 2: drop the model too.
+    Sleep {
+        level: u8,
+    },
+    /// Agent -> server: asleep (or why not).
+    SleepDone(SleepDone),
+    /// Server -> agent: wake up: reload what the last Sleep dropped (nothing when awake).
+    Wake,
+    /// Agent -> server: awake again (`level` 0), or why not.
+    WakeDone(SleepDone),
     Ping {
         nonce: u64,
     },
@@ -139,6 +164,10 @@ mod tag {
     pub const SHUTDOWN: u8 = 14;
     pub const PING: u8 = 20;
     pub const PONG: u8 = 21;
+    pub const SLEEP: u8 = 30;
+    pub const SLEEP_DONE: u8 = 31;
+    pub const WAKE: u8 = 32;
+    pub const WAKE_DONE: u8 = 33;
 }
 
 impl Frame {
@@ -162,6 +191,10 @@ impl Frame {
             Frame::Shutdown => tag::SHUTDOWN,
             Frame::Ping { .. } => tag::PING,
             Frame::Pong { .. } => tag::PONG,
+            Frame::Sleep { .. } => tag::SLEEP,
+            Frame::SleepDone(_) => tag::SLEEP_DONE,
+            Frame::Wake => tag::WAKE,
+            Frame::WakeDone(_) => tag::WAKE_DONE,
         }
     }
 
@@ -188,7 +221,14 @@ impl Frame {
                 let room = MAX_FRAME_LEN - (out.len() - LEN_PREFIX) - 4;
                 put_str(&mut out, &h.model_facts_json, room);
             }
-            Frame::Welcome | Frame::Reset | Frame::ResetDone | Frame::Shutdown => {}
+            Frame::Welcome | Frame::Reset | Frame::ResetDone | Frame::Shutdown | Frame::Wake => {}
+            Frame::Sleep { level } => out.push(*level),
+            Frame::SleepDone(d) | Frame::WakeDone(d) => {
+                out.push(d.level);
+                out.extend_from_slice(&d.bytes.to_le_bytes());
+                out.extend_from_slice(&d.took_us.to_le_bytes());
+                put_str(&mut out, &d.error, MAX_FRAME_LEN - 64);
+            }
             Frame::Refuse { reason } | Frame::StartFailed { reason } => {
                 put_str(&mut out, reason, MAX_FRAME_LEN - 5);
             }
@@ -248,6 +288,10 @@ fn kind_of(tag: u8) -> Option<&'static str> {
         tag::SHUTDOWN => "Shutdown",
         tag::PING => "Ping",
         tag::PONG => "Pong",
+        tag::SLEEP => "Sleep",
+        tag::SLEEP_DONE => "SleepDone",
+        tag::WAKE => "Wake",
+        tag::WAKE_DONE => "WakeDone",
         _ => return None,
     })
 }
@@ -385,6 +429,20 @@ fn decode_body(tag: u8, payload: &[u8]) -> Result<Frame, FrameError> {
         tag::SHUTDOWN => Frame::Shutdown,
         tag::PING => Frame::Ping { nonce: p.u64()? },
         tag::PONG => Frame::Pong { nonce: p.u64()? },
+        tag::SLEEP => Frame::Sleep { level: p.u8()? },
+        tag::WAKE => Frame::Wake,
+        tag::SLEEP_DONE | tag::WAKE_DONE => {
+            let done = SleepDone {
+                level: p.u8()?,
+                bytes: p.u64()?,
+                took_us: p.u64()?,
+                error: p.string()?,
+            };
+            match tag {
+                tag::SLEEP_DONE => Frame::SleepDone(done),
+                _ => Frame::WakeDone(done),
+            }
+        }
         _ => return Err(FrameError::UnknownType(tag)),
     };
     p.finish(frame)

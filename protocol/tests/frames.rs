@@ -4,8 +4,8 @@
 use std::io::Cursor;
 
 use npu_protocol::frame::{
-    read_frame, write_frame, Fill, Frame, FrameError, FrameReader, Hello, Setup, StepDone,
-    StepStatus, MAX_FRAME_LEN,
+    read_frame, write_frame, Fill, Frame, FrameError, FrameReader, Hello, Setup, SleepDone,
+    StepDone, StepStatus, MAX_FRAME_LEN,
 };
 use npu_protocol::StepTiming;
 use proptest::prelude::*;
@@ -57,6 +57,20 @@ fn every_kind() -> Vec<Frame> {
         Frame::Shutdown,
         Frame::Ping { nonce: 7 },
         Frame::Pong { nonce: 7 },
+        Frame::Sleep { level: 2 },
+        Frame::SleepDone(SleepDone {
+            level: 1,
+            bytes: 12 << 20,
+            took_us: 345,
+            error: String::new(),
+        }),
+        Frame::Wake,
+        Frame::WakeDone(SleepDone {
+            level: 2,
+            bytes: 0,
+            took_us: 9,
+            error: "engine: the model file is gone".into(),
+        }),
     ]
 }
 

@@ -471,6 +471,30 @@ impl<B: Backend> Model<B> {
         (total as u64, (vocab * c.hidden) as u64)
     }
 
+    /// Lets go of the KV pool's memory (a sleeping agent): the pool shrinks to one block, its
+    /// contents gone. Returns the bytes released. `restore_kv` brings the whole pool back.
+    pub fn release_kv(&mut self) -> Result<u64, ModelError> {
+        let before = self.backend.kv_block_bytes() as u64 * self.opts.num_blocks as u64;
+        let one = ModelOptions {
+            num_blocks: 1,
+            kv_memory_fraction: None,
+            ..self.opts
+        };
+        init_kv_pool(&mut self.backend, &self.local, &one)?;
+        Ok(before.saturating_sub(self.backend.kv_block_bytes() as u64))
+    }
+
+    /// Allocates the KV pool again, zeroed, with the blocks it had at load (after
+    /// `release_kv`). Returns its bytes.
+    pub fn restore_kv(&mut self) -> Result<u64, ModelError> {
+        let whole = ModelOptions {
+            kv_memory_fraction: None,
+            ..self.opts
+        };
+        let blocks = init_kv_pool(&mut self.backend, &self.local, &whole)?;
+        Ok(self.backend.kv_block_bytes() as u64 * blocks as u64)
+    }
+
     /// The backend, for KV block moves between steps.
     pub fn backend_mut(&mut self) -> &mut B {
         &mut self.backend

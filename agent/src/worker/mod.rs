@@ -17,7 +17,7 @@ use thiserror::Error;
 
 use crate::engine::{AgentEngine, AgentEngineConfig, EngineError};
 
-pub use serve::{serve, StepExecutor};
+pub use serve::{resident_bytes, serve, serve_reloading, Reload, StepExecutor};
 
 pub use npu_protocol::agent::AgentArgs;
 
@@ -62,7 +62,7 @@ pub fn run(args: AgentArgs) -> Result<(), WorkerError> {
 pub fn run_with<E, L>(args: AgentArgs, load: L) -> Result<(), WorkerError>
 where
     E: StepExecutor,
-    L: FnOnce(&AgentEngineConfig) -> Result<E, EngineError>,
+    L: FnMut(&AgentEngineConfig) -> Result<E, EngineError>,
 {
     let mut stream = control_socket(args.control_fd)?;
     stream
@@ -77,7 +77,8 @@ where
             )))
         }
     };
-    let (segment, engine) = match start(&args, &setup, load) {
+    let mut load = load;
+    let (segment, engine) = match start(&args, &setup, &mut load) {
         Ok(started) => started,
         Err(e) => {
             let _ = write_frame(
@@ -114,7 +115,17 @@ where
     }
     stream.set_read_timeout(None).map_err(FrameError::Io)?;
     tracing::info!(agent = args.agent_id, "agent ready");
-    serve(&mut stream, segment, engine)
+    // Waking from a sleep that dropped the engine loads it as here (the same config).
+    // The pool keeps the blocks it got at start (the server's block manager is sized to them),
+    // not sized from free memory again.
+    let mut cfg: AgentEngineConfig = serde_json::from_str(&setup.config_json)?;
+    let blocks = engine.facts().kv.device_blocks;
+    if blocks > 0 {
+        cfg.num_blocks = blocks;
+        cfg.kv_memory_fraction = None;
+    }
+    let mut reload = || load(&cfg);
+    serve_reloading(&mut stream, segment, engine, Some(&mut reload))
 }
 
 /// Takes ownership of the inherited control socket `fd` after checking that it is an open Unix
@@ -166,9 +177,13 @@ fn control_socket(fd: RawFd) -> Result<UnixStream, WorkerError> {
 }
 
 /// Checks the Setup, opens and checks the segment, then loads the engine for it.
-fn start<E, L>(args: &AgentArgs, setup: &Setup, load: L) -> Result<(ShmSegment, E), WorkerError>
+fn start<E, L>(
+    args: &AgentArgs,
+    setup: &Setup,
+    load: &mut L,
+) -> Result<(ShmSegment, E), WorkerError>
 where
-    L: FnOnce(&AgentEngineConfig) -> Result<E, EngineError>,
+    L: FnMut(&AgentEngineConfig) -> Result<E, EngineError>,
 {
     if setup.agent_id != args.agent_id {
         return Err(WorkerError::Protocol(format!(

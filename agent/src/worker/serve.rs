@@ -3,11 +3,18 @@
 //! closed connection ends it. A failing step is reported in StepDone and the loop goes on.
 //! When a plan's token-mask words follow it, the engine runs the forward pass first and then
 //! waits here for the server's `Masks` frame (answering pings meanwhile) before it samples.
+//!
+//! Sleep -> SleepDone, Wake -> WakeDone: at level 1 the engine lets go of its KV pool and keeps
+//! its weights (`StepExecutor::release_kv`; an engine whose weights are on a device cannot, and
+//! is dropped as at level 2); at level 2 the engine is dropped whole and Wake loads it again
+//! through the same load path as at start. Steps while asleep fail, naming the sleep.
 
 use std::io::{Read, Write};
 use std::time::Instant;
 
-use npu_protocol::frame::{read_frame, write_frame, Frame, FrameError, StepDone, StepStatus};
+use npu_protocol::frame::{
+    read_frame, write_frame, Frame, FrameError, SleepDone, StepDone, StepStatus,
+};
 use npu_protocol::shm::ShmSegment;
 use npu_protocol::{PlanSource, StepResult, StepTiming};
 
@@ -27,6 +34,17 @@ pub trait StepExecutor {
         following: FollowingMasks<'_>,
     ) -> Result<StepResult, EngineError>;
     fn reset(&mut self);
+    /// Sleep level 1: forget every slot and let go of the KV memory, keeping the weights.
+    /// Returns the bytes released, or None when the weights cannot stay (they are on a
+    /// device): the caller then drops the executor as at level 2.
+    fn release_kv(&mut self) -> Result<Option<u64>, EngineError> {
+        self.reset();
+        Ok(Some(0))
+    }
+    /// Wakes from `release_kv`; returns the bytes allocated again.
+    fn restore_kv(&mut self) -> Result<u64, EngineError> {
+        Ok(0)
+    }
 }
 
 impl<E: StepExecutor + ?Sized> StepExecutor for &mut E {
@@ -44,6 +62,14 @@ impl<E: StepExecutor + ?Sized> StepExecutor for &mut E {
 
     fn reset(&mut self) {
         (**self).reset()
+    }
+
+    fn release_kv(&mut self) -> Result<Option<u64>, EngineError> {
+        (**self).release_kv()
+    }
+
+    fn restore_kv(&mut self) -> Result<u64, EngineError> {
+        (**self).restore_kv()
     }
 }
 
@@ -63,14 +89,58 @@ impl StepExecutor for AgentEngine {
     fn reset(&mut self) {
         AgentEngine::reset(self)
     }
+
+    fn release_kv(&mut self) -> Result<Option<u64>, EngineError> {
+        AgentEngine::release_kv(self)
+    }
+
+    fn restore_kv(&mut self) -> Result<u64, EngineError> {
+        AgentEngine::restore_kv(self)
+    }
 }
 
 /// Serves control frames until Shutdown (Ok) or until the server closes the connection (Ok).
-/// Errors: a broken connection or a frame the agent must never receive.
-pub fn serve<S, E>(
+/// Errors: a broken connection or a frame the agent must never receive. This engine cannot be
+/// loaded again: a Sleep at level 2 (or at level 1 where the engine cannot keep its weights)
+/// is answered with an error and the engine stays.
+pub fn serve<S, E>(stream: &mut S, segment: ShmSegment, engine: E) -> Result<(), WorkerError>
+where
+    S: Read + Write,
+    E: StepExecutor,
+{
+    serve_reloading(stream, segment, engine, None)
+}
+
+/// Loads the engine again (the same load path as at start).
+pub type Reload<'a, E> = Option<&'a mut dyn FnMut() -> Result<E, EngineError>>;
+
+/// Where the engine is while the agent sleeps.
+enum Held<E> {
+    Awake(E),
+    /// Level 1: the engine, its KV memory released.
+    KvReleased(E),
+    /// Level 2 (or level 1 on a device): dropped; Wake loads it again.
+    Dropped {
+        level: u8,
+    },
+}
+
+/// Resident memory of this process (`/proc/self/statm`), 0 where it cannot be read.
+pub fn resident_bytes() -> u64 {
+    let page = 4096u64;
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * page)
+}
+
+/// `serve`, with `reload` loading the engine again (the same load path as at start) when the
+/// agent wakes from a sleep that dropped it.
+pub fn serve_reloading<S, E>(
     stream: &mut S,
     mut segment: ShmSegment,
-    mut engine: E,
+    engine: E,
+    mut reload: Reload<'_, E>,
 ) -> Result<(), WorkerError>
 where
     S: Read + Write,
@@ -79,6 +149,7 @@ where
     // The latest step announced: a Masks frame for it may come after the step ended early
     // (it failed before it waited for them), and is dropped.
     let mut last_step = None;
+    let mut held = Held::Awake(engine);
     loop {
         let frame = match read_frame(stream) {
             Ok(frame) => frame,
@@ -92,15 +163,41 @@ where
             Frame::Masks { step_id } if Some(step_id) == last_step => {}
             Frame::Step { step_id } => {
                 last_step = Some(step_id);
-                let done = run_step(step_id, stream, &mut segment, &mut engine);
+                let done = match &mut held {
+                    Held::Awake(engine) => run_step(step_id, stream, &mut segment, engine),
+                    Held::KvReleased(_) | Held::Dropped { .. } => StepDone {
+                        step_id,
+                        status: StepStatus::Failed,
+                        timing: StepTiming::default(),
+                        error: "the agent is asleep (wake it first)".into(),
+                    },
+                };
                 if let Some(error) = (!done.error.is_empty()).then_some(&done.error) {
                     tracing::warn!(step_id, %error, "step failed");
                 }
                 write_frame(stream, &Frame::StepDone(done))?;
             }
             Frame::Reset => {
-                engine.reset();
+                if let Held::Awake(engine) | Held::KvReleased(engine) = &mut held {
+                    engine.reset();
+                }
                 write_frame(stream, &Frame::ResetDone)?;
+            }
+            Frame::Sleep { level } => {
+                let (next, done) = sleep(held, level, &mut reload);
+                held = next;
+                if !done.error.is_empty() {
+                    tracing::warn!(level, error = %done.error, "sleep failed");
+                }
+                write_frame(stream, &Frame::SleepDone(done))?;
+            }
+            Frame::Wake => {
+                let (next, done) = wake(held, &mut reload);
+                held = next;
+                if !done.error.is_empty() {
+                    tracing::warn!(error = %done.error, "wake failed");
+                }
+                write_frame(stream, &Frame::WakeDone(done))?;
             }
             Frame::Ping { nonce } => write_frame(stream, &Frame::Pong { nonce })?,
             Frame::Shutdown => {
@@ -114,6 +211,147 @@ where
                 )))
             }
         }
+    }
+}
+
+/// Puts the engine to sleep at `level` (1 or 2). A level the agent cannot reload from
+/// (`serve` without a loader) leaves it awake with an error. Sleeping deeper than now drops
+/// what is still held; sleeping at the same or a lower level changes nothing.
+fn sleep<E: StepExecutor>(
+    held: Held<E>,
+    level: u8,
+    reload: &mut Reload<'_, E>,
+) -> (Held<E>, SleepDone) {
+    let started = Instant::now();
+    let rss = resident_bytes();
+    let done = |level: u8, error: String| SleepDone {
+        level,
+        bytes: rss.saturating_sub(resident_bytes()),
+        took_us: started.elapsed().as_micros() as u64,
+        error,
+    };
+    if !(1..=2).contains(&level) {
+        let now = match &held {
+            Held::Awake(_) => 0,
+            Held::KvReleased(_) => 1,
+            Held::Dropped { level } => *level,
+        };
+        return (held, done(now, format!("sleep level {level}: 1 or 2")));
+    }
+    match held {
+        Held::Dropped { level: now } => (
+            Held::Dropped {
+                level: now.max(level),
+            },
+            done(now.max(level), String::new()),
+        ),
+        Held::KvReleased(engine) if level == 1 => {
+            (Held::KvReleased(engine), done(1, String::new()))
+        }
+        Held::Awake(mut engine) if level == 1 => match engine.release_kv() {
+            Ok(Some(kv)) => {
+                tracing::info!(
+                    kv_bytes = kv,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "asleep at level 1: KV pool released, weights kept in this process"
+                );
+                let d = done(1, String::new());
+                (Held::KvReleased(engine), d)
+            }
+            Ok(None) => drop_engine(engine, 1, reload, started, rss),
+            Err(e) => (Held::Awake(engine), done(0, e.to_string())),
+        },
+        Held::Awake(engine) | Held::KvReleased(engine) => {
+            drop_engine(engine, level, reload, started, rss)
+        }
+    }
+}
+
+/// Drops the engine (the model and its pools) when it can be loaded again; else keeps it awake
+/// and says why.
+fn drop_engine<E: StepExecutor>(
+    mut engine: E,
+    level: u8,
+    reload: &mut Reload<'_, E>,
+    started: Instant,
+    rss: u64,
+) -> (Held<E>, SleepDone) {
+    if reload.is_none() {
+        // A level-1 attempt that got here freed the KV pool already: bring it back.
+        let _ = engine.restore_kv();
+        return (
+            Held::Awake(engine),
+            SleepDone {
+                level: 0,
+                bytes: 0,
+                took_us: started.elapsed().as_micros() as u64,
+                error: format!("sleep level {level}: this agent cannot load its engine again"),
+            },
+        );
+    }
+    drop(engine);
+    let freed = rss.saturating_sub(resident_bytes());
+    tracing::info!(
+        level,
+        released_bytes = freed,
+        took_ms = started.elapsed().as_millis() as u64,
+        "asleep: the model and its KV pool dropped (wake loads them from the checkpoint)"
+    );
+    (
+        Held::Dropped { level },
+        SleepDone {
+            level,
+            bytes: freed,
+            took_us: started.elapsed().as_micros() as u64,
+            error: String::new(),
+        },
+    )
+}
+
+/// Wakes the engine: loads it again when the sleep dropped it, allocates its KV pool again when
+/// it was released. Awake already: nothing to do.
+fn wake<E: StepExecutor>(held: Held<E>, reload: &mut Reload<'_, E>) -> (Held<E>, SleepDone) {
+    let started = Instant::now();
+    let rss = resident_bytes();
+    let done = |level: u8, error: String| SleepDone {
+        level,
+        bytes: resident_bytes().saturating_sub(rss),
+        took_us: started.elapsed().as_micros() as u64,
+        error,
+    };
+    match held {
+        Held::Awake(engine) => (Held::Awake(engine), done(0, String::new())),
+        Held::KvReleased(mut engine) => match engine.restore_kv() {
+            Ok(kv) => {
+                tracing::info!(
+                    kv_bytes = kv,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "awake from level 1: KV pool allocated again"
+                );
+                (Held::Awake(engine), done(0, String::new()))
+            }
+            Err(e) => (Held::KvReleased(engine), done(1, e.to_string())),
+        },
+        Held::Dropped { level } => match reload.as_mut().map(|r| r()) {
+            None => (
+                Held::Dropped { level },
+                done(level, "this agent cannot load its engine again".into()),
+            ),
+            Some(loaded) => match loaded {
+                Ok(engine) => {
+                    tracing::info!(
+                        level,
+                        took_ms = started.elapsed().as_millis() as u64,
+                        "awake: the model loaded again from the checkpoint"
+                    );
+                    (Held::Awake(engine), done(0, String::new()))
+                }
+                Err(e) => (
+                    Held::Dropped { level },
+                    done(level, format!("loading the model: {e}")),
+                ),
+            },
+        },
     }
 }
 
@@ -369,6 +607,53 @@ mod tests {
         outcome.unwrap();
         assert_eq!(resets, 1);
         assert!(matches!(read_frame(&mut server), Err(FrameError::Closed)));
+    }
+
+    fn sleep_done(server: &mut TcpStream, wake: bool) -> SleepDone {
+        match (read_frame(server).unwrap(), wake) {
+            (Frame::SleepDone(d), false) | (Frame::WakeDone(d), true) => d,
+            (other, _) => panic!(
+                "expected {}, got {other:?}",
+                ["SleepDone", "WakeDone"][wake as usize]
+            ),
+        }
+    }
+
+    /// Level 1 keeps the engine (its KV released), steps fail while asleep and work after
+    /// Wake; level 2 without a loader is refused and the engine stays awake.
+    #[test]
+    fn sleep_and_wake() {
+        let (mut server, mut seg, agent) = start();
+        write_frame(&mut server, &Frame::Sleep { level: 1 }).unwrap();
+        let d = sleep_done(&mut server, false);
+        assert_eq!((d.level, d.error.as_str()), (1, ""));
+        seg.write_plan(&plan(1, 2, 10)).unwrap();
+        write_frame(&mut server, &Frame::Step { step_id: 1 }).unwrap();
+        let done = step_done(&mut server);
+        assert_eq!(done.status, StepStatus::Failed);
+        assert!(done.error.contains("asleep"), "{}", done.error);
+        write_frame(&mut server, &Frame::Wake).unwrap();
+        let d = sleep_done(&mut server, true);
+        assert_eq!((d.level, d.error.as_str()), (0, ""));
+        write_frame(&mut server, &Frame::Step { step_id: 1 }).unwrap();
+        assert_eq!(step_done(&mut server).status, StepStatus::Ok);
+        write_frame(&mut server, &Frame::Sleep { level: 2 }).unwrap();
+        let d = sleep_done(&mut server, false);
+        assert_eq!(d.level, 0);
+        assert!(
+            d.error.contains("cannot load its engine again"),
+            "{}",
+            d.error
+        );
+        write_frame(&mut server, &Frame::Sleep { level: 3 }).unwrap();
+        assert!(sleep_done(&mut server, false).error.contains("1 or 2"));
+        // Awake: Wake does nothing.
+        write_frame(&mut server, &Frame::Wake).unwrap();
+        assert_eq!(sleep_done(&mut server, true).level, 0);
+        write_frame(&mut server, &Frame::Shutdown).unwrap();
+        let (outcome, resets) = agent.join().unwrap();
+        outcome.unwrap();
+        assert_eq!(resets, 1, "level 1 forgets every slot");
     }
 
     #[test]
