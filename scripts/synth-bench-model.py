@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""A random-weight Llama-architecture GGUF of a realistic size, in F16, for speed figures.
+"""A random-weight Llama- or Qwen3-MoE-architecture GGUF of a realistic size, in F16, for speed
+figures.
 
     synth-bench-model.py DONOR.gguf OUT.gguf --hidden 2048 --layers 16 --heads 32 --kv-heads 8 --ff 8192
+    synth-bench-model.py DONOR.gguf OUT.gguf --arch qwen3moe --hidden 1024 --layers 8 --heads 16 \
+        --kv-heads 2 --head-dim 128 --experts 128 --experts-used 8 --expert-ff 384
 
 Run by scripts/synth-bench-model.sh (which then makes Q4_0, Q4_K_M, ... with llama-quantize);
 needs gguf-py (PYTHONPATH=<llama.cpp>/gguf-py) and numpy. The tokenizer (every `tokenizer.*`
@@ -23,18 +26,29 @@ p.add_argument("--hidden", type=int, required=True)
 p.add_argument("--layers", type=int, required=True)
 p.add_argument("--heads", type=int, required=True)
 p.add_argument("--kv-heads", type=int, required=True)
-p.add_argument("--ff", type=int, required=True)
+p.add_argument("--ff", type=int, default=0, help="dense FFN width (llama)")
+p.add_argument("--arch", choices=["llama", "qwen3moe"], default="llama")
+p.add_argument("--head-dim", type=int, default=0, help="default: hidden / heads")
+p.add_argument("--experts", type=int, default=0)
+p.add_argument("--experts-used", type=int, default=0)
+p.add_argument("--expert-ff", type=int, default=0)
 p.add_argument("--context", type=int, default=8192)
 p.add_argument("--rope-base", type=float, default=500000.0)
 p.add_argument("--seed", type=int, default=7)
 a = p.parse_args()
-if a.hidden % a.heads or a.heads % a.kv_heads:
-    sys.exit("hidden must be a multiple of heads, and heads of kv-heads")
-head_dim = a.hidden // a.heads
+moe = a.arch == "qwen3moe"
+if a.heads % a.kv_heads or (not a.head_dim and a.hidden % a.heads):
+    sys.exit("heads must be a multiple of kv-heads, and hidden of heads (or give --head-dim)")
+if moe and not (a.experts and a.experts_used and a.expert_ff):
+    sys.exit("qwen3moe needs --experts, --experts-used and --expert-ff")
+if not moe and not a.ff:
+    sys.exit("llama needs --ff")
+head_dim = a.head_dim or a.hidden // a.heads
+q_dim = a.heads * head_dim
 kv_dim = a.kv_heads * head_dim
 
 donor = gguf.GGUFReader(a.donor)
-w = gguf.GGUFWriter(a.out, "llama")
+w = gguf.GGUFWriter(a.out, a.arch)
 
 # The donor's tokenizer, value for value (strings copied as bytes).
 vocab = None
@@ -58,17 +72,28 @@ for f in donor.fields.values():
 if vocab is None:
     sys.exit(f"{a.donor} has no tokenizer.ggml.tokens")
 
-w.add_name(f"synthetic-llama-{a.hidden}x{a.layers}")
+w.add_name(f"synthetic-{a.arch}-{a.hidden}x{a.layers}")
 w.add_context_length(a.context)
 w.add_embedding_length(a.hidden)
 w.add_block_count(a.layers)
-w.add_feed_forward_length(a.ff)
 w.add_head_count(a.heads)
 w.add_head_count_kv(a.kv_heads)
-w.add_rope_dimension_count(head_dim)
-w.add_rope_freq_base(a.rope_base)
-w.add_layer_norm_rms_eps(1e-5)
-w.add_vocab_size(vocab)
+if moe:
+    # As convert_hf_to_gguf.py writes Qwen3-MoE: head width keys, experts, no dense width.
+    w.add_feed_forward_length(a.ff or a.expert_ff * a.experts_used)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_expert_count(a.experts)
+    w.add_expert_used_count(a.experts_used)
+    w.add_expert_feed_forward_length(a.expert_ff)
+    w.add_rope_freq_base(1000000.0 if a.rope_base == 500000.0 else a.rope_base)
+    w.add_layer_norm_rms_eps(1e-6)
+else:
+    w.add_feed_forward_length(a.ff)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(a.rope_base)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
 w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
 # (name, numpy shape: rows first, as GGUF lists them innermost first, dtype, kind)
@@ -77,15 +102,29 @@ for i in range(a.layers):
     b = f"blk.{i}."
     plan += [
         (b + "attn_norm.weight", (a.hidden,), np.float32, "ones"),
-        (b + "attn_q.weight", (a.hidden, a.hidden), np.float16, "rand"),
+        (b + "attn_q.weight", (q_dim, a.hidden), np.float16, "rand"),
         (b + "attn_k.weight", (kv_dim, a.hidden), np.float16, "rand"),
         (b + "attn_v.weight", (kv_dim, a.hidden), np.float16, "rand"),
-        (b + "attn_output.weight", (a.hidden, a.hidden), np.float16, "rand"),
+        (b + "attn_output.weight", (a.hidden, q_dim), np.float16, "rand"),
         (b + "ffn_norm.weight", (a.hidden,), np.float32, "ones"),
-        (b + "ffn_gate.weight", (a.ff, a.hidden), np.float16, "rand"),
-        (b + "ffn_up.weight", (a.ff, a.hidden), np.float16, "rand"),
-        (b + "ffn_down.weight", (a.hidden, a.ff), np.float16, "rand"),
     ]
+    if moe:
+        e, eff = a.experts, a.expert_ff
+        plan += [
+            (b + "attn_q_norm.weight", (head_dim,), np.float32, "ones"),
+            (b + "attn_k_norm.weight", (head_dim,), np.float32, "ones"),
+            # The router stays F32, as the converter writes it (llama-quantize leaves it).
+            (b + "ffn_gate_inp.weight", (e, a.hidden), np.float32, "rand"),
+            (b + "ffn_gate_exps.weight", (e, eff, a.hidden), np.float16, "rand"),
+            (b + "ffn_up_exps.weight", (e, eff, a.hidden), np.float16, "rand"),
+            (b + "ffn_down_exps.weight", (e, a.hidden, eff), np.float16, "rand"),
+        ]
+    else:
+        plan += [
+            (b + "ffn_gate.weight", (a.ff, a.hidden), np.float16, "rand"),
+            (b + "ffn_up.weight", (a.ff, a.hidden), np.float16, "rand"),
+            (b + "ffn_down.weight", (a.hidden, a.ff), np.float16, "rand"),
+        ]
 plan += [("output_norm.weight", (a.hidden,), np.float32, "ones"),
          ("output.weight", (vocab, a.hidden), np.float16, "rand")]
 
@@ -104,5 +143,6 @@ for name, shape, dt, kind in plan:
     params += t.size
     w.write_tensor_data(t)
 w.close()
-print(f"{a.out}: {params / 1e9:.2f} B parameters, hidden {a.hidden} x {a.layers} layers, "
-      f"{a.heads}/{a.kv_heads} heads, ff {a.ff}, vocab {vocab}", file=sys.stderr)
+ffn = f"{a.experts} experts ({a.experts_used} used) of {a.expert_ff}" if moe else f"ff {a.ff}"
+print(f"{a.out}: {params / 1e9:.2f} B parameters, {a.arch}, hidden {a.hidden} x {a.layers} "
+      f"layers, {a.heads}/{a.kv_heads} heads of {head_dim}, {ffn}, vocab {vocab}", file=sys.stderr)

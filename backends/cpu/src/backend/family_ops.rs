@@ -190,7 +190,49 @@ impl CpuBackend {
         }
         // Each expert once, over the rows routed to it; its outputs kept per (token, slot).
         let mut y = vec![0f32; t * k * h];
-        for (e, list) in served.iter().enumerate().filter(|(_, l)| !l.is_empty()) {
+        let packed = (
+            super::moe_grouped::packed_all(gate_up),
+            super::moe_grouped::packed_all(down),
+        );
+        let looped = packed.0.is_none() || packed.1.is_none();
+        if let (Some(gu), Some(dn)) = packed {
+            // All experts packed: one grouped job per projection (bit for bit the loop below).
+            let mut groups = Vec::with_capacity(served.len());
+            let mut xs = Vec::with_capacity(t * k * h);
+            for list in &served {
+                let start = xs.len() / h.max(1);
+                for &(r, _) in list {
+                    xs.extend_from_slice(x.row(r));
+                }
+                groups.push(start..start + list.len());
+            }
+            let mut ys = vec![0f32; t * k * h];
+            // The scratch activations are overwritten: no cached quantization stays valid.
+            self.acts_key = None;
+            super::moe_grouped::grouped_ffn(
+                &self.pool,
+                self.isa,
+                (&gu.0, gu.1),
+                (&dn.0, dn.1),
+                &groups,
+                &xs,
+                h,
+                ff,
+                &mut self.acts,
+                &mut ys,
+            )?;
+            for (list, g) in served.iter().zip(&groups) {
+                for (&(r, j), i) in list.iter().zip(g.clone()) {
+                    y[(r * k + j) * h..(r * k + j + 1) * h]
+                        .copy_from_slice(&ys[i * h..(i + 1) * h]);
+                }
+            }
+        }
+        for (e, list) in served
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| looped && !l.is_empty())
+        {
             let n = list.len();
             let mut xs = Vec::with_capacity(n * h);
             for &(r, _) in list {

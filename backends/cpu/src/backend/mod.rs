@@ -9,6 +9,7 @@ pub(crate) use buffer::advise_huge_pages;
 mod family_ops;
 mod kv;
 mod latent_ops;
+mod moe_grouped;
 #[cfg(test)]
 mod moe_tests;
 #[cfg(test)]
