@@ -11,4 +11,5 @@ pub mod kv_events;
 pub mod metrics;
 pub mod metrics_kv;
 pub mod metrics_pd;
+pub mod metrics_sleep;
 pub mod serve;

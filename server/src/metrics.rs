@@ -51,7 +51,7 @@ impl Histogram {
         Duration::from_nanos(self.sum_ns.load(Ordering::Relaxed))
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
+    pub(crate) fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} histogram");
         let mut cumulative = 0u64;
@@ -91,6 +91,8 @@ pub struct Metrics {
     /// Generation requests the HTTP side has submitted and not yet seen finish.
     pub inflight: AtomicU64,
     pub connections_open: AtomicU64,
+    /// Each wake from sleep (every agent awake again); the engine observes into it.
+    pub wake_duration: Histogram,
 }
 
 impl Default for Metrics {
@@ -108,6 +110,7 @@ impl Default for Metrics {
             client_aborts_total: AtomicU64::new(0),
             inflight: AtomicU64::new(0),
             connections_open: AtomicU64::new(0),
+            wake_duration: Histogram::new(LATENCY_BUCKETS),
         }
     }
 }
@@ -331,6 +334,7 @@ impl Metrics {
         );
         crate::metrics_kv::render(&mut out, stats);
         crate::metrics_pd::render(&mut out, stats);
+        crate::metrics_sleep::render(&mut out, stats, self);
         self.time_to_first_token.render(
             &mut out,
             "npu_serving_time_to_first_token_seconds",

@@ -167,6 +167,7 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     );
     let mut groups: Vec<GroupLink> = Vec::new();
     let mut links: Vec<AgentLink> = Vec::new();
+    let agents_started = std::time::Instant::now();
     if tp > 1 {
         groups = start_groups(specs, &launch, regions, tp)?;
     } else {
@@ -174,6 +175,12 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
             .context("starting the agents")?
             .into_links();
     }
+    // What a wake is compared with: spawn to accepted handshake, the model load included.
+    let cold_start = agents_started.elapsed();
+    tracing::info!(
+        cold_start_s = cold_start.as_secs_f64(),
+        "agents started (cold load)"
+    );
     let mut engine_cfg = engine_cfg;
     if cfg.npu_serving.kv_cache_memory_fraction.is_some() {
         let blocks = if groups.is_empty() {
@@ -267,6 +274,10 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         Some(shutdown.clone()),
         kv_events.as_ref().map(KvEventPublisher::sender),
     )?;
+    crate::engine::EngineStats::set(
+        &engine.handle.stats.sleep.cold_start_us,
+        cold_start.as_micros() as u64,
+    );
     let api = Authenticated::wrap(
         Arc::new(ApiContext::new(
             ApiSettings::from_config(&cfg, model.context, model.sampling_defaults),

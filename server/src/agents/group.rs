@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+use npu_protocol::frame::SleepDone;
 use npu_protocol::shm::{segment_name, GroupRegion, GROUP_REGION_ID_BASE};
 use npu_protocol::{StepPlan, StepResult};
 
@@ -32,6 +33,8 @@ pub struct GroupLink {
     region: GroupRegion,
     slot_floats: u64,
     restarts: u32,
+    /// Asleep with every rank stopped: `wake` starts the group again.
+    stopped_asleep: bool,
 }
 
 impl std::fmt::Debug for GroupLink {
@@ -111,6 +114,7 @@ impl GroupLink {
             region,
             slot_floats,
             restarts: 0,
+            stopped_asleep: false,
         }
     }
 
@@ -246,6 +250,63 @@ impl GroupLink {
         }
         self.restarts += 1;
         Ok(())
+    }
+
+    /// Puts the group to sleep: at level 1 on the CPU every rank releases its KV pool and
+    /// keeps its weights; otherwise (level 2, or level 1 with the weights on a device) every
+    /// rank is shut down, and `wake` starts the group again (a rank cannot rejoin its group's
+    /// region after dropping its model). Returns the level and rank 0's report.
+    pub fn sleep(&mut self, level: u8) -> Result<SleepDone, AgentFailure> {
+        let on_cpu = self
+            .ranks
+            .first()
+            .is_some_and(|l| l.spec().engine.device == npu_protocol::agent::DeviceKind::Cpu);
+        if level == 1 && on_cpu {
+            let mut first = None;
+            for r in 0..self.ranks.len() {
+                match self.ranks[r].sleep(level) {
+                    Ok(d) => {
+                        first.get_or_insert(d);
+                    }
+                    Err(f) => return Err(self.down(r, f)),
+                }
+            }
+            return Ok(first.unwrap_or_default());
+        }
+        let started = Instant::now();
+        for link in &mut self.ranks {
+            link.shutdown();
+        }
+        self.stopped_asleep = true;
+        Ok(SleepDone {
+            level,
+            bytes: 0,
+            took_us: started.elapsed().as_micros() as u64,
+            error: String::new(),
+        })
+    }
+
+    /// Wakes the group: every rank wakes, or the group starts again when its sleep stopped it.
+    pub fn wake(&mut self) -> Result<SleepDone, AgentFailure> {
+        let started = Instant::now();
+        if std::mem::take(&mut self.stopped_asleep) {
+            self.restart()?;
+            self.restarts -= 1;
+            return Ok(SleepDone {
+                took_us: started.elapsed().as_micros() as u64,
+                ..SleepDone::default()
+            });
+        }
+        let mut first = None;
+        for r in 0..self.ranks.len() {
+            match self.ranks[r].wake() {
+                Ok(d) => {
+                    first.get_or_insert(d);
+                }
+                Err(f) => return Err(self.down(r, f)),
+            }
+        }
+        Ok(first.unwrap_or_default())
     }
 
     /// Shuts every rank down (the region goes with the group).

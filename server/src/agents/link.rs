@@ -9,7 +9,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use npu_protocol::agent::ModelFacts;
-use npu_protocol::frame::{Frame, Setup, StepStatus};
+use npu_protocol::frame::{Frame, Setup, SleepDone, StepStatus};
 use npu_protocol::shm::{segment_name, ShmLayout, ShmSegment};
 use npu_protocol::{StepPlan, StepResult, TokenMask};
 
@@ -313,6 +313,37 @@ impl AgentLink {
         }
     }
 
+    /// Puts the agent to sleep at `level` (1: KV pool released, weights kept; 2: model
+    /// dropped) and waits for it to confirm. An agent that answers with an error is taken down
+    /// (a restart brings it back awake).
+    pub fn sleep(&mut self, level: u8) -> Result<SleepDone, AgentFailure> {
+        let timeout = self.launch.control_timeout;
+        match self.exchange_within(Frame::Sleep { level }, "sleep", timeout)? {
+            Frame::SleepDone(d) if d.error.is_empty() => Ok(d),
+            Frame::SleepDone(d) => Err(self.sleep_failed("sleep", d.error)),
+            other => Err(self.unexpected(&other, "SleepDone")),
+        }
+    }
+
+    /// Wakes the agent (a reload of the model may take as long as a start) and waits for it
+    /// to confirm; an error takes it down.
+    pub fn wake(&mut self) -> Result<SleepDone, AgentFailure> {
+        let timeout = self.launch.startup_timeout;
+        match self.exchange_within(Frame::Wake, "wake", timeout)? {
+            Frame::WakeDone(d) if d.error.is_empty() => Ok(d),
+            Frame::WakeDone(d) => Err(self.sleep_failed("wake", d.error)),
+            other => Err(self.unexpected(&other, "WakeDone")),
+        }
+    }
+
+    fn sleep_failed(&mut self, what: &str, message: String) -> AgentFailure {
+        let agent_id = self.spec.agent_id;
+        self.fail(AgentFailure::Protocol {
+            agent_id,
+            detail: format!("{what} failed: {message}"),
+        })
+    }
+
     /// Round trip of a Ping; returns how long it took.
     pub fn ping(&mut self) -> Result<Duration, AgentFailure> {
         let started = Instant::now();
@@ -364,6 +395,16 @@ impl AgentLink {
 
     /// Sends a control frame (no step may be in flight) and waits for the next non-Pong answer.
     fn exchange(&mut self, frame: Frame, what: &str) -> Result<Frame, AgentFailure> {
+        self.exchange_within(frame, what, self.launch.control_timeout)
+    }
+
+    /// `exchange` with its own time limit.
+    fn exchange_within(
+        &mut self,
+        frame: Frame,
+        what: &str,
+        timeout: Duration,
+    ) -> Result<Frame, AgentFailure> {
         let agent_id = self.spec.agent_id;
         if let Some(f) = self.in_flight {
             return Err(AgentFailure::Busy {
@@ -375,7 +416,7 @@ impl AgentLink {
             .running
             .as_mut()
             .ok_or(AgentFailure::Down { agent_id })?;
-        let deadline = Instant::now() + self.launch.control_timeout;
+        let deadline = Instant::now() + timeout;
         if let Err(e) = running.channel.send(&frame, deadline) {
             return Err(self.channel_failure(e, what));
         }

@@ -13,6 +13,7 @@ mod pyjson;
 mod reasoning;
 mod responses;
 mod sampling;
+mod sleep;
 mod structured;
 mod tgi;
 mod tokenize;
@@ -182,6 +183,10 @@ enum Route {
     /// vLLM's `POST /tokenize` and `/detokenize`.
     Tokenize,
     Detokenize,
+    /// vLLM's sleep mode: `POST /sleep`, `POST /wake_up`, `GET /is_sleeping`.
+    Sleep,
+    WakeUp,
+    IsSleeping,
 }
 
 fn route(path: &str) -> Option<(Route, &'static str)> {
@@ -199,6 +204,9 @@ fn route(path: &str) -> Option<(Route, &'static str)> {
             (Route::ResponseById, "")
         }
         "/tokenize" | "/v1/tokenize" => (Route::Tokenize, "POST"),
+        "/sleep" => (Route::Sleep, "POST"),
+        "/wake_up" => (Route::WakeUp, "POST"),
+        "/is_sleeping" => (Route::IsSleeping, "GET"),
         "/detokenize" | "/v1/detokenize" => (Route::Detokenize, "POST"),
         "/v1/messages" => (Route::AnthropicMessages, "POST"),
         "/v1/messages/count_tokens" => (Route::AnthropicCountTokens, "POST"),
@@ -532,6 +540,11 @@ impl Handler for ApiContext {
                 let r = tokenize::detokenize(self, req);
                 return Reply::Full(r.unwrap_or_else(|e| e.response(shape)));
             }
+            Route::Sleep => {
+                return sleep::sleep(req).unwrap_or_else(|e| Reply::Full(e.response(shape)))
+            }
+            Route::WakeUp => return sleep::wake(),
+            Route::IsSleeping => return Reply::Full(sleep::is_sleeping(self)),
             Route::AnthropicCountTokens => {
                 let r = anthropic::count_tokens(self, req);
                 return Reply::Full(r.unwrap_or_else(|e| e.response(shape)));

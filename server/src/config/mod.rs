@@ -8,6 +8,7 @@ mod reader;
 mod responses;
 mod roles;
 mod sections;
+mod sleep;
 mod speculative;
 
 use std::path::{Path, PathBuf};
@@ -20,6 +21,7 @@ pub(crate) use reader::closest;
 pub use reader::parse_bool_str;
 pub use responses::ResponsesConfig;
 pub use roles::{AgentRole, MAX_HANDOFF_SPACE_MB};
+pub use sleep::SleepConfig;
 
 use crate::http::HttpLimits;
 
@@ -217,6 +219,8 @@ pub struct NpuServingConfig {
     pub access: AccessConfig,
     /// The Responses API store (`responses_store_size`, `responses_ttl_s`).
     pub responses: ResponsesConfig,
+    /// Sleeping by itself when idle (`sleep_idle_seconds`, `sleep_idle_level`).
+    pub sleep: SleepConfig,
 }
 
 impl Default for NpuServingConfig {
@@ -249,6 +253,7 @@ impl Default for NpuServingConfig {
             speculative: None,
             access: AccessConfig::default(),
             responses: ResponsesConfig::default(),
+            sleep: SleepConfig::default(),
         }
     }
 }

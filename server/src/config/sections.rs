@@ -92,6 +92,7 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
     let mut s = top.section("npu_serving")?;
     let mut npu_serving = npu_serving(&mut s)?;
     npu_serving.responses = super::responses::responses(&mut s)?;
+    npu_serving.sleep = super::sleep::sleep(&mut s)?;
     npu_serving.long_context = long_context(&mut s, pa_config.block_size, strict)?;
     npu_serving.speculative = super::speculative::speculative(
         &mut s,

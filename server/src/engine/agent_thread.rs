@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use npu_protocol::frame::SleepDone;
 use npu_protocol::{StepPlan, StepResult, TokenMask};
 
 use crate::agents::{AgentFailure, AgentLink, GroupLink};
@@ -43,6 +44,18 @@ pub trait StepAgent: Send {
     fn pid(&self) -> Option<u32> {
         None
     }
+    /// Puts the agent to sleep at `level` (1: KV memory released, weights kept; 2: the model
+    /// dropped, reloaded on wake). No slot may be in use.
+    fn sleep(&mut self, level: u8) -> Result<SleepDone, AgentFailure> {
+        Ok(SleepDone {
+            level,
+            ..SleepDone::default()
+        })
+    }
+    /// Brings the agent back from `sleep` (nothing to do when awake).
+    fn wake(&mut self) -> Result<SleepDone, AgentFailure> {
+        Ok(SleepDone::default())
+    }
 }
 
 impl StepAgent for AgentLink {
@@ -65,6 +78,12 @@ impl StepAgent for AgentLink {
     }
     fn pid(&self) -> Option<u32> {
         AgentLink::pid(self)
+    }
+    fn sleep(&mut self, level: u8) -> Result<SleepDone, AgentFailure> {
+        AgentLink::sleep(self, level)
+    }
+    fn wake(&mut self) -> Result<SleepDone, AgentFailure> {
+        AgentLink::wake(self)
     }
 }
 
@@ -91,6 +110,12 @@ impl StepAgent for GroupLink {
     fn pid(&self) -> Option<u32> {
         GroupLink::pid(self)
     }
+    fn sleep(&mut self, level: u8) -> Result<SleepDone, AgentFailure> {
+        GroupLink::sleep(self, level)
+    }
+    fn wake(&mut self) -> Result<SleepDone, AgentFailure> {
+        GroupLink::wake(self)
+    }
 }
 
 /// How the agent thread runs steps, watches an idle agent and restarts it.
@@ -112,6 +137,9 @@ pub(crate) enum AgentJob {
     /// A plan, and where its mask words come from when they follow it.
     Step(StepPlan, Option<FollowingMasks>),
     Restart,
+    /// Sleep at this level (the engine sends it only while the agent holds no request).
+    Sleep(u8),
+    Wake,
     Shutdown,
 }
 
@@ -132,6 +160,13 @@ pub(crate) enum AgentEvent {
         failure: AgentFailure,
         attempt: u32,
         retry_in: Duration,
+    },
+    /// The answer to `AgentJob::Sleep` (`wake`: false) or `AgentJob::Wake` (true), and the
+    /// round trip's time.
+    SleptOrWoke {
+        wake: bool,
+        outcome: Result<SleepDone, AgentFailure>,
+        took: Duration,
     },
 }
 
@@ -227,6 +262,24 @@ fn agent_loop(
                     break;
                 }
             }
+            AgentJob::Sleep(level) => {
+                let started = Instant::now();
+                let outcome = agent.sleep(level);
+                report(AgentEvent::SleptOrWoke {
+                    wake: false,
+                    outcome,
+                    took: started.elapsed(),
+                });
+            }
+            AgentJob::Wake => {
+                let started = Instant::now();
+                let outcome = agent.wake();
+                report(AgentEvent::SleptOrWoke {
+                    wake: true,
+                    outcome,
+                    took: started.elapsed(),
+                });
+            }
             AgentJob::Shutdown => break,
         }
     }
@@ -290,6 +343,13 @@ fn pause_unless_shutdown(
             Err(RecvTimeoutError::Timeout) => return true,
             Ok(AgentJob::Shutdown) | Err(RecvTimeoutError::Disconnected) => return false,
             Ok(AgentJob::Restart) => {}
+            Ok(job @ (AgentJob::Sleep(_) | AgentJob::Wake)) => report(AgentEvent::SleptOrWoke {
+                wake: matches!(job, AgentJob::Wake),
+                outcome: Err(AgentFailure::Down {
+                    agent_id: index as u32,
+                }),
+                took: Duration::ZERO,
+            }),
             Ok(AgentJob::Step(plan, _)) => report(AgentEvent::Stepped {
                 step_id: plan.step_id,
                 outcome: Err(AgentFailure::Down {

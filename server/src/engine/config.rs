@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::agent_thread::AgentThreadSettings;
 use super::scheduler::{BatchingPolicy, SchedulerConfig};
-use crate::config::{AgentRole, BatchingStrategy, ServerConfig};
+use crate::config::{AgentRole, BatchingStrategy, ServerConfig, SleepConfig};
 
 /// Settings of the engine loop.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +35,8 @@ pub struct EngineConfig {
     /// Agent processes behind each engine agent: the ranks of a tensor-parallel group (1: each
     /// engine agent is one agent process). Only counted (/health, /metrics).
     pub tensor_parallel_size: u32,
+    /// Sleeping by itself after a time without requests.
+    pub sleep: SleepConfig,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +53,7 @@ impl Default for EngineConfig {
             handoff_blocks: 0,
             handoff_block_bytes: 0,
             tensor_parallel_size: 1,
+            sleep: SleepConfig::default(),
         }
     }
 }
@@ -93,6 +96,7 @@ impl EngineConfig {
             scheduler,
             step_deadline: cfg.step_deadline(),
             shutdown_grace: grace - margin,
+            sleep: cfg.npu_serving.sleep,
             roles: if cfg.disaggregated() {
                 cfg.agent_roles()
             } else {

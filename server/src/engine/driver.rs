@@ -6,6 +6,7 @@
 //! go to agents that prefill and their KV is handed over to agents that decode.
 
 mod handoff;
+mod sleep;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -31,6 +32,7 @@ use crate::http::ShutdownSignal;
 use crate::kv_events::{KvEventBatch, KvEventSender};
 use crate::metrics::Metrics;
 use handoff::{AgentHandoffs, HandoffBlocks, PdTotals};
+use sleep::SleepControl;
 
 /// Why the engine could not start.
 #[derive(Debug, Error)]
@@ -122,6 +124,7 @@ pub fn start_engine(
         constrained: 0,
         commands_closed: false,
         kv_events,
+        sleep: SleepControl::default(),
     };
     engine.publish_stats();
     let thread = std::thread::Builder::new()
@@ -223,6 +226,8 @@ struct Engine {
     handoff: HandoffBlocks,
     /// Where the prefix caches' KV events go (None: not published).
     kv_events: Option<KvEventSender>,
+    /// Sleep and wake (`POST /sleep`, `/wake_up`, the idle timeout).
+    sleep: SleepControl,
 }
 
 impl Engine {
@@ -249,6 +254,7 @@ impl Engine {
                 self.on_report(rep);
             }
             self.check_drain();
+            self.advance_sleep();
             self.kick_idle_agents();
             self.flush_events();
             self.publish_kv_events();
@@ -284,10 +290,14 @@ impl Engine {
                     .max(self.cfg.idle_tick),
             );
         }
+        if let Some(due) = self.idle_sleep_due_in() {
+            t = t.min(due.max(self.cfg.idle_tick));
+        }
         t
     }
 
     fn emit_finished(&mut self, id: RequestId, reason: FinishReason, message: Option<String>) {
+        self.sleep.last_activity = Instant::now();
         if let Some(entry) = self.requests.remove(&id) {
             if entry.constraint.is_some() {
                 self.constrained -= 1;
@@ -309,6 +319,7 @@ impl Engine {
             tracing::error!(request = id, "a request id was submitted twice; ignored");
             return;
         }
+        self.sleep.last_activity = Instant::now();
         let mut entry = RequestEntry::new(&req, &self.tokenizer);
         self.constrained += usize::from(constraint.is_some());
         entry.constraint = constraint;
@@ -373,6 +384,8 @@ impl Engine {
                 self.emit_finished(id, FinishReason::Aborted, None);
             }
             EngineCommand::Shutdown => self.begin_drain(),
+            EngineCommand::Sleep { id, level } => self.on_sleep_command(id, level),
+            EngineCommand::Wake { id } => self.begin_wake(Some(id)),
         }
     }
 
@@ -445,6 +458,11 @@ impl Engine {
 
     /// Gives a request to the least-loaded live agent, or parks it until one is up.
     fn dispatch(&mut self, p: Pending) {
+        if self.sleep.holds_requests() {
+            // Asleep (or on the way in or out of it): held until every agent is awake.
+            self.pending.push_back(p);
+            return self.begin_wake(None);
+        }
         let id = p.id();
         // Prompts (and recomputations) are computed only where the role allows it.
         let target = self
@@ -521,7 +539,7 @@ impl Engine {
     /// masks of the constrained requests in them, which the agents wait for only once their
     /// forward passes are done.
     fn kick_idle_agents(&mut self) {
-        if self.agents_stopped {
+        if self.agents_stopped || self.sleep.holds_requests() {
             return;
         }
         let mut following = Vec::new();
@@ -609,6 +627,11 @@ impl Engine {
                     Err(failure) => self.on_step_failure(i, step_id, failure),
                 }
             }
+            AgentEvent::SleptOrWoke {
+                wake,
+                outcome,
+                took,
+            } => self.on_slept_or_woke(i, wake, outcome, took),
             AgentEvent::Died(failure) => {
                 if self.agents[i].health == Health::Up {
                     self.agent_down(i, failure);

@@ -21,6 +21,20 @@ pub enum EngineCommand {
     Abort(RequestId),
     /// Stop admitting, finish or end running requests, stop the agents.
     Shutdown,
+    /// `POST /sleep`: put every agent to sleep at `level` (1: KV pools freed, weights kept; 2:
+    /// weights and KV dropped). The answer comes as request `id`'s `Finished` event whose
+    /// message is a `ControlReply` as JSON.
+    Sleep { id: RequestId, level: u8 },
+    /// `POST /wake_up`: wake every agent; answered like `Sleep`.
+    Wake { id: RequestId },
+}
+
+/// The engine's answer to a control command (`Sleep`, `Wake`): an HTTP status and its JSON
+/// body, carried as JSON in the `Finished` event's message.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ControlReply {
+    pub status: u16,
+    pub body: serde_json::Value,
 }
 
 /// Live counters shared by the engine (writer) and the HTTP side (reader).
@@ -60,6 +74,24 @@ pub struct EngineStats {
     pub kv: KvStats,
     /// Prefill/decode disaggregation (KV handed over between agents).
     pub pd: PdStats,
+    /// Sleep and wake (`POST /sleep`, `/wake_up`, the idle timeout).
+    pub sleep: SleepStats,
+}
+
+/// Sleep and wake, all agents together.
+#[derive(Debug, Default)]
+pub struct SleepStats {
+    /// 0 awake; 1 or 2: asleep at that level (also while falling asleep or waking up).
+    pub level: AtomicU64,
+    pub sleeps_total: AtomicU64,
+    /// Of those, the ones the idle timeout started.
+    pub idle_sleeps_total: AtomicU64,
+    pub wakes_total: AtomicU64,
+    /// The last wake's time (first Wake sent to every agent answered), microseconds.
+    pub last_wake_us: AtomicU64,
+    /// The agents' start at server start (spawn to accepted handshake, all in parallel),
+    /// microseconds: the cold load time wakes are compared with.
+    pub cold_start_us: AtomicU64,
 }
 
 /// Counters and gauges of prefill/decode disaggregation, all agents together.

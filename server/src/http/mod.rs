@@ -78,6 +78,23 @@ pub enum Reply {
     /// A generation: the HTTP layer submits `request` to the engine (or answers 429 when the
     /// queue is full) and feeds the request's events to `writer`.
     Generate(Submission),
+    /// A control command for the engine (sleep, wake): sent as is (never refused for a full
+    /// queue); the engine's answer comes as the request's `Finished` event, which `writer`
+    /// turns into the response.
+    Control(ControlSubmission),
+}
+
+/// A control command and the writer of its answer.
+pub struct ControlSubmission {
+    pub command: ControlCommand,
+    pub writer: Box<dyn EventWriter>,
+}
+
+/// What a control route asks the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlCommand {
+    Sleep { level: u8 },
+    Wake,
 }
 
 pub struct Submission {

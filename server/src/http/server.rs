@@ -410,6 +410,7 @@ impl Loop {
         let sub = match reply {
             Reply::Full(resp) => return self.respond(tok, resp, true),
             Reply::Generate(sub) => sub,
+            Reply::Control(ctl) => return self.dispatch_control(tok, &req, id, ctl),
         };
         let stats = &self.engine.stats;
         let inflight = self.by_request.len() as u64;
@@ -492,6 +493,45 @@ impl Loop {
             ids,
             writer,
             streaming,
+            timing: RequestTiming {
+                arrived: req.arrived,
+                last_token: None,
+            },
+        };
+        self.flush(tok);
+    }
+
+    /// Sends a control command to the engine; its answer arrives as request `id`'s events.
+    fn dispatch_control(
+        &mut self,
+        tok: Token,
+        req: &Request,
+        id: RequestId,
+        ctl: super::ControlSubmission,
+    ) {
+        let command = match ctl.command {
+            super::ControlCommand::Sleep { level } => EngineCommand::Sleep { id, level },
+            super::ControlCommand::Wake => EngineCommand::Wake { id },
+        };
+        if self.engine.commands.try_send(command).is_err() {
+            let resp = self.handler.error_response(
+                Some(&req.path),
+                503,
+                "engine_unavailable",
+                "the engine is not running",
+            );
+            return self.respond(tok, resp, false);
+        }
+        self.by_request.insert(id, (tok, 0));
+        self.metrics.inflight.fetch_add(1, Ordering::Relaxed);
+        let Some(conn) = self.conns.get_mut(&tok) else {
+            return;
+        };
+        conn.keep_alive &= self.draining_until.is_none();
+        conn.state = ConnState::Generating {
+            ids: vec![id],
+            writer: ctl.writer,
+            streaming: false,
             timing: RequestTiming {
                 arrived: req.arrived,
                 last_token: None,
