@@ -18,9 +18,11 @@
 #   3. fidelity: greedy and teacher-forced agreement of `--device ascend` with the CPU backend
 #      and with llama.cpp's recorded tokens (agent/tests/data/family_*.jsonl) on random-weight
 #      models of every family made here (`npu-serving synth-model`: llama, llama3, qwen2, qwen3,
-#      qwen3moe, gemma3; gemma3 runs in bf16 (its hidden states outgrow f16; the backend chooses
+#      qwen3moe, gemma3, deepseek2; gemma3 runs in bf16 (its hidden states outgrow f16; the backend chooses
 #      bf16 for it at load), judged with a bf16 margin; qwen3moe runs MoeGatingTopKSoftmaxV2 and MoeFinalizeRoutingV2, never run on an
-#      NPU before), and on the default model when it is in the model cache;
+#      NPU before; deepseek2 runs MoeGatingTopK and its latent attention through
+#      FusedInferAttentionScoreV2 over a latent pool, never run on an NPU before), and on the
+#      default model when it is in the model cache;
 #   4. speed: `npu-serving bench-model --device ascend` on the 1B-shaped (and 8B-shaped, if time
 #      allows) random Q4_0 models, as a table; llama.cpp beside it only when a CANN build of it is
 #      given (LLAMA_CPP_CANN_BIN: a folder with llama-bench and llama-batched-bench).
@@ -40,7 +42,7 @@
 # (bench-model runs on the tiny llama model as a smoke run of the table's code, labelled not a
 # measurement). Without --dry-run the check refuses to run over the emulation.
 #
-# Knobs (for small machines and for tests of this script): NPU_CHECK_FAMILIES (default all six),
+# Knobs (for small machines and for tests of this script): NPU_CHECK_FAMILIES (default all seven),
 # NPU_CHECK_PROMPTS (reference lines, default "0 2"), NPU_CHECK_TOKENS (greedy tokens, default
 # 32), NPU_CHECK_SHAPES (default "1b 8b"; "1b" in a dry run; empty: none), NPU_CHECK_WORK (work
 # folder, default target/npu-check-work).
@@ -183,7 +185,7 @@ fi
 
 export ASCEND_HOME_PATH=$cann_home
 
-read -r -a families <<<"${NPU_CHECK_FAMILIES-llama llama3 qwen2 qwen3 qwen3moe gemma3}"
+read -r -a families <<<"${NPU_CHECK_FAMILIES-llama llama3 qwen2 qwen3 qwen3moe gemma3 deepseek2}"
 read -r -a prompts <<<"${NPU_CHECK_PROMPTS-0 2}"
 ntok=${NPU_CHECK_TOKENS:-32}
 if [ $dry = 1 ]; then
@@ -365,7 +367,7 @@ conformance_part() {
 }
 
 # ---- fidelity on random-weight models of every family ---------------------------------------
-declare -A SEED=([llama]=2 [llama3]=3 [qwen2]=1 [qwen3]=2 [qwen3moe]=1 [gemma3]=3)
+declare -A SEED=([llama]=2 [llama3]=3 [qwen2]=1 [qwen3]=2 [qwen3moe]=1 [gemma3]=3 [deepseek2]=3)
 declare -A EXPECTED_REFUSAL=()
 margin=0.5  # f16 activations, as gpu-check.sh's f16 rows
 # bf16 activations (gemma3: the backend chooses bf16 for it): one bf16 step is 1 at the random

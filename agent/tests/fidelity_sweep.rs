@@ -139,7 +139,11 @@ fn options() -> ModelOptions {
 }
 
 /// The logits after the prompt and after each of `cont`'s tokens but the last, in one step.
-fn teacher_forced<B: Backend>(m: &mut Model<B>, prompt: &[u32], cont: &[u32]) -> Vec<Vec<f32>> {
+fn teacher_forced<B: Backend>(
+    m: &mut Model<B>,
+    prompt: &[u32],
+    cont: &[u32],
+) -> Result<Vec<Vec<f32>>, ModelError> {
     let tokens: Vec<u32> = prompt.iter().chain(cont).copied().collect();
     let n = tokens.len();
     let blocks = n.div_ceil(16);
@@ -157,12 +161,13 @@ fn teacher_forced<B: Backend>(m: &mut Model<B>, prompt: &[u32], cont: &[u32]) ->
         tokens,
     };
     let mut out = StepOutput::default();
-    m.forward(&step, false, &mut out).unwrap();
+    m.forward(&step, false, &mut out)?;
     let vocab = out.logits.len() / cont.len();
-    out.logits
+    Ok(out
+        .logits
         .chunks_exact(vocab)
         .map(<[f32]>::to_vec)
-        .collect()
+        .collect())
 }
 
 /// The first index of the largest value, and the gap to the runner-up.
@@ -220,7 +225,7 @@ fn sweep_on<B: Backend>(
     let donor = GgufFile::open(common::model_path()).unwrap();
     let mut families: BTreeMap<&str, Tally> = BTreeMap::new();
     let mut exact_misses = Vec::new();
-    for (v, refs) in by_variant() {
+    'variants: for (v, refs) in by_variant() {
         if skip.contains(&v.family.name()) {
             continue;
         }
@@ -246,7 +251,23 @@ fn sweep_on<B: Backend>(
         for (p, r) in refs.iter().enumerate() {
             assert_eq!(r.sha256, refs[0].sha256, "{}: lines of two files", v.name);
             let steps = bar.steps.min(r.output_ids.len());
-            let rows = teacher_forced(&mut m, &r.prompt_ids, &r.output_ids[..steps]);
+            let rows = match teacher_forced(&mut m, &r.prompt_ids, &r.output_ids[..steps]) {
+                Ok(rows) => rows,
+                // The Ascend backend's routing through aclnnMoeGatingTopK takes softmax scores
+                // with groups or a bias only from CANN 8.5 (the emulation is 8.3.RC1 unless told
+                // otherwise): refused by name at the first step, said here, and asserted.
+                Err(e) if v.family == synth::Family::Deepseek2 && p == 0 => {
+                    let e = e.to_string();
+                    assert!(
+                        device == "ascend" && e.contains("softmax") && e.contains("8.5"),
+                        "{} on {device}: {e}",
+                        v.name
+                    );
+                    eprintln!("{} on {device}: refused by name ({e})", v.name);
+                    continue 'variants;
+                }
+                Err(e) => panic!("{} on {device}: {e}", v.name),
+            };
             for (s, row) in rows.iter().enumerate() {
                 if r.gaps[s] < margin(row) {
                     continue;

@@ -1,0 +1,221 @@
+//! The deepseek2 family on the Ascend backend over the strict CANN emulation
+//! (`common::devices::ascend`, f16 activations): its tiny random-weight model (regenerated from
+//! the seed in tests/data/family_deepseek2.jsonl, sha256 checked: latent attention, sigmoid
+//! expert scores with a selection bias, 2 of 4 groups and a routed scale, a shared expert, a
+//! dense leading layer, YaRN) run by the agent's own model, the latent pool written by
+//! ScatterNdUpdate and attended by FusedInferAttentionScoreV2 (one KV head of the whole row),
+//! the routing by MoeGatingTopK. Greedy tokens equal llama.cpp's up to each prompt's first step
+//! within the f16 margin (`act_margin` of the device's own logits), with the prompt in one step
+//! and in chunks of 2 (prefill chunks after cached positions); teacher-forced along llama.cpp's
+//! tokens, the device's top-1 is llama.cpp's token at every step beyond that margin. Nothing here
+//! ran on an NPU. Built with the `cuda` and `ascend` features (the shared device helpers need
+//! both).
+
+#![cfg(all(feature = "cuda", feature = "ascend"))]
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::devices::{act_margin, ascend};
+use npu_agent::model::{Model, ModelOptions, StepOutput};
+use npu_backend::{Backend, Capability, SeqSpan, StepInputs};
+use npu_gguf::synth::{self, Family};
+use npu_gguf::GgufFile;
+use serde_json::Value;
+
+struct Ref {
+    prompt_ids: Vec<u32>,
+    output_ids: Vec<u32>,
+    /// llama.cpp's top-1/top-2 logit gap at each step.
+    gaps: Vec<f32>,
+}
+
+/// The first index of the largest value (as the device's greedy pick breaks ties).
+fn argmax(row: &[f32]) -> usize {
+    (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })
+}
+
+/// deepseek2's references and its model regenerated into a temporary file.
+fn deepseek2() -> (Vec<Ref>, PathBuf) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/family_deepseek2.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let lines: Vec<Value> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ids = |v: &Value, k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let refs = lines
+        .iter()
+        .map(|v| Ref {
+            prompt_ids: ids(v, "prompt_ids"),
+            output_ids: ids(v, "output_ids"),
+            gaps: v["top1_top2_logit_gap"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect(),
+        })
+        .collect();
+    let v = &lines[0];
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    let ty = synth::weight_type(v["weight_type"].as_str().unwrap()).unwrap();
+    let bytes =
+        synth::synth_model(Family::Deepseek2, v["seed"].as_u64().unwrap(), ty, &donor).unwrap();
+    assert_eq!(
+        synth::sha256_hex(&bytes),
+        v["model_sha256"].as_str().unwrap(),
+        "deepseek2: the regenerated model is not the file llama.cpp ran"
+    );
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let file = std::env::temp_dir().join(format!(
+        "npu-deepseek2-ascend-{}-{n}.gguf",
+        std::process::id()
+    ));
+    std::fs::write(&file, bytes).unwrap();
+    (refs, file)
+}
+
+fn options() -> ModelOptions {
+    ModelOptions {
+        max_tokens: 128,
+        max_logit_rows: 1,
+        num_blocks: 16,
+        block_size: 16,
+        kv_memory_fraction: None,
+    }
+}
+
+/// The step that feeds `new` tokens of one sequence after `start` cached ones. The sequence's
+/// blocks are numbered backwards from the pool's end (block i of the sequence is block 15 - i),
+/// so that its context is not one run of slots.
+fn seq_step(new: &[u32], start: usize) -> StepInputs {
+    let (max_blocks, bs) = (16u32, 16u32);
+    let table: Vec<u32> = (0..max_blocks).map(|i| max_blocks - 1 - i).collect();
+    let slot = |p: usize| table[p / bs as usize] * bs + (p as u32 % bs);
+    StepInputs {
+        tokens: new.to_vec(),
+        positions: (start..start + new.len()).map(|p| p as u32).collect(),
+        slot_mapping: (start..start + new.len()).map(slot).collect(),
+        seqs: vec![SeqSpan {
+            q_row: 0,
+            n_q: new.len() as u32,
+            start_pos: start as u32,
+        }],
+        block_tables: table,
+        max_blocks: max_blocks as usize,
+        logit_rows: vec![new.len() as u32 - 1],
+    }
+}
+
+/// `n` greedy tokens of one sequence: the prompt in chunks of `chunk` tokens, then one token a
+/// step.
+fn greedy<B: Backend>(m: &mut Model<B>, prompt: &[u32], chunk: usize, n: usize) -> Vec<u32> {
+    let mut out = StepOutput::default();
+    let mut got = Vec::new();
+    let mut pos = 0;
+    for c in prompt.chunks(chunk) {
+        m.forward(&seq_step(c, pos), true, &mut out).unwrap();
+        pos += c.len();
+    }
+    while got.len() < n {
+        let id = if out.picked_on_device {
+            out.ids[0] as u32
+        } else {
+            argmax(&out.logits) as u32
+        };
+        got.push(id);
+        if got.len() == n {
+            break;
+        }
+        m.forward(&seq_step(&[id], pos), true, &mut out).unwrap();
+        pos += 1;
+    }
+    got
+}
+
+/// The logits of each step fed llama.cpp's tokens (teacher forcing), stepped as [`greedy`] steps
+/// with the prompt in one step.
+fn teacher_forced<B: Backend>(m: &mut Model<B>, prompt: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut out = StepOutput::default();
+    let mut rows = Vec::new();
+    let mut pos = 0;
+    let mut next = prompt.to_vec();
+    for &t in tokens {
+        m.forward(&seq_step(&next, pos), false, &mut out).unwrap();
+        pos += next.len();
+        rows.push(std::mem::take(&mut out.logits));
+        next = vec![t];
+    }
+    rows
+}
+
+#[test]
+fn deepseek2_on_the_ascend_emulation() {
+    let (refs, path) = deepseek2();
+    let f = GgufFile::open(&path).unwrap();
+    let b = ascend();
+    assert!(b.supports(Capability::LatentAttention) && b.supports(Capability::ScoredRouting));
+    let act = b.act_dtype();
+    let mut m = Model::load(&f, b, options()).unwrap();
+    for (i, r) in refs.iter().enumerate() {
+        let rows = teacher_forced(&mut m, &r.prompt_ids, &r.output_ids);
+        let margins: Vec<f32> = rows.iter().map(|row| act_margin(act, row)).collect();
+        let n = (0..rows.len())
+            .find(|&s| r.gaps[s] < margins[s])
+            .unwrap_or(rows.len());
+        for chunk in [usize::MAX, 2] {
+            let got = greedy(&mut m, &r.prompt_ids, chunk, n);
+            assert_eq!(
+                got,
+                r.output_ids[..n],
+                "deepseek2 on ascend ({}), prompt {i} in chunks of {chunk}: differs from \
+                 llama.cpp before its first near-tie (step {n})",
+                act.name()
+            );
+        }
+        let decided: Vec<usize> = (0..rows.len())
+            .filter(|&s| r.gaps[s] >= margins[s])
+            .collect();
+        let wrong: Vec<String> = decided
+            .iter()
+            .filter(|&&s| argmax(&rows[s]) != r.output_ids[s] as usize)
+            .map(|&s| {
+                let row = &rows[s];
+                format!(
+                    "step {s}: top-1 {} ({}), llama.cpp's {} ({}), llama.cpp's gap {}, margin {}",
+                    argmax(row),
+                    row[argmax(row)],
+                    r.output_ids[s],
+                    row[r.output_ids[s] as usize],
+                    r.gaps[s],
+                    margins[s]
+                )
+            })
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "deepseek2 on ascend ({}), prompt {i}: teacher-forced top-1 differs from llama.cpp's \
+             at decided steps {wrong:?}",
+            act.name()
+        );
+        eprintln!(
+            "deepseek2 on ascend ({}), prompt {i}: {n} greedy tokens as llama.cpp's (whole \
+             prompt and chunks of 2); teacher-forced top-1 as llama.cpp's at all {} decided \
+             steps of {}",
+            act.name(),
+            decided.len(),
+            rows.len()
+        );
+    }
+    let _ = std::fs::remove_file(path);
+}
