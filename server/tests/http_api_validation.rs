@@ -42,6 +42,7 @@ fn request(method: &str, path: &str, body: &[u8]) -> Request {
 fn submit(ctx: &ApiContext, path: &str, body: Value) -> GenerateRequest {
     match ctx.handle(&request("POST", path, body.to_string().as_bytes()), 7) {
         Reply::Generate(sub) => sub.request,
+        Reply::Control(_) => panic!("{path}: a control reply"),
         Reply::Full(r) => panic!(
             "{path} {body}: refused {} {}",
             r.status,
@@ -53,7 +54,9 @@ fn submit(ctx: &ApiContext, path: &str, body: Value) -> GenerateRequest {
 /// The refusal's status and its error message (either error shape).
 fn refuse(ctx: &ApiContext, path: &str, body: &[u8]) -> (u16, String, Value) {
     match ctx.handle(&request("POST", path, body), 7) {
-        Reply::Generate(_) => panic!("{path} accepted {}", String::from_utf8_lossy(body)),
+        Reply::Generate(_) | Reply::Control(_) => {
+            panic!("{path} accepted {}", String::from_utf8_lossy(body))
+        }
         Reply::Full(r) => {
             let v: Value = serde_json::from_slice(&r.body).unwrap();
             let msg = match &v["error"] {
@@ -748,7 +751,7 @@ fn readiness_follows_the_agents_and_the_drain_while_liveness_does_not() {
     );
     let status = |path: &str| match ctx.handle(&request("GET", path, b""), 1) {
         Reply::Full(r) => r.status,
-        Reply::Generate(_) => panic!(),
+        Reply::Generate(_) | Reply::Control(_) => panic!(),
     };
     use std::sync::atomic::Ordering;
     assert_eq!(

@@ -100,7 +100,7 @@ fn answer(ctx: &ApiContext, method: &str, path: &str, body: &[u8]) -> (u16, Valu
             r.status,
             serde_json::from_slice(&r.body).unwrap_or(Value::Null),
         ),
-        Reply::Generate(_) => (0, Value::Null),
+        Reply::Generate(_) | Reply::Control(_) => (0, Value::Null),
     }
 }
 

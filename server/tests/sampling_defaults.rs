@@ -38,6 +38,7 @@ fn submit(ctx: &ApiContext, path: &str, body: Value) -> GenerateRequest {
     };
     match ctx.handle(&req, 7) {
         Reply::Generate(sub) => sub.request,
+        Reply::Control(_) => panic!("{path}: a control reply"),
         Reply::Full(r) => panic!(
             "{path} {body}: refused {} {}",
             r.status,

@@ -119,6 +119,22 @@ fn spawn_echo_engine(
                     }
                     continue;
                 }
+                // Sleep and wake: answered at once (the fake engine has nothing to free).
+                Ok(EngineCommand::Sleep { id, .. }) | Ok(EngineCommand::Wake { id }) => {
+                    let reply = npu_server::engine::handle::ControlReply {
+                        status: 200,
+                        body: serde_json::json!({}),
+                    };
+                    sink.send(
+                        id,
+                        GenEvent::Finished {
+                            reason: FinishReason::Stop,
+                            usage: Usage::default(),
+                            message: Some(serde_json::to_string(&reply).unwrap()),
+                        },
+                    );
+                    continue;
+                }
                 Ok(EngineCommand::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
                 Err(RecvTimeoutError::Timeout) => {}
             }
