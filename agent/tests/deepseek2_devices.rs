@@ -7,8 +7,8 @@
 //! prompt's first near-tie (the product's 0.15 with f32 activations), with the prompt in one
 //! step and in chunks of 2 tokens (prefill chunks after cached positions); the latent cache, its
 //! attention and the scored routing run on the device (`attention_latent`, `kv_write_latent`,
-//! `moe_route_scored` kernels). The Ascend backend has no latent attention yet: the model is
-//! refused at load naming it. Built with the `cuda` and `ascend` features (the shared device
+//! `moe_route_scored` kernels). The Ascend backend runs the same model in
+//! `deepseek2_ascend.rs`. Built with the `cuda` and `ascend` features (the shared device
 //! helpers need both).
 
 #![cfg(all(feature = "cuda", feature = "ascend"))]
@@ -17,7 +17,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::devices::{act_margin, ascend, cuda};
+use common::devices::{act_margin, cuda};
 use npu_agent::model::{Model, ModelOptions, StepOutput};
 use npu_backend::{Backend, DType, SeqSpan, StepInputs};
 use npu_backend_cuda::{CudaBackend, CudaConfig, MatmulMode};
@@ -203,25 +203,6 @@ fn deepseek2_on_the_cuda_emulation() {
     for k in ["kv_write_f32", "attention_f32", "moe_route_f32"] {
         assert!(!l.iter().any(|n| n == k), "{k} launched for deepseek2");
     }
-    let _ = std::fs::remove_file(path);
-}
-
-/// The Ascend backend has no latent attention (nor scored routing) yet: refused at load, by name.
-#[test]
-fn deepseek2_is_refused_on_ascend_by_name() {
-    let (_, path) = deepseek2();
-    let f = GgufFile::open(&path).unwrap();
-    let b = ascend();
-    if b.supports(npu_backend::Capability::LatentAttention) {
-        eprintln!("the Ascend backend reports latent attention: nothing refused to check");
-        let _ = std::fs::remove_file(path);
-        return;
-    }
-    let e = Model::load(&f, b, options()).err().unwrap().to_string();
-    assert!(
-        e.contains("deepseek2") && e.contains("latent attention"),
-        "{e}"
-    );
     let _ = std::fs::remove_file(path);
 }
 

@@ -195,8 +195,12 @@ NPU_FOR_EACH_ACT(KV_WRITE_LATENT)
 // grid (token rows, head chunks): a block holds one warp per query head of its chunk, and they
 // share every tile of cached rows the block loads into shared memory. items[2 r] is row r's
 // sequence and items[2 r + 1] its token in the sequence (the step's one-token work list); token
-// t of a sequence (position start + t) sees positions 0..=start + t. Each warp keeps an online
-// softmax (running max m, sum l, output accumulator) over 32-position tiles: lane j scores
+// t of a sequence (position start + t) sees positions 0..=start + t. The query and the
+// probabilities meet the f16 cache as f16, as llama.cpp's attention without flash attention
+// computes it (and the CPU backend): the query is rounded to f16 as it is loaded, and each warp
+// goes over the 32-position tiles twice, first for the softmax's maximum m and sum l (online),
+// then for the output, each probability exp(s - m) / l rounded to f16 before it weighs its
+// latent. In both passes lane j scores
 // position p0 + j against the whole row, (q_latent . latent + q_rope . rope) * scale, and lanes
 // own pairs of the output's latent dimensions (the value is the latent).
 
@@ -228,8 +232,9 @@ __device__ __forceinline__ void attention_latent_body(
     float* qs = (float*)(rs + ATTL_TILE * words) + warp * hd;
     if (active) {
         for (int d = lane; d < hd; d += 32) {
-            qs[d] = d < lat ? to_f32(ql[row * ldql + (i64)head * lat + d])
-                            : to_f32(qr[row * ldqr + (i64)head * rope_dim + d - lat]);
+            const float v = d < lat ? to_f32(ql[row * ldql + (i64)head * lat + d])
+                                    : to_f32(qr[row * ldqr + (i64)head * rope_dim + d - lat]);
+            qs[d] = f16_bits_to_f32(f32_to_f16_bits(v));
         }
     }
     float m = NEG_INF;
@@ -240,22 +245,27 @@ __device__ __forceinline__ void attention_latent_body(
     }
     const int* bt = block_tables + (i64)seq * max_blocks;
     const int n_tiles = (ctx + ATTL_TILE - 1) / ATTL_TILE;
-    for (int tile = 0; tile < n_tiles; ++tile) {
-        const int p0 = tile * ATTL_TILE;
-        __syncthreads(); // the previous tile's readers are done (and q is in place)
-        for (int wi = threadIdx.x; wi < ATTL_TILE * half_hd; wi += blockDim.x) {
-            const int j = wi / half_hd;
-            const int c = wi - j * half_hd;
-            const int p = p0 + j;
-            u32 word = 0;
-            if (p < ctx) {
-                const i64 at = (i64)bt[p / bs] * block_stride + layer_off + (i64)(p % bs) * hd + 2 * c;
-                word = *(const u32*)(pool + at);
+    float inv = 0.0f;
+    for (int pass = 0; pass < 2; ++pass) {
+        for (int tile = 0; tile < n_tiles; ++tile) {
+            const int p0 = tile * ATTL_TILE;
+            __syncthreads(); // the previous tile's readers are done (and q is in place)
+            for (int wi = threadIdx.x; wi < ATTL_TILE * half_hd; wi += blockDim.x) {
+                const int j = wi / half_hd;
+                const int c = wi - j * half_hd;
+                const int p = p0 + j;
+                u32 word = 0;
+                if (p < ctx) {
+                    const i64 at =
+                        (i64)bt[p / bs] * block_stride + layer_off + (i64)(p % bs) * hd + 2 * c;
+                    word = *(const u32*)(pool + at);
+                }
+                rs[j * words + c] = word;
             }
-            rs[j * words + c] = word;
-        }
-        __syncthreads();
-        if (active) {
+            __syncthreads();
+            if (!active) {
+                continue;
+            }
             const int p = p0 + lane;
             const bool seen = p < ctx;
             float s = NEG_INF;
@@ -269,13 +279,14 @@ __device__ __forceinline__ void attention_latent_body(
                 }
                 s = dot * scale;
             }
-            const float m_new = fmaxf(m, warp_max(s));
-            const float pj = seen ? expf(s - m_new) : 0.0f;
-            const float alpha = expf(m - m_new);
-            l = l * alpha + warp_sum(pj);
-            for (int i = 0; i < 2 * ATTL_MAX_WORDS; ++i) {
-                acc[i] *= alpha;
+            if (pass == 0) {
+                const float m_new = fmaxf(m, warp_max(s));
+                const float pj = seen ? expf(s - m_new) : 0.0f;
+                l = l * expf(m - m_new) + warp_sum(pj);
+                m = m_new;
+                continue;
             }
+            const float pj = seen ? f16_bits_to_f32(f32_to_f16_bits(expf(s - m) * inv)) : 0.0f;
             const int n_seen = min(ATTL_TILE, ctx - p0);
             for (int j = 0; j < n_seen; ++j) {
                 const float pb = __shfl_sync(FULL_MASK, pj, j);
@@ -289,19 +300,18 @@ __device__ __forceinline__ void attention_latent_body(
                     }
                 }
             }
-            m = m_new;
         }
+        inv = 1.0f / l;
     }
     if (!active) {
         return;
     }
-    const float inv = 1.0f / l;
     T* o = out + row * ldo + (i64)head * lat;
     for (int i = 0; i < ATTL_MAX_WORDS; ++i) {
         const int c = lane + 32 * i;
         if (c < half_lat) {
-            o[2 * c] = from_f32<T>(acc[2 * i] * inv);
-            o[2 * c + 1] = from_f32<T>(acc[2 * i + 1] * inv);
+            o[2 * c] = from_f32<T>(acc[2 * i]);
+            o[2 * c + 1] = from_f32<T>(acc[2 * i + 1]);
         }
     }
 }
