@@ -258,6 +258,24 @@ impl KvSpec {
     }
 }
 
+/// What the paged KV pool stores: f16 values (every backend), or int8 values with one f16 scale
+/// per token, KV head and K or V row (`npu_serving.kv_cache_dtype: int8`; the CPU backend only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    #[default]
+    F16,
+    Int8,
+}
+
+impl KvDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F16 => "f16",
+            Self::Int8 => "int8",
+        }
+    }
+}
+
 /// How `moe_route_scored` chooses experts and weighs them (llama.cpp's `build_moe_ffn`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RouteSpec {
@@ -410,10 +428,28 @@ pub trait Backend: Send {
     /// Bytes one block occupies (K and V of every layer): the unit of the host copies below.
     fn kv_block_bytes(&self) -> usize;
     /// Bytes one block of a pool of `spec` would take, before `init_kv` (to size a pool from
-    /// free memory). Every backend here stores the cache in f16; one storing another dtype
-    /// overrides this.
+    /// free memory). f16 by default; a backend storing another dtype (`set_kv_dtype`) overrides
+    /// this, scales included.
     fn kv_block_bytes_for(&self, spec: &KvSpec) -> usize {
         spec.f16_block_bytes()
+    }
+    /// Chooses what the pool stores, before `init_kv` (or `kv_block_bytes_for`). Every backend
+    /// stores f16; one that stores another dtype overrides this (and `kv_block_bytes_for`).
+    fn set_kv_dtype(&mut self, dtype: KvDtype) -> Result<(), BackendError> {
+        match dtype {
+            KvDtype::F16 => Ok(()),
+            other => Err(BackendError::Unsupported {
+                backend: self.kind().name(),
+                what: format!(
+                    "kv_cache_dtype {} (the int8 KV cache is built on the CPU backend only)",
+                    other.name()
+                ),
+            }),
+        }
+    }
+    /// What the pool stores (`set_kv_dtype`).
+    fn kv_dtype(&self) -> KvDtype {
+        KvDtype::F16
     }
     /// Copies whole blocks device→device, `(src, dst)` pairs, stream-ordered.
     fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError>;

@@ -24,6 +24,15 @@ impl CpuBackend {
         &mut self,
         spec: npu_backend::KvSpec,
     ) -> Result<(), BackendError> {
+        if self.kv_dtype != npu_backend::KvDtype::F16 {
+            return Err(BackendError::Unsupported {
+                backend: super::NAME,
+                what: format!(
+                    "kv_cache_dtype {} with latent attention (the latent KV pool stays f16)",
+                    self.kv_dtype.name()
+                ),
+            });
+        }
         self.kv = Some(KvPool::new_latent(spec)?);
         Ok(())
     }

@@ -8,6 +8,8 @@ mod buffer;
 pub(crate) use buffer::advise_huge_pages;
 mod family_ops;
 mod kv;
+#[cfg(test)]
+mod kv_int8_tests;
 mod latent_ops;
 mod moe_grouped;
 #[cfg(test)]
@@ -28,7 +30,7 @@ use crate::quant::{FloatActs, QuantizedActs, WeightMatrix};
 use crate::threadpool::{split_range, ThreadPool};
 use npu_backend::{
     AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostTensor,
-    KvSpec, MemInfo, Readback, RouteSpec, StepInputs, View, ViewMut,
+    KvDtype, KvSpec, MemInfo, Readback, RouteSpec, StepInputs, View, ViewMut,
 };
 use npu_gguf::quants::dequantize_row;
 use npu_gguf::GgmlType;
@@ -66,6 +68,8 @@ pub struct CpuBackend {
     /// A contiguous copy of a strided matmul input.
     staging: Vec<f32>,
     kv: Option<KvPool>,
+    /// What `init_kv` stores (`set_kv_dtype`).
+    kv_dtype: KvDtype,
     step: StepInputs,
     /// Which rows `acts` holds quantized, as they were when quantized, and how (`None`:
     /// nothing usable).
@@ -113,6 +117,7 @@ impl CpuBackend {
             act_blocks_weight: [0; 2],
             staging: Vec::new(),
             kv: None,
+            kv_dtype: KvDtype::F16,
             step: StepInputs::default(),
             step_serial: 0,
             rope_tables: Vec::new(),
@@ -507,8 +512,22 @@ impl Backend for CpuBackend {
     }
 
     fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
-        self.kv = Some(KvPool::new(spec)?);
+        self.kv = None;
+        self.kv = Some(KvPool::new(spec, self.kv_dtype)?);
         Ok(())
+    }
+
+    fn set_kv_dtype(&mut self, dtype: KvDtype) -> Result<(), BackendError> {
+        self.kv_dtype = dtype;
+        Ok(())
+    }
+
+    fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
+    }
+
+    fn kv_block_bytes_for(&self, spec: &KvSpec) -> usize {
+        kv::block_bytes_for(spec, self.kv_dtype)
     }
 
     fn kv_block_bytes(&self) -> usize {
@@ -748,6 +767,17 @@ impl Backend for CpuBackend {
             .as_mut()
             .ok_or_else(|| bad(OP, "the KV pool is not initialised (init_kv)".into()))?;
         check_geometry(OP, &kv.spec, g)?;
+        if kv.dtype == KvDtype::Int8 {
+            return kv.write_i8(
+                OP,
+                layer,
+                k.data,
+                k.stride,
+                v.data,
+                v.stride,
+                &self.step.slot_mapping,
+            );
+        }
         let (k_base, v_base) = kv.bases(OP, layer)?;
         let lay = kv.layout();
         attention::kv_write_parallel(
@@ -811,17 +841,15 @@ impl Backend for CpuBackend {
             scale: g.scale,
             window: g.window.map(|w| w as usize),
         };
-        attention::paged_attention(
-            &self.pool,
-            self.isa,
-            &p,
-            q.data,
-            q.stride,
-            &seqs,
-            &kv.data()[k_base..],
-            &kv.data()[v_base..],
-            o.data,
-            o.stride,
+        let cache = match kv.i8_cache(OP, layer)? {
+            Some(c) => attention::KvCache::I8(c),
+            None => attention::KvCache::F16 {
+                k: &kv.data()[k_base..],
+                v: &kv.data()[v_base..],
+            },
+        };
+        attention::paged_attention_kv(
+            &self.pool, self.isa, &p, q.data, q.stride, &seqs, cache, o.data, o.stride,
         )?;
         Ok(())
     }

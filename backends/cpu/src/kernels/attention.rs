@@ -18,8 +18,31 @@ use super::{Isa, KernelError};
 use crate::disjoint::{Tile, TileGrid};
 use crate::threadpool::ThreadPool;
 
+mod int8;
 mod task;
+pub use int8::{dequantize_row_i8, quantize_row_i8, I8Cache};
 use task::{run_task, write_out, Task};
+
+/// The cache a step's attention reads: f16 values, or int8 values with their scales.
+#[derive(Clone, Copy)]
+pub enum KvCache<'a> {
+    F16 { k: &'a [f16], v: &'a [f16] },
+    I8(I8Cache<'a>),
+}
+
+impl KvCache<'_> {
+    /// Whole blocks of `lay` (and, int8, of the scales' layout) the cache holds.
+    fn blocks(&self, lay: &KvLayout) -> usize {
+        match self {
+            KvCache::F16 { k, v } => k.len().min(v.len()) / lay.block_elems(),
+            KvCache::I8(c) => {
+                let values = c.k.len().min(c.v.len()) / lay.block_elems();
+                let scales = c.ks.len().min(c.vs.len()) / c.slay.block_elems().max(1);
+                values.min(scales)
+            }
+        }
+    }
+}
 
 /// Shape of one layer's paged cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -272,8 +295,7 @@ fn check_args(
     q: &[f32],
     ldq: usize,
     seqs: &[AttnSeq],
-    k_cache: &[f16],
-    v_cache: &[f16],
+    cache: &KvCache,
 ) -> Result<(), String> {
     let lay = p.lay;
     if lay.n_kv_heads == 0 || lay.head_dim == 0 || lay.block_size == 0 {
@@ -291,7 +313,7 @@ fn check_args(
             "query rows {ldq} apart hold fewer than {q_cols} values"
         ));
     }
-    let cache_blocks = k_cache.len().min(v_cache.len()) / lay.block_elems();
+    let cache_blocks = cache.blocks(&lay);
     for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.n_q > 0) {
         let last_row = s.q_row + s.n_q - 1;
         if last_row * ldq + q_cols > q.len() {
@@ -333,11 +355,35 @@ pub fn paged_attention(
     out: &mut [f32],
     ldo: usize,
 ) -> Result<(), KernelError> {
+    let cache = KvCache::F16 {
+        k: k_cache,
+        v: v_cache,
+    };
+    paged_attention_kv(pool, isa, p, q, ldq, seqs, cache, out, ldo)
+}
+
+/// `paged_attention` over either cache (an int8 one's kernels: `int8`).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_kv(
+    pool: &ThreadPool,
+    isa: Isa,
+    p: &AttnParams,
+    q: &[f32],
+    ldq: usize,
+    seqs: &[AttnSeq],
+    cache: KvCache,
+    out: &mut [f32],
+    ldo: usize,
+) -> Result<(), KernelError> {
     let bad = |message: String| KernelError::BadShape {
         op: "paged attention",
         message,
     };
-    check_args(p, q, ldq, seqs, k_cache, v_cache).map_err(bad)?;
+    check_args(p, q, ldq, seqs, &cache).map_err(bad)?;
+    let (k_cache, v_cache, i8_cache): (&[f16], &[f16], _) = match cache {
+        KvCache::F16 { k, v } => (k, v, None),
+        KvCache::I8(c) => (&[], &[], Some(c)),
+    };
     let isa = isa.checked();
     let hd = p.lay.head_dim;
     let group = p.n_heads / p.lay.n_kv_heads;
@@ -468,6 +514,7 @@ pub fn paged_attention(
             next_kvh: None,
             k_cache,
             v_cache,
+            i8: i8_cache,
         }
     };
     let task_of = |ci: usize, part: usize, kp: usize| {

@@ -24,11 +24,16 @@ pub(super) struct Task<'a> {
     pub(super) next_kvh: Option<usize>,
     pub(super) k_cache: &'a [f16],
     pub(super) v_cache: &'a [f16],
+    /// An int8 cache (then `k_cache` and `v_cache` are empty).
+    pub(super) i8: Option<super::int8::I8Cache<'a>>,
 }
 
 /// Computes one task into `s.o` (rows x hd, row `tok * (g1 - g0) + g - g0`) and the rows'
 /// softmax statistics.
 pub(super) fn run_task(isa: Isa, t: &Task, s: &mut Scratch) {
+    if let Some(c) = &t.i8 {
+        return super::int8::run_task_i8(t, c, s);
+    }
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` passed `Isa::checked`, so the CPU has these features.
@@ -70,7 +75,7 @@ unsafe fn task_avx2(t: &Task, s: &mut Scratch) {
 
 /// KV blocks asked for ahead of use (a tunable, `NPU_SERVING_ATTN_PREFETCH`).
 #[cfg(target_arch = "x86_64")]
-fn prefetch_blocks() -> usize {
+pub(super) fn prefetch_blocks() -> usize {
     static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BLOCKS.get_or_init(|| {
         std::env::var("NPU_SERVING_ATTN_PREFETCH")
