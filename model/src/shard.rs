@@ -37,6 +37,8 @@ pub struct RankShard {
     pub ff: Range<usize>,
     /// Columns of each expert's FFN (empty without experts).
     pub expert_ff: Range<usize>,
+    /// Columns of the shared experts' FFN (empty without them).
+    pub shared_ff: Range<usize>,
     /// Rows of the output head (vocabulary entries) this rank computes logits for.
     pub vocab: Range<usize>,
     /// Every rank's logit width (the last rank's `vocab` may be shorter: its columns beyond it
@@ -54,6 +56,7 @@ impl RankShard {
             kv_heads: 0..cfg.n_kv_heads,
             ff: 0..cfg.ff,
             expert_ff: 0..cfg.moe.map_or(0, |m| m.expert_ff),
+            shared_ff: 0..cfg.moe.map_or(0, |m| m.shared_ff),
             vocab: 0..cfg.vocab,
             vocab_chunk: cfg.vocab,
         }
@@ -68,6 +71,7 @@ impl RankShard {
         local.ff = self.ff.len();
         if let Some(m) = local.moe.as_mut() {
             m.expert_ff = self.expert_ff.len();
+            m.shared_ff = self.shared_ff.len();
         }
         local
     }
@@ -188,16 +192,11 @@ pub fn shard(
     if size == 1 {
         return Ok(RankShard::whole(cfg));
     }
-    if cfg.mla.is_some() {
-        return Err(ShardError {
-            size,
-            dimension: "latent attention",
-            detail: "tensor parallelism of multi-head latent attention (the deepseek2 \
-                     family) is not implemented: serve it on one rank"
-                .into(),
-        });
-    }
-    let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+    // Latent attention has one KV "head", the latent, which every rank caches whole; each rank
+    // takes its share of the query heads (and their up-projections), whose values fill
+    // `v_head_dim` columns of the output projection each.
+    let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+    let hd = cfg.mla.map_or(cfg.head_dim, |m| m.v_head_dim);
     let group = nh / nkv;
     let (q_heads, kv_heads) = if nkv >= size {
         let kv = balanced(nkv, size, rank);
@@ -269,6 +268,17 @@ pub fn shard(
             "ffn_down_exps",
         )?,
     };
+    let shared_ff = match cfg.moe {
+        Some(m) if m.shared_ff > 0 => ffn_columns(
+            m.shared_ff,
+            &layer_types(f, cfg, "ffn_down_shexp.weight"),
+            size,
+            rank,
+            "shared experts' FFN width",
+            "ffn_down_shexp",
+        )?,
+        _ => 0..0,
+    };
     let chunk = cfg.vocab.div_ceil(size);
     let vocab = (rank * chunk).min(cfg.vocab)..((rank + 1) * chunk).min(cfg.vocab);
     if vocab.is_empty() {
@@ -285,6 +295,7 @@ pub fn shard(
         kv_heads,
         ff,
         expert_ff,
+        shared_ff,
         vocab,
         vocab_chunk: chunk,
     })
@@ -418,6 +429,33 @@ mod tests {
             "d",
         );
         assert_eq!(r.unwrap(), 512..1024);
+    }
+
+    #[test]
+    fn latent_attention_splits_its_heads_and_keeps_the_latent_whole() {
+        // deepseek2-like: 8 heads over one latent row of 64 + 16, values of 32 per head.
+        let mut c = cfg(8, 1, 80, 128, 100);
+        c.mla = Some(crate::MlaSpec {
+            q_lora_rank: 32,
+            kv_lora_rank: 64,
+            qk_nope: 32,
+            qk_rope: 16,
+            v_head_dim: 32,
+        });
+        c.moe = Some(MoeSpec {
+            shared_ff: 64,
+            dense_lead: 1,
+            ..MoeSpec::softmax_top_k(8, 2, 32)
+        });
+        let s = shard(&c, None, 2, 1).unwrap();
+        assert_eq!((s.q_heads.clone(), s.kv_heads.clone()), (4..8, 0..1));
+        assert_eq!((s.ff.clone(), s.expert_ff.clone()), (64..128, 16..32));
+        assert_eq!(s.shared_ff, 32..64);
+        let l = s.local_config(&c);
+        assert_eq!((l.n_heads, l.n_kv_heads, l.head_dim), (4, 1, 80));
+        assert_eq!(l.moe.unwrap().shared_ff, 32);
+        // Heads that do not divide over the ranks are refused.
+        assert!(shard(&c, None, 3, 0).is_err());
     }
 
     #[test]

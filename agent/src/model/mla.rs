@@ -14,8 +14,10 @@ use npu_model::{MlaSpec, ModelConfig};
 
 use super::runner::project;
 use super::weights::{
-    matrix, moe_ffn, part, single, vector, Attn, Experts, Ffn, Layer, Part, Proj, Src,
+    matrix, moe_ffn, part, rows_of, single, vector, with_cols, Attn, Experts, Ffn, Layer, Part,
+    Proj, Src,
 };
+use npu_model::shard::RankShard;
 use super::ModelError;
 
 /// One layer's latent attention weights.
@@ -79,18 +81,21 @@ fn row_slices<'p>(
         .collect()
 }
 
-/// Layer `i` of a deepseek2 model: latent attention, then the dense FFN (the leading layers)
-/// or the routed and shared experts.
+/// Layer `i` of a deepseek2 model, `shard`'s part of it: latent attention (its query heads;
+/// the latent's projection whole, as every rank caches the whole latent), then the dense FFN
+/// (the leading layers) or the routed and shared experts (their columns of `shard`).
 pub(super) fn load_layer<B: Backend>(
     f: &Src<'_>,
     b: &mut B,
     cfg: &ModelConfig,
     m: MlaSpec,
+    shard: &RankShard,
     i: usize,
     buf: &mut Vec<u8>,
 ) -> Result<Layer<B>, ModelError> {
     let n = |s: &str| format!("blk.{i}.{s}");
     let (h, heads) = (cfg.hidden, cfg.n_heads);
+    let mine = shard.q_heads.clone();
     let qk = m.qk_nope + m.qk_rope;
     let (q_a, q_in) = if m.q_lora_rank > 0 {
         let a = single(b, part(f, &n("attn_q_a.weight"), h, m.q_lora_rank)?.host())?;
@@ -105,8 +110,9 @@ pub(super) fn load_layer<B: Backend>(
         n("attn_q.weight")
     };
     let q = part(f, &q_name, q_in, heads * qk)?;
-    let nope: Vec<_> = (0..heads).map(|hd| hd * qk..hd * qk + m.qk_nope).collect();
-    let rope: Vec<_> = (0..heads)
+    let nope: Vec<_> = mine.clone().map(|hd| hd * qk..hd * qk + m.qk_nope).collect();
+    let rope: Vec<_> = mine
+        .clone()
         .map(|hd| hd * qk + m.qk_nope..(hd + 1) * qk)
         .collect();
     let q_nope = matrix(b, &row_slices(&q, &nope, &q_name)?)?;
@@ -120,28 +126,28 @@ pub(super) fn load_layer<B: Backend>(
     let kv_a_norm = vector(f, b, &n("attn_kv_a_norm.weight"), latent)?;
     let k_bs = Experts::read(f, &n("attn_k_b.weight"), m.qk_nope, latent, heads)?;
     let v_bs = Experts::read(f, &n("attn_v_b.weight"), latent, m.v_head_dim, heads)?;
-    let mut k_b = Vec::with_capacity(heads);
-    let mut v_b = Vec::with_capacity(heads);
-    for hd in 0..heads {
+    let mut k_b = Vec::with_capacity(mine.len());
+    let mut v_b = Vec::with_capacity(mine.len());
+    for hd in mine.clone() {
         k_b.push(single(b, k_bs.expert(hd)?.host())?);
         v_b.push(single(b, v_bs.expert(hd)?.host())?);
     }
-    let wo = single(
-        b,
-        part(f, &n("attn_output.weight"), heads * m.v_head_dim, h)?.host(),
-    )?;
+    let wo = part(f, &n("attn_output.weight"), heads * m.v_head_dim, h)?;
+    let wo_cols = mine.start * m.v_head_dim..mine.end * m.v_head_dim;
+    let wo = single(b, with_cols(&wo, &wo_cols, &n("attn_output"), buf)?)?;
     let moe = cfg.moe.ok_or_else(|| {
         ModelError::Inconsistent("a deepseek2 model without its experts' settings".into())
     })?;
     let ffn = if moe.is_moe_layer(i) {
-        moe_ffn(f, b, &n, h, moe, &(0..moe.expert_ff), buf)?
+        moe_ffn(f, b, &n, h, moe, shard, buf)?
     } else {
-        let gate = part(f, &n("ffn_gate.weight"), h, cfg.ff)?;
-        let up = part(f, &n("ffn_up.weight"), h, cfg.ff)?;
+        let ffr = &shard.ff;
+        let gate = rows_of(part(f, &n("ffn_gate.weight"), h, cfg.ff)?, ffr, "gate")?;
+        let up = rows_of(part(f, &n("ffn_up.weight"), h, cfg.ff)?, ffr, "up")?;
         let down = part(f, &n("ffn_down.weight"), cfg.ff, h)?;
         Ffn::Dense {
             gate_up: matrix(b, &[gate.host(), up.host()])?,
-            down: single(b, down.host())?,
+            down: single(b, with_cols(&down, ffr, &n("ffn_down"), buf)?)?,
         }
     };
     Ok(Layer {

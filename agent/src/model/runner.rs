@@ -611,6 +611,9 @@ impl<B: Backend> Model<B> {
                         &layer.wo,
                         ViewMut::rows(&mut bufs.tmp, t, h)?,
                     )?;
+                    if let Some(tp) = tp.as_deref_mut() {
+                        tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                    }
                     residual_add(b, bufs, None, eps, t, h)?;
                     b.rms_norm(
                         View::rows(&bufs.x, t, h)?,
@@ -619,6 +622,9 @@ impl<B: Backend> Model<B> {
                         ViewMut::rows(&mut bufs.xn, t, h)?,
                     )?;
                     ffn(b, bufs, &layer.ffn, cfg, t, h)?;
+                    if let Some(tp) = tp.as_deref_mut() {
+                        tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                    }
                     residual_add(b, bufs, None, eps, t, h)?;
                     continue;
                 }

@@ -375,7 +375,7 @@ fn cols_of(
 }
 
 /// The columns `c` of `t` as a tensor (borrowing `buf` when they had to be copied).
-fn with_cols<'a>(
+pub(super) fn with_cols<'a>(
     t: &'a Part<'_>,
     c: &Range<usize>,
     name: &str,
@@ -473,7 +473,7 @@ impl<B: Backend> Weights<B> {
         for i in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{i}.{s}");
             if let Some(mla) = cfg.mla {
-                layers.push(super::mla::load_layer(f, b, cfg, mla, i, &mut buf)?);
+                layers.push(super::mla::load_layer(f, b, cfg, mla, shard, i, &mut buf)?);
                 release_layer(file, i);
                 continue;
             }
@@ -538,7 +538,7 @@ impl<B: Backend> Weights<B> {
                         down: single(b, with_cols(&down, ffr, &n("ffn_down"), &mut buf)?)?,
                     }
                 }
-                Some(moe) => moe_ffn(f, b, &n, h, moe, &shard.expert_ff, &mut buf)?,
+                Some(moe) => moe_ffn(f, b, &n, h, moe, shard, &mut buf)?,
             };
             let attn_norm = vector(f, b, &n("attn_norm.weight"), h)?;
             let ffn_norm = vector(f, b, &n("ffn_norm.weight"), h)?;
@@ -643,17 +643,19 @@ impl<'a> Experts<'a> {
     }
 }
 
-/// A Qwen3-MoE layer's router (whole) and experts (each expert's gate and up fused into one
-/// matrix), each expert's FFN columns `ffr`.
+/// An MoE layer's router and selection bias (whole) and experts (each expert's gate and up
+/// fused into one matrix), each expert's FFN columns of `shard`, and the shared experts' (their
+/// columns of `shard`).
 pub(super) fn moe_ffn<B: Backend>(
     f: &Src<'_>,
     b: &mut B,
     n: &dyn Fn(&str) -> String,
     h: usize,
     moe: npu_model::MoeSpec,
-    ffr: &Range<usize>,
+    shard: &RankShard,
     buf: &mut Vec<u8>,
 ) -> Result<Ffn<B>, ModelError> {
+    let ffr = &shard.expert_ff;
     let (ne, ff) = (moe.n_experts, moe.expert_ff);
     let router = single(b, part(f, &n("ffn_gate_inp.weight"), h, ne)?.host())?;
     let gates = Experts::read(f, &n("ffn_gate_exps.weight"), h, ff, ne)?;
@@ -682,13 +684,12 @@ pub(super) fn moe_ffn<B: Backend>(
     let shared = match moe.shared_ff {
         0 => None,
         sff => {
-            let gate = part(f, &n("ffn_gate_shexp.weight"), h, sff)?;
-            let up = part(f, &n("ffn_up_shexp.weight"), h, sff)?;
+            let sr = &shard.shared_ff;
+            let gate = rows_of(part(f, &n("ffn_gate_shexp.weight"), h, sff)?, sr, "gate")?;
+            let up = rows_of(part(f, &n("ffn_up_shexp.weight"), h, sff)?, sr, "up")?;
             let down = part(f, &n("ffn_down_shexp.weight"), sff, h)?;
-            Some((
-                matrix(b, &[gate.host(), up.host()])?,
-                single(b, down.host())?,
-            ))
+            let down = single(b, with_cols(&down, sr, &n("ffn_down_shexp"), buf)?)?;
+            Some((matrix(b, &[gate.host(), up.host()])?, down))
         }
     };
     Ok(Ffn::Moe {
