@@ -195,6 +195,7 @@ fn spec(agent_id: u32) -> AgentSpec {
             threads: 1,
             long_context: None,
             quantize: None,
+            kv_cache_dtype: Default::default(),
         },
     )
 }

@@ -190,6 +190,7 @@ impl Harness {
             threads: 1,
             long_context: None,
             quantize: None,
+            kv_cache_dtype: Default::default(),
         };
         let faults = Arc::new(Mutex::new(faults));
         let agent = InProcessAgent {

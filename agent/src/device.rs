@@ -11,7 +11,9 @@
 
 use std::sync::Arc;
 
-use npu_backend::{Backend, BackendError, Collective, HostCollective, HostStaged, StepInputs};
+use npu_backend::{
+    Backend, BackendError, Collective, HostCollective, HostStaged, KvDtype, StepInputs,
+};
 use npu_backend_cpu::threadpool::ThreadPool;
 use npu_backend_cpu::{CpuBackend, CpuConfig};
 use npu_gguf::GgufFile;
@@ -184,6 +186,19 @@ impl DeviceModel {
         opts: ModelOptions,
         tp: Option<TpSetup>,
     ) -> Result<Self, ModelError> {
+        Self::load_shard_kv(file, spec, pool, opts, tp, KvDtype::F16)
+    }
+
+    /// `load_shard` with the KV pool storing `kv` (`npu_serving.kv_cache_dtype`; a backend
+    /// that does not store it refuses it by name before the weights load).
+    pub fn load_shard_kv(
+        file: &Checkpoint,
+        spec: DeviceSpec,
+        pool: &Arc<ThreadPool>,
+        opts: ModelOptions,
+        tp: Option<TpSetup>,
+        kv: KvDtype,
+    ) -> Result<Self, ModelError> {
         match spec.kind {
             DeviceKind::Cpu => {
                 if spec.device_id != 0 {
@@ -196,7 +211,8 @@ impl DeviceModel {
                     threads: pool.threads(),
                     f32_reference: false,
                 };
-                let backend = CpuBackend::on_pool(pool.clone(), cfg);
+                let mut backend = CpuBackend::on_pool(pool.clone(), cfg);
+                backend.set_kv_dtype(kv)?;
                 let tp = tp.and_then(TpSetup::staged);
                 Ok(Self::Cpu(Box::new(Model::load_checkpoint(
                     file, backend, opts, tp,
@@ -210,6 +226,7 @@ impl DeviceModel {
                     message,
                 })?;
                 let mut backend = CudaBackend::new(spec.device_id as usize, cfg)?;
+                backend.set_kv_dtype(kv)?;
                 let tp = match tp {
                     Some(tp) => tp.device(&mut backend, crate::collectives::nccl)?,
                     None => None,
@@ -227,6 +244,7 @@ impl DeviceModel {
                     agent_index: 0,
                     ..AscendConfig::default()
                 })?;
+                backend.set_kv_dtype(kv)?;
                 let tp = match tp {
                     Some(tp) => tp.device(&mut backend, crate::collectives::hccl)?,
                     None => None,

@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-pub use npu_protocol::agent::{AgentEngineConfig, KvFacts, ModelFacts};
+pub use npu_protocol::agent::{AgentEngineConfig, KvCacheDtype, KvFacts, ModelFacts};
 use npu_protocol::shm::HandoffRegion;
 use npu_protocol::{
     PlanSource, SamplingParams, SeqResult, StepResult, StepTiming, StepTransfer, TokenLogprob,
@@ -26,6 +26,7 @@ use crate::sampler::{
     has_penalties, is_plain_greedy, SampleOutput, Sampler, SamplerError, TokenHistory,
 };
 use crate::step_input::{StepError, StepLimits, StepRead};
+use npu_backend::KvDtype;
 use npu_backend_cpu::threadpool::{PoolError, ThreadPool};
 use npu_gguf::{GgufError, GgufFile};
 use npu_model::{Checkpoint, LoadOptions};
@@ -363,7 +364,11 @@ impl AgentEngine {
         let tp = tensor_parallel(cfg, &file)?;
         let rank = cfg.tensor_parallel.as_ref().map_or(0, |t| t.rank);
         let started = std::time::Instant::now();
-        let mut model = DeviceModel::load_shard(&file, spec, &pool, opts, tp)?;
+        let kv_dtype = match cfg.kv_cache_dtype {
+            KvCacheDtype::Auto | KvCacheDtype::F16 => KvDtype::F16,
+            KvCacheDtype::Int8 => KvDtype::Int8,
+        };
+        let mut model = DeviceModel::load_shard_kv(&file, spec, &pool, opts, tp, kv_dtype)?;
         if let Some(q) = file.options().quantize {
             tracing::info!(
                 format = q.name(),

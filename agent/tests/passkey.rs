@@ -80,6 +80,7 @@ fn engine_config(tokens: usize, long: bool) -> AgentEngineConfig {
         kv_memory_fraction: None,
         tensor_parallel: None,
         quantize: None,
+        kv_cache_dtype: Default::default(),
     }
 }
 

@@ -111,6 +111,55 @@ pub struct AgentEngineConfig {
     /// (q8_0, q4_k, q4_0); None: as stored.
     #[serde(default)]
     pub quantize: Option<String>,
+    /// `npu_serving.kv_cache_dtype`: what the KV pool stores (`auto`: f16 today).
+    #[serde(default)]
+    pub kv_cache_dtype: KvCacheDtype,
+}
+
+/// `npu_serving.kv_cache_dtype`: what each agent's KV pool stores. `auto` is f16 today; `int8`
+/// (the CPU backend only) stores one byte a value and one f16 scale per token and KV head, about
+/// half the bytes of f16 per token.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCacheDtype {
+    #[default]
+    Auto,
+    F16,
+    Int8,
+}
+
+impl KvCacheDtype {
+    /// `auto`, `f16` or `int8` (any case).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Some(Self::Auto),
+            "f16" => Some(Self::F16),
+            "int8" => Some(Self::Int8),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::F16 => "f16",
+            Self::Int8 => "int8",
+        }
+    }
+}
+
+impl std::fmt::Display for KvCacheDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s)
+            .ok_or_else(|| format!("{s:?} is not a KV cache dtype: one of auto, f16, int8"))
+    }
 }
 
 /// An agent's place in a tensor-parallel group: its rank, the group's size and the group's

@@ -611,6 +611,7 @@ fn agent_specs(
                 handoff: handoff.clone(),
                 kv_memory_fraction: cfg.npu_serving.kv_cache_memory_fraction,
                 quantize: cfg.npu_serving.quantize.clone(),
+                kv_cache_dtype: cfg.npu_serving.kv_cache_dtype,
                 tensor_parallel: group_regions.get(i / tp).map(|region| TensorParallelSpec {
                     rank: (i % tp) as u32,
                     size: tp as u32,

@@ -77,6 +77,7 @@ fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
         threads: 1,
         long_context: None,
         quantize: None,
+        kv_cache_dtype: Default::default(),
     }
 }
 

@@ -76,6 +76,7 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<()> {
         kv_memory_fraction: None,
         tensor_parallel: None,
         quantize: None,
+        kv_cache_dtype: args.kv_cache_dtype[0],
     };
     let mut rep = LongContextReport {
         long_context: LongContextSummary {

@@ -19,7 +19,7 @@ use crate::inproc::{self, Arrival, RunOutput, RunTiming};
 use npu_backend_cpu::kernels::Isa;
 use npu_backend_cpu::roofline;
 use npu_backend_cpu::threadpool::ThreadPool;
-use npu_protocol::agent::DeviceKind;
+use npu_protocol::agent::{DeviceKind, KvCacheDtype};
 use npu_scheduler::GenerateRequest;
 
 #[derive(Debug, Args)]
@@ -86,6 +86,17 @@ pub struct BenchModelArgs {
     /// steps a fraction of a second apart; `--device cpu` only).
     #[arg(long, value_name = "N")]
     pub bandwidth_rounds: Option<usize>,
+    /// What the KV pool stores: auto (f16), f16 or int8. Two of them (e.g. `f16,int8`): instead
+    /// of the rest, batch-1 decode at `--kv-contexts` with one engine per dtype, alternately,
+    /// `--kv-rounds` rounds, the best round of each and their ratio (`bench_kv_dtype`).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![KvCacheDtype::Auto])]
+    pub kv_cache_dtype: Vec<KvCacheDtype>,
+    /// Contexts (tokens) the `--kv-cache-dtype A,B` comparison decodes at.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![8192, 32768])]
+    pub kv_contexts: Vec<usize>,
+    /// Rounds of the `--kv-cache-dtype A,B` comparison (the best is reported).
+    #[arg(long, default_value_t = 2)]
+    pub kv_rounds: usize,
 }
 
 /// The longest prompt `--long-prompts` takes: what one sequence's blocks hold in this bench's
@@ -363,6 +374,11 @@ pub fn peak_rss_mb() -> f64 {
 }
 
 pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
+    match args.kv_cache_dtype.len() {
+        1 => {}
+        2 => return super::bench_kv_dtype::run(&args),
+        n => anyhow::bail!("--kv-cache-dtype takes one dtype, or two to compare (got {n})"),
+    }
     if args.long_context {
         return super::bench_long_context::run(&args);
     }
@@ -415,6 +431,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         kv_memory_fraction: None,
         tensor_parallel: None,
         quantize: args.quantize.clone(),
+        kv_cache_dtype: args.kv_cache_dtype[0],
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

@@ -127,6 +127,7 @@ pub fn run(args: BenchSpecArgs) -> anyhow::Result<()> {
         kv_memory_fraction: None,
         tensor_parallel: None,
         quantize: None,
+        kv_cache_dtype: Default::default(),
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let mut report = Report {

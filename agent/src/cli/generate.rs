@@ -100,6 +100,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         kv_memory_fraction: None,
         tensor_parallel: None,
         quantize: args.quantize.clone(),
+        kv_cache_dtype: Default::default(),
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;

@@ -11,8 +11,8 @@
 //! vocabulary rows) are gathered into rank 0's host memory, where they are sampled.
 
 use npu_backend::{
-    AttnGeometry, Backend, Collective, DType, HostSlice, HostSliceMut, KvSpec, Readback, RouteSpec,
-    StepInputs, View, ViewMut,
+    AttnGeometry, Backend, Collective, DType, HostSlice, HostSliceMut, KvDtype, KvSpec, Readback,
+    RouteSpec, StepInputs, View, ViewMut,
 };
 use npu_gguf::GgufFile;
 use npu_model::shard::RankShard;
@@ -793,6 +793,14 @@ fn init_kv_pool<B: Backend>(
         n_kv_heads: cfg.n_kv_heads,
         head_dim: cfg.head_dim,
     };
+    let dtype = backend.kv_dtype();
+    if cfg.mla.is_some() && dtype != KvDtype::F16 {
+        return Err(ModelError::Unsupported(format!(
+            "kv_cache_dtype {} with latent attention ({}): the latent KV pool stays f16",
+            dtype.name(),
+            cfg.arch.name()
+        )));
+    }
     let block_bytes = match cfg.mla {
         None => backend.kv_block_bytes_for(&spec),
         Some(_) => backend.latent_kv_block_bytes_for(&spec),
@@ -813,7 +821,22 @@ fn init_kv_pool<B: Backend>(
         );
     }
     match cfg.mla {
-        None => backend.init_kv(spec)?,
+        None => {
+            if dtype != KvDtype::F16 {
+                let f16 = spec.f16_block_bytes();
+                tracing::info!(
+                    kv_cache_dtype = dtype.name(),
+                    block_bytes,
+                    f16_block_bytes = f16,
+                    tokens_ratio = format!("{:.2}", f16 as f64 / block_bytes.max(1) as f64),
+                    num_blocks = spec.num_blocks,
+                    "KV pool of {}: values and their per-token scales (tokens_ratio times the \
+                     tokens of an f16 pool in the same memory)",
+                    dtype.name()
+                );
+            }
+            backend.init_kv(spec)?
+        }
         Some(m) => {
             // What a dense model of the same heads would store per token and layer: every
             // head's key and value.

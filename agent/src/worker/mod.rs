@@ -257,6 +257,7 @@ mod tests {
             threads: 1,
             long_context: None,
             quantize: None,
+            kv_cache_dtype: Default::default(),
         }
     }
 

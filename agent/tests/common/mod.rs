@@ -90,6 +90,7 @@ pub fn engine_config(max_slots: u32, num_blocks: u32) -> AgentEngineConfig {
         threads: 0,
         long_context: None,
         quantize: None,
+        kv_cache_dtype: Default::default(),
     }
 }
 

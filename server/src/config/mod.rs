@@ -115,7 +115,7 @@ impl Default for PaConfig {
     }
 }
 
-pub use npu_protocol::agent::DeviceKind;
+pub use npu_protocol::agent::{DeviceKind, KvCacheDtype};
 
 /// The context limit in long-context mode when no key sets a lower one (prompt + generated
 /// tokens of one request).
@@ -161,6 +161,8 @@ pub struct NpuServingConfig {
     /// `quantize`: float weight matrices quantized into this format while loading (q8_0, q4_k,
     /// q4_0); None (`none`): as stored.
     pub quantize: Option<String>,
+    /// `kv_cache_dtype`: what the KV pools store (auto = f16; int8 on the CPU backend only).
+    pub kv_cache_dtype: KvCacheDtype,
     pub device: DeviceKind,
     /// Threads each agent uses; 0 = all cores divided among the agents.
     pub threads_per_agent: u32,
@@ -228,6 +230,7 @@ impl Default for NpuServingConfig {
         Self {
             model_file: None,
             quantize: None,
+            kv_cache_dtype: KvCacheDtype::Auto,
             device: DeviceKind::Cpu,
             threads_per_agent: 0,
             max_tokens_per_step: 128,

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
-use npu_protocol::agent::MAX_KV_MEMORY_FRACTION;
+use npu_protocol::agent::{KvCacheDtype, MAX_KV_MEMORY_FRACTION};
 use npu_protocol::shm::group::MAX_GROUP_RANKS;
 use npu_protocol::LongContextConfig;
 use serde_yaml::Value;
@@ -523,6 +523,19 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
                 ))
             }
         };
+    }
+    if let Some(v) = s.string("kv_cache_dtype")? {
+        let path = s.key_path("kv_cache_dtype");
+        c.kv_cache_dtype = KvCacheDtype::parse(&v).ok_or_else(|| {
+            ConfigError::not_allowed(&path, format!("{v:?}"), "one of auto, f16, int8")
+        })?;
+        if c.kv_cache_dtype == KvCacheDtype::Int8 && c.device != DeviceKind::Cpu {
+            return Err(ConfigError::not_allowed(
+                &path,
+                format!("{v:?}"),
+                "auto or f16 on this device (the int8 KV cache is built on the CPU backend only)",
+            ));
+        }
     }
     if let Some(v) = s.u64("threads_per_agent")? {
         c.threads_per_agent = to_u32(&s.key_path("threads_per_agent"), v, 0)?;
