@@ -51,6 +51,13 @@ crate::api_table! {
             fn aclsysGetCANNVersion(name: aclCANNPackageName, version: *mut aclCANNPackageVersion) -> aclError;
             fn aclsysGetVersionStr(pkgName: *mut c_char, versionStr: *mut c_char) -> aclError;
             fn aclsysGetVersionNum(pkgName: *mut c_char, versionNum: *mut i32) -> aclError;
+            // ACL graph: stream capture into a model run instance and its replay (CANN 8.1+,
+            // documented as a trial feature; "aclmdlRICaptureBegin", "aclmdlRICaptureEnd",
+            // "aclmdlRIExecuteAsync", "aclmdlRIDestroy").
+            fn aclmdlRICaptureBegin(stream: aclrtStream, mode: aclmdlRICaptureMode) -> aclError;
+            fn aclmdlRICaptureEnd(stream: aclrtStream, modelRI: *mut aclmdlRI) -> aclError;
+            fn aclmdlRIExecuteAsync(modelRI: aclmdlRI, stream: aclrtStream) -> aclError;
+            fn aclmdlRIDestroy(modelRI: aclmdlRI) -> aclError;
         }
     }
 }

@@ -18,6 +18,8 @@ pub type aclrtStream = *mut c_void;
 pub type aclrtEvent = *mut c_void;
 /// `typedef void *aclrtContext;`
 pub type aclrtContext = *mut c_void;
+/// `typedef void *aclmdlRI;` (a model run instance: what stream capture records).
+pub type aclmdlRI = *mut c_void;
 /// `typedef uint16_t aclFloat16;`
 pub type aclFloat16 = u16;
 
@@ -75,6 +77,17 @@ pub const ACL_FORMAT_FRACTAL_NZ: aclFormat = 29;
 pub const ACL_FORMAT_NCDHW: aclFormat = 30;
 pub const ACL_FORMAT_NC: aclFormat = 35;
 pub const ACL_FORMAT_NCL: aclFormat = 47;
+
+// ---- aclmdlRICaptureMode (acl_mdl.h; ACL graph capture, CANN 8.1+) ---------------------------
+/// Which threads may call the functions unsafe while a stream captures (`aclrtMemset`,
+/// `aclrtMemcpy`, `aclrtMemcpy2d`, asynchronous copies of memory that is not pinned).
+pub type aclmdlRICaptureMode = c_uint;
+/// No thread may call them.
+pub const ACL_MODEL_RI_CAPTURE_MODE_GLOBAL: aclmdlRICaptureMode = 0;
+/// The capturing thread may not call them.
+pub const ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL: aclmdlRICaptureMode = 1;
+/// Every thread may call them.
+pub const ACL_MODEL_RI_CAPTURE_MODE_RELAXED: aclmdlRICaptureMode = 2;
 
 // ---- aclrtMemcpyKind (acl_rt.h) -----------------------------------------------------------
 pub type aclrtMemcpyKind = c_uint;
@@ -141,6 +154,10 @@ pub const ACL_ERROR_RT_STREAM_CONTEXT: aclError = 107003;
 pub const ACL_ERROR_RT_ADDR_UNALIGNED: aclError = 107008;
 pub const ACL_ERROR_RT_INVALID_MEMORY_TYPE: aclError = 107016;
 pub const ACL_ERROR_RT_INVALID_HANDLE: aclError = 107017;
+/// The stream is not capturing (`aclmdlRICaptureEnd` without a begin on it).
+pub const ACL_ERROR_RT_STREAM_NOT_CAPTURED: aclError = 107029;
+/// The stream is capturing and the capture mode does not permit the operation.
+pub const ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT: aclError = 107030;
 pub const ACL_ERROR_RT_FEATURE_NOT_SUPPORT: aclError = 207000;
 pub const ACL_ERROR_RT_MEMORY_ALLOCATION: aclError = 207001;
 pub const ACL_ERROR_RT_AICORE_EXCEPTION: aclError = 507015;
@@ -182,6 +199,8 @@ pub fn status_name(code: i32) -> &'static str {
         107008 => "ACL_ERROR_RT_ADDR_UNALIGNED",
         107016 => "ACL_ERROR_RT_INVALID_MEMORY_TYPE",
         107017 => "ACL_ERROR_RT_INVALID_HANDLE",
+        107029 => "ACL_ERROR_RT_STREAM_NOT_CAPTURED",
+        107030 => "ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT",
         207000 => "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
         207001 => "ACL_ERROR_RT_MEMORY_ALLOCATION",
         507015 => "ACL_ERROR_RT_AICORE_EXCEPTION",

@@ -305,6 +305,11 @@ fn check_args(
     let s = st
         .resolve_stream(stream as u64)
         .map_err(|f| (HCCL_E_PARA, f.msg))?;
+    if st.captures.contains_key(&s) {
+        return para(format!(
+            "{what}: the stream is capturing (aclmdlRICaptureBegin): the emulation does not capture collectives"
+        ));
+    }
     if st.streams[&s].device != c.device {
         return para(format!(
             "{what}: the stream is on device {}, the communicator's rank {} on device {}",

@@ -15,6 +15,11 @@
 //! every object never destroyed; operators need `ASCEND_OPP_PATH` (as `set_env.sh` exports it). See
 //! `state`, `rt`, `install`, `objects` and `ops` for each rule.
 //!
+//! ACL graph capture (`aclmdlRICaptureBegin/End`, `aclmdlRIExecuteAsync`, `aclmdlRIDestroy`) is
+//! emulated too: a capturing stream records its work instead of running it, the calls the
+//! capture mode forbids fail, and a replay runs the record against the captured addresses
+//! (`capture`).
+//!
 //! HCCL (`libhccl.so`, linked to the same file) is emulated too: communicators from a root info,
 //! all-reduce and all-gather on device memory, strict about every rank calling the same
 //! collectives in the same order, across threads or processes (`hccl`, `hccl_comm`). A
@@ -30,6 +35,7 @@
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
+pub mod capture;
 pub mod hccl;
 pub mod hccl_comm;
 pub mod install;

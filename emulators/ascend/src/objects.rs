@@ -186,6 +186,7 @@ impl State {
         for c in self.hccl_comms.values() {
             out.push(format!("{c} never destroyed (HcclCommDestroy)"));
         }
+        out.extend(self.capture_leaks());
         let mut execs: Vec<_> = self.executors.iter().collect();
         execs.sort_by_key(|(h, _)| **h);
         for (h, e) in execs {

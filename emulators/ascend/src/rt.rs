@@ -330,6 +330,7 @@ pub extern "C" fn aclrtDestroyStream(stream: aclrtStream) -> aclError {
                 format!("{s:#x} is not a stream made by aclrtCreateStream"),
             );
         }
+        st.check_not_capturing(s, "aclrtDestroyStream")?;
         if !st.streams[&s].queue.is_empty() || st.busy.contains_key(&s) {
             return fail(
                 ACL_ERROR_RT_PARAM_INVALID,
@@ -353,7 +354,9 @@ pub extern "C" fn aclrtSynchronizeStream(stream: aclrtStream) -> aclError {
     finish(
         locked(|st| {
             st.require_init()?;
-            st.resolve_stream(stream as u64)
+            let s = st.resolve_stream(stream as u64)?;
+            st.check_not_capturing(s, "aclrtSynchronizeStream")?;
+            Ok(s)
         })
         .and_then(|s| synchronize_streams(&[s])),
     )
@@ -365,12 +368,16 @@ pub extern "C" fn aclrtSynchronizeDevice() -> aclError {
         locked(|st| {
             st.require_init()?;
             let device = st.current_context()?.1.device;
-            Ok(st
+            let ids = st
                 .streams
                 .iter()
                 .filter(|(_, s)| s.device == device)
                 .map(|(k, _)| *k)
-                .collect::<Vec<u64>>())
+                .collect::<Vec<u64>>();
+            for &s in &ids {
+                st.check_not_capturing(s, "aclrtSynchronizeDevice")?;
+            }
+            Ok(ids)
         })
         .and_then(|ids| synchronize_streams(&ids)),
     )
@@ -423,6 +430,7 @@ pub extern "C" fn aclrtRecordEvent(event: aclrtEvent, stream: aclrtStream) -> ac
         let e = event as u64;
         check_event(st, e)?;
         let s = st.resolve_stream(stream as u64)?;
+        st.check_not_capturing(s, "aclrtRecordEvent")?;
         st.events.get_mut(&e).expect("checked").recorded = false;
         st.enqueue(
             s,
@@ -483,6 +491,7 @@ pub extern "C" fn aclrtStreamWaitEvent(stream: aclrtStream, event: aclrtEvent) -
         let e = event as u64;
         check_event(st, e)?;
         let s = st.resolve_stream(stream as u64)?;
+        st.check_not_capturing(s, "aclrtStreamWaitEvent")?;
         st.enqueue(
             s,
             Task {
@@ -548,6 +557,7 @@ pub unsafe extern "C" fn aclrtMalloc(
         if devPtr.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "aclrtMalloc: null out-pointer");
         }
+        st.check_unsafe_call("aclrtMalloc")?;
         let a = st.malloc(size as u64)?;
         // SAFETY: checked non-null.
         unsafe { *devPtr = a as *mut c_void };
@@ -560,6 +570,7 @@ pub extern "C" fn aclrtFree(devPtr: *mut c_void) -> aclError {
     run(|st| {
         st.require_init()?;
         let a = devPtr as u64;
+        st.check_unsafe_call("aclrtFree")?;
         if !st.device_mem.contains_key(&a) {
             st.device_range(a, 0, "aclrtFree")?;
             return fail(
@@ -702,6 +713,7 @@ pub unsafe extern "C" fn aclrtMemcpy(
     run(|st| {
         st.require_init()?;
         st.current_context()?;
+        st.check_unsafe_call("aclrtMemcpy")?;
         if count > destMax {
             return fail(
                 ACL_ERROR_INVALID_PARAM,
@@ -800,14 +812,12 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
             Side::Host => unsafe { std::ptr::write_bytes(dst as *mut u8, POISON, count) },
         }
         let (dst, src) = (dst as u64, src as u64);
-        st.enqueue(
+        st.submit(
             sid,
-            Task {
-                name: format!("aclrtMemcpyAsync({dst:#x} <- {src:#x}, {count} bytes)"),
-                reads,
-                writes,
-                run: Box::new(move |st| copy_now(st, d, dst, s, src, count)),
-            },
+            format!("aclrtMemcpyAsync({dst:#x} <- {src:#x}, {count} bytes)"),
+            reads,
+            writes,
+            Box::new(move || Box::new(move |st| copy_now(st, d, dst, s, src, count))),
         );
         Ok(())
     })
@@ -833,6 +843,7 @@ pub extern "C" fn aclrtMemset(
     run(|st| {
         st.require_init()?;
         st.current_context()?;
+        st.check_unsafe_call("aclrtMemset")?;
         memset_check(st, devPtr as u64, maxCount, count, "aclrtMemset")?;
         st.check_no_pending(devPtr as u64, count as u64, true, "aclrtMemset")?;
         st.bytes_mut(devPtr as u64, count as u64)?.fill(value as u8);
@@ -853,17 +864,17 @@ pub extern "C" fn aclrtMemsetAsync(
         let sid = st.resolve_stream(stream as u64)?;
         memset_check(st, devPtr as u64, maxCount, count, "aclrtMemsetAsync")?;
         let p = devPtr as u64;
-        st.enqueue(
+        st.submit(
             sid,
-            Task {
-                name: format!("aclrtMemsetAsync({p:#x}, {count} bytes)"),
-                reads: Vec::new(),
-                writes: vec![(p, count as u64)],
-                run: Box::new(move |st| {
+            format!("aclrtMemsetAsync({p:#x}, {count} bytes)"),
+            Vec::new(),
+            vec![(p, count as u64)],
+            Box::new(move || {
+                Box::new(move |st| {
                     st.bytes_mut(p, count as u64)?.fill(value as u8);
                     Ok(())
-                }),
-            },
+                })
+            }),
         );
         Ok(())
     })

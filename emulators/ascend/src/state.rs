@@ -47,6 +47,7 @@ pub const KIND_STREAM: u64 = 0x00e6;
 pub const KIND_EVENT: u64 = 0x00e7;
 pub const KIND_CONTEXT: u64 = 0x00e8;
 pub const KIND_HCCL_COMM: u64 = 0x00e9;
+pub const KIND_MODEL_RI: u64 = 0x00ea;
 
 pub fn kind_name(kind: u64) -> &'static str {
     match kind {
@@ -59,6 +60,7 @@ pub fn kind_name(kind: u64) -> &'static str {
         KIND_EVENT => "aclrtEvent",
         KIND_CONTEXT => "aclrtContext",
         KIND_HCCL_COMM => "HcclComm",
+        KIND_MODEL_RI => "aclmdlRI",
         _ => "handle",
     }
 }
@@ -169,6 +171,10 @@ pub struct State {
     pub busy: HashMap<u64, InFlight>,
     /// Failures of stream work that a progress thread ran, for the stream's next synchronization.
     pub stream_errors: HashMap<u64, Fail>,
+    /// Open stream captures, by stream (`crate::capture`).
+    pub captures: HashMap<u64, crate::capture::Capture>,
+    /// Live model run instances (`aclmdlRI`), by handle.
+    pub graphs: HashMap<u64, crate::capture::Graph>,
 }
 
 static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::default()));

@@ -278,14 +278,15 @@ pub fn launch(
         let reads = kernel.io().ins.iter().map(range).collect();
         let writes = kernel.io().outs.iter().map(range).collect();
         count_launch(op);
-        st.enqueue(
+        st.submit(
             sid,
-            Task {
-                name: op.to_string(),
-                reads,
-                writes,
-                run: Box::new(move |st| kernel.run(st)),
-            },
+            op.to_string(),
+            reads,
+            writes,
+            Box::new(move || {
+                let k = kernel.clone_box();
+                Box::new(move |st| k.run(st))
+            }),
         );
         Ok(())
     })();
