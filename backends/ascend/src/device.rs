@@ -125,6 +125,11 @@ impl Device {
         self.stream
     }
 
+    /// The stream handle for calls that queue no work (capture begin/end).
+    pub(crate) fn raw_stream(&self) -> aclrtStream {
+        self.stream
+    }
+
     /// The flag an operator runner sets before each launch on this device's stream.
     pub fn queue_flag(&self) -> Arc<AtomicBool> {
         self.queued.clone()

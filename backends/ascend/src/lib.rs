@@ -62,6 +62,7 @@
 pub mod backend;
 pub mod device;
 pub mod error;
+pub mod graph;
 pub mod kv;
 pub mod memory;
 pub mod ops;
