@@ -41,6 +41,9 @@
 //!
 //! # Graph capture per padded batch bucket (not built yet)
 //!
+//! Built so far: the capture calls (optional in `npu-ffi`), their strict emulation, and
+//! [`graph`] (a device stream's work captured and replayed). Decode steps do not use it yet.
+//!
 //! Host-side launch overhead dominates small-batch decode on Ascend: a Llama step is ~10 aclnn
 //! calls per layer, each a first phase (argument checks, tiling) plus a launch. The biggest lever
 //! other Ascend stacks found is capturing the whole decode step once per padded batch size
@@ -52,9 +55,12 @@
 //! the bucket's maximum, as the graph-mode `…GetMaxWorkspaceSize` variants newer releases add
 //! for FusedInferAttentionScore do), capture
 //! on first use of a bucket, and replay afterwards; prefill and mixed steps stay eager. The
-//! attention's sequence lengths are host arguments of its first phase today: captured graphs need
-//! them as device tensors (the tiling-sink form of FusedInferAttentionScore), so the lengths would
-//! join the step's device inputs. Until then, repeatable executors ([`reuse`]) remove the first
+//! attention's sequence lengths are host arguments of its first phase today, frozen at capture:
+//! captured graphs need them as device tensors (the tiling-sink form of FusedInferAttentionScore),
+//! or every entry given the bucket's full KV width with the keys past its length hidden by a device
+//! key mask (as the incremental branch's sliding-window masks are), so the lengths would join the
+//! step's device inputs. The Model passes each operator the step's real row count, so padding a
+//! batch to its bucket is the Model's part. Until then, repeatable executors ([`reuse`]) remove the first
 //! phase of every operator whose shape repeats — a greedy decode step of the default model is
 //! 372 launches with 30 first phases, the attention calls — and [`ops::StepStats`] reports how many
 //! calls a step makes.
