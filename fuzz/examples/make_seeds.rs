@@ -112,6 +112,40 @@ fn main() {
             println!("{name}: {} bytes", bytes.len());
         }
     }
+    {
+        // deepseek2: latent attention (a low-rank query, latent 32 + rope 16), a dense leading
+        // layer, then 4 sigmoid-scored experts in 2 groups with a bias, a scale and a shared one.
+        let family = Family::Deepseek2;
+        let base = family.shape();
+        let shape = Shape {
+            hidden: 32,
+            layers: 2,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 48,
+            ff: 64,
+            experts: 4,
+            experts_used: 2,
+            expert_ff: 32,
+            mla: Some(npu_gguf::synth::SynthMla {
+                q_lora_rank: 32,
+                kv_lora_rank: 32,
+                qk_nope: 32,
+                qk_rope: 16,
+                v_head_dim: 32,
+            }),
+            moe_extras: npu_gguf::synth::MoeExtras {
+                groups: (2, 1),
+                ..base.moe_extras
+            },
+            ..base
+        };
+        let bytes = synth_model_shaped(family, shape, 7, GgmlType::Q8_0, &donor).unwrap();
+        let name = "synth-deepseek2-q8_0";
+        GgufFile::from_bytes(name, &bytes).expect("the seed reads");
+        std::fs::write(out.join(name), &bytes).unwrap();
+        println!("{name}: {} bytes", bytes.len());
+    }
 
     // The default model's header and tensor table, no data.
     let mut w = GgufWriter::new();

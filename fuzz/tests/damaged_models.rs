@@ -338,6 +338,7 @@ fn damaged_models_end_in_errors_within_their_size() {
         "synth-llama-f16",
         "synth-qwen3moe-q8_0",
         "synth-gemma3-q8_0",
+        "synth-deepseek2-q8_0",
     ] {
         check_seed(seed);
     }

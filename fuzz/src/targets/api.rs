@@ -91,5 +91,16 @@ pub(crate) fn answer(req: &Request, id: u64, generated: &str) {
             }
             sub.more.clear();
         }
+        // A sleep or wake the HTTP layer validated: its body was well-formed, so nothing to
+        // answer here (the engine would act on it).
+        Reply::Control(sub) => {
+            assert!(
+                req.path.ends_with("/sleep") || req.path.ends_with("/wake_up"),
+                "{} {} became a control command {:?}",
+                req.method,
+                req.path,
+                sub.command
+            );
+        }
     }
 }
