@@ -17,8 +17,8 @@ use super::weights::{
     matrix, moe_ffn, part, rows_of, single, vector, with_cols, Attn, Experts, Ffn, Layer, Part,
     Proj, Src,
 };
-use npu_model::shard::RankShard;
 use super::ModelError;
+use npu_model::shard::RankShard;
 
 /// One layer's latent attention weights.
 pub struct MlaWeights<B: Backend> {
@@ -110,7 +110,10 @@ pub(super) fn load_layer<B: Backend>(
         n("attn_q.weight")
     };
     let q = part(f, &q_name, q_in, heads * qk)?;
-    let nope: Vec<_> = mine.clone().map(|hd| hd * qk..hd * qk + m.qk_nope).collect();
+    let nope: Vec<_> = mine
+        .clone()
+        .map(|hd| hd * qk..hd * qk + m.qk_nope)
+        .collect();
     let rope: Vec<_> = mine
         .clone()
         .map(|hd| hd * qk + m.qk_nope..(hd + 1) * qk)
