@@ -456,6 +456,10 @@ fn every_sweep_model_agrees_with_llama_cpp_on_the_ascend_emulation() {
 /// the two caches differ), so that bar is NOT met; the test holds the measured level as a floor
 /// (`INT8_FLOOR_PERCENT` of decided steps, and the int8 cache's top-1 the f16 cache's at
 /// `INT8_AS_F16_PERCENT` of steps outside near-ties of `INT8_NEAR_TIE`).
+/// Per family: (decided, int8 as llama.cpp, f16 as llama.cpp, steps compared with f16, int8
+/// differing from f16 there, the largest f16 gap where they differ).
+type Int8Tally = (usize, usize, usize, usize, Vec<String>, f32);
+
 #[test]
 fn every_sweep_model_agrees_with_llama_cpp_on_the_cpu_with_an_int8_kv_cache() {
     use npu_backend::KvDtype;
@@ -473,8 +477,7 @@ fn every_sweep_model_agrees_with_llama_cpp_on_the_cpu_with_an_int8_kv_cache() {
     let donor = GgufFile::open(common::model_path()).unwrap();
     // Per family: (decided, int8 as llama.cpp, f16 as llama.cpp, steps compared with f16,
     // int8 differing from f16 there, the largest f16 gap where they differ).
-    let mut families: BTreeMap<&str, (usize, usize, usize, usize, Vec<String>, f32)> =
-        BTreeMap::new();
+    let mut families: BTreeMap<&str, Int8Tally> = BTreeMap::new();
     for (v, refs) in by_variant() {
         let file = regenerate(&v, &refs[0].sha256, &donor, "cpu-int8");
         let gguf = GgufFile::open(&file.0).unwrap();
