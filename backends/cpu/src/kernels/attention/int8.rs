@@ -59,14 +59,18 @@ enum Kern {
 /// Computes one task over an int8 cache into `s.o` and the rows' softmax statistics (what
 /// `run_task` leaves for an f16 cache).
 pub(super) fn run_task_i8(t: &Task, c: &I8Cache, s: &mut Scratch) {
-    let (hd, bs) = (t.p.lay.head_dim, t.p.lay.block_size);
-    let kern = match t.isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni if hd % 16 == 0 && bs % 16 == 0 => Kern::Avx512,
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni | Isa::Avx2 if hd % 8 == 0 && bs % 8 == 0 => Kern::Avx2,
-        _ => Kern::Scalar,
+    #[cfg(target_arch = "x86_64")]
+    let kern = {
+        let (hd, bs) = (t.p.lay.head_dim, t.p.lay.block_size);
+        match t.isa {
+            Isa::Avx512Vnni if hd % 16 == 0 && bs % 16 == 0 => Kern::Avx512,
+            Isa::Avx512Vnni | Isa::Avx2 if hd % 8 == 0 && bs % 8 == 0 => Kern::Avx2,
+            _ => Kern::Scalar,
+        }
     };
+    // The int8 loops have no NEON form yet: the portable one serves every other target.
+    #[cfg(not(target_arch = "x86_64"))]
+    let kern = Kern::Scalar;
     match kern {
         // SAFETY: the isa passed `Isa::checked` (in `paged_attention`): AVX-512 VNNI includes
         // AVX-512F/BW, F16C and FMA.
