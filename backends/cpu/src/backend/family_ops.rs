@@ -29,26 +29,15 @@ pub(super) fn supports(c: Capability) -> bool {
 /// the lower index) and their probabilities, renormalised when asked, as ggml computes them
 /// (f64 sum of the exponentials, f32 sum of the chosen weights).
 pub(crate) fn route_row(logits: &[f32], k: usize, normalize: bool, ids: &mut [i32], w: &mut [f32]) {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut p: Vec<f32> = logits.iter().map(|&v| (v - max).exp()).collect();
-    let sum: f64 = p.iter().map(|&v| f64::from(v)).sum();
-    let inv = (1.0 / sum) as f32;
-    for v in &mut p {
-        *v *= inv;
-    }
-    let mut order: Vec<usize> = (0..p.len()).collect();
-    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-    for j in 0..k {
-        ids[j] = order[j] as i32;
-        w[j] = p[order[j]];
-    }
-    if normalize {
-        // As ggml: the sum clamped away from zero.
-        let s = w[..k].iter().fold(0f32, |s, &v| s + v).max(6.103_515_6e-5);
-        for v in &mut w[..k] {
-            *v /= s;
-        }
-    }
+    // The scored routing's softmax case, with no bias, no groups and no scale.
+    let spec = npu_backend::RouteSpec {
+        k,
+        gating: npu_model::Gating::Softmax,
+        normalize,
+        scale: 1.0,
+        groups: None,
+    };
+    super::latent_ops::route_scored_row(logits, None, &spec, ids, w);
 }
 
 impl CpuBackend {
