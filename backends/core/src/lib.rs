@@ -354,8 +354,20 @@ pub struct OpCounts {
     pub launches: u64,
     /// Ascend: aclnn first phases (`…GetWorkspaceSize`); 0 where there is no such phase.
     pub first_phases: u64,
-    /// Replays of captured graphs (none is captured by any backend yet: 0).
+    /// Replays of captured graphs (`replay_graph`).
     pub graph_replays: u64,
+}
+
+/// The shape a captured decode step is recorded for ([`Backend::step_graphs`]): `rows`
+/// sequences of one new token each (the batch padded up to its bucket by the caller), block
+/// tables `max_blocks` wide, and whether the graph ends in the greedy pick on the device
+/// (`argmax_and_logprob_rows`) or in the logit rows. One graph per key; a replay reads the
+/// step inputs `begin_graph_step` placed for the same key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GraphKey {
+    pub rows: usize,
+    pub max_blocks: usize,
+    pub picks: bool,
 }
 
 /// A compute device: buffers, weights, the paged KV pool and the kernels of a Llama step.
@@ -496,6 +508,64 @@ pub trait Backend: Send {
     // --- one step -------------------------------------------------------------------------
     /// Takes the step's inputs to the device; the ops below read them.
     fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError>;
+
+    // --- decode steps as graphs (`step_graphs`) ---------------------------------------------
+    // The caller's sequence for a decode-only step shaped as `key` (`key.rows` sequences of one
+    // token each, every token's logits wanted, block tables `key.max_blocks` wide):
+    // `begin_graph_step`, then `replay_graph` when `has_graph(key)`; else the step's ops run
+    // eagerly once (warming workspaces and executors, the step's answer), then `capture_begin`,
+    // the same ops again (recorded, not run), `capture_end`. The read back stays outside.
+    // Ops between `capture_begin` and `capture_end` must not synchronize, allocate or read back;
+    // one that would fails, and the caller calls `capture_abort` and runs the step eagerly
+    // (`begin_step`). A backend keeps everything a graph reads at fixed addresses while it
+    // lives, and drops its graphs itself when one of those moves (the KV pool reallocated).
+
+    /// Whether this backend captures decode steps as graphs (the methods below; none by
+    /// default, and they refuse).
+    fn step_graphs(&self) -> bool {
+        false
+    }
+    /// `begin_step` for a step run, captured or replayed as `key`: the inputs go to the fixed
+    /// addresses `key`'s graph reads, in a form that bakes no per-step host value into the
+    /// recorded ops (sequence lengths as device data, not first-phase arguments). The ops
+    /// after it run eagerly until `capture_begin`.
+    fn begin_graph_step(&mut self, step: &StepInputs, key: GraphKey) -> Result<(), BackendError> {
+        let _ = (step, key);
+        Err(self.graphs_unsupported())
+    }
+    /// Whether a graph of `key` was captured (and not dropped since).
+    fn has_graph(&self, key: GraphKey) -> bool {
+        let _ = key;
+        false
+    }
+    /// Starts recording the ops queued from here for `key` (after `begin_graph_step(_, key)`).
+    fn capture_begin(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        let _ = key;
+        Err(self.graphs_unsupported())
+    }
+    /// Ends the recording: `key`'s graph (none of the recorded work has run).
+    fn capture_end(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        let _ = key;
+        Err(self.graphs_unsupported())
+    }
+    /// Ends an open recording, if any, and discards it (after an op failed inside it).
+    fn capture_abort(&mut self) {}
+    /// Queues one run of `key`'s graph (after `begin_graph_step(_, key)`).
+    fn replay_graph(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        let _ = key;
+        Err(self.graphs_unsupported())
+    }
+    /// Drops every captured graph (waits for queued replays first).
+    fn drop_graphs(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// The refusal of the graph methods by a backend without them.
+    fn graphs_unsupported(&self) -> BackendError {
+        BackendError::Unsupported {
+            backend: self.kind().name(),
+            what: "decode steps captured as graphs".into(),
+        }
+    }
     /// `out` row i = embedding row of the step's token i.
     fn embed(
         &mut self,
