@@ -151,6 +151,9 @@ pub enum Capability {
     /// `init_latent_kv`, `kv_write_latent` and `attention_latent`: multi-head latent attention
     /// over a cache of latents (DeepSeek).
     LatentAttention,
+    /// `lora_add`: low-rank adapters (LoRA) added to a projection's output, a different adapter
+    /// per group of rows in one step.
+    Lora,
 }
 
 impl Capability {
@@ -165,6 +168,7 @@ impl Capability {
             Self::Moe => "mixture-of-experts routing",
             Self::ScoredRouting => "scored expert routing (sigmoid, bias, groups)",
             Self::LatentAttention => "latent attention (a KV cache of latents)",
+            Self::Lora => "LoRA adapters",
         }
     }
 }
@@ -344,6 +348,28 @@ pub struct StepInputs {
     /// Token rows whose logits are wanted (the last new token of each sampling sequence).
     pub logit_rows: Vec<u32>,
 }
+
+/// One adapter's rows of a step for [`Backend::lora_add`]: rows `row..row + n` of the input
+/// and output views get `out += scale * B (A x)`.
+#[derive(Debug)]
+pub struct LoraGroup<'a, Buf> {
+    pub row: usize,
+    pub n: usize,
+    /// `rank` rows of the projection's input count (f32): the adapter's A.
+    pub a: &'a Buf,
+    /// `rank` rows of the projection's output count (f32): the adapter's B transposed (row k is
+    /// column k of B).
+    pub b_t: &'a Buf,
+    pub rank: usize,
+    pub scale: f32,
+}
+
+impl<Buf> Clone for LoraGroup<'_, Buf> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<Buf> Copy for LoraGroup<'_, Buf> {}
 
 /// Work a backend has queued on its device since it was made, counted by the backend where it
 /// queues it (so the same on a device as on an emulation of it).
@@ -694,6 +720,18 @@ pub trait Backend: Send {
     ) -> Result<(), BackendError> {
         let _ = (q_latent, q_rope, g, latent_dim, layer, out);
         Err(self.unsupported(Capability::LatentAttention))
+    }
+    /// `out[r] += g.scale * B_g (A_g x[r])` for the rows `r` of each group `g` (row ranges that
+    /// do not overlap; rows in no group are left as they are) ([`Capability::Lora`]). `x` has
+    /// the projection's input count of columns, `out` its output count.
+    fn lora_add(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        groups: &[LoraGroup<'_, Self::Buffer>],
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let _ = (x, groups, out);
+        Err(self.unsupported(Capability::Lora))
     }
     /// The refusal of an op this backend has not built.
     fn unsupported(&self, c: Capability) -> BackendError {

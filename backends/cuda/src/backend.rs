@@ -72,6 +72,8 @@ pub(crate) fn supports(c: Capability) -> bool {
         | Capability::Moe
         | Capability::ScoredRouting
         | Capability::LatentAttention => true,
+        // Not built on CUDA yet: adapters are refused by name at load.
+        Capability::Lora => false,
     }
 }
 

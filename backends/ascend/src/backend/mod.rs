@@ -442,6 +442,8 @@ impl Backend for AscendBackend {
             Capability::ScoredRouting => api.aclnnMoeGatingTopKGetWorkspaceSize.is_some(),
             // The latent pool's rows through ScatterNdUpdate and FusedInferAttentionScoreV2.
             Capability::LatentAttention => true,
+            // Not built on CANN yet: adapters are refused by name at load.
+            Capability::Lora => false,
         }
     }
 

@@ -21,7 +21,8 @@ pub(super) fn supports(c: Capability) -> bool {
         | Capability::PerLayerRope
         | Capability::Moe
         | Capability::ScoredRouting
-        | Capability::LatentAttention => true,
+        | Capability::LatentAttention
+        | Capability::Lora => true,
     }
 }
 

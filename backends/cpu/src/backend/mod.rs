@@ -11,6 +11,7 @@ mod kv;
 #[cfg(test)]
 mod kv_int8_tests;
 mod latent_ops;
+mod lora;
 mod moe_grouped;
 #[cfg(test)]
 mod moe_tests;
@@ -339,6 +340,15 @@ impl Backend for CpuBackend {
 
     fn scale_rows(&mut self, x: ViewMut<'_, CpuBuffer>, s: f32) -> Result<(), BackendError> {
         self.scale_rows_op(x, s)
+    }
+
+    fn lora_add(
+        &mut self,
+        x: View<'_, CpuBuffer>,
+        groups: &[npu_backend::LoraGroup<'_, CpuBuffer>],
+        out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        self.lora_add_op(x, groups, out)
     }
 
     fn moe_route(
