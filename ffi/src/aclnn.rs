@@ -21,10 +21,12 @@
 //! 1 tanh), InplaceMul and InplaceMuls (`aclnn_mul.h`, by a broadcast tensor / a host scalar).
 //! Optional, for mixture-of-experts layers: MoeGatingTopKSoftmaxV2
 //! (`aclnn_moe_gating_top_k_softmax_v2.h`: softmax and top-k over gating logits, `renorm` 1 for
-//! top-k first then softmax over the chosen) and MoeFinalizeRoutingV2
+//! top-k first then softmax over the chosen), MoeFinalizeRoutingV2
 //! (`aclnn_moe_finalize_routing_v2.h`: the experts' rows weighted and summed back per token),
-//! and GroupedMatmulV4 (`aclnn_grouped_matmul_v4.h`: every expert's matmul over its group of
-//! rows in one call). Optional, for DeepSeek's routing: MoeGatingTopK
+//! MoeInitRoutingV2 (`aclnn_moe_init_routing_v2.h`: the tokens' rows grouped by expert on the
+//! device, with the row map and each expert's cumulative row count) and GroupedMatmulV4
+//! (`aclnn_grouped_matmul_v4.h`: every expert's matmul over its group of rows in one call,
+//! f16 or A16W4 per-group antiquant weights). Optional, for DeepSeek's routing: MoeGatingTopK
 //! (`aclnn_moe_gating_top_k.h`: sigmoid scores (normType 1; softmax, normType 0, from CANN 8.5),
 //! a selection bias, group-limited choice by each group's two best (groupSelectMode 1), the top
 //! k, the chosen scores over their sum plus eps, times routedScalingFactor).
@@ -118,6 +120,8 @@ pub mod ops {
                 fn aclnnMoeGatingTopKSoftmaxV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnMoeFinalizeRoutingV2GetWorkspaceSize(expandedX: *const aclTensor, expandedRowIdx: *const aclTensor, x1Optional: *const aclTensor, x2Optional: *const aclTensor, biasOptional: *const aclTensor, scalesOptional: *const aclTensor, expertIdxOptional: *const aclTensor, dropPadMode: i64, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnMoeFinalizeRoutingV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnMoeInitRoutingV2GetWorkspaceSize(x: *const aclTensor, expertIdx: *const aclTensor, activeNum: i64, expertCapacity: i64, expertNum: i64, dropPadMode: i64, expertTokensCountOrCumsumFlag: i64, expertTokensBeforeCapacityFlag: bool, expandedXOut: *const aclTensor, expandedRowIdxOut: *const aclTensor, expertTokensCountOrCumsumOut: *const aclTensor, expertTokensBeforeCapacityOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnMoeInitRoutingV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnMoeGatingTopKGetWorkspaceSize(x: *const aclTensor, biasOptional: *const aclTensor, k: i64, kGroup: i64, groupCount: i64, groupSelectMode: i64, renorm: i64, normType: i64, outFlag: bool, routedScalingFactor: f64, eps: f64, yOut: *const aclTensor, expertIdxOut: *const aclTensor, outOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnMoeGatingTopK(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnGroupedMatmulV4GetWorkspaceSize(x: *const aclTensorList, weight: *const aclTensorList, biasOptional: *const aclTensorList, scaleOptional: *const aclTensorList, offsetOptional: *const aclTensorList, antiquantScaleOptional: *const aclTensorList, antiquantOffsetOptional: *const aclTensorList, perTokenScaleOptional: *const aclTensorList, groupListOptional: *const aclTensor, activationInputOptional: *const aclTensorList, activationQuantScaleOptional: *const aclTensorList, activationQuantOffsetOptional: *const aclTensorList, splitItem: i64, groupType: i64, groupListType: i64, actType: i64, out: *mut aclTensorList, activationFeatureOutOptional: *mut aclTensorList, dynQuantScaleOutOptional: *mut aclTensorList, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;

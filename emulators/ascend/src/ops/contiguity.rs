@@ -24,6 +24,9 @@
 //!   aclnnMoeGatingTopKSoftmaxV2.md`): yOut, expertIdxOut and softmaxResultOutOptional are ×.
 //! - MoeFinalizeRoutingV2 (`moe/moe_finalize_routing_v2/docs/aclnnMoeFinalizeRoutingV2.md`): out
 //!   is × (every input √).
+//! - MoeInitRoutingV2 (`moe/moe_init_routing_v2/docs/aclnnMoeInitRoutingV2.md`): x and expertIdx
+//!   are √; expandedXOut, expandedRowIdxOut, expertTokensCountOrCumsumOut and
+//!   expertTokensBeforeCapacityOut are ×.
 //! - MoeGatingTopK (`moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.md`): x and biasOptional are
 //!   √; the outputs' column is "-" (left blank), and the emulation asks for them contiguous, as
 //!   MoeGatingTopKSoftmaxV2's.
@@ -85,6 +88,15 @@ const TABLE: &[(&str, &[(&str, Rule)])] = &[
         ],
     ),
     ("aclnnMoeFinalizeRoutingV2", &[("out", Rule::Contiguous)]),
+    (
+        "aclnnMoeInitRoutingV2",
+        &[
+            ("expandedXOut", Rule::Contiguous),
+            ("expandedRowIdxOut", Rule::Contiguous),
+            ("expertTokensCountOrCumsumOut", Rule::Contiguous),
+            ("expertTokensBeforeCapacityOut", Rule::Contiguous),
+        ],
+    ),
     (
         "aclnnMoeGatingTopK",
         &[

@@ -1,6 +1,6 @@
 //! GroupedMatmulV4, with the rules of its aclnn page (ops-transformer
-//! `gmm/grouped_matmul/docs/aclnnGroupedMatmulV4.md`, Atlas A2/A3 columns), for the non-quantized
-//! m-axis grouping a mixture-of-experts layer uses:
+//! `gmm/grouped_matmul/docs/aclnnGroupedMatmulV4.md`, Atlas A2/A3 columns), for the m-axis
+//! grouping a mixture-of-experts layer uses, non-quantized or with antiquant (伪量化) weights:
 //!
 //! - `aclnnGroupedMatmulV4GetWorkspaceSize(x, weight, biasOptional, scaleOptional,
 //!   offsetOptional, antiquantScaleOptional, antiquantOffsetOptional, perTokenScaleOptional,
@@ -8,18 +8,30 @@
 //!   activationQuantOffsetOptional, splitItem, groupType, groupListType, actType, out,
 //!   activationFeatureOutOptional, dynQuantScaleOutOptional, workspaceSize, executor)`.
 //! - Null x, weight or out: ACLNN_ERR_PARAM_NULLPTR. Lists of more than 128 tensors, data types
-//!   outside the non-quantized table (x, weight and out all FLOAT16, all BFLOAT16 or all
-//!   FLOAT32), a groupList that is not a 1-D INT64 tensor, splitItem outside [0, 3], groupType
-//!   outside {-1, 0, 2}, groupListType outside {0, 1, 2} (2 is the quantized scenarios' only),
-//!   actType other than 0 (the non-quantized scenario's only value), splitItem 2/3 with an out
-//!   list longer than 1, a groupList whose length is not the weight list's, and the
-//!   activation* parameters (nullptr only): ACLNN_ERR_PARAM_INVALID.
+//!   outside the scenario's table, a groupList that is not a 1-D INT64 tensor, splitItem outside
+//!   [0, 3], groupType outside {-1, 0, 2}, groupListType outside {0, 1, 2} (2 is not emulated),
+//!   actType other than 0 (the non-quantized and the INT4 antiquant scenarios' only value),
+//!   splitItem 2/3 with an out list longer than 1, a groupList whose length is not the weight
+//!   list's, and the activation* parameters (nullptr only): ACLNN_ERR_PARAM_INVALID.
+//! - Non-quantized scenario: x, weight and out all FLOAT16, all BFLOAT16 or all FLOAT32.
+//! - Antiquant scenario (`y = x · ((weight + antiquantOffset) · antiquantScale)`): x FLOAT16 with
+//!   FLOAT16 antiquant parameters and out, or BFLOAT16 with BFLOAT16 ones; weight INT8 or INT4
+//!   (one type across the list); antiquantScale (and antiquantOffset, when given) a list as long
+//!   as the weight list, of the shapes the page's table gives: per channel `[n_i]` per weight
+//!   tensor (`[g, n]` for one 3-D weight), per group `[G_i, n_i]` (`[g, G, n]`). INT8 takes per
+//!   channel only; INT4 takes per group only symmetric (no antiquantOffset), with `G_i` dividing
+//!   `k_i`, every group length `k_i / G_i` equal across the list, and that length even when the
+//!   weight is transposed; an INT4 weight's last axis (N, or K when transposed) is even. The
+//!   page's non-contiguous column is "-" for the antiquant parameters: the emulation asks them
+//!   contiguous (the shapes the table writes), never looser than an unstated rule. Each weight
+//!   value is dequantized into x's 16-bit type (as WeightQuantBatchMatmulV2's emulation does),
+//!   products summed in f32.
 //! - Emulated: groupType 0 with x and out single tensors (splitItem 2 or 3) and weight single
 //!   (3-D (E, K, N), at most 1024 groups) or multi (2-D (K_i, N), at most 128, every N equal;
 //!   a transposed weight — (K, N) with strides (1, K) — is allowed, uniformly across the list);
 //!   x 2-D (M, K), out 2-D (M, N); every last dimension under 65536. Not emulated (refused):
-//!   other groupTypes and list shapes, bias, and every quantization parameter (scale, offset,
-//!   antiquant, perTokenScale).
+//!   other groupTypes and list shapes, bias, and the quantized scenarios' parameters (scale,
+//!   offset, perTokenScale).
 //! - At run time, groupListType 0 must be a non-negative non-decreasing sequence ending at most
 //!   at M, type 1 non-negative sizes summing to at most M; otherwise the kernel faults
 //!   (ACL_ERROR_RT_AICORE_EXCEPTION). Rows of out past the groups are not written, as the page
@@ -40,15 +52,56 @@ const MAX_GROUPS_SINGLE: i64 = 1024;
 /// "x和weight中每一组tensor的最后一维大小都应小于65536".
 const MAX_LAST: i64 = 65536;
 
+/// The antiquant parameters of the groups: after groupList in `ins`, one (G, N) scale view per
+/// group, then (when given) one offset view per group of the same shape.
+#[derive(Clone, Copy)]
+struct Antiquant {
+    /// Inputs along K that share one scale (K for per channel).
+    group_len: usize,
+    has_offset: bool,
+    bf16: bool,
+}
+
 #[derive(Clone)]
 struct Grouped {
-    /// ins: x, the weights (one view per group), groupList.
+    /// ins: x, the weights (one view per group), groupList, then the antiquant views.
     io: Io,
     groups: usize,
     cumsum: bool,
     m: usize,
     k: usize,
     n: usize,
+    anti: Option<Antiquant>,
+}
+
+impl Grouped {
+    /// Group `e`'s (K, N) weight as f32, row-major: the 16-bit values, or the antiquant ones
+    /// dequantized into x's 16-bit type.
+    fn weight(&self, st: &State, e: usize) -> Result<Vec<f32>, Fail> {
+        let mut w = read_f32(st, &self.io.ins[1 + e])?;
+        let Some(a) = self.anti else {
+            return Ok(w);
+        };
+        let (g, n) = (self.groups, self.n);
+        let scale = read_f32(st, &self.io.ins[2 + g + e])?;
+        let offset = match a.has_offset {
+            true => Some(read_f32(st, &self.io.ins[2 + 2 * g + e])?),
+            false => None,
+        };
+        for (kk, row) in w.chunks_exact_mut(n).enumerate() {
+            let at = (kk / a.group_len) * n;
+            for (j, v) in row.iter_mut().enumerate() {
+                let off = offset.as_ref().map_or(0.0, |o| o[at + j]);
+                let deq = (*v + off) * scale[at + j];
+                *v = if a.bf16 {
+                    half::bf16::from_f32(deq).to_f32()
+                } else {
+                    half::f16::from_f32(deq).to_f32()
+                };
+            }
+        }
+        Ok(w)
+    }
 }
 
 impl Kernel for Grouped {
@@ -87,7 +140,7 @@ impl Kernel for Grouped {
             if end == start {
                 continue;
             }
-            let w = read_f32(st, &self.io.ins[1 + e])?; // (K, N) row-major
+            let w = self.weight(st, e)?; // (K, N) row-major
             for r in start..end {
                 let xr = &x[r * k..(r + 1) * k];
                 for j in 0..n {
@@ -111,6 +164,169 @@ fn slice3(w: &View, e: i64) -> View {
     v.dims.remove(0);
     v.strides.remove(0);
     v
+}
+
+/// `v` as a 2-D (G, N) view: a 1-D (N) per-channel view becomes (1, N).
+fn as_groups(v: View) -> View {
+    let mut v = v;
+    if v.rank() == 1 {
+        v.dims.insert(0, 1);
+        v.strides.insert(0, v.dims[1]);
+    }
+    v
+}
+
+/// Checks the antiquant lists against the page's table for weights `ws` (as passed) split into
+/// per-group (K, N) views `per_group`, and returns the kernel's parameters with one (G, N) scale
+/// view per group, then one offset view per group when offsets are given.
+fn antiquant_views(
+    xv: &View,
+    (ws, per_group): (&[View], &[View]),
+    scales: &[View],
+    offsets: Option<&[View]>,
+    (k, n): (i64, i64),
+) -> Result<(Antiquant, Vec<View>), Fail> {
+    let single = ws.len() == 1 && ws[0].rank() == 3;
+    let int4 = ws[0].dtype == DType::I4;
+    for (what, l) in [
+        ("antiquantScaleOptional", Some(scales)),
+        ("antiquantOffsetOptional", offsets),
+    ] {
+        let Some(l) = l else { continue };
+        if l.len() != ws.len() {
+            return invalid(
+                OP,
+                format!(
+                    "{what} lists {} tensors for {} weight tensors (the same length)",
+                    l.len(),
+                    ws.len()
+                ),
+            );
+        }
+        for (i, v) in l.iter().enumerate() {
+            dtype_in(OP, what, v, &[xv.dtype])?;
+            nd(OP, what, v)?;
+            if !v.is_contiguous() {
+                return invalid(
+                    OP,
+                    format!(
+                        "{what}[{i}] {:?} with strides {:?}: the emulation takes the antiquant \
+                         parameters contiguous (the page's non-contiguous column is \"-\")",
+                        v.dims, v.strides
+                    ),
+                );
+            }
+        }
+    }
+    // Per channel: [n_i] each, or [g, n] for one 3-D weight; per group: [G_i, n_i], [g, G, n].
+    let per_group_rank = if single { 3 } else { 2 };
+    let pergroup = scales[0].rank() == per_group_rank;
+    let g = per_group.len() as i64;
+    let mut views = Vec::with_capacity(2 * per_group.len());
+    let mut group_len = None;
+    for (what, l) in [
+        ("antiquantScaleOptional", Some(scales)),
+        ("antiquantOffsetOptional", offsets),
+    ] {
+        let Some(l) = l else { continue };
+        let per: Vec<View> = if single {
+            let v = &l[0];
+            let want_rank = if pergroup { 3 } else { 2 };
+            if v.rank() != want_rank || v.dims[0] != g || v.dims[want_rank - 1] != n {
+                return invalid(
+                    OP,
+                    format!(
+                        "{what} {:?} for one (E, K, N) weight of {g} groups and N = {n}: [g, n] \
+                         per channel or [g, G, n] per group",
+                        v.dims
+                    ),
+                );
+            }
+            (0..g).map(|e| as_groups(slice3(v, e))).collect()
+        } else {
+            let mut per = Vec::with_capacity(l.len());
+            for (i, v) in l.iter().enumerate() {
+                let ok = match pergroup {
+                    true => v.rank() == 2 && v.dims[1] == n,
+                    false => v.rank() == 1 && v.dims[0] == n,
+                };
+                if !ok {
+                    return invalid(
+                        OP,
+                        format!(
+                            "{what}[{i}] {:?} for N = {n}: every tensor [n_i] per channel or \
+                             [G_i, n_i] per group, as antiquantScaleOptional[0] {:?}",
+                            v.dims, scales[0].dims
+                        ),
+                    );
+                }
+                per.push(as_groups(v.clone()));
+            }
+            per
+        };
+        for (i, v) in per.iter().enumerate() {
+            let groups_k = v.dims[0];
+            if groups_k <= 0 || k % groups_k != 0 {
+                return invalid(
+                    OP,
+                    format!("{what} group {i}: G = {groups_k} does not divide K = {k}"),
+                );
+            }
+            let len = k / groups_k;
+            if *group_len.get_or_insert(len) != len {
+                return invalid(
+                    OP,
+                    format!(
+                        "{what} group {i}: per-group length {len} differs from the list's first \
+                         (every k_i / G_i must be equal)"
+                    ),
+                );
+            }
+        }
+        views.extend(per);
+    }
+    let group_len = group_len.unwrap_or(k);
+    let weight = ws[0].dtype.name();
+    if pergroup && !int4 {
+        return invalid(
+            OP,
+            format!("{weight} weights take per-channel antiquant only (若weight的类型为INT8，仅支持perchannel模式)"),
+        );
+    }
+    if pergroup && offsets.is_some() {
+        return invalid(
+            OP,
+            "per-group INT4 antiquant is symmetric only: antiquantOffsetOptional must be null \
+             (非对称量化支持perchannel模式)",
+        );
+    }
+    let transposed = per_group[0].strides.first() == Some(&1) && k > 1;
+    if int4 {
+        let last = if transposed { k } else { n };
+        if last % 2 != 0 {
+            return invalid(
+                OP,
+                format!(
+                    "INT4 weights need an even last axis (the weight's {}), got {last}",
+                    if transposed { "K, transposed" } else { "N" }
+                ),
+            );
+        }
+        if pergroup && transposed && group_len % 2 != 0 {
+            return invalid(
+                OP,
+                format!("a transposed INT4 weight needs an even per-group length, got {group_len}"),
+            );
+        }
+    }
+    Ok((
+        Antiquant {
+            group_len: group_len as usize,
+            has_offset: offsets.is_some(),
+            bf16: xv.dtype == DType::Bf16,
+        },
+        views,
+    ))
 }
 
 /// # Safety
@@ -227,8 +443,6 @@ pub unsafe extern "C" fn aclnnGroupedMatmulV4GetWorkspaceSize(
         for (what, h) in [
             ("scaleOptional", scaleOptional),
             ("offsetOptional", offsetOptional),
-            ("antiquantScaleOptional", antiquantScaleOptional),
-            ("antiquantOffsetOptional", antiquantOffsetOptional),
             ("perTokenScaleOptional", perTokenScaleOptional),
         ] {
             if !h.is_null() {
@@ -241,18 +455,47 @@ pub unsafe extern "C" fn aclnnGroupedMatmulV4GetWorkspaceSize(
         if !biasOptional.is_null() {
             return invalid(OP, "biasOptional is not emulated (pass null)");
         }
+        if antiquantScaleOptional.is_null() && !antiquantOffsetOptional.is_null() {
+            return invalid(OP, "antiquantOffsetOptional without antiquantScaleOptional");
+        }
+        let anti_lists = match antiquantScaleOptional.is_null() {
+            true => None,
+            false => Some((
+                st.tensor_list(antiquantScaleOptional, "antiquantScaleOptional")?,
+                match antiquantOffsetOptional.is_null() {
+                    true => None,
+                    false => {
+                        Some(st.tensor_list(antiquantOffsetOptional, "antiquantOffsetOptional")?)
+                    }
+                },
+            )),
+        };
         let xv = xs[0].clone();
         let ov = os[0].clone();
         dtype_in(OP, "x", &xv, &[DType::F16, DType::Bf16, DType::F32])?;
         for (i, w) in ws.iter().enumerate() {
             nd(OP, "weight", w)?;
-            if w.dtype != xv.dtype {
+            let ok = match anti_lists {
+                None => w.dtype == xv.dtype,
+                Some(_) => {
+                    matches!(w.dtype, DType::I8 | DType::I4)
+                        && w.dtype == ws[0].dtype
+                        && matches!(xv.dtype, DType::F16 | DType::Bf16)
+                }
+            };
+            if !ok {
                 return invalid(
                     OP,
                     format!(
-                        "weight[{i}] is {} with {} x: the non-quantized scenario takes one type",
+                        "weight[{i}] is {} with {} x: {}",
                         w.dtype.name(),
-                        xv.dtype.name()
+                        xv.dtype.name(),
+                        match anti_lists {
+                            None => "the non-quantized scenario takes one type",
+                            Some(_) =>
+                                "the antiquant scenario takes FLOAT16 or BFLOAT16 x with INT8 or \
+                                 INT4 weights, one type across the list",
+                        }
                     ),
                 );
             }
@@ -364,9 +607,23 @@ pub unsafe extern "C" fn aclnnGroupedMatmulV4GetWorkspaceSize(
                 format!("K = {k}, N = {n}: last dimensions must be under {MAX_LAST}"),
             );
         }
-        let mut ins = vec![xv];
+        let anti = match &anti_lists {
+            Some((scales, offsets)) => Some(antiquant_views(
+                &xv,
+                (&ws, &weights),
+                scales,
+                offsets.as_deref(),
+                (k, n),
+            )?),
+            None => None,
+        };
+        let mut ins = vec![xv.clone()];
         ins.extend(weights);
         ins.push(gv);
+        let anti = anti.map(|(a, views)| {
+            ins.extend(views);
+            a
+        });
         Ok(Box::new(Grouped {
             io: Io {
                 ins,
@@ -377,6 +634,7 @@ pub unsafe extern "C" fn aclnnGroupedMatmulV4GetWorkspaceSize(
             m: m as usize,
             k: k as usize,
             n: n as usize,
+            anti,
         }))
     })
 }

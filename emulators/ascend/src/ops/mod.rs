@@ -14,6 +14,7 @@ mod attention;
 pub mod contiguity;
 pub(crate) mod elementwise;
 mod grouped_matmul;
+mod init_routing;
 mod kv_cache;
 mod matmul;
 mod moe;
@@ -329,6 +330,7 @@ launchers!(
     aclnnInplaceMuls,
     aclnnMoeGatingTopKSoftmaxV2,
     aclnnMoeFinalizeRoutingV2,
+    aclnnMoeInitRoutingV2,
     aclnnGroupedMatmulV4,
     aclnnMoeGatingTopK,
 );
