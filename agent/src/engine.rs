@@ -208,7 +208,12 @@ fn tensor_parallel(
         return refuse("a prefill/decode split");
     }
     let mc = file.config().map_err(ModelError::from)?;
-    let shard = npu_model::shard::shard(&mc, Some(file), spec.size as usize, spec.rank as usize)
+    let split = match spec.whole_experts {
+        true => npu_model::shard::ExpertSplit::WholeExperts,
+        false => npu_model::shard::ExpertSplit::ShareEachExpert,
+    };
+    let (size, rank) = (spec.size as usize, spec.rank as usize);
+    let shard = npu_model::shard::shard_split(&mc, Some(file), size, rank, split)
         .map_err(|e| EngineError::BadConfig(format!("tensor_parallel_size {}: {e}", spec.size)))?;
     let host = crate::tp::ShmCollective::join(spec)
         .map_err(|e| EngineError::BadConfig(format!("joining the group: {e}")))?;
@@ -218,6 +223,8 @@ fn tensor_parallel(
         q_heads = ?shard.q_heads,
         kv_heads = ?shard.kv_heads,
         ff = ?shard.ff,
+        experts = ?shard.experts,
+        expert_ff = ?shard.expert_ff,
         vocab = ?shard.vocab,
         "joined the tensor-parallel group; loading this rank's shard"
     );

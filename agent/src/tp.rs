@@ -134,10 +134,20 @@ struct RankThread {
 }
 
 impl LocalGroup {
-    /// Loads `size` ranks of the model `cfg` names (each with `cfg`'s threads and pools).
+    /// Loads `size` ranks of the model `cfg` names (each with `cfg`'s threads and pools), the
+    /// routed experts split as `share_each_expert`.
     pub fn load(
         cfg: &crate::engine::AgentEngineConfig,
         size: u32,
+    ) -> Result<Self, crate::engine::EngineError> {
+        Self::load_split(cfg, size, npu_model::shard::ExpertSplit::ShareEachExpert)
+    }
+
+    /// `load` with the routed experts split as `split` says.
+    pub fn load_split(
+        cfg: &crate::engine::AgentEngineConfig,
+        size: u32,
+        split: npu_model::shard::ExpertSplit,
     ) -> Result<Self, crate::engine::EngineError> {
         use crate::engine::{AgentEngine, EngineError};
         use std::sync::mpsc;
@@ -159,6 +169,7 @@ impl LocalGroup {
                 region: name.clone(),
                 wait_ms: 60_000,
                 join_ms: 120_000,
+                whole_experts: split == npu_model::shard::ExpertSplit::WholeExperts,
             });
             let (plan_tx, plan_rx) = mpsc::channel::<std::sync::Arc<npu_protocol::StepPlan>>();
             let (res_tx, res_rx) = mpsc::channel();

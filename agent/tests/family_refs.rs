@@ -195,9 +195,24 @@ fn check(family_name: &str) {
     // near-ties, batched as alone (deepseek2: each rank its query heads, caching the whole
     // latent; its share of every expert's, the shared experts' and the dense FFN's columns).
     let mut group = npu_agent::tp::LocalGroup::load(&cfg, 2).expect("two ranks of the model");
-    let (out, _) = inproc::run_steps(&mut |p| group.step(p), sched, &reqs, &mut |_, _| {}).unwrap();
+    let run = sched.clone();
+    let (out, _) = inproc::run_steps(&mut |p| group.step(p), run, &reqs, &mut |_, _| {}).unwrap();
     for (r, o) in refs.iter().zip(&out) {
         check_prefix(family_name, r, &o.token_ids(), "tensor-parallel 2, batched");
+    }
+    drop(group);
+    // An MoE model split by whole experts (`moe_tensor_parallel: whole_experts`: each rank half
+    // of the experts, whole, running only the routed slots it holds): the same.
+    if ["qwen3moe", "deepseek2"].contains(&family_name) {
+        let whole = npu_model::shard::ExpertSplit::WholeExperts;
+        let mut group = npu_agent::tp::LocalGroup::load_split(&cfg, 2, whole)
+            .expect("two ranks of whole experts");
+        let (out, _) =
+            inproc::run_steps(&mut |p| group.step(p), sched, &reqs, &mut |_, _| {}).unwrap();
+        for (r, o) in refs.iter().zip(&out) {
+            let what = "tensor-parallel 2 by whole experts, batched";
+            check_prefix(family_name, r, &o.token_ids(), what);
+        }
     }
 }
 

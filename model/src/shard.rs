@@ -8,6 +8,11 @@
 //!   heads, and each KV head's query heads must split evenly over the ranks that share it.
 //! - The dense FFN (and each expert's FFN) is split in whole quantization blocks of its down
 //!   projection (the row-parallel matrix, cut along its input columns), as evenly as they go.
+//! - Routed experts are split one of two ways (`ExpertSplit`, `npu_serving.moe_tensor_parallel`):
+//!   each rank its share of every expert's columns (as the dense FFN), or whole experts per rank
+//!   (rank r holds a contiguous, balanced range of them and runs only the routed slots that
+//!   fall in it). Either way the ranks' partial sums meet in the FFN's all-reduce; the shared
+//!   experts are column-split in both.
 //! - The attention output projection (row-parallel) is cut at the heads' columns, which must
 //!   fall on its quantization blocks.
 //! - The output head is split by vocabulary rows: `vocab_chunk` rows per rank, the last rank's
@@ -35,8 +40,13 @@ pub struct RankShard {
     pub kv_heads: Range<usize>,
     /// Columns of the dense FFN (empty for a model without one).
     pub ff: Range<usize>,
-    /// Columns of each expert's FFN (empty without experts).
+    /// Columns of each expert's FFN (empty without experts; all of them with whole experts).
     pub expert_ff: Range<usize>,
+    /// How the routed experts are split over the ranks.
+    pub expert_split: ExpertSplit,
+    /// The routed experts this rank holds (all of them unless the split is by whole experts;
+    /// empty without experts).
+    pub experts: Range<usize>,
     /// Columns of the shared experts' FFN (empty without them).
     pub shared_ff: Range<usize>,
     /// Rows of the output head (vocabulary entries) this rank computes logits for.
@@ -56,6 +66,8 @@ impl RankShard {
             kv_heads: 0..cfg.n_kv_heads,
             ff: 0..cfg.ff,
             expert_ff: 0..cfg.moe.map_or(0, |m| m.expert_ff),
+            expert_split: ExpertSplit::ShareEachExpert,
+            experts: 0..cfg.moe.map_or(0, |m| m.n_experts),
             shared_ff: 0..cfg.moe.map_or(0, |m| m.shared_ff),
             vocab: 0..cfg.vocab,
             vocab_chunk: cfg.vocab,
@@ -79,6 +91,37 @@ impl RankShard {
     /// Whether this rank holds a part, not the whole model.
     pub fn is_split(&self) -> bool {
         self.size > 1
+    }
+}
+
+/// How a tensor-parallel group splits the routed experts of an MoE model
+/// (`npu_serving.moe_tensor_parallel`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ExpertSplit {
+    /// Every rank holds its share of every expert's FFN columns, as the dense FFN is split.
+    #[default]
+    ShareEachExpert,
+    /// Every rank holds a contiguous range of whole experts and runs only the routed slots
+    /// that fall in it.
+    WholeExperts,
+}
+
+impl ExpertSplit {
+    pub const NAMES: &'static str = "share_each_expert or whole_experts";
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ShareEachExpert => "share_each_expert",
+            Self::WholeExperts => "whole_experts",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Self> {
+        match s {
+            "share_each_expert" => Some(Self::ShareEachExpert),
+            "whole_experts" => Some(Self::WholeExperts),
+            _ => None,
+        }
     }
 }
 
@@ -182,6 +225,18 @@ pub fn shard(
     size: usize,
     rank: usize,
 ) -> Result<RankShard, ShardError> {
+    shard_split(cfg, f, size, rank, ExpertSplit::ShareEachExpert)
+}
+
+/// `shard` with the routed experts split as `split` says (a model without experts splits the
+/// same either way).
+pub fn shard_split(
+    cfg: &ModelConfig,
+    f: Option<&Checkpoint>,
+    size: usize,
+    rank: usize,
+    split: ExpertSplit,
+) -> Result<RankShard, ShardError> {
     if size == 0 || rank >= size {
         return Err(ShardError {
             size,
@@ -190,7 +245,10 @@ pub fn shard(
         });
     }
     if size == 1 {
-        return Ok(RankShard::whole(cfg));
+        return Ok(RankShard {
+            expert_split: split,
+            ..RankShard::whole(cfg)
+        });
     }
     // Latent attention has one KV "head", the latent, which every rank caches whole; each rank
     // takes its share of the query heads (and their up-projections), whose values fill
@@ -257,16 +315,33 @@ pub fn shard(
         "FFN width",
         "ffn_down",
     )?;
-    let expert_ff = match cfg.moe {
-        None => 0..0,
-        Some(m) => ffn_columns(
-            m.expert_ff,
-            &layer_types(f, cfg, "ffn_down_exps.weight"),
-            size,
-            rank,
-            "expert FFN width",
-            "ffn_down_exps",
-        )?,
+    let (expert_ff, experts) = match cfg.moe {
+        None => (0..0, 0..0),
+        Some(m) if split == ExpertSplit::WholeExperts => {
+            if m.n_experts < size {
+                return Err(ShardError {
+                    size,
+                    dimension: "routed experts",
+                    detail: format!(
+                        "{} experts are fewer than the ranks (whole experts per rank; \
+                         share_each_expert splits each expert's columns instead)",
+                        m.n_experts
+                    ),
+                });
+            }
+            (0..m.expert_ff, balanced(m.n_experts, size, rank))
+        }
+        Some(m) => (
+            ffn_columns(
+                m.expert_ff,
+                &layer_types(f, cfg, "ffn_down_exps.weight"),
+                size,
+                rank,
+                "expert FFN width",
+                "ffn_down_exps",
+            )?,
+            0..m.n_experts,
+        ),
     };
     let shared_ff = match cfg.moe {
         Some(m) if m.shared_ff > 0 => ffn_columns(
@@ -295,6 +370,8 @@ pub fn shard(
         kv_heads,
         ff,
         expert_ff,
+        expert_split: split,
+        experts,
         shared_ff,
         vocab,
         vocab_chunk: chunk,
@@ -323,6 +400,7 @@ pub fn is_uneven(cfg: &ModelConfig, f: Option<&Checkpoint>, size: usize) -> bool
         w[0].q_heads.len() != w[1].q_heads.len()
             || w[0].ff.len() != w[1].ff.len()
             || w[0].expert_ff.len() != w[1].expert_ff.len()
+            || w[0].experts.len() != w[1].experts.len()
     })
 }
 
@@ -465,5 +543,47 @@ mod tests {
         let s = shard(&c, None, 2, 1).unwrap();
         assert_eq!((s.ff.clone(), s.expert_ff.clone()), (0..0, 32..64));
         assert_eq!(s.local_config(&c).moe.unwrap().expert_ff, 32);
+        assert_eq!(s.experts, 0..8);
+    }
+
+    #[test]
+    fn whole_experts_split_the_experts_not_their_width() {
+        let mut c = cfg(4, 2, 64, 0, 100);
+        c.moe = Some(MoeSpec {
+            shared_ff: 64,
+            ..MoeSpec::softmax_top_k(7, 2, 64)
+        });
+        let whole = ExpertSplit::WholeExperts;
+        let held: Vec<_> = (0..2)
+            .map(|r| shard_split(&c, None, 2, r, whole).unwrap())
+            .collect();
+        assert_eq!(
+            (held[0].experts.clone(), held[1].experts.clone()),
+            (0..3, 3..7)
+        );
+        for s in &held {
+            assert_eq!(s.expert_ff, 0..64);
+            assert_eq!(s.expert_split, whole);
+            // The shared experts stay column-split.
+            assert_eq!(s.shared_ff.len(), 32);
+            let m = s.local_config(&c).moe.unwrap();
+            assert_eq!((m.n_experts, m.expert_ff), (7, 64));
+        }
+        let mut wide = cfg(8, 8, 64, 0, 100);
+        wide.moe = c.moe;
+        let e = shard_split(&wide, None, 8, 0, whole).unwrap_err();
+        assert_eq!(e.dimension, "routed experts");
+        assert!(e.to_string().contains("7 experts are fewer"), "{e}");
+        // A model without experts splits the same either way.
+        let d = cfg(4, 2, 64, 128, 100);
+        let (a, b) = (
+            shard_split(&d, None, 2, 1, whole).unwrap(),
+            shard(&d, None, 2, 1).unwrap(),
+        );
+        assert_eq!((a.ff, a.experts), (b.ff, b.experts));
+        for n in ["share_each_expert", "whole_experts"] {
+            assert_eq!(ExpertSplit::from_name(n).unwrap().name(), n);
+        }
+        assert_eq!(ExpertSplit::from_name("whole"), None);
     }
 }

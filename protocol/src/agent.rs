@@ -202,6 +202,10 @@ pub fn handoff_copies_per_step(num_blocks: u32) -> u32 {
 /// Most KV block copies one step may carry for a pool of `num_blocks` device blocks: every
 /// block of the pool spilled or swapped out, and every block brought back, twice over; none
 /// without a host pool. The scheduler plans within it and the segment is sized by it.
+    /// `npu_serving.moe_tensor_parallel: whole_experts`: each rank holds a range of whole
+    /// routed experts; false (share_each_expert): its share of every expert's columns.
+    #[serde(default)]
+    pub whole_experts: bool,
 pub fn kv_copies_per_step(num_blocks: u32, swap_space_mb: u64) -> u32 {
     if swap_space_mb == 0 {
         0

@@ -196,6 +196,22 @@ impl<B: Backend> Backend for Faulty<B> {
             b.moe_ffn(x, ids, weights, gate_up, down, ff, o)
         })
     }
+    fn moe_ffn_held(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        ids: View<'_, Self::Buffer>,
+        weights: View<'_, Self::Buffer>,
+        gate_up: &[Self::Matrix],
+        down: &[Self::Matrix],
+        held: std::ops::Range<usize>,
+        n_experts: usize,
+        ff: usize,
+        mut out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        self.then_perturb(Fault::MoeFfn, &mut out, |b, o| {
+            b.moe_ffn_held(x, ids, weights, gate_up, down, held, n_experts, ff, o)
+        })
+    }
     fn alloc(&mut self, dtype: DType, len: usize) -> Result<Self::Buffer, BackendError> {
         self.inner.alloc(dtype, len)
     }

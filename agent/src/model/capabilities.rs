@@ -67,3 +67,23 @@ pub(super) fn check_capabilities<B: Backend>(
         backend.kind().name()
     )))
 }
+
+/// Refuses, before any weight is read, a rank of whole experts
+/// (`npu_serving.moe_tensor_parallel: whole_experts`) on a backend without `moe_ffn_held`.
+pub(super) fn check_expert_split<B: Backend>(
+    cfg: &ModelConfig,
+    shard: &npu_model::shard::RankShard,
+    backend: &B,
+) -> Result<(), ModelError> {
+    let all = cfg.moe.map_or(0, |m| m.n_experts);
+    if shard.experts.len() == all || backend.supports(Capability::HeldExperts) {
+        return Ok(());
+    }
+    Err(ModelError::Unsupported(format!(
+        "npu_serving.moe_tensor_parallel: {} needs {}, which the {} backend does not have yet \
+         (share_each_expert splits each expert's columns instead)",
+        shard.expert_split.name(),
+        Capability::HeldExperts.name(),
+        backend.kind().name()
+    )))
+}

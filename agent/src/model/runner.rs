@@ -145,8 +145,14 @@ impl<B: Backend> Model<B> {
                         comm.size()
                     )));
                 }
-                let want = npu_model::shard::shard(&cfg, Some(f), shard.size, shard.rank)
-                    .map_err(|e| ModelError::Unsupported(e.to_string()))?;
+                let want = npu_model::shard::shard_split(
+                    &cfg,
+                    Some(f),
+                    shard.size,
+                    shard.rank,
+                    shard.expert_split,
+                )
+                .map_err(|e| ModelError::Unsupported(e.to_string()))?;
                 if &want != shard {
                     return Err(ModelError::BadOptions(format!(
                         "shard {shard:?} is not the model's {want:?}"
@@ -162,6 +168,7 @@ impl<B: Backend> Model<B> {
         let l = opts.max_logit_rows;
         let h = cfg.hidden;
         let act = backend.act_dtype();
+        super::capabilities::check_expert_split(&cfg, &shard, &backend)?;
         let mut alloc = |dtype: DType, len: usize| backend.alloc(dtype, len);
         let bufs = Buffers {
             x: alloc(act, t * h)?,
@@ -692,7 +699,7 @@ fn ffn<B: Backend>(
     t: usize,
     h: usize,
 ) -> Result<(), ModelError> {
-    let (gate_up, down, router, selection_bias, shared) = match ffn {
+    let (gate_up, down, router, selection_bias, shared, held) = match ffn {
         Ffn::Dense { gate_up, down } => {
             return dense_ffn(b, bufs, gate_up, down, cfg.ffn_act, t, h, cfg.ff)
         }
@@ -702,7 +709,8 @@ fn ffn<B: Backend>(
             down,
             selection_bias,
             shared,
-        } => (gate_up, down, router, selection_bias, shared),
+            held,
+        } => (gate_up, down, router, selection_bias, shared, held),
     };
     let moe = cfg
         .moe
@@ -748,15 +756,19 @@ fn ffn<B: Backend>(
             ViewMut::rows(&mut bufs.shared, t, h)?,
         )?;
     }
-    b.moe_ffn(
+    let (x, ids, w) = (
         View::rows(&bufs.xn, t, h)?,
         View::rows(&bufs.route_ids, t, k)?,
         View::rows(&bufs.route_w, t, k)?,
-        gate_up,
-        down,
-        moe.expert_ff,
-        ViewMut::rows(&mut bufs.tmp, t, h)?,
-    )?;
+    );
+    let out = ViewMut::rows(&mut bufs.tmp, t, h)?;
+    if held.len() == ne {
+        b.moe_ffn(x, ids, w, gate_up, down, moe.expert_ff, out)?;
+    } else {
+        // A rank of whole experts: the slots routed to the others' experts add nothing here.
+        let held = held.clone();
+        b.moe_ffn_held(x, ids, w, gate_up, down, held, ne, moe.expert_ff, out)?;
+    }
     if shared.is_some() {
         b.add(
             ViewMut::rows(&mut bufs.tmp, t, h)?,

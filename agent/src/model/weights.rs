@@ -80,6 +80,10 @@ pub enum Ffn<B: Backend> {
         selection_bias: Option<B::Buffer>,
         /// The shared experts' gated FFN run on every token beside the routed ones.
         shared: Option<(Proj<B::Matrix>, B::Matrix)>,
+        /// The routed experts `gate_up` and `down` hold (`gate_up[i]` is expert `held.start +
+        /// i`): all of them, or a rank's range when a tensor-parallel group splits whole
+        /// experts (`ExpertSplit::WholeExperts`).
+        held: std::ops::Range<usize>,
     },
 }
 
@@ -644,8 +648,8 @@ impl<'a> Experts<'a> {
 }
 
 /// An MoE layer's router and selection bias (whole) and experts (each expert's gate and up
-/// fused into one matrix), each expert's FFN columns of `shard`, and the shared experts' (their
-/// columns of `shard`).
+/// fused into one matrix): the experts of `shard` (all, or its range of whole experts), each
+/// its FFN columns of `shard`, and the shared experts' (their columns of `shard`).
 pub(super) fn moe_ffn<B: Backend>(
     f: &Src<'_>,
     b: &mut B,
@@ -661,9 +665,15 @@ pub(super) fn moe_ffn<B: Backend>(
     let gates = Experts::read(f, &n("ffn_gate_exps.weight"), h, ff, ne)?;
     let ups = Experts::read(f, &n("ffn_up_exps.weight"), h, ff, ne)?;
     let downs = Experts::read(f, &n("ffn_down_exps.weight"), ff, h, ne)?;
-    let mut gate_up = Vec::with_capacity(ne);
-    let mut down = Vec::with_capacity(ne);
-    for e in 0..ne {
+    let held = shard.experts.clone();
+    if held.is_empty() || held.end > ne {
+        return Err(ModelError::Inconsistent(format!(
+            "the shard holds experts {held:?} of a layer of {ne}"
+        )));
+    }
+    let mut gate_up = Vec::with_capacity(held.len());
+    let mut down = Vec::with_capacity(held.len());
+    for e in held.clone() {
         let gate = rows_of(gates.expert(e)?, ffr, "gate")?;
         let up = rows_of(ups.expert(e)?, ffr, "up")?;
         let fused = b.load_matrix(&[gate.host(), up.host()])?.ok_or_else(|| {
@@ -698,6 +708,7 @@ pub(super) fn moe_ffn<B: Backend>(
         down,
         selection_bias,
         shared,
+        held,
     })
 }
 

@@ -151,6 +151,9 @@ pub enum Capability {
     /// `init_latent_kv`, `kv_write_latent` and `attention_latent`: multi-head latent attention
     /// over a cache of latents (DeepSeek).
     LatentAttention,
+    /// `moe_ffn_held`: the routed experts' FFN over a range of whole experts, the slots routed
+    /// to other experts skipped (a tensor-parallel group that splits whole experts).
+    HeldExperts,
     /// `lora_add`: low-rank adapters (LoRA) added to a projection's output, a different adapter
     /// per group of rows in one step.
     Lora,
@@ -168,6 +171,7 @@ impl Capability {
             Self::Moe => "mixture-of-experts routing",
             Self::ScoredRouting => "scored expert routing (sigmoid, bias, groups)",
             Self::LatentAttention => "latent attention (a KV cache of latents)",
+            Self::HeldExperts => "a range of whole experts (moe_ffn_held)",
             Self::Lora => "LoRA adapters",
         }
     }
@@ -665,6 +669,27 @@ pub trait Backend: Send {
     ) -> Result<(), BackendError> {
         let _ = (x, ids, weights, gate_up, down, ff, out);
         Err(self.unsupported(Capability::Moe))
+    }
+    /// `moe_ffn` over the routed experts `held` of the router's `n_experts`
+    /// ([`Capability::HeldExperts`]): `gate_up[i]` and `down[i]` are expert `held.start + i`; a
+    /// slot routed to an expert outside `held` adds nothing (another rank of a tensor-parallel
+    /// group holds it). The held slots' terms are added in `j` order; a row with none is zero.
+    /// An id outside `0..n_experts` is refused.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn_held(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        ids: View<'_, Self::Buffer>,
+        weights: View<'_, Self::Buffer>,
+        gate_up: &[Self::Matrix],
+        down: &[Self::Matrix],
+        held: std::ops::Range<usize>,
+        n_experts: usize,
+        ff: usize,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let _ = (x, ids, weights, gate_up, down, held, n_experts, ff, out);
+        Err(self.unsupported(Capability::HeldExperts))
     }
     /// Expert routing with DeepSeek's choices ([`Capability::ScoredRouting`]): for each row of
     /// `logits`, the scores (`spec.gating`), the scores plus `bias` (one value per expert, f32)

@@ -74,6 +74,9 @@ pub(crate) fn supports(c: Capability) -> bool {
         | Capability::LatentAttention => true,
         // Not built on CUDA yet: adapters are refused by name at load.
         Capability::Lora => false,
+        // Not built on CUDA yet: `moe_tensor_parallel: whole_experts` is refused by name at
+        // load (share_each_expert serves MoE groups).
+        Capability::HeldExperts => false,
     }
 }
 

@@ -16,7 +16,7 @@ pub(super) fn capability_of(name: &str) -> Option<Capability> {
         .find(|c| name.starts_with(&format!("{}: ", c.name())))
 }
 
-const ALL: [Capability; 9] = [
+const ALL: [Capability; 10] = [
     Capability::HeadNorm,
     Capability::GeluGate,
     Capability::ScaleRows,
@@ -26,6 +26,7 @@ const ALL: [Capability; 9] = [
     Capability::Moe,
     Capability::ScoredRouting,
     Capability::LatentAttention,
+    Capability::HeldExperts,
 ];
 
 fn named(c: Capability, what: &str) -> String {
@@ -237,7 +238,8 @@ pub(super) fn ropes<B: Backend>(b: &mut B, ctx: &Ctx) -> Result<Vec<Output>, Bac
 }
 
 /// Router softmax and top-k over logits with a tie, then the experts' FFN over tokens routed to
-/// overlapping experts (f32 expert weights, gate and up fused).
+/// overlapping experts (f32 expert weights, gate and up fused); where the backend has
+/// `moe_ffn_held`, the same FFN over each half of the experts (the halves' sum is the whole).
 pub(super) fn moe<B: Backend>(b: &mut B) -> Result<Vec<Output>, BackendError> {
     let c = Capability::Moe;
     if !b.supports(c) {
@@ -296,7 +298,7 @@ pub(super) fn moe<B: Backend>(b: &mut B) -> Result<Vec<Output>, BackendError> {
         ff,
         ViewMut::rows(&mut o, t, h)?,
     )?;
-    Ok(vec![
+    let mut outputs = vec![
         out(
             named(c, "routed expert ids"),
             Class::Exact,
@@ -308,5 +310,30 @@ pub(super) fn moe<B: Backend>(b: &mut B) -> Result<Vec<Output>, BackendError> {
             Class::Reduction,
             read(b, &o, Layout::contiguous(t, h))?,
         ),
-    ])
+    ];
+    if b.supports(Capability::HeldExperts) {
+        // Tokens whose two experts fall in one half give the other half a zero row.
+        for held in [0..ne / 2, ne / 2..ne] {
+            b.moe_ffn_held(
+                View::rows(&x, t, h)?,
+                View::rows(&ids, t, k)?,
+                View::rows(&w, t, k)?,
+                &gate_up[held.clone()],
+                &down[held.clone()],
+                held.clone(),
+                ne,
+                ff,
+                ViewMut::rows(&mut o, t, h)?,
+            )?;
+            outputs.push(out(
+                named(
+                    Capability::HeldExperts,
+                    &format!("experts {held:?} of {ne}"),
+                ),
+                Class::Reduction,
+                read(b, &o, Layout::contiguous(t, h))?,
+            ));
+        }
+    }
+    Ok(outputs)
 }

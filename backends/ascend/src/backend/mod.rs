@@ -451,6 +451,9 @@ impl Backend for AscendBackend {
     fn op_counts(&self) -> Option<npu_backend::OpCounts> {
         let (first_phases, launches) = self.ops.runner.totals();
         Some(npu_backend::OpCounts {
+            // Not built on CANN yet: `moe_tensor_parallel: whole_experts` is refused by name at
+            // load (share_each_expert serves MoE groups).
+            Capability::HeldExperts => false,
             launches,
             first_phases,
             graph_replays: 0,

@@ -22,7 +22,8 @@ pub(super) fn supports(c: Capability) -> bool {
         | Capability::Moe
         | Capability::ScoredRouting
         | Capability::LatentAttention
-        | Capability::Lora => true,
+        | Capability::Lora
+        | Capability::HeldExperts => true,
     }
 }
 
@@ -120,6 +121,8 @@ impl CpuBackend {
         Ok(())
     }
 
+    /// `moe_ffn` (all experts held: `held` is `0..n_experts`) and `moe_ffn_held` (a range of
+    /// them: slots routed elsewhere add nothing).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn moe_ffn_op(
         &mut self,
@@ -128,6 +131,8 @@ impl CpuBackend {
         weights: View<'_, CpuBuffer>,
         gate_up: &[WeightMatrix],
         down: &[WeightMatrix],
+        held: std::ops::Range<usize>,
+        n_experts: usize,
         ff: usize,
         mut out: ViewMut<'_, CpuBuffer>,
     ) -> Result<(), BackendError> {
@@ -145,6 +150,15 @@ impl CpuBackend {
                 format!("{} gate/up and {} down experts", gate_up.len(), down.len()),
             ));
         }
+        if held.len() != down.len() || held.end > n_experts {
+            return Err(bad(
+                OP,
+                format!(
+                    "{} experts given as experts {held:?} of {n_experts}",
+                    down.len()
+                ),
+            ));
+        }
         for (e, (gu, d)) in gate_up.iter().zip(down).enumerate() {
             if gu.k() != h || gu.n() != 2 * ff || d.k() != ff || d.n() != h {
                 return Err(bad(
@@ -160,22 +174,26 @@ impl CpuBackend {
                 ));
             }
         }
-        // Which (token, slot) pairs each expert serves.
+        // Which (token, slot) pairs each held expert serves, and which slots are held at all.
         let (id_data, id_stride) = i32_rows(&ids, OP)?;
         let mut served: Vec<Vec<(usize, usize)>> = vec![Vec::new(); gate_up.len()];
+        let mut slot_held = vec![false; t * k];
         for r in 0..t {
             for j in 0..k {
                 let e = id_data[r * id_stride + j];
-                let list = usize::try_from(e)
+                let e = usize::try_from(e)
                     .ok()
-                    .and_then(|e| served.get_mut(e))
+                    .filter(|&e| e < n_experts)
                     .ok_or_else(|| {
                         bad(
                             OP,
-                            format!("token {r} is routed to expert {e} of {}", down.len()),
+                            format!("token {r} is routed to expert {e} of {n_experts}"),
                         )
                     })?;
-                list.push((r, j));
+                if held.contains(&e) {
+                    served[e - held.start].push((r, j));
+                    slot_held[r * k + j] = true;
+                }
             }
         }
         // Each expert once, over the rows routed to it; its outputs kept per (token, slot).
@@ -253,23 +271,28 @@ impl CpuBackend {
                 y[(r * k + j) * h..(r * k + j + 1) * h].copy_from_slice(&ye[i * h..(i + 1) * h]);
             }
         }
-        // Weighted, added in slot order.
+        // Weighted, the held slots added in slot order (a row with none is zero).
         let mut o = rows_mut(&mut out, OP)?;
         shape(OP, "out", o.rows, o.cols, t, h)?;
         for r in 0..t {
             let wr = w.row(r);
             let dst = o.row_mut(r);
-            for j in 0..k {
+            let mut first = true;
+            for j in (0..k).filter(|&j| slot_held[r * k + j]) {
                 let yj = &y[(r * k + j) * h..(r * k + j + 1) * h];
-                if j == 0 {
+                if first {
                     for (d, &v) in dst.iter_mut().zip(yj) {
-                        *d = v * wr[0];
+                        *d = v * wr[j];
                     }
                 } else {
                     for (d, &v) in dst.iter_mut().zip(yj) {
                         *d += v * wr[j];
                     }
                 }
+                first = false;
+            }
+            if first {
+                dst.fill(0.0);
             }
         }
         Ok(())

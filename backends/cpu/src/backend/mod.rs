@@ -372,7 +372,23 @@ impl Backend for CpuBackend {
         ff: usize,
         out: ViewMut<'_, CpuBuffer>,
     ) -> Result<(), BackendError> {
-        self.moe_ffn_op(x, ids, weights, gate_up, down, ff, out)
+        let n = gate_up.len();
+        self.moe_ffn_op(x, ids, weights, gate_up, down, 0..n, n, ff, out)
+    }
+
+    fn moe_ffn_held(
+        &mut self,
+        x: View<'_, CpuBuffer>,
+        ids: View<'_, CpuBuffer>,
+        weights: View<'_, CpuBuffer>,
+        gate_up: &[WeightMatrix],
+        down: &[WeightMatrix],
+        held: std::ops::Range<usize>,
+        n_experts: usize,
+        ff: usize,
+        out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<(), BackendError> {
+        self.moe_ffn_op(x, ids, weights, gate_up, down, held, n_experts, ff, out)
     }
 
     fn moe_route_scored(

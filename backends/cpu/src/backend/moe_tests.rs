@@ -248,3 +248,115 @@ fn grouped_experts_equal_each_expert_alone_bit_for_bit() {
         }
     }
 }
+
+/// `moe_ffn_held` over a range of whole experts: all of them is `moe_ffn` bit for bit; two
+/// halves hold each token's slots between them, so with two slots a token their outputs add up
+/// to the whole bit for bit (a + b either way round), and a token whose experts are all in the
+/// other half gets a zero row. Ids beyond the router's experts and ranges that do not match the
+/// matrices are refused.
+#[test]
+fn held_experts_add_up_to_every_expert() {
+    let mut b = CpuBackend::new(CpuConfig {
+        threads: 2,
+        f32_reference: false,
+    });
+    let (t, h, ff, ne, k) = (6usize, 64usize, 32usize, 4usize, 2usize);
+    let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+    for e in 0..ne as u64 {
+        let (gu, d) = (values(10 + e, 2 * ff * h, 0.2), values(50 + e, h * ff, 0.2));
+        fn m(v: &[f32], rows: usize, cols: usize) -> HostTensor<'_> {
+            HostTensor {
+                ty: GgmlType::F32,
+                data: bytemuck::cast_slice(v),
+                rows,
+                cols,
+            }
+        }
+        gate_up.push(b.load_matrix(&[m(&gu, 2 * ff, h)]).unwrap().unwrap());
+        down.push(b.load_matrix(&[m(&d, h, ff)]).unwrap().unwrap());
+    }
+    // Token 4 is routed to experts 2 and 3 only.
+    let ids: Vec<i32> = vec![0, 2, 2, 1, 3, 0, 1, 2, 2, 3, 0, 1];
+    let xb = CpuBuffer::from_f32(values(3, t * h, 1.0));
+    let wb = CpuBuffer::from_f32(values(7, t * k, 1.0));
+    let mut ib = CpuBuffer::zeroed(DType::I32, t * k).unwrap();
+    let upload_ids = |b: &mut CpuBackend, ib: &mut CpuBuffer, ids: &[i32]| {
+        b.upload(
+            npu_backend::HostSlice::I32(ids),
+            ViewMut::rows(ib, t, k).unwrap(),
+        )
+        .unwrap();
+    };
+    upload_ids(&mut b, &mut ib, &ids);
+    let run = |b: &mut CpuBackend, ib: &CpuBuffer, held: std::ops::Range<usize>| {
+        let mut out = CpuBuffer::zeroed(DType::F32, t * h).unwrap();
+        let (x, i, w) = (
+            View::rows(&xb, t, h).unwrap(),
+            View::rows(ib, t, k).unwrap(),
+            View::rows(&wb, t, k).unwrap(),
+        );
+        let o = ViewMut::rows(&mut out, t, h).unwrap();
+        let r = match held.clone() {
+            h if h == (0..ne) => b.moe_ffn(x, i, w, &gate_up, &down, ff, o),
+            h => b.moe_ffn_held(x, i, w, &gate_up[h.clone()], &down[h.clone()], h, ne, ff, o),
+        };
+        r.map(|()| out.as_f32().unwrap().to_vec())
+    };
+    let whole = run(&mut b, &ib, 0..ne).unwrap();
+    let all = b
+        .moe_ffn_held(
+            View::rows(&xb, t, h).unwrap(),
+            View::rows(&ib, t, k).unwrap(),
+            View::rows(&wb, t, k).unwrap(),
+            &gate_up,
+            &down,
+            0..ne,
+            ne,
+            ff,
+            ViewMut::rows(&mut CpuBuffer::zeroed(DType::F32, t * h).unwrap(), t, h).unwrap(),
+        )
+        .map(|()| ());
+    assert!(all.is_ok());
+    let (lo, hi) = (
+        run(&mut b, &ib, 0..2).unwrap(),
+        run(&mut b, &ib, 2..4).unwrap(),
+    );
+    assert!(
+        lo[4 * h..5 * h].iter().all(|&v| v.to_bits() == 0),
+        "token 4"
+    );
+    assert!(hi[4 * h..5 * h] == whole[4 * h..5 * h]);
+    for (i, (&w, (&a, &c))) in whole.iter().zip(lo.iter().zip(&hi)).enumerate() {
+        assert_eq!(
+            (a + c).to_bits(),
+            w.to_bits(),
+            "value {i}: {a} + {c} vs {w}"
+        );
+    }
+    // An id beyond the router's experts is refused even where no rank holds it.
+    let mut bad = ids.clone();
+    bad[5] = ne as i32;
+    upload_ids(&mut b, &mut ib, &bad);
+    let e = run(&mut b, &ib, 0..2).unwrap_err();
+    assert!(e.to_string().contains("routed to expert 4 of 4"), "{e}");
+    upload_ids(&mut b, &mut ib, &ids);
+    // Matrices that are not the range's experts.
+    let e = b
+        .moe_ffn_held(
+            View::rows(&xb, t, h).unwrap(),
+            View::rows(&ib, t, k).unwrap(),
+            View::rows(&wb, t, k).unwrap(),
+            &gate_up[..2],
+            &down[..2],
+            1..4,
+            ne,
+            ff,
+            ViewMut::rows(&mut CpuBuffer::zeroed(DType::F32, t * h).unwrap(), t, h).unwrap(),
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("2 experts given as experts 1..4 of 4"),
+        "{e}"
+    );
+}
