@@ -4,6 +4,7 @@
 
 pub mod capabilities;
 pub mod kv_sizing;
+pub mod lora;
 pub mod mla;
 pub mod runner;
 pub mod weights;
@@ -35,4 +36,6 @@ pub enum ModelError {
     OutOfMemory(String),
     #[error("long-context mode: {0}")]
     LongContext(String),
+    #[error(transparent)]
+    Adapter(#[from] lora::AdapterError),
 }

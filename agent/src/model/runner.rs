@@ -21,6 +21,7 @@ use npu_model::FfnAct;
 
 mod tp;
 
+use super::lora::{LoraSlots, Target};
 use super::mla::{self, MlaBuffers, MlaStep};
 use super::weights::{Attn, Embedding, Ffn, Proj, Weights};
 use super::{ModelConfig, ModelError};
@@ -95,6 +96,8 @@ pub struct Model<B: Backend> {
     geometry: Vec<AttnGeometry>,
     /// Host copy of a layer's queries, read back only for long-context memory selection.
     q_host: Vec<f32>,
+    /// LoRA adapter slots (none unless enabled; see `model::lora`).
+    lora: LoraSlots<B>,
 }
 
 impl<B: Backend> Model<B> {
@@ -231,6 +234,7 @@ impl<B: Backend> Model<B> {
             bufs,
             geometry,
             q_host: Vec::new(),
+            lora: LoraSlots::default(),
         })
     }
 
@@ -251,6 +255,17 @@ impl<B: Backend> Model<B> {
     /// What carries this rank's collectives (None without tensor parallelism).
     pub fn describe_collectives(&self) -> Option<String> {
         self.tp.as_ref().map(|tp| tp.comm.describe())
+    }
+
+    /// The LoRA slots, the backend, this rank's config and whether the model is split over
+    /// tensor-parallel ranks (for `model::lora`'s methods).
+    pub(super) fn lora_parts(&mut self) -> (&mut LoraSlots<B>, &mut B, &ModelConfig, bool) {
+        (
+            &mut self.lora,
+            &mut self.backend,
+            &self.local,
+            self.tp.is_some(),
+        )
     }
 
     pub fn backend(&self) -> &B {
@@ -360,6 +375,8 @@ impl<B: Backend> Model<B> {
         lc: Option<&mut LongContext>,
     ) -> Result<(), ModelError> {
         let outcome = self.forward_inner(step, greedy, out, lc);
+        // A step's adapter choice is its own: the next step sets its own.
+        self.lora.end_step();
         if outcome.is_err() {
             // The other ranks may be waiting for this one in a collective.
             if let Some(tp) = self.tp.as_mut() {
@@ -380,6 +397,7 @@ impl<B: Backend> Model<B> {
         let q_host = &mut self.q_host;
         let w = &self.weights;
         let bufs = &mut self.bufs;
+        let lora = &self.lora;
         let mut tp = self.tp.as_mut();
         let cfg = &self.local;
         let t = step.tokens.len();
@@ -447,7 +465,7 @@ impl<B: Backend> Model<B> {
                         eps,
                         ViewMut::rows(&mut bufs.xn, t, h)?,
                     )?;
-                    ffn(b, bufs, &layer.ffn, cfg, t, h)?;
+                    ffn(b, bufs, &layer.ffn, cfg, t, h, (lora, li))?;
                     if let Some(tp) = tp.as_deref_mut() {
                         tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
                     }
@@ -457,6 +475,19 @@ impl<B: Backend> Model<B> {
             };
             let mut qkv = ViewMut::rows(&mut bufs.qkv, t, qkv_w)?;
             project(b, View::rows(&bufs.xn, t, h)?, qkv_proj, &mut qkv)?;
+            for (target, col, n) in [
+                (Target::Q, 0, qw),
+                (Target::K, qw, kvw),
+                (Target::V, qw + kvw, kvw),
+            ] {
+                lora.apply(
+                    b,
+                    li,
+                    target,
+                    View::rows(&bufs.xn, t, h)?,
+                    qkv.col_range(col, n)?,
+                )?;
+            }
             if let Some(bias) = qkv_bias {
                 b.add_bias(qkv.col_range(0, qkv_w)?, bias)?;
             }
@@ -491,6 +522,13 @@ impl<B: Backend> Model<B> {
                 &layer.wo,
                 ViewMut::rows(&mut bufs.tmp, t, h)?,
             )?;
+            lora.apply(
+                b,
+                li,
+                Target::O,
+                View::rows(&bufs.attn, t, qw)?,
+                ViewMut::rows(&mut bufs.tmp, t, h)?,
+            )?;
             if let Some(tp) = tp.as_deref_mut() {
                 tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
             }
@@ -501,7 +539,7 @@ impl<B: Backend> Model<B> {
                 eps,
                 ViewMut::rows(&mut bufs.xn, t, h)?,
             )?;
-            ffn(b, bufs, &layer.ffn, cfg, t, h)?;
+            ffn(b, bufs, &layer.ffn, cfg, t, h, (lora, li))?;
             if let Some(tp) = tp.as_deref_mut() {
                 tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
             }
@@ -698,10 +736,11 @@ fn ffn<B: Backend>(
     cfg: &ModelConfig,
     t: usize,
     h: usize,
+    lora: (&LoraSlots<B>, usize),
 ) -> Result<(), ModelError> {
     let (gate_up, down, router, selection_bias, shared, held) = match ffn {
         Ffn::Dense { gate_up, down } => {
-            return dense_ffn(b, bufs, gate_up, down, cfg.ffn_act, t, h, cfg.ff)
+            return dense_ffn(b, bufs, gate_up, down, cfg.ffn_act, t, h, cfg.ff, lora)
         }
         Ffn::Moe {
             router,
@@ -799,7 +838,7 @@ pub(super) fn project<B: Backend>(
     Ok(())
 }
 
-/// The dense gated FFN of `xn` into `tmp`.
+/// The dense gated FFN of `xn` into `tmp`, with the step's LoRA adapters of layer `lora.1`.
 #[allow(clippy::too_many_arguments)]
 fn dense_ffn<B: Backend>(
     b: &mut B,
@@ -810,9 +849,19 @@ fn dense_ffn<B: Backend>(
     t: usize,
     h: usize,
     ff: usize,
+    (lora, li): (&LoraSlots<B>, usize),
 ) -> Result<(), ModelError> {
     let mut gu = ViewMut::rows(&mut bufs.gate_up, t, 2 * ff)?;
     project(b, View::rows(&bufs.xn, t, h)?, gate_up, &mut gu)?;
+    for (target, col) in [(Target::Gate, 0), (Target::Up, ff)] {
+        lora.apply(
+            b,
+            li,
+            target,
+            View::rows(&bufs.xn, t, h)?,
+            gu.col_range(col, ff)?,
+        )?;
+    }
     let gu = gu.as_view();
     let (gate, up, out) = (
         gu.col_range(0, ff)?,
@@ -826,6 +875,13 @@ fn dense_ffn<B: Backend>(
     b.matmul(
         View::rows(&bufs.h, t, ff)?,
         down,
+        ViewMut::rows(&mut bufs.tmp, t, h)?,
+    )?;
+    lora.apply(
+        b,
+        li,
+        Target::Down,
+        View::rows(&bufs.h, t, ff)?,
         ViewMut::rows(&mut bufs.tmp, t, h)?,
     )?;
     Ok(())
