@@ -447,6 +447,15 @@ pub fn check_tensor_parallel(
         tracing::info!(
             tensor_parallel_size = t,
             heads = mc.n_heads,
+    let split = cfg.npu_serving.moe_tensor_parallel;
+    if let Some(e) = (0..t).find_map(|r| shard::shard_split(mc, Some(gguf), t, r, split).err()) {
+        bail!(
+            "npu_serving.moe_tensor_parallel: {} is not allowed for the model {} with \
+             tensor_parallel_size {t}: {e}",
+            split.name(),
+            mc.name
+        );
+    }
             kv_heads = mc.n_kv_heads,
             "the model's heads (or FFN blocks) do not split evenly over the ranks: some ranks \
              compute more than others, and each step waits for the busiest"
@@ -623,6 +632,8 @@ fn agent_specs(
             AgentSpec::new(i as u32, engine)
         })
         .collect()
+                    whole_experts: cfg.npu_serving.moe_tensor_parallel
+                        == npu_model::shard::ExpertSplit::WholeExperts,
 }
 
 /// How a gateway reaches this replica, for the KV events' topic: `$POD_IP` (Kubernetes' downward

@@ -121,3 +121,30 @@ fn a_model_that_cannot_be_split_is_refused_naming_the_dimension() {
         assert!(e.contains(p), "{e:?} lacks {p:?}");
     }
 }
+
+/// `npu_serving.moe_tensor_parallel`: share_each_expert by default, whole_experts by name,
+/// anything else refused naming the key and both names.
+#[test]
+fn moe_tensor_parallel_is_one_of_two_layouts_by_name() {
+    use npu_model::shard::ExpertSplit;
+    let tp2 = format!("{}npu_serving:\n  tensor_parallel_size: 2\n", agents(2));
+    let cfg = load(&tp2).unwrap();
+    assert_eq!(
+        cfg.npu_serving.moe_tensor_parallel,
+        ExpertSplit::ShareEachExpert
+    );
+    for (name, want) in [
+        ("whole_experts", ExpertSplit::WholeExperts),
+        ("share_each_expert", ExpertSplit::ShareEachExpert),
+    ] {
+        let cfg = load(&format!("{tp2}  moe_tensor_parallel: {name}\n")).unwrap();
+        assert_eq!(cfg.npu_serving.moe_tensor_parallel, want);
+    }
+    let e = load(&format!("{tp2}  moe_tensor_parallel: experts\n")).unwrap_err();
+    assert_eq!(e.key_path(), Some("npu_serving.moe_tensor_parallel"), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("share_each_expert or whole_experts"),
+        "{text}"
+    );
+}

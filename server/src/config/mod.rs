@@ -217,6 +217,10 @@ pub struct NpuServingConfig {
     pub kv_events: Option<crate::kv_events::KvEventsConfig>,
     /// Speculative decoding with n-gram drafts (`speculative`); None: off.
     pub speculative: Option<npu_scheduler::SpeculativeConfig>,
+    /// How a tensor-parallel group splits an MoE model's routed experts
+    /// (`moe_tensor_parallel`): each rank its share of every expert's columns, or whole
+    /// experts per rank.
+    pub moe_tensor_parallel: npu_model::shard::ExpertSplit,
     /// API keys, whether the health routes need one, TLS (`api_keys`, `protect_health`, `tls`).
     pub access: AccessConfig,
     /// The Responses API store (`responses_store_size`, `responses_ttl_s`).
@@ -260,6 +264,7 @@ impl Default for NpuServingConfig {
         }
     }
 }
+            moe_tensor_parallel: npu_model::shard::ExpertSplit::default(),
 
 /// The whole config, with the warnings its loading produced (already logged).
 #[derive(Debug, Clone, Default, PartialEq)]

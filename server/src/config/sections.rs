@@ -638,6 +638,20 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
             &s.key_path("kv_events_endpoint"),
             "an endpoint with npu_serving.prefix_cache: false",
             "KV events only with the prefix cache on (they report its blocks)",
+    if let Some(v) = s.string("moe_tensor_parallel")? {
+        use npu_model::shard::ExpertSplit;
+        c.moe_tensor_parallel = ExpertSplit::from_name(&v).ok_or_else(|| {
+            ConfigError::not_allowed(
+                &s.key_path("moe_tensor_parallel"),
+                format!("{v:?}"),
+                format!(
+                    "{} (how a tensor-parallel group splits an MoE model's routed experts: \
+                     each rank its share of every expert's columns, or whole experts per rank)",
+                    ExpertSplit::NAMES
+                ),
+            )
+        })?;
+    }
         ));
     }
     if let Some(v) = s.f64("kv_cache_memory_fraction")? {
