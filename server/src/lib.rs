@@ -12,4 +12,5 @@ pub mod metrics;
 pub mod metrics_kv;
 pub mod metrics_pd;
 pub mod metrics_sleep;
+pub mod models;
 pub mod serve;

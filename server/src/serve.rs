@@ -58,15 +58,15 @@ pub struct ServeArgs {
 }
 
 /// What the model file says that the server needs before the agents start.
-struct ModelInfo {
-    path: PathBuf,
-    tokenizer: Tokenizer,
-    vocab: u32,
-    context: u32,
-    hidden: usize,
+pub(crate) struct ModelInfo {
+    pub(crate) path: PathBuf,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) vocab: u32,
+    pub(crate) context: u32,
+    pub(crate) hidden: usize,
     /// A model directory's generation_config.json sampling defaults (none for a GGUF file, or
     /// with `npu_serving.generation_config: ignore`).
-    sampling_defaults: SamplingDefaults,
+    pub(crate) sampling_defaults: SamplingDefaults,
 }
 
 /// Refuses a configured device this binary has no backend for, naming the cargo feature that
@@ -99,6 +99,10 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     }
     if let Some(port) = args.port {
         cfg.serving_config.server_port = port;
+    }
+    if !cfg.npu_serving.models.entries.is_empty() {
+        // Several models behind this server, each loaded on demand: crate::models runs it.
+        return crate::models::run(cfg, &args, built);
     }
     check_device(cfg.npu_serving.device, built)?;
     let (api_keys, tls) = access(&cfg, &args.api_keys)?;
@@ -308,7 +312,7 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
 
 /// The API keys (config, `--api-key`, NPU_SERVING_API_KEY) and the TLS certificate, read
 /// before anything starts so a bad key file or certificate is refused at once, by its key.
-fn access(
+pub(crate) fn access(
     cfg: &ServerConfig,
     cli_keys: &[String],
 ) -> anyhow::Result<(ApiKeys, Option<TlsAcceptor>)> {
@@ -332,7 +336,10 @@ fn access(
 
 /// Resolves the model (`--model`, else `npu_serving.model_file`, else the default model,
 /// fetched when absent) and reads its tokenizer and limits.
-fn load_model_info(cfg: &ServerConfig, cli_model: Option<PathBuf>) -> anyhow::Result<ModelInfo> {
+pub(crate) fn load_model_info(
+    cfg: &ServerConfig,
+    cli_model: Option<PathBuf>,
+) -> anyhow::Result<ModelInfo> {
     let requested = cli_model.or_else(|| cfg.npu_serving.model_file.clone());
     let path = npu_model::resolve_model(requested.as_deref()).context("resolving the model")?;
     let quantize = match cfg.npu_serving.quantize.as_deref() {
@@ -522,7 +529,7 @@ fn start_groups(
 /// The KV pool the server plans with when the agents sized theirs from free device memory: the
 /// smallest any agent reported (the scheduler gives every agent the same pool). Each agent is
 /// pinned to it, so a restarted one allocates exactly that many blocks.
-fn kv_pool_from_agents(links: &mut [crate::agents::AgentLink]) -> anyhow::Result<u32> {
+pub(crate) fn kv_pool_from_agents(links: &mut [crate::agents::AgentLink]) -> anyhow::Result<u32> {
     let mut refs: Vec<&mut AgentLink> = links.iter_mut().collect();
     kv_pool_from_agent_refs(&mut refs)
 }
@@ -560,7 +567,7 @@ fn kv_pool_from_agent_refs(links: &mut [&mut AgentLink]) -> anyhow::Result<u32> 
 
 /// The scheduler's view of an agent's host KV pool, from its handshake (every agent has the
 /// same pool and model); None without one.
-fn kv_host_config(kv: &KvFacts, num_blocks: u32, swap_space_mb: u64) -> Option<KvHostConfig> {
+pub(crate) fn kv_host_config(kv: &KvFacts, num_blocks: u32, swap_space_mb: u64) -> Option<KvHostConfig> {
     if kv.host_blocks == 0 {
         return None;
     }
@@ -586,7 +593,7 @@ fn kv_host_config(kv: &KvFacts, num_blocks: u32, swap_space_mb: u64) -> Option<K
 /// With tensor parallelism (`group_regions`: one region per group), agent `i` is rank
 /// `i % tensor_parallel_size` of group `i / tensor_parallel_size` (its device is still
 /// `start_device_id + i`, as llm-serving's rank `i` runs on).
-fn agent_specs(
+pub(crate) fn agent_specs(
     cfg: &ServerConfig,
     engine: &EngineConfig,
     model: &std::path::Path,

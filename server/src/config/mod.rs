@@ -4,6 +4,7 @@
 
 mod access;
 mod error;
+mod models;
 mod reader;
 mod responses;
 mod roles;
@@ -21,6 +22,7 @@ pub(crate) use reader::closest;
 pub use reader::parse_bool_str;
 pub use responses::ResponsesConfig;
 pub use roles::{AgentRole, MAX_HANDOFF_SPACE_MB};
+pub use models::{ModelEntry, ModelsConfig};
 pub use sleep::SleepConfig;
 
 use crate::http::HttpLimits;
@@ -227,6 +229,8 @@ pub struct NpuServingConfig {
     pub responses: ResponsesConfig,
     /// Sleeping by itself when idle (`sleep_idle_seconds`, `sleep_idle_level`).
     pub sleep: SleepConfig,
+    /// Several models behind one server (`models`, `max_resident_models`); no entries: one.
+    pub models: ModelsConfig,
 }
 
 impl Default for NpuServingConfig {
@@ -261,6 +265,7 @@ impl Default for NpuServingConfig {
             access: AccessConfig::default(),
             responses: ResponsesConfig::default(),
             sleep: SleepConfig::default(),
+            models: ModelsConfig::default(),
         }
     }
 }

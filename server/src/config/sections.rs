@@ -93,6 +93,7 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
     let mut npu_serving = npu_serving(&mut s)?;
     npu_serving.responses = super::responses::responses(&mut s)?;
     npu_serving.sleep = super::sleep::sleep(&mut s)?;
+    npu_serving.models = super::models::models(&mut s, npu_serving.model_file.is_some())?;
     npu_serving.long_context = long_context(&mut s, pa_config.block_size, strict)?;
     npu_serving.speculative = super::speculative::speculative(
         &mut s,
