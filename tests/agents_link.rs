@@ -196,6 +196,7 @@ fn spec(agent_id: u32) -> AgentSpec {
             long_context: None,
             quantize: None,
             kv_cache_dtype: Default::default(),
+            graph_capture: Default::default(),
         },
     )
 }

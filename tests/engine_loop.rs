@@ -191,6 +191,7 @@ impl Harness {
             long_context: None,
             quantize: None,
             kv_cache_dtype: Default::default(),
+            graph_capture: Default::default(),
         };
         let faults = Arc::new(Mutex::new(faults));
         let agent = InProcessAgent {

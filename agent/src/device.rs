@@ -287,6 +287,20 @@ impl DeviceModel {
         dispatch!(self, m => m.opts)
     }
 
+    /// Turns decode-step graphs on where the backend and model allow (see
+    /// `Model::enable_step_graphs`); the pool's last block is kept for padded rows.
+    pub fn enable_step_graphs(
+        &mut self,
+        buckets: Option<&[usize]>,
+    ) -> Result<Result<(), String>, ModelError> {
+        dispatch!(self, m => m.enable_step_graphs(buckets))
+    }
+
+    /// Whether decode steps go through graphs (`Model::step_graphs_state`).
+    pub fn step_graphs_state(&self) -> Option<Result<(), &str>> {
+        dispatch!(self, m => m.step_graphs_state())
+    }
+
     /// Frees the KV pool down to one block (sleep level 1); returns the bytes released.
     pub fn release_kv(&mut self) -> Result<u64, ModelError> {
         dispatch!(self, m => m.release_kv())

@@ -383,8 +383,12 @@ impl AgentEngine {
                 "loaded the model, its float weight matrices quantized at load"
             );
         }
+        if cfg.graph_capture == npu_protocol::agent::GraphCapture::Auto {
+            // Logged either way; `Err(why)`: steps stay eager.
+            let _ = model.enable_step_graphs(None)?;
+        }
         // With a memory fraction the pool has what free memory gave; from here on the config
-        // says what was built.
+        // says what was built (less the block graphs keep for padded rows).
         let opts = model.options();
         let mut cfg = cfg.clone();
         cfg.num_blocks = opts.num_blocks as u32;

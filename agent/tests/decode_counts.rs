@@ -17,7 +17,7 @@ use npu_agent::cli::bench_model::{count_decode, file_weight_bytes, DecodeCounts}
 use npu_agent::engine::{AgentEngine, AgentEngineConfig};
 use npu_gguf::synth::{self, Family};
 use npu_gguf::{GgmlType, GgufFile};
-use npu_protocol::agent::DeviceKind;
+use npu_protocol::agent::{DeviceKind, GraphCapture};
 
 /// Layers of the tiny llama model.
 const LAYERS: usize = 2;
@@ -48,9 +48,19 @@ fn tiny_llama(device: &str) -> PathBuf {
 
 /// Opens the device as `bench-model --device` does, and counts 3 decode steps.
 fn counts(device: DeviceKind, model: PathBuf) -> (DecodeCounts, Option<u64>, u64) {
+    counts_with(device, model, GraphCapture::Off)
+}
+
+/// `counts` with `bench-model --graph-capture`'s setting.
+fn counts_with(
+    device: DeviceKind,
+    model: PathBuf,
+    graph_capture: GraphCapture,
+) -> (DecodeCounts, Option<u64>, u64) {
     let cfg = AgentEngineConfig {
         device,
         model_path: model.clone(),
+        graph_capture,
         ..common::engine_config(4, 64)
     };
     let mut engine = AgentEngine::load(&cfg).expect("the model loads on the emulation");
@@ -112,4 +122,39 @@ fn ascend_emulation_counts_decode_launches() {
     check("ascend", &c, d, f);
     assert_eq!(c.min_launches, ASCEND_LAUNCHES, "{c:?}");
     assert_eq!(c.first_phases_per_step, ASCEND_FIRST_PHASES as f64, "{c:?}");
+}
+
+/// With `graph_capture: auto` the first decode step (uncounted) runs and records the step's
+/// graph (batch 1, the sequence's block-table width); every counted step is that graph's one
+/// replay, with no operator launched or first phase made outside it.
+#[test]
+fn ascend_emulation_replays_one_graph_per_decode_step() {
+    emulations();
+    let (c, _, _) = counts_with(
+        DeviceKind::Ascend,
+        tiny_llama("ascend-graphs"),
+        GraphCapture::Auto,
+    );
+    eprintln!("ascend with graphs: {c:?}");
+    assert_eq!(c.steps, 3, "{c:?}");
+    assert_eq!(c.graph_replays_per_step, 1.0, "{c:?}");
+    assert_eq!((c.min_launches, c.max_launches), (0, 0), "{c:?}");
+    assert_eq!(c.first_phases_per_step, 0.0, "{c:?}");
+}
+
+/// The CUDA backend captures no graph yet: `auto` leaves its steps eager (no replay, the same
+/// launches every step).
+#[test]
+fn cuda_emulation_without_graphs_stays_eager_under_auto() {
+    emulations();
+    let (c, _, _) = counts_with(
+        DeviceKind::Cuda,
+        tiny_llama("cuda-graphs"),
+        GraphCapture::Auto,
+    );
+    assert_eq!(c.graph_replays_per_step, 0.0, "{c:?}");
+    assert!(
+        c.min_launches > 0 && c.min_launches == c.max_launches,
+        "{c:?}"
+    );
 }

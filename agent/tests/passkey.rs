@@ -81,6 +81,7 @@ fn engine_config(tokens: usize, long: bool) -> AgentEngineConfig {
         tensor_parallel: None,
         quantize: None,
         kv_cache_dtype: Default::default(),
+        graph_capture: Default::default(),
     }
 }
 

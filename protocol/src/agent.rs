@@ -114,6 +114,51 @@ pub struct AgentEngineConfig {
     /// `npu_serving.kv_cache_dtype`: what the KV pool stores (`auto`: f16 today).
     #[serde(default)]
     pub kv_cache_dtype: KvCacheDtype,
+    /// `npu_serving.graph_capture`: decode steps captured as device graphs per batch bucket
+    /// where the backend can (`auto`), or never (`off`, the default).
+    #[serde(default)]
+    pub graph_capture: GraphCapture,
+}
+
+/// `npu_serving.graph_capture`: whether decode steps are captured as device graphs and
+/// replayed (Ascend's ACL graph; prefill and mixed steps stay eager). `auto`: where the backend
+/// captures and the model allows it, else eager (logged with the reason); `off`: never.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GraphCapture {
+    Auto,
+    #[default]
+    Off,
+}
+
+impl GraphCapture {
+    /// `auto` or `off` (any case).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Some(Self::Auto),
+            "off" => Some(Self::Off),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Off => "off",
+        }
+    }
+}
+
+impl std::fmt::Display for GraphCapture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for GraphCapture {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s).ok_or_else(|| format!("{s:?} is not a graph_capture setting: auto or off"))
+    }
 }
 
 /// `npu_serving.kv_cache_dtype`: what each agent's KV pool stores. `auto` is f16 today; `int8`
@@ -176,6 +221,10 @@ pub struct TensorParallelSpec {
     pub wait_ms: u64,
     /// How long a rank waits at start for the others to load their shards and join (ms).
     pub join_ms: u64,
+    /// `npu_serving.moe_tensor_parallel: whole_experts`: each rank holds a range of whole
+    /// routed experts; false (share_each_expert): its share of every expert's columns.
+    #[serde(default)]
+    pub whole_experts: bool,
 }
 
 /// Where the KV handoff region lies (`shm::HandoffRegion`): its name and bytes of block data.
@@ -202,10 +251,6 @@ pub fn handoff_copies_per_step(num_blocks: u32) -> u32 {
 /// Most KV block copies one step may carry for a pool of `num_blocks` device blocks: every
 /// block of the pool spilled or swapped out, and every block brought back, twice over; none
 /// without a host pool. The scheduler plans within it and the segment is sized by it.
-    /// `npu_serving.moe_tensor_parallel: whole_experts`: each rank holds a range of whole
-    /// routed experts; false (share_each_expert): its share of every expert's columns.
-    #[serde(default)]
-    pub whole_experts: bool,
 pub fn kv_copies_per_step(num_blocks: u32, swap_space_mb: u64) -> u32 {
     if swap_space_mb == 0 {
         0

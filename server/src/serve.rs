@@ -628,19 +628,20 @@ pub(crate) fn agent_specs(
                 kv_memory_fraction: cfg.npu_serving.kv_cache_memory_fraction,
                 quantize: cfg.npu_serving.quantize.clone(),
                 kv_cache_dtype: cfg.npu_serving.kv_cache_dtype,
+                graph_capture: cfg.npu_serving.graph_capture,
                 tensor_parallel: group_regions.get(i / tp).map(|region| TensorParallelSpec {
                     rank: (i % tp) as u32,
                     size: tp as u32,
                     region: region.clone(),
                     wait_ms: cfg.npu_serving.step_deadline_ms,
                     join_ms: AgentLaunch::default().startup_timeout.as_millis() as u64,
+                    whole_experts: cfg.npu_serving.moe_tensor_parallel
+                        == npu_model::shard::ExpertSplit::WholeExperts,
                 }),
             };
             AgentSpec::new(i as u32, engine)
         })
         .collect()
-                    whole_experts: cfg.npu_serving.moe_tensor_parallel
-                        == npu_model::shard::ExpertSplit::WholeExperts,
 }
 
 /// How a gateway reaches this replica, for the KV events' topic: `$POD_IP` (Kubernetes' downward

@@ -78,6 +78,7 @@ fn engine_config(model_path: PathBuf) -> AgentEngineConfig {
         long_context: None,
         quantize: None,
         kv_cache_dtype: Default::default(),
+        graph_capture: Default::default(),
     }
 }
 

@@ -75,6 +75,7 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<()> {
                 tensor_parallel: None,
                 quantize: args.quantize.clone(),
                 kv_cache_dtype: dtype,
+                graph_capture: Default::default(),
             };
             let engine = AgentEngine::load(&cfg)
                 .with_context(|| format!("loading the model, kv_cache_dtype {}", dtype.name()))?;

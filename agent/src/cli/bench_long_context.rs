@@ -77,6 +77,7 @@ pub fn run(args: &BenchModelArgs) -> anyhow::Result<()> {
         tensor_parallel: None,
         quantize: None,
         kv_cache_dtype: args.kv_cache_dtype[0],
+        graph_capture: Default::default(),
     };
     let mut rep = LongContextReport {
         long_context: LongContextSummary {

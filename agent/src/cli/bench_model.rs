@@ -19,7 +19,7 @@ use crate::inproc::{self, Arrival, RunOutput, RunTiming};
 use npu_backend_cpu::kernels::Isa;
 use npu_backend_cpu::roofline;
 use npu_backend_cpu::threadpool::ThreadPool;
-use npu_protocol::agent::{DeviceKind, KvCacheDtype};
+use npu_protocol::agent::{DeviceKind, GraphCapture, KvCacheDtype};
 use npu_scheduler::GenerateRequest;
 
 #[derive(Debug, Args)]
@@ -97,6 +97,10 @@ pub struct BenchModelArgs {
     /// Rounds of the `--kv-cache-dtype A,B` comparison (the best is reported).
     #[arg(long, default_value_t = 2)]
     pub kv_rounds: usize,
+    /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
+    /// auto (where the backend can) or off.
+    #[arg(long, default_value_t = GraphCapture::Off)]
+    pub graph_capture: GraphCapture,
 }
 
 /// The longest prompt `--long-prompts` takes: what one sequence's blocks hold in this bench's
@@ -160,7 +164,8 @@ pub struct BenchModelReport {
     pub launches_per_layer: Option<f64>,
     /// Ascend: aclnn first phases (`…GetWorkspaceSize`) per decode step; 0 on CUDA.
     pub first_phases_per_decode_step: Option<f64>,
-    /// Graph replays per decode step: 0, no backend captures graphs yet.
+    /// Graph replays per decode step (`--graph-capture auto` on a backend that captures: 1,
+    /// every counted step one replay; else 0).
     pub graph_replays_per_decode_step: Option<f64>,
     /// Bytes of weight matrices a batch-1 decode step reads, as loaded on the device (every
     /// matrix of every layer and the output head; every expert of an MoE layer).
@@ -432,6 +437,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         tensor_parallel: None,
         quantize: args.quantize.clone(),
         kv_cache_dtype: args.kv_cache_dtype[0],
+        graph_capture: args.graph_capture,
     };
     let mut engine = AgentEngine::load(&cfg).context("loading the model")?;
     let vocab = engine.facts().vocab_size;

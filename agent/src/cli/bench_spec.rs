@@ -128,6 +128,7 @@ pub fn run(args: BenchSpecArgs) -> anyhow::Result<()> {
         tensor_parallel: None,
         quantize: None,
         kv_cache_dtype: Default::default(),
+        graph_capture: Default::default(),
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let mut report = Report {

@@ -101,6 +101,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         tensor_parallel: None,
         quantize: args.quantize.clone(),
         kv_cache_dtype: Default::default(),
+        graph_capture: Default::default(),
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;

@@ -19,6 +19,7 @@ use npu_model::shard::RankShard;
 use npu_model::Checkpoint;
 use npu_model::FfnAct;
 
+mod graph;
 mod tp;
 
 use super::lora::{LoraSlots, Target};
@@ -96,6 +97,8 @@ pub struct Model<B: Backend> {
     geometry: Vec<AttnGeometry>,
     /// Host copy of a layer's queries, read back only for long-context memory selection.
     q_host: Vec<f32>,
+    /// Decode steps as device graphs (`enable_step_graphs`; none: off).
+    graphs: Option<graph::StepGraphs>,
     /// LoRA adapter slots (none unless enabled; see `model::lora`).
     lora: LoraSlots<B>,
 }
@@ -234,6 +237,7 @@ impl<B: Backend> Model<B> {
             bufs,
             geometry,
             q_host: Vec::new(),
+            graphs: None,
             lora: LoraSlots::default(),
         })
     }
@@ -330,6 +334,7 @@ impl<B: Backend> Model<B> {
     pub fn restore_kv(&mut self) -> Result<u64, ModelError> {
         let whole = ModelOptions {
             kv_memory_fraction: None,
+            num_blocks: self.opts.num_blocks + self.reserved_blocks(),
             ..self.opts
         };
         let blocks = init_kv_pool(&mut self.backend, &self.local, &whole)?;
@@ -374,7 +379,11 @@ impl<B: Backend> Model<B> {
         out: &mut StepOutput,
         lc: Option<&mut LongContext>,
     ) -> Result<(), ModelError> {
-        let outcome = self.forward_inner(step, greedy, out, lc);
+        let lc_active = lc.as_deref().is_some_and(|lc| lc.has_active());
+        let outcome = match self.graph_key(step, greedy, lc_active) {
+            Some(key) => self.forward_graph(step, key, greedy, out),
+            None => self.forward_inner(step, greedy, out, lc),
+        };
         // A step's adapter choice is its own: the next step sets its own.
         self.lora.end_step();
         if outcome.is_err() {
@@ -393,6 +402,9 @@ impl<B: Backend> Model<B> {
         out: &mut StepOutput,
         mut lc: Option<&mut LongContext>,
     ) -> Result<(), ModelError> {
+        // A graph's run or recording (`forward_graph`): its inputs are in place, and it stops
+        // before the read back.
+        let body_only = self.graphs.as_ref().is_some_and(|g| g.body_only);
         let b = &mut self.backend;
         let q_host = &mut self.q_host;
         let w = &self.weights;
@@ -404,7 +416,9 @@ impl<B: Backend> Model<B> {
         let h = cfg.hidden;
         let qkv_w = cfg.qkv_width();
         let eps = cfg.rms_eps;
-        b.begin_step(step)?;
+        if !body_only {
+            b.begin_step(step)?;
+        }
         match (&w.embed, tp.as_deref_mut()) {
             (Embedding::Device(table), _) => b.embed(table, ViewMut::rows(&mut bufs.x, t, h)?)?,
             (Embedding::Host(table), Some(tp)) => {
@@ -619,6 +633,10 @@ impl<B: Backend> Model<B> {
                 ViewMut::rows(&mut bufs.logprobs, n, 1)?,
             )?
         {
+            if body_only {
+                out.picked_on_device = true;
+                return Ok(());
+            }
             out.ids.resize(n, 0);
             out.logprobs.resize(n, 0.0);
             b.read_back(&mut [
@@ -632,6 +650,9 @@ impl<B: Backend> Model<B> {
                 },
             ])?;
             out.picked_on_device = true;
+            return Ok(());
+        }
+        if body_only {
             return Ok(());
         }
         out.logits.resize(n * vocab, 0.0);

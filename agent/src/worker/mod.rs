@@ -258,6 +258,7 @@ mod tests {
             long_context: None,
             quantize: None,
             kv_cache_dtype: Default::default(),
+            graph_capture: Default::default(),
         }
     }
 

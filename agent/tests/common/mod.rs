@@ -91,6 +91,7 @@ pub fn engine_config(max_slots: u32, num_blocks: u32) -> AgentEngineConfig {
         long_context: None,
         quantize: None,
         kv_cache_dtype: Default::default(),
+        graph_capture: Default::default(),
     }
 }
 

@@ -160,6 +160,11 @@ impl OpRunner {
         self.retired.clear();
     }
 
+    /// Workspaces replaced since the last synchronization (freed by [`OpRunner::synchronized`]).
+    pub fn retired_workspaces(&self) -> usize {
+        self.retired.len()
+    }
+
     /// Bytes of the current workspace.
     pub fn workspace_bytes(&self) -> usize {
         self.workspace.as_ref().map_or(0, |w| w.bytes())

@@ -117,7 +117,7 @@ impl Default for PaConfig {
     }
 }
 
-pub use npu_protocol::agent::{DeviceKind, KvCacheDtype};
+pub use npu_protocol::agent::{DeviceKind, GraphCapture, KvCacheDtype};
 
 /// The context limit in long-context mode when no key sets a lower one (prompt + generated
 /// tokens of one request).
@@ -165,6 +165,9 @@ pub struct NpuServingConfig {
     pub quantize: Option<String>,
     /// `kv_cache_dtype`: what the KV pools store (auto = f16; int8 on the CPU backend only).
     pub kv_cache_dtype: KvCacheDtype,
+    /// `graph_capture`: decode steps captured as device graphs (auto) or never (off, the
+    /// default).
+    pub graph_capture: GraphCapture,
     pub device: DeviceKind,
     /// Threads each agent uses; 0 = all cores divided among the agents.
     pub threads_per_agent: u32,
@@ -239,6 +242,7 @@ impl Default for NpuServingConfig {
             model_file: None,
             quantize: None,
             kv_cache_dtype: KvCacheDtype::Auto,
+            graph_capture: GraphCapture::Off,
             device: DeviceKind::Cpu,
             threads_per_agent: 0,
             max_tokens_per_step: 128,
@@ -262,6 +266,7 @@ impl Default for NpuServingConfig {
             tensor_parallel_size: 1,
             kv_events: None,
             speculative: None,
+            moe_tensor_parallel: npu_model::shard::ExpertSplit::default(),
             access: AccessConfig::default(),
             responses: ResponsesConfig::default(),
             sleep: SleepConfig::default(),
@@ -269,7 +274,6 @@ impl Default for NpuServingConfig {
         }
     }
 }
-            moe_tensor_parallel: npu_model::shard::ExpertSplit::default(),
 
 /// The whole config, with the warnings its loading produced (already logged).
 #[derive(Debug, Clone, Default, PartialEq)]

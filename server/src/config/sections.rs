@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
-use npu_protocol::agent::{KvCacheDtype, MAX_KV_MEMORY_FRACTION};
+use npu_protocol::agent::{GraphCapture, KvCacheDtype, MAX_KV_MEMORY_FRACTION};
 use npu_protocol::shm::group::MAX_GROUP_RANKS;
 use npu_protocol::LongContextConfig;
 use serde_yaml::Value;
@@ -538,6 +538,15 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
             ));
         }
     }
+    if let Some(v) = s.string("graph_capture")? {
+        c.graph_capture = GraphCapture::parse(&v).ok_or_else(|| {
+            ConfigError::not_allowed(
+                &s.key_path("graph_capture"),
+                format!("{v:?}"),
+                "auto or off",
+            )
+        })?;
+    }
     if let Some(v) = s.u64("threads_per_agent")? {
         c.threads_per_agent = to_u32(&s.key_path("threads_per_agent"), v, 0)?;
     }
@@ -633,12 +642,6 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
         }
         c.tensor_parallel_size = v as u32;
     }
-    c.kv_events = kv_events(s)?;
-    if c.kv_events.is_some() && !c.prefix_cache {
-        return Err(ConfigError::not_allowed(
-            &s.key_path("kv_events_endpoint"),
-            "an endpoint with npu_serving.prefix_cache: false",
-            "KV events only with the prefix cache on (they report its blocks)",
     if let Some(v) = s.string("moe_tensor_parallel")? {
         use npu_model::shard::ExpertSplit;
         c.moe_tensor_parallel = ExpertSplit::from_name(&v).ok_or_else(|| {
@@ -653,6 +656,12 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
             )
         })?;
     }
+    c.kv_events = kv_events(s)?;
+    if c.kv_events.is_some() && !c.prefix_cache {
+        return Err(ConfigError::not_allowed(
+            &s.key_path("kv_events_endpoint"),
+            "an endpoint with npu_serving.prefix_cache: false",
+            "KV events only with the prefix cache on (they report its blocks)",
         ));
     }
     if let Some(v) = s.f64("kv_cache_memory_fraction")? {

@@ -307,9 +307,17 @@ impl AscendBackend {
                         Tensor::new(acl, o_mem, rows(o_base, r)).map_err(err)?,
                     ));
                 }
-                let masked = match g.window {
-                    Some(w) => self.window_mask(w)?,
-                    None => None,
+                let masked = match (g.window, self.plan.length_mask) {
+                    (Some(_), Some(_)) => {
+                        return Err(bad(
+                            op,
+                            "a sliding window in a step of the graph form (not built)",
+                        ))
+                    }
+                    (Some(w), None) => self.window_mask(w)?,
+                    // The graph form: the keys past each entry's length hidden by its mask.
+                    (None, Some(at)) => Some((None, at * 4)),
+                    (None, None) => None,
                 };
                 let width = self.plan.mask_width() as i64;
                 for (r, (query, outt)) in groups.iter().zip(&calls) {

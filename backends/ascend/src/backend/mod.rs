@@ -15,6 +15,7 @@
 
 mod attention;
 mod family_ops;
+mod graphs;
 pub mod hccl;
 mod kv_pool;
 mod latent_ops;
@@ -31,10 +32,10 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 
 use npu_backend::{
-    AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostSliceMut,
-    HostTensor, KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
+    AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, GraphKey, HostSlice,
+    HostSliceMut, HostTensor, KvSpec, MemInfo, Readback, StepInputs, View, ViewMut,
 };
-use tracing::{debug, info};
+use tracing::info;
 
 use crate::device::{self, Device};
 use crate::error::AscendError;
@@ -173,6 +174,8 @@ struct RopeTable {
 const ROPE_TABLES: usize = 4;
 
 pub struct AscendBackend {
+    /// Captured decode steps (first: destroyed before anything they recorded is freed).
+    graphs: graphs::Graphs,
     ops: Launcher,
     kv: Option<KvPool>,
     plan: StepPlan,
@@ -244,6 +247,7 @@ impl AscendBackend {
             if ops.reusing() { "on" } else { "off" }
         );
         Ok(Self {
+            graphs: Default::default(),
             ops,
             kv: None,
             plan: StepPlan::default(),
@@ -317,7 +321,10 @@ impl AscendBackend {
 
     fn sync(&mut self) -> Result<(), BackendError> {
         self.bind()?;
+        // Graphs that may read what this synchronization frees go after it.
+        let stale = self.graphs_before_free();
         self.dev.synchronize().map_err(err)?;
+        drop(stale);
         self.ops.synchronized();
         self.scratch.retired.clear();
         self.retired_mem.clear();
@@ -444,6 +451,9 @@ impl Backend for AscendBackend {
             Capability::LatentAttention => true,
             // Not built on CANN yet: adapters are refused by name at load.
             Capability::Lora => false,
+            // Not built on CANN yet: `moe_tensor_parallel: whole_experts` is refused by name at
+            // load (share_each_expert serves MoE groups).
+            Capability::HeldExperts => false,
         }
     }
 
@@ -451,12 +461,9 @@ impl Backend for AscendBackend {
     fn op_counts(&self) -> Option<npu_backend::OpCounts> {
         let (first_phases, launches) = self.ops.runner.totals();
         Some(npu_backend::OpCounts {
-            // Not built on CANN yet: `moe_tensor_parallel: whole_experts` is refused by name at
-            // load (share_each_expert serves MoE groups).
-            Capability::HeldExperts => false,
             launches,
             first_phases,
-            graph_replays: 0,
+            graph_replays: self.graphs.replays(),
         })
     }
 
@@ -604,12 +611,14 @@ impl Backend for AscendBackend {
 
     fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
         self.bind()?;
+        self.drop_all_graphs()?;
         self.kv = Some(KvPool::new(&self.dev, spec)?);
         Ok(())
     }
 
     fn init_latent_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
         self.bind()?;
+        self.drop_all_graphs()?;
         // The old pool goes first, so that its memory counts as free for the new one.
         self.kv = None;
         self.kv = Some(KvPool::new_latent(&self.dev, spec)?);
@@ -688,6 +697,7 @@ impl Backend for AscendBackend {
         self.retired_mem
             .extend(old_masks.into_iter().map(|(_, m)| m));
         let bytes = plan.bytes();
+        self.eager_step_mem();
         if self
             .step_mem
             .as_ref()
@@ -698,28 +708,39 @@ impl Backend for AscendBackend {
                 self.retired_mem.push(old);
             }
         }
-        let staging = self.staging.get(self.dev.acl, bytes.len())?;
-        staging.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
-        let mem = self.step_mem.as_mut().expect("just ensured");
-        mem.upload_async(0, staging, 0, bytes.len(), &self.dev)
-            .map_err(err)?;
-        self.staging.busy = true;
-        self.pending = true;
-        self.plan = plan;
-        self.serial += 1;
-        let stats = self.ops.take_stats();
-        if self.serial > 1 {
-            self.last_stats = stats;
-            debug!(
-                target: "npu_serving::acl",
-                "step {}: aclnn first phases {}, launches {} ({} of reused executors)",
-                self.serial - 1,
-                stats.prepares,
-                stats.launches,
-                stats.reused_launches
-            );
-        }
-        Ok(())
+        self.upload_step(plan, &bytes)
+    }
+
+    fn step_graphs(&self) -> bool {
+        self.graphs_available()
+    }
+
+    fn begin_graph_step(&mut self, step: &StepInputs, key: GraphKey) -> Result<(), BackendError> {
+        self.begin_graph_step_inner(step, key)
+    }
+
+    fn has_graph(&self, key: GraphKey) -> bool {
+        self.has_graph_inner(key)
+    }
+
+    fn capture_begin(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        self.capture_begin_inner(key)
+    }
+
+    fn capture_end(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        self.capture_end_inner(key)
+    }
+
+    fn capture_abort(&mut self) {
+        self.capture_abort_inner()
+    }
+
+    fn replay_graph(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        self.replay_graph_inner(key)
+    }
+
+    fn drop_graphs(&mut self) -> Result<(), BackendError> {
+        self.drop_all_graphs()
     }
 
     fn embed(

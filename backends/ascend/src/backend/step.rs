@@ -57,6 +57,10 @@ pub struct StepPlan {
     /// Token-wise path: key masks of sliding windows packed into `data`, as (window, offset in
     /// INT32 elements of its bytes); a window whose entries all fit in it has none.
     pub window_masks: Vec<(u32, usize)>,
+    /// Graph form ([`StepPlan::graph_form`]): every entry's KV length is the block tables'
+    /// whole reach, and the keys past each entry's own length are hidden by a key mask packed
+    /// into `data` at this offset (INT32 elements), so no length is a first-phase argument.
+    pub length_mask: Option<usize>,
     /// The packed arrays.
     pub data: Vec<i32>,
 }
@@ -237,18 +241,41 @@ impl StepPlan {
                 }
             }
         }
-        let mut start = 0;
-        let mut used = 0;
-        for (i, &len) in p.kv_lens.iter().enumerate() {
-            let need = (len as usize).div_ceil(block_size);
-            if used + need > num_blocks && i > start {
-                p.groups.push(start..i);
-                start = i;
-                used = 0;
-            }
-            used += need;
+        p.groups = groups(&p.kv_lens, block_size, num_blocks);
+        Ok(p)
+    }
+
+    /// A decode-only step (one token per sequence) in the form a captured graph replays: the
+    /// same arrays, but every entry's KV length the tables' reach (`max_blocks · block_size`)
+    /// with a key mask (1 past the entry's own length) packed behind them, and the rotary
+    /// rows sized for the tables' last position. What attention's first phase takes on the host
+    /// then depends on the step's shape alone.
+    pub fn graph_form(
+        step: &StepInputs,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, BackendError> {
+        if step.seqs.is_empty() || step.seqs.iter().any(|s| s.n_q != 1) {
+            return Err(bad(
+                "a captured step is decode-only: one new token per sequence".into(),
+            ));
         }
-        p.groups.push(start..p.kv_lens.len());
+        let mut p = Self::new(step, num_blocks, block_size)?;
+        let width = p.mask_width();
+        let real = std::mem::replace(&mut p.kv_lens, vec![width as i64; p.batch]);
+        let mut m = vec![0u8; p.batch * width];
+        for (row, &l) in m.chunks_exact_mut(width).zip(&real) {
+            row[l as usize..].fill(1);
+        }
+        let at = align(&mut p.data);
+        p.data.extend(m.chunks(4).map(|c| {
+            let mut b = [0u8; 4];
+            b[..c.len()].copy_from_slice(c);
+            i32::from_le_bytes(b)
+        }));
+        p.length_mask = Some(at);
+        p.max_position = width.saturating_sub(1) as u32;
+        p.groups = groups(&p.kv_lens, block_size, num_blocks);
         Ok(p)
     }
 
@@ -300,6 +327,24 @@ impl StepPlan {
             }
         }
     }
+}
+
+/// Batch entries split into runs whose blocks add up to at most the pool's `num_blocks`.
+fn groups(kv_lens: &[i64], block_size: usize, num_blocks: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut used = 0;
+    for (i, &len) in kv_lens.iter().enumerate() {
+        let need = (len as usize).div_ceil(block_size);
+        if used + need > num_blocks && i > start {
+            out.push(start..i);
+            start = i;
+            used = 0;
+        }
+        used += need;
+    }
+    out.push(start..kv_lens.len());
+    out
 }
 
 #[cfg(test)]
@@ -451,6 +496,26 @@ mod tests {
         // The values are where the offsets say.
         assert_eq!(&p.data[p.positions..p.positions + 4], &[3, 4, 5, 9]);
         assert_eq!(&p.data[p.unpad_rows..p.unpad_rows + 4], &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn the_graph_form_masks_past_each_length_instead_of_passing_it() {
+        let s = step(&[(5, 1), (9, 1)], 16);
+        let p = StepPlan::graph_form(&s, 16, 16).unwrap();
+        assert_eq!(p.kv_lens, vec![64, 64]);
+        assert_eq!(p.max_position, 63);
+        let at = p.length_mask.unwrap();
+        assert_eq!((at * 4) % 32, 0);
+        let bytes: Vec<u8> = p.data[at..].iter().flat_map(|v| v.to_le_bytes()).collect();
+        for (e, real) in [6usize, 10].into_iter().enumerate() {
+            let row = &bytes[e * 64..(e + 1) * 64];
+            assert!(row[..real].iter().all(|&b| b == 0), "entry {e}");
+            assert!(row[real..].iter().all(|&b| b == 1), "entry {e}");
+        }
+        // The same shape with other lengths packs to the same size (one graph replays both).
+        let q = StepPlan::graph_form(&step(&[(40, 1), (0, 1)], 16), 16, 16).unwrap();
+        assert_eq!(q.data.len(), p.data.len());
+        assert!(StepPlan::graph_form(&step(&[(3, 2)], 16), 16, 16).is_err());
     }
 
     #[test]
