@@ -4,7 +4,9 @@
 //! grouped-query ratios, Qwen2 biases, Llama 3's rope scaling, tied and untied heads) is written
 //! as the directory transformers would save (`npu_agent::cli::synth_hf`: config.json,
 //! safetensors, tokenizer files; Llama's Q/K rows un-permuted, Gemma's norms minus one, experts
-//! unstacked), then loaded through the directory reader:
+//! unstacked, DeepSeek's `attn_k_b`/`attn_v_b` joined into `kv_b_proj`, its YaRN, groups,
+//! correction bias and shared experts in DeepSeek's config.json), then loaded through the
+//! directory reader:
 //!
 //! - its model description equals the GGUF file's, field for field;
 //! - its logits equal the GGUF file's bit for bit (f32 and f16 twins), over a teacher-forced
@@ -119,26 +121,6 @@ fn assert_same_bits(a: &[f32], b: &[f32], what: &str) {
     }
 }
 
-/// deepseek2 has no Hugging Face twin (neither the writer nor the directory reader knows
-/// DeepSeek's config.json yet): its refusal is asserted and said, never a silent skip.
-fn refused_deepseek2<T, E: std::fmt::Display>(v: &sweep::Variant, written: &Result<T, E>) -> bool {
-    if v.family != synth::Family::Deepseek2 {
-        return false;
-    }
-    match written {
-        Ok(_) => panic!("{}: a deepseek2 directory was written", v.name),
-        Err(e) => {
-            let e = e.to_string();
-            assert!(
-                e.contains("deepseek2") && e.contains("no Hugging Face twin"),
-                "{e}"
-            );
-            eprintln!("{}: refused by name: {e}", v.name);
-        }
-    }
-    true
-}
-
 #[test]
 fn every_float_sweep_model_loads_from_its_directory_bit_for_bit() {
     let donor = GgufFile::open(common::model_path()).unwrap();
@@ -154,9 +136,6 @@ fn every_float_sweep_model_loads_from_its_directory_bit_for_bit() {
         let dir = TempDir::new(&v.name);
         // Sharded, to read through the index.
         let written = write_hf_twin(&gguf, &dir.0, dtype, Some(1 << 20));
-        if refused_deepseek2(&v, &written) {
-            continue;
-        }
         if v.shape.rope_factors == RopeFactors::Arbitrary {
             let e = written.expect_err("arbitrary rope factors have no config.json form");
             eprintln!("{}: refused as expected: {e}", v.name);
@@ -221,12 +200,27 @@ fn every_float_sweep_model_loads_from_its_directory_bit_for_bit() {
     }
     eprintln!("bit for bit: {checked:?}");
     assert!(differ.is_empty(), "{differ:#?}");
-    for family in ["llama", "llama3", "qwen2", "qwen3", "qwen3moe", "gemma3"] {
+    for family in [
+        "llama",
+        "llama3",
+        "qwen2",
+        "qwen3",
+        "qwen3moe",
+        "gemma3",
+        "deepseek2",
+    ] {
         assert!(
             checked.iter().any(|n| n.starts_with(family)),
             "no {family} directory was checked: {checked:?}"
         );
     }
+    // Every float deepseek2 file: DeepSeek-V2's schema and V3's, YaRN, groups, the correction
+    // bias, shared experts, the full and the low-rank query.
+    let ds = checked
+        .iter()
+        .filter(|n| n.starts_with("deepseek2"))
+        .count();
+    assert_eq!(ds, 3, "deepseek2 directories checked: {checked:?}");
 }
 
 /// Quantize at load on the f32 twin of each Q8_0 variant's values (the sweep writes its Q8_0
@@ -235,7 +229,7 @@ fn every_float_sweep_model_loads_from_its_directory_bit_for_bit() {
 #[test]
 fn quantize_at_load_writes_the_bytes_llama_quantize_writes() {
     let donor = GgufFile::open(common::model_path()).unwrap();
-    let mut checked = 0;
+    let (mut checked, mut deepseek2) = (0, 0);
     for v in sweep::variants() {
         if v.ty != GgmlType::Q8_0 || v.shape.rope_factors == RopeFactors::Arbitrary {
             continue;
@@ -243,9 +237,8 @@ fn quantize_at_load_writes_the_bytes_llama_quantize_writes() {
         let f32_file = gguf_of(&v, GgmlType::F32, &donor);
         let q8_file = gguf_of(&v, GgmlType::Q8_0, &donor);
         let dir = TempDir::new(&format!("{}-q", v.name));
-        if refused_deepseek2(&v, &write_hf_twin(&f32_file, &dir.0, HfDtype::F32, None)) {
-            continue;
-        }
+        write_hf_twin(&f32_file, &dir.0, HfDtype::F32, None)
+            .unwrap_or_else(|e| panic!("{}: {e}", v.name));
         let opts = LoadOptions {
             quantize: Some(GgmlType::Q8_0),
         };
@@ -266,8 +259,10 @@ fn quantize_at_load_writes_the_bytes_llama_quantize_writes() {
         let mut b = Model::load(&q8_file, cpu(), options()).unwrap();
         assert_same_bits(&logits(&mut a, &toks), &logits(&mut b, &toks), &v.name);
         checked += 1;
+        deepseek2 += usize::from(v.family == synth::Family::Deepseek2);
     }
     assert!(checked >= 3, "only {checked} Q8_0 variants checked");
+    assert_eq!(deepseek2, 2, "deepseek2 Q8_0 variants checked");
 }
 
 fn refused(dir: &Path, needles: &[&str]) {
@@ -372,9 +367,7 @@ fn directories_load_on_the_device_emulations_as_their_gguf_twins() {
             }
             let gguf = gguf_of(&v, v.ty, &donor);
             let dir = TempDir::new(&format!("{}-{device}", v.name));
-            if refused_deepseek2(&v, &write_hf_twin(&gguf, &dir.0, HfDtype::F32, None)) {
-                continue;
-            }
+            write_hf_twin(&gguf, &dir.0, HfDtype::F32, None).unwrap();
             let ck = Checkpoint::open(&dir.0).unwrap();
             let toks = tokens(ck.config().unwrap().vocab)[..12].to_vec();
             // One device model alive at a time (the emulated Ascend runtime holds one current
@@ -477,4 +470,170 @@ fn directories_give_llama_cpps_tokens_on_their_conversions() {
         "{decided} decided steps"
     );
     assert!(misses.is_empty(), "{misses:#?}");
+}
+
+/// The tensors of `dir`'s model rewritten in place after `edit` (names, dtypes, shapes, bytes).
+fn rewrite_tensors(
+    dir: &Path,
+    edit: impl FnOnce(&mut Vec<(String, npu_hf::Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    let mut all: Vec<(String, npu_hf::Dtype, Vec<usize>, Vec<u8>)> = {
+        let shards = npu_hf::Shards::open(dir).unwrap();
+        shards
+            .tensors()
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    t.dtype,
+                    t.shape.clone(),
+                    shards.data(t).to_vec(),
+                )
+            })
+            .collect()
+    };
+    edit(&mut all);
+    let views: Vec<npu_hf::WriteTensor> = all
+        .iter()
+        .map(|(name, dtype, shape, data)| npu_hf::WriteTensor {
+            name,
+            dtype: *dtype,
+            shape,
+            data,
+        })
+        .collect();
+    npu_hf::write_model(dir, &views, None).unwrap();
+}
+
+/// A DeepSeek directory whose config.json asks for maths the engine does not apply, or whose
+/// tensors do not fit it, is refused naming the key or the tensor; the multi-token-prediction
+/// layer beyond num_hidden_layers is skipped (as convert_hf_to_gguf.py skips it).
+#[test]
+fn damaged_deepseek_directories_are_refused_naming_what_is_wrong() {
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    // YaRN, 2 of 4 groups, the correction bias, the low-rank query, a dense lead.
+    let v = sweep::variant("deepseek2_v3_groups2of4_bias_yarn8_tied_q8_0").unwrap();
+    let gguf = gguf_of(&v, GgmlType::F32, &donor);
+    let d = TempDir::new("deepseek-damaged");
+    write_hf_twin(&gguf, &d.0, HfDtype::F32, None).unwrap();
+    let original: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.0.join("config.json")).unwrap()).unwrap();
+    let with = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut c = original.clone();
+        edit(&mut c);
+        std::fs::write(d.0.join("config.json"), serde_json::to_vec(&c).unwrap()).unwrap();
+    };
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(Edit, &[&str])> = vec![
+        (
+            Box::new(|c| c["topk_method"] = "group_limited_greedy".into()),
+            &["topk_method", "group_limited_greedy", "n_group"],
+        ),
+        (
+            Box::new(|c| c["scoring_func"] = "sqrtsoftplus".into()),
+            &["scoring_func", "sqrtsoftplus"],
+        ),
+        (
+            Box::new(|c| {
+                c.as_object_mut().unwrap().remove("scoring_func");
+            }),
+            &["scoring_func", "absent"],
+        ),
+        (
+            Box::new(|c| c["moe_layer_freq"] = 2.into()),
+            &["moe_layer_freq = 2"],
+        ),
+        (
+            Box::new(|c| {
+                c.as_object_mut().unwrap().remove("q_lora_rank");
+            }),
+            &["q_lora_rank", "missing"],
+        ),
+        (
+            Box::new(|c| c["rope_scaling"]["mscale"] = 0.707.into()),
+            &["rope_scaling", "mscale"],
+        ),
+        (
+            Box::new(|c| c["rope_scaling"]["beta_fast"] = 64.into()),
+            &["rope_scaling.beta_fast = 64"],
+        ),
+        (Box::new(|c| c["n_group"] = 3.into()), &["n_group = 3"]),
+        (
+            Box::new(|c| c["rope_interleave"] = false.into()),
+            &["rope_interleave"],
+        ),
+        (
+            Box::new(|c| c["kv_lora_rank"] = 32.into()),
+            &["kv_b_proj", "kv_lora_rank"],
+        ),
+        (
+            Box::new(|c| c["num_key_value_heads"] = 1.into()),
+            &["num_key_value_heads"],
+        ),
+    ];
+    for (edit, needles) in cases {
+        with(&*edit);
+        refused(&d.0, needles);
+    }
+    with(&|_| {});
+    Checkpoint::open(&d.0).unwrap();
+
+    // An MTP layer (model.layers.N of N layers) is skipped; a tensor the family does not use
+    // is refused naming it; a missing kv_b_proj stops the load naming its key half.
+    let n = v.shape.layers;
+    rewrite_tensors(&d.0, |all| {
+        let (_, dt, sh, data) = all
+            .iter()
+            .find(|t| t.0 == "model.layers.1.self_attn.kv_b_proj.weight")
+            .unwrap()
+            .clone();
+        all.push((
+            format!("model.layers.{n}.self_attn.kv_b_proj.weight"),
+            dt,
+            sh,
+            data,
+        ));
+        let norm = all
+            .iter()
+            .find(|t| t.0 == "model.norm.weight")
+            .unwrap()
+            .clone();
+        all.push((
+            format!("model.layers.{n}.enorm.weight"),
+            norm.1,
+            norm.2,
+            norm.3,
+        ));
+    });
+    let ck = Checkpoint::open(&d.0).unwrap();
+    assert!(ck
+        .tensor_names()
+        .iter()
+        .all(|t| !t.starts_with(&format!("blk.{n}."))));
+    rewrite_tensors(&d.0, |all| {
+        let norm = all
+            .iter()
+            .find(|t| t.0 == "model.norm.weight")
+            .unwrap()
+            .clone();
+        all.push((
+            "model.layers.1.mlp.gate.bias".into(),
+            norm.1,
+            norm.2,
+            norm.3,
+        ));
+    });
+    refused(&d.0, &["mlp.gate.bias"]);
+    rewrite_tensors(&d.0, |all| {
+        all.retain(|t| {
+            t.0 != "model.layers.1.mlp.gate.bias"
+                && t.0 != "model.layers.2.self_attn.kv_b_proj.weight"
+        });
+    });
+    let ck = Checkpoint::open(&d.0).unwrap();
+    let e = match Model::load_checkpoint(&ck, cpu(), options(), None) {
+        Ok(_) => panic!("loaded a DeepSeek directory without a kv_b_proj"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("blk.2.attn_k_b.weight"), "{e}");
 }

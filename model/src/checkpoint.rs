@@ -56,7 +56,7 @@ impl LoadOptions {
 /// The tensors a quantize-at-load applies to: weight matrices (llama-quantize's `--pure`
 /// choice), not norms, biases or the MoE router.
 fn quantizable(name: &str) -> bool {
-    const MATRICES: [&str; 11] = [
+    const MATRICES: [&str; 19] = [
         "attn_q.weight",
         "attn_k.weight",
         "attn_v.weight",
@@ -68,6 +68,15 @@ fn quantizable(name: &str) -> bool {
         "ffn_up_exps.weight",
         "ffn_down_exps.weight",
         "output.weight",
+        // deepseek2's latent attention and shared experts.
+        "attn_q_a.weight",
+        "attn_q_b.weight",
+        "attn_kv_a_mqa.weight",
+        "attn_k_b.weight",
+        "attn_v_b.weight",
+        "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight",
     ];
     name == "token_embd.weight"
         || MATRICES

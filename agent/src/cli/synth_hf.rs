@@ -10,10 +10,11 @@
 //! written minus one (it adds the one back; a value for which that is not exact in f32 is
 //! refused); Gemma's embedding is written unscaled, as Hugging Face keeps it; Llama 3 rotary
 //! factors become `rope_scaling` (factors no such formula yields are refused); Qwen3-MoE's
-//! stacked experts are written one module per expert. Quantized GGUF tensors are written
-//! dequantized (their f32 values), so the twin of a Q8_0/Q4_K model is a float model of the
-//! same values, not the same file. In bf16 or f16 every value is rounded to nearest even (norms
-//! included, as transformers saves a half-precision model): only an f32 twin is exact.
+//! and DeepSeek's stacked experts are written one module per expert; DeepSeek's split
+//! `attn_k_b`/`attn_v_b` are joined back into `kv_b_proj` (`deepseek`). Quantized GGUF tensors
+//! are written dequantized (their f32 values), so the twin of a Q8_0/Q4_K model is a float model
+//! of the same values, not the same file. In bf16 or f16 every value is rounded to nearest even
+//! (norms included, as transformers saves a half-precision model): only an f32 twin is exact.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -82,7 +83,7 @@ impl HfDtype {
 pub enum HfTwinError {
     #[error("--hf-dtype {0:?} is not offered (f32, bf16, f16)")]
     Dtype(String),
-    #[error("general.architecture {0:?} has no Hugging Face twin here (llama, qwen2, qwen3, qwen3moe, gemma3)")]
+    #[error("general.architecture {0:?} has no Hugging Face twin here (llama, qwen2, qwen3, qwen3moe, gemma3, deepseek2)")]
     Arch(String),
     #[error("metadata {key}: {problem}")]
     Meta { key: String, problem: String },
@@ -118,6 +119,7 @@ enum Arch {
     Qwen3,
     Qwen3Moe,
     Gemma3,
+    Deepseek2,
 }
 
 /// The hyper-parameters read from the GGUF.
@@ -139,6 +141,8 @@ struct Hp {
     sliding_window: usize,
     vocab: usize,
     tied: bool,
+    /// deepseek2's latent attention, experts and YaRN.
+    deepseek: Option<deepseek::Deepseek>,
 }
 
 /// Writes `gguf`'s Hugging Face twin into `out_dir` (created when missing). `max_shard_bytes`
@@ -218,8 +222,10 @@ fn read_hparams(g: &GgufFile) -> Result<Hp, HfTwinError> {
         "qwen3" => Arch::Qwen3,
         "qwen3moe" => Arch::Qwen3Moe,
         "gemma3" => Arch::Gemma3,
+        "deepseek2" => Arch::Deepseek2,
         other => return Err(HfTwinError::Arch(other.to_string())),
     };
+    let ds = arch == Arch::Deepseek2;
     // Keys that change the maths in ways these config schemas (as written here) do not carry.
     for key in [
         "rope.scaling.type",
@@ -231,6 +237,15 @@ fn read_hparams(g: &GgufFile) -> Result<Hp, HfTwinError> {
         "expert_shared_count",
     ] {
         let k = format!("{arch_name}.{key}");
+        // deepseek2's YaRN and shared experts have their config.json form (`deepseek`).
+        let deepseek_reads = [
+            "rope.scaling.type",
+            "rope.scaling.factor",
+            "expert_shared_count",
+        ];
+        if ds && deepseek_reads.contains(&key) {
+            continue;
+        }
         if g.get(&k).is_some() {
             return Err(meta_err(
                 &k,
@@ -258,7 +273,8 @@ fn read_hparams(g: &GgufFile) -> Result<Hp, HfTwinError> {
         return Err(meta_err(&key("attention.head_count"), format!("{heads}")));
     }
     let head_dim = opt("attention.key_length").unwrap_or(hidden / heads);
-    if let Some(v) = opt("attention.value_length") {
+    // deepseek2's value length is its latent's width.
+    if let Some(v) = opt("attention.value_length").filter(|_| !ds) {
         if v != head_dim {
             return Err(meta_err(
                 &key("attention.value_length"),
@@ -289,6 +305,7 @@ fn read_hparams(g: &GgufFile) -> Result<Hp, HfTwinError> {
         sliding_window: opt("attention.sliding_window").unwrap_or(0),
         vocab,
         tied: g.tensor_info("output.weight").is_none(),
+        deepseek: if ds { Some(deepseek::read(g)?) } else { None },
     };
     if hp.kv_heads == 0 || !hp.heads.is_multiple_of(hp.kv_heads) || !hp.head_dim.is_multiple_of(2) {
         return Err(meta_err(
@@ -299,7 +316,7 @@ fn read_hparams(g: &GgufFile) -> Result<Hp, HfTwinError> {
             ),
         ));
     }
-    if (arch == Arch::Qwen3Moe) != (hp.experts > 0) {
+    if matches!(arch, Arch::Qwen3Moe | Arch::Deepseek2) != (hp.experts > 0) {
         return Err(meta_err(
             &key("expert_count"),
             format!("{} experts on {arch_name}", hp.experts),
@@ -386,6 +403,8 @@ fn config_json(g: &GgufFile, hp: &Hp, dtype: HfDtype, rope_scaling: Option<Value
         Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
         Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
         Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+        // Chosen by `deepseek::config`.
+        Arch::Deepseek2 => ("DeepseekV3ForCausalLM", "deepseek_v3"),
     };
     c.insert("architectures", json!([class]));
     c.insert("model_type", json!(model_type));
@@ -462,6 +481,11 @@ fn config_json(g: &GgufFile, hp: &Hp, dtype: HfDtype, rope_scaling: Option<Value
             c.insert("attention_bias", json!(false));
             c.insert("use_bidirectional_attention", json!(false));
         }
+        Arch::Deepseek2 => {
+            if let Some(d) = &hp.deepseek {
+                deepseek::config(&mut c, hp, d);
+            }
+        }
     }
     json!(c)
 }
@@ -482,6 +506,7 @@ fn generation_config_json(g: &GgufFile) -> Value {
     json!(c)
 }
 
+mod deepseek;
 mod tensors;
 mod tokenizer;
 pub use tensors::{gemma_norm_minus_one, unpermute_rows};

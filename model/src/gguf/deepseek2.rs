@@ -14,8 +14,8 @@ use crate::{intern_factors, Gating, HparamsError, MlaSpec, ModelConfig, MoeSpec,
 use npu_gguf::{GgufFile, MetaValue};
 
 /// ggml's YaRN defaults (llama.cpp's deepseek2 reads no beta keys).
-const YARN_BETA_FAST: f32 = 32.0;
-const YARN_BETA_SLOW: f32 = 1.0;
+pub(crate) const YARN_BETA_FAST: f32 = 32.0;
+pub(crate) const YARN_BETA_SLOW: f32 = 1.0;
 
 pub(super) fn adjust(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), HparamsError> {
     let key = |k: &str| format!("deepseek2.{k}");
@@ -215,11 +215,11 @@ fn flag(f: &GgufFile, key: &str) -> Result<Option<bool>, HparamsError> {
     }
 }
 
-struct Yarn {
+pub(crate) struct Yarn {
     /// Per-pair frequency divisors.
-    factors: Vec<f32>,
+    pub(crate) factors: Vec<f32>,
     /// The attention scale's multiplier (squared into it).
-    mscale: f32,
+    pub(crate) mscale: f32,
 }
 
 /// YaRN's factors and mscale when the file scales its rope with YaRN (None without scaling);
@@ -262,7 +262,6 @@ fn yarn(
             "{factor_key} = {factor}: YaRN is implemented for factors above 1"
         )));
     }
-    let freq_scale = 1.0 / factor;
     let orig_key = key("rope.scaling.original_context_length");
     let n_ctx_orig = match read::uint(f, &orig_key, None)? {
         Some(v) => read::within(&orig_key, v, 1, read::MAX_CONTEXT)?,
@@ -272,13 +271,7 @@ fn yarn(
     let log_mul =
         read::float(f, &key("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0) as f32 / 0.1;
     // The rotated part's magnitude, as llama-context.cpp and ggml's rope_yarn compose it.
-    let get_mscale = |scale: f32, m: f32| {
-        if scale <= 1.0 {
-            1.0
-        } else {
-            0.1 * m * scale.ln() + 1.0
-        }
-    };
+    let get_mscale = yarn_get_mscale;
     let ratio = if log_mul != 0.0 {
         let mscale = if log_mul != 1.0 { log_mul } else { 1.0 };
         get_mscale(factor, mscale) / get_mscale(factor, log_mul)
@@ -293,6 +286,34 @@ fn yarn(
              implemented"
         )));
     }
+    Ok(Some(yarn_scaling(
+        dims, base, factor, n_ctx_orig, log_mul, magnitude,
+    )))
+}
+
+/// YaRN's magnitude for a scale and an `mscale` (DeepSeek's `yarn_get_mscale`).
+pub(crate) fn yarn_get_mscale(scale: f32, m: f32) -> f32 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
+    }
+}
+
+/// YaRN's per-pair frequency divisors and attention-scale multiplier for a rope of `dims`
+/// rotated dimensions at `base`, scaled by `factor` over an original context of `n_ctx_orig`,
+/// with the attention magnitude `log_mul` (mscale_all_dim) and the rotated part's magnitude
+/// `magnitude` (1 wherever the engine runs YaRN): ggml's `rope_yarn` and llama-context.cpp's
+/// composition, in f32. Both loaders (GGUF keys, config.json's `rope_scaling`) come here.
+pub(crate) fn yarn_scaling(
+    dims: usize,
+    base: f32,
+    factor: f32,
+    n_ctx_orig: usize,
+    log_mul: f32,
+    magnitude: f32,
+) -> Yarn {
+    let freq_scale = 1.0 / factor;
     let mscale = magnitude * (1.0 + 0.1 * log_mul * (1.0 / freq_scale).ln());
     // ggml_rope_yarn_corr_dims.
     let corr_dim = |n_rot: f32| {
@@ -309,5 +330,5 @@ fn yarn(
             1.0 / multiplier
         })
         .collect();
-    Ok(Some(Yarn { factors, mscale }))
+    Yarn { factors, mscale }
 }

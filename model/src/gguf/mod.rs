@@ -9,7 +9,7 @@ use npu_gguf::{GgmlType, GgufError, GgufFile};
 
 use crate::{intern_factors, Arch, FfnAct, HparamsError, LayerSpec, ModelConfig, Rope, RopeStyle};
 
-mod deepseek2;
+pub(crate) mod deepseek2;
 mod family;
 mod keys;
 pub(crate) mod read;

@@ -1,6 +1,7 @@
 //! `config.json` to the model description, as transformers reads it, for every family the GGUF
 //! reader runs: Llama (with Llama 3's `rope_scaling`), Mistral (llama.cpp converts it to
-//! `llama`), Qwen2, Qwen3, Qwen3-MoE and Gemma 3 (`gemma3_text`). The result is the description
+//! `llama`), Qwen2, Qwen3, Qwen3-MoE, Gemma 3 (`gemma3_text`) and DeepSeek-V2/V3 and Kimi K2
+//! (`deepseek`, whose own reader this dispatches to). The result is the description
 //! the GGUF reader builds from `convert_hf_to_gguf.py`'s conversion of the same directory.
 //!
 //! Every size is bounded where it is read, a key of the wrong type is an error naming it, and a
@@ -27,11 +28,11 @@ pub(crate) struct Config<'a> {
     obj: &'a Map<String, Value>,
 }
 
-fn inconsistent(msg: String) -> HparamsError {
+pub(super) fn inconsistent(msg: String) -> HparamsError {
     HparamsError::Inconsistent(format!("config.json: {msg}"))
 }
 
-fn unsupported(msg: String) -> HparamsError {
+pub(super) fn unsupported(msg: String) -> HparamsError {
     HparamsError::Unsupported(format!("config.json: {msg}"))
 }
 
@@ -43,11 +44,16 @@ impl<'a> Config<'a> {
         Ok(Self { obj })
     }
 
-    fn get(&self, key: &str) -> Option<&'a Value> {
+    /// Whether the key is written at all (`null` included).
+    pub(super) fn has(&self, key: &str) -> bool {
+        self.obj.contains_key(key)
+    }
+
+    pub(super) fn get(&self, key: &str) -> Option<&'a Value> {
         self.obj.get(key).filter(|v| !v.is_null())
     }
 
-    fn uint(&self, key: &str) -> Result<Option<u64>, HparamsError> {
+    pub(super) fn uint(&self, key: &str) -> Result<Option<u64>, HparamsError> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -57,14 +63,14 @@ impl<'a> Config<'a> {
         }
     }
 
-    fn req_uint(&self, key: &str, lo: u64, hi: u64) -> Result<usize, HparamsError> {
+    pub(super) fn req_uint(&self, key: &str, lo: u64, hi: u64) -> Result<usize, HparamsError> {
         let v = self
             .uint(key)?
             .ok_or_else(|| inconsistent(format!("the required key {key} is missing")))?;
         within(key, v, lo, hi)
     }
 
-    fn float(&self, key: &str) -> Result<Option<f64>, HparamsError> {
+    pub(super) fn float(&self, key: &str) -> Result<Option<f64>, HparamsError> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -74,7 +80,7 @@ impl<'a> Config<'a> {
         }
     }
 
-    fn boolean(&self, key: &str) -> Result<Option<bool>, HparamsError> {
+    pub(super) fn boolean(&self, key: &str) -> Result<Option<bool>, HparamsError> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -102,14 +108,14 @@ impl<'a> Config<'a> {
     }
 }
 
-fn within(key: &str, v: u64, lo: u64, hi: u64) -> Result<usize, HparamsError> {
+pub(super) fn within(key: &str, v: u64, lo: u64, hi: u64) -> Result<usize, HparamsError> {
     if v < lo || v > hi {
         return Err(inconsistent(format!("{key} = {v} is outside {lo}..={hi}")));
     }
     usize::try_from(v).map_err(|_| inconsistent(format!("{key} = {v} does not fit this machine")))
 }
 
-fn positive(key: &str, v: f64) -> Result<f32, HparamsError> {
+pub(super) fn positive(key: &str, v: f64) -> Result<f32, HparamsError> {
     let x = v as f32;
     if !(x.is_finite() && x > 0.0) {
         return Err(inconsistent(format!(
@@ -133,6 +139,8 @@ pub(crate) fn arch(c: &Config) -> Result<Arch, HparamsError> {
         "qwen3" => Some(Arch::Qwen3),
         "qwen3_moe" => Some(Arch::Qwen3Moe),
         "gemma3_text" => Some(Arch::Gemma3),
+        // Kimi K2 is a DeepSeek-V3 under its own model_type.
+        "deepseek_v2" | "deepseek_v3" | "kimi_k2" => Some(Arch::Deepseek2),
         _ => None,
     };
     let by_class = |t: &str| match t {
@@ -141,6 +149,7 @@ pub(crate) fn arch(c: &Config) -> Result<Arch, HparamsError> {
         "Qwen3ForCausalLM" => Some(Arch::Qwen3),
         "Qwen3MoeForCausalLM" => Some(Arch::Qwen3Moe),
         "Gemma3ForCausalLM" => Some(Arch::Gemma3),
+        "DeepseekV2ForCausalLM" | "DeepseekV3ForCausalLM" => Some(Arch::Deepseek2),
         _ => None,
     };
     let found = match model_type {
@@ -159,21 +168,25 @@ pub(crate) fn arch(c: &Config) -> Result<Arch, HparamsError> {
             ""
         };
         unsupported(format!(
-            "{what}{hint}; supported: llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text"
+            "{what}{hint}; supported: llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, \
+             deepseek_v2, deepseek_v3, kimi_k2"
         ))
     })
 }
 
 /// The rope parameters: transformers 4.x's `rope_theta` + `rope_scaling`, or 5.x's
 /// `rope_parameters` (per layer type for Gemma 3).
-struct RopeParams<'a> {
-    theta: Option<f64>,
-    scaling: Option<&'a Map<String, Value>>,
+pub(super) struct RopeParams<'a> {
+    pub(super) theta: Option<f64>,
+    pub(super) scaling: Option<&'a Map<String, Value>>,
     /// Where `scaling` was read (for messages).
-    key: String,
+    pub(super) key: String,
 }
 
-fn rope_params<'a>(c: &Config<'a>, layer_type: &str) -> Result<RopeParams<'a>, HparamsError> {
+pub(super) fn rope_params<'a>(
+    c: &Config<'a>,
+    layer_type: &str,
+) -> Result<RopeParams<'a>, HparamsError> {
     if let Some(p) = c.get("rope_parameters") {
         let obj = p
             .as_object()
@@ -468,7 +481,7 @@ const MATHS_KEYS: &[(&str, Option<f64>, &str)] = &[
     ),
 ];
 
-fn check_maths_keys(c: &Config, arch: Arch) -> Result<(), HparamsError> {
+pub(super) fn check_maths_keys(c: &Config, arch: Arch) -> Result<(), HparamsError> {
     for &(key, ok, why) in MATHS_KEYS {
         // Keys the family reads itself.
         if arch == Arch::Qwen3Moe && key == "decoder_sparse_step" {
@@ -476,6 +489,9 @@ fn check_maths_keys(c: &Config, arch: Arch) -> Result<(), HparamsError> {
             if v != 1 {
                 return Err(unsupported(format!("{key} = {v}: {why}")));
             }
+            continue;
+        }
+        if arch == Arch::Deepseek2 && super::deepseek::READS.contains(&key) {
             continue;
         }
         let Some(v) = c.get(key) else { continue };
@@ -535,6 +551,9 @@ pub(crate) fn model_config(v: &Value) -> Result<ModelConfig, HparamsError> {
     let c = Config::new(v)?;
     let arch = arch(&c)?;
     check_maths_keys(&c, arch)?;
+    if arch == Arch::Deepseek2 {
+        return super::deepseek::model_config(&c);
+    }
     let n_layers = c.req_uint("num_hidden_layers", 1, MAX_LAYERS)?;
     let hidden = c.req_uint("hidden_size", 1, MAX_EMBEDDING)?;
     let n_heads = c.req_uint("num_attention_heads", 1, MAX_HEADS)?;

@@ -1,6 +1,6 @@
 //! The Hugging Face directory reader of the model description: `config.json` to the description
-//! (`config`), the safetensors tensors to the GGUF names and layouts the loader reads (`names`),
-//! and the quantized checkpoints' weights (`quant`: FP8 e4m3 with block or channel scales, int8
+//! (`config`; DeepSeek's in `deepseek`), the safetensors tensors to the GGUF names and layouts
+//! the loader reads (`names`), and the quantized checkpoints' weights (`quant`: FP8 e4m3 with block or channel scales, int8
 //! with per-channel scales as compressed-tensors and msmodelslim write them) widened to floats.
 //!
 //! A tensor the family does not use stops the load naming it (as for GGUF files), and so does a
@@ -17,6 +17,7 @@ use serde_json::Value;
 use crate::{Arch, HparamsError, ModelConfig};
 
 pub(crate) mod config;
+mod deepseek;
 pub(crate) mod names;
 pub(crate) mod quant;
 #[cfg(test)]
@@ -37,6 +38,29 @@ struct Entry {
     /// The type the loader sees, and ggml dims.
     ty: GgmlType,
     dims: Vec<u64>,
+}
+
+/// The ggml dims of one half of DeepSeek's `kv_b_proj` (`[heads * (nope + v), latent]`, as
+/// the config sizes it): the key half `{nope, latent, heads}`, the value half
+/// `{latent, v, heads}`.
+fn kv_b_dims(config: &ModelConfig, t: &TensorMeta, fix: Fix) -> Result<Vec<u64>, HparamsError> {
+    let mla = config
+        .mla
+        .ok_or_else(|| inconsistent(format!("{}: kv_b_proj in a model without MLA", t.name)))?;
+    let heads = config.n_heads;
+    let want = [heads * (mla.qk_nope + mla.v_head_dim), mla.kv_lora_rank];
+    if t.shape != want {
+        return Err(inconsistent(format!(
+            "{}: shape {:?}, while num_attention_heads * (qk_nope_head_dim + v_head_dim) and \
+             kv_lora_rank give {want:?}",
+            t.name, t.shape
+        )));
+    }
+    let (h, l) = (heads as u64, mla.kv_lora_rank as u64);
+    Ok(match fix {
+        Fix::KeyUp => vec![mla.qk_nope as u64, l, h],
+        _ => vec![l, mla.v_head_dim as u64, h],
+    })
 }
 
 /// A Hugging Face model directory, read.
@@ -87,9 +111,21 @@ impl HfCheckpoint {
         let mut side: BTreeMap<String, BTreeMap<&'static str, TensorMeta>> = BTreeMap::new();
         let mut mapped: BTreeMap<String, (Target, TensorMeta)> = BTreeMap::new();
         let mut lm_head: Option<TensorMeta> = None;
+        // DeepSeek's kv_b_proj gives two tensors: the second half's target.
+        let mut twins: Vec<(Target, TensorMeta)> = Vec::new();
+        let mut mtp_skipped = 0usize;
         for t in shards.tensors() {
             let name = t.name.as_str();
             if names::ignored(name) {
+                continue;
+            }
+            // DeepSeek-V3's multi-token-prediction layers follow the model's own
+            // (model.layers.61 of 61): skipped, as convert_hf_to_gguf.py skips them (the engine
+            // does not draft with them).
+            if arch == Arch::Deepseek2
+                && names::layer_of(name).is_some_and(|il| il >= config.n_layers)
+            {
+                mtp_skipped += 1;
                 continue;
             }
             if let Some((base, kind)) = quant::side_tensor(name) {
@@ -110,7 +146,18 @@ impl HfCheckpoint {
                     arch.name()
                 ))
             })?;
+            if let Some(v) = names::value_twin(&target) {
+                twins.push((v, t.clone()));
+            }
             mapped.insert(name.to_string(), (target, t.clone()));
+        }
+        if mtp_skipped > 0 {
+            tracing::info!(
+                tensors = mtp_skipped,
+                num_hidden_layers = config.n_layers,
+                "the multi-token-prediction layers beyond num_hidden_layers are skipped, as \
+                 convert_hf_to_gguf.py skips them"
+            );
         }
         // Tied or untied output head, as transformers decides it.
         let tie = config::Config::new(&cfg_json)?.tie_word_embeddings(arch)?;
@@ -139,7 +186,7 @@ impl HfCheckpoint {
         }
         // Group by GGUF name.
         let mut groups: BTreeMap<String, Vec<(Target, TensorMeta)>> = BTreeMap::new();
-        for (_, (target, meta)) in mapped {
+        for (target, meta) in mapped.into_values().chain(twins) {
             groups
                 .entry(target.gguf.clone())
                 .or_default()
@@ -147,6 +194,8 @@ impl HfCheckpoint {
         }
         let mut entries = BTreeMap::new();
         let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+        // Side tensors read (kv_b_proj's by both halves).
+        let mut side_used: Vec<String> = Vec::new();
         for (gguf, mut parts) in groups {
             parts.sort_by_key(|(t, _)| t.expert);
             let fix = parts[0].0.fix;
@@ -164,7 +213,8 @@ impl HfCheckpoint {
             }
             let mut scales = Vec::new();
             for (_, m) in &parts {
-                let s = side.remove(&m.name).unwrap_or_default();
+                let s = side.get(&m.name).cloned().unwrap_or_default();
+                side_used.push(m.name.clone());
                 scales.push(scheme.scales(m, s)?);
             }
             let first = &parts[0].1;
@@ -182,6 +232,9 @@ impl HfCheckpoint {
             }
             if parts.len() > 1 || parts[0].0.expert.is_some() {
                 dims.push(parts.len() as u64);
+            }
+            if matches!(fix, Fix::KeyUp | Fix::ValueUp) {
+                dims = kv_b_dims(&config, first, fix)?;
             }
             let quantized = scales.iter().any(|s| s.is_some());
             let ty = match (fix, float_type(first.dtype)) {
@@ -213,6 +266,7 @@ impl HfCheckpoint {
                 },
             );
         }
+        side.retain(|weight, _| !side_used.contains(weight));
         if let Some((weight, s)) = side.into_iter().next() {
             let kinds: Vec<&str> = s.keys().copied().collect();
             return Err(inconsistent(format!(
@@ -281,6 +335,7 @@ impl HfCheckpoint {
             return Ok((info, Cow::Borrowed(self.shards.data(&e.parts[0]))));
         }
         let cols = e.dims[0] as usize;
+        let kv_b = matches!(e.fix, Fix::KeyUp | Fix::ValueUp);
         if !quantized && e.fix != Fix::AddOne {
             // Bytes as they are: stacked, and rows permuted for Llama's Q/K.
             let mut raw = Vec::new();
@@ -296,6 +351,9 @@ impl HfCheckpoint {
                         raw.len() / rb.max(1)
                     ))
                 })?;
+            }
+            if kv_b {
+                raw = self.split_kv_b(&raw, e.parts[0].dtype.size(), e)?;
             }
             return Ok((info, Cow::Owned(raw)));
         }
@@ -322,6 +380,13 @@ impl HfCheckpoint {
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect();
         }
+        if kv_b {
+            let out = self.split_kv_b(bytemuck::cast_slice(&values), 4, e)?;
+            values = out
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+        }
         if e.fix == Fix::AddOne {
             for v in &mut values {
                 *v += 1.0;
@@ -341,6 +406,30 @@ impl HfCheckpoint {
             }
         };
         Ok((info, Cow::Owned(bytes)))
+    }
+
+    /// One half of DeepSeek's kv_b_proj, from its bytes (`elem` bytes a value).
+    fn split_kv_b(&self, raw: &[u8], elem: usize, e: &Entry) -> Result<Vec<u8>, HparamsError> {
+        let mla = self.config.mla.ok_or_else(|| {
+            inconsistent(format!(
+                "{}: kv_b_proj in a model without MLA",
+                e.parts[0].name
+            ))
+        })?;
+        let shape = (
+            self.config.n_heads,
+            mla.qk_nope,
+            mla.v_head_dim,
+            mla.kv_lora_rank,
+        );
+        names::split_kv_b(raw, elem, shape, e.fix).ok_or_else(|| {
+            inconsistent(format!(
+                "{}: {} bytes cannot be split as {shape:?} (heads, qk_nope_head_dim, \
+                 v_head_dim, kv_lora_rank)",
+                e.parts[0].name,
+                raw.len()
+            ))
+        })
     }
 
     /// Lets the pages of a tensor's source go (after the loader copied it).

@@ -1,7 +1,9 @@
 //! Hugging Face tensor names to the GGUF names the loader reads, per family, with what the
 //! conversion does to the values on the way (as `convert_hf_to_gguf.py` does it): Llama's Q/K
 //! rows permuted so its rope pairs adjacent dimensions, Gemma's norm weights stored minus one,
-//! Qwen3-MoE's per-expert matrices stacked into one tensor per layer.
+//! Qwen3-MoE's and DeepSeek's per-expert matrices stacked into one tensor per layer, DeepSeek's
+//! `kv_b_proj` split into the per-head key and value up-projections (`attn_k_b` transposed,
+//! `attn_v_b`) as its conversion for latent attention splits it.
 
 use crate::Arch;
 
@@ -15,6 +17,11 @@ pub(crate) enum Fix {
     },
     /// Gemma's RMS norms scale by `1 + w`: 1 added in f32.
     AddOne,
+    /// DeepSeek's `kv_b_proj` (`[heads * (nope + v), latent]`): each head's first `nope` rows,
+    /// transposed (`attn_k_b`, `[heads, latent, nope]`).
+    KeyUp,
+    /// Each head's last `v` rows of `kv_b_proj` (`attn_v_b`, `[heads, v, latent]`).
+    ValueUp,
 }
 
 /// Where one HF tensor goes.
@@ -33,6 +40,12 @@ pub(crate) fn ignored(name: &str) -> bool {
     name.ends_with(".rotary_emb.inv_freq")
         || name.ends_with(".self_attn.k_scale")
         || name.ends_with(".self_attn.v_scale")
+}
+
+/// The index of a `model.layers.N.` tensor's layer.
+pub(crate) fn layer_of(name: &str) -> Option<usize> {
+    let (layer, _) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    layer.parse().ok()
 }
 
 /// The GGUF name of an HF weight (`None`: not a tensor of this family).
@@ -99,7 +112,13 @@ pub(crate) fn target(arch: Arch, name: &str, n_heads: usize, n_kv_heads: usize) 
         "mlp.gate_proj.bias" => t("ffn_gate.bias", Fix::None),
         "mlp.up_proj.bias" => t("ffn_up.bias", Fix::None),
         "mlp.down_proj.bias" => t("ffn_down.bias", Fix::None),
-        "mlp.gate.weight" if arch == Arch::Qwen3Moe => t("ffn_gate_inp.weight", Fix::None),
+        "mlp.gate.weight" if matches!(arch, Arch::Qwen3Moe | Arch::Deepseek2) => {
+            t("ffn_gate_inp.weight", Fix::None)
+        }
+        _ if arch == Arch::Deepseek2 && deepseek(rest).is_some() => {
+            let (g, fix) = deepseek(rest)?;
+            t(g, fix)
+        }
         _ => {
             let rest = rest.strip_prefix("mlp.experts.")?;
             let (e, which) = rest.split_once('.')?;
@@ -117,6 +136,71 @@ pub(crate) fn target(arch: Arch, name: &str, n_heads: usize, n_kv_heads: usize) 
             })
         }
     }
+}
+
+/// DeepSeek's own layer tensors (after `model.layers.N.`): latent attention, the correction
+/// bias and the shared experts. `kv_b_proj` maps to its key half here; the loader adds the value
+/// half (`value_twin`).
+fn deepseek(rest: &str) -> Option<(&'static str, Fix)> {
+    Some(match rest {
+        "self_attn.q_a_proj.weight" => ("attn_q_a.weight", Fix::None),
+        "self_attn.q_a_layernorm.weight" => ("attn_q_a_norm.weight", Fix::None),
+        "self_attn.q_b_proj.weight" => ("attn_q_b.weight", Fix::None),
+        "self_attn.kv_a_proj_with_mqa.weight" => ("attn_kv_a_mqa.weight", Fix::None),
+        "self_attn.kv_a_layernorm.weight" => ("attn_kv_a_norm.weight", Fix::None),
+        "self_attn.kv_b_proj.weight" => ("attn_k_b.weight", Fix::KeyUp),
+        "mlp.gate.e_score_correction_bias" => ("exp_probs_b.bias", Fix::None),
+        "mlp.shared_experts.gate_proj.weight" => ("ffn_gate_shexp.weight", Fix::None),
+        "mlp.shared_experts.up_proj.weight" => ("ffn_up_shexp.weight", Fix::None),
+        "mlp.shared_experts.down_proj.weight" => ("ffn_down_shexp.weight", Fix::None),
+        _ => return None,
+    })
+}
+
+/// The value half of a `kv_b_proj` target (`attn_v_b` beside `attn_k_b`).
+pub(crate) fn value_twin(t: &Target) -> Option<Target> {
+    if t.fix != Fix::KeyUp {
+        return None;
+    }
+    Some(Target {
+        gguf: t.gguf.replace("attn_k_b.weight", "attn_v_b.weight"),
+        fix: Fix::ValueUp,
+        expert: None,
+    })
+}
+
+/// One half of DeepSeek's `kv_b_proj` (`heads * (nope + v)` rows of `latent` elements of
+/// `elem` bytes), as its conversion splits it: the key half transposed per head
+/// (`[heads, latent, nope]`), or the value half as it is (`[heads, v, latent]`).
+pub(crate) fn split_kv_b(
+    data: &[u8],
+    elem: usize,
+    (heads, nope, v, latent): (usize, usize, usize, usize),
+    fix: Fix,
+) -> Option<Vec<u8>> {
+    let per = nope + v;
+    if data.len() != heads * per * latent * elem {
+        return None;
+    }
+    let at = |row: usize, col: usize| &data[(row * latent + col) * elem..][..elem];
+    let mut out = Vec::with_capacity(heads * latent * per * elem);
+    for h in 0..heads {
+        match fix {
+            Fix::KeyUp => {
+                for c in 0..latent {
+                    for r in 0..nope {
+                        out.extend_from_slice(at(h * per + r, c));
+                    }
+                }
+            }
+            Fix::ValueUp => {
+                let rows = (h * per + nope) * latent * elem..(h + 1) * per * latent * elem;
+                out.extend_from_slice(&data[rows]);
+            }
+            _ => return None,
+        }
+    }
+    Some(out)
 }
 
 /// `convert_hf_to_gguf.py`'s `LlamaModel.permute`: a projection's output rows, per head, from
@@ -182,5 +266,41 @@ mod tests {
         assert_eq!(t.unwrap().expert, Some(7));
         assert!(target(Arch::Llama, "model.layers.01.mlp.up_proj.weight", 4, 2).is_none());
         assert!(target(Arch::Llama, "model.vision_tower.weight", 4, 2).is_none());
+        let kb = target(
+            Arch::Deepseek2,
+            "model.layers.2.self_attn.kv_b_proj.weight",
+            4,
+            4,
+        );
+        let kb = kb.unwrap();
+        assert_eq!(
+            (kb.gguf.as_str(), kb.fix),
+            ("blk.2.attn_k_b.weight", Fix::KeyUp)
+        );
+        assert_eq!(value_twin(&kb).unwrap().gguf, "blk.2.attn_v_b.weight");
+        assert!(target(
+            Arch::Qwen3,
+            "model.layers.0.self_attn.kv_b_proj.weight",
+            4,
+            4
+        )
+        .is_none());
+        assert_eq!(layer_of("model.layers.61.eh_proj.weight"), Some(61));
+    }
+
+    #[test]
+    fn kv_b_splits_as_the_converter_splits_it() {
+        // 1 head, nope 2, v 1, latent 3: rows k0 k1 v0 of 3 values each.
+        let kv: Vec<u8> = (0..9).collect();
+        // The key half transposed: [latent, nope].
+        assert_eq!(
+            split_kv_b(&kv, 1, (1, 2, 1, 3), Fix::KeyUp).unwrap(),
+            vec![0, 3, 1, 4, 2, 5]
+        );
+        assert_eq!(
+            split_kv_b(&kv, 1, (1, 2, 1, 3), Fix::ValueUp).unwrap(),
+            vec![6, 7, 8]
+        );
+        assert!(split_kv_b(&kv, 1, (2, 2, 1, 3), Fix::KeyUp).is_none());
     }
 }

@@ -145,6 +145,10 @@ pub(super) fn hf_tensors(g: &GgufFile, hp: &Hp, dtype: HfDtype) -> Result<Vec<Ou
         (&mut used, &mut out),
     )?;
     for i in 0..hp.layers {
+        if let Some(d) = &hp.deepseek {
+            super::deepseek::layer(g, hp, d, i, dtype, &mut used, &mut out)?;
+            continue;
+        }
         let gn = |t: &str| format!("blk.{i}.{t}");
         let hn = |t: &str| format!("model.layers.{i}.{t}");
         let llama = hp.arch == Arch::Llama;
@@ -267,9 +271,10 @@ pub(super) fn hf_tensors(g: &GgufFile, hp: &Hp, dtype: HfDtype) -> Result<Vec<Ou
     Ok(out)
 }
 
-/// Qwen3-MoE's stacked experts (`ffn_{gate,up,down}_exps`, ggml dims `[in, out, experts]`) as
-/// one `mlp.experts.E.{gate,up,down}_proj.weight` of `[out, in]` per expert, in module order.
-fn experts(
+/// Qwen3-MoE's (and DeepSeek's routed) stacked experts (`ffn_{gate,up,down}_exps`, ggml dims
+/// `[in, out, experts]`) as one `mlp.experts.E.{gate,up,down}_proj.weight` of `[out, in]` per
+/// expert, in module order.
+pub(super) fn experts(
     g: &GgufFile,
     hp: &Hp,
     layer: usize,
