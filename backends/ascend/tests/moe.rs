@@ -1,16 +1,20 @@
 //! Mixture-of-experts on `AscendBackend` over the emulated CANN: routing (Cast, then
-//! MoeGatingTopKSoftmaxV2 with renorm 0 or 1) and the experts' FFN (Embedding gather, the
-//! experts' matmuls — one GroupedMatmulV4 call per projection for f16 experts, one call per
-//! expert when some are quantized — one SwiGlu, MoeFinalizeRoutingV2) against plain Rust
-//! references, each expert run once over its rows; and the emulation's refusals of what the
-//! three operators' pages forbid.
+//! MoeGatingTopKSoftmaxV2 with renorm 0 or 1) and the experts' FFN (MoeInitRoutingV2 grouping
+//! the rows on the device, the experts' matmuls — one GroupedMatmulV4 call per projection for
+//! f16 experts and for Q4_0 experts (A16W4, a scale per 32 inputs), one call per expert where
+//! a projection's experts are Q8_0 or mixed — one SwiGlu, MoeFinalizeRoutingV2) against plain
+//! Rust references, each expert run once over its rows, the grouped layers without a
+//! synchronization (nothing read back); and the emulation's refusals of what the operators'
+//! pages forbid.
 
 mod common;
 
 use common::seam::*;
 use common::*;
 use npu_backend::*;
+use npu_backend_ascend::backend::{AscendBuffer, AscendMatrix};
 use npu_backend_ascend::tensor::{DType as TDType, Tensor, TensorList, View as TView};
+use npu_backend_ascend::AscendBackend;
 use npu_ffi::types::*;
 use npu_gguf::GgmlType;
 
@@ -180,7 +184,7 @@ fn the_experts_ffn_matches_the_reference_each_expert_once() {
         .unwrap();
     let mut ob = b.alloc(DType::F16, t * h).unwrap();
     b.synchronize().unwrap();
-    let before = b.step_stats().launches;
+    let (before, ops_before) = (b.step_stats().launches, moe_op_launches());
     b.moe_ffn(
         View::rows(&xb, t, h).unwrap(),
         View::rows(&ib, t, k).unwrap(),
@@ -192,6 +196,7 @@ fn the_experts_ffn_matches_the_reference_each_expert_once() {
     )
     .unwrap();
     let launches = b.step_stats().launches - before;
+    let per_op = since(&ops_before);
     let got = down(&mut b, &ob, Layout::contiguous(t, h));
     let want = ffn_ref(&x, &ids, &w, &gate_up, &down_w, (t, h, ff, k));
     let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len() as f32).sqrt();
@@ -201,9 +206,26 @@ fn the_experts_ffn_matches_the_reference_each_expert_once() {
             "out[{i}]: {g} vs {w} (rms {rms})"
         );
     }
-    // The gather, four experts with rows (gate+up and down once each), one SwiGlu over every
-    // grouped row, the weights' cast and the finalize: 12 launches, none per token.
-    assert_eq!(launches, 12);
+    // Gate+up mixes f16 and Q8_0 experts: one call per expert with rows (three Matmul, one
+    // WeightQuantBatchMatmulV2), the row counts read back. Down is f16 for every expert (Q8_0
+    // with 32 inputs takes the f16 form): one GroupedMatmulV4. With the routing, the counts'
+    // and the weights' casts, one SwiGlu over every grouped row and the finalize: 10 launches,
+    // none per token.
+    assert_eq!(
+        per_op,
+        [1, 2, 1, 1, 3, 1, 1, 0, 0],
+        "launches per operator {MOE_OPS:?}"
+    );
+    assert_eq!(launches, 10);
+}
+
+/// Each of [`MOE_OPS`]' launches since `before`.
+fn since(before: &[u64]) -> Vec<u64> {
+    moe_op_launches()
+        .iter()
+        .zip(before)
+        .map(|(a, b)| a - b)
+        .collect()
 }
 
 fn h_vec(v: &[f32]) -> Vec<f32> {
@@ -351,9 +373,9 @@ fn moe_operator_misuses_are_refused_with_the_documented_codes() {
     assert!(msg.contains("out"), "{msg}");
 }
 
-/// GroupedMatmulV4 launches so far in this process (the emulation's count, an emulation-only
-/// extension symbol).
-fn grouped_matmul_launches() -> u64 {
+/// Launches of operator `name` so far in this process (the emulation's count, an
+/// emulation-only extension symbol).
+fn launches_of(name: &core::ffi::CStr) -> u64 {
     let path = emulator_root().join("lib64/libascendcl.so");
     // SAFETY: the library the runtime already loaded (one state); the symbol has this prototype
     // and the name is NUL-terminated.
@@ -361,8 +383,31 @@ fn grouped_matmul_launches() -> u64 {
         let lib = libloading::Library::new(path).unwrap();
         let f: libloading::Symbol<unsafe extern "C" fn(*const core::ffi::c_char) -> u64> =
             lib.get(b"ascendEmulatorLaunchCount\0").unwrap();
-        f(c"aclnnGroupedMatmulV4".as_ptr())
+        f(name.as_ptr())
     }
+}
+
+/// GroupedMatmulV4 launches so far in this process.
+fn grouped_matmul_launches() -> u64 {
+    launches_of(c"aclnnGroupedMatmulV4")
+}
+
+/// The operators a MoE layer launches, for counting per operator.
+const MOE_OPS: [&core::ffi::CStr; 9] = [
+    c"aclnnMoeInitRoutingV2",
+    c"aclnnCast",
+    c"aclnnGroupedMatmulV4",
+    c"aclnnWeightQuantBatchMatmulV2",
+    c"aclnnMatmul",
+    c"aclnnSwiGlu",
+    c"aclnnMoeFinalizeRoutingV2",
+    c"aclnnInplaceCopy",
+    c"aclnnEmbedding",
+];
+
+/// Each of [`MOE_OPS`]' launch counts so far.
+fn moe_op_launches() -> Vec<u64> {
+    MOE_OPS.iter().map(|n| launches_of(n)).collect()
 }
 
 #[test]
@@ -398,6 +443,7 @@ fn f16_experts_run_as_one_grouped_matmul_per_projection() {
     let mut ob = b.alloc(DType::F16, t * h).unwrap();
     b.synchronize().unwrap();
     let (before, gmm_before) = (b.step_stats().launches, grouped_matmul_launches());
+    let (ops_before, syncs) = (moe_op_launches(), b.device().synchronizations());
     b.moe_ffn(
         View::rows(&xb, t, h).unwrap(),
         View::rows(&ib, t, k).unwrap(),
@@ -410,6 +456,7 @@ fn f16_experts_run_as_one_grouped_matmul_per_projection() {
     .unwrap();
     let launches = b.step_stats().launches - before;
     let gmm = grouped_matmul_launches() - gmm_before;
+    let (per_op, layer_syncs) = (since(&ops_before), b.device().synchronizations() - syncs);
     let got = down(&mut b, &ob, Layout::contiguous(t, h));
     let want = ffn_ref(&x, &ids, &w, &gate_up, &down_w, (t, h, ff, k));
     let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len() as f32).sqrt();
@@ -419,10 +466,108 @@ fn f16_experts_run_as_one_grouped_matmul_per_projection() {
             "out[{i}]: {g} vs {w} (rms {rms})"
         );
     }
-    // One GroupedMatmulV4 per projection; with the gather, the SwiGlu, the weights' cast and
-    // the finalize: 6 launches for the layer.
+    // One GroupedMatmulV4 per projection; with the routing, the counts' cast (INT32 to the
+    // group list's INT64), the SwiGlu, the weights' cast and the finalize: 7 launches for the
+    // layer, and no synchronization (nothing read back).
     assert_eq!(gmm, 2, "GroupedMatmulV4 calls");
-    assert_eq!(launches, 6);
+    assert_eq!(
+        per_op,
+        [1, 2, 2, 0, 0, 1, 1, 0, 0],
+        "launches per operator {MOE_OPS:?}"
+    );
+    assert_eq!(launches, 7);
+    assert_eq!(layer_syncs, 0, "synchronizations in the layer");
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_ffn(
+    b: &mut AscendBackend,
+    (xb, ib, wb): (&AscendBuffer, &AscendBuffer, &AscendBuffer),
+    (gu_m, down_m): (&[AscendMatrix], &[AscendMatrix]),
+    ob: &mut AscendBuffer,
+    (t, h, ff, k): (usize, usize, usize, usize),
+) {
+    b.moe_ffn(
+        View::rows(xb, t, h).unwrap(),
+        View::rows(ib, t, k).unwrap(),
+        View::rows(wb, t, k).unwrap(),
+        gu_m,
+        down_m,
+        ff,
+        ViewMut::rows(ob, t, h).unwrap(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn q4_0_experts_run_as_one_grouped_antiquant_matmul_per_projection() {
+    let _g = serial();
+    let mut b = default_backend();
+    // ff = 64: the down projections (64 inputs) keep the Q4_0 form too.
+    let (t, h, ff, ne, k) = (6usize, 64usize, 64usize, 5usize, 2usize);
+    // Expert 4 serves nobody (an empty group); expert 1 serves most tokens.
+    let ids: Vec<i32> = vec![1, 0, 1, 2, 3, 1, 1, 0, 2, 1, 1, 3];
+    let w = rand_vec(111, t * k, 1.0)
+        .iter()
+        .map(|v| v.abs() + 0.1)
+        .collect::<Vec<_>>();
+    let x = h_vec(&rand_vec(112, t * h, 1.0));
+    let (mut gate_up, mut down_w, mut gu_m, mut down_m) = (vec![], vec![], vec![], vec![]);
+    for e in 0..ne {
+        let seed = 120 + 2 * e as u64;
+        let (gd, gv) = q4_0_block_rows(seed, 2 * ff, h);
+        let (dd, dv) = q4_0_block_rows(seed + 1, h, ff);
+        gu_m.push(b.load_matrix(&[q4(&gd, 2 * ff, h)]).unwrap().unwrap());
+        down_m.push(b.load_matrix(&[q4(&dd, h, ff)]).unwrap().unwrap());
+        gate_up.push(gv);
+        down_w.push(dv);
+    }
+    let xb = up(&mut b, &x, h);
+    let mut ib = b.alloc(DType::I32, t * k).unwrap();
+    b.upload(HostSlice::I32(&ids), ViewMut::rows(&mut ib, t, k).unwrap())
+        .unwrap();
+    let mut wb = b.alloc(DType::F32, t * k).unwrap();
+    b.upload(HostSlice::F32(&w), ViewMut::rows(&mut wb, t, k).unwrap())
+        .unwrap();
+    let mut ob = b.alloc(DType::F16, t * h).unwrap();
+    let shape = (t, h, ff, k);
+    // The first layer copies each matrix's scales into the grouped form once (2·E copies).
+    let first = moe_op_launches();
+    run_ffn(&mut b, (&xb, &ib, &wb), (&gu_m, &down_m), &mut ob, shape);
+    assert_eq!(since(&first)[7], 2 * ne as u64, "InplaceCopy of the scales");
+    b.synchronize().unwrap();
+    let (before, ops_before) = (b.step_stats().launches, moe_op_launches());
+    let syncs = b.device().synchronizations();
+    run_ffn(&mut b, (&xb, &ib, &wb), (&gu_m, &down_m), &mut ob, shape);
+    let launches = b.step_stats().launches - before;
+    let (per_op, layer_syncs) = (since(&ops_before), b.device().synchronizations() - syncs);
+    let got = down(&mut b, &ob, Layout::contiguous(t, h));
+    let want = ffn_ref(&x, &ids, &w, &gate_up, &down_w, (t, h, ff, k));
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len() as f32).sqrt();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-2 * rms + 2e-3 * w.abs(),
+            "out[{i}]: {g} vs {w} (rms {rms})"
+        );
+    }
+    // One GroupedMatmulV4 per projection for the INT4 experts (no WeightQuantBatchMatmulV2),
+    // no scale copy after the first layer, no synchronization: 7 launches.
+    assert_eq!(
+        per_op,
+        [1, 2, 2, 0, 0, 1, 1, 0, 0],
+        "launches per operator {MOE_OPS:?}"
+    );
+    assert_eq!(launches, 7);
+    assert_eq!(layer_syncs, 0, "synchronizations in the layer");
+}
+
+fn q4(data: &[u8], rows: usize, cols: usize) -> HostTensor<'_> {
+    HostTensor {
+        ty: GgmlType::Q4_0,
+        data,
+        rows,
+        cols,
+    }
 }
 
 #[test]

@@ -425,10 +425,10 @@ impl Backend for AscendBackend {
     /// heads view), row scaling (InplaceMuls), the GELU gate (GeluV2 with the tanh
     /// approximation, then InplaceMul), sliding windows (FusedInferAttentionScoreV2's band mode,
     /// or key masks in its incremental branch), rope frequency factors and per-layer rope bases
-    /// (host cos/sin tables per rope), mixture-of-experts layers (MoeGatingTopKSoftmaxV2 and
-    /// MoeFinalizeRoutingV2 around per-expert matmuls; `moe_ops`), DeepSeek's scored routing
-    /// (MoeGatingTopK) and latent attention (ScatterNdUpdate and FusedInferAttentionScoreV2 over
-    /// a latent pool; `latent_ops`).
+    /// (host cos/sin tables per rope), mixture-of-experts layers (MoeGatingTopKSoftmaxV2, then
+    /// MoeInitRoutingV2 and MoeFinalizeRoutingV2 around grouped expert matmuls; `moe_ops`),
+    /// DeepSeek's scored routing (MoeGatingTopK) and latent attention (ScatterNdUpdate and
+    /// FusedInferAttentionScoreV2 over a latent pool; `latent_ops`).
     fn supports(&self, c: Capability) -> bool {
         let api = &self.dev.acl.api.ops;
         match c {
@@ -443,6 +443,7 @@ impl Backend for AscendBackend {
             }
             Capability::Moe => {
                 api.aclnnMoeGatingTopKSoftmaxV2GetWorkspaceSize.is_some()
+                    && api.aclnnMoeInitRoutingV2GetWorkspaceSize.is_some()
                     && api.aclnnMoeFinalizeRoutingV2GetWorkspaceSize.is_some()
             }
             // MoeGatingTopK (softmax with groups or a bias only from CANN 8.5; `latent_ops`).

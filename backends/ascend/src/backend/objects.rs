@@ -186,6 +186,10 @@ pub struct AscendMatrix {
     pub source: GgmlType,
     /// The 16-bit type of `Half` data and of `Quant` scales and offsets (the activations').
     pub half: tensor::DType,
+    /// For a symmetric INT4 expert in a grouped call (GroupedMatmulV4's per-group antiquant
+    /// parameters, `[k/32, n]` contiguous): the scales copied once from their (n, k/32) storage
+    /// on first use (`moe_ops::ffn`).
+    pub(crate) grouped_scale: std::sync::OnceLock<Mem>,
     _dev: Arc<Device>,
 }
 
@@ -368,6 +372,7 @@ impl AscendMatrix {
             form,
             source: first.ty,
             half: acl_dtype(act),
+            grouped_scale: std::sync::OnceLock::new(),
             _dev: dev.clone(),
         }))
     }

@@ -154,6 +154,27 @@ pub fn q4_1_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     (data, deq)
 }
 
+/// Random rows in Q4_0 (GGUF's block layout: f16 `d`, then element i in the low nibble of byte
+/// i and element i + 16 in its high nibble; `w = d·(q − 8)`) and their dequantized values.
+pub fn q4_0_block_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    let vals = rand_vec(seed, n * k, 1.0);
+    let (mut data, mut deq) = (Vec::new(), Vec::new());
+    for blk in vals.chunks(32) {
+        let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = f16::from_f32(amax / 8.0);
+        let q: Vec<u8> = blk
+            .iter()
+            .map(|v| ((v / d.to_f32()).round() + 8.0).clamp(0.0, 15.0) as u8)
+            .collect();
+        data.extend(d.to_le_bytes());
+        for i in 0..16 {
+            data.push(q[i] | (q[i + 16] << 4));
+        }
+        deq.extend(q.iter().map(|&q| d.to_f32() * (q as f32 - 8.0)));
+    }
+    (data, deq)
+}
+
 /// Random rows in Q8_0 and their dequantized values.
 pub fn q8_0_rows(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     use half::f16;
