@@ -5,7 +5,8 @@
 //! request sent while its model loads, and two requests for different models sent together are
 //! all answered with the greedy tokens each model gives when served alone; an unknown model is
 //! 404 naming it; /v1/models lists both with their state; loads, evictions, held requests and
-//! load times are in /metrics, and only one model's agents run at a time.
+//! load times are in /metrics, and only one model's agents run at a time. SIGTERM stops the
+//! server and the loaded model's agents with it.
 
 mod e2e_support;
 
@@ -242,5 +243,21 @@ fn two_models_with_room_for_one_answer_alternating_requests_as_each_alone() {
          {smol_load:.3} s, tiny {tiny_load:.3} s; {total_loads} loads in all",
         alternating.as_secs_f64()
     );
+    // SIGTERM: the loaded model's engine drains and its agents exit with the server.
+    let agents = server.agent_pids();
+    let mut server = server;
+    server.signal(libc::SIGTERM);
+    assert!(server.wait_exit(Duration::from_secs(60)).success());
+    let until = Instant::now() + Duration::from_secs(10);
+    while agents
+        .iter()
+        .any(|p| Path::new(&format!("/proc/{p}")).exists())
+    {
+        assert!(
+            Instant::now() < until,
+            "agents {agents:?} outlived the server"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
