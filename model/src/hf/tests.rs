@@ -195,3 +195,135 @@ fn mistral_sliding_window_caps_the_context() {
     let v = with(base("mistral"), "sliding_window", json!(null));
     assert_eq!(model_config(&v).unwrap().context_length, 4096);
 }
+
+/// DeepSeek-V3's own config.json (its published values, FP8 block quantization included).
+fn deepseek_v3() -> Value {
+    json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "ep_size": 1,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": true,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"
+        },
+        "attention_bias": false,
+        "quantization_config": {
+            "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+            "weight_block_size": [128, 128]
+        }
+    })
+}
+
+#[test]
+fn deepseek_v3_and_v2_lite_configs_read_as_their_conversions() {
+    let c = model_config(&deepseek_v3()).unwrap();
+    assert_eq!(c.arch, Arch::Deepseek2);
+    let (mla, moe) = (c.mla.unwrap(), c.moe.unwrap());
+    assert_eq!(
+        (
+            mla.q_lora_rank,
+            mla.kv_lora_rank,
+            mla.qk_nope,
+            mla.qk_rope,
+            mla.v_head_dim
+        ),
+        (1536, 512, 128, 64, 128)
+    );
+    assert_eq!((c.n_kv_heads, c.head_dim, c.rope.dims), (1, 576, 64));
+    assert_eq!(c.rope.style, RopeStyle::Interleaved);
+    assert_eq!(
+        (
+            moe.n_experts,
+            moe.n_used,
+            moe.expert_ff,
+            moe.shared_ff,
+            moe.dense_lead
+        ),
+        (256, 8, 2048, 2048, 3)
+    );
+    assert_eq!(
+        (moe.groups, moe.weights_scale, moe.norm_top_k),
+        (Some((8, 4)), 2.5, true)
+    );
+    assert_eq!(moe.gating, crate::Gating::Sigmoid);
+    // YaRN: mscale = 1 + 0.1 ln 40, squared into the scale over sqrt(192).
+    let m = 1.0 + 0.1 * 40f32.ln();
+    assert!(
+        (c.attn_scale - m * m / 192f32.sqrt()).abs() < 1e-6,
+        "{}",
+        c.attn_scale
+    );
+    let f = c.rope.factors.unwrap();
+    assert_eq!(f.len(), 32);
+    assert_eq!(f[0], 1.0);
+    assert!((f[31] - 40.0).abs() < 1e-3, "{f:?}");
+
+    // DeepSeek-V2-Lite: a full query, softmax, no groups, mscale 0.707 for both.
+    let mut lite = deepseek_v3();
+    for (k, v) in [
+        ("model_type", json!("deepseek_v2")),
+        ("num_hidden_layers", json!(27)),
+        ("q_lora_rank", Value::Null),
+        ("scoring_func", json!("softmax")),
+        ("topk_method", json!("greedy")),
+        ("n_group", json!(1)),
+        ("topk_group", json!(1)),
+        ("routed_scaling_factor", json!(1.0)),
+        ("norm_topk_prob", json!(false)),
+        ("first_k_dense_replace", json!(1)),
+    ] {
+        lite[k] = v;
+    }
+    lite["rope_scaling"]["mscale"] = json!(0.707);
+    lite["rope_scaling"]["mscale_all_dim"] = json!(0.707);
+    let c = model_config(&lite).unwrap();
+    let moe = c.moe.unwrap();
+    assert_eq!(c.mla.unwrap().q_lora_rank, 0);
+    assert_eq!((moe.gating, moe.groups), (crate::Gating::Softmax, None));
+
+    // Kimi K2's YaRN betas (1, 1) are not what llama.cpp's deepseek2 runs (32, 1).
+    let mut kimi = deepseek_v3();
+    kimi["model_type"] = json!("kimi_k2");
+    kimi["rope_scaling"]["beta_fast"] = json!(1.0);
+    refused(&kimi, &["rope_scaling.beta_fast = 1"]);
+    // DeepSeek-V2 (group_limited_greedy scores a group by its best expert).
+    let mut v2 = lite.clone();
+    v2["topk_method"] = json!("group_limited_greedy");
+    v2["n_group"] = json!(8);
+    v2["topk_group"] = json!(3);
+    refused(&v2, &["topk_method", "group_limited_greedy"]);
+    // MLA keys on another family stay refused.
+    refused(
+        &with(base("qwen2"), "kv_lora_rank", json!(512)),
+        &["kv_lora_rank"],
+    );
+}
