@@ -3,7 +3,8 @@
 //! n (a large vocabulary's output matrix is multiplied in column blocks), RmsNorm's gamma type
 //! with f16 activations (the f32 mix is documented only from CANN 8.5), and executor reuse only
 //! for the allowlisted operators on contiguous, out-of-place tensors — with results bit-equal to
-//! fresh executors.
+//! fresh executors; MoeInitRoutingV2's dropless grouping and its page's refusals, and
+//! GroupedMatmulV4's antiquant table (A16W4 per group symmetric, A16W8 per channel only).
 //!
 //! Tolerances as in `backend.rs`: 1e-2 relative for products, 4e-3 for norms.
 
@@ -346,4 +347,345 @@ fn reuse_is_limited_to_the_allowlist_and_changes_no_bit() {
     assert_eq!(cached, 3, "executors kept");
     assert_eq!(reused, 3, "launches of kept executors in the last step");
     assert_eq!((none, fresh), (0, 0));
+}
+
+/// A first phase's status and the emulation's message.
+fn first_phase(rc: i32) -> (i32, String) {
+    (rc, acl().last_message())
+}
+
+/// MoeInitRoutingV2 (ops-transformer `moe/moe_init_routing_v2/docs/aclnnMoeInitRoutingV2.md`)
+/// in the dropless mode: the rows grouped by expert (equal ids in flattened order), the row map
+/// `expandedRowIdxOut[sortedRowIdx[i]] = i` and the cumulative counts; then what its page
+/// forbids (data types, shapes, attributes, null outputs, non-contiguous outputs), the modes not
+/// emulated, and an id outside `[0, expertNum)` faulting at run time.
+#[test]
+fn moe_init_routing_groups_rows_and_refuses_what_its_page_forbids() {
+    use npu_ffi::types::*;
+    let _g = serial();
+    let dev = device();
+    let mut ops = OpRunner::new(&dev);
+    let api = acl().api.ops;
+    let (prep, launch) = (
+        api.aclnnMoeInitRoutingV2GetWorkspaceSize.unwrap(),
+        api.aclnnMoeInitRoutingV2.unwrap(),
+    );
+    let (rows, h, k, e) = (4i64, 8i64, 2i64, 3i64);
+    // Token r's row is all r + 1.
+    let x: Vec<f32> = (0..rows * h).map(|i| (i / h + 1) as f32).collect();
+    let ids: Vec<i32> = vec![2, 0, 1, 2, 0, 2, 2, 1];
+    let i32_bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (xb, ib) = (upload_f16(&x), upload(&i32_bytes(&ids)));
+    let (eb, rb, cb) = (
+        zeros((rows * k * h * 2) as usize),
+        zeros((rows * k * 4) as usize),
+        zeros(64),
+    );
+    let xt = t(&xb, TDType::F16, &[rows, h]);
+    let it = t(&ib, TDType::I32, &[rows, k]);
+    let et = t(&eb, TDType::F16, &[rows * k, h]);
+    let rt = t(&rb, TDType::I32, &[rows * k]);
+    let ct = t(&cb, TDType::I32, &[e]);
+    let null = std::ptr::null();
+    ops.call(
+        "aclnnMoeInitRoutingV2",
+        String::new(),
+        // SAFETY: live tensors and the runner's out-pointers.
+        |w, ex| unsafe {
+            prep(
+                xt.raw(),
+                it.raw(),
+                0,
+                0,
+                e,
+                0,
+                1,
+                false,
+                et.raw(),
+                rt.raw(),
+                ct.raw(),
+                null,
+                w,
+                ex,
+            )
+        },
+        launch,
+    )
+    .unwrap();
+    dev.synchronize().unwrap();
+    // Expert 0: slots 1, 4; expert 1: 2, 7; expert 2: 0, 3, 5, 6 (flattened order).
+    let mut raw = vec![0u8; (rows * k * 4) as usize];
+    rb.download(0, &mut raw).unwrap();
+    let row_idx: Vec<i32> = raw
+        .chunks(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(row_idx, [4, 0, 2, 5, 1, 6, 7, 3]);
+    let mut raw = vec![0u8; (e * 4) as usize];
+    cb.download(0, &mut raw).unwrap();
+    let cumsum: Vec<i32> = raw
+        .chunks(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(cumsum, [2, 4, 8]);
+    let expanded = read_f16(&eb, (rows * k * h) as usize);
+    let firsts: Vec<f32> = expanded.chunks(h as usize).map(|r| r[0]).collect();
+    assert_eq!(firsts, [1.0, 3.0, 2.0, 4.0, 1.0, 2.0, 3.0, 4.0]);
+
+    // First phases of misuses: (active, capacity, experts, drop, flag, before) and the tensors.
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    #[allow(clippy::type_complexity)]
+    let mut call =
+        |x: &Tensor,
+         ids: &Tensor,
+         (active, capacity, experts, drop, flag, before): (i64, i64, i64, i64, i64, bool),
+         ex: &Tensor,
+         rows: &Tensor,
+         counts: *const aclTensor| {
+            // SAFETY: live tensors (or null), out-pointers.
+            first_phase(unsafe {
+                prep(
+                    x.raw(),
+                    ids.raw(),
+                    active,
+                    capacity,
+                    experts,
+                    drop,
+                    flag,
+                    before,
+                    ex.raw(),
+                    rows.raw(),
+                    counts,
+                    null,
+                    &mut ws,
+                    &mut exec,
+                )
+            })
+        };
+    let ok = (0, 0, e, 0, 1, false);
+    assert_eq!(
+        call(&xt, &it, ok, &et, &rt, ct.raw()).0,
+        0,
+        "the dropless call"
+    );
+    let expect = |r: (i32, String), code: i32, what: &str| {
+        assert_eq!(r.0, code, "{what}: {}", r.1);
+        assert!(r.1.contains(what), "{what}: {}", r.1);
+    };
+    // expandedXOut of another type than x; INT64 ids.
+    let et32 = t(&eb, TDType::F32, &[rows * k, h / 2]);
+    expect(
+        call(&xt, &it, ok, &et32, &rt, ct.raw()),
+        ACLNN_ERR_PARAM_INVALID,
+        "expandedXOut",
+    );
+    let it64 = t(&ib, TDType::I64, &[rows, k / 2]);
+    expect(
+        call(&xt, &it64, ok, &et, &rt, ct.raw()),
+        ACLNN_ERR_PARAM_INVALID,
+        "expertIdx",
+    );
+    // The tiling's refusals: attributes out of range, expertNum 0 with counts asked for,
+    // shapes other than the page's.
+    for (attrs, what) in [
+        ((0, 0, e, 2, 1, false), "dropPadMode"),
+        ((0, 0, e, 0, 3, false), "expertTokensCountOrCumsumFlag"),
+        ((-1, 0, e, 0, 1, false), "activeNum"),
+        ((0, 0, 0, 0, 1, false), "expertNum = 0"),
+        ((0, 0, e, 1, 0, false), "dropPadMode 1"),
+    ] {
+        expect(
+            call(&xt, &it, attrs, &et, &rt, ct.raw()),
+            ACLNN_ERR_INNER_TILING_ERROR,
+            what,
+        );
+    }
+    let et_short = t(&eb, TDType::F16, &[rows, h]);
+    expect(
+        call(&xt, &it, ok, &et_short, &rt, ct.raw()),
+        ACLNN_ERR_INNER_TILING_ERROR,
+        "expandedXOut",
+    );
+    let ct4 = t(&cb, TDType::I32, &[e + 1]);
+    expect(
+        call(&xt, &it, ok, &et, &rt, ct4.raw()),
+        ACLNN_ERR_INNER_TILING_ERROR,
+        "expertTokensCountOrCumsumOut",
+    );
+    // The count output asked for but null.
+    expect(
+        call(&xt, &it, ok, &et, &rt, null),
+        ACLNN_ERR_PARAM_NULLPTR,
+        "expertTokensCountOrCumsumOut",
+    );
+    // The outputs do not support non-contiguous tensors.
+    let rt_strided = Tensor::new(
+        acl(),
+        &eb,
+        TView::strided(TDType::I32, &[rows * k], &[2], 0),
+    )
+    .unwrap();
+    expect(
+        call(&xt, &it, ok, &et, &rt_strided, ct.raw()),
+        ACLNN_ERR_PARAM_INVALID,
+        "expandedRowIdxOut",
+    );
+    // The Drop/Pad and Active modes are not emulated.
+    expect(
+        call(&xt, &it, (0, 2, e, 1, 0, true), &et, &rt, null),
+        ACLNN_ERR_PARAM_INVALID,
+        "Drop/Pad",
+    );
+    expect(
+        call(&xt, &it, (4, 0, e, 0, 1, false), &et, &rt, ct.raw()),
+        ACLNN_ERR_PARAM_INVALID,
+        "Active",
+    );
+    // An id outside [0, expertNum) faults at run time.
+    let bad = upload(&i32_bytes(&[0, 1, 2, 3, 0, 1, 2, 0]));
+    let bt = t(&bad, TDType::I32, &[rows, k]);
+    ops.call(
+        "aclnnMoeInitRoutingV2",
+        String::new(),
+        // SAFETY: live tensors and the runner's out-pointers.
+        |w, ex| unsafe {
+            prep(
+                xt.raw(),
+                bt.raw(),
+                0,
+                0,
+                e,
+                0,
+                1,
+                false,
+                et.raw(),
+                rt.raw(),
+                ct.raw(),
+                null,
+                w,
+                ex,
+            )
+        },
+        launch,
+    )
+    .unwrap();
+    let fault = dev.synchronize().unwrap_err().to_string();
+    assert!(fault.contains("expertIdx[3] = 3"), "{fault}");
+}
+
+/// GroupedMatmulV4's antiquant scenario as its page's table gives it (Atlas A2/A3): f16 x with
+/// INT4 weights and a symmetric per-group scale `[G_i, n_i]` per weight, or INT8 weights with a
+/// per-channel `[n_i]` one, is taken; INT8 per group, INT4 per group with an offset, a G that
+/// does not divide k, a scale list of another length, scales of another type than x, weights
+/// of x's type with antiquant parameters, and an offset without a scale are refused; so are
+/// non-contiguous parameters (the page's column is "-": never looser than unstated).
+#[test]
+fn grouped_matmul_antiquant_takes_what_its_page_table_gives() {
+    use npu_backend_ascend::tensor::TensorList;
+    use npu_ffi::types::*;
+    let _g = serial();
+    let _dev = device();
+    let acl = acl();
+    let gmm = acl.api.ops.aclnnGroupedMatmulV4GetWorkspaceSize.unwrap();
+    let (m, k, n) = (4i64, 64i64, 16i64);
+    let (xb, wb, ob, gb, sb) = (
+        zeros((m * k * 2) as usize),
+        zeros((k * n * 2) as usize),
+        zeros((m * n * 2) as usize),
+        zeros(64),
+        zeros((k * n * 2) as usize),
+    );
+    let list = |ts: Vec<Tensor>| TensorList::new(acl, ts).unwrap();
+    let x = list(vec![t(&xb, TDType::F16, &[m, k])]);
+    let out = list(vec![t(&ob, TDType::F16, &[m, n])]);
+    let gl = t(&gb, TDType::I64, &[2]);
+    // Two experts' (k, n) weights, each its (n, k) storage seen transposed.
+    let w = |dt| {
+        let w1 = Tensor::new(acl, &wb, TView::strided(dt, &[k, n], &[1, k], 0)).unwrap();
+        let w2 = Tensor::new(acl, &wb, TView::strided(dt, &[k, n], &[1, k], 0)).unwrap();
+        list(vec![w1, w2])
+    };
+    let scales = |dt, dims: &[i64]| list(vec![t(&sb, dt, dims), t(&sb, dt, dims)]);
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    let null = std::ptr::null::<aclTensorList>();
+    let mut call = |w: &TensorList, scale: *const aclTensorList, offset: *const aclTensorList| {
+        // SAFETY: live lists and tensors, null optionals, out-pointers.
+        first_phase(unsafe {
+            gmm(
+                x.raw(),
+                w.raw(),
+                null,
+                null,
+                null,
+                scale,
+                offset,
+                null,
+                gl.raw(),
+                null,
+                null,
+                null,
+                3,
+                0,
+                0,
+                0,
+                out.raw() as *mut _,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut ws,
+                &mut exec,
+            )
+        })
+    };
+    let per_group = scales(TDType::F16, &[k / 32, n]);
+    let per_channel = scales(TDType::F16, &[n]);
+    // Taken: INT4 per group (symmetric), INT4 and INT8 per channel.
+    for (dt, s, what) in [
+        (TDType::I4, &per_group, "INT4 per group"),
+        (TDType::I4, &per_channel, "INT4 per channel"),
+        (TDType::I8, &per_channel, "INT8 per channel"),
+    ] {
+        let r = call(&w(dt), s.raw(), null);
+        assert_eq!(r.0, 0, "{what}: {}", r.1);
+    }
+    let refused = |r: (i32, String), what: &str| {
+        assert_eq!(r.0, ACLNN_ERR_PARAM_INVALID, "{what}: {}", r.1);
+        assert!(r.1.contains(what), "{what}: {}", r.1);
+    };
+    refused(
+        call(&w(TDType::I8), per_group.raw(), null),
+        "per-channel antiquant only",
+    );
+    refused(
+        call(&w(TDType::I4), per_group.raw(), per_group.raw()),
+        "symmetric only",
+    );
+    refused(
+        call(&w(TDType::I4), scales(TDType::F16, &[3, n]).raw(), null),
+        "does not divide",
+    );
+    let one = list(vec![t(&sb, TDType::F16, &[k / 32, n])]);
+    refused(call(&w(TDType::I4), one.raw(), null), "lists 1 tensors");
+    refused(
+        call(
+            &w(TDType::I4),
+            scales(TDType::Bf16, &[k / 32, n]).raw(),
+            null,
+        ),
+        "antiquantScaleOptional",
+    );
+    refused(call(&w(TDType::F16), per_group.raw(), null), "weight[0]");
+    refused(
+        call(&w(TDType::I4), null, per_group.raw()),
+        "without antiquantScaleOptional",
+    );
+    let transposed = || {
+        Tensor::new(
+            acl,
+            &sb,
+            TView::strided(TDType::F16, &[k / 32, n], &[1, k / 32], 0),
+        )
+        .unwrap()
+    };
+    let strided = list(vec![transposed(), transposed()]);
+    refused(call(&w(TDType::I4), strided.raw(), null), "contiguous");
 }
