@@ -5,8 +5,10 @@
 //! request sent while its model loads, and two requests for different models sent together are
 //! all answered with the greedy tokens each model gives when served alone; an unknown model is
 //! 404 naming it; /v1/models lists both with their state; loads, evictions, held requests and
-//! load times are in /metrics, and only one model's agents run at a time. SIGTERM stops the
-//! server and the loaded model's agents with it.
+//! load times are in /metrics, and only one model's agents run at a time. A model whose load
+//! fails (its file removed after start) gets its request a 500 naming it, and the others still
+//! load; SIGTERM stops the server and the loaded model's agents with it. With room for two, a
+//! load that fails beside a loaded model is tried again alone before the error.
 
 mod e2e_support;
 
@@ -104,6 +106,10 @@ fn two_models_with_room_for_one_answer_alternating_requests_as_each_alone() {
     );
     let smol_cfg = write(&dir, "smol.yaml", &model_yaml(None));
     let tiny_cfg = write(&dir, "tiny.yaml", &model_yaml(Some(&gguf)));
+    // A third model whose file is removed once the server has started: its loads fail.
+    let gone = dir.join("gone.gguf");
+    std::fs::copy(&gguf, &gone).unwrap();
+    write(&dir, "gone.yaml", &model_yaml(Some(&gone)));
 
     // Each model served alone: the reference tokens.
     let alone = |name: &str, cfg: &Path| {
@@ -123,9 +129,11 @@ fn two_models_with_room_for_one_answer_alternating_requests_as_each_alone() {
         "models.yaml",
         "serving_config:\n  server_ip: '127.0.0.1'\n  server_port: 8835\n\
          npu_serving:\n  max_resident_models: 1\n  models:\n    \
-         - {name: smol, config: smol.yaml}\n    - {name: tiny, config: tiny.yaml}\n",
+         - {name: smol, config: smol.yaml}\n    - {name: tiny, config: tiny.yaml}\n    \
+         - {name: gone, config: gone.yaml}\n",
     );
     let server = Server::start_file("models", &top);
+    std::fs::remove_file(&gone).unwrap();
     assert!(
         server.agent_pids().is_empty(),
         "nothing loads before a request"
@@ -236,6 +244,32 @@ fn two_models_with_room_for_one_answer_alternating_requests_as_each_alone() {
     assert_eq!(server.metric("npu_serving_models_resident"), 1.0);
     assert_eq!(server.agent_pids().len(), 1);
     assert_eq!(server.metric("npu_serving_http_responses_5xx_total"), 0.0);
+
+    // A load that fails (alone: the loaded model made room first) ends the held request with
+    // the error naming the model.
+    let (status, v) = server.post_json(
+        "/v1/completions",
+        &json!({"model": "gone", "prompt": PROMPT, "max_tokens": 2}),
+    );
+    assert_eq!(status, 500, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("gone") && msg.contains("could not be loaded"),
+        "{v}"
+    );
+    assert_eq!(
+        per_model(&server, "npu_serving_model_load_failures_total", "gone"),
+        1.0
+    );
+    assert_eq!(
+        per_model(&server, "npu_serving_model_loads_total", "gone"),
+        0.0
+    );
+    assert_eq!(state(&server, "gone"), "unloaded");
+    assert_eq!(server.metric("npu_serving_models_resident"), 0.0);
+    assert!(server.agent_pids().is_empty());
+    // The others still load and answer.
+    assert_eq!(greedy(&server, Some(TINY), 12), tiny_ref);
     let total_loads = per_model(&server, "npu_serving_model_loads_total", SMOL)
         + per_model(&server, "npu_serving_model_loads_total", TINY);
     println!(
@@ -259,5 +293,38 @@ fn two_models_with_room_for_one_answer_alternating_requests_as_each_alone() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+
+    // Room for two: a load that fails beside a loaded model is tried again alone (the other
+    // unloaded first, in case memory was short); failing again, its request gets the error.
+    std::fs::copy(&gguf, &gone).unwrap();
+    let top2 = write(
+        &dir,
+        "models2.yaml",
+        "serving_config:\n  server_ip: '127.0.0.1'\n  server_port: 8835\n\
+         npu_serving:\n  max_resident_models: 2\n  models:\n    \
+         - {name: tiny, config: tiny.yaml}\n    - {name: gone, config: gone.yaml}\n",
+    );
+    let server = Server::start_file("models-retry", &top2);
+    std::fs::remove_file(&gone).unwrap();
+    assert_eq!(greedy(&server, Some(TINY), 12), tiny_ref);
+    let (status, v) = server.post_json(
+        "/v1/completions",
+        &json!({"model": "gone", "prompt": PROMPT, "max_tokens": 2}),
+    );
+    assert_eq!(status, 500, "{v}");
+    assert_eq!(
+        per_model(&server, "npu_serving_model_load_failures_total", "gone"),
+        2.0,
+        "tried beside tiny, then alone"
+    );
+    assert_eq!(
+        per_model(&server, "npu_serving_model_evictions_total", TINY),
+        1.0
+    );
+    assert_eq!(greedy(&server, Some(TINY), 12), tiny_ref);
+    assert_eq!(
+        per_model(&server, "npu_serving_model_loads_total", TINY),
+        2.0
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -143,6 +143,11 @@ struct Slot {
     make_room: bool,
     /// The figures of its engine while that engine stops (then added to `base`).
     retiring: Option<Arc<EngineStats>>,
+    /// Its load failed while other models were loaded (perhaps for want of memory): they are
+    /// unloaded and the load is tried once more before its held requests get the error.
+    retry_alone: bool,
+    /// This load is that second try.
+    retrying: bool,
 }
 
 /// The router thread, seen from `serve`: its handle (what the HTTP loop sends to) and the
@@ -179,6 +184,8 @@ impl Router {
                 last_used: now,
                 make_room: false,
                 retiring: None,
+                retry_alone: false,
+                retrying: false,
             })
             .collect();
         let lp = RouterLoop {
@@ -480,10 +487,24 @@ impl RouterLoop {
                 );
                 slot.engine = Some(engine);
                 slot.last_used = Instant::now();
+                slot.retrying = false;
             }
             Err(e) => {
                 st.load_failures_total.fetch_add(1, Ordering::Relaxed);
                 st.set_state(ModelState::Unloaded);
+                let retrying = std::mem::take(&mut slot.retrying);
+                let others = self.slots.iter().any(|s| s.engine.is_some());
+                let slot = &mut self.slots[m];
+                if !retrying && others && !self.stopping {
+                    tracing::warn!(
+                        model = %slot.spec.name,
+                        error = %e,
+                        "loading the model failed while other models are loaded: they are \
+                         unloaded and the load tried once more"
+                    );
+                    slot.retry_alone = true;
+                    return;
+                }
                 tracing::error!(model = %slot.spec.name, error = %e, "loading the model failed");
                 let msg = format!("model {} could not be loaded: {e}", slot.spec.name);
                 let ended: Vec<RequestId> = slot.held.drain(..).map(|h| h.id()).collect();
@@ -529,6 +550,18 @@ impl RouterLoop {
             .collect();
         waiting.sort();
         for (_, m) in waiting {
+            if self.slots[m].retry_alone {
+                // Its last load failed beside other models: it loads again alone.
+                if self.slots.iter().any(|s| s.engine.is_some()) || self.transitions() > 0 {
+                    self.make_room();
+                    return;
+                }
+                let slot = &mut self.slots[m];
+                slot.retry_alone = false;
+                slot.retrying = true;
+                self.load(m);
+                return;
+            }
             let occupied = self
                 .status
                 .models
@@ -539,31 +572,39 @@ impl RouterLoop {
                 self.load(m);
                 continue;
             }
-            if self.slots.iter().any(|s| s.make_room) || self.transitions() > 0 {
-                return; // room is being made
-            }
-            // The least recently used loaded model makes room, an idle one before a busy one.
-            let victim = self
-                .slots
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.engine.is_some())
-                .min_by_key(|(_, s)| (!s.inflight.is_empty(), s.last_used))
-                .map(|(v, _)| v);
-            if let Some(v) = victim {
-                tracing::info!(
-                    unload = %self.slots[v].spec.name,
-                    running = self.slots[v].inflight.len(),
-                    load = %self.slots[m].spec.name,
-                    "max_resident_models reached: unloading the least recently used model \
-                     once its running requests finish"
-                );
-                self.slots[v].make_room = true;
-                if self.slots[v].inflight.is_empty() {
-                    self.unload(v);
-                }
-            }
+            tracing::info!(
+                load = %self.slots[m].spec.name,
+                "max_resident_models reached: the least recently used model is unloaded once \
+                 its running requests finish"
+            );
+            self.make_room();
             return;
+        }
+    }
+
+    /// Unless room is being made already, the least recently used loaded model (an idle one
+    /// before a busy one) is chosen to go: now if idle, else once its running requests finish.
+    fn make_room(&mut self) {
+        if self.slots.iter().any(|s| s.make_room) || self.transitions() > 0 {
+            return;
+        }
+        let victim = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.engine.is_some())
+            .min_by_key(|(_, s)| (!s.inflight.is_empty(), s.last_used))
+            .map(|(v, _)| v);
+        if let Some(v) = victim {
+            tracing::info!(
+                unload = %self.slots[v].spec.name,
+                running = self.slots[v].inflight.len(),
+                "making room: unloading the least recently used model"
+            );
+            self.slots[v].make_room = true;
+            if self.slots[v].inflight.is_empty() {
+                self.unload(v);
+            }
         }
     }
 
