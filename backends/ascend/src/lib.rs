@@ -39,31 +39,25 @@
 //!   memory (`begin_step`), the kernels are queued behind it, and the host waits when it reads the
 //!   sampled ids (or logits) back.
 //!
-//! # Graph capture per padded batch bucket (not built yet)
-//!
-//! Built so far: the capture calls (optional in `npu-ffi`), their strict emulation, and
-//! [`graph`] (a device stream's work captured and replayed). Decode steps do not use it yet.
+//! # Graph capture per padded batch bucket (`npu_serving.graph_capture: auto`)
 //!
 //! Host-side launch overhead dominates small-batch decode on Ascend: a Llama step is ~10 aclnn
-//! calls per layer, each a first phase (argument checks, tiling) plus a launch. The biggest lever
-//! other Ascend stacks found is capturing the whole decode step once per padded batch size
-//! (e.g. 1, 2, 4, 8, 16, 32, …) and replaying it: CANN's `aclmdlRICaptureBegin/End` (ACL graph,
-//! 8.1+) records a stream's launches into a model run instance that `aclmdlRIExecuteAsync` replays
-//! with one call. The plan: pad decode batches up to the next bucket (padded rows get a dummy
-//! slot and a zero KV length), keep every per-step input at a fixed device address (tokens,
-//! positions, slots, block table with a fixed maximum width; the attention workspace sized for
-//! the bucket's maximum, as the graph-mode `…GetMaxWorkspaceSize` variants newer releases add
-//! for FusedInferAttentionScore do), capture
-//! on first use of a bucket, and replay afterwards; prefill and mixed steps stay eager. The
-//! attention's sequence lengths are host arguments of its first phase today, frozen at capture:
-//! captured graphs need them as device tensors (the tiling-sink form of FusedInferAttentionScore),
-//! or every entry given the bucket's full KV width with the keys past its length hidden by a device
-//! key mask (as the incremental branch's sliding-window masks are), so the lengths would join the
-//! step's device inputs. The Model passes each operator the step's real row count, so padding a
-//! batch to its bucket is the Model's part. Until then, repeatable executors ([`reuse`]) remove the first
-//! phase of every operator whose shape repeats — a greedy decode step of the default model is
-//! 372 launches with 30 first phases, the attention calls — and [`ops::StepStats`] reports how many
-//! calls a step makes.
+//! calls per layer, each a first phase (argument checks, tiling) plus a launch. So a decode-only
+//! step can be captured once per padded shape and replayed with one call: CANN's
+//! `aclmdlRICaptureBegin/End` (ACL graph, 8.1+) records the stream's launches into a model run
+//! instance that `aclmdlRIExecuteAsync` replays ([`graph`]). The Model pads the batch to its bucket
+//! and the block tables to a power-of-two width (padded rows write to a block kept for them); the
+//! backend (`backend::graphs`) keeps each shape's inputs at their own fixed device addresses and
+//! uploads them in the graph form of `backend::step::StepPlan::graph_form`: attention's sequence
+//! lengths are host arguments of FusedInferAttentionScore's first phase, frozen at capture, so
+//! every entry gets the tables' whole reach as its length and the keys past its own length are
+//! hidden by a device key mask in the step's upload (as the incremental branch's sliding-window
+//! masks are). The first step of a shape runs eagerly (growing workspaces and scratch, warming
+//! executors), then the same ops are recorded; later steps replay. A graph is dropped when memory it
+//! may have recorded is freed. Prefill and mixed steps stay eager, and so do MoE steps (their
+//! grouped matmuls read the experts' row counts back, which a capture refuses), latent attention
+//! and sliding windows. Repeatable executors ([`reuse`]) still remove the first phase of every
+//! eager operator whose shape repeats, and [`ops::StepStats`] reports how many calls a step makes.
 
 pub mod backend;
 pub mod device;

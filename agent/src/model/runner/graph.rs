@@ -176,7 +176,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// The graph a step would replay: decode-only, every row's logits wanted, a bucket that
-    /// holds it, no long-context memory (`lc_active`).
+    /// holds it, no long-context memory (`lc_active`), no LoRA adapter.
     pub(super) fn graph_key(
         &self,
         step: &StepInputs,
@@ -185,7 +185,9 @@ impl<B: Backend> Model<B> {
     ) -> Option<GraphKey> {
         let g = self.graphs.as_ref().filter(|g| g.off.is_none())?;
         let n = step.seqs.len();
+        // A step with LoRA adapters picks them on the host per step: eager.
         if lc_active
+            || !self.lora.runs().is_empty()
             || n == 0
             || step.tokens.len() != n
             || step.seqs.iter().any(|s| s.n_q != 1)
