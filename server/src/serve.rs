@@ -450,10 +450,6 @@ pub fn check_tensor_parallel(
             work.join(", ")
         );
     }
-    if shard::is_uneven(mc, Some(gguf), t) {
-        tracing::info!(
-            tensor_parallel_size = t,
-            heads = mc.n_heads,
     let split = cfg.npu_serving.moe_tensor_parallel;
     if let Some(e) = (0..t).find_map(|r| shard::shard_split(mc, Some(gguf), t, r, split).err()) {
         bail!(
@@ -463,6 +459,10 @@ pub fn check_tensor_parallel(
             mc.name
         );
     }
+    if shard::is_uneven(mc, Some(gguf), t) {
+        tracing::info!(
+            tensor_parallel_size = t,
+            heads = mc.n_heads,
             kv_heads = mc.n_kv_heads,
             "the model's heads (or FFN blocks) do not split evenly over the ranks: some ranks \
              compute more than others, and each step waits for the busiest"
