@@ -208,7 +208,16 @@ __device__ __forceinline__ void gemv_q_body(const u8* w, const u16* wd, const u1
     store_rows<T, R>(acc, lane, rows, out + o, ldo);
 }
 
-// F16 weights: activations in T, products in f32.
+// An activation as it meets an f16 weight: f32 rounded to f16 first, as llama.cpp's CPU build
+// (the references) converts its f32 activations to f16 for f16 weights (F16's vec_dot_type);
+// f16 as it is; bf16 as it is (its values may lie beyond f16's range).
+__device__ __forceinline__ float f16w_operand(float v) {
+    return f16_bits_to_f32(f32_to_f16_bits(v));
+}
+__device__ __forceinline__ float f16w_operand(f16 v) { return to_f32(v); }
+__device__ __forceinline__ float f16w_operand(bf16 v) { return to_f32(v); }
+
+// F16 weights: activations in T (f32 ones rounded to f16: `f16w_operand`), products in f32.
 template <typename T, int R>
 __device__ __forceinline__ void gemv_f16w_body(const u8* w, int n, int k, const T* x, int ldx,
                                                int rows, T* out, int ldo) {
@@ -231,7 +240,7 @@ __device__ __forceinline__ void gemv_f16w_body(const u8* w, int n, int k, const 
                     const T* xr = x + (i64)r * ldx + c;
                     float s = 0.0f;
                     for (int j = 0; j < 8; ++j) {
-                        s = fmaf(wf[j], to_f32(xr[j]), s);
+                        s = fmaf(wf[j], f16w_operand(xr[j]), s);
                     }
                     acc[r] += s;
                 }
@@ -242,7 +251,7 @@ __device__ __forceinline__ void gemv_f16w_body(const u8* w, int n, int k, const 
             const float wv = f16_bits_to_f32(wr[c]);
             for (int r = 0; r < R; ++r) {
                 if (r < rows) {
-                    acc[r] = fmaf(wv, to_f32(x[(i64)r * ldx + c]), acc[r]);
+                    acc[r] = fmaf(wv, f16w_operand(x[(i64)r * ldx + c]), acc[r]);
                 }
             }
         }

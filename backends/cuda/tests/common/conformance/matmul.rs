@@ -128,6 +128,13 @@ pub fn matmul_paths_match_their_references(make: Make) {
                             || (mode == MatmulMode::Auto && rows <= 8));
                     let mut acts = QuantizedActs::new();
                     acts.quantize(&xs, rows, k);
+                    // The F16-weight GEMV meets f16 weights with f32 activations rounded to f16,
+                    // as llama.cpp's CPU build does (f16 and bf16 ones as they are).
+                    let xs = if ty == GgmlType::F16 && gemv_path && dt == DType::F32 {
+                        rounded(&xs, DType::F16)
+                    } else {
+                        xs
+                    };
                     let rb = ty.row_bytes(k).unwrap();
                     let mut worst_e = 0f32;
                     for r in 0..rows {
