@@ -5,7 +5,8 @@
 //!
 //! Each is made here from the f32 twin of a fidelity-sweep model (Llama, whose Q/K rows the
 //! loader permutes after dequantizing; Qwen2 with biases; Qwen3-MoE, whose every expert is
-//! quantized), beside a directory holding the dequantized values rounded to bf16. The loader
+//! quantized; DeepSeek, whose `kv_b_proj` the loader splits and transposes after dequantizing),
+//! beside a directory holding the dequantized values rounded to bf16. The loader
 //! widens quantized weights to bf16: every weight it hands over equals that directory's, byte for
 //! byte (so the logits are equal bit for bit), and is within bf16's rounding (relative 2^-8) of
 //! the exact dequantized value. Static activation scales are refused by name.
@@ -325,7 +326,12 @@ fn logits(ck: &Checkpoint, tokens: &[u32]) -> Vec<f32> {
 #[test]
 fn quantized_checkpoints_load_as_their_dequantized_weights() {
     let donor = GgufFile::open(common::model_path()).unwrap();
-    let picks = [Family::Llama, Family::Qwen2, Family::Qwen3Moe];
+    let picks = [
+        Family::Llama,
+        Family::Qwen2,
+        Family::Qwen3Moe,
+        Family::Deepseek2,
+    ];
     let mut checked = 0;
     for family in picks {
         let v = sweep::variants()
@@ -383,7 +389,7 @@ fn quantized_checkpoints_load_as_their_dequantized_weights() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 9);
+    assert_eq!(checked, 12);
 }
 
 #[test]
