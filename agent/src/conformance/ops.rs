@@ -376,6 +376,49 @@ fn rms_norm<B: Backend>(b: &mut B, ctx: &Ctx) -> Result<Vec<Output>, BackendErro
             Class::Elementwise,
             read(b, &o, ow)?,
         ));
+        // The residual add and the next norm (`add_rms_norm`: one pass where a backend folds
+        // them), straight into a quantized product (where a backend's norm kernel may write the
+        // product's 8-bit activations itself).
+        let y = filled(
+            b,
+            act,
+            rows * h,
+            Layout::contiguous(rows, h),
+            &Rng(rows as u64 + 30).values(rows * h, 4.0),
+        )?;
+        let mut x = x;
+        b.add_rms_norm(
+            ViewMut::new(&mut x, xw)?,
+            View::rows(&y, rows, h)?,
+            &w,
+            ctx.cfg.rms_eps,
+            ViewMut::new(&mut o, ow)?,
+        )?;
+        let q = ctx.tensor("blk.0.attn_q.weight")?;
+        let m = b
+            .load_matrix(&[q])?
+            .ok_or_else(|| BackendError::Unsupported {
+                backend: "conformance",
+                what: format!("a {} matrix", q.ty.name()),
+            })?;
+        let mut p = b.alloc(act, rows * q.rows)?;
+        b.matmul(View::new(&o, ow)?, &m, ViewMut::rows(&mut p, rows, q.rows)?)?;
+        let name = format!("add_rms_norm {rows} rows");
+        outputs.push(out(
+            format!("{name}: the sum"),
+            Class::Elementwise,
+            read(b, &x, xw)?,
+        ));
+        outputs.push(out(
+            format!("{name}: the norm"),
+            Class::Elementwise,
+            read(b, &o, ow)?,
+        ));
+        outputs.push(out(
+            format!("{name} into a {} matmul", q.ty.name()),
+            Class::Reduction,
+            read(b, &p, Layout::contiguous(rows, q.rows))?,
+        ));
     }
     Ok(outputs)
 }

@@ -435,14 +435,21 @@ impl<B: Backend> Model<B> {
         if let Some(s) = cfg.embed_scale {
             b.scale_rows(ViewMut::rows(&mut bufs.x, t, h)?, s)?;
         }
+        // `xn` already holds this layer's attention norm (the previous layer's last residual
+        // add did it: `residual_add`'s next norm).
+        let mut xn_ready = false;
         for (li, (layer, g)) in w.layers.iter().zip(&self.geometry).enumerate() {
             let (qw, kvw) = (g.q_width(), g.kv_width());
-            b.rms_norm(
-                View::rows(&bufs.x, t, h)?,
-                &layer.attn_norm,
-                eps,
-                ViewMut::rows(&mut bufs.xn, t, h)?,
-            )?;
+            let next_norm = w.layers.get(li + 1).map(|l| &l.attn_norm);
+            if !xn_ready {
+                b.rms_norm(
+                    View::rows(&bufs.x, t, h)?,
+                    &layer.attn_norm,
+                    eps,
+                    ViewMut::rows(&mut bufs.xn, t, h)?,
+                )?;
+            }
+            xn_ready = next_norm.is_some();
             let (qkv_proj, qkv_bias, q_norm, k_norm) = match &layer.attn {
                 Attn::Heads {
                     qkv,
@@ -472,18 +479,12 @@ impl<B: Backend> Model<B> {
                     if let Some(tp) = tp.as_deref_mut() {
                         tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
                     }
-                    residual_add(b, bufs, None, eps, t, h)?;
-                    b.rms_norm(
-                        View::rows(&bufs.x, t, h)?,
-                        &layer.ffn_norm,
-                        eps,
-                        ViewMut::rows(&mut bufs.xn, t, h)?,
-                    )?;
+                    residual_add(b, bufs, None, Some(&layer.ffn_norm), eps, t, h)?;
                     ffn(b, bufs, &layer.ffn, cfg, t, h, (lora, li))?;
                     if let Some(tp) = tp.as_deref_mut() {
                         tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
                     }
-                    residual_add(b, bufs, None, eps, t, h)?;
+                    residual_add(b, bufs, None, next_norm, eps, t, h)?;
                     continue;
                 }
             };
@@ -546,18 +547,14 @@ impl<B: Backend> Model<B> {
             if let Some(tp) = tp.as_deref_mut() {
                 tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
             }
-            residual_add(b, bufs, layer.post_attn_norm.as_ref(), eps, t, h)?;
-            b.rms_norm(
-                View::rows(&bufs.x, t, h)?,
-                &layer.ffn_norm,
-                eps,
-                ViewMut::rows(&mut bufs.xn, t, h)?,
-            )?;
+            let post = layer.post_attn_norm.as_ref();
+            residual_add(b, bufs, post, Some(&layer.ffn_norm), eps, t, h)?;
             ffn(b, bufs, &layer.ffn, cfg, t, h, (lora, li))?;
             if let Some(tp) = tp.as_deref_mut() {
                 tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
             }
-            residual_add(b, bufs, layer.post_ffn_norm.as_ref(), eps, t, h)?;
+            let post = layer.post_ffn_norm.as_ref();
+            residual_add(b, bufs, post, next_norm, eps, t, h)?;
         }
         let n = step.logit_rows.len();
         out.picked_on_device = false;
@@ -908,18 +905,31 @@ fn dense_ffn<B: Backend>(
     Ok(())
 }
 
-/// `x += tmp`, with `tmp` first RMS-normalised by `norm` into `xn` where the family has a
-/// post-norm (Gemma 3's post-attention and post-FFN norms).
+/// `x += tmp`, with `tmp` first RMS-normalised by `post` into `xn` where the family has a
+/// post-norm (Gemma 3's post-attention and post-FFN norms); then, with `next`, `xn` = `x`
+/// RMS-normalised by `next` (the norm that follows: `add_rms_norm`, one op where the backend
+/// folds the add into the norm).
 fn residual_add<B: Backend>(
     b: &mut B,
     bufs: &mut Buffers<B>,
-    norm: Option<&B::Buffer>,
+    post: Option<&B::Buffer>,
+    next: Option<&B::Buffer>,
     eps: f32,
     t: usize,
     h: usize,
 ) -> Result<(), ModelError> {
-    let y = match norm {
-        Some(norm) => {
+    let y = match (post, next) {
+        (None, Some(next)) => {
+            b.add_rms_norm(
+                ViewMut::rows(&mut bufs.x, t, h)?,
+                View::rows(&bufs.tmp, t, h)?,
+                next,
+                eps,
+                ViewMut::rows(&mut bufs.xn, t, h)?,
+            )?;
+            return Ok(());
+        }
+        (Some(norm), _) => {
             b.rms_norm(
                 View::rows(&bufs.tmp, t, h)?,
                 norm,
@@ -928,8 +938,16 @@ fn residual_add<B: Backend>(
             )?;
             &bufs.xn
         }
-        None => &bufs.tmp,
+        (None, None) => &bufs.tmp,
     };
     b.add(ViewMut::rows(&mut bufs.x, t, h)?, View::rows(y, t, h)?)?;
+    if let Some(next) = next {
+        b.rms_norm(
+            View::rows(&bufs.x, t, h)?,
+            next,
+            eps,
+            ViewMut::rows(&mut bufs.xn, t, h)?,
+        )?;
+    }
     Ok(())
 }

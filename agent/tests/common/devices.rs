@@ -16,6 +16,7 @@ pub fn cuda() -> CudaBackend {
         kernel_cache: None,
         lib_dirs: Vec::new(),
         int8_mma: true,
+        fuse: true,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }

@@ -814,6 +814,21 @@ pub trait Backend: Send {
         x: ViewMut<'_, Self::Buffer>,
         y: View<'_, Self::Buffer>,
     ) -> Result<(), BackendError>;
+    /// `x += y`, then each row of `x` RMS-normalised, times `w`, into the same row of `out`: a
+    /// residual add and the next norm (`add` then `rms_norm`, which this does by default; a
+    /// backend may do both in one pass, with the same results).
+    fn add_rms_norm(
+        &mut self,
+        mut x: ViewMut<'_, Self::Buffer>,
+        y: View<'_, Self::Buffer>,
+        w: &Self::Buffer,
+        eps: f32,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let cols = x.layout().cols();
+        self.add(x.col_range(0, cols)?, y)?;
+        self.rms_norm(x.as_view(), w, eps, out)
+    }
     /// `out` row i = `x` row `logit_rows[i]` of the step.
     fn gather_logit_rows(
         &mut self,

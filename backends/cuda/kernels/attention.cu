@@ -53,6 +53,9 @@ NPU_FOR_EACH_ACT(KV_WRITE)
 // [first + s * tiles_per_split, first + (s + 1) * tiles_per_split), first being the block's first
 // tile, and writes (m, l, acc) to `partial` ([row][head][split][hd + 2] f32), merged by
 // attention_combine. A split past the block's last tile writes m = -inf, l = 0.
+//
+// With `xq` (not null; hd a multiple of 32), whichever kernel writes the normalised output also
+// writes its 8-bit form for the output projection (q8_store_block, as `quantize_q8` would).
 
 #define ATT_TILE 32
 #define ATT_MAX_HD 256
@@ -66,7 +69,7 @@ __device__ __forceinline__ void attention_body(
     const T* q, int ldq, T* out, int ldo, const u16* pool, i64 block_stride, i64 layer_off,
     const int* items, int qt, const int* seq_info, const int* block_tables, int max_blocks,
     int n_heads, int n_kv, int hd, int bs, float scale, int window, int n_splits,
-    int tiles_per_split, float* partial) {
+    int tiles_per_split, float* partial, signed char* xq, u32* xs) {
     const int group = n_heads / n_kv;
     const int item = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -175,9 +178,26 @@ __device__ __forceinline__ void attention_body(
         T* o = out + row * ldo + (i64)head * hd;
         for (int i = 0; i < ATT_MAX_WORDS; ++i) {
             const int c = lane + 32 * i;
+            T a = from_f32<T>(0.0f);
+            T b = a;
             if (c < half_hd) {
-                o[2 * c] = from_f32<T>(acc[2 * i] * inv);
-                o[2 * c + 1] = from_f32<T>(acc[2 * i + 1] * inv);
+                a = from_f32<T>(acc[2 * i] * inv);
+                b = from_f32<T>(acc[2 * i + 1] * inv);
+                o[2 * c] = a;
+                o[2 * c + 1] = b;
+            }
+            if (xq) {
+                // The 8-bit form of the stored values (hd a multiple of 32): lane L of the
+                // warp takes element 64i + 32h + L of the head, held by lane 16h + L/2.
+                for (int h = 0; h < 2; ++h) {
+                    if (64 * i + 32 * h < hd) {
+                        const int from = 16 * h + (lane >> 1);
+                        const float va = __shfl_sync(FULL_MASK, to_f32(a), from);
+                        const float vb = __shfl_sync(FULL_MASK, to_f32(b), from);
+                        q8_store_block((lane & 1) ? vb : va, row, n_heads * hd,
+                                       (head * hd + 64 * i + 32 * h) >> 5, xq, xs);
+                    }
+                }
             }
         }
     } else {
@@ -201,10 +221,10 @@ __device__ __forceinline__ void attention_body(
         const T* q, int ldq, T* out, int ldo, const u16* pool, i64 block_stride, i64 layer_off,   \
         const int* items, int qt, const int* seq_info, const int* block_tables, int max_blocks,    \
         int n_heads, int n_kv, int hd, int bs, float scale, int window, int n_splits,              \
-        int tiles_per_split, float* partial) {                                                     \
+        int tiles_per_split, float* partial, signed char* xq, u32* xs) {                           \
         attention_body<T>(q, ldq, out, ldo, pool, block_stride, layer_off, items, qt, seq_info,   \
                           block_tables, max_blocks, n_heads, n_kv, hd, bs, scale, window,         \
-                          n_splits, tiles_per_split, partial);                                     \
+                          n_splits, tiles_per_split, partial, xq, xs);                             \
     }
 NPU_FOR_EACH_ACT(ATTENTION)
 
@@ -214,7 +234,8 @@ NPU_FOR_EACH_ACT(ATTENTION)
 // so M is finite; splits that saw nothing (m = -inf) are left out.
 template <typename T>
 __device__ __forceinline__ void attention_combine_body(const float* partial, int n_splits,
-                                                       int n_heads, int hd, T* out, int ldo) {
+                                                       int n_heads, int hd, T* out, int ldo,
+                                                       signed char* xq, u32* xs) {
     const i64 row = blockIdx.x;
     const int head = blockIdx.y;
     const float* pp = partial + (row * n_heads + head) * n_splits * (i64)(hd + 2);
@@ -237,13 +258,18 @@ __device__ __forceinline__ void attention_combine_body(const float* partial, int
                 num += pp[s * (hd + 2) + 2 + d] * expf(ms - mx);
             }
         }
-        out[row * ldo + (i64)head * hd + d] = from_f32<T>(num / den);
+        const T v = from_f32<T>(num / den);
+        out[row * ldo + (i64)head * hd + d] = v;
+        if (xq) { // hd a multiple of 32 and blockDim.x of 32: whole blocks per warp
+            q8_store_block(to_f32(v), row, n_heads * hd, (head * hd + d) >> 5, xq, xs);
+        }
     }
 }
 
 #define ATTENTION_COMBINE(T, S)                                                                    \
     extern "C" __global__ void attention_combine_##S(const float* partial, int n_splits,          \
-                                                     int n_heads, int hd, T* out, int ldo) {       \
-        attention_combine_body<T>(partial, n_splits, n_heads, hd, out, ldo);                      \
+                                                     int n_heads, int hd, T* out, int ldo,         \
+                                                     signed char* xq, u32* xs) {                   \
+        attention_combine_body<T>(partial, n_splits, n_heads, hd, out, ldo, xq, xs);              \
     }
 NPU_FOR_EACH_ACT(ATTENTION_COMBINE)

@@ -173,4 +173,34 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return t;
 }
 
+// ---- 8-bit activation blocks ---------------------------------------------------------------------
+// One warp quantizes block `b` (32 values, lane l holding value l as the producer stored it) of
+// activation row `r` for the quantized matrix products (matmul.cu): xq holds rows x k int8 values,
+// xs per block 4 words (d and d * sum(q) as f32 bits, each rounded through f16; the integer sum;
+// 0), with d = amax / 127, as ggml's q8_1 blocks. The standalone `quantize_q8` kernel and the
+// producers that fold it in (rms_norm, add_rms_norm, swiglu) all call this, so their bytes agree.
+// Every lane of the warp must call it.
+__device__ __forceinline__ void q8_store_block(float v, i64 r, int k, int b, signed char* xq,
+                                               u32* xs) {
+    const int lane = threadIdx.x & 31;
+    const int nb = k >> 5;
+    const float amax = warp_max(fabsf(v));
+    const float d = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    const float rq = rintf(__fmul_rn(v, id));
+    const int q = rq != rq ? 0 : (int)fminf(fmaxf(rq, -127.0f), 127.0f);
+    int sum = q;
+    for (int o = 16; o > 0; o >>= 1) {
+        sum += __shfl_xor_sync(FULL_MASK, sum, o);
+    }
+    xq[r * k + b * 32 + lane] = (signed char)q;
+    if (lane == 0) {
+        u32* o = xs + (r * nb + b) * 4;
+        o[0] = __float_as_uint(f16_bits_to_f32(f32_to_f16_bits(d)));
+        o[1] = __float_as_uint(f16_bits_to_f32(f32_to_f16_bits(d * (float)sum)));
+        o[2] = (u32)sum;
+        o[3] = 0;
+    }
+}
+
 #define NPU_FOR_EACH_ACT(X) X(float, f32) X(f16, f16) X(bf16, bf16)

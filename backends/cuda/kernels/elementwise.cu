@@ -62,10 +62,27 @@ NPU_FOR_EACH_ACT(EMBED)
 
 // ---- RMS norm ----------------------------------------------------------------------------------
 
-// grid (rows): out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w.
+// The second pass of both norms: out[r] = x[r] * scale * w, and with `xq` (not null) the row
+// quantized to 8 bits as it is stored (q8_store_block; `cols` a multiple of 32, so each warp
+// holds whole blocks of 32 and the loop's bound is the same for all its lanes).
+template <typename T>
+__device__ __forceinline__ void rms_scale_row(const T* xr, const void* w, int wdt, float scale,
+                                              int cols, T* o, signed char* xq, u32* xs) {
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const T v = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(xr[c]), scale), load_dt(w, wdt, c)));
+        o[c] = v;
+        if (xq) {
+            q8_store_block(to_f32(v), blockIdx.x, cols, c >> 5, xq, xs);
+        }
+    }
+}
+
+// grid (rows): out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w; with `xq`, also the 8-bit
+// activations the next quantized matrix product reads (no `quantize_q8` launch then).
 template <typename T>
 __device__ __forceinline__ void rms_norm_body(const T* x, int ldx, const void* w, int wdt,
-                                              float eps, int cols, T* out, int ldo) {
+                                              float eps, int cols, T* out, int ldo,
+                                              signed char* xq, u32* xs) {
     __shared__ float red[32];
     const T* xr = x + (i64)blockIdx.x * ldx;
     float s = 0.0f;
@@ -75,18 +92,48 @@ __device__ __forceinline__ void rms_norm_body(const T* x, int ldx, const void* w
     }
     s = block_sum(s, red);
     const float scale = 1.0f / sqrtf(s / (float)cols + eps);
-    T* o = out + (i64)blockIdx.x * ldo;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        o[c] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(xr[c]), scale), load_dt(w, wdt, c)));
-    }
+    rms_scale_row<T>(xr, w, wdt, scale, cols, out + (i64)blockIdx.x * ldo, xq, xs);
 }
 
 #define RMS_NORM(T, S)                                                                             \
     extern "C" __global__ void rms_norm_##S(const T* x, int ldx, const void* w, int wdt,          \
-                                            float eps, int cols, T* out, int ldo) {                \
-        rms_norm_body<T>(x, ldx, w, wdt, eps, cols, out, ldo);                                    \
+                                            float eps, int cols, T* out, int ldo, signed char* xq, \
+                                            u32* xs) {                                             \
+        rms_norm_body<T>(x, ldx, w, wdt, eps, cols, out, ldo, xq, xs);                            \
     }
 NPU_FOR_EACH_ACT(RMS_NORM)
+
+// grid (rows): the residual add and the next norm in one pass over the row: x[r] += y[r] (rounded
+// to T as `add` rounds it), then out[r] = rms_norm(x[r]) * w as `rms_norm` computes it from the
+// stored sum, and with `xq` its 8-bit activations. Each thread reads back only the values it
+// wrote, after the block's sum; `out` may be `y` (each thread reads its y values before the
+// barrier and writes the same columns after it).
+template <typename T>
+__device__ __forceinline__ void add_rms_norm_body(T* x, int ldx, const T* y, int ldy,
+                                                  const void* w, int wdt, float eps, int cols,
+                                                  T* out, int ldo, signed char* xq, u32* xs) {
+    __shared__ float red[32];
+    T* xr = x + (i64)blockIdx.x * ldx;
+    const T* yr = y + (i64)blockIdx.x * ldy;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const T sum = from_f32<T>(to_f32(xr[c]) + to_f32(yr[c]));
+        xr[c] = sum;
+        const float v = to_f32(sum);
+        s = fmaf(v, v, s);
+    }
+    s = block_sum(s, red);
+    const float scale = 1.0f / sqrtf(s / (float)cols + eps);
+    rms_scale_row<T>(xr, w, wdt, scale, cols, out + (i64)blockIdx.x * ldo, xq, xs);
+}
+
+#define ADD_RMS_NORM(T, S)                                                                         \
+    extern "C" __global__ void add_rms_norm_##S(T* x, int ldx, const T* y, int ldy, const void* w, \
+                                                int wdt, float eps, int cols, T* out, int ldo,     \
+                                                signed char* xq, u32* xs) {                        \
+        add_rms_norm_body<T>(x, ldx, y, ldy, w, wdt, eps, cols, out, ldo, xq, xs);                \
+    }
+NPU_FOR_EACH_ACT(ADD_RMS_NORM)
 
 // grid (heads, rows): head h of row r (the `hd` values from column h * hd) normalised in place,
 // each head with the same `hd` weights: x * (1 / sqrt(mean(x^2) + eps)) * w (Qwen3's and Gemma 3's
@@ -165,22 +212,28 @@ NPU_FOR_EACH_ACT(ROPE)
 // ---- SwiGLU, GELU gate, scaling, adds, copies --------------------------------------------------
 // All: grid (ceil(cols / blockDim), rows), one element per thread.
 
+// With `xq` (not null; `cols` a multiple of 32 and blockDim.x of 32, so a warp is all in or all
+// out of the row), out's row is also quantized to 8 bits as stored for the next matrix product.
 template <typename T>
 __device__ __forceinline__ void swiglu_body(const T* gate, int ldg, const T* up, int ldu, T* out,
-                                            int ldo, int cols) {
+                                            int ldo, int cols, signed char* xq, u32* xs) {
     const int r = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < cols) {
         const float g = to_f32(gate[(i64)r * ldg + c]);
         const float u = to_f32(up[(i64)r * ldu + c]);
-        out[(i64)r * ldo + c] = from_f32<T>(__fmul_rn(g / (1.0f + expf(-g)), u));
+        const T v = from_f32<T>(__fmul_rn(g / (1.0f + expf(-g)), u));
+        out[(i64)r * ldo + c] = v;
+        if (xq) {
+            q8_store_block(to_f32(v), r, cols, c >> 5, xq, xs);
+        }
     }
 }
 
 #define SWIGLU(T, S)                                                                               \
     extern "C" __global__ void swiglu_##S(const T* gate, int ldg, const T* up, int ldu, T* out,   \
-                                          int ldo, int cols) {                                     \
-        swiglu_body<T>(gate, ldg, up, ldu, out, ldo, cols);                                       \
+                                          int ldo, int cols, signed char* xq, u32* xs) {           \
+        swiglu_body<T>(gate, ldg, up, ldu, out, ldo, cols, xq, xs);                               \
     }
 NPU_FOR_EACH_ACT(SWIGLU)
 

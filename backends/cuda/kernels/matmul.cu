@@ -83,24 +83,7 @@ __device__ __forceinline__ void quantize_q8_body(const T* x, int ldx, int k, sig
     }
     const int lane = threadIdx.x & 31;
     const i64 r = blockIdx.y;
-    const float v = to_f32(x[r * ldx + b * 32 + lane]);
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.0f;
-    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    const float rq = rintf(__fmul_rn(v, id));
-    const int q = rq != rq ? 0 : (int)fminf(fmaxf(rq, -127.0f), 127.0f);
-    int sum = q;
-    for (int o = 16; o > 0; o >>= 1) {
-        sum += __shfl_xor_sync(FULL_MASK, sum, o);
-    }
-    xq[r * k + b * 32 + lane] = (signed char)q;
-    if (lane == 0) {
-        u32* o = xs + (r * nb + b) * 4;
-        o[0] = __float_as_uint(f16_bits_to_f32(f32_to_f16_bits(d)));
-        o[1] = __float_as_uint(f16_bits_to_f32(f32_to_f16_bits(d * (float)sum)));
-        o[2] = (u32)sum;
-        o[3] = 0;
-    }
+    q8_store_block(to_f32(x[r * ldx + b * 32 + lane]), r, k, b, xq, xs);
 }
 
 #define QUANTIZE_Q8(T, S)                                                                          \

@@ -102,6 +102,14 @@ pub struct CudaBackend {
     read_buf: Vec<u8>,
     /// Kernels launched (and cuBLAS GEMMs called) since the backend was made.
     pub(crate) launches: AtomicU64,
+    /// Device writes that are not kernel launches (uploads, device copies, collectives), for
+    /// `fused::Q8Ready`'s check that nothing ran between a producer and its product.
+    pub(crate) device_writes: AtomicU64,
+    /// 8-bit activations the last launch wrote for the next quantized product (`fused`).
+    pub(crate) q8_ready: Option<crate::fused::Q8Ready>,
+    /// Whether a quantized (not f16) packed matrix is loaded: only then do producers write
+    /// 8-bit activations.
+    pub(crate) quantized_matrices: bool,
     #[cfg(feature = "emulation")]
     emu: Option<Arc<crate::emu::EmuGpu>>,
 }
@@ -242,6 +250,9 @@ impl CudaBackend {
             gelu_table: None,
             read_buf: Vec::new(),
             launches: AtomicU64::new(0),
+            device_writes: AtomicU64::new(0),
+            q8_ready: None,
+            quantized_matrices: false,
             #[cfg(feature = "emulation")]
             emu: None,
         }
@@ -249,6 +260,13 @@ impl CudaBackend {
 
     pub fn config(&self) -> &CudaConfig {
         &self.cfg
+    }
+
+    /// Turns folding ops into fewer launches on or off (`CudaConfig::fuse`) for the ops queued
+    /// from now on: the same results bit for bit, in more launches when off.
+    pub fn set_fuse(&mut self, on: bool) {
+        self.cfg.fuse = on;
+        self.q8_ready = None;
     }
 
     pub(crate) fn own(&self, b: &CudaBuffer, op: &'static str) -> Result<(), BackendError> {
@@ -441,6 +459,7 @@ impl Backend for CudaBackend {
         let dt = dst.dtype();
         let mut bytes = Vec::new();
         host_bytes(src, dt, &mut bytes)?;
+        self.device_wrote();
         let es = dt.size();
         if l.is_contiguous() {
             return self.gpu.htod(dst.buf().addr(l.offset()), &bytes);
@@ -528,6 +547,10 @@ impl Backend for CudaBackend {
             return Ok(None);
         };
         let m = self.upload_matrix(p)?;
+        if matches!(m.kind, weights::MatrixKind::Packed(f) if f != crate::kernels::WeightFormat::F16)
+        {
+            self.quantized_matrices = true;
+        }
         // `Auto` dequantizes a matrix into the weight scratch for long steps: that area is
         // made here, at its largest, while the weights load, so that it is taken before the KV
         // pool is sized from the free memory and the first long prompt allocates nothing (review
@@ -629,6 +652,7 @@ impl Backend for CudaBackend {
 
     fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError> {
         let ids: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+        self.device_wrote();
         let kv = self.check_block_ids(&ids, "kv_copy_blocks")?;
         let bb = kv.block_elems * 2;
         let base = kv.mem.ptr();
@@ -668,6 +692,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
+        self.device_wrote();
         let kv = self.check_block_ids(blocks, "kv_blocks_from_host")?;
         let bb = kv.block_elems * 2;
         if src.len() != blocks.len() * bb {
@@ -726,6 +751,7 @@ impl Backend for CudaBackend {
             self.meta = Some(self.alloc_mem(bytes.next_power_of_two().max(4096))?);
         }
         let ptr = self.meta.as_ref().map(|m| m.ptr()).unwrap_or(0);
+        self.device_wrote();
         self.gpu.htod(ptr, bytemuck::cast_slice(&self.meta_host))?;
         self.step.clone_from(s);
         self.layout = Some(lay);
@@ -864,6 +890,17 @@ impl Backend for CudaBackend {
         y: View<'_, CudaBuffer>,
     ) -> Result<(), BackendError> {
         self.op_add(x, y)
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        x: ViewMut<'_, CudaBuffer>,
+        y: View<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_add_rms_norm(x, y, w, eps, out)
     }
 
     fn gather_logit_rows(

@@ -53,6 +53,10 @@ pub const ENV_MMA: &str = "NPU_SERVING_CUDA_MMA";
 /// crates that use it; a binary whose `npu-backend-cuda` dependency enables it): whole-model
 /// checks of the kernels through the usual device path on machines without a GPU. Other builds
 /// ignore it. Slow, and not a GPU.
+/// Environment variable: `0` launches every op of a step on its own (no residual add folded into
+/// the next RMS norm, no activation quantizer folded into the kernel producing a quantized
+/// product's input); `1`, the default, folds them. The results are the same bit for bit.
+pub const ENV_FUSE: &str = "NPU_SERVING_CUDA_FUSE";
 pub const ENV_EMULATION: &str = "NPU_SERVING_CUDA_EMULATION";
 
 #[derive(Debug, Clone, PartialEq)]
@@ -67,6 +71,10 @@ pub struct CudaConfig {
     /// Quantized products of more than 8 token rows run on the int8 tensor cores (sm_80 and
     /// later), with the GEMV kernels' arithmetic bit for bit; `false` leaves them to the GEMV.
     pub int8_mma: bool,
+    /// Fold a step's ops into fewer launches where the arithmetic stays bit for bit the same:
+    /// `add_rms_norm` in one kernel, and 8-bit activations written by the kernel that produces
+    /// a quantized product's input (no `quantize_q8` launch). `false`: one launch per op.
+    pub fuse: bool,
     /// Where compiled kernels are cached on disk (`None`: memory only).
     pub kernel_cache: Option<PathBuf>,
     /// Directories searched for the CUDA libraries when the loader does not find them by name.
@@ -82,6 +90,7 @@ impl Default for CudaConfig {
             matmul: MatmulMode::Quantized,
             gemv_max_rows: 16,
             int8_mma: true,
+            fuse: true,
             kernel_cache: crate::nvrtc::default_cache_dir(),
             lib_dirs: crate::libs::default_search_dirs(),
         }
@@ -90,7 +99,7 @@ impl Default for CudaConfig {
 
 impl CudaConfig {
     /// The defaults with `NPU_SERVING_CUDA_DTYPE`, `NPU_SERVING_CUDA_MATMUL`,
-    /// `NPU_SERVING_CUDA_GEMV_MAX_ROWS` and `NPU_SERVING_CUDA_MMA` applied; a bad value is an error naming the variable.
+    /// `NPU_SERVING_CUDA_GEMV_MAX_ROWS`, `NPU_SERVING_CUDA_MMA` and `NPU_SERVING_CUDA_FUSE` applied; a bad value is an error naming the variable.
     pub fn from_env() -> Result<Self, String> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -121,6 +130,13 @@ impl CudaConfig {
                 "0" => false,
                 "1" => true,
                 _ => return Err(format!("{ENV_MMA}={v:?}: expected 0 or 1")),
+            };
+        }
+        if let Some(v) = get(ENV_FUSE) {
+            c.fuse = match v.as_str() {
+                "0" => false,
+                "1" => true,
+                _ => return Err(format!("{ENV_FUSE}={v:?}: expected 0 or 1")),
             };
         }
         Ok(c)
@@ -154,6 +170,10 @@ mod tests {
         assert!(!off.int8_mma);
         let d = CudaConfig::from_vars(|_| None).unwrap();
         assert_eq!((d.act_dtype, d.matmul), (DType::F32, MatmulMode::Quantized));
-        assert!(d.int8_mma);
+        assert!(d.int8_mma && d.fuse);
+        let e = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "no".into())).unwrap_err();
+        assert!(e.contains(ENV_FUSE), "{e}");
+        let off = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "0".into())).unwrap();
+        assert!(!off.fuse);
     }
 }

@@ -52,10 +52,11 @@ pub enum Op {
     MoeRouteScored,
     KvWriteLatent,
     AttentionLatent,
+    AddRmsNorm,
 }
 
 impl Op {
-    pub const ALL: [Op; 22] = [
+    pub const ALL: [Op; 23] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -78,6 +79,7 @@ impl Op {
         Op::MoeRouteScored,
         Op::KvWriteLatent,
         Op::AttentionLatent,
+        Op::AddRmsNorm,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -103,6 +105,7 @@ impl Op {
             Op::MoeRouteScored => "moe_route_scored",
             Op::KvWriteLatent => "kv_write_latent",
             Op::AttentionLatent => "attention_latent",
+            Op::AddRmsNorm => "add_rms_norm",
         }
     }
 }

@@ -11,12 +11,15 @@
 //!   `driver` implements it with cudarc on a real device, `emu` (feature `emulation`) on a CPU
 //!   emulation of the same kernel sources.
 //! - `backend` + `ops`: `CudaBackend`, the trait implementation: weights (`weights`), the paged
-//!   KV pool, step inputs in one host→device copy (`step`), and the ops.
+//!   KV pool, step inputs in one host→device copy (`step`), and the ops; `fused`: the row ops
+//!   that take a neighbour's work (the residual add in the next norm, the activation quantizer
+//!   in the kernel producing a quantized product's input).
 //!
-//! CUDA graphs are not used. A decode step of the default model is ~15 launches per layer; a
-//! graph per (batch size, context bucket) would cut their launch cost, but the attention grid
-//! and split count depend on each step's contexts and the step inputs' addresses would have to
-//! stay fixed. Measured on an H100 (docs/gpu-checks/2026-11-26-h100.md): a decode step of a
+//! CUDA graphs are not used (the `Backend` graph methods answer unsupported here). A decode step
+//! of the default model was ~15 launches per layer before `fused` (10 with it, head sizes a
+//! multiple of 32); a graph per (batch size, context bucket) would cut their launch cost, but
+//! the attention grid and split count depend on each step's contexts and the step inputs'
+//! addresses would have to stay fixed. Measured on an H100 (docs/gpu-checks/2026-11-26-h100.md): a decode step of a
 //! 1B-class model is about 300 launches and takes 1.85 ms a token at batch 1 against llama.cpp's
 //! 0.93 ms, with the kernels' own time close to the whole step; graphs (or fewer, fused kernels)
 //! are the next step for decode, and their bookkeeping now has a figure to beat.
@@ -29,6 +32,7 @@ mod driver;
 #[cfg(feature = "emulation")]
 pub mod emu;
 pub mod fault;
+mod fused;
 pub mod gpu;
 pub mod kernels;
 pub mod libs;

@@ -1,5 +1,6 @@
-//! Matrix products: the quantized GEMV kernels (activations quantized to 8 bits first), or cuBLAS
-//! on weights dequantized at load or into a scratch buffer, as the matmul mode says.
+//! Matrix products: the quantized GEMV kernels (activations quantized to 8 bits first, or by the
+//! kernel that produced them: `fused`), or cuBLAS on weights dequantized at load or into a
+//! scratch buffer, as the matmul mode says.
 
 use npu_backend::{BackendError, DType, View, ViewMut};
 
@@ -156,8 +157,13 @@ impl CudaBackend {
         let (rows, es) = (xl.rows(), dt.size());
         let (n, k) = (int(OP, w.n)?, int(OP, w.k)?);
         let nb = w.k / 32;
+        let ready = self.q8_take(&x, dt);
         let quantized = if fmt == WeightFormat::F16 {
             None
+        } else if let Some(q8) = ready {
+            // The kernel that produced `x` (or the product before this one, of the same rows)
+            // wrote its 8-bit form, and nothing ran since (`fused`).
+            Some(q8)
         } else {
             let xq_bytes = rows * w.k;
             let dst = self
@@ -176,12 +182,13 @@ impl CudaBackend {
             )?;
             Some((dst, xs))
         };
+        let kept = quantized.map(|q8| (x, q8));
         let ol = out.layout();
         let op = addr_mut(&out);
         if let (Some((xq, xs)), Some(kernel)) = (quantized, self.mma_kernel(fmt, rows, dt)) {
             // Many rows: the int8 tensor cores, the GEMV's arithmetic bit for bit.
             let wp = w.mem.ptr();
-            return self.launch(
+            self.launch(
                 kernel,
                 LaunchDims::linear([blocks(rows, 32), grid_rows(OP, w.n.div_ceil(32))?, 1], 128),
                 Args::new()
@@ -195,7 +202,11 @@ impl CudaBackend {
                     .i32(int(OP, rows)?)
                     .ptr(op)
                     .i32(int(OP, ol.stride())?),
-            );
+            )?;
+            if let Some((x, q8)) = kept {
+                self.q8_keep(&x, &out, q8, dt);
+            }
+            return Ok(());
         }
         let variant = usize::from(rows > 1);
         let per = kernels::GEMV_ROWS[variant];
@@ -229,6 +240,9 @@ impl CudaBackend {
                 args.ptr(out_at).i32(int(OP, ol.stride())?),
             )?;
             r0 += per;
+        }
+        if let Some((x, q8)) = kept {
+            self.q8_keep(&x, &out, q8, dt);
         }
         Ok(())
     }

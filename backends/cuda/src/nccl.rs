@@ -341,6 +341,7 @@ impl<H: HostCollective> NcclCollective<H> {
         contiguous("all_gather", l)?;
         b.own(x.buf(), "all_gather")?;
         b.own(out, "all_gather")?;
+        b.device_wrote();
         let s = stream(b)?;
         // SAFETY: both ranges lie in live device buffers of this backend of the sizes the call
         // implies (checked by the callers); the stream and communicator are live.
@@ -389,6 +390,7 @@ impl<H: HostCollective> Collective<CudaBackend> for NcclCollective<H> {
         let l = x.layout();
         contiguous("all_reduce_sum", l)?;
         b.own(x.buf(), "all_reduce_sum")?;
+        b.device_wrote();
         let s = stream(b)?;
         let p = x.buf().addr(l.offset());
         // SAFETY: `p` holds the view's elements in a live buffer of this backend; in place is

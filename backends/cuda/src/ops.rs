@@ -1,7 +1,7 @@
 //! The kernels of one step, launched on the backend's stream: each op checks its views (shapes,
 //! dtypes, owner) against the step and the KV pool, so that no kernel reads or writes outside
 //! the memory it is given, then packs the kernel's parameters and launches it. Matrix products
-//! are in `matmul.rs`.
+//! are in `matmul.rs`; RMS norms, SwiGLU and the add folded into a norm in `fused.rs`.
 
 use npu_backend::{AttnGeometry, BackendError, DType, DeviceBuffer, Layout, View, ViewMut};
 use npu_model::RopeStyle;
@@ -76,7 +76,7 @@ pub(crate) fn same(op: &'static str, a: DType, b: DType) -> Result<(), BackendEr
 }
 
 /// The runtime dtype code kernels use for weight vectors (DT_* in common.cuh).
-fn dt_code(dt: DType) -> i32 {
+pub(crate) fn dt_code(dt: DType) -> i32 {
     match dt {
         DType::F32 => 0,
         DType::F16 => 1,
@@ -104,7 +104,7 @@ pub(crate) fn grid_rows(op: &'static str, rows: usize) -> Result<u32, BackendErr
 }
 
 /// Threads for a row kernel over `n` columns: a multiple of 32, at most `max`.
-fn row_threads(n: usize, max: usize) -> u32 {
+pub(crate) fn row_threads(n: usize, max: usize) -> u32 {
     (n.div_ceil(32) * 32).clamp(32, max) as u32
 }
 
@@ -177,56 +177,6 @@ impl CudaBackend {
                 .ptr(meta + 4 * lay.tokens as u64)
                 .ptr(addr_mut(&out))
                 .i32(int(OP, l.stride())?),
-        )
-    }
-
-    pub(crate) fn op_rms_norm(
-        &mut self,
-        x: View<'_, CudaBuffer>,
-        w: &CudaBuffer,
-        eps: f32,
-        out: ViewMut<'_, CudaBuffer>,
-    ) -> Result<(), BackendError> {
-        const OP: &str = "rms_norm";
-        self.own(x.buf(), OP)?;
-        self.own(w, OP)?;
-        self.own(out.buf(), OP)?;
-        let dt = float(OP, x.dtype())?;
-        same(OP, dt, out.dtype())?;
-        let wdt = float(OP, w.dtype())?;
-        let (xl, ol) = (x.layout(), out.layout());
-        need(
-            xl.rows() == ol.rows() && xl.cols() == ol.cols() && w.len() == xl.cols(),
-            OP,
-            || {
-                format!(
-                    "x {}x{}, out {}x{}, weight of {}",
-                    xl.rows(),
-                    xl.cols(),
-                    ol.rows(),
-                    ol.cols(),
-                    w.len()
-                )
-            },
-        )?;
-        if xl.rows() == 0 || xl.cols() == 0 {
-            return Ok(());
-        }
-        self.launch(
-            op_kernel(Op::RmsNorm, dt),
-            LaunchDims::linear(
-                [int(OP, xl.rows())? as u32, 1, 1],
-                row_threads(xl.cols(), 256),
-            ),
-            Args::new()
-                .ptr(addr(&x))
-                .i32(int(OP, xl.stride())?)
-                .ptr(w.addr(0))
-                .i32(dt_code(wdt))
-                .f32(eps)
-                .i32(int(OP, xl.cols())?)
-                .ptr(addr_mut(&out))
-                .i32(int(OP, ol.stride())?),
         )
     }
 
@@ -599,6 +549,15 @@ impl CudaBackend {
         } else {
             0
         };
+        // The output projection's 8-bit activations, written by whichever kernel writes the
+        // normalised output (`fused`).
+        let q8 = if hd.is_multiple_of(32) {
+            self.q8_target(ol.rows(), ol.cols())?
+        } else {
+            None
+        };
+        let (xq, xs) = q8.unwrap_or((0, 0));
+        let (aq, as_) = if n_splits == 1 { (xq, xs) } else { (0, 0) };
         let kv = self.kv_pool()?;
         let out_ptr = addr_mut(&out);
         self.launch(
@@ -633,7 +592,9 @@ impl CudaBackend {
                 .i32(window)
                 .i32(n_splits as i32)
                 .i32(int(OP, tiles_per_split)?)
-                .ptr(partial),
+                .ptr(partial)
+                .ptr(aq)
+                .ptr(as_),
         )?;
         if n_splits > 1 {
             self.launch(
@@ -648,53 +609,13 @@ impl CudaBackend {
                     .i32(int(OP, g.n_heads)?)
                     .i32(int(OP, hd)?)
                     .ptr(out_ptr)
-                    .i32(int(OP, ol.stride())?),
+                    .i32(int(OP, ol.stride())?)
+                    .ptr(xq)
+                    .ptr(xs),
             )?;
         }
+        self.q8_made(q8, out_ptr, ol, dt);
         Ok(())
-    }
-
-    pub(crate) fn op_swiglu(
-        &mut self,
-        gate: View<'_, CudaBuffer>,
-        up: View<'_, CudaBuffer>,
-        out: ViewMut<'_, CudaBuffer>,
-    ) -> Result<(), BackendError> {
-        const OP: &str = "swiglu";
-        self.own(gate.buf(), OP)?;
-        self.own(up.buf(), OP)?;
-        self.own(out.buf(), OP)?;
-        let dt = float(OP, gate.dtype())?;
-        same(OP, dt, up.dtype())?;
-        same(OP, dt, out.dtype())?;
-        let (gl, ul, ol) = (gate.layout(), up.layout(), out.layout());
-        let shape = |l: Layout| (l.rows(), l.cols());
-        need(shape(gl) == shape(ul) && shape(gl) == shape(ol), OP, || {
-            format!(
-                "gate {:?}, up {:?}, out {:?} (rows, cols)",
-                shape(gl),
-                shape(ul),
-                shape(ol)
-            )
-        })?;
-        if gl.elements() == 0 {
-            return Ok(());
-        }
-        self.launch(
-            op_kernel(Op::Swiglu, dt),
-            LaunchDims::linear(
-                [blocks(gl.cols(), EW_THREADS), grid_rows(OP, gl.rows())?, 1],
-                EW_THREADS as u32,
-            ),
-            Args::new()
-                .ptr(addr(&gate))
-                .i32(int(OP, gl.stride())?)
-                .ptr(addr(&up))
-                .i32(int(OP, ul.stride())?)
-                .ptr(addr_mut(&out))
-                .i32(int(OP, ol.stride())?)
-                .i32(int(OP, gl.cols())?),
-        )
     }
 
     pub(crate) fn op_geglu(

@@ -12,6 +12,7 @@ fn the_variable_opens_the_emulation_and_only_when_it_is_1() {
     let cfg = CudaConfig {
         lib_dirs: Vec::new(),
         int8_mma: true,
+        fuse: true,
         kernel_cache: None,
         ..CudaConfig::default()
     };

@@ -19,6 +19,16 @@ fn rms_norm_matches_the_reference() {
 }
 
 #[test]
+fn fused_launches_match_the_unfused_ones() {
+    conformance::fused_launches_match_the_unfused_ones(&emulated);
+}
+
+#[test]
+fn attention_writes_the_output_projections_activations() {
+    conformance::attention_writes_the_output_projections_activations(&emulated);
+}
+
+#[test]
 fn rope_matches_the_reference_in_both_styles() {
     conformance::rope_matches_the_reference_in_both_styles(&emulated);
 }

@@ -14,6 +14,7 @@ fn opening_a_device_without_cuda_names_the_missing_library() {
     let cfg = CudaConfig {
         lib_dirs: Vec::new(),
         int8_mma: true,
+        fuse: true,
         ..CudaConfig::default()
     };
     let result = std::panic::catch_unwind(|| CudaBackend::new(0, cfg.clone()));
@@ -64,6 +65,7 @@ fn a_directory_with_a_broken_library_is_not_a_crash() {
     let cfg = CudaConfig {
         lib_dirs: vec![dir.clone()],
         int8_mma: true,
+        fuse: true,
         ..CudaConfig::default()
     };
     let r = std::panic::catch_unwind(|| CudaBackend::new(0, cfg)).expect("no panic");

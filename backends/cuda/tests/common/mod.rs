@@ -20,6 +20,7 @@ pub fn emulated(dt: DType, matmul: MatmulMode) -> Option<CudaBackend> {
         kernel_cache: None,
         lib_dirs: Vec::new(),
         int8_mma: true,
+        fuse: true,
     };
     match CudaBackend::emulated(cfg) {
         Ok(b) => Some(b),

@@ -4,11 +4,13 @@
 //! (tests/gpu_conformance.rs).
 
 mod attention;
+mod fused;
 mod latent;
 mod matmul;
 mod moe;
 
 pub use attention::*;
+pub use fused::*;
 pub use latent::*;
 pub use matmul::*;
 pub use moe::*;
@@ -38,6 +40,14 @@ pub const CASES: &[(&str, Case)] = &[
     (
         "rms_norm_matches_the_reference",
         rms_norm_matches_the_reference,
+    ),
+    (
+        "fused_launches_match_the_unfused_ones",
+        fused_launches_match_the_unfused_ones,
+    ),
+    (
+        "attention_writes_the_output_projections_activations",
+        attention_writes_the_output_projections_activations,
     ),
     (
         "rope_matches_the_reference_in_both_styles",

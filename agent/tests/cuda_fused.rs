@@ -1,0 +1,149 @@
+//! The CUDA backend's folded launches (`CudaConfig::fuse`: the residual add folded into the next
+//! RMS norm, and the 8-bit activations of a quantized product written by the kernel producing
+//! its input) change no bit of a model's answers: tiny random-weight llama and qwen3 models
+//! (Q8_0; qwen3 with its per-head Q/K norms), run by the agent's own model on the CPU emulation
+//! of the kernels with the folds on and off, give the same greedy ids and log-probabilities and
+//! the same logits bit for bit, and the folded run launches fewer kernels a decode step. Built
+//! with the `cuda` and `ascend` features (the emulations' shared test helpers).
+
+#![cfg(all(feature = "cuda", feature = "ascend"))]
+
+mod common;
+
+use common::devices::cuda;
+use npu_agent::model::{Model, ModelOptions, StepOutput};
+use npu_backend::{Backend, SeqSpan, StepInputs};
+use npu_gguf::synth::{self, Family};
+use npu_gguf::{GgmlType, GgufFile};
+
+fn options() -> ModelOptions {
+    ModelOptions {
+        max_tokens: 64,
+        max_logit_rows: 1,
+        num_blocks: 8,
+        block_size: 16,
+        kv_memory_fraction: None,
+    }
+}
+
+/// The step feeding `new` tokens of one sequence after `start` cached ones (slot = position).
+fn seq_step(new: &[u32], start: usize) -> StepInputs {
+    let max_blocks = 8;
+    StepInputs {
+        tokens: new.to_vec(),
+        positions: (start..start + new.len()).map(|p| p as u32).collect(),
+        slot_mapping: (start..start + new.len()).map(|p| p as u32).collect(),
+        seqs: vec![SeqSpan {
+            q_row: 0,
+            n_q: new.len() as u32,
+            start_pos: start as u32,
+        }],
+        block_tables: (0..max_blocks as u32).collect(),
+        max_blocks,
+        logit_rows: vec![new.len() as u32 - 1],
+    }
+}
+
+/// What a run gives: each greedy step's id and log-probability bits, each logit step's logits'
+/// bits, and the launches of each single-token greedy step.
+#[derive(Debug, PartialEq)]
+struct Run {
+    picks: Vec<(i32, u32)>,
+    logits: Vec<Vec<u32>>,
+    decode_launches: Vec<u64>,
+}
+
+/// A prompt in one step, then 6 greedy single-token steps; then the same again asking for
+/// logits (the host's pick) along the greedy tokens.
+fn run(file: &GgufFile, fuse: bool) -> Run {
+    let mut b = cuda();
+    b.set_fuse(fuse);
+    let mut m = Model::load(file, b, options()).unwrap();
+    let prompt = [1u32, 15, 27, 3, 99];
+    let mut out = StepOutput::default();
+    let mut r = Run {
+        picks: Vec::new(),
+        logits: Vec::new(),
+        decode_launches: Vec::new(),
+    };
+    let (mut pos, mut next) = (0, prompt.to_vec());
+    let mut tokens = Vec::new();
+    for _ in 0..7 {
+        let before = m.backend().op_counts().unwrap().launches;
+        m.forward(&seq_step(&next, pos), true, &mut out).unwrap();
+        assert!(
+            out.picked_on_device,
+            "the CUDA backend picks greedy tokens itself"
+        );
+        if next.len() == 1 {
+            r.decode_launches
+                .push(m.backend().op_counts().unwrap().launches - before);
+        }
+        pos += next.len();
+        r.picks.push((out.ids[0], out.logprobs[0].to_bits()));
+        next = vec![out.ids[0] as u32];
+        tokens.push(out.ids[0] as u32);
+    }
+    // Logits along the same tokens, in a second sequence's blocks (positions from 0 again).
+    let (mut pos, mut next) = (0, prompt.to_vec());
+    for &t in &tokens[..3] {
+        let mut s = seq_step(&next, pos);
+        s.slot_mapping.iter_mut().for_each(|x| *x += 64);
+        s.block_tables = (4..12).map(|b| b % 8).collect();
+        m.forward(&s, false, &mut out).unwrap();
+        r.logits
+            .push(out.logits.iter().map(|v| v.to_bits()).collect());
+        pos += next.len();
+        next = vec![t];
+    }
+    r
+}
+
+/// `launches`: a single-token step's launches, folded and one op a launch.
+fn check(family: Family, launches: (u64, u64)) {
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    let bytes = synth::synth_model(family, 1, GgmlType::Q8_0, &donor).unwrap();
+    let path = std::env::temp_dir().join(format!(
+        "npu-cuda-fused-{}-{}.gguf",
+        family.name(),
+        std::process::id()
+    ));
+    std::fs::write(&path, bytes).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    let folded = run(&file, true);
+    let plain = run(&file, false);
+    let _ = std::fs::remove_file(&path);
+    let name = family.name();
+    assert_eq!(
+        folded.picks, plain.picks,
+        "{name}: greedy ids or log-probabilities"
+    );
+    assert!(
+        folded.logits == plain.logits,
+        "{name}: logits differ when the launches are folded"
+    );
+    eprintln!(
+        "{name}: decode launches a step, folded {:?}, one op a launch {:?}",
+        folded.decode_launches, plain.decode_launches
+    );
+    assert!(
+        folded.decode_launches.iter().all(|&f| f == launches.0)
+            && plain.decode_launches.iter().all(|&p| p == launches.1),
+        "{name}: decode launches {:?} folded and {:?} one op a launch, expected {launches:?}",
+        folded.decode_launches,
+        plain.decode_launches
+    );
+}
+
+/// Launches of a single-token step, one op a launch: 16 a layer (18 with Qwen3's two head
+/// norms) and 7 outside the layers. Folded: 10 a layer (12 for Qwen3) where the head size is a
+/// multiple of 32 (llama3, qwen3: 32) and the attention kernel writes the output projection's
+/// 8-bit activations, 11 where it is not (llama: 16, so `quantize_q8` runs for that product);
+/// the last layer's residual add alone; 6 outside (the final norm writes the head's 8-bit
+/// activations).
+#[test]
+fn folded_cuda_launches_answer_as_the_unfolded_ones() {
+    check(Family::Llama, (2 * 11 + 1 + 6, 2 * 16 + 7));
+    check(Family::Llama3, (3 * 10 + 1 + 6, 3 * 16 + 7));
+    check(Family::Qwen3, (3 * 12 + 1 + 6, 3 * 18 + 7));
+}

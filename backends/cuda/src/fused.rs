@@ -1,0 +1,319 @@
+//! The row ops whose kernels can take a neighbour's work, so that a decode layer launches fewer
+//! kernels with the same bits: RMS norm, SwiGLU, and the residual add folded into the next RMS
+//! norm (`add_rms_norm`, one pass over the row).
+//!
+//! **The activation quantizer folded into its producer.** A quantized matrix product multiplies
+//! 8-bit activations (`quantize_q8`, matmul.cu). When the kernel producing its input is one of
+//! `rms_norm`, `add_rms_norm`, `swiglu` or attention (`attention`, or `attention_combine` after
+//! a split one; in ops.rs), that kernel writes the 8-bit form too (the same
+//! `q8_store_block` as `quantize_q8`, on the values as stored), into the GEMV's activation
+//! scratch, and the backend records what it wrote (`Q8Ready`). The next GEMV uses it instead of
+//! launching `quantize_q8` only when nothing ran in between: the record names the producer's
+//! output window (address, stride, rows, columns, dtype) and the counts of launches and of other
+//! device writes at the time, and it is taken by the first matmul that looks at it. So a write
+//! between the producer and the product (another kernel, an upload, a collective) leaves the
+//! GEMV quantizing for itself, as before. The split projections of one input (a GEMV after a
+//! GEMV of the same rows) reuse the same 8-bit rows likewise.
+//!
+//! The 8-bit form is written only where the next product would read it: the backend holds a
+//! quantized matrix, the row length is a multiple of 32, and a step of this many rows takes the
+//! quantized path (`matmul` mode and `gemv_max_rows`). `CudaConfig::fuse` off (NPU_SERVING_CUDA_FUSE=0)
+//! launches every op on its own.
+
+use std::sync::atomic::Ordering;
+
+use npu_backend::{BackendError, DType, DeviceBuffer, Layout, View, ViewMut};
+
+use crate::backend::CudaBackend;
+use crate::buffer::CudaBuffer;
+use crate::config::MatmulMode;
+use crate::gpu::{blocks, Args, DevPtr, LaunchDims};
+use crate::kernels::{op_kernel, Op};
+use crate::ops::{
+    addr, addr_mut, dt_code, float, grid_rows, int, need, row_threads, same, EW_THREADS,
+};
+
+/// 8-bit activations a producer kernel wrote for the next quantized product (module note).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Q8Ready {
+    /// The producer's output window: its first element, row stride, rows, columns, dtype.
+    x: DevPtr,
+    stride: usize,
+    rows: usize,
+    cols: usize,
+    dt: DType,
+    /// The int8 rows and the per-block scales (layout of `quantize_q8`).
+    xq: DevPtr,
+    xs: DevPtr,
+    /// `launches` and `device_writes` just after the producer was queued.
+    launches: u64,
+    writes: u64,
+}
+
+/// Bytes of the 8-bit form of `rows` rows of `cols` values (int8 rows, then 16 bytes of scales
+/// per block of 32).
+pub(crate) fn q8_bytes(rows: usize, cols: usize) -> usize {
+    rows * cols + rows * (cols / 32) * 16
+}
+
+impl CudaBackend {
+    /// Counts a device write that is not a kernel launch (an upload, a device copy, a
+    /// collective): 8-bit activations recorded before it are not used after it.
+    pub(crate) fn device_wrote(&self) {
+        self.device_writes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Where a producer of `rows` x `cols` activations of `dt` writes their 8-bit form, when the
+    /// next quantized product of them would read it (module note); `None`: it does not.
+    pub(crate) fn q8_target(
+        &mut self,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<(DevPtr, DevPtr)>, BackendError> {
+        let quantized_path = match self.cfg.matmul {
+            MatmulMode::Quantized => true,
+            MatmulMode::Auto => rows <= self.cfg.gemv_max_rows,
+            MatmulMode::Dequantized => false,
+        };
+        if !self.cfg.fuse
+            || !self.quantized_matrices
+            || !quantized_path
+            || rows == 0
+            || !cols.is_multiple_of(32)
+        {
+            return Ok(None);
+        }
+        let xq = self
+            .scratch_x
+            .ensure(&self.gpu, self.device, q8_bytes(rows, cols))?;
+        Ok(Some((xq, xq + (rows * cols) as u64)))
+    }
+
+    /// Records that the launch just queued wrote the 8-bit form of `out` at `target`.
+    pub(crate) fn q8_made(
+        &mut self,
+        target: Option<(DevPtr, DevPtr)>,
+        out: DevPtr,
+        l: Layout,
+        dt: DType,
+    ) {
+        self.q8_ready = target.map(|(xq, xs)| Q8Ready {
+            x: out,
+            stride: l.stride(),
+            rows: l.rows(),
+            cols: l.cols(),
+            dt,
+            xq,
+            xs,
+            launches: self.launches.load(Ordering::Relaxed),
+            writes: self.device_writes.load(Ordering::Relaxed),
+        });
+    }
+
+    /// The 8-bit form of `x` (a product's input of `dt`), when the last thing queued wrote it;
+    /// the record is used up either way.
+    pub(crate) fn q8_take(
+        &mut self,
+        x: &View<'_, CudaBuffer>,
+        dt: DType,
+    ) -> Option<(DevPtr, DevPtr)> {
+        let r = self.q8_ready.take()?;
+        let l = x.layout();
+        let fresh = r.launches == self.launches.load(Ordering::Relaxed)
+            && r.writes == self.device_writes.load(Ordering::Relaxed);
+        let same_rows = r.x == addr(x)
+            && r.stride == l.stride()
+            && r.rows == l.rows()
+            && r.cols == l.cols()
+            && r.dt == dt;
+        (fresh && same_rows).then_some((r.xq, r.xs))
+    }
+
+    /// After a quantized product of `x` whose 8-bit rows are at `(xq, xs)` and whose output is
+    /// not in `x`'s buffer: the next product of the same `x` may use them too.
+    pub(crate) fn q8_keep(
+        &mut self,
+        x: &View<'_, CudaBuffer>,
+        out: &ViewMut<'_, CudaBuffer>,
+        q8: (DevPtr, DevPtr),
+        dt: DType,
+    ) {
+        if !self.cfg.fuse || x.buf().addr(0) == out.buf().addr(0) {
+            return;
+        }
+        self.q8_made(Some(q8), addr(x), x.layout(), dt);
+    }
+
+    pub(crate) fn op_rms_norm(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "rms_norm";
+        self.own(x.buf(), OP)?;
+        self.own(w, OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, x.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let wdt = float(OP, w.dtype())?;
+        let (xl, ol) = (x.layout(), out.layout());
+        need(
+            xl.rows() == ol.rows() && xl.cols() == ol.cols() && w.len() == xl.cols(),
+            OP,
+            || {
+                format!(
+                    "x {}x{}, out {}x{}, weight of {}",
+                    xl.rows(),
+                    xl.cols(),
+                    ol.rows(),
+                    ol.cols(),
+                    w.len()
+                )
+            },
+        )?;
+        if xl.rows() == 0 || xl.cols() == 0 {
+            return Ok(());
+        }
+        let q8 = self.q8_target(ol.rows(), ol.cols())?;
+        let (xq, xs) = q8.unwrap_or((0, 0));
+        self.launch(
+            op_kernel(Op::RmsNorm, dt),
+            LaunchDims::linear(
+                [int(OP, xl.rows())? as u32, 1, 1],
+                row_threads(xl.cols(), 256),
+            ),
+            Args::new()
+                .ptr(addr(&x))
+                .i32(int(OP, xl.stride())?)
+                .ptr(w.addr(0))
+                .i32(dt_code(wdt))
+                .f32(eps)
+                .i32(int(OP, xl.cols())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?)
+                .ptr(xq)
+                .ptr(xs),
+        )?;
+        self.q8_made(q8, addr_mut(&out), ol, dt);
+        Ok(())
+    }
+
+    /// `x += y`, then `out = rms_norm(x) * w`, in one kernel (`add_rms_norm`); two launches
+    /// (`add`, `rms_norm`) with `fuse` off.
+    pub(crate) fn op_add_rms_norm(
+        &mut self,
+        mut x: ViewMut<'_, CudaBuffer>,
+        y: View<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "add_rms_norm";
+        if !self.cfg.fuse {
+            let cols = x.layout().cols();
+            self.op_add(x.col_range(0, cols)?, y)?;
+            return self.op_rms_norm(x.as_view(), w, eps, out);
+        }
+        self.own(x.buf(), OP)?;
+        self.own(y.buf(), OP)?;
+        self.own(w, OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, x.dtype())?;
+        same(OP, dt, y.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let wdt = float(OP, w.dtype())?;
+        let (xl, yl, ol) = (x.layout(), y.layout(), out.layout());
+        let shape = |l: Layout| (l.rows(), l.cols());
+        need(
+            shape(xl) == shape(yl) && shape(xl) == shape(ol) && w.len() == xl.cols(),
+            OP,
+            || {
+                format!(
+                    "x {:?}, y {:?}, out {:?} (rows, cols), weight of {}",
+                    shape(xl),
+                    shape(yl),
+                    shape(ol),
+                    w.len()
+                )
+            },
+        )?;
+        if xl.rows() == 0 || xl.cols() == 0 {
+            return Ok(());
+        }
+        let q8 = self.q8_target(ol.rows(), ol.cols())?;
+        let (xq, xs) = q8.unwrap_or((0, 0));
+        self.launch(
+            op_kernel(Op::AddRmsNorm, dt),
+            LaunchDims::linear(
+                [int(OP, xl.rows())? as u32, 1, 1],
+                row_threads(xl.cols(), 256),
+            ),
+            Args::new()
+                .ptr(addr_mut(&x))
+                .i32(int(OP, xl.stride())?)
+                .ptr(addr(&y))
+                .i32(int(OP, yl.stride())?)
+                .ptr(w.addr(0))
+                .i32(dt_code(wdt))
+                .f32(eps)
+                .i32(int(OP, xl.cols())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?)
+                .ptr(xq)
+                .ptr(xs),
+        )?;
+        self.q8_made(q8, addr_mut(&out), ol, dt);
+        Ok(())
+    }
+
+    pub(crate) fn op_swiglu(
+        &mut self,
+        gate: View<'_, CudaBuffer>,
+        up: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "swiglu";
+        self.own(gate.buf(), OP)?;
+        self.own(up.buf(), OP)?;
+        self.own(out.buf(), OP)?;
+        let dt = float(OP, gate.dtype())?;
+        same(OP, dt, up.dtype())?;
+        same(OP, dt, out.dtype())?;
+        let (gl, ul, ol) = (gate.layout(), up.layout(), out.layout());
+        let shape = |l: Layout| (l.rows(), l.cols());
+        need(shape(gl) == shape(ul) && shape(gl) == shape(ol), OP, || {
+            format!(
+                "gate {:?}, up {:?}, out {:?} (rows, cols)",
+                shape(gl),
+                shape(ul),
+                shape(ol)
+            )
+        })?;
+        if gl.elements() == 0 {
+            return Ok(());
+        }
+        let q8 = self.q8_target(ol.rows(), ol.cols())?;
+        let (xq, xs) = q8.unwrap_or((0, 0));
+        self.launch(
+            op_kernel(Op::Swiglu, dt),
+            LaunchDims::linear(
+                [blocks(gl.cols(), EW_THREADS), grid_rows(OP, gl.rows())?, 1],
+                EW_THREADS as u32,
+            ),
+            Args::new()
+                .ptr(addr(&gate))
+                .i32(int(OP, gl.stride())?)
+                .ptr(addr(&up))
+                .i32(int(OP, ul.stride())?)
+                .ptr(addr_mut(&out))
+                .i32(int(OP, ol.stride())?)
+                .i32(int(OP, gl.cols())?)
+                .ptr(xq)
+                .ptr(xs),
+        )?;
+        self.q8_made(q8, addr_mut(&out), ol, dt);
+        Ok(())
+    }
+}
