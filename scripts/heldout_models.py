@@ -29,6 +29,9 @@ MODELS = {
         kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True, rope_theta=10000.0,
+        # DeepSeek-V3's own config.json says so; transformers' class always scores by sigmoid
+        # but does not write the key, and the converter takes a file without it as softmax.
+        scoring_func="sigmoid", topk_method="noaux_tc",
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         **common)),
