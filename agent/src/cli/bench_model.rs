@@ -97,6 +97,12 @@ pub struct BenchModelArgs {
     /// Rounds of the `--kv-cache-dtype A,B` comparison (the best is reported).
     #[arg(long, default_value_t = 2)]
     pub kv_rounds: usize,
+    /// Instead of the rest: an MoE model over two tensor-parallel ranks in this process, once per
+    /// way of splitting its routed experts (share_each_expert, whole_experts), beside one engine
+    /// with both ranks' threads; decode at `--batches`, `--kv-rounds` rounds taking turns, and
+    /// the same-run ratio whole/share (`bench_moe_tp`; CPU, `--threads` per rank).
+    #[arg(long)]
+    pub moe_tp_layouts: bool,
     /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
     /// auto (where the backend can) or off.
     #[arg(long, default_value_t = GraphCapture::Off)]
@@ -386,6 +392,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     }
     if args.long_context {
         return super::bench_long_context::run(&args);
+    }
+    if args.moe_tp_layouts {
+        return super::bench_moe_tp::run(&args);
     }
     let alternate = match &args.alternate_prefetch {
         Some(pair) => {

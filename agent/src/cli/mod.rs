@@ -11,6 +11,7 @@ pub mod bench_collective;
 pub mod bench_kv_dtype;
 pub mod bench_long_context;
 pub mod bench_model;
+pub mod bench_moe_tp;
 pub mod bench_prefetch;
 pub mod bench_spec;
 pub mod generate;
