@@ -116,7 +116,11 @@ impl ModelsHandler {
         else {
             return Ok(0);
         };
-        match self.status.index(&name) {
+        let served_by = || {
+            // A name a model's context answers to besides its entry's (e.g. its adapters).
+            (0..self.contexts.len()).find(|&i| self.contexts[i].check_model(Some(&name)).is_ok())
+        };
+        match self.status.index(&name).or_else(served_by) {
             Some(i) => Ok(i),
             // Anthropic's and the Responses API's clients send their own model names; on a
             // one-model server those go to the model, here to the first one.
