@@ -475,12 +475,12 @@ fn directories_give_llama_cpps_tokens_on_their_conversions() {
     assert!(misses.is_empty(), "{misses:#?}");
 }
 
-/// The tensors of `dir`'s model rewritten in place after `edit` (names, dtypes, shapes, bytes).
-fn rewrite_tensors(
-    dir: &Path,
-    edit: impl FnOnce(&mut Vec<(String, npu_hf::Dtype, Vec<usize>, Vec<u8>)>),
-) {
-    let mut all: Vec<(String, npu_hf::Dtype, Vec<usize>, Vec<u8>)> = {
+/// A directory's tensors: name, dtype, shape and bytes.
+type Tensors = Vec<(String, npu_hf::Dtype, Vec<usize>, Vec<u8>)>;
+
+/// The tensors of `dir`'s model rewritten in place after `edit`.
+fn rewrite_tensors(dir: &Path, edit: impl FnOnce(&mut Tensors)) {
+    let mut all: Tensors = {
         let shards = npu_hf::Shards::open(dir).unwrap();
         shards
             .tensors()
