@@ -161,11 +161,18 @@ fn read_f32_safetensors(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         .unwrap()
         .into_iter()
         .map(|m| {
-            assert_eq!(m.dtype, npu_hf::Dtype::F32, "{}", m.name);
-            let v = bytes[m.start..m.end]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
+            let raw = &bytes[m.start..m.end];
+            let v = match m.dtype {
+                npu_hf::Dtype::F32 => raw
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+                npu_hf::Dtype::BF16 => raw
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                other => panic!("{}: {other}", m.name),
+            };
             (m.name, m.shape, v)
         })
         .collect()
@@ -227,7 +234,8 @@ fn two_adapters_and_the_base_in_one_batch_match_their_merged_models() {
     let mut model = Model::load(&base_file, backend(), options()).unwrap();
     let cfg = model.cfg.clone();
 
-    // Adapter 1: every projection, plain scale; adapter 2: attention only, rsLoRA.
+    // Adapter 1: every projection, plain scale, f32; adapter 2: attention only, rsLoRA, bf16
+    // (kept in bf16 on the backend).
     let ad1 = dir.0.join("ad1");
     let ad2 = dir.0.join("ad2");
     let spec1 = SynthAdapter {
@@ -238,6 +246,7 @@ fn two_adapters_and_the_base_in_one_batch_match_their_merged_models() {
         seed: 11,
         a_range: 0.3,
         b_range: 0.3,
+        bf16: false,
     };
     let spec2 = SynthAdapter {
         rank: 4,
@@ -247,6 +256,7 @@ fn two_adapters_and_the_base_in_one_batch_match_their_merged_models() {
         seed: 12,
         a_range: 0.4,
         b_range: 0.4,
+        bf16: true,
     };
     write_peft(&ad1, &cfg, &spec1).unwrap();
     write_peft(&ad2, &cfg, &spec2).unwrap();
@@ -254,6 +264,7 @@ fn two_adapters_and_the_base_in_one_batch_match_their_merged_models() {
     let host2 = read_peft(&ad2, &cfg, 16).unwrap();
     assert_eq!(host1.scale, 2.0);
     assert_eq!(host2.scale, 8.0 / 2.0, "rsLoRA: alpha / sqrt(r)");
+    assert!(!host1.all_bf16 && host2.all_bf16);
 
     // The merged models: adapter 1 in GGUF (engine order), adapter 2 in Hugging Face order
     // through the safetensors twin and the checkpoint loader.
@@ -329,6 +340,7 @@ fn bad_adapters_are_refused_by_name() {
         seed: 1,
         a_range: 0.1,
         b_range: 0.1,
+        bf16: false,
     };
     let ad = dir.0.join("r32");
     write_peft(&ad, &cfg, &spec).unwrap();

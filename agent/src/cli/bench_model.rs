@@ -94,9 +94,18 @@ pub struct BenchModelArgs {
     /// Contexts (tokens) the `--kv-cache-dtype A,B` comparison decodes at.
     #[arg(long, value_delimiter = ',', default_values_t = vec![8192, 32768])]
     pub kv_contexts: Vec<usize>,
-    /// Rounds of the `--kv-cache-dtype A,B` comparison (the best is reported).
+    /// Rounds of the `--kv-cache-dtype A,B` comparison (the best is reported); also the rounds
+    /// of `--lora-adapters`.
     #[arg(long, default_value_t = 2)]
     pub kv_rounds: usize,
+    /// Instead of the rest: decode with this many random LoRA adapters (rank `--lora-rank`) over
+    /// the largest of `--batches` streams against the base model alone, same run
+    /// (`bench_lora`; CPU).
+    #[arg(long, value_name = "N")]
+    pub lora_adapters: Option<usize>,
+    /// Rank of the `--lora-adapters` adapters.
+    #[arg(long, default_value_t = 16)]
+    pub lora_rank: usize,
     /// Instead of the rest: an MoE model over two tensor-parallel ranks in this process, once per
     /// way of splitting its routed experts (share_each_expert, whole_experts), beside one engine
     /// with both ranks' threads; decode at `--batches`, `--kv-rounds` rounds taking turns, and
@@ -392,6 +401,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     }
     if args.long_context {
         return super::bench_long_context::run(&args);
+    }
+    if let Some(n) = args.lora_adapters {
+        return super::bench_lora::run(&args, n);
     }
     if args.moe_tp_layouts {
         return super::bench_moe_tp::run(&args);

@@ -27,10 +27,11 @@ pub enum Fault {
     ScaleRows,
     Geglu,
     MoeFfn,
+    LoraAdd,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 17] = [
+    pub const ALL: [Fault; 18] = [
         Fault::Upload,
         Fault::Embed,
         Fault::RmsNorm,
@@ -48,6 +49,7 @@ impl Fault {
         Fault::MoeFfn,
         Fault::ArgmaxRows,
         Fault::KvCopyBlocks,
+        Fault::LoraAdd,
     ];
 
     /// Words that name the checks this fault must fail (one of them at least).
@@ -70,6 +72,7 @@ impl Fault {
             Fault::ScaleRows => &["row scaling"],
             Fault::Geglu => &["GELU-gated FFN"],
             Fault::MoeFfn => &["mixture-of-experts routing: expert FFN"],
+            Fault::LoraAdd => &["LoRA adapters"],
         }
     }
 }
@@ -163,6 +166,14 @@ impl<B: Backend> Backend for Faulty<B> {
     }
     fn scale_rows(&mut self, mut x: ViewMut<'_, Self::Buffer>, s: f32) -> Result<(), BackendError> {
         self.then_perturb(Fault::ScaleRows, &mut x, |b, o| b.scale_rows(o, s))
+    }
+    fn lora_add(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        groups: &[npu_backend::LoraGroup<'_, Self::Buffer>],
+        mut out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        self.then_perturb(Fault::LoraAdd, &mut out, |b, o| b.lora_add(x, groups, o))
     }
     fn geglu(
         &mut self,

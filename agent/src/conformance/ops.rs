@@ -17,6 +17,7 @@ use super::{Class, Report, Tolerance};
 
 mod deepseek;
 mod family;
+mod lora;
 
 /// What an output is checked against.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -202,6 +203,7 @@ pub fn run_cases<B: Backend>(b: &mut B, file: &GgufFile) -> Vec<Result<Vec<Outpu
         family::moe(b),
         deepseek::scored_routing(b),
         deepseek::latent_attention(b),
+        lora::lora(b),
     ]
 }
 

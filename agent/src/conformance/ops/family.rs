@@ -16,7 +16,7 @@ pub(super) fn capability_of(name: &str) -> Option<Capability> {
         .find(|c| name.starts_with(&format!("{}: ", c.name())))
 }
 
-const ALL: [Capability; 10] = [
+const ALL: [Capability; 11] = [
     Capability::HeadNorm,
     Capability::GeluGate,
     Capability::ScaleRows,
@@ -27,6 +27,7 @@ const ALL: [Capability; 10] = [
     Capability::ScoredRouting,
     Capability::LatentAttention,
     Capability::HeldExperts,
+    Capability::Lora,
 ];
 
 fn named(c: Capability, what: &str) -> String {

@@ -106,6 +106,8 @@ pub struct HostAdapter {
     pub alpha: f32,
     /// `alpha / rank`, or `alpha / sqrt(rank)` with `use_rslora`.
     pub scale: f32,
+    /// Every tensor was stored in bf16: the backend may keep them so (widening is exact).
+    pub all_bf16: bool,
     /// Per layer, per [`Target::index`].
     pub layers: Vec<[Option<LowRank>; 7]>,
 }
@@ -245,8 +247,9 @@ pub fn read_peft(
     let mut layers: Vec<[Option<LowRank>; 7]> =
         (0..cfg.n_layers).map(|_| Default::default()).collect();
     // A and B of each (layer, target), paired.
-    let mut halves: Vec<[[Option<(Vec<f32>, Vec<usize>)>; 2]; 7]> =
+    let mut halves: Vec<[[Option<Values>; 2]; 7]> =
         (0..cfg.n_layers).map(|_| Default::default()).collect();
+    let all_bf16 = metas.iter().all(|m| m.dtype == Dtype::BF16);
     for m in &metas {
         let (il, target, half) =
             peft_name(&m.name).ok_or_else(|| unsupported(format!("tensor {:?}", m.name)))?;
@@ -331,9 +334,13 @@ pub fn read_peft(
         rank,
         alpha,
         scale,
+        all_bf16,
         layers,
     })
 }
+
+/// A tensor's values (f32) and shape, as read.
+type Values = (Vec<f32>, Vec<usize>);
 
 /// `convert_hf_to_gguf.py`'s Llama permutation of a projection's output rows: engine row
 /// `h*d + 2*i + j` is Hugging Face row `h*d + j*d/2 + i` (`d` rows a head). Returns, per engine

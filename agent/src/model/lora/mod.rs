@@ -132,9 +132,10 @@ impl<B: Backend> LoraSlots<B> {
                             t.peft_name()
                         )));
                     }
+                    let dtype = if ad.all_bf16 { DType::BF16 } else { DType::F32 };
                     per[t.index()] = Some(DevicePair {
-                        a: upload(b, &lr.a)?,
-                        b_t: upload(b, &lr.b_t)?,
+                        a: upload(b, &lr.a, dtype)?,
+                        b_t: upload(b, &lr.b_t, dtype)?,
                     });
                 }
             }
@@ -286,8 +287,9 @@ impl<B: Backend> Model<B> {
     }
 }
 
-fn upload<B: Backend>(b: &mut B, v: &[f32]) -> Result<B::Buffer, ModelError> {
-    let mut buf = b.alloc(DType::F32, v.len())?;
+/// `v` in a new buffer of `dtype` (bf16 only for values read from bf16: exact).
+fn upload<B: Backend>(b: &mut B, v: &[f32], dtype: DType) -> Result<B::Buffer, ModelError> {
+    let mut buf = b.alloc(dtype, v.len())?;
     b.upload(HostSlice::F32(v), ViewMut::rows(&mut buf, 1, v.len())?)?;
     Ok(buf)
 }

@@ -1,6 +1,6 @@
 //! Random-weight LoRA adapters in PEFT's layout, for tests and benchmarks: `adapter_config.json`
 //! and `adapter_model.safetensors` as PEFT's `save_pretrained` writes them (Hugging Face row
-//! order, f32), for a model of the given shape.
+//! order, f32 or bf16), for a model of the given shape.
 
 use std::path::Path;
 
@@ -20,6 +20,8 @@ pub struct SynthAdapter {
     /// Values of A are in `±a_range`, of B in `±b_range`.
     pub a_range: f32,
     pub b_range: f32,
+    /// Written in bf16 (as PEFT saves a bf16 model's adapter) instead of f32.
+    pub bf16: bool,
 }
 
 /// A splitmix64 stream of values in `[-1, 1)`.
@@ -84,7 +86,15 @@ pub fn write_peft(dir: &Path, cfg: &ModelConfig, s: &SynthAdapter) -> Result<(),
                 .iter()
                 .map(|v| v * s.b_range)
                 .collect();
-            let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            let bytes = |v: &[f32]| -> Vec<u8> {
+                if s.bf16 {
+                    v.iter()
+                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                        .collect()
+                } else {
+                    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+                }
+            };
             owned.push((
                 format!("{base}.lora_A.weight"),
                 vec![s.rank, n_in],
@@ -101,7 +111,7 @@ pub fn write_peft(dir: &Path, cfg: &ModelConfig, s: &SynthAdapter) -> Result<(),
         .iter()
         .map(|(name, shape, data)| WriteTensor {
             name,
-            dtype: Dtype::F32,
+            dtype: if s.bf16 { Dtype::BF16 } else { Dtype::F32 },
             shape,
             data,
         })

@@ -145,6 +145,14 @@ impl CpuBuffer {
         }
     }
 
+    /// The values of a bf16 buffer.
+    pub fn as_bf16(&self) -> Option<&[bf16]> {
+        match &self.data {
+            Data::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+
     /// The values of an i32 buffer.
     pub fn as_i32(&self) -> Option<&[i32]> {
         match &self.data {

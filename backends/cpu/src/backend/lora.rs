@@ -3,39 +3,151 @@
 //! adapter's group, every group in one pass over the rows (split across the thread pool). The
 //! shapes of every group are checked before any row is touched.
 
-use npu_backend::{BackendError, LoraGroup, View, ViewMut};
+use half::bf16;
+use npu_backend::{BackendError, DeviceBuffer, LoraGroup, View, ViewMut};
 
 use super::buffer::{bad, rows, rows_mut, shape};
 use super::{CpuBackend, CpuBuffer};
+use crate::kernels::Isa;
 
 const OP: &str = "lora_add";
 
 /// The largest rank a group may have (the per-row scratch lives on the stack).
 pub(crate) const MAX_RANK: usize = 256;
 
-/// `a . b` with sixteen partial sums (a shape the compiler turns into vector code).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// An adapter weight element: f32, or bf16 (kept as the file stores it: widening it is exact).
+trait Elem: Copy + Send + Sync {
+    fn f(self) -> f32;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for bf16 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+/// `a . x` with sixteen partial sums (a shape the compiler turns into vector code; the same
+/// additions in the same order whatever the instruction set).
+#[inline(always)]
+fn dot<T: Elem>(a: &[T], x: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
+    let (ca, cx) = (a.chunks_exact(16), x.chunks_exact(16));
+    let (ra, rx) = (ca.remainder(), cx.remainder());
+    for (p, q) in ca.zip(cx) {
         for i in 0..16 {
-            acc[i] += x[i] * y[i];
+            acc[i] += p[i].f() * q[i];
         }
     }
     let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
+    for (p, q) in ra.iter().zip(rx) {
+        s += p.f() * q;
     }
     s
 }
 
-/// One group's weights as f32 slices, checked against the views' widths.
-struct Group<'a> {
-    a: &'a [f32],
-    b_t: &'a [f32],
+/// One group's weights, checked against the views' widths.
+struct Group<'a, T> {
+    a: &'a [T],
+    b_t: &'a [T],
     rank: usize,
     scale: f32,
+}
+
+/// One row: `dst += scale * B (A x)`.
+#[inline(always)]
+fn add_row<T: Elem>(g: &Group<'_, T>, x: &[f32], dst: &mut [f32]) {
+    let (n_in, n_out) = (x.len(), dst.len());
+    let mut u = [0f32; MAX_RANK];
+    for (k, uk) in u[..g.rank].iter_mut().enumerate() {
+        *uk = g.scale * dot(&g.a[k * n_in..(k + 1) * n_in], x);
+    }
+    for (k, &uk) in u[..g.rank].iter().enumerate() {
+        let bk = &g.b_t[k * n_out..(k + 1) * n_out];
+        for (d, &bv) in dst.iter_mut().zip(bk) {
+            *d += uk * bv.f();
+        }
+    }
+}
+
+/// `add_row` compiled for AVX-512 (the same operations in the same order: the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_row_avx512<T: Elem>(g: &Group<'_, T>, x: &[f32], dst: &mut [f32]) {
+    add_row(g, x, dst)
+}
+
+/// `add_row` compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn add_row_avx2<T: Elem>(g: &Group<'_, T>, x: &[f32], dst: &mut [f32]) {
+    add_row(g, x, dst)
+}
+
+/// `add_row` on the best instruction set `isa` allows.
+#[inline(always)]
+fn add_row_on<T: Elem>(isa: Isa, g: &Group<'_, T>, x: &[f32], dst: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::checked` found AVX-512 (F among it) on this CPU; the function only
+        // indexes its slices.
+        Isa::Avx512Vnni => unsafe { add_row_avx512(g, x, dst) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::checked` found AVX2 on this CPU; the function only indexes its slices.
+        Isa::Avx2 => unsafe { add_row_avx2(g, x, dst) },
+        _ => add_row(g, x, dst),
+    }
+}
+
+/// A group's weights in their stored type.
+enum Weights<'a> {
+    F32(Group<'a, f32>),
+    Bf16(Group<'a, bf16>),
+}
+
+/// The group's A and B as one element type (both f32 or both bf16).
+fn group_weights<'a>(
+    gi: usize,
+    g: &LoraGroup<'a, CpuBuffer>,
+) -> Result<(Weights<'a>, usize, usize), BackendError> {
+    let (rank, scale) = (g.rank, g.scale);
+    match (g.a.as_f32(), g.b_t.as_f32(), g.a.as_bf16(), g.b_t.as_bf16()) {
+        (Some(a), Some(b_t), _, _) => Ok((
+            Weights::F32(Group {
+                a,
+                b_t,
+                rank,
+                scale,
+            }),
+            a.len(),
+            b_t.len(),
+        )),
+        (_, _, Some(a), Some(b_t)) => Ok((
+            Weights::Bf16(Group {
+                a,
+                b_t,
+                rank,
+                scale,
+            }),
+            a.len(),
+            b_t.len(),
+        )),
+        _ => Err(bad(
+            OP,
+            format!(
+                "group {gi}: A is {} and B {}; both f32 or both bf16",
+                g.a.dtype().name(),
+                g.b_t.dtype().name()
+            ),
+        )),
+    }
 }
 
 impl CpuBackend {
@@ -59,16 +171,13 @@ impl CpuBackend {
                     format!("group {gi}: rank {} (1..={MAX_RANK})", g.rank),
                 ));
             }
-            let a = g.a.f32s(OP)?;
-            let b_t = g.b_t.f32s(OP)?;
-            if a.len() != g.rank * n_in || b_t.len() != g.rank * n_out {
+            let (w, a_len, b_len) = group_weights(gi, g)?;
+            if a_len != g.rank * n_in || b_len != g.rank * n_out {
                 return Err(bad(
                     OP,
                     format!(
-                        "group {gi}: A of {} and B of {} values for rank {} and a {n_in} -> \
-                         {n_out} projection",
-                        a.len(),
-                        b_t.len(),
+                        "group {gi}: A of {a_len} and B of {b_len} values for rank {} and a \
+                         {n_in} -> {n_out} projection",
                         g.rank
                     ),
                 ));
@@ -86,29 +195,17 @@ impl CpuBackend {
                 }
                 *slot = Some(gi as u16);
             }
-            checked.push(Group {
-                a,
-                b_t,
-                rank: g.rank,
-                scale: g.scale,
-            });
+            checked.push(w);
         }
         if checked.is_empty() {
             return Ok(());
         }
+        let isa = self.isa().checked();
         self.par_rows_mut(o, |r, dst| {
             let Some(gi) = of_row[r] else { return };
-            let g = &checked[gi as usize];
-            let xr = x.row(r);
-            let mut u = [0f32; MAX_RANK];
-            for (k, uk) in u[..g.rank].iter_mut().enumerate() {
-                *uk = g.scale * dot(&g.a[k * n_in..(k + 1) * n_in], xr);
-            }
-            for (k, &uk) in u[..g.rank].iter().enumerate() {
-                let bk = &g.b_t[k * n_out..(k + 1) * n_out];
-                for (d, &bv) in dst.iter_mut().zip(bk) {
-                    *d += uk * bv;
-                }
+            match &checked[gi as usize] {
+                Weights::F32(g) => add_row_on(isa, g, x.row(r), dst),
+                Weights::Bf16(g) => add_row_on(isa, g, x.row(r), dst),
             }
         })
     }
@@ -239,5 +336,81 @@ mod tests {
             )
             .unwrap_err();
         assert!(e.to_string().contains("rank 4"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod isa_tests {
+    use npu_backend::{Backend, DType, HostSlice, HostSliceMut, Layout, LoraGroup, Readback};
+    use npu_backend::{View, ViewMut};
+
+    use crate::backend::{CpuBackend, CpuConfig};
+    use crate::kernels::Isa;
+
+    /// Values bf16 holds exactly (8 significant bits).
+    fn vals(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((((i as u32).wrapping_mul(2654435761) ^ seed) % 255) as f32 - 127.0) / 64.0)
+            .collect()
+    }
+
+    fn run(isa: Isa, dtype: DType) -> Vec<f32> {
+        let mut b = CpuBackend::with_isa(
+            CpuConfig {
+                threads: 2,
+                f32_reference: false,
+            },
+            isa,
+        );
+        let (rows, n_in, n_out, rank) = (9usize, 70usize, 37usize, 5usize);
+        let mut up = |v: &[f32], dtype: DType| {
+            let mut buf = b.alloc(dtype, v.len()).unwrap();
+            let l = Layout::contiguous(1, v.len());
+            b.upload(HostSlice::F32(v), ViewMut::new(&mut buf, l).unwrap())
+                .unwrap();
+            buf
+        };
+        let x = up(&vals(rows * n_in, 1), DType::F32);
+        let mut out = up(&vals(rows * n_out, 2), DType::F32);
+        let a = up(&vals(rank * n_in, 3), dtype);
+        let bt = up(&vals(rank * n_out, 4), dtype);
+        let g = LoraGroup {
+            row: 0,
+            n: rows,
+            a: &a,
+            b_t: &bt,
+            rank,
+            scale: 0.75,
+        };
+        b.lora_add(
+            View::rows(&x, rows, n_in).unwrap(),
+            &[g],
+            ViewMut::rows(&mut out, rows, n_out).unwrap(),
+        )
+        .unwrap();
+        let mut got = vec![0f32; rows * n_out];
+        b.read_back(&mut [Readback {
+            src: View::rows(&out, rows, n_out).unwrap(),
+            dst: HostSliceMut::F32(&mut got),
+        }])
+        .unwrap();
+        got
+    }
+
+    /// Every instruction set this CPU has, and bf16 weights of the same values, give the bits
+    /// of the plain loop over f32 weights.
+    #[test]
+    fn every_isa_and_bf16_weights_give_the_same_bits() {
+        let want = run(Isa::Scalar, DType::F32);
+        for isa in Isa::available() {
+            for dtype in [DType::F32, DType::BF16] {
+                let got = run(isa, dtype);
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits());
+                assert!(same, "{} with {dtype:?} weights differs", isa.name());
+            }
+        }
     }
 }
