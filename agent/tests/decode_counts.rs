@@ -22,16 +22,17 @@ use npu_protocol::agent::{DeviceKind, GraphCapture};
 /// Layers of the tiny llama model.
 const LAYERS: usize = 2;
 /// Kernel launches of one batch-1 decode step of it on the CUDA backend (f32 activations,
-/// quantized matmuls, folded launches on: `CudaConfig::fuse`): 11 a layer (the RMS norm, with the
-/// previous layer's last residual add folded in after the first layer; Q/K/V GEMV, rope, KV
-/// write, attention, 8-bit quantization of its output, output GEMV, the residual add and the FFN
-/// norm in one kernel, gate/up GEMV, SwiGLU, down GEMV; the other GEMVs' 8-bit activations
-/// written by the norm or SwiGLU kernel before them), the last layer's residual add alone, and 6
-/// for the rest (embedding, logit-row gather, final norm, the head's GEMV, argmax and its
-/// log-probability). This model's head size (16) is not a multiple of 32, so attention does not
-/// write the output projection's 8-bit activations: with head sizes of 32 and more (every real
-/// model), 10 a layer (tests/cuda_fused.rs). Before the folds: 16 a layer and 7 for the rest (39).
-const CUDA_LAYER_LAUNCHES: u64 = 11;
+/// quantized matmuls, folded launches on: `CudaConfig::fuse`): 10 a layer (the RMS norm, with the
+/// previous layer's last residual add folded in after the first layer; Q/K/V GEMV; rope and the
+/// KV write in one kernel; attention; 8-bit quantization of its output; output GEMV; the
+/// residual add and the FFN norm in one kernel; gate/up GEMV; SwiGLU; down GEMV; the other
+/// GEMVs' 8-bit activations written by the norm or SwiGLU kernel before them), the last layer's
+/// residual add alone, and 6 for the rest (embedding, logit-row gather, final norm, the head's
+/// GEMV, argmax and its log-probability). This model's head size (16) is not a multiple of 32,
+/// so attention does not write the output projection's 8-bit activations: with head sizes of 32
+/// and more (every real model), 9 a layer (tests/cuda_fused.rs). Before the folds: 16 a layer and
+/// 7 for the rest (39).
+const CUDA_LAYER_LAUNCHES: u64 = 10;
 const CUDA_LAUNCHES: u64 = LAYERS as u64 * CUDA_LAYER_LAUNCHES + 1 + 6;
 /// aclnn launches of one batch-1 decode step of it on the Ascend backend: 13 a layer (RmsNorm,
 /// WeightQuantBatchMatmulV2 per projection, RotaryPositionEmbedding and the copy back,

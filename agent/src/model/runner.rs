@@ -510,14 +510,8 @@ impl<B: Backend> Model<B> {
                 b.rms_norm_heads(qkv.col_range(0, qw)?, qn, eps, g.head_dim)?;
                 b.rms_norm_heads(qkv.col_range(qw, kvw)?, kn, eps, g.head_dim)?;
             }
-            b.rope(qkv.col_range(0, qw + kvw)?, g)?;
+            b.rope_kv_write(qkv.col_range(0, qw + 2 * kvw)?, g, li)?;
             let qkv = qkv.as_view();
-            b.kv_write(
-                qkv.col_range(qw, kvw)?,
-                qkv.col_range(qw + kvw, kvw)?,
-                g,
-                li,
-            )?;
             if let Some(lc) = lc.as_deref_mut().filter(|lc| lc.has_active()) {
                 q_host.resize(t * qw, 0.0);
                 b.read_back(&mut [Readback {

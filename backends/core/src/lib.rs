@@ -783,6 +783,21 @@ pub trait Backend: Send {
     /// then `n_kv_heads` key heads.
     fn rope(&mut self, qk: ViewMut<'_, Self::Buffer>, g: &AttnGeometry)
         -> Result<(), BackendError>;
+    /// `rope` on the query and key heads of `qkv` (rows of `n_heads` query heads, `n_kv_heads`
+    /// key heads, then `n_kv_heads` value heads), then `kv_write` of its keys and values into
+    /// `layer`'s cache: the two ops (which this does by default), which a backend may do in one
+    /// pass with the same results.
+    fn rope_kv_write(
+        &mut self,
+        mut qkv: ViewMut<'_, Self::Buffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        let (qw, kvw) = (g.q_width(), g.kv_width());
+        self.rope(qkv.col_range(0, qw + kvw)?, g)?;
+        let v = qkv.as_view();
+        self.kv_write(v.col_range(qw, kvw)?, v.col_range(qw + kvw, kvw)?, g, layer)
+    }
     /// Writes each new token's K and V rows into `layer`'s cache at the step's slot mapping.
     fn kv_write(
         &mut self,

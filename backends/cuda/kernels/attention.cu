@@ -33,6 +33,71 @@ __device__ __forceinline__ void kv_write_body(const T* k, int ldk, const T* v, i
     }
 NPU_FOR_EACH_ACT(KV_WRITE)
 
+// grid (rows, ceil(n / blockDim)), n = heads * dims/2 + n_kv * (hd - dims) + n_kv * hd: `rope` and
+// `kv_write` of one step in one launch. `qkv` rows hold n_heads query heads, n_kv key heads, then
+// n_kv value heads (hd values each). Index j < heads * dims/2 rotates pair j in place as `rope`
+// does (rope_rotate), and a key head's pair also goes to the cache, rounded to f16 from the value
+// as stored; the next n_kv * (hd - dims) indices copy the keys' unrotated values, the last
+// n_kv * hd the values, to the cache as `kv_write` writes them.
+template <typename T>
+__device__ __forceinline__ void rope_kv_write_body(T* qkv, int ld, int n_heads, int n_kv, int hd,
+                                                   int dims, int halves, float theta_scale,
+                                                   float freq_scale, const int* pos,
+                                                   const float* factors, const int* slots,
+                                                   u16* pool, i64 block_stride, i64 layer_off,
+                                                   int bs) {
+    const int r = blockIdx.x;
+    const int half = dims >> 1;
+    const int n_rot = (n_heads + n_kv) * half;
+    const int per = hd - dims;
+    const int n_pass = n_kv * per;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    const int slot = slots[r];
+    const i64 head_elems = (i64)bs * hd;
+    const i64 base = (i64)(slot / bs) * block_stride + layer_off + (i64)(slot % bs) * hd;
+    T* row = qkv + (i64)r * ld;
+    if (j < n_rot) {
+        const int h = j / half;
+        const int i = j - h * half;
+        const int a = halves ? i : 2 * i;
+        const int b = halves ? i + half : 2 * i + 1;
+        T* hp = row + (i64)h * hd;
+        float y0;
+        float y1;
+        rope_rotate(to_f32(hp[a]), to_f32(hp[b]), i, (u32)pos[r], theta_scale, freq_scale,
+                    factors, &y0, &y1);
+        const T t0 = from_f32<T>(y0);
+        const T t1 = from_f32<T>(y1);
+        hp[a] = t0;
+        hp[b] = t1;
+        if (h >= n_heads) {
+            const i64 at = base + (i64)(h - n_heads) * head_elems;
+            pool[at + a] = f32_to_f16_bits(to_f32(t0));
+            pool[at + b] = f32_to_f16_bits(to_f32(t1));
+        }
+    } else if (j < n_rot + n_pass) {
+        const int e = j - n_rot;
+        const int kh = e / per;
+        const int d = dims + (e - kh * per);
+        pool[base + (i64)kh * head_elems + d] =
+            f32_to_f16_bits(to_f32(row[(i64)(n_heads + kh) * hd + d]));
+    } else if (j < n_rot + n_pass + n_kv * hd) {
+        const int e = j - n_rot - n_pass;
+        pool[base + (i64)n_kv * head_elems + (i64)(e / hd) * head_elems + e % hd] =
+            f32_to_f16_bits(to_f32(row[(i64)(n_heads + n_kv) * hd + e]));
+    }
+}
+
+#define ROPE_KV_WRITE(T, S)                                                                        \
+    extern "C" __global__ void rope_kv_write_##S(                                                  \
+        T* qkv, int ld, int n_heads, int n_kv, int hd, int dims, int halves, float theta_scale,    \
+        float freq_scale, const int* pos, const float* factors, const int* slots, u16* pool,       \
+        i64 block_stride, i64 layer_off, int bs) {                                                 \
+        rope_kv_write_body<T>(qkv, ld, n_heads, n_kv, hd, dims, halves, theta_scale, freq_scale,  \
+                              pos, factors, slots, pool, block_stride, layer_off, bs);             \
+    }
+NPU_FOR_EACH_ACT(ROPE_KV_WRITE)
+
 // ---- paged attention -----------------------------------------------------------------------------
 //
 // Flash-decoding style: grid (work items, kv heads, context splits). A work item is up to `qt`

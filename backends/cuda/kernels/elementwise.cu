@@ -172,6 +172,22 @@ NPU_FOR_EACH_ACT(RMS_NORM_HEADS)
 // theta_scale = base^(-2/dims) comes with each call, so layers with different bases (Gemma 3's
 // local and global layers) share the kernel. Each (head, pair) computes its angle the same way,
 // so the split over threads changes no bit.
+// Pair i of a head at position `pos` rotated: (x0, x1) -> (y0, y1) (the angle as above).
+__device__ __forceinline__ void rope_rotate(float x0, float x1, int i, u32 pos, float theta_scale,
+                                            float freq_scale, const float* factors, float* y0,
+                                            float* y1) {
+    float theta = (float)pos;
+    for (int k = 0; k < i; ++k) {
+        theta = __fmul_rn(theta, theta_scale);
+    }
+    const float e = factors ? __fdiv_rn(theta, factors[i]) : theta;
+    const float t = __fmul_rn(freq_scale, e);
+    const float c = cosf(t);
+    const float s = sinf(t);
+    *y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    *y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
 template <typename T>
 __device__ __forceinline__ void rope_body(T* qk, int ld, int heads, int hd, int dims, int halves,
                                           float theta_scale, float freq_scale, const int* pos,
@@ -184,21 +200,15 @@ __device__ __forceinline__ void rope_body(T* qk, int ld, int heads, int hd, int 
     }
     const int h = j / half_dims;
     const int i = j - h * half_dims;
-    float theta = (float)(u32)pos[r];
-    for (int k = 0; k < i; ++k) {
-        theta = __fmul_rn(theta, theta_scale);
-    }
-    const float e = factors ? __fdiv_rn(theta, factors[i]) : theta;
-    const float t = __fmul_rn(freq_scale, e);
-    const float c = cosf(t);
-    const float s = sinf(t);
     const int a = halves ? i : 2 * i;
     const int b = halves ? i + half_dims : 2 * i + 1;
     T* hp = qk + (i64)r * ld + (i64)h * hd;
-    const float x0 = to_f32(hp[a]);
-    const float x1 = to_f32(hp[b]);
-    hp[a] = from_f32<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
-    hp[b] = from_f32<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+    float y0;
+    float y1;
+    rope_rotate(to_f32(hp[a]), to_f32(hp[b]), i, (u32)pos[r], theta_scale, freq_scale, factors,
+                &y0, &y1);
+    hp[a] = from_f32<T>(y0);
+    hp[b] = from_f32<T>(y1);
 }
 
 #define ROPE(T, S)                                                                                 \

@@ -892,6 +892,15 @@ impl Backend for CudaBackend {
         self.op_add(x, y)
     }
 
+    fn rope_kv_write(
+        &mut self,
+        qkv: ViewMut<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        self.op_rope_kv_write(qkv, g, layer)
+    }
+
     fn add_rms_norm(
         &mut self,
         x: ViewMut<'_, CudaBuffer>,

@@ -1,6 +1,6 @@
 //! The row ops whose kernels can take a neighbour's work, so that a decode layer launches fewer
 //! kernels with the same bits: RMS norm, SwiGLU, and the residual add folded into the next RMS
-//! norm (`add_rms_norm`, one pass over the row).
+//! norm (`add_rms_norm`, one pass over the row), and rope with the KV write (`rope_kv_write`).
 //!
 //! **The activation quantizer folded into its producer.** A quantized matrix product multiplies
 //! 8-bit activations (`quantize_q8`, matmul.cu). When the kernel producing its input is one of
@@ -22,7 +22,8 @@
 
 use std::sync::atomic::Ordering;
 
-use npu_backend::{BackendError, DType, DeviceBuffer, Layout, View, ViewMut};
+use npu_backend::{AttnGeometry, BackendError, DType, DeviceBuffer, Layout, View, ViewMut};
+use npu_model::RopeStyle;
 
 use crate::backend::CudaBackend;
 use crate::buffer::CudaBuffer;
@@ -315,5 +316,90 @@ impl CudaBackend {
         )?;
         self.q8_made(q8, addr_mut(&out), ol, dt);
         Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// `rope` on the Q and K heads of `qkv` (rows of n_heads query heads, n_kv key heads, n_kv
+    /// value heads), then `kv_write` of its K and V into `layer`'s cache, in one kernel
+    /// (`rope_kv_write`); the two launches with `fuse` off.
+    pub(crate) fn op_rope_kv_write(
+        &mut self,
+        mut qkv: ViewMut<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "rope_kv_write";
+        let (qw, kvw) = (g.q_width(), g.kv_width());
+        if !self.cfg.fuse {
+            self.op_rope(qkv.col_range(0, qw + kvw)?, g)?;
+            let v = qkv.as_view();
+            return self.op_kv_write(v.col_range(qw, kvw)?, v.col_range(qw + kvw, kvw)?, g, layer);
+        }
+        self.own(qkv.buf(), OP)?;
+        let (lay, meta) = self.step_meta()?;
+        self.check_kv_geometry(OP, g, layer)?;
+        let dt = float(OP, qkv.dtype())?;
+        let l = qkv.layout();
+        let (hd, dims) = (g.head_dim, g.rope.dims);
+        need(
+            l.rows() == lay.n_tokens && l.cols() == qw + 2 * kvw,
+            OP,
+            || {
+                format!(
+                    "a {}x{} window for {} tokens of Q, K and V ({qw} + 2 x {kvw})",
+                    l.rows(),
+                    l.cols(),
+                    lay.n_tokens
+                )
+            },
+        )?;
+        need(dims <= hd && dims.is_multiple_of(2), OP, || {
+            format!("{dims} rotary dimensions of a {hd}-value head")
+        })?;
+        if let Some(f) = g.rope.factors {
+            need(f.len() == dims / 2, OP, || {
+                format!(
+                    "{} frequency factors for {} rotary pairs",
+                    f.len(),
+                    dims / 2
+                )
+            })?;
+        }
+        if lay.n_tokens == 0 {
+            return Ok(());
+        }
+        let factors = match g.rope.factors {
+            Some(f) => self.rope_factor_table(f)?,
+            None => 0,
+        };
+        let theta_scale = g.rope.base.powf(-2.0 / dims.max(1) as f32);
+        let heads = g.n_heads + g.n_kv_heads;
+        let n = heads * (dims / 2) + g.n_kv_heads * (hd - dims) + kvw;
+        let kv = self.kv_pool()?;
+        self.launch(
+            op_kernel(Op::RopeKvWrite, dt),
+            LaunchDims::linear(
+                [int(OP, l.rows())? as u32, blocks(n, EW_THREADS), 1],
+                row_threads(n, EW_THREADS),
+            ),
+            Args::new()
+                .ptr(addr_mut(&qkv))
+                .i32(int(OP, l.stride())?)
+                .i32(int(OP, g.n_heads)?)
+                .i32(int(OP, g.n_kv_heads)?)
+                .i32(int(OP, hd)?)
+                .i32(int(OP, dims)?)
+                .i32(i32::from(g.rope.style == RopeStyle::Halves))
+                .f32(theta_scale)
+                .f32(g.rope.freq_scale)
+                .ptr(meta + 4 * lay.positions as u64)
+                .ptr(factors)
+                .ptr(meta + 4 * lay.slots as u64)
+                .ptr(kv.mem.ptr())
+                .i64(kv.block_elems as i64)
+                .i64(kv.layer_offset(layer) as i64)
+                .i32(int(OP, kv.spec.block_size)?),
+        )
     }
 }

@@ -53,10 +53,11 @@ pub enum Op {
     KvWriteLatent,
     AttentionLatent,
     AddRmsNorm,
+    RopeKvWrite,
 }
 
 impl Op {
-    pub const ALL: [Op; 23] = [
+    pub const ALL: [Op; 24] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -80,6 +81,7 @@ impl Op {
         Op::KvWriteLatent,
         Op::AttentionLatent,
         Op::AddRmsNorm,
+        Op::RopeKvWrite,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -106,6 +108,7 @@ impl Op {
             Op::KvWriteLatent => "kv_write_latent",
             Op::AttentionLatent => "attention_latent",
             Op::AddRmsNorm => "add_rms_norm",
+            Op::RopeKvWrite => "rope_kv_write",
         }
     }
 }

@@ -16,7 +16,7 @@
 //!   in the kernel producing a quantized product's input).
 //!
 //! CUDA graphs are not used (the `Backend` graph methods answer unsupported here). A decode step
-//! of the default model was ~15 launches per layer before `fused` (10 with it, head sizes a
+//! of the default model was ~15 launches per layer before `fused` (9 with it, head sizes a
 //! multiple of 32); a graph per (batch size, context bucket) would cut their launch cost, but
 //! the attention grid and split count depend on each step's contexts and the step inputs'
 //! addresses would have to stay fixed. Measured on an H100 (docs/gpu-checks/2026-11-26-h100.md): a decode step of a

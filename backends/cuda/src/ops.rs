@@ -331,7 +331,7 @@ impl CudaBackend {
     /// The device copy of a rope's frequency factors, uploaded the first time a table is seen
     /// (by address, then by contents: the tables are interned, so a model uploads one) and kept
     /// for the backend's life.
-    fn rope_factor_table(&mut self, f: &'static [f32]) -> Result<DevPtr, BackendError> {
+    pub(crate) fn rope_factor_table(&mut self, f: &'static [f32]) -> Result<DevPtr, BackendError> {
         let t = &mut self.rope_factors;
         if let Some(&(_, i)) = t.keys.iter().find(|(k, _)| std::ptr::eq(*k, f)) {
             return Ok(t.tables[i].ptr());
@@ -353,7 +353,7 @@ impl CudaBackend {
     }
 
     /// Checks the geometry against the pool and the layer index.
-    fn check_kv_geometry(
+    pub(crate) fn check_kv_geometry(
         &self,
         op: &'static str,
         g: &AttnGeometry,

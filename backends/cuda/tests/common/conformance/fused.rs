@@ -177,13 +177,14 @@ pub fn fused_launches_match_the_unfused_ones(make: Make) {
     }
 }
 
-/// One decode over `start` cached positions (4 query heads on 1 KV head of 128), its attention
-/// output straight into a Q8_0 product; the attention output and the product read back, and the
-/// launches of the attention and of the product.
+/// One decode over `start` cached positions (4 query heads on 1 KV head of 128): its Q/K/V row
+/// through `rope_kv_write`, attention, and its output straight into a Q8_0 product; the rotated
+/// row, the cache, the attention output and the product read back, and the launches of each.
 fn attention_run(
     b: &mut CudaBackend,
     dt: DType,
     start: usize,
+    rope: (RopeStyle, usize),
 ) -> (Vec<Vec<f32>>, Vec<Vec<String>>) {
     let spec = KvSpec {
         n_layers: 1,
@@ -198,8 +199,8 @@ fn attention_run(
         n_kv_heads: 1,
         head_dim: hd,
         rope: Rope {
-            style: RopeStyle::Interleaved,
-            dims: hd,
+            style: rope.0,
+            dims: rope.1,
             base: 10000.0,
             freq_scale: 1.0,
             factors: None,
@@ -231,24 +232,27 @@ fn attention_run(
     let qw = n_heads * hd;
     let mut out = b.alloc(dt, qw).unwrap();
     let mut o = b.alloc(dt, 64).unwrap();
-    for (from, n) in [(0, start), (start, 1)] {
-        b.begin_step(&step(from, n)).unwrap();
-        let kv = rounded(&rng.vec(n * 2 * hd, -1.5, 1.5), dt);
-        let kvb = put(b, dt, &kv, n, 2 * hd);
-        let v = View::rows(&kvb, n, 2 * hd).unwrap();
-        b.kv_write(
-            v.col_range(0, hd).unwrap(),
-            v.col_range(hd, hd).unwrap(),
-            &g,
-            0,
-        )
-        .unwrap();
-    }
-    let q = rounded(&rng.vec(qw, -1.5, 1.5), dt);
-    let qb = put(b, dt, &q, 1, qw);
+    b.begin_step(&step(0, start)).unwrap();
+    let kv = rounded(&rng.vec(start * 2 * hd, -1.5, 1.5), dt);
+    let kvb = put(b, dt, &kv, start, 2 * hd);
+    let v = View::rows(&kvb, start, 2 * hd).unwrap();
+    b.kv_write(
+        v.col_range(0, hd).unwrap(),
+        v.col_range(hd, hd).unwrap(),
+        &g,
+        0,
+    )
+    .unwrap();
+    // The decode token: rope and the KV write of its Q/K/V row, then attention over it all.
+    b.begin_step(&step(start, 1)).unwrap();
+    let w = qw + 2 * hd;
+    let mut qkv = put(b, dt, &rounded(&rng.vec(w, -1.5, 1.5), dt), 1, w);
     take_launches(b);
+    b.rope_kv_write(ViewMut::rows(&mut qkv, 1, w).unwrap(), &g, 0)
+        .unwrap();
+    launched.push(take_launches(b).unwrap_or_default());
     b.attention(
-        View::rows(&qb, 1, qw).unwrap(),
+        View::rows(&qkv, 1, w).unwrap().col_range(0, qw).unwrap(),
         &g,
         0,
         ViewMut::rows(&mut out, 1, qw).unwrap(),
@@ -262,14 +266,23 @@ fn attention_run(
     )
     .unwrap();
     launched.push(take_launches(b).unwrap_or_default());
-    (vec![get(b, &out), get(b, &o)], launched)
+    let mut pool = vec![0u8; table.len() * b.kv_block_bytes()];
+    b.kv_blocks_to_host(&table, &mut pool).unwrap();
+    let pool: Vec<f32> = pool
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    (vec![get(b, &qkv), pool, get(b, &out), get(b, &o)], launched)
 }
 
-/// The attention output's 8-bit form written by `attention` (one split) or by
-/// `attention_combine` (a long context split): the same bits as `quantize_q8` on the output.
+/// `rope_kv_write` (rope and the KV write in one launch; interleaved pairs over the whole head,
+/// then halves over part of it) and the attention output's 8-bit form written by `attention`
+/// (one split) or by `attention_combine` (a long context split): the same bits (rotated rows,
+/// cache, attention, product) as `rope`, `kv_write` and `quantize_q8` launched apart.
 pub fn attention_writes_the_output_projections_activations(make: Make) {
+    let styles = [(RopeStyle::Interleaved, 128), (RopeStyle::Halves, 64)];
     for dt in DTYPES {
-        for (start, split) in [(20usize, false), (699, true)] {
+        for ((start, split), rope) in [(20usize, false), (699, true)].into_iter().zip(styles) {
             let Some(mut fused) = make(dt, MatmulMode::Quantized) else {
                 return;
             };
@@ -277,10 +290,11 @@ pub fn attention_writes_the_output_projections_activations(make: Make) {
                 return;
             };
             plain.set_fuse(false);
-            let (fv, fl) = attention_run(&mut fused, dt, start);
-            let (pv, pl) = attention_run(&mut plain, dt, start);
+            let (fv, fl) = attention_run(&mut fused, dt, start, rope);
+            let (pv, pl) = attention_run(&mut plain, dt, start, rope);
             let s = dt.name();
-            for (name, (f, p)) in ["attention", "product"].iter().zip(fv.iter().zip(&pv)) {
+            let names = ["rotated row", "KV cache", "attention", "product"];
+            for (name, (f, p)) in names.iter().zip(fv.iter().zip(&pv)) {
                 let fb: Vec<u32> = f.iter().map(|v| v.to_bits()).collect();
                 let pb: Vec<u32> = p.iter().map(|v| v.to_bits()).collect();
                 assert!(fb == pb, "{s} after {start}: the {name} differs when fused");
@@ -293,14 +307,17 @@ pub fn attention_writes_the_output_projections_activations(make: Make) {
                 att.push(format!("attention_combine_{s}"));
             }
             let gemv = format!("gemv_q8_0_r1_{s}");
+            let rope_kv = vec![format!("rope_kv_write_{s}")];
             assert_eq!(
                 fl,
-                vec![att.clone(), vec![gemv.clone()]],
+                vec![rope_kv, att.clone(), vec![gemv.clone()]],
                 "{s} after {start}"
             );
+            let apart = vec![format!("rope_{s}"), format!("kv_write_{s}")];
+            let q8 = format!("quantize_q8_{s}");
             assert_eq!(
                 pl,
-                vec![att, vec![format!("quantize_q8_{s}"), gemv]],
+                vec![apart, att, vec![q8, gemv]],
                 "{s} after {start}, one op a launch"
             );
         }
