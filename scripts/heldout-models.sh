@@ -4,7 +4,9 @@
 # random models (scripts/heldout_models.py), llama.cpp's convert_hf_to_gguf.py converts them
 # (f32), llama-quantize makes F16, Q8_0 and Q4_K_M, llama-server records greedy references
 # (flash attention off, scripts/fidelity_refs_run.py), and `npu-serving score` on each device
-# named is compared at the decided steps (scripts/heldout_compare.py).
+# named is compared at the decided steps (scripts/heldout_compare.py). The Hugging Face
+# directories themselves are loaded by `npu-serving generate` and compared with transformers' own
+# greedy decoding of them (scripts/heldout_hf_dirs.py).
 #   scripts/heldout-models.sh [DEVICE...]     (default: cpu; cuda and ascend need a binary built
 #                                              with those features, run on their emulations here)
 # The converter's packages come from the virtual environment scripts/hf-refs.sh makes
@@ -66,6 +68,8 @@ for m in "${models[@]}"; do
     kill "$server"; wait "$server" 2>/dev/null || true
 done
 status=0
+# The directories themselves, loaded by us, against transformers' own greedy tokens.
+"$py" scripts/heldout_hf_dirs.py "$npu" "$dir" qwen3moe deepseek_v3 deepseek_v2 || status=1
 for d in "${devices[@]}"; do
     python3 scripts/heldout_compare.py "$npu" "$d" "${models[@]}" || status=1
 done
