@@ -353,11 +353,11 @@ fn damaged_directories_are_refused_naming_what_is_wrong() {
 #[test]
 fn directories_load_on_the_device_emulations_as_their_gguf_twins() {
     let donor = GgufFile::open(common::model_path()).unwrap();
-    // deepseek2's twins are not run here yet (never tried on the emulations): they are checked
-    // on the CPU (the GGUF file's description and tensor bytes, bit-identical logits), and
-    // deepseek2_devices.rs and deepseek2_ascend.rs run the GGUF files on the emulations.
+    // deepseek2's f32 twin (softmax scores with 3 of 4 groups) runs on the CUDA emulation; the
+    // Ascend backend refuses softmax with groups by name on the emulated CANN 8.3
+    // (aclnnMoeGatingTopK takes it from 8.5), so there it is skipped.
     for (device, skip) in [
-        ("cuda", &["qwen3moe", "deepseek2"][..]),
+        ("cuda", &["qwen3moe"][..]),
         ("ascend", &["qwen3moe", "gemma3", "deepseek2"][..]),
     ] {
         let mut checked = Vec::new();
