@@ -371,3 +371,77 @@ fn bad_adapters_are_refused_by_name() {
     let e = read_peft(&ad2, &cfg, 64).unwrap_err().to_string();
     assert!(e.contains("adapter_model.safetensors"), "{e}");
 }
+
+/// A GGUF LoRA file in llama.cpp's layout (written here from a PEFT adapter's engine-order
+/// values: `lora_a` dims `[in, r]`, `lora_b` `[r, out]`, `adapter.lora.alpha`) reads back as
+/// the same adapter; a file that is not an adapter is refused by name. Not checked against a
+/// file from llama.cpp's own `convert_lora_to_gguf.py`.
+#[test]
+fn gguf_lora_files_read_as_the_same_adapter() {
+    use npu_agent::model::lora::gguf_adapter::read_gguf_lora;
+    use npu_gguf::writer::GgufWriter;
+    use npu_gguf::MetaValue;
+
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    let bytes = synth::synth_model(Family::Llama, 7, GgmlType::F32, &donor).unwrap();
+    let gguf = GgufFile::from_bytes("m.gguf", &bytes).unwrap();
+    let cfg = Checkpoint::from(&gguf).config().unwrap();
+    let dir = TempDir::new("gguf");
+    let peft = dir.0.join("peft");
+    let spec = SynthAdapter {
+        rank: 4,
+        alpha: 12.0,
+        use_rslora: false,
+        targets: Target::ALL.to_vec(),
+        seed: 5,
+        a_range: 0.2,
+        b_range: 0.2,
+        bf16: false,
+    };
+    write_peft(&peft, &cfg, &spec).unwrap();
+    let want = read_peft(&peft, &cfg, 16).unwrap();
+    let write = |general_type: &str, path: &Path| {
+        let mut w = GgufWriter::new();
+        w.add_meta("general.architecture", MetaValue::String("llama".into()));
+        w.add_meta("general.type", MetaValue::String(general_type.into()));
+        w.add_meta("adapter.type", MetaValue::String("lora".into()));
+        w.add_meta("adapter.lora.alpha", MetaValue::F32(12.0));
+        let g = [
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ];
+        for (il, l) in want.layers.iter().enumerate() {
+            for t in Target::ALL {
+                let lr = l[t.index()].as_ref().unwrap();
+                let (n_in, n_out) = t.dims(&cfg);
+                let r = want.rank;
+                let name = format!("blk.{il}.{}.weight", g[t.index()]);
+                w.add_f32_tensor(format!("{name}.lora_a"), &[n_in as u64, r as u64], &lr.a);
+                let mut b = vec![0f32; n_out * r];
+                for o in 0..n_out {
+                    for k in 0..r {
+                        b[o * r + k] = lr.b_t[k * n_out + o];
+                    }
+                }
+                w.add_f32_tensor(format!("{name}.lora_b"), &[r as u64, n_out as u64], &b);
+            }
+        }
+        w.write_to(path).unwrap();
+    };
+    let file = dir.0.join("lora.gguf");
+    write("adapter", &file);
+    let got = read_gguf_lora(&file, &cfg, 16).unwrap();
+    assert_eq!((got.rank, got.scale), (want.rank, want.scale));
+    assert_eq!(got.layers, want.layers);
+    let e = read_gguf_lora(&file, &cfg, 2).unwrap_err().to_string();
+    assert!(e.contains("max_lora_rank"), "{e}");
+    let not = dir.0.join("model.gguf");
+    write("model", &not);
+    let e = read_gguf_lora(&not, &cfg, 16).unwrap_err().to_string();
+    assert!(e.contains("general.type"), "{e}");
+}

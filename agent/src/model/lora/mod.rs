@@ -3,9 +3,11 @@
 //! of consecutive rows, and the adapters' low-rank products added to the targeted projections'
 //! outputs in one `Backend::lora_add` per projection and layer (every adapter of the step
 //! together). Which adapter sits in which slot, and when one is evicted, is the caller's
-//! (`pool`).
+//! (`pool`). Adapters are read from PEFT directories (`adapter`) or llama.cpp's GGUF LoRA files
+//! (`gguf_adapter`).
 
 pub mod adapter;
+pub mod gguf_adapter;
 pub mod merge;
 pub mod pool;
 pub mod synth;
@@ -257,14 +259,17 @@ impl<B: Backend> Model<B> {
         self.lora_parts().0.len()
     }
 
-    /// Reads a PEFT adapter directory for this model (checked against its shapes and
-    /// `max_lora_rank`).
+    /// Reads an adapter for this model (checked against its shapes and `max_lora_rank`): a
+    /// PEFT directory, or a GGUF LoRA file (a path that is a file).
     pub fn read_lora(&mut self, dir: &std::path::Path) -> Result<HostAdapter, ModelError> {
         let (slots, _, cfg, _) = self.lora_parts();
         if slots.is_empty() {
             return Err(ModelError::BadOptions(
                 "LoRA is not enabled (max_loras)".into(),
             ));
+        }
+        if dir.is_file() {
+            return Ok(gguf_adapter::read_gguf_lora(dir, cfg, slots.max_rank)?);
         }
         Ok(adapter::read_peft(dir, cfg, slots.max_rank)?)
     }
