@@ -97,7 +97,8 @@ impl<B: Backend> Faulty<B> {
                 dst: HostSliceMut::I32(&mut ids),
             }])?;
             for row in ids.chunks_mut(layout.cols()) {
-                row[0] += 1;
+                // Wrapping: the memory case uploads i32::MAX (MIN is still a wrong value).
+                row[0] = row[0].wrapping_add(1);
             }
             return self
                 .inner
