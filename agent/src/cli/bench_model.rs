@@ -103,15 +103,15 @@ pub struct BenchModelArgs {
     /// (`bench_lora`; CPU).
     #[arg(long, value_name = "N")]
     pub lora_adapters: Option<usize>,
-    /// Rank of the `--lora-adapters` adapters.
-    #[arg(long, default_value_t = 16)]
-    pub lora_rank: usize,
     /// Instead of the rest: an MoE model over two tensor-parallel ranks in this process, once per
     /// way of splitting its routed experts (share_each_expert, whole_experts), beside one engine
     /// with both ranks' threads; decode at `--batches`, `--kv-rounds` rounds taking turns, and
     /// the same-run ratio whole/share (`bench_moe_tp`; CPU, `--threads` per rank).
     #[arg(long)]
     pub moe_tp_layouts: bool,
+    /// Rank of the `--lora-adapters` adapters.
+    #[arg(long, default_value_t = 16)]
+    pub lora_rank: usize,
     /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
     /// auto (where the backend can) or off.
     #[arg(long, default_value_t = GraphCapture::Off)]
@@ -402,11 +402,11 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     if args.long_context {
         return super::bench_long_context::run(&args);
     }
-    if let Some(n) = args.lora_adapters {
-        return super::bench_lora::run(&args, n);
-    }
     if args.moe_tp_layouts {
         return super::bench_moe_tp::run(&args);
+    }
+    if let Some(n) = args.lora_adapters {
+        return super::bench_lora::run(&args, n);
     }
     let alternate = match &args.alternate_prefetch {
         Some(pair) => {

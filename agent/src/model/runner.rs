@@ -168,13 +168,13 @@ impl<B: Backend> Model<B> {
             }
             None => RankShard::whole(&cfg),
         };
+        super::capabilities::check_expert_split(&cfg, &shard, &backend)?;
         let local = shard.local_config(&cfg);
         let weights = Weights::load_shard(f, &cfg, &shard, &mut backend)?;
         let t = opts.max_tokens;
         let l = opts.max_logit_rows;
         let h = cfg.hidden;
         let act = backend.act_dtype();
-        super::capabilities::check_expert_split(&cfg, &shard, &backend)?;
         let mut alloc = |dtype: DType, len: usize| backend.alloc(dtype, len);
         let bufs = Buffers {
             x: alloc(act, t * h)?,

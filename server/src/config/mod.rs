@@ -217,15 +217,15 @@ pub struct NpuServingConfig {
     /// groups of this many ranks, each group one model split over its ranks (1: every agent
     /// runs the whole model, as before).
     pub tensor_parallel_size: u32,
+    /// How a tensor-parallel group splits an MoE model's routed experts
+    /// (`moe_tensor_parallel`): each rank its share of every expert's columns, or whole
+    /// experts per rank.
+    pub moe_tensor_parallel: npu_model::shard::ExpertSplit,
     /// Where KV-cache events are published (`kv_events_endpoint`, `kv_events_topic`); None:
     /// not published.
     pub kv_events: Option<crate::kv_events::KvEventsConfig>,
     /// Speculative decoding with n-gram drafts (`speculative`); None: off.
     pub speculative: Option<npu_scheduler::SpeculativeConfig>,
-    /// How a tensor-parallel group splits an MoE model's routed experts
-    /// (`moe_tensor_parallel`): each rank its share of every expert's columns, or whole
-    /// experts per rank.
-    pub moe_tensor_parallel: npu_model::shard::ExpertSplit,
     /// API keys, whether the health routes need one, TLS (`api_keys`, `protect_health`, `tls`).
     pub access: AccessConfig,
     /// The Responses API store (`responses_store_size`, `responses_ttl_s`).
@@ -264,9 +264,9 @@ impl Default for NpuServingConfig {
             handoff_space_mb: 256,
             kv_cache_memory_fraction: None,
             tensor_parallel_size: 1,
+            moe_tensor_parallel: npu_model::shard::ExpertSplit::default(),
             kv_events: None,
             speculative: None,
-            moe_tensor_parallel: npu_model::shard::ExpertSplit::default(),
             access: AccessConfig::default(),
             responses: ResponsesConfig::default(),
             sleep: SleepConfig::default(),
