@@ -9,8 +9,8 @@
 pub mod bench_bandwidth;
 pub mod bench_collective;
 pub mod bench_kv_dtype;
-pub mod bench_lora;
 pub mod bench_long_context;
+pub mod bench_lora;
 pub mod bench_model;
 pub mod bench_moe_tp;
 pub mod bench_prefetch;

@@ -18,11 +18,11 @@ use std::time::Duration;
 pub(crate) use access::check_key;
 pub use access::{AccessConfig, ApiKeySource, TlsFiles};
 pub use error::{ConfigError, ConfigWarning};
+pub use models::{ModelEntry, ModelsConfig};
 pub(crate) use reader::closest;
 pub use reader::parse_bool_str;
 pub use responses::ResponsesConfig;
 pub use roles::{AgentRole, MAX_HANDOFF_SPACE_MB};
-pub use models::{ModelEntry, ModelsConfig};
 pub use sleep::SleepConfig;
 
 use crate::http::HttpLimits;
