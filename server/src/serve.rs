@@ -567,7 +567,11 @@ fn kv_pool_from_agent_refs(links: &mut [&mut AgentLink]) -> anyhow::Result<u32> 
 
 /// The scheduler's view of an agent's host KV pool, from its handshake (every agent has the
 /// same pool and model); None without one.
-pub(crate) fn kv_host_config(kv: &KvFacts, num_blocks: u32, swap_space_mb: u64) -> Option<KvHostConfig> {
+pub(crate) fn kv_host_config(
+    kv: &KvFacts,
+    num_blocks: u32,
+    swap_space_mb: u64,
+) -> Option<KvHostConfig> {
     if kv.host_blocks == 0 {
         return None;
     }
