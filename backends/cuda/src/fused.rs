@@ -276,25 +276,9 @@ impl CudaBackend {
         out: ViewMut<'_, CudaBuffer>,
     ) -> Result<(), BackendError> {
         const OP: &str = "swiglu";
-        self.own(gate.buf(), OP)?;
-        self.own(up.buf(), OP)?;
-        self.own(out.buf(), OP)?;
-        let dt = float(OP, gate.dtype())?;
-        same(OP, dt, up.dtype())?;
-        same(OP, dt, out.dtype())?;
-        let (gl, ul, ol) = (gate.layout(), up.layout(), out.layout());
-        let shape = |l: Layout| (l.rows(), l.cols());
-        need(shape(gl) == shape(ul) && shape(gl) == shape(ol), OP, || {
-            format!(
-                "gate {:?}, up {:?}, out {:?} (rows, cols)",
-                shape(gl),
-                shape(ul),
-                shape(ol)
-            )
-        })?;
-        if gl.elements() == 0 {
+        let Some((dt, gl, ul, ol)) = self.check_gated(OP, &gate, &up, &out)? else {
             return Ok(());
-        }
+        };
         let q8 = self.q8_target(ol.rows(), ol.cols())?;
         let (xq, xs) = q8.unwrap_or((0, 0));
         self.launch(

@@ -618,22 +618,25 @@ impl CudaBackend {
         Ok(())
     }
 
-    pub(crate) fn op_geglu(
-        &mut self,
-        gate: View<'_, CudaBuffer>,
-        up: View<'_, CudaBuffer>,
-        out: ViewMut<'_, CudaBuffer>,
-    ) -> Result<(), BackendError> {
-        const OP: &str = "geglu";
-        self.own(gate.buf(), OP)?;
-        self.own(up.buf(), OP)?;
-        self.own(out.buf(), OP)?;
-        let dt = float(OP, gate.dtype())?;
-        same(OP, dt, up.dtype())?;
-        same(OP, dt, out.dtype())?;
+    /// The checks a gated activation (`swiglu`, `geglu`) makes of its operands: this backend's
+    /// buffers, one float type, equal (rows, cols). Their type and layouts (gate, up, out), or
+    /// None when there is nothing to compute.
+    pub(crate) fn check_gated(
+        &self,
+        op: &'static str,
+        gate: &View<'_, CudaBuffer>,
+        up: &View<'_, CudaBuffer>,
+        out: &ViewMut<'_, CudaBuffer>,
+    ) -> Result<Option<(DType, Layout, Layout, Layout)>, BackendError> {
+        self.own(gate.buf(), op)?;
+        self.own(up.buf(), op)?;
+        self.own(out.buf(), op)?;
+        let dt = float(op, gate.dtype())?;
+        same(op, dt, up.dtype())?;
+        same(op, dt, out.dtype())?;
         let (gl, ul, ol) = (gate.layout(), up.layout(), out.layout());
         let shape = |l: Layout| (l.rows(), l.cols());
-        need(shape(gl) == shape(ul) && shape(gl) == shape(ol), OP, || {
+        need(shape(gl) == shape(ul) && shape(gl) == shape(ol), op, || {
             format!(
                 "gate {:?}, up {:?}, out {:?} (rows, cols)",
                 shape(gl),
@@ -641,9 +644,19 @@ impl CudaBackend {
                 shape(ol)
             )
         })?;
-        if gl.elements() == 0 {
+        Ok((gl.elements() > 0).then_some((dt, gl, ul, ol)))
+    }
+
+    pub(crate) fn op_geglu(
+        &mut self,
+        gate: View<'_, CudaBuffer>,
+        up: View<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "geglu";
+        let Some((dt, gl, ul, ol)) = self.check_gated(OP, &gate, &up, &out)? else {
             return Ok(());
-        }
+        };
         let table = self.gelu_table()?;
         self.launch(
             op_kernel(Op::Geglu, dt),
