@@ -159,8 +159,13 @@ current=tests
 cargo build --release --features cuda,ascend --bin npu-serving
 export NPU_SERVING_BIN="$PWD/target/release/npu-serving"
 cargo test --release --workspace --features cuda,ascend "$@" 2>&1 | tee "$state/cargo-test.log"
-if [ $# -gt 0 ]; then
-  # Filtered: which parts ran cannot be told from here.
+# Arguments that are all flags (`--no-fail-fast`) run every test; any other word (a test name, a
+# filter, a flag's value) may leave tests out, and then which parts ran cannot be told from here.
+filtered=0
+for a in "$@"; do
+  case $a in -*) ;; *) filtered=1 ;; esac
+done
+if [ "$filtered" = 1 ]; then
   record tests "ran, filtered by: $*"
   for k in nvrtc12 nvrtc13 cuda_emu ascend_emu amx; do
     [ -n "$(awk -F'\t' -v k="$k" '$1 == k' "$parts")" ] || record "$k" "no verdict (cargo test filtered by: $*)"
