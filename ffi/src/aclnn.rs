@@ -30,6 +30,9 @@
 //! (`aclnn_moe_gating_top_k.h`: sigmoid scores (normType 1; softmax, normType 0, from CANN 8.5),
 //! a selection bias, group-limited choice by each group's two best (groupSelectMode 1), the top
 //! k, the chosen scores over their sum plus eps, times routedScalingFactor).
+//! Optional, for DeepSeek's latent attention at its own widths: FusedInferAttentionScoreV3
+//! (`aclnn_fused_infer_attention_score_v3.h`: V2's parameters plus queryRopeOptional,
+//! keyRopeOptional and keyRopeAntiquantScaleOptional; with the rope inputs, its MLA form).
 
 use core::ffi::{c_char, c_int, c_void};
 
@@ -126,6 +129,8 @@ pub mod ops {
                 fn aclnnMoeGatingTopK(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnGroupedMatmulV4GetWorkspaceSize(x: *const aclTensorList, weight: *const aclTensorList, biasOptional: *const aclTensorList, scaleOptional: *const aclTensorList, offsetOptional: *const aclTensorList, antiquantScaleOptional: *const aclTensorList, antiquantOffsetOptional: *const aclTensorList, perTokenScaleOptional: *const aclTensorList, groupListOptional: *const aclTensor, activationInputOptional: *const aclTensorList, activationQuantScaleOptional: *const aclTensorList, activationQuantOffsetOptional: *const aclTensorList, splitItem: i64, groupType: i64, groupListType: i64, actType: i64, out: *mut aclTensorList, activationFeatureOutOptional: *mut aclTensorList, dynQuantScaleOutOptional: *mut aclTensorList, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnGroupedMatmulV4(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(query: *const aclTensor, key: *const aclTensorList, value: *const aclTensorList, pseShiftOptional: *const aclTensor, attenMaskOptional: *const aclTensor, actualSeqLengthsOptional: *const aclIntArray, actualSeqLengthsKvOptional: *const aclIntArray, deqScale1Optional: *const aclTensor, quantScale1Optional: *const aclTensor, deqScale2Optional: *const aclTensor, quantScale2Optional: *const aclTensor, quantOffset2Optional: *const aclTensor, antiquantScaleOptional: *const aclTensor, antiquantOffsetOptional: *const aclTensor, blockTableOptional: *const aclTensor, queryPaddingSizeOptional: *const aclTensor, kvPaddingSizeOptional: *const aclTensor, keyAntiquantScaleOptional: *const aclTensor, keyAntiquantOffsetOptional: *const aclTensor, valueAntiquantScaleOptional: *const aclTensor, valueAntiquantOffsetOptional: *const aclTensor, keySharedPrefixOptional: *const aclTensor, valueSharedPrefixOptional: *const aclTensor, actualSharedPrefixLenOptional: *const aclIntArray, queryRopeOptional: *const aclTensor, keyRopeOptional: *const aclTensor, keyRopeAntiquantScaleOptional: *const aclTensor, numHeads: i64, scaleValue: f64, preTokens: i64, nextTokens: i64, inputLayout: *mut c_char, numKeyValueHeads: i64, sparseMode: i64, innerPrecise: i64, blockSize: i64, antiquantMode: i64, softmaxLseFlag: bool, keyAntiquantMode: i64, valueAntiquantMode: i64, attentionOut: *const aclTensor, softmaxLse: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnFusedInferAttentionScoreV3(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
             }
         }
     }

@@ -17,6 +17,7 @@ mod grouped_matmul;
 mod init_routing;
 mod kv_cache;
 mod matmul;
+mod mla;
 mod moe;
 mod reduce;
 
@@ -333,6 +334,7 @@ launchers!(
     aclnnMoeInitRoutingV2,
     aclnnGroupedMatmulV4,
     aclnnMoeGatingTopK,
+    aclnnFusedInferAttentionScoreV3,
 );
 
 /// Second-phase calls queued so far, by operator (emulation-only, for tests).
