@@ -110,6 +110,8 @@ pub struct CudaBackend {
     /// Whether a quantized (not f16) packed matrix is loaded: only then do producers write
     /// 8-bit activations.
     pub(crate) quantized_matrices: bool,
+    /// Decode steps as CUDA graphs (`graphs`).
+    pub(crate) graphs: crate::graphs::Graphs,
     #[cfg(feature = "emulation")]
     emu: Option<Arc<crate::emu::EmuGpu>>,
 }
@@ -253,6 +255,7 @@ impl CudaBackend {
             device_writes: AtomicU64::new(0),
             q8_ready: None,
             quantized_matrices: false,
+            graphs: Default::default(),
             #[cfg(feature = "emulation")]
             emu: None,
         }
@@ -291,8 +294,12 @@ impl CudaBackend {
 
     /// The current step's layout and the device address of its packed inputs.
     pub(crate) fn step_meta(&self) -> Result<(StepLayout, DevPtr), BackendError> {
-        match (&self.layout, &self.meta) {
-            (Some(l), Some(m)) => Ok((*l, m.ptr())),
+        let meta = match self.graphs.active {
+            Some(_) => self.graphs.active_inputs(),
+            None => self.meta.as_ref().map(|m| m.ptr()),
+        };
+        match (&self.layout, meta) {
+            (Some(l), Some(m)) => Ok((*l, m)),
             _ => Err(BackendError::BadStep("no step has begun".into())),
         }
     }
@@ -423,8 +430,7 @@ impl Backend for CudaBackend {
         Some(OpCounts {
             launches: self.launches.load(Ordering::Relaxed),
             first_phases: 0,
-            // No graph is captured yet.
-            graph_replays: 0,
+            graph_replays: self.graphs.replays,
         })
     }
 
@@ -743,6 +749,7 @@ impl Backend for CudaBackend {
         // the pool forgets the step, so every step a KV op reads was checked against the pool.
         let spec = self.kv.as_ref().map(|k| k.spec);
         self.layout = None;
+        self.graphs.active = None;
         let lay = step::pack(s, spec.as_ref(), &mut self.meta_host)?;
         let bytes = lay.total * 4;
         let big_enough = matches!(&self.meta, Some(m) if m.bytes() >= bytes);
@@ -756,6 +763,36 @@ impl Backend for CudaBackend {
         self.step.clone_from(s);
         self.layout = Some(lay);
         Ok(())
+    }
+
+    // Decode steps as CUDA graphs: `graphs.rs`.
+    fn step_graphs(&self) -> bool {
+        self.graphs_on()
+    }
+    fn begin_graph_step(
+        &mut self,
+        s: &StepInputs,
+        key: npu_backend::GraphKey,
+    ) -> Result<(), BackendError> {
+        self.graph_begin_step(s, key)
+    }
+    fn has_graph(&self, key: npu_backend::GraphKey) -> bool {
+        self.graph_has(key)
+    }
+    fn capture_begin(&mut self, key: npu_backend::GraphKey) -> Result<(), BackendError> {
+        self.graph_capture_begin(key)
+    }
+    fn capture_end(&mut self, key: npu_backend::GraphKey) -> Result<(), BackendError> {
+        self.graph_capture_end(key)
+    }
+    fn capture_abort(&mut self) {
+        self.graph_capture_abort()
+    }
+    fn replay_graph(&mut self, key: npu_backend::GraphKey) -> Result<(), BackendError> {
+        self.graph_replay(key)
+    }
+    fn drop_graphs(&mut self) -> Result<(), BackendError> {
+        self.graph_drop_all()
     }
 
     fn embed(

@@ -54,6 +54,9 @@ pub struct CublasApi {
     destroy: unsafe extern "C" fn(Handle) -> Status,
     set_stream: unsafe extern "C" fn(Handle, *mut c_void) -> Status,
     gemm_ex: GemmEx,
+    /// `cublasSetWorkspace_v2` (cuBLAS 11.2+): the handle's workspace, which GEMMs inside a
+    /// stream capture need (the default one is allocated from a pool capture cannot record).
+    set_workspace: Option<unsafe extern "C" fn(Handle, *mut c_void, usize) -> Status>,
     status_string: Option<unsafe extern "C" fn(Status) -> *const c_char>,
 }
 
@@ -107,6 +110,7 @@ impl CublasApi {
                 destroy: sym(l, "cublasDestroy_v2").map_err(what)?,
                 set_stream: sym(l, "cublasSetStream_v2").map_err(what)?,
                 gemm_ex: sym(l, "cublasGemmEx").map_err(what)?,
+                set_workspace: sym(l, "cublasSetWorkspace_v2").ok(),
                 status_string: sym(l, "cublasGetStatusString").ok(),
                 loaded,
             })
@@ -152,6 +156,29 @@ impl CublasApi {
     pub unsafe fn set_stream(&self, h: Handle, stream: *mut c_void) -> Result<(), String> {
         // SAFETY: the caller's.
         self.status("cublasSetStream", unsafe { (self.set_stream)(h, stream) })
+    }
+
+    /// Whether `set_workspace` is there.
+    pub fn has_set_workspace(&self) -> bool {
+        self.set_workspace.is_some()
+    }
+
+    /// Gives the handle `bytes` of device memory at `ws` as its workspace (`cublasSetWorkspace`).
+    ///
+    /// # Safety
+    /// `h` is a live handle; `ws` is device memory of at least `bytes` of its context that stays
+    /// allocated while the handle (or a graph recorded with it) uses it.
+    pub unsafe fn set_workspace(
+        &self,
+        h: Handle,
+        ws: *mut c_void,
+        bytes: usize,
+    ) -> Result<(), String> {
+        let f = self
+            .set_workspace
+            .ok_or_else(|| "cublasSetWorkspace_v2: not in this cuBLAS".to_string())?;
+        // SAFETY: the caller's.
+        self.status("cublasSetWorkspace", unsafe { f(h, ws, bytes) })
     }
 
     /// `cublasGemmEx` with f32 compute and the default algorithm.

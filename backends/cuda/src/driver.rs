@@ -7,7 +7,10 @@
 //! Every call first makes the context current on the calling thread (the backend may move between
 //! threads). Raw driver calls go through cudarc's `result`/`sys` layers; each is checked and
 //! turned into a `BackendError::Device` naming the call. An error that leaves the context
-//! unusable is remembered and answers every later call (`fault`).
+//! unusable is remembered and answers every later call (`fault`). Stream capture into CUDA
+//! graphs and their replay: `graph`.
+
+mod graph;
 
 use std::ffi::{c_void, CString};
 use std::path::PathBuf;
@@ -18,7 +21,7 @@ use npu_backend::{BackendError, DType, MemInfo};
 
 use crate::cublas::{self, CublasApi};
 use crate::fault::{self, Fault, Launch};
-use crate::gpu::{Args, DevPtr, Gemm, Gpu, LaunchDims};
+use crate::gpu::{Args, DevPtr, Gemm, Gpu, GraphId, LaunchDims};
 use crate::kernels;
 use crate::nvrtc::{self, Image, NvrtcApi};
 use crate::staging::{self, ReadDevice, StageDevice, Staging, STAGE_BUFFERS, STAGE_BYTES};
@@ -77,6 +80,8 @@ pub struct CudaGpu {
     sm_count: u32,
     max_smem: u32,
     int8_mma: bool,
+    /// CUDA graphs (`graph`).
+    graphs: Mutex<graph::Graphs>,
 }
 
 // SAFETY: the raw handles (module, functions, cuBLAS handle, pinned pointers, events) are owned
@@ -302,6 +307,7 @@ impl CudaGpu {
             sm_count,
             max_smem,
             int8_mma: major >= 8,
+            graphs: Mutex::new(graph::Graphs::new(graph::entry_points_present())),
         };
         gpu.warm_up()?;
         Ok(gpu)
@@ -410,6 +416,10 @@ impl Drop for CudaGpu {
                 let _ = drv::free_host(p.ptr as *mut c_void);
             }
             let _ = self.blas.destroy(self.handle);
+        }
+        self.graphs_release();
+        // SAFETY: nothing of the module runs any more (the stream drained).
+        unsafe {
             let _ = drv::module::unload(self.module);
         }
     }
@@ -540,49 +550,28 @@ impl Gpu for CudaGpu {
     }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr, BackendError> {
-        self.bind()?;
-        let oom = |_| BackendError::OutOfMemory {
-            backend: NAME,
-            what: "device memory".into(),
-            bytes,
-        };
-        // SAFETY: stream-ordered allocation and clearing of fresh memory on our stream.
-        unsafe {
-            let ptr = if self.ctx.has_async_alloc() {
-                drv::malloc_async(self.cu_stream(), bytes).map_err(oom)?
-            } else {
-                drv::malloc_sync(bytes).map_err(oom)?
-            };
-            drv::memset_d8_async(ptr, 0, bytes, self.cu_stream())
-                .map_err(|e| self.err("cuMemsetD8Async", e))?;
-            Ok(ptr)
-        }
+        self.graphs().refuse("cuMemAllocAsync")?;
+        self.alloc_raw(bytes)
     }
 
-    fn free(&self, ptr: DevPtr, _bytes: usize) {
-        // After a fault the context is gone: nothing to free into, nothing to report again.
-        if self.bind().is_err() {
-            return;
-        }
-        // SAFETY: `ptr` came from `alloc` and is freed once (its owner is being dropped); a
-        // stream-ordered free waits for queued work that uses it.
-        let r = unsafe {
-            if self.ctx.has_async_alloc() {
-                drv::free_async(ptr, self.cu_stream())
-            } else {
-                drv::stream::synchronize(self.cu_stream()).and_then(|_| drv::free_sync(ptr))
+    fn free(&self, ptr: DevPtr, bytes: usize) {
+        {
+            let mut g = self.graphs();
+            if g.defer_free(ptr, bytes) {
+                return;
             }
-        };
-        if let Err(e) = r {
-            let e = self.err("cuMemFree", e);
-            tracing::warn!("cuda: freeing device memory failed: {e}");
+            g.freed(ptr, bytes);
         }
+        self.free_raw(ptr)
     }
 
     fn htod(&self, dst: DevPtr, src: &[u8]) -> Result<(), BackendError> {
         if src.is_empty() {
             return Ok(());
         }
+        // A captured copy from the staging ring would read its pinned buffer at each replay.
+        self.graphs()
+            .refuse("a host→device copy (staged through pinned memory)")?;
         self.bind()?;
         let mut st = self.stage.lock().unwrap_or_else(|e| e.into_inner());
         let dev = RingDevice {
@@ -598,12 +587,14 @@ impl Gpu for CudaGpu {
             return Ok(());
         }
         self.bind()?;
+        self.graphs().name([dst, src]);
         // SAFETY: the caller names two device ranges of `bytes` inside live allocations.
         unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }
             .map_err(|e| self.err("cuMemcpyDtoDAsync", e))
     }
 
     fn read(&self, regions: &[(DevPtr, usize)], out: &mut Vec<u8>) -> Result<(), BackendError> {
+        self.graphs().refuse("a read back (cuStreamSynchronize)")?;
         self.bind()?;
         let pinned = self.read_buf.lock().unwrap_or_else(|e| e.into_inner());
         let mut dev = ReadPinned { gpu: self, pinned };
@@ -618,6 +609,7 @@ impl Gpu for CudaGpu {
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {
+        self.graphs().refuse("cuStreamSynchronize")?;
         self.bind()?;
         self.sync_stream("cuStreamSynchronize")
     }
@@ -632,6 +624,15 @@ impl Gpu for CudaGpu {
             block: dims.block,
             smem: dims.smem,
         });
+        let capturing = {
+            let mut g = self.graphs();
+            g.name(
+                args.values()
+                    .filter(|(k, _)| *k == crate::gpu::ArgKind::Ptr)
+                    .map(|(_, v)| v),
+            );
+            g.capturing()
+        };
         let mut params = args.params();
         // SAFETY: `f` is a kernel of the loaded module; the backend packs exactly the parameters
         // its signature declares (checked against the CPU reference on the emulation), with
@@ -647,7 +648,7 @@ impl Gpu for CudaGpu {
             )
         }
         .map_err(|e| self.err(&format!("cuLaunchKernel({name})"), e))?;
-        if self.sync_each {
+        if self.sync_each && !capturing {
             self.sync_stream(&format!(
                 "{name} (grid {:?}, block {:?}, NPU_SERVING_CUDA_SYNC=1)",
                 dims.grid, dims.block
@@ -674,6 +675,14 @@ impl Gpu for CudaGpu {
                 what: format!("a GEMM {what} of {v} (over i32)"),
             })
         };
+        let capturing = {
+            let mut gr = self.graphs();
+            if gr.capturing() && !gr.blas_ready() {
+                gr.refuse("a cuBLAS GEMM without a workspace of its own (cublasSetWorkspace)")?;
+            }
+            gr.name([g.a, g.b, g.c]);
+            gr.capturing()
+        };
         let (alpha, beta) = (1.0f32, 0.0f32);
         self.fault.launched(Launch::Gemm {
             m: g.m,
@@ -696,12 +705,83 @@ impl Gpu for CudaGpu {
             )
         }
         .map_err(|m| dev_err("cublasGemmEx", m))?;
-        if self.sync_each {
+        if self.sync_each && !capturing {
             self.sync_stream(&format!(
                 "cublasGemmEx m {} n {} k {} (NPU_SERVING_CUDA_SYNC=1)",
                 g.m, g.n, g.k
             ))?;
         }
         Ok(())
+    }
+
+    fn graphs_supported(&self) -> bool {
+        self.graphs().available
+    }
+    fn capture_begin(&self) -> Result<(), BackendError> {
+        self.graph_capture_begin()
+    }
+    fn capture_end(&self) -> Result<GraphId, BackendError> {
+        Ok(self
+            .graph_capture_end(false)?
+            .expect("a graph unless aborted"))
+    }
+    fn capture_abort(&self) {
+        if let Err(e) = self.graph_capture_end(true) {
+            tracing::warn!("cuda: ending an abandoned capture: {e}");
+        }
+    }
+    fn capturing(&self) -> bool {
+        self.graphs().capturing()
+    }
+    fn replay(&self, g: GraphId) -> Result<(), BackendError> {
+        self.graph_replay(g)
+    }
+    fn graph_stale(&self, g: GraphId) -> bool {
+        self.graph_is_stale(g)
+    }
+    fn destroy_graph(&self, g: GraphId) {
+        self.graph_destroy(g)
+    }
+}
+
+impl CudaGpu {
+    fn alloc_raw(&self, bytes: usize) -> Result<DevPtr, BackendError> {
+        self.bind()?;
+        let oom = |_| BackendError::OutOfMemory {
+            backend: NAME,
+            what: "device memory".into(),
+            bytes,
+        };
+        // SAFETY: stream-ordered allocation and clearing of fresh memory on our stream.
+        unsafe {
+            let ptr = if self.ctx.has_async_alloc() {
+                drv::malloc_async(self.cu_stream(), bytes).map_err(oom)?
+            } else {
+                drv::malloc_sync(bytes).map_err(oom)?
+            };
+            drv::memset_d8_async(ptr, 0, bytes, self.cu_stream())
+                .map_err(|e| self.err("cuMemsetD8Async", e))?;
+            Ok(ptr)
+        }
+    }
+
+    fn free_raw(&self, ptr: DevPtr) {
+        // After a fault the context is gone: nothing to free into, nothing to report again.
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: `ptr` came from `alloc` and is freed once (its owner is being dropped); a
+        // stream-ordered free waits for queued work that uses it.
+        let r = unsafe {
+            if self.ctx.has_async_alloc() {
+                drv::free_async(ptr, self.cu_stream())
+            } else {
+                drv::stream::synchronize(self.cu_stream()).and_then(|_| drv::free_sync(ptr))
+            }
+        };
+        if let Err(e) = r {
+            let e = self.err("cuMemFree", e);
+            tracing::warn!("cuda: freeing device memory failed: {e}");
+        }
     }
 }

@@ -149,6 +149,54 @@ pub trait Gpu: Send + Sync {
     fn raw_stream(&self) -> Result<Option<*mut c_void>, BackendError> {
         Ok(None)
     }
+
+    // --- graphs (`crate::graphs`): the stream's work recorded once, replayed with one call ---
+    /// Whether this device records and replays stream work (the methods below).
+    fn graphs_supported(&self) -> bool {
+        false
+    }
+    /// Starts recording the work queued on the stream from the calling thread: it is recorded,
+    /// not run, until `capture_end`. A synchronization, an allocation, a free or a read while
+    /// recording fails and invalidates the recording.
+    fn capture_begin(&self) -> Result<(), BackendError> {
+        Err(graphs_unsupported())
+    }
+    /// Ends the recording: the graph of the recorded work (none of it has run).
+    fn capture_end(&self) -> Result<GraphId, BackendError> {
+        Err(graphs_unsupported())
+    }
+    /// Ends an open recording, if any, and discards it.
+    fn capture_abort(&self) {}
+    /// Whether a recording is open.
+    fn capturing(&self) -> bool {
+        false
+    }
+    /// Queues one run of graph `g`: its recorded work, with its recorded parameters, against
+    /// the device memory as it is when the run gets there.
+    fn replay(&self, g: GraphId) -> Result<(), BackendError> {
+        let _ = g;
+        Err(graphs_unsupported())
+    }
+    /// Whether memory graph `g` names was freed since it was recorded (it must not run again).
+    fn graph_stale(&self, g: GraphId) -> bool {
+        let _ = g;
+        true
+    }
+    /// Destroys graph `g` (queued runs of it complete first).
+    fn destroy_graph(&self, g: GraphId) {
+        let _ = g;
+    }
+}
+
+/// A recorded graph of stream work (`Gpu::capture_end`).
+pub type GraphId = u64;
+
+/// The refusal of a device without graphs.
+pub fn graphs_unsupported() -> BackendError {
+    BackendError::Unsupported {
+        backend: "cuda",
+        what: "stream capture into CUDA graphs on this device".into(),
+    }
 }
 
 /// Blocks of `per` covering `n` (at least one).

@@ -34,6 +34,7 @@ pub mod emu;
 pub mod fault;
 mod fused;
 pub mod gpu;
+mod graphs;
 pub mod kernels;
 pub mod libs;
 mod matmul;

@@ -36,12 +36,17 @@
 //!
 //! The read path and the staging ring are the real device's own code (`staging::read`,
 //! `staging::Staging`), so these checks cover them. Not emulated: several streams, events other
-//! than the ring's, graph capture and the synchronous `cuMemcpy` (the backend uses none of
-//! them), and pageable host memory in an asynchronous copy (the seam takes none: `htod` stages
+//! than the ring's and the synchronous `cuMemcpy` (the backend uses none of them), and pageable
+//! host memory in an asynchronous copy (the seam takes none: `htod` stages
 //! through pinned memory as the driver does). A fresh allocation reads as zeros, as the driver's
 //! `cuMemsetD8Async` after `cuMemAllocAsync` leaves it.
+//!
+//! Stream capture into graphs and their replay are in `capture`: recorded work does not run,
+//! what CUDA forbids while capturing fails and invalidates the capture, and a replay runs the
+//! recorded work against memory as it is then.
 
 mod build;
+mod capture;
 mod memory;
 
 use std::cell::RefCell;
@@ -53,7 +58,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use npu_backend::{BackendError, DType, MemInfo};
 
 use crate::fault::{self, Fault, Launch};
-use crate::gpu::{ArgKind, Args, DevPtr, Gemm, Gpu, LaunchDims};
+use crate::gpu::{ArgKind, Args, DevPtr, Gemm, Gpu, GraphId, LaunchDims};
 use crate::kernels;
 use crate::staging::{self, ReadDevice, StageDevice, Staging, STAGE_BUFFERS, STAGE_BYTES};
 use memory::Memory;
@@ -210,6 +215,7 @@ impl Drop for Pinned {
 }
 
 /// One unit of stream work: checked when queued, run when the stream gets there.
+#[derive(Clone)]
 enum Work {
     /// `cuMemcpyHtoDAsync` from staging buffer `buf`, which it reads when it runs.
     HtoD {
@@ -260,6 +266,8 @@ struct Device {
     /// The pinned buffer reads land in.
     read_buf: Pinned,
     bad_frees: Vec<String>,
+    /// Stream capture and graphs (`capture`).
+    capture: capture::Capture,
 }
 
 // SAFETY: the pinned buffers are owned by this value alone (their pointers are not shared
@@ -309,6 +317,7 @@ impl EmuGpu {
                 stage: std::array::from_fn(|_| Pinned::new(STAGE_BYTES)),
                 read_buf: Pinned::new(0),
                 bad_frees: Vec::new(),
+                capture: capture::Capture::default(),
             }),
             launches: Mutex::new(Vec::new()),
             fault: Fault::default(),
@@ -518,7 +527,7 @@ impl EmuGpu {
     /// After a launch or GEMM: `NPU_SERVING_CUDA_SYNC=1` synchronizes at once, as the real
     /// device does.
     fn after_launch(&self, d: &mut Device) -> Result<(), BackendError> {
-        if self.sync_each {
+        if self.sync_each && d.capture.recording.is_none() {
             self.run_queue(d, None)?;
         }
         Ok(())
@@ -538,6 +547,7 @@ impl StageDevice for EmuStage<'_> {
     /// `cuEventSynchronize`: runs the stream up to the event's latest record.
     fn wait(&self, i: usize) -> Result<(), BackendError> {
         let mut d = self.dev.borrow_mut();
+        d.event_wait_allowed(i)?;
         match d.recorded[i] {
             Some(serial) => self.gpu.run_queue(&mut d, Some(serial)),
             None => Ok(()),
@@ -549,13 +559,15 @@ impl StageDevice for EmuStage<'_> {
         d.mem
             .check(dst, len, "cuMemcpyHtoDAsync")
             .map_err(emu_err)?;
-        d.enqueue(Work::HtoD {
+        d.submit(Work::HtoD {
             dst,
             buf: i,
             bytes: len,
-        });
-        let serial = d.enqueue(Work::Record);
-        d.recorded[i] = Some(serial);
+        })?;
+        if !d.event_recorded_in_capture(i) {
+            let serial = d.enqueue(Work::Record);
+            d.recorded[i] = Some(serial);
+        }
         Ok(())
     }
 }
@@ -587,11 +599,12 @@ impl ReadDevice for EmuRead<'_> {
                 self.dev.read_buf.bytes
             )));
         }
-        self.dev.enqueue(Work::DtoH { at, src, bytes });
-        Ok(())
+        self.dev.submit(Work::DtoH { at, src, bytes })
     }
     /// `cuStreamSynchronize`.
     fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.dev
+            .forbidden_in_capture("cuStreamSynchronize (a read back)")?;
         if self.gpu.skip_read_sync.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -628,21 +641,24 @@ impl Gpu for EmuGpu {
         self.fault.check()?;
         // A fresh mapping reads as zeros: what the driver's cuMemsetD8Async leaves, and nothing
         // can reach the memory before the stream has passed that memset.
-        self.dev()
-            .mem
-            .alloc(bytes)
-            .map_err(|_| BackendError::OutOfMemory {
-                backend: "cuda",
-                what: "emulated device memory".into(),
-                bytes,
-            })
+        let mut d = self.dev();
+        d.forbidden_in_capture("cuMemAllocAsync")?;
+        d.mem.alloc(bytes).map_err(|_| BackendError::OutOfMemory {
+            backend: "cuda",
+            what: "emulated device memory".into(),
+            bytes,
+        })
     }
 
     fn free(&self, ptr: DevPtr, _bytes: usize) {
         let mut d = self.dev();
+        if d.defer_free(ptr) {
+            return;
+        }
         match d.mem.release(ptr) {
             Ok(()) => {
                 d.enqueue(Work::Free(ptr));
+                d.freed(ptr);
             }
             Err(e) => d.bad_frees.push(e),
         }
@@ -677,8 +693,7 @@ impl Gpu for EmuGpu {
         d.mem
             .check(src, bytes, "cuMemcpyDtoDAsync")
             .map_err(emu_err)?;
-        d.enqueue(Work::DtoD { dst, src, bytes });
-        Ok(())
+        d.submit(Work::DtoD { dst, src, bytes })
     }
 
     fn read(&self, regions: &[(DevPtr, usize)], out: &mut Vec<u8>) -> Result<(), BackendError> {
@@ -704,6 +719,7 @@ impl Gpu for EmuGpu {
     fn synchronize(&self) -> Result<(), BackendError> {
         self.fault.check()?;
         let mut d = self.dev();
+        d.forbidden_in_capture("cuStreamSynchronize")?;
         self.run_queue(&mut d, None)?;
         match d.bad_frees.first() {
             Some(e) => Err(emu_err(e.clone())),
@@ -773,12 +789,12 @@ impl Gpu for EmuGpu {
             block: dims.block,
             smem: dims.smem,
         });
-        d.enqueue(Work::Kernel {
+        d.submit(Work::Kernel {
             kernel,
             dims,
             params: kinds.iter().map(|&(_, v)| v).collect(),
             touched,
-        });
+        })?;
         self.launches
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -818,8 +834,38 @@ impl Gpu for EmuGpu {
             n: g.n,
             k: g.k,
         });
-        d.enqueue(Work::Gemm(*g));
+        d.submit(Work::Gemm(*g))?;
         self.after_launch(&mut d)
+    }
+
+    fn graphs_supported(&self) -> bool {
+        true
+    }
+    fn capture_begin(&self) -> Result<(), BackendError> {
+        self.fault.check()?;
+        self.dev().capture_begin()
+    }
+    fn capture_end(&self) -> Result<GraphId, BackendError> {
+        let id = self.dev().capture_end(false)?;
+        Ok(id.expect("a graph unless aborted"))
+    }
+    fn capture_abort(&self) {
+        let _ = self.dev().capture_end(true);
+    }
+    fn capturing(&self) -> bool {
+        self.dev().capture.recording.is_some()
+    }
+    fn replay(&self, g: GraphId) -> Result<(), BackendError> {
+        self.fault.check()?;
+        let mut d = self.dev();
+        d.replay(g)?;
+        self.after_launch(&mut d)
+    }
+    fn graph_stale(&self, g: GraphId) -> bool {
+        self.dev().graph_stale(g)
+    }
+    fn destroy_graph(&self, g: GraphId) {
+        self.dev().destroy_graph(g);
     }
 }
 
@@ -844,6 +890,12 @@ impl EmuGpu {
     /// when the stream reaches it).
     pub fn live_allocations(&self) -> usize {
         self.dev().mem.live()
+    }
+
+    /// Graphs alive and graphs replayed so far (`capture`).
+    pub fn graph_counts(&self) -> (usize, u64) {
+        let d = self.dev();
+        (d.graphs(), d.capture.replays)
     }
 
     /// Units of work queued on the stream and not run yet.

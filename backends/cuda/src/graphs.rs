@@ -1,0 +1,202 @@
+//! Decode steps captured as CUDA graphs and replayed (`npu_backend::Backend::step_graphs`): one
+//! graph per [`GraphKey`] (batch bucket, block-table width, whether it ends in the greedy pick),
+//! recorded by the device (`Gpu::capture_begin` … `capture_end`: `driver::graph` on a GPU,
+//! `emu::capture` on the emulation) and replayed with one launch.
+//!
+//! What a graph reads never depends on a host value of the step it is replayed for:
+//!
+//! - **Fixed inputs.** Each key has its own step-input memory (tokens, positions, slot mapping,
+//!   per-sequence (row, new tokens, start), block tables, logit rows and the attention work
+//!   lists, packed as `step::pack` packs an eager step's). A decode step of `rows` sequences of
+//!   one token and tables `max_blocks` wide has the same layout every time, so every offset the
+//!   recorded launches carry stays right; `begin_graph_step` writes the step's values there with
+//!   an ordinary host→device copy **before** the capture (never inside it: a captured copy from
+//!   the pinned staging ring would read the ring's buffer as it is at each replay).
+//! - **Lengths on the device.** The attention kernel reads each sequence's start position from
+//!   those inputs; its split (flash-decoding partitions, `tiles_per_split`) is chosen from the
+//!   table width (`max_blocks * block_size` positions), not from the step's longest context, so
+//!   the recorded grid serves every step of the key (a split past a sequence's last tile writes
+//!   an empty partial, which the combine leaves out).
+//!
+//! A graph names device memory: the KV pool, weights, activations, scratch, its inputs. The
+//! device marks a graph stale when memory it names is freed (a larger scratch replacing the
+//! old, a new KV pool); `has_graph` then answers false and the runner records the key again.
+//! A step that cannot be recorded (an op that allocates, frees, reads back or synchronizes:
+//! refused inside a capture) fails the capture; the runner calls `capture_abort` and turns
+//! graphs off for the model by name. Nothing here has run on a GPU: the emulation's capture is
+//! what the tests check it against.
+
+use std::collections::HashMap;
+
+use npu_backend::{BackendError, GraphKey, StepInputs};
+
+use crate::backend::{CudaBackend, NAME};
+use crate::buffer::DeviceMem;
+use crate::gpu::{DevPtr, GraphId};
+use crate::step;
+
+/// The backend's graphs and their inputs.
+#[derive(Default)]
+pub(crate) struct Graphs {
+    captured: HashMap<GraphKey, GraphId>,
+    /// Each key's step-input memory.
+    inputs: HashMap<GraphKey, DeviceMem>,
+    /// Whose inputs the ops read now (`None`: the eager step's, `CudaBackend::meta`).
+    pub(crate) active: Option<GraphKey>,
+    capturing: Option<GraphKey>,
+    pub(crate) replays: u64,
+}
+
+impl Graphs {
+    /// The step-input address of the active graph step, if one is active.
+    pub(crate) fn active_inputs(&self) -> Option<DevPtr> {
+        self.active
+            .and_then(|k| self.inputs.get(&k))
+            .map(|m| m.ptr())
+    }
+}
+
+fn bad_step(m: String) -> BackendError {
+    BackendError::BadStep(m)
+}
+
+impl CudaBackend {
+    pub(crate) fn graphs_on(&self) -> bool {
+        self.gpu.graphs_supported()
+    }
+
+    pub(crate) fn graph_begin_step(
+        &mut self,
+        s: &StepInputs,
+        key: GraphKey,
+    ) -> Result<(), BackendError> {
+        if !self.graphs_on() {
+            return Err(crate::gpu::graphs_unsupported());
+        }
+        if self.graphs.capturing.is_some() {
+            return Err(bad_step("begin_graph_step while a capture is open".into()));
+        }
+        let decode = s.seqs.len() == key.rows
+            && s.tokens.len() == key.rows
+            && s.max_blocks == key.max_blocks
+            && s.seqs.iter().all(|q| q.n_q == 1)
+            && s.logit_rows.iter().copied().eq(0..key.rows as u32);
+        if !decode {
+            return Err(bad_step(format!(
+                "a step of {} sequences, {} tokens and {}-block tables for the graph of {key:?} \
+                 (decode-only, every row's logits)",
+                s.seqs.len(),
+                s.tokens.len(),
+                s.max_blocks
+            )));
+        }
+        let spec = self.kv_pool()?.spec;
+        self.layout = None;
+        self.graphs.active = None;
+        let mut lay = step::pack(s, Some(&spec), &mut self.meta_host)?;
+        // Attention's split from the table width, the same for every step of the key (the
+        // kernel reads each sequence's length from the inputs).
+        lay.max_ctx = key.max_blocks * spec.block_size;
+        let bytes = lay.total * 4;
+        if self
+            .graphs
+            .inputs
+            .get(&key)
+            .is_none_or(|m| m.bytes() < bytes)
+        {
+            // A key's layout never changes: a larger one replaces memory its graph names (the
+            // device marks the graph stale when it is freed).
+            self.graphs.inputs.remove(&key);
+            let mem = self.alloc_mem(bytes.next_power_of_two().max(256))?;
+            self.graphs.inputs.insert(key, mem);
+        }
+        let ptr = self.graphs.inputs[&key].ptr();
+        self.device_wrote();
+        self.gpu.htod(ptr, bytemuck::cast_slice(&self.meta_host))?;
+        self.step.clone_from(s);
+        self.layout = Some(lay);
+        self.graphs.active = Some(key);
+        Ok(())
+    }
+
+    pub(crate) fn graph_has(&self, key: GraphKey) -> bool {
+        self.graphs
+            .captured
+            .get(&key)
+            .is_some_and(|&g| !self.gpu.graph_stale(g))
+    }
+
+    pub(crate) fn graph_capture_begin(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        if self.graphs.active != Some(key) {
+            return Err(bad_step(format!(
+                "capture of {key:?} without its begin_graph_step"
+            )));
+        }
+        if self.graphs.capturing.is_some() {
+            return Err(bad_step("a capture is already open".into()));
+        }
+        // The recorded ops may not lean on what the eager run left (8-bit activations ready).
+        self.q8_ready = None;
+        self.device_wrote();
+        self.gpu.capture_begin()?;
+        self.graphs.capturing = Some(key);
+        Ok(())
+    }
+
+    pub(crate) fn graph_capture_end(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        if self.graphs.capturing != Some(key) {
+            return Err(bad_step(format!(
+                "capture_end of {key:?}, which is not being captured"
+            )));
+        }
+        self.graphs.capturing = None;
+        let id = self.gpu.capture_end()?;
+        if let Some(old) = self.graphs.captured.insert(key, id) {
+            self.gpu.destroy_graph(old);
+        }
+        tracing::info!("{NAME}: decode step captured as a CUDA graph for {key:?}");
+        Ok(())
+    }
+
+    pub(crate) fn graph_capture_abort(&mut self) {
+        self.graphs.capturing = None;
+        if self.gpu.capturing() {
+            self.gpu.capture_abort();
+        }
+        self.q8_ready = None;
+    }
+
+    pub(crate) fn graph_replay(&mut self, key: GraphKey) -> Result<(), BackendError> {
+        if self.graphs.active != Some(key) {
+            return Err(bad_step(format!(
+                "replay of {key:?} without its begin_graph_step"
+            )));
+        }
+        let id = *self
+            .graphs
+            .captured
+            .get(&key)
+            .ok_or_else(|| bad_step(format!("no graph captured for {key:?}")))?;
+        self.gpu.replay(id)?;
+        self.graphs.replays += 1;
+        self.q8_ready = None;
+        self.device_wrote();
+        Ok(())
+    }
+
+    pub(crate) fn graph_drop_all(&mut self) -> Result<(), BackendError> {
+        self.graph_capture_abort();
+        if self.graphs.captured.is_empty() && self.graphs.inputs.is_empty() {
+            return Ok(());
+        }
+        self.gpu.synchronize()?;
+        for (_, id) in self.graphs.captured.drain() {
+            self.gpu.destroy_graph(id);
+        }
+        if self.graphs.active.take().is_some() {
+            self.layout = None;
+        }
+        self.graphs.inputs.clear();
+        Ok(())
+    }
+}
