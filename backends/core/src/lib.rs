@@ -264,10 +264,29 @@ impl KvSpec {
         .into_iter()
         .fold(1usize, usize::saturating_mul)
     }
+
+    /// Bytes of one block stored as int8 (`KvDtype::Int8`), saturating: one byte a value, and
+    /// one f16 scale per token, KV head, K or V, and layer. Every backend with an int8 pool
+    /// sizes its blocks so (the CPU's and CUDA's block bytes are the same layout).
+    pub fn int8_block_bytes(&self) -> usize {
+        let scales = [self.n_layers, 2, self.block_size, self.n_kv_heads, 2]
+            .into_iter()
+            .fold(1usize, usize::saturating_mul);
+        (self.f16_block_bytes() / 2).saturating_add(scales)
+    }
+
+    /// Bytes of one block of a pool storing `dtype` (scales included), saturating.
+    pub fn block_bytes(&self, dtype: KvDtype) -> usize {
+        match dtype {
+            KvDtype::F16 => self.f16_block_bytes(),
+            KvDtype::Int8 => self.int8_block_bytes(),
+        }
+    }
 }
 
 /// What the paged KV pool stores: f16 values (every backend), or int8 values with one f16 scale
-/// per token, KV head and K or V row (`npu_serving.kv_cache_dtype: int8`; the CPU backend only).
+/// per token, KV head and K or V row (`npu_serving.kv_cache_dtype: int8`; the CPU and CUDA
+/// backends).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum KvDtype {
     #[default]
@@ -483,7 +502,8 @@ pub trait Backend: Send {
             other => Err(BackendError::Unsupported {
                 backend: self.kind().name(),
                 what: format!(
-                    "kv_cache_dtype {} (the int8 KV cache is built on the CPU backend only)",
+                    "kv_cache_dtype {} (the int8 KV cache is built on the CPU and CUDA backends \
+                     only)",
                     other.name()
                 ),
             }),

@@ -129,6 +129,59 @@ NPU_FOR_EACH_ACT(ROPE_KV_WRITE)
 // may give each thread up to 128 registers.
 #define ATT_MAX_THREADS 512
 
+// The end of an attention warp (attention.cu and attention_i8.cu): with one split, its
+// normalised output (and, with `xq`, its 8-bit form for the output projection); with several,
+// its (m, l, acc) for attention_combine. `acc` holds the lane's pairs of output dimensions.
+template <typename T>
+__device__ __forceinline__ void attention_finish(const float* acc, float m, float l, i64 row,
+                                                 int head, int split, int n_heads, int hd,
+                                                 int n_splits, T* out, int ldo, float* partial,
+                                                 signed char* xq, u32* xs) {
+    const int lane = threadIdx.x & 31;
+    const int half_hd = hd >> 1;
+    if (n_splits == 1) {
+        const float inv = 1.0f / l;
+        T* o = out + row * ldo + (i64)head * hd;
+        for (int i = 0; i < ATT_MAX_WORDS; ++i) {
+            const int c = lane + 32 * i;
+            T a = from_f32<T>(0.0f);
+            T b = a;
+            if (c < half_hd) {
+                a = from_f32<T>(acc[2 * i] * inv);
+                b = from_f32<T>(acc[2 * i + 1] * inv);
+                o[2 * c] = a;
+                o[2 * c + 1] = b;
+            }
+            if (xq) {
+                // The 8-bit form of the stored values (hd a multiple of 32): lane L of the
+                // warp takes element 64i + 32h + L of the head, held by lane 16h + L/2.
+                for (int h = 0; h < 2; ++h) {
+                    if (64 * i + 32 * h < hd) {
+                        const int from = 16 * h + (lane >> 1);
+                        const float va = __shfl_sync(FULL_MASK, to_f32(a), from);
+                        const float vb = __shfl_sync(FULL_MASK, to_f32(b), from);
+                        q8_store_block((lane & 1) ? vb : va, row, n_heads * hd,
+                                       (head * hd + 64 * i + 32 * h) >> 5, xq, xs);
+                    }
+                }
+            }
+        }
+    } else {
+        float* pp = partial + ((row * n_heads + head) * n_splits + split) * (i64)(hd + 2);
+        if (lane == 0) {
+            pp[0] = m;
+            pp[1] = l;
+        }
+        for (int i = 0; i < ATT_MAX_WORDS; ++i) {
+            const int c = lane + 32 * i;
+            if (c < half_hd) {
+                pp[2 + 2 * c] = acc[2 * i];
+                pp[3 + 2 * c] = acc[2 * i + 1];
+            }
+        }
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void attention_body(
     const T* q, int ldq, T* out, int ldo, const u16* pool, i64 block_stride, i64 layer_off,
@@ -238,47 +291,8 @@ __device__ __forceinline__ void attention_body(
     if (!active) {
         return;
     }
-    if (n_splits == 1) {
-        const float inv = 1.0f / l;
-        T* o = out + row * ldo + (i64)head * hd;
-        for (int i = 0; i < ATT_MAX_WORDS; ++i) {
-            const int c = lane + 32 * i;
-            T a = from_f32<T>(0.0f);
-            T b = a;
-            if (c < half_hd) {
-                a = from_f32<T>(acc[2 * i] * inv);
-                b = from_f32<T>(acc[2 * i + 1] * inv);
-                o[2 * c] = a;
-                o[2 * c + 1] = b;
-            }
-            if (xq) {
-                // The 8-bit form of the stored values (hd a multiple of 32): lane L of the
-                // warp takes element 64i + 32h + L of the head, held by lane 16h + L/2.
-                for (int h = 0; h < 2; ++h) {
-                    if (64 * i + 32 * h < hd) {
-                        const int from = 16 * h + (lane >> 1);
-                        const float va = __shfl_sync(FULL_MASK, to_f32(a), from);
-                        const float vb = __shfl_sync(FULL_MASK, to_f32(b), from);
-                        q8_store_block((lane & 1) ? vb : va, row, n_heads * hd,
-                                       (head * hd + 64 * i + 32 * h) >> 5, xq, xs);
-                    }
-                }
-            }
-        }
-    } else {
-        float* pp = partial + ((row * n_heads + head) * n_splits + split) * (i64)(hd + 2);
-        if (lane == 0) {
-            pp[0] = m;
-            pp[1] = l;
-        }
-        for (int i = 0; i < ATT_MAX_WORDS; ++i) {
-            const int c = lane + 32 * i;
-            if (c < half_hd) {
-                pp[2 + 2 * c] = acc[2 * i];
-                pp[3 + 2 * c] = acc[2 * i + 1];
-            }
-        }
-    }
+    attention_finish<T>(acc, m, l, row, head, split, n_heads, hd, n_splits, out, ldo, partial, xq,
+                        xs);
 }
 
 #define ATTENTION(T, S)                                                                            \

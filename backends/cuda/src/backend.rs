@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use npu_backend::{
     AttnGeometry, Backend, BackendError, Capability, DType, DeviceKind, HostSlice, HostSliceMut,
-    HostTensor, KvSpec, MemInfo, OpCounts, Readback, RouteSpec, StepInputs, View, ViewMut,
+    HostTensor, KvDtype, KvSpec, MemInfo, OpCounts, Readback, RouteSpec, StepInputs, View, ViewMut,
 };
 use npu_gguf::quants::dequantize_row;
 
@@ -23,31 +23,7 @@ use crate::weights::{self, CudaEmbedding, CudaMatrix};
 
 pub(crate) const NAME: &str = "cuda";
 
-/// The paged KV pool: `num_blocks` blocks, each holding K and V of every layer (f16), or, for a
-/// latent pool (`init_latent_kv`), one row of `head_dim` values per token and layer.
-pub(crate) struct KvPool {
-    pub spec: KvSpec,
-    pub mem: DeviceMem,
-    /// f16 elements of one block.
-    pub block_elems: usize,
-    /// A latent pool (latent attention's ops read it; `kv_write` and `attention` refuse it).
-    pub latent: bool,
-}
-
-impl KvPool {
-    /// Element offset of `layer`'s K inside a block (its V follows `n_kv * bs * hd` later); in
-    /// a latent pool, of `layer`'s rows.
-    pub fn layer_offset(&self, layer: usize) -> usize {
-        let s = &self.spec;
-        let parts = if self.latent { 1 } else { 2 };
-        layer * parts * s.n_kv_heads * s.block_size * s.head_dim
-    }
-}
-
-/// f16 elements of one KV block (K and V of every layer).
-pub fn kv_block_elems(spec: &KvSpec) -> usize {
-    spec.n_layers * 2 * spec.n_kv_heads * spec.block_size * spec.head_dim
-}
+pub(crate) use crate::kv::KvPool;
 
 /// Rope frequency-factor tables on the device: each distinct table uploaded once, found by the
 /// address of the (interned, `'static`) host table that asked for it.
@@ -86,6 +62,8 @@ pub struct CudaBackend {
     pub(crate) device: DeviceId,
     pub(crate) cfg: CudaConfig,
     pub(crate) kv: Option<KvPool>,
+    /// What `init_kv` stores (`set_kv_dtype`; `kv.rs`).
+    pub(crate) kv_dtype: KvDtype,
     /// The step inputs on the device (one packed i32 array) and where each part lies.
     pub(crate) meta: Option<DeviceMem>,
     pub(crate) meta_host: Vec<i32>,
@@ -99,7 +77,7 @@ pub struct CudaBackend {
     pub(crate) rope_factors: RopeFactorTables,
     /// The f16 GELU table on the device (uploaded at the first GELU gate).
     pub(crate) gelu_table: Option<DeviceMem>,
-    read_buf: Vec<u8>,
+    pub(crate) read_buf: Vec<u8>,
     /// Kernels launched (and cuBLAS GEMMs called) since the backend was made.
     pub(crate) launches: AtomicU64,
     /// Device writes that are not kernel launches (uploads, device copies, collectives), for
@@ -241,6 +219,7 @@ impl CudaBackend {
             device: DeviceId::fresh(),
             cfg,
             kv: None,
+            kv_dtype: KvDtype::F16,
             meta: None,
             meta_host: Vec::new(),
             step: StepInputs::default(),
@@ -315,20 +294,6 @@ impl CudaBackend {
             scales_at: p.scales_at,
             mins_at: p.mins_at,
         })
-    }
-
-    fn check_block_ids(&self, ids: &[u32], op: &'static str) -> Result<&KvPool, BackendError> {
-        let kv = self.kv_pool()?;
-        if let Some(b) = ids.iter().find(|&&b| b as usize >= kv.spec.num_blocks) {
-            return Err(BackendError::BadArgument {
-                op,
-                message: format!(
-                    "block {b} is beyond the KV pool ({} blocks)",
-                    kv.spec.num_blocks
-                ),
-            });
-        }
-        Ok(kv)
     }
 }
 
@@ -602,117 +567,35 @@ impl Backend for CudaBackend {
     }
 
     fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
-        let block_elems = kv_block_elems(&spec);
-        let slots = spec.num_blocks.checked_mul(spec.block_size);
-        if block_elems == 0
-            || spec.num_blocks == 0
-            || !matches!(slots, Some(n) if n <= i32::MAX as usize)
-        {
-            return Err(BackendError::BadArgument {
-                op: "init_kv",
-                message: format!("unusable KV pool shape {spec:?}"),
-            });
-        }
-        // What the attention kernel cannot read is refused here, when the model loads, rather
-        // than at its first step (review finding 9).
-        if !spec.head_dim.is_multiple_of(2) || spec.head_dim > crate::ops::ATT_MAX_HD {
-            return Err(BackendError::Unsupported {
-                backend: NAME,
-                what: format!(
-                    "attention heads of {} values (even, at most {})",
-                    spec.head_dim,
-                    crate::ops::ATT_MAX_HD
-                ),
-            });
-        }
-        let bytes = spec
-            .num_blocks
-            .checked_mul(block_elems * 2)
-            .ok_or_else(|| BackendError::OutOfMemory {
-                backend: NAME,
-                what: "the KV pool".into(),
-                bytes: usize::MAX,
-            })?;
-        self.kv = None;
-        self.layout = None;
-        let mem = self.alloc_mem(bytes).map_err(|e| match e {
-            BackendError::OutOfMemory { bytes, .. } => BackendError::OutOfMemory {
-                backend: NAME,
-                what: format!("the KV pool ({} blocks)", spec.num_blocks),
-                bytes,
-            },
-            e => e,
-        })?;
-        self.kv = Some(KvPool {
-            spec,
-            mem,
-            block_elems,
-            latent: false,
-        });
-        Ok(())
+        self.op_init_kv(spec)
+    }
+
+    fn set_kv_dtype(&mut self, dtype: KvDtype) -> Result<(), BackendError> {
+        self.op_set_kv_dtype(dtype)
+    }
+
+    fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
+    }
+
+    fn kv_block_bytes_for(&self, spec: &KvSpec) -> usize {
+        spec.block_bytes(self.kv_dtype)
     }
 
     fn kv_block_bytes(&self) -> usize {
-        self.kv.as_ref().map(|k| k.block_elems * 2).unwrap_or(0)
+        self.kv.as_ref().map_or(0, KvPool::block_bytes)
     }
 
     fn kv_copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), BackendError> {
-        let ids: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
-        self.device_wrote();
-        let kv = self.check_block_ids(&ids, "kv_copy_blocks")?;
-        let bb = kv.block_elems * 2;
-        let base = kv.mem.ptr();
-        for &(s, d) in pairs {
-            if s != d {
-                self.gpu.dtod(
-                    base + (d as usize * bb) as u64,
-                    base + (s as usize * bb) as u64,
-                    bb,
-                )?;
-            }
-        }
-        Ok(())
+        self.op_kv_copy_blocks(pairs)
     }
 
     fn kv_blocks_to_host(&mut self, blocks: &[u32], dst: &mut [u8]) -> Result<(), BackendError> {
-        let kv = self.check_block_ids(blocks, "kv_blocks_to_host")?;
-        let bb = kv.block_elems * 2;
-        if dst.len() != blocks.len() * bb {
-            return Err(BackendError::BadArgument {
-                op: "kv_blocks_to_host",
-                message: format!("{} bytes for {} blocks of {bb}", dst.len(), blocks.len()),
-            });
-        }
-        let base = kv.mem.ptr();
-        let regions: Vec<(DevPtr, usize)> = blocks
-            .iter()
-            .map(|&b| (base + (b as usize * bb) as u64, bb))
-            .collect();
-        let mut bytes = std::mem::take(&mut self.read_buf);
-        let res = self.gpu.read(&regions, &mut bytes);
-        if res.is_ok() {
-            dst.copy_from_slice(&bytes[..dst.len()]);
-        }
-        self.read_buf = bytes;
-        res
+        self.op_kv_blocks_to_host(blocks, dst)
     }
 
     fn kv_blocks_from_host(&mut self, src: &[u8], blocks: &[u32]) -> Result<(), BackendError> {
-        self.device_wrote();
-        let kv = self.check_block_ids(blocks, "kv_blocks_from_host")?;
-        let bb = kv.block_elems * 2;
-        if src.len() != blocks.len() * bb {
-            return Err(BackendError::BadArgument {
-                op: "kv_blocks_from_host",
-                message: format!("{} bytes for {} blocks of {bb}", src.len(), blocks.len()),
-            });
-        }
-        let base = kv.mem.ptr();
-        for (i, &b) in blocks.iter().enumerate() {
-            self.gpu
-                .htod(base + (b as usize * bb) as u64, &src[i * bb..(i + 1) * bb])?;
-        }
-        Ok(())
+        self.op_kv_blocks_from_host(src, blocks)
     }
 
     fn init_latent_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {

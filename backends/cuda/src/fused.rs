@@ -1,6 +1,7 @@
 //! The row ops whose kernels can take a neighbour's work, so that a decode layer launches fewer
 //! kernels with the same bits: RMS norm, SwiGLU, and the residual add folded into the next RMS
-//! norm (`add_rms_norm`, one pass over the row), and rope with the KV write (`rope_kv_write`).
+//! norm (`add_rms_norm`, one pass over the row), and rope with the KV write (`rope_kv_write`;
+//! into an int8 pool, `rope_kv_write_i8`, one warp per head, quantizing each key and value row).
 //!
 //! **The activation quantizer folded into its producer.** A quantized matrix product multiplies
 //! 8-bit activations (`quantize_q8`, matmul.cu). When the kernel producing its input is one of
@@ -361,6 +362,40 @@ impl CudaBackend {
         let heads = g.n_heads + g.n_kv_heads;
         let n = heads * (dims / 2) + g.n_kv_heads * (hd - dims) + kvw;
         let kv = self.kv_pool()?;
+        if kv.dtype == npu_backend::KvDtype::Int8 {
+            // One warp per head of a row (kernels/attention_i8.cu): a key or value head is
+            // quantized whole, with one scale.
+            let at = kv.i8_layer(layer);
+            return self.launch(
+                op_kernel(Op::RopeKvWriteI8, dt),
+                LaunchDims::linear(
+                    [
+                        int(OP, l.rows())? as u32,
+                        grid_rows(OP, heads + g.n_kv_heads)?,
+                        1,
+                    ],
+                    32,
+                ),
+                Args::new()
+                    .ptr(addr_mut(&qkv))
+                    .i32(int(OP, l.stride())?)
+                    .i32(int(OP, g.n_heads)?)
+                    .i32(int(OP, g.n_kv_heads)?)
+                    .i32(int(OP, hd)?)
+                    .i32(int(OP, dims)?)
+                    .i32(i32::from(g.rope.style == RopeStyle::Halves))
+                    .f32(theta_scale)
+                    .f32(g.rope.freq_scale)
+                    .ptr(meta + 4 * lay.positions as u64)
+                    .ptr(factors)
+                    .ptr(meta + 4 * lay.slots as u64)
+                    .ptr(kv.mem.ptr())
+                    .i64(kv.block_bytes() as i64)
+                    .i64(at.values as i64)
+                    .i64(at.scales as i64)
+                    .i32(int(OP, kv.spec.block_size)?),
+            );
+        }
         self.launch(
             op_kernel(Op::RopeKvWrite, dt),
             LaunchDims::linear(

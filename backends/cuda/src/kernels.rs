@@ -5,12 +5,16 @@
 use npu_backend::DType;
 
 /// The kernel sources, concatenated in this order into one program.
-pub const SOURCES: [(&str, &str); 7] = [
+pub const SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("moe.cu", include_str!("../kernels/moe.cu")),
     ("mla.cu", include_str!("../kernels/mla.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
+    (
+        "attention_i8.cu",
+        include_str!("../kernels/attention_i8.cu"),
+    ),
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
     ("moe_matmul.cu", include_str!("../kernels/moe_matmul.cu")),
 ];
@@ -54,10 +58,13 @@ pub enum Op {
     AttentionLatent,
     AddRmsNorm,
     RopeKvWrite,
+    KvWriteI8,
+    RopeKvWriteI8,
+    AttentionI8,
 }
 
 impl Op {
-    pub const ALL: [Op; 24] = [
+    pub const ALL: [Op; 27] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -82,6 +89,9 @@ impl Op {
         Op::AttentionLatent,
         Op::AddRmsNorm,
         Op::RopeKvWrite,
+        Op::KvWriteI8,
+        Op::RopeKvWriteI8,
+        Op::AttentionI8,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -109,6 +119,9 @@ impl Op {
             Op::AttentionLatent => "attention_latent",
             Op::AddRmsNorm => "add_rms_norm",
             Op::RopeKvWrite => "rope_kv_write",
+            Op::KvWriteI8 => "kv_write_i8",
+            Op::RopeKvWriteI8 => "rope_kv_write_i8",
+            Op::AttentionI8 => "attention_i8",
         }
     }
 }
@@ -297,7 +310,7 @@ pub fn kernel_names() -> Vec<String> {
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
 pub fn large_smem_kernels() -> Vec<usize> {
-    [Op::Attention, Op::AttentionLatent]
+    [Op::Attention, Op::AttentionLatent, Op::AttentionI8]
         .into_iter()
         .flat_map(|op| ACTS.iter().map(move |&dt| op_kernel(op, dt)))
         .collect()

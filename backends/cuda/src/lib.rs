@@ -24,6 +24,7 @@
 //! 0.93 ms, with the kernels' own time close to the whole step; graphs (or fewer, fused kernels)
 //! are the next step for decode, and their bookkeeping now has a figure to beat.
 
+mod attention;
 pub mod backend;
 pub mod buffer;
 pub mod config;
@@ -36,6 +37,7 @@ mod fused;
 pub mod gpu;
 mod graphs;
 pub mod kernels;
+mod kv;
 pub mod libs;
 mod matmul;
 mod mla;

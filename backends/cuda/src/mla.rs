@@ -51,6 +51,15 @@ fn row_threads(n: usize, max: usize) -> u32 {
 impl CudaBackend {
     pub(crate) fn op_init_latent_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
         const OP: &str = "init_latent_kv";
+        if self.kv_dtype != npu_backend::KvDtype::F16 {
+            return Err(BackendError::Unsupported {
+                backend: NAME,
+                what: format!(
+                    "kv_cache_dtype {} with latent attention (the latent KV pool stays f16)",
+                    self.kv_dtype.name()
+                ),
+            });
+        }
         need(spec.n_kv_heads == 1, OP, || {
             format!("a latent pool has one row per token, not {spec:?}")
         })?;
@@ -97,6 +106,7 @@ impl CudaBackend {
             mem,
             block_elems,
             latent: true,
+            dtype: npu_backend::KvDtype::F16,
         });
         Ok(())
     }

@@ -59,6 +59,21 @@ fn paged_attention_slides_a_window() {
 }
 
 #[test]
+fn int8_kv_pool_is_sized_and_copied_as_the_cpus() {
+    conformance::int8_kv_pool_is_sized_and_copied_as_the_cpus(&emulated);
+}
+
+#[test]
+fn int8_kv_writes_leave_the_cpus_bytes() {
+    conformance::int8_kv_writes_leave_the_cpus_bytes(&emulated);
+}
+
+#[test]
+fn int8_paged_attention_matches_the_cpu_backend() {
+    conformance::int8_paged_attention_matches_the_cpu_backend(&emulated);
+}
+
+#[test]
 fn head_norm_geglu_and_scale_match_the_reference() {
     conformance::head_norm_geglu_and_scale_match_the_reference(&emulated);
 }

@@ -37,16 +37,8 @@ pub(crate) struct KvPool {
 
 /// Bytes of one block of a pool of `spec` storing `dtype` (scales included), saturating.
 pub(crate) fn block_bytes_for(spec: &KvSpec, dtype: KvDtype) -> usize {
-    match dtype {
-        KvDtype::F16 => spec.f16_block_bytes(),
-        KvDtype::Int8 => {
-            // One byte a value, and one f16 scale per token, KV head, K or V, and layer.
-            let scales = [spec.n_layers, 2, spec.block_size, spec.n_kv_heads, 2]
-                .into_iter()
-                .fold(1usize, usize::saturating_mul);
-            (spec.f16_block_bytes() / 2).saturating_add(scales)
-        }
-    }
+    // One byte a value, and one f16 scale per token, KV head, K or V, and layer.
+    spec.block_bytes(dtype)
 }
 
 impl KvPool {

@@ -5,12 +5,14 @@
 
 mod attention;
 mod fused;
+mod kv_int8;
 mod latent;
 mod matmul;
 mod moe;
 
 pub use attention::*;
 pub use fused::*;
+pub use kv_int8::*;
 pub use latent::*;
 pub use matmul::*;
 pub use moe::*;
@@ -72,6 +74,18 @@ pub const CASES: &[(&str, Case)] = &[
     (
         "paged_attention_slides_a_window",
         paged_attention_slides_a_window,
+    ),
+    (
+        "int8_kv_pool_is_sized_and_copied_as_the_cpus",
+        int8_kv_pool_is_sized_and_copied_as_the_cpus,
+    ),
+    (
+        "int8_kv_writes_leave_the_cpus_bytes",
+        int8_kv_writes_leave_the_cpus_bytes,
+    ),
+    (
+        "int8_paged_attention_matches_the_cpu_backend",
+        int8_paged_attention_matches_the_cpu_backend,
     ),
     (
         "head_norm_geglu_and_scale_match_the_reference",
