@@ -162,8 +162,8 @@ impl std::str::FromStr for GraphCapture {
 }
 
 /// `npu_serving.kv_cache_dtype`: what each agent's KV pool stores. `auto` is f16 today; `int8`
-/// (the CPU backend only) stores one byte a value and one f16 scale per token and KV head, about
-/// half the bytes of f16 per token.
+/// (the CPU and CUDA backends) stores one byte a value and one f16 scale per token and KV head,
+/// about half the bytes of f16 per token.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvCacheDtype {

@@ -163,7 +163,7 @@ pub struct NpuServingConfig {
     /// `quantize`: float weight matrices quantized into this format while loading (q8_0, q4_k,
     /// q4_0); None (`none`): as stored.
     pub quantize: Option<String>,
-    /// `kv_cache_dtype`: what the KV pools store (auto = f16; int8 on the CPU backend only).
+    /// `kv_cache_dtype`: what the KV pools store (auto = f16; int8 on the CPU and CUDA backends).
     pub kv_cache_dtype: KvCacheDtype,
     /// `graph_capture`: decode steps captured as device graphs (auto) or never (off, the
     /// default).

@@ -530,11 +530,14 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
         c.kv_cache_dtype = KvCacheDtype::parse(&v).ok_or_else(|| {
             ConfigError::not_allowed(&path, format!("{v:?}"), "one of auto, f16, int8")
         })?;
-        if c.kv_cache_dtype == KvCacheDtype::Int8 && c.device != DeviceKind::Cpu {
+        if c.kv_cache_dtype == KvCacheDtype::Int8
+            && !matches!(c.device, DeviceKind::Cpu | DeviceKind::Cuda)
+        {
             return Err(ConfigError::not_allowed(
                 &path,
                 format!("{v:?}"),
-                "auto or f16 on this device (the int8 KV cache is built on the CPU backend only)",
+                "auto or f16 on this device (the int8 KV cache is built on the CPU and CUDA \
+                 backends only)",
             ));
         }
     }
