@@ -212,6 +212,7 @@ fn plan(step_id: u64, admit: &[u32], seqs: &[(u32, u32)]) -> StepPlan {
             .map(|&slot| Admission {
                 slot,
                 params: SamplingParams::greedy(),
+                lora: None,
             })
             .collect(),
         seqs: seqs

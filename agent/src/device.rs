@@ -258,6 +258,35 @@ impl DeviceModel {
         }
     }
 
+    /// Gives the model `max_loras` adapter slots of rank up to `max_rank` (refused by name
+    /// where the backend, family or tensor parallelism cannot take adapters).
+    pub fn enable_lora(&mut self, max_loras: usize, max_rank: usize) -> Result<(), ModelError> {
+        dispatch!(self, m => m.enable_lora(max_loras, max_rank))
+    }
+
+    /// Reads an adapter (PEFT directory or GGUF LoRA file) checked against this model.
+    pub fn read_lora(
+        &mut self,
+        path: &std::path::Path,
+    ) -> Result<crate::model::lora::HostAdapter, ModelError> {
+        dispatch!(self, m => m.read_lora(path))
+    }
+
+    /// Places `ad` in adapter slot `slot` (0-based).
+    pub fn load_lora(
+        &mut self,
+        slot: usize,
+        ad: &crate::model::lora::HostAdapter,
+    ) -> Result<(), ModelError> {
+        dispatch!(self, m => m.load_lora(slot, ad))
+    }
+
+    /// The next forward's adapter per token row (`lora::BASE` or a 1-based slot; empty: all
+    /// base).
+    pub fn set_step_lora(&mut self, per_token: &[u16], t: usize) -> Result<(), ModelError> {
+        dispatch!(self, m => m.set_step_lora(per_token, t))
+    }
+
     pub fn config(&self) -> &ModelConfig {
         dispatch!(self, m => &m.cfg)
     }

@@ -18,6 +18,7 @@ use npu_protocol::{
 use thiserror::Error;
 
 use crate::device::{DeviceModel, DeviceSpec, TpSetup};
+use crate::engine_lora::EngineLora;
 use crate::kv_host::{measure_copy_bandwidth, CopyBandwidth, HostKvPool};
 use crate::long_context::select::Heads;
 use crate::long_context::{LongContext, LongContextStats};
@@ -30,6 +31,7 @@ use npu_backend::KvDtype;
 use npu_backend_cpu::threadpool::{PoolError, ThreadPool};
 use npu_gguf::{GgufError, GgufFile};
 use npu_model::{Checkpoint, LoadOptions};
+use npu_protocol::agent::AgentLoraConfig;
 
 thread_local! {
     /// Sampling scratch of each compute thread.
@@ -97,6 +99,8 @@ pub struct AgentEngine {
     forward: std::time::Duration,
     /// Bytes of one KV block as the pools were built (the host pool's unit).
     host_block_bytes: usize,
+    /// LoRA adapters (None: the server did not turn them on).
+    lora: Option<EngineLora>,
 }
 
 /// Where a tensor-parallel rank's forwards spent their time.
@@ -488,6 +492,7 @@ impl AgentEngine {
             steps: 0,
             forward: std::time::Duration::ZERO,
             host_block_bytes: block_bytes,
+            lora: None,
         })
     }
 
@@ -531,8 +536,20 @@ impl AgentEngine {
         &self.model
     }
 
+    /// Turns LoRA adapters on (`npu_serving.max_loras`, `max_lora_rank`): admissions may then
+    /// name an adapter. Refused by name where the backend, the family or tensor parallelism
+    /// cannot take them.
+    pub fn enable_lora(&mut self, cfg: &AgentLoraConfig) -> Result<(), EngineError> {
+        let max_slots = self.slots.len();
+        self.lora = Some(EngineLora::enable(&mut self.model, cfg, max_slots)?);
+        Ok(())
+    }
+
     /// Forget every slot (after a server-side reset).
     pub fn reset(&mut self) {
+        if let Some(l) = self.lora.as_mut() {
+            l.reset();
+        }
         self.slots.iter_mut().for_each(|s| *s = None);
         if let Some(lc) = self.long_context.as_mut() {
             (0..self.slots.len()).for_each(|s| lc.reset_slot(s));
@@ -590,12 +607,26 @@ impl AgentEngine {
         for s in plan.forget().iter() {
             let i = self.slot_index(s)?;
             self.slots[i] = None;
+            if let Some(l) = self.lora.as_mut() {
+                l.forget(i);
+            }
             if let Some(lc) = self.long_context.as_mut() {
                 lc.reset_slot(i);
             }
         }
         for a in plan.admissions() {
             let i = self.slot_index(a.slot)?;
+            match (self.lora.as_mut(), &a.lora) {
+                (Some(l), lora) => l.admit(&mut self.model, i, lora.as_ref())?,
+                (None, Some(lora)) => {
+                    return Err(EngineError::BadPlan(format!(
+                        "slot {}: LoRA adapter {} ({}) admitted, and this agent serves no \
+                         adapters (npu_serving.max_loras)",
+                        a.slot, lora.id, lora.path
+                    )))
+                }
+                (None, None) => {}
+            }
             self.slots[i] = Some(Slot {
                 params: a.params.clone(),
                 history: TokenHistory::new(),
@@ -672,6 +703,9 @@ impl AgentEngine {
                     .is_some_and(|slot| is_plain_greedy(&slot.params))
             });
         (transfer.input_bytes, transfer.block_table_bytes) = input_bytes(&self.read.inputs);
+        if let Some(l) = self.lora.as_mut() {
+            l.set_step(&mut self.model, &self.read)?;
+        }
         let t_fwd = Instant::now();
         if let Some(lc) = self.long_context.as_mut() {
             self.step_slots.clear();

@@ -13,6 +13,7 @@ pub mod collectives;
 pub mod conformance;
 pub mod device;
 pub mod engine;
+mod engine_lora;
 pub mod inproc;
 pub mod kv_host;
 pub mod long_context;

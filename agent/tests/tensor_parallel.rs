@@ -208,6 +208,7 @@ fn forced(
                 vec![Admission {
                     slot: 0,
                     params: params.clone(),
+                    lora: None,
                 }]
             } else {
                 Vec::new()

@@ -17,6 +17,7 @@ use npu_gguf::GgufError;
 pub mod checkpoint;
 pub mod gguf;
 pub mod hf;
+pub mod lora;
 pub mod shard;
 
 pub use checkpoint::{resolve_model, Checkpoint, LoadOptions};

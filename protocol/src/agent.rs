@@ -341,3 +341,40 @@ impl AgentArgs {
         ]
     }
 }
+
+/// An agent's LoRA settings (`npu_serving.max_loras`, `npu_serving.max_lora_rank`). They travel
+/// in the Setup's engine-config JSON under the key [`LORA_CONFIG_KEY`], beside the
+/// `AgentEngineConfig` fields (which ignore it); absent: the agent takes no adapters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentLoraConfig {
+    /// Adapter slots on the device (adapters resident at once).
+    pub max_loras: u32,
+    /// Largest adapter rank a slot holds.
+    pub max_lora_rank: u32,
+}
+
+/// The key of [`AgentLoraConfig`] in the Setup's engine-config JSON.
+pub const LORA_CONFIG_KEY: &str = "lora";
+
+impl AgentLoraConfig {
+    /// `engine_json` (an `AgentEngineConfig` as JSON) with `lora` added under its key.
+    pub fn add_to(lora: Option<&Self>, engine_json: &str) -> Result<String, serde_json::Error> {
+        let Some(lora) = lora else {
+            return Ok(engine_json.to_string());
+        };
+        let mut v: serde_json::Value = serde_json::from_str(engine_json)?;
+        if let serde_json::Value::Object(m) = &mut v {
+            m.insert(LORA_CONFIG_KEY.into(), serde_json::to_value(lora)?);
+        }
+        serde_json::to_string(&v)
+    }
+
+    /// The LoRA settings in an engine-config JSON, if any.
+    pub fn read_from(engine_json: &str) -> Result<Option<Self>, serde_json::Error> {
+        let v: serde_json::Value = serde_json::from_str(engine_json)?;
+        match v.get(LORA_CONFIG_KEY) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(l) => Ok(Some(serde_json::from_value(l.clone())?)),
+        }
+    }
+}

@@ -111,6 +111,22 @@ impl SeqStep {
 pub struct Admission {
     pub slot: u32,
     pub params: SamplingParams,
+    /// The LoRA adapter every token of the slot runs under until it is forgotten; None: the
+    /// base model.
+    #[serde(default)]
+    pub lora: Option<LoraRequest>,
+}
+
+/// Longest adapter path (UTF-8 bytes) an admission carries.
+pub const MAX_LORA_PATH: usize = 1024;
+
+/// A LoRA adapter as a request names it to an agent: the server's id of this load of the
+/// adapter (never reused in a server's life, never 0) and where its files are, which the agent
+/// reads when the adapter is not in one of its slots yet.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LoraRequest {
+    pub id: u32,
+    pub path: String,
 }
 
 /// Which way a KV block copy goes.

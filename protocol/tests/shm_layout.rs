@@ -8,7 +8,7 @@ use npu_protocol::shm::layout::{
     REGION_ALIGN,
 };
 use npu_protocol::shm::{Region, ShmCapacities, ShmError, ShmHeader, ShmLayout, SHM_MAGIC};
-use npu_protocol::{MAX_LOGIT_BIAS, MAX_STEP_DRAFT_TOKENS};
+use npu_protocol::{MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_STEP_DRAFT_TOKENS};
 
 fn small_caps() -> ShmCapacities {
     ShmCapacities {
@@ -49,31 +49,35 @@ fn regions_of_a_small_layout_have_the_expected_offsets_and_sizes() {
         (Region::Tokens, 576, 400),
         (Region::SlotMapping, 1024, 400),
         (Region::BlockTables, 1472, 4 * 6 * 4),
-        // An admission: slot, parameters and a table of MAX_LOGIT_BIAS (token, bias) pairs.
+        // An admission: slot, parameters and a table of MAX_LOGIT_BIAS (token, bias) pairs,
+        // and its LoRA adapter's id and path.
         (
             Region::Admissions,
             1600,
-            3 * (56 + 8 * MAX_LOGIT_BIAS as u64),
+            3 * (64 + 8 * MAX_LOGIT_BIAS as u64 + MAX_LORA_PATH as u64),
         ),
-        (Region::Forget, 7936, 5 * 4),
-        (Region::KvCopies, 8000, 3 * 16),
+        (Region::Forget, 11008, 5 * 4),
+        (Region::KvCopies, 11072, 3 * 16),
         // Token masks: a slot each, and their words.
-        (Region::MaskSlots, 8064, 2 * 4),
-        (Region::MaskWords, 8128, 2 * 3 * 4),
-        (Region::ResultMeta, 8192, 80),
-        (Region::SeqResults, 8320, 4 * 24),
-        (Region::TopLogprobs, 8448, 4 * 2 * 8),
+        (Region::MaskSlots, 11136, 2 * 4),
+        (Region::MaskWords, 11200, 2 * 3 * 4),
+        (Region::ResultMeta, 11264, 80),
+        (Region::SeqResults, 11392, 4 * 24),
+        (Region::TopLogprobs, 11520, 4 * 2 * 8),
         // Tokens sampled after drafts: a fixed number per step.
-        (Region::ExtraTokens, 8512, MAX_STEP_DRAFT_TOKENS as u64 * 8),
+        (Region::ExtraTokens, 11584, MAX_STEP_DRAFT_TOKENS as u64 * 8),
     ];
     for (region, offset, size) in expect {
         let r = layout.region(region);
         assert_eq!((r.offset, r.size), (offset, size), "{region:?}");
     }
-    assert_eq!(layout.total_size(), 9024);
+    assert_eq!(layout.total_size(), 12096);
     assert_eq!(size_of::<PlanMeta>(), 40);
     assert_eq!(size_of::<SeqDesc>(), 40);
-    assert_eq!(size_of::<RawAdmission>(), 56 + 8 * MAX_LOGIT_BIAS);
+    assert_eq!(
+        size_of::<RawAdmission>(),
+        64 + 8 * MAX_LOGIT_BIAS + MAX_LORA_PATH
+    );
     assert_eq!(size_of::<ResultMeta>(), 80);
     assert_eq!(size_of::<RawKvCopy>(), 16);
     assert_eq!(size_of::<RawSeqResult>(), 24);

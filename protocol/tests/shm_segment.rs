@@ -10,8 +10,8 @@ use npu_protocol::shm::{
     segment_name, Region, ShmCapacities, ShmError, ShmHeader, ShmLayout, ShmSegment,
 };
 use npu_protocol::{
-    Admission, KvCopy, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan, StepResult,
-    StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_LOGIT_BIAS,
+    Admission, KvCopy, LoraRequest, PlanSource, SamplingParams, SeqResult, SeqStep, StepPlan,
+    StepResult, StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_LOGIT_BIAS, MAX_LORA_PATH,
 };
 use proptest::prelude::*;
 
@@ -91,6 +91,10 @@ fn sample_plan() -> StepPlan {
                 top_n: 3,
                 logit_bias: vec![(7, -100.0), (11, 2.5), (49_151, 100.0)],
             },
+            lora: Some(LoraRequest {
+                id: 3,
+                path: "/adapters/sql-\u{fc}ber".into(),
+            }),
         }],
         kv_copies: vec![
             KvCopy::to_host(3, 9),
@@ -283,6 +287,15 @@ fn every_plan_overflow_is_refused_and_leaves_the_previous_plan_intact() {
         ("token masks", |p| p.masks = vec![p.masks[0].clone(); 3]),
         ("token mask words", |p| p.masks[0].words.push(0)),
         ("token mask of a slot not sampling", |p| p.masks[0].slot = 5),
+        ("admission LoRA id 0", |p| {
+            p.admit[0].lora.as_mut().unwrap().id = 0
+        }),
+        ("admission LoRA path empty", |p| {
+            p.admit[0].lora.as_mut().unwrap().path.clear()
+        }),
+        ("admission LoRA path too long", |p| {
+            p.admit[0].lora.as_mut().unwrap().path = "a".repeat(MAX_LORA_PATH + 1)
+        }),
     ];
     for (what, break_it) in cases {
         let mut bad = good.clone();
@@ -404,6 +417,9 @@ fn corrupt_plans_and_results_are_refused_on_read() {
     let first_bias = std::mem::offset_of!(RawAdmission, params) as u64 + 52;
     let temperature = std::mem::offset_of!(RawAdmission, params) as u64 + 4;
     let frequency_penalty = std::mem::offset_of!(RawAdmission, params) as u64 + 28;
+    let lora_id = std::mem::offset_of!(RawAdmission, lora_id) as u64;
+    let lora_len = std::mem::offset_of!(RawAdmission, lora_path_len) as u64;
+    let lora_path = std::mem::offset_of!(RawAdmission, lora_path) as u64;
     let plan_cases = [
         ("n_seqs over capacity", Region::PlanMeta, 8, 5),
         ("n_seqs beyond data", Region::PlanMeta, 8, 3),
@@ -461,6 +477,25 @@ fn corrupt_plans_and_results_are_refused_on_read() {
             f32::INFINITY.to_bits(),
         ),
         ("forget slot", Region::Forget, 4, 100),
+        (
+            "LoRA path with adapter id 0",
+            Region::Admissions,
+            lora_id,
+            0,
+        ),
+        ("LoRA path length 0", Region::Admissions, lora_len, 0),
+        (
+            "LoRA path length past the array",
+            Region::Admissions,
+            lora_len,
+            MAX_LORA_PATH as u32 + 1,
+        ),
+        (
+            "LoRA path not UTF-8",
+            Region::Admissions,
+            lora_path,
+            u32::MAX,
+        ),
     ];
     for (what, region, at, value) in plan_cases {
         let mut seg = new_segment();
@@ -566,7 +601,14 @@ fn arb_plan() -> impl Strategy<Value = StepPlan> {
             forget,
             admit: admit
                 .into_iter()
-                .map(|(slot, params)| Admission { slot, params })
+                .map(|(slot, params)| Admission {
+                    lora: (slot % 2 == 1).then(|| LoraRequest {
+                        id: slot | 1,
+                        path: format!("/a/{slot}"),
+                    }),
+                    slot,
+                    params,
+                })
                 .collect(),
             kv_copies: copies
                 .into_iter()

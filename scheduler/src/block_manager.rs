@@ -313,20 +313,21 @@ impl BlockManager {
     }
 
     /// Chain hash of a full block (see `PrefixIndex::chain_hash`).
-    pub fn chain_hash(&self, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
-        self.index.chain_hash(parent, tokens)
+    pub fn chain_hash(&self, parent: Option<BlockHash>, lora: u32, tokens: &[u32]) -> BlockHash {
+        self.index.chain_hash(parent, lora, tokens)
     }
 
-    /// The longest run of cached full blocks matching `tokens` from the start, at most
-    /// `max_blocks` long. Every hit is verified against the stored tokens and parent hash.
-    pub fn find_prefix(&self, tokens: &[u32], max_blocks: usize) -> PrefixHit {
+    /// The longest run of cached full blocks matching `tokens` from the start, computed under
+    /// LoRA adapter `lora` (0: the base model), at most `max_blocks` long. Every hit is
+    /// verified against the stored tokens, adapter and parent hash.
+    pub fn find_prefix(&self, tokens: &[u32], lora: u32, max_blocks: usize) -> PrefixHit {
         let mut hit = PrefixHit::default();
         if !self.caching {
             return hit;
         }
         for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
             let parent = hit.last_hash();
-            let hash = self.chain_hash(parent, chunk);
+            let hash = self.chain_hash(parent, lora, chunk);
             let Some(tier) = self.index.get(hash) else {
                 break;
             };
@@ -339,7 +340,7 @@ impl BlockManager {
             };
             let verified = cached
                 .as_ref()
-                .is_some_and(|c| c.parent == parent && *c.tokens == *chunk);
+                .is_some_and(|c| c.parent == parent && c.lora == lora && *c.tokens == *chunk);
             if !verified {
                 break;
             }
@@ -415,8 +416,14 @@ impl BlockManager {
     /// Offers a newly computed full block to the prefix cache and returns its chain hash (the
     /// parent of the next block). When another block already caches the same content, this one
     /// stays private. Does nothing but hash when caching is off.
-    pub fn register(&mut self, block: u32, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
-        let hash = self.chain_hash(parent, tokens);
+    pub fn register(
+        &mut self,
+        block: u32,
+        parent: Option<BlockHash>,
+        lora: u32,
+        tokens: &[u32],
+    ) -> BlockHash {
+        let hash = self.chain_hash(parent, lora, tokens);
         if !self.caching || tokens.len() != self.block_size {
             return hash;
         }
@@ -434,6 +441,7 @@ impl BlockManager {
         let content = CachedContent {
             hash,
             parent,
+            lora,
             tokens: tokens.into(),
         };
         if self.index.insert(&content, Tier::Device(block)) {

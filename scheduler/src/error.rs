@@ -74,4 +74,6 @@ pub enum SchedError {
 
     #[error("request {id} cannot be taken over: {reason}")]
     BadHandover { id: RequestId, reason: String },
+    #[error("request {id}: {reason}")]
+    Lora { id: u64, reason: String },
 }

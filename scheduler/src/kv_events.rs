@@ -24,6 +24,8 @@ pub enum KvEvent {
         parent: Option<BlockHash>,
         /// The block's tokens (one full block).
         tokens: Box<[u32]>,
+        /// The LoRA adapter's id its KV was computed under (0: the base model).
+        lora: u32,
         medium: KvMedium,
     },
     /// The content with this hash is no longer cached in `medium`.

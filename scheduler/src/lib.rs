@@ -10,6 +10,7 @@ mod error;
 mod handoff;
 mod host_pool;
 mod kv_events;
+mod lora;
 mod planner;
 mod prefix_cache;
 mod request;
@@ -32,6 +33,8 @@ mod tests_handoff;
 mod tests_kv_events;
 #[cfg(test)]
 mod tests_long;
+#[cfg(test)]
+mod tests_lora;
 #[cfg(test)]
 mod tests_spec;
 #[cfg(test)]
@@ -168,6 +171,9 @@ pub struct Scheduler {
     draft_threshold: f64,
     /// How often drafts were kept, all requests together (each request's prior).
     draft_prior: speculative::DraftRecord,
+    /// Most distinct LoRA adapters among admitted requests (the agent's adapter slots); 0: no
+    /// limit (no adapters are served).
+    max_loras: usize,
 }
 
 impl Scheduler {
@@ -215,6 +221,7 @@ impl Scheduler {
             step_cost: Default::default(),
             draft_threshold: 0.0,
             draft_prior: speculative::DraftRecord::initial_prior(),
+            max_loras: 0,
         })
     }
 
@@ -265,6 +272,7 @@ impl Scheduler {
             admitted: None,
             swapped: None,
             drafts: Default::default(),
+            lora: None,
         };
         self.seqs.insert(id, seq);
         if resumed {

@@ -97,6 +97,10 @@ impl Scheduler {
                     }
                 }
             }
+            if !self.lora_fits(id) {
+                // Every adapter slot is taken by running requests: it waits (FCFS holds).
+                break;
+            }
             let Some(slot) = self.try_admit(id) else {
                 break;
             };
@@ -106,6 +110,7 @@ impl Scheduler {
             admit.push(Admission {
                 slot,
                 params: self.seqs[&id].params().clone(),
+                lora: self.seqs[&id].lora.clone(),
             });
             if budget > 0 {
                 let n = self.chunk(id, self.seqs[&id].remaining().min(budget));
@@ -151,7 +156,8 @@ impl Scheduler {
             .min(self.cfg.max_blocks_per_seq)
             .min(reusable_blocks(seq, bs));
         let mut hit = if self.blocks.caching() {
-            self.blocks.find_prefix(&seq.all_tokens(), max_hit)
+            self.blocks
+                .find_prefix(&seq.all_tokens(), seq.lora_id(), max_hit)
         } else {
             Default::default()
         };

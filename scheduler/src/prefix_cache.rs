@@ -19,6 +19,8 @@ pub type BlockHash = u128;
 pub struct CachedContent {
     pub hash: BlockHash,
     pub parent: Option<BlockHash>,
+    /// The LoRA adapter the KV was computed under (0: the base model); part of the hash.
+    pub lora: u32,
     pub tokens: Box<[u32]>,
 }
 
@@ -94,16 +96,20 @@ impl PrefixIndex {
                 hash: content.hash,
                 parent: content.parent,
                 tokens: content.tokens.clone(),
+                lora: content.lora,
                 medium: at.medium(),
             });
         }
     }
 
-    /// Hash of a full block given its parent's hash (None for the first block).
-    pub fn chain_hash(&self, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
+    /// Hash of a full block given its parent's hash (None for the first block) and the LoRA
+    /// adapter its KV was computed under (0: the base model): KV of one adapter never matches
+    /// another's, nor the base model's.
+    pub fn chain_hash(&self, parent: Option<BlockHash>, lora: u32, tokens: &[u32]) -> BlockHash {
         let half = |key: &RandomState| {
             let mut h = key.build_hasher();
             parent.hash(&mut h);
+            lora.hash(&mut h);
             tokens.hash(&mut h);
             h.finish()
         };

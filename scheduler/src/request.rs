@@ -2,7 +2,7 @@
 //! while admitted, its slot, block table and how far its KV has been computed. Also the checks
 //! that refuse a request which could never run.
 
-use npu_protocol::SamplingParams;
+use npu_protocol::{LoraRequest, SamplingParams};
 
 use super::config::SchedulerConfig;
 use super::error::SchedError;
@@ -62,11 +62,18 @@ pub(crate) struct Sequence {
     pub swapped: Option<Swapped>,
     /// How its drafts fared (speculative decoding).
     pub drafts: DraftRecord,
+    /// The LoRA adapter it runs under (None: the base model).
+    pub lora: Option<LoraRequest>,
 }
 
 impl Sequence {
     pub fn params(&self) -> &SamplingParams {
         &self.req.params
+    }
+
+    /// Its adapter's id (0: the base model): the prefix cache keys its blocks on it.
+    pub fn lora_id(&self) -> u32 {
+        self.lora.as_ref().map_or(0, |l| l.id)
     }
 
     pub fn prompt_len(&self) -> usize {

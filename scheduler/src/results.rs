@@ -164,9 +164,10 @@ impl Scheduler {
         let mut registered = adm.num_registered;
         let mut last_hash = adm.last_hash;
         let blocks: Vec<u32> = adm.blocks[registered..full].to_vec();
+        let lora = seq.lora_id();
         for block in blocks {
             let tokens = seq.tokens(registered * bs, (registered + 1) * bs);
-            last_hash = Some(self.blocks.register(block, last_hash, &tokens));
+            last_hash = Some(self.blocks.register(block, last_hash, lora, &tokens));
             registered += 1;
         }
         let adm = seq.admitted.as_mut().expect("checked above");

@@ -88,6 +88,7 @@ fn stored_blocks_carry_their_tokens_and_parent() {
         hash: first,
         parent: None,
         tokens,
+        lora: 0,
         medium: KvMedium::Device,
     } = &events[0]
     else {

@@ -187,20 +187,20 @@ fn the_host_tier_evicts_its_least_recently_used_block_first() {
     let mut m = BlockManager::with_host(2, 1, true, 1, 8);
     let a = m.allocate().unwrap();
     let b = m.allocate().unwrap();
-    m.register(a, None, &[10]);
-    m.register(b, None, &[20]);
+    m.register(a, None, 0, &[10]);
+    m.register(b, None, 0, &[20]);
     m.release(a);
     m.release(b);
     // Both device blocks are taken again: a spills first, then b replaces it on the host.
     let x = m.allocate().unwrap();
-    assert_eq!(m.find_prefix(&[10], 1).blocks, vec![Tier::Host(0)]);
+    assert_eq!(m.find_prefix(&[10], 0, 1).blocks, vec![Tier::Host(0)]);
     let y = m.allocate().unwrap();
     assert_eq!((x, y), (a, b));
     assert!(
-        m.find_prefix(&[10], 1).blocks.is_empty(),
+        m.find_prefix(&[10], 0, 1).blocks.is_empty(),
         "a left the host tier"
     );
-    assert_eq!(m.find_prefix(&[20], 1).blocks, vec![Tier::Host(0)]);
+    assert_eq!(m.find_prefix(&[20], 0, 1).blocks, vec![Tier::Host(0)]);
     let copies = m.take_copies();
     assert_eq!(copies.len(), 2);
     assert!(copies.iter().all(|c| c.host_block == 0));

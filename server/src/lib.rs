@@ -8,6 +8,7 @@ pub mod config;
 pub mod engine;
 pub mod http;
 pub mod kv_events;
+pub mod lora;
 pub mod metrics;
 pub mod metrics_kv;
 pub mod metrics_pd;

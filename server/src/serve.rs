@@ -67,6 +67,8 @@ pub(crate) struct ModelInfo {
     /// A model directory's generation_config.json sampling defaults (none for a GGUF file, or
     /// with `npu_serving.generation_config: ignore`).
     pub(crate) sampling_defaults: SamplingDefaults,
+    /// The model's hyper-parameters (LoRA adapters are checked against them).
+    pub(crate) config: ModelConfig,
 }
 
 /// Refuses a configured device this binary has no backend for, naming the cargo feature that
@@ -117,7 +119,11 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
             eos_ids.push(id);
         }
     }
-    let engine_cfg = EngineConfig::from_server_config(&cfg, max_model_len, eos_ids);
+    let mut engine_cfg = EngineConfig::from_server_config(&cfg, max_model_len, eos_ids);
+    // LoRA adapters: those listed are read and checked against the model before any agent
+    // starts (a bad one is refused naming its entry).
+    let lora = crate::lora::registry_for(&cfg, &model.config).map_err(anyhow::Error::msg)?;
+    engine_cfg.lora = lora.clone().map(crate::lora::LoraHandle);
     engine_cfg
         .scheduler
         .validate()
@@ -158,6 +164,10 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
     let specs: Vec<AgentSpec> = agent_specs(&cfg, &engine_cfg, &model.path, handoff, &region_names)
         .into_iter()
         .map(|s| s.with_token_masks(model.tokenizer.vocab_size() as u32))
+        .map(|mut s| {
+            s.lora = crate::lora::agent_config(&cfg);
+            s
+        })
         .collect();
     let launch = AgentLaunch::default();
     tracing::info!(
@@ -283,12 +293,18 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         cold_start.as_micros() as u64,
     );
     let api = Authenticated::wrap(
-        Arc::new(ApiContext::new(
-            ApiSettings::from_config(&cfg, model.context, model.sampling_defaults),
-            model.tokenizer,
-            engine.handle.stats.clone(),
-            metrics,
-        )),
+        Arc::new({
+            let api = ApiContext::new(
+                ApiSettings::from_config(&cfg, model.context, model.sampling_defaults),
+                model.tokenizer,
+                engine.handle.stats.clone(),
+                metrics,
+            );
+            match lora {
+                Some(reg) => api.with_lora(reg),
+                None => api,
+            }
+        }),
         api_keys,
         cfg.npu_serving.access.protect_health,
     );
@@ -371,6 +387,7 @@ pub(crate) fn load_model_info(
         context: mc.context_length as u32,
         hidden: mc.hidden,
         sampling_defaults,
+        config: mc,
     })
 }
 

@@ -147,6 +147,7 @@ fn prefill(step_id: u64, slot: u32, first_block: u32) -> StepPlan {
                 top_n: 2,
                 ..SamplingParams::greedy()
             },
+            lora: None,
         }],
         seqs: vec![SeqStep {
             slot,

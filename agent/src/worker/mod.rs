@@ -11,6 +11,7 @@ use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
+use npu_protocol::agent::{AgentLoraConfig, LORA_CONFIG_KEY};
 use npu_protocol::frame::{read_frame, write_frame, Frame, FrameError, Hello, Setup};
 use npu_protocol::shm::{ShmError, ShmSegment, PROTOCOL_VERSION};
 use thiserror::Error;
@@ -77,7 +78,20 @@ where
             )))
         }
     };
-    let mut load = load;
+    // LoRA settings ride in the same config JSON (`AgentLoraConfig`); every load (at start
+    // and when waking from a sleep that dropped the engine) turns them on.
+    let lora = AgentLoraConfig::read_from(&setup.config_json).map_err(|e| e.to_string());
+    let mut inner = load;
+    let mut load = move |cfg: &AgentEngineConfig| -> Result<E, EngineError> {
+        let lora = lora.clone().map_err(|e| {
+            EngineError::BadConfig(format!("the LoRA settings ({LORA_CONFIG_KEY}): {e}"))
+        })?;
+        let mut engine = inner(cfg)?;
+        if let Some(l) = &lora {
+            engine.enable_lora(l)?;
+        }
+        Ok(engine)
+    };
     let (segment, engine) = match start(&args, &setup, &mut load) {
         Ok(started) => started,
         Err(e) => {

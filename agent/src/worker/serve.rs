@@ -12,6 +12,7 @@
 use std::io::{Read, Write};
 use std::time::Instant;
 
+use npu_protocol::agent::AgentLoraConfig;
 use npu_protocol::frame::{
     read_frame, write_frame, Frame, FrameError, SleepDone, StepDone, StepStatus,
 };
@@ -45,6 +46,14 @@ pub trait StepExecutor {
     fn restore_kv(&mut self) -> Result<u64, EngineError> {
         Ok(0)
     }
+    /// Turns LoRA adapters on (the server's `npu_serving.max_loras`); refused by an executor
+    /// that cannot run them.
+    fn enable_lora(&mut self, cfg: &AgentLoraConfig) -> Result<(), EngineError> {
+        Err(EngineError::BadConfig(format!(
+            "LoRA adapters (max_loras {}): this engine cannot run them",
+            cfg.max_loras
+        )))
+    }
 }
 
 impl<E: StepExecutor + ?Sized> StepExecutor for &mut E {
@@ -71,6 +80,10 @@ impl<E: StepExecutor + ?Sized> StepExecutor for &mut E {
     fn restore_kv(&mut self) -> Result<u64, EngineError> {
         (**self).restore_kv()
     }
+
+    fn enable_lora(&mut self, cfg: &AgentLoraConfig) -> Result<(), EngineError> {
+        (**self).enable_lora(cfg)
+    }
 }
 
 impl StepExecutor for AgentEngine {
@@ -96,6 +109,9 @@ impl StepExecutor for AgentEngine {
 
     fn restore_kv(&mut self) -> Result<u64, EngineError> {
         AgentEngine::restore_kv(self)
+    }
+    fn enable_lora(&mut self, cfg: &AgentLoraConfig) -> Result<(), EngineError> {
+        AgentEngine::enable_lora(self, cfg)
     }
 }
 

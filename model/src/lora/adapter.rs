@@ -7,9 +7,9 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::{Arch, ModelConfig};
 use half::{bf16, f16};
 use npu_hf::Dtype;
-use npu_model::{Arch, ModelConfig};
 use thiserror::Error;
 
 #[derive(Debug, Error)]

@@ -7,9 +7,9 @@
 
 use std::path::Path;
 
+use crate::ModelConfig;
 use half::{bf16, f16};
 use npu_gguf::{GgmlType, GgufFile};
-use npu_model::ModelConfig;
 
 use super::adapter::{check_family, AdapterError, HostAdapter, LowRank, Target};
 

@@ -11,9 +11,9 @@ use super::layout::{
 use super::ShmError;
 use crate::source::{PlanSource, SeqRef, U32s};
 use crate::step::{
-    Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, StepPlan, StepResult, StepTiming,
-    StepTransfer, TokenLogprob, TokenMask, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE,
-    MAX_STEP_DRAFT_TOKENS,
+    Admission, CopyDirection, KvCopy, LoraRequest, SamplingParams, SeqResult, StepPlan, StepResult,
+    StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE, MAX_LORA_PATH, MAX_STEP_DRAFT_TOKENS,
 };
 
 /// Byte-level access to one region of the segment.
@@ -177,6 +177,9 @@ pub(crate) fn check_plan(layout: &ShmLayout, plan: &StepPlan) -> Result<(), ShmE
     }
     for adm in &plan.admit {
         check_slot("admission", adm.slot, caps.max_slots)?;
+        if let Some(l) = &adm.lora {
+            check_lora(adm.slot, l.id, &l.path)?;
+        }
         exceeds(
             "top_n of an admission",
             adm.params.top_n as usize,
@@ -272,11 +275,19 @@ pub(crate) fn write_plan(
         token_at += seq.tokens.len();
     }
     for (i, adm) in plan.admit.iter().enumerate() {
-        let raw = RawAdmission {
+        let mut raw = RawAdmission {
             slot: adm.slot,
-            reserved: 0,
+            lora_id: 0,
             params: raw_params(&adm.params),
+            lora_path_len: 0,
+            reserved: 0,
+            lora_path: [0; MAX_LORA_PATH],
         };
+        if let Some(l) = &adm.lora {
+            raw.lora_id = l.id;
+            raw.lora_path_len = l.path.len() as u32;
+            raw.lora_path[..l.path.len()].copy_from_slice(l.path.as_bytes());
+        }
         regions[Region::Admissions as usize].put(i, &raw)?;
     }
     regions[Region::Forget as usize].put_u32s(0, &plan.forget)?;
@@ -444,6 +455,7 @@ impl<'a> PlanView<'a> {
             admit.push(Admission {
                 slot: raw.slot,
                 params: params_from_raw(&raw.params, caps.max_top_n)?,
+                lora: lora_from_raw(&raw)?,
             });
         }
         let forget_region = region(layout, seg, Region::Forget)?;
@@ -868,4 +880,51 @@ fn params_from_raw(raw: &RawSamplingParams, max_top_n: u32) -> Result<SamplingPa
         top_n: raw.top_n,
         logit_bias,
     })
+}
+
+/// An admission's adapter must have an id (0 is the base model) and a path that fits.
+fn check_lora(slot: u32, id: u32, path: &str) -> Result<(), ShmError> {
+    if id == 0 {
+        return Err(ShmError::BadPlan(format!(
+            "slot {slot}: LoRA adapter id 0 (0 is the base model)"
+        )));
+    }
+    if path.is_empty() || path.len() > MAX_LORA_PATH {
+        return Err(ShmError::BadPlan(format!(
+            "slot {slot}: LoRA adapter path of {} bytes (1..={MAX_LORA_PATH})",
+            path.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The adapter of a stored admission: none with id 0 (and then no path), else the id and its
+/// path, which must be UTF-8 within the array.
+fn lora_from_raw(raw: &RawAdmission) -> Result<Option<LoraRequest>, ShmError> {
+    let len = raw.lora_path_len as usize;
+    if raw.lora_id == 0 {
+        if len != 0 {
+            return Err(ShmError::Corrupt(format!(
+                "slot {}: a LoRA path of {len} bytes with adapter id 0",
+                raw.slot
+            )));
+        }
+        return Ok(None);
+    }
+    if len == 0 || len > MAX_LORA_PATH {
+        return Err(ShmError::Corrupt(format!(
+            "slot {}: LoRA adapter {} with a path of {len} bytes",
+            raw.slot, raw.lora_id
+        )));
+    }
+    let path = std::str::from_utf8(&raw.lora_path[..len]).map_err(|e| {
+        ShmError::Corrupt(format!(
+            "slot {}: LoRA adapter {}'s path is not UTF-8: {e}",
+            raw.slot, raw.lora_id
+        ))
+    })?;
+    Ok(Some(LoraRequest {
+        id: raw.lora_id,
+        path: path.to_string(),
+    }))
 }

@@ -6,12 +6,12 @@ use bytemuck::{Pod, Zeroable};
 use serde::{Deserialize, Serialize};
 
 use super::ShmError;
-use crate::step::{MAX_LOGIT_BIAS, MAX_STEP_DRAFT_TOKENS, MAX_TOP_N};
+use crate::step::{MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_STEP_DRAFT_TOKENS, MAX_TOP_N};
 
 /// "NPUSHM" + two version-independent bytes, read as a little-endian u64.
 pub const SHM_MAGIC: u64 = u64::from_le_bytes(*b"NPUSHM\x00\x01");
 /// Version of the segment layout and of the control frames; both sides must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 /// Every region starts on this boundary (a cache line).
 pub const REGION_ALIGN: u64 = 64;
 /// Largest segment we agree to create or open.
@@ -174,13 +174,18 @@ pub struct RawLogitBias {
     pub bias: f32,
 }
 
-/// One admission: a slot and the sampling parameters it keeps until forgotten.
+/// One admission: a slot, the sampling parameters it keeps until forgotten, and the LoRA
+/// adapter it runs under (`lora_id` 0: the base model, with no path).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub struct RawAdmission {
     pub slot: u32,
-    pub reserved: u32,
+    pub lora_id: u32,
     pub params: RawSamplingParams,
+    /// Bytes of `lora_path` in use (UTF-8).
+    pub lora_path_len: u32,
+    pub reserved: u32,
+    pub lora_path: [u8; MAX_LORA_PATH],
 }
 
 /// One KV block copy of a plan.
@@ -239,7 +244,8 @@ const _: () = assert!(std::mem::size_of::<PlanMeta>() == 40);
 const _: () = assert!(std::mem::size_of::<SeqDesc>() == 40);
 const _: () = assert!(std::mem::size_of::<RawLogitBias>() == 8);
 const _: () = assert!(std::mem::size_of::<RawSamplingParams>() == 48 + 8 * MAX_LOGIT_BIAS);
-const _: () = assert!(std::mem::size_of::<RawAdmission>() == 56 + 8 * MAX_LOGIT_BIAS);
+const _: () =
+    assert!(std::mem::size_of::<RawAdmission>() == 64 + 8 * MAX_LOGIT_BIAS + MAX_LORA_PATH);
 const _: () = assert!(std::mem::size_of::<RawKvCopy>() == 16);
 const _: () = assert!(std::mem::size_of::<ResultMeta>() == 80);
 const _: () = assert!(std::mem::size_of::<RawSeqResult>() == 24);

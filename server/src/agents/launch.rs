@@ -55,6 +55,9 @@ pub struct AgentSpec {
     pub agent_id: u32,
     pub engine: AgentEngineConfig,
     pub capacities: ShmCapacities,
+    /// LoRA adapter slots (None: the agent takes no adapters); sent beside `engine` in the
+    /// Setup's config JSON.
+    pub lora: Option<npu_protocol::agent::AgentLoraConfig>,
 }
 
 impl AgentSpec {
@@ -77,6 +80,7 @@ impl AgentSpec {
             agent_id,
             engine,
             capacities,
+            lora: None,
         }
     }
 

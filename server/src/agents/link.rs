@@ -614,12 +614,14 @@ fn launch_and_handshake(
         agent_id,
         launch_token: token,
         segment_name: segment.name().to_string(),
-        config_json: serde_json::to_string(&spec.engine).map_err(|e| {
-            AgentFailure::StartFailed {
+        config_json: serde_json::to_string(&spec.engine)
+            .and_then(|json| {
+                npu_protocol::agent::AgentLoraConfig::add_to(spec.lora.as_ref(), &json)
+            })
+            .map_err(|e| AgentFailure::StartFailed {
                 agent_id,
                 reason: format!("engine config cannot be encoded: {e}"),
-            }
-        })?,
+            })?,
     };
     let outcome = ControlChannel::new(server_end)
         .map_err(|source| AgentFailure::Io { agent_id, source })

@@ -6,6 +6,7 @@ mod anthropic;
 mod defaults;
 mod error;
 mod fields;
+mod lora;
 mod openai;
 mod openai_choices;
 mod openai_stream;
@@ -155,6 +156,8 @@ pub struct ApiContext {
     grammars: std::sync::OnceLock<Result<npu_structured::Grammars, String>>,
     /// Stored responses of `/v1/responses`.
     responses: Arc<responses::Store>,
+    /// The served LoRA adapters (None: LoRA off).
+    lora: Option<Arc<crate::lora::LoraRegistry>>,
 }
 
 /// A route and the methods it answers.
@@ -187,6 +190,9 @@ enum Route {
     Sleep,
     WakeUp,
     IsSleeping,
+    /// vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+    LoadLora,
+    UnloadLora,
 }
 
 fn route(path: &str) -> Option<(Route, &'static str)> {
@@ -207,6 +213,8 @@ fn route(path: &str) -> Option<(Route, &'static str)> {
         "/sleep" => (Route::Sleep, "POST"),
         "/wake_up" => (Route::WakeUp, "POST"),
         "/is_sleeping" => (Route::IsSleeping, "GET"),
+        "/v1/load_lora_adapter" => (Route::LoadLora, "POST"),
+        "/v1/unload_lora_adapter" => (Route::UnloadLora, "POST"),
         "/detokenize" | "/v1/detokenize" => (Route::Detokenize, "POST"),
         "/v1/messages" => (Route::AnthropicMessages, "POST"),
         "/v1/messages/count_tokens" => (Route::AnthropicCountTokens, "POST"),
@@ -288,7 +296,14 @@ impl ApiContext {
             metrics,
             started,
             grammars: std::sync::OnceLock::new(),
+            lora: None,
         }
+    }
+
+    /// Serves the adapters of `reg` too (names as `model`, `/v1/models`, load and unload).
+    pub fn with_lora(mut self, reg: Arc<crate::lora::LoraRegistry>) -> Self {
+        self.lora = Some(reg);
+        self
     }
 
     /// The grammar compiler (built once, on first use).
@@ -383,12 +398,13 @@ impl ApiContext {
     }
 
     fn models(&self) -> Response {
-        let data: Vec<serde_json::Value> = self
+        let mut data: Vec<serde_json::Value> = self
             .settings
             .served_names()
             .iter()
             .map(|n| self.model_entry(n))
             .collect();
+        data.extend(lora::model_entries(self));
         Response::json(200, &serde_json::json!({"object": "list", "data": data}))
     }
 
@@ -398,6 +414,11 @@ impl ApiContext {
         let served = self.settings.served_names();
         if served.iter().any(|n| n == name) {
             Response::json(200, &self.model_entry(name))
+        } else if let Some(e) = lora::model_entries(self)
+            .into_iter()
+            .find(|e| e["id"] == name)
+        {
+            Response::json(200, &e)
         } else {
             ApiError::model_not_found(name, &served).response(ErrorShape::OpenAi)
         }
@@ -411,6 +432,26 @@ impl ApiContext {
             None => Ok(served[0].clone()),
             Some(name) if served.iter().any(|n| n == name) => Ok(name.to_string()),
             Some(name) => Err(ApiError::model_not_found(name, &served)),
+        }
+    }
+
+    /// `check_model` for the routes that run LoRA adapters too: a served name is the base
+    /// model; a served adapter's name, that adapter (counted for it); else 404 naming both.
+    pub(crate) fn resolve_model(
+        &self,
+        requested: Option<&str>,
+    ) -> Result<(String, Option<npu_protocol::LoraRequest>), ApiError> {
+        match (self.check_model(requested), &self.lora, requested) {
+            (Ok(name), _, _) => Ok((name, None)),
+            (Err(_), Some(reg), Some(name)) => match reg.resolve(name) {
+                Some(l) => Ok((name.to_string(), Some(l))),
+                None => {
+                    let mut served = self.settings.served_names();
+                    served.extend(reg.adapters().into_iter().map(|(n, _)| n));
+                    Err(ApiError::model_not_found(name, &served))
+                }
+            },
+            (Err(e), _, _) => Err(e),
         }
     }
 
@@ -511,6 +552,9 @@ impl Handler for ApiContext {
                 let mut text = self.metrics.render(&self.stats);
                 let served = self.settings.served_names();
                 crate::metrics::render_vllm_aliases(&mut text, &self.stats, &served[0]);
+                if let Some(reg) = &self.lora {
+                    reg.render_metrics(&mut text);
+                }
                 return Reply::Full(Response::new(
                     200,
                     "text/plain; version=0.0.4; charset=utf-8",
@@ -545,6 +589,13 @@ impl Handler for ApiContext {
             }
             Route::WakeUp => return sleep::wake(),
             Route::IsSleeping => return Reply::Full(sleep::is_sleeping(self)),
+            Route::LoadLora => {
+                return lora::load(self, req).unwrap_or_else(|e| Reply::Full(e.response(shape)))
+            }
+            Route::UnloadLora => {
+                let r = lora::unload(self, req);
+                return Reply::Full(r.unwrap_or_else(|e| e.response(shape)));
+            }
             Route::AnthropicCountTokens => {
                 let r = anthropic::count_tokens(self, req);
                 return Reply::Full(r.unwrap_or_else(|e| e.response(shape)));

@@ -34,6 +34,8 @@ struct Common {
     n: usize,
     /// Structured output: one compiled grammar per choice, or none.
     constraints: Vec<npu_structured::Constraint>,
+    /// The LoRA adapter `model` names (None: the base model).
+    lora: Option<npu_protocol::LoraRequest>,
 }
 
 /// Most choices one request may ask for (`n`): each is a sequence of its own in the engine.
@@ -47,7 +49,7 @@ fn common(
 ) -> Result<Common, ApiError> {
     let s = &ctx.settings;
     // A name this server does not serve is 404, before anything else is looked at.
-    let model = ctx.check_model(f.string("model")?)?;
+    let (model, lora) = ctx.resolve_model(f.string("model")?)?;
     let n = match f.i64("n")? {
         None => 1,
         Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
@@ -118,6 +120,7 @@ fn common(
     Ok(Common {
         constraints,
         model,
+        lora,
         params: SamplingParams {
             do_sample: temperature > 0.0,
             temperature,
@@ -234,6 +237,7 @@ fn finish(
             more: Vec::new(),
             writer: Box::new(writer(c.include_usage)),
             constraints: c.constraints,
+            lora: c.lora,
         };
     }
     // Several choices: one engine request and one writer each, merged into one response (the
@@ -244,6 +248,7 @@ fn finish(
         more: (1..c.n).map(request).collect(),
         writer: Box::new(ChoicesWriter::new(writers, c.stream, c.include_usage)),
         constraints: c.constraints,
+        lora: c.lora,
     }
 }
 

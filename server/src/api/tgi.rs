@@ -207,6 +207,7 @@ pub(super) fn submission(
         more: Vec::new(),
         writer,
         constraints,
+        lora: None,
     })
 }
 

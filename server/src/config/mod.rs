@@ -4,6 +4,7 @@
 
 mod access;
 mod error;
+mod lora;
 mod models;
 mod reader;
 mod responses;
@@ -18,6 +19,7 @@ use std::time::Duration;
 pub(crate) use access::check_key;
 pub use access::{AccessConfig, ApiKeySource, TlsFiles};
 pub use error::{ConfigError, ConfigWarning};
+pub use lora::{expand_home_path, LoraConfig, LoraEntry};
 pub use models::{ModelEntry, ModelsConfig};
 pub(crate) use reader::closest;
 pub use reader::parse_bool_str;
@@ -234,6 +236,8 @@ pub struct NpuServingConfig {
     pub sleep: SleepConfig,
     /// Several models behind one server (`models`, `max_resident_models`); no entries: one.
     pub models: ModelsConfig,
+    /// LoRA adapters (`lora_adapters`, `max_loras`, `max_lora_rank`); None: off.
+    pub lora: Option<LoraConfig>,
 }
 
 impl Default for NpuServingConfig {
@@ -271,6 +275,7 @@ impl Default for NpuServingConfig {
             responses: ResponsesConfig::default(),
             sleep: SleepConfig::default(),
             models: ModelsConfig::default(),
+            lora: None,
         }
     }
 }

@@ -103,6 +103,10 @@ pub(super) fn parse(text: &str, strict: bool) -> Result<ServerConfig, ConfigErro
         &mut s,
         Unknown::Refuse(if strict { STRICT } else { OWN_SECTION }),
     )?;
+    npu_serving.lora = super::lora::lora(&mut s)?;
+    if npu_serving.lora.is_some() {
+        super::lora::check_with(&npu_serving)?;
+    }
     if npu_serving.speculative.is_some() && npu_serving.long_context.is_some() {
         return Err(ConfigError::not_allowed(
             "npu_serving.speculative",

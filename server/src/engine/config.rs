@@ -37,6 +37,8 @@ pub struct EngineConfig {
     pub tensor_parallel_size: u32,
     /// Sleeping by itself after a time without requests.
     pub sleep: SleepConfig,
+    /// The served LoRA adapters (None: LoRA off).
+    pub lora: Option<crate::lora::LoraHandle>,
 }
 
 impl Default for EngineConfig {
@@ -54,6 +56,7 @@ impl Default for EngineConfig {
             handoff_block_bytes: 0,
             tensor_parallel_size: 1,
             sleep: SleepConfig::default(),
+            lora: None,
         }
     }
 }

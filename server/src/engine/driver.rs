@@ -6,6 +6,7 @@
 //! go to agents that prefill and their KV is handed over to agents that decode.
 
 mod handoff;
+mod lora;
 mod sleep;
 
 use std::collections::{HashMap, VecDeque};
@@ -85,6 +86,9 @@ pub fn start_engine(
     let mut states = Vec::with_capacity(agents.len());
     for (i, agent) in agents.into_iter().enumerate() {
         let mut sched = Scheduler::new(cfg.scheduler.clone())?;
+        if let Some(l) = &cfg.lora {
+            sched.set_max_loras(l.0.max_loras as usize);
+        }
         if kv_events.is_some() {
             sched.record_kv_events();
         }
@@ -125,6 +129,7 @@ pub fn start_engine(
         commands_closed: false,
         kv_events,
         sleep: SleepControl::default(),
+        loras: HashMap::new(),
     };
     engine.publish_stats();
     let thread = std::thread::Builder::new()
@@ -228,6 +233,8 @@ struct Engine {
     kv_events: Option<KvEventSender>,
     /// Sleep and wake (`POST /sleep`, `/wake_up`, the idle timeout).
     sleep: SleepControl,
+    /// The adapter of each live request that runs under one.
+    loras: HashMap<RequestId, npu_protocol::LoraRequest>,
 }
 
 impl Engine {
@@ -298,6 +305,7 @@ impl Engine {
 
     fn emit_finished(&mut self, id: RequestId, reason: FinishReason, message: Option<String>) {
         self.sleep.last_activity = Instant::now();
+        self.loras.remove(&id);
         if let Some(entry) = self.requests.remove(&id) {
             if entry.constraint.is_some() {
                 self.constrained -= 1;
@@ -386,6 +394,8 @@ impl Engine {
             EngineCommand::Shutdown => self.begin_drain(),
             EngineCommand::Sleep { id, level } => self.on_sleep_command(id, level),
             EngineCommand::Wake { id } => self.begin_wake(Some(id)),
+            EngineCommand::SubmitLora(req, c, lora) => self.submit_lora(req, c, lora),
+            EngineCommand::LoadLora { id, name, path } => self.load_lora(id, &name, &path),
         }
     }
 
@@ -491,6 +501,15 @@ impl Engine {
             Pending::Fresh(req) => sched.add(&req),
             Pending::Recovered(rec) => sched.add_recovered(rec),
         };
+        let added = added.and_then(|()| match self.loras.get(&id) {
+            Some(l) => self.agents[i]
+                .sched
+                .set_lora(id, l.clone())
+                .inspect_err(|_| {
+                    self.agents[i].sched.abort(id);
+                }),
+            None => Ok(()),
+        });
         match added {
             Ok(()) => {
                 if let Some(e) = self.requests.get_mut(&id) {
@@ -752,6 +771,7 @@ impl Engine {
     }
 
     fn publish_stats(&self) {
+        self.publish_lora_activity();
         let s = &self.stats;
         let (mut running, mut waiting, mut used, mut total, mut preempted) = (0, 0, 0, 0, 0);
         let (mut queried, mut hit) = (0, 0);

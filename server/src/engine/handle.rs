@@ -27,6 +27,18 @@ pub enum EngineCommand {
     Sleep { id: RequestId, level: u8 },
     /// `POST /wake_up`: wake every agent; answered like `Sleep`.
     Wake { id: RequestId },
+    /// A request that runs under a LoRA adapter (with its grammar, if any).
+    SubmitLora(
+        GenerateRequest,
+        Option<Box<npu_structured::Constraint>>,
+        npu_protocol::LoraRequest,
+    ),
+    /// `POST /v1/load_lora_adapter`: read and serve the adapter; answered like `Sleep`.
+    LoadLora {
+        id: RequestId,
+        name: String,
+        path: String,
+    },
 }
 
 /// The engine's answer to a control command (`Sleep`, `Wake`): an HTTP status and its JSON

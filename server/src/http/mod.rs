@@ -91,10 +91,17 @@ pub struct ControlSubmission {
 }
 
 /// What a control route asks the engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlCommand {
-    Sleep { level: u8 },
+    Sleep {
+        level: u8,
+    },
     Wake,
+    /// `POST /v1/load_lora_adapter`: read the adapter at `path` and serve it as `name`.
+    LoadLora {
+        name: String,
+        path: String,
+    },
 }
 
 pub struct Submission {
@@ -108,6 +115,8 @@ pub struct Submission {
     /// Structured output: one grammar constraint per request (`request`, then `more`), or
     /// none.
     pub constraints: Vec<npu_structured::Constraint>,
+    /// The LoRA adapter every request of it runs under (None: the base model).
+    pub lora: Option<npu_protocol::LoraRequest>,
 }
 
 /// Turns one request's generation events into its HTTP response.

@@ -437,9 +437,10 @@ impl Loop {
         for (i, mut request) in requests.into_iter().enumerate() {
             request.id = if i == 0 { id } else { next_request_id() };
             let rid = request.id;
-            let command = match constraints.next() {
-                Some(c) => EngineCommand::SubmitConstrained(request, Box::new(c)),
-                None => EngineCommand::Submit(request),
+            let command = match (constraints.next(), sub.lora.clone()) {
+                (c, Some(lora)) => EngineCommand::SubmitLora(request, c.map(Box::new), lora),
+                (Some(c), None) => EngineCommand::SubmitConstrained(request, Box::new(c)),
+                (None, None) => EngineCommand::Submit(request),
             };
             let refused = match self.engine.commands.try_send(command) {
                 Ok(()) => None,
@@ -512,6 +513,9 @@ impl Loop {
         let command = match ctl.command {
             super::ControlCommand::Sleep { level } => EngineCommand::Sleep { id, level },
             super::ControlCommand::Wake => EngineCommand::Wake { id },
+            super::ControlCommand::LoadLora { name, path } => {
+                EngineCommand::LoadLora { id, name, path }
+            }
         };
         if self.engine.commands.try_send(command).is_err() {
             let resp = self.handler.error_response(

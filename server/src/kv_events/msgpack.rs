@@ -3,7 +3,7 @@
 //! with `array_like` and a leading tag), so that subscribers written for vLLM read it as is:
 //!
 //! - batch: `[ts, [event...], data_parallel_rank]`
-//! - `["BlockStored", [hash], parent_hash | nil, [token...], block_size, lora_id (nil), medium]`
+//! - `["BlockStored", [hash], parent_hash | nil, [token...], block_size, lora_id | nil, medium]`
 //! - `["BlockRemoved", [hash], medium]`
 //! - `["AllBlocksCleared"]`
 //!
@@ -105,6 +105,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], rank: u32, block_size: u32) -> 
                 hash,
                 parent,
                 tokens,
+                lora,
                 medium,
             } => {
                 e.array(7);
@@ -120,7 +121,11 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], rank: u32, block_size: u32) -> 
                     e.uint(u64::from(t));
                 }
                 e.uint(u64::from(block_size));
-                e.nil();
+                // The LoRA adapter's id the KV was computed under (nil: the base model).
+                match lora {
+                    0 => e.nil(),
+                    l => e.uint(u64::from(*l)),
+                }
                 e.str(medium_name(*medium));
             }
             KvEvent::Removed { hash, medium } => {
@@ -176,6 +181,7 @@ mod tests {
                 hash: (7u128 << 64) | 42,
                 parent: None,
                 tokens: vec![1, 300].into(),
+                lora: 0,
                 medium: KvMedium::Device,
             },
             KvEvent::Removed {

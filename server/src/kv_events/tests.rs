@@ -79,6 +79,7 @@ fn stored(hash: u128) -> KvEvent {
         hash,
         parent: None,
         tokens: vec![1, 2, 3, 4].into(),
+        lora: 0,
         medium: KvMedium::Device,
     }
 }

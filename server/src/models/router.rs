@@ -354,6 +354,15 @@ impl RouterLoop {
                 let msg = "sleep and wake are not available with npu_serving.models".to_string();
                 self.finish(id, FinishReason::Error, Some(msg));
             }
+            EngineCommand::SubmitLora(r, ..) => {
+                // No handler sends these with npu_serving.models (the config refuses LoRA).
+                let msg = "LoRA adapters are not available with npu_serving.models".to_string();
+                self.finish(r.id, FinishReason::Error, Some(msg));
+            }
+            EngineCommand::LoadLora { id, .. } => {
+                let msg = "LoRA adapters are not available with npu_serving.models".to_string();
+                self.finish(id, FinishReason::Error, Some(msg));
+            }
         }
     }
 

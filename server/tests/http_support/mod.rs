@@ -75,7 +75,9 @@ fn spawn_echo_engine(
                 rx.recv_timeout(token_delay)
             };
             match cmd {
-                Ok(EngineCommand::Submit(req)) | Ok(EngineCommand::SubmitConstrained(req, _)) => {
+                Ok(EngineCommand::Submit(req))
+                | Ok(EngineCommand::SubmitConstrained(req, _))
+                | Ok(EngineCommand::SubmitLora(req, _, _)) => {
                     log.lock().unwrap().submitted.push(req.clone());
                     let fail = tokenizer.decode(&req.prompt_ids, false).contains("FAIL");
                     if fail {
@@ -131,6 +133,18 @@ fn spawn_echo_engine(
                             reason: FinishReason::Stop,
                             usage: Usage::default(),
                             message: Some(serde_json::to_string(&reply).unwrap()),
+                        },
+                    );
+                    continue;
+                }
+                // The fake engine serves no LoRA adapters.
+                Ok(EngineCommand::LoadLora { id, .. }) => {
+                    sink.send(
+                        id,
+                        GenEvent::Finished {
+                            reason: FinishReason::Error,
+                            usage: Usage::default(),
+                            message: Some("LoRA adapters are not served here".into()),
                         },
                     );
                     continue;

@@ -6,15 +6,15 @@
 //! (`pool`). Adapters are read from PEFT directories (`adapter`) or llama.cpp's GGUF LoRA files
 //! (`gguf_adapter`).
 
-pub mod adapter;
-pub mod gguf_adapter;
 pub mod merge;
 pub mod pool;
 pub mod synth;
 
 use npu_backend::{Backend, Capability, DType, HostSlice, LoraGroup, View, ViewMut};
 
-pub use adapter::{AdapterError, HostAdapter, LowRank, Target};
+/// The readers live in `npu_model::lora` (the server checks adapters with them too).
+pub use npu_model::lora::{adapter, gguf_adapter};
+pub use npu_model::lora::{AdapterError, HostAdapter, LowRank, Target};
 
 use super::{Model, ModelConfig, ModelError};
 
@@ -268,10 +268,7 @@ impl<B: Backend> Model<B> {
                 "LoRA is not enabled (max_loras)".into(),
             ));
         }
-        if dir.is_file() {
-            return Ok(gguf_adapter::read_gguf_lora(dir, cfg, slots.max_rank)?);
-        }
-        Ok(adapter::read_peft(dir, cfg, slots.max_rank)?)
+        Ok(npu_model::lora::read_adapter(dir, cfg, slots.max_rank)?)
     }
 
     /// Places `ad` in slot `slot` (0-based).

@@ -184,5 +184,6 @@ pub(super) fn messages_submission(
         more: Vec::new(),
         writer: Box::new(writer),
         constraints,
+        lora: None,
     })
 }

@@ -163,6 +163,7 @@ pub(super) fn submission(
         more: Vec::new(),
         writer: Box::new(writer),
         constraints,
+        lora: None,
     })
 }
 
