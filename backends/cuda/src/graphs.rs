@@ -45,6 +45,8 @@ pub(crate) struct Graphs {
     pub(crate) active: Option<GraphKey>,
     capturing: Option<GraphKey>,
     pub(crate) replays: u64,
+    /// Deliberately wrong (`record_input_copies`): the step's input copy is recorded too.
+    record_inputs: bool,
 }
 
 impl Graphs {
@@ -61,6 +63,14 @@ fn bad_step(m: String) -> BackendError {
 }
 
 impl CudaBackend {
+    /// **Deliberately wrong**, for the test that the emulation catches it: with `on`, a capture
+    /// also records a copy of the step's inputs into the graph (staged through the pinned ring,
+    /// as every upload is), so each replay copies whatever the ring's buffer holds by then over
+    /// the inputs `begin_graph_step` wrote.
+    pub fn record_input_copies(&mut self, on: bool) {
+        self.graphs.record_inputs = on;
+    }
+
     pub(crate) fn graphs_on(&self) -> bool {
         self.gpu.graphs_supported()
     }
@@ -140,6 +150,10 @@ impl CudaBackend {
         self.device_wrote();
         self.gpu.capture_begin()?;
         self.graphs.capturing = Some(key);
+        if self.graphs.record_inputs {
+            let ptr = self.graphs.inputs[&key].ptr();
+            self.gpu.htod(ptr, bytemuck::cast_slice(&self.meta_host))?;
+        }
         Ok(())
     }
 
