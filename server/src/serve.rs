@@ -195,7 +195,6 @@ pub fn run(args: ServeArgs, built: &[DeviceKind]) -> anyhow::Result<()> {
         cold_start_s = cold_start.as_secs_f64(),
         "agents started (cold load)"
     );
-    let mut engine_cfg = engine_cfg;
     if cfg.npu_serving.kv_cache_memory_fraction.is_some() {
         let blocks = if groups.is_empty() {
             kv_pool_from_agents(&mut links)?
