@@ -106,7 +106,16 @@ struct Greedy {
 }
 
 fn complete(server: &Server, model: &str, prompt: &[u32]) -> Result<Greedy, (u16, Value)> {
-    let body = json!({"model": model, "prompt": prompt, "max_tokens": STEPS,
+    complete_n(server, model, prompt, STEPS)
+}
+
+fn complete_n(
+    server: &Server,
+    model: &str,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<Greedy, (u16, Value)> {
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": steps,
         "temperature": 0, "logprobs": 2, "ignore_eos": true});
     let (status, v) = server.post_json("/v1/completions", &body);
     if status != 200 {
@@ -332,6 +341,25 @@ fn adapters_per_request_give_their_merged_models_tokens_and_never_share_kv() {
         &greedy(&server, "ad2-again", &all[0]),
         &want2[0],
     );
+
+    // Unloading an adapter a request is running on: the request finishes on it (vLLM lets the
+    // unload proceed; nothing running is lost).
+    std::thread::scope(|s| {
+        let running = s.spawn(|| complete_n(&server, "ad2-again", &all[0], 256));
+        let seen = (0..500).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            server
+                .get("/metrics")
+                .1
+                .contains("running_lora_adapters=\"ad2-again\"")
+        });
+        assert!(seen, "the long request was never seen running");
+        let (st, text) = unload(&server, "ad2-again");
+        assert_eq!(st, 200, "{text}");
+        let got = running.join().unwrap().unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(got.tokens.len(), 256);
+        agree("ad2-again across its unload", &got, &want2[0]);
+    });
 
     // Metrics: requests per adapter, vLLM's adapter gauge.
     let text = server.get("/metrics").1;

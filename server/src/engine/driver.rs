@@ -130,6 +130,7 @@ pub fn start_engine(
         kv_events,
         sleep: SleepControl::default(),
         loras: HashMap::new(),
+        lora_loads: crossbeam_channel::unbounded(),
     };
     engine.publish_stats();
     let thread = std::thread::Builder::new()
@@ -235,6 +236,8 @@ struct Engine {
     sleep: SleepControl,
     /// The adapter of each live request that runs under one.
     loras: HashMap<RequestId, npu_protocol::LoraRequest>,
+    /// Answers of adapter loads read on threads of their own (`POST /v1/load_lora_adapter`).
+    lora_loads: lora::LoraLoads,
 }
 
 impl Engine {
@@ -249,6 +252,11 @@ impl Engine {
                 recv(self.reports) -> rep => {
                     if let Ok(rep) = rep {
                         self.on_report(rep);
+                    }
+                },
+                recv(self.lora_loads.1) -> done => {
+                    if let Ok((id, reply)) = done {
+                        self.lora_loaded(id, reply);
                     }
                 },
                 default(timeout) => {},

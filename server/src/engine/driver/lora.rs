@@ -2,10 +2,11 @@
 //! (set in the scheduler each time it is queued on an agent, also after a recovery), the
 //! run-time load of an adapter (`POST /v1/load_lora_adapter`, answered like `/sleep`), and the
 //! adapters of running and waiting requests published for `/metrics`. Loading reads and checks
-//! the adapter's files on this thread: steps already sent keep running on their agents, the
-//! next ones wait for the read.
+//! the adapter's files on a thread of its own, so steps go on meanwhile.
 
 use std::collections::BTreeSet;
+
+use crossbeam_channel::{Receiver, Sender};
 
 use npu_protocol::LoraRequest;
 use serde_json::json;
@@ -13,6 +14,12 @@ use serde_json::json;
 use super::Engine;
 use crate::engine::handle::ControlReply;
 use crate::engine::types::{FinishReason, GenEvent, GenerateRequest, RequestId, Usage};
+
+/// Where load threads send their answers, and where the engine takes them.
+pub(super) type LoraLoads = (
+    Sender<(RequestId, ControlReply)>,
+    Receiver<(RequestId, ControlReply)>,
+);
 
 impl Engine {
     pub(super) fn submit_lora(
@@ -32,29 +39,54 @@ impl Engine {
         self.submit(req, constraint);
     }
 
+    /// Reads and checks the adapter on a thread of its own (steps go on meanwhile); the
+    /// answer comes back through `lora_loads`.
     pub(super) fn load_lora(&mut self, id: RequestId, name: &str, path: &str) {
-        let reply = match &self.cfg.lora {
-            None => ControlReply {
+        let Some(reg) = self.cfg.lora.clone() else {
+            let reply = ControlReply {
                 status: 400,
                 body: json!({"error": {
                     "message": "LoRA adapters are not served here: set npu_serving.max_loras \
                                 (or npu_serving.lora_adapters) to load them",
                     "type": "invalid_request_error", "param": "lora_name", "code": 400}}),
-            },
-            Some(reg) => match reg.0.load(name, path) {
-                Ok(_) => ControlReply {
-                    status: 200,
-                    body: json!({"message":
-                        format!("Success: LoRA adapter '{name}' added successfully.")}),
-                },
-                Err(e) => ControlReply {
-                    status: e.status(),
-                    body: json!({"error": {"message": e.to_string(),
-                        "type": if e.status() == 404 { "NotFoundError" } else { "BadRequestError" },
-                        "param": e.param(), "code": e.status()}}),
-                },
-            },
+            };
+            return self.lora_loaded(id, reply);
         };
+        let (name, path, done) = (
+            name.to_string(),
+            path.to_string(),
+            self.lora_loads.0.clone(),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("lora-load".into())
+            .spawn(move || {
+                let reply = match reg.0.load(&name, &path) {
+                    Ok(_) => ControlReply {
+                        status: 200,
+                        body: json!({"message":
+                            format!("Success: LoRA adapter '{name}' added successfully.")}),
+                    },
+                    Err(e) => ControlReply {
+                        status: e.status(),
+                        body: json!({"error": {"message": e.to_string(),
+                            "type": if e.status() == 404 { "NotFoundError" } else { "BadRequestError" },
+                            "param": e.param(), "code": e.status()}}),
+                    },
+                };
+                let _ = done.send((id, reply));
+            });
+        if let Err(e) = spawned {
+            let reply = ControlReply {
+                status: 503,
+                body: json!({"error": {"message": format!("cannot start a thread to read the \
+                    adapter: {e}"), "type": "unavailable", "code": 503}}),
+            };
+            self.lora_loaded(id, reply);
+        }
+    }
+
+    /// Answers a load request.
+    pub(super) fn lora_loaded(&mut self, id: RequestId, reply: ControlReply) {
         let message = serde_json::to_string(&reply).unwrap_or_default();
         let reason = if reply.status < 400 {
             FinishReason::Stop
