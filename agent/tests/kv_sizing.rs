@@ -127,3 +127,51 @@ fn cuda_emulation_pool_is_the_fraction_of_what_the_weights_left_in_whole_blocks(
     let last = blocks as u32 - 1;
     assert_eq!(first_token(&mut model, last), FIRST_TOKEN);
 }
+
+/// The int8 KV cache (`kv_cache_dtype: int8`) on the CUDA backend's emulation: the pool sized
+/// from the same fraction holds its int8 blocks (the CPU backend's block bytes, 0.52 of f16's
+/// for this model), so 1.94x the tokens an f16 pool would, and the model computes llama.cpp's
+/// first token with its prompt's KV in the pool's last block.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_emulation_int8_pool_holds_1_9x_the_tokens_of_f16() {
+    use npu_backend::KvDtype;
+    use npu_backend_cuda::{CudaBackend, CudaConfig};
+    let file = GgufFile::open(model_path()).unwrap();
+    let cfg = CudaConfig {
+        kernel_cache: None,
+        ..CudaConfig::default()
+    };
+    let mut backend = match CudaBackend::emulated(cfg) {
+        Ok(b) => b,
+        Err(e) if e.to_string().contains("could not run the C++ compiler") => {
+            eprintln!("SKIPPED (no C++ compiler for the CUDA emulation): {e}");
+            return;
+        }
+        Err(e) => panic!("the CUDA emulation: {e}"),
+    };
+    backend.set_kv_dtype(KvDtype::Int8).unwrap();
+    let fraction = 0.25;
+    let mut model = Model::load(&file, backend, options(1 << 20, Some(fraction))).unwrap();
+    let blocks = model.opts.num_blocks as u64;
+    let block_bytes = model.backend().kv_block_bytes() as u64;
+    // 30 layers of int8 K and V (3 KV heads of 64, 16 slots), then one f16 scale per token,
+    // KV head, K or V, and layer.
+    assert_eq!(block_bytes, 30 * 2 * 16 * 3 * 64 + 30 * 2 * 16 * 3 * 2);
+    let free_now = model.backend().mem_info().unwrap().free;
+    let free_before = free_now + blocks * block_bytes;
+    let budget = (free_before as f64 * fraction).floor() as u64;
+    assert_eq!(
+        blocks,
+        budget / block_bytes,
+        "free before the pool: {free_before}"
+    );
+    let f16_blocks = budget / (30 * 2 * 16 * 3 * 64 * 2);
+    let ratio = blocks as f64 / f16_blocks as f64;
+    assert!(
+        (1.93..1.95).contains(&ratio),
+        "{blocks} int8 blocks, {f16_blocks} f16: {ratio}"
+    );
+    let last = blocks as u32 - 1;
+    assert_eq!(first_token(&mut model, last), FIRST_TOKEN);
+}
