@@ -308,6 +308,10 @@ fn adapters_per_request_give_their_merged_models_tokens_and_never_share_kv() {
     let (status, v) = server.post_json("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["model"], "ad1");
+    let body = json!({"model": "ad1", "input": "Hi", "max_output_tokens": 4, "temperature": 0});
+    let (status, v) = server.post_json("/v1/responses", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["model"], "ad1");
 
     // Refusals, each naming its problem.
     for (name, path, status, needle) in [

@@ -57,10 +57,11 @@ pub(super) fn submission(
     let body = parse_body(&req.body)?;
     let f = Fields::new(&body, "");
     // Any name is answered, as agent tools (Codex and the like) send their own: a served name
-    // is echoed, another gets the first served name.
-    let model = ctx
-        .check_model(f.string("model")?)
-        .or_else(|_| ctx.check_model(None))?;
+    // is echoed (a LoRA adapter's runs that adapter), another gets the first served name.
+    let (model, lora) = match ctx.resolve_model(f.string("model")?) {
+        Ok(found) => found,
+        Err(_) => (ctx.check_model(None)?, None),
+    };
     let p = parse::parse(&f, &ctx.settings)?;
     let mut history = match &p.previous_response_id {
         Some(prev) => {
@@ -163,7 +164,7 @@ pub(super) fn submission(
         more: Vec::new(),
         writer: Box::new(writer),
         constraints,
-        lora: None,
+        lora,
     })
 }
 
