@@ -34,17 +34,35 @@ const LAYERS: usize = 2;
 /// 7 for the rest (39).
 const CUDA_LAYER_LAUNCHES: u64 = 10;
 const CUDA_LAUNCHES: u64 = LAYERS as u64 * CUDA_LAYER_LAUNCHES + 1 + 6;
-/// aclnn launches of one batch-1 decode step of it on the Ascend backend: 13 a layer (RmsNorm,
-/// WeightQuantBatchMatmulV2 per projection, RotaryPositionEmbedding and the copy back,
-/// ScatterPaKvCache, FusedInferAttentionScoreV2, two InplaceAdds, SwiGlu) and 12 for the rest;
-/// and their first phases (the matmuls' and SwiGlu's executors reused: 8 a layer, 9 the rest).
-const ASCEND_LAUNCHES: u64 = 2 * 13 + 12;
-const ASCEND_FIRST_PHASES: u64 = 2 * 8 + 9;
+/// aclnn launches of one batch-1 decode step of it on the Ascend backend: 11 a layer
+/// (WeightQuantBatchMatmulV2 per projection, RotaryPositionEmbedding and the copy back — this
+/// model's rope is interleaved, which ApplyRotaryPosEmb does not rotate in place —,
+/// ScatterPaKvCache, FusedInferAttentionScoreV2, SwiGlu, and the two residual adds each folded
+/// into the norm after it as one AddRmsNorm; the last layer's second add, with no norm after
+/// it, an InplaceAdd), the first layer's RmsNorm, and 12 for the rest; and their first phases
+/// (the matmuls' and SwiGlu's executors reused: 6 a layer, 1 + 9 the rest). Before AddRmsNorm:
+/// 13 a layer (an InplaceAdd and an RmsNorm for each fold) and 12 for the rest, 38 launches and
+/// 25 first phases; a fold undone shows here.
+const ASCEND_LAYER_LAUNCHES: u64 = 11;
+const ASCEND_LAUNCHES: u64 = LAYERS as u64 * ASCEND_LAYER_LAUNCHES + 1 + 12;
+const ASCEND_FIRST_PHASES: u64 = LAYERS as u64 * 6 + 1 + 9;
+/// The tiny Qwen3 model's (`synth-model --arch qwen3`: 3 layers, per-head q/k norms, NeoX rope
+/// of head size 32): 13 a layer — the Llama layer's 11 and one RmsNorm each for the q and the k
+/// heads (their weights differ, so the two norms cannot be one RmsNorm call) — and 13 for the
+/// rest (the same 12 and the first layer's RmsNorm). At Qwen3's real head size of 128 the rope
+/// is one ApplyRotaryPosEmb call (backends/ascend/tests/fused.rs): 12 a layer. Before: 15.
+const QWEN3_LAYERS: usize = 3;
+const ASCEND_QWEN3_LAUNCHES: u64 = QWEN3_LAYERS as u64 * 13 + 13;
 
 /// The tiny llama model, written to a temporary file (one per call: tests run in parallel).
 fn tiny_llama(device: &str) -> PathBuf {
+    tiny(Family::Llama, device)
+}
+
+/// A tiny random-weight model of `family` (Q8_0), written to a temporary file.
+fn tiny(family: Family, device: &str) -> PathBuf {
     let donor = GgufFile::open(common::model_path()).unwrap();
-    let bytes = synth::synth_model(Family::Llama, 1, GgmlType::Q8_0, &donor).unwrap();
+    let bytes = synth::synth_model(family, 1, GgmlType::Q8_0, &donor).unwrap();
     let file = std::env::temp_dir().join(format!(
         "npu-decode-counts-{device}-{}.gguf",
         std::process::id()
@@ -82,6 +100,16 @@ fn counts_with(
 }
 
 fn check(device: &str, c: &DecodeCounts, device_bytes: Option<u64>, file_bytes: u64) {
+    check_layers(device, c, device_bytes, file_bytes, LAYERS)
+}
+
+fn check_layers(
+    device: &str,
+    c: &DecodeCounts,
+    device_bytes: Option<u64>,
+    file_bytes: u64,
+    layers: usize,
+) {
     eprintln!(
         "{device}: {c:?}; weight bytes per decode step {device_bytes:?}, in the file {file_bytes}"
     );
@@ -91,7 +119,7 @@ fn check(device: &str, c: &DecodeCounts, device_bytes: Option<u64>, file_bytes: 
     assert_eq!(c.graph_replays_per_step, 0.0, "{device}: {c:?}");
     assert_eq!(
         c.launches_per_layer,
-        c.launches_per_step / LAYERS as f64,
+        c.launches_per_step / layers as f64,
         "{device}: {c:?}"
     );
     let d = device_bytes.expect("the backend says its matrices' bytes") as f64;
@@ -129,6 +157,14 @@ fn ascend_emulation_counts_decode_launches() {
     check("ascend", &c, d, f);
     assert_eq!(c.min_launches, ASCEND_LAUNCHES, "{c:?}");
     assert_eq!(c.first_phases_per_step, ASCEND_FIRST_PHASES as f64, "{c:?}");
+}
+
+#[test]
+fn ascend_emulation_counts_qwen3_decode_launches() {
+    emulations();
+    let (c, d, f) = counts(DeviceKind::Ascend, tiny(Family::Qwen3, "ascend-qwen3"));
+    check_layers("ascend qwen3", &c, d, f, QWEN3_LAYERS);
+    assert_eq!(c.min_launches, ASCEND_QWEN3_LAUNCHES, "{c:?}");
 }
 
 /// With `graph_capture: auto` the first decode step (uncounted) runs and records the step's

@@ -19,6 +19,8 @@
 //! Optional too, for the newer model families (the backend reports the capabilities they serve
 //! only where the release has them): GeluV2 (`aclnn_gelu_v2.h`, GELU with `approximate` 0 erf /
 //! 1 tanh), InplaceMul and InplaceMuls (`aclnn_mul.h`, by a broadcast tensor / a host scalar).
+//! Optional, to fold a residual add into the next norm: AddRmsNorm (`aclnn_add_rms_norm.h`:
+//! `xOut = x1 + x2`, `yOut` its RmsNorm, `rstdOut` the reciprocal RMS).
 //! Optional, for mixture-of-experts layers: MoeGatingTopKSoftmaxV2
 //! (`aclnn_moe_gating_top_k_softmax_v2.h`: softmax and top-k over gating logits, `renorm` 1 for
 //! top-k first then softmax over the chosen), MoeFinalizeRoutingV2
@@ -119,6 +121,8 @@ pub mod ops {
                 fn aclnnInplaceMul(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnInplaceMulsGetWorkspaceSize(selfRef: *mut aclTensor, other: *const aclScalar, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnInplaceMuls(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnAddRmsNormGetWorkspaceSize(x1: *const aclTensor, x2: *const aclTensor, gamma: *const aclTensor, epsilon: f64, yOut: *const aclTensor, rstdOut: *const aclTensor, xOut: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnAddRmsNorm(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnMoeGatingTopKSoftmaxV2GetWorkspaceSize(x: *const aclTensor, finishedOptional: *const aclTensor, k: i64, renorm: i64, outputSoftmaxResultFlag: bool, yOut: *const aclTensor, expertIdxOut: *const aclTensor, softmaxResultOutOptional: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnMoeGatingTopKSoftmaxV2(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnMoeFinalizeRoutingV2GetWorkspaceSize(expandedX: *const aclTensor, expandedRowIdx: *const aclTensor, x1Optional: *const aclTensor, x2Optional: *const aclTensor, biasOptional: *const aclTensor, scalesOptional: *const aclTensor, expertIdxOptional: *const aclTensor, dropPadMode: i64, out: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;

@@ -15,6 +15,7 @@
 
 mod attention;
 mod family_ops;
+mod fused_ops;
 mod graphs;
 pub mod hccl;
 mod kv_pool;
@@ -75,7 +76,8 @@ pub fn err(e: AscendError) -> BackendError {
 /// Which operator applies rotary embeddings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeKernel {
-    /// RotaryPositionEmbedding (half or interleave mode) where the release has it, else
+    /// ApplyRotaryPosEmb for a half-rotation rope of width 128 (q and k in place, one call),
+    /// else RotaryPositionEmbedding (half or interleave mode) where the release has it, else
     /// ApplyRotaryPosEmb where the rotary width is 128 (the only width its page allows), else
     /// [`RopeKernel::MulAdd`].
     Auto,
@@ -883,6 +885,18 @@ impl Backend for AscendBackend {
     ) -> Result<(), BackendError> {
         self.picked = None;
         self.op_add(x, y)
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        x: ViewMut<'_, AscendBuffer>,
+        y: View<'_, AscendBuffer>,
+        w: &AscendBuffer,
+        eps: f32,
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_add_rms_norm(x, y, w, eps, out)
     }
 
     fn gather_logit_rows(

@@ -1,8 +1,9 @@
 //! RoPE on the device: host-built cos/sin tables, one per rope (base, scaling, frequency
 //! factors), the step's rows of each gathered by position, and the rotation of the query and
-//! key heads: RotaryPositionEmbedding (into a dense scratch, copied back: its out must be
-//! contiguous), ApplyRotaryPosEmb (rotary width 128 only, as its page requires), or an
-//! element-wise Mul/Add rotation where neither applies.
+//! key heads: ApplyRotaryPosEmb (q and k in place in one call; rotary width 128 only, as its page
+//! requires; the automatic choice for half-rotation ropes), RotaryPositionEmbedding (into a dense
+//! scratch, copied back: its out must be contiguous), or an element-wise Mul/Add rotation where
+//! neither applies.
 
 use npu_backend::{AttnGeometry, BackendError, Layout, ViewMut};
 use npu_model::RopeStyle;
@@ -156,8 +157,8 @@ impl AscendBackend {
         let native = api
             .aclnnRotaryPositionEmbeddingGetWorkspaceSize
             .zip(api.aclnnRotaryPositionEmbedding);
-        let kernel = pick_kernel(self.cfg.rope, native.is_some(), d, g);
         let interleaved = g.rope.style == RopeStyle::Interleaved;
+        let kernel = pick_kernel(self.cfg.rope, native.is_some(), interleaved, d, g);
         // The table's pairing follows the kernel: RotaryPositionEmbedding and the element-wise
         // rotation pair interleaved elements themselves; ApplyRotaryPosEmb rotates halves
         // (interleaved heads are regrouped into halves first).
@@ -333,14 +334,24 @@ fn apply_fits(d: usize, heads: usize) -> bool {
     d == APPLY_ROPE_D && heads * APPLY_ROPE_D * 2 * 5 + APPLY_ROPE_D * 2 * 4 <= 192 * 1024
 }
 
-/// The kernel for `cfg`: RotaryPositionEmbedding where the release has it (Auto), else
+/// The kernel for `cfg`. Auto: ApplyRotaryPosEmb for half-rotation ropes its page takes (one
+/// call rotating q and k in place, as vllm-ascend's `npu_apply_rotary_pos_emb`; an interleaved
+/// rope would need its pairs regrouped around it), else RotaryPositionEmbedding where the release
+/// has it (two calls: the rotation into a dense scratch and the copy back), else
 /// ApplyRotaryPosEmb where its documented shape holds; otherwise — ApplyRotaryPosEmb configured
 /// or left as the automatic fallback for a width it does not take — RotaryPositionEmbedding if
 /// present, else the element-wise rotation, with a warning naming the constraint.
-fn pick_kernel(cfg: RopeKernel, has_native: bool, d: usize, g: &AttnGeometry) -> Kernel {
+fn pick_kernel(
+    cfg: RopeKernel,
+    has_native: bool,
+    interleaved: bool,
+    d: usize,
+    g: &AttnGeometry,
+) -> Kernel {
     let heads = g.n_heads + g.n_kv_heads;
     match cfg {
         RopeKernel::MulAdd => return Kernel::Elementwise,
+        RopeKernel::Auto if !interleaved && apply_fits(d, heads) => return Kernel::Apply,
         RopeKernel::Auto if has_native => return Kernel::Native,
         _ => {}
     }

@@ -13,6 +13,7 @@ mod activation;
 mod attention;
 pub mod contiguity;
 pub(crate) mod elementwise;
+mod fused_norm;
 mod grouped_matmul;
 mod init_routing;
 mod kv_cache;
@@ -335,6 +336,7 @@ launchers!(
     aclnnGroupedMatmulV4,
     aclnnMoeGatingTopK,
     aclnnFusedInferAttentionScoreV3,
+    aclnnAddRmsNorm,
 );
 
 /// Second-phase calls queued so far, by operator (emulation-only, for tests).
