@@ -207,4 +207,28 @@ mod tests {
         want.push(1);
         assert_eq!(got, want);
     }
+
+    #[test]
+    fn a_block_computed_under_a_lora_adapter_carries_its_id() {
+        let stored = |lora| KvEvent::Stored {
+            hash: 42,
+            parent: Some(7),
+            tokens: vec![1].into(),
+            lora,
+            medium: KvMedium::Device,
+        };
+        let mut want = vec![0x93, 0xcb];
+        want.extend(2.0f64.to_be_bytes());
+        want.extend([0x91, 0x97, 0xab]);
+        want.extend(b"BlockStored");
+        // hash 42, parent 7, tokens [1], block size 2, lora_id 5, "GPU".
+        want.extend([0x91, 42, 7, 0x91, 1, 2, 5, 0xa3]);
+        want.extend(b"GPU");
+        want.push(0);
+        assert_eq!(encode_batch(2.0, &[stored(5)], 0, 2), want);
+        // The base model's blocks: nil.
+        let base = encode_batch(2.0, &[stored(0)], 0, 2);
+        let at = want.len() - 6;
+        assert_eq!(base[at], 0xc0);
+    }
 }
