@@ -507,3 +507,266 @@ fn latent_and_kv_pools_refuse_each_others_ops() {
         "{e}"
     );
 }
+
+/// How many times the emulation has launched `op` in this process (an emulation-only symbol).
+fn launches(op: &str) -> u64 {
+    let path = emulator_root().join("lib64/libascendcl.so");
+    let name = std::ffi::CString::new(op).unwrap();
+    // SAFETY: the library the runtime already loaded (one state); the symbol has this prototype.
+    unsafe {
+        let lib = libloading::Library::new(path).unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn(*const core::ffi::c_char) -> u64> =
+            lib.get(b"ascendEmulatorLaunchCount\0").unwrap();
+        f(name.as_ptr())
+    }
+}
+
+/// DeepSeek's own widths (a latent of 512 and a rotated key of 64): the split pool and
+/// FusedInferAttentionScoreV3's MLA form, every step token-wise, with 32 heads over blocks of 16
+/// and 64 heads over blocks of 128 (prompts, a decode and a chunk in one step), block copies and
+/// host round trips (a block's host bytes per layer: its latents, then its rotated keys).
+#[test]
+fn latent_attention_at_deepseeks_widths_goes_through_the_mla_form() {
+    let _g = serial();
+    for (bs, heads) in [(16usize, 32usize), (128, 64)] {
+        let mut b = default_backend();
+        let mut m = Latent {
+            heads,
+            lat: 512,
+            rope: 64,
+            block_size: bs,
+            cache: Default::default(),
+        };
+        let spec = latent_spec(bs, 12, m.row());
+        b.init_latent_kv(spec).unwrap();
+        let bytes = LAYERS * bs * m.row() * 2;
+        assert_eq!(b.kv_block_bytes(), bytes);
+        let toks: Vec<u32> = (1..100).collect();
+        let (v2, v3) = (
+            launches("aclnnFusedInferAttentionScoreV2"),
+            launches("aclnnFusedInferAttentionScoreV3"),
+        );
+        let what = format!("{heads} heads, blocks of {bs}");
+        let s1 = step_of(&[(0, 21, vec![3, 1]), (0, 5, vec![0])], bs as u32, &toks);
+        check(&m.step(&mut b, &s1, 1, true), &format!("{what}, prompts"));
+        let s2 = step_of(
+            &[(21, 1, vec![3, 1]), (5, 14, vec![0, 7]), (0, 2, vec![9])],
+            bs as u32,
+            &toks,
+        );
+        check(&m.step(&mut b, &s2, 2, true), &format!("{what}, mixed"));
+        assert_eq!(launches("aclnnFusedInferAttentionScoreV2"), v2, "{what}");
+        assert!(
+            launches("aclnnFusedInferAttentionScoreV3") >= v3 + 4,
+            "{what}"
+        );
+        b.kv_copy_blocks(&[(3, 5), (1, 6)]).unwrap();
+        let mut host = vec![0u8; 2 * bytes];
+        b.kv_blocks_to_host(&[0, 7], &mut host).unwrap();
+        b.kv_blocks_from_host(&host, &[10, 11]).unwrap();
+        for l in 0..LAYERS {
+            for (s, d) in [(3u32, 5u32), (1, 6), (0, 10), (7, 11)] {
+                for o in 0..bs as u32 {
+                    if let Some(r) = m.cache.get(&(l, s, o)).cloned() {
+                        m.cache.insert((l, d, o), r);
+                    }
+                }
+            }
+        }
+        let f16s = |at: usize, n: usize| -> Vec<f32> {
+            host[at * 2..(at + n) * 2]
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect()
+        };
+        let row0 = &m.cache[&(0, 0, 0)];
+        assert_eq!(
+            f16s(0, 512),
+            row0[..512],
+            "{what}: the block's first latent"
+        );
+        assert_eq!(
+            f16s(bs * 512, 64),
+            row0[512..],
+            "{what}: its first rotated key"
+        );
+        let s3 = step_of(
+            &[(21, 1, vec![5, 6]), (18, 1, vec![10, 11])],
+            bs as u32,
+            &toks,
+        );
+        check(
+            &m.step(&mut b, &s3, 3, false),
+            &format!("{what}, copied blocks and host round trips"),
+        );
+    }
+}
+
+/// The MLA form's limits, refused by name: heads other than 32, 64 or 128 (before any call),
+/// blocks other than 16 or 128 for rows of 512 + 64 (at the pool), and rows above 512 that are
+/// not 512 + 64 (FusedInferAttentionScoreV2's ordinary form stops at 512).
+#[test]
+fn the_mla_forms_limits_are_refused_by_name() {
+    let _g = serial();
+    let mut b = default_backend();
+    let e = b
+        .init_latent_kv(latent_spec(64, 4, 576))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("block_size = 64") && e.contains("MLA"), "{e}");
+    let toks = [1u32, 2];
+    for (row, heads, lat, want) in [
+        (576usize, 16usize, 512usize, "32, 64 or 128"),
+        (640, 32, 576, "ordinary form"),
+    ] {
+        b.init_latent_kv(latent_spec(16, 4, row)).unwrap();
+        b.begin_step(&step_of(&[(0, 2, vec![0])], 16, &toks))
+            .unwrap();
+        let rope = row - lat;
+        let ql = up(&mut b, &vec![0.1; 2 * heads * lat], heads * lat);
+        let qr = up(&mut b, &vec![0.1; 2 * heads * rope], heads * rope);
+        let mut o = b.alloc(DType::F16, 2 * heads * lat).unwrap();
+        let g = AttnGeometry {
+            n_heads: heads,
+            n_kv_heads: 1,
+            head_dim: row,
+            rope: Rope::plain(RopeStyle::Halves, rope, 10000.0, 1.0),
+            scale: 0.1,
+            window: None,
+        };
+        let e = b
+            .attention_latent(
+                View::rows(&ql, 2, heads * lat).unwrap(),
+                View::rows(&qr, 2, heads * rope).unwrap(),
+                &g,
+                lat,
+                0,
+                ViewMut::rows(&mut o, 2, heads * lat).unwrap(),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("latent attention") && e.contains(want), "{e}");
+    }
+}
+
+/// One first phase of FusedInferAttentionScoreV3's MLA form straight on the emulation: BSND
+/// query (1, `s`, `heads`, `d`) and its rope part, one block of `block_size` rows of 512 and 64,
+/// 3 cached tokens; the status and the emulation's message.
+fn mla_first_phase(heads: i64, d: i64, s: i64, block_size: i64) -> (i32, String) {
+    use npu_backend_ascend::tensor::{DType as T, IntArray, TensorList};
+    use npu_ffi::types::aclTensor;
+    let dev = device();
+    let acl = acl();
+    let ops = acl.api.ops;
+    let (prep, launch) = (
+        ops.aclnnFusedInferAttentionScoreV3GetWorkspaceSize
+            .expect("the emulation has V3"),
+        ops.aclnnFusedInferAttentionScoreV3
+            .expect("the emulation has V3"),
+    );
+    let n = (s * heads) as usize;
+    let (qb, qrb, ob) = (
+        zeros(n * d as usize * 2),
+        zeros(n * 64 * 2),
+        zeros(n * d as usize * 2),
+    );
+    let (kc, kr, tb) = (
+        zeros(block_size as usize * 512 * 2),
+        zeros(block_size as usize * 64 * 2),
+        upload_i32(&[0]),
+    );
+    let q = t(&qb, T::F16, &[1, s, heads, d]);
+    let qr = t(&qrb, T::F16, &[1, s, heads, 64]);
+    let o = t(&ob, T::F16, &[1, s, heads, d]);
+    let krt = t(&kr, T::F16, &[1, block_size, 64]);
+    let kl = TensorList::new(acl, vec![t(&kc, T::F16, &[1, block_size, 512])]).unwrap();
+    let vl = TensorList::new(acl, vec![t(&kc, T::F16, &[1, block_size, 512])]).unwrap();
+    let bt = t(&tb, T::I32, &[1, 1]);
+    let kv = IntArray::new(acl, &[3]).unwrap();
+    let mut layout = *b"BSND\0";
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    let null = std::ptr::null::<aclTensor>();
+    // SAFETY: live handles, null optionals, a NUL-terminated layout and out-pointers.
+    let rc = unsafe {
+        prep(
+            q.raw(),
+            kl.raw(),
+            vl.raw(),
+            null,
+            null,
+            std::ptr::null(),
+            kv.raw(),
+            null,
+            null,
+            null,
+            null,
+            null,
+            null,
+            null,
+            bt.raw(),
+            null,
+            null,
+            null,
+            null,
+            null,
+            null,
+            null,
+            null,
+            std::ptr::null(),
+            qr.raw(),
+            krt.raw(),
+            null,
+            heads,
+            0.1,
+            i32::MAX as i64,
+            i32::MAX as i64,
+            layout.as_mut_ptr().cast(),
+            1,
+            0,
+            0,
+            block_size,
+            0,
+            false,
+            0,
+            0,
+            o.raw(),
+            null,
+            &mut ws,
+            &mut exec,
+        )
+    };
+    let msg = acl.last_message();
+    if rc == 0 {
+        // The call taken: its second phase runs (the executor is spent by it).
+        let wsb = zeros(ws.max(1) as usize);
+        // SAFETY: the executor just made, a device workspace of the size asked for.
+        let rc = unsafe { launch(wsb.ptr(), ws, exec, dev.stream()) };
+        assert_eq!(rc, 0, "{}", acl.last_message());
+        dev.synchronize().unwrap();
+        assert_eq!(read_f16(&ob, 4), [0.0; 4]);
+    }
+    (rc, msg)
+}
+
+/// The emulation's FusedInferAttentionScoreV3 takes what its page documents for the MLA form and
+/// refuses the rest: 16 heads, a block of 64, a query d of 256, two queries without the causal
+/// mask.
+#[test]
+fn the_emulated_mla_form_refuses_what_its_page_forbids() {
+    let _g = serial();
+    let ok = mla_first_phase(32, 512, 1, 16);
+    assert_eq!(ok.0, 0, "{}", ok.1);
+    for (heads, d, s, bs, want) in [
+        (16, 512, 1, 16, "32, 64 or 128"),
+        (32, 512, 1, 64, "16 or 128"),
+        (32, 256, 1, 16, "must be 512"),
+        (32, 512, 2, 16, "sparseMode 3"),
+    ] {
+        let (rc, msg) = mla_first_phase(heads, d, s, bs);
+        assert_eq!(rc, npu_ffi::types::ACLNN_ERR_PARAM_INVALID, "{msg}");
+        assert!(
+            msg.contains(want),
+            "{heads} heads, d {d}, s {s}, blocks of {bs}: {msg}"
+        );
+    }
+}

@@ -7,7 +7,10 @@
 //! A latent pool (DeepSeek's latent attention, [`KvPool::new_latent`]) holds per layer one cache
 //! of (num_blocks, block_size, row) with a token's latent then its rotated key in each row, and
 //! no value cache (the attention reads the latents from the same rows): its blocks move the same
-//! way, every layer's cache in turn.
+//! way, every layer's cache in turn. A latent pool of DeepSeek's own rows (512 + 64,
+//! [`MLA_ROW`]) is split for FusedInferAttentionScoreV3's MLA form, which takes the latents and
+//! the rotated keys as two contiguous caches: per layer (num_blocks, block_size, 512) then
+//! (num_blocks, block_size, 64), a block's host bytes per layer its latents then its rotated keys.
 
 use std::sync::Arc;
 
@@ -18,10 +21,16 @@ use super::{err, AscendBackend};
 use crate::device::Device;
 use crate::memory::DeviceBuffer as Mem;
 
+/// The latent row FusedInferAttentionScoreV3's MLA form takes: a 512-wide latent then a 64-wide
+/// rotated key (DeepSeek-V2/V3/R1, Kimi-K2).
+pub const MLA_ROW: (usize, usize) = (512, 64);
+
 pub struct KvPool {
     pub spec: KvSpec,
-    /// A latent pool: `k` holds each layer's rows, `v` is empty.
+    /// A latent pool: `k` holds each layer's rows, `v` is empty (unless `mla`).
     pub latent: bool,
+    /// A latent pool of [`MLA_ROW`]s, split: `k` holds the latents, `v` the rotated keys.
+    pub mla: Option<(usize, usize)>,
     k: Vec<Mem>,
     v: Vec<Mem>,
 }
@@ -43,7 +52,27 @@ impl KvPool {
                 ),
             });
         }
+        if spec.head_dim == MLA_ROW.0 + MLA_ROW.1 && ![16, 128].contains(&spec.block_size) {
+            return Err(BackendError::Unsupported {
+                backend: super::NAME,
+                what: format!(
+                    "latent attention: rows of 512 + 64 go through FusedInferAttentionScoreV3's MLA \
+                     form, whose paged cache takes blocks of 16 or 128 tokens, not \
+                     pa_config.block_size = {}",
+                    spec.block_size
+                ),
+            });
+        }
         Self::make(dev, spec, true)
+    }
+
+    /// Row widths of each of a layer's caches (K/V: both `n_kv_heads · head_dim`).
+    fn widths(&self) -> Vec<usize> {
+        match (self.latent, self.mla) {
+            (true, Some((l, r))) => vec![l, r],
+            (true, None) => vec![self.spec.head_dim],
+            (false, _) => vec![self.spec.n_kv_heads * self.spec.head_dim; 2],
+        }
     }
 
     fn make(dev: &Arc<Device>, spec: KvSpec, latent: bool) -> Result<Self, BackendError> {
@@ -82,9 +111,24 @@ impl KvPool {
             });
         }
         let bytes = layout.layer_bytes();
+        let mla = (latent && spec.head_dim == MLA_ROW.0 + MLA_ROW.1).then_some(MLA_ROW);
         let mut k = Vec::with_capacity(spec.n_layers);
         let mut v = Vec::with_capacity(spec.n_layers);
         for l in 0..spec.n_layers {
+            if let Some((lat, rope)) = mla {
+                let rows = spec.num_blocks * spec.block_size * 2;
+                k.push(zeroed(
+                    dev,
+                    rows * lat,
+                    &format!("layer {l}'s latent cache"),
+                )?);
+                v.push(zeroed(
+                    dev,
+                    rows * rope,
+                    &format!("layer {l}'s rotated-key cache"),
+                )?);
+                continue;
+            }
             if latent {
                 k.push(zeroed(dev, bytes, &format!("layer {l}'s latent cache"))?);
                 continue;
@@ -92,7 +136,13 @@ impl KvPool {
             k.push(zeroed(dev, bytes, &format!("layer {l}'s key cache"))?);
             v.push(zeroed(dev, bytes, &format!("layer {l}'s value cache"))?);
         }
-        Ok(Self { spec, latent, k, v })
+        Ok(Self {
+            spec,
+            latent,
+            mla,
+            k,
+            v,
+        })
     }
 
     /// Layer `l`'s caches in the order their blocks move: K then V, or the latent rows alone.
@@ -100,21 +150,22 @@ impl KvPool {
         std::iter::once(&self.k[l]).chain(self.v.get(l))
     }
 
-    /// Bytes of one block in one cache.
-    fn cache_block_bytes(&self) -> usize {
-        self.spec.block_size * self.spec.n_kv_heads * self.spec.head_dim * 2
+    /// Bytes of one block in each of a layer's caches (in [`Self::caches`]' order).
+    fn cache_block_bytes(&self) -> Vec<usize> {
+        let bs = self.spec.block_size;
+        self.widths().into_iter().map(|w| bs * w * 2).collect()
     }
 
     /// Bytes of one block over every layer's K and V (or latent rows).
     pub fn block_bytes(&self) -> usize {
-        let caches = if self.latent { 1 } else { 2 };
-        caches * self.spec.n_layers * self.cache_block_bytes()
+        self.spec.n_layers * self.cache_block_bytes().iter().sum::<usize>()
     }
 
     /// Layer `layer`'s key and value caches; of a latent pool, its rows as both (FusedInfer-
-    /// AttentionScoreV2 reads the keys and the values from them).
+    /// AttentionScoreV2 reads the keys and the values from them); of a split one (`mla`), its
+    /// latents and its rotated keys.
     pub fn layer(&self, layer: usize) -> Result<(&Mem, &Mem), BackendError> {
-        let v = if self.latent {
+        let v = if self.latent && self.mla.is_none() {
             self.k.get(layer)
         } else {
             self.v.get(layer)
@@ -147,15 +198,18 @@ impl KvPool {
             self.check_block(s)?;
             self.check_block(d)?;
         }
-        let cb = self.cache_block_bytes();
+        let cbs = self.cache_block_bytes();
         for &(s, d) in pairs {
             if s == d {
                 continue;
             }
-            for cache in self.k.iter_mut().chain(self.v.iter_mut()) {
-                cache
-                    .copy_within_async(d as usize * cb, s as usize * cb, cb, dev)
-                    .map_err(err)?;
+            for l in 0..self.spec.n_layers {
+                let caches = std::iter::once(&mut self.k[l]).chain(self.v.get_mut(l));
+                for (cache, &cb) in caches.zip(&cbs) {
+                    cache
+                        .copy_within_async(d as usize * cb, s as usize * cb, cb, dev)
+                        .map_err(err)?;
+                }
             }
         }
         Ok(())
@@ -183,13 +237,13 @@ impl AscendBackend {
         if blocks.is_empty() {
             return Ok(());
         }
-        let cb = kv.cache_block_bytes();
+        let cbs = kv.cache_block_bytes();
         let staging = self.staging.get(self.dev.acl, dst.len())?;
         let kv = self.kv.as_ref().expect("checked");
         let mut at = 0;
         for &b in blocks {
             for l in 0..kv.spec.n_layers {
-                for cache in kv.caches(l) {
+                for (cache, &cb) in kv.caches(l).zip(&cbs) {
                     cache
                         .download_async(b as usize * cb, staging, at, cb, &self.dev)
                         .map_err(err)?;
@@ -221,7 +275,7 @@ impl AscendBackend {
         if blocks.is_empty() {
             return Ok(());
         }
-        let cb = kv.cache_block_bytes();
+        let cbs = kv.cache_block_bytes();
         let staging = self.staging.get(self.dev.acl, src.len())?;
         staging.as_mut_slice()[..src.len()].copy_from_slice(src);
         let kv = self.kv.as_mut().expect("checked");
@@ -229,7 +283,7 @@ impl AscendBackend {
         for &b in blocks {
             for l in 0..kv.spec.n_layers {
                 let caches = std::iter::once(&mut kv.k[l]).chain(kv.v.get_mut(l));
-                for cache in caches {
+                for (cache, &cb) in caches.zip(&cbs) {
                     cache
                         .upload_async(b as usize * cb, staging, at, cb, &self.dev)
                         .map_err(err)?;

@@ -19,7 +19,10 @@
 //!    0, so releases before 8.5 refuse it by name.
 //!
 //! The latent pool ([`super::KvPool::new_latent`]): per layer one (blocks, block_size, row) cache
-//! of the activations' type, a row being a token's latent then its rotated key.
+//! of the activations' type, a row being a token's latent then its rotated key; for rows of
+//! 512 + 64 (DeepSeek-V2/V3/R1, Kimi-K2) split into a latent and a rotated-key cache, which
+//! `kv_write_latent` and `attention_latent` hand to `mla_ops` (FusedInferAttentionScoreV3's MLA
+//! form). What follows is the path of the other rows.
 //!
 //! `kv_write_latent(latent, rope, layer)`: two InplaceCopy calls lay each new token's row out in
 //! a dense (T, row) scratch, then one ScatterNdUpdate writes the rows at the step's slots.
@@ -35,9 +38,9 @@
 //!    1, `D` = row and the latent cache as both key and value (the ordinary form takes key and
 //!    value of one head dim, so the value is the whole row, not a strided view of its latent
 //!    columns, which the page's × for non-contiguous key/value forbids); its limits apply: row a
-//!    multiple of 16 up to 512, at most 64 query heads over the one KV head. DeepSeek's own 512 +
-//!    64 rows (576) and 128 heads fall outside them and are refused by name (they need the MLA
-//!    form of FusedInferAttentionScoreV3, with separate rope inputs, not built);
+//!    multiple of 16 up to 512, at most 64 query heads over the one KV head. Rows above 512 other
+//!    than 512 + 64, and more than 64 heads over rows up to 512, are refused by name (the MLA
+//!    form takes only 512 + 64, with 32, 64 or 128 heads);
 //! 3. one InplaceCopy takes each head's first `latent_dim` output columns into `out`.
 
 use npu_backend::{
@@ -329,6 +332,9 @@ impl AscendBackend {
                 format!("layer {layer} of a {}-layer pool", spec.n_layers),
             ));
         }
+        if self.kv()?.mla.is_some() {
+            return self.mla_write(latent, rope, layer);
+        }
         if t == 0 {
             return Ok(());
         }
@@ -399,17 +405,6 @@ impl AscendBackend {
         if g.window.is_some() {
             return Err(bad(op, "latent attention through a window"));
         }
-        if row > FIA_MAX_D || h > FIA_MAX_GROUP || h == 0 {
-            return Err(self.unsupported_here(
-                Capability::LatentAttention,
-                format!(
-                    "{h} heads over rows of {row}: FusedInferAttentionScoreV2's ordinary form \
-                     takes a head dim up to {FIA_MAX_D} and up to {FIA_MAX_GROUP} query heads a \
-                     KV head (its MLA form, FusedInferAttentionScoreV3 with rope inputs, is not \
-                     built)"
-                ),
-            ));
-        }
         let rope = row - latent_dim;
         for (w, dt) in [
             ("q_latent", q_latent.dtype()),
@@ -435,6 +430,26 @@ impl AscendBackend {
                     ),
                 ));
             }
+        }
+        if let Some((lat, rp)) = self.kv()?.mla {
+            if latent_dim != lat {
+                return Err(bad(
+                    op,
+                    format!("a latent of {latent_dim} over rows of {lat} + {rp}"),
+                ));
+            }
+            return self.mla_attend(q_latent, q_rope, g, layer, out);
+        }
+        if row > FIA_MAX_D || h > FIA_MAX_GROUP || h == 0 {
+            return Err(self.unsupported_here(
+                Capability::LatentAttention,
+                format!(
+                    "{h} heads over rows of {row}: FusedInferAttentionScoreV2's ordinary form \
+                     takes a head dim up to {FIA_MAX_D} and up to {FIA_MAX_GROUP} query heads a \
+                     KV head, FusedInferAttentionScoreV3's MLA form only rows of 512 + 64 with \
+                     32, 64 or 128 heads"
+                ),
+            ));
         }
         if t == 0 {
             return Ok(());

@@ -11,7 +11,8 @@
 //! attention in `attention`, the pool and its block copies in `kv_pool`, the ops of the newer
 //! families (per-head norm, GELU gate, row scaling; [`Capability`]) in `family_ops`, expert
 //! routing and the experts' FFN in `moe_ops`, DeepSeek's scored routing and latent attention
-//! (its latent pool's writes and the attention over it) in `latent_ops`.
+//! (its latent pool's writes and the attention over it) in `latent_ops`, and at DeepSeek's own
+//! widths (rows of 512 + 64, FusedInferAttentionScoreV3's MLA form) in `mla_ops`.
 
 mod attention;
 mod family_ops;
@@ -21,6 +22,7 @@ pub mod hccl;
 mod kv_pool;
 mod latent_ops;
 mod layer_ops;
+mod mla_ops;
 mod moe_ops;
 pub mod objects;
 mod pick_ops;
@@ -450,7 +452,8 @@ impl Backend for AscendBackend {
             }
             // MoeGatingTopK (softmax with groups or a bias only from CANN 8.5; `latent_ops`).
             Capability::ScoredRouting => api.aclnnMoeGatingTopKGetWorkspaceSize.is_some(),
-            // The latent pool's rows through ScatterNdUpdate and FusedInferAttentionScoreV2.
+            // The latent pool's rows through ScatterNdUpdate and FusedInferAttentionScoreV2 (rows
+            // of 512 + 64 through V3's MLA form where the release has it; `mla_ops`).
             Capability::LatentAttention => true,
             // Not built on CANN yet: adapters are refused by name at load.
             Capability::Lora => false,
@@ -692,6 +695,10 @@ impl Backend for AscendBackend {
     fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError> {
         self.bind()?;
         let mut plan = match &self.kv {
+            // The MLA form takes S = 1 entries only (`mla_ops`).
+            Some(kv) if kv.mla.is_some() => {
+                StepPlan::token_wise(step, kv.spec.num_blocks, kv.spec.block_size)?
+            }
             Some(kv) => StepPlan::new(step, kv.spec.num_blocks, kv.spec.block_size)?,
             None => StepPlan::without_kv(step)?,
         };

@@ -96,15 +96,29 @@ impl StepPlan {
         num_blocks: usize,
         block_size: usize,
     ) -> Result<Self, BackendError> {
-        Self::plan(step, Some((num_blocks, block_size)))
+        Self::plan(step, Some((num_blocks, block_size)), false)
+    }
+
+    /// [`Self::new`] on the token-wise path whatever the block size: what FusedInferAttention-
+    /// ScoreV3's MLA form takes (S = 1 entries, no mask; `mla_ops`).
+    pub fn token_wise(
+        step: &StepInputs,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, BackendError> {
+        Self::plan(step, Some((num_blocks, block_size)), true)
     }
 
     /// A step before the KV pool exists: the token-wise ops work, KV write and attention refuse.
     pub fn without_kv(step: &StepInputs) -> Result<Self, BackendError> {
-        Self::plan(step, None)
+        Self::plan(step, None, false)
     }
 
-    fn plan(step: &StepInputs, pool: Option<(usize, usize)>) -> Result<Self, BackendError> {
+    fn plan(
+        step: &StepInputs,
+        pool: Option<(usize, usize)>,
+        token_wise: bool,
+    ) -> Result<Self, BackendError> {
         let t = step.tokens.len();
         if t == 0 {
             return Err(bad("a step needs at least one token".into()));
@@ -175,7 +189,7 @@ impl StepPlan {
             p.logit_rows = push(d, step.logit_rows.iter().map(|&v| v as i32));
             return Ok(p);
         }
-        let path = if chunked && block_size.is_multiple_of(128) {
+        let path = if chunked && block_size.is_multiple_of(128) && !token_wise {
             AttnPath::Prompt {
                 s_max: step.seqs.iter().map(|s| s.n_q as usize).max().unwrap_or(1),
             }
@@ -390,6 +404,19 @@ mod tests {
         assert_eq!(p.path, Some(AttnPath::TokenWise));
         assert_eq!((p.batch, p.kv_lens.clone()), (2, vec![6, 10]));
         assert_eq!(&p.data[p.tables..p.tables + 8], &[0, 1, 2, 3, 4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn a_token_wise_plan_takes_chunks_token_wise_at_any_block_size() {
+        let st = step(&[(3, 2), (9, 1)], 128);
+        assert!(matches!(
+            StepPlan::new(&st, 16, 128).unwrap().path,
+            Some(AttnPath::Prompt { s_max: 2 })
+        ));
+        let p = StepPlan::token_wise(&st, 16, 128).unwrap();
+        assert_eq!(p.path, Some(AttnPath::TokenWise));
+        assert_eq!((p.batch, p.kv_lens.clone()), (3, vec![4, 5, 10]));
+        assert_eq!(&p.data[p.tables + 4..p.tables + 8], &[0, 1, 2, 3]);
     }
 
     #[test]

@@ -39,7 +39,9 @@ use core::ffi::{c_char, CStr};
 use npu_ffi::types::*;
 
 use super::contiguity::{satisfies, Rule};
-use super::{dot, dtype_in, invalid, kernel_common, nd, prepare, read, read_f32, write, Io, Kernel};
+use super::{
+    dot, dtype_in, invalid, kernel_common, nd, prepare, read, read_f32, write, Io, Kernel,
+};
 use crate::state::*;
 use crate::view::{f16_at, read_elem, DType, View};
 
@@ -304,7 +306,10 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
         ("valueAntiquantOffsetOptional", valueAntiquantOffsetOptional),
         ("keySharedPrefixOptional", keySharedPrefixOptional),
         ("valueSharedPrefixOptional", valueSharedPrefixOptional),
-        ("keyRopeAntiquantScaleOptional", keyRopeAntiquantScaleOptional),
+        (
+            "keyRopeAntiquantScaleOptional",
+            keyRopeAntiquantScaleOptional,
+        ),
         ("softmaxLse", softmaxLse),
     ];
     let layout = if inputLayout.is_null() {
@@ -366,7 +371,10 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
         }
         if softmaxLseFlag || antiquantMode != 0 || keyAntiquantMode != 0 || valueAntiquantMode != 0
         {
-            return invalid(OP, "the MLA form supports neither softmaxLse nor antiquant modes (pass false and 0)");
+            return invalid(
+                OP,
+                "the MLA form supports neither softmaxLse nor antiquant modes (pass false and 0)",
+            );
         }
         if keys.len() != 1 || values.len() != 1 {
             return invalid(
@@ -405,7 +413,13 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
         ] {
             nd(OP, w, v)?;
             if !satisfies(v, Rule::Contiguous) {
-                return invalid(OP, format!("{w} {} does not support non-contiguous tensors", v.shape_string()));
+                return invalid(
+                    OP,
+                    format!(
+                        "{w} {} does not support non-contiguous tensors",
+                        v.shape_string()
+                    ),
+                );
             }
         }
         let layout = layout.unwrap_or_default();
@@ -430,19 +444,28 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
             }
         };
         if n != numHeads {
-            return invalid(OP, format!("query's N {n} differs from numHeads {numHeads}"));
+            return invalid(
+                OP,
+                format!("query's N {n} differs from numHeads {numHeads}"),
+            );
         }
         if d == 128 {
             return invalid(OP, "query d 128 with rope inputs (the MLA form without page attention, TND/NTD_TND only) is not implemented by this emulation");
         }
         if d != NOPE_D {
-            return invalid(OP, format!("query's d is {d}: with rope inputs it must be 512 (or 128)"));
+            return invalid(
+                OP,
+                format!("query's d is {d}: with rope inputs it must be 512 (or 128)"),
+            );
         }
         if !HEADS.contains(&numHeads) {
             return invalid(OP, format!("numHeads {numHeads}: the MLA form with query d 512 takes 32, 64 or 128 query heads"));
         }
         if numKeyValueHeads != 1 {
-            return invalid(OP, format!("numKeyValueHeads {numKeyValueHeads}: the MLA form needs key's n 1"));
+            return invalid(
+                OP,
+                format!("numKeyValueHeads {numKeyValueHeads}: the MLA form needs key's n 1"),
+            );
         }
         let mut want_qr = q.dims.clone();
         match layout.as_str() {
@@ -450,31 +473,65 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
             _ => *want_qr.last_mut().expect("rank checked") = ROPE_D,
         }
         if qr.dims != want_qr {
-            return invalid(OP, format!("queryRopeOptional {:?} must be query's shape with d 64: {want_qr:?}", qr.dims));
+            return invalid(
+                OP,
+                format!(
+                    "queryRopeOptional {:?} must be query's shape with d 64: {want_qr:?}",
+                    qr.dims
+                ),
+            );
         }
         if out.dims != q.dims {
-            return invalid(OP, format!("attentionOut {:?} must have query's shape {:?} (value's d 512)", out.dims, q.dims));
+            return invalid(
+                OP,
+                format!(
+                    "attentionOut {:?} must have query's shape {:?} (value's d 512)",
+                    out.dims, q.dims
+                ),
+            );
         }
         let Some(bt) = st.opt_tensor(blockTableOptional, "blockTableOptional")? else {
-            return invalid(OP, "the MLA form with query d 512 requires page attention (blockTableOptional)");
+            return invalid(
+                OP,
+                "the MLA form with query d 512 requires page attention (blockTableOptional)",
+            );
         };
         if !BLOCK_SIZES.contains(&blockSize) {
-            return invalid(OP, format!("blockSize {blockSize}: the MLA form's page attention takes 16 or 128"));
+            return invalid(
+                OP,
+                format!("blockSize {blockSize}: the MLA form's page attention takes 16 or 128"),
+            );
         }
         if kc.rank() == 4 {
             return invalid(OP, "key of rank 4 (the BnNBsD cache layout) is not implemented by this emulation (BnBsH is)");
         }
         if kc.rank() != 3 || kc.dims[1] != blockSize || kc.dims[2] != NOPE_D {
-            return invalid(OP, format!("key {:?} must be (blockNum, blockSize = {blockSize}, KV_N·D = 512)", kc.dims));
+            return invalid(
+                OP,
+                format!(
+                    "key {:?} must be (blockNum, blockSize = {blockSize}, KV_N·D = 512)",
+                    kc.dims
+                ),
+            );
         }
         if vc.dims != kc.dims {
-            return invalid(OP, format!("value {:?} must have key's shape {:?}", vc.dims, kc.dims));
+            return invalid(
+                OP,
+                format!("value {:?} must have key's shape {:?}", vc.dims, kc.dims),
+            );
         }
         if kr.dims != [kc.dims[0], blockSize, ROPE_D] {
-            return invalid(OP, format!("keyRopeOptional {:?} must be key's shape with d 64: [{}, {blockSize}, 64]", kr.dims, kc.dims[0]));
+            return invalid(
+                OP,
+                format!(
+                    "keyRopeOptional {:?} must be key's shape with d 64: [{}, {blockSize}, 64]",
+                    kr.dims, kc.dims[0]
+                ),
+            );
         }
         dtype_in(OP, "blockTableOptional", &bt, &[DType::I32])?;
-        let Some(kv) = st.int_array(actualSeqLengthsKvOptional, "actualSeqLengthsKvOptional")? else {
+        let Some(kv) = st.int_array(actualSeqLengthsKvOptional, "actualSeqLengthsKvOptional")?
+        else {
             return invalid(OP, "page attention requires actualSeqLengthsKvOptional");
         };
         let q_lens = st.int_array(actualSeqLengthsOptional, "actualSeqLengthsOptional")?;
@@ -483,7 +540,10 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
         }
         let q_s = if layout == "TND" { 0 } else { q.dims[1] };
         if layout != "TND" && !(1..=MAX_Q_S).contains(&q_s) {
-            return invalid(OP, format!("query's s is {q_s}: the MLA form takes 1 to 16"));
+            return invalid(
+                OP,
+                format!("query's s is {q_s}: the MLA form takes 1 to 16"),
+            );
         }
         let entries = entries(&layout, &q, q_lens, kv)?;
         let b = entries.len() as i64;
@@ -491,7 +551,13 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
             return invalid(OP, format!("B = {b} exceeds 65536"));
         }
         if bt.rank() != 2 || bt.dims[0] != b {
-            return invalid(OP, format!("blockTableOptional {:?} must be 2-D with B = {b} rows", bt.dims));
+            return invalid(
+                OP,
+                format!(
+                    "blockTableOptional {:?} must be 2-D with B = {b} rows",
+                    bt.dims
+                ),
+            );
         }
         let mut blocks_needed = 0;
         for (i, e) in entries.iter().enumerate() {
@@ -502,7 +568,13 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
             blocks_needed += (l + blockSize - 1) / blockSize;
         }
         if kc.dims[0] < blocks_needed {
-            return invalid(OP, format!("blockNum {} is below the {blocks_needed} blocks the sequence lengths need", kc.dims[0]));
+            return invalid(
+                OP,
+                format!(
+                    "blockNum {} is below the {blocks_needed} blocks the sequence lengths need",
+                    kc.dims[0]
+                ),
+            );
         }
         let max_q = entries.iter().map(|e| e.1).max().unwrap_or(1);
         let mask = st.opt_tensor(attenMaskOptional, "attenMaskOptional")?;
@@ -511,7 +583,10 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
                 return invalid(OP, format!("with rope inputs and Q_S = 1, only sparseMode 0 without attenMask is supported (sparseMode {sparseMode}{})", if mask.is_some() { ", a mask" } else { "" }));
             }
             if !(0..=1).contains(&innerPrecise) {
-                return invalid(OP, format!("innerPrecise {innerPrecise}: Q_S = 1 takes 0 or 1"));
+                return invalid(
+                    OP,
+                    format!("innerPrecise {innerPrecise}: Q_S = 1 takes 0 or 1"),
+                );
             }
             false
         } else {
@@ -521,12 +596,23 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(
             if sparseMode != 3 {
                 return invalid(OP, format!("sparseMode {sparseMode}: with rope inputs and Q_S > 1 only sparseMode 3 is supported"));
             }
-            dtype_in(OP, "attenMaskOptional", m, &[DType::Bool, DType::I8, DType::U8])?;
-            if !matches!(m.dims.as_slice(), [2048, 2048] | [1, 2048, 2048] | [1, 1, 2048, 2048]) {
+            dtype_in(
+                OP,
+                "attenMaskOptional",
+                m,
+                &[DType::Bool, DType::I8, DType::U8],
+            )?;
+            if !matches!(
+                m.dims.as_slice(),
+                [2048, 2048] | [1, 2048, 2048] | [1, 1, 2048, 2048]
+            ) {
                 return invalid(OP, format!("sparseMode 3 needs attenMask of shape (2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048), got {:?}", m.dims));
             }
             if !satisfies(m, Rule::Contiguous) {
-                return invalid(OP, "attenMaskOptional does not support non-contiguous tensors");
+                return invalid(
+                    OP,
+                    "attenMaskOptional does not support non-contiguous tensors",
+                );
             }
             if !(0..=3).contains(&innerPrecise) {
                 return invalid(OP, format!("innerPrecise {innerPrecise} is not 0..=3"));
