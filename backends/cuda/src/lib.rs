@@ -14,15 +14,14 @@
 //!   KV pool, step inputs in one host→device copy (`step`), and the ops; `fused`: the row ops
 //!   that take a neighbour's work (the residual add in the next norm, the activation quantizer
 //!   in the kernel producing a quantized product's input).
-//!
-//! CUDA graphs are not used (the `Backend` graph methods answer unsupported here). A decode step
-//! of the default model was ~15 launches per layer before `fused` (9 with it, head sizes a
-//! multiple of 32); a graph per (batch size, context bucket) would cut their launch cost, but
-//! the attention grid and split count depend on each step's contexts and the step inputs'
-//! addresses would have to stay fixed. Measured on an H100 (docs/gpu-checks/2026-11-26-h100.md): a decode step of a
-//! 1B-class model is about 300 launches and takes 1.85 ms a token at batch 1 against llama.cpp's
-//! 0.93 ms, with the kernels' own time close to the whole step; graphs (or fewer, fused kernels)
-//! are the next step for decode, and their bookkeeping now has a figure to beat.
+//! - `graphs`: decode steps captured as CUDA graphs and replayed (`Backend::step_graphs`): one
+//!   graph per batch bucket and table width, its inputs at fixed addresses, attention's split
+//!   from the table width; the device records and replays (`driver::graph` with
+//!   `cuStreamBeginCapture_v2`/`cuGraphLaunch` on a GPU, `emu::capture` on the emulation).
+//!   Run on the emulation only. Measured on an H100 before graphs
+//!   (docs/gpu-checks/2026-11-26-h100.md): a decode step of a 1B-class model is about 300
+//!   launches and takes 1.85 ms a token at batch 1 against llama.cpp's 0.93 ms, with the
+//!   kernels' own time close to the whole step, so graphs alone will not close that gap.
 
 mod attention;
 pub mod backend;
