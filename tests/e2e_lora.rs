@@ -365,6 +365,12 @@ fn adapters_per_request_give_their_merged_models_tokens_and_never_share_kv() {
         agree("ad2-again across its unload", &got, &want2[0]);
     });
 
+    // A sleep that drops the model: on wake the agent loads it again with its adapter slots,
+    // and reads the adapter again when a request names it.
+    let (st, v) = server.post_json("/sleep", &json!({"level": 2}));
+    assert_eq!(st, 200, "{v}");
+    agree("ad1 after a level-2 sleep", &greedy(&server, "ad1", &all[1]), &want1[1]);
+
     // Metrics: requests per adapter, vLLM's adapter gauge.
     let text = server.get("/metrics").1;
     assert!(
