@@ -15,7 +15,7 @@ use crate::step::QUERY_TILES;
 /// Query rows (warps) an attention block aims for.
 const ATT_TARGET_WARPS: usize = 8;
 /// Positions of a tile of the cache (ATT_TILE in attention.cu).
-pub(crate) const ATT_TILE: usize = 32;
+const ATT_TILE: usize = 32;
 /// Largest head the attention kernels read (ATT_MAX_HD in attention.cu).
 pub(crate) const ATT_MAX_HD: usize = 256;
 /// Most query heads per KV head (a block's warps; ATT_MAX_THREADS in attention.cu).
