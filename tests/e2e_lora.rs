@@ -369,7 +369,11 @@ fn adapters_per_request_give_their_merged_models_tokens_and_never_share_kv() {
     // and reads the adapter again when a request names it.
     let (st, v) = server.post_json("/sleep", &json!({"level": 2}));
     assert_eq!(st, 200, "{v}");
-    agree("ad1 after a level-2 sleep", &greedy(&server, "ad1", &all[1]), &want1[1]);
+    agree(
+        "ad1 after a level-2 sleep",
+        &greedy(&server, "ad1", &all[1]),
+        &want1[1],
+    );
 
     // Metrics: requests per adapter, vLLM's adapter gauge.
     let text = server.get("/metrics").1;
@@ -395,4 +399,18 @@ fn an_unknown_adapter_is_404_and_a_server_without_lora_refuses_loads() {
     let (s, text) = load(&server, "sql", Path::new("/tmp"));
     assert_eq!(s, 400, "{text}");
     assert!(text.contains("max_loras"), "{text}");
+}
+
+#[test]
+fn a_listed_adapter_that_cannot_be_read_stops_the_start_naming_its_entry() {
+    let _serial = serial();
+    let yaml = ServerOpts {
+        npu_serving_extra: "  lora_adapters:\n    - {name: ok, path: /}\n".into(),
+        ..ServerOpts::default()
+    }
+    .yaml();
+    let (status, err) = serve_refused("lora-bad-entry", &yaml, &[]);
+    assert!(!status.success());
+    assert!(err.contains("npu_serving.lora_adapters[0]"), "{err}");
+    assert!(err.contains("lora_path"), "{err}");
 }
