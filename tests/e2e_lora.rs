@@ -389,6 +389,62 @@ fn adapters_per_request_give_their_merged_models_tokens_and_never_share_kv() {
 }
 
 #[test]
+fn with_one_adapter_slot_requests_on_other_adapters_wait_and_lose_nothing() {
+    let _serial = serial();
+    let f = files();
+    let extra = format!(
+        "  max_loras: 1\n  lora_adapters:\n    - {{name: ad1, path: '{}'}}\n    \
+         - {{name: ad2, path: '{}'}}\n",
+        f.ad1.display(),
+        f.ad2.display()
+    );
+    let server = Server::start("lora-one-slot", &opts(&f.base, &extra));
+    let p = prompts();
+    // Each alone first (one adapter at a time: nothing waits).
+    let alone: Vec<Greedy> = ["ad1", "ad2"]
+        .iter()
+        .map(|m| greedy(&server, m, &p[0]))
+        .collect();
+    assert_ne!(alone[0].tokens, alone[1].tokens);
+    // Then interleaved and all at once: one adapter runs at a time, the other waits its turn
+    // (first come, first served), the base model runs beside either.
+    let jobs = ["ad1", "ad2", MODEL, "ad1", "ad2", "ad1"];
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (got, waited): (Vec<Greedy>, bool) = std::thread::scope(|s| {
+        // Watches vLLM's gauge for an adapter waiting while the other runs.
+        let watch = s.spawn(|| {
+            let mut waited = false;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let text = server.get("/metrics").1;
+                waited |= text.contains("running_lora_adapters=\"ad")
+                    && text.contains("waiting_lora_adapters=\"ad");
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            waited
+        });
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|&m| {
+                let (server, p) = (&server, &p[0]);
+                s.spawn(move || greedy(server, m, p))
+            })
+            .collect();
+        let got = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        (got, watch.join().unwrap())
+    });
+    assert!(waited, "no request was seen waiting for the adapter slot");
+    for (m, g) in jobs.iter().zip(&got) {
+        match *m {
+            "ad1" => assert_eq!(g, &alone[0]),
+            "ad2" => assert_eq!(g, &alone[1]),
+            _ => assert_ne!(g.tokens, alone[0].tokens),
+        }
+    }
+    let _ = std::fs::remove_dir_all(f.base.parent().unwrap());
+}
+
+#[test]
 fn an_unknown_adapter_is_404_and_a_server_without_lora_refuses_loads() {
     let _serial = serial();
     let server = Server::start("lora-off", &ServerOpts::default());
