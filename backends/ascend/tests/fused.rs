@@ -197,3 +197,84 @@ fn auto_rope_rotates_half_rotation_heads_of_128_in_one_call() {
     // Width 64 (not ApplyRotaryPosEmb's): RotaryPositionEmbedding and the copy back.
     assert_eq!(rope_launches(&mut b, RopeStyle::Halves, 64), (2, 0));
 }
+
+/// The emulation's aclnnAddRmsNorm refuses what its page does (a non-contiguous x1, gamma of
+/// another type than x1) and outputs sharing memory with inputs other than the in-place pairing
+/// (xOut exactly x2), which it accepts.
+#[test]
+fn the_emulation_refuses_add_rms_norm_outside_its_page() {
+    use npu_backend_ascend::ops::OpRunner;
+    use npu_backend_ascend::tensor::{DType as TDType, Tensor, View as TView};
+    let _g = serial();
+    let dev = device();
+    let mut ops = OpRunner::new(&dev);
+    let api = acl().api.ops;
+    let (prep, launch) = api
+        .aclnnAddRmsNormGetWorkspaceSize
+        .zip(api.aclnnAddRmsNorm)
+        .expect("the emulation has AddRmsNorm");
+    let (rows, dim) = (2i64, 16i64);
+    let n = (rows * dim) as usize;
+    let (x1b, x2b, yb) = (
+        upload_f16(&vec![1.0; n]),
+        upload_f16(&vec![2.0; n]),
+        zeros(n * 2),
+    );
+    let (g16, g32, rb) = (
+        upload_f16(&vec![1.0; dim as usize]),
+        upload(&vec![0u8; dim as usize * 4]),
+        zeros(rows as usize * 4),
+    );
+    let mut call = |x1: &Tensor, x2: &Tensor, g: &Tensor, y: &Tensor, x: &Tensor| {
+        let r = t(&rb, TDType::F32, &[rows, 1]);
+        ops.call(
+            "aclnnAddRmsNorm",
+            String::new(),
+            // SAFETY: live tensors and the runner's out-pointers.
+            |w, e| unsafe {
+                prep(
+                    x1.raw(),
+                    x2.raw(),
+                    g.raw(),
+                    1e-5,
+                    y.raw(),
+                    r.raw(),
+                    x.raw(),
+                    w,
+                    e,
+                )
+            },
+            launch,
+        )
+        .map_err(|e| e.to_string())
+    };
+    let x1 = t(&x1b, TDType::F16, &[rows, dim]);
+    let x2 = t(&x2b, TDType::F16, &[rows, dim]);
+    let y = t(&yb, TDType::F16, &[rows, dim]);
+    let gamma = t(&g16, TDType::F16, &[dim]);
+    // The in-place pairing: xOut is x2.
+    call(&x1, &x2, &gamma, &y, &x2).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(read_f16(&x2b, n), vec![3.0; n], "xOut = x1 + x2, over x2");
+    // xOut on x1: refused.
+    let e = call(&x1, &x2, &gamma, &y, &x1).unwrap_err();
+    assert!(
+        e.contains("ACLNN_ERR_PARAM_INVALID") && e.contains("xOut"),
+        "{e}"
+    );
+    // gamma f32 with f16 x: refused.
+    let g = t(&g32, TDType::F32, &[dim]);
+    let e = call(&x1, &x2, &g, &y, &x2).unwrap_err();
+    assert!(e.contains("gamma"), "{e}");
+    // x1 strided (every other row of a 4-row buffer): refused.
+    let wide = upload_f16(&vec![1.0; 2 * n]);
+    let strided = Tensor::new(
+        acl(),
+        &wide,
+        TView::strided(TDType::F16, &[rows, dim], &[2 * dim, 1], 0),
+    )
+    .unwrap();
+    let e = call(&strided, &x2, &gamma, &y, &x2).unwrap_err();
+    assert!(e.contains("contiguous"), "{e}");
+    dev.synchronize().unwrap();
+}
