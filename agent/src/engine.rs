@@ -616,17 +616,7 @@ impl AgentEngine {
         }
         for a in plan.admissions() {
             let i = self.slot_index(a.slot)?;
-            match (self.lora.as_mut(), &a.lora) {
-                (Some(l), lora) => l.admit(&mut self.model, i, lora.as_ref())?,
-                (None, Some(lora)) => {
-                    return Err(EngineError::BadPlan(format!(
-                        "slot {}: LoRA adapter {} ({}) admitted, and this agent serves no \
-                         adapters (npu_serving.max_loras)",
-                        a.slot, lora.id, lora.path
-                    )))
-                }
-                (None, None) => {}
-            }
+            crate::engine_lora::admit(self.lora.as_mut(), &mut self.model, i, a)?;
             self.slots[i] = Some(Slot {
                 params: a.params.clone(),
                 history: TokenHistory::new(),

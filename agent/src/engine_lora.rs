@@ -6,7 +6,7 @@
 //! distinct adapters than there are slots, so a slot is always found.
 
 use npu_protocol::agent::AgentLoraConfig;
-use npu_protocol::LoraRequest;
+use npu_protocol::{Admission, LoraRequest};
 
 use crate::device::DeviceModel;
 use crate::engine::EngineError;
@@ -120,5 +120,24 @@ impl EngineLora {
         }
         model.set_step_lora(&self.per_token, t)?;
         Ok(())
+    }
+}
+
+/// Admission `a` into request slot `slot`: its adapter pinned where adapters are on, refused
+/// by name where they are not.
+pub(crate) fn admit(
+    lora: Option<&mut EngineLora>,
+    model: &mut DeviceModel,
+    slot: usize,
+    a: &Admission,
+) -> Result<(), EngineError> {
+    match (lora, &a.lora) {
+        (Some(l), lora) => l.admit(model, slot, lora.as_ref()),
+        (None, Some(lora)) => Err(EngineError::BadPlan(format!(
+            "slot {}: LoRA adapter {} ({}) admitted, and this agent serves no adapters \
+             (npu_serving.max_loras)",
+            a.slot, lora.id, lora.path
+        ))),
+        (None, None) => Ok(()),
     }
 }

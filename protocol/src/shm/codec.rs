@@ -8,12 +8,13 @@ use super::layout::{
     PlanMeta, RawAdmission, RawKvCopy, RawLogitBias, RawSamplingParams, RawSeqResult,
     RawTokenLogprob, Region, ResultMeta, SeqDesc, ShmLayout, PLAN_MASKS_FOLLOW,
 };
+use super::lora::{check_lora, lora_from_raw};
 use super::ShmError;
 use crate::source::{PlanSource, SeqRef, U32s};
 use crate::step::{
-    Admission, CopyDirection, KvCopy, LoraRequest, SamplingParams, SeqResult, StepPlan, StepResult,
-    StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_VALUE, MAX_LORA_PATH, MAX_STEP_DRAFT_TOKENS,
+    Admission, CopyDirection, KvCopy, SamplingParams, SeqResult, StepPlan, StepResult, StepTiming,
+    StepTransfer, TokenLogprob, TokenMask, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE,
+    MAX_LORA_PATH, MAX_STEP_DRAFT_TOKENS,
 };
 
 /// Byte-level access to one region of the segment.
@@ -880,51 +881,4 @@ fn params_from_raw(raw: &RawSamplingParams, max_top_n: u32) -> Result<SamplingPa
         top_n: raw.top_n,
         logit_bias,
     })
-}
-
-/// An admission's adapter must have an id (0 is the base model) and a path that fits.
-fn check_lora(slot: u32, id: u32, path: &str) -> Result<(), ShmError> {
-    if id == 0 {
-        return Err(ShmError::BadPlan(format!(
-            "slot {slot}: LoRA adapter id 0 (0 is the base model)"
-        )));
-    }
-    if path.is_empty() || path.len() > MAX_LORA_PATH {
-        return Err(ShmError::BadPlan(format!(
-            "slot {slot}: LoRA adapter path of {} bytes (1..={MAX_LORA_PATH})",
-            path.len()
-        )));
-    }
-    Ok(())
-}
-
-/// The adapter of a stored admission: none with id 0 (and then no path), else the id and its
-/// path, which must be UTF-8 within the array.
-fn lora_from_raw(raw: &RawAdmission) -> Result<Option<LoraRequest>, ShmError> {
-    let len = raw.lora_path_len as usize;
-    if raw.lora_id == 0 {
-        if len != 0 {
-            return Err(ShmError::Corrupt(format!(
-                "slot {}: a LoRA path of {len} bytes with adapter id 0",
-                raw.slot
-            )));
-        }
-        return Ok(None);
-    }
-    if len == 0 || len > MAX_LORA_PATH {
-        return Err(ShmError::Corrupt(format!(
-            "slot {}: LoRA adapter {} with a path of {len} bytes",
-            raw.slot, raw.lora_id
-        )));
-    }
-    let path = std::str::from_utf8(&raw.lora_path[..len]).map_err(|e| {
-        ShmError::Corrupt(format!(
-            "slot {}: LoRA adapter {}'s path is not UTF-8: {e}",
-            raw.slot, raw.lora_id
-        ))
-    })?;
-    Ok(Some(LoraRequest {
-        id: raw.lora_id,
-        path: path.to_string(),
-    }))
 }

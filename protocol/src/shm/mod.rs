@@ -6,6 +6,7 @@ mod codec;
 pub mod group;
 pub mod handoff;
 pub mod layout;
+mod lora;
 pub mod names;
 
 use std::ffi::CString;
