@@ -214,3 +214,94 @@ impl CudaBackend {
         Ok(())
     }
 }
+
+#[cfg(all(test, feature = "emulation"))]
+mod tests {
+    use npu_backend::{Backend, KvSpec, SeqSpan};
+
+    use super::*;
+    use crate::CudaConfig;
+
+    fn decode(rows: usize, max_blocks: usize) -> StepInputs {
+        StepInputs {
+            tokens: vec![1; rows],
+            positions: vec![3; rows],
+            slot_mapping: (0..rows as u32).map(|i| i * 4 + 3).collect(),
+            seqs: (0..rows as u32)
+                .map(|i| SeqSpan {
+                    q_row: i,
+                    n_q: 1,
+                    start_pos: 3,
+                })
+                .collect(),
+            block_tables: (0..(rows * max_blocks) as u32).map(|b| b % 8).collect(),
+            max_blocks,
+            logit_rows: (0..rows as u32).collect(),
+        }
+    }
+
+    /// The graph methods refuse what breaks their contract, by name, and a key's inputs stay
+    /// at one address from step to step.
+    #[test]
+    fn the_graph_methods_refuse_steps_out_of_their_contract() {
+        let mut b = match CudaBackend::emulated(CudaConfig::default()) {
+            Ok(b) => b,
+            Err(e) => return eprintln!("SKIPPED (no CUDA emulation): {e}"),
+        };
+        assert!(b.step_graphs());
+        let key = GraphKey {
+            rows: 2,
+            max_blocks: 2,
+            picks: true,
+        };
+        // No pool yet.
+        assert!(b.begin_graph_step(&decode(2, 2), key).is_err());
+        b.init_kv(KvSpec {
+            n_layers: 1,
+            num_blocks: 8,
+            block_size: 4,
+            n_kv_heads: 1,
+            head_dim: 8,
+        })
+        .unwrap();
+        // Not the key's shape: rows, table width, a prefill row, a missing logit row.
+        let mut prefill = decode(2, 2);
+        prefill.seqs[1].n_q = 2;
+        prefill.tokens.push(1);
+        prefill.positions.push(4);
+        prefill.slot_mapping.push(8);
+        let mut no_logits = decode(2, 2);
+        no_logits.logit_rows.pop();
+        for (what, s) in [
+            ("rows", decode(1, 2)),
+            ("width", decode(2, 1)),
+            ("prefill", prefill),
+            ("logit rows", no_logits),
+        ] {
+            let e = b.begin_graph_step(&s, key).unwrap_err().to_string();
+            assert!(e.contains("for the graph of"), "{what}: {e}");
+        }
+        // Capture and replay need their begin_graph_step; a replay needs a graph.
+        assert!(b.capture_begin(key).is_err());
+        b.begin_graph_step(&decode(2, 2), key).unwrap();
+        let at = b.graphs.active_inputs().unwrap();
+        let e = b.replay_graph(key).unwrap_err().to_string();
+        assert!(e.contains("no graph captured"), "{e}");
+        assert!(!b.has_graph(key));
+        let other = GraphKey { rows: 4, ..key };
+        assert!(b.capture_begin(other).is_err());
+        // An empty capture makes a graph; the next step of the key reuses its inputs.
+        b.capture_begin(key).unwrap();
+        assert!(b.capture_begin(key).is_err(), "one capture at a time");
+        b.capture_end(key).unwrap();
+        assert!(b.has_graph(key));
+        b.begin_graph_step(&decode(2, 2), key).unwrap();
+        assert_eq!(b.graphs.active_inputs(), Some(at));
+        b.replay_graph(key).unwrap();
+        // An eager step reads its own inputs; dropping the graphs forgets them.
+        b.begin_step(&decode(2, 2)).unwrap();
+        assert_ne!(b.step_meta().unwrap().1, at);
+        b.drop_graphs().unwrap();
+        assert!(!b.has_graph(key));
+    }
+}
