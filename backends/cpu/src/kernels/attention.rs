@@ -234,6 +234,11 @@ const TOKENS_PER_TASK: usize = 8;
 #[derive(Default)]
 struct Scratch {
     q: Vec<f32>,
+    /// An int8 cache's quantized queries (i16 pairs) and V weights, and their scales.
+    qpairs: Vec<i32>,
+    qscale: Vec<f32>,
+    wpairs: Vec<i32>,
+    wscale: Vec<f32>,
     scores: Vec<f32>,
     kbuf: Vec<f32>,
     vbuf: Vec<f32>,

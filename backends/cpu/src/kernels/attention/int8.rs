@@ -1,10 +1,19 @@
 //! Paged attention over an int8 cache (`KvDtype::Int8`): K and V in the f16 cache's layouts, one
-//! byte a value, with one f16 scale per token and KV head for K and one for V (`I8Cache`). A
-//! score is `(q . k_int8) * k_scale * softmax_scale` (the dot product summed over the head's
-//! dimensions in order, from zero), an output `sum_t (p_t * v_scale_t) * v_int8_t` (positions in
-//! order). The AVX-512 and AVX2 inner loops read the int8 values straight into their
-//! multiply-adds (`vpmovsxbd` + `vcvtdq2ps`) and do exactly the portable loops' arithmetic, so
-//! every instruction set gives the portable path's bits. The softmax is the f16 cache's.
+//! byte a value, with one f16 scale per token and KV head for K and one for V (`I8Cache`).
+//!
+//! Both products run in integers, exactly, so every instruction set gives the same bits:
+//! - scores: each query row is quantized to i16 with its own f32 scale (`quantize_query`: at
+//!   most 32767 in magnitude, 2^-16 of the row's largest value a step, finer than the f16
+//!   rounding the f16 cache gives its queries), and a score is
+//!   `(f32(sum_d q16_d * k8_{d,t}) * k_scale_t) * (q_scale * softmax_scale)`, the sum in i32;
+//! - the V sum: the softmax's probabilities (rounded through f16, as for the f16 cache) times
+//!   their positions' V scales are quantized to i16 per query row and run of at most 64
+//!   positions of a block (`quantize_weights`), and the output gains
+//!   `f32(sum_t w16_t * v8_{t,d}) * w_scale` (one multiply-add).
+//!
+//! The AVX-512 VNNI kernels (`simd`) multiply pairs of i16 into i32 with `vpdpwssd` (the int8
+//! values widened and interleaved in registers, so the cache is streamed once), the AVX2 ones
+//! with `vpmaddwd`; the portable loops are their twin. The softmax is the f16 cache's.
 
 use super::task::{exp_lane_sums, normalise_through_f16, scale_lane_max, Task};
 use super::*;
@@ -56,6 +65,97 @@ enum Kern {
     Avx512,
 }
 
+/// Positions of a block whose V weights share one i16 scale (per query row).
+const RUN: usize = 64;
+
+/// The largest magnitude of a quantized query value for heads of `hd` dimensions: 32767, or
+/// less where `hd` products with an int8 key could overflow the i32 sum.
+fn query_limit(hd: usize) -> f32 {
+    (i32::MAX as usize / (127 * hd.max(1))).min(32767) as f32
+}
+
+/// An i16 pair packed into one i32 as `vpdpwssd` and `vpmaddwd` read it: `a` in the low half.
+#[inline(always)]
+fn pack(a: i16, b: i16) -> i32 {
+    (a as u16 as u32 | ((b as u16 as u32) << 16)) as i32
+}
+
+/// The two i16 of a packed pair, widened.
+#[inline(always)]
+fn unpack(p: i32) -> (i32, i32) {
+    (p as i16 as i32, p >> 16)
+}
+
+/// Quantizes one query row to i16 with one scale (`round_ties_even(q * limit / max|q|)`),
+/// packed in pairs of consecutive dimensions (`out`: `q.len().div_ceil(2)` values, an odd last
+/// dimension paired with 0); returns the scale, `max|q| / limit` (0 for a zero row; not finite
+/// for a row that is not, so its scores are not finite either).
+fn quantize_query(q: &[f32], limit: f32, out: &mut [i32]) -> f32 {
+    let amax = q.iter().fold(0f32, |m, v| {
+        if v.abs() > m || v.is_nan() {
+            v.abs()
+        } else {
+            m
+        }
+    });
+    if amax == 0.0 {
+        out.fill(0);
+        return 0.0;
+    }
+    let inv = limit / amax;
+    let q16 = |v: f32| (v * inv).round_ties_even().clamp(-limit, limit) as i16;
+    for (o, pair) in out.iter_mut().zip(q.chunks(2)) {
+        *o = pack(q16(pair[0]), pair.get(1).map_or(0, |&v| q16(v)));
+    }
+    amax / limit
+}
+
+/// The V weights of one row over a run of `p.len()` (at most `RUN`) positions, `p_t * vs_t`,
+/// quantized to i16 (at most 32767) with one scale, in pairs of consecutive positions (`out`:
+/// `RUN / 2` values, zero past the run); returns the scale (0 where every weight is 0, NaN
+/// where one is NaN).
+fn quantize_weights(p: &[f32], vs: &[f16], out: &mut [i32]) -> f32 {
+    let n = p.len();
+    let mut w = [0f32; RUN];
+    let mut amax = 0f32;
+    let mut nan = false;
+    for ((w, &p), s) in w.iter_mut().zip(p).zip(vs) {
+        *w = p * s.to_f32();
+        nan |= w.is_nan();
+        amax = amax.max(w.abs());
+    }
+    let out = &mut out[..RUN / 2];
+    if nan || amax == 0.0 || !amax.is_finite() {
+        out.fill(0);
+        return if amax == 0.0 && !nan { 0.0 } else { f32::NAN };
+    }
+    let inv = 32767.0 / amax;
+    let q16 = |v: f32| (v * inv).round_ties_even().clamp(-32767.0, 32767.0) as i16;
+    for (tp, o) in out.iter_mut().enumerate() {
+        *o = if 2 * tp < n {
+            pack(q16(w[2 * tp]), q16(w[2 * tp + 1]))
+        } else {
+            0
+        };
+    }
+    amax / 32767.0
+}
+
+/// `quantize_weights` on the task's instruction set (the same bits).
+#[inline(always)]
+fn weights(kern: Kern, p: &[f32], vs: &[f16], out: &mut [i32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if kern == Kern::Avx512 {
+        // SAFETY: `Kern::Avx512` is chosen only with AVX-512F/BW/VL and F16C present; the
+        // function checks the lengths.
+        if let Some(s) = unsafe { simd::quantize_weights_avx512(p, vs, out) } {
+            return s;
+        }
+    }
+    let _ = kern;
+    quantize_weights(p, vs, out)
+}
+
 /// Computes one task over an int8 cache into `s.o` and the rows' softmax statistics (what
 /// `run_task` leaves for an f16 cache).
 pub(super) fn run_task_i8(t: &Task, c: &I8Cache, s: &mut Scratch) {
@@ -73,7 +173,7 @@ pub(super) fn run_task_i8(t: &Task, c: &I8Cache, s: &mut Scratch) {
     let kern = Kern::Scalar;
     match kern {
         // SAFETY: the isa passed `Isa::checked` (in `paged_attention`): AVX-512 VNNI includes
-        // AVX-512F/BW, F16C and FMA.
+        // AVX-512F/BW/VNNI, F16C and FMA.
         #[cfg(target_arch = "x86_64")]
         Kern::Avx512 => unsafe { body_avx512(t, c, s) },
         // SAFETY: AVX2 (or AVX-512) was checked, with FMA and F16C.
@@ -84,7 +184,7 @@ pub(super) fn run_task_i8(t: &Task, c: &I8Cache, s: &mut Scratch) {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn body_avx512(t: &Task, c: &I8Cache, s: &mut Scratch) {
     body(t, c, s, Kern::Avx512)
 }
@@ -99,6 +199,7 @@ unsafe fn body_avx2(t: &Task, c: &I8Cache, s: &mut Scratch) {
 fn body(t: &Task, c: &I8Cache, s: &mut Scratch, kern: Kern) {
     let lay = t.p.lay;
     let (hd, bs) = (lay.head_dim, lay.block_size);
+    let hd2 = hd.div_ceil(2);
     let group = t.p.n_heads / lay.n_kv_heads;
     let ng = t.g1 - t.g0;
     let n_tok = t.t1 - t.t0;
@@ -106,20 +207,27 @@ fn body(t: &Task, c: &I8Cache, s: &mut Scratch, kern: Kern) {
     let max_ctx = (t.seq.start_pos + t.t1).min(t.cap);
     let n_blocks = max_ctx.div_ceil(bs);
     let span = n_blocks * bs;
-    s.q.resize(rows * hd, 0.0);
+    s.qpairs.resize(rows * hd2, 0);
+    s.qscale.resize(rows, 0.0);
+    s.wpairs.resize(rows * RUN / 2, 0);
+    s.wscale.resize(rows, 0.0);
     s.scores.resize(rows * span, 0.0);
     s.o.resize(rows * hd, 0.0);
-    s.vbuf.resize(bs, 0.0);
-    // Queries rounded through f16, as for the f16 cache.
+    // Queries quantized per row, the softmax scale folded into each row's scale.
+    let limit = query_limit(hd);
     for tok in 0..n_tok {
         let qrow = &t.q[(t.seq.q_row + t.t0 + tok) * t.ldq..];
         for g in t.g0..t.g1 {
             let h = t.kvh * group + g;
             let r = tok * ng + g - t.g0;
-            s.q[r * hd..(r + 1) * hd].copy_from_slice(&qrow[h * hd..(h + 1) * hd]);
+            let qs = quantize_query(
+                &qrow[h * hd..(h + 1) * hd],
+                limit,
+                &mut s.qpairs[r * hd2..(r + 1) * hd2],
+            );
+            s.qscale[r] = qs * t.p.scale;
         }
     }
-    round_through_f16(t.isa, &mut s.q);
     let ctx_of = |r: usize| (t.seq.start_pos + t.t0 + r / ng + 1).min(t.cap);
     let lo_of = |r: usize| {
         t.p.window.map_or(0, |w| {
@@ -163,7 +271,8 @@ fn body(t: &Task, c: &I8Cache, s: &mut Scratch, kern: Kern) {
         }
         let (k, ks) = k_block(bi);
         let out = &mut s.scores[bi * bs..(rows - 1) * span + (bi + 1) * bs];
-        block_scores(kern, k, ks, &s.q[..rows * hd], hd, bs, out, span, t.p.scale);
+        let q = (&s.qpairs[..rows * hd2], &s.qscale[..rows]);
+        block_scores(kern, k, ks, q, hd, bs, out, span);
     }
     // Softmax per row over its own context (the scores are scaled already: `fast` only reads
     // the maxima, the portable pass multiplies by 1, exactly).
@@ -203,94 +312,129 @@ fn body(t: &Task, c: &I8Cache, s: &mut Scratch, kern: Kern) {
         normalise_through_f16(fast, t.isa, sc, inv);
         s.scores[r * span + ctx..(r + 1) * span].fill(0.0);
     }
-    // The V sum: each probability times its position's scale, then times the int8 values.
+    // The V sum, in runs of at most `RUN` positions of a block: each row's weights (its
+    // probabilities times the positions' scales) quantized, then times the int8 values.
     s.o.fill(0.0);
     for bi in 0..n_blocks {
         let (v, vs) = v_block(bi);
         let n_t = (max_ctx - bi * bs).min(bs);
-        let p = &s.scores[bi * bs..(rows - 1) * span + bi * bs + n_t];
-        block_pv(kern, v, vs, n_t, p, span, rows, hd, &mut s.o[..rows * hd]);
+        let mut t0 = 0;
+        while t0 < n_t {
+            let n = (n_t - t0).min(RUN);
+            for r in 0..rows {
+                let p = &s.scores[r * span + bi * bs + t0..r * span + bi * bs + t0 + n];
+                let (vs, w) = (
+                    &vs[t0..t0 + n],
+                    &mut s.wpairs[r * RUN / 2..(r + 1) * RUN / 2],
+                );
+                s.wscale[r] = weights(kern, p, vs, w);
+            }
+            let w = (&s.wpairs[..rows * RUN / 2], &s.wscale[..rows]);
+            block_pv(kern, &v[t0 * hd..], n, w, hd, &mut s.o[..rows * hd]);
+            t0 += n;
+        }
     }
 }
 
-/// `scores[r * stride + t] = ((q[r] . K[:, t]) * ks[t]) * scale` for `t < bs`, every row of `q`
-/// (`hd` values each); `k` is one block of one KV head, `[hd][bs]`.
+/// `scores[r * stride + t] = (f32(q16[r] . K[:, t]) * ks[t]) * qscale[r]` for `t < bs`, every
+/// row of the quantized queries `q` (packed pairs, `hd.div_ceil(2)` a row, and each row's
+/// scale); `k` is one block of one KV head, `[hd][bs]`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn block_scores(
     kern: Kern,
     k: &[i8],
     ks: &[f16],
-    q: &[f32],
+    (qp, qscale): (&[i32], &[f32]),
     hd: usize,
     bs: usize,
     scores: &mut [f32],
     stride: usize,
-    scale: f32,
 ) {
-    let rows = q.len() / hd;
-    assert!(k.len() >= hd * bs && ks.len() >= bs && scores.len() >= (rows - 1) * stride + bs);
+    let (rows, hd2) = (qscale.len(), hd.div_ceil(2));
+    assert!(
+        k.len() >= hd * bs
+            && ks.len() >= bs
+            && qp.len() >= rows * hd2
+            && scores.len() >= (rows - 1) * stride + bs
+    );
     match kern {
-        // SAFETY: `Kern::Avx512` is chosen only with AVX-512F/BW, FMA and F16C present and hd,
-        // bs multiples of 16; the lengths are checked above.
+        // SAFETY: `Kern::Avx512` is chosen only with AVX-512F/BW/VNNI, FMA and F16C present and
+        // hd, bs multiples of 16; the lengths are checked above.
         #[cfg(target_arch = "x86_64")]
-        Kern::Avx512 => unsafe { simd::scores_avx512(k, ks, q, hd, bs, scores, stride, scale) },
+        Kern::Avx512 => unsafe { simd::scores_avx512(k, ks, qp, qscale, hd, bs, scores, stride) },
         // SAFETY: AVX2, FMA and F16C present, hd and bs multiples of 8; lengths checked above.
         #[cfg(target_arch = "x86_64")]
-        Kern::Avx2 => unsafe { simd::scores_avx2(k, ks, q, hd, bs, scores, stride, scale) },
+        Kern::Avx2 => unsafe { simd::scores_avx2(k, ks, qp, qscale, hd, bs, scores, stride) },
         Kern::Scalar => {
-            for (r, qr) in q.chunks_exact(hd).enumerate() {
-                let out = &mut scores[r * stride..r * stride + bs];
-                out.fill(0.0);
-                for (d, &qd) in qr.iter().enumerate() {
-                    for (o, &kv) in out.iter_mut().zip(&k[d * bs..(d + 1) * bs]) {
-                        *o = qd.mul_add(kv as f32, *o);
+            let mut acc = vec![0i32; bs];
+            for (r, q) in qp.chunks_exact(hd2).take(rows).enumerate() {
+                acc.fill(0);
+                for (j, &pair) in q.iter().enumerate() {
+                    let (a, b) = unpack(pair);
+                    let k0 = &k[2 * j * bs..(2 * j + 1) * bs];
+                    for (x, &kv) in acc.iter_mut().zip(k0) {
+                        *x += a * kv as i32;
+                    }
+                    if 2 * j + 1 < hd {
+                        let k1 = &k[(2 * j + 1) * bs..(2 * j + 2) * bs];
+                        for (x, &kv) in acc.iter_mut().zip(k1) {
+                            *x += b * kv as i32;
+                        }
                     }
                 }
-                for (o, s) in out.iter_mut().zip(ks) {
-                    *o = (*o * s.to_f32()) * scale;
+                let out = &mut scores[r * stride..r * stride + bs];
+                for ((o, &a), s) in out.iter_mut().zip(&acc).zip(ks) {
+                    *o = (a as f32 * s.to_f32()) * qscale[r];
                 }
             }
         }
     }
 }
 
-/// `o[r][d] += sum_{t < n_t} (p[r * stride + t] * vs[t]) * V[t][d]`, positions in order; `v` is
-/// one block of one KV head, `[bs][hd]`.
-#[allow(clippy::too_many_arguments)]
+/// `o[r][d] = f32(sum_{t < n_t} w16[r][t] * V[t][d]).mul_add(wscale[r], o[r][d])`, every row of
+/// the quantized weights `w` (`RUN / 2` packed pairs a row, and each row's scale); `v` holds
+/// `n_t` (at most `RUN`) positions of one block of one KV head, `[t][hd]`.
 #[inline(always)]
 fn block_pv(
     kern: Kern,
     v: &[i8],
-    vs: &[f16],
     n_t: usize,
-    p: &[f32],
-    stride: usize,
-    rows: usize,
+    (wp, wscale): (&[i32], &[f32]),
     hd: usize,
     o: &mut [f32],
 ) {
+    let rows = wscale.len();
     assert!(
-        v.len() >= n_t * hd
-            && vs.len() >= n_t
-            && p.len() >= (rows - 1) * stride + n_t
-            && o.len() >= rows * hd
+        n_t <= RUN && v.len() >= n_t * hd && wp.len() >= rows * RUN / 2 && o.len() >= rows * hd
     );
     match kern {
-        // SAFETY: as for `block_scores`; lengths checked above.
         #[cfg(target_arch = "x86_64")]
-        Kern::Avx512 => unsafe { simd::pv_avx512(v, vs, n_t, p, stride, rows, hd, o) },
-        // SAFETY: as for `block_scores`; lengths checked above.
+        Kern::Avx512 => {
+            // The kernels read positions in pairs: an odd run's last pair reads the next row
+            // (its weight 0), which lies inside the block (a block's position count is a
+            // multiple of 8 on these paths, so an odd run is the block's last, partial one).
+            assert!(v.len() >= n_t.next_multiple_of(2) * hd);
+            // SAFETY: as for `block_scores`; lengths checked above and here.
+            unsafe { simd::pv_avx512(v, n_t, wp, wscale, hd, o) }
+        }
         #[cfg(target_arch = "x86_64")]
-        Kern::Avx2 => unsafe { simd::pv_avx2(v, vs, n_t, p, stride, rows, hd, o) },
+        Kern::Avx2 => {
+            assert!(v.len() >= n_t.next_multiple_of(2) * hd);
+            // SAFETY: as above.
+            unsafe { simd::pv_avx2(v, n_t, wp, wscale, hd, o) }
+        }
         Kern::Scalar => {
             for r in 0..rows {
+                let w = &wp[r * RUN / 2..(r + 1) * RUN / 2];
                 let or = &mut o[r * hd..(r + 1) * hd];
-                for t in 0..n_t {
-                    let pt = p[r * stride + t] * vs[t].to_f32();
-                    for (x, &vv) in or.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
-                        *x = pt.mul_add(vv as f32, *x);
+                for (d, x) in or.iter_mut().enumerate() {
+                    let mut acc = 0i32;
+                    for t in 0..n_t {
+                        let (a, b) = unpack(w[t / 2]);
+                        acc += if t % 2 == 0 { a } else { b } * v[t * hd + d] as i32;
                     }
+                    *x = (acc as f32).mul_add(wscale[r], *x);
                 }
             }
         }
@@ -298,304 +442,10 @@ fn block_pv(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod simd {
-    use std::arch::x86_64::*;
-
-    use half::f16;
-
-    /// Query rows scored together.
-    const ROWS: usize = 4;
-
-    /// # Safety
-    /// AVX-512F/BW, FMA and F16C; hd and bs multiples of 16; `k` holds `hd * bs` values, `ks`
-    /// `bs`, `scores` `(rows - 1) * stride + bs`.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-    pub(super) unsafe fn scores_avx512(
-        k: &[i8],
-        ks: &[f16],
-        q: &[f32],
-        hd: usize,
-        bs: usize,
-        scores: &mut [f32],
-        stride: usize,
-        scale: f32,
-    ) {
-        let rows = q.len() / hd;
-        let mut r0 = 0;
-        while r0 < rows {
-            let n = (rows - r0).min(ROWS);
-            let (q, o) = (&q[r0 * hd..], scores.as_mut_ptr().add(r0 * stride));
-            match n {
-                4 => scores_tile512::<4>(k, ks, q, hd, bs, o, stride, scale),
-                3 => scores_tile512::<3>(k, ks, q, hd, bs, o, stride, scale),
-                2 => scores_tile512::<2>(k, ks, q, hd, bs, o, stride, scale),
-                _ => scores_tile512::<1>(k, ks, q, hd, bs, o, stride, scale),
-            }
-            r0 += n;
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-    unsafe fn scores_tile512<const R: usize>(
-        k: &[i8],
-        ks: &[f16],
-        q: &[f32],
-        hd: usize,
-        bs: usize,
-        o: *mut f32,
-        stride: usize,
-        scale: f32,
-    ) {
-        let (kp, qp) = (k.as_ptr(), q.as_ptr());
-        let sv = _mm512_set1_ps(scale);
-        for t0 in (0..bs).step_by(16) {
-            let mut acc = [_mm512_setzero_ps(); R];
-            for d in 0..hd {
-                let kv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    kp.add(d * bs + t0) as *const __m128i,
-                )));
-                for (r, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(r * hd + d)), kv, *a);
-                }
-            }
-            let kscale = _mm512_cvtph_ps(_mm256_loadu_si256(ks.as_ptr().add(t0) as *const __m256i));
-            for (r, a) in acc.iter().enumerate() {
-                let v = _mm512_mul_ps(_mm512_mul_ps(*a, kscale), sv);
-                _mm512_storeu_ps(o.add(r * stride + t0), v);
-            }
-        }
-    }
-
-    /// # Safety
-    /// AVX2, FMA and F16C; hd and bs multiples of 8; lengths as for `scores_avx512`.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores_avx2(
-        k: &[i8],
-        ks: &[f16],
-        q: &[f32],
-        hd: usize,
-        bs: usize,
-        scores: &mut [f32],
-        stride: usize,
-        scale: f32,
-    ) {
-        let rows = q.len() / hd;
-        let mut r0 = 0;
-        while r0 < rows {
-            let n = (rows - r0).min(ROWS);
-            let (q, o) = (&q[r0 * hd..], scores.as_mut_ptr().add(r0 * stride));
-            match n {
-                4 => scores_tile256::<4>(k, ks, q, hd, bs, o, stride, scale),
-                3 => scores_tile256::<3>(k, ks, q, hd, bs, o, stride, scale),
-                2 => scores_tile256::<2>(k, ks, q, hd, bs, o, stride, scale),
-                _ => scores_tile256::<1>(k, ks, q, hd, bs, o, stride, scale),
-            }
-            r0 += n;
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scores_tile256<const R: usize>(
-        k: &[i8],
-        ks: &[f16],
-        q: &[f32],
-        hd: usize,
-        bs: usize,
-        o: *mut f32,
-        stride: usize,
-        scale: f32,
-    ) {
-        let (kp, qp) = (k.as_ptr(), q.as_ptr());
-        let sv = _mm256_set1_ps(scale);
-        for t0 in (0..bs).step_by(8) {
-            let mut acc = [_mm256_setzero_ps(); R];
-            for d in 0..hd {
-                let kv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                    kp.add(d * bs + t0) as *const __m128i,
-                )));
-                for (r, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(_mm256_set1_ps(*qp.add(r * hd + d)), kv, *a);
-                }
-            }
-            let kscale = _mm256_cvtph_ps(_mm_loadu_si128(ks.as_ptr().add(t0) as *const __m128i));
-            for (r, a) in acc.iter().enumerate() {
-                let v = _mm256_mul_ps(_mm256_mul_ps(*a, kscale), sv);
-                _mm256_storeu_ps(o.add(r * stride + t0), v);
-            }
-        }
-    }
-
-    /// The block's V scales widened (exact), up to `n_t`.
-    #[inline(always)]
-    fn widen(vs: &[f16], n_t: usize) -> [f32; 64] {
-        let mut out = [0f32; 64];
-        for (o, s) in out.iter_mut().zip(&vs[..n_t.min(64)]) {
-            *o = s.to_f32();
-        }
-        out
-    }
-
-    /// # Safety
-    /// AVX-512F/BW, FMA and F16C; hd a multiple of 16; lengths as `block_pv` checks them.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-    pub(super) unsafe fn pv_avx512(
-        v: &[i8],
-        vs: &[f16],
-        n_t: usize,
-        p: &[f32],
-        stride: usize,
-        rows: usize,
-        hd: usize,
-        o: &mut [f32],
-    ) {
-        if n_t > 64 {
-            // Blocks of more than 64 positions: in runs of 64 (the same order of the sums).
-            let mut t0 = 0;
-            while t0 < n_t {
-                let n = (n_t - t0).min(64);
-                pv_avx512(&v[t0 * hd..], &vs[t0..], n, &p[t0..], stride, rows, hd, o);
-                t0 += n;
-            }
-            return;
-        }
-        let vsf = widen(vs, n_t);
-        let mut r0 = 0;
-        while r0 < rows {
-            let n = (rows - r0).min(ROWS);
-            let (p, o) = (&p[r0 * stride..], &mut o[r0 * hd..]);
-            match (hd / 16, n) {
-                (4, 4) => pv_tile512::<4, 4>(v, &vsf, n_t, p, stride, o),
-                (4, 3) => pv_tile512::<4, 3>(v, &vsf, n_t, p, stride, o),
-                (4, 2) => pv_tile512::<4, 2>(v, &vsf, n_t, p, stride, o),
-                (4, 1) => pv_tile512::<4, 1>(v, &vsf, n_t, p, stride, o),
-                (8, 4) | (8, 3) => {
-                    pv_tile512::<8, 2>(v, &vsf, n_t, p, stride, o);
-                    let (p, o) = (&p[2 * stride..], &mut o[2 * hd..]);
-                    if n == 4 {
-                        pv_tile512::<8, 2>(v, &vsf, n_t, p, stride, o);
-                    } else {
-                        pv_tile512::<8, 1>(v, &vsf, n_t, p, stride, o);
-                    }
-                }
-                (8, 2) => pv_tile512::<8, 2>(v, &vsf, n_t, p, stride, o),
-                (8, 1) => pv_tile512::<8, 1>(v, &vsf, n_t, p, stride, o),
-                (2, _) | (1, _) | (_, _) => {
-                    // Other widths: one register of one row at a time.
-                    for r in 0..n {
-                        for d0 in (0..hd).step_by(16) {
-                            let op = o.as_mut_ptr().add(r * hd + d0);
-                            let mut a = _mm512_loadu_ps(op);
-                            for (t, &s) in vsf[..n_t].iter().enumerate() {
-                                let vv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                    v.as_ptr().add(t * hd + d0) as *const __m128i,
-                                )));
-                                let pt = _mm512_set1_ps(p[r * stride + t] * s);
-                                a = _mm512_fmadd_ps(pt, vv, a);
-                            }
-                            _mm512_storeu_ps(op, a);
-                        }
-                    }
-                }
-            }
-            r0 += n;
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
-    unsafe fn pv_tile512<const D: usize, const R: usize>(
-        v: &[i8],
-        vsf: &[f32; 64],
-        n_t: usize,
-        p: &[f32],
-        stride: usize,
-        o: &mut [f32],
-    ) {
-        let hd = D * 16;
-        let mut acc = [[_mm512_setzero_ps(); D]; R];
-        for (r, a) in acc.iter_mut().enumerate() {
-            for (j, x) in a.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(o.as_ptr().add(r * hd + j * 16));
-            }
-        }
-        for (t, &s) in vsf[..n_t].iter().enumerate() {
-            let mut vv = [_mm512_setzero_ps(); D];
-            for (j, x) in vv.iter_mut().enumerate() {
-                *x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    v.as_ptr().add(t * hd + j * 16) as *const __m128i,
-                )));
-            }
-            for (r, a) in acc.iter_mut().enumerate() {
-                let pt = _mm512_set1_ps(*p.get_unchecked(r * stride + t) * s);
-                for j in 0..D {
-                    a[j] = _mm512_fmadd_ps(pt, vv[j], a[j]);
-                }
-            }
-        }
-        for (r, a) in acc.iter().enumerate() {
-            for (j, x) in a.iter().enumerate() {
-                _mm512_storeu_ps(o.as_mut_ptr().add(r * hd + j * 16), *x);
-            }
-        }
-    }
-
-    /// # Safety
-    /// AVX2, FMA and F16C; hd a multiple of 8; lengths as `block_pv` checks them.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn pv_avx2(
-        v: &[i8],
-        vs: &[f16],
-        n_t: usize,
-        p: &[f32],
-        stride: usize,
-        rows: usize,
-        hd: usize,
-        o: &mut [f32],
-    ) {
-        if n_t > 64 {
-            let mut t0 = 0;
-            while t0 < n_t {
-                let n = (n_t - t0).min(64);
-                pv_avx2(&v[t0 * hd..], &vs[t0..], n, &p[t0..], stride, rows, hd, o);
-                t0 += n;
-            }
-            return;
-        }
-        let vsf = widen(vs, n_t);
-        // Per row, 8 registers (64 dimensions) at a time.
-        for r in 0..rows {
-            for d0 in (0..hd).step_by(64) {
-                let nreg = (hd - d0).min(64) / 8;
-                let op = o.as_mut_ptr().add(r * hd + d0);
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for (j, a) in acc[..nreg].iter_mut().enumerate() {
-                    *a = _mm256_loadu_ps(op.add(8 * j));
-                }
-                for (t, &s) in vsf[..n_t].iter().enumerate() {
-                    let pt = _mm256_set1_ps(p[r * stride + t] * s);
-                    let vp = v.as_ptr().add(t * hd + d0);
-                    for (j, a) in acc[..nreg].iter_mut().enumerate() {
-                        let vv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                            vp.add(8 * j) as *const __m128i,
-                        )));
-                        *a = _mm256_fmadd_ps(pt, vv, *a);
-                    }
-                }
-                for (j, a) in acc[..nreg].iter().enumerate() {
-                    _mm256_storeu_ps(op.add(8 * j), *a);
-                }
-            }
-        }
-    }
-}
+mod simd;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod bench;
