@@ -70,6 +70,14 @@ fn invalidated(why: &str) -> BackendError {
     ))
 }
 
+impl super::EmuGpu {
+    /// Graphs alive and graphs replayed so far.
+    pub fn graph_counts(&self) -> (usize, u64) {
+        let d = self.dev();
+        (d.graphs(), d.capture.replays)
+    }
+}
+
 impl Device {
     /// The allocation starts `w` names.
     fn names(&self, w: &Work) -> Vec<DevPtr> {

@@ -892,12 +892,6 @@ impl EmuGpu {
         self.dev().mem.live()
     }
 
-    /// Graphs alive and graphs replayed so far (`capture`).
-    pub fn graph_counts(&self) -> (usize, u64) {
-        let d = self.dev();
-        (d.graphs(), d.capture.replays)
-    }
-
     /// Units of work queued on the stream and not run yet.
     pub fn queued(&self) -> usize {
         self.dev().queue.len()
