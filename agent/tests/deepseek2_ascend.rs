@@ -95,11 +95,11 @@ fn options() -> ModelOptions {
     }
 }
 
-/// The step that feeds `new` tokens of one sequence after `start` cached ones. The sequence's
-/// blocks are numbered backwards from the pool's end (block i of the sequence is block 15 - i),
-/// so that its context is not one run of slots.
-fn seq_step(new: &[u32], start: usize) -> StepInputs {
-    let (max_blocks, bs) = (16u32, 16u32);
+/// The step that feeds `new` tokens of one sequence after `start` cached ones, in blocks of `bs`.
+/// The sequence's blocks are numbered backwards from the pool's end (block i of the sequence is
+/// block 15 - i of 16), so that its context is not one run of slots.
+fn seq_step(new: &[u32], start: usize, bs: usize) -> StepInputs {
+    let (max_blocks, bs) = (16u32, bs as u32);
     let table: Vec<u32> = (0..max_blocks).map(|i| max_blocks - 1 - i).collect();
     let slot = |p: usize| table[p / bs as usize] * bs + (p as u32 % bs);
     StepInputs {
@@ -118,13 +118,19 @@ fn seq_step(new: &[u32], start: usize) -> StepInputs {
 }
 
 /// `n` greedy tokens of one sequence: the prompt in chunks of `chunk` tokens, then one token a
-/// step.
-fn greedy<B: Backend>(m: &mut Model<B>, prompt: &[u32], chunk: usize, n: usize) -> Vec<u32> {
+/// step (blocks of `bs`).
+fn greedy<B: Backend>(
+    m: &mut Model<B>,
+    prompt: &[u32],
+    chunk: usize,
+    n: usize,
+    bs: usize,
+) -> Vec<u32> {
     let mut out = StepOutput::default();
     let mut got = Vec::new();
     let mut pos = 0;
     for c in prompt.chunks(chunk) {
-        m.forward(&seq_step(c, pos), true, &mut out).unwrap();
+        m.forward(&seq_step(c, pos, bs), true, &mut out).unwrap();
         pos += c.len();
     }
     while got.len() < n {
@@ -137,7 +143,8 @@ fn greedy<B: Backend>(m: &mut Model<B>, prompt: &[u32], chunk: usize, n: usize) 
         if got.len() == n {
             break;
         }
-        m.forward(&seq_step(&[id], pos), true, &mut out).unwrap();
+        m.forward(&seq_step(&[id], pos, bs), true, &mut out)
+            .unwrap();
         pos += 1;
     }
     got
@@ -145,13 +152,19 @@ fn greedy<B: Backend>(m: &mut Model<B>, prompt: &[u32], chunk: usize, n: usize) 
 
 /// The logits of each step fed llama.cpp's tokens (teacher forcing), stepped as [`greedy`] steps
 /// with the prompt in one step.
-fn teacher_forced<B: Backend>(m: &mut Model<B>, prompt: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+fn teacher_forced<B: Backend>(
+    m: &mut Model<B>,
+    prompt: &[u32],
+    tokens: &[u32],
+    bs: usize,
+) -> Vec<Vec<f32>> {
     let mut out = StepOutput::default();
     let mut rows = Vec::new();
     let mut pos = 0;
     let mut next = prompt.to_vec();
     for &t in tokens {
-        m.forward(&seq_step(&next, pos), false, &mut out).unwrap();
+        m.forward(&seq_step(&next, pos, bs), false, &mut out)
+            .unwrap();
         pos += next.len();
         rows.push(std::mem::take(&mut out.logits));
         next = vec![t];
@@ -168,13 +181,13 @@ fn deepseek2_on_the_ascend_emulation() {
     let act = b.act_dtype();
     let mut m = Model::load(&f, b, options()).unwrap();
     for (i, r) in refs.iter().enumerate() {
-        let rows = teacher_forced(&mut m, &r.prompt_ids, &r.output_ids);
+        let rows = teacher_forced(&mut m, &r.prompt_ids, &r.output_ids, 16);
         let margins: Vec<f32> = rows.iter().map(|row| act_margin(act, row)).collect();
         let n = (0..rows.len())
             .find(|&s| r.gaps[s] < margins[s])
             .unwrap_or(rows.len());
         for chunk in [usize::MAX, 2] {
-            let got = greedy(&mut m, &r.prompt_ids, chunk, n);
+            let got = greedy(&mut m, &r.prompt_ids, chunk, n, 16);
             assert_eq!(
                 got,
                 r.output_ids[..n],
@@ -216,6 +229,122 @@ fn deepseek2_on_the_ascend_emulation() {
             decided.len(),
             rows.len()
         );
+    }
+    let _ = std::fs::remove_file(path);
+}
+
+/// A deepseek2 model at DeepSeek-V3's latent widths (kv_lora_rank 512, a rope part of 64: cache
+/// rows of 576) with 32 heads, every other size tiny, regenerated from a seed into a temporary
+/// file.
+fn deepseek2_mla_widths() -> PathBuf {
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    let base = Family::Deepseek2.shape();
+    let shape = synth::Shape {
+        heads: 32,
+        head_dim: 512 + 64,
+        layers: 2,
+        mla: Some(synth::SynthMla {
+            q_lora_rank: 32,
+            kv_lora_rank: 512,
+            qk_nope: 16,
+            qk_rope: 64,
+            v_head_dim: 16,
+        }),
+        ..base
+    };
+    let bytes =
+        synth::synth_model_shaped(Family::Deepseek2, shape, 5, npu_gguf::GgmlType::F16, &donor)
+            .unwrap();
+    let file = std::env::temp_dir().join(format!(
+        "npu-deepseek2-mla-ascend-{}.gguf",
+        std::process::id()
+    ));
+    std::fs::write(&file, bytes).unwrap();
+    file
+}
+
+/// The gap between the two largest values of a row.
+fn top_gap(row: &[f32]) -> f32 {
+    let top = argmax(row);
+    let second = (0..row.len())
+        .filter(|&i| i != top)
+        .fold(f32::NEG_INFINITY, |m, i| m.max(row[i]));
+    row[top] - second
+}
+
+/// DeepSeek's own latent widths on the Ascend emulation (FusedInferAttentionScoreV3's MLA form,
+/// every step token-wise) against the CPU backend: the CPU backend's greedy tokens, teacher-forced
+/// on both; every device logit lies within the f16 margin of the device's logits (`act_margin`)
+/// of the CPU backend's; up to the first step the CPU backend decides by less than that margin,
+/// the device's greedy tokens are the CPU backend's, with the prompt in one step and in chunks of
+/// 2 and blocks of 16 and 128, and its top-1 is the CPU backend's token at every step decided
+/// beyond it.
+#[test]
+fn deepseek2_at_deepseeks_latent_widths_on_the_ascend_emulation_equals_the_cpu_backend() {
+    let (refs, ref_path) = deepseek2();
+    let _ = std::fs::remove_file(ref_path);
+    let path = deepseek2_mla_widths();
+    let f = GgufFile::open(&path).unwrap();
+    let steps = 12;
+    let cpu = npu_backend_cpu::CpuBackend::new(npu_backend_cpu::CpuConfig {
+        threads: 0,
+        f32_reference: false,
+    });
+    let mut c = Model::load(&f, cpu, options()).unwrap();
+    for block_size in [16usize, 128] {
+        let b = ascend();
+        let act = b.act_dtype();
+        let opts = ModelOptions {
+            block_size,
+            ..options()
+        };
+        let mut m = Model::load(&f, b, opts).unwrap();
+        for (i, r) in refs.iter().enumerate() {
+            let want = greedy(&mut c, &r.prompt_ids, usize::MAX, steps, 16);
+            let cpu_rows = teacher_forced(&mut c, &r.prompt_ids, &want, 16);
+            let rows = teacher_forced(&mut m, &r.prompt_ids, &want, block_size);
+            let margins: Vec<f32> = rows.iter().map(|row| act_margin(act, row)).collect();
+            let n = (0..rows.len())
+                .find(|&s| top_gap(&cpu_rows[s]) < margins[s])
+                .unwrap_or(rows.len());
+            // Every teacher-forced logit within the f16 margin of the CPU backend's.
+            for (st, (row, want_row)) in rows.iter().zip(&cpu_rows).enumerate() {
+                let diff = row
+                    .iter()
+                    .zip(want_row)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    diff < margins[st],
+                    "deepseek2 at 512 + 64 on ascend, blocks of {block_size}, prompt {i}, step \
+                     {st}: a logit {diff} from the CPU backend's (margin {})",
+                    margins[st]
+                );
+            }
+            for chunk in [usize::MAX, 2] {
+                let got = greedy(&mut m, &r.prompt_ids, chunk, n, block_size);
+                assert_eq!(
+                    got,
+                    want[..n],
+                    "deepseek2 at 512 + 64 on ascend, blocks of {block_size}, prompt {i} in \
+                     chunks of {chunk}: differs from the CPU backend before its first near-tie \
+                     (step {n})"
+                );
+            }
+            let wrong: Vec<usize> = (0..rows.len())
+                .filter(|&s| top_gap(&cpu_rows[s]) >= margins[s])
+                .filter(|&s| argmax(&rows[s]) != want[s] as usize)
+                .collect();
+            assert!(
+                wrong.is_empty(),
+                "deepseek2 at 512 + 64 on ascend, blocks of {block_size}, prompt {i}: top-1 \
+                 differs from the CPU backend's at decided steps {wrong:?}"
+            );
+            eprintln!(
+                "deepseek2 at 512 + 64 on ascend, blocks of {block_size}, prompt {i}: {n} of \
+                 {steps} greedy tokens as the CPU backend's (whole prompt and chunks of 2)"
+            );
+        }
     }
     let _ = std::fs::remove_file(path);
 }
