@@ -7,8 +7,9 @@
 //! the routing by MoeGatingTopK. Greedy tokens equal llama.cpp's up to each prompt's first step
 //! within the f16 margin (`act_margin` of the device's own logits), with the prompt in one step
 //! and in chunks of 2 (prefill chunks after cached positions); teacher-forced along llama.cpp's
-//! tokens, the device's top-1 is llama.cpp's token at every step beyond that margin. Nothing here
-//! ran on an NPU. Built with the `cuda` and `ascend` features (the shared device helpers need
+//! tokens, the device's top-1 is llama.cpp's token at every step beyond that margin. A second file
+//! at DeepSeek's own latent widths (512 + 64, 32 heads: FusedInferAttentionScoreV3's MLA form)
+//! is checked against the CPU backend the same way. Nothing here ran on an NPU. Built with the `cuda` and `ascend` features (the shared device helpers need
 //! both).
 
 #![cfg(all(feature = "cuda", feature = "ascend"))]

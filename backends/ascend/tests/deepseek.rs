@@ -5,7 +5,9 @@
 //! pool's rows written by ScatterNdUpdate, FusedInferAttentionScoreV2 over them as keys and
 //! values): several sequences with history across blocks, prefill chunks and decodes in one
 //! step, two layers, the token-wise (block size 16) and prompt (block size 128) branches, block
-//! copies and host round trips of latent blocks, and the refusals.
+//! copies and host round trips of latent blocks, and the refusals; at DeepSeek's own widths (512 +
+//! 64) the split pool and FusedInferAttentionScoreV3's MLA form, its limits refused by name, and
+//! the emulated operator's own refusals.
 
 mod common;
 
