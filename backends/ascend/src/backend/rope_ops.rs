@@ -158,7 +158,8 @@ impl AscendBackend {
             .aclnnRotaryPositionEmbeddingGetWorkspaceSize
             .zip(api.aclnnRotaryPositionEmbedding);
         let interleaved = g.rope.style == RopeStyle::Interleaved;
-        let kernel = pick_kernel(self.cfg.rope, native.is_some(), interleaved, d, g);
+        let bf16 = self.act == npu_backend::DType::BF16;
+        let kernel = pick_kernel(self.cfg.rope, native.is_some(), interleaved, bf16, d, g);
         // The table's pairing follows the kernel: RotaryPositionEmbedding and the element-wise
         // rotation pair interleaved elements themselves; ApplyRotaryPosEmb rotates halves
         // (interleaved heads are regrouped into halves first).
@@ -327,11 +328,14 @@ enum Kernel {
 /// equal 128.
 const APPLY_ROPE_D: usize = 128;
 
-/// Whether ApplyRotaryPosEmb takes `heads` (q + k) heads rotated over `d` dimensions: D = 128,
-/// and the page's unified-buffer bound for FLOAT16, (q_n + k_n)·128·2·5 + 128·2·4 bytes, within
-/// the 192 KiB of an Atlas A2/A3 AI core.
-fn apply_fits(d: usize, heads: usize) -> bool {
-    d == APPLY_ROPE_D && heads * APPLY_ROPE_D * 2 * 5 + APPLY_ROPE_D * 2 * 4 <= 192 * 1024
+/// Whether ApplyRotaryPosEmb takes `heads` (q + k) heads rotated over `d` dimensions in 16-bit
+/// activations (`bf16` or FLOAT16): D = 128, and the page's unified-buffer bound,
+/// (q_n + k_n)·128·castSize·5 + 128·DtypeSize·4 + cast·128·4·2 bytes (FLOAT16: cast 0, castSize
+/// 2; BFLOAT16: cast 1, castSize 4; DtypeSize 2), within the 192 KiB of an Atlas A2/A3 AI core.
+fn apply_fits(d: usize, heads: usize, bf16: bool) -> bool {
+    let (cast, cast_size) = if bf16 { (1, 4) } else { (0, 2) };
+    let d128 = APPLY_ROPE_D;
+    d == d128 && heads * d128 * cast_size * 5 + d128 * 2 * 4 + cast * d128 * 4 * 2 <= 192 * 1024
 }
 
 /// The kernel for `cfg`. Auto: ApplyRotaryPosEmb for half-rotation ropes its page takes (one
@@ -345,17 +349,18 @@ fn pick_kernel(
     cfg: RopeKernel,
     has_native: bool,
     interleaved: bool,
+    bf16: bool,
     d: usize,
     g: &AttnGeometry,
 ) -> Kernel {
     let heads = g.n_heads + g.n_kv_heads;
     match cfg {
         RopeKernel::MulAdd => return Kernel::Elementwise,
-        RopeKernel::Auto if !interleaved && apply_fits(d, heads) => return Kernel::Apply,
+        RopeKernel::Auto if !interleaved && apply_fits(d, heads, bf16) => return Kernel::Apply,
         RopeKernel::Auto if has_native => return Kernel::Native,
         _ => {}
     }
-    if apply_fits(d, heads) {
+    if apply_fits(d, heads, bf16) {
         return Kernel::Apply;
     }
     let instead = if has_native {
@@ -488,4 +493,18 @@ fn add(
         }),
     )
     .map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::apply_fits;
+
+    /// The page's unified-buffer bound: 152 FLOAT16 heads of 128 fit 192 KiB, 153 do not; in
+    /// BFLOAT16 (staged in 32 bits) 76 and 77.
+    #[test]
+    fn apply_rotary_pos_emb_takes_the_heads_its_page_bound_allows() {
+        assert!(apply_fits(128, 152, false) && !apply_fits(128, 153, false));
+        assert!(apply_fits(128, 76, true) && !apply_fits(128, 77, true));
+        assert!(!apply_fits(64, 8, false));
+    }
 }
