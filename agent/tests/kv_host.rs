@@ -134,3 +134,62 @@ fn copies_with_ids_outside_either_pool_are_refused() {
     };
     assert!(e.step(&plan).is_err());
 }
+
+/// Swap preemption with the int8 KV cache on the CUDA backend's emulation
+/// (`kv_cache_dtype: int8`): the handshake's block is the int8 block (the CPU backend's block
+/// bytes, values then scales), and sequences swapped out to the host pool and back continue with
+/// exactly the tokens of each run alone.
+#[cfg(feature = "cuda")]
+#[test]
+fn int8_blocks_swap_on_the_cuda_emulation_with_the_tokens_of_an_uninterrupted_run() {
+    use npu_protocol::agent::{DeviceKind, KvCacheDtype};
+    std::env::set_var("NPU_SERVING_CUDA_EMULATION", "1");
+    // 4 blocks of 16 tokens: two 24-token prompts fit, and generating 12 tokens each needs 6.
+    let mut cfg = engine_config(2, 4);
+    cfg.device = DeviceKind::Cuda;
+    cfg.kv_cache_dtype = KvCacheDtype::Int8;
+    cfg.swap_space_mb = 4;
+    let mut e = engine(&cfg);
+    let kv = e.facts().kv;
+    let m = e.facts();
+    let values = m.n_layers * 2 * m.n_kv_heads * m.head_dim * 16;
+    let scales = m.n_layers * 2 * m.n_kv_heads * 16 * 2;
+    assert_eq!(
+        kv.block_bytes,
+        (values + scales) as u64,
+        "int8 values, then scales"
+    );
+    let sched_cfg = SchedulerConfig {
+        kv_host: Some(KvHostConfig {
+            host_blocks: kv.host_blocks as usize,
+            block_bytes: kv.block_bytes,
+            d2h_bytes_per_s: kv.d2h_bytes_per_s,
+            h2d_bytes_per_s: kv.h2d_bytes_per_s,
+            max_copies_per_step: cfg.max_kv_copies() as usize,
+        }),
+        ..inproc::scheduler_config(&cfg)
+    };
+    let reqs: Vec<GenerateRequest> = (0..2u32)
+        .map(|i| {
+            let prompt = (0..24).map(|k| 1000 + 37 * i + 11 * k).collect();
+            request(i as u64, prompt, 12)
+        })
+        .collect();
+    let alone: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| {
+            let mut one = r.clone();
+            one.id = 0;
+            run(&mut e, sched_cfg.clone(), &[one]).0.remove(0)
+        })
+        .collect();
+    let (together, sched) = run(&mut e, sched_cfg, &reqs);
+    let st = sched.stats();
+    eprintln!(
+        "cuda int8: {} preemptions, {} by swap: {} blocks out, {} in",
+        st.preemptions, st.preemptions_swap, st.swap_out_blocks, st.swap_in_blocks
+    );
+    assert!(st.preemptions_swap > 0, "the pool should have forced swaps");
+    assert_eq!(st.swap_out_blocks, st.swap_in_blocks);
+    assert_eq!(together, alone);
+}
