@@ -11,7 +11,9 @@
 //!   `driver` implements it with cudarc on a real device, `emu` (feature `emulation`) on a CPU
 //!   emulation of the same kernel sources.
 //! - `backend` + `ops`: `CudaBackend`, the trait implementation: weights (`weights`), the paged
-//!   KV pool, step inputs in one host→device copy (`step`), and the ops; `fused`: the row ops
+//!   KV pool (`kv`: f16, or int8 in the CPU backend's block bytes), step inputs in one
+//!   host→device copy (`step`), and the ops (`attention`: KV writes and paged attention over
+//!   either pool); `fused`: the row ops
 //!   that take a neighbour's work (the residual add in the next norm, the activation quantizer
 //!   in the kernel producing a quantized product's input).
 //! - `graphs`: decode steps captured as CUDA graphs and replayed (`Backend::step_graphs`): one
