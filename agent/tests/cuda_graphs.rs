@@ -16,7 +16,7 @@
 mod common;
 
 use npu_agent::model::{Model, ModelOptions, StepOutput};
-use npu_backend::{Backend, SeqSpan, StepInputs};
+use npu_backend::{Backend, KvDtype, SeqSpan, StepInputs};
 use npu_backend_cuda::CudaBackend;
 use npu_gguf::synth::{self, Family};
 use npu_gguf::{GgmlType, GgufFile};
@@ -32,6 +32,18 @@ thread_local! {
 
 fn max_blocks() -> usize {
     MAX_BLOCKS.with(|m| m.get())
+}
+
+thread_local! {
+    /// The KV cache's type in this test's thread.
+    static KV_DTYPE: std::cell::Cell<KvDtype> = const { std::cell::Cell::new(KvDtype::F16) };
+}
+
+/// The CUDA emulation with this thread's KV cache type.
+fn device() -> CudaBackend {
+    let mut b = common::devices::cuda();
+    b.set_kv_dtype(KV_DTYPE.with(|k| k.get())).unwrap();
+    b
 }
 
 fn options() -> ModelOptions {
@@ -132,8 +144,11 @@ fn run<B: Backend>(m: &mut Model<B>, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
 fn model(family: Family) -> GgufFile {
     let donor = GgufFile::open(common::model_path()).unwrap();
     let bytes = synth::synth_model(family, 1, GgmlType::Q8_0, &donor).unwrap();
+    // One file per call: tests of one family run in parallel, and each maps its file.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let file = std::env::temp_dir().join(format!(
-        "npu-cuda-graphs-{}-{}.gguf",
+        "npu-cuda-graphs-{}-{}-{call}.gguf",
         family.name(),
         std::process::id()
     ));
@@ -157,10 +172,10 @@ fn compare(family: Family) -> (u64, Option<String>) {
         // were recorded (a split sized from the recording step's lengths would miss it).
         (40u32..69).collect(),
     ];
-    let mut eager = Model::load(&f, common::devices::cuda(), options()).unwrap();
+    let mut eager = Model::load(&f, device(), options()).unwrap();
     let want = run(&mut eager, &prompts);
     drop(eager);
-    let mut graphed = Model::load(&f, common::devices::cuda(), options()).unwrap();
+    let mut graphed = Model::load(&f, device(), options()).unwrap();
     assert_eq!(
         graphed.enable_step_graphs(None).unwrap(),
         Ok(()),
@@ -211,6 +226,16 @@ fn wide_tables_split_attention_in_the_graph_and_match_eager_steps() {
     assert_eq!(replays, DECODE_STEPS as u64 - 2);
 }
 
+/// With the int8 KV cache (`kv_cache_dtype: int8`): its writes and attention read lengths from
+/// the step inputs too, so the graphs give the eager int8 steps' tokens.
+#[test]
+fn int8_kv_cache_steps_replay_with_the_eager_tokens() {
+    KV_DTYPE.with(|k| k.set(KvDtype::Int8));
+    let (replays, off) = compare(Family::Llama);
+    assert_eq!(off, None);
+    assert_eq!(replays, DECODE_STEPS as u64 - 2);
+}
+
 /// Qwen3-MoE's expert FFN allocates its routing plan per call on this backend: inside a
 /// capture that is refused (the capture invalidated), so graphs turn off by name and its steps
 /// stay eager, with the eager tokens.
@@ -236,10 +261,10 @@ fn a_recorded_input_copy_is_caught_by_the_emulation() {
         vec![7u32, 8],
         vec![40u32, 41, 42],
     ];
-    let mut eager = Model::load(&f, common::devices::cuda(), options()).unwrap();
+    let mut eager = Model::load(&f, device(), options()).unwrap();
     let want = run(&mut eager, &prompts);
     drop(eager);
-    let mut wrong = Model::load(&f, common::devices::cuda(), options()).unwrap();
+    let mut wrong = Model::load(&f, device(), options()).unwrap();
     wrong.backend_mut().record_input_copies(true);
     assert_eq!(wrong.enable_step_graphs(None).unwrap(), Ok(()));
     let got = run(&mut wrong, &prompts);
