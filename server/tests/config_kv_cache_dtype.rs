@@ -31,7 +31,10 @@ fn a_bad_kv_cache_dtype_is_refused_naming_the_key() {
     }
     let e = parse("npu_serving:\n  device: ascend\n  kv_cache_dtype: int8\n").unwrap_err();
     assert!(
-        e.contains("npu_serving.kv_cache_dtype") && e.contains("CPU and CUDA backends only"),
+        e.contains("npu_serving.kv_cache_dtype")
+            && e.contains("CPU and CUDA backends only")
+            && e.contains("FusedInferAttentionScore")
+            && e.contains("only when Q_S = 1"),
         "{e}"
     );
     let cfg = parse("npu_serving:\n  device: cuda\n  kv_cache_dtype: f16\n").unwrap();

@@ -4,7 +4,9 @@
 //! with f16 activations (the f32 mix is documented only from CANN 8.5), and executor reuse only
 //! for the allowlisted operators on contiguous, out-of-place tensors — with results bit-equal to
 //! fresh executors; MoeInitRoutingV2's dropless grouping and its page's refusals, and
-//! GroupedMatmulV4's antiquant table (A16W4 per group symmetric, A16W8 per channel only).
+//! GroupedMatmulV4's antiquant table (A16W4 per group symmetric, A16W8 per channel only); the
+//! int8 KV cache refused by name (FusedInferAttentionScore reads per-token, per-head scales from a
+//! paged INT8 cache only when Q_S = 1).
 //!
 //! Tolerances as in `backend.rs`: 1e-2 relative for products, 4e-3 for norms.
 
@@ -688,4 +690,33 @@ fn grouped_matmul_antiquant_takes_what_its_page_table_gives() {
     };
     let strided = list(vec![transposed(), transposed()]);
     refused(call(&w(TDType::I4), strided.raw(), null), "contiguous");
+}
+
+#[test]
+fn the_int8_kv_cache_is_refused_naming_the_missing_attention_form() {
+    let _g = serial();
+    let mut b = backend(AscendConfig::default());
+    b.set_kv_dtype(KvDtype::F16).unwrap();
+    assert_eq!(b.kv_dtype(), KvDtype::F16);
+    let e = b.set_kv_dtype(KvDtype::Int8).unwrap_err().to_string();
+    for part in [
+        "kv_cache_dtype int8",
+        "ascend",
+        "FusedInferAttentionScore",
+        "keyAntiquantMode/valueAntiquantMode 5",
+        "only when Q_S = 1",
+        "no page attention",
+    ] {
+        assert!(e.contains(part), "{part:?} missing from {e}");
+    }
+    // Refused before any pool exists: the f16 pool's block bytes stay the sizing.
+    let spec = KvSpec {
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim: 64,
+        block_size: 128,
+        num_blocks: 4,
+    };
+    assert_eq!(b.kv_block_bytes_for(&spec), spec.f16_block_bytes());
+    assert_eq!(b.kv_dtype(), KvDtype::F16);
 }

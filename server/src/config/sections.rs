@@ -541,7 +541,9 @@ fn npu_serving(s: &mut Section) -> Result<NpuServingConfig, ConfigError> {
                 &path,
                 format!("{v:?}"),
                 "auto or f16 on this device (the int8 KV cache is built on the CPU and CUDA \
-                 backends only)",
+                 backends only; on ascend, FusedInferAttentionScore reads a paged INT8 cache with \
+                 per-token, per-head scales only when Q_S = 1 (keyAntiquantMode 5), and its \
+                 prefill form (Q_S > 1) takes none: docs/kv-cache.md)",
             ));
         }
     }

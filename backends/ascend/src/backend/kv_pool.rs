@@ -11,10 +11,13 @@
 //! [`MLA_ROW`]) is split for FusedInferAttentionScoreV3's MLA form, which takes the latents and
 //! the rotated keys as two contiguous caches: per layer (num_blocks, block_size, 512) then
 //! (num_blocks, block_size, 64), a block's host bytes per layer its latents then its rotated keys.
+//!
+//! The pool stores f16 (or bf16) only: `kv_cache_dtype: int8` is refused ([`INT8_KV_REFUSAL`]),
+//! naming the attention forms CANN's pages lack for our int8 scheme (docs/kv-cache.md).
 
 use std::sync::Arc;
 
-use npu_backend::{BackendError, KvSpec};
+use npu_backend::{BackendError, KvDtype, KvSpec};
 
 use super::objects::zeroed;
 use super::{err, AscendBackend};
@@ -33,6 +36,32 @@ pub struct KvPool {
     pub mla: Option<(usize, usize)>,
     k: Vec<Mem>,
     v: Vec<Mem>,
+}
+
+/// Why the Ascend pool does not store int8 (our scheme: one scale per token, KV head and K or V,
+/// computed as the row is written and kept in the paged blocks). aclnnFusedInferAttentionScore
+/// V2–V5 (CANN 8.1–8.5) read such scales from a paged INT8 cache only when Q_S = 1
+/// (keyAntiquantMode = valueAntiquantMode = 5, "per-token叠加per head并使用page attention模式管理
+/// scale/offset": FLOAT32 scales of shape (blockNum, KV_N, blockSize)); with Q_S > 1 the pages
+/// take INT8 keys and values in modes 0 and 1 only (per-channel, or per-token without per-head),
+/// with BFLOAT16 queries, Q_S <= 16 and without page attention, so prefill, chunks and
+/// speculative verification over a paged int8 cache have no documented form.
+pub const INT8_KV_REFUSAL: &str = "the int8 KV cache is built on the CPU and CUDA backends only: \
+     on ascend, FusedInferAttentionScore (V2-V5, CANN 8.1-8.5) reads a paged INT8 cache with one \
+     scale per token and KV head (keyAntiquantMode/valueAntiquantMode 5, FLOAT32 scales \
+     (blockNum, KV_N, blockSize)) only when Q_S = 1; for Q_S > 1 (prefill, chunks, speculative \
+     verification) its page takes INT8 keys/values only in modes 0/1 (per-channel or per-token \
+     without per-head), BFLOAT16 queries, Q_S <= 16 and no page attention";
+
+/// `set_kv_dtype` on Ascend: f16 (the activations' 16-bit type) only; int8 refused by name.
+pub(super) fn check_kv_dtype(dtype: KvDtype) -> Result<(), BackendError> {
+    match dtype {
+        KvDtype::F16 => Ok(()),
+        KvDtype::Int8 => Err(BackendError::Unsupported {
+            backend: "ascend",
+            what: format!("kv_cache_dtype int8 ({INT8_KV_REFUSAL})"),
+        }),
+    }
 }
 
 impl KvPool {

@@ -47,7 +47,7 @@ use crate::ops::StepStats;
 use crate::reuse::Launcher;
 use crate::runtime::Acl;
 
-pub use kv_pool::KvPool;
+pub use kv_pool::{KvPool, INT8_KV_REFUSAL};
 pub use objects::{AscendBuffer, AscendEmbedding, AscendMatrix};
 use staging::Staging;
 use step::StepPlan;
@@ -613,6 +613,10 @@ impl Backend for AscendBackend {
             vals.len(),
             Some(half),
         ))
+    }
+
+    fn set_kv_dtype(&mut self, dtype: npu_backend::KvDtype) -> Result<(), BackendError> {
+        kv_pool::check_kv_dtype(dtype)
     }
 
     fn init_kv(&mut self, spec: KvSpec) -> Result<(), BackendError> {
