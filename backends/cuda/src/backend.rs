@@ -35,8 +35,8 @@ pub(crate) struct RopeFactorTables {
 }
 
 /// What the CUDA backend has of [`Capability`]: every op of the newer families, the
-/// mixture-of-experts ones included (`moe`), and DeepSeek's scored routing and latent attention
-/// (`mla`).
+/// mixture-of-experts ones included (`moe`), DeepSeek's scored routing and latent attention
+/// (`mla`), and LoRA adapters (`lora`).
 pub(crate) fn supports(c: Capability) -> bool {
     match c {
         Capability::HeadNorm
@@ -47,9 +47,8 @@ pub(crate) fn supports(c: Capability) -> bool {
         | Capability::PerLayerRope
         | Capability::Moe
         | Capability::ScoredRouting
-        | Capability::LatentAttention => true,
-        // Not built on CUDA yet: adapters are refused by name at load.
-        Capability::Lora => false,
+        | Capability::LatentAttention
+        | Capability::Lora => true,
         // Not built on CUDA yet: `moe_tensor_parallel: whole_experts` is refused by name at
         // load (share_each_expert serves MoE groups).
         Capability::HeldExperts => false,
@@ -704,6 +703,15 @@ impl Backend for CudaBackend {
         head_dim: usize,
     ) -> Result<(), BackendError> {
         self.op_rms_norm_heads(x, w, eps, head_dim)
+    }
+
+    fn lora_add(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        groups: &[npu_backend::LoraGroup<'_, CudaBuffer>],
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_lora_add(x, groups, out)
     }
 
     fn scale_rows(&mut self, x: ViewMut<'_, CudaBuffer>, s: f32) -> Result<(), BackendError> {

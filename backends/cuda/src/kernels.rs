@@ -5,7 +5,7 @@
 use npu_backend::DType;
 
 /// The kernel sources, concatenated in this order into one program.
-pub const SOURCES: [(&str, &str); 8] = [
+pub const SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("moe.cu", include_str!("../kernels/moe.cu")),
@@ -17,6 +17,7 @@ pub const SOURCES: [(&str, &str); 8] = [
     ),
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
     ("moe_matmul.cu", include_str!("../kernels/moe_matmul.cu")),
+    ("lora.cu", include_str!("../kernels/lora.cu")),
 ];
 
 /// The whole program, with `#line` markers so compiler messages name the original file.
@@ -61,10 +62,11 @@ pub enum Op {
     KvWriteI8,
     RopeKvWriteI8,
     AttentionI8,
+    Lora,
 }
 
 impl Op {
-    pub const ALL: [Op; 27] = [
+    pub const ALL: [Op; 28] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -92,6 +94,7 @@ impl Op {
         Op::KvWriteI8,
         Op::RopeKvWriteI8,
         Op::AttentionI8,
+        Op::Lora,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -122,6 +125,7 @@ impl Op {
             Op::KvWriteI8 => "kv_write_i8",
             Op::RopeKvWriteI8 => "rope_kv_write_i8",
             Op::AttentionI8 => "attention_i8",
+            Op::Lora => "lora",
         }
     }
 }

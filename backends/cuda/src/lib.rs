@@ -5,7 +5,8 @@
 //! - `kernels` + `kernels/*.cu`: the CUDA C kernels of a Llama step and of the newer families'
 //!   ops (per-head Q/K norm, GELU gate, row scaling, sliding-window attention, rope frequency
 //!   factors and per-layer bases, mixture-of-experts in `moe`, DeepSeek's scored routing and
-//!   latent attention in `mla`: every `Capability`), compiled at run time by NVRTC
+//!   latent attention in `mla`, multi-LoRA's segmented low-rank product in `lora`: every
+//!   `Capability`), compiled at run time by NVRTC
 //!   (`nvrtc`, cached per architecture in memory and on disk).
 //! - `gpu`: the seam under the backend (memory, copies, launches, one GEMM, one waiting read);
 //!   `driver` implements it with cudarc on a real device, `emu` (feature `emulation`) on a CPU
@@ -40,6 +41,7 @@ mod graphs;
 pub mod kernels;
 mod kv;
 pub mod libs;
+mod lora;
 mod matmul;
 mod mla;
 mod moe;

@@ -128,6 +128,11 @@ fn latent_pool_refusals() {
     conformance::latent_pool_refusals(&emulated);
 }
 
+#[test]
+fn lora_groups_match_the_cpu_backend() {
+    conformance::lora_groups_match_the_cpu_backend(&emulated);
+}
+
 /// Every kernel of the program is launched, and checked, by some case above: no op runs a
 /// kernel the conformance cases never exercise.
 #[test]

@@ -7,6 +7,7 @@ mod attention;
 mod fused;
 mod kv_int8;
 mod latent;
+mod lora;
 mod matmul;
 mod moe;
 
@@ -14,6 +15,7 @@ pub use attention::*;
 pub use fused::*;
 pub use kv_int8::*;
 pub use latent::*;
+pub use lora::*;
 pub use matmul::*;
 pub use moe::*;
 
@@ -125,6 +127,10 @@ pub const CASES: &[(&str, Case)] = &[
         latent_attention_matches_the_reference,
     ),
     ("latent_pool_refusals", latent_pool_refusals),
+    (
+        "lora_groups_match_the_cpu_backend",
+        lora_groups_match_the_cpu_backend,
+    ),
 ];
 
 pub(crate) const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
