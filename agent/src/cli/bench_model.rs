@@ -87,14 +87,16 @@ pub struct BenchModelArgs {
     #[arg(long, value_name = "N")]
     pub bandwidth_rounds: Option<usize>,
     /// What the KV pool stores: auto (f16), f16 or int8. Two of them (e.g. `f16,int8`): instead
-    /// of the rest, batch-1 decode at `--kv-contexts` with one engine per dtype, alternately,
-    /// `--kv-rounds` rounds, the best round of each and their ratio (`bench_kv_dtype`).
+    /// of the rest, batch-1 decode at `--kv-contexts` with one engine per dtype, one after the
+    /// other, `--kv-rounds` rounds on one prefill, the median round of each and their ratio
+    /// (`bench_kv_dtype`).
     #[arg(long, value_delimiter = ',', default_values_t = vec![KvCacheDtype::Auto])]
     pub kv_cache_dtype: Vec<KvCacheDtype>,
     /// Contexts (tokens) the `--kv-cache-dtype A,B` comparison decodes at.
     #[arg(long, value_delimiter = ',', default_values_t = vec![8192, 32768])]
     pub kv_contexts: Vec<usize>,
-    /// Rounds of the `--kv-cache-dtype A,B` comparison (the best is reported); also the rounds
+    /// Rounds of the `--kv-cache-dtype A,B` comparison (the median and the best are reported,
+    /// the prefill computed once per engine); also the rounds
     /// of `--lora-adapters`.
     #[arg(long, default_value_t = 2)]
     pub kv_rounds: usize,
