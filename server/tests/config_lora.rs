@@ -1,7 +1,7 @@
 //! Config of LoRA adapters: `npu_serving.lora_adapters` (a list of {name, path}),
 //! `npu_serving.max_loras` and `npu_serving.max_lora_rank`; LoRA is off without all three, on
 //! (with vLLM's defaults 1 and 16) with any; every bad value is refused naming its key, and what
-//! LoRA does not run with yet (CUDA, Ascend, tensor parallelism, a prefill/decode split,
+//! LoRA does not run with yet (Ascend, tensor parallelism, a prefill/decode split,
 //! long-context mode, several models) is refused by name.
 
 use npu_server::config::{LoraConfig, LoraEntry, ServerConfig};
@@ -53,6 +53,9 @@ fn lora_is_off_by_default_and_read_from_its_keys() {
             .map(|l| l.max_loras),
         Some(2)
     );
+    // The CUDA backend has the segmented LoRA kernel (kernels/lora.cu): adapters load with it.
+    let c = load("npu_serving:\n  max_loras: 2\n  device: cuda\n").unwrap();
+    assert_eq!(c.npu_serving.lora.map(|l| l.max_loras), Some(2));
 }
 
 #[test]
@@ -90,10 +93,6 @@ fn bad_values_are_refused_naming_their_key() {
             "npu_serving.lora_adapters[0].path",
         ),
         // What LoRA does not run with yet.
-        (
-            "  max_loras: 2\n  device: cuda\n".into(),
-            "npu_serving.device",
-        ),
         (
             "  max_loras: 2\n  device: ascend\n".into(),
             "npu_serving.device",
