@@ -52,6 +52,11 @@ const ASCEND_FIRST_PHASES: u64 = LAYERS as u64 * 6 + 1 + 9;
 /// rest (the same 12 and the first layer's RmsNorm). At Qwen3's real head size of 128 the rope
 /// is one ApplyRotaryPosEmb call (backends/ascend/tests/fused.rs): 12 a layer. Before: 15.
 const QWEN3_LAYERS: usize = 3;
+/// The tiny Qwen3 model's on the CUDA backend (folds on): 9 a layer, as a Llama layer of head
+/// size 32 — the q and k head norms are in the rope and KV write kernel
+/// (`norm_rope_kv_write`; 11 a layer before, with two `rms_norm_heads` launches) — and the same
+/// 1 + 6 outside.
+const CUDA_QWEN3_LAUNCHES: u64 = QWEN3_LAYERS as u64 * 9 + 1 + 6;
 const ASCEND_QWEN3_LAUNCHES: u64 = QWEN3_LAYERS as u64 * 13 + 13;
 
 /// The tiny llama model, written to a temporary file (one per call: tests run in parallel).
@@ -148,6 +153,14 @@ fn cuda_emulation_counts_decode_launches() {
     check("cuda", &c, d, f);
     assert_eq!(c.first_phases_per_step, 0.0, "{c:?}");
     assert_eq!(c.min_launches, CUDA_LAUNCHES, "{c:?}");
+}
+
+#[test]
+fn cuda_emulation_counts_qwen3_decode_launches() {
+    emulations();
+    let (c, d, f) = counts(DeviceKind::Cuda, tiny(Family::Qwen3, "cuda-qwen3"));
+    check_layers("cuda qwen3", &c, d, f, QWEN3_LAYERS);
+    assert_eq!(c.min_launches, CUDA_QWEN3_LAUNCHES, "{c:?}");
 }
 
 #[test]

@@ -507,10 +507,10 @@ impl<B: Backend> Model<B> {
                 b.add_bias(qkv.col_range(0, qkv_w)?, bias)?;
             }
             if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
-                b.rms_norm_heads(qkv.col_range(0, qw)?, qn, eps, g.head_dim)?;
-                b.rms_norm_heads(qkv.col_range(qw, kvw)?, kn, eps, g.head_dim)?;
+                b.norm_rope_kv_write(qkv.col_range(0, qw + 2 * kvw)?, qn, kn, eps, g, li)?;
+            } else {
+                b.rope_kv_write(qkv.col_range(0, qw + 2 * kvw)?, g, li)?;
             }
-            b.rope_kv_write(qkv.col_range(0, qw + 2 * kvw)?, g, li)?;
             let qkv = qkv.as_view();
             if let Some(lc) = lc.as_deref_mut().filter(|lc| lc.has_active()) {
                 q_host.resize(t * qw, 0.0);

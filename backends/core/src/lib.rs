@@ -818,6 +818,24 @@ pub trait Backend: Send {
         let v = qkv.as_view();
         self.kv_write(v.col_range(qw, kvw)?, v.col_range(qw + kvw, kvw)?, g, layer)
     }
+    /// Each query head of `qkv` RMS-normalised by `q_norm` and each key head by `k_norm`
+    /// (`rms_norm_heads`, Qwen3's and Gemma 3's per-head norms), then `rope_kv_write`: the three
+    /// ops (which this does by default), which a backend may do in one pass with the same
+    /// results.
+    fn norm_rope_kv_write(
+        &mut self,
+        mut qkv: ViewMut<'_, Self::Buffer>,
+        q_norm: &Self::Buffer,
+        k_norm: &Self::Buffer,
+        eps: f32,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        let (qw, kvw) = (g.q_width(), g.kv_width());
+        self.rms_norm_heads(qkv.col_range(0, qw)?, q_norm, eps, g.head_dim)?;
+        self.rms_norm_heads(qkv.col_range(qw, kvw)?, k_norm, eps, g.head_dim)?;
+        self.rope_kv_write(qkv, g, layer)
+    }
     /// Writes each new token's K and V rows into `layer`'s cache at the step's slot mapping.
     fn kv_write(
         &mut self,

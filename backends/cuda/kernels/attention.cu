@@ -98,6 +98,84 @@ __device__ __forceinline__ void rope_kv_write_body(T* qkv, int ld, int n_heads, 
     }
 NPU_FOR_EACH_ACT(ROPE_KV_WRITE)
 
+// grid (rows, n_heads + 2 * n_kv), blockDim as `rms_norm_heads` has for a head of hd: the per-head
+// Q and K norms (Qwen3's, Gemma 3's), `rope` and `kv_write` of one step in one launch. Block
+// (r, h) of a query or key head normalises the head in place as `rms_norm_heads` does (the same
+// loop and block sum, so the same bits; qw for query heads, kw for key heads), then, after the
+// barrier, rotates its pairs from the values as stored, as `rope_kv_write` does, and a key head
+// writes its rotated pairs and unrotated rest to the cache; a value head's block copies it to the
+// cache. Pairs and the unrotated rest are disjoint, so no thread reads another's rotated value.
+template <typename T>
+__device__ __forceinline__ void norm_rope_kv_write_body(
+    T* qkv, int ld, int n_heads, int n_kv, int hd, int dims, int halves, float theta_scale,
+    float freq_scale, const int* pos, const float* factors, const void* qw, int qwdt,
+    const void* kw, int kwdt, float eps, const int* slots, u16* pool, i64 block_stride,
+    i64 layer_off, int bs) {
+    __shared__ float red[32];
+    const int r = blockIdx.x;
+    const int h = blockIdx.y;
+    const int slot = slots[r];
+    const i64 head_elems = (i64)bs * hd;
+    const i64 base = (i64)(slot / bs) * block_stride + layer_off + (i64)(slot % bs) * hd;
+    T* hp = qkv + (i64)r * ld + (i64)h * hd;
+    if (h >= n_heads + n_kv) {
+        const i64 at = base + (i64)(h - n_heads) * head_elems;
+        for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+            pool[at + c] = f32_to_f16_bits(to_f32(hp[c]));
+        }
+        return;
+    }
+    const bool key = h >= n_heads;
+    const void* w = key ? kw : qw;
+    const int wdt = key ? kwdt : qwdt;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        const float v = to_f32(hp[c]);
+        s = fmaf(v, v, s);
+    }
+    s = block_sum(s, red);
+    const float scale = 1.0f / sqrtf(s / (float)hd + eps);
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        hp[c] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(hp[c]), scale), load_dt(w, wdt, c)));
+    }
+    __syncthreads();
+    const int half = dims >> 1;
+    const i64 at = base + (i64)(h - n_heads) * head_elems;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const int a = halves ? i : 2 * i;
+        const int b = halves ? i + half : 2 * i + 1;
+        float y0;
+        float y1;
+        rope_rotate(to_f32(hp[a]), to_f32(hp[b]), i, (u32)pos[r], theta_scale, freq_scale,
+                    factors, &y0, &y1);
+        const T t0 = from_f32<T>(y0);
+        const T t1 = from_f32<T>(y1);
+        hp[a] = t0;
+        hp[b] = t1;
+        if (key) {
+            pool[at + a] = f32_to_f16_bits(to_f32(t0));
+            pool[at + b] = f32_to_f16_bits(to_f32(t1));
+        }
+    }
+    if (key) {
+        for (int d = dims + threadIdx.x; d < hd; d += blockDim.x) {
+            pool[at + d] = f32_to_f16_bits(to_f32(hp[d]));
+        }
+    }
+}
+
+#define NORM_ROPE_KV_WRITE(T, S)                                                                   \
+    extern "C" __global__ void norm_rope_kv_write_##S(                                             \
+        T* qkv, int ld, int n_heads, int n_kv, int hd, int dims, int halves, float theta_scale,    \
+        float freq_scale, const int* pos, const float* factors, const void* qw, int qwdt,          \
+        const void* kw, int kwdt, float eps, const int* slots, u16* pool, i64 block_stride,        \
+        i64 layer_off, int bs) {                                                                   \
+        norm_rope_kv_write_body<T>(qkv, ld, n_heads, n_kv, hd, dims, halves, theta_scale,          \
+                                   freq_scale, pos, factors, qw, qwdt, kw, kwdt, eps, slots, pool, \
+                                   block_stride, layer_off, bs);                                   \
+    }
+NPU_FOR_EACH_ACT(NORM_ROPE_KV_WRITE)
+
 // ---- paged attention -----------------------------------------------------------------------------
 //
 // Flash-decoding style: grid (work items, kv heads, context splits). A work item is up to `qt`

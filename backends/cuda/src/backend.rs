@@ -829,6 +829,18 @@ impl Backend for CudaBackend {
         self.op_rope_kv_write(qkv, g, layer)
     }
 
+    fn norm_rope_kv_write(
+        &mut self,
+        qkv: ViewMut<'_, CudaBuffer>,
+        q_norm: &CudaBuffer,
+        k_norm: &CudaBuffer,
+        eps: f32,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        self.op_norm_rope_kv_write(qkv, q_norm, k_norm, eps, g, layer)
+    }
+
     fn add_rms_norm(
         &mut self,
         x: ViewMut<'_, CudaBuffer>,

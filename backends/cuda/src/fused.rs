@@ -35,6 +35,16 @@ use crate::ops::{
     addr, addr_mut, dt_code, float, grid_rows, int, need, row_threads, same, EW_THREADS,
 };
 
+/// What `rope_kv_args` checked and computed: the step's metadata, the byte offsets of its
+/// positions and slot mapping in it, the frequency factor table (0: none) and base^(-2/dims).
+struct RopeKvArgs {
+    meta: DevPtr,
+    positions: u64,
+    slots: u64,
+    factors: DevPtr,
+    theta_scale: f32,
+}
+
 /// 8-bit activations a producer kernel wrote for the next quantized product (module note).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Q8Ready {
@@ -321,44 +331,19 @@ impl CudaBackend {
             let v = qkv.as_view();
             return self.op_kv_write(v.col_range(qw, kvw)?, v.col_range(qw + kvw, kvw)?, g, layer);
         }
-        self.own(qkv.buf(), OP)?;
-        let (lay, meta) = self.step_meta()?;
-        self.check_kv_geometry(OP, g, layer)?;
+        let Some(RopeKvArgs {
+            meta,
+            positions,
+            slots,
+            factors,
+            theta_scale,
+        }) = self.rope_kv_args(OP, &qkv, g, layer)?
+        else {
+            return Ok(());
+        };
         let dt = float(OP, qkv.dtype())?;
         let l = qkv.layout();
         let (hd, dims) = (g.head_dim, g.rope.dims);
-        need(
-            l.rows() == lay.n_tokens && l.cols() == qw + 2 * kvw,
-            OP,
-            || {
-                format!(
-                    "a {}x{} window for {} tokens of Q, K and V ({qw} + 2 x {kvw})",
-                    l.rows(),
-                    l.cols(),
-                    lay.n_tokens
-                )
-            },
-        )?;
-        need(dims <= hd && dims.is_multiple_of(2), OP, || {
-            format!("{dims} rotary dimensions of a {hd}-value head")
-        })?;
-        if let Some(f) = g.rope.factors {
-            need(f.len() == dims / 2, OP, || {
-                format!(
-                    "{} frequency factors for {} rotary pairs",
-                    f.len(),
-                    dims / 2
-                )
-            })?;
-        }
-        if lay.n_tokens == 0 {
-            return Ok(());
-        }
-        let factors = match g.rope.factors {
-            Some(f) => self.rope_factor_table(f)?,
-            None => 0,
-        };
-        let theta_scale = g.rope.base.powf(-2.0 / dims.max(1) as f32);
         let heads = g.n_heads + g.n_kv_heads;
         let n = heads * (dims / 2) + g.n_kv_heads * (hd - dims) + kvw;
         let kv = self.kv_pool()?;
@@ -386,9 +371,9 @@ impl CudaBackend {
                     .i32(i32::from(g.rope.style == RopeStyle::Halves))
                     .f32(theta_scale)
                     .f32(g.rope.freq_scale)
-                    .ptr(meta + 4 * lay.positions as u64)
+                    .ptr(meta + positions)
                     .ptr(factors)
-                    .ptr(meta + 4 * lay.slots as u64)
+                    .ptr(meta + slots)
                     .ptr(kv.mem.ptr())
                     .i64(kv.block_bytes() as i64)
                     .i64(at.values as i64)
@@ -412,13 +397,152 @@ impl CudaBackend {
                 .i32(i32::from(g.rope.style == RopeStyle::Halves))
                 .f32(theta_scale)
                 .f32(g.rope.freq_scale)
-                .ptr(meta + 4 * lay.positions as u64)
+                .ptr(meta + positions)
                 .ptr(factors)
-                .ptr(meta + 4 * lay.slots as u64)
+                .ptr(meta + slots)
                 .ptr(kv.mem.ptr())
                 .i64(kv.block_elems as i64)
                 .i64(kv.layer_offset(layer) as i64)
                 .i32(int(OP, kv.spec.block_size)?),
         )
+    }
+
+    /// `rms_norm_heads` of the query heads by `q_norm` and of the key heads by `k_norm`, then
+    /// `rope_kv_write`, in one kernel (`norm_rope_kv_write`, one block per head of a row, as
+    /// many threads as `rms_norm_heads` gives a head, so the norms have its bits). An int8 KV
+    /// pool, or `fuse` off, launches the norms on their own and then `rope_kv_write` (or `rope`
+    /// and `kv_write`).
+    pub(crate) fn op_norm_rope_kv_write(
+        &mut self,
+        mut qkv: ViewMut<'_, CudaBuffer>,
+        q_norm: &CudaBuffer,
+        k_norm: &CudaBuffer,
+        eps: f32,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "norm_rope_kv_write";
+        let (qw, kvw) = (g.q_width(), g.kv_width());
+        let int8 = self.kv_pool()?.dtype == npu_backend::KvDtype::Int8;
+        if !self.cfg.fuse || int8 {
+            self.op_rms_norm_heads(qkv.col_range(0, qw)?, q_norm, eps, g.head_dim)?;
+            self.op_rms_norm_heads(qkv.col_range(qw, kvw)?, k_norm, eps, g.head_dim)?;
+            return self.op_rope_kv_write(qkv, g, layer);
+        }
+        self.own(q_norm, OP)?;
+        self.own(k_norm, OP)?;
+        let hd = g.head_dim;
+        need(q_norm.len() == hd && k_norm.len() == hd, OP, || {
+            format!(
+                "{} query and {} key norm weights for heads of {hd}",
+                q_norm.len(),
+                k_norm.len()
+            )
+        })?;
+        let (qdt, kdt) = (float(OP, q_norm.dtype())?, float(OP, k_norm.dtype())?);
+        let Some(RopeKvArgs {
+            meta,
+            positions,
+            slots,
+            factors,
+            theta_scale,
+        }) = self.rope_kv_args(OP, &qkv, g, layer)?
+        else {
+            return Ok(());
+        };
+        let dt = float(OP, qkv.dtype())?;
+        let l = qkv.layout();
+        let kv = self.kv_pool()?;
+        self.launch(
+            op_kernel(Op::NormRopeKvWrite, dt),
+            LaunchDims::linear(
+                [
+                    int(OP, l.rows())? as u32,
+                    grid_rows(OP, g.n_heads + 2 * g.n_kv_heads)?,
+                    1,
+                ],
+                row_threads(hd, 256),
+            ),
+            Args::new()
+                .ptr(addr_mut(&qkv))
+                .i32(int(OP, l.stride())?)
+                .i32(int(OP, g.n_heads)?)
+                .i32(int(OP, g.n_kv_heads)?)
+                .i32(int(OP, hd)?)
+                .i32(int(OP, g.rope.dims)?)
+                .i32(i32::from(g.rope.style == RopeStyle::Halves))
+                .f32(theta_scale)
+                .f32(g.rope.freq_scale)
+                .ptr(meta + positions)
+                .ptr(factors)
+                .ptr(q_norm.addr(0))
+                .i32(dt_code(qdt))
+                .ptr(k_norm.addr(0))
+                .i32(dt_code(kdt))
+                .f32(eps)
+                .ptr(meta + slots)
+                .ptr(kv.mem.ptr())
+                .i64(kv.block_elems as i64)
+                .i64(kv.layer_offset(layer) as i64)
+                .i32(int(OP, kv.spec.block_size)?),
+        )
+    }
+
+    /// The checks `rope_kv_write` and `norm_rope_kv_write` share (a Q, K and V window of the
+    /// step's tokens, the rotary geometry, the layer's cache) and their common arguments;
+    /// `None`: no tokens.
+    fn rope_kv_args(
+        &mut self,
+        op: &'static str,
+        qkv: &ViewMut<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<Option<RopeKvArgs>, BackendError> {
+        let (qw, kvw) = (g.q_width(), g.kv_width());
+        self.own(qkv.buf(), op)?;
+        let (lay, meta) = self.step_meta()?;
+        self.check_kv_geometry(op, g, layer)?;
+        float(op, qkv.dtype())?;
+        let l = qkv.layout();
+        let (hd, dims) = (g.head_dim, g.rope.dims);
+        need(
+            l.rows() == lay.n_tokens && l.cols() == qw + 2 * kvw,
+            op,
+            || {
+                format!(
+                    "a {}x{} window for {} tokens of Q, K and V ({qw} + 2 x {kvw})",
+                    l.rows(),
+                    l.cols(),
+                    lay.n_tokens
+                )
+            },
+        )?;
+        need(dims <= hd && dims.is_multiple_of(2), op, || {
+            format!("{dims} rotary dimensions of a {hd}-value head")
+        })?;
+        if let Some(f) = g.rope.factors {
+            need(f.len() == dims / 2, op, || {
+                format!(
+                    "{} frequency factors for {} rotary pairs",
+                    f.len(),
+                    dims / 2
+                )
+            })?;
+        }
+        if lay.n_tokens == 0 {
+            return Ok(None);
+        }
+        let factors = match g.rope.factors {
+            Some(f) => self.rope_factor_table(f)?,
+            None => 0,
+        };
+        let theta_scale = g.rope.base.powf(-2.0 / dims.max(1) as f32);
+        Ok(Some(RopeKvArgs {
+            meta,
+            positions: 4 * lay.positions as u64,
+            slots: 4 * lay.slots as u64,
+            factors,
+            theta_scale,
+        }))
     }
 }

@@ -62,11 +62,12 @@ pub enum Op {
     KvWriteI8,
     RopeKvWriteI8,
     AttentionI8,
+    NormRopeKvWrite,
     Lora,
 }
 
 impl Op {
-    pub const ALL: [Op; 28] = [
+    pub const ALL: [Op; 29] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -94,6 +95,7 @@ impl Op {
         Op::KvWriteI8,
         Op::RopeKvWriteI8,
         Op::AttentionI8,
+        Op::NormRopeKvWrite,
         Op::Lora,
     ];
     pub fn name(self) -> &'static str {
@@ -125,6 +127,7 @@ impl Op {
             Op::KvWriteI8 => "kv_write_i8",
             Op::RopeKvWriteI8 => "rope_kv_write_i8",
             Op::AttentionI8 => "attention_i8",
+            Op::NormRopeKvWrite => "norm_rope_kv_write",
             Op::Lora => "lora",
         }
     }

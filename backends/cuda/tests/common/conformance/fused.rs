@@ -178,13 +178,16 @@ pub fn fused_launches_match_the_unfused_ones(make: Make) {
 }
 
 /// One decode over `start` cached positions (4 query heads on 1 KV head of 128): its Q/K/V row
-/// through `rope_kv_write`, attention, and its output straight into a Q8_0 product; the rotated
-/// row, the cache, the attention output and the product read back, and the launches of each.
+/// through `rope_kv_write` (with `head_norms`, `norm_rope_kv_write`: Q heads normalised by f32
+/// weights, K heads by bf16 ones, first), attention, and its output straight into a Q8_0
+/// product; the rotated row, the cache, the attention output and the product read back, and the
+/// launches of each.
 fn attention_run(
     b: &mut CudaBackend,
     dt: DType,
     start: usize,
     rope: (RopeStyle, usize),
+    head_norms: bool,
 ) -> (Vec<Vec<f32>>, Vec<Vec<String>>) {
     let spec = KvSpec {
         n_layers: 1,
@@ -247,9 +250,33 @@ fn attention_run(
     b.begin_step(&step(start, 1)).unwrap();
     let w = qw + 2 * hd;
     let mut qkv = put(b, dt, &rounded(&rng.vec(w, -1.5, 1.5), dt), 1, w);
-    take_launches(b);
-    b.rope_kv_write(ViewMut::rows(&mut qkv, 1, w).unwrap(), &g, 0)
+    if head_norms {
+        let wq = rng.vec(hd, 0.5, 1.5);
+        let wq = b
+            .load_vector(HostTensor {
+                ty: GgmlType::F32,
+                data: bytemuck::cast_slice(&wq),
+                rows: 1,
+                cols: hd,
+            })
+            .unwrap();
+        let wk = rounded(&rng.vec(hd, 0.5, 1.5), DType::BF16);
+        let wk = put(b, DType::BF16, &wk, 1, hd);
+        take_launches(b);
+        b.norm_rope_kv_write(
+            ViewMut::rows(&mut qkv, 1, w).unwrap(),
+            &wq,
+            &wk,
+            1e-6,
+            &g,
+            0,
+        )
         .unwrap();
+    } else {
+        take_launches(b);
+        b.rope_kv_write(ViewMut::rows(&mut qkv, 1, w).unwrap(), &g, 0)
+            .unwrap();
+    }
     launched.push(take_launches(b).unwrap_or_default());
     b.attention(
         View::rows(&qkv, 1, w).unwrap().col_range(0, qw).unwrap(),
@@ -276,13 +303,19 @@ fn attention_run(
 }
 
 /// `rope_kv_write` (rope and the KV write in one launch; interleaved pairs over the whole head,
-/// then halves over part of it) and the attention output's 8-bit form written by `attention`
-/// (one split) or by `attention_combine` (a long context split): the same bits (rotated rows,
-/// cache, attention, product) as `rope`, `kv_write` and `quantize_q8` launched apart.
+/// then halves over part of it), `norm_rope_kv_write` (Qwen3's per-head Q and K norms too, in
+/// the same launch), and the attention output's 8-bit form written by `attention` (one split)
+/// or by `attention_combine` (a long context split): the same bits (rotated rows, cache,
+/// attention, product) as `rms_norm_heads`, `rope`, `kv_write` and `quantize_q8` launched apart.
 pub fn attention_writes_the_output_projections_activations(make: Make) {
     let styles = [(RopeStyle::Interleaved, 128), (RopeStyle::Halves, 64)];
+    let cases = [(20usize, false), (699, true)].into_iter().zip(styles);
+    let cases: Vec<_> = [false, true]
+        .into_iter()
+        .flat_map(|norms| cases.clone().map(move |c| (c, norms)))
+        .collect();
     for dt in DTYPES {
-        for ((start, split), rope) in [(20usize, false), (699, true)].into_iter().zip(styles) {
+        for &(((start, split), rope), norms) in &cases {
             let Some(mut fused) = make(dt, MatmulMode::Quantized) else {
                 return;
             };
@@ -290,14 +323,17 @@ pub fn attention_writes_the_output_projections_activations(make: Make) {
                 return;
             };
             plain.set_fuse(false);
-            let (fv, fl) = attention_run(&mut fused, dt, start, rope);
-            let (pv, pl) = attention_run(&mut plain, dt, start, rope);
+            let (fv, fl) = attention_run(&mut fused, dt, start, rope, norms);
+            let (pv, pl) = attention_run(&mut plain, dt, start, rope, norms);
             let s = dt.name();
             let names = ["rotated row", "KV cache", "attention", "product"];
             for (name, (f, p)) in names.iter().zip(fv.iter().zip(&pv)) {
                 let fb: Vec<u32> = f.iter().map(|v| v.to_bits()).collect();
                 let pb: Vec<u32> = p.iter().map(|v| v.to_bits()).collect();
-                assert!(fb == pb, "{s} after {start}: the {name} differs when fused");
+                assert!(
+                    fb == pb,
+                    "{s} after {start} (head norms {norms}): the {name} differs when fused"
+                );
             }
             if fl.iter().all(|l| l.is_empty()) {
                 continue; // a real device: no launch list
@@ -307,18 +343,25 @@ pub fn attention_writes_the_output_projections_activations(make: Make) {
                 att.push(format!("attention_combine_{s}"));
             }
             let gemv = format!("gemv_q8_0_r1_{s}");
-            let rope_kv = vec![format!("rope_kv_write_{s}")];
+            let rope_kv = match norms {
+                false => vec![format!("rope_kv_write_{s}")],
+                true => vec![format!("norm_rope_kv_write_{s}")],
+            };
             assert_eq!(
                 fl,
                 vec![rope_kv, att.clone(), vec![gemv.clone()]],
-                "{s} after {start}"
+                "{s} after {start} (head norms {norms})"
             );
-            let apart = vec![format!("rope_{s}"), format!("kv_write_{s}")];
+            let mut apart = vec![format!("rope_{s}"), format!("kv_write_{s}")];
+            if norms {
+                let n = format!("rms_norm_heads_{s}");
+                apart.splice(0..0, [n.clone(), n]);
+            }
             let q8 = format!("quantize_q8_{s}");
             assert_eq!(
                 pl,
                 vec![apart, att, vec![q8, gemv]],
-                "{s} after {start}, one op a launch"
+                "{s} after {start} (head norms {norms}), one op a launch"
             );
         }
     }
