@@ -1,7 +1,9 @@
 //! The row ops whose kernels can take a neighbour's work, so that a decode layer launches fewer
 //! kernels with the same bits: RMS norm, SwiGLU, and the residual add folded into the next RMS
 //! norm (`add_rms_norm`, one pass over the row), and rope with the KV write (`rope_kv_write`;
-//! into an int8 pool, `rope_kv_write_i8`, one warp per head, quantizing each key and value row).
+//! into an int8 pool, `rope_kv_write_i8`, one warp per head, quantizing each key and value row),
+//! with Qwen3's per-head Q and K norms first where the model has them (`norm_rope_kv_write`, one
+//! block per head; an int8 pool launches the norms apart).
 //!
 //! **The activation quantizer folded into its producer.** A quantized matrix product multiplies
 //! 8-bit activations (`quantize_q8`, matmul.cu). When the kernel producing its input is one of
