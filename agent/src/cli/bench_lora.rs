@@ -5,8 +5,8 @@
 //! stream on the base model, the streams spread over the adapters in contiguous groups (what a
 //! scheduler sorting by adapter gives: one group per adapter), and spread one by one (stream i on
 //! adapter i mod N: a group per stream, the worst case). Median step of each round, best round
-//! of each, and the ratios of tokens per second to the base's. CPU backend (the only one with
-//! `Capability::Lora`).
+//! of each, and the ratios of tokens per second to the base's. CPU backend only (CUDA has
+//! `Capability::Lora` too, checked on its emulation, not timed here).
 
 use std::time::Instant;
 
