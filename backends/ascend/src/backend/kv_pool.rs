@@ -81,6 +81,19 @@ impl KvPool {
                 ),
             });
         }
+        let ops = &dev.acl.api.ops;
+        if spec.head_dim == MLA_ROW.0 + MLA_ROW.1
+            && ops
+                .aclnnFusedInferAttentionScoreV3GetWorkspaceSize
+                .is_none()
+        {
+            return Err(BackendError::Unsupported {
+                backend: super::NAME,
+                what: "latent attention: rows of 512 + 64 need aclnnFusedInferAttentionScoreV3's \
+                       MLA form (this CANN release does not have the operator)"
+                    .into(),
+            });
+        }
         if spec.head_dim == MLA_ROW.0 + MLA_ROW.1 && ![16, 128].contains(&spec.block_size) {
             return Err(BackendError::Unsupported {
                 backend: super::NAME,
