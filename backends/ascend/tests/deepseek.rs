@@ -6,7 +6,8 @@
 //! values): several sequences with history across blocks, prefill chunks and decodes in one
 //! step, two layers, the token-wise (block size 16) and prompt (block size 128) branches, block
 //! copies and host round trips of latent blocks, and the refusals; at DeepSeek's own widths (512 +
-//! 64) the split pool and FusedInferAttentionScoreV3's MLA form, its limits refused by name, and
+//! 64) the split pool and FusedInferAttentionScoreV3's MLA form, head counts it does not take
+//! padded with zero query heads (16, 20, 40), its limits refused by name, and
 //! the emulated operator's own refusals.
 
 mod common;
@@ -484,23 +485,25 @@ fn latent_and_kv_pools_refuse_each_others_ops() {
     b.init_latent_kv(latent_spec(bs, 2, 576)).unwrap();
     b.begin_step(&step_of(&[(0, 1, vec![0])], bs as u32, &toks))
         .unwrap();
-    let ql = up(&mut b, &vec![0.1; 2 * 512], 2 * 512);
-    let qr = up(&mut b, &vec![0.1; 2 * 64], 2 * 64);
-    let mut o = b.alloc(DType::F16, 2 * 512).unwrap();
+    // (2 heads would be padded to 32 for the MLA form; 160 exceed both forms.)
+    let n = 160usize;
+    let ql = up(&mut b, &vec![0.1; n * 512], n * 512);
+    let qr = up(&mut b, &vec![0.1; n * 64], n * 64);
+    let mut o = b.alloc(DType::F16, n * 512).unwrap();
     let big = AttnGeometry {
-        n_heads: 2,
+        n_heads: n,
         n_kv_heads: 1,
         head_dim: 576,
         ..g
     };
     let e = b
         .attention_latent(
-            View::rows(&ql, 1, 1024).unwrap(),
-            View::rows(&qr, 1, 128).unwrap(),
+            View::rows(&ql, 1, n * 512).unwrap(),
+            View::rows(&qr, 1, n * 64).unwrap(),
             &big,
             512,
             0,
-            ViewMut::rows(&mut o, 1, 1024).unwrap(),
+            ViewMut::rows(&mut o, 1, n * 512).unwrap(),
         )
         .unwrap_err()
         .to_string();
@@ -604,7 +607,59 @@ fn latent_attention_at_deepseeks_widths_goes_through_the_mla_form() {
     }
 }
 
-/// The MLA form's limits, refused by name: heads other than 32, 64 or 128 (before any call),
+/// Head counts the MLA form does not take (DeepSeek-V2-Lite's 16; 20 and 40, which divide into
+/// none of 32, 64 and 128): padded on the device with zero query heads to 32 or 64, only the real
+/// heads' outputs kept, against the same reference, prompts then a decode and a chunk, blocks of
+/// 16 and 128. A step's cost over the unpadded path (32 heads, the same step): 2 more InplaceCopy
+/// calls a layer (the query into the padded scratch, the real heads out of the output), the same
+/// FusedInferAttentionScoreV3 calls.
+#[test]
+fn latent_attention_pads_other_head_counts_for_the_mla_form() {
+    let _g = serial();
+    let toks: Vec<u32> = (1..100).collect();
+    // InplaceCopy and V3 launches of one step of `heads` over a fresh backend and pool.
+    let run = |bs: usize, heads: usize| {
+        let mut b = default_backend();
+        let mut m = Latent {
+            heads,
+            lat: 512,
+            rope: 64,
+            block_size: bs,
+            cache: Default::default(),
+        };
+        b.init_latent_kv(latent_spec(bs, 12, m.row())).unwrap();
+        let what = format!("{heads} heads, blocks of {bs}");
+        let s1 = step_of(&[(0, 21, vec![3, 1]), (0, 5, vec![0])], bs as u32, &toks);
+        check(&m.step(&mut b, &s1, 1, true), &format!("{what}, prompts"));
+        let s2 = step_of(
+            &[(21, 1, vec![3, 1]), (5, 14, vec![0, 7]), (0, 2, vec![9])],
+            bs as u32,
+            &toks,
+        );
+        let (c, v3) = (
+            launches("aclnnInplaceCopy"),
+            launches("aclnnFusedInferAttentionScoreV3"),
+        );
+        check(&m.step(&mut b, &s2, 2, true), &format!("{what}, mixed"));
+        (
+            launches("aclnnInplaceCopy") - c,
+            launches("aclnnFusedInferAttentionScoreV3") - v3,
+        )
+    };
+    for bs in [16usize, 128] {
+        let (copies, v3) = run(bs, 32);
+        for heads in [16usize, 20, 40] {
+            assert_eq!(
+                run(bs, heads),
+                (copies + 2 * LAYERS as u64, v3),
+                "{heads} heads, blocks of {bs}: InplaceCopy and V3 launches of a step against \
+                 32 unpadded heads' ({copies}, {v3})"
+            );
+        }
+    }
+}
+
+/// The MLA form's limits, refused by name: more than 128 heads (before any call),
 /// blocks other than 16 or 128 for rows of 512 + 64 (at the pool), and rows above 512 that are
 /// not 512 + 64 (FusedInferAttentionScoreV2's ordinary form stops at 512).
 #[test]
@@ -618,7 +673,7 @@ fn the_mla_forms_limits_are_refused_by_name() {
     assert!(e.contains("block_size = 64") && e.contains("MLA"), "{e}");
     let toks = [1u32, 2];
     for (row, heads, lat, want) in [
-        (576usize, 16usize, 512usize, "32, 64 or 128"),
+        (576usize, 160usize, 512usize, "32, 64 or 128"),
         (640, 32, 576, "ordinary form"),
     ] {
         b.init_latent_kv(latent_spec(16, 4, row)).unwrap();

@@ -23,7 +23,19 @@
 //! key and value the latent cache, keyRope the rotated-key cache, numKeyValueHeads 1, sparseMode
 //! 0, the output (B, 1, N, 512) — each head's weighted latents, what `out` holds. Rows that are
 //! not dense are copied into scratch (the form takes contiguous query, queryRope and output).
-//! Refused by name before any call: other head counts, a sliding window, a step of the graph
+//!
+//! Fewer heads than the form takes (DeepSeek-V2-Lite's 16; any count below 128 not 32 or 64)
+//! are padded to the next of 32, 64 and 128 on the device, with no host synchronisation: the
+//! query and queryRope are copied (one InplaceCopy each, strided) into the real heads of zeroed
+//! (T, N', 512) and (T, N', 64) scratch reused across steps and layers, the call takes N' heads,
+//! and one InplaceCopy takes the real heads' rows of its (T, N', 512) output into `out`. Each
+//! head's scores and softmax are its own over the one KV head, so the real heads' outputs are
+//! exactly the unpadded ones (the extra heads' values never reach them; zero keeps them finite).
+//! Cost per layer: at most 3 InplaceCopy calls (query, queryRope, output) besides the
+//! operator's, 2 more than unpadded heads of dense query and output with a strided queryRope (the
+//! agent's case). Releases whose page lists 32, 64 and 128 only (through 8.5) are what this
+//! follows; ops-transformer's current page also lists 1, 2, 4, 8 and 16 (padding satisfies both).
+//! Refused by name before any call: more than 128 heads, a sliding window, a step of the graph
 //! form (its key mask), a release without the operator.
 
 use npu_backend::{AttnGeometry, BackendError, Capability, View, ViewMut};
@@ -136,12 +148,16 @@ impl AscendBackend {
     ) -> Result<(), BackendError> {
         let h = g.n_heads;
         let (lat, rp) = MLA_ROW;
-        if !MLA_HEADS.contains(&h) {
+        // The operator's head count: `h` itself, or the next the form takes (zero query heads
+        // appended, their outputs dropped; each head's softmax is its own, so this is exact).
+        let Some(hp) = MLA_HEADS.into_iter().find(|&n| n >= h && h > 0) else {
             return Err(self.mla_unsupported(format!(
                 "{h} query heads over rows of 512 + 64: FusedInferAttentionScoreV3's MLA form \
-                 takes 32, 64 or 128 (and the ordinary form no head dim above 512)"
+                 takes 32, 64 or 128 (fewer are padded to the next of them; the ordinary form \
+                 takes no head dim above 512)"
             )));
-        }
+        };
+        let padded = hp != h;
         if self.plan.length_mask.is_some() {
             return Err(self.mla_unsupported(
                 "a captured step of the graph form: its key mask is refused by \
@@ -176,46 +192,63 @@ impl AscendBackend {
         let acl = self.dev.acl;
         let (ql, qr, ol) = (q_latent.layout(), q_rope.layout(), out.layout());
         self.pending = true;
-        // Contiguous (T, 1, N, D) forms: the rows themselves where dense, else scratch.
-        for (name, l, w) in [("mla_q", ql, lat), ("mla_qr", qr, rp), ("mla_o", ol, lat)] {
-            if !dense(l) {
-                self.scratch.ensure(&self.dev, name, t * h * w * 2)?;
+        // Contiguous (T, 1, N, D) forms of N = hp heads: the rows themselves where dense and
+        // not padded, else scratch. The padded query scratch is zeroed when allocated and only
+        // its real heads are ever written, so its extra heads stay zero while `h` stays.
+        let names = if padded {
+            [
+                ("mla_q_pad", ql, lat),
+                ("mla_qr_pad", qr, rp),
+                ("mla_o", ol, lat),
+            ]
+        } else {
+            [("mla_q", ql, lat), ("mla_qr", qr, rp), ("mla_o", ol, lat)]
+        };
+        for (name, l, w) in names {
+            if padded || !dense(l) {
+                self.scratch.ensure(&self.dev, name, t * hp * w * 2)?;
             }
         }
-        for (name, x, l) in [("mla_q", &q_latent, ql), ("mla_qr", &q_rope, qr)] {
-            if !dense(l) {
+        // (T, h, w): `h` heads of `w` from element `at`, rows `row` apart.
+        let heads3 = |w: usize, row: usize, at: usize| {
+            let (hi, w) = (h as i64, w as i64);
+            TView::strided(act, &[t as i64, hi, w], &[row as i64, w, 1], at as i64)
+        };
+        for ((name, l, w), x) in names.into_iter().zip([&q_latent, &q_rope]) {
+            if padded || !dense(l) {
                 copy(
                     &mut self.ops,
                     self.scratch.get(name),
-                    TView::contiguous(act, &[t as i64, l.cols() as i64]),
+                    heads3(w, hp * w, 0),
                     &x.buf().mem,
-                    tview(x.dtype(), l),
+                    heads3(w, l.stride(), l.offset()),
                 )?;
             }
         }
-        let (q_mem, q_at) = if dense(ql) {
+        let [(q_name, ..), (r_name, ..), _] = names;
+        let (q_mem, q_at) = if padded || !dense(ql) {
+            (self.scratch.get(q_name), 0)
+        } else {
             (&q_latent.buf().mem, ql.offset())
-        } else {
-            (self.scratch.get("mla_q"), 0)
         };
-        let (r_mem, r_at) = if dense(qr) {
+        let (r_mem, r_at) = if padded || !dense(qr) {
+            (self.scratch.get(r_name), 0)
+        } else {
             (&q_rope.buf().mem, qr.offset())
-        } else {
-            (self.scratch.get("mla_qr"), 0)
         };
-        let (o_mem, o_at) = if dense(ol) {
-            (&out.buf().mem, ol.offset())
-        } else {
+        let (o_mem, o_at) = if padded || !dense(ol) {
             (self.scratch.get("mla_o"), 0)
+        } else {
+            (&out.buf().mem, ol.offset())
         };
         // (entries, 1, N, w) of a run of entries, from element `at` of its rows.
         let bsnd = |w: usize, at: usize, r: &std::ops::Range<usize>| {
-            let (hw, w) = ((h * w) as i64, w as i64);
+            let (hw, w) = ((hp * w) as i64, w as i64);
             TView::strided(
                 act,
-                &[r.len() as i64, 1, h as i64, w],
+                &[r.len() as i64, 1, hp as i64, w],
                 &[hw, hw, w, 1],
-                (at + r.start * h * w as usize) as i64,
+                (at + r.start * hp * w as usize) as i64,
             )
         };
         let kv = self
@@ -262,10 +295,10 @@ impl AscendBackend {
             ));
         }
         let scale = f64::from(g.scale);
-        let (heads, block_size) = (h as i64, bs);
+        let (heads, block_size) = (hp as i64, bs);
         for (query, key, value, query_rope, key_rope, table, kv_lens, attn_out) in &calls {
             let detail = format!(
-                "query {:?} keyRope {:?} blockTable {:?} kv={:?} blockSize={bs} heads={h}/1 BSND",
+                "query {:?} keyRope {:?} blockTable {:?} kv={:?} blockSize={bs} heads={hp}/1 ({h} real) BSND",
                 query.view().dims,
                 key_rope.view().dims,
                 table.view().dims,
@@ -333,13 +366,14 @@ impl AscendBackend {
                 .map_err(err)?;
         }
         drop(calls);
-        if !dense(ol) {
+        // The real heads' rows of the output (a padded output's extra heads are dropped).
+        if padded || !dense(ol) {
             copy(
                 &mut self.ops,
                 &out.buf().mem,
-                tview(out.dtype(), ol),
+                heads3(lat, ol.stride(), ol.offset()),
                 self.scratch.get("mla_o"),
-                TView::contiguous(act, &[t as i64, (h * lat) as i64]),
+                heads3(lat, hp * lat, 0),
             )?;
         }
         Ok(())
