@@ -682,3 +682,83 @@ fn llama_and_qwen3_int8_kv_tokens_on_the_cuda_emulation_are_the_cpus() {
         "cuda int8 top-1 differs from the CPU's at decided steps: {misses:#?}"
     );
 }
+
+/// The int8 KV cache on the two real files the project tests (the default model, SmolLM2-135M
+/// Q4_1, and Gemma 3 270M Q4_K_M), on the CPU, teacher-forced on llama.cpp's greedy tokens
+/// (`tests/data/greedy_*.jsonl`, f16 cache in llama.cpp) exactly as the sweep's int8 test is:
+/// each file loaded with an f16 and an int8 cache, a step counted where llama.cpp's own gap is
+/// at least `NEAR_TIE`. Real weights are the other half of the int8 evidence: the sweep's
+/// random-weight files have peaked attention that a 0.15 logit gap cannot survive 8-bit K/V
+/// rounding in (docs/kv-cache.md); these show what a trained model's cache loses. Measured on a
+/// Zen 4 (2026-11-29): 92 of 93 decided steps (SmolLM2; f16 cache 93) and 175 of 176 (Gemma 3;
+/// f16 176), 99.26% together. The floor sits a step or two below, since a CPU with other
+/// instruction sets sums the f32 products in another order and a near-tie may fall either way.
+#[test]
+fn real_models_agree_with_llama_cpp_with_an_int8_kv_cache() {
+    use npu_backend::KvDtype;
+    const REAL_INT8_FLOOR_PERCENT: usize = 98;
+    let real_options = ModelOptions {
+        max_tokens: 640,
+        max_logit_rows: 64,
+        num_blocks: 40,
+        block_size: 16,
+        kv_memory_fraction: None,
+    };
+    let load = |path: &std::path::Path, dtype: KvDtype| {
+        let f = GgufFile::open(path).unwrap();
+        let mut b = CpuBackend::new(CpuConfig {
+            threads: 0,
+            f32_reference: false,
+        });
+        b.set_kv_dtype(dtype).unwrap();
+        Model::load(&f, b, real_options).unwrap()
+    };
+    let mut gemma3_refs = common::gemma3_refs();
+    gemma3_refs.extend(common::refs_from(include_str!(
+        "data/greedy_gemma3_long.jsonl"
+    )));
+    let files = [
+        ("smollm2-135m q4_1", common::model_path(), common::refs()),
+        ("gemma3-270m q4_k_m", common::gemma3_path(), gemma3_refs),
+    ];
+    let (mut all_decided, mut all_same8) = (0usize, 0usize);
+    for (name, path, refs) in files {
+        let mut m8 = load(&path, KvDtype::Int8);
+        let mut m16 = load(&path, KvDtype::F16);
+        // decided steps, int8 as llama.cpp, f16 as llama.cpp, int8 top-1 unlike f16's.
+        let (mut decided, mut same8, mut same16, mut flips) = (0usize, 0usize, 0usize, 0usize);
+        for r in &refs {
+            let cont = &r.output_ids[..r.output_ids.len().min(32)];
+            let rows8 = teacher_forced(&mut m8, &r.prompt_ids, cont).unwrap();
+            let rows16 = teacher_forced(&mut m16, &r.prompt_ids, cont).unwrap();
+            for (s, (row8, row16)) in rows8.iter().zip(&rows16).enumerate() {
+                let (got8, _) = top(row8);
+                let (got16, _) = top(row16);
+                flips += usize::from(got8 != got16);
+                if r.gaps[s] >= f64::from(NEAR_TIE) {
+                    decided += 1;
+                    same8 += usize::from(got8 == r.output_ids[s] as usize);
+                    same16 += usize::from(got16 == r.output_ids[s] as usize);
+                }
+            }
+        }
+        eprintln!(
+            "{name}: int8 KV {same8} of {decided} decided steps as llama.cpp's ({:.2}%), the \
+             f16 cache {same16} ({:.2}%); int8 top-1 unlike f16's at {flips} steps",
+            100.0 * same8 as f64 / decided as f64,
+            100.0 * same16 as f64 / decided as f64,
+        );
+        assert!(decided >= 80, "{name}: only {decided} decided steps");
+        all_decided += decided;
+        all_same8 += same8;
+    }
+    eprintln!(
+        "both files: int8 KV {all_same8} of {all_decided} decided steps as llama.cpp's ({:.2}%)",
+        100.0 * all_same8 as f64 / all_decided as f64
+    );
+    assert!(
+        all_same8 * 100 >= all_decided * REAL_INT8_FLOOR_PERCENT,
+        "int8 cache {all_same8} of {all_decided} decided steps as llama.cpp's, below \
+         {REAL_INT8_FLOOR_PERCENT}%"
+    );
+}
