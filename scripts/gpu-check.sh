@@ -8,7 +8,8 @@
 #           activations, each matmul mode); greedy and teacher-forced agreement with the CPU
 #           backend (and llama.cpp's recorded tokens) on random-weight models of every family
 #           made there (`npu-serving synth-model`: llama, llama3, qwen2, qwen3, qwen3moe,
-#           gemma3; qwen3moe's experts run through the CUDA MoE path); compute-sanitizer memcheck (and
+#           gemma3, deepseek2; qwen3moe's experts run through the CUDA MoE path, deepseek2's
+#           latent attention and scored, group-limited routing through the MLA and MoE kernels); compute-sanitizer memcheck (and
 #           racecheck, synccheck) of short runs; the 1B- and 8B-shaped random Q4_0 models; and
 #           a CUDA build of llama.cpp's llama-bench and llama-batched-bench (in the background).
 #   part 2: `npu-serving bench-model --device cuda` on the 1B and 8B models (quantized, auto,
@@ -221,9 +222,9 @@ conformance_part() {
 }
 
 # ---- fidelity on random-weight models of every family -----------------------------------------
-declare -A SEED=([llama]=2 [llama3]=3 [qwen2]=1 [qwen3]=2 [qwen3moe]=1 [gemma3]=3)
+declare -A SEED=([llama]=2 [llama3]=3 [qwen2]=1 [qwen3]=2 [qwen3moe]=1 [gemma3]=3 [deepseek2]=3)
 declare -A MARGIN=([f32]=0.15 [f16]=0.5 [bf16]=1.0)
-families=(llama llama3 qwen2 qwen3 qwen3moe gemma3)
+families=(llama llama3 qwen2 qwen3 qwen3moe gemma3 deepseek2)
 fidelity_part() {
   local f fam ref model sha want p prompt r cg cs ids dt dg ds line rc fails=0 refused=0 judged=0 rows=""
   f=$(part_file 20-fidelity)
