@@ -8,8 +8,9 @@
 //! within the f16 margin (`act_margin` of the device's own logits), with the prompt in one step
 //! and in chunks of 2 (prefill chunks after cached positions); teacher-forced along llama.cpp's
 //! tokens, the device's top-1 is llama.cpp's token at every step beyond that margin. A second file
-//! at DeepSeek's own latent widths (512 + 64, 32 heads: FusedInferAttentionScoreV3's MLA form)
-//! is checked against the CPU backend the same way. Nothing here ran on an NPU. Built with the `cuda` and `ascend` features (the shared device helpers need
+//! at DeepSeek's own latent widths (512 + 64, 32 heads: FusedInferAttentionScoreV3's MLA form;
+//! and 16, V2-Lite's count, padded to 32 on the device) is checked against the CPU backend the
+//! same way. Nothing here ran on an NPU. Built with the `cuda` and `ascend` features (the shared device helpers need
 //! both).
 
 #![cfg(all(feature = "cuda", feature = "ascend"))]
@@ -235,13 +236,13 @@ fn deepseek2_on_the_ascend_emulation() {
 }
 
 /// A deepseek2 model at DeepSeek-V3's latent widths (kv_lora_rank 512, a rope part of 64: cache
-/// rows of 576) with 32 heads, every other size tiny, regenerated from a seed into a temporary
-/// file.
-fn deepseek2_mla_widths() -> PathBuf {
+/// rows of 576) with `heads` heads, every other size tiny, regenerated from a seed into a
+/// temporary file.
+fn deepseek2_mla_widths(heads: usize) -> PathBuf {
     let donor = GgufFile::open(common::model_path()).unwrap();
     let base = Family::Deepseek2.shape();
     let shape = synth::Shape {
-        heads: 32,
+        heads,
         head_dim: 512 + 64,
         layers: 2,
         mla: Some(synth::SynthMla {
@@ -257,7 +258,7 @@ fn deepseek2_mla_widths() -> PathBuf {
         synth::synth_model_shaped(Family::Deepseek2, shape, 5, npu_gguf::GgmlType::F16, &donor)
             .unwrap();
     let file = std::env::temp_dir().join(format!(
-        "npu-deepseek2-mla-ascend-{}.gguf",
+        "npu-deepseek2-mla-ascend-{heads}-{}.gguf",
         std::process::id()
     ));
     std::fs::write(&file, bytes).unwrap();
@@ -282,9 +283,20 @@ fn top_gap(row: &[f32]) -> f32 {
 /// beyond it.
 #[test]
 fn deepseek2_at_deepseeks_latent_widths_on_the_ascend_emulation_equals_the_cpu_backend() {
+    at_mla_widths(32);
+}
+
+/// The same with 16 heads (DeepSeek-V2-Lite's count, which the MLA form does not take: padded
+/// on the device to 32 zero-query heads, only the real heads' outputs kept).
+#[test]
+fn deepseek2_with_v2_lites_16_heads_padded_on_the_ascend_emulation_equals_the_cpu_backend() {
+    at_mla_widths(16);
+}
+
+fn at_mla_widths(heads: usize) {
     let (refs, ref_path) = deepseek2();
     let _ = std::fs::remove_file(ref_path);
-    let path = deepseek2_mla_widths();
+    let path = deepseek2_mla_widths(heads);
     let f = GgufFile::open(&path).unwrap();
     let steps = 12;
     let cpu = npu_backend_cpu::CpuBackend::new(npu_backend_cpu::CpuConfig {
@@ -317,8 +329,8 @@ fn deepseek2_at_deepseeks_latent_widths_on_the_ascend_emulation_equals_the_cpu_b
                     .fold(0f32, f32::max);
                 assert!(
                     diff < margins[st],
-                    "deepseek2 at 512 + 64 on ascend, blocks of {block_size}, prompt {i}, step \
-                     {st}: a logit {diff} from the CPU backend's (margin {})",
+                    "deepseek2 at 512 + 64, {heads} heads, on ascend, blocks of {block_size}, \
+                     prompt {i}, step {st}: a logit {diff} from the CPU backend's (margin {})",
                     margins[st]
                 );
             }
@@ -327,9 +339,9 @@ fn deepseek2_at_deepseeks_latent_widths_on_the_ascend_emulation_equals_the_cpu_b
                 assert_eq!(
                     got,
                     want[..n],
-                    "deepseek2 at 512 + 64 on ascend, blocks of {block_size}, prompt {i} in \
-                     chunks of {chunk}: differs from the CPU backend before its first near-tie \
-                     (step {n})"
+                    "deepseek2 at 512 + 64, {heads} heads, on ascend, blocks of {block_size}, \
+                     prompt {i} in chunks of {chunk}: differs from the CPU backend before its \
+                     first near-tie (step {n})"
                 );
             }
             let wrong: Vec<usize> = (0..rows.len())
@@ -338,12 +350,13 @@ fn deepseek2_at_deepseeks_latent_widths_on_the_ascend_emulation_equals_the_cpu_b
                 .collect();
             assert!(
                 wrong.is_empty(),
-                "deepseek2 at 512 + 64 on ascend, blocks of {block_size}, prompt {i}: top-1 \
-                 differs from the CPU backend's at decided steps {wrong:?}"
+                "deepseek2 at 512 + 64, {heads} heads, on ascend, blocks of {block_size}, \
+                 prompt {i}: top-1 differs from the CPU backend's at decided steps {wrong:?}"
             );
             eprintln!(
-                "deepseek2 at 512 + 64 on ascend, blocks of {block_size}, prompt {i}: {n} of \
-                 {steps} greedy tokens as the CPU backend's (whole prompt and chunks of 2)"
+                "deepseek2 at 512 + 64, {heads} heads, on ascend, blocks of {block_size}, \
+                 prompt {i}: {n} of {steps} greedy tokens as the CPU backend's (whole prompt \
+                 and chunks of 2)"
             );
         }
     }
