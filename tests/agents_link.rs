@@ -88,6 +88,7 @@ impl StepExecutor for EchoEngine {
         }
         Ok(StepResult {
             transfer: Default::default(),
+            failed: Vec::new(),
             step_id: plan.step_id,
             seqs,
             timing: StepTiming {

@@ -470,3 +470,123 @@ fn a_listed_adapter_that_cannot_be_read_stops_the_start_naming_its_entry() {
     assert!(err.contains("npu_serving.lora_adapters[0]"), "{err}");
     assert!(err.contains("lora_path"), "{err}");
 }
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// An adapter whose files are deleted or garbled after it was loaded fails only the requests
+/// that name it, each with an error naming the adapter and its path (the whole response, or
+/// an error event in a stream), while the base model's and another adapter's requests in the
+/// same steps go on to their tokens, and no agent restarts. The adapter is then out of service:
+/// requests naming it get a 400 at once, `/v1/models` leaves it out, and loading it again under
+/// its name (its files fixed) brings it back.
+#[test]
+fn an_adapter_whose_files_break_after_loading_fails_only_its_own_requests() {
+    let _serial = serial();
+    let f = files();
+    let dir = f.base.parent().unwrap().to_path_buf();
+    let (gone, garbled) = (dir.join("gone"), dir.join("garbled"));
+    copy_dir(&f.ad2, &gone);
+    copy_dir(&f.ad2, &garbled);
+    let extra = format!(
+        "  max_loras: 3\n  max_lora_rank: 16\n  lora_adapters:\n    - {{name: ad1, path: '{}'}}\n    \
+         - {{name: ad2, path: '{}'}}\n",
+        f.ad1.display(),
+        f.ad2.display()
+    );
+    let server = Server::start("lora-broken", &opts(&f.base, &extra));
+    const LONG: usize = 128;
+    let p = prompts();
+    let alone = |m: &str, steps| {
+        complete_n(&server, m, &p[0], steps).unwrap_or_else(|e| panic!("{m}: {e:?}"))
+    };
+    let (base_alone, ad1_alone, ad2_alone) =
+        (alone(MODEL, LONG), alone("ad1", LONG), alone("ad2", STEPS));
+    for (name, path) in [("gone", &gone), ("garbled", &garbled)] {
+        let (s, text) = load(&server, name, path);
+        assert_eq!(s, 200, "{name}: {text}");
+    }
+    // Broken after the server checked them: one deleted, one's weights overwritten.
+    let gone_path = std::fs::canonicalize(&gone).unwrap();
+    let garbled_path = std::fs::canonicalize(&garbled).unwrap();
+    std::fs::remove_dir_all(&gone).unwrap();
+    let weights = std::fs::read_dir(&garbled)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .expect("the adapter's safetensors file");
+    std::fs::write(&weights, b"not a safetensors file at all").unwrap();
+    let restarts = server.metric("npu_serving_agent_restarts_total");
+
+    let (server, p) = (&server, &p);
+    let (base, ad1, broken) = std::thread::scope(|s| {
+        let base = s.spawn(move || complete_n(server, MODEL, &p[0], LONG));
+        let ad1 = s.spawn(move || complete_n(server, "ad1", &p[0], LONG));
+        let running = (0..1000).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            let m = server.get("/metrics").1;
+            m.contains("running_lora_adapters=\"ad1\"")
+                && server.metric("npu_serving_requests_running") >= 2.0
+        });
+        assert!(
+            running,
+            "the base and ad1 requests were never seen running together"
+        );
+        // Admitted into steps that carry the two running requests.
+        let gone = s.spawn(move || complete_n(server, "gone", &p[1], STEPS));
+        let body = json!({"model": "garbled", "prompt": p[2], "max_tokens": STEPS,
+            "temperature": 0, "stream": true});
+        let garbled =
+            s.spawn(move || server.request("POST", "/v1/completions", body.to_string().as_bytes()));
+        let broken = (gone.join().unwrap(), garbled.join().unwrap());
+        (base.join().unwrap(), ad1.join().unwrap(), broken)
+    });
+    let log = server.log_tail();
+    // The others got their tokens, exactly as alone.
+    let base = base.unwrap_or_else(|e| panic!("the base model's request failed: {e:?}; {log}"));
+    let ad1 = ad1.unwrap_or_else(|e| panic!("ad1's request failed: {e:?}; {log}"));
+    assert_eq!(base, base_alone);
+    assert_eq!(ad1, ad1_alone);
+    // The broken ones failed naming their adapter, its path and what was wrong.
+    let (status, v) = broken
+        .0
+        .expect_err("a request on a deleted adapter succeeded");
+    let msg = v.to_string();
+    assert_eq!(status, 500, "{msg}");
+    assert!(msg.contains("'gone'"), "{msg}");
+    assert!(msg.contains(gone_path.to_str().unwrap()), "{msg}");
+    let (status, text) = broken.1;
+    assert_eq!(status, 200, "a stream starts before its error: {text}");
+    assert!(text.contains("\"error\""), "{text}");
+    assert!(text.contains("'garbled'"), "{text}");
+    assert!(text.contains(garbled_path.to_str().unwrap()), "{text}");
+    assert!(text.contains("cannot be read"), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(
+        server.metric("npu_serving_agent_restarts_total"),
+        restarts,
+        "an agent restarted"
+    );
+
+    // Out of service now: refused at once naming the adapter, left out of /v1/models.
+    let (s, v) = complete(server, "gone", &p[0]).unwrap_err();
+    assert_eq!(s, 400, "{v}");
+    assert!(v.to_string().contains("'gone' is out of service"), "{v}");
+    let models = server.get("/v1/models").1;
+    assert!(
+        !models.contains("gone") && !models.contains("garbled"),
+        "{models}"
+    );
+    assert!(models.contains("ad1"), "{models}");
+    assert_eq!(server.metric("npu_serving_lora_adapters"), 2.0);
+    // Loaded again under its name from good files, it runs.
+    let (s, text) = load(server, "gone", &f.ad2);
+    assert_eq!(s, 200, "{text}");
+    assert_eq!(greedy(server, "gone", &p[0]), ad2_alone);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,8 +12,8 @@ use std::time::Instant;
 pub use npu_protocol::agent::{AgentEngineConfig, KvCacheDtype, KvFacts, ModelFacts};
 use npu_protocol::shm::HandoffRegion;
 use npu_protocol::{
-    PlanSource, SamplingParams, SeqResult, StepResult, StepTiming, StepTransfer, TokenLogprob,
-    TokenMask,
+    PlanSource, SamplingParams, SeqFailure, SeqResult, StepResult, StepTiming, StepTransfer,
+    TokenLogprob, TokenMask,
 };
 use thiserror::Error;
 
@@ -614,9 +614,20 @@ impl AgentEngine {
                 lc.reset_slot(i);
             }
         }
+        // Requests whose admission failed (their adapter cannot be read): they leave the step,
+        // the others run.
+        let mut failed = Vec::new();
         for a in plan.admissions() {
             let i = self.slot_index(a.slot)?;
-            crate::engine_lora::admit(self.lora.as_mut(), &mut self.model, i, a)?;
+            let admitted = crate::engine_lora::admit(self.lora.as_mut(), &mut self.model, i, a)?;
+            if let Some(error) = admitted {
+                self.slots[i] = None;
+                failed.push(SeqFailure {
+                    slot: a.slot,
+                    error,
+                });
+                continue;
+            }
             self.slots[i] = Some(Slot {
                 params: a.params.clone(),
                 history: TokenHistory::new(),
@@ -637,17 +648,24 @@ impl AgentEngine {
             copy_us: copies.micros,
             ..StepTransfer::default()
         };
-        if plan.n_seqs() == 0 {
+        let slots = &mut self.slots;
+        if plan.n_seqs() > 0 {
+            self.read.read_skipping(
+                plan,
+                &self.limits,
+                |s| slots[s as usize].is_some(),
+                |s| failed.iter().any(|f| f.slot == s),
+            )?;
+        }
+        if plan.n_seqs() == 0 || self.read.seqs.is_empty() {
             return Ok(StepResult {
                 step_id,
                 seqs: Vec::new(),
                 timing: StepTiming::default(),
                 transfer,
+                failed,
             });
         }
-        let slots = &mut self.slots;
-        self.read
-            .read(plan, &self.limits, |s| slots[s as usize].is_some())?;
         // History first: penalties see every token up to and including this step's inputs
         // (drafts join it as they are accepted, in `accept_drafts`).
         for (i, f) in self.read.seqs.iter().enumerate() {
@@ -748,6 +766,7 @@ impl AgentEngine {
                 total_us: t_start.elapsed().as_micros() as u64,
             },
             transfer,
+            failed,
         })
     }
 

@@ -3,7 +3,9 @@
 //! the path its admission carries and placed in a free slot, or in the least recently used one
 //! no admitted request holds), pinned while a request slot uses them and released when it is
 //! forgotten, and every step's adapter per token row. The server's scheduler admits no more
-//! distinct adapters than there are slots, so a slot is always found.
+//! distinct adapters than there are slots, so a slot is always found. An adapter whose files
+//! cannot be read or placed (deleted or changed since the server checked them) fails the
+//! admissions that name it, each with the reason, and nothing else.
 
 use npu_protocol::agent::AgentLoraConfig;
 use npu_protocol::{Admission, LoraRequest};
@@ -53,16 +55,18 @@ impl EngineLora {
     }
 
     /// Request slot `slot` is admitted under `lora` (None: the base model): the adapter is
-    /// pinned, read and placed in a model slot first when it is not resident.
+    /// pinned, read and placed in a model slot first when it is not resident. `Ok(Some(why))`:
+    /// the adapter could not be read or placed; the slot holds nothing and its request cannot
+    /// run (the engine goes on with the others).
     pub fn admit(
         &mut self,
         model: &mut DeviceModel,
         slot: usize,
         lora: Option<&LoraRequest>,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Option<String>, EngineError> {
         self.forget(slot);
         let Some(l) = lora else {
-            return Ok(());
+            return Ok(None);
         };
         let name = l.id.to_string();
         let model_slot = match self.pool.acquire(&name) {
@@ -71,14 +75,18 @@ impl EngineLora {
                 if let Some(old) = evicted {
                     tracing::debug!(adapter = %old, slot = s, "LoRA adapter evicted");
                 }
-                let placed = model
-                    .read_lora(std::path::Path::new(&l.path))
-                    .and_then(|ad| model.load_lora(s, &ad));
-                if let Err(e) = placed {
+                let placed = match model.read_lora(std::path::Path::new(&l.path)) {
+                    Ok(ad) => model
+                        .load_lora(s, &ad)
+                        .map_err(|e| format!("cannot be placed in adapter slot {s}: {e}")),
+                    Err(e) => Err(format!("cannot be read: {e}")),
+                };
+                if let Err(why) = placed {
                     // The slot holds nothing usable: give it up.
                     self.pool.release(&name);
                     let _ = self.pool.remove(&name);
-                    return Err(e.into());
+                    tracing::warn!(adapter = l.id, path = %l.path, %why, "LoRA adapter failed");
+                    return Ok(Some(format!("LoRA adapter {} at {}: {why}", l.id, l.path)));
                 }
                 tracing::info!(adapter = l.id, path = %l.path, slot = s, "LoRA adapter loaded");
                 s
@@ -92,7 +100,7 @@ impl EngineLora {
             }
         };
         self.held[slot] = Some((l.id, model_slot));
-        Ok(())
+        Ok(None)
     }
 
     /// Tells the model the adapter of every token row of the step `read` holds.
@@ -124,13 +132,14 @@ impl EngineLora {
 }
 
 /// Admission `a` into request slot `slot`: its adapter pinned where adapters are on, refused
-/// by name where they are not.
+/// by name where they are not. `Ok(Some(why))`: this request cannot run (its adapter's files
+/// could not be read or placed), the step's others can.
 pub(crate) fn admit(
     lora: Option<&mut EngineLora>,
     model: &mut DeviceModel,
     slot: usize,
     a: &Admission,
-) -> Result<(), EngineError> {
+) -> Result<Option<String>, EngineError> {
     match (lora, &a.lora) {
         (Some(l), lora) => l.admit(model, slot, lora.as_ref()),
         (None, Some(lora)) => Err(EngineError::BadPlan(format!(
@@ -138,6 +147,6 @@ pub(crate) fn admit(
              (npu_serving.max_loras)",
             a.slot, lora.id, lora.path
         ))),
-        (None, None) => Ok(()),
+        (None, None) => Ok(None),
     }
 }

@@ -19,6 +19,9 @@ pub enum InprocError {
     Sched(#[from] SchedError),
     #[error("the scheduler holds work but plans no step")]
     Stalled,
+    /// A request the engine could not run (its LoRA adapter's files could not be read).
+    #[error("slot {slot}: {error}")]
+    SeqFailed { slot: u32, error: String },
 }
 
 /// One request of a run, and the step before which it arrives (0: at the start).
@@ -170,6 +173,12 @@ pub fn run_steps(
                 timing.decode_tokens += made;
                 timing.decode_steps.push((dt, made));
             }
+        }
+        if let Some(f) = res.failed.first() {
+            return Err(InprocError::SeqFailed {
+                slot: f.slot,
+                error: f.error.clone(),
+            });
         }
         for out in sched.on_result(&res)? {
             let Some(&i) = index.get(&out.id) else {

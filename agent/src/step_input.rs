@@ -83,6 +83,18 @@ impl StepRead {
         lim: &StepLimits,
         admitted: impl Fn(u32) -> bool,
     ) -> Result<(), StepError> {
+        self.read_skipping(plan, lim, admitted, |_| false)
+    }
+
+    /// `read`, leaving out the sequences of the slots `skipped` names (requests whose
+    /// admission failed: none of their tokens run this step). The rest may be none.
+    pub fn read_skipping(
+        &mut self,
+        plan: &dyn PlanSource,
+        lim: &StepLimits,
+        admitted: impl Fn(u32) -> bool,
+        skipped: impl Fn(u32) -> bool,
+    ) -> Result<(), StepError> {
         let bad = |s: String| Err(StepError(s));
         let n_tokens = plan.n_tokens();
         if n_tokens == 0 {
@@ -122,6 +134,12 @@ impl StepRead {
         for i in 0..n_seqs {
             let seq = plan.seq(i);
             let slot = seq.slot as usize;
+            if slot < lim.max_slots && skipped(seq.slot) {
+                if std::mem::replace(&mut seen[slot], true) {
+                    return bad(format!("slot {} appears twice in one step", seq.slot));
+                }
+                continue;
+            }
             if slot >= lim.max_slots || !admitted(seq.slot) {
                 return bad(format!("sequence {i}: slot {} was not admitted", seq.slot));
             }
@@ -234,7 +252,7 @@ impl StepRead {
             });
             if seq.sample {
                 self.sampling.push(SamplingSeq {
-                    seq: i,
+                    seq: self.seqs.len() - 1,
                     slot: seq.slot,
                     first_row: m.logit_rows.len(),
                     n_draft: seq.n_draft,

@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 
 use thiserror::Error;
 
-use crate::step::StepTiming;
+use crate::step::{SeqFailure, StepTiming, MAX_SEQ_FAILURE};
 
 /// Largest `type + payload` length accepted (the length prefix itself excluded).
 pub const MAX_FRAME_LEN: usize = 1 << 20;
@@ -81,6 +81,9 @@ pub struct StepDone {
     pub timing: StepTiming,
     /// Empty when `status` is Ok.
     pub error: String,
+    /// With `Ok`: the plan's sequences the agent could not run (the rest of the step ran);
+    /// each reason cut to `MAX_SEQ_FAILURE` bytes.
+    pub failed: Vec<SeqFailure>,
 }
 
 /// Agent -> server: how a `Sleep` or `Wake` went.
@@ -244,7 +247,16 @@ impl Frame {
                 out.extend_from_slice(&d.timing.forward_us.to_le_bytes());
                 out.extend_from_slice(&d.timing.sample_us.to_le_bytes());
                 out.extend_from_slice(&d.timing.total_us.to_le_bytes());
-                put_str(&mut out, &d.error, MAX_FRAME_LEN - 64);
+                out.extend_from_slice(&(d.failed.len() as u32).to_le_bytes());
+                for f in &d.failed {
+                    // Every failure keeps its slot; reasons are cut, then dropped past half
+                    // the frame, so that the frame always fits.
+                    let room = (MAX_FRAME_LEN / 2).saturating_sub(out.len());
+                    out.extend_from_slice(&f.slot.to_le_bytes());
+                    put_str(&mut out, &f.error, MAX_SEQ_FAILURE.min(room));
+                }
+                let room = MAX_FRAME_LEN - (out.len() - LEN_PREFIX) - 4;
+                put_str(&mut out, &d.error, room);
             }
             Frame::Ping { nonce } | Frame::Pong { nonce } => {
                 out.extend_from_slice(&nonce.to_le_bytes())
@@ -417,11 +429,20 @@ fn decode_body(tag: u8, payload: &[u8]) -> Result<Frame, FrameError> {
                 sample_us: p.u64()?,
                 total_us: p.u64()?,
             };
+            let n_failed = p.u32()?;
+            let mut failed = Vec::new();
+            for _ in 0..n_failed {
+                failed.push(SeqFailure {
+                    slot: p.u32()?,
+                    error: p.string()?,
+                });
+            }
             Frame::StepDone(StepDone {
                 step_id,
                 status,
                 timing,
                 error: p.string()?,
+                failed,
             })
         }
         tag::RESET => Frame::Reset,

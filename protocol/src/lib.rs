@@ -13,7 +13,8 @@ pub mod step;
 pub use long_context::{LongContextConfig, LongContextLayout, LongContextSettingError};
 pub use source::{PlanSource, SeqRef, U32s};
 pub use step::{
-    Admission, CopyDirection, KvCopy, LoraRequest, SamplingParams, SeqResult, SeqStep, StepPlan,
-    StepResult, StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_DRAFT_TOKENS,
-    MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LORA_PATH, MAX_STEP_DRAFT_TOKENS, MAX_TOP_N,
+    Admission, CopyDirection, KvCopy, LoraRequest, SamplingParams, SeqFailure, SeqResult, SeqStep,
+    StepPlan, StepResult, StepTiming, StepTransfer, TokenLogprob, TokenMask, MAX_DRAFT_TOKENS,
+    MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LORA_PATH, MAX_SEQ_FAILURE, MAX_STEP_DRAFT_TOKENS,
+    MAX_TOP_N,
 };

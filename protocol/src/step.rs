@@ -294,6 +294,19 @@ pub struct StepTransfer {
     pub copy_us: u64,
 }
 
+/// Longest reason (UTF-8 bytes) a [`SeqFailure`] carries; longer ones are cut.
+pub const MAX_SEQ_FAILURE: usize = 1024;
+
+/// A sequence the agent could not run while the rest of its step ran: the request in `slot`
+/// cannot go on (the server ends it with `error`), and the agent ran none of its tokens this
+/// step (no KV written, no result). Today: its LoRA adapter's files could not be read or
+/// placed at admission.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeqFailure {
+    pub slot: u32,
+    pub error: String,
+}
+
 /// What an agent answers for one step.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepResult {
@@ -302,4 +315,8 @@ pub struct StepResult {
     pub timing: StepTiming,
     #[serde(default)]
     pub transfer: StepTransfer,
+    /// Sequences of the plan the agent could not run (they have no entry in `seqs`). They
+    /// travel in the `StepDone` frame, not in the segment.
+    #[serde(default)]
+    pub failed: Vec<SeqFailure>,
 }

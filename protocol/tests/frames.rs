@@ -7,7 +7,7 @@ use npu_protocol::frame::{
     read_frame, write_frame, Fill, Frame, FrameError, FrameReader, Hello, Setup, SleepDone,
     StepDone, StepStatus, MAX_FRAME_LEN,
 };
-use npu_protocol::StepTiming;
+use npu_protocol::{SeqFailure, StepTiming, MAX_SEQ_FAILURE};
 use proptest::prelude::*;
 
 fn every_kind() -> Vec<Frame> {
@@ -45,12 +45,17 @@ fn every_kind() -> Vec<Frame> {
                 total_us: 3,
             },
             error: String::new(),
+            failed: vec![SeqFailure {
+                slot: 4,
+                error: "LoRA adapter 2 (/a/b): no adapter_config.json".into(),
+            }],
         }),
         Frame::StepDone(StepDone {
             step_id: 10,
             status: StepStatus::Failed,
             timing: StepTiming::default(),
             error: "bad step plan: slot 3 was never admitted".into(),
+            failed: Vec::new(),
         }),
         Frame::Reset,
         Frame::ResetDone,
@@ -156,6 +161,7 @@ fn bad_lengths_types_statuses_and_trailing_bytes_are_errors() {
         status: StepStatus::Ok,
         timing: StepTiming::default(),
         error: String::new(),
+        failed: Vec::new(),
     })
     .encode();
     done[4 + 1 + 8] = 2;
@@ -184,6 +190,28 @@ fn oversized_texts_are_cut_to_fit_a_frame() {
         panic!("wrong kind");
     };
     assert!(reason.len() > MAX_FRAME_LEN / 2 && reason.chars().all(|c| c == 'é'));
+
+    // A step's sequence failures keep every slot, their reasons cut, and the frame fits.
+    let frame = Frame::StepDone(StepDone {
+        step_id: 2,
+        status: StepStatus::Ok,
+        timing: StepTiming::default(),
+        error: "x".repeat(MAX_FRAME_LEN),
+        failed: (0..2000)
+            .map(|slot| SeqFailure {
+                slot,
+                error: "é".repeat(MAX_SEQ_FAILURE),
+            })
+            .collect(),
+    });
+    let bytes = frame.encode();
+    assert!(bytes.len() - 4 <= MAX_FRAME_LEN);
+    let (Frame::StepDone(d), _) = Frame::decode(&bytes).unwrap().unwrap() else {
+        panic!("wrong kind");
+    };
+    assert_eq!(d.failed.len(), 2000);
+    assert!(d.failed.iter().enumerate().all(|(i, f)| f.slot == i as u32));
+    assert!(d.failed[0].error.len() <= MAX_SEQ_FAILURE && d.failed[0].error.len() > 1000);
 }
 
 #[test]
@@ -217,7 +245,7 @@ proptest! {
     fn random_hellos_and_step_dones_round_trip(
         agent_id in any::<u32>(), pid in any::<u32>(), version in any::<u32>(),
         hash in any::<u64>(), name in ".{0,40}", facts in ".{0,200}", token in any::<u128>(),
-        step_id in any::<u64>(), failed in any::<bool>(),
+        step_id in any::<u64>(), failed in any::<bool>(), n_seq_failures in 0u32..4,
         times in (any::<u64>(), any::<u64>(), any::<u64>()), error in ".{0,80}",
     ) {
         let hello = Frame::Hello(Hello {
@@ -232,6 +260,9 @@ proptest! {
             status: if failed { StepStatus::Failed } else { StepStatus::Ok },
             timing: StepTiming { forward_us: times.0, sample_us: times.1, total_us: times.2 },
             error,
+            failed: (0..n_seq_failures)
+                .map(|i| SeqFailure { slot: i, error: format!("slot {i} failed") })
+                .collect(),
         });
         for frame in [hello, setup, done] {
             let bytes = frame.encode();

@@ -141,6 +141,7 @@ fn sample_result() -> StepResult {
             swap_in_bytes: 7,
             copy_us: 5,
         },
+        failed: Vec::new(),
     }
 }
 
@@ -673,6 +674,7 @@ fn arb_result() -> impl Strategy<Value = StepResult> {
                     swap_in_bytes: sb,
                     copy_us: cu,
                 },
+                failed: Vec::new(),
             },
         )
 }

@@ -71,6 +71,8 @@ pub enum SchedError {
 
     #[error("step {step_id}: no result for slot {slot}, which was to sample")]
     MissingResult { step_id: u64, slot: u32 },
+    #[error("step {step_id}: the agent could not run slot {slot}, and its request was not ended")]
+    FailedNotEnded { step_id: u64, slot: u32 },
 
     #[error("request {id} cannot be taken over: {reason}")]
     BadHandover { id: RequestId, reason: String },

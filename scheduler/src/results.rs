@@ -24,13 +24,25 @@ impl Scheduler {
     /// Applies the agent's result of a step. Results of sequences aborted, finished or preempted
     /// since the plan are ignored. The result must match its plan: a result for a step not in
     /// flight, for a slot that was not to sample, or a missing result is an error (and nothing
-    /// is applied).
+    /// is applied). The requests of the sequences the agent could not run (`res.failed`) must
+    /// be ended first (see `failed_requests`).
     pub fn on_result(&mut self, res: &StepResult) -> Result<Vec<SchedOutput>, SchedError> {
         let step_id = res.step_id;
         let planned = self
             .in_flight
             .get(&step_id)
             .ok_or(SchedError::UnknownStep { step_id })?;
+        for f in &res.failed {
+            if planned
+                .iter()
+                .any(|p| p.slot == f.slot && self.is_current(step_id, p))
+            {
+                return Err(SchedError::FailedNotEnded {
+                    step_id,
+                    slot: f.slot,
+                });
+            }
+        }
         let mut by_slot: HashMap<u32, &SeqResult> = HashMap::new();
         for r in &res.seqs {
             let Some(p) = planned.iter().find(|p| p.slot == r.slot && p.sample) else {
@@ -113,6 +125,24 @@ impl Scheduler {
             }
         }
         Ok(out)
+    }
+
+    /// The requests of the sequences of step `step_id` the agent could not run (`res.failed`),
+    /// each with the agent's reason, for the caller to end (`finish` or `abort`) before it
+    /// applies the result: their slots hold nothing on the agent, none of their tokens ran.
+    pub fn failed_requests<'a>(&self, res: &'a StepResult) -> Vec<(RequestId, &'a str)> {
+        let Some(planned) = self.in_flight.get(&res.step_id) else {
+            return Vec::new();
+        };
+        res.failed
+            .iter()
+            .filter_map(|f| {
+                planned
+                    .iter()
+                    .find(|p| p.slot == f.slot && self.is_current(res.step_id, p))
+                    .map(|p| (p.id, f.error.as_str()))
+            })
+            .collect()
     }
 
     /// The agent reported that it could not run a step (it is still up): forgets the step and

@@ -72,6 +72,7 @@ pub fn prompt(first: u32, n: usize) -> Vec<u32> {
 pub fn answer(plan: &StepPlan, token: impl Fn(u32) -> u32) -> StepResult {
     StepResult {
         transfer: Default::default(),
+        failed: Vec::new(),
         step_id: plan.step_id,
         seqs: plan
             .seqs

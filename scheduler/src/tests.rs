@@ -481,6 +481,7 @@ fn bad_requests_and_results_get_clear_errors() {
     };
     let bad = |seqs: Vec<SeqResult>, step_id| StepResult {
         transfer: Default::default(),
+        failed: Vec::new(),
         step_id,
         seqs,
         timing: Default::default(),

@@ -91,3 +91,40 @@ fn an_adapter_is_set_only_while_queued_and_only_when_served() {
     let e = s.set_lora(1, lora(1)).unwrap_err().to_string();
     assert!(e.contains("already admitted"), "{e}");
 }
+
+#[test]
+fn a_sequence_the_agent_could_not_run_is_ended_alone_and_nothing_of_it_is_cached() {
+    let mut s = cached(32, 4);
+    let p = prompt(0, 10);
+    s.add(&req(1, &p, 1)).unwrap();
+    s.add(&req(2, &p, 3)).unwrap();
+    s.set_lora(2, lora(1)).unwrap();
+    let plan = s.schedule().unwrap();
+    assert_eq!(plan.admit.len(), 2);
+    let slot = plan.admit.iter().find(|a| a.lora.is_some()).unwrap().slot;
+    // The agent could not read adapter 1: request 2 has no result, only a failure.
+    let mut res = answer(&plan, |_| 7);
+    res.seqs.retain(|r| r.slot != slot);
+    res.failed = vec![npu_protocol::SeqFailure {
+        slot,
+        error: "adapter 1 is gone".into(),
+    }];
+    // Applied before its request is ended: refused, nothing applied.
+    assert_eq!(
+        s.on_result(&res),
+        Err(SchedError::FailedNotEnded {
+            step_id: plan.step_id,
+            slot
+        })
+    );
+    assert_eq!(s.failed_requests(&res), vec![(2, "adapter 1 is gone")]);
+    assert!(s.abort(2));
+    let outs = s.on_result(&res).unwrap();
+    assert_eq!(outs.iter().map(|o| o.id).collect::<Vec<_>>(), vec![1]);
+    assert!(s.failed_requests(&res).is_empty());
+    s.check_invariants().unwrap();
+    // The base model's blocks were cached; none under adapter 1 (it never ran).
+    assert_eq!(prefill(&mut s, 3, &p, 0).0, 8);
+    assert_eq!(prefill(&mut s, 4, &p, 1).0, 0);
+    s.check_invariants().unwrap();
+}

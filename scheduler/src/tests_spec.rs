@@ -62,6 +62,7 @@ fn a_decoding_sequence_drafts_what_followed_its_suffix_and_advances_by_the_kept_
         }],
         timing: Default::default(),
         transfer: Default::default(),
+        failed: Vec::new(),
     };
     let out = s.on_result(&res).unwrap();
     assert_eq!(

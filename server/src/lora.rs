@@ -5,6 +5,9 @@
 //! is listed; each load gets an id never used before, which travels with every request that
 //! names the adapter (the agents read the files from the path it carries). Unloading takes the
 //! name away from new requests only: requests already queued or running keep their adapter.
+//! An adapter whose files an agent could not read when a request needed them (deleted or
+//! changed after they were checked) is out of service: requests naming it are refused at once
+//! with the reason (400) until it is loaded again under its name (or unloaded).
 //! Also the adapters' metrics: requests per adapter and vLLM's `vllm:lora_requests_info`.
 
 use std::collections::BTreeMap;
@@ -27,6 +30,11 @@ pub enum LoraError {
     BadName(String, String),
     #[error("lora_path {path:?}: {what}")]
     BadPath { path: String, what: String },
+    #[error(
+        "The lora adapter '{name}' is out of service: {reason}. Fix its files and load it again \
+         under its name (POST /v1/load_lora_adapter)"
+    )]
+    Unusable { name: String, reason: String },
 }
 
 impl LoraError {
@@ -51,6 +59,8 @@ impl LoraError {
 struct Adapter {
     id: u32,
     path: String,
+    /// Why it is out of service (an agent could not read its files), if it is.
+    unusable: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -114,16 +124,19 @@ impl LoraRegistry {
         self.check_name(name)?;
         let canonical = self.check_files(path)?;
         let mut g = self.inner();
-        if g.by_name.contains_key(name) {
+        if g.by_name.get(name).is_some_and(|a| a.unusable.is_none()) {
             return Err(LoraError::Duplicate(name.into()));
         }
         let id = g.next_id;
         g.next_id += 1;
+        // An adapter out of service is replaced (a new id: nothing cached under the old one
+        // is reused).
         g.by_name.insert(
             name.to_string(),
             Adapter {
                 id,
                 path: canonical,
+                unusable: None,
             },
         );
         g.names.insert(id, name.to_string());
@@ -143,7 +156,12 @@ impl LoraRegistry {
         if self.base_names.iter().any(|b| b == name) {
             return bad("the base model's name");
         }
-        if self.inner().by_name.contains_key(name) {
+        if self
+            .inner()
+            .by_name
+            .get(name)
+            .is_some_and(|a| a.unusable.is_none())
+        {
             return Err(LoraError::Duplicate(name.into()));
         }
         Ok(())
@@ -189,22 +207,47 @@ impl LoraRegistry {
         }
     }
 
-    /// The adapter a request's `model` names, counted as one more request for it.
-    pub fn resolve(&self, name: &str) -> Option<LoraRequest> {
+    /// The adapter a request's `model` names, counted as one more request for it; None: no
+    /// adapter has that name; an error: it is out of service.
+    pub fn resolve(&self, name: &str) -> Result<Option<LoraRequest>, LoraError> {
         let mut g = self.inner();
-        let a = g.by_name.get(name)?.clone();
+        let Some(a) = g.by_name.get(name).cloned() else {
+            return Ok(None);
+        };
+        if let Some(reason) = a.unusable {
+            return Err(LoraError::Unusable {
+                name: name.into(),
+                reason,
+            });
+        }
         *g.requests.entry(name.to_string()).or_insert(0) += 1;
-        Some(LoraRequest {
+        Ok(Some(LoraRequest {
             id: a.id,
             path: a.path,
-        })
+        }))
     }
 
-    /// Served adapters: (name, path), by name.
+    /// Takes the adapter of load `id` out of service (an agent could not read its files),
+    /// unless its name was loaded again or unloaded since. Returns the name `id` was loaded
+    /// as.
+    pub fn mark_unusable(&self, id: u32, reason: &str) -> Option<String> {
+        let mut g = self.inner();
+        let name = g.names.get(&id)?.clone();
+        if let Some(a) = g.by_name.get_mut(&name).filter(|a| a.id == id) {
+            if a.unusable.is_none() {
+                tracing::warn!(adapter = %name, id, %reason, "LoRA adapter out of service");
+            }
+            a.unusable = Some(reason.to_string());
+        }
+        Some(name)
+    }
+
+    /// Served adapters: (name, path), by name (those out of service left out).
     pub fn adapters(&self) -> Vec<(String, String)> {
         self.inner()
             .by_name
             .iter()
+            .filter(|(_, a)| a.unusable.is_none())
             .map(|(n, a)| (n.clone(), a.path.clone()))
             .collect()
     }
@@ -245,7 +288,8 @@ impl LoraRegistry {
             "# HELP npu_serving_lora_adapters LoRA adapters served now."
         );
         let _ = writeln!(out, "# TYPE npu_serving_lora_adapters gauge");
-        let _ = writeln!(out, "npu_serving_lora_adapters {}", g.by_name.len());
+        let served = g.by_name.values().filter(|a| a.unusable.is_none()).count();
+        let _ = writeln!(out, "npu_serving_lora_adapters {served}");
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());

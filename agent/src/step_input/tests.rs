@@ -255,3 +255,30 @@ fn long_context_plans_map_slots_through_the_ring() {
         .to_string();
     assert!(e.contains("overrun"), "{e}");
 }
+
+#[test]
+fn skipped_slots_leave_the_step_and_the_rest_is_read_as_without_them() {
+    // Slot 1 (a prefill that samples) is skipped: slot 0's sequence is read as if alone, its
+    // logit row and sampling entry index the read sequences, not the plan's.
+    let p = plan(vec![
+        seq(1, 0, 5, &[7, 2], true),
+        seq(0, 6, 1, &[4, 5], true),
+    ]);
+    let mut r = StepRead::default();
+    r.read_skipping(&p, &LIM, |s| s != 1, |s| s == 1).unwrap();
+    let alone = read(&plan(vec![seq(0, 6, 1, &[4, 5], true)])).unwrap();
+    assert_eq!(r.inputs.tokens, alone.inputs.tokens);
+    assert_eq!(r.inputs.seqs, alone.inputs.seqs);
+    assert_eq!(r.inputs.logit_rows, vec![0]);
+    assert_eq!(r.seqs, alone.seqs);
+    assert_eq!(r.sampling, alone.sampling);
+    // Everything skipped: nothing to run.
+    r.read_skipping(&p, &LIM, |_| false, |_| true).unwrap();
+    assert!(r.seqs.is_empty() && r.inputs.tokens.is_empty() && r.sampling.is_empty());
+    // A skipped slot still appears once at most; an unskipped one must still be admitted.
+    let twice = plan(vec![seq(1, 0, 1, &[7], true), seq(1, 1, 1, &[7], true)]);
+    let e = r.read_skipping(&twice, &LIM, |_| true, |s| s == 1);
+    assert!(e.unwrap_err().to_string().contains("twice"));
+    let e = r.read_skipping(&p, &LIM, |s| s == 1, |s| s == 1);
+    assert!(e.unwrap_err().to_string().contains("not admitted"));
+}

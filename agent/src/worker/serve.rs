@@ -186,6 +186,7 @@ where
                         status: StepStatus::Failed,
                         timing: StepTiming::default(),
                         error: "the agent is asleep (wake it first)".into(),
+                        failed: Vec::new(),
                     },
                 };
                 if let Some(error) = (!done.error.is_empty()).then_some(&done.error) {
@@ -371,7 +372,8 @@ fn wake<E: StepExecutor>(held: Held<E>, reload: &mut Reload<'_, E>) -> (Held<E>,
     }
 }
 
-/// One step; any failure becomes a Failed StepDone with the reason.
+/// One step; any failure becomes a Failed StepDone with the reason. Sequences the engine could
+/// not run while the rest ran travel in the Ok StepDone.
 fn run_step<S: Read + Write, E: StepExecutor>(
     step_id: u64,
     stream: &mut S,
@@ -404,14 +406,18 @@ fn run_step<S: Read + Write, E: StepExecutor>(
             result.timing.total_us = started.elapsed().as_micros() as u64;
         }
         segment.write_result(&result).map_err(|e| e.to_string())?;
-        Ok(result.timing)
+        for f in &result.failed {
+            tracing::warn!(step_id, slot = f.slot, error = %f.error, "sequence failed");
+        }
+        Ok((result.timing, result.failed))
     })();
     match outcome {
-        Ok(timing) => StepDone {
+        Ok((timing, failed)) => StepDone {
             step_id,
             status: StepStatus::Ok,
             timing,
             error: String::new(),
+            failed,
         },
         Err(error) => StepDone {
             step_id,
@@ -421,6 +427,7 @@ fn run_step<S: Read + Write, E: StepExecutor>(
                 ..StepTiming::default()
             },
             error,
+            failed: Vec::new(),
         },
     }
 }
@@ -518,6 +525,7 @@ mod tests {
                     })
                     .collect(),
                 timing: StepTiming::default(),
+                failed: Vec::new(),
             })
         }
 

@@ -804,6 +804,8 @@ pub(crate) fn read_result(layout: &ShmLayout, seg: &[u8]) -> Result<StepResult, 
             swap_in_bytes: meta.swap_in_bytes,
             copy_us: meta.copy_us,
         },
+        // Failures travel in the StepDone frame.
+        failed: Vec::new(),
     })
 }
 

@@ -487,7 +487,11 @@ impl AgentLink {
             return Err(AgentFailure::Down { agent_id });
         };
         match running.segment.read_result() {
-            Ok(result) if result.step_id == done.step_id => Ok(result),
+            Ok(mut result) if result.step_id == done.step_id => {
+                // The sequences it could not run come in the frame.
+                result.failed = done.failed;
+                Ok(result)
+            }
             Ok(result) => Err(self.fail(AgentFailure::Protocol {
                 agent_id,
                 detail: format!(

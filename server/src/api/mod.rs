@@ -444,8 +444,9 @@ impl ApiContext {
         match (self.check_model(requested), &self.lora, requested) {
             (Ok(name), _, _) => Ok((name, None)),
             (Err(_), Some(reg), Some(name)) => match reg.resolve(name) {
-                Some(l) => Ok((name.to_string(), Some(l))),
-                None => {
+                Ok(Some(l)) => Ok((name.to_string(), Some(l))),
+                Err(e) => Err(ApiError::invalid("model", e.to_string())),
+                Ok(None) => {
                     let mut served = self.settings.served_names();
                     served.extend(reg.adapters().into_iter().map(|(n, _)| n));
                     Err(ApiError::model_not_found(name, &served))

@@ -704,6 +704,7 @@ impl Engine {
     }
 
     fn on_step_result(&mut self, i: usize, result: &StepResult) {
+        self.end_failed_seqs(i, result);
         let outs = match self.agents[i].sched.on_result(result) {
             Ok(outs) => outs,
             Err(e) => {

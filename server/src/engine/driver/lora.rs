@@ -2,13 +2,15 @@
 //! (set in the scheduler each time it is queued on an agent, also after a recovery), the
 //! run-time load of an adapter (`POST /v1/load_lora_adapter`, answered like `/sleep`), and the
 //! adapters of running and waiting requests published for `/metrics`. Loading reads and checks
-//! the adapter's files on a thread of its own, so steps go on meanwhile.
+//! the adapter's files on a thread of its own, so steps go on meanwhile. A request whose
+//! adapter an agent could not read at admission ends alone with the reason (the rest of its
+//! step ran), and the adapter goes out of service (later requests naming it get a 400 at once).
 
 use std::collections::BTreeSet;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use npu_protocol::LoraRequest;
+use npu_protocol::{LoraRequest, StepResult};
 use serde_json::json;
 
 use super::Engine;
@@ -101,6 +103,38 @@ impl Engine {
                 message: Some(message),
             },
         ));
+    }
+
+    /// Ends the requests of the sequences agent `i` could not run in `result` (their adapter's
+    /// files could not be read or placed), each with the agent's reason naming the adapter,
+    /// before the result is applied; their adapters go out of service.
+    pub(super) fn end_failed_seqs(&mut self, i: usize, result: &StepResult) {
+        if result.failed.is_empty() {
+            return;
+        }
+        let failed: Vec<(RequestId, String)> = self.agents[i]
+            .sched
+            .failed_requests(result)
+            .into_iter()
+            .map(|(id, e)| (id, e.to_string()))
+            .collect();
+        for (id, error) in failed {
+            let adapter = self.loras.get(&id).map(|l| l.id);
+            let name = match (adapter, &self.cfg.lora) {
+                (Some(l), Some(reg)) => reg.0.mark_unusable(l, &error),
+                _ => None,
+            };
+            let message = match name {
+                Some(name) => format!(
+                    "LoRA adapter '{name}' cannot be used: agent {i}: {error}; the adapter is \
+                     out of service until it is loaded again (POST /v1/load_lora_adapter)"
+                ),
+                None => format!("agent {i} could not run the request: {error}"),
+            };
+            tracing::warn!(agent = i, request = id, %message, "request ended alone");
+            self.agents[i].sched.abort(id);
+            self.emit_finished(id, FinishReason::Error, Some(message));
+        }
     }
 
     /// Tells the registry which adapters running and waiting requests use (`/metrics`).
