@@ -246,6 +246,12 @@ impl<B: Backend> Backend for Faulty<B> {
     ) -> Result<Option<Self::Matrix>, BackendError> {
         self.inner.load_matrix(parts)
     }
+    fn load_experts(
+        &mut self,
+        experts: &[Vec<HostTensor<'_>>],
+    ) -> Result<Option<Vec<Self::Matrix>>, BackendError> {
+        self.inner.load_experts(experts)
+    }
     fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<Self::Embedding, BackendError> {
         self.inner.load_embedding(table)
     }

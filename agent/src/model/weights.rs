@@ -671,22 +671,43 @@ pub(super) fn moe_ffn<B: Backend>(
             "the shard holds experts {held:?} of a layer of {ne}"
         )));
     }
-    let mut gate_up = Vec::with_capacity(held.len());
-    let mut down = Vec::with_capacity(held.len());
+    // Each projection of every held expert in one call (a backend may store them side by side
+    // for one grouped matmul).
+    let mut gu_parts = Vec::with_capacity(held.len());
+    let mut down_parts = Vec::with_capacity(held.len());
     for e in held.clone() {
         let gate = rows_of(gates.expert(e)?, ffr, "gate")?;
         let up = rows_of(ups.expert(e)?, ffr, "up")?;
-        let fused = b.load_matrix(&[gate.host(), up.host()])?.ok_or_else(|| {
+        gu_parts.push((gate, up));
+        down_parts.push(downs.expert(e)?);
+    }
+    let gate_up = b
+        .load_experts(
+            &gu_parts
+                .iter()
+                .map(|(g, u)| vec![g.host(), u.host()])
+                .collect::<Vec<_>>(),
+        )?
+        .ok_or_else(|| {
             ModelError::Unsupported(format!(
                 "expert gate ({}) and up ({}) projections the backend cannot fuse",
-                gate.ty.name(),
-                up.ty.name()
+                gates.ty.name(),
+                ups.ty.name()
             ))
         })?;
-        gate_up.push(fused);
-        let d = downs.expert(e)?;
-        down.push(single(b, with_cols(&d, ffr, &n("ffn_down_exps"), buf)?)?);
+    // Columns of `ffr` (a tensor-parallel shard) are copied out, one buffer per expert.
+    let mut down_bufs: Vec<Vec<u8>> = down_parts.iter().map(|_| Vec::new()).collect();
+    let mut down_hosts = Vec::with_capacity(held.len());
+    for (d, db) in down_parts.iter().zip(down_bufs.iter_mut()) {
+        down_hosts.push(vec![with_cols(d, ffr, &n("ffn_down_exps"), db)?]);
     }
+    let down = b.load_experts(&down_hosts)?.ok_or_else(|| {
+        ModelError::Unsupported(format!(
+            "a {} weight matrix with {} inputs",
+            downs.ty.name(),
+            ffr.len()
+        ))
+    })?;
     let selection_bias = match f.has(&n("exp_probs_b.bias")) {
         true => Some(vector(f, b, &n("exp_probs_b.bias"), ne)?),
         false => None,

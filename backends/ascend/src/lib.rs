@@ -54,10 +54,11 @@
 //! hidden by a device key mask in the step's upload (as the incremental branch's sliding-window
 //! masks are). The first step of a shape runs eagerly (growing workspaces and scratch, warming
 //! executors), then the same ops are recorded; later steps replay. A graph is dropped when memory it
-//! may have recorded is freed. Prefill and mixed steps stay eager, and so do MoE steps (their
-//! grouped matmuls read the experts' row counts back, which a capture refuses), latent attention
-//! and sliding windows. Repeatable executors ([`reuse`]) still remove the first phase of every
-//! eager operator whose shape repeats, and [`ops::StepStats`] reports how many calls a step makes.
+//! may have recorded is freed. Prefill and mixed steps stay eager, and so do MoE steps whose
+//! experts run one matmul each (they read the experts' row counts back, which a capture refuses:
+//! more than 1024 experts, bf16), latent attention and sliding windows. Repeatable executors
+//! ([`reuse`]) still remove the first phase of every eager operator whose shape repeats, and
+//! [`ops::StepStats`] reports how many calls a step makes.
 
 pub mod backend;
 pub mod device;

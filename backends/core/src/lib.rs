@@ -479,6 +479,23 @@ pub trait Backend: Send {
         &mut self,
         parts: &[HostTensor<'_>],
     ) -> Result<Option<Self::Matrix>, BackendError>;
+    /// One projection of a mixture-of-experts layer: `experts[e]` the parts of expert `e`, as
+    /// `load_matrix` takes them (every expert the same shape). A backend that multiplies every
+    /// expert in one grouped call stores them side by side (Ascend); by default each is loaded
+    /// apart. `Ok(None)` when an expert's parts cannot share one matrix.
+    fn load_experts(
+        &mut self,
+        experts: &[Vec<HostTensor<'_>>],
+    ) -> Result<Option<Vec<Self::Matrix>>, BackendError> {
+        let mut out = Vec::with_capacity(experts.len());
+        for parts in experts {
+            match self.load_matrix(parts)? {
+                Some(m) => out.push(m),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(out))
+    }
     fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<Self::Embedding, BackendError>;
     /// A vector (norm weight, bias) as a buffer of the backend's choosing.
     fn load_vector(&mut self, v: HostTensor<'_>) -> Result<Self::Buffer, BackendError>;

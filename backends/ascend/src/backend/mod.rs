@@ -476,12 +476,16 @@ impl Backend for AscendBackend {
     fn matrix_bytes(&self, m: &AscendMatrix) -> Option<u64> {
         Some(match &m.form {
             objects::MatrixForm::Quant {
-                weight,
                 scale,
                 offset,
+                int4,
                 ..
-            } => (weight.bytes() + scale.bytes() + offset.as_ref().map_or(0, |o| o.bytes())) as u64,
-            objects::MatrixForm::Half { data } => data.bytes() as u64,
+            } => {
+                // The weight's own bytes (an expert of a stack shares the allocation).
+                let w = if *int4 { m.n * m.k / 2 } else { m.n * m.k };
+                (w + scale.bytes() + offset.as_ref().map_or(0, |o| o.bytes())) as u64
+            }
+            objects::MatrixForm::Half { .. } => (m.n * m.k * 2) as u64,
         })
     }
 
@@ -589,6 +593,33 @@ impl Backend for AscendBackend {
     ) -> Result<Option<AscendMatrix>, BackendError> {
         self.bind()?;
         AscendMatrix::load(&self.dev, parts, self.act)
+    }
+
+    /// One allocation per projection (`moe_ops::stack`) where GroupedMatmulV4 can take the
+    /// experts as its single 3-D weight: f16 activations, the operator present, 1 to 1024
+    /// experts. Otherwise each expert apart.
+    fn load_experts(
+        &mut self,
+        experts: &[Vec<HostTensor<'_>>],
+    ) -> Result<Option<Vec<AscendMatrix>>, BackendError> {
+        self.bind()?;
+        let api = self.dev.acl.api.ops;
+        let grouped = api.aclnnGroupedMatmulV4GetWorkspaceSize.is_some()
+            && api.aclnnGroupedMatmulV4.is_some();
+        if self.act == DType::F16
+            && grouped
+            && (1..=moe_ops::GMM_MAX_GROUPS).contains(&experts.len())
+        {
+            return AscendMatrix::load_stack(&self.dev, experts).map(Some);
+        }
+        let mut out = Vec::with_capacity(experts.len());
+        for parts in experts {
+            match AscendMatrix::load(&self.dev, parts, self.act)? {
+                Some(m) => out.push(m),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(out))
     }
 
     fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<AscendEmbedding, BackendError> {

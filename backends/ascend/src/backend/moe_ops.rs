@@ -13,11 +13,14 @@
 //!    refused rather than computed without the clamp).
 //!
 //! `moe_ffn`: the experts' FFN, the tokens grouped by expert on the device (MoeInitRoutingV2,
-//! GroupedMatmulV4, MoeFinalizeRoutingV2), is [`ffn`].
+//! GroupedMatmulV4, MoeFinalizeRoutingV2), is [`ffn`]; the experts' weights side by side for it,
+//! one allocation per projection, [`stack`].
 
 mod ffn;
+mod stack;
 
 pub(super) use ffn::MoeBufs;
+pub(crate) use stack::{ExpertStack, GMM_MAX_GROUPS};
 
 use npu_backend::{BackendError, DType, View, ViewMut};
 

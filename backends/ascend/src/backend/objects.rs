@@ -167,14 +167,15 @@ pub enum MatrixForm {
     /// in the activations' type (the operator takes them in x's); the operator sees them transposed. k is at most [`WQBMM_MAX_DIM`]; n may exceed it
     /// (a large vocabulary's output matrix), and is then multiplied in [`column_blocks`].
     Quant {
-        weight: Mem,
+        /// The matrix's own allocation, or an expert stack's (at [`AscendMatrix::base`]).
+        weight: Arc<Mem>,
         scale: Mem,
         offset: Option<Mem>,
         int4: bool,
     },
     /// Matmul: (n, k) in the activations' type (Matmul takes self and mat2 of one type), seen
-    /// transposed.
-    Half { data: Mem },
+    /// transposed. Its own allocation, or an expert stack's (at [`AscendMatrix::base`]).
+    Half { data: Arc<Mem> },
 }
 
 /// A weight matrix of `n` outputs of `k` inputs.
@@ -190,12 +191,17 @@ pub struct AscendMatrix {
     /// parameters, `[k/32, n]` contiguous): the scales copied once from their (n, k/32) storage
     /// on first use (`moe_ops::ffn`).
     pub(crate) grouped_scale: std::sync::OnceLock<Mem>,
-    _dev: Arc<Device>,
+    /// Where the weight starts in its allocation, in elements (0 unless it is one expert of a
+    /// stack).
+    pub base: usize,
+    /// The expert stack this matrix is expert `.1` of (`moe_ops::stack`).
+    pub(crate) stack: Option<(Arc<super::moe_ops::ExpertStack>, usize)>,
+    pub(crate) _dev: Arc<Device>,
 }
 
 /// Which form a GGUF type takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Route {
+pub(crate) enum Route {
     Quant(GgmlType),
     Half,
 }
@@ -224,7 +230,7 @@ pub fn column_blocks(n: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-fn route(ty: GgmlType, k: usize, act: DType) -> Route {
+pub(crate) fn route(ty: GgmlType, k: usize, act: DType) -> Route {
     // Per-group antiquant needs the group (32) below k; k above the operator's range takes the
     // 16-bit Matmul form (outputs above it are split into column blocks instead).
     let grouped = k > weights::GROUP && k.is_multiple_of(weights::GROUP) && k <= WQBMM_MAX_DIM;
@@ -241,7 +247,7 @@ fn bad(op: &'static str, message: String) -> BackendError {
     BackendError::BadArgument { op, message }
 }
 
-fn check_part(p: &HostTensor<'_>, k: usize) -> Result<(), BackendError> {
+pub(crate) fn check_part(p: &HostTensor<'_>, k: usize) -> Result<(), BackendError> {
     if p.cols != k {
         return Err(bad(
             "load_matrix",
@@ -297,7 +303,7 @@ impl Drop for AscendMatrix {
 }
 
 /// f16 antiquant parameters in the activations' type (bf16: rounded once more).
-fn narrow(act: DType, v: Vec<f16>) -> Vec<u8> {
+pub(crate) fn narrow(act: DType, v: Vec<f16>) -> Vec<u8> {
     match act {
         DType::BF16 => v
             .into_iter()
@@ -347,7 +353,7 @@ impl AscendMatrix {
                     ..
                 } = weights::stack(qs).map_err(err)?;
                 MatrixForm::Quant {
-                    weight: upload_new(dev, &weight, &what)?,
+                    weight: Arc::new(upload_new(dev, &weight, &what)?),
                     scale: upload_new(dev, &narrow(act, scale), &what)?,
                     offset: match offset {
                         Some(o) => Some(upload_new(dev, &narrow(act, o), &what)?),
@@ -362,7 +368,7 @@ impl AscendMatrix {
                     bytes.extend(half_bytes(act, &dequantize(p)?));
                 }
                 MatrixForm::Half {
-                    data: upload_new(dev, &bytes, &what)?,
+                    data: Arc::new(upload_new(dev, &bytes, &what)?),
                 }
             }
         };
@@ -373,6 +379,8 @@ impl AscendMatrix {
             source: first.ty,
             half: acl_dtype(act),
             grouped_scale: std::sync::OnceLock::new(),
+            base: 0,
+            stack: None,
             _dev: dev.clone(),
         }))
     }
@@ -391,7 +399,12 @@ impl AscendMatrix {
             MatrixForm::Quant { int4: false, .. } => tensor::DType::I8,
             MatrixForm::Half { .. } => self.half,
         };
-        View::strided(dt, &[k, cols.len() as i64], &[1, k], cols.start as i64 * k)
+        View::strided(
+            dt,
+            &[k, cols.len() as i64],
+            &[1, k],
+            (self.base + cols.start * self.k) as i64,
+        )
     }
 
     /// Antiquant scale/offset as the operator sees them: (k/32, n) over (n, k/32) storage.

@@ -13,7 +13,8 @@
 //!   actType other than 0 (the non-quantized and the INT4 antiquant scenarios' only value),
 //!   splitItem 2/3 with an out list longer than 1, a groupList whose length is not the weight
 //!   list's, and the activation* parameters (nullptr only): ACLNN_ERR_PARAM_INVALID.
-//! - Non-quantized scenario: x, weight and out all FLOAT16, all BFLOAT16 or all FLOAT32.
+//! - Non-quantized scenario: x, weight and out all FLOAT16, all BFLOAT16 or all FLOAT32 (FLOAT32
+//!   only with x, weight and out one tensor each: "仅x、weight、y都为单tensor场景支持").
 //! - Antiquant scenario (`y = x · ((weight + antiquantOffset) · antiquantScale)`): x FLOAT16 with
 //!   FLOAT16 antiquant parameters and out, or BFLOAT16 with BFLOAT16 ones; weight INT8 or INT4
 //!   (one type across the list); antiquantScale (and antiquantOffset, when given) a list as long
@@ -32,11 +33,11 @@
 //!   x 2-D (M, K), out 2-D (M, N); every last dimension under 65536. Not emulated (refused):
 //!   other groupTypes and list shapes, bias, and the quantized scenarios' parameters (scale,
 //!   offset, perTokenScale).
-//! - At run time, groupListType 0 must be a non-negative non-decreasing sequence ending at most
-//!   at M, type 1 non-negative sizes summing to at most M; otherwise the kernel faults
-//!   (ACL_ERROR_RT_AICORE_EXCEPTION). Rows of out past the groups are not written, as the page
-//!   says ("groupListOptional中未指定的部分将不会参与更新"). Products are summed in f32 and rounded
-//!   once into out.
+//! - At run time, groupListType 0 must be a non-negative non-decreasing sequence ending at M,
+//!   type 1 non-negative sizes summing to M (the A2/A3 rows of the groupType-0 table, single
+//!   and multi weight: "最后一个值与x中tensor的第一维相等" / "数值的总和与x中tensor的第一维相等";
+//!   fewer rows are the 910_95's "不大于", not emulated); otherwise the kernel faults
+//!   (ACL_ERROR_RT_AICORE_EXCEPTION). Products are summed in f32 and rounded once into out.
 
 use npu_ffi::types::*;
 
@@ -128,12 +129,15 @@ impl Kernel for Grouped {
             at = end;
             ends.push(end as usize);
         }
-        if at as usize > m {
-            return fault(format!("the groups cover {at} rows of x's {m}"));
+        if at as usize != m {
+            return fault(format!(
+                "the groups cover {at} rows of x's {m} (the list must end at, or sum to, x's \
+                 first dimension)"
+            ));
         }
         let x = read_f32(st, &self.io.ins[0])?;
         let ov = &self.io.outs[0];
-        // Rows past the groups keep what out holds.
+        // Every row lies in a group (checked above); out is read for its shape's values.
         let mut out = read(st, ov)?;
         let mut start = 0;
         for (e, &end) in ends.iter().enumerate() {
@@ -502,6 +506,13 @@ pub unsafe extern "C" fn aclnnGroupedMatmulV4GetWorkspaceSize(
         }
         nd(OP, "x", &xv)?;
         nd(OP, "out", &ov)?;
+        if xv.dtype == DType::F32 && (ws.len() != 1 || ws[0].rank() != 3) {
+            return invalid(
+                OP,
+                "FLOAT32 x, weight and out only as single tensors (仅x、weight、y都为单tensor场景\
+                 支持): one 3-D weight",
+            );
+        }
         if ov.dtype != xv.dtype {
             return invalid(
                 OP,

@@ -8,21 +8,31 @@
 //!    token r's slot j (`r·k + j`) to its grouped row, and expertTokensCountOrCumsumOut (INT32)
 //!    holds each expert's cumulative row count. Nothing comes back to the host.
 //! 2. Gate and up of every expert in one GroupedMatmulV4 call when every expert takes the same
-//!    grouped form (below) and there are at most 128 experts: groupType 0 (m-axis), the grouped
-//!    rows as one x, the experts' weights as a list (each its (n, k) storage seen transposed),
-//!    one out, groupListType 0 with the cumulative counts cast to INT64 (aclnnCast; the
-//!    operator's groupListOptional is INT64). The grouped forms:
-//!    - f16 (`MatrixForm::Half`): the non-quantized scenario.
-//!    - Q4_0 (`MatrixForm::Quant`, INT4, no offset): the A16W4 antiquant scenario per group
-//!      (the page's `[G_i, n_i]` per weight tensor, symmetric, G_i = k/32, group length 32,
-//!      even as a transposed INT4 weight needs): the INT4 values are the file's quants (q − 8)
-//!      and each scale the file's block scale, as WeightQuantBatchMatmulV2 takes them. The
-//!      scales are held (n, k/32) for that operator; the grouped call takes them as a
-//!      contiguous (k/32, n) tensor, copied once per matrix on first use (aclnnInplaceCopy from
-//!      the transposed view) and kept with the matrix.
+//!    grouped form (below): groupType 0 (m-axis), the grouped rows as one x, one out,
+//!    groupListType 0 with the cumulative counts cast to INT64 (aclnnCast; the operator's
+//!    groupListOptional is INT64), and the weights in one of two shapes:
+//!    - one 3-D tensor (E, K, N), seen transposed over the (E, n, k) stack (`moe_ops::stack`)
+//!      the experts were loaded into (`load_experts`; the page's "单单单" row: at most 1024
+//!      groups, no 128-tensor list). Every expert count a model has (DeepSeek-V3/R1's 256, Kimi
+//!      K2's 384) is one call per projection;
+//!    - or a list, each expert's own (n, k) storage seen transposed, for experts loaded apart
+//!      (`load_matrix`), at most 128 (GMM_MAX_LIST, "最多128个tensor").
 //!
-//!    Otherwise (Q8_0: the page takes INT8 weights per channel only, not with a scale per 32
-//!    inputs; Q4_1: per-group INT4 is symmetric only; more than 128 experts; mixed forms) the
+//!    The grouped forms:
+//!    - f16 (`MatrixForm::Half`): the non-quantized scenario. A stack is f16 unless every
+//!      expert is Q4_0: Q8_0 and Q4_1 experts are dequantized at load, like K-quants (the page
+//!      takes INT8 weights per channel only, not with a scale per 32 inputs, and per-group INT4
+//!      symmetric only), at 16 bits a weight instead of 8.5 (Q8_0) or 5 (Q4_1).
+//!    - Q4_0 (`MatrixForm::Quant`, INT4, no offset): the A16W4 antiquant scenario per group
+//!      (symmetric, G = k/32, group length 32, even as a transposed INT4 weight needs): the INT4
+//!      values are the file's quants (q − 8) and each scale the file's block scale, as
+//!      WeightQuantBatchMatmulV2 takes them. The scales are held (n, k/32) for that operator;
+//!      the grouped call takes them `[g, G, n]` (a stack's contiguous (E, k/32, n) copy, written
+//!      at load) or, in a list, `[G_i, n_i]` each (a contiguous (k/32, n) tensor copied once per
+//!      matrix on first use, aclnnInplaceCopy from the transposed view, and kept with it).
+//!
+//!    Otherwise (experts loaded apart that are Q8_0 or Q4_1, or more than 128 of them; more
+//!    than 1024 experts, which `load_experts` loads apart; bf16 activations; mixed forms) the
 //!    experts' row counts are read back (one synchronization, E INT32 values — the ids stay on
 //!    the device) and each expert with rows runs over its rows (the backend's `matmul`).
 //! 3. SwiGlu over all grouped rows in one call.
@@ -45,6 +55,7 @@ use super::super::layer_ops::{bad, copy, dense, tview, want_f16};
 use super::super::objects::{zeroed, AscendBuffer, AscendMatrix, MatrixForm};
 use super::super::{err, AscendBackend};
 use super::cast;
+use super::stack::{stack_of, GMM_MAX_GROUPS};
 use crate::memory::DeviceBuffer as Mem;
 use crate::reuse::Arg;
 use crate::tensor::{self, View as TView};
@@ -122,12 +133,17 @@ impl AscendBackend {
 
     /// Which form one GroupedMatmulV4 call can take `mats` (one projection of every expert) in:
     /// every expert f16, or every expert symmetric INT4 with f16 scales; at most
-    /// [`GMM_MAX_LIST`] experts, and the operator present.
+    /// [`GMM_MAX_GROUPS`] experts of one stack (the single 3-D weight) or [`GMM_MAX_LIST`]
+    /// loaded apart (a weight list), and the operator present.
     fn grouped_kind(&self, mats: &[AscendMatrix]) -> Grouped {
         let api = self.dev.acl.api.ops;
+        let most = match stack_of(mats) {
+            Some(_) => GMM_MAX_GROUPS,
+            None => GMM_MAX_LIST,
+        };
         if api.aclnnGroupedMatmulV4GetWorkspaceSize.is_none()
             || api.aclnnGroupedMatmulV4.is_none()
-            || mats.len() > GMM_MAX_LIST
+            || mats.len() > most
             || mats.iter().any(|m| m.half != tensor::DType::F16)
         {
             return Grouped::PerExpert;
@@ -494,8 +510,9 @@ impl AscendBackend {
         ) else {
             return Err(self.missing("grouped expert matmuls (aclnnGroupedMatmulV4)"));
         };
+        let stack = stack_of(mats);
         let mut scales = Vec::new();
-        if kind == Grouped::Int4 {
+        if kind == Grouped::Int4 && stack.is_none() {
             for m in mats {
                 scales.push(self.grouped_scale(m)?);
             }
@@ -508,17 +525,36 @@ impl AscendBackend {
             vec![t(xm, TView::contiguous(f16, &[rows as i64, kin as i64]))?],
         )
         .map_err(err)?;
+        let (e, ki, ni) = (mats.len() as i64, kin as i64, n as i64);
         let mut ws = Vec::with_capacity(mats.len());
-        for m in mats {
-            let data = match &m.form {
-                MatrixForm::Half { data } => data,
-                MatrixForm::Quant { weight, .. } => weight,
-            };
-            ws.push(t(data, m.weight_view())?);
+        match stack {
+            // The single (E, K, N) weight over the (E, n, k) stack.
+            Some(s) => {
+                let dt = match kind {
+                    Grouped::Int4 => tensor::DType::I4,
+                    _ => f16,
+                };
+                let v = TView::strided(dt, &[e, ki, ni], &[ni * ki, 1, ki], 0);
+                ws.push(t(&s.weight, v)?);
+            }
+            None => {
+                for m in mats {
+                    let data = match &m.form {
+                        MatrixForm::Half { data } => data,
+                        MatrixForm::Quant { weight, .. } => weight,
+                    };
+                    ws.push(t(data, m.weight_view())?);
+                }
+            }
         }
         let wl = tensor::TensorList::new(acl, ws).map_err(err)?;
-        let sl = match kind {
-            Grouped::Int4 => {
+        let kg = (kin / crate::weights::GROUP) as i64;
+        let sl = match (kind, stack.and_then(|s| s.scale.as_ref())) {
+            (Grouped::Int4, Some(sm)) => {
+                let v = TView::contiguous(f16, &[e, kg, ni]);
+                Some(tensor::TensorList::new(acl, vec![t(sm, v)?]).map_err(err)?)
+            }
+            (Grouped::Int4, None) => {
                 let mut ss = Vec::with_capacity(mats.len());
                 for (m, s) in mats.iter().zip(&scales) {
                     let g = (m.k / crate::weights::GROUP) as i64;
@@ -535,9 +571,12 @@ impl AscendBackend {
         .map_err(err)?;
         let g = t(gm, gv)?;
         let detail = format!(
-            "x=({rows},{kin}) weight={}x({kin},{n})T {} out=({rows},{n}) groupType=0 splitItem=3 \
+            "x=({rows},{kin}) weight={} {} out=({rows},{n}) groupType=0 splitItem=3 \
              groupListType=0",
-            mats.len(),
+            match stack {
+                Some(_) => format!("({e},{kin},{n})T single"),
+                None => format!("{e}x({kin},{n})T list"),
+            },
             match kind {
                 Grouped::Int4 => "INT4 antiquantScale per 32",
                 _ => "f16",
