@@ -97,6 +97,20 @@ fn picks(out: &StepOutput, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Adapter `a` of the bench: random, rank `rank`, every projection, bf16.
+fn adapter_spec(rank: usize, a: usize) -> SynthAdapter {
+    SynthAdapter {
+        rank,
+        alpha: 2.0 * rank as f32,
+        use_rslora: false,
+        targets: Target::ALL.to_vec(),
+        seed: 100 + a as u64,
+        a_range: 0.05,
+        b_range: 0.05,
+        bf16: true,
+    }
+}
+
 pub fn run(args: &BenchModelArgs, adapters: usize) -> anyhow::Result<()> {
     let t_start = Instant::now();
     let rank = args.lora_rank;
@@ -105,6 +119,15 @@ pub fn run(args: &BenchModelArgs, adapters: usize) -> anyhow::Result<()> {
     let rounds = args.kv_rounds.max(1);
     let model_path = npu_model::resolve_model(args.model.as_deref())?;
     let ck = Checkpoint::open(&model_path)?;
+    if let Some(dir) = &args.lora_write_to {
+        let cfg = ck.config()?;
+        for a in 0..adapters {
+            let d = dir.join(format!("adapter{a}"));
+            write_peft(&d, &cfg, &adapter_spec(rank, a)).map_err(anyhow::Error::msg)?;
+            println!("{}", d.display());
+        }
+        return Ok(());
+    }
     let blocks_per_seq = ((PROMPT + steps * 3 * rounds + 2) as u32).div_ceil(BLOCK);
     let backend = CpuBackend::new(CpuConfig {
         threads: args.threads as usize,
@@ -123,17 +146,7 @@ pub fn run(args: &BenchModelArgs, adapters: usize) -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("npu-bench-lora-{}", std::process::id()));
     for a in 0..adapters {
         let d = dir.join(format!("adapter{a}"));
-        let spec = SynthAdapter {
-            rank,
-            alpha: 2.0 * rank as f32,
-            use_rslora: false,
-            targets: Target::ALL.to_vec(),
-            seed: 100 + a as u64,
-            a_range: 0.05,
-            b_range: 0.05,
-            bf16: true,
-        };
-        write_peft(&d, &cfg, &spec).map_err(anyhow::Error::msg)?;
+        write_peft(&d, &cfg, &adapter_spec(rank, a)).map_err(anyhow::Error::msg)?;
         let host = model.read_lora(&d)?;
         model.load_lora(a, &host)?;
     }

@@ -114,6 +114,11 @@ pub struct BenchModelArgs {
     /// Rank of the `--lora-adapters` adapters.
     #[arg(long, default_value_t = 16)]
     pub lora_rank: usize,
+    /// With `--lora-adapters N`: only write the N adapters this bench times (PEFT directories
+    /// `adapter0` .. `adapterN-1` for the model) into this directory and exit, for a served
+    /// run (`scripts/bench-lora-served.sh`).
+    #[arg(long, value_name = "DIR", requires = "lora_adapters")]
+    pub lora_write_to: Option<std::path::PathBuf>,
     /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
     /// auto (where the backend can) or off.
     #[arg(long, default_value_t = GraphCapture::Off)]
