@@ -40,7 +40,7 @@
 //!    columns, which the page's × for non-contiguous key/value forbids); its limits apply: row a
 //!    multiple of 16 up to 512, at most 64 query heads over the one KV head. Rows above 512 other
 //!    than 512 + 64, and more than 64 heads over rows up to 512, are refused by name (the MLA
-//!    form takes only 512 + 64, with 32, 64 or 128 heads);
+//!    form takes only 512 + 64, with up to 128 heads: `mla_ops` pads fewer than 32, 64 or 128);
 //! 3. one InplaceCopy takes each head's first `latent_dim` output columns into `out`.
 
 use npu_backend::{
@@ -447,7 +447,7 @@ impl AscendBackend {
                     "{h} heads over rows of {row}: FusedInferAttentionScoreV2's ordinary form \
                      takes a head dim up to {FIA_MAX_D} and up to {FIA_MAX_GROUP} query heads a \
                      KV head, FusedInferAttentionScoreV3's MLA form only rows of 512 + 64 with \
-                     32, 64 or 128 heads"
+                     up to 128 heads"
                 ),
             ));
         }
