@@ -1,6 +1,7 @@
 //! The CUDA backend's folded launches (`CudaConfig::fuse`: the residual add folded into the next
 //! RMS norm, rope and the KV write in one kernel (with Qwen3's per-head Q/K norms), and the 8-bit activations of a quantized
-//! product written by the kernel producing its input) change no bit of a model's answers: tiny
+//! product written by the kernel producing its input; and `fold_gemv`: the RMS norms, residual
+//! adds and SwiGLU folded into the quantized GEMVs beside them) change no bit of a model's answers: tiny
 //! random-weight llama, llama3 and qwen3 models (Q8_0; qwen3 with its per-head Q/K norms), run
 //! by the agent's own model on the CPU emulation of the kernels with the folds on and off, give
 //! the same greedy ids and log-probabilities and the same logits bit for bit, in the launches
@@ -55,10 +56,12 @@ struct Run {
 }
 
 /// A prompt in one step, then 6 greedy single-token steps; then the same again asking for
-/// logits (the host's pick) along the greedy tokens.
-fn run(file: &GgufFile, fuse: bool) -> Run {
+/// logits (the host's pick) along the greedy tokens. `fold_gemv`: the folds into the GEMVs too
+/// (`NPU_SERVING_CUDA_FUSE=2`; without them, `1`).
+fn run(file: &GgufFile, fuse: bool, fold_gemv: bool) -> Run {
     let mut b = cuda();
     b.set_fuse(fuse);
+    b.set_fold_gemv(fold_gemv);
     let mut m = Model::load(file, b, options()).unwrap();
     let prompt = [1u32, 15, 27, 3, 99];
     let mut out = StepOutput::default();
@@ -100,8 +103,9 @@ fn run(file: &GgufFile, fuse: bool) -> Run {
     r
 }
 
-/// `launches`: a single-token step's launches, folded and one op a launch.
-fn check(family: Family, launches: (u64, u64)) {
+/// `launches`: a single-token step's launches, folded (with the GEMV folds, and without them)
+/// and one op a launch.
+fn check(family: Family, launches: (u64, u64, u64)) {
     let donor = GgufFile::open(common::model_path()).unwrap();
     let bytes = synth::synth_model(family, 1, GgmlType::Q8_0, &donor).unwrap();
     let path = std::env::temp_dir().join(format!(
@@ -111,41 +115,59 @@ fn check(family: Family, launches: (u64, u64)) {
     ));
     std::fs::write(&path, bytes).unwrap();
     let file = GgufFile::open(&path).unwrap();
-    let folded = run(&file, true);
-    let plain = run(&file, false);
+    let folded = run(&file, true, true);
+    let elementwise = run(&file, true, false);
+    let plain = run(&file, false, false);
     let _ = std::fs::remove_file(&path);
     let name = family.name();
     assert_eq!(
         folded.picks, plain.picks,
         "{name}: greedy ids or log-probabilities"
     );
+    assert_eq!(
+        elementwise.picks, plain.picks,
+        "{name}: greedy ids or log-probabilities (no GEMV folds)"
+    );
     assert!(
         folded.logits == plain.logits,
         "{name}: logits differ when the launches are folded"
     );
-    eprintln!(
-        "{name}: decode launches a step, folded {:?}, one op a launch {:?}",
-        folded.decode_launches, plain.decode_launches
-    );
     assert!(
-        folded.decode_launches.iter().all(|&f| f == launches.0)
-            && plain.decode_launches.iter().all(|&p| p == launches.1),
-        "{name}: decode launches {:?} folded and {:?} one op a launch, expected {launches:?}",
+        elementwise.logits == plain.logits,
+        "{name}: logits differ when the launches are folded (no GEMV folds)"
+    );
+    eprintln!(
+        "{name}: decode launches a step, folded {:?}, without the GEMV folds {:?}, one op a \
+         launch {:?}",
+        folded.decode_launches, elementwise.decode_launches, plain.decode_launches
+    );
+    let all = |v: &[u64], n: u64| v.iter().all(|&x| x == n);
+    assert!(
+        all(&folded.decode_launches, launches.0)
+            && all(&elementwise.decode_launches, launches.1)
+            && all(&plain.decode_launches, launches.2),
+        "{name}: decode launches {:?} folded, {:?} without the GEMV folds and {:?} one op a \
+         launch, expected {launches:?}",
         folded.decode_launches,
+        elementwise.decode_launches,
         plain.decode_launches
     );
 }
 
 /// Launches of a single-token step, one op a launch: 16 a layer (18 with Qwen3's two head
-/// norms) and 7 outside the layers. Folded: 9 a layer (Qwen3 too: its head norms in the rope
-/// and KV write kernel, `norm_rope_kv_write`; 11 before that) where the head size is a
-/// multiple of 32 (llama3, qwen3: 32) and the attention kernel writes the output projection's
-/// 8-bit activations, 10 where it is not (llama: 16, so `quantize_q8` runs for that product);
-/// the last layer's residual add alone; 6 outside (the final norm writes the head's 8-bit
-/// activations).
+/// norms) and 7 outside the layers. Folded: 6 a layer — Q/K/V GEMV with the attention norm,
+/// rope and the KV write (Qwen3: with its head norms, `norm_rope_kv_write`), attention, output
+/// GEMV with the residual add, gate/up GEMV with the FFN norm and SwiGLU, down GEMV with the
+/// residual add (backends/cuda/src/fold.rs) — where the head size is a multiple of 32 (llama3,
+/// qwen3: 32) and the attention kernel writes the output projection's 8-bit activations, 7
+/// where it is not (llama: 16, so `quantize_q8` runs for that product); 5 outside (embedding,
+/// logit-row gather, the head's GEMV with the final norm folded in, argmax and its
+/// log-probability). Without the GEMV folds (`NPU_SERVING_CUDA_FUSE=1`): 9 a layer (10 for
+/// llama), the last layer's residual add alone, and 6 outside (the final norm apart, writing
+/// the head's 8-bit activations).
 #[test]
 fn folded_cuda_launches_answer_as_the_unfolded_ones() {
-    check(Family::Llama, (2 * 10 + 1 + 6, 2 * 16 + 7));
-    check(Family::Llama3, (3 * 9 + 1 + 6, 3 * 16 + 7));
-    check(Family::Qwen3, (3 * 9 + 1 + 6, 3 * 18 + 7));
+    check(Family::Llama, (2 * 7 + 5, 2 * 10 + 1 + 6, 2 * 16 + 7));
+    check(Family::Llama3, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 16 + 7));
+    check(Family::Qwen3, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 18 + 7));
 }

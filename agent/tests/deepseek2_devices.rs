@@ -229,6 +229,7 @@ fn deepseek2_on_the_cuda_emulation_in_16_bits() {
             lib_dirs: Vec::new(),
             int8_mma: true,
             fuse: true,
+            fold_gemv: true,
         })
         .expect("the CUDA emulation opens");
         let mut m = Model::load(&f, b, options()).unwrap();

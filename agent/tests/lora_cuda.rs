@@ -62,6 +62,7 @@ fn cuda() -> CudaBackend {
         lib_dirs: Vec::new(),
         int8_mma: true,
         fuse: true,
+        fold_gemv: true,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }

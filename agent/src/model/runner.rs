@@ -438,10 +438,24 @@ impl<B: Backend> Model<B> {
         // `xn` already holds this layer's attention norm (the previous layer's last residual
         // add did it: `residual_add`'s next norm).
         let mut xn_ready = false;
+        // The backend takes each norm and residual add with the product beside it (one launch
+        // where it folds them): the residual adds go with the output and down products, the
+        // norms with the Q/K/V and gate/up products, SwiGLU with the gate/up one.
+        let fold = tp.is_none() && b.folds_norms_into_matmuls(t);
         for (li, (layer, g)) in w.layers.iter().zip(&self.geometry).enumerate() {
             let (qw, kvw) = (g.q_width(), g.kv_width());
             let next_norm = w.layers.get(li + 1).map(|l| &l.attn_norm);
-            if !xn_ready {
+            let next_norm = next_norm.filter(|_| !fold);
+            let norm_in_qkv = !xn_ready
+                && fold
+                && matches!(
+                    &layer.attn,
+                    Attn::Heads {
+                        qkv: Proj::Fused(_),
+                        ..
+                    }
+                );
+            if !xn_ready && !norm_in_qkv {
                 b.rms_norm(
                     View::rows(&bufs.x, t, h)?,
                     &layer.attn_norm,
@@ -479,8 +493,10 @@ impl<B: Backend> Model<B> {
                     if let Some(tp) = tp.as_deref_mut() {
                         tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
                     }
-                    residual_add(b, bufs, None, Some(&layer.ffn_norm), eps, t, h)?;
-                    ffn(b, bufs, &layer.ffn, cfg, t, h, (lora, li))?;
+                    let ffn_norm = Some(&layer.ffn_norm);
+                    residual_add(b, bufs, None, ffn_norm.filter(|_| !fold), eps, t, h)?;
+                    let norm = ffn_norm.filter(|_| fold);
+                    ffn(b, bufs, &layer.ffn, cfg, t, h, (lora, li), (norm, false))?;
                     if let Some(tp) = tp.as_deref_mut() {
                         tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
                     }
@@ -489,7 +505,17 @@ impl<B: Backend> Model<B> {
                 }
             };
             let mut qkv = ViewMut::rows(&mut bufs.qkv, t, qkv_w)?;
-            project(b, View::rows(&bufs.xn, t, h)?, qkv_proj, &mut qkv)?;
+            match qkv_proj {
+                Proj::Fused(m) if norm_in_qkv => b.rms_norm_matmul(
+                    View::rows(&bufs.x, t, h)?,
+                    &layer.attn_norm,
+                    eps,
+                    ViewMut::rows(&mut bufs.xn, t, h)?,
+                    m,
+                    qkv.col_range(0, qkv_w)?,
+                )?,
+                _ => project(b, View::rows(&bufs.xn, t, h)?, qkv_proj, &mut qkv)?,
+            }
             for (target, col, n) in [
                 (Target::Q, 0, qw),
                 (Target::K, qw, kvw),
@@ -526,29 +552,51 @@ impl<B: Backend> Model<B> {
                 li,
                 ViewMut::rows(&mut bufs.attn, t, qw)?,
             )?;
-            b.matmul(
-                View::rows(&bufs.attn, t, qw)?,
-                &layer.wo,
-                ViewMut::rows(&mut bufs.tmp, t, h)?,
-            )?;
-            lora.apply(
-                b,
-                li,
-                Target::O,
-                View::rows(&bufs.attn, t, qw)?,
-                ViewMut::rows(&mut bufs.tmp, t, h)?,
-            )?;
-            if let Some(tp) = tp.as_deref_mut() {
-                tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
-            }
             let post = layer.post_attn_norm.as_ref();
-            residual_add(b, bufs, post, Some(&layer.ffn_norm), eps, t, h)?;
-            ffn(b, bufs, &layer.ffn, cfg, t, h, (lora, li))?;
-            if let Some(tp) = tp.as_deref_mut() {
-                tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+            if fold && post.is_none() && !lora.targets(li, Target::O) {
+                b.matmul_add(
+                    View::rows(&bufs.attn, t, qw)?,
+                    &layer.wo,
+                    ViewMut::rows(&mut bufs.tmp, t, h)?,
+                    ViewMut::rows(&mut bufs.x, t, h)?,
+                )?;
+            } else {
+                b.matmul(
+                    View::rows(&bufs.attn, t, qw)?,
+                    &layer.wo,
+                    ViewMut::rows(&mut bufs.tmp, t, h)?,
+                )?;
+                lora.apply(
+                    b,
+                    li,
+                    Target::O,
+                    View::rows(&bufs.attn, t, qw)?,
+                    ViewMut::rows(&mut bufs.tmp, t, h)?,
+                )?;
+                if let Some(tp) = tp.as_deref_mut() {
+                    tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                }
+                let next = Some(&layer.ffn_norm).filter(|_| !fold);
+                residual_add(b, bufs, post, next, eps, t, h)?;
             }
+            let norm = Some(&layer.ffn_norm).filter(|_| fold);
             let post = layer.post_ffn_norm.as_ref();
-            residual_add(b, bufs, post, next_norm, eps, t, h)?;
+            let fold_down = fold && post.is_none();
+            if !ffn(
+                b,
+                bufs,
+                &layer.ffn,
+                cfg,
+                t,
+                h,
+                (lora, li),
+                (norm, fold_down),
+            )? {
+                if let Some(tp) = tp.as_deref_mut() {
+                    tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                }
+                residual_add(b, bufs, post, next_norm, eps, t, h)?;
+            }
         }
         let n = step.logit_rows.len();
         out.picked_on_device = false;
@@ -563,12 +611,16 @@ impl<B: Backend> Model<B> {
             View::rows(&bufs.x, t, h)?,
             ViewMut::rows(&mut bufs.lx, n, h)?,
         )?;
-        b.rms_norm(
-            View::rows(&bufs.lx, n, h)?,
-            &w.out_norm,
-            cfg.rms_eps,
-            ViewMut::rows(&mut bufs.lxn, n, h)?,
-        )?;
+        // The final norm goes with the head's product where the backend folds them.
+        let fold_head = tp.is_none() && b.folds_norms_into_matmuls(n);
+        if !fold_head {
+            b.rms_norm(
+                View::rows(&bufs.lx, n, h)?,
+                &w.out_norm,
+                cfg.rms_eps,
+                ViewMut::rows(&mut bufs.lxn, n, h)?,
+            )?;
+        }
         if let Some(tp) = tp {
             // This rank's vocabulary rows, then every rank's gathered into rank 0's host.
             let chunk = tp.shard.vocab_chunk;
@@ -611,11 +663,22 @@ impl<B: Backend> Model<B> {
             return Ok(());
         }
         let vocab = cfg.vocab;
-        b.matmul(
-            View::rows(&bufs.lxn, n, h)?,
-            &w.head,
-            ViewMut::rows(&mut bufs.logits, n, vocab)?,
-        )?;
+        if fold_head {
+            b.rms_norm_matmul(
+                View::rows(&bufs.lx, n, h)?,
+                &w.out_norm,
+                cfg.rms_eps,
+                ViewMut::rows(&mut bufs.lxn, n, h)?,
+                &w.head,
+                ViewMut::rows(&mut bufs.logits, n, vocab)?,
+            )?;
+        } else {
+            b.matmul(
+                View::rows(&bufs.lxn, n, h)?,
+                &w.head,
+                ViewMut::rows(&mut bufs.logits, n, vocab)?,
+            )?;
+        }
         let logits = View::rows(&bufs.logits, n, vocab)?;
         if greedy
             && b.argmax_and_logprob_rows(
@@ -740,7 +803,10 @@ fn init_kv_pool<B: Backend>(
 }
 
 /// A layer's FFN of `xn` into `tmp`: dense, or the routed experts (their routing as the
-/// model's spec says) with the shared experts added.
+/// model's spec says) with the shared experts added. `fold`: the FFN norm (of `x` into `xn`)
+/// not made yet, and whether the down product may add itself into `x` (a dense FFN: then
+/// `Ok(true)`, and `tmp` is added already).
+#[allow(clippy::too_many_arguments)]
 fn ffn<B: Backend>(
     b: &mut B,
     bufs: &mut Buffers<B>,
@@ -749,10 +815,13 @@ fn ffn<B: Backend>(
     t: usize,
     h: usize,
     lora: (&LoraSlots<B>, usize),
-) -> Result<(), ModelError> {
+    fold: (Option<&B::Buffer>, bool),
+) -> Result<bool, ModelError> {
+    let norm = fold.0.map(|w| (w, cfg.rms_eps));
     let (gate_up, down, router, selection_bias, shared, held) = match ffn {
         Ffn::Dense { gate_up, down } => {
-            return dense_ffn(b, bufs, gate_up, down, cfg.ffn_act, t, h, cfg.ff, lora)
+            let acts = (cfg.ffn_act, cfg.ff);
+            return dense_ffn(b, bufs, gate_up, down, acts, t, h, lora, (norm, fold.1));
         }
         Ffn::Moe {
             router,
@@ -766,6 +835,13 @@ fn ffn<B: Backend>(
     let moe = cfg
         .moe
         .ok_or_else(|| ModelError::Inconsistent("expert weights without MoE settings".into()))?;
+    if let Some((w, eps)) = norm {
+        let (x, xn) = (
+            View::rows(&bufs.x, t, h)?,
+            ViewMut::rows(&mut bufs.xn, t, h)?,
+        );
+        b.rms_norm(x, w, eps, xn)?;
+    }
     let (ne, k) = (moe.n_experts, moe.n_used);
     b.matmul(
         View::rows(&bufs.xn, t, h)?,
@@ -826,7 +902,7 @@ fn ffn<B: Backend>(
             View::rows(&bufs.shared, t, h)?,
         )?;
     }
-    Ok(())
+    Ok(false)
 }
 
 /// Runs a (possibly split) projection of `x` into the columns of `out`.
@@ -850,39 +926,73 @@ pub(super) fn project<B: Backend>(
     Ok(())
 }
 
-/// The dense gated FFN of `xn` into `tmp`, with the step's LoRA adapters of layer `lora.1`.
+/// The dense gated FFN of `xn` into `tmp`, with the step's LoRA adapters of layer `lora.1`;
+/// `norm`: `xn` is `x` normalised by these weights, not made yet (made here, with the gate/up
+/// product where the backend folds it); `residual`: the down product may add itself into `x`
+/// (`Ok(true)` where it did).
 #[allow(clippy::too_many_arguments)]
 fn dense_ffn<B: Backend>(
     b: &mut B,
     bufs: &mut Buffers<B>,
     gate_up: &Proj<B::Matrix>,
     down: &B::Matrix,
-    act: FfnAct,
+    (act, ff): (FfnAct, usize),
     t: usize,
     h: usize,
-    ff: usize,
     (lora, li): (&LoraSlots<B>, usize),
-) -> Result<(), ModelError> {
+    (norm, residual): (Option<(&B::Buffer, f32)>, bool),
+) -> Result<bool, ModelError> {
     let mut gu = ViewMut::rows(&mut bufs.gate_up, t, 2 * ff)?;
-    project(b, View::rows(&bufs.xn, t, h)?, gate_up, &mut gu)?;
-    for (target, col) in [(Target::Gate, 0), (Target::Up, ff)] {
-        lora.apply(
-            b,
-            li,
-            target,
-            View::rows(&bufs.xn, t, h)?,
-            gu.col_range(col, ff)?,
-        )?;
-    }
-    let gu = gu.as_view();
-    let (gate, up, out) = (
-        gu.col_range(0, ff)?,
-        gu.col_range(ff, ff)?,
-        ViewMut::rows(&mut bufs.h, t, ff)?,
+    let gu_lora = lora.targets(li, Target::Gate) || lora.targets(li, Target::Up);
+    let (x, xn) = (
+        View::rows(&bufs.x, t, h)?,
+        ViewMut::rows(&mut bufs.xn, t, h)?,
     );
-    match act {
-        FfnAct::Silu => b.swiglu(gate, up, out)?,
-        FfnAct::GeluTanh => b.geglu(gate, up, out)?,
+    let mut activated = false;
+    match (norm, gate_up) {
+        (Some((w, eps)), Proj::Fused(m)) if act == FfnAct::Silu && !gu_lora => {
+            let out = ViewMut::rows(&mut bufs.h, t, ff)?;
+            b.rms_norm_matmul_swiglu(x, w, eps, xn, m, gu.col_range(0, 2 * ff)?, out)?;
+            activated = true;
+        }
+        (Some((w, eps)), Proj::Fused(m)) => {
+            b.rms_norm_matmul(x, w, eps, xn, m, gu.col_range(0, 2 * ff)?)?
+        }
+        (Some((w, eps)), Proj::Split(_)) => {
+            b.rms_norm(x, w, eps, xn)?;
+            project(b, View::rows(&bufs.xn, t, h)?, gate_up, &mut gu)?;
+        }
+        (None, _) => project(b, View::rows(&bufs.xn, t, h)?, gate_up, &mut gu)?,
+    }
+    if !activated {
+        for (target, col) in [(Target::Gate, 0), (Target::Up, ff)] {
+            lora.apply(
+                b,
+                li,
+                target,
+                View::rows(&bufs.xn, t, h)?,
+                gu.col_range(col, ff)?,
+            )?;
+        }
+        let gu = gu.as_view();
+        let (gate, up, out) = (
+            gu.col_range(0, ff)?,
+            gu.col_range(ff, ff)?,
+            ViewMut::rows(&mut bufs.h, t, ff)?,
+        );
+        match act {
+            FfnAct::Silu => b.swiglu(gate, up, out)?,
+            FfnAct::GeluTanh => b.geglu(gate, up, out)?,
+        }
+    }
+    if residual && !lora.targets(li, Target::Down) {
+        b.matmul_add(
+            View::rows(&bufs.h, t, ff)?,
+            down,
+            ViewMut::rows(&mut bufs.tmp, t, h)?,
+            ViewMut::rows(&mut bufs.x, t, h)?,
+        )?;
+        return Ok(true);
     }
     b.matmul(
         View::rows(&bufs.h, t, ff)?,
@@ -896,7 +1006,7 @@ fn dense_ffn<B: Backend>(
         View::rows(&bufs.h, t, ff)?,
         ViewMut::rows(&mut bufs.tmp, t, h)?,
     )?;
-    Ok(())
+    Ok(false)
 }
 
 /// `x += tmp`, with `tmp` first RMS-normalised by `post` into `xn` where the family has a

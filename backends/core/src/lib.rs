@@ -899,6 +899,73 @@ pub trait Backend: Send {
         self.add(x.col_range(0, cols)?, y)?;
         self.rms_norm(x.as_view(), w, eps, out)
     }
+    /// Whether a step of `rows` token rows should hand this backend its RMS norms, residual adds
+    /// and SwiGLU together with the matrix products beside them (`rms_norm_matmul`,
+    /// `rms_norm_matmul_swiglu`, `matmul_add`) instead of `add_rms_norm` after each residual
+    /// add: `true` where the backend folds them into fewer launches with the same results. The
+    /// default, `false`, keeps the model's plain sequence of ops.
+    fn folds_norms_into_matmuls(&self, rows: usize) -> bool {
+        let _ = rows;
+        false
+    }
+    /// `x` RMS-normalised by `w` into `xn`, then `out = xn . m`: `rms_norm` then `matmul` (which
+    /// this does by default); a backend may do both in one pass with the same results. `xn`
+    /// holds the normalised rows afterwards either way.
+    fn rms_norm_matmul(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        w: &Self::Buffer,
+        eps: f32,
+        mut xn: ViewMut<'_, Self::Buffer>,
+        m: &Self::Matrix,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let cols = xn.layout().cols();
+        self.rms_norm(x, w, eps, xn.col_range(0, cols)?)?;
+        self.matmul(xn.as_view(), m, out)
+    }
+    /// `rms_norm_matmul` into `gate_up` (the gate's columns, then as many of the up's), then
+    /// `swiglu` of its two halves into `out` (which this does by default; a backend may do it
+    /// in one pass with the same results, `gate_up` and `xn` written either way).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul_swiglu(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        w: &Self::Buffer,
+        eps: f32,
+        xn: ViewMut<'_, Self::Buffer>,
+        m: &Self::Matrix,
+        mut gate_up: ViewMut<'_, Self::Buffer>,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let cols = gate_up.layout().cols();
+        if cols % 2 != 0 {
+            return Err(BackendError::BadArgument {
+                op: "rms_norm_matmul_swiglu",
+                message: format!("gate/up rows of {cols} values (not two halves)"),
+            });
+        }
+        self.rms_norm_matmul(x, w, eps, xn, m, gate_up.col_range(0, cols)?)?;
+        let gu = gate_up.as_view();
+        self.swiglu(
+            gu.col_range(0, cols / 2)?,
+            gu.col_range(cols / 2, cols / 2)?,
+            out,
+        )
+    }
+    /// `out = x . m`, then `residual += out` (`matmul` then `add`, which this does by default; a
+    /// backend may add in the product's pass, with the same results).
+    fn matmul_add(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        m: &Self::Matrix,
+        mut out: ViewMut<'_, Self::Buffer>,
+        residual: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let cols = out.layout().cols();
+        self.matmul(x, m, out.col_range(0, cols)?)?;
+        self.add(residual, out.as_view())
+    }
     /// `out` row i = `x` row `logit_rows[i]` of the step.
     fn gather_logit_rows(
         &mut self,

@@ -65,16 +65,35 @@ NPU_FOR_EACH_ACT(EMBED)
 // The second pass of both norms: out[r] = x[r] * scale * w, and with `xq` (not null) the row
 // quantized to 8 bits as it is stored (q8_store_block; `cols` a multiple of 32, so each warp
 // holds whole blocks of 32 and the loop's bound is the same for all its lanes).
+// `o` may be null (a folded GEMV's blocks other than its first: matmul.cu); `qr` is the row's
+// index in xq and xs.
 template <typename T>
 __device__ __forceinline__ void rms_scale_row(const T* xr, const void* w, int wdt, float scale,
-                                              int cols, T* o, signed char* xq, u32* xs) {
+                                              int cols, T* o, i64 qr, signed char* xq, u32* xs) {
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         const T v = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(xr[c]), scale), load_dt(w, wdt, c)));
-        o[c] = v;
+        if (o) {
+            o[c] = v;
+        }
         if (xq) {
-            q8_store_block(to_f32(v), blockIdx.x, cols, c >> 5, xq, xs);
+            q8_store_block(to_f32(v), qr, cols, c >> 5, xq, xs);
         }
     }
+}
+
+// The norm's factor of row `xr`: 1 / sqrt(mean(x^2) + eps), the sum of squares taken by the
+// block's threads (each over columns threadIdx.x, + blockDim.x, ...) and then `block_sum`. The
+// block's size fixes the bits: `rms_norm`, `add_rms_norm` and the GEMVs that fold the norm in
+// (matmul.cu) all run it with `row_threads(cols, 256)` threads. Every thread must call it.
+template <typename T>
+__device__ __forceinline__ float rms_row_scale(const T* xr, int cols, float eps, float* red) {
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = to_f32(xr[c]);
+        s = fmaf(v, v, s);
+    }
+    s = block_sum(s, red);
+    return 1.0f / sqrtf(s / (float)cols + eps);
 }
 
 // grid (rows): out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w; with `xq`, also the 8-bit
@@ -85,14 +104,8 @@ __device__ __forceinline__ void rms_norm_body(const T* x, int ldx, const void* w
                                               signed char* xq, u32* xs) {
     __shared__ float red[32];
     const T* xr = x + (i64)blockIdx.x * ldx;
-    float s = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float v = to_f32(xr[c]);
-        s = fmaf(v, v, s);
-    }
-    s = block_sum(s, red);
-    const float scale = 1.0f / sqrtf(s / (float)cols + eps);
-    rms_scale_row<T>(xr, w, wdt, scale, cols, out + (i64)blockIdx.x * ldo, xq, xs);
+    const float scale = rms_row_scale<T>(xr, cols, eps, red);
+    rms_scale_row<T>(xr, w, wdt, scale, cols, out + (i64)blockIdx.x * ldo, blockIdx.x, xq, xs);
 }
 
 #define RMS_NORM(T, S)                                                                             \
@@ -124,7 +137,7 @@ __device__ __forceinline__ void add_rms_norm_body(T* x, int ldx, const T* y, int
     }
     s = block_sum(s, red);
     const float scale = 1.0f / sqrtf(s / (float)cols + eps);
-    rms_scale_row<T>(xr, w, wdt, scale, cols, out + (i64)blockIdx.x * ldo, xq, xs);
+    rms_scale_row<T>(xr, w, wdt, scale, cols, out + (i64)blockIdx.x * ldo, blockIdx.x, xq, xs);
 }
 
 #define ADD_RMS_NORM(T, S)                                                                         \
@@ -224,15 +237,18 @@ NPU_FOR_EACH_ACT(ROPE)
 
 // With `xq` (not null; `cols` a multiple of 32 and blockDim.x of 32, so a warp is all in or all
 // out of the row), out's row is also quantized to 8 bits as stored for the next matrix product.
+// silu(g) * u as stored: the one formula of `swiglu` and the gate/up GEMV that folds it in.
+template <typename T> __device__ __forceinline__ T swiglu_value(float g, float u) {
+    return from_f32<T>(__fmul_rn(g / (1.0f + expf(-g)), u));
+}
+
 template <typename T>
 __device__ __forceinline__ void swiglu_body(const T* gate, int ldg, const T* up, int ldu, T* out,
                                             int ldo, int cols, signed char* xq, u32* xs) {
     const int r = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < cols) {
-        const float g = to_f32(gate[(i64)r * ldg + c]);
-        const float u = to_f32(up[(i64)r * ldu + c]);
-        const T v = from_f32<T>(__fmul_rn(g / (1.0f + expf(-g)), u));
+        const T v = swiglu_value<T>(to_f32(gate[(i64)r * ldg + c]), to_f32(up[(i64)r * ldu + c]));
         out[(i64)r * ldo + c] = v;
         if (xq) {
             q8_store_block(to_f32(v), r, cols, c >> 5, xq, xs);

@@ -141,16 +141,13 @@ __device__ __forceinline__ int block_dot(const u32* wq, const uint4 xa, const ui
     return dot;
 }
 
-template <typename T, int FMT, int R>
-__device__ __forceinline__ void gemv_q_body(const u8* w, const u16* wd, const u16* wm, int n,
-                                            int k, const signed char* xq, const u32* xs, int rows,
-                                            T* out, int ldo) {
+// Lane `lane`'s partial sums of output o for up to R activation rows: blocks lane, lane + 32, ...
+// of weight row o (the GEMV's order; `gemv_fold_body` shares it).
+template <int FMT, int R>
+__device__ __forceinline__ void gemv_q_partial(const u8* w, const u16* wd, const u16* wm, int o,
+                                               int k, const signed char* xq, const u32* xs,
+                                               int rows, float* acc) {
     const int lane = threadIdx.x & 31;
-    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (o >= n) {
-        return; // the whole warp: this kernel has no block-wide barrier
-    }
-    float acc[R];
     for (int r = 0; r < R; ++r) {
         acc[r] = 0.0f;
     }
@@ -188,6 +185,19 @@ __device__ __forceinline__ void gemv_q_body(const u8* w, const u16* wd, const u1
             }
         }
     }
+}
+
+template <typename T, int FMT, int R>
+__device__ __forceinline__ void gemv_q_body(const u8* w, const u16* wd, const u16* wm, int n,
+                                            int k, const signed char* xq, const u32* xs, int rows,
+                                            T* out, int ldo) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= n) {
+        return; // the whole warp: this kernel has no block-wide barrier
+    }
+    float acc[R];
+    gemv_q_partial<FMT, R>(w, wd, wm, o, k, xq, xs, rows, acc);
     store_rows<T, R>(acc, lane, rows, out + o, ldo);
 }
 
@@ -263,6 +273,124 @@ __device__ __forceinline__ void gemv_f16w_body(const u8* w, int n, int k, const 
     GEMV_Q_ONE(T, S, WF_Q8_0, q8_0, 1)                                                             \
     GEMV_Q_ONE(T, S, WF_Q8_0, q8_0, 8)
 NPU_FOR_EACH_ACT(GEMV)
+
+// ---- GEMV with its neighbours folded in -----------------------------------------------------------
+//
+// One launch for two or three ops of a decode layer (backends/cuda/src/fold.rs), with the bits of
+// the separate kernels:
+// - with `nw` (not null), the RMS norm of the input rows first: every block normalises each row
+//   of x itself with the `rms_norm` kernel's code (`rms_row_scale`, `rms_scale_row`; the host gives
+//   the block row_threads(k, 256) threads, as it gives the norm, so the sums are the same),
+//   quantizes it into shared memory with `q8_store_block`, and block 0 also writes the normalised
+//   rows to `xn`; without it the 8-bit rows come in xq / xs as for `gemv_*`;
+// - after the product, by `fold`: FOLD_STORE writes out; FOLD_ADD writes out and adds it into the
+//   residual (res += out, rounded as `add` rounds it; each element is one lane's); FOLD_SWIGLU
+//   reads the matrix as gate rows 0..u then up rows u..2u (the fused gate/up matrix): the warp
+//   that computes gate row j computes up row u + j too, writes both into out, then h[j] =
+//   silu(g) * u as `swiglu` computes it, and with `hq` (u a multiple of 32) h's 8-bit form: a
+//   block's 32 units are one block of 32 of h, quantized after the block's barrier.
+// Each output's sum is gemv_q_body's (`gemv_q_partial`, then store_rows' reduction). grid
+// (ceil(units / 32)), a block of 32 units (outputs; gate/up pairs with FOLD_SWIGLU), warp w taking
+// units w, w + warps, ...; dynamic shared memory rows * k * 3 / 2 bytes with the norm, else none.
+#define FOLD_STORE 0
+#define FOLD_ADD 1
+#define FOLD_SWIGLU 2
+#define FOLD_UNITS 32
+
+// The warp's total of row *r of the R partial sums, reduced as store_rows reduces them; *r = -1
+// on the lanes that hold no row's total (R is 1 or 8).
+template <int R> __device__ __forceinline__ float fold_total(float* acc, int lane, int rows, int* r) {
+    if (R == 8) {
+        const float t = warp_sum8(acc);
+        *r = ((lane & 3) == 0 && (lane >> 2) < rows) ? (lane >> 2) : -1;
+        return t;
+    }
+    const float t = warp_sum(acc[0]);
+    *r = (lane == 0 && rows > 0) ? 0 : -1;
+    return t;
+}
+
+template <typename T, int FMT, int R>
+__device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const u16* wm, int n,
+                                               int k, const T* x, int ldx, const void* nw,
+                                               int nwdt, float eps, T* xn, int ldxn,
+                                               const signed char* xq, const u32* xs, int rows,
+                                               T* out, int ldo, int fold, T* res, int ldr, T* h,
+                                               int ldh, signed char* hq, u32* hs) {
+    __shared__ float red[32];
+    __shared__ float hv[R * FOLD_UNITS];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    if (nw) {
+        signed char* sq = (signed char*)DYN_SMEM;
+        u32* ss = (u32*)(DYN_SMEM + (i64)rows * k);
+        for (int r = 0; r < rows; ++r) {
+            const T* xr = x + (i64)r * ldx;
+            const float scale = rms_row_scale<T>(xr, k, eps, red);
+            T* o = blockIdx.x == 0 ? xn + (i64)r * ldxn : (T*)0;
+            rms_scale_row<T>(xr, nw, nwdt, scale, k, o, r, sq, ss);
+        }
+        __syncthreads();
+        xq = sq;
+        xs = ss;
+    }
+    const int units = fold == FOLD_SWIGLU ? (n >> 1) : n;
+    const int u0 = blockIdx.x * FOLD_UNITS;
+    for (int i = warp; i < FOLD_UNITS && u0 + i < units; i += warps) {
+        const int u = u0 + i;
+        float acc[R];
+        gemv_q_partial<FMT, R>(w, wd, wm, u, k, xq, xs, rows, acc);
+        int r;
+        const float t = fold_total<R>(acc, lane, rows, &r);
+        if (fold == FOLD_SWIGLU) {
+            float acc_up[R];
+            gemv_q_partial<FMT, R>(w, wd, wm, units + u, k, xq, xs, rows, acc_up);
+            int r_up;
+            const float t_up = fold_total<R>(acc_up, lane, rows, &r_up);
+            if (r >= 0) {
+                const T g = from_f32<T>(t);
+                const T up = from_f32<T>(t_up);
+                out[(i64)r * ldo + u] = g;
+                out[(i64)r * ldo + units + u] = up;
+                const T v = swiglu_value<T>(to_f32(g), to_f32(up));
+                h[(i64)r * ldh + u] = v;
+                hv[r * FOLD_UNITS + i] = to_f32(v);
+            }
+        } else if (r >= 0) {
+            const T y = from_f32<T>(t);
+            out[(i64)r * ldo + u] = y;
+            if (fold == FOLD_ADD) {
+                T* p = res + (i64)r * ldr + u;
+                *p = from_f32<T>(to_f32(*p) + to_f32(y));
+            }
+        }
+    }
+    if (fold == FOLD_SWIGLU && hq) {
+        __syncthreads();
+        for (int r = warp; r < rows; r += warps) {
+            q8_store_block(hv[r * FOLD_UNITS + lane], r, units, blockIdx.x, hq, hs);
+        }
+    }
+}
+
+#define GEMV_FOLD_ONE(T, S, FMT, FS, R)                                                            \
+    extern "C" __global__ void gemv_fold_##FS##_r##R##_##S(                                        \
+        const u8* w, const u16* wd, const u16* wm, int n, int k, const T* x, int ldx,             \
+        const void* nw, int nwdt, float eps, T* xn, int ldxn, const signed char* xq,              \
+        const u32* xs, int rows, T* out, int ldo, int fold, T* res, int ldr, T* h, int ldh,       \
+        signed char* hq, u32* hs) {                                                                \
+        gemv_fold_body<T, FMT, R>(w, wd, wm, n, k, x, ldx, nw, nwdt, eps, xn, ldxn, xq, xs, rows, \
+                                  out, ldo, fold, res, ldr, h, ldh, hq, hs);                       \
+    }
+#define GEMV_FOLD(T, S)                                                                            \
+    GEMV_FOLD_ONE(T, S, WF_Q4_0, q4_0, 1)                                                          \
+    GEMV_FOLD_ONE(T, S, WF_Q4_0, q4_0, 8)                                                          \
+    GEMV_FOLD_ONE(T, S, WF_Q4_1, q4_1, 1)                                                          \
+    GEMV_FOLD_ONE(T, S, WF_Q4_1, q4_1, 8)                                                          \
+    GEMV_FOLD_ONE(T, S, WF_Q8_0, q8_0, 1)                                                          \
+    GEMV_FOLD_ONE(T, S, WF_Q8_0, q8_0, 8)
+NPU_FOR_EACH_ACT(GEMV_FOLD)
 
 // ---- dequantization for cuBLAS -------------------------------------------------------------------
 

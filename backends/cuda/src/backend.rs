@@ -243,13 +243,6 @@ impl CudaBackend {
         &self.cfg
     }
 
-    /// Turns folding ops into fewer launches on or off (`CudaConfig::fuse`) for the ops queued
-    /// from now on: the same results bit for bit, in more launches when off.
-    pub fn set_fuse(&mut self, on: bool) {
-        self.cfg.fuse = on;
-        self.q8_ready = None;
-    }
-
     pub(crate) fn own(&self, b: &CudaBuffer, op: &'static str) -> Result<(), BackendError> {
         if b.device() != self.device {
             return Err(BackendError::BadArgument {
@@ -852,6 +845,41 @@ impl Backend for CudaBackend {
         self.op_add_rms_norm(x, y, w, eps, out)
     }
 
+    fn folds_norms_into_matmuls(&self, rows: usize) -> bool {
+        self.folds_norms(rows)
+    }
+    fn rms_norm_matmul(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        xn: ViewMut<'_, CudaBuffer>,
+        m: &CudaMatrix,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_rms_norm_matmul(x, w, eps, xn, m, out)
+    }
+    fn rms_norm_matmul_swiglu(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        xn: ViewMut<'_, CudaBuffer>,
+        m: &CudaMatrix,
+        gate_up: ViewMut<'_, CudaBuffer>,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_rms_norm_matmul_swiglu(x, w, eps, xn, m, gate_up, out)
+    }
+    fn matmul_add(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        m: &CudaMatrix,
+        out: ViewMut<'_, CudaBuffer>,
+        residual: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_matmul_add(x, m, out, residual)
+    }
     fn gather_logit_rows(
         &mut self,
         x: View<'_, CudaBuffer>,

@@ -55,7 +55,8 @@ pub const ENV_MMA: &str = "NPU_SERVING_CUDA_MMA";
 /// ignore it. Slow, and not a GPU.
 /// Environment variable: `0` launches every op of a step on its own (no residual add folded into
 /// the next RMS norm, no activation quantizer folded into the kernel producing a quantized
-/// product's input); `1`, the default, folds them. The results are the same bit for bit.
+/// product's input); `1` folds those; `2`, the default, also folds the RMS norm, the residual add
+/// and SwiGLU into the quantized GEMVs beside them (`fold`). The results are the same bit for bit.
 pub const ENV_FUSE: &str = "NPU_SERVING_CUDA_FUSE";
 pub const ENV_EMULATION: &str = "NPU_SERVING_CUDA_EMULATION";
 
@@ -75,6 +76,10 @@ pub struct CudaConfig {
     /// `add_rms_norm` in one kernel, and 8-bit activations written by the kernel that produces
     /// a quantized product's input (no `quantize_q8` launch). `false`: one launch per op.
     pub fuse: bool,
+    /// With `fuse`, also fold into the quantized GEMVs of a few token rows the RMS norm before
+    /// them, the residual add after the output and down projections, and SwiGLU after the
+    /// gate/up projection (`fold`; `NPU_SERVING_CUDA_FUSE=2`, the default).
+    pub fold_gemv: bool,
     /// Where compiled kernels are cached on disk (`None`: memory only).
     pub kernel_cache: Option<PathBuf>,
     /// Directories searched for the CUDA libraries when the loader does not find them by name.
@@ -91,6 +96,7 @@ impl Default for CudaConfig {
             gemv_max_rows: 16,
             int8_mma: true,
             fuse: true,
+            fold_gemv: true,
             kernel_cache: crate::nvrtc::default_cache_dir(),
             lib_dirs: crate::libs::default_search_dirs(),
         }
@@ -133,10 +139,11 @@ impl CudaConfig {
             };
         }
         if let Some(v) = get(ENV_FUSE) {
-            c.fuse = match v.as_str() {
-                "0" => false,
-                "1" => true,
-                _ => return Err(format!("{ENV_FUSE}={v:?}: expected 0 or 1")),
+            (c.fuse, c.fold_gemv) = match v.as_str() {
+                "0" => (false, false),
+                "1" => (true, false),
+                "2" => (true, true),
+                _ => return Err(format!("{ENV_FUSE}={v:?}: expected 0, 1 or 2")),
             };
         }
         Ok(c)
@@ -174,6 +181,9 @@ mod tests {
         let e = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "no".into())).unwrap_err();
         assert!(e.contains(ENV_FUSE), "{e}");
         let off = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "0".into())).unwrap();
-        assert!(!off.fuse);
+        assert!(!off.fuse && !off.fold_gemv);
+        let one = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "1".into())).unwrap();
+        assert!(one.fuse && !one.fold_gemv);
+        assert!(d.fold_gemv);
     }
 }

@@ -256,6 +256,15 @@ pub fn moe_mm_kernel(w: MoeWeights, dt: DType) -> usize {
     MOE_MM_BASE + w.index() * ACTS.len() + act_index(dt)
 }
 
+const FOLD_BASE: usize = MOE_MM_BASE + MoeWeights::ALL.len() * ACTS.len();
+
+/// Index of the GEMV with its neighbours folded in (`gemv_fold_*`, kernels/matmul.cu) for `fmt`
+/// (a quantized format: `None` for F16) handling up to `GEMV_ROWS[rows_variant]` rows.
+pub fn gemv_fold_kernel(fmt: WeightFormat, rows_variant: usize, dt: DType) -> Option<usize> {
+    let f = GEMM_FORMATS.iter().position(|&g| g == fmt)?;
+    Some(FOLD_BASE + (f * GEMV_ROWS.len() + rows_variant) * ACTS.len() + act_index(dt))
+}
+
 /// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
 /// every launch for fault messages, and must not rebuild the list each time.
 pub fn kernel_name(i: usize) -> &'static str {
@@ -312,14 +321,28 @@ pub fn kernel_names() -> Vec<String> {
             ));
         }
     }
+    for fmt in GEMM_FORMATS {
+        for r in GEMV_ROWS {
+            for dt in ACTS {
+                names.push(format!(
+                    "gemv_fold_{}_r{r}_{}",
+                    fmt.kernel_name(),
+                    act_suffix(dt).unwrap()
+                ));
+            }
+        }
+    }
     names
 }
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
 pub fn large_smem_kernels() -> Vec<usize> {
+    let folds = (FOLD_BASE..FOLD_BASE + GEMM_FORMATS.len() * GEMV_ROWS.len() * ACTS.len())
+        .collect::<Vec<_>>();
     [Op::Attention, Op::AttentionLatent, Op::AttentionI8]
         .into_iter()
         .flat_map(|op| ACTS.iter().map(move |&dt| op_kernel(op, dt)))
+        .chain(folds)
         .collect()
 }
 
@@ -369,7 +392,12 @@ mod tests {
             names[op_kernel(Op::AttentionLatent, DType::BF16)],
             "attention_latent_bf16"
         );
-        assert_eq!(names.len(), MOE_MM_BASE + 15);
+        assert_eq!(
+            names[gemv_fold_kernel(WeightFormat::Q4_0, 1, DType::BF16).unwrap()],
+            "gemv_fold_q4_0_r8_bf16"
+        );
+        assert_eq!(gemv_fold_kernel(WeightFormat::F16, 0, DType::F32), None);
+        assert_eq!(names.len(), FOLD_BASE + 18);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();
@@ -391,5 +419,6 @@ mod tests {
         assert!(src.contains("void dequant_##FS##_##S("));
         assert!(src.contains("void gemm_##FS##_##S("));
         assert!(src.contains("void moe_mm_##FS##_##S("));
+        assert!(src.contains("void gemv_fold_##FS##_r##R##_##S("));
     }
 }

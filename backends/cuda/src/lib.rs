@@ -35,6 +35,7 @@ mod driver;
 #[cfg(feature = "emulation")]
 pub mod emu;
 pub mod fault;
+mod fold;
 mod fused;
 pub mod gpu;
 mod graphs;

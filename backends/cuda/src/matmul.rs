@@ -157,30 +157,10 @@ impl CudaBackend {
         let (rows, es) = (xl.rows(), dt.size());
         let (n, k) = (int(OP, w.n)?, int(OP, w.k)?);
         let nb = w.k / 32;
-        let ready = self.q8_take(&x, dt);
         let quantized = if fmt == WeightFormat::F16 {
             None
-        } else if let Some(q8) = ready {
-            // The kernel that produced `x` (or the product before this one, of the same rows)
-            // wrote its 8-bit form, and nothing ran since (`fused`).
-            Some(q8)
         } else {
-            let xq_bytes = rows * w.k;
-            let dst = self
-                .scratch_x
-                .ensure(&self.gpu, self.device, xq_bytes + rows * nb * 16)?;
-            let xs = dst + xq_bytes as u64;
-            self.launch(
-                op_kernel(Op::QuantizeQ8, dt),
-                LaunchDims::linear([blocks(nb, 8), grid_rows(OP, rows)?, 1], 256),
-                Args::new()
-                    .ptr(addr(&x))
-                    .i32(int(OP, xl.stride())?)
-                    .i32(k)
-                    .ptr(dst)
-                    .ptr(xs),
-            )?;
-            Some((dst, xs))
+            Some(self.q8_input(w, &x, dt)?)
         };
         let kept = quantized.map(|q8| (x, q8));
         let ol = out.layout();
@@ -245,6 +225,40 @@ impl CudaBackend {
             self.q8_keep(&x, &out, q8, dt);
         }
         Ok(())
+    }
+
+    /// The 8-bit form of `x` for a quantized product by `w`: the one the kernel that produced
+    /// `x` (or the product before this one, of the same rows) wrote, where nothing ran since
+    /// (`fused`), else `quantize_q8` into the activation scratch. Returns (int8 rows, scales).
+    pub(crate) fn q8_input(
+        &mut self,
+        w: &CudaMatrix,
+        x: &View<'_, CudaBuffer>,
+        dt: DType,
+    ) -> Result<(DevPtr, DevPtr), BackendError> {
+        const OP: &str = "matmul";
+        if let Some(q8) = self.q8_take(x, dt) {
+            return Ok(q8);
+        }
+        let xl = x.layout();
+        let rows = xl.rows();
+        let nb = w.k / 32;
+        let xq_bytes = rows * w.k;
+        let dst = self
+            .scratch_x
+            .ensure(&self.gpu, self.device, xq_bytes + rows * nb * 16)?;
+        let xs = dst + xq_bytes as u64;
+        self.launch(
+            op_kernel(Op::QuantizeQ8, dt),
+            LaunchDims::linear([blocks(nb, 8), grid_rows(OP, rows)?, 1], 256),
+            Args::new()
+                .ptr(addr(x))
+                .i32(int(OP, xl.stride())?)
+                .i32(int(OP, w.k)?)
+                .ptr(dst)
+                .ptr(xs),
+        )?;
+        Ok((dst, xs))
     }
 
     /// The int8 tensor-core GEMM for a quantized product of `rows` rows, where it is used: more

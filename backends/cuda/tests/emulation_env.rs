@@ -13,6 +13,7 @@ fn the_variable_opens_the_emulation_and_only_when_it_is_1() {
         lib_dirs: Vec::new(),
         int8_mma: true,
         fuse: true,
+        fold_gemv: true,
         kernel_cache: None,
         ..CudaConfig::default()
     };

@@ -24,6 +24,11 @@ fn fused_launches_match_the_unfused_ones() {
 }
 
 #[test]
+fn gemv_folds_match_the_unfused_ones() {
+    conformance::gemv_folds_match_the_unfused_ones(&emulated);
+}
+
+#[test]
 fn attention_writes_the_output_projections_activations() {
     conformance::attention_writes_the_output_projections_activations(&emulated);
 }

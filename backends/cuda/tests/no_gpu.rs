@@ -15,6 +15,7 @@ fn opening_a_device_without_cuda_names_the_missing_library() {
         lib_dirs: Vec::new(),
         int8_mma: true,
         fuse: true,
+        fold_gemv: true,
         ..CudaConfig::default()
     };
     let result = std::panic::catch_unwind(|| CudaBackend::new(0, cfg.clone()));
@@ -66,6 +67,7 @@ fn a_directory_with_a_broken_library_is_not_a_crash() {
         lib_dirs: vec![dir.clone()],
         int8_mma: true,
         fuse: true,
+        fold_gemv: true,
         ..CudaConfig::default()
     };
     let r = std::panic::catch_unwind(|| CudaBackend::new(0, cfg)).expect("no panic");

@@ -203,6 +203,17 @@ impl<B: Backend> LoraSlots<B> {
         &self.runs
     }
 
+    /// Whether an adapter of the step targets `t` in `layer` (`apply` adds something).
+    pub fn targets(&self, layer: usize, t: Target) -> bool {
+        self.runs.iter().any(|r| {
+            (r.slot as usize)
+                .checked_sub(1)
+                .and_then(|i| self.slots.get(i)?.as_ref())
+                .and_then(|s| s.layers.get(layer))
+                .is_some_and(|l| l[t.index()].is_some())
+        })
+    }
+
     /// `out += scale * B (A x)` for the step's rows of every adapter targeting `t` in `layer`.
     pub fn apply(
         &self,

@@ -21,6 +21,7 @@ pub fn emulated(dt: DType, matmul: MatmulMode) -> Option<CudaBackend> {
         lib_dirs: Vec::new(),
         int8_mma: true,
         fuse: true,
+        fold_gemv: true,
     };
     match CudaBackend::emulated(cfg) {
         Ok(b) => Some(b),

@@ -4,6 +4,7 @@
 //! (tests/gpu_conformance.rs).
 
 mod attention;
+mod fold;
 mod fused;
 mod kv_int8;
 mod latent;
@@ -12,6 +13,7 @@ mod matmul;
 mod moe;
 
 pub use attention::*;
+pub use fold::*;
 pub use fused::*;
 pub use kv_int8::*;
 pub use latent::*;
@@ -48,6 +50,10 @@ pub const CASES: &[(&str, Case)] = &[
     (
         "fused_launches_match_the_unfused_ones",
         fused_launches_match_the_unfused_ones,
+    ),
+    (
+        "gemv_folds_match_the_unfused_ones",
+        gemv_folds_match_the_unfused_ones,
     ),
     (
         "attention_writes_the_output_projections_activations",

@@ -1,0 +1,165 @@
+//! Conformance case of the GEMVs with their neighbours folded in (src/fold.rs): an RMS norm into
+//! the next product, the residual add into the product before it, SwiGLU into the gate/up
+//! product (with the down product's 8-bit activations), against the same ops launched one by
+//! one (`set_fuse(false)`, each op checked against the CPU reference by the other cases) and
+//! against the elementwise folds alone (`set_fold_gemv(false)`): every buffer the same bits, in
+//! f32, f16 and bf16, for 1, 3 and 8 rows, rows of 256 and 320 values (the norm's block of 256
+//! threads going round once and twice), each quantized weight format; and the launches named.
+
+use super::{Make, DTYPES};
+use crate::common::*;
+use npu_backend::{Backend, DType, HostTensor, View, ViewMut};
+use npu_backend_cuda::{CudaBackend, CudaMatrix, MatmulMode};
+use npu_gguf::GgmlType;
+
+/// The Q/K/V-like product's outputs (not a multiple of 32: a partial last block); the output
+/// product takes the first `AO` of them.
+const A: usize = 72;
+const AO: usize = 64;
+/// The FFN width (gate/up pairs): three blocks of 32.
+const FF: usize = 96;
+
+fn matrix(b: &mut CudaBackend, ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> CudaMatrix {
+    b.load_matrix(&[HostTensor {
+        ty,
+        data,
+        rows,
+        cols,
+    }])
+    .unwrap()
+    .expect("one part always makes a matrix")
+}
+
+/// A decode layer's folded sequence on `b` (rows of `h` values): every buffer read back, and
+/// the launches of each part.
+fn run(b: &mut CudaBackend, dt: DType, rows: usize, h: usize) -> (Vec<Vec<f32>>, Vec<Vec<String>>) {
+    let mut rng = Rng::new(70 + (rows * h) as u64);
+    let x0 = rounded(&rng.vec(rows * h, -2.0, 2.0), dt);
+    let qkv = random_tensor(&mut rng, GgmlType::Q8_0, A, h);
+    let wo = random_tensor(&mut rng, GgmlType::Q4_0, h, AO);
+    let gate_up = random_tensor(&mut rng, GgmlType::Q4_1, 2 * FF, h);
+    let down = random_tensor(&mut rng, GgmlType::Q8_0, h, FF);
+    let qkv_m = matrix(b, GgmlType::Q8_0, &qkv, A, h);
+    let wo_m = matrix(b, GgmlType::Q4_0, &wo, h, AO);
+    let gu_m = matrix(b, GgmlType::Q4_1, &gate_up, 2 * FF, h);
+    let down_m = matrix(b, GgmlType::Q8_0, &down, h, FF);
+    // The attention norm's weights in f32, the FFN norm's in bf16.
+    let wa = put(b, DType::F32, &rng.vec(h, 0.5, 1.5), 1, h);
+    let wf = rounded(&rng.vec(h, 0.5, 1.5), DType::BF16);
+    let wf = put(b, DType::BF16, &wf, 1, h);
+    let mut x = put(b, dt, &x0, rows, h);
+    let mut xn = b.alloc(dt, rows * h).unwrap();
+    let mut a = b.alloc(dt, rows * A).unwrap();
+    let mut tmp = b.alloc(dt, rows * h).unwrap();
+    let mut gu = b.alloc(dt, rows * 2 * FF).unwrap();
+    let mut hb = b.alloc(dt, rows * FF).unwrap();
+    let mut launched = Vec::new();
+    take_launches(b);
+    let mut part = |b: &CudaBackend| launched.push(take_launches(b).unwrap_or_default());
+    b.rms_norm_matmul(
+        View::rows(&x, rows, h).unwrap(),
+        &wa,
+        1e-5,
+        ViewMut::rows(&mut xn, rows, h).unwrap(),
+        &qkv_m,
+        ViewMut::rows(&mut a, rows, A).unwrap(),
+    )
+    .unwrap();
+    part(b);
+    b.matmul_add(
+        View::rows(&a, rows, A).unwrap().col_range(0, AO).unwrap(),
+        &wo_m,
+        ViewMut::rows(&mut tmp, rows, h).unwrap(),
+        ViewMut::rows(&mut x, rows, h).unwrap(),
+    )
+    .unwrap();
+    part(b);
+    b.rms_norm_matmul_swiglu(
+        View::rows(&x, rows, h).unwrap(),
+        &wf,
+        1e-6,
+        ViewMut::rows(&mut xn, rows, h).unwrap(),
+        &gu_m,
+        ViewMut::rows(&mut gu, rows, 2 * FF).unwrap(),
+        ViewMut::rows(&mut hb, rows, FF).unwrap(),
+    )
+    .unwrap();
+    part(b);
+    b.matmul_add(
+        View::rows(&hb, rows, FF).unwrap(),
+        &down_m,
+        ViewMut::rows(&mut tmp, rows, h).unwrap(),
+        ViewMut::rows(&mut x, rows, h).unwrap(),
+    )
+    .unwrap();
+    part(b);
+    let values = [&x, &xn, &a, &tmp, &gu, &hb]
+        .into_iter()
+        .map(|buf| get(b, buf))
+        .collect();
+    (values, launched)
+}
+
+pub fn gemv_folds_match_the_unfused_ones(make: Make) {
+    for dt in DTYPES {
+        for h in [256usize, 320] {
+            for rows in [1usize, 3, 8] {
+                let mut runs = Vec::new();
+                for (fuse, fold) in [(true, true), (true, false), (false, false)] {
+                    let Some(mut b) = make(dt, MatmulMode::Quantized) else {
+                        return;
+                    };
+                    b.set_fuse(fuse);
+                    b.set_fold_gemv(fold);
+                    runs.push(run(&mut b, dt, rows, h));
+                }
+                let s = dt.name();
+                let names = ["x", "xn", "a", "tmp", "gate/up", "swiglu"];
+                for (what, (v, _)) in ["elementwise folds", "one op a launch"]
+                    .iter()
+                    .zip(&runs[1..])
+                {
+                    for ((name, f), p) in names.iter().zip(&runs[0].0).zip(v) {
+                        let fb: Vec<u32> = f.iter().map(|v| v.to_bits()).collect();
+                        let pb: Vec<u32> = p.iter().map(|v| v.to_bits()).collect();
+                        assert!(
+                            fb == pb,
+                            "{s} {rows} rows of {h}: {name} differs between the GEMV folds and \
+                             {what}"
+                        );
+                    }
+                }
+                let fl = &runs[0].1;
+                if fl.iter().all(|l| l.is_empty()) {
+                    continue; // a real device: no launch list
+                }
+                let r = if rows == 1 { 1 } else { 8 };
+                let fold = |f: &str| format!("gemv_fold_{f}_r{r}_{s}");
+                let gemv = |f: &str| format!("gemv_{f}_r{r}_{s}");
+                let q = format!("quantize_q8_{s}");
+                let want: Vec<Vec<String>> = vec![
+                    vec![fold("q8_0")],
+                    vec![q.clone(), fold("q4_0")],
+                    vec![fold("q4_1")],
+                    vec![fold("q8_0")],
+                ];
+                assert_eq!(fl, &want, "{s} {rows} rows of {h}, folded");
+                let want_plain: Vec<Vec<String>> = vec![
+                    vec![format!("rms_norm_{s}"), q.clone(), gemv("q8_0")],
+                    vec![q.clone(), gemv("q4_0"), format!("add_{s}")],
+                    vec![
+                        format!("rms_norm_{s}"),
+                        q.clone(),
+                        gemv("q4_1"),
+                        format!("swiglu_{s}"),
+                    ],
+                    vec![q.clone(), gemv("q8_0"), format!("add_{s}")],
+                ];
+                assert_eq!(
+                    runs[2].1, want_plain,
+                    "{s} {rows} rows of {h}, one op a launch"
+                );
+            }
+        }
+    }
+}
