@@ -337,6 +337,11 @@ impl<'a> Payload<'a> {
         Ok(head)
     }
 
+    /// Payload bytes read so far.
+    fn used(&self) -> usize {
+        self.len - self.rest.len()
+    }
+
     fn u8(&mut self) -> Result<u8, FrameError> {
         Ok(self.take(1)?[0])
     }
@@ -432,10 +437,22 @@ fn decode_body(tag: u8, payload: &[u8]) -> Result<Frame, FrameError> {
             let n_failed = p.u32()?;
             let mut failed = Vec::new();
             for _ in 0..n_failed {
-                failed.push(SeqFailure {
-                    slot: p.u32()?,
-                    error: p.string()?,
-                });
+                // The encoder's room for this reason (the frame's prefix and tag before the
+                // payload): a longer one is not what an encoder writes.
+                let room = (MAX_FRAME_LEN / 2).saturating_sub(LEN_PREFIX + 1 + p.used());
+                let slot = p.u32()?;
+                let error = p.string()?;
+                if error.len() > MAX_SEQ_FAILURE.min(room) {
+                    return Err(FrameError::BadField {
+                        kind,
+                        detail: format!(
+                            "slot {slot}: a failure reason of {} bytes (at most {})",
+                            error.len(),
+                            MAX_SEQ_FAILURE.min(room)
+                        ),
+                    });
+                }
+                failed.push(SeqFailure { slot, error });
             }
             Frame::StepDone(StepDone {
                 step_id,

@@ -212,6 +212,19 @@ fn oversized_texts_are_cut_to_fit_a_frame() {
     assert_eq!(d.failed.len(), 2000);
     assert!(d.failed.iter().enumerate().all(|(i, f)| f.slot == i as u32));
     assert!(d.failed[0].error.len() <= MAX_SEQ_FAILURE && d.failed[0].error.len() > 1000);
+
+    // A reason longer than an encoder writes is refused (what decodes re-encodes the same).
+    let mut payload = vec![11u8]; // StepDone
+    payload.extend_from_slice(&[0; 8 + 1 + 24]);
+    payload.extend_from_slice(&1u32.to_le_bytes());
+    payload.extend_from_slice(&3u32.to_le_bytes());
+    payload.extend_from_slice(&(MAX_SEQ_FAILURE as u32 + 1).to_le_bytes());
+    payload.extend(std::iter::repeat_n(b'x', MAX_SEQ_FAILURE + 1));
+    payload.extend_from_slice(&0u32.to_le_bytes());
+    let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&payload);
+    let e = Frame::decode(&bytes).unwrap_err().to_string();
+    assert!(e.contains("StepDone") && e.contains("slot 3"), "{e}");
 }
 
 #[test]
