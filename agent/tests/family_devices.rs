@@ -4,10 +4,10 @@
 //! backend over the strict CANN emulation, greedy tokens against llama.cpp's up to each prompt's
 //! first near-tie (and the gemma3 prompt runs past its 8-token sliding window; qwen3moe routes
 //! its tokens through the CUDA backend's device routing and per-expert groups, and on Ascend
-//! through MoeGatingTopKSoftmaxV2 and MoeFinalizeRoutingV2 around per-expert matmuls; gemma3
-//! runs on Ascend in bf16, chosen at load as its hidden states outgrow f16). What a backend
-//! cannot run is refused at load by name: Gemma 3 on Ascend when f16 is imposed. Built with the
-//! `cuda` and `ascend` features.
+//! through MoeGatingTopKSoftmaxV2 and MoeFinalizeRoutingV2 around one GroupedMatmulV4 per
+//! projection over its experts' stacks; gemma3 runs on Ascend in bf16, chosen at load as its
+//! hidden states outgrow f16). What a backend cannot run is refused at load by name: Gemma 3 on
+//! Ascend when f16 is imposed. Built with the `cuda` and `ascend` features.
 //!
 //! A near-tie is a step where llama.cpp's top-1/top-2 logit gap is below a margin. With f32
 //! activations (the CUDA backend here) the margin is the product's 0.15. With f16 activations (the

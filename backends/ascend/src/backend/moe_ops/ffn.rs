@@ -491,10 +491,12 @@ impl AscendBackend {
     }
 
     /// `y = x · W_e` for each expert's group of rows in one GroupedMatmulV4 call: x one f16
-    /// (rows, k) tensor, the experts' (k, n) weights a list (each its (n, k) storage seen
-    /// transposed), y one (rows, n) tensor; groupType 0 (m-axis), splitItem 3 (one out tensor),
-    /// groupListType 0 (`group_list` the cumulative row counts, one per expert), actType 0.
-    /// INT4 weights come with their per-group scales as antiquantScaleOptional (no offset).
+    /// (rows, k) tensor, the experts' weights one (E, k, n) tensor over their stack or a list
+    /// of (k, n) ones (each seen transposed over (n, k) storage), y one (rows, n) tensor;
+    /// groupType 0 (m-axis), splitItem 3 (one out tensor), groupListType 0 (`group_list` the
+    /// cumulative row counts, one per expert), actType 0. INT4 weights come with their
+    /// per-group scales as antiquantScaleOptional (`[E, k/32, n]` or `[k/32, n]` each; no
+    /// offset).
     fn grouped_matmul(
         &mut self,
         mats: &[AscendMatrix],
