@@ -34,7 +34,10 @@
 //!    Otherwise (experts loaded apart that are Q8_0 or Q4_1, or more than 128 of them; more
 //!    than 1024 experts, which `load_experts` loads apart; bf16 activations; mixed forms) the
 //!    experts' row counts are read back (one synchronization, E INT32 values — the ids stay on
-//!    the device) and each expert with rows runs over its rows (the backend's `matmul`).
+//!    the device) and each expert with rows runs over its rows (the backend's `matmul`). More
+//!    than 1024 experts are not split into calls of 1024: each call's group list must start at
+//!    its x's first row and end at its last, and where a chunk's rows start only the device
+//!    knows.
 //! 3. SwiGlu over all grouped rows in one call.
 //! 4. Down, the same way.
 //! 5. Cast: the routing weights to f16 (MoeFinalizeRoutingV2's scales must have expandedX's type
