@@ -12,7 +12,8 @@
 //! families (per-head norm, GELU gate, row scaling; [`Capability`]) in `family_ops`, expert
 //! routing and the experts' FFN in `moe_ops`, DeepSeek's scored routing and latent attention
 //! (its latent pool's writes and the attention over it) in `latent_ops`, and at DeepSeek's own
-//! widths (rows of 512 + 64, FusedInferAttentionScoreV3's MLA form) in `mla_ops`.
+//! widths (rows of 512 + 64, FusedInferAttentionScoreV3's MLA form) in `mla_ops`; LoRA
+//! adapters' products (`lora_add`) in `lora_ops`.
 
 mod attention;
 mod family_ops;
@@ -22,6 +23,7 @@ pub mod hccl;
 mod kv_pool;
 mod latent_ops;
 mod layer_ops;
+mod lora_ops;
 mod mla_ops;
 mod moe_ops;
 pub mod objects;
@@ -455,8 +457,8 @@ impl Backend for AscendBackend {
             // The latent pool's rows through ScatterNdUpdate and FusedInferAttentionScoreV2 (rows
             // of 512 + 64 through V3's MLA form where the release has it; `mla_ops`).
             Capability::LatentAttention => true,
-            // Not built on CANN yet: adapters are refused by name at load.
-            Capability::Lora => false,
+            // lora_ops: Matmul, Matmul and InplaceAdd per adapter group.
+            Capability::Lora => true,
             // Not built on CANN yet: `moe_tensor_parallel: whole_experts` is refused by name at
             // load (share_each_expert serves MoE groups).
             Capability::HeldExperts => false,
@@ -521,6 +523,10 @@ impl Backend for AscendBackend {
         self.bind()?;
         let es = dst.dtype().size();
         dst.buf_mut().half = None;
+        let whole = l.is_contiguous()
+            && l.offset() == 0
+            && l.elements() == npu_backend::DeviceBuffer::len(dst.buf());
+        self.upload_half_copy(dst.buf_mut(), src, whole)?;
         let mem = &mut dst.buf_mut().mem;
         if l.is_contiguous() {
             mem.upload(l.offset() * es, &bytes).map_err(err)?;
@@ -927,6 +933,16 @@ impl Backend for AscendBackend {
     ) -> Result<(), BackendError> {
         self.picked = None;
         self.op_add(x, y)
+    }
+
+    fn lora_add(
+        &mut self,
+        x: View<'_, AscendBuffer>,
+        groups: &[npu_backend::LoraGroup<'_, AscendBuffer>],
+        out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<(), BackendError> {
+        self.picked = None;
+        self.op_lora_add(x, groups, out)
     }
 
     fn add_rms_norm(
