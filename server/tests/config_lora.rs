@@ -1,8 +1,8 @@
 //! Config of LoRA adapters: `npu_serving.lora_adapters` (a list of {name, path}),
 //! `npu_serving.max_loras` and `npu_serving.max_lora_rank`; LoRA is off without all three, on
 //! (with vLLM's defaults 1 and 16) with any; every bad value is refused naming its key, and what
-//! LoRA does not run with yet (Ascend, tensor parallelism, a prefill/decode split,
-//! long-context mode, several models) is refused by name.
+//! LoRA does not run with yet (tensor parallelism, a prefill/decode split, long-context mode,
+//! several models) is refused by name; every device serves it (Ascend since issue 53).
 
 use npu_server::config::{LoraConfig, LoraEntry, ServerConfig};
 
@@ -92,10 +92,10 @@ fn bad_values_are_refused_naming_their_key() {
             format!("  lora_adapters:\n    - {{name: a, path: /{long}}}\n"),
             "npu_serving.lora_adapters[0].path",
         ),
-        // What LoRA does not run with yet.
+        // What LoRA does not run with yet (on any device).
         (
-            "  max_loras: 2\n  device: ascend\n".into(),
-            "npu_serving.device",
+            "  max_loras: 2\n  device: ascend\n  tensor_parallel_size: 2\n".into(),
+            "npu_serving.tensor_parallel_size",
         ),
         (
             "  max_loras: 2\n  tensor_parallel_size: 2\n".into(),
@@ -110,6 +110,15 @@ fn bad_values_are_refused_naming_their_key() {
         let yaml = format!("serving_config:\n  agent_ports: [0, 0]\nnpu_serving:\n{npu}");
         let e = load(&yaml).expect_err(&yaml).to_string();
         assert!(e.contains(key), "{yaml}: {e}");
+    }
+    // Every device serves adapters (Ascend's lora_add: backends/ascend/src/backend/lora_ops.rs).
+    for device in ["cpu", "cuda", "ascend"] {
+        let yaml = format!(
+            "serving_config:\n  agent_ports: [0, 0]\nnpu_serving:\n  max_loras: 2\n  \
+             device: {device}\n"
+        );
+        let c = load(&yaml).unwrap_or_else(|e| panic!("{device}: {e}"));
+        assert_eq!(c.npu_serving.lora.map(|l| l.max_loras), Some(2), "{device}");
     }
     let split = "serving_config:\n  agent_ports: [0, 0]\nnpu_serving:\n  max_loras: 2\n  \
                  agent_roles: [prefill, decode]\n";

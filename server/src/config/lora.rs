@@ -134,16 +134,6 @@ pub(super) fn lora(s: &mut Section) -> Result<Option<LoraConfig>, ConfigError> {
 /// What LoRA cannot be combined with yet, each refused naming its key.
 pub(super) fn check_with(c: &super::NpuServingConfig) -> Result<(), ConfigError> {
     const ON: &str = "LoRA adapters (npu_serving.lora_adapters / max_loras / max_lora_rank)";
-    if c.device == super::DeviceKind::Ascend {
-        return Err(ConfigError::not_allowed(
-            "npu_serving.device",
-            c.device.name(),
-            format!(
-                "cpu or cuda with {ON}: the {} backend has no lora_add kernel yet",
-                c.device.name()
-            ),
-        ));
-    }
     if c.tensor_parallel_size > 1 {
         return Err(ConfigError::not_allowed(
             "npu_serving.tensor_parallel_size",
