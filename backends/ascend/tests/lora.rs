@@ -2,8 +2,8 @@
 //! against a plain Rust reference of the seam's contract, `out[r] += scale * B (A x[r])` per
 //! group: f32 adapter weights uploaded whole (their 16-bit copy used: 3 launches a group) and
 //! uploaded in parts (no copy: one aclnnCast more for each of A and B, the same values), bf16
-//! weights, strided windows of x and out, rows in no group left as they were; and the refusals
-//! named before anything is launched.
+//! weights, strided windows of x and out, rows in no group left as they were; the same with bf16
+//! activations (Gemma 3's); and the refusals named before anything is launched.
 
 mod common;
 
@@ -100,6 +100,7 @@ fn reference(c: &Case) -> Vec<f32> {
 
 /// Runs the case with x and out in windows of wider buffers; the rows of out and its launches.
 fn run(b: &mut AscendBackend, c: &Case, dtypes: [DType; 2], whole: bool) -> (Vec<f32>, u32) {
+    let act = b.act_dtype();
     let (xs, os) = (N_IN + 5, N_OUT + 3);
     let mut xv = vec![0f32; ROWS * xs];
     let mut ov = vec![0f32; ROWS * os];
@@ -107,8 +108,8 @@ fn run(b: &mut AscendBackend, c: &Case, dtypes: [DType; 2], whole: bool) -> (Vec
         xv[r * xs + 2..r * xs + 2 + N_IN].copy_from_slice(&c.x[r * N_IN..(r + 1) * N_IN]);
         ov[r * os + 1..r * os + 1 + N_OUT].copy_from_slice(&c.out[r * N_OUT..(r + 1) * N_OUT]);
     }
-    let x = up(b, &xv, xs);
-    let mut o = up(b, &ov, os);
+    let x = weight(b, act, &xv, true);
+    let mut o = weight(b, act, &ov, true);
     let (xl, ol) = (
         Layout::new(2, ROWS, N_IN, xs).unwrap(),
         Layout::new(1, ROWS, N_OUT, os).unwrap(),
@@ -169,6 +170,32 @@ fn lora_add_follows_the_contract_with_every_weight_form() {
     let (bf, n_bf) = run(&mut b, &c, [DType::BF16, DType::F32], true);
     assert_eq!(bf, whole, "bf16 weights of the same values");
     assert_eq!(n_bf, 6);
+}
+
+#[test]
+fn lora_add_with_bf16_activations() {
+    let _g = serial();
+    let mut b = backend(npu_backend_ascend::AscendConfig {
+        activations: Some(DType::BF16),
+        ..Default::default()
+    });
+    assert_eq!(b.act_dtype(), DType::BF16);
+    let mut c = case();
+    let bf = |v: &[f32]| -> Vec<f32> {
+        v.iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect()
+    };
+    c.x = bf(&c.x);
+    c.out = bf(&c.out);
+    let want = reference(&c);
+    // Two intermediates and the sum rounded to bf16 (2^-8 each).
+    let (got, n) = run(&mut b, &c, [DType::BF16, DType::BF16], true);
+    assert_close(&got, &want, 2e-2, "bf16 weights and activations");
+    assert_eq!(n, 6);
+    let (f32w, n) = run(&mut b, &c, [DType::F32, DType::F32], false);
+    assert_eq!(f32w, got, "f32 weights cast to bf16 on the device");
+    assert_eq!(n, 10);
 }
 
 /// A group of rank 4 and scale 1.
