@@ -24,11 +24,11 @@ use std::sync::Arc;
 use npu_backend::{BackendError, DType, HostTensor};
 use npu_gguf::GgmlType;
 
+use super::super::err;
 use super::super::objects::{
     check_part, dequantize, half_bytes, narrow, route, upload_new, zeroed, AscendMatrix,
     MatrixForm, Route,
 };
-use super::super::err;
 use crate::device::Device;
 use crate::memory::DeviceBuffer as Mem;
 use crate::weights::{self, QuantWeight, GROUP};
@@ -109,7 +109,9 @@ impl AscendMatrix {
                     qs.push(weights::from_q4_0(p.data, p.rows, k).map_err(err)?);
                 }
                 let QuantWeight {
-                    weight: w, scale: s, ..
+                    weight: w,
+                    scale: s,
+                    ..
                 } = weights::stack(qs).map_err(err)?;
                 weight.upload(e * per, &w).map_err(err)?;
                 if let Some(sm) = scale.as_mut() {
