@@ -1,7 +1,7 @@
 //! The CUDA backend's folded launches (`CudaConfig::fuse`: the residual add folded into the next
 //! RMS norm, rope and the KV write in one kernel (with Qwen3's per-head Q/K norms), and the 8-bit activations of a quantized
 //! product written by the kernel producing its input; and `fold_gemv`: the RMS norms, residual
-//! adds and SwiGLU folded into the quantized GEMVs beside them) change no bit of a model's answers: tiny
+//! adds, SwiGLU, and rope with the KV write folded into the quantized GEMVs beside them) change no bit of a model's answers: tiny
 //! random-weight llama, llama3 and qwen3 models (Q8_0; qwen3 with its per-head Q/K norms), run
 //! by the agent's own model on the CPU emulation of the kernels with the folds on and off, give
 //! the same greedy ids and log-probabilities and the same logits bit for bit, in the launches
@@ -155,19 +155,20 @@ fn check(family: Family, launches: (u64, u64, u64)) {
 }
 
 /// Launches of a single-token step, one op a launch: 16 a layer (18 with Qwen3's two head
-/// norms) and 7 outside the layers. Folded: 6 a layer — Q/K/V GEMV with the attention norm,
-/// rope and the KV write (Qwen3: with its head norms, `norm_rope_kv_write`), attention, output
-/// GEMV with the residual add, gate/up GEMV with the FFN norm and SwiGLU, down GEMV with the
-/// residual add (backends/cuda/src/fold.rs) — where the head size is a multiple of 32 (llama3,
-/// qwen3: 32) and the attention kernel writes the output projection's 8-bit activations, 7
-/// where it is not (llama: 16, so `quantize_q8` runs for that product); 5 outside (embedding,
+/// norms) and 7 outside the layers. Folded: 5 a layer — Q/K/V GEMV with the attention norm
+/// before it and rope and the KV write after it, attention, output GEMV with the residual add,
+/// gate/up GEMV with the FFN norm and SwiGLU, down GEMV with the residual add
+/// (backends/cuda/src/fold.rs); Qwen3 6, its head norms with rope and the KV write in
+/// `norm_rope_kv_write` — where the head size is a multiple of 32 (llama3, qwen3: 32) and the
+/// attention kernel writes the output projection's 8-bit activations, one more where it is not
+/// (llama: 16, so `quantize_q8` runs for that product); 5 outside (embedding,
 /// logit-row gather, the head's GEMV with the final norm folded in, argmax and its
 /// log-probability). Without the GEMV folds (`NPU_SERVING_CUDA_FUSE=1`): 9 a layer (10 for
 /// llama), the last layer's residual add alone, and 6 outside (the final norm apart, writing
 /// the head's 8-bit activations).
 #[test]
 fn folded_cuda_launches_answer_as_the_unfolded_ones() {
-    check(Family::Llama, (2 * 7 + 5, 2 * 10 + 1 + 6, 2 * 16 + 7));
-    check(Family::Llama3, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 16 + 7));
+    check(Family::Llama, (2 * 6 + 5, 2 * 10 + 1 + 6, 2 * 16 + 7));
+    check(Family::Llama3, (3 * 5 + 5, 3 * 9 + 1 + 6, 3 * 16 + 7));
     check(Family::Qwen3, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 18 + 7));
 }

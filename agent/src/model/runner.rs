@@ -505,15 +505,29 @@ impl<B: Backend> Model<B> {
                 }
             };
             let mut qkv = ViewMut::rows(&mut bufs.qkv, t, qkv_w)?;
+            // The rope and KV write go with the product too where nothing comes between.
+            let qkv_lora = [Target::Q, Target::K, Target::V]
+                .into_iter()
+                .any(|target| lora.targets(li, target));
+            let rope_in_qkv = norm_in_qkv
+                && !qkv_lora
+                && qkv_bias.is_none()
+                && q_norm.is_none()
+                && k_norm.is_none()
+                && qkv_w == qw + 2 * kvw;
+            let (x, xn) = (
+                View::rows(&bufs.x, t, h)?,
+                ViewMut::rows(&mut bufs.xn, t, h)?,
+            );
+            let an = &layer.attn_norm;
             match qkv_proj {
-                Proj::Fused(m) if norm_in_qkv => b.rms_norm_matmul(
-                    View::rows(&bufs.x, t, h)?,
-                    &layer.attn_norm,
-                    eps,
-                    ViewMut::rows(&mut bufs.xn, t, h)?,
-                    m,
-                    qkv.col_range(0, qkv_w)?,
-                )?,
+                Proj::Fused(m) if rope_in_qkv => {
+                    let out = qkv.col_range(0, qkv_w)?;
+                    b.rms_norm_matmul_rope_kv_write(x, an, eps, xn, m, out, g, li)?
+                }
+                Proj::Fused(m) if norm_in_qkv => {
+                    b.rms_norm_matmul(x, an, eps, xn, m, qkv.col_range(0, qkv_w)?)?
+                }
                 _ => project(b, View::rows(&bufs.xn, t, h)?, qkv_proj, &mut qkv)?,
             }
             for (target, col, n) in [
@@ -532,7 +546,9 @@ impl<B: Backend> Model<B> {
             if let Some(bias) = qkv_bias {
                 b.add_bias(qkv.col_range(0, qkv_w)?, bias)?;
             }
-            if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
+            if rope_in_qkv {
+                // Done in the product's launch.
+            } else if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
                 b.norm_rope_kv_write(qkv.col_range(0, qw + 2 * kvw)?, qn, kn, eps, g, li)?;
             } else {
                 b.rope_kv_write(qkv.col_range(0, qw + 2 * kvw)?, g, li)?;

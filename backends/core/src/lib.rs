@@ -924,6 +924,25 @@ pub trait Backend: Send {
         self.rms_norm(x, w, eps, xn.col_range(0, cols)?)?;
         self.matmul(xn.as_view(), m, out)
     }
+    /// `rms_norm_matmul` into `qkv` (rows of the query, key and value heads), then
+    /// `rope_kv_write` of it into `layer`'s cache (which this does by default; a backend may do
+    /// it in one pass with the same results).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul_rope_kv_write(
+        &mut self,
+        x: View<'_, Self::Buffer>,
+        w: &Self::Buffer,
+        eps: f32,
+        xn: ViewMut<'_, Self::Buffer>,
+        m: &Self::Matrix,
+        mut qkv: ViewMut<'_, Self::Buffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        let cols = qkv.layout().cols();
+        self.rms_norm_matmul(x, w, eps, xn, m, qkv.col_range(0, cols)?)?;
+        self.rope_kv_write(qkv, g, layer)
+    }
     /// `rms_norm_matmul` into `gate_up` (the gate's columns, then as many of the up's), then
     /// `swiglu` of its two halves into `out` (which this does by default; a backend may do it
     /// in one pass with the same results, `gate_up` and `xn` written either way).

@@ -98,6 +98,38 @@ __device__ __forceinline__ void rope_kv_write_body(T* qkv, int ld, int n_heads, 
     }
 NPU_FOR_EACH_ACT(ROPE_KV_WRITE)
 
+// One query or key head `hp` (its values as stored) rotated in place by the block, pair i as
+// `rope_kv_write` rotates it, and with `key` its rotated pairs and unrotated rest written to the
+// cache head at `at` as f16 of the stored values. `norm_rope_kv_write` and the Q/K/V GEMV that
+// folds the rope in (matmul.cu) call it after a barrier.
+template <typename T>
+__device__ __forceinline__ void rope_head_to_cache(T* hp, bool key, int hd, int dims, int halves,
+                                                   float theta_scale, float freq_scale, u32 pos,
+                                                   const float* factors, u16* at) {
+    const int half = dims >> 1;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const int a = halves ? i : 2 * i;
+        const int b = halves ? i + half : 2 * i + 1;
+        float y0;
+        float y1;
+        rope_rotate(to_f32(hp[a]), to_f32(hp[b]), i, pos, theta_scale, freq_scale, factors, &y0,
+                    &y1);
+        const T t0 = from_f32<T>(y0);
+        const T t1 = from_f32<T>(y1);
+        hp[a] = t0;
+        hp[b] = t1;
+        if (key) {
+            at[a] = f32_to_f16_bits(to_f32(t0));
+            at[b] = f32_to_f16_bits(to_f32(t1));
+        }
+    }
+    if (key) {
+        for (int d = dims + threadIdx.x; d < hd; d += blockDim.x) {
+            at[d] = f32_to_f16_bits(to_f32(hp[d]));
+        }
+    }
+}
+
 // grid (rows, n_heads + 2 * n_kv), blockDim as `rms_norm_heads` has for a head of hd: the per-head
 // Q and K norms (Qwen3's, Gemma 3's), `rope` and `kv_write` of one step in one launch. Block
 // (r, h) of a query or key head normalises the head in place as `rms_norm_heads` does (the same
@@ -139,29 +171,9 @@ __device__ __forceinline__ void norm_rope_kv_write_body(
         hp[c] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(hp[c]), scale), load_dt(w, wdt, c)));
     }
     __syncthreads();
-    const int half = dims >> 1;
-    const i64 at = base + (i64)(h - n_heads) * head_elems;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const int a = halves ? i : 2 * i;
-        const int b = halves ? i + half : 2 * i + 1;
-        float y0;
-        float y1;
-        rope_rotate(to_f32(hp[a]), to_f32(hp[b]), i, (u32)pos[r], theta_scale, freq_scale,
-                    factors, &y0, &y1);
-        const T t0 = from_f32<T>(y0);
-        const T t1 = from_f32<T>(y1);
-        hp[a] = t0;
-        hp[b] = t1;
-        if (key) {
-            pool[at + a] = f32_to_f16_bits(to_f32(t0));
-            pool[at + b] = f32_to_f16_bits(to_f32(t1));
-        }
-    }
-    if (key) {
-        for (int d = dims + threadIdx.x; d < hd; d += blockDim.x) {
-            pool[at + d] = f32_to_f16_bits(to_f32(hp[d]));
-        }
-    }
+    u16* at = key ? pool + base + (i64)(h - n_heads) * head_elems : pool;
+    rope_head_to_cache<T>(hp, key, hd, dims, halves, theta_scale, freq_scale, (u32)pos[r], factors,
+                          at);
 }
 
 #define NORM_ROPE_KV_WRITE(T, S)                                                                   \

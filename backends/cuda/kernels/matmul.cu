@@ -288,13 +288,19 @@ NPU_FOR_EACH_ACT(GEMV)
 //   reads the matrix as gate rows 0..u then up rows u..2u (the fused gate/up matrix): the warp
 //   that computes gate row j computes up row u + j too, writes both into out, then h[j] =
 //   silu(g) * u as `swiglu` computes it, and with `hq` (u a multiple of 32) h's 8-bit form: a
-//   block's 32 units are one block of 32 of h, quantized after the block's barrier.
+//   block's 32 units are one block of 32 of h, quantized after the block's barrier; FOLD_ROPE
+//   (the Q/K/V product: n_heads query, n_kv key, n_kv value heads of hd) stores out, and block h,
+//   which owns head h (hd units), then rotates a query or key head as `rope_kv_write` does and
+//   writes key and value heads to the f16 KV cache (`rope_head_to_cache`, attention.cu), after
+//   the block's barrier, from the values as stored.
 // Each output's sum is gemv_q_body's (`gemv_q_partial`, then store_rows' reduction). grid
-// (ceil(units / 32)), a block of 32 units (outputs; gate/up pairs with FOLD_SWIGLU), warp w taking
-// units w, w + warps, ...; dynamic shared memory rows * k * 3 / 2 bytes with the norm, else none.
+// (ceil(units / 32)), a block of 32 units (outputs; gate/up pairs with FOLD_SWIGLU; a head with
+// FOLD_ROPE), warp w taking units w, w + warps, ...; dynamic shared memory rows * k * 3 / 2 bytes
+// with the norm, else none.
 #define FOLD_STORE 0
 #define FOLD_ADD 1
 #define FOLD_SWIGLU 2
+#define FOLD_ROPE 3
 #define FOLD_UNITS 32
 
 // The warp's total of row *r of the R partial sums, reduced as store_rows reduces them; *r = -1
@@ -316,7 +322,11 @@ __device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const
                                                int nwdt, float eps, T* xn, int ldxn,
                                                const signed char* xq, const u32* xs, int rows,
                                                T* out, int ldo, int fold, T* res, int ldr, T* h,
-                                               int ldh, signed char* hq, u32* hs) {
+                                               int ldh, signed char* hq, u32* hs, int n_heads,
+                                               int n_kv, int hd, int dims, int halves,
+                                               float theta_scale, float freq_scale, const int* pos,
+                                               const float* factors, const int* slots, u16* pool,
+                                               i64 block_stride, i64 layer_off, int bs) {
     __shared__ float red[32];
     __shared__ float hv[R * FOLD_UNITS];
     const int lane = threadIdx.x & 31;
@@ -336,8 +346,9 @@ __device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const
         xs = ss;
     }
     const int units = fold == FOLD_SWIGLU ? (n >> 1) : n;
-    const int u0 = blockIdx.x * FOLD_UNITS;
-    for (int i = warp; i < FOLD_UNITS && u0 + i < units; i += warps) {
+    const int upb = fold == FOLD_ROPE ? hd : FOLD_UNITS;
+    const int u0 = blockIdx.x * upb;
+    for (int i = warp; i < upb && u0 + i < units; i += warps) {
         const int u = u0 + i;
         float acc[R];
         gemv_q_partial<FMT, R>(w, wd, wm, u, k, xq, xs, rows, acc);
@@ -372,6 +383,27 @@ __device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const
             q8_store_block(hv[r * FOLD_UNITS + lane], r, units, blockIdx.x, hq, hs);
         }
     }
+    if (fold == FOLD_ROPE) {
+        __syncthreads();
+        const int head = blockIdx.x;
+        const i64 head_elems = (i64)bs * hd;
+        for (int r = 0; r < rows; ++r) {
+            const int slot = slots[r];
+            const i64 base = (i64)(slot / bs) * block_stride + layer_off + (i64)(slot % bs) * hd;
+            T* hp = out + (i64)r * ldo + (i64)head * hd;
+            if (head >= n_heads + n_kv) {
+                u16* at = pool + base + (i64)(head - n_heads) * head_elems;
+                for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+                    at[c] = f32_to_f16_bits(to_f32(hp[c]));
+                }
+            } else {
+                const bool key = head >= n_heads;
+                u16* at = key ? pool + base + (i64)(head - n_heads) * head_elems : pool;
+                rope_head_to_cache<T>(hp, key, hd, dims, halves, theta_scale, freq_scale,
+                                      (u32)pos[r], factors, at);
+            }
+        }
+    }
 }
 
 #define GEMV_FOLD_ONE(T, S, FMT, FS, R)                                                            \
@@ -379,9 +411,13 @@ __device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const
         const u8* w, const u16* wd, const u16* wm, int n, int k, const T* x, int ldx,             \
         const void* nw, int nwdt, float eps, T* xn, int ldxn, const signed char* xq,              \
         const u32* xs, int rows, T* out, int ldo, int fold, T* res, int ldr, T* h, int ldh,       \
-        signed char* hq, u32* hs) {                                                                \
+        signed char* hq, u32* hs, int n_heads, int n_kv, int hd, int dims, int halves,            \
+        float theta_scale, float freq_scale, const int* pos, const float* factors,                \
+        const int* slots, u16* pool, i64 block_stride, i64 layer_off, int bs) {                   \
         gemv_fold_body<T, FMT, R>(w, wd, wm, n, k, x, ldx, nw, nwdt, eps, xn, ldxn, xq, xs, rows, \
-                                  out, ldo, fold, res, ldr, h, ldh, hq, hs);                       \
+                                  out, ldo, fold, res, ldr, h, ldh, hq, hs, n_heads, n_kv, hd,     \
+                                  dims, halves, theta_scale, freq_scale, pos, factors, slots,      \
+                                  pool, block_stride, layer_off, bs);                              \
     }
 #define GEMV_FOLD(T, S)                                                                            \
     GEMV_FOLD_ONE(T, S, WF_Q4_0, q4_0, 1)                                                          \

@@ -859,6 +859,19 @@ impl Backend for CudaBackend {
     ) -> Result<(), BackendError> {
         self.op_rms_norm_matmul(x, w, eps, xn, m, out)
     }
+    fn rms_norm_matmul_rope_kv_write(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        xn: ViewMut<'_, CudaBuffer>,
+        m: &CudaMatrix,
+        qkv: ViewMut<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        self.op_rms_norm_matmul_rope_kv_write(x, w, eps, xn, m, qkv, g, layer)
+    }
     fn rms_norm_matmul_swiglu(
         &mut self,
         x: View<'_, CudaBuffer>,

@@ -5,18 +5,23 @@
 //! the normalised rows), the residual add after one (`matmul_add`: the lane that stores an output
 //! adds it into the residual), and SwiGLU after the fused gate/up product
 //! (`rms_norm_matmul_swiglu`: the warp computing gate row j computes up row j too, and writes
-//! silu(g) * u and, for the down product, its 8-bit form with `q8_store_block`).
+//! silu(g) * u and, for the down product, its 8-bit form with `q8_store_block`), and rope with
+//! the KV write after the Q/K/V product (`rms_norm_matmul_rope_kv_write`: each block owns one
+//! head, and after its barrier rotates it and writes it to the f16 cache with the code of
+//! `norm_rope_kv_write`, `rope_head_to_cache`).
 //!
-//! With these a Llama or Qwen3 decode layer is 6 launches: Q/K/V GEMV (with the attention norm),
-//! rope and KV write, attention, output GEMV (with the residual add), gate/up GEMV (with the FFN
-//! norm and SwiGLU), down GEMV (with the residual add). They are used where the model asks
+//! With these a Llama decode layer is 5 launches: Q/K/V GEMV (with the attention norm, rope and
+//! the KV write), attention, output GEMV (with the residual add), gate/up GEMV (with the FFN norm
+//! and SwiGLU), down GEMV (with the residual add); Qwen3's 6, its head norms with rope and the KV
+//! write in `norm_rope_kv_write`. They are used where the model asks
 //! (`Backend::folds_norms_into_matmuls`: `CudaConfig::fuse` and `fold_gemv` on, quantized
 //! matrices, a step of at most 8 token rows on the GEMV path) and the product is one of a
 //! quantized matrix in one GEMV pass; anything else (F16 weights, the cuBLAS or tensor-core
 //! paths, more rows, a norm whose 8-bit rows exceed the device's shared memory) runs the same
 //! ops one launch each, with the same results.
 
-use npu_backend::{BackendError, DType, DeviceBuffer, View, ViewMut};
+use npu_backend::{AttnGeometry, BackendError, DType, DeviceBuffer, KvDtype, View, ViewMut};
+use npu_model::RopeStyle;
 
 use crate::backend::CudaBackend;
 use crate::buffer::CudaBuffer;
@@ -30,6 +35,7 @@ use crate::weights::{CudaMatrix, MatrixKind};
 const FOLD_STORE: i32 = 0;
 const FOLD_ADD: i32 = 1;
 const FOLD_SWIGLU: i32 = 2;
+const FOLD_ROPE: i32 = 3;
 /// Output units (outputs, or gate/up pairs) of one block.
 const FOLD_UNITS: usize = 32;
 /// Threads of a block without the norm prologue.
@@ -53,6 +59,24 @@ struct Epilogue {
     res: (DevPtr, i32),
     h: (DevPtr, i32),
     hq: (DevPtr, DevPtr),
+    rope: Option<RopeOut>,
+}
+
+/// FOLD_ROPE's arguments: the heads, the rotary settings and the step's positions, the slot
+/// mapping and the layer's place in the f16 KV pool (as `rope_kv_write` takes them).
+struct RopeOut {
+    heads: (i32, i32, i32),
+    dims: i32,
+    halves: i32,
+    theta_scale: f32,
+    freq_scale: f32,
+    pos: DevPtr,
+    factors: DevPtr,
+    slots: DevPtr,
+    pool: DevPtr,
+    block_stride: i64,
+    layer_off: i64,
+    bs: i32,
 }
 
 impl CudaBackend {
@@ -156,6 +180,7 @@ impl CudaBackend {
                 res: (0, 0),
                 h: (0, 0),
                 hq: (0, 0),
+                rope: None,
             };
             return self.fold_launch(OP, kernel, dims, w, Some(norm), (0, 0), &out, epi);
         }
@@ -163,6 +188,65 @@ impl CudaBackend {
         self.op_rms_norm(x, nw, eps, xn.col_range(0, cols)?)?;
         let cols = out.layout().cols();
         self.op_matmul(xn.as_view(), w, out.col_range(0, cols)?)
+    }
+
+    /// `rms_norm_matmul` into `qkv`, then `rope_kv_write` of it into `layer`'s cache, in one
+    /// launch where it folds (an f16 KV pool, the product's outputs exactly the Q, K and V
+    /// heads): each block owns one head.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn op_rms_norm_matmul_rope_kv_write(
+        &mut self,
+        x: View<'_, CudaBuffer>,
+        nw: &CudaBuffer,
+        eps: f32,
+        xn: ViewMut<'_, CudaBuffer>,
+        w: &CudaMatrix,
+        mut qkv: ViewMut<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "rms_norm_matmul_rope_kv_write";
+        let heads = g.n_heads + 2 * g.n_kv_heads;
+        let f16_pool = self.kv_pool()?.dtype == KvDtype::F16;
+        if f16_pool && w.n == heads * g.head_dim && qkv.layout().cols() == w.n {
+            if let Some((kernel, norm)) = self.norm_fold(OP, &x, nw, eps, &xn, w, &qkv)? {
+                let Some(a) = self.rope_kv_args(OP, &qkv, g, layer)? else {
+                    return Ok(());
+                };
+                let kv = self.kv_pool()?;
+                let rope = RopeOut {
+                    heads: (
+                        int(OP, g.n_heads)?,
+                        int(OP, g.n_kv_heads)?,
+                        int(OP, g.head_dim)?,
+                    ),
+                    dims: int(OP, g.rope.dims)?,
+                    halves: i32::from(g.rope.style == RopeStyle::Halves),
+                    theta_scale: a.theta_scale,
+                    freq_scale: g.rope.freq_scale,
+                    pos: a.meta + a.positions,
+                    factors: a.factors,
+                    slots: a.meta + a.slots,
+                    pool: kv.mem.ptr(),
+                    block_stride: kv.block_elems as i64,
+                    layer_off: kv.layer_offset(layer) as i64,
+                    bs: int(OP, kv.spec.block_size)?,
+                };
+                let mut dims = self.norm_dims(w.n, x.layout().rows(), w.k)?;
+                dims.grid[0] = int(OP, heads)? as u32;
+                let epi = Epilogue {
+                    fold: FOLD_ROPE,
+                    res: (0, 0),
+                    h: (0, 0),
+                    hq: (0, 0),
+                    rope: Some(rope),
+                };
+                return self.fold_launch(OP, kernel, dims, w, Some(norm), (0, 0), &qkv, epi);
+            }
+        }
+        let cols = qkv.layout().cols();
+        self.op_rms_norm_matmul(x, nw, eps, xn, w, qkv.col_range(0, cols)?)?;
+        self.op_rope_kv_write(qkv, g, layer)
     }
 
     /// `rms_norm_matmul` into `gate_up`, then `swiglu` of its halves into `h`, in one launch
@@ -209,6 +293,7 @@ impl CudaBackend {
                     res: (0, 0),
                     h: (addr_mut(&h), int(OP, hl.stride())?),
                     hq: q8.unwrap_or((0, 0)),
+                    rope: None,
                 };
                 self.fold_launch(OP, kernel, dims, w, Some(norm), (0, 0), &gate_up, epi)?;
                 self.q8_made(q8, addr_mut(&h), hl, dt);
@@ -263,6 +348,7 @@ impl CudaBackend {
                     res: (addr_mut(&residual), int(OP, rl.stride())?),
                     h: (0, 0),
                     hq: (0, 0),
+                    rope: None,
                 };
                 return self.fold_launch(OP, kernel, dims, w, None, q8, &out, epi);
             }
@@ -364,6 +450,20 @@ impl CudaBackend {
             ldxn: 0,
         };
         let nm = norm.unwrap_or(n);
+        let r = epi.rope.unwrap_or(RopeOut {
+            heads: (0, 0, 0),
+            dims: 0,
+            halves: 0,
+            theta_scale: 0.0,
+            freq_scale: 0.0,
+            pos: 0,
+            factors: 0,
+            slots: 0,
+            pool: 0,
+            block_stride: 0,
+            layer_off: 0,
+            bs: 0,
+        });
         self.launch(
             kernel,
             dims,
@@ -391,7 +491,21 @@ impl CudaBackend {
                 .ptr(epi.h.0)
                 .i32(epi.h.1)
                 .ptr(epi.hq.0)
-                .ptr(epi.hq.1),
+                .ptr(epi.hq.1)
+                .i32(r.heads.0)
+                .i32(r.heads.1)
+                .i32(r.heads.2)
+                .i32(r.dims)
+                .i32(r.halves)
+                .f32(r.theta_scale)
+                .f32(r.freq_scale)
+                .ptr(r.pos)
+                .ptr(r.factors)
+                .ptr(r.slots)
+                .ptr(r.pool)
+                .i64(r.block_stride)
+                .i64(r.layer_off)
+                .i32(r.bs),
         )
     }
 }

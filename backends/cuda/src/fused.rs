@@ -39,12 +39,12 @@ use crate::ops::{
 
 /// What `rope_kv_args` checked and computed: the step's metadata, the byte offsets of its
 /// positions and slot mapping in it, the frequency factor table (0: none) and base^(-2/dims).
-struct RopeKvArgs {
-    meta: DevPtr,
-    positions: u64,
-    slots: u64,
-    factors: DevPtr,
-    theta_scale: f32,
+pub(crate) struct RopeKvArgs {
+    pub(crate) meta: DevPtr,
+    pub(crate) positions: u64,
+    pub(crate) slots: u64,
+    pub(crate) factors: DevPtr,
+    pub(crate) theta_scale: f32,
 }
 
 /// 8-bit activations a producer kernel wrote for the next quantized product (module note).
@@ -493,7 +493,7 @@ impl CudaBackend {
     /// The checks `rope_kv_write` and `norm_rope_kv_write` share (a Q, K and V window of the
     /// step's tokens, the rotary geometry, the layer's cache) and their common arguments;
     /// `None`: no tokens.
-    fn rope_kv_args(
+    pub(crate) fn rope_kv_args(
         &mut self,
         op: &'static str,
         qkv: &ViewMut<'_, CudaBuffer>,

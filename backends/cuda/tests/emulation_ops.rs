@@ -29,6 +29,11 @@ fn gemv_folds_match_the_unfused_ones() {
 }
 
 #[test]
+fn gemv_rope_fold_matches_the_unfused_ones() {
+    conformance::gemv_rope_fold_matches_the_unfused_ones(&emulated);
+}
+
+#[test]
 fn attention_writes_the_output_projections_activations() {
     conformance::attention_writes_the_output_projections_activations(&emulated);
 }

@@ -56,6 +56,10 @@ pub const CASES: &[(&str, Case)] = &[
         gemv_folds_match_the_unfused_ones,
     ),
     (
+        "gemv_rope_fold_matches_the_unfused_ones",
+        gemv_rope_fold_matches_the_unfused_ones,
+    ),
+    (
         "attention_writes_the_output_projections_activations",
         attention_writes_the_output_projections_activations,
     ),
