@@ -156,10 +156,9 @@ fn check(family: Family, launches: (u64, u64, u64)) {
 
 /// Launches of a single-token step, one op a launch: 16 a layer (18 with Qwen3's two head
 /// norms) and 7 outside the layers. Folded: 5 a layer — Q/K/V GEMV with the attention norm
-/// before it and rope and the KV write after it, attention, output GEMV with the residual add,
-/// gate/up GEMV with the FFN norm and SwiGLU, down GEMV with the residual add
-/// (backends/cuda/src/fold.rs); Qwen3 6, its head norms with rope and the KV write in
-/// `norm_rope_kv_write` — where the head size is a multiple of 32 (llama3, qwen3: 32) and the
+/// before it and rope and the KV write after it (Qwen3: its head norms first), attention, output
+/// GEMV with the residual add, gate/up GEMV with the FFN norm and SwiGLU, down GEMV with the
+/// residual add (backends/cuda/src/fold.rs) — where the head size is a multiple of 32 (llama3, qwen3: 32) and the
 /// attention kernel writes the output projection's 8-bit activations, one more where it is not
 /// (llama: 16, so `quantize_q8` runs for that product); 5 outside (embedding,
 /// logit-row gather, the head's GEMV with the final norm folded in, argmax and its
@@ -170,5 +169,5 @@ fn check(family: Family, launches: (u64, u64, u64)) {
 fn folded_cuda_launches_answer_as_the_unfolded_ones() {
     check(Family::Llama, (2 * 6 + 5, 2 * 10 + 1 + 6, 2 * 16 + 7));
     check(Family::Llama3, (3 * 5 + 5, 3 * 9 + 1 + 6, 3 * 16 + 7));
-    check(Family::Qwen3, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 18 + 7));
+    check(Family::Qwen3, (3 * 5 + 5, 3 * 9 + 1 + 6, 3 * 18 + 7));
 }

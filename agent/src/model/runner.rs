@@ -509,11 +509,15 @@ impl<B: Backend> Model<B> {
             let qkv_lora = [Target::Q, Target::K, Target::V]
                 .into_iter()
                 .any(|target| lora.targets(li, target));
+            let head_norms = match (q_norm, k_norm) {
+                (Some(qn), Some(kn)) => Some((qn, kn)),
+                _ => None,
+            };
             let rope_in_qkv = norm_in_qkv
                 && !qkv_lora
                 && qkv_bias.is_none()
-                && q_norm.is_none()
-                && k_norm.is_none()
+                && q_norm.is_some() == head_norms.is_some()
+                && k_norm.is_some() == head_norms.is_some()
                 && qkv_w == qw + 2 * kvw;
             let (x, xn) = (
                 View::rows(&bufs.x, t, h)?,
@@ -523,7 +527,7 @@ impl<B: Backend> Model<B> {
             match qkv_proj {
                 Proj::Fused(m) if rope_in_qkv => {
                     let out = qkv.col_range(0, qkv_w)?;
-                    b.rms_norm_matmul_rope_kv_write(x, an, eps, xn, m, out, g, li)?
+                    b.rms_norm_matmul_rope_kv_write(x, an, eps, xn, m, out, g, li, head_norms)?
                 }
                 Proj::Fused(m) if norm_in_qkv => {
                     b.rms_norm_matmul(x, an, eps, xn, m, qkv.col_range(0, qkv_w)?)?

@@ -925,8 +925,9 @@ pub trait Backend: Send {
         self.matmul(xn.as_view(), m, out)
     }
     /// `rms_norm_matmul` into `qkv` (rows of the query, key and value heads), then
-    /// `rope_kv_write` of it into `layer`'s cache (which this does by default; a backend may do
-    /// it in one pass with the same results).
+    /// `rope_kv_write` of it into `layer`'s cache, or with `head_norms` (query, key)
+    /// `norm_rope_kv_write` by the same `eps` (which this does by default; a backend may do it
+    /// in one pass with the same results).
     #[allow(clippy::too_many_arguments)]
     fn rms_norm_matmul_rope_kv_write(
         &mut self,
@@ -938,10 +939,14 @@ pub trait Backend: Send {
         mut qkv: ViewMut<'_, Self::Buffer>,
         g: &AttnGeometry,
         layer: usize,
+        head_norms: Option<(&Self::Buffer, &Self::Buffer)>,
     ) -> Result<(), BackendError> {
         let cols = qkv.layout().cols();
         self.rms_norm_matmul(x, w, eps, xn, m, qkv.col_range(0, cols)?)?;
-        self.rope_kv_write(qkv, g, layer)
+        match head_norms {
+            Some((qn, kn)) => self.norm_rope_kv_write(qkv, qn, kn, eps, g, layer),
+            None => self.rope_kv_write(qkv, g, layer),
+        }
     }
     /// `rms_norm_matmul` into `gate_up` (the gate's columns, then as many of the up's), then
     /// `swiglu` of its two halves into `out` (which this does by default; a backend may do it

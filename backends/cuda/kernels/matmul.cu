@@ -303,6 +303,40 @@ NPU_FOR_EACH_ACT(GEMV)
 #define FOLD_ROPE 3
 #define FOLD_UNITS 32
 
+// A query or key head `hp` of hd values normalised in place as `rms_norm_heads` normalises it
+// with a block of `nt` threads (row_threads(hd, 256), at most blockDim.x): the block's first nt
+// threads take its loops and its sum, which adds the same warp sums in the same order as
+// `block_sum` in a block of nt threads; the others add nothing. Every thread must call it; the
+// values are rewritten before it returns (after a barrier).
+template <typename T>
+__device__ __forceinline__ void head_norm_first(T* hp, int hd, const void* w, int wdt, float eps,
+                                                int nt, float* red) {
+    const int t = threadIdx.x;
+    const int lane = t & 31;
+    float s = 0.0f;
+    if (t < nt) {
+        for (int c = t; c < hd; c += nt) {
+            const float v = to_f32(hp[c]);
+            s = fmaf(v, v, s);
+        }
+    }
+    s = warp_sum(s);
+    if (lane == 0 && (t >> 5) < (nt >> 5)) {
+        red[t >> 5] = s;
+    }
+    __syncthreads();
+    float tot = lane < (nt >> 5) ? red[lane] : 0.0f;
+    tot = warp_sum(tot);
+    __syncthreads();
+    const float scale = 1.0f / sqrtf(tot / (float)hd + eps);
+    if (t < nt) {
+        for (int c = t; c < hd; c += nt) {
+            hp[c] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(hp[c]), scale), load_dt(w, wdt, c)));
+        }
+    }
+    __syncthreads();
+}
+
 // The warp's total of row *r of the R partial sums, reduced as store_rows reduces them; *r = -1
 // on the lanes that hold no row's total (R is 1 or 8).
 template <int R> __device__ __forceinline__ float fold_total(float* acc, int lane, int rows, int* r) {
@@ -326,7 +360,9 @@ __device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const
                                                int n_kv, int hd, int dims, int halves,
                                                float theta_scale, float freq_scale, const int* pos,
                                                const float* factors, const int* slots, u16* pool,
-                                               i64 block_stride, i64 layer_off, int bs) {
+                                               i64 block_stride, i64 layer_off, int bs,
+                                               const void* qw, int qwdt, const void* kw,
+                                               int kwdt, int head_threads) {
     __shared__ float red[32];
     __shared__ float hv[R * FOLD_UNITS];
     const int lane = threadIdx.x & 31;
@@ -398,6 +434,10 @@ __device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const
                 }
             } else {
                 const bool key = head >= n_heads;
+                if (qw) {
+                    head_norm_first<T>(hp, hd, key ? kw : qw, key ? kwdt : qwdt, eps,
+                                       head_threads, red);
+                }
                 u16* at = key ? pool + base + (i64)(head - n_heads) * head_elems : pool;
                 rope_head_to_cache<T>(hp, key, hd, dims, halves, theta_scale, freq_scale,
                                       (u32)pos[r], factors, at);
@@ -413,11 +453,13 @@ __device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const
         const u32* xs, int rows, T* out, int ldo, int fold, T* res, int ldr, T* h, int ldh,       \
         signed char* hq, u32* hs, int n_heads, int n_kv, int hd, int dims, int halves,            \
         float theta_scale, float freq_scale, const int* pos, const float* factors,                \
-        const int* slots, u16* pool, i64 block_stride, i64 layer_off, int bs) {                   \
+        const int* slots, u16* pool, i64 block_stride, i64 layer_off, int bs, const void* qw,     \
+        int qwdt, const void* kw, int kwdt, int head_threads) {                                    \
         gemv_fold_body<T, FMT, R>(w, wd, wm, n, k, x, ldx, nw, nwdt, eps, xn, ldxn, xq, xs, rows, \
                                   out, ldo, fold, res, ldr, h, ldh, hq, hs, n_heads, n_kv, hd,     \
                                   dims, halves, theta_scale, freq_scale, pos, factors, slots,      \
-                                  pool, block_stride, layer_off, bs);                              \
+                                  pool, block_stride, layer_off, bs, qw, qwdt, kw, kwdt,           \
+                                  head_threads);                                                   \
     }
 #define GEMV_FOLD(T, S)                                                                            \
     GEMV_FOLD_ONE(T, S, WF_Q4_0, q4_0, 1)                                                          \

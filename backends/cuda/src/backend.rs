@@ -869,8 +869,9 @@ impl Backend for CudaBackend {
         qkv: ViewMut<'_, CudaBuffer>,
         g: &AttnGeometry,
         layer: usize,
+        head_norms: Option<(&CudaBuffer, &CudaBuffer)>,
     ) -> Result<(), BackendError> {
-        self.op_rms_norm_matmul_rope_kv_write(x, w, eps, xn, m, qkv, g, layer)
+        self.op_rms_norm_matmul_rope_kv_write(x, w, eps, xn, m, qkv, g, layer, head_norms)
     }
     fn rms_norm_matmul_swiglu(
         &mut self,

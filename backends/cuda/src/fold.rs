@@ -12,8 +12,9 @@
 //!
 //! With these a Llama decode layer is 5 launches: Q/K/V GEMV (with the attention norm, rope and
 //! the KV write), attention, output GEMV (with the residual add), gate/up GEMV (with the FFN norm
-//! and SwiGLU), down GEMV (with the residual add); Qwen3's 6, its head norms with rope and the KV
-//! write in `norm_rope_kv_write`. They are used where the model asks
+//! and SwiGLU), down GEMV (with the residual add); Qwen3's too, its query and key head norms
+//! in the Q/K/V GEMV's launch before the rope (the block's first `row_threads(head_dim, 256)`
+//! threads, as `rms_norm_heads` has, so the same bits). They are used where the model asks
 //! (`Backend::folds_norms_into_matmuls`: `CudaConfig::fuse` and `fold_gemv` on, quantized
 //! matrices, a step of at most 8 token rows on the GEMV path) and the product is one of a
 //! quantized matrix in one GEMV pass; anything else (F16 weights, the cuBLAS or tensor-core
@@ -77,6 +78,10 @@ struct RopeOut {
     block_stride: i64,
     layer_off: i64,
     bs: i32,
+    /// The per-head query and key norms' weights and dtypes (0: none), and the threads
+    /// `rms_norm_heads` gives a head.
+    norms: (DevPtr, i32, DevPtr, i32),
+    head_threads: i32,
 }
 
 impl CudaBackend {
@@ -190,9 +195,10 @@ impl CudaBackend {
         self.op_matmul(xn.as_view(), w, out.col_range(0, cols)?)
     }
 
-    /// `rms_norm_matmul` into `qkv`, then `rope_kv_write` of it into `layer`'s cache, in one
-    /// launch where it folds (an f16 KV pool, the product's outputs exactly the Q, K and V
-    /// heads): each block owns one head.
+    /// `rms_norm_matmul` into `qkv`, then `rope_kv_write` of it into `layer`'s cache (with
+    /// `head_norms`, `norm_rope_kv_write`: the query and key heads normalised first, by the same
+    /// `eps`), in one launch where it folds (an f16 KV pool, the product's outputs exactly the
+    /// Q, K and V heads): each block owns one head.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn op_rms_norm_matmul_rope_kv_write(
         &mut self,
@@ -204,11 +210,29 @@ impl CudaBackend {
         mut qkv: ViewMut<'_, CudaBuffer>,
         g: &AttnGeometry,
         layer: usize,
+        head_norms: Option<(&CudaBuffer, &CudaBuffer)>,
     ) -> Result<(), BackendError> {
         const OP: &str = "rms_norm_matmul_rope_kv_write";
         let heads = g.n_heads + 2 * g.n_kv_heads;
+        let hd = g.head_dim;
         let f16_pool = self.kv_pool()?.dtype == KvDtype::F16;
-        if f16_pool && w.n == heads * g.head_dim && qkv.layout().cols() == w.n {
+        let head_threads = row_threads(hd, 256);
+        let mut norms = (0, 0, 0, 0);
+        if let Some((qn, kn)) = head_norms {
+            self.own(qn, OP)?;
+            self.own(kn, OP)?;
+            need(qn.len() == hd && kn.len() == hd, OP, || {
+                format!(
+                    "{} query and {} key norm weights for heads of {hd}",
+                    qn.len(),
+                    kn.len()
+                )
+            })?;
+            let (qdt, kdt) = (float(OP, qn.dtype())?, float(OP, kn.dtype())?);
+            norms = (qn.addr(0), dt_code(qdt), kn.addr(0), dt_code(kdt));
+        }
+        let threads_fit = head_threads <= row_threads(w.k, 256);
+        if f16_pool && threads_fit && w.n == heads * hd && qkv.layout().cols() == w.n {
             if let Some((kernel, norm)) = self.norm_fold(OP, &x, nw, eps, &xn, w, &qkv)? {
                 let Some(a) = self.rope_kv_args(OP, &qkv, g, layer)? else {
                     return Ok(());
@@ -231,6 +255,8 @@ impl CudaBackend {
                     block_stride: kv.block_elems as i64,
                     layer_off: kv.layer_offset(layer) as i64,
                     bs: int(OP, kv.spec.block_size)?,
+                    norms,
+                    head_threads: head_threads as i32,
                 };
                 let mut dims = self.norm_dims(w.n, x.layout().rows(), w.k)?;
                 dims.grid[0] = int(OP, heads)? as u32;
@@ -246,7 +272,10 @@ impl CudaBackend {
         }
         let cols = qkv.layout().cols();
         self.op_rms_norm_matmul(x, nw, eps, xn, w, qkv.col_range(0, cols)?)?;
-        self.op_rope_kv_write(qkv, g, layer)
+        match head_norms {
+            Some((qn, kn)) => self.op_norm_rope_kv_write(qkv, qn, kn, eps, g, layer),
+            None => self.op_rope_kv_write(qkv, g, layer),
+        }
     }
 
     /// `rms_norm_matmul` into `gate_up`, then `swiglu` of its halves into `h`, in one launch
@@ -463,6 +492,8 @@ impl CudaBackend {
             block_stride: 0,
             layer_off: 0,
             bs: 0,
+            norms: (0, 0, 0, 0),
+            head_threads: 0,
         });
         self.launch(
             kernel,
@@ -505,7 +536,12 @@ impl CudaBackend {
                 .ptr(r.pool)
                 .i64(r.block_stride)
                 .i64(r.layer_off)
-                .i32(r.bs),
+                .i32(r.bs)
+                .ptr(r.norms.0)
+                .i32(r.norms.1)
+                .ptr(r.norms.2)
+                .i32(r.norms.3)
+                .i32(r.head_threads),
         )
     }
 }

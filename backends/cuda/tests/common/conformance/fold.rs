@@ -5,8 +5,9 @@
 //! against the elementwise folds alone (`set_fold_gemv(false)`): every buffer the same bits, in
 //! f32, f16 and bf16, for 1, 3 and 8 rows, rows of 256 and 320 values (the norm's block of 256
 //! threads going round once and twice), each quantized weight format; and the launches named.
-//! Also the rope and KV write folded into the Q/K/V product (`rms_norm_matmul_rope_kv_write`):
-//! the rotated rows, the normalised rows and the whole KV pool the same bits.
+//! Also the rope and KV write folded into the Q/K/V product (`rms_norm_matmul_rope_kv_write`,
+//! with and without Qwen3's head norms): the rotated rows, the normalised rows and the whole KV
+//! pool the same bits.
 
 use super::{Make, DTYPES};
 use crate::common::*;
@@ -179,6 +180,7 @@ fn rope_run(
     rows: usize,
     start: usize,
     rope: (RopeStyle, usize),
+    norms: bool,
 ) -> (Vec<Vec<f32>>, Vec<String>) {
     let (h, hd, n_heads, n_kv) = (256usize, 32usize, 4usize, 2usize);
     let w = (n_heads + 2 * n_kv) * hd;
@@ -228,6 +230,10 @@ fn rope_run(
     let m = matrix(b, GgmlType::Q4_1, &m, w, h);
     let mut xn = b.alloc(dt, rows * h).unwrap();
     let mut qkv = b.alloc(dt, rows * w).unwrap();
+    // Qwen3's head norms: the query heads' weights in f32, the key heads' in bf16.
+    let qn = put(b, DType::F32, &rng.vec(hd, 0.5, 1.5), 1, hd);
+    let kn = rounded(&rng.vec(hd, 0.5, 1.5), DType::BF16);
+    let kn = put(b, DType::BF16, &kn, 1, hd);
     take_launches(b);
     b.rms_norm_matmul_rope_kv_write(
         View::rows(&x, rows, h).unwrap(),
@@ -238,6 +244,7 @@ fn rope_run(
         ViewMut::rows(&mut qkv, rows, w).unwrap(),
         &g,
         1,
+        norms.then_some((&qn, &kn)),
     )
     .unwrap();
     let launched = take_launches(b).unwrap_or_default();
@@ -257,7 +264,10 @@ fn rope_run(
 pub fn gemv_rope_fold_matches_the_unfused_ones(make: Make) {
     for dt in DTYPES {
         for (rows, start) in [(1usize, 5usize), (3, 14)] {
-            for rope in [(RopeStyle::Interleaved, 32), (RopeStyle::Halves, 16)] {
+            let cases = [(RopeStyle::Interleaved, 32), (RopeStyle::Halves, 16)]
+                .into_iter()
+                .flat_map(|rope| [(rope, false), (rope, true)]);
+            for (rope, norms) in cases {
                 let mut runs = Vec::new();
                 for (fuse, fold) in [(true, true), (true, false), (false, false)] {
                     let Some(mut b) = make(dt, MatmulMode::Quantized) else {
@@ -265,7 +275,7 @@ pub fn gemv_rope_fold_matches_the_unfused_ones(make: Make) {
                     };
                     b.set_fuse(fuse);
                     b.set_fold_gemv(fold);
-                    runs.push(rope_run(&mut b, dt, rows, start, rope));
+                    runs.push(rope_run(&mut b, dt, rows, start, rope, norms));
                 }
                 let s = dt.name();
                 for (what, (v, _)) in ["elementwise folds", "one op a launch"]
@@ -277,8 +287,8 @@ pub fn gemv_rope_fold_matches_the_unfused_ones(make: Make) {
                         let pb: Vec<u32> = p.iter().map(|v| v.to_bits()).collect();
                         assert!(
                             fb == pb,
-                            "{s} {rows} rows {rope:?}: {name} differs between the GEMV folds \
-                             and {what}"
+                            "{s} {rows} rows {rope:?} (head norms {norms}): {name} differs \
+                             between the GEMV folds and {what}"
                         );
                     }
                 }
@@ -291,17 +301,16 @@ pub fn gemv_rope_fold_matches_the_unfused_ones(make: Make) {
                     vec![format!("gemv_fold_q4_1_r{r}_{s}")],
                     "{s} {rows} rows, folded"
                 );
-                assert_eq!(
-                    runs[2].1,
-                    vec![
-                        format!("rms_norm_{s}"),
-                        format!("quantize_q8_{s}"),
-                        format!("gemv_q4_1_r{r}_{s}"),
-                        format!("rope_{s}"),
-                        format!("kv_write_{s}"),
-                    ],
-                    "{s} {rows} rows, one op a launch"
-                );
+                let mut plain = vec![
+                    format!("rms_norm_{s}"),
+                    format!("quantize_q8_{s}"),
+                    format!("gemv_q4_1_r{r}_{s}"),
+                ];
+                if norms {
+                    plain.extend([format!("rms_norm_heads_{s}"), format!("rms_norm_heads_{s}")]);
+                }
+                plain.extend([format!("rope_{s}"), format!("kv_write_{s}")]);
+                assert_eq!(runs[2].1, plain, "{s} {rows} rows, one op a launch");
             }
         }
     }
