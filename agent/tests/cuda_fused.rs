@@ -58,10 +58,11 @@ struct Run {
 /// A prompt in one step, then 6 greedy single-token steps; then the same again asking for
 /// logits (the host's pick) along the greedy tokens. `fold_gemv`: the folds into the GEMVs too
 /// (`NPU_SERVING_CUDA_FUSE=2`; without them, `1`).
-fn run(file: &GgufFile, fuse: bool, fold_gemv: bool) -> Run {
+fn run(file: &GgufFile, fuse: bool, fold_gemv: bool, fold_rope: bool) -> Run {
     let mut b = cuda();
     b.set_fuse(fuse);
     b.set_fold_gemv(fold_gemv);
+    b.set_fold_rope(fold_rope);
     let mut m = Model::load(file, b, options()).unwrap();
     let prompt = [1u32, 15, 27, 3, 99];
     let mut out = StepOutput::default();
@@ -104,8 +105,8 @@ fn run(file: &GgufFile, fuse: bool, fold_gemv: bool) -> Run {
 }
 
 /// `launches`: a single-token step's launches, folded (with the GEMV folds, and without them)
-/// and one op a launch.
-fn check(family: Family, launches: (u64, u64, u64)) {
+/// and one op a launch; `roped`: with the rope fold too (`NPU_SERVING_CUDA_FUSE=3`).
+fn check(family: Family, roped: u64, launches: (u64, u64, u64)) {
     let donor = GgufFile::open(common::model_path()).unwrap();
     let bytes = synth::synth_model(family, 1, GgmlType::Q8_0, &donor).unwrap();
     let path = std::env::temp_dir().join(format!(
@@ -115,11 +116,25 @@ fn check(family: Family, launches: (u64, u64, u64)) {
     ));
     std::fs::write(&path, bytes).unwrap();
     let file = GgufFile::open(&path).unwrap();
-    let folded = run(&file, true, true);
-    let elementwise = run(&file, true, false);
-    let plain = run(&file, false, false);
+    let with_rope = run(&file, true, true, true);
+    let folded = run(&file, true, true, false);
+    let elementwise = run(&file, true, false, false);
+    let plain = run(&file, false, false, false);
     let _ = std::fs::remove_file(&path);
     let name = family.name();
+    assert_eq!(
+        with_rope.picks, plain.picks,
+        "{name}: greedy ids or log-probabilities (rope fold)"
+    );
+    assert!(
+        with_rope.logits == plain.logits,
+        "{name}: logits differ with the rope fold"
+    );
+    assert!(
+        with_rope.decode_launches.iter().all(|&x| x == roped),
+        "{name}: decode launches with the rope fold {:?}, expected {roped}",
+        with_rope.decode_launches
+    );
     assert_eq!(
         folded.picks, plain.picks,
         "{name}: greedy ids or log-probabilities"
@@ -155,7 +170,9 @@ fn check(family: Family, launches: (u64, u64, u64)) {
 }
 
 /// Launches of a single-token step, one op a launch: 16 a layer (18 with Qwen3's two head
-/// norms) and 7 outside the layers. Folded: 5 a layer — Q/K/V GEMV with the attention norm
+/// norms) and 7 outside the layers. Folded by default: 6 a layer, the rope fold's 5 below and
+/// `rope_kv_write` (Qwen3: `norm_rope_kv_write`) apart. With the rope fold
+/// (`NPU_SERVING_CUDA_FUSE=3`): 5 a layer — Q/K/V GEMV with the attention norm
 /// before it and rope and the KV write after it (Qwen3: its head norms first), attention, output
 /// GEMV with the residual add, gate/up GEMV with the FFN norm and SwiGLU, down GEMV with the
 /// residual add (backends/cuda/src/fold.rs) — where the head size is a multiple of 32 (llama3, qwen3: 32) and the
@@ -167,7 +184,7 @@ fn check(family: Family, launches: (u64, u64, u64)) {
 /// the head's 8-bit activations).
 #[test]
 fn folded_cuda_launches_answer_as_the_unfolded_ones() {
-    check(Family::Llama, (2 * 6 + 5, 2 * 10 + 1 + 6, 2 * 16 + 7));
-    check(Family::Llama3, (3 * 5 + 5, 3 * 9 + 1 + 6, 3 * 16 + 7));
-    check(Family::Qwen3, (3 * 5 + 5, 3 * 9 + 1 + 6, 3 * 18 + 7));
+    check(Family::Llama, 2 * 6 + 5, (2 * 7 + 5, 2 * 10 + 1 + 6, 2 * 16 + 7));
+    check(Family::Llama3, 3 * 5 + 5, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 16 + 7));
+    check(Family::Qwen3, 3 * 5 + 5, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 18 + 7));
 }

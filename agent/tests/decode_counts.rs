@@ -22,19 +22,20 @@ use npu_protocol::agent::{DeviceKind, GraphCapture};
 /// Layers of the tiny llama model.
 const LAYERS: usize = 2;
 /// Kernel launches of one batch-1 decode step of it on the CUDA backend (f32 activations,
-/// quantized matmuls, folded launches on: `CudaConfig::fuse` and `fold_gemv`): 6 a layer (Q/K/V
-/// GEMV with the attention RMS norm, rope and the KV write folded in; attention; 8-bit
+/// quantized matmuls, folded launches on: `CudaConfig::fuse` and `fold_gemv`): 7 a layer (Q/K/V
+/// GEMV with the attention RMS norm folded in; `rope_kv_write` (folded into the GEMV too with
+/// `NPU_SERVING_CUDA_FUSE=3`, opt-in: tests/cuda_fused.rs); attention; 8-bit
 /// quantization of its output; output GEMV with the residual add folded in; gate/up GEMV
 /// with the FFN norm and SwiGLU folded in, writing the down GEMV's 8-bit activations; down GEMV
 /// with the residual add folded in: backends/cuda/src/fold.rs), and 5 for the rest (embedding,
 /// logit-row gather, the head's GEMV with the final norm folded in, argmax and its
 /// log-probability). This model's
 /// head size (16) is not a multiple of 32, so attention does not write the output projection's
-/// 8-bit activations: with head sizes of 32 and more (every real model), 5 a layer
+/// 8-bit activations: with head sizes of 32 and more (every real model), 6 a layer
 /// (tests/cuda_fused.rs). Without the GEMV folds (`NPU_SERVING_CUDA_FUSE=1`): 10 a layer, the
 /// last layer's residual add alone and 6 for the rest, the final norm apart (27); before any
 /// fold: 16 a layer and 7 for the rest (39).
-const CUDA_LAYER_LAUNCHES: u64 = 6;
+const CUDA_LAYER_LAUNCHES: u64 = 7;
 const CUDA_LAUNCHES: u64 = LAYERS as u64 * CUDA_LAYER_LAUNCHES + 5;
 /// aclnn launches of one batch-1 decode step of it on the Ascend backend: 11 a layer
 /// (WeightQuantBatchMatmulV2 per projection, RotaryPositionEmbedding and the copy back — this
@@ -54,11 +55,11 @@ const ASCEND_FIRST_PHASES: u64 = LAYERS as u64 * 6 + 1 + 9;
 /// rest (the same 12 and the first layer's RmsNorm). At Qwen3's real head size of 128 the rope
 /// is one ApplyRotaryPosEmb call (backends/ascend/tests/fused.rs): 12 a layer. Before: 15.
 const QWEN3_LAYERS: usize = 3;
-/// The tiny Qwen3 model's on the CUDA backend (folds on): 5 a layer, as a Llama layer of head
-/// size 32 — the q and k head norms with rope and the KV write in the Q/K/V GEMV's launch — and
-/// the same 5 outside (9 a layer and 1 + 6 outside without the
+/// The tiny Qwen3 model's on the CUDA backend (folds on): 6 a layer, as a Llama layer of head
+/// size 32 — the q and k head norms with rope and the KV write in `norm_rope_kv_write` (in the
+/// Q/K/V GEMV's launch with the opt-in rope fold: 5) — and the same 5 outside (9 a layer and 1 + 6 outside without the
 /// GEMV folds; 11 a layer before `norm_rope_kv_write`).
-const CUDA_QWEN3_LAUNCHES: u64 = QWEN3_LAYERS as u64 * 5 + 5;
+const CUDA_QWEN3_LAUNCHES: u64 = QWEN3_LAYERS as u64 * 6 + 5;
 const ASCEND_QWEN3_LAUNCHES: u64 = QWEN3_LAYERS as u64 * 13 + 13;
 
 /// The tiny llama model, written to a temporary file (one per call: tests run in parallel).

@@ -230,6 +230,7 @@ fn deepseek2_on_the_cuda_emulation_in_16_bits() {
             int8_mma: true,
             fuse: true,
             fold_gemv: true,
+            fold_rope: false,
         })
         .expect("the CUDA emulation opens");
         let mut m = Model::load(&f, b, options()).unwrap();

@@ -18,6 +18,7 @@ pub fn cuda() -> CudaBackend {
         int8_mma: true,
         fuse: true,
         fold_gemv: true,
+        fold_rope: false,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }

@@ -80,6 +80,12 @@ pub struct CudaConfig {
     /// them, the residual add after the output and down projections, and SwiGLU after the
     /// gate/up projection (`fold`; `NPU_SERVING_CUDA_FUSE=2`, the default).
     pub fold_gemv: bool,
+    /// With `fold_gemv`, also fold rope and the KV write into the Q/K/V GEMV
+    /// (`NPU_SERVING_CUDA_FUSE=3`; off by default). That launch runs one block per head (48 for
+    /// Llama 3 8B), fewer blocks than a large GPU has SMs, so it may stream the Q/K/V weights
+    /// slower than the GEMV with 32 rows a block it replaces; it stays opt-in until a GPU
+    /// measures it against `2`.
+    pub fold_rope: bool,
     /// Where compiled kernels are cached on disk (`None`: memory only).
     pub kernel_cache: Option<PathBuf>,
     /// Directories searched for the CUDA libraries when the loader does not find them by name.
@@ -97,6 +103,7 @@ impl Default for CudaConfig {
             int8_mma: true,
             fuse: true,
             fold_gemv: true,
+            fold_rope: false,
             kernel_cache: crate::nvrtc::default_cache_dir(),
             lib_dirs: crate::libs::default_search_dirs(),
         }
@@ -139,11 +146,12 @@ impl CudaConfig {
             };
         }
         if let Some(v) = get(ENV_FUSE) {
-            (c.fuse, c.fold_gemv) = match v.as_str() {
-                "0" => (false, false),
-                "1" => (true, false),
-                "2" => (true, true),
-                _ => return Err(format!("{ENV_FUSE}={v:?}: expected 0, 1 or 2")),
+            (c.fuse, c.fold_gemv, c.fold_rope) = match v.as_str() {
+                "0" => (false, false, false),
+                "1" => (true, false, false),
+                "2" => (true, true, false),
+                "3" => (true, true, true),
+                _ => return Err(format!("{ENV_FUSE}={v:?}: expected 0, 1, 2 or 3")),
             };
         }
         Ok(c)
@@ -184,6 +192,8 @@ mod tests {
         assert!(!off.fuse && !off.fold_gemv);
         let one = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "1".into())).unwrap();
         assert!(one.fuse && !one.fold_gemv);
-        assert!(d.fold_gemv);
+        assert!(d.fold_gemv && !d.fold_rope);
+        let three = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "3".into())).unwrap();
+        assert!(three.fuse && three.fold_gemv && three.fold_rope);
     }
 }

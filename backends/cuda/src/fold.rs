@@ -10,7 +10,9 @@
 //! head, and after its barrier rotates it and writes it to the f16 cache with the code of
 //! `norm_rope_kv_write`, `rope_head_to_cache`).
 //!
-//! With these a Llama decode layer is 5 launches: Q/K/V GEMV (with the attention norm, rope and
+//! With these a Llama decode layer is 5 launches (6 by default: the rope fold is opt-in,
+//! `NPU_SERVING_CUDA_FUSE=3`, as its one block per head may starve a large GPU's SMs;
+//! `CudaConfig::fold_rope`): Q/K/V GEMV (with the attention norm, rope and
 //! the KV write), attention, output GEMV (with the residual add), gate/up GEMV (with the FFN norm
 //! and SwiGLU), down GEMV (with the residual add); Qwen3's too, its query and key head norms
 //! in the Q/K/V GEMV's launch before the rope (the block's first `row_threads(head_dim, 256)`
@@ -97,6 +99,12 @@ impl CudaBackend {
     /// effect with `fuse` on.
     pub fn set_fold_gemv(&mut self, on: bool) {
         self.cfg.fold_gemv = on;
+    }
+
+    /// Turns the rope and KV write fold into the Q/K/V GEMV (`CudaConfig::fold_rope`) on or
+    /// off; it takes effect with `fuse` and `fold_gemv` on.
+    pub fn set_fold_rope(&mut self, on: bool) {
+        self.cfg.fold_rope = on;
     }
 
     /// Whether the model should hand over norms and residual adds with their products for a
@@ -232,7 +240,7 @@ impl CudaBackend {
             norms = (qn.addr(0), dt_code(qdt), kn.addr(0), dt_code(kdt));
         }
         let threads_fit = head_threads <= row_threads(w.k, 256);
-        if f16_pool && threads_fit && w.n == heads * hd && qkv.layout().cols() == w.n {
+        if self.cfg.fold_rope && f16_pool && threads_fit && w.n == heads * hd && qkv.layout().cols() == w.n {
             if let Some((kernel, norm)) = self.norm_fold(OP, &x, nw, eps, &xn, w, &qkv)? {
                 let Some(a) = self.rope_kv_args(OP, &qkv, g, layer)? else {
                     return Ok(());

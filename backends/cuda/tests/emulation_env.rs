@@ -14,6 +14,7 @@ fn the_variable_opens_the_emulation_and_only_when_it_is_1() {
         int8_mma: true,
         fuse: true,
         fold_gemv: true,
+        fold_rope: false,
         kernel_cache: None,
         ..CudaConfig::default()
     };

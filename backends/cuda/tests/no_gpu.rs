@@ -16,6 +16,7 @@ fn opening_a_device_without_cuda_names_the_missing_library() {
         int8_mma: true,
         fuse: true,
         fold_gemv: true,
+        fold_rope: false,
         ..CudaConfig::default()
     };
     let result = std::panic::catch_unwind(|| CudaBackend::new(0, cfg.clone()));
@@ -68,6 +69,7 @@ fn a_directory_with_a_broken_library_is_not_a_crash() {
         int8_mma: true,
         fuse: true,
         fold_gemv: true,
+        fold_rope: false,
         ..CudaConfig::default()
     };
     let r = std::panic::catch_unwind(|| CudaBackend::new(0, cfg)).expect("no panic");

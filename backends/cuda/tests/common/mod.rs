@@ -22,6 +22,7 @@ pub fn emulated(dt: DType, matmul: MatmulMode) -> Option<CudaBackend> {
         int8_mma: true,
         fuse: true,
         fold_gemv: true,
+        fold_rope: false,
     };
     match CudaBackend::emulated(cfg) {
         Ok(b) => Some(b),

@@ -275,6 +275,7 @@ pub fn gemv_rope_fold_matches_the_unfused_ones(make: Make) {
                     };
                     b.set_fuse(fuse);
                     b.set_fold_gemv(fold);
+                    b.set_fold_rope(fold);
                     runs.push(rope_run(&mut b, dt, rows, start, rope, norms));
                 }
                 let s = dt.name();
