@@ -184,7 +184,19 @@ fn check(family: Family, roped: u64, launches: (u64, u64, u64)) {
 /// the head's 8-bit activations).
 #[test]
 fn folded_cuda_launches_answer_as_the_unfolded_ones() {
-    check(Family::Llama, 2 * 6 + 5, (2 * 7 + 5, 2 * 10 + 1 + 6, 2 * 16 + 7));
-    check(Family::Llama3, 3 * 5 + 5, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 16 + 7));
-    check(Family::Qwen3, 3 * 5 + 5, (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 18 + 7));
+    check(
+        Family::Llama,
+        2 * 6 + 5,
+        (2 * 7 + 5, 2 * 10 + 1 + 6, 2 * 16 + 7),
+    );
+    check(
+        Family::Llama3,
+        3 * 5 + 5,
+        (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 16 + 7),
+    );
+    check(
+        Family::Qwen3,
+        3 * 5 + 5,
+        (3 * 6 + 5, 3 * 9 + 1 + 6, 3 * 18 + 7),
+    );
 }

@@ -240,7 +240,12 @@ impl CudaBackend {
             norms = (qn.addr(0), dt_code(qdt), kn.addr(0), dt_code(kdt));
         }
         let threads_fit = head_threads <= row_threads(w.k, 256);
-        if self.cfg.fold_rope && f16_pool && threads_fit && w.n == heads * hd && qkv.layout().cols() == w.n {
+        if self.cfg.fold_rope
+            && f16_pool
+            && threads_fit
+            && w.n == heads * hd
+            && qkv.layout().cols() == w.n
+        {
             if let Some((kernel, norm)) = self.norm_fold(OP, &x, nw, eps, &xn, w, &qkv)? {
                 let Some(a) = self.rope_kv_args(OP, &qkv, g, layer)? else {
                     return Ok(());
