@@ -231,6 +231,8 @@ fn deepseek2_on_the_cuda_emulation_in_16_bits() {
             fuse: true,
             fold_gemv: true,
             fold_rope: false,
+            fold_ffn: false,
+            fold_attn_out: false,
         })
         .expect("the CUDA emulation opens");
         let mut m = Model::load(&f, b, options()).unwrap();

@@ -64,6 +64,8 @@ fn cuda() -> CudaBackend {
         fuse: true,
         fold_gemv: true,
         fold_rope: false,
+        fold_ffn: false,
+        fold_attn_out: false,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }

@@ -19,6 +19,8 @@ pub fn cuda() -> CudaBackend {
         fuse: true,
         fold_gemv: true,
         fold_rope: false,
+        fold_ffn: false,
+        fold_attn_out: false,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }

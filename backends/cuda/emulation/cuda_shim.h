@@ -94,6 +94,32 @@ inline int max(int a, int b) { return a > b ? a : b; }
 
 template <typename T> inline T __ldg(const T* p) { return *p; }
 
+// Atomics and fences. A block's threads switch only at __syncthreads() and shuffles, and blocks
+// run one after another, so a read-modify-write here is atomic as on the device; a kernel that
+// waits on another block of its grid hangs the emulation as it may hang a GPU (no such waits).
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+inline int atomicAdd(int* p, int v) {
+    const int old = *p;
+    *p = old + v;
+    return old;
+}
+inline float atomicAdd(float* p, float v) {
+    const float old = *p;
+    *p = old + v;
+    return old;
+}
+// Wrapping increment: old >= limit stores 0, as CUDA's atomicInc.
+inline unsigned atomicInc(unsigned* p, unsigned limit) {
+    const unsigned old = *p;
+    *p = old >= limit ? 0u : old + 1u;
+    return old;
+}
+inline void __threadfence() {}
+
 // Four signed 8-bit products summed into c.
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) {

@@ -57,6 +57,9 @@ pub const ENV_MMA: &str = "NPU_SERVING_CUDA_MMA";
 /// the next RMS norm, no activation quantizer folded into the kernel producing a quantized
 /// product's input); `1` folds those; `2`, the default, also folds the RMS norm, the residual add
 /// and SwiGLU into the quantized GEMVs beside them (`fold`). The results are the same bit for bit.
+/// `3` also folds rope and the KV write into the Q/K/V GEMV (bit for bit); `4` also runs a decode
+/// layer's feed-forward block and its attention with the output projection as one launch each
+/// (deterministic, not bit for bit: see `fold_ffn`, `fold_attn_out`).
 pub const ENV_FUSE: &str = "NPU_SERVING_CUDA_FUSE";
 pub const ENV_EMULATION: &str = "NPU_SERVING_CUDA_EMULATION";
 
@@ -86,6 +89,16 @@ pub struct CudaConfig {
     /// slower than the GEMV with 32 rows a block it replaces; it stays opt-in until a GPU
     /// measures it against `2`.
     pub fold_rope: bool,
+    /// With `fold_rope`, also run the whole feed-forward block of a decode layer (RMS norm,
+    /// gate/up, SwiGLU, down, residual add) as one launch (`NPU_SERVING_CUDA_FUSE=4`; off by
+    /// default): blocks split the intermediate dimension and the down projection's partial sums
+    /// are added in a fixed order by the grid's last block, so results are deterministic but not
+    /// bit for bit the separate launches'.
+    pub fold_ffn: bool,
+    /// With `fold_rope`, also run decode attention together with the output projection and the
+    /// residual add as one launch (`NPU_SERVING_CUDA_FUSE=4`; off by default), partial sums
+    /// over heads added in a fixed order by the grid's last block.
+    pub fold_attn_out: bool,
     /// Where compiled kernels are cached on disk (`None`: memory only).
     pub kernel_cache: Option<PathBuf>,
     /// Directories searched for the CUDA libraries when the loader does not find them by name.
@@ -104,6 +117,8 @@ impl Default for CudaConfig {
             fuse: true,
             fold_gemv: true,
             fold_rope: false,
+            fold_ffn: false,
+            fold_attn_out: false,
             kernel_cache: crate::nvrtc::default_cache_dir(),
             lib_dirs: crate::libs::default_search_dirs(),
         }
@@ -146,13 +161,19 @@ impl CudaConfig {
             };
         }
         if let Some(v) = get(ENV_FUSE) {
-            (c.fuse, c.fold_gemv, c.fold_rope) = match v.as_str() {
-                "0" => (false, false, false),
-                "1" => (true, false, false),
-                "2" => (true, true, false),
-                "3" => (true, true, true),
-                _ => return Err(format!("{ENV_FUSE}={v:?}: expected 0, 1, 2 or 3")),
+            let level = match v.as_str() {
+                "0" => 0,
+                "1" => 1,
+                "2" => 2,
+                "3" => 3,
+                "4" => 4,
+                _ => return Err(format!("{ENV_FUSE}={v:?}: expected 0, 1, 2, 3 or 4")),
             };
+            c.fuse = level >= 1;
+            c.fold_gemv = level >= 2;
+            c.fold_rope = level >= 3;
+            c.fold_ffn = level >= 4;
+            c.fold_attn_out = level >= 4;
         }
         Ok(c)
     }
@@ -195,5 +216,8 @@ mod tests {
         assert!(d.fold_gemv && !d.fold_rope);
         let three = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "3".into())).unwrap();
         assert!(three.fuse && three.fold_gemv && three.fold_rope);
+        assert!(!three.fold_ffn && !three.fold_attn_out && !d.fold_ffn);
+        let four = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "4".into())).unwrap();
+        assert!(four.fold_rope && four.fold_ffn && four.fold_attn_out);
     }
 }
