@@ -813,6 +813,35 @@ pub trait Backend: Send {
         self.matmul(x, m, out.col_range(0, cols)?)?;
         self.add(residual, out.as_view())
     }
+    /// Whether `rms_norm_ffn` takes fewer launches than its parts for a step of `rows` token rows
+    /// (the default: no; the model then hands the parts over one by one).
+    fn folds_ffn(&self, rows: usize) -> bool {
+        let _ = rows;
+        false
+    }
+    /// A dense SwiGLU feed-forward block and its residual add: `rms_norm_matmul_swiglu` of
+    /// `residual` by `w` (into `xn`, `gate_up` and `h`), then `matmul_add` of `h` by `down` into
+    /// `out` and `residual` (which this does by default). A backend may run it in one pass; its
+    /// down product may then add its terms in another fixed order (the same bits every run, not
+    /// bit for bit the parts').
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_ffn(
+        &mut self,
+        residual: ViewMut<'_, Self::Buffer>,
+        w: &Self::Buffer,
+        eps: f32,
+        xn: ViewMut<'_, Self::Buffer>,
+        gate_up_m: &Self::Matrix,
+        gate_up: ViewMut<'_, Self::Buffer>,
+        mut h: ViewMut<'_, Self::Buffer>,
+        down: &Self::Matrix,
+        out: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let cols = h.layout().cols();
+        let x = residual.as_view();
+        self.rms_norm_matmul_swiglu(x, w, eps, xn, gate_up_m, gate_up, h.col_range(0, cols)?)?;
+        self.matmul_add(h.as_view(), down, out, residual)
+    }
     /// `out` row i = `x` row `logit_rows[i]` of the step.
     fn gather_logit_rows(
         &mut self,

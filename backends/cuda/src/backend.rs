@@ -73,6 +73,8 @@ pub struct CudaBackend {
     pub(crate) scratch_w: Scratch,
     pub(crate) scratch_x: Scratch,
     pub(crate) scratch_attn: Scratch,
+    /// The one-launch feed-forward block's partial sums and counter (`fold_ffn`).
+    pub(crate) ffn: crate::fold_ffn::FfnScratch,
     pub(crate) rope_factors: RopeFactorTables,
     /// The f16 GELU table on the device (uploaded at the first GELU gate).
     pub(crate) gelu_table: Option<DeviceMem>,
@@ -226,6 +228,7 @@ impl CudaBackend {
             scratch_w: Scratch::default(),
             scratch_x: Scratch::default(),
             scratch_attn: Scratch::default(),
+            ffn: Default::default(),
             rope_factors: RopeFactorTables::default(),
             gelu_table: None,
             read_buf: Vec::new(),
@@ -893,6 +896,23 @@ impl Backend for CudaBackend {
         residual: ViewMut<'_, CudaBuffer>,
     ) -> Result<(), BackendError> {
         self.op_matmul_add(x, m, out, residual)
+    }
+    fn folds_ffn(&self, rows: usize) -> bool {
+        self.folds_ffn_rows(rows)
+    }
+    fn rms_norm_ffn(
+        &mut self,
+        residual: ViewMut<'_, CudaBuffer>,
+        w: &CudaBuffer,
+        eps: f32,
+        xn: ViewMut<'_, CudaBuffer>,
+        gate_up_m: &CudaMatrix,
+        gate_up: ViewMut<'_, CudaBuffer>,
+        h: ViewMut<'_, CudaBuffer>,
+        down: &CudaMatrix,
+        out: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_rms_norm_ffn(residual, w, eps, xn, gate_up_m, gate_up, h, down, out)
     }
     fn gather_logit_rows(
         &mut self,

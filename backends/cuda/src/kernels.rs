@@ -5,7 +5,7 @@
 use npu_backend::DType;
 
 /// The kernel sources, concatenated in this order into one program.
-pub const SOURCES: [(&str, &str); 9] = [
+pub const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("moe.cu", include_str!("../kernels/moe.cu")),
@@ -18,6 +18,7 @@ pub const SOURCES: [(&str, &str); 9] = [
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
     ("moe_matmul.cu", include_str!("../kernels/moe_matmul.cu")),
     ("lora.cu", include_str!("../kernels/lora.cu")),
+    ("ffn_fused.cu", include_str!("../kernels/ffn_fused.cu")),
 ];
 
 /// The whole program, with `#line` markers so compiler messages name the original file.
@@ -265,6 +266,42 @@ pub fn gemv_fold_kernel(fmt: WeightFormat, rows_variant: usize, dt: DType) -> Op
     Some(FOLD_BASE + (f * GEMV_ROWS.len() + rows_variant) * ACTS.len() + act_index(dt))
 }
 
+/// Kernels of the one-launch feed-forward block (`ffn_fused_*`, kernels/ffn_fused.cu).
+const FFN_COUNT: usize = GEMM_FORMATS.len() * GEMV_ROWS.len() * ACTS.len();
+
+/// Index of the one-launch feed-forward block (`ffn_fused_*`, kernels/ffn_fused.cu) for a
+/// gate/up matrix of `fmt` (a quantized format: `None` for F16) and up to
+/// `GEMV_ROWS[rows_variant]` rows. Found by name once (`ffn_fused_indices`), so their place at
+/// the end of `kernel_names` needs no base constant.
+pub fn ffn_fused_kernel(fmt: WeightFormat, rows_variant: usize, dt: DType) -> Option<usize> {
+    let f = GEMM_FORMATS.iter().position(|&g| g == fmt)?;
+    let i = (f * GEMV_ROWS.len() + rows_variant) * ACTS.len() + act_index(dt);
+    ffn_fused_indices().get(i).copied()
+}
+
+/// The `ffn_fused_*` kernels' indices, in `ffn_fused_kernel`'s order.
+fn ffn_fused_indices() -> &'static [usize] {
+    static IDX: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    IDX.get_or_init(|| {
+        let names = kernel_names();
+        let mut idx = Vec::with_capacity(FFN_COUNT);
+        for fmt in GEMM_FORMATS {
+            for r in GEMV_ROWS {
+                for dt in ACTS {
+                    let n = ffn_fused_name(fmt, r, dt);
+                    idx.extend(names.iter().position(|m| *m == n));
+                }
+            }
+        }
+        idx
+    })
+}
+
+fn ffn_fused_name(fmt: WeightFormat, rows: usize, dt: DType) -> String {
+    let s = act_suffix(dt).unwrap_or("f32");
+    format!("ffn_fused_{}_r{rows}_{s}", fmt.kernel_name())
+}
+
 /// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
 /// every launch for fault messages, and must not rebuild the list each time.
 pub fn kernel_name(i: usize) -> &'static str {
@@ -332,6 +369,15 @@ pub fn kernel_names() -> Vec<String> {
             }
         }
     }
+    // Last: looked up by name (`ffn_fused_kernel`), so kernels indexed by a base constant go
+    // before these.
+    for fmt in GEMM_FORMATS {
+        for r in GEMV_ROWS {
+            for dt in ACTS {
+                names.push(ffn_fused_name(fmt, r, dt));
+            }
+        }
+    }
     names
 }
 
@@ -343,6 +389,7 @@ pub fn large_smem_kernels() -> Vec<usize> {
         .into_iter()
         .flat_map(|op| ACTS.iter().map(move |&dt| op_kernel(op, dt)))
         .chain(folds)
+        .chain(ffn_fused_indices().iter().copied())
         .collect()
 }
 
@@ -397,7 +444,12 @@ mod tests {
             "gemv_fold_q4_0_r8_bf16"
         );
         assert_eq!(gemv_fold_kernel(WeightFormat::F16, 0, DType::F32), None);
-        assert_eq!(names.len(), FOLD_BASE + 18);
+        assert_eq!(
+            names[ffn_fused_kernel(WeightFormat::Q8_0, 0, DType::F16).unwrap()],
+            "ffn_fused_q8_0_r1_f16"
+        );
+        assert_eq!(ffn_fused_indices().len(), FFN_COUNT);
+        assert_eq!(names.len(), FOLD_BASE + 18 + FFN_COUNT);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();
@@ -420,5 +472,6 @@ mod tests {
         assert!(src.contains("void gemm_##FS##_##S("));
         assert!(src.contains("void moe_mm_##FS##_##S("));
         assert!(src.contains("void gemv_fold_##FS##_r##R##_##S("));
+        assert!(src.contains("void ffn_fused_##FS##_r##R##_##S("));
     }
 }

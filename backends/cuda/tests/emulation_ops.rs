@@ -34,6 +34,11 @@ fn gemv_rope_fold_matches_the_unfused_ones() {
 }
 
 #[test]
+fn fused_ffn_matches_the_gemv_folds() {
+    conformance::fused_ffn_matches_the_gemv_folds(&emulated);
+}
+
+#[test]
 fn attention_writes_the_output_projections_activations() {
     conformance::attention_writes_the_output_projections_activations(&emulated);
 }

@@ -1,7 +1,8 @@
 //! A layer's feed-forward part and the residual adds around it (split out of the runner): the
 //! dense gated FFN or the routed experts, the (possibly split) projections, and `x += tmp` with
 //! the norms that follow, each handed to the backend with the products beside them where it
-//! folds them (`Backend::folds_norms_into_matmuls`).
+//! folds them (`Backend::folds_norms_into_matmuls`), or the whole dense SwiGLU block with its
+//! residual add in one op where it folds that (`Backend::folds_ffn`).
 
 use npu_backend::{Backend, RouteSpec, View, ViewMut};
 use npu_model::FfnAct;
@@ -153,6 +154,27 @@ fn dense_ffn<B: Backend>(
 ) -> Result<bool, ModelError> {
     let mut gu = ViewMut::rows(&mut bufs.gate_up, t, 2 * ff)?;
     let gu_lora = lora.targets(li, Target::Gate) || lora.targets(li, Target::Up);
+    // The whole block in one go where the backend folds it (`Backend::folds_ffn`): the norm,
+    // gate/up, SwiGLU, down and the residual add.
+    let whole = residual
+        && act == FfnAct::Silu
+        && !gu_lora
+        && !lora.targets(li, Target::Down)
+        && b.folds_ffn(t);
+    if let (true, Some((w, eps)), Proj::Fused(m)) = (whole, norm, gate_up) {
+        b.rms_norm_ffn(
+            ViewMut::rows(&mut bufs.x, t, h)?,
+            w,
+            eps,
+            ViewMut::rows(&mut bufs.xn, t, h)?,
+            m,
+            gu.col_range(0, 2 * ff)?,
+            ViewMut::rows(&mut bufs.h, t, ff)?,
+            down,
+            ViewMut::rows(&mut bufs.tmp, t, h)?,
+        )?;
+        return Ok(true);
+    }
     let (x, xn) = (
         View::rows(&bufs.x, t, h)?,
         ViewMut::rows(&mut bufs.xn, t, h)?,

@@ -23,6 +23,8 @@ pub fn emulated(dt: DType, matmul: MatmulMode) -> Option<CudaBackend> {
         fuse: true,
         fold_gemv: true,
         fold_rope: false,
+        fold_ffn: false,
+        fold_attn_out: false,
     };
     match CudaBackend::emulated(cfg) {
         Ok(b) => Some(b),

@@ -4,6 +4,7 @@
 //! (tests/gpu_conformance.rs).
 
 mod attention;
+mod ffn_fused;
 mod fold;
 mod fused;
 mod kv_int8;
@@ -13,6 +14,7 @@ mod matmul;
 mod moe;
 
 pub use attention::*;
+pub use ffn_fused::*;
 pub use fold::*;
 pub use fused::*;
 pub use kv_int8::*;
@@ -58,6 +60,10 @@ pub const CASES: &[(&str, Case)] = &[
     (
         "gemv_rope_fold_matches_the_unfused_ones",
         gemv_rope_fold_matches_the_unfused_ones,
+    ),
+    (
+        "fused_ffn_matches_the_gemv_folds",
+        fused_ffn_matches_the_gemv_folds,
     ),
     (
         "attention_writes_the_output_projections_activations",
