@@ -12,7 +12,7 @@
 //! files of the Hugging Face writer: every dtype, a scalar, an empty tensor, header metadata).
 //!
 //! `cargo run --release -p npu-fuzz --example make_seeds` (`-- safetensors` writes only the
-//! safetensors seeds, which need no model)
+//! safetensors seeds, which need no model; `-- agent_link` those and the agent link's)
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -68,6 +68,9 @@ fn main() {
         return;
     }
     agent_link_seeds();
+    if std::env::args().nth(1).as_deref() == Some("agent_link") {
+        return;
+    }
     chat_template_seeds();
     let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/gguf");
     std::fs::create_dir_all(&out).unwrap();
@@ -253,9 +256,9 @@ fn safetensors_seeds() {
 }
 
 fn agent_link_seeds() {
-    use npu_protocol::frame::{Frame, Hello, Setup, StepDone, StepStatus};
-    use npu_protocol::shm::{encode_image, Region, ShmLayout};
-    use npu_protocol::{SeqResult, StepResult, StepTiming, TokenLogprob};
+    use npu_protocol::frame::{Frame, Hello, Setup, SleepDone, StepDone, StepStatus};
+    use npu_protocol::shm::{encode_image, Region, ShmLayout, PROTOCOL_VERSION};
+    use npu_protocol::{SeqFailure, SeqResult, StepResult, StepTiming, TokenLogprob};
 
     let frames = [
         Frame::Setup(Setup {
@@ -267,7 +270,7 @@ fn agent_link_seeds() {
         Frame::Hello(Hello {
             agent_id: 1,
             pid: 4242,
-            protocol_version: 5,
+            protocol_version: PROTOCOL_VERSION,
             launch_token: 0x1234_5678_9abc_def0,
             layout_hash: 0xdead_beef,
             segment_name: "/npu-serving-1-0".into(),
@@ -298,6 +301,31 @@ fn agent_link_seeds() {
             timing: StepTiming::default(),
             error: "device lost".into(),
             failed: Vec::new(),
+        }),
+        Frame::StepDone(StepDone {
+            step_id: 9,
+            status: StepStatus::Ok,
+            timing: StepTiming::default(),
+            error: String::new(),
+            failed: vec![SeqFailure {
+                slot: 2,
+                error: "adapter sql: /adapters/sql/adapter_model.safetensors: not found".into(),
+            }],
+        }),
+        Frame::Masks { step_id: 9 },
+        Frame::Sleep { level: 2 },
+        Frame::SleepDone(SleepDone {
+            level: 2,
+            bytes: 1 << 30,
+            took_us: 1500,
+            error: String::new(),
+        }),
+        Frame::Wake,
+        Frame::WakeDone(SleepDone {
+            level: 0,
+            bytes: 1 << 30,
+            took_us: 90_000,
+            error: String::new(),
         }),
         Frame::Reset,
         Frame::ResetDone,
