@@ -568,21 +568,26 @@ impl<B: Backend> Model<B> {
                 }])?;
                 lc.before_attention(b, li, q_host)?;
             }
-            b.attention(
-                qkv.col_range(0, qw)?,
-                g,
-                li,
-                ViewMut::rows(&mut bufs.attn, t, qw)?,
-            )?;
             let post = layer.post_attn_norm.as_ref();
             if fold && post.is_none() && !lora.targets(li, Target::O) {
-                b.matmul_add(
-                    View::rows(&bufs.attn, t, qw)?,
+                // Attention, the output product and the residual add: one launch where the
+                // backend folds them.
+                b.attention_matmul_add(
+                    qkv.col_range(0, qw)?,
+                    g,
+                    li,
+                    ViewMut::rows(&mut bufs.attn, t, qw)?,
                     &layer.wo,
                     ViewMut::rows(&mut bufs.tmp, t, h)?,
                     ViewMut::rows(&mut bufs.x, t, h)?,
                 )?;
             } else {
+                b.attention(
+                    qkv.col_range(0, qw)?,
+                    g,
+                    li,
+                    ViewMut::rows(&mut bufs.attn, t, qw)?,
+                )?;
                 b.matmul(
                     View::rows(&bufs.attn, t, qw)?,
                     &layer.wo,

@@ -694,6 +694,25 @@ pub trait Backend: Send {
         layer: usize,
         out: ViewMut<'_, Self::Buffer>,
     ) -> Result<(), BackendError>;
+    /// `attention` of `q` into `attn`, then `matmul_add` of `attn` by `m` into `out` and
+    /// `residual` (which this does by default). A backend may run the three in one pass; its
+    /// product may then add its terms in another fixed order (the same bits every run, not bit
+    /// for bit the parts').
+    #[allow(clippy::too_many_arguments)]
+    fn attention_matmul_add(
+        &mut self,
+        q: View<'_, Self::Buffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        mut attn: ViewMut<'_, Self::Buffer>,
+        m: &Self::Matrix,
+        out: ViewMut<'_, Self::Buffer>,
+        residual: ViewMut<'_, Self::Buffer>,
+    ) -> Result<(), BackendError> {
+        let cols = attn.layout().cols();
+        self.attention(q, g, layer, attn.col_range(0, cols)?)?;
+        self.matmul_add(attn.as_view(), m, out, residual)
+    }
     /// `out = silu(gate) * up`, element-wise.
     fn swiglu(
         &mut self,

@@ -73,6 +73,8 @@ pub struct CudaBackend {
     pub(crate) scratch_w: Scratch,
     pub(crate) scratch_x: Scratch,
     pub(crate) scratch_attn: Scratch,
+    /// The fused attention + output projection's work area and counters (`fold_attn`).
+    pub(crate) attn_out: crate::fold_attn::AttnOutScratch,
     /// The one-launch feed-forward block's partial sums and counter (`fold_ffn`).
     pub(crate) ffn: crate::fold_ffn::FfnScratch,
     pub(crate) rope_factors: RopeFactorTables,
@@ -228,6 +230,7 @@ impl CudaBackend {
             scratch_w: Scratch::default(),
             scratch_x: Scratch::default(),
             scratch_attn: Scratch::default(),
+            attn_out: Default::default(),
             ffn: Default::default(),
             rope_factors: RopeFactorTables::default(),
             gelu_table: None,
@@ -762,6 +765,19 @@ impl Backend for CudaBackend {
         out: ViewMut<'_, CudaBuffer>,
     ) -> Result<(), BackendError> {
         self.op_attention(q, g, layer, out)
+    }
+
+    fn attention_matmul_add(
+        &mut self,
+        q: View<'_, CudaBuffer>,
+        g: &AttnGeometry,
+        layer: usize,
+        attn: ViewMut<'_, CudaBuffer>,
+        m: &CudaMatrix,
+        out: ViewMut<'_, CudaBuffer>,
+        residual: ViewMut<'_, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        self.op_attention_matmul_add(q, g, layer, attn, m, out, residual)
     }
 
     fn swiglu(

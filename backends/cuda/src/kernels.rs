@@ -16,6 +16,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../kernels/attention_i8.cu"),
     ),
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
+    (
+        "attention_out.cu",
+        include_str!("../kernels/attention_out.cu"),
+    ),
     ("moe_matmul.cu", include_str!("../kernels/moe_matmul.cu")),
     ("lora.cu", include_str!("../kernels/lora.cu")),
     ("ffn_fused.cu", include_str!("../kernels/ffn_fused.cu")),
@@ -302,6 +306,15 @@ fn ffn_fused_name(fmt: WeightFormat, rows: usize, dt: DType) -> String {
     format!("ffn_fused_{}_r{rows}_{s}", fmt.kernel_name())
 }
 
+const ATTN_OUT_BASE: usize = FOLD_BASE + GEMM_FORMATS.len() * GEMV_ROWS.len() * ACTS.len();
+
+/// Index of decode attention with the output projection and residual add folded in
+/// (`attention_out_*`, kernels/attention_out.cu) for `fmt` (a quantized format: `None` for F16).
+pub fn attention_out_kernel(fmt: WeightFormat, dt: DType) -> Option<usize> {
+    let f = GEMM_FORMATS.iter().position(|&g| g == fmt)?;
+    Some(ATTN_OUT_BASE + f * ACTS.len() + act_index(dt))
+}
+
 /// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
 /// every launch for fault messages, and must not rebuild the list each time.
 pub fn kernel_name(i: usize) -> &'static str {
@@ -369,6 +382,15 @@ pub fn kernel_names() -> Vec<String> {
             }
         }
     }
+    for fmt in GEMM_FORMATS {
+        for dt in ACTS {
+            names.push(format!(
+                "attention_out_{}_{}",
+                fmt.kernel_name(),
+                act_suffix(dt).unwrap()
+            ));
+        }
+    }
     // Last: looked up by name (`ffn_fused_kernel`), so kernels indexed by a base constant go
     // before these.
     for fmt in GEMM_FORMATS {
@@ -384,6 +406,7 @@ pub fn kernel_names() -> Vec<String> {
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
 pub fn large_smem_kernels() -> Vec<usize> {
     let folds = (FOLD_BASE..FOLD_BASE + GEMM_FORMATS.len() * GEMV_ROWS.len() * ACTS.len())
+        .chain(ATTN_OUT_BASE..ATTN_OUT_BASE + GEMM_FORMATS.len() * ACTS.len())
         .collect::<Vec<_>>();
     [Op::Attention, Op::AttentionLatent, Op::AttentionI8]
         .into_iter()
@@ -449,7 +472,12 @@ mod tests {
             "ffn_fused_q8_0_r1_f16"
         );
         assert_eq!(ffn_fused_indices().len(), FFN_COUNT);
-        assert_eq!(names.len(), FOLD_BASE + 18 + FFN_COUNT);
+        assert_eq!(
+            names[attention_out_kernel(WeightFormat::Q4_1, DType::F16).unwrap()],
+            "attention_out_q4_1_f16"
+        );
+        assert_eq!(attention_out_kernel(WeightFormat::F16, DType::F32), None);
+        assert_eq!(names.len(), FOLD_BASE + 18 + 9 + FFN_COUNT);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();
@@ -472,6 +500,7 @@ mod tests {
         assert!(src.contains("void gemm_##FS##_##S("));
         assert!(src.contains("void moe_mm_##FS##_##S("));
         assert!(src.contains("void gemv_fold_##FS##_r##R##_##S("));
+        assert!(src.contains(" attention_out_##FS##_##S("));
         assert!(src.contains("void ffn_fused_##FS##_r##R##_##S("));
     }
 }

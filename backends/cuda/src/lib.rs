@@ -36,6 +36,7 @@ mod driver;
 pub mod emu;
 pub mod fault;
 mod fold;
+mod fold_attn;
 mod fold_ffn;
 mod fused;
 pub mod gpu;

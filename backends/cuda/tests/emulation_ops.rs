@@ -39,6 +39,11 @@ fn fused_ffn_matches_the_gemv_folds() {
 }
 
 #[test]
+fn attention_out_fold_matches_the_separate_launches() {
+    conformance::attention_out_fold_matches_the_separate_launches(&emulated);
+}
+
+#[test]
 fn attention_writes_the_output_projections_activations() {
     conformance::attention_writes_the_output_projections_activations(&emulated);
 }

@@ -4,6 +4,7 @@
 //! (tests/gpu_conformance.rs).
 
 mod attention;
+mod attention_out;
 mod ffn_fused;
 mod fold;
 mod fused;
@@ -14,6 +15,7 @@ mod matmul;
 mod moe;
 
 pub use attention::*;
+pub use attention_out::*;
 pub use ffn_fused::*;
 pub use fold::*;
 pub use fused::*;
@@ -64,6 +66,10 @@ pub const CASES: &[(&str, Case)] = &[
     (
         "fused_ffn_matches_the_gemv_folds",
         fused_ffn_matches_the_gemv_folds,
+    ),
+    (
+        "attention_out_fold_matches_the_separate_launches",
+        attention_out_fold_matches_the_separate_launches,
     ),
     (
         "attention_writes_the_output_projections_activations",
