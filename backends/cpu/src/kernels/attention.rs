@@ -494,6 +494,21 @@ pub fn paged_attention_kv(
         .iter()
         .map(|_| Mutex::new(Partial::default()))
         .collect();
+    // Jobs, each tasks run in turn on one thread: `(first, count, step)` over `tasks`. A split
+    // chunk's KV part is one job for all its KV heads: a block holds every KV head's K (then
+    // V) of a layer side by side, so one thread walks each layer-block's bytes together (one
+    // run of memory instead of one KB per head, each at another time), asking for the next
+    // head's K while it sums this one's V. Each task computes what it computed alone.
+    let mut jobs: Vec<(usize, usize, usize)> = Vec::with_capacity(tasks.len());
+    let mut ti = 0;
+    for w in &windows {
+        if w.len() > 1 && n_parts > 1 && !all_heads {
+            jobs.extend((0..w.len()).map(|kp| (ti + kp, n_parts, w.len())));
+        } else {
+            jobs.extend((ti..ti + n_parts * w.len()).map(|t| (t, 1, 1)));
+        }
+        ti += n_parts * w.len();
+    }
     // Query heads g0..g1 of KV head `kvh` for chunk `ci`, KV part `kp`.
     let task_at = |ci: usize, kvh: usize, g0: usize, g1: usize, kp: usize| {
         let (_, _, t0, t1) = chunks[ci].clone();
@@ -527,7 +542,7 @@ pub fn paged_attention_kv(
         let (kvh, g0) = (first_head / group, first_head % group);
         task_at(ci, kvh, g0, g0 + heads_per_part, kp)
     };
-    pool.run(tasks.len(), |ti| {
+    let run_one = |ti: usize, next_kvh: Option<usize>| {
         let (ci, part, kp) = tasks[ti];
         if all_heads {
             SCRATCH.with(|s| {
@@ -547,7 +562,10 @@ pub fn paged_attention_kv(
             });
             return;
         }
-        let task = task_of(ci, part, kp);
+        let task = Task {
+            next_kvh,
+            ..task_of(ci, part, kp)
+        };
         SCRATCH.with(|s| {
             let s = &mut s.borrow_mut();
             run_task(isa, &task, s);
@@ -564,6 +582,17 @@ pub fn paged_attention_kv(
                 pt.sum.clone_from(&s.row_sum);
             }
         });
+    };
+    pool.run(jobs.len(), |j| {
+        let (first, count, step) = jobs[j];
+        for i in 0..count {
+            // The next task's KV head, when it is another head of the same blocks.
+            let next = (i + 1 < count).then(|| {
+                let (_, part, _) = tasks[first + (i + 1) * step];
+                part * heads_per_part / group
+            });
+            run_one(first + i * step, next);
+        }
     })?;
     // Merge the KV parts of split chunks: each part's outputs weighted by its share of the
     // softmax mass, sum_p exp(max_p - max) * sum_p, in part order.

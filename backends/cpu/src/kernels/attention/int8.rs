@@ -249,14 +249,38 @@ fn body(t: &Task, c: &I8Cache, s: &mut Scratch, kern: Kern) {
         (&c.v[v0..v0 + bs * hd], &c.vs[s0..s0 + bs])
     };
     // The blocks lie far apart (each holds every layer): the K of blocks ahead and the V of
-    // the block scored now are asked for before use, as for the f16 cache.
+    // the block scored now are asked for before use, as for the f16 cache, with their scales.
+    // A task of KV head 0 with a next head is the first of a thread's walk over every KV head
+    // of these blocks (a split chunk's KV part, or a decoding batch's chunk): it asks for all
+    // the heads' K and V of each block at once (each one run of memory, a layer's heads lying
+    // side by side), which the later heads then find in cache; asked head by head, each 1 KB
+    // run was fetched on its own, one latency each.
     #[cfg(target_arch = "x86_64")]
     let ahead = super::task::prefetch_blocks();
     #[cfg(target_arch = "x86_64")]
+    let heads = if t.kvh == 0 && t.next_kvh.is_some() {
+        lay.n_kv_heads
+    } else {
+        1
+    };
+    #[cfg(target_arch = "x86_64")]
     let prefetch = |bi: usize, k: bool| {
         if bi < n_blocks {
-            let p = if k { k_block(bi).0 } else { v_block(bi).0 };
-            crate::kernels::attention_avx512::prefetch(p.as_ptr() as *const u8, hd * bs);
+            let blk = t.seq.block_table[bi] as usize;
+            let kvh = if heads > 1 { 0 } else { t.kvh };
+            let (p, sc) = if k {
+                (
+                    &c.k[lay.k_at(blk, kvh, 0, 0)..][..heads * hd * bs],
+                    &c.ks[c.slay.k_at(blk, kvh, 0, 0)..][..heads * bs],
+                )
+            } else {
+                (
+                    &c.v[lay.v_at(blk, kvh, 0, 0)..][..heads * bs * hd],
+                    &c.vs[c.slay.v_at(blk, kvh, 0, 0)..][..heads * bs],
+                )
+            };
+            crate::kernels::attention_avx512::prefetch(p.as_ptr() as *const u8, p.len());
+            crate::kernels::attention_avx512::prefetch(sc.as_ptr() as *const u8, 2 * sc.len());
         }
     };
     #[cfg(target_arch = "x86_64")]

@@ -236,6 +236,16 @@ fn int8_attention_matches_dense_and_every_isa_gives_the_same_bits() {
         .map(|&h| (h, 1))
         .collect();
     check(&LLAMA_LIKE, &batch, None, false);
+    // One sequence decoding at a long context with the default model's heads (3 KV heads of 64,
+    // 9 query heads): its KV parts each one job over every KV head, the first asking for all
+    // the heads' blocks.
+    let smol = Shape {
+        nkv: 3,
+        hd: 64,
+        bs: 16,
+        n_heads: 9,
+    };
+    check(&smol, &[(3000, 1)], None, false);
 }
 
 #[test]
