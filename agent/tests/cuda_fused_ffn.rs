@@ -4,7 +4,10 @@
 //! kernels give the same greedy ids as at `NPU_SERVING_CUDA_FUSE=3`, log-probabilities and
 //! logits within a tolerance (the down product's sum is taken in another fixed order, so not bit
 //! for bit), the same bits on a second run, and every layer's feed-forward block in one
-//! `ffn_fused_*` launch: one launch fewer a layer. Built with the `cuda` and `ascend` features
+//! `ffn_fused_*` launch: one launch fewer a layer. Decode steps captured as CUDA graphs and
+//! replayed (the emulation's strict capture) give the eager steps' bits with the fold on: the
+//! scratch and the last-block counter stay at fixed addresses and the counter is back at 0
+//! after every launch. Built with the `cuda` and `ascend` features
 //! (the emulations' shared test helpers). Nothing here ran on a GPU.
 
 #![cfg(all(feature = "cuda", feature = "ascend"))]
@@ -168,4 +171,86 @@ fn one_launch_ffn_answers_as_fuse_3() {
     check(Family::Llama);
     check(Family::Llama3);
     check(Family::Qwen3);
+}
+
+/// A prompt, then 6 decode steps, with the FFN fold on, eagerly or as graphs: odd steps read
+/// the logits back (a graph ending in the logit rows), even ones pick on the device. Each
+/// step's picks (id, log-probability bits) or logits bits, the graph replays, and the
+/// `ffn_fused_*` launches the emulation saw.
+fn graph_run(file: &GgufFile, graphs: bool) -> (Vec<Vec<u32>>, u64, usize) {
+    let mut b = cuda();
+    b.set_fuse(true);
+    b.set_fold_rope(true);
+    b.set_fold_ffn(true);
+    let opts = ModelOptions {
+        num_blocks: 9,
+        ..options()
+    };
+    let mut m = Model::load(file, b, opts).unwrap();
+    if graphs {
+        assert_eq!(
+            m.enable_step_graphs(None).unwrap(),
+            Ok(()),
+            "graphs turn on"
+        );
+    }
+    let mut out = StepOutput::default();
+    let mut steps = Vec::new();
+    let (mut pos, mut next) = (0, vec![1u32, 15, 27, 3, 99]);
+    for s in 0..7 {
+        let greedy = next.len() > 1 || s % 2 == 0;
+        m.forward(&seq_step(&next, pos), greedy, &mut out).unwrap();
+        let id = if greedy {
+            steps.push(vec![out.ids[0] as u32, out.logprobs[0].to_bits()]);
+            out.ids[0] as u32
+        } else {
+            steps.push(out.logits.iter().map(|v| v.to_bits()).collect());
+            let l = &out.logits;
+            (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b }) as u32
+        };
+        pos += next.len();
+        next = vec![id];
+    }
+    if graphs {
+        assert_eq!(m.step_graphs_state(), Some(Ok(())), "graphs stay on");
+    }
+    let replays = m.backend().op_counts().unwrap().graph_replays;
+    let e = m.backend().emulation().expect("the emulation");
+    let fused = e
+        .launched()
+        .iter()
+        .filter(|l| l.starts_with("ffn_fused_"))
+        .count();
+    (steps, replays, fused)
+}
+
+#[test]
+fn graph_replays_of_the_one_launch_ffn_give_the_eager_bits() {
+    for family in [Family::Llama, Family::Qwen3] {
+        let donor = GgufFile::open(common::model_path()).unwrap();
+        let bytes = synth::synth_model(family, 1, GgmlType::Q8_0, &donor).unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "npu-cuda-fused-ffn-graphs-{}-{}.gguf",
+            family.name(),
+            std::process::id()
+        ));
+        std::fs::write(&path, bytes).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let name = family.name();
+        let (eager, eager_replays, eager_fused) = graph_run(&file, false);
+        let (graphed, replays, _) = graph_run(&file, true);
+        assert!(
+            eager_fused > 0,
+            "{name}: the eager steps took the one-launch FFN"
+        );
+        assert_eq!(eager_replays, 0, "{name}");
+        // The first decode step of each graph (one ending in the pick, one in the logits)
+        // runs and records; the 4 later ones replay.
+        assert_eq!(replays, 4, "{name}: graph replays");
+        assert!(
+            eager == graphed,
+            "{name}: graph replays differ from the eager steps"
+        );
+    }
 }
