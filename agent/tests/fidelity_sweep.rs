@@ -478,7 +478,7 @@ type Int8Tally = (usize, usize, usize, usize, Vec<String>, f32);
 fn every_sweep_model_agrees_with_llama_cpp_on_the_cpu_with_an_int8_kv_cache() {
     use npu_backend::KvDtype;
     const INT8_NEAR_TIE: f32 = 0.5;
-    const INT8_FLOOR_PERCENT: usize = 93;
+    const INT8_FLOOR_PERCENT: usize = 94;
     const INT8_AS_F16_PERCENT: usize = 95;
     let load = |f: &GgufFile, dtype: KvDtype| {
         let mut b = CpuBackend::new(CpuConfig {
@@ -761,4 +761,157 @@ fn real_models_agree_with_llama_cpp_with_an_int8_kv_cache() {
         "int8 cache {all_same8} of {all_decided} decided steps as llama.cpp's, below \
          {REAL_INT8_FLOOR_PERCENT}%"
     );
+}
+
+/// Where the int8 cache's misses come from, on the sweep's files (every family but deepseek2),
+/// measured with the CPU backend's `set_kv_rounding`: an f16 cache storing K and/or V rows
+/// rounded as the int8 cache rounds them (or as variants would), teacher-forced on llama.cpp's
+/// tokens, counted at llama.cpp's decided steps. Measured on a Zen 4 (2026-11-29, all families
+/// together): f16 cache 99.84%; int8 rounding of K and V 97.33%, of K alone 97.95%, of V alone
+/// 98.11%; with static per-channel key smoothing 97.0-97.5%, Hadamard-rotated keys 97.4%, a
+/// scale per 32 values 97.3%, f32 scales 96.9%; 10-bit rows (511 levels) 99.06%. So both
+/// halves cost, no regrouping of 8 bits recovers the loss (the sweep's random weights have no
+/// outlier key channels), and resolution does: see docs/kv-cache.md. The test asserts those
+/// findings (each with a margin of a few steps) and that the rounding costs what the int8
+/// cache does (97.42%).
+#[test]
+fn int8_kv_rounding_costs_the_sweep_by_resolution_not_grouping() {
+    use npu_backend::KvDtype;
+    use npu_backend_cpu::KvRounding;
+    let int8 = KvRounding::int8(true, true);
+    let modes: [(&str, Option<KvRounding>); 10] = [
+        ("f16", None),
+        ("int8 K and V", Some(int8)),
+        ("int8 K", Some(KvRounding::int8(true, false))),
+        ("int8 V", Some(KvRounding::int8(false, true))),
+        (
+            "smoothed keys",
+            Some(KvRounding {
+                smooth_keys: true,
+                ..int8
+            }),
+        ),
+        (
+            "Hadamard keys",
+            Some(KvRounding {
+                hadamard_keys: true,
+                ..int8
+            }),
+        ),
+        ("32 a scale", Some(KvRounding { group: 32, ..int8 })),
+        (
+            "f32 scales",
+            Some(KvRounding {
+                f32_scales: true,
+                ..int8
+            }),
+        ),
+        (
+            "9 bits",
+            Some(KvRounding {
+                levels: 255,
+                ..int8
+            }),
+        ),
+        (
+            "10 bits",
+            Some(KvRounding {
+                levels: 511,
+                ..int8
+            }),
+        ),
+    ];
+    let load = |f: &GgufFile, dtype: KvDtype, r: Option<KvRounding>| {
+        let mut b = CpuBackend::new(CpuConfig {
+            threads: 0,
+            f32_reference: false,
+        });
+        b.set_kv_dtype(dtype).unwrap();
+        b.set_kv_rounding(r).unwrap();
+        Model::load(f, b, options()).unwrap()
+    };
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    // Per mode: decided steps as llama.cpp's; and all decided steps.
+    let mut same = [0usize; 10];
+    let mut decided = 0;
+    // Per family: decided steps, and per mode those as llama.cpp's (printed).
+    let mut families: BTreeMap<&str, (usize, [usize; 10])> = BTreeMap::new();
+    // Decided steps as llama.cpp's with the int8 cache itself.
+    let mut int8_same = 0;
+    for (v, refs) in by_variant() {
+        if v.family == synth::Family::Deepseek2 {
+            continue;
+        }
+        let file = regenerate(&v, &refs[0].sha256, &donor, "cpu-int8-rounding");
+        let gguf = GgufFile::open(&file.0).unwrap();
+        let mut m8 = load(&gguf, KvDtype::Int8, None);
+        for (i, &(_, r)) in modes.iter().enumerate() {
+            // A model of its own per mode: smoothing factors come from its first prefill.
+            let mut m = load(&gguf, KvDtype::F16, r);
+            for line in &refs {
+                let cont = &line.output_ids[..CPU_BAR.steps.min(line.output_ids.len())];
+                let rows = teacher_forced(&mut m, &line.prompt_ids, cont).unwrap();
+                for (s, row) in rows.iter().enumerate() {
+                    let got = top(row).0;
+                    if line.gaps[s] >= NEAR_TIE {
+                        let hit = usize::from(got == line.output_ids[s] as usize);
+                        decided += usize::from(i == 0);
+                        same[i] += hit;
+                        let f = families.entry(v.family.name()).or_default();
+                        f.0 += usize::from(i == 0);
+                        f.1[i] += hit;
+                    }
+                }
+            }
+        }
+        for line in &refs {
+            let cont = &line.output_ids[..CPU_BAR.steps.min(line.output_ids.len())];
+            let rows = teacher_forced(&mut m8, &line.prompt_ids, cont).unwrap();
+            for (s, row) in rows.iter().enumerate() {
+                if line.gaps[s] >= NEAR_TIE {
+                    int8_same += usize::from(top(row).0 == line.output_ids[s] as usize);
+                }
+            }
+        }
+    }
+    let pct = |n: usize| 100.0 * n as f64 / decided.max(1) as f64;
+    for (family, (d, f)) in &families {
+        let each: Vec<String> = modes
+            .iter()
+            .zip(f)
+            .map(|((name, _), &n)| format!("{name} {:.2}%", 100.0 * n as f64 / *d as f64))
+            .collect();
+        eprintln!("{family} ({d} decided): {}", each.join(", "));
+    }
+    for (i, (name, _)) in modes.iter().enumerate() {
+        eprintln!(
+            "{name}: {} of {decided} decided steps as llama.cpp's ({:.2}%)",
+            same[i],
+            pct(same[i])
+        );
+    }
+    eprintln!(
+        "the int8 cache: {int8_same} of {decided} ({:.2}%)",
+        pct(int8_same)
+    );
+    assert!(decided >= 2000, "{decided} decided steps");
+    // The rounding costs what the int8 cache does, within half a point. (Not the same steps:
+    // the int8 kernels round the query and the softmax weights too, and an f16 cache rounds
+    // q * scale to f16; on these files any perturbation of that size turns a few steps.)
+    let point = decided / 100;
+    assert!(
+        same[1].abs_diff(int8_same) <= point / 2,
+        "{same:?} {int8_same}"
+    );
+    // Rounding costs, both halves: each at least 0.5 points, together more than either.
+    assert!(same[1] + 2 * point <= same[0], "{same:?}");
+    for half in [same[2], same[3]] {
+        assert!(half + point / 2 <= same[0] && same[1] < half, "{same:?}");
+    }
+    // No regrouping of 8 bits gains half a point over the int8 cache's rows.
+    for (i, &n) in same.iter().enumerate().take(8).skip(4) {
+        assert!(n < same[1] + point / 2, "{}: {same:?}", modes[i].0);
+    }
+    // Resolution does: 10-bit rows come within a point of the f16 cache.
+    assert!(same[9] + point >= same[0], "{same:?}");
 }

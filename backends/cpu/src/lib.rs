@@ -11,4 +11,4 @@ pub mod quant;
 pub mod roofline;
 pub mod threadpool;
 
-pub use backend::{CpuBackend, CpuBuffer, CpuConfig, CpuEmbedding};
+pub use backend::{CpuBackend, CpuBuffer, CpuConfig, CpuEmbedding, KvRounding};

@@ -11,6 +11,7 @@ mod family_ops;
 mod kv;
 #[cfg(test)]
 mod kv_int8_tests;
+mod kv_rounding;
 mod latent_ops;
 mod lora;
 mod moe_grouped;
@@ -41,6 +42,7 @@ pub use buffer::CpuBuffer;
 use buffer::{bad, rows, rows_mut, shape, RowsKey, RowsMut};
 use checks::{check_geometry, host_mem_info, tensor_row_bytes};
 use kv::KvPool;
+pub use kv_rounding::KvRounding;
 
 pub(crate) const NAME: &str = "cpu";
 
@@ -87,6 +89,8 @@ pub struct CpuBackend {
     rope_tables: Vec<(Rope, u64, Vec<f32>)>,
     /// Some weights were re-quantized on load (formats without an exact packed form).
     lossy_weights: bool,
+    /// How an f16 cache rounds its rows (`set_kv_rounding`, a measuring instrument).
+    kv_rounding: Option<kv_rounding::RoundingState>,
 }
 
 impl CpuBackend {
@@ -125,6 +129,7 @@ impl CpuBackend {
             step_serial: 0,
             rope_tables: Vec::new(),
             lossy_weights: false,
+            kv_rounding: None,
         }
     }
 
@@ -752,6 +757,12 @@ impl Backend for CpuBackend {
             .ok_or_else(|| bad(OP, "the KV pool is not initialised (init_kv)".into()))?;
         check_geometry(OP, &kv.spec, g)?;
         if kv.dtype == KvDtype::Int8 {
+            if self.kv_rounding.is_some() {
+                return Err(bad(
+                    OP,
+                    "set_kv_rounding is for an f16 cache, not int8".into(),
+                ));
+            }
             return kv.write_i8(
                 OP,
                 layer,
@@ -764,12 +775,30 @@ impl Backend for CpuBackend {
         }
         let (k_base, v_base) = kv.bases(OP, layer)?;
         let lay = kv.layout();
+        // A measuring instrument only (kv_rounding.rs): the rows rounded as it says.
+        let rounded = match self.kv_rounding.as_mut() {
+            Some(r) => Some(r.round(
+                OP,
+                layer,
+                k.data,
+                k.stride,
+                v.data,
+                v.stride,
+                n,
+                lay.n_kv_heads,
+                lay.head_dim,
+            )?),
+            None => None,
+        };
+        let (kd, vd) = rounded
+            .as_ref()
+            .map_or((k.data, v.data), |(k, v)| (&k[..], &v[..]));
         attention::kv_write_parallel(
             &self.pool,
             &lay,
-            k.data,
+            kd,
             k.stride,
-            v.data,
+            vd,
             v.stride,
             &self.step.slot_mapping,
             kv.data_mut(),
