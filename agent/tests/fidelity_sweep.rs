@@ -554,8 +554,10 @@ fn every_sweep_model_agrees_with_llama_cpp_on_the_cpu_with_an_int8_kv_cache() {
         all8 += t.1;
         // The bar is 99% of decided steps as llama.cpp's; measured 2026-11-29 with the
         // integer attention kernels: gemma3 98.7%, llama 96.0%, llama3 95.3%, qwen2 99.1%,
-        // qwen3 98.4%, qwen3moe 97.0% (97.4% in all). Not met: these
-        // floors guard what there is against regressions (docs/kv-cache.md says so).
+        // qwen3 98.4%, qwen3moe 97.0% (97.4% in all). Not met, and not reachable by regrouping
+        // the 8 bits (`int8_kv_rounding_costs_the_sweep_by_resolution_not_grouping`): the
+        // floor (94%, llama3's 95.3% less five steps) guards what there is against regressions
+        // (docs/kv-cache.md says so).
         if t.1 * 100 < t.0 * INT8_FLOOR_PERCENT {
             failures.push(format!(
                 "{family}: int8 {} of {} decided steps, below {INT8_FLOOR_PERCENT}%",
