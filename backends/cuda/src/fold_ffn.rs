@@ -1,19 +1,24 @@
 //! A decode layer's whole feed-forward block in one launch (`Backend::rms_norm_ffn`,
 //! `ffn_fused_*` in kernels/ffn_fused.cu; `CudaConfig::fold_ffn`, `NPU_SERVING_CUDA_FUSE=4`):
 //! the FFN norm, the gate/up product, SwiGLU, the activations' 8-bit form, the down product and
-//! the residual add. Each block takes 32 units of the intermediate dimension and writes its
-//! part of the down product for every output to a scratch area; the grid's last block to finish
-//! (an `atomicInc` ticket) adds those parts in block order and adds the sum into the residual.
+//! the residual add. Each block takes 32 (or, for a grid of many waves, 64) units of the
+//! intermediate dimension and writes its share of the down product for every output to a
+//! scratch area; a two-level reduction adds the shares: the last block of each group of
+//! consecutive blocks to finish (an `atomicInc` ticket on the group's counter) sums its group's
+//! shares in block order, and the last group to finish (a ticket on a global counter) sums the
+//! group sums in group order and adds the result into the residual.
 //!
 //! The norm, gate/up and SwiGLU values are the bits of the level-2 and 3 folds; the down
-//! product's sum is taken in another fixed order than the GEMV's lanes, so `out` and the residual
+//! product's sum is taken in another fixed order than the GEMV's lanes (it depends only on the
+//! shapes and the device's SM count, through the chunk per block), so `out` and the residual
 //! are the same bits every run and in a graph replay, not bit for bit those of the separate
-//! launches. The scratch and the counter stay at fixed device addresses (sized for the most rows
-//! a GEMV pass takes), so captured graphs keep naming them; the counter wraps back to 0 in every
-//! launch's last block. Where the launch does not fit (`fold_ffn` off, an F16 or dequantized
-//! matrix, more than 8 rows, the cuBLAS path, shared buffers, rows whose 8-bit form exceeds the
-//! device's shared memory) the block runs as the level-3 ops (`rms_norm_matmul_swiglu`, then
-//! `matmul_add`), by choice and without an error. Nothing of this has run on a GPU.
+//! launches. The scratch and the counters stay at fixed device addresses (sized for the most
+//! rows a GEMV pass takes), so captured graphs keep naming them; every counter wraps back to 0
+//! at its last ticket of each launch. Where the launch does not fit (`fold_ffn` off, an F16 or
+//! dequantized matrix, more than 8 rows, the cuBLAS path, shared buffers, rows whose 8-bit form
+//! exceeds the device's shared memory) the block runs as the level-3 ops
+//! (`rms_norm_matmul_swiglu`, then `matmul_add`), by choice and without an error. Nothing of
+//! this has run on a GPU, and the reduction's cost on one is unmeasured.
 
 use npu_backend::{BackendError, DType, DeviceBuffer, ViewMut};
 
@@ -24,22 +29,76 @@ use crate::kernels::{ffn_fused_kernel, WeightFormat, GEMV_ROWS};
 use crate::ops::{addr_mut, dt_code, float, int, row_threads};
 use crate::weights::{CudaMatrix, MatrixKind};
 
-/// Units of the intermediate dimension one block takes (`FFN_UNITS` in ffn_fused.cu): one block
+/// Units of the intermediate dimension one block takes (`units` in ffn_fused.cu): one block
 /// of 32 of the 8-bit activations, so each block quantizes its own. The smallest such chunk is
-/// also what keeps a large GPU busy: Llama 3 8B's 14336 units make 448 blocks, over 2x the 132
-/// SMs of an H100 (64 units would give 224, under 2x), and the blocks' gate/up rows are as many
-/// as the FUSE=2 gate/up GEMV's. The price is the scratch the last block reads: blocks x rows x
-/// hidden f32 values (7.3 MB a row for Llama 3 8B), unmeasured on a GPU.
+/// also what keeps a large GPU busy: Llama 3 8B's 14336 units make 448 blocks, over 3x the 132
+/// SMs of an H100, and the blocks' gate/up rows are as many as the FUSE=2 gate/up GEMV's.
 const FFN_UNITS: usize = 32;
-/// Bytes before the partial sums: the counter, alone in its 256.
-const COUNTER_BYTES: usize = 256;
+/// Past this many 32-unit blocks an SM, a block takes 64 units (`ffn_units`). A 256-thread
+/// block holds at most 8 (2048 threads / 256) and, with its 8-bit rows in shared memory, often
+/// fewer blocks resident on an SM, so such a grid runs in several waves anyway, while each
+/// block redoes the norm of every row (reading the residual and the norm weights) and writes a
+/// share of every output for the reduction: halving the blocks halves that overhead and the
+/// reduction's first level, with still 2 or more blocks an SM. Llama 3 8B on an H100 stays at
+/// 32 (448 blocks, under 4 x 132); Llama 3 70B (28672 units) takes 64 (448 blocks, not 896).
+const WIDE_BLOCKS_PER_SM: usize = 4;
+/// Bytes before the group sums: the counters (the global one, then one a group).
+const COUNTER_BYTES: usize = 1024;
 
-/// The partial sums and the last-block counter (at offset 0), and the allocation whose counter
-/// has been zeroed.
+/// The chunk of units a block takes for `ff` units on a GPU of `sms` SMs (`WIDE_BLOCKS_PER_SM`).
+fn ffn_units(ff: usize, sms: usize) -> usize {
+    if ff.is_multiple_of(2 * FFN_UNITS) && ff / FFN_UNITS > WIDE_BLOCKS_PER_SM * sms.max(1) {
+        2 * FFN_UNITS
+    } else {
+        FFN_UNITS
+    }
+}
+
+/// Blocks a group of the reduction's first level takes: ceil(sqrt(blocks)). The launch's
+/// reduction ends with one block summing G shares (its group's) and then the ceil(blocks / G)
+/// group sums: G + blocks / G values an output and row on the critical path, least at
+/// G = sqrt(blocks), where both levels read about sqrt(blocks) values (not blocks, as one level
+/// would). Llama 3 8B: 448 blocks, G = 22, 21 groups (the last of 8 blocks): 22 and 21 values
+/// (88 and 84 bytes) an output and row: 352 KiB and 336 KiB a row of 4096 outputs, where a
+/// single level had one block read 448 (7 MiB a row). Fixed by the shapes, so the order is too.
+fn ffn_group(blocks: usize) -> usize {
+    let g = blocks.isqrt();
+    if g * g < blocks {
+        g + 1
+    } else {
+        g.max(1)
+    }
+}
+
+/// The counters (at offset 0), the group sums and the blocks' shares, and the allocation whose
+/// counters have been zeroed, with the bytes asked of it then.
 #[derive(Default)]
 pub(crate) struct FfnScratch {
     mem: Scratch,
-    zeroed: DevPtr,
+    zeroed: (DevPtr, usize),
+}
+
+/// How a launch splits the intermediate dimension: units a block, blocks, blocks a group, groups.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Split {
+    units: usize,
+    blocks: usize,
+    group: usize,
+    groups: usize,
+}
+
+impl Split {
+    fn new(ff: usize, sms: usize) -> Split {
+        let units = ffn_units(ff, sms);
+        let blocks = ff / units;
+        let group = ffn_group(blocks);
+        Split {
+            units,
+            blocks,
+            group,
+            groups: blocks.div_ceil(group),
+        }
+    }
 }
 
 impl CudaBackend {
@@ -125,6 +184,8 @@ impl CudaBackend {
             && down.n == k
             && nw.len() == k
             && ff.is_multiple_of(FFN_UNITS)
+            && ff > 0
+            && 4 * (1 + self.ffn_split(ff).groups) <= COUNTER_BYTES
             && dfmt != WeightFormat::F16
             && gu_m.mem.device() == self.device
             && down.mem.device() == self.device;
@@ -146,18 +207,29 @@ impl CudaBackend {
         Some((kernel, dfmt as i32))
     }
 
-    /// The scratch of `blocks` blocks' partial sums for rows of `n` outputs, and its counter
-    /// (zeroed when the memory is new: an upload, outside any capture, since the eager run
-    /// before a capture makes it).
-    fn ffn_scratch(&mut self, blocks: usize, n: usize) -> Result<(DevPtr, DevPtr), BackendError> {
-        let bytes = COUNTER_BYTES + blocks * GEMV_ROWS[1] * n * 4;
+    /// The split of `ff` units on this device.
+    fn ffn_split(&self, ff: usize) -> Split {
+        Split::new(ff, self.gpu.sm_count() as usize)
+    }
+
+    /// The counters, the group sums and the shares of `split` for rows of `n` outputs (the
+    /// counters zeroed when the memory may be new: an upload, outside any capture, since the
+    /// eager run before a capture makes it; every launch leaves them at 0).
+    fn ffn_scratch(
+        &mut self,
+        split: Split,
+        n: usize,
+    ) -> Result<(DevPtr, DevPtr, DevPtr), BackendError> {
+        let area = GEMV_ROWS[1] * n * 4;
+        let bytes = COUNTER_BYTES + (split.groups + split.blocks) * area;
         let p = self.ffn.mem.ensure(&self.gpu, self.device, bytes)?;
-        if p != self.ffn.zeroed {
-            self.gpu.htod(p, &[0u8; 4])?;
+        if p != self.ffn.zeroed.0 || bytes > self.ffn.zeroed.1 {
+            self.gpu.htod(p, &[0u8; COUNTER_BYTES])?;
             self.device_wrote();
-            self.ffn.zeroed = p;
+            self.ffn.zeroed = (p, bytes);
         }
-        Ok((p + COUNTER_BYTES as u64, p))
+        let sums = p + COUNTER_BYTES as u64;
+        Ok((p, sums, sums + (split.groups * area) as u64))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -177,9 +249,10 @@ impl CudaBackend {
         out: ViewMut<'_, CudaBuffer>,
     ) -> Result<(), BackendError> {
         let (xl, rows, k) = (x.layout(), x.layout().rows(), gu_m.k);
-        let blocks = down.k / FFN_UNITS;
-        let (partials, counter) = self.ffn_scratch(blocks, down.n)?;
-        let mut dims = LaunchDims::linear([int(op, blocks)? as u32, 1, 1], row_threads(k, 256));
+        let split = self.ffn_split(down.k);
+        let (counters, sums, shares) = self.ffn_scratch(split, down.n)?;
+        let mut dims =
+            LaunchDims::linear([int(op, split.blocks)? as u32, 1, 1], row_threads(k, 256));
         dims.smem = (rows * k + rows * (k / 32) * 16) as u32;
         let (gp, dp) = (gu_m.mem.ptr(), down.mem.ptr());
         let nwdt = dt_code(float(op, nw.dtype())?);
@@ -208,9 +281,42 @@ impl CudaBackend {
             .i32(int(op, h.layout().stride())?)
             .ptr(addr_mut(&out))
             .i32(int(op, out.layout().stride())?)
-            .ptr(partials)
-            .ptr(counter);
+            .i32(int(op, split.units)?)
+            .i32(int(op, split.group)?)
+            .ptr(shares)
+            .ptr(sums)
+            .ptr(counters);
         self.q8_ready = None;
         self.launch(kernel, dims, args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_are_about_the_square_root_of_the_blocks() {
+        // Llama 3 8B on an H100 (132 SMs): 448 blocks of 32, in 21 groups of 22 (the last 8).
+        let s = Split::new(14336, 132);
+        let want = Split {
+            units: 32,
+            blocks: 448,
+            group: 22,
+            groups: 21,
+        };
+        assert_eq!(s, want);
+        // Llama 3 70B: 896 blocks of 32 would be over 4 an SM, so 448 of 64.
+        assert_eq!(Split::new(28672, 132).units, 64);
+        assert_eq!(Split::new(28672, 132).blocks, 448);
+        // Not a multiple of 64: 32 whatever the grid.
+        assert_eq!(Split::new(32 * 999, 8).units, 32);
+        for (blocks, group) in [(1, 1), (2, 2), (3, 2), (4, 2), (5, 3), (9, 3), (10, 4)] {
+            assert_eq!(ffn_group(blocks), group, "{blocks} blocks");
+        }
+        for blocks in 1..5000 {
+            let g = ffn_group(blocks);
+            assert!(g * g >= blocks && (g - 1) * (g - 1) < blocks, "{blocks}");
+        }
     }
 }
