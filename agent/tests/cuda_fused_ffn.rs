@@ -6,8 +6,8 @@
 //! for bit), the same bits on a second run, and every layer's feed-forward block in one
 //! `ffn_fused_*` launch: one launch fewer a layer. Decode steps captured as CUDA graphs and
 //! replayed (the emulation's strict capture) give the eager steps' bits with the fold on: the
-//! scratch and the last-block counter stay at fixed addresses and the counter is back at 0
-//! after every launch. Built with the `cuda` and `ascend` features
+//! scratch and the reduction's counters (one a group of blocks, one global) stay at fixed
+//! addresses and are back at 0 after every launch. Built with the `cuda` and `ascend` features
 //! (the emulations' shared test helpers). Nothing here ran on a GPU.
 
 #![cfg(all(feature = "cuda", feature = "ascend"))]
