@@ -498,11 +498,12 @@ pub fn paged_attention_kv(
     // chunk's KV part is one job for all its KV heads: a block holds every KV head's K (then
     // V) of a layer side by side, so one thread walks each layer-block's bytes together (one
     // run of memory instead of one KB per head, each at another time), asking for the next
-    // head's K while it sums this one's V. Each task computes what it computed alone.
+    // head's K while it sums this one's V. Each task computes what it computed alone. Only with
+    // at least two parts a thread, so the fewer, larger jobs still share out evenly.
     let mut jobs: Vec<(usize, usize, usize)> = Vec::with_capacity(tasks.len());
     let mut ti = 0;
     for w in &windows {
-        if w.len() > 1 && n_parts > 1 && !all_heads {
+        if w.len() >= 2 * pool.threads().max(1) && n_parts > 1 && !all_heads {
             jobs.extend((0..w.len()).map(|kp| (ti + kp, n_parts, w.len())));
         } else {
             jobs.extend((ti..ti + n_parts * w.len()).map(|t| (t, 1, 1)));
