@@ -217,3 +217,47 @@ fn cuda_emulation_replays_one_graph_per_decode_step() {
     assert_eq!(c.graph_replays_per_step, 1.0, "{c:?}");
     assert_eq!((c.min_launches, c.max_launches), (0, 0), "{c:?}");
 }
+
+/// Set in the child process `cuda_emulation_counts_three_launches_a_layer_at_fuse_4` starts.
+const LEVEL_4_CHILD: &str = "NPU_DECODE_COUNTS_LEVEL_4_CHILD";
+
+/// `NPU_SERVING_CUDA_FUSE=4` (opt-in): rope and the KV write folded into the Q/K/V GEMV, decode
+/// attention with the output projection and the residual add in one launch (`fold_attn_out`),
+/// and the whole feed-forward block in one launch (`fold_ffn`): **3 launches a layer** and the
+/// same 5 outside, on the tiny llama (2 layers) and Qwen3 (3 layers) models; a fold that stops
+/// being taken shows here. The CUDA settings come from the environment, which the other tests
+/// of this binary share, so the count runs in a child process of this binary with the variable
+/// set; the parent checks that the child ran this test and passed.
+#[test]
+fn cuda_emulation_counts_three_launches_a_layer_at_fuse_4() {
+    if std::env::var_os(LEVEL_4_CHILD).is_some() {
+        assert_eq!(
+            std::env::var("NPU_SERVING_CUDA_FUSE").as_deref(),
+            Ok("4"),
+            "the child runs at level 4"
+        );
+        emulations();
+        let (c, d, f) = counts(DeviceKind::Cuda, tiny_llama("cuda-fuse4"));
+        check("cuda level 4", &c, d, f);
+        assert_eq!(c.min_launches, LAYERS as u64 * 3 + 5, "{c:?}");
+        let (c, d, f) = counts(DeviceKind::Cuda, tiny(Family::Qwen3, "cuda-qwen3-fuse4"));
+        check_layers("cuda qwen3 level 4", &c, d, f, QWEN3_LAYERS);
+        assert_eq!(c.min_launches, QWEN3_LAYERS as u64 * 3 + 5, "{c:?}");
+        return;
+    }
+    let name = "cuda_emulation_counts_three_launches_a_layer_at_fuse_4";
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(LEVEL_4_CHILD, "1")
+        .env("NPU_SERVING_CUDA_FUSE", "4")
+        .output()
+        .expect("the test binary runs again");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "level-4 child: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+}
