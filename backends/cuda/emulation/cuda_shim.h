@@ -52,6 +52,10 @@ void syncthreads();
 // mode: 0 = xor, 1 = indexed lane, 2 = down.
 uint32_t shfl(uint32_t mask, uint32_t value, int arg, int mode, int width);
 unsigned char* dyn_smem();
+// cp.async of `bytes` (4, 8 or 16) from global to shared memory: copied at once (the kernel's
+// commit/wait are no-ops here, its barrier still orders the copy for the other threads); a size
+// or an address the PTX ISA refuses (not a multiple of the size) fails the launch.
+void cp_async(void* dst, const void* src, unsigned bytes);
 } // namespace npu_emu
 
 #define threadIdx (npu_emu::thread_idx())

@@ -111,6 +111,19 @@ static void pass_on(int end) {
     yield_to_scheduler();
 }
 
+void cp_async(void* dst, const void* src, unsigned bytes) {
+    if (bytes != 4 && bytes != 8 && bytes != 16) {
+        error = "cp.async of " + std::to_string(bytes) + " bytes (the PTX ISA allows 4, 8, 16)";
+        return;
+    }
+    if (((uintptr_t)dst | (uintptr_t)src) % bytes != 0) {
+        error = "cp.async of " + std::to_string(bytes) +
+                " bytes between addresses not aligned to the size";
+        return;
+    }
+    std::memcpy(dst, src, bytes);
+}
+
 void syncthreads() {
     threads[current].state = State::AtBarrier;
     pass_on(n_threads);

@@ -16,6 +16,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../kernels/attention_i8.cu"),
     ),
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
+    ("gemm_tiled.cu", include_str!("../kernels/gemm_tiled.cu")),
     (
         "attention_out.cu",
         include_str!("../kernels/attention_out.cu"),
@@ -223,7 +224,16 @@ pub fn gemm_kernel(fmt: WeightFormat, dt: DType) -> Option<usize> {
     Some(GEMM_BASE + f * ACTS.len() + act_index(dt))
 }
 
-const MOE_MM_BASE: usize = GEMM_BASE + GEMM_FORMATS.len() * ACTS.len();
+const GEMM_TILED_BASE: usize = GEMM_BASE + GEMM_FORMATS.len() * ACTS.len();
+
+/// Index of the int8 tensor-core GEMM tiled through shared memory (`gemm_tiled_*`,
+/// kernels/gemm_tiled.cu) for `fmt` (a quantized format: `None` for F16).
+pub fn gemm_tiled_kernel(fmt: WeightFormat, dt: DType) -> Option<usize> {
+    let f = GEMM_FORMATS.iter().position(|&g| g == fmt)?;
+    Some(GEMM_TILED_BASE + f * ACTS.len() + act_index(dt))
+}
+
+const MOE_MM_BASE: usize = GEMM_TILED_BASE + GEMM_FORMATS.len() * ACTS.len();
 
 /// The weights a grouped MoE matmul (`moe_mm_*`, kernels/moe_matmul.cu) reads: a packed format,
 /// or dense rows in the activation dtype.
@@ -362,6 +372,15 @@ pub fn kernel_names() -> Vec<String> {
             ));
         }
     }
+    for fmt in GEMM_FORMATS {
+        for dt in ACTS {
+            names.push(format!(
+                "gemm_tiled_{}_{}",
+                fmt.kernel_name(),
+                act_suffix(dt).unwrap()
+            ));
+        }
+    }
     for w in MoeWeights::ALL {
         for dt in ACTS {
             names.push(format!(
@@ -450,6 +469,11 @@ mod tests {
         );
         assert_eq!(gemm_kernel(WeightFormat::F16, DType::F32), None);
         assert_eq!(
+            names[gemm_tiled_kernel(WeightFormat::Q4_1, DType::BF16).unwrap()],
+            "gemm_tiled_q4_1_bf16"
+        );
+        assert_eq!(gemm_tiled_kernel(WeightFormat::F16, DType::F32), None);
+        assert_eq!(
             names[moe_mm_kernel(MoeWeights::Packed(WeightFormat::Q4_1), DType::F16)],
             "moe_mm_q4_1_f16"
         );
@@ -498,6 +522,7 @@ mod tests {
         assert!(src.contains("void gemv_##FS##_r##R##_##S("));
         assert!(src.contains("void dequant_##FS##_##S("));
         assert!(src.contains("void gemm_##FS##_##S("));
+        assert!(src.contains("gemm_tiled_##FS##_##S("));
         assert!(src.contains("void moe_mm_##FS##_##S("));
         assert!(src.contains("void gemv_fold_##FS##_r##R##_##S("));
         assert!(src.contains(" attention_out_##FS##_##S("));

@@ -8,12 +8,28 @@ use crate::backend::CudaBackend;
 use crate::buffer::CudaBuffer;
 use crate::config::MatmulMode;
 use crate::gpu::{blocks, Args, DevPtr, Gemm, LaunchDims};
-use crate::kernels::{self, dequant_kernel, gemm_kernel, gemv_kernel, op_kernel, Op, WeightFormat};
+use crate::kernels::{
+    self, dequant_kernel, gemm_kernel, gemm_tiled_kernel, gemv_kernel, op_kernel, Op, WeightFormat,
+};
 use crate::ops::{addr, addr_mut, float, grid_rows, int, need, same, EW_THREADS};
 use crate::weights::{CudaMatrix, MatrixKind};
 
 /// Warps per block of the GEMV kernels (one output each).
 const GEMV_WARPS: usize = 4;
+
+/// Token rows from which a quantized product on the int8 tensor cores takes the tiled GEMM
+/// (`gemm_tiled_*`, kernels/gemm_tiled.cu: 64 rows x 64 outputs a block of 256 threads, the
+/// activations and weight blocks staged through shared memory by `cp.async`). From 9 to 32 rows
+/// `gemm_*` (kernels/matmul.cu: 32 rows x 32 outputs a block of 128 threads, fragments read from
+/// global memory) covers the rows with one block row, where a 64-row tile would compute at least
+/// half its rows for nothing; from 33 rows it would read every weight block twice or more, the
+/// tiled one reads it once per 64 rows. Same bits either way; neither speed has been measured
+/// (no GPU run of the tiled kernel yet).
+pub(crate) const TILED_MIN_ROWS: usize = 33;
+/// The tiled GEMM's tile: token rows, outputs and threads of a block (kernels/gemm_tiled.cu).
+const TILE_ROWS: usize = 64;
+const TILE_OUTS: usize = 64;
+const TILE_THREADS: u32 = 256;
 
 /// Bytes of weight scratch a matmul of `w` may dequantize into under `mode` (`None`: never).
 pub(crate) fn dequant_scratch_bytes(mode: MatmulMode, w: &CudaMatrix, dt: DType) -> Option<usize> {
@@ -165,12 +181,25 @@ impl CudaBackend {
         let kept = quantized.map(|q8| (x, q8));
         let ol = out.layout();
         let op = addr_mut(&out);
-        if let (Some((xq, xs)), Some(kernel)) = (quantized, self.mma_kernel(fmt, rows, dt)) {
+        if let (Some((xq, xs)), Some((kernel, tiled))) = (quantized, self.mma_kernel(fmt, rows, dt))
+        {
             // Many rows: the int8 tensor cores, the GEMV's arithmetic bit for bit.
             let wp = w.mem.ptr();
+            let dims = if tiled {
+                LaunchDims::linear(
+                    [
+                        blocks(rows, TILE_ROWS),
+                        grid_rows(OP, w.n.div_ceil(TILE_OUTS))?,
+                        1,
+                    ],
+                    TILE_THREADS,
+                )
+            } else {
+                LaunchDims::linear([blocks(rows, 32), grid_rows(OP, w.n.div_ceil(32))?, 1], 128)
+            };
             self.launch(
                 kernel,
-                LaunchDims::linear([blocks(rows, 32), grid_rows(OP, w.n.div_ceil(32))?, 1], 128),
+                dims,
                 Args::new()
                     .ptr(wp)
                     .ptr(wp + w.scales_at as u64)
@@ -262,11 +291,15 @@ impl CudaBackend {
     }
 
     /// The int8 tensor-core GEMM for a quantized product of `rows` rows, where it is used: more
-    /// rows than one GEMV pass takes, a device with `mma.m16n8k32` and the setting on.
-    fn mma_kernel(&self, fmt: WeightFormat, rows: usize, dt: DType) -> Option<usize> {
+    /// rows than one GEMV pass takes, a device with `mma.m16n8k32` and the setting on. Returns
+    /// the kernel and whether it is the tiled one (from [`TILED_MIN_ROWS`] rows).
+    fn mma_kernel(&self, fmt: WeightFormat, rows: usize, dt: DType) -> Option<(usize, bool)> {
         if rows <= kernels::GEMV_ROWS[1] || !self.cfg.int8_mma || !self.gpu.int8_mma() {
             return None;
         }
-        gemm_kernel(fmt, dt)
+        if rows >= TILED_MIN_ROWS {
+            return gemm_tiled_kernel(fmt, dt).map(|k| (k, true));
+        }
+        gemm_kernel(fmt, dt).map(|k| (k, false))
     }
 }

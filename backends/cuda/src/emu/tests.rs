@@ -204,3 +204,46 @@ fn a_read_that_skips_its_synchronization_sees_stale_bytes() {
     assert_eq!(floats(&out), vec![4.0; 16]);
     g.free(p, 64);
 }
+
+/// The tiled tensor-core GEMM's `cp.async` copies 16 bytes between 16-byte aligned addresses;
+/// the emulation copies them at once and refuses a misaligned address as the PTX ISA does.
+#[test]
+fn a_misaligned_cp_async_fails_the_launch() {
+    let Some(g) = gpu() else { return };
+    let k =
+        crate::kernels::gemm_tiled_kernel(crate::kernels::WeightFormat::Q8_0, DType::F32).unwrap();
+    // 8 outputs, k = 64 (2 blocks), 2 rows: Q8_0 quants, f16 scales, 8-bit rows, scale words.
+    let (n, kk, rows) = (8usize, 64usize, 2usize);
+    let bufs = [
+        n * kk,
+        n * 2 * 2,
+        rows * kk + 16,
+        rows * 2 * 16,
+        rows * n * 4,
+    ];
+    let p: Vec<DevPtr> = bufs.iter().map(|&b| g.alloc(b).unwrap()).collect();
+    for (&q, &b) in p.iter().zip(&bufs) {
+        g.htod(q, &vec![0u8; b]).unwrap();
+    }
+    let args = |xq: DevPtr| {
+        Args::new()
+            .ptr(p[0])
+            .ptr(p[1])
+            .ptr(p[1])
+            .i32(n as i32)
+            .i32(kk as i32)
+            .ptr(xq)
+            .ptr(p[3])
+            .i32(rows as i32)
+            .ptr(p[4])
+            .i32(n as i32)
+    };
+    let dims = LaunchDims::linear([1, 1, 1], 256);
+    g.launch(k, dims, &mut args(p[2])).unwrap();
+    g.synchronize().unwrap();
+    let e = match g.launch(k, dims, &mut args(p[2] + 4)) {
+        Err(e) => e,
+        Ok(()) => g.synchronize().unwrap_err(),
+    };
+    assert!(e.to_string().contains("cp.async of 16 bytes"), "{e}");
+}

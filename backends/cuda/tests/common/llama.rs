@@ -53,6 +53,8 @@ pub struct Llama<B: Backend> {
     /// The top-1/top-2 logit gap of each logit row of the last step (the device's own: read
     /// back with the logits).
     pub last_gaps: Vec<f32>,
+    /// The logit rows of the last step (row-major, vocab wide).
+    pub last_logits: Vec<f32>,
 }
 
 fn tensor<'a>(f: &'a GgufFile, name: &str) -> HostTensor<'a> {
@@ -161,6 +163,7 @@ impl<B: Backend> Llama<B> {
             head,
             bufs,
             last_gaps: Vec::new(),
+            last_logits: Vec::new(),
         }
     }
 
@@ -285,6 +288,7 @@ impl<B: Backend> Llama<B> {
             },
         ])
         .unwrap();
+        self.last_logits = logits.clone();
         self.last_gaps = logits
             .chunks(cfg.vocab)
             .map(|row| {

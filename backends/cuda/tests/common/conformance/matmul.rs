@@ -105,8 +105,15 @@ pub fn matmul_paths_match_their_references(make: Make) {
                     w = rounded(&w, DType::F16);
                 }
                 let packed = matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
-                // 1 row, 5 rows, 13 rows (two GEMV passes, or cuBLAS), and a strided view.
-                for (rows, col0, ld) in [(1, 0, k), (5, 0, k), (13, 0, k), (3, 1, k + 3)] {
+                // 1 row, 5 rows, 13 rows (two GEMV passes, or cuBLAS), a strided view, and 40
+                // strided rows (the tiled tensor-core GEMM's ragged tile).
+                for (rows, col0, ld) in [
+                    (1, 0, k),
+                    (5, 0, k),
+                    (13, 0, k),
+                    (3, 1, k + 3),
+                    (40, 2, k + 5),
+                ] {
                     let x = rounded(&rng.vec(rows * ld, -1.0, 1.0), dt);
                     let xb = put(&mut b, dt, &x, rows, ld);
                     let xv = View::new(&xb, Layout::new(col0, rows, k, ld).unwrap()).unwrap();
@@ -171,13 +178,20 @@ pub fn matmul_paths_match_their_references(make: Make) {
                     }
                     let used_gemv = launched
                         .iter()
-                        .any(|l| l.starts_with("gemv_") || l.starts_with("gemm_q"));
+                        .any(|l| l.starts_with("gemv_") || l.starts_with("gemm_"));
                     assert_eq!(used_gemv, gemv_path, "{mode:?} rows {rows}: {launched:?}");
                     // More rows than one GEMV pass: the int8 tensor-core GEMM (emulated here).
-                    let used_mma = launched.iter().any(|l| l.starts_with("gemm_q"));
+                    let used_mma = launched.iter().any(|l| l.starts_with("gemm_"));
                     assert_eq!(
                         used_mma,
                         gemv_path && packed && rows > 8,
+                        "{mode:?} rows {rows}: {launched:?}"
+                    );
+                    // From 33 rows the tiled one (kernels/gemm_tiled.cu).
+                    let used_tiled = launched.iter().any(|l| l.starts_with("gemm_tiled_"));
+                    assert_eq!(
+                        used_tiled,
+                        used_mma && rows >= 33,
                         "{mode:?} rows {rows}: {launched:?}"
                     );
                     let quantized_acts = launched.iter().any(|l| l.starts_with("quantize_q8"));
@@ -189,18 +203,29 @@ pub fn matmul_paths_match_their_references(make: Make) {
 }
 
 /// Quantized products do not depend on how many rows share a step: a step of many rows (the
-/// int8 tensor-core GEMM where the device has it) gives every row the bits a one-row step (the
-/// GEMV) gives it. Odd sizes on purpose: outputs not a multiple of the tile (60), more blocks
-/// per row than a warp has lanes (37), rows not a multiple of the tile (37, 9, 17).
+/// int8 tensor-core GEMMs where the device has them: `gemm_*` from 9 rows, the tiled
+/// `gemm_tiled_*` from 33) gives every row the bits a one-row step (the GEMV) gives it. Odd sizes
+/// on purpose: outputs not a multiple of either tile (60; 136: two full 64-output tiles and a
+/// ragged one), more blocks per row than a warp has lanes (37, an odd count: the tiled kernel's
+/// last stage of 2 blocks is half full), fewer (5: lane classes without a block), rows not a
+/// multiple of the tiles (9, 17, 37, 100; 64 and 512 fill them).
 pub fn quantized_matmul_is_batch_invariant(make: Make) {
     let mut rng = Rng::new(11);
-    let (n, k) = (60, 32 * 37);
+    for (n, k, row_counts) in [
+        (60, 32 * 37, &[37, 9, 17, 64, 100, 512][..]),
+        (136, 32 * 5, &[9, 37, 64, 100][..]),
+    ] {
+        batch_invariant_at(make, &mut rng, n, k, row_counts);
+    }
+}
+
+fn batch_invariant_at(make: Make, rng: &mut Rng, n: usize, k: usize, row_counts: &[usize]) {
     for dt in DTYPES {
         let Some(mut b) = make(dt, MatmulMode::Quantized) else {
             return;
         };
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let data = random_tensor(&mut rng, ty, n, k);
+            let data = random_tensor(rng, ty, n, k);
             let m = b
                 .load_matrix(&[HostTensor {
                     ty,
@@ -210,7 +235,7 @@ pub fn quantized_matmul_is_batch_invariant(make: Make) {
                 }])
                 .unwrap()
                 .expect("one part");
-            for rows in [37, 9, 17] {
+            for &rows in row_counts {
                 let x = rounded(&rng.vec(rows * k, -2.0, 2.0), dt);
                 let xb = put(&mut b, dt, &x, rows, k);
                 let mut all = b.alloc(dt, rows * n).unwrap();
@@ -222,9 +247,10 @@ pub fn quantized_matmul_is_batch_invariant(make: Make) {
                 )
                 .unwrap();
                 if let Some(l) = take_launches(&b) {
+                    let want = if rows >= 33 { "gemm_tiled_" } else { "gemm_q" };
                     assert!(
-                        l.iter().any(|l| l.starts_with("gemm_q")),
-                        "{rows} rows took the GEMV: {l:?}"
+                        l.iter().any(|l| l.starts_with(want)),
+                        "{rows} rows did not take {want}*: {l:?}"
                     );
                 }
                 let many = get(&mut b, &all);
