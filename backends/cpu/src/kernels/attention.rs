@@ -494,7 +494,7 @@ pub fn paged_attention_kv(
         .iter()
         .map(|_| Mutex::new(Partial::default()))
         .collect();
-    // Jobs, each tasks run in turn on one thread: `(first, count, step)` over `tasks`. A split
+    // Jobs, each tasks one thread takes in turn: `(first, count, step)` over `tasks`. A split
     // chunk's KV part is one job for all its KV heads: a block holds every KV head's K (then
     // V) of a layer side by side, so one thread walks each layer-block's bytes together (one
     // run of memory instead of one KB per head, each at another time), asking for the next
