@@ -45,8 +45,12 @@ fn device(attn_fold: bool) -> CudaBackend {
 fn model(family: Family) -> GgufFile {
     let donor = GgufFile::open(common::model_path()).unwrap();
     let bytes = synth::synth_model(family, 1, GgmlType::Q8_0, &donor).unwrap();
+    // One file per call: the tests run in parallel, and each maps its file (rewriting one that
+    // another maps would pull its pages away).
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let path = std::env::temp_dir().join(format!(
-        "npu-cuda-fused-attn-{}-{}.gguf",
+        "npu-cuda-fused-attn-{}-{}-{call}.gguf",
         family.name(),
         std::process::id()
     ));

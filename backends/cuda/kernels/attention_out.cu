@@ -17,9 +17,10 @@
 //    n_heads * hd columns, blocks of 32) by the row's 8-bit heads: one thread per output o, the
 //    group's weight blocks in order, each block's term as `gemv_q_partial` forms it; the partial
 //    sum goes to proj[(row * n_kv + kvh) * n + o].
-// 3. After `__threadfence`, `atomicInc` on counters[0] (wrapped back to 0 by the last): the grid's
-//    last block sums each (row, o) over the kv heads in order 0, 1, ..., writes y (the product)
-//    and adds it into the residual as `add` rounds it.
+// 3. After `__threadfence` (every thread) and a barrier, thread 0 takes an `atomicInc` ticket on
+//    counters[0] (wrapped back to 0 by the last): the grid's last block sums each (row, o) over
+//    the kv heads in order 0, 1, ..., writes y (the product) and adds it into the residual as
+//    `add` rounds it.
 // Deterministic (the sums' order is fixed whichever block runs last), but not bit for bit the
 // separate `attention` + `matmul_add` launches: the GEMV adds each output's blocks across the
 // lanes of a warp in another order.
@@ -112,9 +113,9 @@ __device__ __forceinline__ void attention_out_body(
     const int seq = items[2 * item];
     const i64 row = (i64)seq_info[3 * seq] + items[2 * item + 1];
     if (n_splits > 1) {
-        __syncthreads(); // every warp's partial is written
+        __threadfence(); // each thread's partial visible to the grid before the ticket
+        __syncthreads();
         if (threadIdx.x == 0) {
-            __threadfence();
             const u32 before = atomicInc(counters + 1 + item * n_kv + kvh, (u32)(n_splits - 1));
             last = before == (u32)(n_splits - 1) ? 1u : 0u;
         }
@@ -138,10 +139,10 @@ __device__ __forceinline__ void attention_out_body(
         proj[(row * n_kv + kvh) * n + o] = attention_out_dot<FMT>(w, wd, wm, o, nb, b0, b1, xq,
                                                                   xs, row);
     }
-    __syncthreads(); // the block's partial sums are written
+    __threadfence(); // each thread's partial sums visible to the grid before the ticket
+    __syncthreads();
     const u32 groups = gridDim.x * (u32)n_kv;
     if (threadIdx.x == 0) {
-        __threadfence();
         const u32 before = atomicInc(counters, groups - 1u);
         last = before == groups - 1u ? 1u : 0u;
     }
