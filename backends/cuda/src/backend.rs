@@ -2,7 +2,6 @@
 //! emulation). This file holds construction, memory, weights, the KV pool and step inputs; the
 //! kernels of a step are launched from `ops.rs`.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -14,10 +13,10 @@ use npu_gguf::quants::dequantize_row;
 
 use crate::buffer::{CudaBuffer, DeviceId, DeviceMem, Scratch};
 use crate::config::{CudaConfig, MatmulMode};
-use crate::cublas::{self, CublasApi};
 use crate::gpu::{DevPtr, Gpu};
-use crate::libs::{self, CudaLib};
-use crate::nvrtc::{self, NvrtcApi};
+use crate::host_rows::{decode_rows, host_bytes};
+use crate::open::panic_message;
+pub use crate::open::{open_libraries, Libraries};
 use crate::step::{self, StepLayout};
 use crate::weights::{self, CudaEmbedding, CudaMatrix};
 
@@ -95,70 +94,6 @@ pub struct CudaBackend {
     pub(crate) graphs: crate::graphs::Graphs,
     #[cfg(feature = "emulation")]
     emu: Option<Arc<crate::emu::EmuGpu>>,
-}
-
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".into()
-    }
-}
-
-/// NVRTC, cuBLAS and the driver's CUDA version (major, minor), as `open_libraries` found them.
-pub type Libraries = (Arc<NvrtcApi>, Arc<CublasApi>, (u32, u32));
-
-/// Loads the driver library, reads the CUDA version it supports, and loads NVRTC and cuBLAS of
-/// the newest major (13, else 12) that driver runs; `MissingLibrary` names each library missing
-/// and how to get it (CUDA 13's and CUDA 12's packages).
-pub fn open_libraries(dirs: &[PathBuf]) -> Result<Libraries, BackendError> {
-    let missing = |message: String| BackendError::MissingLibrary {
-        backend: NAME,
-        message,
-    };
-    libs::require_driver(dirs).map_err(missing)?;
-    let driver = std::panic::catch_unwind(libs::driver_version)
-        .map_err(|p| BackendError::Device {
-            backend: NAME,
-            message: format!("the NVIDIA driver library failed: {}", panic_message(p)),
-        })?
-        .map_err(|message| BackendError::Device {
-            backend: NAME,
-            message,
-        })?;
-    if driver.0 < 12 {
-        return Err(BackendError::Device {
-            backend: NAME,
-            message: format!(
-                "this machine's NVIDIA driver supports CUDA {}.{}; the CUDA backend needs a \
-                 driver for CUDA 12 (525 or newer) or CUDA 13 (580 or newer)",
-                driver.0, driver.1
-            ),
-        });
-    }
-    let search = libs::Search::with_dirs(dirs.to_vec());
-    let n = nvrtc::api(&search, Some(driver.0));
-    let b = cublas::api(&search, Some(driver.0));
-    match (n, b) {
-        (Ok(n), Ok(b)) => Ok((n, b, driver)),
-        (n, b) => {
-            let mut why = Vec::new();
-            for (lib, e) in [(CudaLib::Nvrtc, n.err()), (CudaLib::Cublas, b.err())] {
-                if let Some(e) = e {
-                    why.push(format!("{e}. {}", lib.how_to_get()));
-                }
-            }
-            Err(missing(format!(
-                "{} (the driver supports CUDA {}.{}). A directory outside those paths is named \
-                 with NPU_SERVING_CUDA_LIB_DIR.",
-                why.join(". "),
-                driver.0,
-                driver.1
-            )))
-        }
-    }
 }
 
 impl CudaBackend {
@@ -292,70 +227,6 @@ impl CudaBackend {
             scales_at: p.scales_at,
             mins_at: p.mins_at,
         })
-    }
-}
-
-/// Converts `src` to `dst`'s element type, as bytes.
-fn host_bytes(src: HostSlice<'_>, dt: DType, out: &mut Vec<u8>) -> Result<(), BackendError> {
-    out.clear();
-    match (src, dt) {
-        (HostSlice::I32(s), DType::I32) => out.extend(s.iter().flat_map(|v| v.to_le_bytes())),
-        (HostSlice::F32(s), DType::F32 | DType::F16 | DType::BF16) => {
-            weights::f32_to_bytes(s, dt, out)
-        }
-        (HostSlice::I32(_), _) | (HostSlice::F32(_), DType::I32) => {
-            return Err(BackendError::BadArgument {
-                op: "upload",
-                message: format!("host data of the wrong kind for a {} buffer", dt.name()),
-            })
-        }
-    }
-    Ok(())
-}
-
-/// Decodes `bytes` (one view's window, from its first element) into `dst`, row by row.
-fn decode_rows(
-    bytes: &[u8],
-    dt: DType,
-    rows: usize,
-    cols: usize,
-    stride: usize,
-    dst: &mut HostSliceMut<'_>,
-) {
-    let es = dt.size();
-    for r in 0..rows {
-        let row = &bytes[r * stride * es..(r * stride + cols) * es];
-        match dst {
-            HostSliceMut::I32(d) => {
-                for (o, b) in d[r * cols..(r + 1) * cols]
-                    .iter_mut()
-                    .zip(row.chunks_exact(4))
-                {
-                    *o = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
-            HostSliceMut::F32(d) => {
-                let out = &mut d[r * cols..(r + 1) * cols];
-                match dt {
-                    DType::F32 => {
-                        for (o, b) in out.iter_mut().zip(row.chunks_exact(4)) {
-                            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                        }
-                    }
-                    DType::F16 => {
-                        for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
-                            *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-                        }
-                    }
-                    DType::BF16 => {
-                        for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
-                            *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
-                        }
-                    }
-                    DType::I32 => unreachable!("checked by read_back"),
-                }
-            }
-        }
     }
 }
 
