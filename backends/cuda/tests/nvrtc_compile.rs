@@ -79,50 +79,59 @@ fn every_kernel_compiles_for_sm80_to_sm90_with_each_nvrtc() {
             api.companions()
         );
         let archs = api.supported_archs().unwrap();
-        for t in [
-            Target::Cubin(8, 0),
-            Target::Cubin(8, 6),
-            Target::Cubin(8, 9),
-            Target::Cubin(9, 0),
-        ] {
-            let Target::Cubin(a, b) = t else {
-                unreachable!()
-            };
-            assert!(
-                archs.contains(&(a * 10 + b)),
-                "NVRTC {}.{} lacks sm_{a}{b}",
-                api.version.0,
-                api.version.1
-            );
-            let t0 = Instant::now();
-            let cubin = api
-                .compile_source(&src, t)
-                .unwrap_or_else(|e| panic!("{e}"));
-            assert!(cubin.starts_with(b"\x7fELF"), "sm_{a}{b}: not an ELF image");
-            eprintln!(
-                "  sm_{a}{b}: CUBIN of {} KiB in {:.1} s",
-                cubin.len() >> 10,
-                t0.elapsed().as_secs_f64()
-            );
-        }
-        for (a, b) in [(8, 0), (9, 0)] {
-            let ptx = api
-                .compile_source(&src, Target::Ptx(a, b))
-                .unwrap_or_else(|e| panic!("{e}"));
-            let text = String::from_utf8_lossy(&ptx);
-            for n in &names {
-                assert!(
-                    text.contains(&format!(".entry {n}(")),
-                    "compute_{a}{b}: no entry point {n}"
-                );
+        // The six compilations are independent programs, run on threads at once: NVRTC's API
+        // may be called from several threads concurrently (its guide, "Thread Safety"), and
+        // the test's time is most of a minute each.
+        std::thread::scope(|s| {
+            for t in [
+                Target::Cubin(8, 0),
+                Target::Cubin(8, 6),
+                Target::Cubin(8, 9),
+                Target::Cubin(9, 0),
+            ] {
+                let (api, src, archs) = (&api, &src, &archs);
+                s.spawn(move || {
+                    let Target::Cubin(a, b) = t else {
+                        unreachable!()
+                    };
+                    assert!(
+                        archs.contains(&(a * 10 + b)),
+                        "NVRTC {}.{} lacks sm_{a}{b}",
+                        api.version.0,
+                        api.version.1
+                    );
+                    let t0 = Instant::now();
+                    let cubin = api.compile_source(src, t).unwrap_or_else(|e| panic!("{e}"));
+                    assert!(cubin.starts_with(b"\x7fELF"), "sm_{a}{b}: not an ELF image");
+                    eprintln!(
+                        "  sm_{a}{b}: CUBIN of {} KiB in {:.1} s",
+                        cubin.len() >> 10,
+                        t0.elapsed().as_secs_f64()
+                    );
+                });
             }
-            let loose = contractible(&text);
-            assert!(
-                loose.is_empty(),
-                "compute_{a}{b}: f32 arithmetic ptxas may contract: {:?}",
-                &loose[..loose.len().min(5)]
-            );
-        }
+            for (a, b) in [(8, 0), (9, 0)] {
+                let (api, src, names) = (&api, &src, &names);
+                s.spawn(move || {
+                    let ptx = api
+                        .compile_source(src, Target::Ptx(a, b))
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    let text = String::from_utf8_lossy(&ptx);
+                    for n in names {
+                        assert!(
+                            text.contains(&format!(".entry {n}(")),
+                            "compute_{a}{b}: no entry point {n}"
+                        );
+                    }
+                    let loose = contractible(&text);
+                    assert!(
+                        loose.is_empty(),
+                        "compute_{a}{b}: f32 arithmetic ptxas may contract: {:?}",
+                        &loose[..loose.len().min(5)]
+                    );
+                });
+            }
+        });
         // The options themselves keep a*b + c apart (and an explicit fmaf fused).
         let probe = "extern \"C\" __global__ void probe(float* o, const float* a) {\n\
                      o[0] = a[0] * a[1] + a[2];\n o[1] = fmaf(a[0], a[1], a[2]);\n}\n";
