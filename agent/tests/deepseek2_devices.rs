@@ -233,6 +233,7 @@ fn deepseek2_on_the_cuda_emulation_in_16_bits() {
             fold_rope: false,
             fold_ffn: false,
             fold_attn_out: false,
+            kquants: npu_backend_cuda::KQuants::F16,
         })
         .expect("the CUDA emulation opens");
         let mut m = Model::load(&f, b, options()).unwrap();

@@ -21,6 +21,7 @@ pub fn cuda() -> CudaBackend {
         fold_rope: false,
         fold_ffn: false,
         fold_attn_out: false,
+        kquants: npu_backend_cuda::KQuants::F16,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }

@@ -383,11 +383,31 @@ impl Backend for CudaBackend {
         } else {
             None
         };
-        let Some(p) = weights::pack_matrix(parts, dense)? else {
-            return Ok(None);
+        let q4k = if dense.is_none() && self.cfg.kquants == crate::config::KQuants::Packed {
+            weights::pack_q4k(parts)?
+        } else {
+            None
+        };
+        if q4k.is_none()
+            && self.cfg.kquants == crate::config::KQuants::Packed
+            && parts.iter().any(|p| p.ty.name().ends_with("_K"))
+        {
+            tracing::debug!(
+                "cuda: NPU_SERVING_CUDA_KQUANTS=packed keeps Q4_K only, outside the dequantized \
+                 matmul mode; these {} parts load as F16 or dense",
+                parts[0].ty.name()
+            );
+        }
+        let p = match q4k {
+            Some(p) => p,
+            None => match weights::pack_matrix(parts, dense)? {
+                Some(p) => p,
+                None => return Ok(None),
+            },
         };
         let m = self.upload_matrix(p)?;
         if matches!(m.kind, weights::MatrixKind::Packed(f) if f != crate::kernels::WeightFormat::F16)
+            || m.kind == weights::MatrixKind::Q4K
         {
             self.quantized_matrices = true;
         }

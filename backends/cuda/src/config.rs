@@ -39,6 +39,19 @@ impl MatmulMode {
     }
 }
 
+/// How K-quant matrices (Q4_K; Q6_K and the other K-quants stay F16) are kept on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KQuants {
+    /// Dequantized to F16 at load (the default; about 3.6x Q4_K's bytes).
+    F16,
+    /// Q4_K matrices keep the file's bytes and run the packed Q4_K GEMV (`gemv_q4_k_*`,
+    /// kernels/matmul_k.cu) for every step size; opt-in, emulation-checked only.
+    Packed,
+}
+
+/// Environment variable: `packed` keeps Q4_K matrices in the file's bytes; `f16`, the default,
+/// dequantizes K-quants to F16 at load.
+pub const ENV_KQUANTS: &str = "NPU_SERVING_CUDA_KQUANTS";
 /// Environment variable: activation dtype (`f16`, `bf16`, `f32`).
 pub const ENV_DTYPE: &str = "NPU_SERVING_CUDA_DTYPE";
 /// Environment variable: matmul strategy (`quantized`, `auto`, `dequantized`).
@@ -99,6 +112,8 @@ pub struct CudaConfig {
     /// residual add as one launch (`NPU_SERVING_CUDA_FUSE=4`; off by default), partial sums
     /// over heads added in a fixed order by the grid's last block.
     pub fold_attn_out: bool,
+    /// K-quant matrices: F16 at load (default) or Q4_K packed (`NPU_SERVING_CUDA_KQUANTS`).
+    pub kquants: KQuants,
     /// Where compiled kernels are cached on disk (`None`: memory only).
     pub kernel_cache: Option<PathBuf>,
     /// Directories searched for the CUDA libraries when the loader does not find them by name.
@@ -119,6 +134,7 @@ impl Default for CudaConfig {
             fold_rope: false,
             fold_ffn: false,
             fold_attn_out: false,
+            kquants: KQuants::F16,
             kernel_cache: crate::nvrtc::default_cache_dir(),
             lib_dirs: crate::libs::default_search_dirs(),
         }
@@ -127,7 +143,7 @@ impl Default for CudaConfig {
 
 impl CudaConfig {
     /// The defaults with `NPU_SERVING_CUDA_DTYPE`, `NPU_SERVING_CUDA_MATMUL`,
-    /// `NPU_SERVING_CUDA_GEMV_MAX_ROWS`, `NPU_SERVING_CUDA_MMA` and `NPU_SERVING_CUDA_FUSE` applied; a bad value is an error naming the variable.
+    /// `NPU_SERVING_CUDA_GEMV_MAX_ROWS`, `NPU_SERVING_CUDA_MMA`, `NPU_SERVING_CUDA_FUSE` and `NPU_SERVING_CUDA_KQUANTS` applied; a bad value is an error naming the variable.
     pub fn from_env() -> Result<Self, String> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -158,6 +174,13 @@ impl CudaConfig {
                 "0" => false,
                 "1" => true,
                 _ => return Err(format!("{ENV_MMA}={v:?}: expected 0 or 1")),
+            };
+        }
+        if let Some(v) = get(ENV_KQUANTS) {
+            c.kquants = match v.as_str() {
+                "f16" => KQuants::F16,
+                "packed" => KQuants::Packed,
+                _ => return Err(format!("{ENV_KQUANTS}={v:?}: expected f16 or packed")),
             };
         }
         if let Some(v) = get(ENV_FUSE) {
@@ -219,5 +242,10 @@ mod tests {
         assert!(!three.fold_ffn && !three.fold_attn_out && !d.fold_ffn);
         let four = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "4".into())).unwrap();
         assert!(four.fold_rope && four.fold_ffn && four.fold_attn_out);
+        assert_eq!(d.kquants, KQuants::F16);
+        let e = CudaConfig::from_vars(|k| (k == ENV_KQUANTS).then(|| "q4k".into())).unwrap_err();
+        assert!(e.contains(ENV_KQUANTS), "{e}");
+        let p = CudaConfig::from_vars(|k| (k == ENV_KQUANTS).then(|| "packed".into())).unwrap();
+        assert_eq!(p.kquants, KQuants::Packed);
     }
 }

@@ -16,6 +16,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../kernels/attention_i8.cu"),
     ),
     ("matmul.cu", include_str!("../kernels/matmul.cu")),
+    ("matmul_k.cu", include_str!("../kernels/matmul_k.cu")),
     ("gemm_tiled.cu", include_str!("../kernels/gemm_tiled.cu")),
     (
         "attention_out.cu",
@@ -325,6 +326,14 @@ pub fn attention_out_kernel(fmt: WeightFormat, dt: DType) -> Option<usize> {
     Some(ATTN_OUT_BASE + f * ACTS.len() + act_index(dt))
 }
 
+const Q4K_BASE: usize = ATTN_OUT_BASE + GEMM_FORMATS.len() * ACTS.len();
+
+/// Index of the packed Q4_K GEMV (`gemv_q4_k_*`, kernels/matmul_k.cu) handling up to
+/// `GEMV_ROWS[rows_variant]` rows.
+pub fn gemv_q4k_kernel(rows_variant: usize, dt: DType) -> usize {
+    Q4K_BASE + rows_variant * ACTS.len() + act_index(dt)
+}
+
 /// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
 /// every launch for fault messages, and must not rebuild the list each time.
 pub fn kernel_name(i: usize) -> &'static str {
@@ -408,6 +417,11 @@ pub fn kernel_names() -> Vec<String> {
                 fmt.kernel_name(),
                 act_suffix(dt).unwrap()
             ));
+        }
+    }
+    for r in GEMV_ROWS {
+        for dt in ACTS {
+            names.push(format!("gemv_q4_k_r{r}_{}", act_suffix(dt).unwrap()));
         }
     }
     // Last: looked up by name (`ffn_fused_kernel`), so kernels indexed by a base constant go
@@ -501,7 +515,9 @@ mod tests {
             "attention_out_q4_1_f16"
         );
         assert_eq!(attention_out_kernel(WeightFormat::F16, DType::F32), None);
-        assert_eq!(names.len(), FOLD_BASE + 18 + 9 + FFN_COUNT);
+        assert_eq!(names[gemv_q4k_kernel(1, DType::BF16)], "gemv_q4_k_r8_bf16");
+        assert_eq!(names[gemv_q4k_kernel(0, DType::F32)], "gemv_q4_k_r1_f32");
+        assert_eq!(names.len(), FOLD_BASE + 18 + 9 + 6 + FFN_COUNT);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();
@@ -527,5 +543,6 @@ mod tests {
         assert!(src.contains("void gemv_fold_##FS##_r##R##_##S("));
         assert!(src.contains(" attention_out_##FS##_##S("));
         assert!(src.contains("void ffn_fused_##FS##_r##R##_##S("));
+        assert!(src.contains("void gemv_q4_k_r##R##_##S("));
     }
 }

@@ -47,6 +47,7 @@ mod kv;
 pub mod libs;
 mod lora;
 mod matmul;
+mod matmul_k;
 mod mla;
 mod moe;
 pub mod nccl;
@@ -59,5 +60,5 @@ pub mod weights;
 
 pub use backend::{open_libraries, CudaBackend};
 pub use buffer::CudaBuffer;
-pub use config::{CudaConfig, MatmulMode};
+pub use config::{CudaConfig, KQuants, MatmulMode};
 pub use weights::{CudaEmbedding, CudaMatrix};

@@ -5,6 +5,9 @@
 //! BF16, Q5_x, K-quants) is dequantized with the reference dequantization and stored as F16. In
 //! `MatmulMode::Dequantized` every matrix is dequantized once, here, to the activation dtype.
 //!
+//! With `NPU_SERVING_CUDA_KQUANTS=packed`, Q4_K matrices keep the file's bytes unchanged
+//! (`pack_q4k`): the device holds exactly the file's bytes of them.
+//!
 //! Embedding tables keep the file's bytes for F32, F16, BF16, Q4_0, Q4_1 and Q8_0 (rows are
 //! dequantized on lookup); other types are dequantized to F16 here.
 
@@ -25,6 +28,9 @@ pub enum MatrixKind {
     Packed(WeightFormat),
     /// Row-major `n x k` in this dtype, for cuBLAS only.
     Dense(DType),
+    /// Q4_K blocks as the file stores them (144 bytes per 256 values), read by the packed Q4_K
+    /// GEMV only (`NPU_SERVING_CUDA_KQUANTS=packed`; kernels/matmul_k.cu).
+    Q4K,
 }
 
 /// A weight matrix on the device: `n` outputs of `k` inputs.
@@ -261,6 +267,49 @@ pub fn pack_matrix(
     }))
 }
 
+/// `parts` stacked as Q4_K blocks, the file's bytes unchanged (`MatrixKind::Q4K`), where every
+/// part is Q4_K; `Ok(None)` otherwise (they load as F16).
+pub fn pack_q4k(parts: &[HostTensor<'_>]) -> Result<Option<PackedHost>, BackendError> {
+    let Some(first) = parts.first() else {
+        return Err(bad("load_matrix", "no tensors given".into()));
+    };
+    if parts
+        .iter()
+        .any(|p| p.ty != GgmlType::Q4K || p.cols != first.cols)
+    {
+        return Ok(None);
+    }
+    let k = first.cols;
+    if k == 0 || k % 256 != 0 {
+        return Err(bad(
+            "load_matrix",
+            format!("a Q4_K matrix of {k} inputs (a multiple of 256 needed)"),
+        ));
+    }
+    for p in parts {
+        check_tensor("load_matrix", p)?;
+    }
+    let n: usize = parts.iter().map(|p| p.rows).sum();
+    if i32::try_from(n).is_err() || i32::try_from(k).is_err() {
+        return Err(BackendError::Unsupported {
+            backend: NAME,
+            what: format!("a {n}x{k} matrix (dimensions over i32)"),
+        });
+    }
+    let mut bytes = Vec::with_capacity(n * (k / 256) * 144);
+    for p in parts {
+        bytes.extend_from_slice(p.data);
+    }
+    Ok(Some(PackedHost {
+        kind: MatrixKind::Q4K,
+        n,
+        k,
+        bytes,
+        scales_at: 0,
+        mins_at: 0,
+    }))
+}
+
 /// An embedding table's device bytes and type: the file's bytes where `embed` reads the type,
 /// else F16 values.
 pub fn pack_embedding(t: &HostTensor<'_>) -> Result<(GgmlType, usize, Vec<u8>), BackendError> {
@@ -347,6 +396,35 @@ mod tests {
             pack_matrix(&[short], None),
             Err(BackendError::BadArgument { .. })
         ));
+    }
+
+    #[test]
+    fn q4_k_packs_as_the_files_bytes_or_not_at_all() {
+        let data: Vec<u8> = (0..2 * 144).map(|i| (i * 7) as u8).collect();
+        let t = HostTensor {
+            ty: GgmlType::Q4K,
+            data: &data,
+            rows: 1,
+            cols: 512,
+        };
+        let p = pack_q4k(&[t, t]).unwrap().unwrap();
+        assert_eq!((p.kind, p.n, p.k), (MatrixKind::Q4K, 2, 512));
+        assert_eq!(p.bytes, [data.clone(), data.clone()].concat());
+        let q = q8_block(1.0, |_| 1);
+        let other = HostTensor {
+            ty: GgmlType::Q8_0,
+            data: &q,
+            rows: 1,
+            cols: 32,
+        };
+        assert!(pack_q4k(&[other]).unwrap().is_none());
+        let short = HostTensor {
+            ty: GgmlType::Q4K,
+            data: &data[..100],
+            rows: 1,
+            cols: 512,
+        };
+        assert!(pack_q4k(&[short]).is_err());
     }
 
     #[test]

@@ -153,6 +153,11 @@ fn lora_groups_match_the_cpu_backend() {
     conformance::lora_groups_match_the_cpu_backend(&emulated);
 }
 
+#[test]
+fn packed_q4k_gemv_matches_the_f16_path() {
+    conformance::packed_q4k_gemv_matches_the_f16_path(&emulated);
+}
+
 /// Every kernel of the program is launched, and checked, by some case above: no op runs a
 /// kernel the conformance cases never exercise.
 #[test]

@@ -25,6 +25,7 @@ pub fn emulated(dt: DType, matmul: MatmulMode) -> Option<CudaBackend> {
         fold_rope: false,
         fold_ffn: false,
         fold_attn_out: false,
+        kquants: npu_backend_cuda::KQuants::F16,
     };
     match CudaBackend::emulated(cfg) {
         Ok(b) => Some(b),

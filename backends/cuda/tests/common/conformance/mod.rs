@@ -8,6 +8,7 @@ mod attention_out;
 mod ffn_fused;
 mod fold;
 mod fused;
+mod kquants;
 mod kv_int8;
 mod latent;
 mod lora;
@@ -19,6 +20,7 @@ pub use attention_out::*;
 pub use ffn_fused::*;
 pub use fold::*;
 pub use fused::*;
+pub use kquants::*;
 pub use kv_int8::*;
 pub use latent::*;
 pub use lora::*;
@@ -149,6 +151,10 @@ pub const CASES: &[(&str, Case)] = &[
         latent_attention_matches_the_reference,
     ),
     ("latent_pool_refusals", latent_pool_refusals),
+    (
+        "packed_q4k_gemv_matches_the_f16_path",
+        packed_q4k_gemv_matches_the_f16_path,
+    ),
     (
         "lora_groups_match_the_cpu_backend",
         lora_groups_match_the_cpu_backend,
