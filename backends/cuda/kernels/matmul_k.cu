@@ -1,5 +1,6 @@
-// The packed Q4_K GEMV: Q4_K matrices kept in the file's bytes (NPU_SERVING_CUDA_KQUANTS=packed)
-// multiplied by 8-bit activations from `quantize_q8`, as llama.cpp's CUDA mmvq multiplies them.
+// The packed K-quant GEMVs (NPU_SERVING_CUDA_KQUANTS=packed): Q4_K and Q6_K matrices in the
+// file's bytes multiplied by 8-bit activations from `quantize_q8`, as llama.cpp's CUDA mmvq
+// multiplies them.
 //
 // Weight format (the GGUF's blocks as they are, n rows of k / 256 blocks of 144 bytes):
 //   bytes 0..2 d (f16), 2..4 dmin (f16), 4..16 twelve bytes of 6-bit sub-block scales and
@@ -88,3 +89,85 @@ __device__ __forceinline__ void gemv_q4k_body(const u8* w, int n, int k, const s
     GEMV_Q4K_ONE(T, S, 1)                                                                          \
     GEMV_Q4K_ONE(T, S, 8)
 NPU_FOR_EACH_ACT(GEMV_Q4K)
+
+// Q6_K (matrices of n * k / 256 blocks; `pack_kquant` splits the file's 210-byte blocks):
+//   w[0 .. blocks * 192): each block's ql (128 bytes) then qh (64 bytes), as in the file;
+//   then 16 signed 8-bit sub-block scales per block; then one f16 d per block.
+// Value y[128h + 32t + l] (h < 2, t < 4, l < 32) of a block is
+//   d * sc[8h + 2t + l / 16] * (q - 32), q = nibble (t >> 1) of ql[64h + 32(t & 1) + l]
+//   | bits 2t..2t+1 of qh[32h + l] << 4,
+// so activation block j = 4h + t of the block meets 32 bytes of ql and 32 of qh, two scales.
+// Its dot: dx * d * sum over its two halves of sc * (sum q qx - 32 sum qx), integers by dp4a.
+template <typename T, int R>
+__device__ __forceinline__ void gemv_q6k_body(const u8* w, int n, int k, const signed char* xq,
+                                              const u32* xs, int rows, T* out, int ldo) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= n) {
+        return; // the whole warp: this kernel has no block-wide barrier
+    }
+    float acc[R];
+    for (int r = 0; r < R; ++r) {
+        acc[r] = 0.0f;
+    }
+    const int nb = k >> 5;
+    const int nsb = k >> 8;
+    const i64 blocks = (i64)n * nsb;
+    const signed char* scales = (const signed char*)(w + blocks * 192);
+    const u16* wd = (const u16*)(w + blocks * 208);
+    for (int b = lane; b < nb; b += 32) {
+        const int j = b & 7;
+        const int h = j >> 2;
+        const int t = j & 3;
+        const i64 blk = (i64)o * nsb + (b >> 3);
+        const u8* base = w + blk * 192;
+        const uint4* lp = (const uint4*)(base + 64 * h + 32 * (t & 1));
+        const uint4* hp = (const uint4*)(base + 128 + 32 * h);
+        const uint4 l0 = lp[0];
+        const uint4 l1 = lp[1];
+        const uint4 h0 = hp[0];
+        const uint4 h1 = hp[1];
+        const u32 lw[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+        const u32 hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        const int lshift = 4 * (t >> 1);
+        const int hshift = 2 * t;
+        u32 wq[8];
+        for (int i = 0; i < 8; ++i) {
+            wq[i] = ((lw[i] >> lshift) & 0x0f0f0f0fu) | (((hw[i] >> hshift) & 0x03030303u) << 4);
+        }
+        const int sc0 = (int)scales[blk * 16 + 8 * h + 2 * t];
+        const int sc1 = (int)scales[blk * 16 + 8 * h + 2 * t + 1];
+        const float d = f16_bits_to_f32(wd[blk]);
+        for (int r = 0; r < R; ++r) {
+            if (r < rows) {
+                const uint4* xp = (const uint4*)(xq + (i64)r * k + b * 32);
+                const uint4 xa = xp[0];
+                const uint4 xb = xp[1];
+                const int xw[8] = {(int)xa.x, (int)xa.y, (int)xa.z, (int)xa.w,
+                                   (int)xb.x, (int)xb.y, (int)xb.z, (int)xb.w};
+                int dq0 = 0, dq1 = 0, sx0 = 0, sx1 = 0;
+                for (int i = 0; i < 4; ++i) {
+                    dq0 = __dp4a((int)wq[i], xw[i], dq0);
+                    sx0 = __dp4a(0x01010101, xw[i], sx0);
+                    dq1 = __dp4a((int)wq[4 + i], xw[4 + i], dq1);
+                    sx1 = __dp4a(0x01010101, xw[4 + i], sx1);
+                }
+                const int dot = sc0 * (dq0 - 32 * sx0) + sc1 * (dq1 - 32 * sx1);
+                const uint4 s4 = *(const uint4*)(xs + ((i64)r * nb + b) * 4);
+                acc[r] = fmaf(__fmul_rn(d, __uint_as_float(s4.x)), (float)dot, acc[r]);
+            }
+        }
+    }
+    store_rows<T, R>(acc, lane, rows, out + o, ldo);
+}
+
+#define GEMV_Q6K_ONE(T, S, R)                                                                      \
+    extern "C" __global__ void gemv_q6_k_r##R##_##S(const u8* w, int n, int k,                     \
+                                                    const signed char* xq, const u32* xs,         \
+                                                    int rows, T* out, int ldo) {                   \
+        gemv_q6k_body<T, R>(w, n, k, xq, xs, rows, out, ldo);                                     \
+    }
+#define GEMV_Q6K(T, S)                                                                             \
+    GEMV_Q6K_ONE(T, S, 1)                                                                          \
+    GEMV_Q6K_ONE(T, S, 8)
+NPU_FOR_EACH_ACT(GEMV_Q6K)

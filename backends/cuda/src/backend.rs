@@ -384,7 +384,7 @@ impl Backend for CudaBackend {
             None
         };
         let q4k = if dense.is_none() && self.cfg.kquants == crate::config::KQuants::Packed {
-            weights::pack_q4k(parts)?
+            weights::pack_kquant(parts)?
         } else {
             None
         };
@@ -393,7 +393,7 @@ impl Backend for CudaBackend {
             && parts.iter().any(|p| p.ty.name().ends_with("_K"))
         {
             tracing::debug!(
-                "cuda: NPU_SERVING_CUDA_KQUANTS=packed keeps Q4_K only, outside the dequantized \
+                "cuda: NPU_SERVING_CUDA_KQUANTS=packed keeps Q4_K and Q6_K only, outside the dequantized \
                  matmul mode; these {} parts load as F16 or dense",
                 parts[0].ty.name()
             );
@@ -407,7 +407,7 @@ impl Backend for CudaBackend {
         };
         let m = self.upload_matrix(p)?;
         if matches!(m.kind, weights::MatrixKind::Packed(f) if f != crate::kernels::WeightFormat::F16)
-            || m.kind == weights::MatrixKind::Q4K
+            || matches!(m.kind, weights::MatrixKind::Q4K | weights::MatrixKind::Q6K)
         {
             self.quantized_matrices = true;
         }

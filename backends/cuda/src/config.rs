@@ -39,18 +39,19 @@ impl MatmulMode {
     }
 }
 
-/// How K-quant matrices (Q4_K; Q6_K and the other K-quants stay F16) are kept on the device.
+/// How K-quant matrices are kept on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KQuants {
     /// Dequantized to F16 at load (the default; about 3.6x Q4_K's bytes).
     F16,
-    /// Q4_K matrices keep the file's bytes and run the packed Q4_K GEMV (`gemv_q4_k_*`,
-    /// kernels/matmul_k.cu) for every step size; opt-in, emulation-checked only.
+    /// Q4_K and Q6_K matrices keep the file's bytes (Q6_K's blocks split into quants, scales
+    /// and d) and run the packed GEMVs (`gemv_q4_k_*`, `gemv_q6_k_*`, kernels/matmul_k.cu) for
+    /// every step size; the other K-quants stay F16. Opt-in, emulation-checked only.
     Packed,
 }
 
-/// Environment variable: `packed` keeps Q4_K matrices in the file's bytes; `f16`, the default,
-/// dequantizes K-quants to F16 at load.
+/// Environment variable: `packed` keeps Q4_K and Q6_K matrices in the file's bytes; `f16`, the
+/// default, dequantizes K-quants to F16 at load.
 pub const ENV_KQUANTS: &str = "NPU_SERVING_CUDA_KQUANTS";
 /// Environment variable: activation dtype (`f16`, `bf16`, `f32`).
 pub const ENV_DTYPE: &str = "NPU_SERVING_CUDA_DTYPE";
@@ -112,7 +113,7 @@ pub struct CudaConfig {
     /// residual add as one launch (`NPU_SERVING_CUDA_FUSE=4`; off by default), partial sums
     /// over heads added in a fixed order by the grid's last block.
     pub fold_attn_out: bool,
-    /// K-quant matrices: F16 at load (default) or Q4_K packed (`NPU_SERVING_CUDA_KQUANTS`).
+    /// K-quant matrices: F16 at load (default) or Q4_K/Q6_K packed (`NPU_SERVING_CUDA_KQUANTS`).
     pub kquants: KQuants,
     /// Where compiled kernels are cached on disk (`None`: memory only).
     pub kernel_cache: Option<PathBuf>,

@@ -334,6 +334,14 @@ pub fn gemv_q4k_kernel(rows_variant: usize, dt: DType) -> usize {
     Q4K_BASE + rows_variant * ACTS.len() + act_index(dt)
 }
 
+const Q6K_BASE: usize = Q4K_BASE + GEMV_ROWS.len() * ACTS.len();
+
+/// Index of the packed Q6_K GEMV (`gemv_q6_k_*`, kernels/matmul_k.cu) handling up to
+/// `GEMV_ROWS[rows_variant]` rows.
+pub fn gemv_q6k_kernel(rows_variant: usize, dt: DType) -> usize {
+    Q6K_BASE + rows_variant * ACTS.len() + act_index(dt)
+}
+
 /// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
 /// every launch for fault messages, and must not rebuild the list each time.
 pub fn kernel_name(i: usize) -> &'static str {
@@ -422,6 +430,11 @@ pub fn kernel_names() -> Vec<String> {
     for r in GEMV_ROWS {
         for dt in ACTS {
             names.push(format!("gemv_q4_k_r{r}_{}", act_suffix(dt).unwrap()));
+        }
+    }
+    for r in GEMV_ROWS {
+        for dt in ACTS {
+            names.push(format!("gemv_q6_k_r{r}_{}", act_suffix(dt).unwrap()));
         }
     }
     // Last: looked up by name (`ffn_fused_kernel`), so kernels indexed by a base constant go
@@ -517,7 +530,8 @@ mod tests {
         assert_eq!(attention_out_kernel(WeightFormat::F16, DType::F32), None);
         assert_eq!(names[gemv_q4k_kernel(1, DType::BF16)], "gemv_q4_k_r8_bf16");
         assert_eq!(names[gemv_q4k_kernel(0, DType::F32)], "gemv_q4_k_r1_f32");
-        assert_eq!(names.len(), FOLD_BASE + 18 + 9 + 6 + FFN_COUNT);
+        assert_eq!(names[gemv_q6k_kernel(1, DType::F16)], "gemv_q6_k_r8_f16");
+        assert_eq!(names.len(), FOLD_BASE + 18 + 9 + 12 + FFN_COUNT);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();
@@ -544,5 +558,6 @@ mod tests {
         assert!(src.contains(" attention_out_##FS##_##S("));
         assert!(src.contains("void ffn_fused_##FS##_r##R##_##S("));
         assert!(src.contains("void gemv_q4_k_r##R##_##S("));
+        assert!(src.contains("void gemv_q6_k_r##R##_##S("));
     }
 }

@@ -86,8 +86,8 @@ impl CudaBackend {
                 self.cublas(w.mem.ptr(), w, &x, &out, dt)
             }
             // Every step size on the GEMV, 8 rows a launch (no cuBLAS or tensor-core path
-            // reads packed Q4_K: module note of `matmul_k`).
-            MatrixKind::Q4K => self.gemv_q4k(w, x, out, dt),
+            // reads packed K-quants: module note of `matmul_k`).
+            MatrixKind::Q4K | MatrixKind::Q6K => self.gemv_kquant(w, x, out, dt),
             MatrixKind::Packed(fmt) => {
                 let gemv = self.cfg.matmul == MatmulMode::Quantized
                     || (self.cfg.matmul == MatmulMode::Auto && rows <= self.cfg.gemv_max_rows);

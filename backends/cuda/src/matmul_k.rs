@@ -1,6 +1,6 @@
-//! Products by packed Q4_K matrices (`MatrixKind::Q4K`, `NPU_SERVING_CUDA_KQUANTS=packed`): the
-//! activations quantized to 8 bits (`q8_input`, as for Q4_0/Q4_1/Q8_0), then the packed Q4_K GEMV
-//! (`gemv_q4_k_*`, kernels/matmul_k.cu), 8 token rows a launch for every step size: no cuBLAS,
+//! Products by packed K-quant matrices (`MatrixKind::Q4K`, `Q6K`;
+//! `NPU_SERVING_CUDA_KQUANTS=packed`): the activations quantized to 8 bits (`q8_input`, as for
+//! Q4_0/Q4_1/Q8_0), then the packed GEMV (`gemv_q4_k_*`, `gemv_q6_k_*`, kernels/matmul_k.cu), 8 token rows a launch for every step size: no cuBLAS,
 //! tensor-core or folded path reads packed Q4_K, and looping the GEMV over a long prefill is the
 //! simplest correct choice (it reads the weights once per 8 rows; unmeasured).
 
@@ -9,9 +9,9 @@ use npu_backend::{BackendError, DType, View, ViewMut};
 use crate::backend::CudaBackend;
 use crate::buffer::CudaBuffer;
 use crate::gpu::{blocks, Args, LaunchDims};
-use crate::kernels::{gemv_q4k_kernel, GEMV_ROWS};
+use crate::kernels::{gemv_q4k_kernel, gemv_q6k_kernel, GEMV_ROWS};
 use crate::ops::{addr_mut, int};
-use crate::weights::CudaMatrix;
+use crate::weights::{CudaMatrix, MatrixKind};
 
 /// Warps per block (one output each), as the other GEMVs.
 const WARPS: usize = 4;
@@ -24,8 +24,8 @@ impl CudaBackend {
         self.cfg.kquants = kquants;
     }
 
-    /// out = x . w^T for a packed Q4_K `w` (shapes checked by `op_matmul`).
-    pub(crate) fn gemv_q4k(
+    /// out = x . w^T for a packed Q4_K or Q6_K `w` (shapes checked by `op_matmul`).
+    pub(crate) fn gemv_kquant(
         &mut self,
         w: &CudaMatrix,
         x: View<'_, CudaBuffer>,
@@ -39,6 +39,11 @@ impl CudaBackend {
         let (xq, xs) = self.q8_input(w, &x, dt)?;
         let ol = out.layout();
         let op = addr_mut(&out);
+        let kernel = if w.kind == MatrixKind::Q6K {
+            gemv_q6k_kernel
+        } else {
+            gemv_q4k_kernel
+        };
         let variant = usize::from(rows > 1);
         let per = GEMV_ROWS[variant];
         let dims = LaunchDims::linear([blocks(w.n, WARPS), 1, 1], (WARPS * 32) as u32);
@@ -46,7 +51,7 @@ impl CudaBackend {
         while r0 < rows {
             let n_r = per.min(rows - r0) as i32;
             self.launch(
-                gemv_q4k_kernel(variant, dt),
+                kernel(variant, dt),
                 dims,
                 Args::new()
                     .ptr(w.mem.ptr())

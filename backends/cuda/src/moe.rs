@@ -259,10 +259,10 @@ impl CudaBackend {
         )?;
         match kind {
             MatrixKind::Packed(f) => Ok(MoeWeights::Packed(f)),
-            MatrixKind::Q4K => Err(BackendError::Unsupported {
+            MatrixKind::Q4K | MatrixKind::Q6K => Err(BackendError::Unsupported {
                 backend: "cuda",
                 what: format!(
-                    "{op}: packed Q4_K experts (NPU_SERVING_CUDA_KQUANTS=packed; the grouped \
+                    "{op}: packed K-quant experts (NPU_SERVING_CUDA_KQUANTS=packed; the grouped \
                      matmul reads Q4_0, Q4_1, Q8_0, F16 or dense weights: use f16)"
                 ),
             }),

@@ -2,11 +2,12 @@
 //!
 //! Matrices: Q4_0, Q4_1 and Q8_0 keep their quantized values, repacked so quants and scales lie
 //! in separate aligned arrays (see kernels/matmul.cu); F16 stays as is; every other type (F32,
-//! BF16, Q5_x, K-quants) is dequantized with the reference dequantization and stored as F16. In
+//! BF16, Q5_x, K-quants by default) is dequantized with the reference dequantization and stored as F16. In
 //! `MatmulMode::Dequantized` every matrix is dequantized once, here, to the activation dtype.
 //!
 //! With `NPU_SERVING_CUDA_KQUANTS=packed`, Q4_K matrices keep the file's bytes unchanged
-//! (`pack_q4k`): the device holds exactly the file's bytes of them.
+//! and Q6_K's are split into quants, scales and d (`pack_kquant`): the device holds exactly the
+//! file's bytes of them.
 //!
 //! Embedding tables keep the file's bytes for F32, F16, BF16, Q4_0, Q4_1 and Q8_0 (rows are
 //! dequantized on lookup); other types are dequantized to F16 here.
@@ -31,6 +32,9 @@ pub enum MatrixKind {
     /// Q4_K blocks as the file stores them (144 bytes per 256 values), read by the packed Q4_K
     /// GEMV only (`NPU_SERVING_CUDA_KQUANTS=packed`; kernels/matmul_k.cu).
     Q4K,
+    /// Q6_K blocks split into quants, scales and d (`pack_kquant`), read by the packed Q6_K
+    /// GEMV only.
+    Q6K,
 }
 
 /// A weight matrix on the device: `n` outputs of `k` inputs.
@@ -267,15 +271,23 @@ pub fn pack_matrix(
     }))
 }
 
-/// `parts` stacked as Q4_K blocks, the file's bytes unchanged (`MatrixKind::Q4K`), where every
-/// part is Q4_K; `Ok(None)` otherwise (they load as F16).
-pub fn pack_q4k(parts: &[HostTensor<'_>]) -> Result<Option<PackedHost>, BackendError> {
+/// `parts` stacked in a packed K-quant form, where every part is Q4_K or every part is Q6_K;
+/// `Ok(None)` otherwise (they load as F16). Q4_K keeps the file's bytes unchanged
+/// (`MatrixKind::Q4K`); Q6_K's 210-byte blocks are split into the quants (ql and qh, 192 bytes
+/// a block), then the 16 scales of every block, then every block's d (`MatrixKind::Q6K`): the
+/// same bytes, each part 16-byte aligned without padding.
+pub fn pack_kquant(parts: &[HostTensor<'_>]) -> Result<Option<PackedHost>, BackendError> {
     let Some(first) = parts.first() else {
         return Err(bad("load_matrix", "no tensors given".into()));
     };
+    let kind = match first.ty {
+        GgmlType::Q4K => MatrixKind::Q4K,
+        GgmlType::Q6K => MatrixKind::Q6K,
+        _ => return Ok(None),
+    };
     if parts
         .iter()
-        .any(|p| p.ty != GgmlType::Q4K || p.cols != first.cols)
+        .any(|p| p.ty != first.ty || p.cols != first.cols)
     {
         return Ok(None);
     }
@@ -283,7 +295,10 @@ pub fn pack_q4k(parts: &[HostTensor<'_>]) -> Result<Option<PackedHost>, BackendE
     if k == 0 || k % 256 != 0 {
         return Err(bad(
             "load_matrix",
-            format!("a Q4_K matrix of {k} inputs (a multiple of 256 needed)"),
+            format!(
+                "a {} matrix of {k} inputs (a multiple of 256 needed)",
+                first.ty.name()
+            ),
         ));
     }
     for p in parts {
@@ -296,12 +311,26 @@ pub fn pack_q4k(parts: &[HostTensor<'_>]) -> Result<Option<PackedHost>, BackendE
             what: format!("a {n}x{k} matrix (dimensions over i32)"),
         });
     }
-    let mut bytes = Vec::with_capacity(n * (k / 256) * 144);
-    for p in parts {
-        bytes.extend_from_slice(p.data);
-    }
+    let blocks = n * (k / 256);
+    let bytes = if kind == MatrixKind::Q4K {
+        let mut bytes = Vec::with_capacity(blocks * 144);
+        for p in parts {
+            bytes.extend_from_slice(p.data);
+        }
+        bytes
+    } else {
+        let mut bytes = vec![0u8; blocks * 210];
+        let (sc_at, d_at) = (blocks * 192, blocks * 208);
+        let all = parts.iter().flat_map(|p| p.data.chunks_exact(210));
+        for (b, blk) in all.enumerate() {
+            bytes[b * 192..(b + 1) * 192].copy_from_slice(&blk[..192]);
+            bytes[sc_at + b * 16..sc_at + (b + 1) * 16].copy_from_slice(&blk[192..208]);
+            bytes[d_at + b * 2..d_at + (b + 1) * 2].copy_from_slice(&blk[208..210]);
+        }
+        bytes
+    };
     Ok(Some(PackedHost {
-        kind: MatrixKind::Q4K,
+        kind,
         n,
         k,
         bytes,
@@ -399,7 +428,7 @@ mod tests {
     }
 
     #[test]
-    fn q4_k_packs_as_the_files_bytes_or_not_at_all() {
+    fn k_quants_pack_as_the_files_bytes_or_not_at_all() {
         let data: Vec<u8> = (0..2 * 144).map(|i| (i * 7) as u8).collect();
         let t = HostTensor {
             ty: GgmlType::Q4K,
@@ -407,7 +436,7 @@ mod tests {
             rows: 1,
             cols: 512,
         };
-        let p = pack_q4k(&[t, t]).unwrap().unwrap();
+        let p = pack_kquant(&[t, t]).unwrap().unwrap();
         assert_eq!((p.kind, p.n, p.k), (MatrixKind::Q4K, 2, 512));
         assert_eq!(p.bytes, [data.clone(), data.clone()].concat());
         let q = q8_block(1.0, |_| 1);
@@ -417,14 +446,28 @@ mod tests {
             rows: 1,
             cols: 32,
         };
-        assert!(pack_q4k(&[other]).unwrap().is_none());
+        assert!(pack_kquant(&[other]).unwrap().is_none());
         let short = HostTensor {
             ty: GgmlType::Q4K,
             data: &data[..100],
             rows: 1,
             cols: 512,
         };
-        assert!(pack_q4k(&[short]).is_err());
+        assert!(pack_kquant(&[short]).is_err());
+        // Q6_K: quants, then scales, then d; the same bytes.
+        let q6: Vec<u8> = (0..2 * 210).map(|i| (i * 5 + 1) as u8).collect();
+        let t6 = HostTensor {
+            ty: GgmlType::Q6K,
+            data: &q6,
+            rows: 1,
+            cols: 512,
+        };
+        let p = pack_kquant(&[t6]).unwrap().unwrap();
+        assert_eq!(p.kind, MatrixKind::Q6K);
+        assert_eq!(p.bytes.len(), q6.len());
+        assert_eq!(&p.bytes[192..384], &q6[210..402]);
+        assert_eq!(&p.bytes[400..416], &q6[402..418]);
+        assert_eq!(&p.bytes[418..420], &q6[418..420]);
     }
 
     #[test]

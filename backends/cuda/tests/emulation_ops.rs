@@ -154,8 +154,8 @@ fn lora_groups_match_the_cpu_backend() {
 }
 
 #[test]
-fn packed_q4k_gemv_matches_the_f16_path() {
-    conformance::packed_q4k_gemv_matches_the_f16_path(&emulated);
+fn packed_kquant_gemvs_match_the_f16_path() {
+    conformance::packed_kquant_gemvs_match_the_f16_path(&emulated);
 }
 
 /// Every kernel of the program is launched, and checked, by some case above: no op runs a

@@ -152,8 +152,8 @@ pub const CASES: &[(&str, Case)] = &[
     ),
     ("latent_pool_refusals", latent_pool_refusals),
     (
-        "packed_q4k_gemv_matches_the_f16_path",
-        packed_q4k_gemv_matches_the_f16_path,
+        "packed_kquant_gemvs_match_the_f16_path",
+        packed_kquant_gemvs_match_the_f16_path,
     ),
     (
         "lora_groups_match_the_cpu_backend",
