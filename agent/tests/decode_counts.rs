@@ -261,3 +261,51 @@ fn cuda_emulation_counts_three_launches_a_layer_at_fuse_4() {
         out.status
     );
 }
+
+/// Set in the child process of `cuda_emulation_reads_the_files_k_quant_bytes_when_packed`.
+const KQUANTS_CHILD: &str = "NPU_DECODE_COUNTS_KQUANTS_CHILD";
+
+/// With `NPU_SERVING_CUDA_KQUANTS=packed` (opt-in), a Q4_K model's matrices hold the file's
+/// bytes on the CUDA device (the default dequantizes them to F16: about 3.6 times as many). A
+/// tiny llama with every matrix's inputs whole Q4_K blocks (hidden 256, feed-forward 512). The
+/// variable is read from the environment, which this binary's other tests share, so the count
+/// runs in a child process of this binary with it set (as the level-4 test does).
+#[test]
+fn cuda_emulation_reads_the_files_k_quant_bytes_when_packed() {
+    if std::env::var_os(KQUANTS_CHILD).is_some() {
+        emulations();
+        let donor = GgufFile::open(common::model_path()).unwrap();
+        let mut shape = Family::Llama.shape();
+        shape.hidden = 256;
+        shape.heads = 8;
+        shape.head_dim = 32;
+        shape.ff = 512;
+        let layers = shape.layers;
+        let bytes =
+            synth::synth_model_shaped(Family::Llama, shape, 1, GgmlType::Q4K, &donor).unwrap();
+        let file = std::env::temp_dir().join(format!(
+            "npu-decode-counts-cuda-q4k-{}.gguf",
+            std::process::id()
+        ));
+        std::fs::write(&file, bytes).unwrap();
+        let (c, d, f) = counts(DeviceKind::Cuda, file);
+        check_layers("cuda packed Q4_K", &c, d, f, layers);
+        assert_eq!(d, Some(f), "the file's bytes exactly");
+        return;
+    }
+    let name = "cuda_emulation_reads_the_files_k_quant_bytes_when_packed";
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(KQUANTS_CHILD, "1")
+        .env("NPU_SERVING_CUDA_KQUANTS", "packed")
+        .output()
+        .expect("the test binary runs again");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "packed K-quants child: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+}
