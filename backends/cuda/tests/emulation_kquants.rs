@@ -2,7 +2,8 @@
 //! Llama (hidden 256, feed-forward 512: every matrix's inputs whole Q4_K blocks) run with its
 //! K-quants dequantized to F16 (the default) and with them packed
 //! (`NPU_SERVING_CUDA_KQUANTS=packed`: the packed Q4_K GEMV). A prefill of two prompts (more
-//! than 8 rows: the GEMV looped) then decode steps; the greedy tokens must be the same, and the
+//! than 8 rows: the GEMV looped) then decode steps; the greedy tokens must be the same (also with every fold asked for, which
+//! packed K-quants decline), and the
 //! packed run must launch the packed GEMV and no F16 one for the Q4_K matrices. Not a GPU run.
 
 mod common;
@@ -13,9 +14,13 @@ use npu_backend_cuda::{CudaBackend, CudaConfig, KQuants};
 use npu_gguf::synth::{self, Family};
 use npu_gguf::{GgmlType, GgufFile};
 
-fn backend(kquants: KQuants) -> Option<CudaBackend> {
+/// `fuse4`: every fold on (`NPU_SERVING_CUDA_FUSE=4`), which packed K-quants must decline.
+fn backend(kquants: KQuants, fuse4: bool) -> Option<CudaBackend> {
     let cfg = CudaConfig {
         kquants,
+        fold_rope: fuse4,
+        fold_ffn: fuse4,
+        fold_attn_out: fuse4,
         kernel_cache: None,
         lib_dirs: Vec::new(),
         ..CudaConfig::default()
@@ -37,10 +42,11 @@ const BLOCKS_PER_SEQ: usize = 4;
 fn run(
     f: &GgufFile,
     kquants: KQuants,
+    fuse4: bool,
     prompts: &[Vec<u32>],
     decodes: usize,
 ) -> Option<(Vec<Vec<u32>>, Vec<String>)> {
-    let mut b = backend(kquants)?;
+    let mut b = backend(kquants, fuse4)?;
     let n_seqs = prompts.len();
     let mut m = Llama::load(f, &mut b, 64, n_seqs, n_seqs * BLOCKS_PER_SEQ, BLOCK);
     common::take_launches(&b);
@@ -98,10 +104,11 @@ fn packed_q4k_model_keeps_the_f16_paths_greedy_tokens() {
             .collect()
     };
     let prompts = vec![prompt(9, 1), prompt(6, 2)];
-    let Some((f16_tokens, f16_launched)) = run(&f, KQuants::F16, &prompts, 4) else {
+    let Some((f16_tokens, f16_launched)) = run(&f, KQuants::F16, false, &prompts, 4) else {
         return;
     };
-    let (packed_tokens, packed_launched) = run(&f, KQuants::Packed, &prompts, 4).unwrap();
+    let (packed_tokens, packed_launched) = run(&f, KQuants::Packed, false, &prompts, 4).unwrap();
+    let (fuse4_tokens, _) = run(&f, KQuants::Packed, true, &prompts, 4).unwrap();
     let _ = std::fs::remove_file(&path);
     assert!(
         packed_launched.iter().any(|l| l == "gemv_q4_k_r8_f32"),
@@ -112,4 +119,8 @@ fn packed_q4k_model_keeps_the_f16_paths_greedy_tokens() {
         "{f16_launched:?}"
     );
     assert_eq!(packed_tokens, f16_tokens, "greedy tokens");
+    assert_eq!(
+        fuse4_tokens, packed_tokens,
+        "greedy tokens with every fold asked for"
+    );
 }
