@@ -2,9 +2,9 @@
 //! Llama (hidden 256, feed-forward 512: every matrix's inputs whole Q4_K blocks) run with its
 //! K-quants dequantized to F16 (the default) and with them packed
 //! (`NPU_SERVING_CUDA_KQUANTS=packed`: the packed Q4_K GEMV). A prefill of two prompts (more
-//! than 8 rows: the GEMV looped) then decode steps; the greedy tokens must be the same (also with every fold asked for, which
-//! packed K-quants decline), and the
-//! packed run must launch the packed GEMV and no F16 one for the Q4_K matrices. Not a GPU run.
+//! than 8 rows: the GEMV looped) then decode steps; the greedy tokens must be the same (also
+//! with every fold asked for, which packed K-quants decline), and the packed run must launch
+//! the packed GEMV and no F16 one for the Q4_K matrices. Not a GPU run.
 
 mod common;
 
