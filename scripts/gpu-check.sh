@@ -397,11 +397,15 @@ bench_part() {
       [ -s "$m" ] || continue
       # gemv: the quantized mode with the int8 tensor cores off (NPU_SERVING_CUDA_MMA=0), the
       # GEMV for steps of every size: same arithmetic, so the speed of the tensor-core GEMM alone.
-      for mode in quantized gemv auto; do
+      # fuse4: the quantized mode with NPU_SERVING_CUDA_FUSE=4 (3 launches a decode layer: the
+      # opt-in one-launch attention + output projection and feed-forward block), against the
+      # default level 2 of `quantized`, to settle whether level 4 pays on a GPU.
+      for mode in quantized gemv auto fuse4; do
         if [ "$(left)" -lt 50 ]; then continue; fi
         say "bench-model $s $mode"
+        NPU_SERVING_CUDA_FUSE=$([ $mode = fuse4 ] && echo 4 || echo 2) \
         NPU_SERVING_CUDA_MMA=$([ $mode = gemv ] && echo 0 || echo 1) \
-        NPU_SERVING_CUDA_MATMUL=$([ $mode = gemv ] && echo quantized || echo $mode) timeout $(( $(left) > 200 ? 200 : $(left) - 10 )) "$bin" bench-model --device cuda \
+        NPU_SERVING_CUDA_MATMUL=$(case $mode in gemv|fuse4) echo quantized ;; *) echo $mode ;; esac) timeout $(( $(left) > 200 ? 200 : $(left) - 10 )) "$bin" bench-model --device cuda \
           --model "$m" --json --skip-long --skip-roofline --batches 1,32 --decode-steps 32 \
           >"$work/runs/bench-$s-$mode.json" 2>"$logs/bench-$s-$mode.log" ||
           notes+="- bench-model $s $mode failed: $(grep -m1 -iE 'error|panicked' "$logs/bench-$s-$mode.log" | cut -c1-200)"$'\n'
@@ -421,13 +425,13 @@ bench_part() {
           lbb=$work/runs/llama-batched-$s.txt
         cp "$work/runs/llama-batched-$s.txt" "$logs/llama-batched-$s.log" 2>/dev/null
       fi
-      for mode in quantized gemv auto; do
+      for mode in quantized gemv auto fuse4; do
         if [ ! -s "$work/runs/bench-$s-$mode.json" ]; then rows+="| $s $mode | SKIPPED: out of time or failed |||||| "$'\n'; continue; fi
         if [ "$mode" = quantized ]; then
           rows+="$("$tool" bench-row --label "$s, npu-serving $mode" --npu "$work/runs/bench-$s-$mode.json" \
                     ${lb:+--llama-bench "$lb"} ${lbb:+--llama-batched "$lbb"})"$'\n'
         else
-          rows+="$("$tool" bench-row --label "$s, npu-serving $([ $mode = gemv ] && echo 'quantized, tensor cores off' || echo $mode)" --npu "$work/runs/bench-$s-$mode.json")"$'\n'
+          rows+="$("$tool" bench-row --label "$s, npu-serving $([ $mode = gemv ] && echo 'quantized, tensor cores off' || { [ $mode = fuse4 ] && echo 'quantized, NPU_SERVING_CUDA_FUSE=4'; } || echo $mode)" --npu "$work/runs/bench-$s-$mode.json")"$'\n'
         fi
       done
     done
