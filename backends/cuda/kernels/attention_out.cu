@@ -64,25 +64,12 @@ __device__ __forceinline__ float attention_out_dot(const u8* w, const u16* wd, c
                                                    int o, int nb, int b0, int b1,
                                                    const signed char* xq, const u32* xs,
                                                    i64 row) {
-    const int qb = FMT == WF_Q8_0 ? 32 : 16;
     const int offset = FMT == WF_Q4_0 ? 8 : 0;
     float acc = 0.0f;
     for (int b = b0; b < b1; ++b) {
         const i64 blk = (i64)o * nb + b;
         u32 wq[8];
-        const uint4* wp = (const uint4*)(w + blk * qb);
-        const uint4 w0 = wp[0];
-        wq[0] = w0.x;
-        wq[1] = w0.y;
-        wq[2] = w0.z;
-        wq[3] = w0.w;
-        if (FMT == WF_Q8_0) {
-            const uint4 w1 = wp[1];
-            wq[4] = w1.x;
-            wq[5] = w1.y;
-            wq[6] = w1.z;
-            wq[7] = w1.w;
-        }
+        load_block_quants<FMT>(w, blk, wq);
         const float dw = f16_bits_to_f32(wd[blk]);
         const uint4* xp = (const uint4*)(xq + row * (i64)nb * 32 + b * 32);
         const uint4 s4 = *(const uint4*)(xs + (row * nb + b) * 4);

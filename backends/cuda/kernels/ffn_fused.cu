@@ -43,7 +43,6 @@ __device__ __forceinline__ void ffn_down_part(const u8* w, const u16* wd, const 
                                               const uint4* hs, int rows, float* shares) {
     const int b = blockIdx.x;
     const int sub = units >> 5;
-    const int qb = DFMT == WF_Q8_0 ? 32 : 16;
     const int offset = DFMT == WF_Q4_0 ? 8 : 0;
     for (int o = threadIdx.x; o < n; o += blockDim.x) {
         float acc[R];
@@ -53,19 +52,7 @@ __device__ __forceinline__ void ffn_down_part(const u8* w, const u16* wd, const 
         for (int j = 0; j < sub; ++j) {
             const i64 blk = (i64)o * nb + (i64)b * sub + j;
             u32 wq[8];
-            const uint4* wp = (const uint4*)(w + blk * qb);
-            const uint4 w0 = wp[0];
-            wq[0] = w0.x;
-            wq[1] = w0.y;
-            wq[2] = w0.z;
-            wq[3] = w0.w;
-            if (DFMT == WF_Q8_0) {
-                const uint4 w1 = wp[1];
-                wq[4] = w1.x;
-                wq[5] = w1.y;
-                wq[6] = w1.z;
-                wq[7] = w1.w;
-            }
+            load_block_quants<DFMT>(w, blk, wq);
             const float dw = f16_bits_to_f32(wd[blk]);
             const float mw = DFMT == WF_Q4_1 ? f16_bits_to_f32(wm[blk]) : 0.0f;
             for (int r = 0; r < R && r < rows; ++r) {

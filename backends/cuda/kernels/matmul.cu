@@ -141,6 +141,26 @@ __device__ __forceinline__ int block_dot(const u32* wq, const uint4 xa, const ui
     return dot;
 }
 
+// The 32-bit words of packed weight block `blk` (16 bytes of nibbles for Q4_0/Q4_1, 32 bytes of
+// int8 for Q8_0) into wq[0..4) or wq[0..8), read as 16-byte vectors.
+template <int FMT>
+__device__ __forceinline__ void load_block_quants(const u8* w, i64 blk, u32* wq) {
+    const int qb = FMT == WF_Q8_0 ? 32 : 16;
+    const uint4* wp = (const uint4*)(w + blk * qb);
+    const uint4 w0 = wp[0];
+    wq[0] = w0.x;
+    wq[1] = w0.y;
+    wq[2] = w0.z;
+    wq[3] = w0.w;
+    if (FMT == WF_Q8_0) {
+        const uint4 w1 = wp[1];
+        wq[4] = w1.x;
+        wq[5] = w1.y;
+        wq[6] = w1.z;
+        wq[7] = w1.w;
+    }
+}
+
 // Lane `lane`'s partial sums of output o for up to R activation rows: blocks lane, lane + 32, ...
 // of weight row o (the GEMV's order; `gemv_fold_body` shares it).
 template <int FMT, int R>
@@ -152,24 +172,11 @@ __device__ __forceinline__ void gemv_q_partial(const u8* w, const u16* wd, const
         acc[r] = 0.0f;
     }
     const int nb = k >> 5;
-    const int qb = FMT == WF_Q8_0 ? 32 : 16;
     const int offset = FMT == WF_Q4_0 ? 8 : 0;
     for (int b = lane; b < nb; b += 32) {
         const i64 blk = (i64)o * nb + b;
         u32 wq[8];
-        const uint4* wp = (const uint4*)(w + blk * qb);
-        const uint4 w0 = wp[0];
-        wq[0] = w0.x;
-        wq[1] = w0.y;
-        wq[2] = w0.z;
-        wq[3] = w0.w;
-        if (FMT == WF_Q8_0) {
-            const uint4 w1 = wp[1];
-            wq[4] = w1.x;
-            wq[5] = w1.y;
-            wq[6] = w1.z;
-            wq[7] = w1.w;
-        }
+        load_block_quants<FMT>(w, blk, wq);
         const float dw = f16_bits_to_f32(wd[blk]);
         const float mw = FMT == WF_Q4_1 ? f16_bits_to_f32(wm[blk]) : 0.0f;
         for (int r = 0; r < R; ++r) {
