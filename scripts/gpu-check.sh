@@ -3,6 +3,7 @@
 # network there; CUDA 12 or 13). Writes $OUT/report.md and $OUT/logs/.
 #
 #   scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all|serve] [--dry-run] [--budget S]
+#                        [--budget2 S]
 #
 #   part 1: the environment; the conformance suite on the GPU (every op in f32, f16 and bf16
 #           activations, each matmul mode); greedy and teacher-forced agreement with the CPU
@@ -20,7 +21,8 @@
 #           requests, and the same load with the agent killed (SIGKILL) midway: none may be lost.
 #   serve:  that served check alone.
 #   all:    both parts (about 5 minutes on an H100, llama.cpp's build included).
-# Each part stays within --budget seconds (default 560) and reports what it had no time for as
+# Each part stays within --budget seconds (default 560; part 2 of `all` within --budget2 when
+# given) and reports what it had no time for as
 # SKIPPED. Work files (models, the llama.cpp build, report parts) go to target/gpu-check-work,
 # which a warm device machine keeps between the two calls.
 #
@@ -39,6 +41,7 @@ out=${OUT:-target/gpu-check-out}
 part=all
 dry=0
 budget=560
+budget2=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --kit) kit=$2; shift ;;
@@ -46,7 +49,8 @@ while [ $# -gt 0 ]; do
     --part) part=$2; shift ;;
     --dry-run) dry=1 ;;
     --budget) budget=$2; shift ;;
-    *) echo "usage: scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all|serve] [--dry-run] [--budget S]" >&2; exit 2 ;;
+    --budget2) budget2=$2; shift ;;
+    *) echo "usage: scripts/gpu-check.sh [--kit DIR] [--out DIR] [--part 1|2|all|serve] [--dry-run] [--budget S] [--budget2 S]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -225,6 +229,42 @@ conformance_part() {
 declare -A SEED=([llama]=2 [llama3]=3 [qwen2]=1 [qwen3]=2 [qwen3moe]=1 [gemma3]=3 [deepseek2]=3)
 declare -A MARGIN=([f32]=0.15 [f16]=0.5 [bf16]=1.0)
 families=(llama llama3 qwen2 qwen3 qwen3moe gemma3 deepseek2)
+# The decode paths that are not the default, on the same prompt: captured graphs (FUSE=2), the
+# one-launch FFN and attention + output (FUSE=4, eager and captured). f32 activations, judged
+# as the f32 row (graphs are refused by name for sliding windows and latent attention: those
+# run eagerly, and say so in their logs).
+variant_families=" llama qwen2 qwen3 gemma3 deepseek2 "
+variant_rows() {
+  local fam=$1 model=$2 prompt=$3 ref=$4 r=$5 cg=$6 cs=$7 v fuse graphs dg ds rc line note
+  case "$variant_families" in *" $fam "*) ;; *) return ;; esac
+  for v in graphs fuse4 fuse4-graphs; do
+    if [ "$(left)" -lt 40 ]; then rows+="| $fam | 2 | f32 $v | SKIPPED: out of time |"$'\n'; continue; fi
+    fuse=2; graphs=off
+    case $v in fuse4*) fuse=4 ;; esac
+    case $v in *graphs) graphs=auto ;; esac
+    dg=$r-cuda-$v-gen.json; ds=$r-cuda-fuse$fuse-score.json
+    NPU_SERVING_CUDA_FUSE=$fuse timeout 120 "$bin" generate --device cuda --model "$model" --prompt "$prompt" \
+      --max-tokens 32 --ignore-eos --json --graph-capture $graphs >"$dg" 2>"$r-cuda-$v.log"
+    rc=$?
+    if [ $rc = 0 ] && [ ! -s "$ds" ]; then
+      NPU_SERVING_CUDA_FUSE=$fuse timeout 120 "$bin" score --device cuda --model "$model" --prompt "$prompt" \
+        --continuation-ids "$("$tool" ids "$cg" 2>/dev/null)" --json >"$ds" 2>>"$r-cuda-$v.log"
+      rc=$?
+    fi
+    cat "$r-cuda-$v.log" >>"$logs/fidelity-cuda-variants.log"
+    note=""
+    [ $graphs = auto ] && note=" [$(grep -m1 -oE 'graph capture (off|turned off)[^"]*reason=[^ ]*|decode steps captured as graphs per batch bucket' "$r-cuda-$v.log" | cut -c1-120)]"
+    if [ $rc != 0 ]; then
+      line="FAIL: exit $rc: $(grep -m1 -iE 'error|panicked' "$r-cuda-$v.log" | cut -c1-220)"
+      if grep -qiE 'not support|unsupported' "$r-cuda-$v.log"; then line="REFUSED: ${line#FAIL: }"; else fails=$((fails + 1)); fi
+    else
+      line=$("$tool" fidelity --cpu-gen "$cg" --cpu-score "$cs" --dev-gen "$dg" --dev-score "$ds" \
+               --margin "${MARGIN[f32]}" --ref "$ref" --line 2 2>&1) || fails=$((fails + 1))
+      judged=$((judged + 1))
+    fi
+    rows+="| $fam | 2 | f32 $v | $line$note |"$'\n'
+  done
+}
 fidelity_part() {
   local f fam ref model sha want p prompt r cg cs ids dt dg ds line rc fails=0 refused=0 judged=0 rows=""
   f=$(part_file 20-fidelity)
@@ -281,19 +321,64 @@ fidelity_part() {
         fi
         rows+="| $fam | $p | $dt | $line |"$'\n'
       done
+      [ $p = 2 ] && variant_rows "$fam" "$model" "$prompt" "$ref" "$r" "$cg" "$cs"
     done
     rows+="| $fam | | | model sha256 ${sha:0:12}…: $sha_note |"$'\n'
   done
   {
     echo "## Fidelity: the device against the CPU backend on random-weight models"
     echo
-    echo "Each family's tiny random-weight model is made here (\`npu-serving synth-model --arch F --seed N --type f32\`, the default model's tokenizer), the same file as llama.cpp's recorded references when the sha256 matches. For prompts 0 (short) and 2 (longer than gemma3's sliding window) of those references: 32 greedy tokens on the CPU backend and on the device; the device's tokens must equal the CPU backend's up to the first near tie (a top-1/top-2 logit gap below the margin: 0.15 in f32, 0.5 in f16, 1.0 in bf16 activations, the CPU backend's or the device's, teacher-forced along the CPU's tokens), its teacher-forced top-1 must equal the CPU backend's wherever that is decided, and its tokens must equal llama.cpp's up to the first near tie. Only f32 activations (the backend's default) are judged: the f16 and bf16 rows are reported (INFO), since 16-bit activations move these random models' logits by more than any fixed margin (bf16: up to about 1 in log-probability on the emulation)."
+    echo "Each family's tiny random-weight model is made here (\`npu-serving synth-model --arch F --seed N --type f32\`, the default model's tokenizer), the same file as llama.cpp's recorded references when the sha256 matches. For prompts 0 (short) and 2 (longer than gemma3's sliding window) of those references: 32 greedy tokens on the CPU backend and on the device; the device's tokens must equal the CPU backend's up to the first near tie (a top-1/top-2 logit gap below the margin: 0.15 in f32, 0.5 in f16, 1.0 in bf16 activations, the CPU backend's or the device's, teacher-forced along the CPU's tokens), its teacher-forced top-1 must equal the CPU backend's wherever that is decided, and its tokens must equal llama.cpp's up to the first near tie. Only f32 activations (the backend's default) are judged: the f16 and bf16 rows are reported (INFO), since 16-bit activations move these random models' logits by more than any fixed margin (bf16: up to about 1 in log-probability on the emulation). The rows \`f32 graphs\`, \`f32 fuse4\` and \`f32 fuse4-graphs\` run prompt 2 through the decode paths that are not the default (\`generate --graph-capture auto\`, \`NPU_SERVING_CUDA_FUSE=4\`), judged as the f32 row; in brackets, whether the graphs were captured (sliding windows and latent attention run eagerly, by name)."
     echo
     echo "| family | prompt | activations | result |"
     echo "|---|---|---|---|"
     printf '%s' "$rows"
     echo
     echo "**fidelity (f32): $judged judged, $fails failed; $refused refused as expected (gemma3 with f16 activations)**"
+    echo
+  } >"$f"
+}
+
+# ---- K-quants: the Q4_K_M mixture widened to f16 (default) and kept packed, against the CPU --
+kquant_part() {
+  local f m prompt r cg cs ids kq dg ds rc line rows=""
+  f=$(part_file 25-kquants)
+  m=$(shaped_model 1b-q4km)
+  if [ $dry = 1 ] || [ ! -s "$m" ] || [ "$(left)" -lt 60 ]; then
+    printf '## K-quants on the device\n\n%s\n\n' "$(skipped "$([ $dry = 1 ] && echo 'dry run: the 1B Q4_K_M model is made on the GPU machine only' || { [ -s "$m" ] && echo 'out of time' || echo 'no 1B Q4_K_M model (logs/models.log)'; })")" >"$f"
+    return
+  fi
+  say "K-quants: the 1B Q4_K_M model on the CPU and the device"
+  prompt=$("$tool" prompt "$kit/refs/family_llama.jsonl" 2)
+  r=$work/runs/1b-q4km
+  cg=$r-cpu-gen.json; cs=$r-cpu-score.json
+  "$bin" generate --device cpu --model "$m" --prompt "$prompt" --max-tokens 32 --ignore-eos --json \
+    >"$cg" 2>>"$logs/kquants.log"
+  ids=$("$tool" ids "$cg" 2>/dev/null)
+  "$bin" score --device cpu --model "$m" --prompt "$prompt" --continuation-ids "$ids" --json \
+    >"$cs" 2>>"$logs/kquants.log"
+  for kq in f16 packed; do
+    dg=$r-cuda-$kq-gen.json; ds=$r-cuda-$kq-score.json
+    NPU_SERVING_CUDA_KQUANTS=$kq timeout 120 "$bin" generate --device cuda --model "$m" --prompt "$prompt" \
+      --max-tokens 32 --ignore-eos --json >"$dg" 2>>"$logs/kquants.log" &&
+    NPU_SERVING_CUDA_KQUANTS=$kq timeout 120 "$bin" score --device cuda --model "$m" --prompt "$prompt" \
+      --continuation-ids "$ids" --json >"$ds" 2>>"$logs/kquants.log"
+    rc=$?
+    if [ $rc = 0 ]; then
+      line=$("$tool" fidelity --cpu-gen "$cg" --cpu-score "$cs" --dev-gen "$dg" --dev-score "$ds" --margin 0.15 --info 2>&1)
+    else
+      line="FAIL: exit $rc: $(grep -iE 'error|panicked' "$logs/kquants.log" | tail -1 | cut -c1-220)"
+    fi
+    rows+="| $kq | $line |"$'\n'
+  done
+  {
+    echo "## K-quants on the device"
+    echo
+    echo "The 1B-shaped Q4_K_M model, prompt 2 of the llama family's references: 32 greedy tokens and the teacher-forced scores on the CPU backend and on the device, with the K-quant matrices widened to f16 at load (the default) and kept packed (\`NPU_SERVING_CUDA_KQUANTS=packed\`: dp4a over the file's blocks). Reported (INFO), not judged: the CPU's K-quant dot products round activations to 8 bits."
+    echo
+    echo "| K-quants | result |"
+    echo "|---|---|"
+    printf '%s' "$rows"
     echo
   } >"$f"
 }
@@ -311,23 +396,25 @@ sanitizer_part() {
     return
   fi
   say "compute-sanitizer"
-  for spec in "memcheck llama" "memcheck gemma3" "racecheck gemma3" "synccheck gemma3" "initcheck llama"; do
+  # A prompt of about 60 tokens: its prefill runs the tiled tensor-core GEMM (33 rows and more).
+  local long_prompt="The capital of France is Paris, a city on the Seine. The capital of Italy is Rome, a city on the Tiber. The capital of Spain is Madrid, and the capital of Portugal is Lisbon, a port on the Tagus. The capital of Germany is"
+  for spec in "memcheck llama 2" "memcheck llama 4" "memcheck gemma3 4" "racecheck llama 4" "synccheck gemma3 4" "initcheck llama 2"; do
     set -- $spec
     tool_name=$1; model=$work/models/$2.gguf
-    if [ "$(left)" -lt 60 ]; then rows+="| $tool_name | $2 | SKIPPED: out of time |"$'\n'; continue; fi
-    log=$logs/sanitizer-$tool_name-$2.log
-    timeout 90 "$sanitizer" --tool "$tool_name" --error-exitcode 9 \
+    if [ "$(left)" -lt 60 ]; then rows+="| $tool_name | $2, FUSE=$3 | SKIPPED: out of time |"$'\n'; continue; fi
+    log=$logs/sanitizer-$tool_name-$2-fuse$3.log
+    NPU_SERVING_CUDA_FUSE=$3 timeout 90 "$sanitizer" --tool "$tool_name" --error-exitcode 9 \
       $([ "$tool_name" = memcheck ] && echo --leak-check full) \
-      "$bin" generate --device cuda --model "$model" --prompt "The capital of France is" \
+      "$bin" generate --device cuda --model "$model" --prompt "$long_prompt" \
       --max-tokens 8 --ignore-eos >"$log" 2>&1
     rc=$?
     summary=$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sed 's/^=* *//')
-    rows+="| $tool_name | $2 | exit $rc$([ $rc = 124 ] && echo ' (timed out)'); ${summary:-no summary line} |"$'\n'
+    rows+="| $tool_name | $2, FUSE=$3 | exit $rc$([ $rc = 124 ] && echo ' (timed out)'); ${summary:-no summary line} |"$'\n'
   done
   {
     echo "## compute-sanitizer on short runs"
     echo
-    echo "\`npu-serving generate --device cuda\`, 8 tokens of \"The capital of France is\" (gemma3: sliding-window attention, per-head norms, GELU gate)."
+    echo "\`npu-serving generate --device cuda\`, 8 tokens after a prompt of about 60 tokens (its prefill runs the tiled tensor-core GEMM), at the default fusion level 2 or at \`NPU_SERVING_CUDA_FUSE=4\` (the one-launch FFN and attention + output kernels); gemma3: sliding-window attention, per-head norms, GELU gate."
     echo
     echo "| tool | model | result |"
     echo "|---|---|---|"
@@ -338,20 +425,64 @@ sanitizer_part() {
 
 # ---- the 1B- and 8B-shaped models ----------------------------------------------------------
 read -r -a shapes <<<"${GPU_CHECK_SHAPES:-1b 8b}"  # override for tests of this script
-shaped_model() { echo "$work/models/random-$1-q4_0.gguf"; }
+read -r -a quants <<<"${GPU_CHECK_QUANTS:-q4_0 q4_k_m}"
+# A shaped model's name: SHAPE (Q4_0) or SHAPE-q4km (llama.cpp's Q4_K_M mixture).
+models=()
+for s in "${shapes[@]}"; do
+  for q in "${quants[@]}"; do models+=("$s$([ "$q" = q4_k_m ] && echo -q4km)"); done
+done
+shaped_model() {
+  case $1 in
+    *-q4km) echo "$work/models/random-${1%-q4km}-q4_k_m.gguf" ;;
+    *) echo "$work/models/random-$1-q4_0.gguf" ;;
+  esac
+}
 make_models() {
-  local s m
-  for s in "${shapes[@]}"; do
+  local s m q
+  for s in "${models[@]}"; do
     m=$(shaped_model "$s")
     [ -s "$m" ] && continue
-    if [ $dry = 1 ] && [ "$s" = 8b ]; then continue; fi
+    if [ $dry = 1 ] && [ "${s%-q4km}" = 8b ]; then continue; fi
+    q=q4_0; [ "$s" != "${s%-q4km}" ] && q=q4_k_m
     say "making the $s-shaped model"
-    "$tool" shaped --shape "$s" --donor "$donor" --out "$m" >>"$logs/models.log" 2>&1 ||
+    "$tool" shaped --shape "${s%-q4km}" --quant $q --donor "$donor" --out "$m" >>"$logs/models.log" 2>&1 ||
       echo "making $s failed" >>"$logs/models.log"
   done
 }
 
 # ---- speed: npu-serving bench-model vs llama.cpp ---------------------------------------------
+# A bench mode's settings: quantized (the defaults: fusion level 2, eager), graphs (decode steps
+# captured and replayed), fuseN (NPU_SERVING_CUDA_FUSE=N; 4: 3 launches a decode layer), gemv
+# (the int8 tensor cores off: the GEMV for steps of every size), kpacked (Q4_K/Q6_K kept packed,
+# NPU_SERVING_CUDA_KQUANTS=packed, where the default widens them to f16 at load).
+mode_label() {
+  local l="" m=$1
+  case $m in fuse3*) l="FUSE=3" ;; fuse4*) l="FUSE=4" ;; gemv) l="tensor cores off" ;; kpacked*) l="K-quants packed" ;; quantized) l="default" ;; esac
+  case $m in *graphs) l="${l:+$l, }graphs" ;; *) l="${l:+$l, }eager" ;; esac
+  echo "$l"
+}
+bench_one() {
+  local s=$1 mode=$2 m fuse=2 mma=1 kq=f16 graphs=off
+  m=$(shaped_model "$s")
+  [ -s "$m" ] || return 0
+  if [ "$(left)" -lt 50 ]; then return 0; fi
+  case $mode in fuse3*) fuse=3 ;; fuse4*) fuse=4 ;; esac
+  case $mode in gemv) mma=0 ;; esac
+  case $mode in kpacked*) kq=packed ;; esac
+  case $mode in *graphs) graphs=auto ;; esac
+  say "bench-model $s $mode"
+  NPU_SERVING_CUDA_FUSE=$fuse NPU_SERVING_CUDA_MMA=$mma NPU_SERVING_CUDA_KQUANTS=$kq NPU_SERVING_CUDA_MATMUL=quantized \
+    timeout $(( $(left) > 120 ? 120 : $(left) - 10 )) "$bin" bench-model --device cuda \
+    --model "$m" --json --skip-long --skip-roofline --batches 1,32 --decode-steps 32 --count-steps 4 \
+    --graph-capture $graphs >"$work/runs/bench-$s-$mode.json" 2>"$logs/bench-$s-$mode.log" ||
+    notes+="- bench-model $s $mode failed: $(grep -m1 -iE 'error|panicked' "$logs/bench-$s-$mode.log" | cut -c1-200)"$'\n'
+  if [ $graphs = auto ] && ! grep -q 'decode steps captured as graphs' "$logs/bench-$s-$mode.log"; then
+    notes+="- bench-model $s $mode: graphs were not captured: $(grep -m1 -E 'graph capture' "$logs/bench-$s-$mode.log" | cut -c1-200)"$'\n'
+  fi
+  grep -q 'graph capture turned off' "$logs/bench-$s-$mode.log" &&
+    notes+="- bench-model $s $mode: $(grep -m1 'graph capture turned off' "$logs/bench-$s-$mode.log" | cut -c1-220)"$'\n'
+  return 0
+}
 bench_part() {
   local f s m mode rows="" notes="" lb lbb
   f=$(part_file 40-bench)
@@ -360,7 +491,7 @@ bench_part() {
     # Not a measurement: the table's code path, on the emulation with the tiny llama model.
     m=$work/models/llama.gguf
     timeout 300 "$bin" bench-model --device cuda --model "$m" --json --skip-long --skip-roofline \
-      --batches 1 --decode-steps 2 >"$work/runs/bench-smoke.json" 2>"$logs/bench-smoke.log"
+      --batches 1 --decode-steps 2 --count-steps 2 --graph-capture auto >"$work/runs/bench-smoke.json" 2>"$logs/bench-smoke.log"
     lb=""; lbb=""
     if [ -x "${LLAMA_CPP_BIN:-}/llama-bench" ]; then
       # A CPU build of llama.cpp, when given, exercises the llama.cpp columns' parsing.
@@ -392,57 +523,60 @@ bench_part() {
       fi
       llama_wait 150 --stop
     fi
-    for s in "${shapes[@]}"; do
-      m=$(shaped_model "$s")
-      [ -s "$m" ] || continue
-      # gemv: the quantized mode with the int8 tensor cores off (NPU_SERVING_CUDA_MMA=0), the
-      # GEMV for steps of every size: same arithmetic, so the speed of the tensor-core GEMM alone.
-      # fuse4: the quantized mode with NPU_SERVING_CUDA_FUSE=4 (3 launches a decode layer: the
-      # opt-in one-launch attention + output projection and feed-forward block), against the
-      # default level 2 of `quantized`, to settle whether level 4 pays on a GPU.
-      for mode in quantized gemv auto fuse4; do
-        if [ "$(left)" -lt 50 ]; then continue; fi
-        say "bench-model $s $mode"
-        NPU_SERVING_CUDA_FUSE=$([ $mode = fuse4 ] && echo 4 || echo 2) \
-        NPU_SERVING_CUDA_MMA=$([ $mode = gemv ] && echo 0 || echo 1) \
-        NPU_SERVING_CUDA_MATMUL=$(case $mode in gemv|fuse4) echo quantized ;; *) echo $mode ;; esac) timeout $(( $(left) > 200 ? 200 : $(left) - 10 )) "$bin" bench-model --device cuda \
-          --model "$m" --json --skip-long --skip-roofline --batches 1,32 --decode-steps 32 \
-          >"$work/runs/bench-$s-$mode.json" 2>"$logs/bench-$s-$mode.log" ||
-          notes+="- bench-model $s $mode failed: $(grep -m1 -iE 'error|panicked' "$logs/bench-$s-$mode.log" | cut -c1-200)"$'\n'
+    # (model, mode) in the order they matter, so that a budget cut drops the least: the default
+    # level eager (the earlier checks' row) and with graphs, the K-quant mixture in both weight
+    # forms, then llama.cpp on every file, then the other levels.
+    # Each tier: a Q4_0 mode and a Q4_K_M mode, over every model.
+    local first=() second=() tier t
+    for tier in quantized:graphs graphs:kpacked-graphs fuse4-graphs:; do
+      for s in "${models[@]}"; do
+        case $s in *-q4km) t=${tier#*:} ;; *) t=${tier%%:*} ;; esac
+        [ -n "$t" ] && first+=("$s:$t")
       done
     done
+    for tier in fuse4:kpacked fuse3-graphs:quantized gemv:; do
+      for s in "${models[@]}"; do
+        case $s in *-q4km) t=${tier#*:} ;; *) t=${tier%%:*} ;; esac
+        [ -n "$t" ] && second+=("$s:$t")
+      done
+    done
+    local run
+    for run in "${first[@]}"; do bench_one "${run%%:*}" "${run#*:}"; done
     llama_built || notes+="- llama.cpp: $(skipped "${llama_why:-the CUDA build did not finish in time (logs/llama-build.log)}")"$'\n'
-    for s in "${shapes[@]}"; do
+    for s in "${models[@]}"; do
       m=$(shaped_model "$s")
-      [ -s "$m" ] || { rows+="| $s | $(skipped "the model could not be made (logs/models.log)") |||||| "$'\n'; continue; }
-      lb=""; lbb=""
-      if llama_built && [ "$(left)" -gt 20 ]; then
+      if llama_built && [ -s "$m" ] && [ "$(left)" -gt 40 ]; then
         say "llama.cpp $s"
         timeout 90 "$llama_bin/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o json \
-          >"$work/runs/llama-bench-$s.json" 2>"$logs/llama-bench-$s.log" && lb=$work/runs/llama-bench-$s.json
+          >"$work/runs/llama-bench-$s.json" 2>"$logs/llama-bench-$s.log"
         timeout 90 "$llama_bin/llama-batched-bench" -m "$m" -ngl 99 -c 8192 -b 2048 -ub 512 \
-          -npp 128 -ntg 32 -npl 1,32 >"$work/runs/llama-batched-$s.txt" 2>&1 &&
-          lbb=$work/runs/llama-batched-$s.txt
+          -npp 128 -ntg 32 -npl 1,32 >"$work/runs/llama-batched-$s.txt" 2>&1
         cp "$work/runs/llama-batched-$s.txt" "$logs/llama-batched-$s.log" 2>/dev/null
       fi
-      for mode in quantized gemv auto fuse4; do
-        if [ ! -s "$work/runs/bench-$s-$mode.json" ]; then rows+="| $s $mode | SKIPPED: out of time or failed |||||| "$'\n'; continue; fi
-        if [ "$mode" = quantized ]; then
-          rows+="$("$tool" bench-row --label "$s, npu-serving $mode" --npu "$work/runs/bench-$s-$mode.json" \
-                    ${lb:+--llama-bench "$lb"} ${lbb:+--llama-batched "$lbb"})"$'\n'
-        else
-          rows+="$("$tool" bench-row --label "$s, npu-serving $([ $mode = gemv ] && echo 'quantized, tensor cores off' || { [ $mode = fuse4 ] && echo 'quantized, NPU_SERVING_CUDA_FUSE=4'; } || echo $mode)" --npu "$work/runs/bench-$s-$mode.json")"$'\n'
-        fi
+    done
+    for run in "${second[@]}"; do bench_one "${run%%:*}" "${run#*:}"; done
+    for s in "${models[@]}"; do
+      m=$(shaped_model "$s")
+      [ -s "$m" ] || { rows+="| $s | $(skipped "the model could not be made (logs/models.log)") |||||||| "$'\n'; continue; }
+      lb=""; lbb=""
+      [ -s "$work/runs/llama-bench-$s.json" ] && lb=$work/runs/llama-bench-$s.json
+      [ -s "$work/runs/llama-batched-$s.txt" ] && lbb=$work/runs/llama-batched-$s.txt
+      for run in "${first[@]}" "${second[@]}"; do
+        [ "${run%%:*}" = "$s" ] || continue
+        mode=${run#*:}
+        if [ ! -s "$work/runs/bench-$s-$mode.json" ]; then rows+="| $s, $mode | SKIPPED: out of time or failed |||||||| "$'\n'; continue; fi
+        rows+="$("$tool" bench-row --label "$s, $(mode_label "$mode")" --npu "$work/runs/bench-$s-$mode.json" \
+                  ${lb:+--llama-bench "$lb"} ${lbb:+--llama-batched "$lbb"})"$'\n'
       done
     done
   fi
   {
     echo "## Speed: npu-serving bench-model --device cuda against llama.cpp CUDA on the same files"
     echo
-    echo "Random-weight Llama models made on the device (\`gpu_kit_tool shaped\`): 1B-class (hidden 2048, 16 layers, 32/8 heads, ff 8192) and 8B-class (hidden 4096, 32 layers, 32/8 heads, ff 14336), Q4_0 matrices, Q8_0 embedding and head, the default model's vocabulary (49,152). Tokens per second; npu-serving's f32 activations (its default); decode at batch 32 is the total over the batch. npu-serving: \`bench-model --skip-long --batches 1,32\` (prefill of a 512-token prompt; decode at 128 tokens of context). llama.cpp: \`llama-bench -ngl 99 -p 512 -n 128\` (pp512, tg128 from an empty context) and \`llama-batched-bench -npp 128 -ntg 32 -npl 1,32\` (S_TG)."
+    echo "Random-weight Llama models made on the device (\`gpu_kit_tool shaped\`): 1B-class (hidden 2048, 16 layers, 32/8 heads, ff 8192) and 8B-class (hidden 4096, 32 layers, 32/8 heads, ff 14336), Q4_0 matrices with Q8_0 embedding and head, or (\`-q4km\`) llama.cpp's Q4_K_M mixture (Q4_K; Q6_K for the value and down projections of the layers llama.cpp picks, and the head), the default model's vocabulary (49,152). Tokens per second; npu-serving's f32 activations (its default); decode at batch 32 is the total over the batch. npu-serving: \`bench-model --skip-long --batches 1,32 --count-steps 4\` (prefill of a 512-token prompt; decode at 128 tokens of context), in the mode the row names (\`default\`: fusion level 2, K-quants widened to f16 at load; \`graphs\`: \`--graph-capture auto\`; \`FUSE=N\`: \`NPU_SERVING_CUDA_FUSE=N\`; \`K-quants packed\`: \`NPU_SERVING_CUDA_KQUANTS=packed\`; \`tensor cores off\`: \`NPU_SERVING_CUDA_MMA=0\`). Replays: graph replays per counted batch-1 decode step; weight GB/s: the weight bytes one batch-1 step reads on the device times the batch-1 rate (the memory limit is the device's bandwidth: about 3,350 GB/s on an H100 SXM, 4,800 on an H200). llama.cpp: \`llama-bench -ngl 99 -p 512 -n 128\` (pp512, tg128 from an empty context) and \`llama-batched-bench -npp 128 -ntg 32 -npl 1,32\` (S_TG)."
     echo
-    echo "| model | prefill 512 | llama.cpp pp512 | decode b1 | llama.cpp b1 | decode b32 | llama.cpp b32 |"
-    echo "|---|---|---|---|---|---|---|"
+    echo "| model | prefill 512 | llama.cpp pp512 | decode b1 | llama.cpp b1 | decode b32 | llama.cpp b32 | replays | weight GB/s b1 |"
+    echo "|---|---|---|---|---|---|---|---|---|"
     printf '%s' "$rows"
     echo
     printf '%s' "$notes"
@@ -591,8 +725,9 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
   models_pid=$!
   conformance_part
   fidelity_part
-  sanitizer_part
   wait "$models_pid"
+  kquant_part
+  sanitizer_part
   if [ -n "$llama_pid" ]; then
     if ! llama_wait "$(left)"; then  # no waiting: part 1 ends when its own steps do
       printf '## llama.cpp\n\nThe CUDA build did not finish in part 1: it goes on running (its own process session) and part 2 waits for it.\n\n' >"$(part_file 35-llama)"
@@ -604,6 +739,7 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
   # The report so far, in case a later step outlives the call (what is under $OUT comes back).
   [ "$part" = all ] && assemble
   [ "$part" = all ] && started=$(date +%s)  # part 2 gets its own budget
+  [ "$part" = all ] && [ -n "$budget2" ] && budget=$budget2
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
   [ -f "$(part_file 00-env)" ] || env_part

@@ -118,6 +118,10 @@ pub fn run(
     arrivals: &[Arrival],
     on_token: &mut dyn FnMut(usize, &TokenLogprob),
 ) -> Result<(Vec<RunOutput>, RunTiming), InprocError> {
+    // The pool as built: captured step graphs keep one block of the asked-for pool for their
+    // padded rows, so a config made before the load may name one block too many.
+    let mut cfg = cfg;
+    cfg.num_blocks = cfg.num_blocks.min(engine.config().num_blocks as usize);
     run_steps(&mut |plan| engine.step(plan), cfg, arrivals, on_token)
 }
 

@@ -54,6 +54,10 @@ pub struct GenerateArgs {
     /// Print one JSON object: prompt_ids, output_ids, output_text, prefill_tok_s, decode_tok_s.
     #[arg(long)]
     pub json: bool,
+    /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
+    /// auto (where the backend can) or off.
+    #[arg(long, default_value_t = npu_protocol::agent::GraphCapture::Off)]
+    pub graph_capture: npu_protocol::agent::GraphCapture,
 }
 
 #[derive(Debug, Serialize)]
@@ -84,11 +88,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let block_size = 16u32;
     let total = prompt_ids.len() + args.max_tokens;
     let blocks = total.div_ceil(block_size as usize) as u32;
+    // Captured step graphs keep one block of the pool for their padded rows.
+    let pool = blocks + u32::from(args.graph_capture == npu_protocol::agent::GraphCapture::Auto);
     let engine_cfg = AgentEngineConfig {
         device: args.device.device,
         device_id: args.device.device_id,
         model_path,
-        num_blocks: blocks,
+        num_blocks: pool,
         block_size,
         max_slots: 1,
         max_tokens_per_step: 512,
@@ -101,7 +107,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         tensor_parallel: None,
         quantize: args.quantize.clone(),
         kv_cache_dtype: Default::default(),
-        graph_capture: Default::default(),
+        graph_capture: args.graph_capture,
     };
     let mut engine = AgentEngine::load(&engine_cfg)?;
     let ctx = engine.facts().context_length as usize;

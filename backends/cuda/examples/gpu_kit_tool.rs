@@ -9,9 +9,11 @@
 //! gpu_kit_tool prompt REFS.jsonl N
 //!     the prompt text of line N of a reference file
 //! gpu_kit_tool shaped --shape 1b|8b --donor DONOR.gguf --out OUT.gguf [--seed N]
+//!                     [--quant q4_0|q4_k_m]
 //!     a random-weight Llama GGUF of a 1B-class (hidden 2048, 16 layers, 32/8 heads, ff 8192) or
 //!     8B-class (hidden 4096, 32 layers, 32/8 heads, ff 14336) shape: Q4_0 matrices, Q8_0
-//!     token embedding and output head, the donor's tokenizer and vocabulary
+//!     token embedding and output head (or llama.cpp's Q4_K_M mixture: Q4_K, Q6_K for some
+//!     value and down projections and the head), the donor's tokenizer and vocabulary
 //! gpu_kit_tool ids GENERATE.json
 //!     the output ids of `npu-serving generate --json`, comma-separated
 //! gpu_kit_tool fidelity --cpu-gen A --cpu-score B --dev-gen C --dev-score D
@@ -24,7 +26,8 @@
 //! gpu_kit_tool bench-row --label L --npu BENCH.json [--llama-bench LB.json]
 //!                        [--llama-batched LBB.txt]
 //!     one markdown table row: prefill 512 and decode at batch 1 and 32, npu-serving beside
-//!     llama.cpp on the same file
+//!     llama.cpp on the same file, then graph replays per decode step and the batch-1 weight
+//!     read rate (GB/s)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -116,26 +119,102 @@ impl XorShift {
     }
 }
 
-/// Random blocks of `ty` (Q4_0 or Q8_0) for a `rows x cols` matrix whose values have a standard
-/// deviation of about `std`.
+/// Random blocks of `ty` (Q4_0, Q8_0, Q4_K or Q6_K) for a `rows x cols` matrix whose values have
+/// a standard deviation of about `std`: random quants (and K-quant sub-block scales), then the
+/// block scale (and Q4_K's minimum scale) set so the values have that spread.
 fn blocks(rng: &mut XorShift, ty: GgmlType, rows: u64, cols: u64, std: f32) -> Vec<u8> {
-    let nb = (rows * cols / 32) as usize;
-    let (bb, qstd) = match ty {
-        GgmlType::Q4_0 => (18, 4.6f32),
-        GgmlType::Q8_0 => (34, 74.0),
-        _ => unreachable!("Q4_0 and Q8_0 only"),
+    // (values a block, bytes a block, spread of the random quants times their scales, where
+    // the f16 scale sits in the block)
+    let (vals, bb, qstd, at) = match ty {
+        GgmlType::Q4_0 => (32, 18, 4.6f32, 0),
+        GgmlType::Q8_0 => (32, 34, 74.0, 0),
+        // d * sc * q - dmin * m, with sc, m 6-bit and q 4-bit; dmin = 7.5 d centres it.
+        GgmlType::Q4K => (256, 144, 258.0, 0),
+        // d * scale * (q - 32), scale int8, q 6-bit; d is the block's last two bytes.
+        GgmlType::Q6K => (256, 210, 1366.0, 208),
+        _ => unreachable!("Q4_0, Q8_0, Q4_K and Q6_K only"),
     };
+    let nb = (rows * cols / vals) as usize;
     let mut out = vec![0u8; nb * bb];
     rng.fill(&mut out);
-    let d = half::f16::from_f32(std / qstd).to_le_bytes();
+    let d = std / qstd;
+    let dh = half::f16::from_f32(d).to_le_bytes();
+    let mh = half::f16::from_f32(7.5 * d).to_le_bytes();
     for b in out.chunks_mut(bb) {
-        b[..2].copy_from_slice(&d);
+        b[at..at + 2].copy_from_slice(&dh);
+        if ty == GgmlType::Q4K {
+            b[2..4].copy_from_slice(&mh);
+        }
     }
     out
 }
 
+/// The matrix formats of a shaped model: Q4_0 throughout (Q8_0 embedding and head), or
+/// llama.cpp's Q4_K_M mixture (Q4_K, with Q6_K for the value projection and the down projection
+/// of the layers its `use_more_bits` picks, and for the output head).
+#[derive(Clone, Copy, PartialEq)]
+enum ShapedQuant {
+    Q4_0,
+    Q4KM,
+}
+
+impl ShapedQuant {
+    fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "q4_0" => Ok(Self::Q4_0),
+            "q4_k_m" => Ok(Self::Q4KM),
+            other => Err(format!("unknown --quant {other:?} (q4_0 or q4_k_m)")),
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Self::Q4_0 => "Q4_0",
+            Self::Q4KM => "Q4_K_M",
+        }
+    }
+    /// general.file_type: MOSTLY_Q4_0 (2) or MOSTLY_Q4_K_M (15).
+    fn file_type(self) -> u64 {
+        match self {
+            Self::Q4_0 => 2,
+            Self::Q4KM => 15,
+        }
+    }
+    /// The format of layer `l`'s (of `n`) matrix `name`.
+    fn matrix(self, name: &str, l: u64, n: u64) -> GgmlType {
+        match self {
+            Self::Q4_0 => GgmlType::Q4_0,
+            Self::Q4KM => {
+                let more_bits = l < n / 8 || l >= 7 * n / 8 || (l - n / 8) % 3 == 2;
+                if (name == "attn_v.weight" || name == "ffn_down.weight") && more_bits {
+                    GgmlType::Q6K
+                } else {
+                    GgmlType::Q4K
+                }
+            }
+        }
+    }
+    fn embedding(self) -> GgmlType {
+        match self {
+            Self::Q4_0 => GgmlType::Q8_0,
+            Self::Q4KM => GgmlType::Q4K,
+        }
+    }
+    fn head(self) -> GgmlType {
+        match self {
+            Self::Q4_0 => GgmlType::Q8_0,
+            Self::Q4KM => GgmlType::Q6K,
+        }
+    }
+}
+
 /// A random-weight Llama of a 1B- or 8B-class shape with the donor's tokenizer.
-fn shaped(shape: &str, donor: &Path, out: &Path, seed: u64) -> Result<(), String> {
+fn shaped(
+    shape: &str,
+    quant: ShapedQuant,
+    donor: &Path,
+    out: &Path,
+    seed: u64,
+) -> Result<(), String> {
     let (h, layers, heads, kv, ff): (u64, u64, u64, u64, u64) = match shape {
         "1b" => (2048, 16, 32, 8, 8192),
         "8b" => (4096, 32, 32, 8, 14336),
@@ -154,9 +233,12 @@ fn shaped(shape: &str, donor: &Path, out: &Path, seed: u64) -> Result<(), String
     w.add_meta("general.architecture", MetaValue::String("llama".into()));
     w.add_meta(
         "general.name",
-        MetaValue::String(format!("random-weight {shape}-class llama (Q4_0)")),
+        MetaValue::String(format!(
+            "random-weight {shape}-class llama ({})",
+            quant.name()
+        )),
     );
-    w.add_meta("general.file_type", u(2)); // MOSTLY_Q4_0
+    w.add_meta("general.file_type", u(quant.file_type()));
     w.add_meta("llama.block_count", u(layers));
     w.add_meta("llama.context_length", u(8192));
     w.add_meta("llama.embedding_length", u(h));
@@ -175,13 +257,12 @@ fn shaped(shape: &str, donor: &Path, out: &Path, seed: u64) -> Result<(), String
             w.add_meta(k.clone(), d.get(k).cloned().expect("a listed key"));
         }
     }
-    let (q4, q8) = (GgmlType::Q4_0, GgmlType::Q8_0);
     let s = |k: u64| 0.5 / (k as f32).sqrt();
     w.add_tensor(
         "token_embd.weight",
-        q8,
+        quant.embedding(),
         &[h, vocab],
-        blocks(&mut rng, q8, vocab, h, 1.0),
+        blocks(&mut rng, quant.embedding(), vocab, h, 1.0),
     );
     let ones = vec![1.0f32; h as usize];
     for l in 0..layers {
@@ -197,28 +278,30 @@ fn shaped(shape: &str, donor: &Path, out: &Path, seed: u64) -> Result<(), String
             ("ffn_up.weight", ff, h),
             ("ffn_down.weight", h, ff),
         ] {
+            let ty = quant.matrix(name, l, layers);
             w.add_tensor(
                 n(name),
-                q4,
+                ty,
                 &[cols, rows],
-                blocks(&mut rng, q4, rows, cols, s(cols)),
+                blocks(&mut rng, ty, rows, cols, s(cols)),
             );
         }
     }
     w.add_f32_tensor("output_norm.weight", &[h], &ones);
     w.add_tensor(
         "output.weight",
-        q8,
+        quant.head(),
         &[h, vocab],
-        blocks(&mut rng, q8, vocab, h, s(h)),
+        blocks(&mut rng, quant.head(), vocab, h, s(h)),
     );
     w.write_to(out)
         .map_err(|e| format!("{}: {e}", out.display()))?;
     let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
     println!(
-        "{}: {shape}-class llama, hidden {h}, {layers} layers, {heads}/{kv} heads, ff {ff}, vocab \
+        "{}: {shape}-class llama ({}), hidden {h}, {layers} layers, {heads}/{kv} heads, ff {ff}, vocab \
          {vocab}, {:.2} GB",
         out.display(),
+        quant.name(),
         bytes as f64 / 1e9
     );
     Ok(())
@@ -361,14 +444,22 @@ fn bench_row(args: &[String]) -> Result<(), String> {
                 .flatten()
         })
     };
+    // Graph replays per counted decode step, and the weight bytes a batch-1 step reads times the
+    // batch-1 rate (`--count-steps`; absent where not counted).
+    let replays =
+        n("graph_replays_per_decode_step").map_or("—".to_string(), |r| format!("{r:.1}"));
+    let weight_gb_s = n("weight_bytes_per_decode_step")
+        .zip(n("decode_tok_s_b1"))
+        .map(|(b, t)| b * t / 1e9);
     println!(
-        "| {label} | {} | {} | {} | {} | {} | {} |",
+        "| {label} | {} | {} | {} | {} | {} | {} | {replays} | {} |",
         f(n("prefill_tok_s_512")),
         f(lb_ts(512, 0)),
         f(n("decode_tok_s_b1")),
         f(lb_ts(0, 128).or(lbb_tg(1))),
         f(n("decode_tok_s_b32")),
         f(lbb_tg(32)),
+        f(weight_gb_s),
     );
     Ok(())
 }
@@ -389,8 +480,10 @@ fn main() -> ExitCode {
                 .map(|s| s.parse().map_err(|_| format!("bad --seed {s}")))
                 .transpose()?
                 .unwrap_or(1);
+            let quant = ShapedQuant::parse(&arg(&args, "--quant").unwrap_or("q4_0".into()))?;
             shaped(
                 &need(&args, "--shape")?,
+                quant,
                 Path::new(&need(&args, "--donor")?),
                 Path::new(&need(&args, "--out")?),
                 seed,
