@@ -211,7 +211,10 @@ impl CudaGpu {
                 message: m,
             })?;
         // Everything fallible after the module load releases what it made on failure.
-        let mut made = Made::default();
+        let mut made = Made {
+            dynamic_smem: max_smem,
+            ..Made::default()
+        };
         let setup = |made: &mut Made| -> Result<(), BackendError> {
             for name in kernels::kernel_names() {
                 let c = CString::new(name.clone()).expect("kernel names have no NUL");
@@ -220,17 +223,42 @@ impl CudaGpu {
                     .map_err(|e| dev_err(&format!("cuModuleGetFunction({name})"), e))?;
                 made.functions.push(f);
             }
+            // A block's static and dynamic shared memory together may reach the device's
+            // opt-in limit, so each kernel may ask for that limit less its own static bytes
+            // (cuFuncSetAttribute refuses more with CUDA_ERROR_INVALID_VALUE); the launches plan
+            // against the smallest of these.
             for k in kernels::large_smem_kernels() {
-                // SAFETY: a function of the loaded module; the value is the device's opt-in
-                // limit.
-                unsafe {
-                    drv::function::set_function_attribute(
-                        made.functions[k],
-                        drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        max_smem as i32,
+                let f = made.functions[k];
+                // SAFETY: a function of the loaded module; a read-only query.
+                let fixed = unsafe {
+                    drv::function::get_function_attribute(
+                        f,
+                        drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
                     )
                 }
-                .map_err(|e| dev_err("cuFuncSetAttribute", e))?;
+                .map_err(|e| dev_err("cuFuncGetAttribute (static shared memory)", e))?
+                .max(0) as u32;
+                let room = max_smem.saturating_sub(fixed);
+                made.dynamic_smem = made.dynamic_smem.min(room);
+                // SAFETY: a function of the loaded module; the value is the device's opt-in
+                // limit less the function's static shared memory.
+                unsafe {
+                    drv::function::set_function_attribute(
+                        f,
+                        drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        room as i32,
+                    )
+                }
+                .map_err(|e| {
+                    dev_err(
+                        &format!(
+                            "cuFuncSetAttribute ({}: {room} B of dynamic shared memory, {fixed} \
+                             B static)",
+                            kernels::kernel_names()[k]
+                        ),
+                        e,
+                    )
+                })?;
             }
             let handle = blas.create().map_err(|m| dev_err("cublasCreate", m))?;
             made.handle = Some(handle);
@@ -305,7 +333,7 @@ impl CudaGpu {
             sync_each,
             description,
             sm_count,
-            max_smem,
+            max_smem: made.dynamic_smem,
             int8_mma: major >= 8,
             graphs: Mutex::new(graph::Graphs::new(graph::entry_points_present())),
         };
@@ -392,6 +420,8 @@ impl CudaGpu {
 #[derive(Default)]
 struct Made {
     functions: Vec<drv_sys::CUfunction>,
+    /// The dynamic shared memory every large-shared-memory kernel may take.
+    dynamic_smem: u32,
     handle: Option<cublas::Handle>,
     pinned: Vec<*mut u8>,
     events: Vec<drv_sys::CUevent>,
