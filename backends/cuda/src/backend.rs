@@ -372,54 +372,24 @@ impl Backend for CudaBackend {
         &mut self,
         parts: &[HostTensor<'_>],
     ) -> Result<Option<CudaMatrix>, BackendError> {
-        // F32 matrices (a MoE router, f32 files) stay f32 under f32 activations, products in f32
-        // as the CPU backend and llama.cpp compute them: a router's logits rounded through f16
-        // weights can choose another expert where two are close.
-        let all_f32 = parts.iter().all(|p| p.ty == npu_gguf::GgmlType::F32);
-        let dense = if self.cfg.matmul == MatmulMode::Dequantized {
-            Some(self.cfg.act_dtype)
-        } else if all_f32 && self.cfg.act_dtype == DType::F32 {
-            Some(DType::F32)
-        } else {
-            None
-        };
-        let q4k = if dense.is_none() && self.cfg.kquants == crate::config::KQuants::Packed {
-            weights::pack_kquant(parts)?
-        } else {
-            None
-        };
-        if q4k.is_none()
-            && self.cfg.kquants == crate::config::KQuants::Packed
-            && parts.iter().any(|p| p.ty.name().ends_with("_K"))
-        {
-            tracing::debug!(
-                "cuda: NPU_SERVING_CUDA_KQUANTS=packed keeps Q4_K and Q6_K only, outside the dequantized \
-                 matmul mode; these {} parts load as F16 or dense",
-                parts[0].ty.name()
-            );
-        }
-        let p = match q4k {
-            Some(p) => p,
-            None => match weights::pack_matrix(parts, dense)? {
-                Some(p) => p,
+        self.load_matrix_as(parts, self.cfg.kquants)
+    }
+
+    /// Experts load as `load_matrix` does, except that K-quant experts are widened to F16
+    /// whatever `kquants` says: the grouped MoE matmul reads Q4_0, Q4_1, Q8_0, F16 or dense
+    /// weights, not the packed K-quant blocks.
+    fn load_experts(
+        &mut self,
+        experts: &[Vec<HostTensor<'_>>],
+    ) -> Result<Option<Vec<CudaMatrix>>, BackendError> {
+        let mut out = Vec::with_capacity(experts.len());
+        for parts in experts {
+            match self.load_matrix_as(parts, crate::config::KQuants::F16)? {
+                Some(m) => out.push(m),
                 None => return Ok(None),
-            },
-        };
-        let m = self.upload_matrix(p)?;
-        if matches!(m.kind, weights::MatrixKind::Packed(f) if f != crate::kernels::WeightFormat::F16)
-            || matches!(m.kind, weights::MatrixKind::Q4K | weights::MatrixKind::Q6K)
-        {
-            self.quantized_matrices = true;
+            }
         }
-        // `Auto` dequantizes a matrix into the weight scratch for long steps: that area is
-        // made here, at its largest, while the weights load, so that it is taken before the KV
-        // pool is sized from the free memory and the first long prompt allocates nothing (review
-        // finding 6).
-        let dt = self.cfg.act_dtype;
-        if let Some(bytes) = crate::matmul::dequant_scratch_bytes(self.cfg.matmul, &m, dt) {
-            self.scratch_w.ensure(&self.gpu, self.device, bytes)?;
-        }
-        Ok(Some(m))
+        Ok(Some(out))
     }
 
     fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<CudaEmbedding, BackendError> {
@@ -845,5 +815,64 @@ impl Backend for CudaBackend {
     ) -> Result<bool, BackendError> {
         self.op_argmax_logprob_rows(logits, out)?;
         Ok(true)
+    }
+}
+
+impl CudaBackend {
+    /// `load_matrix` with K-quant matrices kept as `kquants` says.
+    fn load_matrix_as(
+        &mut self,
+        parts: &[HostTensor<'_>],
+        kquants: crate::config::KQuants,
+    ) -> Result<Option<CudaMatrix>, BackendError> {
+        // F32 matrices (a MoE router, f32 files) stay f32 under f32 activations, products in f32
+        // as the CPU backend and llama.cpp compute them: a router's logits rounded through f16
+        // weights can choose another expert where two are close.
+        let all_f32 = parts.iter().all(|p| p.ty == npu_gguf::GgmlType::F32);
+        let dense = if self.cfg.matmul == MatmulMode::Dequantized {
+            Some(self.cfg.act_dtype)
+        } else if all_f32 && self.cfg.act_dtype == DType::F32 {
+            Some(DType::F32)
+        } else {
+            None
+        };
+        let q4k = if dense.is_none() && kquants == crate::config::KQuants::Packed {
+            weights::pack_kquant(parts)?
+        } else {
+            None
+        };
+        if q4k.is_none()
+            && kquants == crate::config::KQuants::Packed
+            && parts.iter().any(|p| p.ty.name().ends_with("_K"))
+        {
+            tracing::debug!(
+                "cuda: packed K-quants (NPU_SERVING_CUDA_KQUANTS=packed, the default) are Q4_K and \
+                 Q6_K only, outside the dequantized matmul mode; these {} parts load as F16 or \
+                 dense",
+                parts[0].ty.name()
+            );
+        }
+        let p = match q4k {
+            Some(p) => p,
+            None => match weights::pack_matrix(parts, dense)? {
+                Some(p) => p,
+                None => return Ok(None),
+            },
+        };
+        let m = self.upload_matrix(p)?;
+        if matches!(m.kind, weights::MatrixKind::Packed(f) if f != crate::kernels::WeightFormat::F16)
+            || matches!(m.kind, weights::MatrixKind::Q4K | weights::MatrixKind::Q6K)
+        {
+            self.quantized_matrices = true;
+        }
+        // `Auto` dequantizes a matrix into the weight scratch for long steps: that area is
+        // made here, at its largest, while the weights load, so that it is taken before the KV
+        // pool is sized from the free memory and the first long prompt allocates nothing (review
+        // finding 6).
+        let dt = self.cfg.act_dtype;
+        if let Some(bytes) = crate::matmul::dequant_scratch_bytes(self.cfg.matmul, &m, dt) {
+            self.scratch_w.ensure(&self.gpu, self.device, bytes)?;
+        }
+        Ok(Some(m))
     }
 }

@@ -262,8 +262,8 @@ impl CudaBackend {
             MatrixKind::Q4K | MatrixKind::Q6K => Err(BackendError::Unsupported {
                 backend: "cuda",
                 what: format!(
-                    "{op}: packed K-quant experts (NPU_SERVING_CUDA_KQUANTS=packed; the grouped \
-                     matmul reads Q4_0, Q4_1, Q8_0, F16 or dense weights: use f16)"
+                    "{op}: packed K-quant experts (the grouped matmul reads Q4_0, Q4_1, Q8_0, F16 \
+                     or dense weights; `load_experts` widens K-quant experts to F16)"
                 ),
             }),
             MatrixKind::Dense(wdt) if wdt == dt => Ok(MoeWeights::Dense),
