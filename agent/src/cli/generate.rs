@@ -55,8 +55,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json: bool,
     /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
-    /// auto (where the backend can) or off.
-    #[arg(long, default_value_t = npu_protocol::agent::GraphCapture::Off)]
+    /// auto (where the backend can; the default, as the server's) or off.
+    #[arg(long, default_value_t = npu_protocol::agent::GraphCapture::Auto)]
     pub graph_capture: npu_protocol::agent::GraphCapture,
 }
 
