@@ -28,10 +28,17 @@
 //!     one markdown table row: prefill 512 and decode at batch 1 and 32, npu-serving beside
 //!     llama.cpp on the same file, then graph replays per decode step and the batch-1 weight
 //!     read rate (GB/s)
+//! gpu_kit_tool gemv-bench [--device N] [--rounds N] [--formats q4_0,q8_0,q4_k,q6_k]
+//!     the quantized products of an 8B-class Llama's matrix shapes alone on the device, plain
+//!     and wide GEMV (`NPU_SERVING_CUDA_GEMV`), as a markdown section of weight GB/s
+//!     (`support/gemv_bench.rs`; on the emulation: cut-down shapes, not a measurement)
 //! ```
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+#[path = "support/gemv_bench.rs"]
+mod gemv_bench;
 
 use npu_gguf::writer::GgufWriter;
 use npu_gguf::{GgmlType, GgufFile, MetaValue};
@@ -522,8 +529,10 @@ fn main() -> ExitCode {
             Err(e) => Err(e),
         },
         Some("bench-row") => bench_row(&args),
+        Some("gemv-bench") => gemv_bench::run(&args),
         _ => Err(
-            "usage: gpu_kit_tool donor|shaped|ids|fidelity|bench-row ... (see the source)".into(),
+            "usage: gpu_kit_tool donor|shaped|ids|fidelity|bench-row|gemv-bench ... (see the source)"
+                .into(),
         ),
     };
     match r {

@@ -161,6 +161,28 @@ __device__ __forceinline__ void load_block_quants(const u8* w, i64 blk, u32* wq)
     }
 }
 
+// Adds weight block `blk` (column block b; quants wq, scale dw, minimum mw) times activation
+// block b of each of the `rows` rows into acc: the GEMV's arithmetic for one block, shared by
+// `gemv_q_partial` and `gemv_q_partial_wide` so their bits cannot drift apart.
+template <int FMT, int R>
+__device__ __forceinline__ void gemv_q_block(const u32* wq, float dw, float mw, int b, int nb,
+                                             int k, const signed char* xq, const u32* xs,
+                                             int rows, float* acc) {
+    const int offset = FMT == WF_Q4_0 ? 8 : 0;
+    for (int r = 0; r < R; ++r) {
+        if (r < rows) {
+            const uint4* xp = (const uint4*)(xq + (i64)r * k + b * 32);
+            const uint4 s4 = *(const uint4*)(xs + ((i64)r * nb + b) * 4);
+            int dot = block_dot<FMT>(wq, xp[0], xp[1]);
+            dot -= offset * (int)s4.z;
+            acc[r] = fmaf((float)dot, dw * __uint_as_float(s4.x), acc[r]);
+            if (FMT == WF_Q4_1) {
+                acc[r] = fmaf(mw, __uint_as_float(s4.y), acc[r]);
+            }
+        }
+    }
+}
+
 // Lane `lane`'s partial sums of output o for up to R activation rows: blocks lane, lane + 32, ...
 // of weight row o (the GEMV's order; `gemv_fold_body` shares it).
 template <int FMT, int R>
@@ -172,26 +194,99 @@ __device__ __forceinline__ void gemv_q_partial(const u8* w, const u16* wd, const
         acc[r] = 0.0f;
     }
     const int nb = k >> 5;
-    const int offset = FMT == WF_Q4_0 ? 8 : 0;
     for (int b = lane; b < nb; b += 32) {
         const i64 blk = (i64)o * nb + b;
         u32 wq[8];
         load_block_quants<FMT>(w, blk, wq);
         const float dw = f16_bits_to_f32(wd[blk]);
         const float mw = FMT == WF_Q4_1 ? f16_bits_to_f32(wm[blk]) : 0.0f;
-        for (int r = 0; r < R; ++r) {
-            if (r < rows) {
-                const uint4* xp = (const uint4*)(xq + (i64)r * k + b * 32);
-                const uint4 s4 = *(const uint4*)(xs + ((i64)r * nb + b) * 4);
-                int dot = block_dot<FMT>(wq, xp[0], xp[1]);
-                dot -= offset * (int)s4.z;
-                acc[r] = fmaf((float)dot, dw * __uint_as_float(s4.x), acc[r]);
-                if (FMT == WF_Q4_1) {
-                    acc[r] = fmaf(mw, __uint_as_float(s4.y), acc[r]);
-                }
-            }
+        gemv_q_block<FMT, R>(wq, dw, mw, b, nb, k, xq, xs, rows, acc);
+    }
+}
+
+// ---- the wide GEMV (`gemv_wide_*`, NPU_SERVING_CUDA_GEMV=wide) ---------------------------------
+//
+// The same blocks per lane, added in the same order with the same arithmetic (`gemv_q_block`),
+// so the bits are `gemv_q_partial`'s: only the schedule differs. A lane issues the loads of
+// GEMV_WIDE blocks (lane + 32 j, j < GEMV_WIDE: quants, scales, minima) before the first of
+// their dot products, through the read-only data path (`__ldg`: the weights never change during
+// a kernel), so several 16- or 32-byte weight loads per lane are in flight instead of one; the
+// blocks past the last whole group of GEMV_WIDE go one at a time, as in `gemv_q_partial`. A
+// lane's blocks lie 32 blocks apart, so their scales are not adjacent: read one u16 each.
+
+#define GEMV_WIDE 4
+
+template <int FMT>
+__device__ __forceinline__ void load_block_quants_nc(const u8* w, i64 blk, u32* wq) {
+    const int qb = FMT == WF_Q4_0 || FMT == WF_Q4_1 ? 16 : 32;
+    const uint4* wp = (const uint4*)(w + blk * qb);
+    const uint4 w0 = __ldg(wp);
+    wq[0] = w0.x;
+    wq[1] = w0.y;
+    wq[2] = w0.z;
+    wq[3] = w0.w;
+    if (FMT == WF_Q8_0) {
+        const uint4 w1 = __ldg(wp + 1);
+        wq[4] = w1.x;
+        wq[5] = w1.y;
+        wq[6] = w1.z;
+        wq[7] = w1.w;
+    }
+}
+
+template <int FMT, int R>
+__device__ __forceinline__ void gemv_q_partial_wide(const u8* w, const u16* wd, const u16* wm,
+                                                    int o, int k, const signed char* xq,
+                                                    const u32* xs, int rows, float* acc) {
+    const int lane = threadIdx.x & 31;
+    for (int r = 0; r < R; ++r) {
+        acc[r] = 0.0f;
+    }
+    const int nb = k >> 5;
+    const i64 row0 = (i64)o * nb;
+    int b = lane;
+    // Whole groups: blocks b, b + 32, ..., b + 32 (GEMV_WIDE - 1), all below nb.
+    for (; b + 32 * (GEMV_WIDE - 1) < nb; b += 32 * GEMV_WIDE) {
+        u32 wq[GEMV_WIDE][8];
+        u16 dh[GEMV_WIDE];
+        u16 mh[GEMV_WIDE];
+#pragma unroll
+        for (int j = 0; j < GEMV_WIDE; ++j) {
+            const i64 blk = row0 + b + 32 * j;
+            load_block_quants_nc<FMT>(w, blk, wq[j]);
+            dh[j] = __ldg(wd + blk);
+            mh[j] = FMT == WF_Q4_1 ? __ldg(wm + blk) : (u16)0;
+        }
+#pragma unroll
+        for (int j = 0; j < GEMV_WIDE; ++j) {
+            const float dw = f16_bits_to_f32(dh[j]);
+            const float mw = FMT == WF_Q4_1 ? f16_bits_to_f32(mh[j]) : 0.0f;
+            gemv_q_block<FMT, R>(wq[j], dw, mw, b + 32 * j, nb, k, xq, xs, rows, acc);
         }
     }
+    // The tail: at most GEMV_WIDE - 1 blocks, in order.
+    for (; b < nb; b += 32) {
+        const i64 blk = row0 + b;
+        u32 wq[8];
+        load_block_quants_nc<FMT>(w, blk, wq);
+        const float dw = f16_bits_to_f32(__ldg(wd + blk));
+        const float mw = FMT == WF_Q4_1 ? f16_bits_to_f32(__ldg(wm + blk)) : 0.0f;
+        gemv_q_block<FMT, R>(wq, dw, mw, b, nb, k, xq, xs, rows, acc);
+    }
+}
+
+template <typename T, int FMT, int R>
+__device__ __forceinline__ void gemv_q_wide_body(const u8* w, const u16* wd, const u16* wm,
+                                                 int n, int k, const signed char* xq,
+                                                 const u32* xs, int rows, T* out, int ldo) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= n) {
+        return; // the whole warp: this kernel has no block-wide barrier
+    }
+    float acc[R];
+    gemv_q_partial_wide<FMT, R>(w, wd, wm, o, k, xq, xs, rows, acc);
+    store_rows<T, R>(acc, lane, rows, out + o, ldo);
 }
 
 template <typename T, int FMT, int R>
@@ -280,6 +375,21 @@ __device__ __forceinline__ void gemv_f16w_body(const u8* w, int n, int k, const 
     GEMV_Q_ONE(T, S, WF_Q8_0, q8_0, 1)                                                             \
     GEMV_Q_ONE(T, S, WF_Q8_0, q8_0, 8)
 NPU_FOR_EACH_ACT(GEMV)
+
+#define GEMV_WIDE_ONE(T, S, FMT, FS, R)                                                            \
+    extern "C" __global__ void gemv_wide_##FS##_r##R##_##S(                                        \
+        const u8* w, const u16* wd, const u16* wm, int n, int k, const signed char* xq,           \
+        const u32* xs, int rows, T* out, int ldo) {                                                \
+        gemv_q_wide_body<T, FMT, R>(w, wd, wm, n, k, xq, xs, rows, out, ldo);                     \
+    }
+#define GEMV_WIDE_ALL(T, S)                                                                        \
+    GEMV_WIDE_ONE(T, S, WF_Q4_0, q4_0, 1)                                                          \
+    GEMV_WIDE_ONE(T, S, WF_Q4_0, q4_0, 8)                                                          \
+    GEMV_WIDE_ONE(T, S, WF_Q4_1, q4_1, 1)                                                          \
+    GEMV_WIDE_ONE(T, S, WF_Q4_1, q4_1, 8)                                                          \
+    GEMV_WIDE_ONE(T, S, WF_Q8_0, q8_0, 1)                                                          \
+    GEMV_WIDE_ONE(T, S, WF_Q8_0, q8_0, 8)
+NPU_FOR_EACH_ACT(GEMV_WIDE_ALL)
 
 // ---- GEMV with its neighbours folded in -----------------------------------------------------------
 //

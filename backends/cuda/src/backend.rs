@@ -92,6 +92,8 @@ pub struct CudaBackend {
     pub(crate) quantized_matrices: bool,
     /// Decode steps as CUDA graphs (`graphs`).
     pub(crate) graphs: crate::graphs::Graphs,
+    /// The quantized GEMV kernels (`NPU_SERVING_CUDA_GEMV`; `set_gemv_variant`).
+    pub(crate) gemv: crate::matmul::GemvVariant,
     #[cfg(feature = "emulation")]
     emu: Option<Arc<crate::emu::EmuGpu>>,
 }
@@ -175,6 +177,7 @@ impl CudaBackend {
             q8_ready: None,
             quantized_matrices: false,
             graphs: Default::default(),
+            gemv: crate::matmul::GemvVariant::from_env(),
             #[cfg(feature = "emulation")]
             emu: None,
         }

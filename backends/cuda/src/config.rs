@@ -78,6 +78,10 @@ pub const ENV_MMA: &str = "NPU_SERVING_CUDA_MMA";
 /// (deterministic, not bit for bit: see `fold_ffn`, `fold_attn_out`).
 pub const ENV_FUSE: &str = "NPU_SERVING_CUDA_FUSE";
 pub const ENV_EMULATION: &str = "NPU_SERVING_CUDA_EMULATION";
+/// Environment variable: the quantized GEMV kernels, `plain` (the default, `gemv_*`) or `wide`
+/// (`gemv_wide_*`: several weight loads in flight per lane, the same bits; not yet measured on a
+/// GPU). See `crate::matmul::GemvVariant`.
+pub const ENV_GEMV: &str = "NPU_SERVING_CUDA_GEMV";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaConfig {
@@ -201,6 +205,9 @@ impl CudaConfig {
             c.fold_ffn = level >= 4;
             c.fold_attn_out = level >= 4;
         }
+        // Checked here so a bad value fails where the others do; the backend reads it when it
+        // is made (`CudaBackend::gemv_variant`).
+        crate::matmul::GemvVariant::from_vars(&get)?;
         Ok(c)
     }
 }

@@ -342,6 +342,16 @@ pub fn gemv_q6k_kernel(rows_variant: usize, dt: DType) -> usize {
     Q6K_BASE + rows_variant * ACTS.len() + act_index(dt)
 }
 
+const GEMV_WIDE_BASE: usize = Q6K_BASE + GEMV_ROWS.len() * ACTS.len();
+
+/// Index of the wide GEMV (`gemv_wide_*`, kernels/matmul.cu: several weight loads in flight per
+/// lane, `gemv_*`'s bits) for `fmt` (a quantized format: `None` for F16) handling up to
+/// `GEMV_ROWS[rows_variant]` rows.
+pub fn gemv_wide_kernel(fmt: WeightFormat, rows_variant: usize, dt: DType) -> Option<usize> {
+    let f = GEMM_FORMATS.iter().position(|&g| g == fmt)?;
+    Some(GEMV_WIDE_BASE + (f * GEMV_ROWS.len() + rows_variant) * ACTS.len() + act_index(dt))
+}
+
 /// Kernel `i`'s name (`kernel_names()[i]`, built once): the launch path names the kernel of
 /// every launch for fault messages, and must not rebuild the list each time.
 pub fn kernel_name(i: usize) -> &'static str {
@@ -435,6 +445,17 @@ pub fn kernel_names() -> Vec<String> {
     for r in GEMV_ROWS {
         for dt in ACTS {
             names.push(format!("gemv_q6_k_r{r}_{}", act_suffix(dt).unwrap()));
+        }
+    }
+    for fmt in GEMM_FORMATS {
+        for r in GEMV_ROWS {
+            for dt in ACTS {
+                names.push(format!(
+                    "gemv_wide_{}_r{r}_{}",
+                    fmt.kernel_name(),
+                    act_suffix(dt).unwrap()
+                ));
+            }
         }
     }
     // Last: looked up by name (`ffn_fused_kernel`), so kernels indexed by a base constant go
@@ -531,7 +552,12 @@ mod tests {
         assert_eq!(names[gemv_q4k_kernel(1, DType::BF16)], "gemv_q4_k_r8_bf16");
         assert_eq!(names[gemv_q4k_kernel(0, DType::F32)], "gemv_q4_k_r1_f32");
         assert_eq!(names[gemv_q6k_kernel(1, DType::F16)], "gemv_q6_k_r8_f16");
-        assert_eq!(names.len(), FOLD_BASE + 18 + 9 + 12 + FFN_COUNT);
+        assert_eq!(
+            names[gemv_wide_kernel(WeightFormat::Q4_1, 1, DType::BF16).unwrap()],
+            "gemv_wide_q4_1_r8_bf16"
+        );
+        assert_eq!(gemv_wide_kernel(WeightFormat::F16, 0, DType::F32), None);
+        assert_eq!(names.len(), FOLD_BASE + 18 + 9 + 12 + 18 + FFN_COUNT);
         let mut sorted = names.clone();
         sorted.sort();
         sorted.dedup();
@@ -559,5 +585,6 @@ mod tests {
         assert!(src.contains("void ffn_fused_##FS##_r##R##_##S("));
         assert!(src.contains("void gemv_q4_k_r##R##_##S("));
         assert!(src.contains("void gemv_q6_k_r##R##_##S("));
+        assert!(src.contains("void gemv_wide_##FS##_r##R##_##S("));
     }
 }

@@ -61,4 +61,5 @@ pub mod weights;
 pub use backend::{open_libraries, CudaBackend};
 pub use buffer::CudaBuffer;
 pub use config::{CudaConfig, KQuants, MatmulMode};
+pub use matmul::GemvVariant;
 pub use weights::{CudaEmbedding, CudaMatrix};

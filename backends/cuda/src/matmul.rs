@@ -9,10 +9,65 @@ use crate::buffer::CudaBuffer;
 use crate::config::MatmulMode;
 use crate::gpu::{blocks, Args, DevPtr, Gemm, LaunchDims};
 use crate::kernels::{
-    self, dequant_kernel, gemm_kernel, gemm_tiled_kernel, gemv_kernel, op_kernel, Op, WeightFormat,
+    self, dequant_kernel, gemm_kernel, gemm_tiled_kernel, gemv_kernel, gemv_wide_kernel, op_kernel,
+    Op, WeightFormat,
 };
 use crate::ops::{addr, addr_mut, float, grid_rows, int, need, same, EW_THREADS};
 use crate::weights::{CudaMatrix, MatrixKind};
+
+/// Which quantized GEMV kernels a backend launches for Q4_0, Q4_1 and Q8_0 matrices
+/// (`NPU_SERVING_CUDA_GEMV`, [`crate::config::ENV_GEMV`]). Both give the same bits: the wide
+/// kernels add each lane's blocks in the plain kernels' order with their arithmetic and differ
+/// only in how many weight loads a lane has in flight (kernels/matmul.cu, `gemv_q_partial_wide`).
+/// Only the stand-alone GEMV (`gemv_*`) has a wide form; the folded GEMVs (`gemv_fold_*`,
+/// `NPU_SERVING_CUDA_FUSE` >= 2) and the packed K-quant GEMVs are unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GemvVariant {
+    /// `gemv_*`: one block's loads, then its dot products (the default).
+    #[default]
+    Plain,
+    /// `gemv_wide_*`: four blocks' loads per lane issued before their dot products, read
+    /// through the read-only data path. Not yet measured on a GPU.
+    Wide,
+}
+
+impl GemvVariant {
+    pub fn name(self) -> &'static str {
+        match self {
+            GemvVariant::Plain => "plain",
+            GemvVariant::Wide => "wide",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "plain" => Some(GemvVariant::Plain),
+            "wide" => Some(GemvVariant::Wide),
+            _ => None,
+        }
+    }
+
+    /// `NPU_SERVING_CUDA_GEMV` read through `get` (unset: `Plain`); a bad value is an error
+    /// naming the variable.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        use crate::config::ENV_GEMV;
+        match get(ENV_GEMV) {
+            None => Ok(GemvVariant::Plain),
+            Some(v) => {
+                Self::parse(&v).ok_or_else(|| format!("{ENV_GEMV}={v:?}: expected plain or wide"))
+            }
+        }
+    }
+
+    /// As `from_vars` on the process environment, a bad value falling back to `Plain` with a
+    /// warning (`CudaConfig::from_env`, which the agent calls first, refuses it by name).
+    pub(crate) fn from_env() -> Self {
+        Self::from_vars(|k| std::env::var(k).ok()).unwrap_or_else(|e| {
+            tracing::warn!("cuda: {e}; using the plain GEMV");
+            GemvVariant::Plain
+        })
+    }
+}
 
 /// Warps per block of the GEMV kernels (one output each).
 const GEMV_WARPS: usize = 4;
@@ -44,6 +99,18 @@ pub(crate) fn dequant_scratch_bytes(mode: MatmulMode, w: &CudaMatrix, dt: DType)
 }
 
 impl CudaBackend {
+    /// The quantized GEMV kernels this backend launches (`NPU_SERVING_CUDA_GEMV` when it was
+    /// made, else the last `set_gemv_variant`).
+    pub fn gemv_variant(&self) -> GemvVariant {
+        self.gemv
+    }
+
+    /// Chooses the quantized GEMV kernels for the products that follow (same bits either way;
+    /// a CUDA graph captured before keeps the kernels it recorded).
+    pub fn set_gemv_variant(&mut self, v: GemvVariant) {
+        self.gemv = v;
+    }
+
     pub(crate) fn op_matmul(
         &mut self,
         x: View<'_, CudaBuffer>,
@@ -224,6 +291,11 @@ impl CudaBackend {
         let per = kernels::GEMV_ROWS[variant];
         let dims = LaunchDims::linear([blocks(w.n, GEMV_WARPS), 1, 1], (GEMV_WARPS * 32) as u32);
         let wp = w.mem.ptr();
+        let kernel = match self.gemv {
+            GemvVariant::Wide => gemv_wide_kernel(fmt, variant, dt),
+            GemvVariant::Plain => None,
+        }
+        .unwrap_or_else(|| gemv_kernel(fmt, variant, dt));
         let mut r0 = 0;
         while r0 < rows {
             let n_r = per.min(rows - r0) as i32;
@@ -246,11 +318,7 @@ impl CudaBackend {
                     .i32(int(OP, xl.stride())?)
                     .i32(n_r),
             };
-            self.launch(
-                gemv_kernel(fmt, variant, dt),
-                dims,
-                args.ptr(out_at).i32(int(OP, ol.stride())?),
-            )?;
+            self.launch(kernel, dims, args.ptr(out_at).i32(int(OP, ol.stride())?))?;
             r0 += per;
         }
         if let Some((x, q8)) = kept {
@@ -304,5 +372,23 @@ impl CudaBackend {
             return gemm_tiled_kernel(fmt, dt).map(|k| (k, true));
         }
         gemm_kernel(fmt, dt).map(|k| (k, false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GemvVariant;
+    use crate::config::ENV_GEMV;
+
+    #[test]
+    fn gemv_variant_from_the_environment() {
+        let get = |v: &'static str| move |k: &str| (k == ENV_GEMV).then(|| v.to_string());
+        assert_eq!(GemvVariant::from_vars(|_| None), Ok(GemvVariant::Plain));
+        assert_eq!(GemvVariant::from_vars(get("wide")), Ok(GemvVariant::Wide));
+        assert_eq!(GemvVariant::from_vars(get("plain")), Ok(GemvVariant::Plain));
+        let e = GemvVariant::from_vars(get("fast")).unwrap_err();
+        assert!(e.contains(ENV_GEMV), "{e}");
+        let e = crate::CudaConfig::from_vars(get("4")).unwrap_err();
+        assert!(e.contains(ENV_GEMV), "{e}");
     }
 }

@@ -114,6 +114,11 @@ fn matmul_paths_match_their_references() {
 }
 
 #[test]
+fn wide_gemv_matches_the_plain_one() {
+    conformance::wide_gemv_matches_the_plain_one(&emulated);
+}
+
+#[test]
 fn quantized_matmul_is_batch_invariant() {
     conformance::quantized_matmul_is_batch_invariant(&emulated);
 }

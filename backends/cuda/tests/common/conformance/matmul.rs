@@ -280,3 +280,65 @@ fn batch_invariant_at(make: Make, rng: &mut Rng, n: usize, k: usize, row_counts:
         }
     }
 }
+
+/// The wide GEMV (`gemv_wide_*`, `NPU_SERVING_CUDA_GEMV=wide`) gives the plain one's bits: every
+/// quantized format, activation dtype, 1..8 rows (both row variants), and block counts per row
+/// that leave each lane's last group of four short in different ways (5: every lane in the
+/// tail; 37; 128: whole groups only; 131: one tail block on lanes 0..2; 300: two groups and one
+/// or two tail blocks), 9 outputs (a partly idle block of warps).
+pub fn wide_gemv_matches_the_plain_one(make: Make) {
+    use npu_backend_cuda::GemvVariant;
+    let mut rng = Rng::new(29);
+    let n = 9;
+    for dt in DTYPES {
+        let Some(mut b) = make(dt, MatmulMode::Quantized) else {
+            return;
+        };
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for nb in [5, 37, 128, 131, 300] {
+                let k = 32 * nb;
+                let data = random_tensor(&mut rng, ty, n, k);
+                let m = b
+                    .load_matrix(&[HostTensor {
+                        ty,
+                        data: &data,
+                        rows: n,
+                        cols: k,
+                    }])
+                    .unwrap()
+                    .expect("one part");
+                for rows in 1..=8 {
+                    let x = rounded(&rng.vec(rows * k, -2.0, 2.0), dt);
+                    let xb = put(&mut b, dt, &x, rows, k);
+                    let mut outs = Vec::new();
+                    for v in [GemvVariant::Plain, GemvVariant::Wide] {
+                        b.set_gemv_variant(v);
+                        let mut out = b.alloc(dt, rows * n).unwrap();
+                        take_launches(&b);
+                        b.matmul(
+                            View::new(&xb, Layout::new(0, rows, k, k).unwrap()).unwrap(),
+                            &m,
+                            ViewMut::new(&mut out, Layout::new(0, rows, n, n).unwrap()).unwrap(),
+                        )
+                        .unwrap();
+                        if let Some(l) = take_launches(&b) {
+                            let wide = l.iter().any(|l| l.starts_with("gemv_wide_"));
+                            assert_eq!(wide, v == GemvVariant::Wide, "{v:?}: {l:?}");
+                        }
+                        outs.push(get(&mut b, &out));
+                    }
+                    b.set_gemv_variant(GemvVariant::Plain);
+                    for (i, (p, w)) in outs[0].iter().zip(&outs[1]).enumerate() {
+                        assert_eq!(
+                            p.to_bits(),
+                            w.to_bits(),
+                            "{} {} k {k} rows {rows}: element {i}: plain {p}, wide {w}",
+                            ty.name(),
+                            dt.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -58,6 +58,10 @@ pub const CASES: &[(&str, Case)] = &[
         fused_launches_match_the_unfused_ones,
     ),
     (
+        "wide_gemv_matches_the_plain_one",
+        wide_gemv_matches_the_plain_one,
+    ),
+    (
         "gemv_folds_match_the_unfused_ones",
         gemv_folds_match_the_unfused_ones,
     ),
