@@ -450,28 +450,52 @@ make_models() {
   done
 }
 
+# ---- the GEMV alone: gpu_kit_tool gemv-bench -------------------------------------------------
+# The quantized products of the 8B-class shapes alone, plain and wide GEMV
+# (NPU_SERVING_CUDA_GEMV), as weight GB/s; at most 40 s (its rows are printed as they are
+# measured, so a cut run keeps the rows it had). On the dry run: the emulation, not a measurement.
+gemv_part() {
+  local f rc=0
+  f=$(part_file 38-gemv)
+  if [ "$(left)" -lt 90 ]; then
+    printf '## GEMV alone\n\n%s\n\n' "$(skipped "out of time")" >"$f"; return
+  fi
+  say "the GEMV alone (gpu_kit_tool gemv-bench)"
+  timeout 40 "$tool" gemv-bench >"$work/runs/gemv-bench.md" 2>"$logs/gemv-bench.log" || rc=$?
+  {
+    if [ -s "$work/runs/gemv-bench.md" ]; then cat "$work/runs/gemv-bench.md"; else printf '## GEMV alone\n\n'; fi
+    [ $rc = 0 ] || printf '\nFAIL: gemv-bench exited with %s%s: %s\n\n' "$rc" \
+      "$([ $rc = 124 ] && echo ' (cut by its 40 s limit)')" "$(tail -1 "$logs/gemv-bench.log" | cut -c1-200)"
+  } >"$f"
+}
+
 # ---- speed: npu-serving bench-model vs llama.cpp ---------------------------------------------
 # A bench mode's settings: quantized (the defaults: fusion level 2, eager), graphs (decode steps
-# captured and replayed), fuseN (NPU_SERVING_CUDA_FUSE=N; 4: 3 launches a decode layer), gemv
-# (the int8 tensor cores off: the GEMV for steps of every size), kpacked (Q4_K/Q6_K kept packed,
-# NPU_SERVING_CUDA_KQUANTS=packed, where the default widens them to f16 at load).
+# captured and replayed), fuseN (NPU_SERVING_CUDA_FUSE=N; 4: 3 launches a decode layer; 1: no
+# GEMV folds, every product a stand-alone GEMV), gemv (the int8 tensor cores off: the GEMV for
+# steps of every size), kpacked (Q4_K/Q6_K kept packed, NPU_SERVING_CUDA_KQUANTS=packed, where
+# the default widens them to f16 at load), wide (NPU_SERVING_CUDA_GEMV=wide: the wide GEMV, same
+# bits, for the stand-alone GEMVs only; with fuse1 that is every product of a decode step).
 mode_label() {
   local l="" m=$1
-  case $m in fuse3*) l="FUSE=3" ;; fuse4*) l="FUSE=4" ;; gemv) l="tensor cores off" ;; kpacked*) l="K-quants packed" ;; quantized) l="default" ;; esac
+  case $m in fuse1*) l="FUSE=1" ;; fuse3*) l="FUSE=3" ;; fuse4*) l="FUSE=4" ;; gemv) l="tensor cores off" ;; kpacked*) l="K-quants packed" ;; quantized) l="default" ;; esac
+  case $m in *wide*) l="${l:+$l, }wide GEMV" ;; esac
   case $m in *graphs) l="${l:+$l, }graphs" ;; *) l="${l:+$l, }eager" ;; esac
   echo "$l"
 }
 bench_one() {
-  local s=$1 mode=$2 m fuse=2 mma=1 kq=f16 graphs=off
+  local s=$1 mode=$2 m fuse=2 mma=1 kq=f16 graphs=off gemv=plain
   m=$(shaped_model "$s")
   [ -s "$m" ] || return 0
   if [ "$(left)" -lt 50 ]; then return 0; fi
-  case $mode in fuse3*) fuse=3 ;; fuse4*) fuse=4 ;; esac
+  case $mode in fuse1*) fuse=1 ;; fuse3*) fuse=3 ;; fuse4*) fuse=4 ;; esac
   case $mode in gemv) mma=0 ;; esac
   case $mode in kpacked*) kq=packed ;; esac
+  case $mode in *wide*) gemv=wide ;; esac
   case $mode in *graphs) graphs=auto ;; esac
   say "bench-model $s $mode"
   NPU_SERVING_CUDA_FUSE=$fuse NPU_SERVING_CUDA_MMA=$mma NPU_SERVING_CUDA_KQUANTS=$kq NPU_SERVING_CUDA_MATMUL=quantized \
+    NPU_SERVING_CUDA_GEMV=$gemv \
     timeout $(( $(left) > 120 ? 120 : $(left) - 10 )) "$bin" bench-model --device cuda \
     --model "$m" --json --skip-long --skip-roofline --batches 1,32 --decode-steps 32 --count-steps 4 \
     --graph-capture $graphs >"$work/runs/bench-$s-$mode.json" 2>"$logs/bench-$s-$mode.log" ||
@@ -510,6 +534,7 @@ bench_part() {
         notes+="- FAIL: the 1B-shaped model does not load (logs/1b-cpu-load.log)"$'\n'
     fi
     notes+="- $(skipped "dry run: bench-model on the 1B and 8B models and llama.cpp CUDA measure a GPU; the emulation says nothing about speed")"$'\n'
+    gemv_part
   else
     # llama.cpp's build (started by part 1 and left running between the calls) is finished or
     # stopped first: npu-serving's host-side launch rate is part of what is measured, and a
@@ -523,6 +548,8 @@ bench_part() {
       fi
       llama_wait 150 --stop
     fi
+    # The GEMV alone first (no compiler beside it either), then bench-model.
+    gemv_part
     # (model, mode) in the order they matter, so that a budget cut drops the least: the default
     # level eager (the earlier checks' row) and with graphs, the K-quant mixture in both weight
     # forms, then llama.cpp on every file, then the other levels.
@@ -534,7 +561,9 @@ bench_part() {
         [ -n "$t" ] && first+=("$s:$t")
       done
     done
-    for tier in fuse4:kpacked fuse3-graphs:quantized gemv:; do
+    # The wide GEMV (Q4_0 models only: packed K-quants have one GEMV): at FUSE=1, where every
+    # product of a decode step is a stand-alone GEMV, beside the plain one at FUSE=1.
+    for tier in fuse4:kpacked fuse3-graphs:quantized gemv: fuse1-wide-graphs: fuse1-graphs:; do
       for s in "${models[@]}"; do
         case $s in *-q4km) t=${tier#*:} ;; *) t=${tier%%:*} ;; esac
         [ -n "$t" ] && second+=("$s:$t")
@@ -573,7 +602,7 @@ bench_part() {
   {
     echo "## Speed: npu-serving bench-model --device cuda against llama.cpp CUDA on the same files"
     echo
-    echo "Random-weight Llama models made on the device (\`gpu_kit_tool shaped\`): 1B-class (hidden 2048, 16 layers, 32/8 heads, ff 8192) and 8B-class (hidden 4096, 32 layers, 32/8 heads, ff 14336), Q4_0 matrices with Q8_0 embedding and head, or (\`-q4km\`) llama.cpp's Q4_K_M mixture (Q4_K; Q6_K for the value and down projections of the layers llama.cpp picks, and the head), the default model's vocabulary (49,152). Tokens per second; npu-serving's f32 activations (its default); decode at batch 32 is the total over the batch. npu-serving: \`bench-model --skip-long --batches 1,32 --count-steps 4\` (prefill of a 512-token prompt; decode at 128 tokens of context), in the mode the row names (\`default\`: fusion level 2, K-quants widened to f16 at load; \`graphs\`: \`--graph-capture auto\`; \`FUSE=N\`: \`NPU_SERVING_CUDA_FUSE=N\`; \`K-quants packed\`: \`NPU_SERVING_CUDA_KQUANTS=packed\`; \`tensor cores off\`: \`NPU_SERVING_CUDA_MMA=0\`). Replays: graph replays per counted batch-1 decode step; weight GB/s: the weight bytes one batch-1 step reads on the device times the batch-1 rate (the memory limit is the device's bandwidth: about 3,350 GB/s on an H100 SXM, 4,800 on an H200). llama.cpp: \`llama-bench -ngl 99 -p 512 -n 128\` (pp512, tg128 from an empty context) and \`llama-batched-bench -npp 128 -ntg 32 -npl 1,32\` (S_TG)."
+    echo "Random-weight Llama models made on the device (\`gpu_kit_tool shaped\`): 1B-class (hidden 2048, 16 layers, 32/8 heads, ff 8192) and 8B-class (hidden 4096, 32 layers, 32/8 heads, ff 14336), Q4_0 matrices with Q8_0 embedding and head, or (\`-q4km\`) llama.cpp's Q4_K_M mixture (Q4_K; Q6_K for the value and down projections of the layers llama.cpp picks, and the head), the default model's vocabulary (49,152). Tokens per second; npu-serving's f32 activations (its default); decode at batch 32 is the total over the batch. npu-serving: \`bench-model --skip-long --batches 1,32 --count-steps 4\` (prefill of a 512-token prompt; decode at 128 tokens of context), in the mode the row names (\`default\`: fusion level 2, K-quants widened to f16 at load; \`graphs\`: \`--graph-capture auto\`; \`FUSE=N\`: \`NPU_SERVING_CUDA_FUSE=N\`; \`K-quants packed\`: \`NPU_SERVING_CUDA_KQUANTS=packed\`; \`tensor cores off\`: \`NPU_SERVING_CUDA_MMA=0\`; \`wide GEMV\`: \`NPU_SERVING_CUDA_GEMV=wide\`, the stand-alone GEMVs only, so at \`FUSE=1\` every product of a decode step). Replays: graph replays per counted batch-1 decode step; weight GB/s: the weight bytes one batch-1 step reads on the device times the batch-1 rate (the memory limit is the device's bandwidth: about 3,350 GB/s on an H100 SXM, 4,800 on an H200). llama.cpp: \`llama-bench -ngl 99 -p 512 -n 128\` (pp512, tg128 from an empty context) and \`llama-batched-bench -npp 128 -ntg 32 -npl 1,32\` (S_TG)."
     echo
     echo "| model | prefill 512 | llama.cpp pp512 | decode b1 | llama.cpp b1 | decode b32 | llama.cpp b32 | replays | weight GB/s b1 |"
     echo "|---|---|---|---|---|---|---|---|---|"

@@ -5,7 +5,8 @@
 #   bin/npu-serving      the release binary with --features cuda, stripped
 #   bin/gpu_conformance  the CUDA backend's conformance test binary, stripped
 #   bin/gpu_kit_tool     the kit's helper (tokenizer donor, 1B/8B-shaped random models, the
-#                        CPU-vs-GPU agreement line, the bench table), stripped
+#                        CPU-vs-GPU agreement line, the bench table, the GEMV-alone bench
+#                        `gemv-bench`), stripped
 #   models/donor-tokenizer.gguf  the default model's tokenizer without its weights (the
 #                        models are made on the GPU machine: `npu-serving synth-model`)
 #   refs/family_*.jsonl  llama.cpp's greedy tokens on those models (agent/tests/data)
