@@ -19,6 +19,13 @@
 //!   c = L − q + i; mode 3 sees cache positions 0..=c, mode 4 sees c − preTokens ..= c +
 //!   nextTokens (clipped to 0..L), and needs preTokens + nextTokens ≥ 0.
 //!
+//! INT8 caches (keyAntiquantMode = valueAntiquantMode = 5, "per-token叠加per head并使用page
+//! attention模式管理scale/offset", S = 1 only): FLOAT32 key and value scales of shape
+//! (blockNum, KV_N, blockSize), one per cached token and KV head; blockSize a non-zero multiple
+//! of 32 up to 512. A cached value is `int8 · scale`, rounded to the query's 16-bit type (the
+//! cube unit's input). Offsets, the other modes and mode 5 with S > 1 (documented: modes 0
+//! and 1 only, and without page attention) are refused.
+//!
 //! A query that sees no key gets zeros (as an empty KV does). Scores and softmax are computed
 //! in f32; the probabilities are rounded to the 16-bit type before they weigh V (the cube unit's
 //! inputs).
@@ -55,6 +62,9 @@ struct Fia {
     block_size: i64,
     q_lens: Vec<i64>,
     kv_lens: Vec<i64>,
+    /// INT8 caches with mode-5 scales: the index in `io.ins` of the key scales (the value
+    /// scales follow), each (blockNum, KV_N, blockSize) FLOAT32.
+    scales_at: Option<usize>,
 }
 
 impl Kernel for Fia {
@@ -90,20 +100,33 @@ impl Kernel for Fia {
         let table: Vec<i64> = read(st, bt)?.into_iter().map(|v| v as i64).collect();
         let max_blocks = bt.dims[1] as usize;
         let num_blocks = kc.dims[0];
+        let (k_scales, v_scales) = match self.scales_at {
+            Some(at) => (
+                read_f32(st, &self.io.ins[at])?,
+                read_f32(st, &self.io.ins[at + 1])?,
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
         let kb = st.bytes(kc.addr, kc.storage_bytes())?;
         let vb = st.bytes(vc.addr, vc.storage_bytes())?;
-        // Rows 0..len of one sequence's cache, gathered through its block table, as f32.
-        let gather = |bytes: &[u8], v: &View, blocks: &[i64], len: usize| -> Vec<f32> {
+        // Rows 0..len of one sequence's cache, gathered through its block table, as f32. INT8
+        // rows are dequantized with their (block, KV head, slot) scale and rounded to the
+        // query's 16-bit type, which the cube unit takes.
+        let gather = |bytes: &[u8], v: &View, sc: &[f32], blocks: &[i64], len: usize| {
             let mut out = Vec::with_capacity(len * kvd);
             for j in 0..len {
                 let base =
                     v.offset + blocks[j / bs] * v.strides[0] + (j % bs) as i64 * v.strides[1];
                 for c in 0..kvd as i64 {
                     let p = (base + c * v.strides[2]) as usize;
-                    out.push(if v.dtype == DType::F16 {
-                        f16_at(bytes, p)
-                    } else {
-                        read_elem(bytes, v.dtype, p) as f32
+                    out.push(match v.dtype {
+                        DType::F16 => f16_at(bytes, p),
+                        DType::I8 => {
+                            let at =
+                                (blocks[j / bs] as usize * kv_n + c as usize / d) * bs + j % bs;
+                            round16(read_elem(bytes, DType::I8, p) as f32 * sc[at])
+                        }
+                        _ => read_elem(bytes, v.dtype, p) as f32,
                     });
                 }
             }
@@ -147,8 +170,8 @@ impl Kernel for Fia {
                 }
                 blocks.push(blk);
             }
-            let keys = gather(kb, kc, &blocks, kv_len);
-            let values = gather(vb, vc, &blocks, kv_len);
+            let keys = gather(kb, kc, &k_scales, &blocks, kv_len);
+            let values = gather(vb, vc, &v_scales, &blocks, kv_len);
             for i in 0..q_len {
                 // Position of this query on the bottom-right diagonal.
                 let c = kv_len as i64 - q_len as i64 + i as i64;
@@ -240,8 +263,8 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
     blockSize: i64,
     antiquantMode: i64,
     softmaxLseFlag: bool,
-    _keyAntiquantMode: i64,
-    _valueAntiquantMode: i64,
+    keyAntiquantMode: i64,
+    valueAntiquantMode: i64,
     attentionOut: *const aclTensor,
     softmaxLse: *const aclTensor,
     workspaceSize: *mut u64,
@@ -258,9 +281,7 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
         ("antiquantOffsetOptional", antiquantOffsetOptional),
         ("queryPaddingSizeOptional", queryPaddingSizeOptional),
         ("kvPaddingSizeOptional", kvPaddingSizeOptional),
-        ("keyAntiquantScaleOptional", keyAntiquantScaleOptional),
         ("keyAntiquantOffsetOptional", keyAntiquantOffsetOptional),
-        ("valueAntiquantScaleOptional", valueAntiquantScaleOptional),
         ("valueAntiquantOffsetOptional", valueAntiquantOffsetOptional),
         ("keySharedPrefixOptional", keySharedPrefixOptional),
         ("valueSharedPrefixOptional", valueSharedPrefixOptional),
@@ -387,8 +408,23 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
             if d % 16 != 0 || d > 512 {
                 return invalid(op, format!("head dim D = {d} must be a multiple of 16 (FLOAT16/BFLOAT16) and at most 512"));
             }
+            let scales = antiquant_scales(
+                st,
+                [keyAntiquantScaleOptional, valueAntiquantScaleOptional],
+                [keyAntiquantMode, valueAntiquantMode],
+                s,
+                &kc,
+                kv_n,
+                blockSize,
+            )?;
             for (w, c) in [("key", &kc), ("value", &vc)] {
-                if c.dtype != q.dtype {
+                if scales.is_none() && c.dtype == DType::I8 {
+                    return invalid(op, format!("INT8 {w} cache without key/value antiquant scales: this emulation implements INT8 caches only with keyAntiquantMode = valueAntiquantMode = 5 and their scales"));
+                }
+                if scales.is_some() && c.dtype != DType::I8 {
+                    return invalid(op, format!("{w} cache {}: keyAntiquantMode/valueAntiquantMode 5 (per-token叠加per head并使用page attention模式管理scale) takes INT8 key and value caches only", c.dtype.name()));
+                }
+                if c.dtype != q.dtype && c.dtype != DType::I8 {
                     return invalid(
                         op,
                         format!("{w} cache {} must have query's data type", c.dtype.name()),
@@ -401,7 +437,11 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
             if kc.dims != vc.dims {
                 return invalid(op, "key and value caches must have one shape");
             }
-            if s == 1 {
+            if s == 1 && scales.is_some() {
+                if blockSize <= 0 || blockSize > 512 || blockSize % 32 != 0 {
+                    return invalid(op, format!("blockSize {blockSize}: page attention with INT8 caches needs a non-zero multiple of 32 up to 512 (key、value 输入类型为INT8时需要32对齐)"));
+                }
+            } else if s == 1 {
                 if blockSize <= 0 || blockSize > 512 || blockSize % 16 != 0 {
                     return invalid(op, format!("blockSize {blockSize}: page attention with FLOAT16/BFLOAT16 caches needs a non-zero multiple of 16 up to 512"));
                 }
@@ -527,6 +567,11 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
             if let (Masking::PerKey, Some(m)) = (masking, mask) {
                 ins.push(m);
             }
+            let scales_at = scales.map(|(ks, vs)| {
+                ins.push(ks);
+                ins.push(vs);
+                ins.len() - 2
+            });
             Ok(Box::new(Fia {
                 io: Io {
                     ins,
@@ -540,9 +585,82 @@ pub unsafe extern "C" fn aclnnFusedInferAttentionScoreV2GetWorkspaceSize(
                 block_size: blockSize,
                 q_lens,
                 kv_lens,
+                scales_at,
             }))
         },
     )
+}
+
+/// The key and value antiquant scales (keyAntiquantScaleOptional, valueAntiquantScaleOptional)
+/// with their modes, checked against the page's "kv伪量化参数分离" rules; `None` when neither
+/// scale is given. The emulation implements mode 5 only ("per-token叠加per head并使用page
+/// attention模式管理scale/offset": one FLOAT32 scale per block, KV head and slot, shape
+/// (blockNum, KV_N, blockSize), INT8 caches), symmetric (the offsets stay unimplemented).
+fn antiquant_scales(
+    st: &State,
+    ptrs: [*const aclTensor; 2],
+    modes: [i64; 2],
+    s: i64,
+    kc: &View,
+    kv_n: i64,
+    block_size: i64,
+) -> Result<Option<(View, View)>, Fail> {
+    let op = "aclnnFusedInferAttentionScoreV2";
+    let [km, vm] = modes;
+    for (w, m) in [("keyAntiquantMode", km), ("valueAntiquantMode", vm)] {
+        if !(0..=5).contains(&m) {
+            return invalid(op, format!("{w} {m} is not documented (0..=5)"));
+        }
+    }
+    let ks = st.opt_tensor(ptrs[0], "keyAntiquantScaleOptional")?;
+    let vs = st.opt_tensor(ptrs[1], "valueAntiquantScaleOptional")?;
+    let (ks, vs) = match (ks, vs) {
+        (None, None) => {
+            if km != 0 || vm != 0 {
+                return invalid(op, format!("keyAntiquantMode {km} / valueAntiquantMode {vm} without key/value antiquant scales is not implemented by this emulation (pass 0)"));
+            }
+            return Ok(None);
+        }
+        (Some(k), Some(v)) => (k, v),
+        _ => return invalid(op, "keyAntiquantScale and valueAntiquantScale must both be null or both be set (要么都为空，要么都不为空)"),
+    };
+    if s > 1 {
+        return invalid(op, format!("keyAntiquantMode {km} with query S = {s}: for Q_S >= 2 only modes 0 and 1 are documented (Q_S大于等于2时仅支持传入值为0、1), and their key/value antiquant scales exclude page attention; mode 5 needs Q_S = 1"));
+    }
+    if km != vm && !(km == 0 && vm == 1) {
+        return invalid(op, format!("keyAntiquantMode {km} and valueAntiquantMode {vm} must agree (except key 0 with value 1)"));
+    }
+    if km != 5 {
+        return invalid(op, format!("keyAntiquantMode {km} / valueAntiquantMode {vm} is not implemented by this emulation (mode 5 is)"));
+    }
+    let want = [kc.dims.first().copied().unwrap_or(0), kv_n, block_size];
+    for (w, v) in [
+        ("keyAntiquantScaleOptional", &ks),
+        ("valueAntiquantScaleOptional", &vs),
+    ] {
+        if v.dtype != DType::F32 {
+            return invalid(
+                op,
+                format!(
+                    "{w} {}: mode 5's scales are FLOAT32 (数据类型固定为FLOAT32)",
+                    v.dtype.name()
+                ),
+            );
+        }
+        if v.dims != want {
+            return invalid(
+                op,
+                format!(
+                    "{w} {:?}: mode 5's scales are (blockNum, KV_N, blockSize) = {want:?}",
+                    v.dims
+                ),
+            );
+        }
+        if !v.is_contiguous() {
+            return invalid(op, format!("{w} does not support non-contiguous tensors"));
+        }
+    }
+    Ok(Some((ks, vs)))
 }
 
 const _: npu_ffi::aclnn::ops::sig::aclnnFusedInferAttentionScoreV2GetWorkspaceSize =
