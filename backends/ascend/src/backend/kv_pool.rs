@@ -45,7 +45,9 @@ pub struct KvPool {
 /// scale/offset": FLOAT32 scales of shape (blockNum, KV_N, blockSize)); with Q_S > 1 the pages
 /// take INT8 keys and values in modes 0 and 1 only (per-channel, or per-token without per-head),
 /// with BFLOAT16 queries, Q_S <= 16 and without page attention, so prefill, chunks and
-/// speculative verification over a paged int8 cache have no documented form.
+/// speculative verification over a paged int8 cache have no documented form. The emulator
+/// implements mode 5 for Q_S = 1 (`backends/ascend/tests/int8_kv_fia.rs`); the pool, the
+/// quantizing write and a dequantized f16 scratch for Q_S > 1 are not built (docs/kv-cache.md).
 pub const INT8_KV_REFUSAL: &str = "the int8 KV cache is built on the CPU and CUDA backends only: \
      on ascend, FusedInferAttentionScore (V2-V5, CANN 8.1-8.5) reads a paged INT8 cache with one \
      scale per token and KV head (keyAntiquantMode/valueAntiquantMode 5, FLOAT32 scales \
