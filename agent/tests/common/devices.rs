@@ -21,8 +21,7 @@ pub fn cuda() -> CudaBackend {
         fold_rope: false,
         fold_ffn: false,
         fold_attn_out: false,
-        // The default: Q4_K and Q6_K matrices packed, K-quant MoE experts widened to F16.
-        kquants: npu_backend_cuda::KQuants::Packed,
+        kquants: npu_backend_cuda::KQuants::F16,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }
