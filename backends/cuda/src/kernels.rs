@@ -19,6 +19,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul_k.cu", include_str!("../kernels/matmul_k.cu")),
     ("gemm_tiled.cu", include_str!("../kernels/gemm_tiled.cu")),
     (
+        "gemm_tiled_k.cu",
+        include_str!("../kernels/gemm_tiled_k.cu"),
+    ),
+    (
         "attention_out.cu",
         include_str!("../kernels/attention_out.cu"),
     ),
@@ -234,7 +238,15 @@ pub fn gemm_tiled_kernel(fmt: WeightFormat, dt: DType) -> Option<usize> {
     Some(GEMM_TILED_BASE + f * ACTS.len() + act_index(dt))
 }
 
-const MOE_MM_BASE: usize = GEMM_TILED_BASE + GEMM_FORMATS.len() * ACTS.len();
+const GEMM_TILED_K_BASE: usize = GEMM_TILED_BASE + GEMM_FORMATS.len() * ACTS.len();
+
+/// Index of the int8 tensor-core GEMM tiled through shared memory for packed K-quants
+/// (`gemm_tiled_q4_k_*`, `gemm_tiled_q6_k_*`, kernels/gemm_tiled_k.cu): `q6` picks Q6_K.
+pub fn gemm_tiled_k_kernel(q6: bool, dt: DType) -> usize {
+    GEMM_TILED_K_BASE + usize::from(q6) * ACTS.len() + act_index(dt)
+}
+
+const MOE_MM_BASE: usize = GEMM_TILED_K_BASE + 2 * ACTS.len();
 
 /// The weights a grouped MoE matmul (`moe_mm_*`, kernels/moe_matmul.cu) reads: a packed format,
 /// or dense rows in the activation dtype.
@@ -408,6 +420,11 @@ pub fn kernel_names() -> Vec<String> {
             ));
         }
     }
+    for stem in ["q4_k", "q6_k"] {
+        for dt in ACTS {
+            names.push(format!("gemm_tiled_{stem}_{}", act_suffix(dt).unwrap()));
+        }
+    }
     for w in MoeWeights::ALL {
         for dt in ACTS {
             names.push(format!(
@@ -519,6 +536,14 @@ mod tests {
         assert_eq!(
             names[gemm_tiled_kernel(WeightFormat::Q4_1, DType::BF16).unwrap()],
             "gemm_tiled_q4_1_bf16"
+        );
+        assert_eq!(
+            names[gemm_tiled_k_kernel(true, DType::F16)],
+            "gemm_tiled_q6_k_f16"
+        );
+        assert_eq!(
+            names[gemm_tiled_k_kernel(false, DType::F32)],
+            "gemm_tiled_q4_k_f32"
         );
         assert_eq!(gemm_tiled_kernel(WeightFormat::F16, DType::F32), None);
         assert_eq!(

@@ -152,8 +152,8 @@ impl CudaBackend {
                 })?;
                 self.cublas(w.mem.ptr(), w, &x, &out, dt)
             }
-            // Every step size on the GEMV, 8 rows a launch (no cuBLAS or tensor-core path
-            // reads packed K-quants: module note of `matmul_k`).
+            // The GEMV, 8 rows a launch, or from TILED_MIN_ROWS rows the tiled tensor-core
+            // GEMM with the GEMV's bits (module note of `matmul_k`).
             MatrixKind::Q4K | MatrixKind::Q6K => self.gemv_kquant(w, x, out, dt),
             MatrixKind::Packed(fmt) => {
                 let gemv = self.cfg.matmul == MatmulMode::Quantized

@@ -4,7 +4,9 @@
 //! (`NPU_SERVING_CUDA_KQUANTS=packed`: the packed Q4_K GEMV). A prefill of two prompts (more
 //! than 8 rows: the GEMV looped) then decode steps; the greedy tokens must be the same (also
 //! with every fold asked for, which packed K-quants decline), and the packed run must launch
-//! the packed GEMV and no F16 one for the Q4_K matrices. Not a GPU run.
+//! the packed GEMV and no F16 one for the Q4_K matrices. And a prefill of 70 rows through the
+//! tiled tensor-core GEMM for packed Q4_K gives the logit bits of the same steps on the GEMV
+//! (int8 `mma` off). Not a GPU run.
 
 mod common;
 
@@ -14,10 +16,12 @@ use npu_backend_cuda::{CudaBackend, CudaConfig, KQuants};
 use npu_gguf::synth::{self, Family};
 use npu_gguf::{GgmlType, GgufFile};
 
-/// `fuse4`: every fold on (`NPU_SERVING_CUDA_FUSE=4`), which packed K-quants must decline.
-fn backend(kquants: KQuants, fuse4: bool) -> Option<CudaBackend> {
+/// `fuse4`: every fold on (`NPU_SERVING_CUDA_FUSE=4`), which packed K-quants must decline;
+/// `mma`: the int8 tensor-core GEMMs allowed (`NPU_SERVING_CUDA_MMA`).
+fn backend(kquants: KQuants, fuse4: bool, mma: bool) -> Option<CudaBackend> {
     let cfg = CudaConfig {
         kquants,
+        int8_mma: mma,
         fold_rope: fuse4,
         fold_ffn: fuse4,
         fold_attn_out: fuse4,
@@ -38,17 +42,21 @@ fn backend(kquants: KQuants, fuse4: bool) -> Option<CudaBackend> {
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 4;
 
-/// Greedy tokens after a prefill of `prompts` and `decodes` steps, and the kernels launched.
+/// What a run gives: the greedy tokens, the kernels launched, every step's logits.
+type Run = (Vec<Vec<u32>>, Vec<String>, Vec<Vec<f32>>);
+
+/// Greedy tokens after a prefill of `prompts` and `decodes` steps, the kernels launched and
+/// the logits of each step.
 fn run(
     f: &GgufFile,
-    kquants: KQuants,
-    fuse4: bool,
+    (kquants, fuse4, mma): (KQuants, bool, bool),
     prompts: &[Vec<u32>],
     decodes: usize,
-) -> Option<(Vec<Vec<u32>>, Vec<String>)> {
-    let mut b = backend(kquants, fuse4)?;
+) -> Option<Run> {
+    let mut b = backend(kquants, fuse4, mma)?;
     let n_seqs = prompts.len();
-    let mut m = Llama::load(f, &mut b, 64, n_seqs, n_seqs * BLOCKS_PER_SEQ, BLOCK);
+    let mut m = Llama::load(f, &mut b, 128, n_seqs, n_seqs * BLOCKS_PER_SEQ, BLOCK);
+    let mut logits = Vec::new();
     common::take_launches(&b);
     let mut all: Vec<Vec<u32>> = prompts.to_vec();
     let mut done = vec![0usize; n_seqs];
@@ -77,16 +85,17 @@ fn run(
             done[i] = seq.len();
         }
         let ids = m.step(&mut b, &s);
+        logits.push(m.last_logits.clone());
         for (seq, id) in all.iter_mut().zip(ids) {
             seq.push(id);
         }
     }
     let launched = common::take_launches(&b).unwrap_or_default();
-    Some((all, launched))
+    Some((all, launched, logits))
 }
 
-#[test]
-fn packed_q4k_model_keeps_the_f16_paths_greedy_tokens() {
+/// The small Q4_K Llama written to a temporary file (`tag` names it); returns its path.
+fn q4k_model(tag: &str) -> std::path::PathBuf {
     let donor =
         GgufFile::open(npu_gguf::store::resolve_model(None).expect("the default model")).unwrap();
     let mut shape = Family::Llama.shape();
@@ -95,20 +104,29 @@ fn packed_q4k_model_keeps_the_f16_paths_greedy_tokens() {
     shape.head_dim = 32;
     shape.ff = 512;
     let bytes = synth::synth_model_shaped(Family::Llama, shape, 9, GgmlType::Q4K, &donor).unwrap();
-    let path = std::env::temp_dir().join(format!("npu-kquants-{}.gguf", std::process::id()));
+    let path = std::env::temp_dir().join(format!("npu-kquants-{tag}-{}.gguf", std::process::id()));
     std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 100 + (i * 7919 + seed * 104_729) % 20_000)
+        .collect()
+}
+
+#[test]
+fn packed_q4k_model_keeps_the_f16_paths_greedy_tokens() {
+    let path = q4k_model("gemv");
     let f = GgufFile::open(&path).unwrap();
-    let prompt = |len: usize, seed: u32| -> Vec<u32> {
-        (0..len as u32)
-            .map(|i| 100 + (i * 7919 + seed * 104_729) % 20_000)
-            .collect()
-    };
     let prompts = vec![prompt(9, 1), prompt(6, 2)];
-    let Some((f16_tokens, f16_launched)) = run(&f, KQuants::F16, false, &prompts, 4) else {
+    let Some((f16_tokens, f16_launched, _)) = run(&f, (KQuants::F16, false, true), &prompts, 4)
+    else {
         return;
     };
-    let (packed_tokens, packed_launched) = run(&f, KQuants::Packed, false, &prompts, 4).unwrap();
-    let (fuse4_tokens, _) = run(&f, KQuants::Packed, true, &prompts, 4).unwrap();
+    let (packed_tokens, packed_launched, _) =
+        run(&f, (KQuants::Packed, false, true), &prompts, 4).unwrap();
+    let (fuse4_tokens, _, _) = run(&f, (KQuants::Packed, true, true), &prompts, 4).unwrap();
     let _ = std::fs::remove_file(&path);
     assert!(
         packed_launched.iter().any(|l| l == "gemv_q4_k_r8_f32"),
@@ -123,4 +141,43 @@ fn packed_q4k_model_keeps_the_f16_paths_greedy_tokens() {
         fuse4_tokens, packed_tokens,
         "greedy tokens with every fold asked for"
     );
+}
+
+/// A prefill of 70 rows (two prompts of 40 and 30 tokens) takes the tiled tensor-core GEMM for
+/// the packed Q4_K matrices (`gemm_tiled_q4_k_*`, from 33 rows); with the int8 `mma` paths off
+/// (`NPU_SERVING_CUDA_MMA=0`) the same steps run the packed GEMV 8 rows a launch. Every step's
+/// logits (the prefill's and 3 decode steps') must be the same bits, so the greedy tokens too.
+#[test]
+fn tiled_q4k_prefill_gives_the_gemvs_logit_bits() {
+    let path = q4k_model("tiled");
+    let f = GgufFile::open(&path).unwrap();
+    let prompts = vec![prompt(40, 3), prompt(30, 4)];
+    let Some((tiled_tokens, tiled_launched, tiled_logits)) =
+        run(&f, (KQuants::Packed, false, true), &prompts, 3)
+    else {
+        return;
+    };
+    let (gemv_tokens, gemv_launched, gemv_logits) =
+        run(&f, (KQuants::Packed, false, false), &prompts, 3).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        tiled_launched.iter().any(|l| l == "gemm_tiled_q4_k_f32"),
+        "{tiled_launched:?}"
+    );
+    assert!(
+        !gemv_launched.iter().any(|l| l.starts_with("gemm_tiled")),
+        "{gemv_launched:?}"
+    );
+    assert_eq!(tiled_logits.len(), gemv_logits.len());
+    for (step, (t, g)) in tiled_logits.iter().zip(&gemv_logits).enumerate() {
+        assert_eq!(t.len(), g.len());
+        for (i, (a, b)) in t.iter().zip(g).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "step {step} logit {i}: {a} with the tiled GEMM, {b} with the GEMV"
+            );
+        }
+    }
+    assert_eq!(tiled_tokens, gemv_tokens, "greedy tokens");
 }

@@ -163,6 +163,11 @@ fn packed_kquant_gemvs_match_the_f16_path() {
     conformance::packed_kquant_gemvs_match_the_f16_path(&emulated);
 }
 
+#[test]
+fn tiled_kquant_gemm_matches_the_gemv() {
+    conformance::tiled_kquant_gemm_matches_the_gemv(&emulated);
+}
+
 /// Every kernel of the program is launched, and checked, by some case above: no op runs a
 /// kernel the conformance cases never exercise.
 #[test]

@@ -139,3 +139,91 @@ pub fn packed_kquant_gemvs_match_the_f16_path(make: Make) {
         }
     }
 }
+
+/// The tiled tensor-core GEMM for packed K-quants (`gemm_tiled_q4_k_*`, `gemm_tiled_q6_k_*`,
+/// from 33 rows where the device has int8 `mma`) gives every row the bits of the packed GEMV:
+/// a step of 33, 64, 100 or 200 rows (ragged and whole 64-row tiles) against the same rows in
+/// steps of 8 (`gemv_*_r8_*`) and a few alone (`gemv_*_r1_*`). Q4_K and Q6_K, f32/f16/bf16
+/// activations, 72 outputs (a ragged 64-output tile), k = 1280 (40 sub-blocks a row: lane
+/// classes of two sub-blocks and of one) and 512 (16: classes without a sub-block).
+pub fn tiled_kquant_gemm_matches_the_gemv(make: Make) {
+    let mut rng = Rng::new(57);
+    let n = 72;
+    for (k, row_counts) in [(1280, &[33, 64, 100, 200][..]), (512, &[33, 100][..])] {
+        for (ty, stem) in [(GgmlType::Q4K, "q4_k"), (GgmlType::Q6K, "q6_k")] {
+            let raw = kquant_rows(&mut rng, ty, n, k);
+            for dt in DTYPES {
+                let Some(mut b) = make(dt, MatmulMode::Quantized) else {
+                    return;
+                };
+                b.set_kquants(KQuants::Packed);
+                let m = b
+                    .load_matrix(&[HostTensor {
+                        ty,
+                        data: &raw,
+                        rows: n,
+                        cols: k,
+                    }])
+                    .unwrap()
+                    .expect("one part");
+                let s = npu_backend_cuda::kernels::act_suffix(dt).unwrap();
+                for &rows in row_counts {
+                    let x = rounded(&rng.vec(rows * k, -1.0, 1.0), dt);
+                    let xb = put(&mut b, dt, &x, rows, k);
+                    let mut all = b.alloc(dt, rows * n).unwrap();
+                    take_launches(&b);
+                    b.matmul(
+                        View::new(&xb, Layout::new(0, rows, k, k).unwrap()).unwrap(),
+                        &m,
+                        ViewMut::rows(&mut all, rows, n).unwrap(),
+                    )
+                    .unwrap();
+                    if let Some(l) = take_launches(&b) {
+                        let want = format!("gemm_tiled_{stem}_{s}");
+                        assert!(l.contains(&want), "{rows} rows did not take {want}: {l:?}");
+                    }
+                    let many = get(&mut b, &all);
+                    let check = |got: &[f32], r0: usize, what: &str| {
+                        for (i, g) in got.iter().enumerate() {
+                            let (r, o) = (r0 + i / n, i % n);
+                            let t = many[r * n + o];
+                            assert_eq!(
+                                t.to_bits(),
+                                g.to_bits(),
+                                "{stem} {} k {k}, {rows} rows: row {r} output {o}: {t} tiled, \
+                                 {g} {what}",
+                                dt.name()
+                            );
+                        }
+                    };
+                    for r0 in (0..rows).step_by(8) {
+                        let nr = 8.min(rows - r0);
+                        let mut part = b.alloc(dt, nr * n).unwrap();
+                        b.matmul(
+                            View::new(&xb, Layout::new(r0 * k, nr, k, k).unwrap()).unwrap(),
+                            &m,
+                            ViewMut::rows(&mut part, nr, n).unwrap(),
+                        )
+                        .unwrap();
+                        check(&get(&mut b, &part), r0, "by the 8-row GEMV");
+                    }
+                    if let Some(l) = take_launches(&b) {
+                        let want = format!("gemv_{stem}_r8_{s}");
+                        assert!(l.contains(&want), "{l:?}");
+                        assert!(!l.iter().any(|l| l.starts_with("gemm_tiled")), "{l:?}");
+                    }
+                    for r in [0, rows / 2, rows - 1] {
+                        let mut one = b.alloc(dt, n).unwrap();
+                        b.matmul(
+                            View::new(&xb, Layout::new(r * k, 1, k, k).unwrap()).unwrap(),
+                            &m,
+                            ViewMut::rows(&mut one, 1, n).unwrap(),
+                        )
+                        .unwrap();
+                        check(&get(&mut b, &one), r, "alone");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -160,6 +160,10 @@ pub const CASES: &[(&str, Case)] = &[
         packed_kquant_gemvs_match_the_f16_path,
     ),
     (
+        "tiled_kquant_gemm_matches_the_gemv",
+        tiled_kquant_gemm_matches_the_gemv,
+    ),
+    (
         "lora_groups_match_the_cpu_backend",
         lora_groups_match_the_cpu_backend,
     ),
