@@ -26,7 +26,9 @@
 // Q6_K two (its stages are larger: three would pass the 48 KiB of static shared memory), with
 // the same one barrier a stage (the copy issued after it goes into the buffer computed before it).
 // Rows past `rows` and outputs past `n` read the last valid row or output; their results are
-// never stored. grid (ceil(rows / 64), ceil(n / 64)), 256 threads.
+// never stored. grid (ceil(rows / 64), ceil(n / 64)), 256 threads; 43,776 bytes of static
+// shared memory (Q4_K), 37,376 (Q6_K). NVRTC 13.5's resource report (sm_90): 166 to 172
+// registers a thread (Q4_K), 158 to 163 (Q6_K), no spills and no stack frame. Not yet run on a GPU.
 
 #define KT_Q4K 0
 #define KT_Q6K 1
