@@ -221,7 +221,7 @@ fn cuda_emulation_replays_one_graph_per_decode_step() {
 /// Set in the child process `cuda_emulation_counts_three_launches_a_layer_at_fuse_4` starts.
 const LEVEL_4_CHILD: &str = "NPU_DECODE_COUNTS_LEVEL_4_CHILD";
 
-/// `NPU_SERVING_CUDA_FUSE=4` (opt-in): rope and the KV write folded into the Q/K/V GEMV, decode
+/// `NPU_SERVING_CUDA_FUSE=4` (the default, set explicitly here): rope and the KV write folded into the Q/K/V GEMV, decode
 /// attention with the output projection and the residual add in one launch (`fold_attn_out`),
 /// and the whole feed-forward block in one launch (`fold_ffn`): **3 launches a layer** and the
 /// same 5 outside, on the tiny llama (2 layers) and Qwen3 (3 layers) models; a fold that stops
@@ -265,8 +265,9 @@ fn cuda_emulation_counts_three_launches_a_layer_at_fuse_4() {
 /// Set in the child process of `cuda_emulation_reads_the_files_k_quant_bytes_when_packed`.
 const KQUANTS_CHILD: &str = "NPU_DECODE_COUNTS_KQUANTS_CHILD";
 
-/// With `NPU_SERVING_CUDA_KQUANTS=packed` (opt-in), a Q4_K model's matrices hold the file's
-/// bytes on the CUDA device (the default `f16` dequantizes them to F16: about 3.6 times as many). A
+/// With `NPU_SERVING_CUDA_KQUANTS=packed` (the default, set explicitly here), a Q4_K model's
+/// matrices hold the file's bytes on the CUDA device (`f16` dequantizes them to F16: about 3.6
+/// times as many). A
 /// tiny llama with every matrix's inputs whole Q4_K blocks (hidden 256, feed-forward 512). The
 /// variable is read from the environment, which this binary's other tests share, so the count
 /// runs in a child process of this binary with it set (as the level-4 test does).

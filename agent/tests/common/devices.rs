@@ -21,7 +21,8 @@ pub fn cuda() -> CudaBackend {
         fold_rope: false,
         fold_ffn: false,
         fold_attn_out: false,
-        kquants: npu_backend_cuda::KQuants::F16,
+        // The default: Q4_K/Q6_K packed, their activations as Q8_K.
+        kquants: npu_backend_cuda::KQuants::Packed,
     })
     .expect("the CUDA emulation opens (a C++ compiler is needed)")
 }

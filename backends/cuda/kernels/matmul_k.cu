@@ -1,6 +1,6 @@
 // The packed K-quant GEMVs (NPU_SERVING_CUDA_KQUANTS=packed): Q4_K and Q6_K matrices in the
-// file's bytes multiplied by 8-bit activations from `quantize_q8`, as llama.cpp's CUDA mmvq
-// multiplies them.
+// file's bytes multiplied by 8-bit activations from `quantize_q8k` (256 values a scale, as
+// llama.cpp's CPU build quantizes them for K-quants), with llama.cpp's mmvq integer scheme.
 //
 // Weight format (the GGUF's blocks as they are, n rows of k / 256 blocks of 144 bytes):
 //   bytes 0..2 d (f16), 2..4 dmin (f16), 4..16 twelve bytes of 6-bit sub-block scales and
@@ -11,6 +11,95 @@
 // Sub-block j (32 values) of a block: value = d * sc_j * q - dmin * m_j. Its dot with activation
 // block (dx, qx, isum = sum qx) is dx * (d * sc_j * sum(q * qx) - dmin * m_j * isum), the integer
 // sum by dp4a.
+
+// ---- Q8_K activations for the packed K-quant products -------------------------------------------
+//
+// llama.cpp's CPU build (the references) multiplies K-quant weights by activations quantized 256
+// values a scale (Q8_K, `quantize_row_q8_K_ref`): per 256 values the one of largest magnitude
+// (the first, on ties) `max`, iscale = -127 / max, each value rint(iscale * x) at most 127, the
+// scale 1 / iscale in f32. `quantize_q8k` writes that, in `quantize_q8`'s layout so the K-quant
+// kernels read it unchanged: the int8 rows in xq, and for each 32-value block 4 words (the
+// super-block's scale, the f16-rounded scale * block sum (as Q8_0's s), the block's integer sum,
+// 0). The CPU backend's `quantize_row_q8k` is the same arithmetic, value for value.
+// grid (ceil(k / 256 / 8), rows), 8 warps: warp w quantizes super-block blockIdx.x * 8 + w of row
+// blockIdx.y, lane l its values 8l .. 8l + 7.
+template <typename T>
+__device__ __forceinline__ void quantize_q8k_body(const T* x, int ldx, int k, signed char* xq,
+                                                  u32* xs) {
+    const int nsb = k >> 8;
+    const int sb = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (sb >= nsb) {
+        return; // the whole warp: no block-wide barrier here
+    }
+    const int lane = threadIdx.x & 31;
+    const i64 r = blockIdx.y;
+    const T* xr = x + r * ldx + sb * 256 + lane * 8;
+    float v[8];
+    float amax = 0.0f;
+    float vmax = 0.0f;
+    int at = 0x7fffffff;
+    for (int i = 0; i < 8; ++i) {
+        v[i] = to_f32(xr[i]);
+        const float a = fabsf(v[i]);
+        if (a > amax) { // strict: the first of equal magnitudes; NaN never wins
+            amax = a;
+            vmax = v[i];
+            at = lane * 8 + i;
+        }
+    }
+    // The warp's largest magnitude, the lowest index on ties.
+    for (int o = 16; o > 0; o >>= 1) {
+        const float oa = __shfl_xor_sync(FULL_MASK, amax, o);
+        const float ov = __shfl_xor_sync(FULL_MASK, vmax, o);
+        const int oat = __shfl_xor_sync(FULL_MASK, at, o);
+        if (oa > amax || (oa == amax && oat < at)) {
+            amax = oa;
+            vmax = ov;
+            at = oat;
+        }
+    }
+    int q[8];
+    float scale = 0.0f;
+    if (amax == 0.0f) {
+        for (int i = 0; i < 8; ++i) {
+            q[i] = 0;
+        }
+    } else {
+        const float iscale = __fdiv_rn(-127.0f, vmax);
+        for (int i = 0; i < 8; ++i) {
+            const float rq = rintf(__fmul_rn(iscale, v[i]));
+            q[i] = rq != rq ? 0 : (int)fminf(fmaxf(rq, -128.0f), 127.0f);
+        }
+        scale = __fdiv_rn(1.0f, iscale);
+    }
+    u32 lo = 0, hi = 0;
+    int sum = 0;
+    for (int i = 0; i < 4; ++i) {
+        lo |= ((u32)q[i] & 0xffu) << (8 * i);
+        hi |= ((u32)q[4 + i] & 0xffu) << (8 * i);
+        sum += q[i] + q[4 + i];
+    }
+    u32* xw = (u32*)(xq + r * k + sb * 256 + lane * 8);
+    xw[0] = lo;
+    xw[1] = hi;
+    // A 32-value block is lanes 4j .. 4j + 3: their sums, in order.
+    sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+    sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+    if ((lane & 3) == 0) {
+        u32* o = xs + (r * (k >> 5) + sb * 8 + (lane >> 2)) * 4;
+        o[0] = __float_as_uint(scale);
+        o[1] = __float_as_uint(f16_bits_to_f32(f32_to_f16_bits(scale * (float)sum)));
+        o[2] = (u32)sum;
+        o[3] = 0;
+    }
+}
+
+#define QUANTIZE_Q8K(T, S)                                                                         \
+    extern "C" __global__ void quantize_q8k_##S(const T* x, int ldx, int k, signed char* xq,      \
+                                                u32* xs) {                                         \
+        quantize_q8k_body<T>(x, ldx, k, xq, xs);                                                  \
+    }
+NPU_FOR_EACH_ACT(QUANTIZE_Q8K)
 
 // Byte i of the 16-byte block header.
 __device__ __forceinline__ u32 q4k_hbyte(const u32* h, int i) {

@@ -849,8 +849,9 @@ impl CudaBackend {
             && parts.iter().any(|p| p.ty.name().ends_with("_K"))
         {
             tracing::debug!(
-                "cuda: NPU_SERVING_CUDA_KQUANTS=packed keeps Q4_K and Q6_K only, outside the \
-                 dequantized matmul mode; these {} parts load as F16 or dense",
+                "cuda: packed K-quants (NPU_SERVING_CUDA_KQUANTS=packed, the default) are Q4_K and \
+                 Q6_K only, outside the dequantized matmul mode; these {} parts load as F16 or \
+                 dense",
                 parts[0].ty.name()
             );
         }

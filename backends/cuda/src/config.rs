@@ -42,20 +42,20 @@ impl MatmulMode {
 /// How K-quant matrices are kept on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KQuants {
-    /// Dequantized to F16 at load (the default; about 3.6x Q4_K's bytes).
+    /// Dequantized to F16 at load (about 3.6x Q4_K's bytes).
     F16,
     /// Q4_K and Q6_K matrices keep the file's bytes (Q6_K's blocks split into quants, scales
-    /// and d) and run the packed GEMVs (`gemv_q4_k_*`, `gemv_q6_k_*`, kernels/matmul_k.cu) for
-    /// every step size; the other K-quants, and K-quant experts of MoE layers, stay F16. Opt-in:
-    /// on an H200 (docs/gpu-checks/2026-11-29-h200.md) an 8B-shaped Q4_K_M llama decoded 2.2x
-    /// and prefilled 7.3x as fast as with F16, but its 8-bit activations of 32 values a scale
-    /// (llama.cpp's CUDA scheme) move a Q4_K sweep model past the fidelity sweep's bar against
-    /// llama.cpp's CPU references (which quantize 256 values a scale).
+    /// and d) and run the packed GEMVs (`gemv_q4_k_*`, `gemv_q6_k_*`, kernels/matmul_k.cu) and
+    /// the tiled K-quant GEMM on activations quantized as Q8_K (256 values a scale, as the
+    /// references' llama.cpp CPU build); the other K-quants, and K-quant experts of MoE layers,
+    /// stay F16. The default: on an H200 (docs/gpu-checks/2026-11-29-h200.md) an 8B-shaped
+    /// Q4_K_M llama decoded 2.2x and prefilled 7.3x as fast as with F16 (measured with 32
+    /// values a scale, before the Q8_K activations and the tiled GEMM).
     Packed,
 }
 
-/// Environment variable: `packed` keeps Q4_K and Q6_K matrices in the file's bytes; `f16`, the
-/// default, dequantizes K-quants to F16 at load.
+/// Environment variable: `packed`, the default, keeps Q4_K and Q6_K matrices in the file's bytes;
+/// `f16` dequantizes K-quants to F16 at load.
 pub const ENV_KQUANTS: &str = "NPU_SERVING_CUDA_KQUANTS";
 /// Environment variable: activation dtype (`f16`, `bf16`, `f32`).
 pub const ENV_DTYPE: &str = "NPU_SERVING_CUDA_DTYPE";
@@ -121,7 +121,7 @@ pub struct CudaConfig {
     /// residual add as one launch (`NPU_SERVING_CUDA_FUSE=4`; off by default), partial sums
     /// over heads added in a fixed order by the grid's last block.
     pub fold_attn_out: bool,
-    /// K-quant matrices: F16 at load (default) or Q4_K/Q6_K packed (`NPU_SERVING_CUDA_KQUANTS`).
+    /// K-quant matrices: Q4_K/Q6_K packed (default) or F16 at load (`NPU_SERVING_CUDA_KQUANTS`).
     pub kquants: KQuants,
     /// Where compiled kernels are cached on disk (`None`: memory only).
     pub kernel_cache: Option<PathBuf>,
@@ -143,7 +143,7 @@ impl Default for CudaConfig {
             fold_rope: false,
             fold_ffn: false,
             fold_attn_out: false,
-            kquants: KQuants::F16,
+            kquants: KQuants::Packed,
             kernel_cache: crate::nvrtc::default_cache_dir(),
             lib_dirs: crate::libs::default_search_dirs(),
         }
@@ -254,7 +254,7 @@ mod tests {
         assert!(!three.fold_ffn && !three.fold_attn_out && !d.fold_ffn);
         let four = CudaConfig::from_vars(|k| (k == ENV_FUSE).then(|| "4".into())).unwrap();
         assert!(four.fold_rope && four.fold_ffn && four.fold_attn_out);
-        assert_eq!(d.kquants, KQuants::F16);
+        assert_eq!(d.kquants, KQuants::Packed);
         let f = CudaConfig::from_vars(|k| (k == ENV_KQUANTS).then(|| "f16".into())).unwrap();
         assert_eq!(f.kquants, KQuants::F16);
         let e = CudaConfig::from_vars(|k| (k == ENV_KQUANTS).then(|| "q4k".into())).unwrap_err();

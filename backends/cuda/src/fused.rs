@@ -59,6 +59,8 @@ pub(crate) struct Q8Ready {
     /// The int8 rows and the per-block scales (layout of `quantize_q8`).
     xq: DevPtr,
     xs: DevPtr,
+    /// Quantized 256 values a scale (`quantize_q8k`, for packed K-quants) rather than 32.
+    per256: bool,
     /// `launches` and `device_writes` just after the producer was queued.
     launches: u64,
     writes: u64,
@@ -119,19 +121,24 @@ impl CudaBackend {
             dt,
             xq,
             xs,
+            per256: false,
             launches: self.launches.load(Ordering::Relaxed),
             writes: self.device_writes.load(Ordering::Relaxed),
         });
     }
 
-    /// The 8-bit form of `x` (a product's input of `dt`), when the last thing queued wrote it;
-    /// the record is used up either way.
+    /// The 8-bit form of `x` (a product's input of `dt`), 32 values a scale (`per256`: 256,
+    /// Q8_K), when the last thing queued wrote it; the record is used up either way.
     pub(crate) fn q8_take(
         &mut self,
         x: &View<'_, CudaBuffer>,
         dt: DType,
+        per256: bool,
     ) -> Option<(DevPtr, DevPtr)> {
         let r = self.q8_ready.take()?;
+        if r.per256 != per256 {
+            return None;
+        }
         let l = x.layout();
         let fresh = r.launches == self.launches.load(Ordering::Relaxed)
             && r.writes == self.device_writes.load(Ordering::Relaxed);
@@ -152,10 +159,25 @@ impl CudaBackend {
         q8: (DevPtr, DevPtr),
         dt: DType,
     ) {
+        self.q8_keep_as(x, out, q8, dt, false);
+    }
+
+    /// `q8_keep` for 8-bit rows of 256 values a scale (`per256`) or 32.
+    pub(crate) fn q8_keep_as(
+        &mut self,
+        x: &View<'_, CudaBuffer>,
+        out: &ViewMut<'_, CudaBuffer>,
+        q8: (DevPtr, DevPtr),
+        dt: DType,
+        per256: bool,
+    ) {
         if !self.cfg.fuse || x.buf().addr(0) == out.buf().addr(0) {
             return;
         }
         self.q8_made(Some(q8), addr(x), x.layout(), dt);
+        if let Some(r) = self.q8_ready.as_mut() {
+            r.per256 = per256;
+        }
     }
 
     pub(crate) fn op_rms_norm(

@@ -75,10 +75,11 @@ pub enum Op {
     AttentionI8,
     NormRopeKvWrite,
     Lora,
+    QuantizeQ8K,
 }
 
 impl Op {
-    pub const ALL: [Op; 29] = [
+    pub const ALL: [Op; 30] = [
         Op::Embed,
         Op::RmsNorm,
         Op::Rope,
@@ -108,6 +109,7 @@ impl Op {
         Op::AttentionI8,
         Op::NormRopeKvWrite,
         Op::Lora,
+        Op::QuantizeQ8K,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -140,6 +142,7 @@ impl Op {
             Op::AttentionI8 => "attention_i8",
             Op::NormRopeKvWrite => "norm_rope_kv_write",
             Op::Lora => "lora",
+            Op::QuantizeQ8K => "quantize_q8k",
         }
     }
 }

@@ -337,7 +337,7 @@ impl CudaBackend {
         dt: DType,
     ) -> Result<(DevPtr, DevPtr), BackendError> {
         const OP: &str = "matmul";
-        if let Some(q8) = self.q8_take(x, dt) {
+        if let Some(q8) = self.q8_take(x, dt, false) {
             return Ok(q8);
         }
         let xl = x.layout();
