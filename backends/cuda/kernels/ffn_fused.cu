@@ -104,11 +104,11 @@ __device__ __forceinline__ void ffn_fused_body(const u8* gw, const u16* gwd, con
     for (int i = warp; i < units && u0 + i < ff; i += warps) {
         const int u = u0 + i;
         float acc[R];
-        gemv_q_partial<FMT, R>(gw, gwd, gwm, u, k, sq, ss, rows, acc);
+        gemv_q_partial_wide<FMT, R>(gw, gwd, gwm, u, k, sq, ss, rows, acc);
         int r;
         const float t = fold_total<R>(acc, lane, rows, &r);
         float acc_up[R];
-        gemv_q_partial<FMT, R>(gw, gwd, gwm, ff + u, k, sq, ss, rows, acc_up);
+        gemv_q_partial_wide<FMT, R>(gw, gwd, gwm, ff + u, k, sq, ss, rows, acc_up);
         int r_up;
         const float t_up = fold_total<R>(acc_up, lane, rows, &r_up);
         if (r >= 0) {

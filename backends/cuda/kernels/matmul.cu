@@ -184,7 +184,7 @@ __device__ __forceinline__ void gemv_q_block(const u32* wq, float dw, float mw, 
 }
 
 // Lane `lane`'s partial sums of output o for up to R activation rows: blocks lane, lane + 32, ...
-// of weight row o (the GEMV's order; `gemv_fold_body` shares it).
+// of weight row o (the GEMV's order; `gemv_fold_body` runs the same order on the wide schedule).
 template <int FMT, int R>
 __device__ __forceinline__ void gemv_q_partial(const u8* w, const u16* wd, const u16* wm, int o,
                                                int k, const signed char* xq, const u32* xs,
@@ -504,12 +504,15 @@ __device__ __forceinline__ void gemv_fold_body(const u8* w, const u16* wd, const
     for (int i = warp; i < upb && u0 + i < units; i += warps) {
         const int u = u0 + i;
         float acc[R];
-        gemv_q_partial<FMT, R>(w, wd, wm, u, k, xq, xs, rows, acc);
+        // The wide schedule (several weight loads in flight a lane; the same bits): a fold
+        // launch has n / 32 blocks of 8 warps, about one block an SM, so one 16-byte load a
+        // lane would leave each SM 4 KB in flight, a sixth of what the HBM's latency asks for.
+        gemv_q_partial_wide<FMT, R>(w, wd, wm, u, k, xq, xs, rows, acc);
         int r;
         const float t = fold_total<R>(acc, lane, rows, &r);
         if (fold == FOLD_SWIGLU) {
             float acc_up[R];
-            gemv_q_partial<FMT, R>(w, wd, wm, units + u, k, xq, xs, rows, acc_up);
+            gemv_q_partial_wide<FMT, R>(w, wd, wm, units + u, k, xq, xs, rows, acc_up);
             int r_up;
             const float t_up = fold_total<R>(acc_up, lane, rows, &r_up);
             if (r >= 0) {
