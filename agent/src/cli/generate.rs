@@ -55,8 +55,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json: bool,
     /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
-    /// auto (where the backend can; the default, as the server's) or off.
-    #[arg(long, default_value_t = npu_protocol::agent::GraphCapture::Auto)]
+    /// auto (where the backend can) or off (the default, as the server's).
+    #[arg(long, default_value_t = npu_protocol::agent::GraphCapture::Off)]
     pub graph_capture: npu_protocol::agent::GraphCapture,
 }
 
