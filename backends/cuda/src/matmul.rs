@@ -336,8 +336,20 @@ impl CudaBackend {
         x: &View<'_, CudaBuffer>,
         dt: DType,
     ) -> Result<(DevPtr, DevPtr), BackendError> {
+        self.q8_input_as(w, x, dt, false)
+    }
+
+    /// `q8_input` with 32 values a scale (`quantize_q8`) or, `per256`, 256 (`quantize_q8k`, Q8_K,
+    /// for packed K-quants), in the same layout.
+    pub(crate) fn q8_input_as(
+        &mut self,
+        w: &CudaMatrix,
+        x: &View<'_, CudaBuffer>,
+        dt: DType,
+        per256: bool,
+    ) -> Result<(DevPtr, DevPtr), BackendError> {
         const OP: &str = "matmul";
-        if let Some(q8) = self.q8_take(x, dt, false) {
+        if let Some(q8) = self.q8_take(x, dt, per256) {
             return Ok(q8);
         }
         let xl = x.layout();
@@ -348,9 +360,15 @@ impl CudaBackend {
             .scratch_x
             .ensure(&self.gpu, self.device, xq_bytes + rows * nb * 16)?;
         let xs = dst + xq_bytes as u64;
+        // One warp a 32-value block (quantize_q8) or a 256-value super-block (quantize_q8k).
+        let (op, units) = if per256 {
+            (Op::QuantizeQ8K, w.k / 256)
+        } else {
+            (Op::QuantizeQ8, nb)
+        };
         self.launch(
-            op_kernel(Op::QuantizeQ8, dt),
-            LaunchDims::linear([blocks(nb, 8), grid_rows(OP, rows)?, 1], 256),
+            op_kernel(op, dt),
+            LaunchDims::linear([blocks(units, 8), grid_rows(OP, rows)?, 1], 256),
             Args::new()
                 .ptr(addr(x))
                 .i32(int(OP, xl.stride())?)

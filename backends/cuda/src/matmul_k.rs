@@ -1,6 +1,6 @@
 //! Products by packed K-quant matrices (`MatrixKind::Q4K`, `Q6K`;
 //! `NPU_SERVING_CUDA_KQUANTS=packed`): the activations quantized to 8 bits 256 values a scale
-//! (`q8k_input`, `quantize_q8k`: Q8_K, as llama.cpp's CPU build and the CPU backend quantize them
+//! (`q8_input_as`, `quantize_q8k`: Q8_K, as llama.cpp's CPU build and the CPU backend quantize them
 //! for K-quants), then the packed GEMV (`gemv_q4_k_*`, `gemv_q6_k_*`, kernels/matmul_k.cu), 8
 //! token rows a launch; from [`TILED_MIN_ROWS`] rows on a device with int8 `mma` (and
 //! `NPU_SERVING_CUDA_MMA` not 0) the tiled tensor-core GEMM (`gemm_tiled_q4_k_*`,
@@ -13,12 +13,10 @@ use npu_backend::{BackendError, DType, View, ViewMut};
 
 use crate::backend::CudaBackend;
 use crate::buffer::CudaBuffer;
-use crate::gpu::{blocks, Args, DevPtr, LaunchDims};
-use crate::kernels::{
-    gemm_tiled_k_kernel, gemv_q4k_kernel, gemv_q6k_kernel, op_kernel, Op, GEMV_ROWS,
-};
+use crate::gpu::{blocks, Args, LaunchDims};
+use crate::kernels::{gemm_tiled_k_kernel, gemv_q4k_kernel, gemv_q6k_kernel, GEMV_ROWS};
 use crate::matmul::TILED_MIN_ROWS;
-use crate::ops::{addr, addr_mut, grid_rows, int};
+use crate::ops::{addr_mut, grid_rows, int};
 use crate::weights::{CudaMatrix, MatrixKind};
 
 /// Warps per block (one output each), as the other GEMVs.
@@ -48,7 +46,7 @@ impl CudaBackend {
         let rows = x.layout().rows();
         let (n, k) = (int(OP, w.n)?, int(OP, w.k)?);
         let nb = w.k / 32;
-        let (xq, xs) = self.q8k_input(w, &x, dt)?;
+        let (xq, xs) = self.q8_input_as(w, &x, dt, true)?;
         let ol = out.layout();
         let op = addr_mut(&out);
         let q6 = w.kind == MatrixKind::Q6K;
@@ -101,38 +99,5 @@ impl CudaBackend {
         }
         self.q8_keep_as(&x, &out, (xq, xs), dt, true);
         Ok(())
-    }
-
-    /// `x` quantized for a packed K-quant product: 256 values a scale (Q8_K, `quantize_q8k`, as
-    /// llama.cpp's CPU build and the CPU backend quantize them), in `quantize_q8`'s layout; the
-    /// rows a product of the same `x` just quantized so are taken as they are.
-    fn q8k_input(
-        &mut self,
-        w: &CudaMatrix,
-        x: &View<'_, CudaBuffer>,
-        dt: DType,
-    ) -> Result<(DevPtr, DevPtr), BackendError> {
-        const OP: &str = "matmul";
-        if let Some(q8) = self.q8_take(x, dt, true) {
-            return Ok(q8);
-        }
-        let xl = x.layout();
-        let rows = xl.rows();
-        let xq_bytes = rows * w.k;
-        let dst =
-            self.scratch_x
-                .ensure(&self.gpu, self.device, xq_bytes + rows * (w.k / 32) * 16)?;
-        let xs = dst + xq_bytes as u64;
-        self.launch(
-            op_kernel(Op::QuantizeQ8K, dt),
-            LaunchDims::linear([blocks(w.k / 256, 8), grid_rows(OP, rows)?, 1], 256),
-            Args::new()
-                .ptr(addr(x))
-                .i32(int(OP, xl.stride())?)
-                .i32(int(OP, w.k)?)
-                .ptr(dst)
-                .ptr(xs),
-        )?;
-        Ok((dst, xs))
     }
 }
