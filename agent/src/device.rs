@@ -317,7 +317,7 @@ impl DeviceModel {
     }
 
     /// Turns decode-step graphs on where the backend and model allow (see
-    /// `Model::enable_step_graphs`); the pool's last block is kept for padded rows.
+    /// `Model::enable_step_graphs`); the pool's last blocks are kept for padded rows.
     pub fn enable_step_graphs(
         &mut self,
         buckets: Option<&[usize]>,
@@ -341,9 +341,33 @@ impl DeviceModel {
     }
 
     /// Whether this model's weights live in host memory (the CPU backend): sleeping at level 1
-    /// keeps them where they are. On a device, level 1 drops the model as level 2 does.
+    /// keeps them where they are. On a device, level 1 moves them to host memory
+    /// (`offload_weights`) where the backend can, else drops the model as level 2 does.
     pub fn weights_in_host_memory(&self) -> bool {
         matches!(self, DeviceModel::Cpu(_))
+    }
+
+    /// The device's memory as its backend reports it (free and total bytes).
+    pub fn mem_info(&self) -> Result<npu_backend::MemInfo, BackendError> {
+        dispatch!(self, m => m.backend().mem_info())
+    }
+
+    /// Why this device model cannot move its weights to host memory (see
+    /// `Model::weights_offload_refusal`); None when it can.
+    pub fn weights_offload_refusal(&self) -> Option<String> {
+        dispatch!(self, m => m.weights_offload_refusal())
+    }
+
+    /// Copies the weights to host memory and frees their device memory (sleep level 1 on a
+    /// device); returns the device bytes released.
+    pub fn offload_weights(&mut self) -> Result<u64, ModelError> {
+        dispatch!(self, m => m.offload_weights())
+    }
+
+    /// Puts the weights back on the device (waking from `offload_weights`); returns the device
+    /// bytes allocated.
+    pub fn restore_weights(&mut self) -> Result<u64, ModelError> {
+        dispatch!(self, m => m.restore_weights())
     }
 
     /// Bytes of one KV block (every layer's K and V): the unit of host copies.

@@ -557,25 +557,63 @@ impl AgentEngine {
     }
 
     /// Sleep level 1: forgets every slot and lets go of the KV pool (the device pool down to
-    /// one block, the host pool emptied); the weights stay loaded. Returns the bytes released.
-    /// None when the weights are on a device (level 1 there drops the model, as level 2).
+    /// one block, the host pool emptied). On the CPU the weights stay where they are; on a
+    /// device whose backend can, they are copied to host memory and their device memory freed
+    /// (`DeviceModel::offload_weights`: host memory then holds the weights' bytes). Returns the
+    /// bytes released (device memory, and the host KV pool). None when the weights are on a
+    /// device that cannot move them (a tensor-parallel rank, a backend without it): level 1 then
+    /// drops the model, as level 2.
     pub fn release_kv(&mut self) -> Result<Option<u64>, EngineError> {
-        if !self.model.weights_in_host_memory() {
-            return Ok(None);
+        let on_device = !self.model.weights_in_host_memory();
+        if on_device {
+            if let Some(why) = self.model.weights_offload_refusal() {
+                tracing::info!("sleep level 1 drops the model: {why}");
+                return Ok(None);
+            }
         }
         self.reset();
-        let device = self.model.release_kv()?;
+        let weights = if on_device {
+            self.model.offload_weights()?
+        } else {
+            0
+        };
+        let device = match self.model.release_kv() {
+            Ok(b) => b,
+            Err(e) => {
+                if on_device {
+                    self.model.restore_weights()?;
+                }
+                return Err(e.into());
+            }
+        };
         let host = self.host_kv.blocks() as u64 * self.host_block_bytes as u64;
         self.host_kv = HostKvPool::new(0, self.host_block_bytes)?;
-        Ok(Some(device + host))
+        tracing::info!(
+            weight_bytes = weights,
+            device_kv_bytes = device,
+            host_kv_bytes = host,
+            "sleep level 1: {}",
+            if on_device {
+                "weights copied to host memory and their device memory freed, KV pools released"
+            } else {
+                "KV pools released, weights kept"
+            }
+        );
+        Ok(Some(weights + device + host))
     }
 
-    /// Wakes from `release_kv`: the KV pools as they were at load, zeroed. Returns their bytes.
+    /// Wakes from `release_kv`: the weights back on the device where they were moved, then the
+    /// KV pools as they were at load, zeroed. Returns the bytes allocated again.
     pub fn restore_kv(&mut self) -> Result<u64, EngineError> {
+        let weights = if self.model.weights_offload_refusal().is_none() {
+            self.model.restore_weights()?
+        } else {
+            0
+        };
         let device = self.model.restore_kv()?;
         let blocks = self.cfg.host_kv_blocks(self.host_block_bytes as u64);
         self.host_kv = HostKvPool::new(blocks, self.host_block_bytes)?;
-        Ok(device + blocks as u64 * self.host_block_bytes as u64)
+        Ok(weights + device + blocks as u64 * self.host_block_bytes as u64)
     }
 
     fn slot_index(&self, slot: u32) -> Result<usize, EngineError> {

@@ -343,6 +343,37 @@ impl<B: Backend> Model<B> {
         Ok(self.backend.kv_block_bytes() as u64 * blocks as u64)
     }
 
+    /// Why this model cannot move its weights to host memory (sleep level 1), if it cannot: a
+    /// backend without it, or a rank of a tensor-parallel group (its peers sleep apart, and
+    /// their collectives are not kept across a move; not built).
+    pub fn weights_offload_refusal(&self) -> Option<String> {
+        if !self.backend.offloads_weights() {
+            return Some(self.backend.offload_unsupported().to_string());
+        }
+        self.tp.as_ref().map(|_| {
+            format!(
+                "{}: moving a tensor-parallel rank's weights to host memory is not built",
+                self.backend.kind().name()
+            )
+        })
+    }
+
+    /// Sleep level 1 on a device: every weight copied to host memory and its device memory
+    /// freed (`Backend::offload_weights`); steps fail until `restore_weights`. Returns the
+    /// device bytes released. Refused as `weights_offload_refusal` says.
+    pub fn offload_weights(&mut self) -> Result<u64, ModelError> {
+        if let Some(why) = self.weights_offload_refusal() {
+            return Err(ModelError::Unsupported(why));
+        }
+        Ok(self.backend.offload_weights()?)
+    }
+
+    /// Wakes from `offload_weights`: the weights on the device again, at new addresses the
+    /// model's handles follow. Returns the device bytes allocated.
+    pub fn restore_weights(&mut self) -> Result<u64, ModelError> {
+        Ok(self.backend.restore_weights()?)
+    }
+
     /// The backend, for KV block moves between steps.
     pub fn backend_mut(&mut self) -> &mut B {
         &mut self.backend

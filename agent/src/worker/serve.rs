@@ -5,9 +5,13 @@
 //! waits here for the server's `Masks` frame (answering pings meanwhile) before it samples.
 //!
 //! Sleep -> SleepDone, Wake -> WakeDone: at level 1 the engine lets go of its KV pool and keeps
-//! its weights (`StepExecutor::release_kv`; an engine whose weights are on a device cannot, and
-//! is dropped as at level 2); at level 2 the engine is dropped whole and Wake loads it again
-//! through the same load path as at start. Steps while asleep fail, naming the sleep.
+//! its weights (`StepExecutor::release_kv`): in place on the CPU, copied to host memory with
+//! their device memory freed on a device whose backend can (CUDA, Ascend); an engine that
+//! cannot (a tensor-parallel rank) is dropped as at level 2. At level 2 the engine is dropped
+//! whole and Wake loads it again through the same load path as at start. Steps while asleep
+//! fail, naming the sleep. A level-1 SleepDone/WakeDone carries the bytes the engine released
+//! or allocated again (device memory and the host KV pool); a level-2 one the process's
+//! resident memory change.
 
 use std::io::{Read, Write};
 use std::time::Instant;
@@ -35,14 +39,15 @@ pub trait StepExecutor {
         following: FollowingMasks<'_>,
     ) -> Result<StepResult, EngineError>;
     fn reset(&mut self);
-    /// Sleep level 1: forget every slot and let go of the KV memory, keeping the weights.
-    /// Returns the bytes released, or None when the weights cannot stay (they are on a
-    /// device): the caller then drops the executor as at level 2.
+    /// Sleep level 1: forget every slot and let go of the KV memory, keeping the weights (on a
+    /// device: in host memory). Returns the bytes released, or None when the weights cannot be
+    /// kept: the caller then drops the executor as at level 2.
     fn release_kv(&mut self) -> Result<Option<u64>, EngineError> {
         self.reset();
         Ok(Some(0))
     }
-    /// Wakes from `release_kv`; returns the bytes allocated again.
+    /// Wakes from `release_kv` (weights back on the device first); returns the bytes allocated
+    /// again.
     fn restore_kv(&mut self) -> Result<u64, EngineError> {
         Ok(0)
     }
@@ -266,13 +271,16 @@ fn sleep<E: StepExecutor>(
             (Held::KvReleased(engine), done(1, String::new()))
         }
         Held::Awake(mut engine) if level == 1 => match engine.release_kv() {
-            Ok(Some(kv)) => {
+            Ok(Some(released)) => {
                 tracing::info!(
-                    kv_bytes = kv,
+                    released_bytes = released,
                     took_ms = started.elapsed().as_millis() as u64,
                     "asleep at level 1: KV pool released, weights kept in this process"
                 );
-                let d = done(1, String::new());
+                let d = SleepDone {
+                    bytes: released,
+                    ..done(1, String::new())
+                };
                 (Held::KvReleased(engine), d)
             }
             Ok(None) => drop_engine(engine, 1, reload, started, rss),
@@ -339,13 +347,17 @@ fn wake<E: StepExecutor>(held: Held<E>, reload: &mut Reload<'_, E>) -> (Held<E>,
     match held {
         Held::Awake(engine) => (Held::Awake(engine), done(0, String::new())),
         Held::KvReleased(mut engine) => match engine.restore_kv() {
-            Ok(kv) => {
+            Ok(allocated) => {
                 tracing::info!(
-                    kv_bytes = kv,
+                    allocated_bytes = allocated,
                     took_ms = started.elapsed().as_millis() as u64,
-                    "awake from level 1: KV pool allocated again"
+                    "awake from level 1: weights (if moved) and KV pool on the device again"
                 );
-                (Held::Awake(engine), done(0, String::new()))
+                let d = SleepDone {
+                    bytes: allocated,
+                    ..done(0, String::new())
+                };
+                (Held::Awake(engine), d)
             }
             Err(e) => (Held::KvReleased(engine), done(1, e.to_string())),
         },

@@ -5,6 +5,8 @@
 //! documentation requires (both allocators return aligned memory; offsets are checked).
 
 use core::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 
 use npu_ffi::types::*;
 
@@ -12,14 +14,17 @@ use crate::device::Device;
 use crate::error::{AscendError, Result};
 use crate::runtime::Acl;
 
-/// An owned device allocation.
+/// An owned device allocation. Its address lives in a shared cell so that sleep level 1 can
+/// move a weight's bytes to host memory and back while its owner holds it
+/// (`backend::offload`): null while they are in host memory.
 pub struct DeviceBuffer {
     acl: &'static Acl,
-    ptr: *mut c_void,
+    ptr: Arc<AtomicUsize>,
     bytes: usize,
 }
 
-// SAFETY: a device address is a plain number on the host; ownership is unique.
+// SAFETY: the address is a plain number on the host (in an atomic cell); the allocation is owned
+// uniquely (the offload list only moves it while no step runs); `acl` is the loaded runtime.
 unsafe impl Send for DeviceBuffer {}
 // SAFETY: shared references only read the address.
 unsafe impl Sync for DeviceBuffer {}
@@ -37,11 +42,21 @@ impl DeviceBuffer {
         let rc = unsafe { (acl.api.rt.aclrtMalloc)(&mut ptr, bytes, ACL_MEM_MALLOC_HUGE_FIRST) };
         acl.check("aclrtMalloc", rc)?;
         acl.log("aclrtMalloc", || format!("{bytes} bytes -> {ptr:p}"));
-        Ok(Self { acl, ptr, bytes })
+        Ok(Self {
+            acl,
+            ptr: Arc::new(AtomicUsize::new(ptr as usize)),
+            bytes,
+        })
     }
 
+    /// The device address (null while the bytes are in host memory: sleep level 1).
     pub fn ptr(&self) -> *mut c_void {
-        self.ptr
+        self.ptr.load(Ordering::Relaxed) as *mut c_void
+    }
+
+    /// The address cell, for the backend's list of offloadable weights.
+    pub(crate) fn cell(&self) -> Weak<AtomicUsize> {
+        Arc::downgrade(&self.ptr)
     }
 
     pub fn bytes(&self) -> usize {
@@ -55,8 +70,14 @@ impl DeviceBuffer {
                 self.bytes
             )));
         }
+        let base = self.ptr.load(Ordering::Relaxed);
+        if base == 0 {
+            return Err(AscendError::Invalid(
+                "a device buffer whose bytes are in host memory (sleep level 1)".into(),
+            ));
+        }
         // Pointer arithmetic on a device address: never dereferenced on the host.
-        Ok((self.ptr as usize + offset) as *mut c_void)
+        Ok((base + offset) as *mut c_void)
     }
 
     /// Copies `src` to `offset` (synchronous).
@@ -202,17 +223,63 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        // SAFETY: the allocation is owned by self and freed once.
-        let rc = unsafe { (self.acl.api.rt.aclrtFree)(self.ptr) };
-        if rc != 0 {
-            tracing::error!(
-                "aclrtFree({:p}) failed: {} {}",
-                self.ptr,
-                rc,
-                self.acl.last_message()
-            );
+        let ptr = self.ptr();
+        if ptr.is_null() {
+            // In host memory (sleep level 1): the backend's list holds the bytes.
+            return;
         }
+        free(self.acl, ptr);
     }
+}
+
+/// `aclrtFree` of an allocation the caller owns and frees once; a failure is logged.
+pub(crate) fn free(acl: &'static Acl, ptr: *mut c_void) {
+    // SAFETY: the caller owns the allocation at `ptr` and frees it once.
+    let rc = unsafe { (acl.api.rt.aclrtFree)(ptr) };
+    if rc != 0 {
+        tracing::error!("aclrtFree({:p}) failed: {} {}", ptr, rc, acl.last_message());
+    }
+}
+
+/// Synchronous `aclrtMemcpy` of `dst.len()` bytes at device address `ptr` into `dst` (a weight
+/// going to host memory; the stream is synchronized first by the caller).
+pub(crate) fn download_raw(acl: &'static Acl, ptr: *mut c_void, dst: &mut [u8]) -> Result<()> {
+    // SAFETY: `ptr` is a live allocation of at least `dst.len()` bytes (the caller's list says
+    // so); `dst` is a live host slice of that length.
+    let rc = unsafe {
+        (acl.api.rt.aclrtMemcpy)(
+            dst.as_mut_ptr().cast(),
+            dst.len(),
+            ptr,
+            dst.len(),
+            ACL_MEMCPY_DEVICE_TO_HOST,
+        )
+    };
+    acl.check("aclrtMemcpy", rc)
+}
+
+/// `aclrtMalloc` of `bytes` (> 0) for a weight coming back from host memory, and the
+/// synchronous copy of `src` (`bytes` long) into it; the address.
+pub(crate) fn alloc_copy(acl: &'static Acl, src: &[u8]) -> Result<*mut c_void> {
+    let mut ptr = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    let rc = unsafe { (acl.api.rt.aclrtMalloc)(&mut ptr, src.len(), ACL_MEM_MALLOC_HUGE_FIRST) };
+    acl.check("aclrtMalloc", rc)?;
+    // SAFETY: `ptr` is a fresh allocation of `src.len()` bytes; `src` a live host slice.
+    let rc = unsafe {
+        (acl.api.rt.aclrtMemcpy)(
+            ptr,
+            src.len(),
+            src.as_ptr().cast(),
+            src.len(),
+            ACL_MEMCPY_HOST_TO_DEVICE,
+        )
+    };
+    if let Err(e) = acl.check("aclrtMemcpy", rc) {
+        free(acl, ptr);
+        return Err(e);
+    }
+    Ok(ptr)
 }
 
 /// Owned pinned host memory (the host side of asynchronous copies).

@@ -206,6 +206,12 @@ impl Launcher {
         self.retired.clear();
     }
 
+    /// Forgets every cached executor (their tensors name device addresses that are about to
+    /// move: sleep level 1); they are destroyed at the next synchronization.
+    pub fn forget(&mut self) {
+        self.retired.extend(self.cache.drain().map(|(_, e)| e));
+    }
+
     /// Executors kept for reuse.
     pub fn cached(&self) -> usize {
         self.cache.len()

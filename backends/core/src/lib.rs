@@ -395,6 +395,38 @@ pub trait Backend: Send {
             what: "decode steps captured as graphs".into(),
         }
     }
+    // --- sleep level 1: weights to host memory -------------------------------------------
+    // `offload_weights` then `restore_weights`, with no step between (a step while the weights
+    // are in host memory is refused by `begin_step`, naming the sleep). The KV pool is the
+    // model's to release (`init_kv` with fewer blocks); these move the weights only.
+
+    /// Whether this backend moves its weights to host memory and back (the two methods below;
+    /// none by default, and they refuse).
+    fn offloads_weights(&self) -> bool {
+        false
+    }
+    /// Copies every weight this backend loaded (`load_matrix`, `load_experts`,
+    /// `load_embedding`, `load_vector`, and what it derived from them) to host memory and frees
+    /// its device memory; captured graphs and anything else naming their addresses are dropped.
+    /// Returns the device bytes released (the host memory now holding them). Nothing is freed
+    /// when it fails.
+    fn offload_weights(&mut self) -> Result<u64, BackendError> {
+        Err(self.offload_unsupported())
+    }
+    /// Allocates the offloaded weights' device memory again and copies them back; the handles
+    /// the model holds stay valid. Returns the device bytes allocated. On failure the weights
+    /// stay in host memory (what was allocated is freed again).
+    fn restore_weights(&mut self) -> Result<u64, BackendError> {
+        Err(self.offload_unsupported())
+    }
+    /// The refusal of the offload methods by a backend without them.
+    fn offload_unsupported(&self) -> BackendError {
+        BackendError::Unsupported {
+            backend: self.kind().name(),
+            what: "moving weights to host memory (sleep level 1)".into(),
+        }
+    }
+
     /// `out` row i = embedding row of the step's token i.
     fn embed(
         &mut self,

@@ -94,6 +94,8 @@ pub struct CudaBackend {
     pub(crate) graphs: crate::graphs::Graphs,
     /// The quantized GEMV kernels (`NPU_SERVING_CUDA_GEMV`; `set_gemv_variant`).
     pub(crate) gemv: crate::matmul::GemvVariant,
+    /// Every weight loaded, for sleep level 1 (`offload`).
+    pub(crate) weights: crate::offload::WeightList,
     #[cfg(feature = "emulation")]
     emu: Option<Arc<crate::emu::EmuGpu>>,
 }
@@ -178,6 +180,7 @@ impl CudaBackend {
             quantized_matrices: false,
             graphs: Default::default(),
             gemv: crate::matmul::GemvVariant::from_env(),
+            weights: Default::default(),
             #[cfg(feature = "emulation")]
             emu: None,
         }
@@ -222,6 +225,7 @@ impl CudaBackend {
     fn upload_matrix(&mut self, p: weights::PackedHost) -> Result<CudaMatrix, BackendError> {
         let mem = self.alloc_mem(p.bytes.len())?;
         self.gpu.htod(mem.ptr(), &p.bytes)?;
+        self.weights.add(&mem);
         Ok(CudaMatrix {
             n: p.n,
             k: p.k,
@@ -399,6 +403,7 @@ impl Backend for CudaBackend {
         let (ty, row_bytes, bytes) = weights::pack_embedding(&table)?;
         let mem = self.alloc_mem(bytes.len())?;
         self.gpu.htod(mem.ptr(), &bytes)?;
+        self.weights.add(&mem);
         Ok(CudaEmbedding {
             ty,
             rows: table.rows,
@@ -425,6 +430,7 @@ impl Backend for CudaBackend {
         }
         let mut buf = self.alloc(DType::F32, n)?;
         self.upload(HostSlice::F32(&vals), ViewMut::rows(&mut buf, 1, n)?)?;
+        self.weights.add(buf.mem());
         Ok(buf)
     }
 
@@ -490,6 +496,7 @@ impl Backend for CudaBackend {
     }
 
     fn begin_step(&mut self, s: &StepInputs) -> Result<(), BackendError> {
+        self.check_awake()?;
         // Token ops may run before the pool exists; KV ops then refuse (no pool), and making
         // the pool forgets the step, so every step a KV op reads was checked against the pool.
         let spec = self.kv.as_ref().map(|k| k.spec);
@@ -519,6 +526,7 @@ impl Backend for CudaBackend {
         s: &StepInputs,
         key: npu_backend::GraphKey,
     ) -> Result<(), BackendError> {
+        self.check_awake()?;
         self.graph_begin_step(s, key)
     }
     fn has_graph(&self, key: npu_backend::GraphKey) -> bool {
@@ -538,6 +546,17 @@ impl Backend for CudaBackend {
     }
     fn drop_graphs(&mut self) -> Result<(), BackendError> {
         self.graph_drop_all()
+    }
+
+    // Sleep level 1: `offload.rs`.
+    fn offloads_weights(&self) -> bool {
+        true
+    }
+    fn offload_weights(&mut self) -> Result<u64, BackendError> {
+        self.op_offload_weights()
+    }
+    fn restore_weights(&mut self) -> Result<u64, BackendError> {
+        self.op_restore_weights()
     }
 
     fn embed(

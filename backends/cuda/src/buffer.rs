@@ -1,8 +1,10 @@
 //! Device memory owned by Rust values: `DeviceMem` (bytes, freed stream-ordered on drop), the
 //! typed `CudaBuffer` the Backend trait hands out, and `Scratch`, a grow-only work area.
+//! A weight's `DeviceMem` can be moved to host memory and back while its owner holds it
+//! (`crate::offload`): its address lives in a cell the backend's list of weights shares.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use npu_backend::{BackendError, DType, DeviceBuffer};
 
@@ -23,7 +25,9 @@ impl DeviceId {
 pub struct DeviceMem {
     gpu: Arc<dyn Gpu>,
     device: DeviceId,
-    ptr: DevPtr,
+    /// The address: 0 while the bytes are in host memory (a weight offloaded by
+    /// `crate::offload`, which holds a `Weak` of this cell to move it back).
+    ptr: Arc<AtomicU64>,
     bytes: usize,
 }
 
@@ -33,12 +37,17 @@ impl DeviceMem {
         Ok(Self {
             gpu: gpu.clone(),
             device,
-            ptr,
+            ptr: Arc::new(AtomicU64::new(ptr)),
             bytes,
         })
     }
+    /// The device address (0 while offloaded: steps are refused then, see `crate::offload`).
     pub fn ptr(&self) -> DevPtr {
-        self.ptr
+        self.ptr.load(Ordering::Relaxed)
+    }
+    /// The address cell, for the backend's list of offloadable weights.
+    pub(crate) fn cell(&self) -> Weak<AtomicU64> {
+        Arc::downgrade(&self.ptr)
     }
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -50,14 +59,16 @@ impl DeviceMem {
 
 impl std::fmt::Debug for DeviceMem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceMem({:#x}, {} bytes)", self.ptr, self.bytes)
+        write!(f, "DeviceMem({:#x}, {} bytes)", self.ptr(), self.bytes)
     }
 }
 
 impl Drop for DeviceMem {
     fn drop(&mut self) {
-        if self.bytes > 0 {
-            self.gpu.free(self.ptr, self.bytes);
+        // Offloaded (address 0): nothing on the device; the host copy goes with the list entry.
+        let ptr = self.ptr();
+        if self.bytes > 0 && ptr != 0 {
+            self.gpu.free(ptr, self.bytes);
         }
     }
 }
@@ -81,6 +92,9 @@ impl CudaBuffer {
     }
     pub(crate) fn device(&self) -> DeviceId {
         self.mem.device()
+    }
+    pub(crate) fn mem(&self) -> &DeviceMem {
+        &self.mem
     }
 }
 
@@ -113,5 +127,9 @@ impl Scratch {
             self.mem = Some(DeviceMem::alloc(gpu, device, bytes.max(256))?);
         }
         Ok(self.mem.as_ref().map(|m| m.ptr()).unwrap_or(0))
+    }
+    /// Frees the work area (the next `ensure` allocates again); its bytes.
+    pub fn release(&mut self) -> usize {
+        self.mem.take().map_or(0, |m| m.bytes())
     }
 }

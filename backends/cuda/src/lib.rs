@@ -17,6 +17,9 @@
 //!   either pool); `fused`: the row ops
 //!   that take a neighbour's work (the residual add in the next norm, the activation quantizer
 //!   in the kernel producing a quantized product's input).
+//! - `offload`: sleep level 1 (`Backend::offload_weights`): every loaded weight copied to host
+//!   memory and its device memory freed, then allocated and copied back, the model's handles
+//!   unchanged.
 //! - `graphs`: decode steps captured as CUDA graphs and replayed (`Backend::step_graphs`): one
 //!   graph per batch bucket and table width, its inputs at fixed addresses, attention's split
 //!   from the table width; the device records and replays (`driver::graph` with
@@ -52,6 +55,7 @@ mod mla;
 mod moe;
 pub mod nccl;
 pub mod nvrtc;
+mod offload;
 mod open;
 mod ops;
 pub mod staging;

@@ -13,7 +13,8 @@
 //! routing and the experts' FFN in `moe_ops`, DeepSeek's scored routing and latent attention
 //! (its latent pool's writes and the attention over it) in `latent_ops`, and at DeepSeek's own
 //! widths (rows of 512 + 64, FusedInferAttentionScoreV3's MLA form) in `mla_ops`; LoRA
-//! adapters' products (`lora_add`) in `lora_ops`.
+//! adapters' products (`lora_add`) in `lora_ops`; sleep level 1 (the weights to host memory and
+//! back) in `offload`.
 
 mod attention;
 mod config;
@@ -28,6 +29,7 @@ mod lora_ops;
 mod mla_ops;
 mod moe_ops;
 pub mod objects;
+mod offload;
 mod pick_ops;
 mod rope_ops;
 mod staging;
@@ -164,6 +166,8 @@ pub struct AscendBackend {
     /// The activations' type (f16 or bf16), fixed before a model's weights load.
     act: DType,
     emulated: bool,
+    /// Every weight allocation loaded, for sleep level 1 (`offload`).
+    weights: offload::WeightList,
     /// Last: every allocation above is freed before the context goes.
     dev: Arc<Device>,
 }
@@ -227,6 +231,7 @@ impl AscendBackend {
             cfg,
             act,
             emulated,
+            weights: Default::default(),
             dev,
         })
     }
@@ -549,7 +554,11 @@ impl Backend for AscendBackend {
         parts: &[HostTensor<'_>],
     ) -> Result<Option<AscendMatrix>, BackendError> {
         self.bind()?;
-        AscendMatrix::load(&self.dev, parts, self.act)
+        let m = AscendMatrix::load(&self.dev, parts, self.act)?;
+        if let Some(m) = &m {
+            self.weights.matrix(m);
+        }
+        Ok(m)
     }
 
     /// One allocation per projection (`moe_ops::stack`) where GroupedMatmulV4 can take the
@@ -567,7 +576,9 @@ impl Backend for AscendBackend {
             && grouped
             && (1..=moe_ops::GMM_MAX_GROUPS).contains(&experts.len())
         {
-            return AscendMatrix::load_stack(&self.dev, experts).map(Some);
+            let stack = AscendMatrix::load_stack(&self.dev, experts)?;
+            stack.iter().for_each(|m| self.weights.matrix(m));
+            return Ok(Some(stack));
         }
         let mut out = Vec::with_capacity(experts.len());
         for parts in experts {
@@ -576,12 +587,15 @@ impl Backend for AscendBackend {
                 None => return Ok(None),
             }
         }
+        out.iter().for_each(|m| self.weights.matrix(m));
         Ok(Some(out))
     }
 
     fn load_embedding(&mut self, table: HostTensor<'_>) -> Result<AscendEmbedding, BackendError> {
         self.bind()?;
-        AscendEmbedding::load(&self.dev, &table, self.act)
+        let e = AscendEmbedding::load(&self.dev, &table, self.act)?;
+        self.weights.embedding(&e);
+        Ok(e)
     }
 
     fn load_vector(&mut self, v: HostTensor<'_>) -> Result<AscendBuffer, BackendError> {
@@ -594,13 +608,9 @@ impl Backend for AscendBackend {
         let halfs = objects::half_bytes(self.act, &vals);
         let mem = objects::upload_new(&self.dev, &f32s, "a vector")?;
         let half = objects::upload_new(&self.dev, &halfs, "a vector")?;
-        Ok(AscendBuffer::from_mem(
-            &self.dev,
-            mem,
-            DType::F32,
-            vals.len(),
-            Some(half),
-        ))
+        let b = AscendBuffer::from_mem(&self.dev, mem, DType::F32, vals.len(), Some(half));
+        self.weights.vector(&b);
+        Ok(b)
     }
 
     fn set_kv_dtype(&mut self, dtype: npu_backend::KvDtype) -> Result<(), BackendError> {
@@ -685,6 +695,7 @@ impl Backend for AscendBackend {
     }
 
     fn begin_step(&mut self, step: &StepInputs) -> Result<(), BackendError> {
+        self.check_awake()?;
         self.bind()?;
         let mut plan = match &self.kv {
             // The MLA form takes S = 1 entries only (`mla_ops`).
@@ -718,6 +729,7 @@ impl Backend for AscendBackend {
     }
 
     fn begin_graph_step(&mut self, step: &StepInputs, key: GraphKey) -> Result<(), BackendError> {
+        self.check_awake()?;
         self.begin_graph_step_inner(step, key)
     }
 
@@ -743,6 +755,19 @@ impl Backend for AscendBackend {
 
     fn drop_graphs(&mut self) -> Result<(), BackendError> {
         self.drop_all_graphs()
+    }
+
+    // Sleep level 1: `offload`.
+    fn offloads_weights(&self) -> bool {
+        true
+    }
+
+    fn offload_weights(&mut self) -> Result<u64, BackendError> {
+        self.op_offload_weights()
+    }
+
+    fn restore_weights(&mut self) -> Result<u64, BackendError> {
+        self.op_restore_weights()
     }
 
     fn embed(

@@ -1,0 +1,188 @@
+//! Sleep level 1 on the device backends (`AgentEngine::release_kv` / `restore_kv`, what the
+//! agent's Sleep { level: 1 } and Wake frames run): on the CUDA backend over the CPU emulation
+//! of its kernels and on the Ascend backend over the strict CANN emulation, opened as the agent
+//! opens them (`NPU_SERVING_CUDA_EMULATION=1`, `ASCEND_HOME_PATH`), on the tiny random-weight
+//! llama model (Q8_0, 2 layers). The engine is kept; its weights go to host memory and their
+//! device memory is freed (the emulations count every allocation: the free memory they report
+//! must grow by at least the weights' bytes), a step while asleep fails with an error naming
+//! the sleep, and after Wake the greedy tokens are those before the sleep, with decode graphs
+//! off and on (`graph_capture: auto`: graphs captured before the sleep name freed memory and
+//! must not be replayed). Waking takes less than half the cold load (here the emulation's device
+//! open and the tiny model's load). Built with the `cuda` and `ascend` features.
+
+#![cfg(all(feature = "cuda", feature = "ascend"))]
+
+mod common;
+
+use std::path::PathBuf;
+
+use npu_agent::engine::{AgentEngine, AgentEngineConfig};
+use npu_agent::inproc;
+use npu_gguf::synth::{self, Family};
+use npu_gguf::{GgmlType, GgufFile};
+use npu_protocol::agent::{DeviceKind, GraphCapture};
+use npu_protocol::SamplingParams;
+use npu_scheduler::{GenerateRequest, Scheduler, SchedulerConfig};
+
+/// The tiny llama model, written to a temporary file of its own.
+fn tiny_llama(tag: &str) -> PathBuf {
+    let donor = GgufFile::open(common::model_path()).unwrap();
+    let bytes = synth::synth_model(Family::Llama, 1, GgmlType::Q8_0, &donor).unwrap();
+    let file = std::env::temp_dir().join(format!(
+        "npu-sleep-devices-{tag}-{}.gguf",
+        std::process::id()
+    ));
+    std::fs::write(&file, bytes).unwrap();
+    file
+}
+
+fn request(id: u64, prompt: Vec<u32>) -> GenerateRequest {
+    GenerateRequest {
+        id,
+        prompt_ids: prompt,
+        params: SamplingParams::greedy(),
+        max_new_tokens: 12,
+        stop: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+        speculative: false,
+    }
+}
+
+/// Two prompts run together to the end, greedy: each one's tokens.
+fn greedy(engine: &mut AgentEngine, sched_cfg: &SchedulerConfig) -> Vec<Vec<u32>> {
+    let mut sched = Scheduler::new(sched_cfg.clone()).unwrap();
+    let prompts = [
+        (0..23).map(|k| 100 + 7 * k).collect::<Vec<u32>>(),
+        (0..9).map(|k| 300 + 13 * k).collect(),
+    ];
+    for (i, p) in prompts.iter().enumerate() {
+        sched.add(&request(i as u64, p.clone())).unwrap();
+    }
+    let mut out = vec![Vec::new(); prompts.len()];
+    while !sched.is_idle() {
+        let plan = sched.schedule().expect("work to plan");
+        let res = engine.step(&plan).unwrap();
+        for o in sched.on_result(&res).unwrap() {
+            out[o.id as usize].push(o.token.token);
+        }
+    }
+    out
+}
+
+fn free_bytes(engine: &AgentEngine) -> u64 {
+    engine.device_model().mem_info().unwrap().free
+}
+
+/// Loads the tiny model on `device`, sleeps at level 1 and wakes; checks the memory, the
+/// refused step and the tokens.
+fn sleep_and_wake(device: DeviceKind, graph_capture: GraphCapture) {
+    let tag = format!("{}-{graph_capture:?}", device.name());
+    let model = tiny_llama(&tag);
+    let cfg = AgentEngineConfig {
+        device,
+        model_path: model.clone(),
+        graph_capture,
+        ..common::engine_config(2, 32)
+    };
+    let sched_cfg = inproc::scheduler_config(&cfg);
+    let started = std::time::Instant::now();
+    let mut e = AgentEngine::load(&cfg).expect("the model loads on the emulation");
+    let cold = started.elapsed();
+    let before = greedy(&mut e, &sched_cfg);
+    let replays = |e: &AgentEngine| e.device_model().op_counts().unwrap().graph_replays;
+    let replayed_before = replays(&e);
+    if graph_capture == GraphCapture::Auto {
+        assert!(
+            replayed_before > 0,
+            "{tag}: no decode step replayed a graph"
+        );
+    }
+    let weights = e
+        .device_model()
+        .weight_bytes_per_step()
+        .expect("the backend says its matrices' bytes");
+    let awake_free = free_bytes(&e);
+
+    let released = e
+        .release_kv()
+        .unwrap()
+        .expect("level 1 keeps the engine on this device");
+    let asleep_free = free_bytes(&e);
+    eprintln!(
+        "{tag}: {released} bytes released ({weights} of matrices); free {awake_free} -> \
+         {asleep_free}"
+    );
+    assert!(
+        released >= weights,
+        "{tag}: {released} bytes released, the matrices alone are {weights}"
+    );
+    assert!(
+        asleep_free >= awake_free + weights,
+        "{tag}: the device's free memory went from {awake_free} to {asleep_free}; the \
+         matrices ({weights} bytes) were not all freed"
+    );
+    // A step while asleep fails cleanly, naming the sleep.
+    let mut sched = Scheduler::new(sched_cfg.clone()).unwrap();
+    sched.add(&request(0, vec![5, 6, 7])).unwrap();
+    let plan = sched.schedule().unwrap();
+    let err = e.step(&plan).expect_err("a step while asleep").to_string();
+    assert!(err.contains("sleep level 1"), "{tag}: {err}");
+
+    let started = std::time::Instant::now();
+    let allocated = e.restore_kv().unwrap();
+    let wake = started.elapsed();
+    eprintln!("{tag}: cold load {cold:?}, wake from level 1 {wake:?}");
+    assert!(
+        wake < cold / 2,
+        "{tag}: waking took {wake:?}, the cold load {cold:?}"
+    );
+    assert!(allocated >= weights, "{tag}: {allocated} bytes allocated");
+    let woken_free = free_bytes(&e);
+    assert!(
+        woken_free + weights <= asleep_free,
+        "{tag}: free memory {asleep_free} asleep, {woken_free} awake again"
+    );
+    let after = greedy(&mut e, &sched_cfg);
+    assert_eq!(
+        after, before,
+        "{tag}: greedy tokens after sleep level 1 and wake"
+    );
+    if graph_capture == GraphCapture::Auto {
+        assert!(
+            replays(&e) > replayed_before,
+            "{tag}: no graph replayed after the wake (captured again over the new addresses)"
+        );
+    }
+    // And a second time (the list of weights survives a round trip).
+    e.release_kv().unwrap().unwrap();
+    e.restore_kv().unwrap();
+    assert_eq!(greedy(&mut e, &sched_cfg), before, "{tag}: second wake");
+    drop(e);
+    let _ = std::fs::remove_file(&model);
+}
+
+/// The emulations as the agent finds them: both variables set once, before either test opens a
+/// device.
+fn emulations() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let root = common::devices::cann_root();
+        std::env::set_var("NPU_SERVING_CUDA_EMULATION", "1");
+        std::env::set_var("ASCEND_HOME_PATH", root);
+    });
+}
+
+#[test]
+fn cuda_level_one_moves_weights_to_host_and_back() {
+    emulations();
+    sleep_and_wake(DeviceKind::Cuda, GraphCapture::Off);
+    sleep_and_wake(DeviceKind::Cuda, GraphCapture::Auto);
+}
+
+#[test]
+fn ascend_level_one_moves_weights_to_host_and_back() {
+    emulations();
+    sleep_and_wake(DeviceKind::Ascend, GraphCapture::Off);
+    sleep_and_wake(DeviceKind::Ascend, GraphCapture::Auto);
+}
