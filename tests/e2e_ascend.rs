@@ -4,7 +4,9 @@
 //! near-tie (a top-1/top-2 gap below 0.15 for llama.cpp or for the CPU backend: there an f16
 //! device legitimately picks the other token), answer both APIs, streaming and concurrent, with
 //! the same tokens as single requests, and leave nothing alive in the emulation at exit
-//! (`aclFinalize` once, after the model is dropped). Built with the `ascend` feature.
+//! (`aclFinalize` once, after the model is dropped); `POST /sleep` at level 1 moves the weights to
+//! host memory and frees their device memory, and the wake copies them back (no reload), with
+//! the same greedy tokens after. Built with the `ascend` feature.
 
 #![cfg(feature = "ascend")]
 
@@ -14,7 +16,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use e2e_support::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 const NEAR_TIE: f64 = 0.15;
 const NEW_TOKENS: usize = 32;
@@ -331,4 +333,68 @@ fn serve_on_ascend_sizes_the_kv_pool_from_free_device_memory() {
         "{stderr}"
     );
     assert!(stderr.contains("at least 8"), "{stderr}");
+}
+
+/// Sleep level 1 on the served Ascend device: the agent keeps its engine, copies the weights to
+/// host memory and frees their device memory (`released_bytes` counts them, at least the
+/// 135M-parameter model's INT4 matrices and f16 embedding table), a wake copies them back
+/// within half the cold load, without loading the checkpoint again, and the greedy tokens are
+/// those before the sleep.
+#[test]
+fn serve_on_ascend_sleeps_at_level_one_with_the_weights_in_host_memory() {
+    let _serial = serial();
+    let opts = ServerOpts {
+        device: "ascend",
+        block_size: 128,
+        num_blocks: 32,
+        env: vec![("ASCEND_HOME_PATH".into(), ascend_emulator())],
+        ..ServerOpts::default()
+    };
+    let server = Server::start("ascend-sleep", &opts);
+    let prompt = "The capital of France is";
+    let greedy = || {
+        let got = server.stream(Api::Completions, prompt, 12);
+        assert!(got.success, "{:?}\n{}", got.error, server.log_tail());
+        got.resp_text
+    };
+    let before = greedy();
+    let cold = server.metric("npu_serving_cold_start_seconds");
+
+    let (status, s1) = server.post_json("/sleep", &json!({"level": 1}));
+    assert_eq!(status, 200, "{s1}\n{}", server.log_tail());
+    assert_eq!(
+        (s1["is_sleeping"].as_bool(), s1["level"].as_u64()),
+        (Some(true), Some(1))
+    );
+    let released = s1["released_bytes"].as_u64().unwrap();
+    assert!(
+        released > 64 << 20,
+        "{released} bytes released at level 1\n{}",
+        server.log_tail()
+    );
+    let (status, w1) = server.post_json("/wake_up", &json!({}));
+    assert_eq!(status, 200, "{w1}");
+    assert_eq!(w1["woke_from_level"], 1, "{w1}");
+    let wake = w1["wake_seconds"].as_f64().unwrap();
+    println!(
+        "ascend level 1: released {:.1} MiB, wake {wake:.3} s, cold load {cold:.3} s",
+        released as f64 / (1 << 20) as f64
+    );
+    let log = server.log_text();
+    assert!(
+        log.contains("weights copied to host memory"),
+        "{}",
+        server.log_tail()
+    );
+    assert!(
+        !log.contains("loaded again from the checkpoint"),
+        "level 1 reloaded the model:\n{}",
+        server.log_tail()
+    );
+    assert!(wake < 0.5 * cold, "wake {wake} s, cold load {cold} s");
+    assert_eq!(
+        greedy(),
+        before,
+        "greedy tokens after sleep level 1 and wake"
+    );
 }
