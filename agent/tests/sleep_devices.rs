@@ -7,8 +7,7 @@
 //! must grow by at least the weights' bytes), a step while asleep fails with an error naming
 //! the sleep, and after Wake the greedy tokens are those before the sleep, with decode graphs
 //! off and on (`graph_capture: auto`: graphs captured before the sleep name freed memory and
-//! must not be replayed). Waking takes less than half the cold load (here the emulation's device
-//! open and the tiny model's load). Built with the `cuda` and `ascend` features.
+//! must not be replayed). Built with the `cuda` and `ascend` features.
 
 #![cfg(all(feature = "cuda", feature = "ascend"))]
 
@@ -132,11 +131,9 @@ fn sleep_and_wake(device: DeviceKind, graph_capture: GraphCapture) {
     let started = std::time::Instant::now();
     let allocated = e.restore_kv().unwrap();
     let wake = started.elapsed();
+    // Printed, not judged here: at this size fixed costs dominate both (tests/e2e_ascend.rs
+    // judges the wake against the served model's cold load).
     eprintln!("{tag}: cold load {cold:?}, wake from level 1 {wake:?}");
-    assert!(
-        wake < cold / 2,
-        "{tag}: waking took {wake:?}, the cold load {cold:?}"
-    );
     assert!(allocated >= weights, "{tag}: {allocated} bytes allocated");
     let woken_free = free_bytes(&e);
     assert!(
@@ -158,6 +155,9 @@ fn sleep_and_wake(device: DeviceKind, graph_capture: GraphCapture) {
     e.release_kv().unwrap().unwrap();
     e.restore_kv().unwrap();
     assert_eq!(greedy(&mut e, &sched_cfg), before, "{tag}: second wake");
+    // Level 2 from level 1 drops the engine while its weights are in host memory: nothing is
+    // freed twice (the emulations refuse a free of an address they do not hold).
+    e.release_kv().unwrap().unwrap();
     drop(e);
     let _ = std::fs::remove_file(&model);
 }
