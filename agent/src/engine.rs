@@ -389,10 +389,12 @@ impl AgentEngine {
         }
         if cfg.graph_capture == npu_protocol::agent::GraphCapture::Auto {
             // Logged either way; `Err(why)`: steps stay eager.
-            let _ = model.enable_step_graphs(None)?;
+            // A decode step holds at most one sequence a slot: no wider bucket is captured.
+            let buckets = crate::model::default_step_buckets(cfg.max_slots as usize);
+            let _ = model.enable_step_graphs(Some(&buckets))?;
         }
         // With a memory fraction the pool has what free memory gave; from here on the config
-        // says what was built (less the block graphs keep for padded rows).
+        // says what was built (less the blocks graphs keep for padded rows).
         let opts = model.options();
         let mut cfg = cfg.clone();
         cfg.num_blocks = opts.num_blocks as u32;

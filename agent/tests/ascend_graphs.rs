@@ -1,8 +1,9 @@
 //! Decode steps captured as ACL graphs and replayed (`npu_serving.graph_capture: auto`) on the
 //! Ascend backend over the strict CANN emulation (which refuses a synchronization, allocation,
 //! memset or read back inside a capture, and replays against the addresses recorded): for the
-//! tiny random-weight llama, qwen3 and qwen3moe models, three sequences of different lengths
-//! (a batch padded to the bucket of 4) prefilled eagerly and then decoded together, greedy (on
+//! tiny random-weight llama, qwen3 and qwen3moe models, five sequences of different lengths
+//! (a batch padded to the bucket of 8: three padded rows, which must write three distinct
+//! slots, as ScatterPaKvCache refuses a slot written twice) prefilled eagerly and then decoded together, greedy (on
 //! the device every other step, from the logits read back between), the same steps with graphs
 //! and without. The tokens must be the same, and the graph model
 //! must replay once per decode step after each shape's first (which runs eagerly and records).
@@ -29,7 +30,7 @@ fn options() -> ModelOptions {
     ModelOptions {
         max_tokens: 64,
         max_logit_rows: 8,
-        num_blocks: 16,
+        num_blocks: 24,
         block_size: BLOCK,
         kv_memory_fraction: None,
     }
@@ -147,6 +148,8 @@ fn compare(family: Family) -> (u64, Option<String>) {
         vec![
             40u32, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57,
         ],
+        vec![3u32, 5, 8],
+        vec![200u32],
     ];
     let mut eager = Model::load(&f, common::devices::ascend(), options()).unwrap();
     let want = run(&mut eager, &prompts);
@@ -183,7 +186,8 @@ fn captured_decode_steps_match_eager_ones_on_the_ascend_emulation() {
     for family in [Family::Llama, Family::Qwen3] {
         let (replays, off) = compare(family);
         assert_eq!(off, None, "{}: graphs stay on", family.name());
-        // The first decode step of each graph (batch 3 in the bucket of 4, 4-block tables; one
+        // The first decode step of each graph (batch 5 in the bucket of 8: three padded rows,
+        // each writing a slot of its own, which ScatterPaKvCache requires; 4-block tables; one
         // ending in the greedy pick, one in the logits) runs and records; every later one
         // replays.
         assert_eq!(replays, DECODE_STEPS as u64 - 2, "{}", family.name());

@@ -1,4 +1,4 @@
-//! `npu_serving.graph_capture`: off (the default) or auto, any case; anything else refused
+//! `npu_serving.graph_capture`: auto (the default) or off, any case; anything else refused
 //! naming the key; carried into each agent's engine config.
 
 use npu_server::config::{GraphCapture, ServerConfig};
@@ -8,12 +8,12 @@ fn parse(yaml: &str) -> Result<ServerConfig, String> {
 }
 
 #[test]
-fn graph_capture_defaults_to_off_and_takes_auto() {
+fn graph_capture_defaults_to_auto_and_takes_off() {
     assert_eq!(
         parse("").unwrap().npu_serving.graph_capture,
-        GraphCapture::Off
+        GraphCapture::Auto
     );
-    for (v, want) in [("auto", GraphCapture::Auto), ("OFF", GraphCapture::Off)] {
+    for (v, want) in [("AUTO", GraphCapture::Auto), ("off", GraphCapture::Off)] {
         let cfg = parse(&format!("npu_serving:\n  graph_capture: {v}\n")).unwrap();
         assert_eq!(cfg.npu_serving.graph_capture, want, "{v}");
     }

@@ -120,8 +120,8 @@ pub struct BenchModelArgs {
     #[arg(long, value_name = "DIR", requires = "lora_adapters")]
     pub lora_write_to: Option<std::path::PathBuf>,
     /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
-    /// auto (where the backend can) or off (the default, as the server's).
-    #[arg(long, default_value_t = GraphCapture::Off)]
+    /// auto (where the backend can; the default, as the server's) or off.
+    #[arg(long, default_value_t = GraphCapture::Auto)]
     pub graph_capture: GraphCapture,
 }
 

@@ -55,8 +55,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json: bool,
     /// Decode steps captured as device graphs and replayed (`npu_serving.graph_capture`):
-    /// auto (where the backend can) or off (the default, as the server's).
-    #[arg(long, default_value_t = npu_protocol::agent::GraphCapture::Off)]
+    /// auto (where the backend can; the default, as the server's) or off.
+    #[arg(long, default_value_t = npu_protocol::agent::GraphCapture::Auto)]
     pub graph_capture: npu_protocol::agent::GraphCapture,
 }
 
@@ -88,8 +88,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let block_size = 16u32;
     let total = prompt_ids.len() + args.max_tokens;
     let blocks = total.div_ceil(block_size as usize) as u32;
-    // Captured step graphs keep one block of the pool for their padded rows.
-    let pool = blocks + u32::from(args.graph_capture == npu_protocol::agent::GraphCapture::Auto);
+    // One sequence (`max_slots: 1`): captured step graphs pad nothing and keep no block.
+    let pool = blocks;
     let engine_cfg = AgentEngineConfig {
         device: args.device.device,
         device_id: args.device.device_id,

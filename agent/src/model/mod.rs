@@ -16,7 +16,7 @@ use npu_gguf::GgufError;
 use npu_model::HparamsError;
 
 pub use npu_model::{Arch, ModelConfig};
-pub use runner::{Model, ModelOptions, StepOutput};
+pub use runner::{default_step_buckets, Model, ModelOptions, StepOutput};
 
 #[derive(Debug, Error)]
 pub enum ModelError {

@@ -20,6 +20,7 @@ use npu_model::Checkpoint;
 
 mod ffn;
 mod graph;
+pub use graph::default_buckets as default_step_buckets;
 mod tp;
 
 use super::lora::{LoraSlots, Target};

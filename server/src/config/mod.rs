@@ -168,7 +168,7 @@ pub struct NpuServingConfig {
     /// `kv_cache_dtype`: what the KV pools store (auto = f16; int8 on the CPU and CUDA backends).
     pub kv_cache_dtype: KvCacheDtype,
     /// `graph_capture`: decode steps captured as device graphs where the backend and the model
-    /// allow it (auto) or never (off, the default).
+    /// allow it (auto, the default) or never (off).
     pub graph_capture: GraphCapture,
     pub device: DeviceKind,
     /// Threads each agent uses; 0 = all cores divided among the agents.
@@ -246,7 +246,7 @@ impl Default for NpuServingConfig {
             model_file: None,
             quantize: None,
             kv_cache_dtype: KvCacheDtype::Auto,
-            graph_capture: GraphCapture::Off,
+            graph_capture: GraphCapture::Auto,
             device: DeviceKind::Cpu,
             threads_per_agent: 0,
             max_tokens_per_step: 128,

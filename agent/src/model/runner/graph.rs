@@ -5,9 +5,10 @@
 //! ([`GraphKey`]) and replayed with one call afterwards. Prefill and mixed steps, steps with
 //! long-context memory and tensor-parallel ranks stay eager.
 //!
-//! Padded rows are sequences of one token at position 0 writing their K and V to a block kept
-//! out of the scheduler's pool for them (the pool's last block), so they never touch a real
-//! sequence's cache. The first step of a shape runs eagerly (in the graph's form: it warms the
+//! Padded rows are sequences of one token at position 0 writing their K and V to blocks kept
+//! out of the scheduler's pool for them (the pool's last blocks), each row to a slot of its own
+//! (Ascend's ScatterPaKvCache refuses a slot written twice in one call), so they never touch a
+//! real sequence's cache. The first step of a shape runs eagerly (in the graph's form: it warms the
 //! workspaces and executors the recording then finds in place, and gives the step's answer),
 //! then records the same ops; later steps of the shape replay. When a backend cannot record a
 //! step (an op that reads back or allocates), graphs are turned off for the model, once, by name.
@@ -23,8 +24,11 @@ const DEFAULT_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// The model's graph state (present when graphs are on).
 pub(crate) struct StepGraphs {
     buckets: Vec<usize>,
-    /// The block padded rows write to (kept out of the scheduler's pool).
+    /// The first of the blocks padded rows write to (kept out of the scheduler's pool).
     pad_block: u32,
+    /// How many blocks from `pad_block` on are kept: a slot for each padded row of the
+    /// widest padding ([`pad_blocks`]).
+    pad_blocks: u32,
     block_size: u32,
     /// Set while `forward_inner` runs a step's ops for a graph: it stops before the read back.
     pub(super) body_only: bool,
@@ -35,9 +39,37 @@ pub(crate) struct StepGraphs {
     padded: StepInputs,
 }
 
+/// The default batch buckets for decode steps of at most `max_seqs` sequences (a server's
+/// `decode_batch_size`, the engine's slots): the powers of two up to the first that holds
+/// `max_seqs`, so no bucket is wider than a step can be (and no block is kept for padded rows
+/// a step can never have: one sequence at a time needs none).
+pub fn default_buckets(max_seqs: usize) -> Vec<usize> {
+    let mut buckets = Vec::new();
+    for b in DEFAULT_BUCKETS {
+        buckets.push(b);
+        if b >= max_seqs {
+            break;
+        }
+    }
+    buckets
+}
+
 /// The bucket of a decode batch of `n` sequences: the smallest of `buckets` that holds it.
 fn bucket_of(buckets: &[usize], n: usize) -> Option<usize> {
     buckets.iter().copied().filter(|&b| b >= n).min()
+}
+
+/// The blocks the padded rows of `buckets` need, a slot a row: the most rows a step is padded
+/// by (a step of one more sequence than the bucket below holds, padded to its bucket) over the
+/// block size, rounded up. Zero when every bucket is one row wider than the one below.
+fn pad_blocks(buckets: &[usize], block_size: usize) -> usize {
+    let mut below = 0;
+    let mut most = 0;
+    for &b in buckets {
+        most = most.max(b - below - 1);
+        below = b;
+    }
+    most.div_ceil(block_size.max(1))
 }
 
 /// Checks configured buckets: positive, and within the step's capacities (`max_rows`).
@@ -59,8 +91,9 @@ pub fn check_buckets(buckets: &[usize], max_rows: usize) -> Result<Vec<usize>, M
 }
 
 /// `step` (decode-only, `n` sequences) padded to `key`: rows up to `key.rows` (token 0 at
-/// position 0 in `pad_block`), every table `key.max_blocks` wide (0 past a sequence's blocks),
-/// every row's logits wanted.
+/// position 0; the `j`th padded row writes slot `j` of the blocks from `pad_block` on, and its
+/// table names that slot's block), every table `key.max_blocks` wide (0 past a sequence's
+/// blocks), every row's logits wanted.
 fn pad_step(
     step: &StepInputs,
     key: GraphKey,
@@ -78,7 +111,8 @@ fn pad_step(
     out.positions.resize(rows, 0);
     out.slot_mapping.clear();
     out.slot_mapping.extend_from_slice(&step.slot_mapping);
-    out.slot_mapping.resize(rows, pad_block * block_size);
+    out.slot_mapping
+        .extend((0..rows.saturating_sub(n) as u32).map(|j| pad_block * block_size + j));
     out.seqs.clear();
     out.seqs.extend_from_slice(&step.seqs);
     out.seqs.extend((n..rows).map(|i| SeqSpan {
@@ -96,7 +130,7 @@ fn pad_step(
                 &step.block_tables[i * step.max_blocks..(i + 1) * step.max_blocks],
             );
         } else {
-            row[0] = pad_block;
+            row[0] = pad_block + (i - n) as u32 / block_size;
         }
     }
     out.logit_rows.clear();
@@ -106,8 +140,9 @@ fn pad_step(
 impl<B: Backend> Model<B> {
     /// Turns graphs on for decode steps (`npu_serving.graph_capture: auto`) with these batch
     /// buckets (None: 1, 2, 4, … 256 within the step's capacities), where the backend captures
-    /// and the model allows it; says why not otherwise (`Ok(Err(reason))`). Call once, after load and before any step: it keeps the pool's last
-    /// block for padded rows (`options().num_blocks` is one less after it).
+    /// and the model allows it; says why not otherwise (`Ok(Err(reason))`). Call once, after
+    /// load and before any step: it keeps the pool's last blocks for padded rows, a slot a row
+    /// of the widest padding (`options().num_blocks` is that much less after it).
     pub fn enable_step_graphs(
         &mut self,
         buckets: Option<&[usize]>,
@@ -129,8 +164,6 @@ impl<B: Backend> Model<B> {
             ))
         } else if self.local.has_sliding_window() {
             Some("sliding-window layers (their key masks are not in the graph form yet)".into())
-        } else if self.opts.num_blocks < 2 {
-            Some("a KV pool of one block (padded rows need their own)".into())
         } else {
             None
         };
@@ -143,15 +176,27 @@ impl<B: Backend> Model<B> {
             Some(b) => check_buckets(b, most)?,
             None => check_buckets(&DEFAULT_BUCKETS, most)?,
         };
-        self.opts.num_blocks -= 1;
+        let pads = pad_blocks(&buckets, self.opts.block_size);
+        if pads >= self.opts.num_blocks {
+            let why = format!(
+                "a KV pool of {} blocks (the padded rows of batch buckets {buckets:?} need {pads} \
+                 of their own)",
+                self.opts.num_blocks
+            );
+            tracing::info!(reason = %why, "graph capture off");
+            return Ok(Err(why));
+        }
+        self.opts.num_blocks -= pads;
         tracing::info!(
             ?buckets,
-            pad_block = self.opts.num_blocks,
-            "decode steps captured as graphs per batch bucket"
+            pad_blocks = pads,
+            first_pad_block = self.opts.num_blocks,
+            "decode steps captured as graphs per batch bucket (the pool's last blocks kept for padded rows)"
         );
         self.graphs = Some(StepGraphs {
             buckets,
             pad_block: self.opts.num_blocks as u32,
+            pad_blocks: pads as u32,
             block_size: self.opts.block_size as u32,
             body_only: false,
             off: None,
@@ -170,9 +215,9 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// Blocks of the pool kept from the scheduler (the padded rows' block).
+    /// Blocks of the pool kept from the scheduler (the padded rows' blocks).
     pub(super) fn reserved_blocks(&self) -> usize {
-        usize::from(self.graphs.is_some())
+        self.graphs.as_ref().map_or(0, |g| g.pad_blocks as usize)
     }
 
     /// The graph a step would replay: decode-only, every row's logits wanted, a bucket that
@@ -378,5 +423,52 @@ mod tests {
             vec![0, 0, 0, 0, 1, 0, 0, 0, 2, 3, 0, 0, 7, 0, 0, 0]
         );
         assert_eq!(p.logit_rows, vec![0, 1, 2, 3]);
+
+        // Five padded rows over blocks of 2 slots: each its own slot, across three pad blocks,
+        // each row's table naming its slot's block.
+        let key = GraphKey {
+            rows: 8,
+            max_blocks: 2,
+            picks: false,
+        };
+        pad_step(&step, key, 7, 2, &mut p);
+        assert_eq!(&p.slot_mapping[3..], &[14, 15, 16, 17, 18]);
+        let firsts: Vec<u32> = (3..8).map(|i| p.block_tables[i * 2]).collect();
+        assert_eq!(firsts, vec![7, 7, 8, 8, 9]);
+        let mut slots = p.slot_mapping.clone();
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(
+            slots.len(),
+            8,
+            "no slot written twice: {:?}",
+            p.slot_mapping
+        );
+    }
+
+    #[test]
+    fn pad_blocks_hold_a_slot_for_each_row_of_the_widest_padding() {
+        // 1, 2, 4, 8: at most 3 padded rows (5 sequences in the bucket of 8).
+        assert_eq!(pad_blocks(&[1, 2, 4, 8], 16), 1);
+        assert_eq!(pad_blocks(&[1, 2, 4, 8], 2), 2);
+        // 1..256: 127 padded rows (129 sequences in the bucket of 256).
+        assert_eq!(pad_blocks(&DEFAULT_BUCKETS, 16), 8);
+        assert_eq!(pad_blocks(&DEFAULT_BUCKETS, 128), 1);
+        // No padding at all: no block kept.
+        assert_eq!(pad_blocks(&[1, 2], 16), 0);
+        assert_eq!(pad_blocks(&[1], 16), 0);
+        // A first bucket of 4: a single sequence is padded by 3.
+        assert_eq!(pad_blocks(&[4], 2), 2);
+    }
+
+    #[test]
+    fn default_buckets_stop_at_the_first_that_holds_every_slot() {
+        assert_eq!(default_buckets(1), vec![1]);
+        assert_eq!(default_buckets(0), vec![1]);
+        assert_eq!(default_buckets(4), vec![1, 2, 4]);
+        assert_eq!(default_buckets(5), vec![1, 2, 4, 8]);
+        assert_eq!(default_buckets(1000), DEFAULT_BUCKETS.to_vec());
+        // One sequence at a time: nothing is padded, no block kept.
+        assert_eq!(pad_blocks(&default_buckets(1), 16), 0);
     }
 }
