@@ -12,13 +12,16 @@
 #           gemma3, deepseek2; qwen3moe's experts run through the CUDA MoE path, deepseek2's
 #           latent attention and scored, group-limited routing through the MLA and MoE kernels); compute-sanitizer memcheck (and
 #           racecheck, synccheck) of short runs; the 1B- and 8B-shaped random Q4_0 models; and
-#           a CUDA build of llama.cpp's llama-bench and llama-batched-bench (in the background).
+#           a CUDA build of llama.cpp's llama-bench, llama-batched-bench and llama-server (in the
+#           background).
 #   part 2: `npu-serving bench-model --device cuda` on the 1B and 8B models (quantized, auto,
 #           and quantized with the int8 tensor cores off) against llama.cpp CUDA on the same
 #           files: prefill 512, decode at
 #           batch 1 and 32.
-#           Then the real server with one agent process on the device under a load of streaming
-#           requests, and the same load with the agent killed (SIGKILL) midway: none may be lost.
+#           Then the real server with one agent process on the device under loads of streaming
+#           requests at 32 and 128 streams, and the first load with the agent killed (SIGKILL)
+#           midway: none may be lost; then llama-server on the same file under the same loads
+#           (judged: ours at 32 streams >= 2x its output tok/s, with a lower TTFT p99).
 #   serve:  that served check alone.
 #   all:    both parts (about 5 minutes on an H100, llama.cpp's build included).
 # Each part stays within --budget seconds (default 560; part 2 of `all` within --budget2 when
@@ -31,8 +34,10 @@
 #
 # --dry-run: on a machine without a GPU, over the CPU emulation of the CUDA kernels (the kit
 # built with --emulation: bin/npu-serving-emulation, NPU_SERVING_CUDA_EMULATION=1): the
-# conformance suite and the fidelity checks run on the emulation; the GPU-only steps
-# (memcheck, llama.cpp CUDA, speed) report SKIPPED with the reason.
+# conformance suite and the fidelity checks run on the emulation; llama.cpp is built for the CPU
+# from the kit's tree (target/gpu-check-work/llama.cpp/build-cpu; about 10 minutes on 2 cores the
+# first time), so that the served comparison runs against a real llama-server (4 and 8 streams,
+# not judged); the GPU-only steps (memcheck, speed) report SKIPPED with the reason.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -132,33 +137,50 @@ env_loaded() {
   [ -n "$l" ] && printf 'Loaded by npu-serving:\n\n```\n%s\n```\n\n' "$l" >"$(part_file 01-loaded)"
 }
 
-# ---- llama.cpp, CUDA build -----------------------------------------------------------------
+# ---- llama.cpp, CUDA build (a CPU build on the dry run) ----------------------------------------
+# The targets: llama-bench and llama-batched-bench (part 2's columns) and llama-server (the
+# served comparison). On the dry run llama.cpp is built for the CPU from the same pruned tree
+# (build-cpu), so that the served comparison's code path runs against a real llama-server.
 llama_dir=$work/llama.cpp
-llama_bin=$llama_dir/build/bin
+llama_build_dir=build
+[ $dry = 1 ] && llama_build_dir=build-cpu
+llama_bin=$llama_dir/$llama_build_dir/bin
+llama_targets="llama-bench llama-batched-bench llama-server"
+llama_kind="CUDA, sm_$sm"
+[ $dry = 1 ] && llama_kind="CPU, for the dry run"
 llama_why=""
 llama_can_build() {
-  if [ $dry = 1 ]; then llama_why="dry run: llama.cpp is compared on the GPU only"; return 1; fi
-  if [ $have_gpu = 0 ]; then llama_why="no GPU"; return 1; fi
   if [ "${GPU_CHECK_NO_LLAMA:-0}" = 1 ]; then llama_why="GPU_CHECK_NO_LLAMA=1"; return 1; fi
-  if [ -z "$nvcc" ]; then llama_why="no nvcc on this machine (the CUDA toolkit's compiler builds llama.cpp's CUDA backend)"; return 1; fi
   if [ -z "$cmake" ]; then llama_why="no cmake on this machine"; return 1; fi
+  [ $dry = 1 ] && return 0
+  if [ $have_gpu = 0 ]; then llama_why="no GPU"; return 1; fi
+  if [ -z "$nvcc" ]; then llama_why="no nvcc on this machine (the CUDA toolkit's compiler builds llama.cpp's CUDA backend)"; return 1; fi
   return 0
 }
-llama_built() { [ -x "$llama_bin/llama-bench" ] && [ -x "$llama_bin/llama-batched-bench" ]; }
+llama_built() { local t; for t in $llama_targets; do [ -x "$llama_bin/$t" ] || return 1; done; }
 llama_build() { # returns when built or failed
-  [ -d "$llama_dir" ] || tar -C "$work" -xzf "$kit/llama.cpp-src.tar.gz"
+  # A tree extracted from an older kit (without llama-server's sources) is replaced.
+  [ -f "$llama_dir/tools/server/CMakeLists.txt" ] || { rm -rf "$llama_dir"; tar -C "$work" -xzf "$kit/llama.cpp-src.tar.gz"; }
+  local backend=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${sm:-native}" -DCMAKE_CUDA_COMPILER="$nvcc")
+  if [ "$llama_build_dir" = build-cpu ]; then
+    backend=(-DGGML_CUDA=OFF)
+    # llama.cpp's AMX tile code built with -march=native dies with SIGILL on virtual machines
+    # that list AMX (seen with this llama.cpp on a Xeon VM): there the CPU build goes without it.
+    grep -qw amx_tile /proc/cpuinfo 2>/dev/null &&
+      backend+=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+  fi
   (
     cd "$llama_dir" &&
-    { [ -f build/CMakeCache.txt ] ||
-      "$cmake" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DGGML_NATIVE=ON \
-        -DCMAKE_CUDA_ARCHITECTURES="${sm:-native}" -DCMAKE_CUDA_COMPILER="$nvcc" -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    { [ -f "$llama_build_dir/CMakeCache.txt" ] ||
+      "$cmake" -B "$llama_build_dir" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON "${backend[@]}" -DLLAMA_CURL=OFF \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_HTML=OFF -DBUILD_SHARED_LIBS=OFF; } &&
-    "$cmake" --build build -j"$(nproc)" --target llama-bench llama-batched-bench
+    "$cmake" --build "$llama_build_dir" -j"$(nproc)" --target $llama_targets
   ) >>"$logs/llama-build.log" 2>&1
 }
 export -f llama_build
-export llama_dir cmake nvcc sm logs work kit
+export llama_dir llama_build_dir llama_targets cmake nvcc sm logs work kit
 llama_pid=""
 llama_pidfile=$work/llama-build.pid
 # Starts the build in its own process session (so that it can be stopped whole, and so that it
@@ -517,11 +539,13 @@ bench_part() {
     timeout 300 "$bin" bench-model --device cuda --model "$m" --json --skip-long --skip-roofline \
       --batches 1 --decode-steps 2 --count-steps 2 --graph-capture auto >"$work/runs/bench-smoke.json" 2>"$logs/bench-smoke.log"
     lb=""; lbb=""
-    if [ -x "${LLAMA_CPP_BIN:-}/llama-bench" ]; then
-      # A CPU build of llama.cpp, when given, exercises the llama.cpp columns' parsing.
-      timeout 120 "$LLAMA_CPP_BIN/llama-bench" -m "$m" -p 512 -n 128 -r 1 -o json \
+    local lcb=${LLAMA_CPP_BIN:-}
+    llama_built && lcb=$llama_bin
+    if [ -x "$lcb/llama-bench" ]; then
+      # A CPU build of llama.cpp (this run's, or LLAMA_CPP_BIN) exercises the llama.cpp columns' parsing.
+      timeout 120 "$lcb/llama-bench" -m "$m" -p 512 -n 128 -r 1 -o json \
         >"$work/runs/llama-bench-smoke.json" 2>"$logs/llama-bench-smoke.log" && lb=$work/runs/llama-bench-smoke.json
-      timeout 120 "$LLAMA_CPP_BIN/llama-batched-bench" -m "$m" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 32 \
+      timeout 120 "$lcb/llama-batched-bench" -m "$m" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 32 \
         -npl 1,32 >"$work/runs/llama-batched-smoke.txt" 2>&1 && lbb=$work/runs/llama-batched-smoke.txt
     fi
     rows+="$("$tool" bench-row --label "smoke: tiny llama, npu-serving on the emulation$([ -n "$lb" ] && echo ', llama.cpp on the CPU') (not a measurement)" \
@@ -613,18 +637,38 @@ bench_part() {
   } >"$f"
 }
 
-# ---- served: the real server and its agent process on the device ------------------------------
+# ---- served: the real server and its agent process on the device, against llama-server ----------
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-# Waits until GET /ready answers 200 (or the server exits, or $2 seconds pass).
+# Waits until GET $4 (default /ready) answers 200 (or the server exits, or $3 seconds pass).
 wait_ready() {
-  local port=$1 pid=$2 t=0
+  local port=$1 pid=$2 t=0 path=${4:-/ready}
   while [ $t -lt "$3" ]; do
     kill -0 "$pid" 2>/dev/null || return 1
-    python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$port/ready', timeout=2).status == 200 else 1)" \
+    python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$port$path', timeout=2).status == 200 else 1)" \
       2>/dev/null && return 0
     sleep 1; t=$((t + 1))
   done
   return 1
+}
+# Stops a server: SIGTERM, then SIGKILL after 20 s.
+stop_server() {
+  local pid=$1 t=0
+  kill -TERM "$pid" 2>/dev/null
+  while kill -0 "$pid" 2>/dev/null && [ $t -lt 20 ]; do sleep 1; t=$((t + 1)); done
+  kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+}
+# Requests our server is prefilling or decoding now (its /metrics gauge; 0 when unreadable).
+running_requests() {
+  python3 - "$1" <<'PY'
+import re, sys, urllib.request
+try:
+    t = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=2).read().decode()
+except Exception:
+    print(0); sys.exit()
+m = re.search(r"^npu_serving_requests_running(?:\{[^}]*\})?\s+([0-9.eE+]+)", t, re.M)
+print(int(float(m.group(1))) if m else 0)
+PY
 }
 # The server's children (its agent processes).
 agent_pids() { cat /proc/"$1"/task/*/children 2>/dev/null | tr ' ' '\n' | grep -E '^[0-9]+$' | sort -n; }
@@ -643,11 +687,66 @@ print(f"{d['completed']}/{d['num_requests']} completed, {d['failed']} failed; ou
 sys.exit(0 if d['failed'] == 0 and d['completed'] == d['num_requests'] else 1)
 PY
 }
+# One closed-loop load of the served checks: $1 port, $2 requests, $3 streams, $4 seed, $5 its
+# name (runs/NAME, logs/NAME.log). Streaming OpenAI completions, greedy, every request its full
+# length (--ignore-eos), prompts of 64-256 tokens; the same for both servers. The output folder
+# is emptied first: a summary left by an earlier call must never stand for this run. At most
+# 300 s, and never past the budget's end (a stuck server does not hold the call).
+serve_load() {
+  local cap=$(( $(left) - 10 ))
+  [ $cap -gt 300 ] && cap=300
+  [ $cap -lt 10 ] && cap=10
+  rm -rf "$work/runs/$5"
+  timeout $cap "$bin" bench -P "$1" --model "$m" --api openai --num-requests "$2" --max-concurrency "$3" -X 1000 \
+    --input-len uniform:64,256 --output-len fixed:$out_len --ignore-eos --no-plots --no-progress \
+    --seed "$4" -O "$work/runs/$5" >"$logs/$5.log" 2>&1
+}
+# A run's figures for the comparison table, "output_tok_s ttft_p99_ms"; "none" when it left no
+# summary, "lost" when it lost requests.
+serve_figures() {
+  python3 - "$work/runs/$1" <<'PY'
+import glob, json, sys
+files = sorted(glob.glob(sys.argv[1] + "/summary_*.json"))
+if not files:
+    print("none"); sys.exit()
+d = json.load(open(files[-1]))
+p99 = (d.get("ttft_ms") or {}).get("p99")
+ok = d["failed"] == 0 and d["completed"] == d["num_requests"] and p99 is not None
+print(f"{d['output_throughput']:.1f} {p99:.1f}" if ok else "lost")
+PY
+}
+# Runs llama-server with one slot per stream ($1 streams; continuous batching; every slot room
+# for its prompt and output), loads it, stops it. Its row's note goes to llama_note[$1].
+declare -A llama_note=()
+llama_serve_row() {
+  local s=$1 lport lpid ctx
+  ctx=$((s * 512))  # per slot: a prompt of at most 256 tokens (our tokenizer; llama.cpp's adds a BOS) + $out_len
+  lport=$(free_port)
+  "$llama_bin/llama-server" -m "$m" -ngl 99 -np "$s" -c "$ctx" --cont-batching \
+    --host 127.0.0.1 --port "$lport" >"$logs/llama-server-$s.log" 2>&1 &
+  lpid=$!
+  if ! wait_ready "$lport" "$lpid" 180 /health; then
+    llama_note[$s]="FAIL: llama-server did not become ready (logs/llama-server-$s.log: $(grep -m1 -iE 'error|invalid|unknown' "$logs/llama-server-$s.log" | cut -c1-160))"
+    stop_server "$lpid"; return
+  fi
+  say "serve: llama-server, $s slots"
+  serve_load "$lport" $((2 * s)) "$s" 1 "serve-llama-$s"
+  llama_note[$s]=$(bench_line "$work/runs/serve-llama-$s") && llama_note[$s]="PASS ${llama_note[$s]}" || llama_note[$s]="FAIL ${llama_note[$s]}"
+  stop_server "$lpid"
+}
 serve_part() {
-  local f m cfg port pid n conc out_len rows="" before after victim line rc
+  local f m out_len cfg port pid conc s rows="" before after victim line rc table="" ours theirs need
+  local -a streams
+  local -A ours_skipped=()
   f=$(part_file 50-serve)
-  m=$(shaped_model 1b); n=64; conc=32; out_len=128
-  if [ $dry = 1 ]; then m=$work/models/llama.gguf; n=6; conc=3; out_len=8; fi
+  m=$(shaped_model 1b); streams=(32 128); out_len=128
+  if [ $dry = 1 ]; then
+    m=$work/models/llama.gguf; streams=(4 8); out_len=8
+    # The family model of part 1, made here when the served check runs alone.
+    [ -s "$m" ] || "$bin" synth-model --arch llama --seed "${SEED[llama]}" --type f32 --tokenizer-from "$donor" \
+      "$m" >>"$logs/synth.log" 2>&1
+  fi
+  conc=${streams[0]}
   if [ ! -s "$m" ]; then
     printf '## Served on the device\n\n%s\n\n' "$(skipped "no model (logs/models.log)")" >"$f"; return
   fi
@@ -660,7 +759,7 @@ serve_part() {
 model_config:
     model_name: 'gpu-check'
     seq_length: 2048
-    decode_batch_size: 64
+    decode_batch_size: 128
     prefill_batch_size: 16
     batching_strategy: 'continuous'
 serving_config:
@@ -686,39 +785,118 @@ YAML
       "$(grep -m1 -iE 'error|panicked' "$logs/serve.log" | cut -c1-200)" >"$f"
     kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; return
   fi
-  # A closed loop of streaming OpenAI completions, greedy, every request its full length.
-  "$bin" bench -P "$port" --model "$m" --api openai --num-requests $n --max-concurrency $conc -X 1000 \
-    --input-len uniform:64,256 --output-len fixed:$out_len --ignore-eos --no-plots --no-progress \
-    --seed 1 -O "$work/runs/serve-load" >"$logs/serve-load.log" 2>&1
-  line=$(bench_line "$work/runs/serve-load"); rc=$?
-  rows+="| load: $n streaming requests, $conc at a time, $out_len tokens each | $([ $rc = 0 ] && echo PASS || echo FAIL) $line |"$'\n'
-  # The same load with the agent killed (SIGKILL) once requests are streaming: none may be lost.
-  before=$(agent_pids "$pid" | tr '\n' ' ')
-  "$bin" bench -P "$port" --model "$m" --api openai --num-requests $n --max-concurrency $conc -X 1000 \
-    --input-len uniform:64,256 --output-len fixed:$out_len --ignore-eos --no-plots --no-progress \
-    --seed 2 -O "$work/runs/serve-kill" >"$logs/serve-kill.log" 2>&1 &
-  local bench_pid=$!
-  sleep $([ $dry = 1 ] && echo 8 || echo 2)
-  victim=$(agent_pids "$pid" | head -1)
-  [ -n "$victim" ] && kill -9 "$victim" 2>/dev/null
-  wait "$bench_pid"
-  after=$(agent_pids "$pid" | tr '\n' ' ')
-  line=$(bench_line "$work/runs/serve-kill"); rc=$?
-  if [ -z "$victim" ]; then
-    rows+="| kill -9 of the agent under load | FAIL: no agent process found |"$'\n'
+  # Our server at each stream count (2 requests a stream), then the kill -9 check; the judged row
+  # (the first) leaves time for the kill check and llama-server's run at the same count.
+  for s in "${streams[@]}"; do
+    rm -rf "$work/runs/serve-ours-$s"
+    need=60; [ "$s" != "$conc" ] && need=240
+    if [ "$(left)" -lt $need ]; then
+      ours_skipped[$s]=1
+      rows+="| load: $((2 * s)) streaming requests, $s at a time, $out_len tokens each | SKIPPED: out of time |"$'\n'; continue
+    fi
+    say "serve: ours, $s streams"
+    serve_load "$port" $((2 * s)) "$s" 1 "serve-ours-$s"
+    line=$(bench_line "$work/runs/serve-ours-$s"); rc=$?
+    rows+="| load: $((2 * s)) streaming requests, $s at a time, $out_len tokens each | $([ $rc = 0 ] && echo PASS || echo FAIL) $line |"$'\n'
+  done
+  # The same load as the first with the agent killed (SIGKILL) once requests are streaming: none
+  # may be lost.
+  if [ "$(left)" -lt 60 ]; then
+    rows+="| kill -9 of the agent under load | SKIPPED: out of time |"$'\n'
   else
-    rows+="| kill -9 of the agent (pid $victim) under the same load | $([ $rc = 0 ] && echo PASS || echo FAIL) $line; agents before: ${before:-none}, after: ${after:-none} |"$'\n'
+    before=$(agent_pids "$pid" | tr '\n' ' ')
+    serve_load "$port" $((2 * conc)) "$conc" 2 serve-kill &
+    local bench_pid=$! running=0 t=0
+    # The kill comes once requests are being decoded (the server's running gauge; at most 30 s),
+    # and is judged only if some were: a kill after the load proves nothing.
+    sleep 1
+    while [ $t -lt 60 ] && kill -0 "$bench_pid" 2>/dev/null; do
+      running=$(running_requests "$port")
+      [ "$running" -gt 0 ] && break
+      sleep 0.5; t=$((t + 1))
+    done
+    victim=$(agent_pids "$pid" | head -1)
+    [ -n "$victim" ] && [ "$running" -gt 0 ] && kill -9 "$victim" 2>/dev/null
+    wait "$bench_pid"
+    after=$(agent_pids "$pid" | tr '\n' ' ')
+    line=$(bench_line "$work/runs/serve-kill"); rc=$?
+    if [ -z "$victim" ]; then
+      rows+="| kill -9 of the agent under load | FAIL: no agent process found |"$'\n'
+    elif [ "$running" = 0 ]; then
+      rows+="| kill -9 of the agent under the same load as the first | FAIL: no request was seen running (/metrics), so no kill (nothing was checked): $line |"$'\n'
+    else
+      rows+="| kill -9 of the agent (pid $victim) with $running requests running, under the same load as the first | $([ $rc = 0 ] && echo PASS || echo FAIL) $line; agents before: ${before:-none}, after: ${after:-none} |"$'\n'
+    fi
   fi
-  kill -TERM "$pid" 2>/dev/null
-  wait "$pid" 2>/dev/null
+  stop_server "$pid"
+  # llama-server on the same file, once our server is gone (its build, when part 1 or 2 did not
+  # finish it, runs now: with a compiler beside it our server's figures would not be its own).
+  local why=""
+  for s in "${streams[@]}"; do rm -rf "$work/runs/serve-llama-$s"; done
+  if ! llama_can_build; then
+    why=$llama_why
+  elif ! llama_built; then
+    if [ "$(left)" -lt 150 ]; then
+      why="llama.cpp was not built and there is no time left to build it"
+    else
+      llama_adopt && say "serve: waiting for the llama.cpp build" || { say "serve: building llama.cpp"; llama_start; }
+      llama_wait $((60 + 60 * ${#streams[@]})) --stop
+      llama_built || why="the llama.cpp build did not finish in time or failed (logs/llama-build.log)"
+    fi
+  fi
+  for s in "${streams[@]}"; do
+    if [ -n "$why" ]; then llama_note[$s]=$(skipped "$why"); continue; fi
+    if [ "$(left)" -lt 60 ]; then llama_note[$s]=$(skipped "out of time"); continue; fi
+    llama_serve_row "$s"
+  done
+  for s in "${streams[@]}"; do
+    rows+="| llama-server ($s slots): $((2 * s)) streaming requests, $s at a time, $out_len tokens each | ${llama_note[$s]} |"$'\n'
+  done
+  # The comparison table; the judged row is the first (32 streams on the GPU).
+  for s in "${streams[@]}"; do
+    ours=$(serve_figures "serve-ours-$s"); theirs=$(serve_figures "serve-llama-$s")
+    [ -n "${ours_skipped[$s]:-}" ] && ours=skipped
+    table+=$(python3 - "$s" "$ours" "$theirs" "$([ "$s" = "$conc" ] && echo judged)" "$dry" <<'PY'
+import sys
+s, ours, theirs, judged, dry = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "judged", sys.argv[5] == "1"
+o = None if ours in ("skipped", "none", "lost") else [float(x) for x in ours.split()]
+t = None if theirs in ("none", "lost") else [float(x) for x in theirs.split()]
+cell = lambda v, i: "—" if v is None else f"{v[i]:.0f}"
+if ours in ("none", "lost"):
+    result = "FAIL: our run " + ("left no summary" if ours == "none" else "lost requests") + " (see above)"
+    ratio = "—"
+elif o is None or t is None:
+    missing = " and ".join(n for n, v in (("our", o), ("llama-server's", t)) if v is None)
+    result = f"NOT JUDGED: {missing} run skipped or failed (see above)" if judged else f"not compared: {missing} run skipped or failed"
+    ratio = "—"
+else:
+    r = o[0] / t[0] if t[0] > 0 else float("inf")
+    ratio = f"{r:.2f}x"
+    if judged and dry:
+        result = "not judged: dry run (the emulation against llama.cpp on the CPU says nothing about speed)"
+    elif judged:
+        ok = r >= 2 and o[1] < t[1]
+        result = ("PASS" if ok else "FAIL") + f": ratio {r:.2f} (>= 2 wanted), TTFT p99 {o[1]:.0f} vs {t[1]:.0f} ms (lower wanted)"
+    else:
+        result = "INFO (not judged)"
+print(f"| {s} | {cell(o, 0)} | {cell(t, 0)} | {ratio} | {cell(o, 1)} | {cell(t, 1)} | {result} |")
+PY
+)$'\n'
+  done
   {
-    echo "## Served on the device"
+    echo "## Served on the device, against llama-server"
     echo
-    echo "\`npu-serving serve\` with \`device: cuda\` (one agent process, the 1B-shaped model$([ $dry = 1 ] && echo '; dry run: the tiny llama model on the emulation, a smaller load')), loaded by \`npu-serving bench --api openai\` (streaming completions, greedy, \`--ignore-eos\`); then the same load with the agent process killed (SIGKILL) while requests stream: the server restarts it and recomputes its requests."
+    echo "\`npu-serving serve\` with \`device: cuda\` (one agent process, the 1B-shaped model$([ $dry = 1 ] && echo '; dry run: the tiny llama model on the emulation, a smaller load, llama-server built for the CPU'), \`decode_batch_size: 128\`), loaded by \`npu-serving bench --api openai\` (streaming \`/v1/completions\`, greedy, \`--ignore-eos\`, prompts of 64-256 tokens, $out_len output tokens, two requests a stream, the same seed; tokens counted with the model file's tokenizer) at ${streams[0]} and ${streams[1]} streams; then the first load with the agent process killed (SIGKILL) while requests stream: the server restarts it and recomputes its requests. Then llama.cpp's \`llama-server\` on the same file (\`-ngl 99 -np STREAMS -c STREAMS*512 --cont-batching\`, one slot a stream), under the same loads."
     echo
     echo "| check | result |"
     echo "|---|---|"
     printf '%s' "$rows"
+    echo
+    echo "Judged$([ $dry = 1 ] && echo ' on the GPU only, not on this dry run'): at ${conc} streams our output tokens/s at least 2x llama-server's, with a lower TTFT p99; the other row is reported."
+    echo
+    echo "| streams | ours output tok/s | llama-server output tok/s | ratio | ours TTFT p99 ms | llama-server TTFT p99 ms | result |"
+    echo "|---|---|---|---|---|---|---|"
+    printf '%s' "$table"
     echo
   } >"$f"
 }
@@ -743,8 +921,10 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
   env_part
   if llama_can_build; then
     if ! llama_built; then
-      say "building llama.cpp (CUDA, sm_$sm) in the background"
+      say "building llama.cpp ($llama_kind) in the background"
       llama_start
+    else
+      printf '## llama.cpp\n\nBuilt by an earlier call (%s): %s.\n\n' "$llama_kind" "$llama_targets" >"$(part_file 35-llama)"
     fi
   else
     printf '## llama.cpp\n\n%s\n\n' "$(skipped "$llama_why")" >"$(part_file 35-llama)"
@@ -759,10 +939,10 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
   sanitizer_part
   if [ -n "$llama_pid" ]; then
     if ! llama_wait "$(left)"; then  # no waiting: part 1 ends when its own steps do
-      printf '## llama.cpp\n\nThe CUDA build did not finish in part 1: it goes on running (its own process session) and part 2 waits for it.\n\n' >"$(part_file 35-llama)"
+      printf '## llama.cpp\n\nThe %s build did not finish in part 1: it goes on running (its own process session) and part 2 waits for it.\n\n' "$llama_kind" >"$(part_file 35-llama)"
     else
-      llama_built && printf '## llama.cpp\n\nBuilt (CUDA, sm_%s): llama-bench and llama-batched-bench.\n\n' "$sm" >"$(part_file 35-llama)" ||
-        printf '## llama.cpp\n\nFAIL: the CUDA build failed (logs/llama-build.log).\n\n' >"$(part_file 35-llama)"
+      llama_built && printf '## llama.cpp\n\nBuilt (%s): %s.\n\n' "$llama_kind" "$llama_targets" >"$(part_file 35-llama)" ||
+        printf '## llama.cpp\n\nFAIL: the %s build failed (logs/llama-build.log).\n\n' "$llama_kind" >"$(part_file 35-llama)"
     fi
   fi
   # The report so far, in case a later step outlives the call (what is under $OUT comes back).
@@ -777,7 +957,7 @@ if [ "$part" = 2 ] || [ "$part" = all ]; then
 fi
 if [ "$part" = serve ]; then
   [ -f "$(part_file 00-env)" ] || env_part
-  make_models
+  [ $dry = 1 ] || make_models  # the dry run serves part 1's tiny llama model
   serve_part
 fi
 assemble

@@ -11,7 +11,8 @@
 #                        models are made on the GPU machine: `npu-serving synth-model`)
 #   refs/family_*.jsonl  llama.cpp's greedy tokens on those models (agent/tests/data)
 #   llama.cpp-src.tar.gz a pruned llama.cpp source tree (ggml CPU + CUDA, llama, common,
-#                        llama-bench, llama-batched-bench) for a CUDA build on the GPU machine
+#                        llama-bench, llama-batched-bench, llama-server without its web UI)
+#                        for a CUDA build on the GPU machine
 #   MANIFEST.txt, RUN.txt what is in it, and the command to run
 # Then the GPU machine runs scripts/gpu-check.sh (one call of about 5 minutes on an H100).
 #
@@ -89,12 +90,27 @@ for p in CMakeLists.txt cmake include; do cp -r "$src/ggml/$p" "$dst/ggml/"; don
 find "$src/ggml/src" -maxdepth 1 -type f -exec cp {} "$dst/ggml/src/" \;
 cp -r "$src/ggml/src/ggml-cpu" "$src/ggml/src/ggml-cuda" "$dst/ggml/src/"
 cp -r "$src/tools/llama-bench" "$src/tools/batched-bench" "$dst/tools/"
+# llama-server: its sources (not its tests, benchmarks or docs), the multimodal library it links
+# (mtmd: its sources; not its sample media), and the web UI's CMake glue alone: the UI's assets
+# are not in the source tree (npm or a download makes them), and built with LLAMA_BUILD_UI=OFF and
+# LLAMA_USE_PREBUILT_UI=OFF the server embeds none (an empty table; the API is the same).
+mkdir -p "$dst/tools/server" "$dst/tools/mtmd" "$dst/tools/ui" "$dst/scripts"
+find "$src/tools/server" -maxdepth 1 -type f \( -name '*.cpp' -o -name '*.h' -o -name CMakeLists.txt \) \
+  -exec cp {} "$dst/tools/server/" \;
+find "$src/tools/mtmd" -maxdepth 1 -type f \( -name '*.cpp' -o -name '*.h' -o -name CMakeLists.txt \) \
+  -exec cp {} "$dst/tools/mtmd/" \;
+cp -r "$src/tools/mtmd/models" "$src/tools/mtmd/debug" "$dst/tools/mtmd/"
+for p in CMakeLists.txt sources.cmake ui.cpp.in ui.h.in; do cp "$src/tools/ui/$p" "$dst/tools/ui/"; done
+cp "$src/scripts/ui-assets.cmake" "$dst/scripts/"
 cat >"$dst/tools/CMakeLists.txt" <<'EOF'
-# Pruned by scripts/gpu-kit.sh: the two benchmarks only.
+# Pruned by scripts/gpu-kit.sh: the two benchmarks and llama-server (with mtmd and the UI glue).
 find_package(Threads REQUIRED)
 llama_add_compile_flags()
 add_subdirectory(batched-bench)
 add_subdirectory(llama-bench)
+add_subdirectory(mtmd)
+add_subdirectory(ui)
+add_subdirectory(server)
 EOF
 (cd "$src" && git rev-parse --short HEAD 2>/dev/null || grep -m1 -o 'LLAMA_BUILD_NUMBER[^)]*' CMakeLists.txt || true) \
   >"$dst/KIT_SOURCE" 2>/dev/null
