@@ -8,7 +8,9 @@
 //! graphs (dropped here; the device marks them stale on the frees anyway) and the backend's
 //! derived tables (rope factors, the GELU table: freed, uploaded again on first use); the MoE
 //! experts' address table is built per step. Steps are refused while the weights are in host
-//! memory (`check_awake`).
+//! memory (`check_awake`). On a GPU the frees are stream-ordered (`cuMemFreeAsync` into the
+//! device's default pool, whose release threshold this backend leaves at 0): the memory goes
+//! back to the device at the synchronization that ends the offload.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Weak;
