@@ -467,6 +467,23 @@ fn collectives_conform_over_the_ascend_backend() {
     assert!(report.failures().is_empty(), "{}", report.render());
 }
 
+/// Launches of aclnn operator `name` so far in this process, as the Ascend emulation counts
+/// them (its emulation-only `ascendEmulatorLaunchCount`, in the library the backend loaded).
+#[cfg(feature = "ascend")]
+fn emulated_launches(name: &std::ffi::CStr) -> u64 {
+    let root = std::env::var_os("ASCEND_HOME_PATH").expect("the emulation's install");
+    let path = std::path::Path::new(&root).join("lib64/libascendcl.so");
+    // SAFETY: the emulation's library (already loaded by the backend: one state); the symbol
+    // has this prototype and `name` is NUL-terminated.
+    unsafe {
+        let lib = libloading::Library::new(path).expect("the emulation's libascendcl.so");
+        let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> u64> = lib
+            .get(b"ascendEmulatorLaunchCount\0")
+            .expect("the emulation's launch counter");
+        f(name.as_ptr())
+    }
+}
+
 /// HCCL's collectives (on the strict emulation in CI: `libhccl.so` of the CANN install
 /// `ASCEND_HOME_PATH` names) over two ranks of the Ascend backend, devices 2 and 3: the same
 /// checks and model step as the staged ones, the collective naming HCCL; and the negative case,
@@ -497,8 +514,59 @@ fn hccl_collectives_conform_over_the_ascend_backend() {
         std::time::Duration::from_secs(30),
         &mut report,
     );
+    let launches = || emulated_launches(c"aclnnMatmulAllReduce");
+    let before = launches();
     check_collectives((a, b), &hccl, conformance::reference(), &file, &mut report);
+    // The default model's products are quantized (Q4_1: WeightQuantBatchMatmulV2), which stay
+    // two calls: only the two product checks ran fused.
+    let quantized = launches() - before;
+    // A synthetic Qwen3 of f16 weights: its attention output and FFN down products run as
+    // aclnnMatmulAllReduce on both ranks, in every layer.
+    let donor = model();
+    let bytes = npu_gguf::synth::synth_model(
+        npu_gguf::synth::Family::Qwen3,
+        1,
+        npu_gguf::GgmlType::F16,
+        &donor,
+    )
+    .unwrap();
+    // A file: the model's loader maps its weights from the path.
+    let path = std::env::temp_dir().join(format!("npu-hccl-qwen3-f16-{}.gguf", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let qwen3 = GgufFile::open(&path).unwrap();
+    let before = launches();
+    check_collectives(
+        (make(4), make(5)),
+        &hccl,
+        conformance::reference(),
+        &qwen3,
+        &mut report,
+    );
+    let dense = launches() - before;
+    let _ = std::fs::remove_file(&path);
     eprintln!("{}", report.render());
+    // The collective says the product checks ran fused, on both ranks, both times.
+    for r in 0..2 {
+        let name =
+            format!("matmul_all_reduce_sum, rank {r}: the bits of matmul then all_reduce_sum");
+        let fused = report
+            .checks
+            .iter()
+            .filter(|c| c.name == name && c.passed && c.note == "fused (one operator)")
+            .count();
+        assert_eq!(fused, 2, "{}", report.render());
+    }
+    assert_eq!(
+        quantized, 2,
+        "aclnnMatmulAllReduce launches with Q4_1 weights"
+    );
+    let layers = npu_model::ModelConfig::from_gguf(&qwen3).unwrap().n_layers as u64;
+    assert_eq!(
+        dense,
+        2 + 2 * 2 * layers,
+        "aclnnMatmulAllReduce launches with f16 weights: 2 product checks and 2 per layer on \
+         each of 2 ranks"
+    );
     assert!(
         report
             .checks

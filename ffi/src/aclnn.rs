@@ -35,6 +35,9 @@
 //! Optional, for DeepSeek's latent attention at its own widths: FusedInferAttentionScoreV3
 //! (`aclnn_fused_infer_attention_score_v3.h`: V2's parameters plus queryRopeOptional,
 //! keyRopeOptional and keyRopeAntiquantScaleOptional; with the rope inputs, its MLA form).
+//! Optional, for tensor parallelism: MatmulAllReduce (`aclnn_matmul_all_reduce.h`: `output =
+//! AllReduce(x1 @ x2 + bias)` over the HCCL communicator named `group` (`HcclGetCommName`),
+//! reduceOp "sum", commTurn 0, streamMode 1; Atlas A2, not A3).
 
 use core::ffi::{c_char, c_int, c_void};
 
@@ -135,6 +138,8 @@ pub mod ops {
                 fn aclnnGroupedMatmulV4(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnFusedInferAttentionScoreV3GetWorkspaceSize(query: *const aclTensor, key: *const aclTensorList, value: *const aclTensorList, pseShiftOptional: *const aclTensor, attenMaskOptional: *const aclTensor, actualSeqLengthsOptional: *const aclIntArray, actualSeqLengthsKvOptional: *const aclIntArray, deqScale1Optional: *const aclTensor, quantScale1Optional: *const aclTensor, deqScale2Optional: *const aclTensor, quantScale2Optional: *const aclTensor, quantOffset2Optional: *const aclTensor, antiquantScaleOptional: *const aclTensor, antiquantOffsetOptional: *const aclTensor, blockTableOptional: *const aclTensor, queryPaddingSizeOptional: *const aclTensor, kvPaddingSizeOptional: *const aclTensor, keyAntiquantScaleOptional: *const aclTensor, keyAntiquantOffsetOptional: *const aclTensor, valueAntiquantScaleOptional: *const aclTensor, valueAntiquantOffsetOptional: *const aclTensor, keySharedPrefixOptional: *const aclTensor, valueSharedPrefixOptional: *const aclTensor, actualSharedPrefixLenOptional: *const aclIntArray, queryRopeOptional: *const aclTensor, keyRopeOptional: *const aclTensor, keyRopeAntiquantScaleOptional: *const aclTensor, numHeads: i64, scaleValue: f64, preTokens: i64, nextTokens: i64, inputLayout: *mut c_char, numKeyValueHeads: i64, sparseMode: i64, innerPrecise: i64, blockSize: i64, antiquantMode: i64, softmaxLseFlag: bool, keyAntiquantMode: i64, valueAntiquantMode: i64, attentionOut: *const aclTensor, softmaxLse: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnFusedInferAttentionScoreV3(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnMatmulAllReduceGetWorkspaceSize(x1: *const aclTensor, x2: *const aclTensor, bias: *const aclTensor, group: *const c_char, reduceOp: *const c_char, commTurn: i64, streamMode: i64, output: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnMatmulAllReduce(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
             }
         }
     }

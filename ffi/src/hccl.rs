@@ -133,9 +133,15 @@ crate::api_table! {
         optional {
             // In the headers of newer releases only.
             fn HcclGetErrorString(code: HcclResult) -> *const c_char;
+            // The communicator's name (the `group` of the fused matmul + all-reduce operators),
+            // at most HCCL_COMM_NAME_MAX_LENGTH bytes with its NUL.
+            fn HcclGetCommName(comm: HcclComm, commName: *mut c_char) -> HcclResult;
         }
     }
 }
+
+/// The buffer `HcclGetCommName` fills (`HCCL_COMM_NAME_MAX_LENGTH` of `hccl_types.h`).
+pub const HCCL_COMM_NAME_MAX_LENGTH: usize = 128;
 
 /// The file name HCCL is loaded by.
 pub const HCCL_LIBRARY: &str = "libhccl.so";

@@ -2,8 +2,10 @@
 //! each with its own backend instance and thread, joined through a fresh shared-memory group
 //! region. Checked: the all-reduce sum of device rows (in place, the same values on both ranks),
 //! the all-gather of device rows, the gather of device rows into rank 0's host memory, the
-//! gather of host values into rank 0; and one whole model step split over the two ranks against
-//! the reference's whole-model logits (step tolerance).
+//! gather of host values into rank 0; `matmul_all_reduce_sum` (a row-parallel product and its
+//! all-reduce, fused where the library has the operator) against `matmul` then `all_reduce_sum`
+//! bit for bit and against the host sum of both ranks' products; and one whole model step split
+//! over the two ranks against the reference's whole-model logits (step tolerance).
 //!
 //! `make` builds a rank's collective from its shared-memory member and its backend: the staged
 //! one (`HostStaged`, [`staged`]) for any backend, or a device library's own — HCCL on Ascend
@@ -159,11 +161,85 @@ fn rows_of(r: usize) -> Vec<f32> {
 }
 
 /// What each rank found: (all-reduced rows, all-gathered rows, rank 0's gathered rows, rank
-/// 0's gathered host values, rank 0's step logits, the collective's description).
-type RankOut = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, String);
+/// 0's gathered host values, rank 0's step logits, the collective's description, the product
+/// checks).
+type RankOut = (
+    Vec<f32>,
+    Vec<f32>,
+    Vec<f32>,
+    Vec<f32>,
+    Vec<f32>,
+    String,
+    Fused,
+);
 
 /// A rank's collective results: (all-reduced, all-gathered, gathered to host, host values).
 type OpsOut = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// Outputs of the row-parallel product: `matmul_all_reduce_sum`'s, `matmul` then
+/// `all_reduce_sum`'s, and whether the first ran fused.
+type Fused = (Vec<f32>, Vec<f32>, bool);
+
+/// Outputs of the product test's matrix (its rows are output columns).
+const OUTS: usize = 24;
+
+/// Rank `r`'s slice of a row-parallel weight: OUTS rows of COLS inputs.
+fn weight_of(r: usize) -> Vec<f32> {
+    (0..OUTS * COLS)
+        .map(|i| ((i * 29 + r * 7) % 31) as f32 * 0.0625 - 0.9)
+        .collect()
+}
+
+/// `matmul_all_reduce_sum` of rank `r`'s rows and weight, and the two calls it stands for.
+fn rank_product<B: Backend>(
+    b: &mut B,
+    comm: &mut dyn Collective<B>,
+) -> Result<Fused, BackendError> {
+    let r = comm.rank();
+    let act = b.act_dtype();
+    let wv = weight_of(r);
+    let w = b
+        .load_matrix(&[npu_backend::HostTensor {
+            ty: npu_gguf::GgmlType::F32,
+            data: bytemuck::cast_slice(&wv),
+            rows: OUTS,
+            cols: COLS,
+        }])?
+        .ok_or_else(|| BackendError::Unsupported {
+            backend: "conformance",
+            what: "an f32 matrix".into(),
+        })?;
+    let mut x = b.alloc(act, ROWS * COLS)?;
+    b.upload(
+        HostSlice::F32(&rows_of(r)),
+        ViewMut::rows(&mut x, ROWS, COLS)?,
+    )?;
+    let (mut fused, mut two) = (b.alloc(act, ROWS * OUTS)?, b.alloc(act, ROWS * OUTS)?);
+    let ran_fused = comm.matmul_all_reduce_sum(
+        b,
+        View::rows(&x, ROWS, COLS)?,
+        &w,
+        ViewMut::rows(&mut fused, ROWS, OUTS)?,
+    )?;
+    b.matmul(
+        View::rows(&x, ROWS, COLS)?,
+        &w,
+        ViewMut::rows(&mut two, ROWS, OUTS)?,
+    )?;
+    comm.all_reduce_sum(b, ViewMut::rows(&mut two, ROWS, OUTS)?)?;
+    let (mut f, mut t) = (vec![0f32; ROWS * OUTS], vec![0f32; ROWS * OUTS]);
+    b.read_back(&mut [
+        Readback {
+            src: View::rows(&fused, ROWS, OUTS)?,
+            dst: HostSliceMut::F32(&mut f),
+        },
+        Readback {
+            src: View::rows(&two, ROWS, OUTS)?,
+            dst: HostSliceMut::F32(&mut t),
+        },
+    ])?;
+    Ok((f, t, ran_fused))
+}
 
 fn rank_run<B: Backend>(b: &mut B, comm: &mut dyn Collective<B>) -> Result<OpsOut, BackendError> {
     let r = comm.rank();
@@ -263,7 +339,8 @@ pub fn check_collectives<B: Backend, R: Backend>(
     file: &GgufFile,
     report: &mut Report,
 ) {
-    let tol = Tolerance::for_dtype(devs.0.act_dtype());
+    let devs_act = devs.0.act_dtype();
+    let tol = Tolerance::for_dtype(devs_act);
     let name = match segment_name(GROUP_REGION_ID_BASE + 0x0fff) {
         Ok(n) => n,
         Err(e) => return report.error("collectives: name a group region", &e),
@@ -285,10 +362,11 @@ pub fn check_collectives<B: Backend, R: Backend>(
                     let described = comm.describe();
                     let (a, g, h, v) =
                         rank_run(&mut b, comm.as_mut()).map_err(|e| e.to_string())?;
+                    let p = rank_product(&mut b, comm.as_mut()).map_err(|e| e.to_string())?;
                     // The model step on a second group of the same region: the first member is
                     // done with it, the ranks go on in step.
                     let logits = rank_step(file, b, comm, tokens)?;
-                    Ok((a, g, h, v, logits, described))
+                    Ok((a, g, h, v, logits, described, p))
                 })
             })
             .collect();
@@ -316,6 +394,57 @@ pub fn check_collectives<B: Backend, R: Backend>(
         "all_reduce_sum: the same values on both ranks",
         r0.0 == r1.0,
         if r0.0 == r1.0 { "" } else { "the ranks differ" },
+    );
+    // The row-parallel product: the bits of its two calls, the host's sum of both ranks'
+    // products (of the rows and weights as the backend rounds them: step tolerance), and
+    // whether it ran fused (HCCL: aclnnMatmulAllReduce; the others: the two calls).
+    let round = |v: &[f32]| -> Vec<f32> {
+        match devs_act {
+            npu_backend::DType::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+            npu_backend::DType::BF16 => v
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect(),
+            _ => v.to_vec(),
+        }
+    };
+    let product = |r: usize| -> Vec<f32> {
+        let (x, w) = (round(&rows_of(r)), round(&weight_of(r)));
+        (0..ROWS * OUTS)
+            .map(|i| {
+                let (row, col) = (i / OUTS, i % OUTS);
+                (0..COLS)
+                    .map(|c| x[row * COLS + c] as f64 * w[col * COLS + c] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    };
+    let host_sum: Vec<f32> = product(0)
+        .iter()
+        .zip(product(1))
+        .map(|(p, q)| p + q)
+        .collect();
+    for (r, out) in [(0, &r0.6), (1, &r1.6)] {
+        report.verdict(
+            format!("matmul_all_reduce_sum, rank {r}: the bits of matmul then all_reduce_sum"),
+            out.0 == out.1,
+            if out.2 {
+                "fused (one operator)"
+            } else {
+                "two calls"
+            },
+        );
+        report.compare(
+            format!("matmul_all_reduce_sum, rank {r}: the host's sum of the products"),
+            &out.0,
+            &host_sum,
+            tol.of(Class::Step),
+        );
+    }
+    report.verdict(
+        "matmul_all_reduce_sum: the same values on both ranks",
+        r0.6 .0 == r1.6 .0,
+        "",
     );
     let both: Vec<f32> = a.iter().chain(&b).copied().collect();
     let exact = tol.bound(Class::Exact);

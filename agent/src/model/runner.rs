@@ -519,21 +519,29 @@ impl<B: Backend> Model<B> {
                     };
                     mla::attention(b, mw, m, g, step, eps, t, h, li)?;
                     let aw = cfg.attn_width();
-                    b.matmul(
+                    let (attn, out) = (
                         View::rows(&bufs.attn, t, aw)?,
-                        &layer.wo,
                         ViewMut::rows(&mut bufs.tmp, t, h)?,
-                    )?;
-                    if let Some(tp) = tp.as_deref_mut() {
-                        tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                    );
+                    match tp.as_deref_mut() {
+                        Some(tp) => tp.matmul_all_reduce(b, attn, &layer.wo, out)?,
+                        None => b.matmul(attn, &layer.wo, out)?,
                     }
                     let ffn_norm = Some(&layer.ffn_norm);
                     residual_add(b, bufs, None, ffn_norm.filter(|_| !fold), eps, t, h)?;
                     let norm = ffn_norm.filter(|_| fold);
-                    ffn(b, bufs, &layer.ffn, cfg, t, h, (lora, li), (norm, false))?;
-                    if let Some(tp) = tp.as_deref_mut() {
-                        tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
-                    }
+                    let group = tp.as_deref_mut();
+                    ffn(
+                        b,
+                        bufs,
+                        &layer.ffn,
+                        cfg,
+                        t,
+                        h,
+                        (lora, li),
+                        (norm, false),
+                        group,
+                    )?;
                     residual_add(b, bufs, None, next_norm, eps, t, h)?;
                     continue;
                 }
@@ -620,20 +628,29 @@ impl<B: Backend> Model<B> {
                     li,
                     ViewMut::rows(&mut bufs.attn, t, qw)?,
                 )?;
-                b.matmul(
-                    View::rows(&bufs.attn, t, qw)?,
-                    &layer.wo,
-                    ViewMut::rows(&mut bufs.tmp, t, h)?,
-                )?;
-                lora.apply(
-                    b,
-                    li,
-                    Target::O,
+                let (attn, out) = (
                     View::rows(&bufs.attn, t, qw)?,
                     ViewMut::rows(&mut bufs.tmp, t, h)?,
-                )?;
-                if let Some(tp) = tp.as_deref_mut() {
-                    tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                );
+                match tp.as_deref_mut() {
+                    // The output product and the group's all-reduce in one operator where the
+                    // collective has it.
+                    Some(tp) if !lora.targets(li, Target::O) => {
+                        tp.matmul_all_reduce(b, attn, &layer.wo, out)?
+                    }
+                    group => {
+                        b.matmul(attn, &layer.wo, out)?;
+                        lora.apply(
+                            b,
+                            li,
+                            Target::O,
+                            View::rows(&bufs.attn, t, qw)?,
+                            ViewMut::rows(&mut bufs.tmp, t, h)?,
+                        )?;
+                        if let Some(tp) = group {
+                            tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+                        }
+                    }
                 }
                 let next = Some(&layer.ffn_norm).filter(|_| !fold);
                 residual_add(b, bufs, post, next, eps, t, h)?;
@@ -650,10 +667,8 @@ impl<B: Backend> Model<B> {
                 h,
                 (lora, li),
                 (norm, fold_down),
+                tp.as_deref_mut(),
             )? {
-                if let Some(tp) = tp.as_deref_mut() {
-                    tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
-                }
                 residual_add(b, bufs, post, next_norm, eps, t, h)?;
             }
         }

@@ -4,6 +4,8 @@
 //! communication library, all on the backend's own stream order:
 //! - `all_reduce_sum`: after each row-parallel matmul (attention output, FFN down), every
 //!   rank's partial sums become the total, in place, with the same bits on every rank;
+//! - `matmul_all_reduce_sum`: the row-parallel product and its all-reduce, as two calls (the
+//!   default) or one where the library fuses them (HCCL: aclnnMatmulAllReduce);
 //! - `all_gather`: rows of every rank, rank after rank;
 //! - `gather_to_host`: the vocabulary-split logit rows, rank after rank, into rank 0's host
 //!   memory (rank 0 samples);
@@ -43,6 +45,23 @@ pub trait Collective<B: Backend>: Send {
     /// Every rank's `x` becomes the element-wise sum over the ranks of their `x` (the same
     /// values on every rank: a fixed order of additions).
     fn all_reduce_sum(&mut self, b: &mut B, x: ViewMut<'_, B::Buffer>) -> Result<(), BackendError>;
+    /// `out = x . w` (`Backend::matmul`), then `all_reduce_sum(out)`: the two calls, which this
+    /// does by default (every backend without a fused operator: CPU, CUDA, the staged host
+    /// path). A device library may run both as one operator where it takes the case, with the
+    /// bits of the two calls on its emulation (HCCL on Ascend: aclnnMatmulAllReduce, see
+    /// `npu_backend_ascend`). Returns whether it ran fused.
+    fn matmul_all_reduce_sum(
+        &mut self,
+        b: &mut B,
+        x: View<'_, B::Buffer>,
+        w: &B::Matrix,
+        mut out: ViewMut<'_, B::Buffer>,
+    ) -> Result<bool, BackendError> {
+        let cols = out.layout().cols();
+        b.matmul(x, w, out.col_range(0, cols)?)?;
+        self.all_reduce_sum(b, out)?;
+        Ok(false)
+    }
     /// `out` (`size()` x `x`'s rows, `x`'s columns) gets every rank's `x`, rank 0's rows first.
     fn all_gather(
         &mut self,

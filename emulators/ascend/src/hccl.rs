@@ -57,6 +57,9 @@ struct Entry {
     rank: u32,
     ranks: u32,
     device: i32,
+    /// `HcclGetCommName`'s answer: the same on every rank of the communicator (from its root
+    /// info), as the `group` of the fused matmul + all-reduce operators names it.
+    name: String,
 }
 
 /// Live communicators by handle.
@@ -201,6 +204,8 @@ pub unsafe extern "C" fn HcclCommInitRootInfo(
             st.current_context().map_err(from_acl)?.1.device
         };
         let c = Comm::join(&info[8..24], nRanks, rank, device)?;
+        let name: String = info[8..24].iter().map(|b| format!("{b:02x}")).collect();
+        let name = format!("hccl_emulated_{name}");
         let map = c.mapping();
         let handle = {
             let mut st = state();
@@ -219,6 +224,7 @@ pub unsafe extern "C" fn HcclCommInitRootInfo(
                 rank,
                 ranks: nRanks,
                 device,
+                name,
             }),
         );
         let spawned = std::thread::Builder::new()
@@ -552,6 +558,81 @@ pub extern "C" fn HcclAllGather(
     ))
 }
 
+/// The communicator's name, NUL-terminated, into the caller's buffer of
+/// `HCCL_COMM_NAME_MAX_LENGTH` bytes.
+///
+/// # Safety
+/// `commName` is null or points to `HCCL_COMM_NAME_MAX_LENGTH` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn HcclGetCommName(
+    comm: HcclComm,
+    commName: *mut core::ffi::c_char,
+) -> HcclResult {
+    done((|| {
+        if commName.is_null() {
+            return Err((HCCL_E_PTR, "HcclGetCommName: null commName".into()));
+        }
+        let c = lookup(comm, "HcclGetCommName")?;
+        let bytes = c.name.as_bytes();
+        debug_assert!(bytes.len() < HCCL_COMM_NAME_MAX_LENGTH);
+        // SAFETY: non-null; the caller's buffer holds HCCL_COMM_NAME_MAX_LENGTH bytes and the
+        // name with its NUL is shorter (32 hex digits and a prefix).
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr().cast(), commName, bytes.len());
+            *commName.add(bytes.len()) = 0;
+        }
+        Ok(())
+    })())
+}
+
+/// The communicator of this process named `group` (`HcclGetCommName`) whose rank is on
+/// `device`, as (handle, ranks); None when there is no such live communicator.
+pub(crate) fn by_name(group: &str, device: i32) -> Option<(u64, u32)> {
+    COMMS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(_, e)| e.name == group && e.device == device)
+        .map(|(&h, e)| (h, e.ranks))
+}
+
+/// The device of live communicator `comm` (None once destroyed).
+pub(crate) fn device_of(comm: u64) -> Option<i32> {
+    COMMS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&comm)
+        .map(|e| e.device)
+}
+
+/// What a fused operator does with its all-reduce's result (the state locked again).
+pub(crate) type Then = Box<dyn FnOnce(&mut State, Vec<u8>) -> Result<(), Fail> + Send>;
+
+/// A fused operator's all-reduce (HCCL_REDUCE_SUM of `count` elements of `dtype`) on
+/// communicator `comm`, from inside its stream task: leaves in `st.blocking` the exchange of
+/// `mine` with the other ranks — the same call, and the same ring sum, as an `HcclAllReduce` of
+/// those bytes — and `then` gets the sum with the state locked again.
+pub(crate) fn all_reduce_then(
+    st: &mut State,
+    comm: u64,
+    what: &'static str,
+    (dtype, count): (HcclDataType, u64),
+    mine: Vec<u8>,
+    then: Then,
+) {
+    let call = Call {
+        kind: KIND_ALL_REDUCE,
+        dtype,
+        op: HCCL_REDUCE_SUM,
+        count,
+    };
+    st.blocking = Some(Box::new(move || {
+        let out = exchange(comm, what, call, &mine).map_err(|f| on_stream(what, f))?;
+        let write: TaskFn = Box::new(move |st: &mut State| then(st, out));
+        Ok(write)
+    }));
+}
+
 #[no_mangle]
 pub extern "C" fn HcclGetErrorString(code: HcclResult) -> *const core::ffi::c_char {
     static NAMES: LazyLock<Mutex<HashMap<HcclResult, std::ffi::CString>>> =
@@ -572,4 +653,5 @@ const _: () = {
     let _: sig::HcclAllGather = HcclAllGather;
     let _: sig::HcclCommDestroy = HcclCommDestroy;
     let _: sig::HcclGetErrorString = HcclGetErrorString;
+    let _: sig::HcclGetCommName = HcclGetCommName;
 };

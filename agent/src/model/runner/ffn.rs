@@ -10,12 +10,15 @@ use npu_model::FfnAct;
 use super::super::lora::{LoraSlots, Target};
 use super::super::weights::{Ffn, Proj};
 use super::super::{ModelConfig, ModelError};
+use super::tp::Tp;
 use super::Buffers;
 
 /// A layer's FFN of `xn` into `tmp`: dense, or the routed experts (their routing as the
 /// model's spec says) with the shared experts added. `fold`: the FFN norm (of `x` into `xn`)
 /// not made yet, and whether the down product may add itself into `x` (a dense FFN: then
-/// `Ok(true)`, and `tmp` is added already).
+/// `Ok(true)`, and `tmp` is added already). `tp`: this rank's group (then `fold` is off): `tmp`
+/// is all-reduced over it on return, the dense down product fused with the all-reduce where the
+/// group's collective does that (`Tp::matmul_all_reduce`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn ffn<B: Backend>(
     b: &mut B,
@@ -26,12 +29,14 @@ pub(super) fn ffn<B: Backend>(
     h: usize,
     lora: (&LoraSlots<B>, usize),
     fold: (Option<&B::Buffer>, bool),
+    tp: Option<&mut Tp<B>>,
 ) -> Result<bool, ModelError> {
     let norm = fold.0.map(|w| (w, cfg.rms_eps));
     let (gate_up, down, router, selection_bias, shared, held) = match ffn {
         Ffn::Dense { gate_up, down } => {
             let acts = (cfg.ffn_act, cfg.ff);
-            return dense_ffn(b, bufs, gate_up, down, acts, t, h, lora, (norm, fold.1));
+            let fold = (norm, fold.1 && tp.is_none());
+            return dense_ffn(b, bufs, gate_up, down, acts, t, h, lora, fold, tp);
         }
         Ffn::Moe {
             router,
@@ -112,6 +117,9 @@ pub(super) fn ffn<B: Backend>(
             View::rows(&bufs.shared, t, h)?,
         )?;
     }
+    if let Some(tp) = tp {
+        tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+    }
     Ok(false)
 }
 
@@ -139,7 +147,7 @@ pub(in crate::model) fn project<B: Backend>(
 /// The dense gated FFN of `xn` into `tmp`, with the step's LoRA adapters of layer `lora.1`;
 /// `norm`: `xn` is `x` normalised by these weights, not made yet (made here, with the gate/up
 /// product where the backend folds it); `residual`: the down product may add itself into `x`
-/// (`Ok(true)` where it did).
+/// (`Ok(true)` where it did); `tp`: `tmp` all-reduced over the group on return (see `ffn`).
 #[allow(clippy::too_many_arguments)]
 fn dense_ffn<B: Backend>(
     b: &mut B,
@@ -151,6 +159,7 @@ fn dense_ffn<B: Backend>(
     h: usize,
     (lora, li): (&LoraSlots<B>, usize),
     (norm, residual): (Option<(&B::Buffer, f32)>, bool),
+    tp: Option<&mut Tp<B>>,
 ) -> Result<bool, ModelError> {
     let mut gu = ViewMut::rows(&mut bufs.gate_up, t, 2 * ff)?;
     let gu_lora = lora.targets(li, Target::Gate) || lora.targets(li, Target::Up);
@@ -225,18 +234,27 @@ fn dense_ffn<B: Backend>(
         )?;
         return Ok(true);
     }
-    b.matmul(
-        View::rows(&bufs.h, t, ff)?,
-        down,
-        ViewMut::rows(&mut bufs.tmp, t, h)?,
-    )?;
-    lora.apply(
-        b,
-        li,
-        Target::Down,
+    let (hv, tmp) = (
         View::rows(&bufs.h, t, ff)?,
         ViewMut::rows(&mut bufs.tmp, t, h)?,
-    )?;
+    );
+    match tp {
+        // The down product and the group's all-reduce in one operator where it has one.
+        Some(tp) if !lora.targets(li, Target::Down) => tp.matmul_all_reduce(b, hv, down, tmp)?,
+        tp => {
+            b.matmul(hv, down, tmp)?;
+            lora.apply(
+                b,
+                li,
+                Target::Down,
+                View::rows(&bufs.h, t, ff)?,
+                ViewMut::rows(&mut bufs.tmp, t, h)?,
+            )?;
+            if let Some(tp) = tp {
+                tp.all_reduce(b, ViewMut::rows(&mut bufs.tmp, t, h)?)?;
+            }
+        }
+    }
     Ok(false)
 }
 

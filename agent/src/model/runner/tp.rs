@@ -1,6 +1,7 @@
 //! This rank's part of a tensor-parallel group: its shard and collectives, the greedy pick over
 //! vocabulary-split logits from each rank's (largest, index, exp-sum) triples without gathering
-//! the logits, and the all-reduces after the row-parallel projections.
+//! the logits, and the all-reduces after the row-parallel projections (with the projection in
+//! one operator where the collective fuses them).
 
 use npu_backend::{Backend, Collective, HostSliceMut, Readback, View, ViewMut};
 use npu_model::shard::RankShard;
@@ -180,6 +181,25 @@ impl<B: Backend> Tp<B> {
             out.logprobs.push(logprob);
         }
         out.picked_on_device = true;
+        Ok(())
+    }
+
+    /// `out = x . w`, then the all-reduce of `out`: one fused operator where the group's
+    /// collective has it for this case (`Collective::matmul_all_reduce_sum`: HCCL's
+    /// aclnnMatmulAllReduce), else the two calls. Counted as one collective; its time includes
+    /// the product's launch (and, fused, the product itself where the host waits).
+    pub(super) fn matmul_all_reduce(
+        &mut self,
+        b: &mut B,
+        x: View<'_, B::Buffer>,
+        w: &B::Matrix,
+        out: ViewMut<'_, B::Buffer>,
+    ) -> Result<(), ModelError> {
+        let t = std::time::Instant::now();
+        let r = self.comm.matmul_all_reduce_sum(b, x, w, out);
+        self.calls += 1;
+        self.spent += t.elapsed();
+        r?;
         Ok(())
     }
 

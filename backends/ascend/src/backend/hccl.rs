@@ -94,6 +94,26 @@ fn address(
         .map_err(super::err)
 }
 
+/// `HcclGetCommName` of a live communicator, or None (a library without the call, or a failed
+/// call: logged; the fused operators are then not used).
+fn comm_name(lib: &HcclLibrary, comm: HcclComm) -> Option<std::ffi::CString> {
+    let get = lib.api.HcclGetCommName?;
+    let mut name = [0 as core::ffi::c_char; hccl::HCCL_COMM_NAME_MAX_LENGTH];
+    // SAFETY: a live communicator and a buffer of the documented HCCL_COMM_NAME_MAX_LENGTH bytes.
+    let rc = unsafe { get(comm, name.as_mut_ptr()) };
+    if rc != hccl::HCCL_SUCCESS {
+        tracing::warn!(
+            "HcclGetCommName failed with {rc} ({}): matmul and all-reduce stay two calls",
+            hccl::result_name(rc)
+        );
+        return None;
+    }
+    // The buffer's last byte is kept NUL: the name ends within it.
+    name[hccl::HCCL_COMM_NAME_MAX_LENGTH - 1] = 0;
+    // SAFETY: NUL-terminated within the buffer (above).
+    Some(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_owned())
+}
+
 /// A communicator handle, destroyed once when dropped (or aborted).
 struct Comm {
     lib: &'static HcclLibrary,
@@ -131,6 +151,9 @@ pub struct HcclCollective<H: HostCollective> {
     /// The all-gather target of `gather_to_host`, grown on demand.
     gathered: Option<AscendBuffer>,
     emulated: bool,
+    /// The communicator's name (`HcclGetCommName`), the `group` of aclnnMatmulAllReduce; None
+    /// where the library has no such call (then `matmul_all_reduce_sum` runs the two calls).
+    group: Option<std::ffi::CString>,
 }
 
 // SAFETY: the communicator handle is used by one thread at a time (the collective is owned by
@@ -169,12 +192,14 @@ impl<H: HostCollective> HcclCollective<H> {
         if rc != hccl::HCCL_SUCCESS {
             return Err((failed(lib, b, "HcclCommInitRootInfo", rc), host));
         }
+        let group = comm_name(lib, comm);
         Ok(Self {
             lib,
             comm: Comm { lib, raw: comm },
             host,
             gathered: None,
             emulated: b.emulated,
+            group,
         })
     }
 
@@ -285,6 +310,33 @@ impl<H: HostCollective> Collective<AscendBackend> for HcclCollective<H> {
             return Err(failed(self.lib, b, "HcclAllReduce", rc));
         }
         Ok(())
+    }
+
+    /// One aclnnMatmulAllReduce where it takes the case (`mc2_ops`) and the group has 1, 2, 4
+    /// or 8 ranks (its page's counts on Atlas A2), else aclnnMatmul then HcclAllReduce.
+    fn matmul_all_reduce_sum(
+        &mut self,
+        b: &mut AscendBackend,
+        x: View<'_, AscendBuffer>,
+        w: &super::objects::AscendMatrix,
+        mut out: ViewMut<'_, AscendBuffer>,
+    ) -> Result<bool, BackendError> {
+        if self.comm.raw.is_null() {
+            return Err(npu_backend::collective::collective_error(
+                "the HCCL communicator was aborted",
+            ));
+        }
+        let fused = self.group.as_ref().filter(|_| {
+            matches!(self.host.size(), 1 | 2 | 4 | 8) && b.fuses_matmul_all_reduce(&x, w, &out)
+        });
+        if let Some(group) = fused {
+            b.op_matmul_all_reduce(x, w, out, group)?;
+            return Ok(true);
+        }
+        let cols = out.layout().cols();
+        b.matmul(x, w, out.col_range(0, cols)?)?;
+        self.all_reduce_sum(b, out)?;
+        Ok(false)
     }
 
     fn all_gather(

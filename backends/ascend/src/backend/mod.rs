@@ -26,6 +26,7 @@ mod kv_pool;
 mod latent_ops;
 mod layer_ops;
 mod lora_ops;
+mod mc2_ops;
 mod mla_ops;
 mod moe_ops;
 pub mod objects;

@@ -64,7 +64,7 @@ fn as_2d(v: &View) -> View {
     }
 }
 
-fn is_transposed_2d(v: &View) -> bool {
+pub(super) fn is_transposed_2d(v: &View) -> bool {
     v.rank() == 2 && v.strides[0] == 1 && (v.strides[1] == v.dims[0] || v.dims[1] == 1)
 }
 
@@ -79,24 +79,37 @@ impl Kernel for Matmul {
     kernel_common!("aclnnMatmul");
     fn run(&self, st: &mut State) -> Result<(), Fail> {
         let (a, b) = (&self.io.ins[0], &self.io.ins[1]);
-        let (m, k, n) = (a.dims[0] as usize, a.dims[1] as usize, b.dims[1] as usize);
+        let (m, k) = (a.dims[0] as usize, a.dims[1] as usize);
         let x = read_f32(st, a)?;
-        let key = derived_key(st, &[b], &[]);
-        let w = derived(st, key, |st| {
-            let w = Mat2::new(st, b)?;
-            let mut cols = vec![0f32; n * k];
-            par_chunks(&mut cols, k, n * k, |j0, part| {
-                for (dj, col) in part.chunks_mut(k).enumerate() {
-                    for (kk, c) in col.iter_mut().enumerate() {
-                        *c = w.get(kk as i64, (j0 + dj) as i64);
-                    }
-                }
-            });
-            Ok(cols)
-        })?;
-        let out = products(&x, &w, m, k, n, None);
+        let out = product_by(st, &x, b, m, k)?;
         write(st, &self.io.outs[0], &out)
     }
+}
+
+/// `x (m, k, row-major) @ b` for a 2-D view `b` (k, n) of any strides, as (m, n) row-major with
+/// f32 sums (Matmul's arithmetic; MatmulAllReduce's product); `b`'s columns are cached.
+pub(super) fn product_by(
+    st: &mut State,
+    x: &[f32],
+    b: &View,
+    m: usize,
+    k: usize,
+) -> Result<Vec<f64>, Fail> {
+    let n = b.dims[1] as usize;
+    let key = derived_key(st, &[b], &[]);
+    let w = derived(st, key, |st| {
+        let w = Mat2::new(st, b)?;
+        let mut cols = vec![0f32; n * k];
+        par_chunks(&mut cols, k, n * k, |j0, part| {
+            for (dj, col) in part.chunks_mut(k).enumerate() {
+                for (kk, c) in col.iter_mut().enumerate() {
+                    *c = w.get(kk as i64, (j0 + dj) as i64);
+                }
+            }
+        });
+        Ok(cols)
+    })?;
+    Ok(products(x, &w, m, k, n, None))
 }
 
 /// `x (m, k) @ cols (n rows of k)ᵀ (+ bias)` as (m, n) row-major, f32 sums.

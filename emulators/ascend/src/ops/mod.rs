@@ -18,6 +18,7 @@ mod grouped_matmul;
 mod init_routing;
 mod kv_cache;
 mod matmul;
+mod mc2;
 mod mla;
 mod moe;
 mod reduce;
@@ -48,6 +49,11 @@ pub trait Kernel: Send {
     }
     fn run(&self, st: &mut State) -> Result<(), Fail>;
     fn clone_box(&self) -> Box<dyn Kernel>;
+    /// The HCCL communicator of an operator fused with a collective (its launch takes its place
+    /// in the communicator's order, as an `HcclAllReduce` would); None for the others.
+    fn communicator(&self) -> Option<u64> {
+        None
+    }
 }
 
 pub fn invalid<T>(op: &str, msg: impl std::fmt::Display) -> Result<T, Fail> {
@@ -275,6 +281,41 @@ pub fn launch(
             code: ACLNN_ERR_RUNTIME_ERROR,
             msg: format!("{op}: {}", f.msg),
         })?;
+        // A collective's place among its communicator's collectives (the progress thread runs
+        // this stream up to it when a peer waits), checked as HcclAllReduce checks its stream.
+        let ticket = match st.executors[&h].kernel.communicator() {
+            None => None,
+            Some(comm) => {
+                if st.captures.contains_key(&sid) {
+                    return invalid(
+                        op,
+                        "the stream is capturing: the emulation does not capture collectives",
+                    );
+                }
+                let dev = st.streams[&sid].device;
+                match crate::hccl::device_of(comm) {
+                    None => {
+                        return invalid(
+                            op,
+                            format!("the communicator {comm:#x} of its group was destroyed"),
+                        )
+                    }
+                    Some(d) if d != dev => {
+                        return invalid(
+                            op,
+                            format!(
+                                "the stream is on device {dev}, the group's rank on device {d}"
+                            ),
+                        )
+                    }
+                    Some(_) => {}
+                }
+                st.next_ticket += 1;
+                let t = st.next_ticket;
+                st.hccl_queued.entry(comm).or_default().push_back((sid, t));
+                Some((comm, t))
+            }
+        };
         let e = st.executors.get_mut(&h).expect("checked");
         e.state = ExecState::Consumed;
         let kernel = e.kernel.clone_box();
@@ -288,7 +329,15 @@ pub fn launch(
             writes,
             Box::new(move || {
                 let k = kernel.clone_box();
-                Box::new(move |st| k.run(st))
+                Box::new(move |st| {
+                    if let Some((comm, t)) = ticket {
+                        // Running now: no longer queued.
+                        if let Some(q) = st.hccl_queued.get_mut(&comm) {
+                            q.retain(|&(_, x)| x != t);
+                        }
+                    }
+                    k.run(st)
+                })
             }),
         );
         Ok(())
@@ -337,6 +386,7 @@ launchers!(
     aclnnMoeGatingTopK,
     aclnnFusedInferAttentionScoreV3,
     aclnnAddRmsNorm,
+    aclnnMatmulAllReduce,
 );
 
 /// Second-phase calls queued so far, by operator (emulation-only, for tests).
