@@ -516,10 +516,12 @@ fn hccl_collectives_conform_over_the_ascend_backend() {
     );
     let launches = || emulated_launches(c"aclnnMatmulAllReduce");
     let before = launches();
+    let wq_before = emulated_launches(c"aclnnWeightQuantMatmulAllReduce");
     check_collectives((a, b), &hccl, conformance::reference(), &file, &mut report);
-    // The default model's products are quantized (Q4_1: WeightQuantBatchMatmulV2), which stay
-    // two calls: only the two product checks ran fused.
-    let quantized = launches() - before;
+    // The default model's products are quantized (Q4_1: WeightQuantBatchMatmulV2's form):
+    // aclnnWeightQuantMatmulAllReduce in the model step.
+    let matmul = launches() - before;
+    let quantized = emulated_launches(c"aclnnWeightQuantMatmulAllReduce") - wq_before;
     // A synthetic Qwen3 of f16 weights: its attention output and FFN down products run as
     // aclnnMatmulAllReduce on both ranks, in every layer.
     let donor = model();
@@ -556,9 +558,15 @@ fn hccl_collectives_conform_over_the_ascend_backend() {
             .count();
         assert_eq!(fused, 2, "{}", report.render());
     }
+    let q4_layers = npu_model::ModelConfig::from_gguf(&file).unwrap().n_layers as u64;
     assert_eq!(
-        quantized, 2,
-        "aclnnMatmulAllReduce launches with Q4_1 weights"
+        matmul, 2,
+        "aclnnMatmulAllReduce launches with Q4_1 weights: the product checks"
+    );
+    assert_eq!(
+        quantized,
+        2 * 2 * q4_layers,
+        "aclnnWeightQuantMatmulAllReduce launches with Q4_1 weights: 2 per layer on each of 2 ranks"
     );
     let layers = npu_model::ModelConfig::from_gguf(&qwen3).unwrap().n_layers as u64;
     assert_eq!(

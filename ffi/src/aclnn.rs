@@ -37,7 +37,9 @@
 //! keyRopeOptional and keyRopeAntiquantScaleOptional; with the rope inputs, its MLA form).
 //! Optional, for tensor parallelism: MatmulAllReduce (`aclnn_matmul_all_reduce.h`: `output =
 //! AllReduce(x1 @ x2 + bias)` over the HCCL communicator named `group` (`HcclGetCommName`),
-//! reduceOp "sum", commTurn 0, streamMode 1; Atlas A2, not A3).
+//! reduceOp "sum", commTurn 0, streamMode 1; Atlas A2, not A3) and WeightQuantMatmulAllReduce
+//! (`aclnn_weight_quant_matmul_all_reduce.h`: WeightQuantBatchMatmulV2's antiquant product, plus
+//! an optional `x3` added before the all-reduce, with the same group arguments).
 
 use core::ffi::{c_char, c_int, c_void};
 
@@ -140,6 +142,8 @@ pub mod ops {
                 fn aclnnFusedInferAttentionScoreV3(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
                 fn aclnnMatmulAllReduceGetWorkspaceSize(x1: *const aclTensor, x2: *const aclTensor, bias: *const aclTensor, group: *const c_char, reduceOp: *const c_char, commTurn: i64, streamMode: i64, output: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
                 fn aclnnMatmulAllReduce(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+                fn aclnnWeightQuantMatmulAllReduceGetWorkspaceSize(x1: *const aclTensor, x2: *const aclTensor, bias: *const aclTensor, antiquantScale: *const aclTensor, antiquantOffset: *const aclTensor, x3: *const aclTensor, group: *const c_char, reduceOp: *const c_char, commTurn: i64, streamMode: i64, antiquantGroupSize: i64, output: *const aclTensor, workspaceSize: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+                fn aclnnWeightQuantMatmulAllReduce(workspace: *mut c_void, workspaceSize: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
             }
         }
     }

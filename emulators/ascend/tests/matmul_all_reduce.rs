@@ -4,6 +4,8 @@
 //! - `fused_gives_the_bits_of_matmul_then_hccl_all_reduce`: two ranks, f16 and bf16, a weight
 //!   as the backend passes it (the transpose of its (n, k) storage): the fused output equals
 //!   aclnnMatmul then HcclAllReduce bit for bit, on both ranks, and the launches are counted;
+//! - `quantized_fused_gives_the_bits_of_wqbmm_then_hccl_all_reduce`: WeightQuantMatmulAllReduce
+//!   with INT8 weights and per-group scales against WeightQuantBatchMatmulV2 then HcclAllReduce;
 //! - `what_the_page_forbids_is_refused`: a group that is no live communicator's name, f32,
 //!   a 1-D x1, reduceOp "max", commTurn 1, streamMode 0, a bias — each refused with a message
 //!   naming it, while the same call with the documented arguments is accepted.
@@ -13,7 +15,10 @@ use std::sync::Once;
 
 use ascendcl::hccl::*;
 use ascendcl::objects::*;
-use ascendcl::ops::{aclnnMatmul, aclnnMatmulAllReduce, ascendEmulatorLaunchCount};
+use ascendcl::ops::{
+    aclnnMatmul, aclnnMatmulAllReduce, aclnnWeightQuantBatchMatmulV2,
+    aclnnWeightQuantMatmulAllReduce, ascendEmulatorLaunchCount,
+};
 use ascendcl::rt::*;
 use half::{bf16, f16};
 use npu_ffi::hccl::*;
@@ -26,6 +31,35 @@ extern "C" {
         mat2: *const aclTensor,
         out: *mut aclTensor,
         cubeMathType: i8,
+        workspaceSize: *mut u64,
+        executor: *mut *mut aclOpExecutor,
+    ) -> aclnnStatus;
+    fn aclnnWeightQuantBatchMatmulV2GetWorkspaceSize(
+        x: *const aclTensor,
+        weight: *const aclTensor,
+        antiquantScale: *const aclTensor,
+        antiquantOffsetOptional: *const aclTensor,
+        quantScaleOptional: *const aclTensor,
+        quantOffsetOptional: *const aclTensor,
+        biasOptional: *const aclTensor,
+        antiquantGroupSize: core::ffi::c_int,
+        y: *const aclTensor,
+        workspaceSize: *mut u64,
+        executor: *mut *mut aclOpExecutor,
+    ) -> aclnnStatus;
+    fn aclnnWeightQuantMatmulAllReduceGetWorkspaceSize(
+        x1: *const aclTensor,
+        x2: *const aclTensor,
+        bias: *const aclTensor,
+        antiquantScale: *const aclTensor,
+        antiquantOffset: *const aclTensor,
+        x3: *const aclTensor,
+        group: *const c_char,
+        reduceOp: *const c_char,
+        commTurn: i64,
+        streamMode: i64,
+        antiquantGroupSize: i64,
+        output: *const aclTensor,
         workspaceSize: *mut u64,
         executor: *mut *mut aclOpExecutor,
     ) -> aclnnStatus;
@@ -440,4 +474,102 @@ fn what_the_page_forbids_is_refused() {
             assert_eq!(aclrtFree(p), 0);
         }
     });
+}
+
+#[test]
+fn quantized_fused_gives_the_bits_of_wqbmm_then_hccl_all_reduce() {
+    const KQ: usize = 64;
+    const G: usize = 32;
+    let h = ACL_FLOAT16;
+    let outs = ranks(&[5, 6], |r, stream, comm| {
+        let xv: Vec<f32> = (0..M * KQ)
+            .map(|i| ((i * 37 + r as usize * 101) % 53) as f32 * 0.25 - 6.0)
+            .collect();
+        // INT8 weights stored (n, k), seen (k, n) transposed; scales (k/G, n) contiguous.
+        let wq: Vec<u8> = (0..N * KQ)
+            .map(|i| (((i * 29 + r as usize * 7) % 255) as i32 - 127) as i8 as u8)
+            .collect();
+        let sv: Vec<f32> = (0..KQ / G * N)
+            .map(|i| 0.001 + (i % 7) as f32 * 0.0005)
+            .collect();
+        let (x, w, s) = (malloc(M * KQ * 2), malloc(N * KQ), malloc(KQ / G * N * 2));
+        let (fused, two) = (malloc(M * N * 2), malloc(M * N * 2));
+        upload(x, &bytes_of(h, &xv));
+        upload(w, &wq);
+        upload(s, &bytes_of(h, &sv));
+        let (m, k, n, g) = (M as i64, KQ as i64, N as i64, (KQ / G) as i64);
+        let tx = tensor(x, h, &[m, k], &[k, 1], m * k);
+        let tw = tensor(w, ACL_INT8, &[k, n], &[1, k], n * k);
+        let ts = tensor(s, h, &[g, n], &[n, 1], g * n);
+        let tf = tensor(fused, h, &[m, n], &[n, 1], m * n);
+        let tt = tensor(two, h, &[m, n], &[n, 1], m * n);
+        let group = comm_name(comm);
+        let null = std::ptr::null();
+        let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+        // SAFETY: live tensors, null optionals, NUL-terminated strings, valid out-pointers.
+        let rc = unsafe {
+            aclnnWeightQuantMatmulAllReduceGetWorkspaceSize(
+                tx,
+                tw,
+                null,
+                ts,
+                null,
+                null,
+                group.as_ptr(),
+                c"sum".as_ptr(),
+                0,
+                1,
+                G as i64,
+                tf,
+                &mut ws,
+                &mut exec,
+            )
+        };
+        assert_eq!(rc, 0, "{}", last_error());
+        assert_eq!(
+            aclnnWeightQuantMatmulAllReduce(std::ptr::null_mut(), 0, exec, stream),
+            0,
+            "{}",
+            last_error()
+        );
+        // The two calls: WeightQuantBatchMatmulV2, then HcclAllReduce in place.
+        // SAFETY: live tensors, null optionals and valid out-pointers.
+        let rc = unsafe {
+            aclnnWeightQuantBatchMatmulV2GetWorkspaceSize(
+                tx, tw, ts, null, null, null, null, G as i32, tt, &mut ws, &mut exec,
+            )
+        };
+        assert_eq!(rc, 0, "{}", last_error());
+        assert_eq!(
+            aclnnWeightQuantBatchMatmulV2(std::ptr::null_mut(), 0, exec, stream),
+            0
+        );
+        let rc = HcclAllReduce(
+            two,
+            two,
+            (M * N) as u64,
+            HCCL_DATA_TYPE_FP16,
+            HCCL_REDUCE_SUM,
+            comm,
+            stream,
+        );
+        assert_eq!(rc, HCCL_SUCCESS, "{}", last_error());
+        assert_eq!(aclrtSynchronizeStream(stream), 0, "{}", last_error());
+        let got = (download(fused, M * N * 2), download(two, M * N * 2));
+        for t in [tx, tw, ts, tf, tt] {
+            aclDestroyTensor(t);
+        }
+        for p in [x, w, s, fused, two] {
+            assert_eq!(aclrtFree(p), 0);
+        }
+        got
+    });
+    for (r, (fused, two)) in outs.iter().enumerate() {
+        assert!(
+            fused == two,
+            "rank {r}: the fused output differs from WeightQuantBatchMatmulV2 + HcclAllReduce"
+        );
+        assert!(fused.iter().any(|&b| b != 0), "rank {r}: all zeros");
+    }
+    assert_eq!(outs[0].0, outs[1].0, "the ranks differ");
 }

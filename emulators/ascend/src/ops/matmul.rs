@@ -203,8 +203,8 @@ pub unsafe extern "C" fn aclnnMatmulGetWorkspaceSize(
 const WQBMM_MAX_DIM: i64 = 65535;
 
 #[derive(Clone)]
-struct Wqbmm {
-    io: Io,
+pub(super) struct Wqbmm {
+    pub(super) io: Io,
     group: i64,
     has_offset: bool,
     has_bias: bool,
@@ -213,6 +213,15 @@ struct Wqbmm {
 impl Kernel for Wqbmm {
     kernel_common!("aclnnWeightQuantBatchMatmulV2");
     fn run(&self, st: &mut State) -> Result<(), Fail> {
+        let out = self.product(st)?;
+        write(st, &self.io.outs[0], &out)
+    }
+}
+
+impl Wqbmm {
+    /// `x @ ((weight + offset) * scale) (+ bias)` as (m, n) row-major, f32 sums (the
+    /// dequantized weight in x's 16-bit type); WeightQuantMatmulAllReduce's product too.
+    pub(super) fn product(&self, st: &mut State) -> Result<Vec<f64>, Fail> {
         let (xv, wv) = (&self.io.ins[0], &self.io.ins[1]);
         let (m, k, n) = (xv.dims[0], xv.dims[1], wv.dims[1]);
         let x = read_f32(st, xv)?;
@@ -257,15 +266,14 @@ impl Kernel for Wqbmm {
             });
             Ok(cols)
         })?;
-        let out = products(
+        Ok(products(
             &x,
             &cols,
             m as usize,
             k as usize,
             n as usize,
             bias.as_deref(),
-        );
-        write(st, &self.io.outs[0], &out)
+        ))
     }
 }
 
@@ -300,127 +308,160 @@ pub unsafe extern "C" fn aclnnWeightQuantBatchMatmulV2GetWorkspaceSize(
             if !quantScaleOptional.is_null() || !quantOffsetOptional.is_null() {
                 return invalid(op, "output quantization (quantScaleOptional/quantOffsetOptional) is not implemented by this emulation");
             }
-            dtype_in(op, "x", &xv, &[DType::F16, DType::Bf16])?;
-            dtype_in(op, "weight", &wv, &[DType::I8, DType::I4])?;
-            for (w, v) in [
-                ("x", &xv),
-                ("weight", &wv),
-                ("antiquantScale", &sv),
-                ("y", &yv),
-            ] {
-                nd(op, w, v)?;
-            }
-            if xv.rank() != 2 || wv.rank() != 2 || yv.rank() != 2 {
-                return invalid(
-                    op,
-                    format!(
-                        "x {:?}, weight {:?} and y {:?} must be 2-D",
-                        xv.dims, wv.dims, yv.dims
-                    ),
-                );
-            }
-            let (m, k, n) = (xv.dims[0], xv.dims[1], wv.dims[1]);
-            if wv.dims[0] != k || yv.dims != [m, n] {
-                return invalid(
-                    op,
-                    format!(
-                        "shapes x {:?}, weight {:?} (k, n), y {:?} do not agree",
-                        xv.dims, wv.dims, yv.dims
-                    ),
-                );
-            }
-            if !(1..=WQBMM_MAX_DIM).contains(&k) || !(1..=WQBMM_MAX_DIM).contains(&n) {
-                return invalid(
-                    op,
-                    format!("k {k} and n {n} must each be in [1, {WQBMM_MAX_DIM}]"),
-                );
-            }
-            if !xv.is_contiguous() && !is_transposed_2d(&xv) {
-                return invalid(op, "x must be contiguous or a transposed view");
-            }
-            if !wv.is_contiguous() && !is_transposed_2d(&wv) {
-                return invalid(op, format!("weight strides {:?} are neither contiguous nor transposed (the only non-contiguous case supported)", wv.strides));
-            }
-            let mut layouts = vec![("antiquantScale", &sv), ("y", &yv)];
-            layouts.extend(ov.as_ref().map(|o| ("antiquantOffsetOptional", o)));
-            super::contiguity::check(op, &layouts)?;
-            if wv.dtype == DType::I4 {
-                let inner = if wv.is_contiguous() { n } else { k };
-                if inner % 2 != 0 {
-                    return invalid(
-                        op,
-                        format!("INT4 weight needs an even inner axis, got {inner}"),
-                    );
-                }
-            }
-            if sv.dtype != xv.dtype || yv.dtype != xv.dtype {
-                return invalid(
-                    op,
-                    format!(
-                        "antiquantScale ({}) and y ({}) must have x's data type ({})",
-                        sv.dtype.name(),
-                        yv.dtype.name(),
-                        xv.dtype.name()
-                    ),
-                );
-            }
             let group = antiquantGroupSize as i64;
-            let s2 = as_2d(&sv);
-            let per_tensor = sv.numel() == 1 && sv.rank() <= 2;
-            let per_channel = s2.dims == [1, n];
-            if group == 0 {
-                if !per_tensor && !per_channel {
-                    return invalid(op, format!("antiquantScale shape {:?} must be (1,), (1, 1), (n,) or (1, n) without groups", sv.dims));
-                }
-            } else {
-                if group < 32 || group >= k || group % 32 != 0 {
-                    return invalid(op, format!("antiquantGroupSize {group} must be a multiple of 32 in [32, k-1] (k = {k})"));
-                }
-                let want = [(k + group - 1) / group, n];
-                if sv.dims != want {
-                    return invalid(op, format!("per-group antiquantScale shape {:?} must be (ceil(k/group), n) = {want:?}", sv.dims));
-                }
-            }
-            if let Some(o) = &ov {
-                if o.dims != sv.dims || o.dtype != sv.dtype {
-                    return invalid(
-                        op,
-                        "antiquantOffsetOptional must have antiquantScale's shape and data type",
-                    );
-                }
-            }
-            if let Some(b) = &bv {
-                let want = if xv.dtype == DType::F16 {
-                    DType::F16
-                } else {
-                    DType::F32
-                };
-                if b.dtype != want || !(b.dims == [n] || b.dims == [1, n]) {
-                    return invalid(
-                        op,
-                        format!(
-                            "biasOptional must be {} of shape (n,) or (1, n)",
-                            want.name()
-                        ),
-                    );
-                }
-            }
-            let mut ins = vec![xv, wv, sv];
-            let has_offset = ov.is_some();
-            ins.extend(ov);
-            let has_bias = bv.is_some();
-            ins.extend(bv);
-            Ok(Box::new(Wqbmm {
-                io: Io {
-                    ins,
-                    outs: vec![yv],
-                },
-                group: group.max(1),
-                has_offset,
-                has_bias,
-            }))
+            Ok(Box::new(checked_wqbmm(op, xv, wv, sv, ov, bv, yv, group)?))
         },
     )
+}
+
+/// WeightQuantBatchMatmulV2's checks of its tensors (as its page states them) and its kernel;
+/// WeightQuantMatmulAllReduce's product takes the same (its x1 and output seen as 2-D).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn checked_wqbmm(
+    op: &str,
+    xv: View,
+    wv: View,
+    sv: View,
+    ov: Option<View>,
+    bv: Option<View>,
+    yv: View,
+    group: i64,
+) -> Result<Wqbmm, Fail> {
+    dtype_in(op, "x", &xv, &[DType::F16, DType::Bf16])?;
+    dtype_in(op, "weight", &wv, &[DType::I8, DType::I4])?;
+    for (w, v) in [
+        ("x", &xv),
+        ("weight", &wv),
+        ("antiquantScale", &sv),
+        ("y", &yv),
+    ] {
+        nd(op, w, v)?;
+    }
+    if xv.rank() != 2 || wv.rank() != 2 || yv.rank() != 2 {
+        return invalid(
+            op,
+            format!(
+                "x {:?}, weight {:?} and y {:?} must be 2-D",
+                xv.dims, wv.dims, yv.dims
+            ),
+        );
+    }
+    let (m, k, n) = (xv.dims[0], xv.dims[1], wv.dims[1]);
+    if wv.dims[0] != k || yv.dims != [m, n] {
+        return invalid(
+            op,
+            format!(
+                "shapes x {:?}, weight {:?} (k, n), y {:?} do not agree",
+                xv.dims, wv.dims, yv.dims
+            ),
+        );
+    }
+    if !(1..=WQBMM_MAX_DIM).contains(&k) || !(1..=WQBMM_MAX_DIM).contains(&n) {
+        return invalid(
+            op,
+            format!("k {k} and n {n} must each be in [1, {WQBMM_MAX_DIM}]"),
+        );
+    }
+    if !xv.is_contiguous() && !is_transposed_2d(&xv) {
+        return invalid(op, "x must be contiguous or a transposed view");
+    }
+    if !wv.is_contiguous() && !is_transposed_2d(&wv) {
+        return invalid(op, format!("weight strides {:?} are neither contiguous nor transposed (the only non-contiguous case supported)", wv.strides));
+    }
+    let mut layouts = vec![("antiquantScale", &sv), ("y", &yv)];
+    layouts.extend(ov.as_ref().map(|o| ("antiquantOffsetOptional", o)));
+    super::contiguity::check(op, &layouts)?;
+    if wv.dtype == DType::I4 {
+        let inner = if wv.is_contiguous() { n } else { k };
+        if inner % 2 != 0 {
+            return invalid(
+                op,
+                format!("INT4 weight needs an even inner axis, got {inner}"),
+            );
+        }
+    }
+    if sv.dtype != xv.dtype || yv.dtype != xv.dtype {
+        return invalid(
+            op,
+            format!(
+                "antiquantScale ({}) and y ({}) must have x's data type ({})",
+                sv.dtype.name(),
+                yv.dtype.name(),
+                xv.dtype.name()
+            ),
+        );
+    }
+    let s2 = as_2d(&sv);
+    let per_tensor = sv.numel() == 1 && sv.rank() <= 2;
+    let per_channel = s2.dims == [1, n];
+    if group == 0 {
+        if !per_tensor && !per_channel {
+            return invalid(
+                op,
+                format!(
+                    "antiquantScale shape {:?} must be (1,), (1, 1), (n,) or (1, n) without groups",
+                    sv.dims
+                ),
+            );
+        }
+    } else {
+        if group < 32 || group >= k || group % 32 != 0 {
+            return invalid(
+                op,
+                format!(
+                    "antiquantGroupSize {group} must be a multiple of 32 in [32, k-1] (k = {k})"
+                ),
+            );
+        }
+        let want = [(k + group - 1) / group, n];
+        if sv.dims != want {
+            return invalid(
+                op,
+                format!(
+                    "per-group antiquantScale shape {:?} must be (ceil(k/group), n) = {want:?}",
+                    sv.dims
+                ),
+            );
+        }
+    }
+    if let Some(o) = &ov {
+        if o.dims != sv.dims || o.dtype != sv.dtype {
+            return invalid(
+                op,
+                "antiquantOffsetOptional must have antiquantScale's shape and data type",
+            );
+        }
+    }
+    if let Some(b) = &bv {
+        let want = if xv.dtype == DType::F16 {
+            DType::F16
+        } else {
+            DType::F32
+        };
+        if b.dtype != want || !(b.dims == [n] || b.dims == [1, n]) {
+            return invalid(
+                op,
+                format!(
+                    "biasOptional must be {} of shape (n,) or (1, n)",
+                    want.name()
+                ),
+            );
+        }
+    }
+    let mut ins = vec![xv, wv, sv];
+    let has_offset = ov.is_some();
+    ins.extend(ov);
+    let has_bias = bv.is_some();
+    ins.extend(bv);
+    Ok(Wqbmm {
+        io: Io {
+            ins,
+            outs: vec![yv],
+        },
+        group: group.max(1),
+        has_offset,
+        has_bias,
+    })
 }
 
 const _: () = {

@@ -387,6 +387,7 @@ launchers!(
     aclnnFusedInferAttentionScoreV3,
     aclnnAddRmsNorm,
     aclnnMatmulAllReduce,
+    aclnnWeightQuantMatmulAllReduce,
 );
 
 /// Second-phase calls queued so far, by operator (emulation-only, for tests).
