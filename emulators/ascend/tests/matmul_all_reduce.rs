@@ -6,6 +6,8 @@
 //!   aclnnMatmul then HcclAllReduce bit for bit, on both ranks, and the launches are counted;
 //! - `quantized_fused_gives_the_bits_of_wqbmm_then_hccl_all_reduce`: WeightQuantMatmulAllReduce
 //!   with INT8 weights and per-group scales against WeightQuantBatchMatmulV2 then HcclAllReduce;
+//! - `the_quantized_form_refuses_what_its_page_forbids`: a foreign group, an x3, a group size
+//!   not a multiple of 32, f32 activations;
 //! - `what_the_page_forbids_is_refused`: a group that is no live communicator's name, f32,
 //!   a 1-D x1, reduceOp "max", commTurn 1, streamMode 0, a bias — each refused with a message
 //!   naming it, while the same call with the documented arguments is accepted.
@@ -572,4 +574,90 @@ fn quantized_fused_gives_the_bits_of_wqbmm_then_hccl_all_reduce() {
         assert!(fused.iter().any(|&b| b != 0), "rank {r}: all zeros");
     }
     assert_eq!(outs[0].0, outs[1].0, "the ranks differ");
+}
+
+/// WeightQuantMatmulAllReduce refuses, naming itself and the argument: a group that is no live
+/// communicator's name, an x3 (not emulated), a group size that is not a multiple of 32, and
+/// f32 activations; the documented arguments are accepted.
+#[test]
+fn the_quantized_form_refuses_what_its_page_forbids() {
+    const KQ: usize = 64;
+    ranks(&[7], |_, stream, comm| {
+        let h = ACL_FLOAT16;
+        let (m, k, n, g) = (M as i64, KQ as i64, N as i64, 2i64);
+        let (x, w, s, out) = (
+            malloc(M * KQ * 4),
+            malloc(N * KQ),
+            malloc(2 * N * 2),
+            malloc(M * N * 4),
+        );
+        upload(x, &bytes_of(h, &vec![0.5; M * KQ]));
+        upload(w, &[3u8; N * KQ]);
+        upload(s, &bytes_of(h, &[0.25; 2 * N]));
+        let tx = tensor(x, h, &[m, k], &[k, 1], m * k);
+        let fx = tensor(x, ACL_FLOAT, &[m, k], &[k, 1], m * k);
+        let tw = tensor(w, ACL_INT8, &[k, n], &[1, k], n * k);
+        let ts = tensor(s, h, &[g, n], &[n, 1], g * n);
+        let to = tensor(out, h, &[m, n], &[n, 1], m * n);
+        let group = comm_name(comm);
+        let null = std::ptr::null();
+        let call = |x1, x3, grp: &CStr, gs: i64| {
+            let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+            // SAFETY: live tensors (or null), NUL-terminated strings, valid out-pointers.
+            let rc = unsafe {
+                aclnnWeightQuantMatmulAllReduceGetWorkspaceSize(
+                    x1,
+                    tw,
+                    null,
+                    ts,
+                    null,
+                    x3,
+                    grp.as_ptr(),
+                    c"sum".as_ptr(),
+                    0,
+                    1,
+                    gs,
+                    to,
+                    &mut ws,
+                    &mut exec,
+                )
+            };
+            (rc, last_error(), exec)
+        };
+        for (what, (rc, msg, _), says) in [
+            (
+                "a foreign group",
+                call(tx, null, c"not-a-communicator", 32),
+                "not the HcclGetCommName",
+            ),
+            ("an x3", call(tx, to, &group, 32), "x3"),
+            (
+                "group size 48",
+                call(tx, null, &group, 48),
+                "multiple of 32",
+            ),
+            ("f32 x1", call(fx, null, &group, 32), "data type"),
+        ] {
+            assert_eq!(rc, ACLNN_ERR_PARAM_INVALID, "{what}: {msg}");
+            assert!(
+                msg.contains("aclnnWeightQuantMatmulAllReduce") && msg.contains(says),
+                "{what}: {msg}"
+            );
+        }
+        let (rc, msg, exec) = call(tx, null, &group, 32);
+        assert_eq!(rc, 0, "the documented arguments: {msg}");
+        assert_eq!(
+            aclnnWeightQuantMatmulAllReduce(std::ptr::null_mut(), 0, exec, stream),
+            0,
+            "{}",
+            last_error()
+        );
+        assert_eq!(aclrtSynchronizeStream(stream), 0, "{}", last_error());
+        for t in [tx, fx, tw, ts, to] {
+            aclDestroyTensor(t);
+        }
+        for p in [x, w, s, out] {
+            assert_eq!(aclrtFree(p), 0);
+        }
+    });
 }
