@@ -58,6 +58,9 @@ crate::api_table! {
             fn aclmdlRICaptureEnd(stream: aclrtStream, modelRI: *mut aclmdlRI) -> aclError;
             fn aclmdlRIExecuteAsync(modelRI: aclmdlRI, stream: aclrtStream) -> aclError;
             fn aclmdlRIDestroy(modelRI: aclmdlRI) -> aclError;
+            // The SoC's name ("aclrtGetSocName": e.g. "Ascend910B3" on an Atlas A2,
+            // "Ascend910_9391" on an Atlas A3); null when it cannot be read.
+            fn aclrtGetSocName() -> *const c_char;
         }
     }
 }

@@ -19,6 +19,9 @@ pub struct Acl {
     pub api: AscendApi,
     pub version: CannVersion,
     pub log_calls: bool,
+    /// The SoC's name (`aclrtGetSocName`, read once after `aclInit`); None when the release
+    /// lacks the call or it answered null.
+    pub soc_name: Option<String>,
 }
 
 /// Why the runtime could not start: (a library or symbol was missing, the message).
@@ -77,6 +80,7 @@ impl Acl {
             api,
             version: MINIMUM_PLACEHOLDER,
             log_calls,
+            soc_name: None,
         };
         // The operator package variables set_env.sh exports, where only the root was given.
         let env = npu_ffi::complete_environment(acl.api.root.as_deref())?;
@@ -95,7 +99,33 @@ impl Acl {
         let version = acl.read_version()?;
         info!(target: "npu_serving::acl", "CANN {version} loaded from {:?}", acl.api.library_paths);
         version.check_supported()?;
-        Ok(Acl { version, ..acl })
+        let soc_name = acl.read_soc_name();
+        info!(target: "npu_serving::acl", "SoC: {}", soc_name.as_deref().unwrap_or("unknown (no aclrtGetSocName)"));
+        Ok(Acl {
+            version,
+            soc_name,
+            ..acl
+        })
+    }
+
+    /// `aclrtGetSocName()`, copied out (the string belongs to ACL).
+    fn read_soc_name(&self) -> Option<String> {
+        let get = self.api.rt.aclrtGetSocName?;
+        // SAFETY: no arguments; ACL is initialised.
+        let p = unsafe { get() };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: non-null, and ACL documents a NUL-terminated string that lives as long as
+        // the process; it is copied at once.
+        let name = unsafe { std::ffi::CStr::from_ptr(p) };
+        Some(name.to_string_lossy().into_owned())
+    }
+
+    /// Whether the SoC is an Atlas A3 (its names begin `Ascend910_93`), where the pages of
+    /// aclnnMatmulAllReduce and aclnnWeightQuantMatmulAllReduce say they are not supported.
+    pub fn is_atlas_a3(&self) -> bool {
+        self.soc_name.as_deref().is_some_and(is_atlas_a3_soc)
     }
 
     /// The installed version: `aclsysGetVersionStr("runtime")` (CANN 8.5+), else the deprecated
@@ -192,3 +222,36 @@ impl Acl {
 
 /// Placeholder until the version is read (never escapes `start`).
 const MINIMUM_PLACEHOLDER: CannVersion = version::MINIMUM;
+
+/// Whether an `aclrtGetSocName` answer is an Atlas A3 chip ("Ascend910_93…"; the A2 series is
+/// "Ascend910B…", the 310P "Ascend310P…").
+pub fn is_atlas_a3_soc(name: &str) -> bool {
+    name.starts_with("Ascend910_93")
+}
+
+#[cfg(test)]
+mod soc_tests {
+    use super::is_atlas_a3_soc;
+
+    #[test]
+    fn atlas_a3_names_are_told_from_a2_ones() {
+        for a3 in [
+            "Ascend910_9391",
+            "Ascend910_9392",
+            "Ascend910_9381",
+            "Ascend910_9362",
+        ] {
+            assert!(is_atlas_a3_soc(a3), "{a3}");
+        }
+        for other in [
+            "Ascend910B1",
+            "Ascend910B3",
+            "Ascend910B4-1",
+            "Ascend310P3",
+            "Ascend910A",
+            "",
+        ] {
+            assert!(!is_atlas_a3_soc(other), "{other}");
+        }
+    }
+}

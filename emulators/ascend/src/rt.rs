@@ -181,6 +181,29 @@ pub unsafe extern "C" fn aclrtGetDevice(deviceId: *mut i32) -> aclError {
     })
 }
 
+/// The emulated SoC's name: `ASCEND_EMULATOR_SOC` (to emulate another chip's limits, e.g.
+/// "Ascend910_9391", an Atlas A3), else "Ascend910B3" (an Atlas A2).
+pub fn soc_name() -> &'static str {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        std::env::var("ASCEND_EMULATOR_SOC")
+            .ok()
+            .filter(|v| !v.trim().is_empty())
+            .unwrap_or_else(|| "Ascend910B3".into())
+    })
+}
+
+/// `aclrtGetSocName`: the emulated SoC's name ([`soc_name`]), NUL-terminated, alive for the
+/// process.
+#[no_mangle]
+pub extern "C" fn aclrtGetSocName() -> *const c_char {
+    static NAME: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        std::ffi::CString::new(soc_name()).unwrap_or_else(|_| c"Ascend910B3".to_owned())
+    })
+    .as_ptr()
+}
+
 /// # Safety
 /// `count` is valid.
 #[no_mangle]

@@ -49,7 +49,9 @@ impl AscendBackend {
                     && w.k <= WQBMM_MAX_DIM
             }
         };
+        // Not on an Atlas A3 (its pages; an unknown SoC is taken for one that has them).
         has_op
+            && !self.dev.acl.is_atlas_a3()
             && matches!(self.act, DType::F16 | DType::BF16)
             && x.dtype() == self.act
             && out.dtype() == self.act
@@ -76,7 +78,7 @@ impl AscendBackend {
             return Err(BackendError::BadArgument {
                 op: "matmul_all_reduce_sum",
                 message: format!(
-                    "{op} does not take this case (release without it, quantized weights, strided or empty rows, or activations other than f16/bf16)"
+                    "{op} does not take this case (release without it, an Atlas A3 SoC, quantized weights, strided or empty rows, or activations other than f16/bf16)"
                 ),
             });
         }

@@ -83,6 +83,19 @@ fn reduce_into(st: &mut State, comm: u64, op: &'static str, vals: &[f64], out: V
     );
 }
 
+/// Both operators' pages list Atlas A2 only: on an emulated Atlas A3 (`ASCEND_EMULATOR_SOC`
+/// "Ascend910_93…") they are refused before anything else.
+fn not_on_atlas_a3(op: &str) -> Result<(), Fail> {
+    let soc = crate::rt::soc_name();
+    if soc.starts_with("Ascend910_93") {
+        return invalid(
+            op,
+            format!("not supported on {soc} (an Atlas A3: the page lists Atlas A2 only)"),
+        );
+    }
+    Ok(())
+}
+
 /// The group arguments both operators take, checked as their pages state: reduceOp "sum",
 /// commTurn 0, streamMode 1, `group` the name of a live communicator with a rank on the
 /// calling context's device, of 1, 2, 4 or 8 ranks. Returns the communicator.
@@ -169,6 +182,7 @@ pub unsafe extern "C" fn aclnnMatmulAllReduceGetWorkspaceSize(
     executor: *mut *mut aclOpExecutor,
 ) -> aclnnStatus {
     prepare(OP, workspaceSize, executor, |st| {
+        not_on_atlas_a3(OP)?;
         if x1.is_null() || x2.is_null() || output.is_null() {
             return fail(
                 ACLNN_ERR_PARAM_NULLPTR,
@@ -307,6 +321,7 @@ pub unsafe extern "C" fn aclnnWeightQuantMatmulAllReduceGetWorkspaceSize(
     executor: *mut *mut aclOpExecutor,
 ) -> aclnnStatus {
     prepare(WQ_OP, workspaceSize, executor, |st| {
+        not_on_atlas_a3(WQ_OP)?;
         if x1.is_null() || x2.is_null() || antiquantScale.is_null() || output.is_null() {
             return fail(
                 ACLNN_ERR_PARAM_NULLPTR,
